@@ -1,0 +1,130 @@
+"""Streaming safetensors I/O: read one tensor straight into a caller's buffer, write tensor by tensor.
+
+The `safetensors` library returns a fresh array per tensor (or maps the whole file) and saves only
+from a complete in-memory dict; loading a 426B model onto its final shards, and exporting it, needs
+neither copy. The file format is tiny (8-byte little-endian header length, a JSON header of
+{name: {dtype, shape, data_offsets}}, then raw little-endian bytes), and the tests check that files
+written here open with the `safetensors` library and that every error below is raised on bad input.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import struct
+
+import ml_dtypes
+import numpy as np
+
+DTYPES = {
+    "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16), "I64": np.dtype(np.int64), "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16), "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_),
+}
+_NAMES = {v: k for k, v in DTYPES.items()}
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded: names the file or tensor and what was expected."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset in the file
+    end: int
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        return DTYPES[self.dtype]
+
+
+def read_header(path: str) -> dict[str, TensorInfo]:
+    """Parse and check one file's header: JSON validity, known dtypes, offsets inside the file."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise CheckpointError(f"{path}: truncated or not a safetensors file ({size} bytes)")
+        (n,) = struct.unpack("<Q", raw)
+        if n > min(_MAX_HEADER, size - 8):
+            raise CheckpointError(f"{path}: corrupt safetensors header (declares {n} header bytes, file has {size})")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from None
+    base = 8 + n
+    out = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (a, b) = meta["dtype"], tuple(meta["shape"]), meta["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: corrupt header entry for tensor {name!r}: {meta!r}") from None
+        if dtype not in DTYPES:
+            raise CheckpointError(f"{path}: tensor {name!r} has dtype {dtype}, expected one of {sorted(DTYPES)}")
+        nbytes = int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype].itemsize
+        if b - a != nbytes:
+            raise CheckpointError(f"{path}: tensor {name!r} spans {b - a} bytes, shape {shape} {dtype} needs {nbytes}")
+        if base + b > size:
+            raise CheckpointError(f"{path}: truncated: tensor {name!r} ends at byte {base + b}, file has {size}")
+        out[name] = TensorInfo(path, dtype, shape, base + a, base + b)
+    return out
+
+
+def read_into(info: TensorInfo, out: np.ndarray | None = None) -> np.ndarray:
+    """Read one tensor; into `out` (C-contiguous, same dtype and size) when given."""
+    if out is None:
+        out = np.empty(info.shape, info.np_dtype)
+    view = memoryview(out.reshape(-1).view(np.uint8))
+    with open(info.file, "rb", buffering=0) as f:
+        f.seek(info.start)
+        got = 0
+        while got < len(view):
+            k = f.readinto(view[got:])
+            if not k:
+                raise CheckpointError(f"{info.file}: truncated while reading a tensor at byte {info.start + got}")
+            got += k
+    return out.reshape(info.shape)
+
+
+class StreamingWriter:
+    """Write a safetensors file whose tensor list is known up front, one tensor at a time.
+
+    Usage: w = StreamingWriter(path, [(name, dtype, shape), ...]); w.write(name, array) in that order.
+    """
+
+    def __init__(self, path: str, entries: list[tuple[str, np.dtype, tuple[int, ...]]]):
+        header, offset = {}, 0
+        self._order = []
+        for name, dtype, shape in entries:
+            nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+            header[name] = {"dtype": _NAMES[np.dtype(dtype)], "shape": list(shape),
+                            "data_offsets": [offset, offset + nbytes]}
+            self._order.append((name, np.dtype(dtype), tuple(shape)))
+            offset += nbytes
+        header["__metadata__"] = {"format": "pt"}
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)  # keep tensor data 8-byte aligned
+        self._f = open(path, "wb")
+        self._f.write(struct.pack("<Q", len(blob)) + blob)
+        self._next = 0
+
+    def write(self, name: str, array: np.ndarray) -> None:
+        want, dtype, shape = self._order[self._next]
+        if name != want or array.dtype != dtype or tuple(array.shape) != shape:
+            raise ValueError(f"writer expected {want} {dtype} {shape}, got {name} {array.dtype} {array.shape}")
+        self._f.write(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
+        self._next += 1
+
+    def close(self) -> None:
+        if self._next != len(self._order):
+            raise ValueError(f"writer closed after {self._next} of {len(self._order)} tensors")
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()

@@ -1,0 +1,3 @@
+from m3jax.model.decoder import M3ForCausalLM
+
+__all__ = ["M3ForCausalLM"]

@@ -1,0 +1,162 @@
+"""The M3 causal LM in Flax NNX: embedding, scanned decoder stacks, final norm, untied LM head.
+
+Layers are grouped into stacks of consecutive layers with the same (attention, MLP) kind; each stack
+holds its parameters with a leading "layers" axis and runs as one `jax.lax.scan` with
+rematerialisation, so compile time does not grow with depth. Parameters carry logical axis names
+(`logical_axes` metadata) that `sharding.rules` maps onto a mesh; nothing here names a mesh axis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from m3jax.config import MOE_MLP, SPARSE_ATTENTION, M3Config
+from m3jax.model.attention import attention_block
+from m3jax.model.mlp import dense_mlp
+from m3jax.model.moe import local_expert_dispatch, moe_block
+from m3jax.model.norms import rms_norm
+from m3jax.model.rope import rope_cos_sin
+from sharding.rules import constrain
+
+ACT = ("act_batch", "act_seq", "act_embed")
+
+
+class Buffer(nnx.Variable):
+    """Non-trainable state saved with the checkpoint (the router's correction bias)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]
+    init: str = "normal"  # "normal" (std 0.02, as HF) or "zeros" (norms, bias)
+    fp32: bool = False  # kept in fp32 whatever the model dtype (router)
+    buffer: bool = False
+
+
+def layer_param_specs(cfg: M3Config, attn_kind: str, mlp_kind: str) -> dict[str, ParamSpec]:
+    """Per-layer parameter shapes (without the leading layer axis), in HF [out, in] orientation."""
+    d, h, kv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    specs = {
+        "input_norm": ParamSpec((d,), ("norm",), "zeros"),
+        "post_norm": ParamSpec((d,), ("norm",), "zeros"),
+        "q_proj": ParamSpec((h, hd, d), ("q_heads", "head_dim", "embed")),
+        "k_proj": ParamSpec((kv, hd, d), ("kv_heads", "head_dim", "embed")),
+        "v_proj": ParamSpec((kv, hd, d), ("kv_heads", "head_dim", "embed")),
+        "o_proj": ParamSpec((d, h, hd), ("embed", "q_heads", "head_dim")),
+        "q_norm": ParamSpec((hd,), ("head_dim",), "zeros"),
+        "k_norm": ParamSpec((hd,), ("head_dim",), "zeros"),
+    }
+    if attn_kind == SPARSE_ATTENTION:
+        hi, di = cfg.index_n_heads, cfg.index_head_dim
+        specs.update({
+            "index_q_proj": ParamSpec((hi, di, d), ("index_heads", "index_head_dim", "embed")),
+            "index_k_proj": ParamSpec((di, d), ("index_head_dim", "embed")),
+            "index_q_norm": ParamSpec((di,), ("index_head_dim",), "zeros"),
+            "index_k_norm": ParamSpec((di,), ("index_head_dim",), "zeros"),
+        })
+    if mlp_kind == MOE_MLP:
+        e, i, si = cfg.num_local_experts, cfg.intermediate_size, cfg.shared_intermediate_size
+        specs.update({
+            "router": ParamSpec((e, d), (None, "embed"), fp32=True),
+            "router_bias": ParamSpec((e,), (None,), "zeros", fp32=True, buffer=True),
+            "experts_gate_up": ParamSpec((e, 2, i, d), ("experts", None, "expert_mlp", "embed")),
+            "experts_down": ParamSpec((e, d, i), ("experts", "embed", "expert_mlp")),
+            "shared_gate_up": ParamSpec((2, si, d), (None, "mlp", "embed")),
+            "shared_down": ParamSpec((d, si), ("embed", "mlp")),
+        })
+    else:
+        i = cfg.dense_intermediate_size
+        specs.update({
+            "mlp_gate_up": ParamSpec((2, i, d), (None, "mlp", "embed")),
+            "mlp_down": ParamSpec((d, i), ("embed", "mlp")),
+        })
+    return specs
+
+
+def top_param_specs(cfg: M3Config) -> dict[str, ParamSpec]:
+    v, d = cfg.vocab_size, cfg.hidden_size
+    return {
+        "embed": ParamSpec((v, d), ("vocab", "embed")),
+        "final_norm": ParamSpec((d,), ("norm",), "zeros"),
+        "lm_head": ParamSpec((v, d), ("vocab", "embed")),
+    }
+
+
+def _make(spec: ParamSpec, dtype, key) -> nnx.Variable:
+    dt = jnp.float32 if spec.fp32 else dtype
+    if spec.init == "zeros":
+        value = jnp.zeros(spec.shape, dt)
+    else:
+        value = (0.02 * jax.random.normal(key, spec.shape, jnp.float32)).astype(dt)
+    cls = Buffer if spec.buffer else nnx.Param
+    return cls(value, logical_axes=spec.axes)
+
+
+class LayerStack(nnx.Module):
+    """Consecutive decoder layers of one kind, parameters stacked on a leading "layers" axis."""
+
+    def __init__(self, cfg: M3Config, attn_kind: str, mlp_kind: str, layer_ids, *, dtype, rngs: nnx.Rngs,
+                 remat: bool = True):
+        self.cfg, self.attn_kind, self.mlp_kind = cfg, attn_kind, mlp_kind
+        self.layer_ids = tuple(layer_ids)
+        self.remat = remat
+        n = len(self.layer_ids)
+        self.param_names = tuple(layer_param_specs(cfg, attn_kind, mlp_kind))
+        for name, spec in layer_param_specs(cfg, attn_kind, mlp_kind).items():
+            stacked = dataclasses.replace(spec, shape=(n, *spec.shape), axes=("layers", *spec.axes))
+            setattr(self, name, _make(stacked, dtype, rngs.params()))
+
+    def __call__(self, x, cos, sin, positions, key_valid, moe_dispatch=local_expert_dispatch):
+        cfg = self.cfg
+        sparse, moe = self.attn_kind == SPARSE_ATTENTION, self.mlp_kind == MOE_MLP
+        params = {name: getattr(self, name)[...] for name in self.param_names}
+
+        def layer(x, p):
+            h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps)
+            x = x + attention_block(p, h, cos, sin, positions, key_valid, cfg, sparse)
+            h = rms_norm(x, p["post_norm"], cfg.rms_norm_eps)
+            if moe:
+                x = x + moe_block(p, h, cfg, moe_dispatch)
+            else:
+                x = x + dense_mlp(h, p["mlp_gate_up"], p["mlp_down"], cfg.swiglu_alpha, cfg.swiglu_limit)
+            return constrain(x, ACT), None
+
+        if self.remat:
+            layer = jax.checkpoint(layer, prevent_cse=False)
+        x, _ = jax.lax.scan(layer, x, params)
+        return x
+
+
+class M3ForCausalLM(nnx.Module):
+    """MiniMax-M3 language model: input_ids [B, S] -> logits [B, S, vocab] (in the param dtype)."""
+
+    def __init__(self, cfg: M3Config, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None, remat: bool = True):
+        rngs = rngs if rngs is not None else nnx.Rngs(0)
+        self.cfg, self.dtype = cfg, jnp.dtype(dtype)
+        for name, spec in top_param_specs(cfg).items():
+            setattr(self, name, _make(spec, dtype, rngs.params()))
+        self.stacks = nnx.List([
+            LayerStack(cfg, attn, mlp, ids, dtype=dtype, rngs=rngs, remat=remat)
+            for attn, mlp, ids in cfg.segments()
+        ])
+
+    def __call__(self, input_ids: jax.Array, positions: jax.Array | None = None,
+                 attention_mask: jax.Array | None = None) -> jax.Array:
+        """positions [B, S] default to 0..S-1; attention_mask [B, S] (1 = real token) for right padding."""
+        cfg = self.cfg
+        b, s = input_ids.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        key_valid = None if attention_mask is None else attention_mask.astype(bool)
+        x = constrain(jnp.take(self.embed[...], input_ids, axis=0), ACT)
+        cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta, x.dtype)
+        for stack in self.stacks:
+            x = stack(x, cos, sin, positions, key_valid)
+        x = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
+        logits = jnp.einsum("bsd,vd->bsv", x, self.lm_head[...])
+        return constrain(logits, ("act_batch", "act_seq", "act_vocab"))

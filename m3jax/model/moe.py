@@ -1,0 +1,70 @@
+"""Mixture of experts: sigmoid router with a selection-only bias, grouped expert matmuls, shared expert.
+
+Work is proportional to tokens x top-k: assignments are sorted by expert and each expert multiplies
+only its own rows (`jax.lax.ragged_dot_general`), never every expert on every token.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from m3jax.model.mlp import dense_mlp, swiglu_oai
+
+
+def route(x: jax.Array, router: jax.Array, bias: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
+    """Top-k expert choice and weights for tokens x [T, d]; router [E, d] and bias [E] in fp32.
+
+        p = sigmoid(x W^T)            (fp32)
+        idx = top_k(p + bias)         (the correction bias only picks experts)
+        w = p[idx] / sum(p[idx])      (unbiased probabilities, renormalised over the top-k)
+    Returns (w [T, k] fp32, idx [T, k] int32). Gradients reach W through w, never through idx.
+    """
+    logits = jnp.einsum("td,ed->te", x.astype(jnp.float32), router.astype(jnp.float32))
+    p = jax.nn.sigmoid(logits)
+    _, idx = jax.lax.top_k(jax.lax.stop_gradient(p) + bias, top_k)
+    w = jnp.take_along_axis(p, idx, axis=-1)
+    return w / jnp.sum(w, axis=-1, keepdims=True), idx.astype(jnp.int32)
+
+
+# rows [N, in] against per-expert weights [E, out, in] (HF layout): contract `in` with the last rhs axis.
+_ROWS_BY_EXPERT = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=(0,), rhs_group_dimensions=(0,))
+
+
+def grouped_experts(rows: jax.Array, group_sizes: jax.Array, gate_up: jax.Array, down: jax.Array,
+                    alpha: float, limit: float) -> jax.Array:
+    """SwiGLU-OAI experts on expert-sorted rows [N, d]: rows of group e go through expert e.
+
+    gate_up [E, 2, I, d] (HF [out, in] layout, gate half then up half), down [E, d, I].
+    Rows past sum(group_sizes) (padding) come back as zeros.
+    """
+    e, _, i, d = gate_up.shape
+    gu = jax.lax.ragged_dot_general(rows, gate_up.reshape(e, 2 * i, d), group_sizes,
+                                    _ROWS_BY_EXPERT)
+    act = swiglu_oai(gu[:, :i], gu[:, i:], alpha, limit)
+    return jax.lax.ragged_dot_general(act, down, group_sizes, _ROWS_BY_EXPERT)
+
+
+def local_expert_dispatch(x, weights, idx, gate_up, down, alpha, limit):
+    """Routed sum_k w_k * Expert_{idx_k}(x) for tokens x [T, d] with every expert on this device."""
+    t, k = idx.shape
+    flat = idx.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    token_of_row = order // k
+    group_sizes = jnp.bincount(flat, length=gate_up.shape[0]).astype(jnp.int32)
+    out = grouped_experts(x[token_of_row], group_sizes, gate_up, down, alpha, limit)
+    # fp32 weight times expert output, cast to the activation dtype, then summed per token (as HF).
+    out = (out.astype(jnp.float32) * weights.reshape(-1)[order][:, None]).astype(x.dtype)
+    return jnp.zeros_like(x).at[token_of_row].add(out)
+
+
+def moe_block(p: dict, x: jax.Array, cfg, dispatch=local_expert_dispatch) -> jax.Array:
+    """y = routed_scaling_factor * sum_k w_k Expert_k(x) + SharedExpert(x), x [B, S, d].
+
+    `dispatch` is the expert-execution strategy (local here; expert-parallel from `sharding`).
+    """
+    b, s, d = x.shape
+    t = x.reshape(b * s, d)
+    w, idx = route(t, p["router"], p["router_bias"], cfg.num_experts_per_tok)
+    routed = dispatch(t, w, idx, p["experts_gate_up"], p["experts_down"], cfg.swiglu_alpha, cfg.swiglu_limit)
+    shared = dense_mlp(t, p["shared_gate_up"], p["shared_down"], cfg.swiglu_alpha, cfg.swiglu_limit)
+    return (routed * cfg.routed_scaling_factor + shared).reshape(b, s, d)
