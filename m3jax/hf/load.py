@@ -39,6 +39,8 @@ def checkpoint_files(path: str) -> dict[str, TensorInfo]:
         try:
             with open(index) as f:
                 weight_map = json.load(f)["weight_map"]
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise TypeError(f"weight_map is not a {{tensor name: file name}} dict: {str(weight_map)[:200]}")
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index}: not a valid safetensors index ({e!r}); expected a 'weight_map'") from None
         tensors: dict[str, TensorInfo] = {}

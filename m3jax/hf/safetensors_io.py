@@ -57,6 +57,8 @@ def read_header(path: str) -> dict[str, TensorInfo]:
             header = json.loads(f.read(n))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header (a JSON {type(header).__name__}, not an object)")
     base = 8 + n
     out = {}
     for name, meta in header.items():

@@ -1,0 +1,47 @@
+"""python -m m3jax.convert SRC DST --layout native|released [--dtype ...] [--max-shard-size 5GB]
+
+Reads a local HF MiniMax-M3 checkpoint in either layout and writes it in the chosen one, through the
+same `from_pretrained` / `save_pretrained` that training uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+import jax.numpy as jnp
+
+from m3jax.config import ConfigError
+from m3jax.hf.load import from_pretrained
+from m3jax.hf.safetensors_io import CheckpointError
+from m3jax.hf.save import save_pretrained
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m m3jax.convert", description=__doc__.splitlines()[0])
+    ap.add_argument("src", help="HF checkpoint directory to read")
+    ap.add_argument("dst", help="directory to write (replaced atomically if it exists)")
+    ap.add_argument("--layout", choices=("native", "released"), default="native")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: the checkpoint's dtype")
+    ap.add_argument("--max-shard-size", default="5GB")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    t0 = time.perf_counter()
+    try:
+        model = from_pretrained(args.src, dtype=DTYPES.get(args.dtype))
+    except (ConfigError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    t1 = time.perf_counter()
+    save_pretrained(model, args.dst, layout=args.layout, max_shard_size=args.max_shard_size)
+    print(f"converted {args.src} -> {args.dst} ({args.layout} layout): load {t1 - t0:.1f}s, "
+          f"save {time.perf_counter() - t1:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""HF import/export: bitwise round trips in both layouts, transformers loads our exports, atomic writes."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3SparseForConditionalGeneration
+
+import m3jax
+from m3jax.hf import layouts, save
+from tests import reference as ref
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def read_all(path):
+    """name (canonical spelling) -> numpy array, over every safetensors file in a directory."""
+    out = {}
+    for f in sorted(os.listdir(path)):
+        if f.endswith(".safetensors"):
+            with safe_open(os.path.join(path, f), framework="pt") as st:
+                for k in st.keys():
+                    out[layouts.canonical_name(k)] = st.get_tensor(k)
+    return out
+
+
+def assert_bitwise_equal(a, b):
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    cfg = ref.tiny_config("mixed_kinds")
+    hf = ref.build_model(cfg, seed=7)
+    root = tmp_path_factory.mktemp("src")
+    return hf, {layout: ref.save(hf, str(root / layout), layout) for layout in ("native", "released")}
+
+
+def test_native_round_trip_is_bitwise_and_loads_in_transformers(src, tmp_path):
+    hf, dirs = src
+    out = m3jax.save_pretrained(m3jax.from_pretrained(dirs["native"]), tmp_path / "out", layout="native")
+    assert_bitwise_equal(read_all(out), read_all(dirs["native"]))
+    reloaded = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    ids = ref.random_ids(hf.config, 2, 48, seed=1)
+    np.testing.assert_array_equal(ref.hf_logits(reloaded, ids), ref.hf_logits(hf, ids))
+
+
+def test_released_round_trip_is_bitwise_and_loads_as_multimodal_class(src, tmp_path):
+    hf, dirs = src
+    out = m3jax.save_pretrained(m3jax.from_pretrained(dirs["released"]), tmp_path / "out", layout="released")
+    theirs = {k: v for k, v in read_all(dirs["released"]).items() if k.startswith("language_model.")}
+    assert_bitwise_equal(read_all(out), theirs)
+    with open(os.path.join(out, "config.json")) as f:
+        cfg = json.load(f)
+    # vLLM reads the legacy keys; the vision config of the source is carried over.
+    assert cfg["model_type"] == "minimax_m3_vl" and "moe_layer_freq" in cfg["text_config"]
+    assert cfg["vision_config"]["hidden_size"] == 32
+    vl = MiniMaxM3SparseForConditionalGeneration.from_pretrained(out, attn_implementation="eager").eval()
+    ids = ref.random_ids(hf.config, 2, 48, seed=2)
+    np.testing.assert_array_equal(ref.hf_logits(vl, ids), ref.hf_logits(hf, ids))
+
+
+def test_cross_layout_round_trip(src, tmp_path):
+    _, dirs = src
+    rel = m3jax.save_pretrained(m3jax.from_pretrained(dirs["native"]), tmp_path / "rel", layout="released")
+    back = m3jax.save_pretrained(m3jax.from_pretrained(rel), tmp_path / "nat", layout="native")
+    assert_bitwise_equal(read_all(back), read_all(dirs["native"]))
+
+
+def test_sharded_export_and_bf16(src, tmp_path):
+    _, dirs = src
+    model = m3jax.from_pretrained(dirs["native"], dtype=jnp.bfloat16)
+    out = m3jax.save_pretrained(model, tmp_path / "sharded", max_shard_size="100KB")
+    with open(os.path.join(out, "model.safetensors.index.json")) as f:
+        index = json.load(f)
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 3 and sorted(f for f in os.listdir(out) if f.endswith(".safetensors")) == files
+    tensors = read_all(out)
+    assert tensors["model.embed_tokens.weight"].dtype == torch.bfloat16
+    assert tensors["model.layers.0.mlp.gate.weight"].dtype == torch.float32  # the router stays fp32
+    again = m3jax.from_pretrained(out)
+    ids = jnp.asarray(ref.random_ids(model.cfg, 1, 16))
+    np.testing.assert_array_equal(np.asarray(again(ids)), np.asarray(model(ids)))
+
+
+def test_failed_save_leaves_previous_directory_untouched(src, tmp_path, monkeypatch):
+    _, dirs = src
+    model = m3jax.from_pretrained(dirs["native"])
+    out = m3jax.save_pretrained(model, tmp_path / "out")
+    before = read_all(out)
+    real = save.hf_tensors
+
+    def dies_midway(*a, **k):
+        for i, item in enumerate(real(*a, **k)):
+            if i == 5:
+                raise RuntimeError("disk full")
+            yield item
+
+    monkeypatch.setattr(save, "hf_tensors", dies_midway)
+    with pytest.raises(RuntimeError, match="disk full"):
+        m3jax.save_pretrained(model, out, layout="released")
+    assert_bitwise_equal(read_all(out), before)
+    assert os.listdir(tmp_path) == ["out"]  # no half-written directory left behind
+
+
+def test_convert_cli(src, tmp_path):
+    _, dirs = src
+    dst = tmp_path / "cli"
+    r = subprocess.run([sys.executable, "-m", "m3jax.convert", dirs["native"], str(dst), "--layout", "released"],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert any(k.startswith("language_model.model.layers.0.block_sparse_moe.experts.0.w1") for k in read_all(dst))
+    bad = subprocess.run([sys.executable, "-m", "m3jax.convert", str(tmp_path / "nowhere"), str(dst)],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert bad.returncode == 2 and "no config.json" in bad.stderr
+
+
+def test_release_size_model_is_created_abstractly():
+    """The real 426B-parameter shape builds with nnx.eval_shape in seconds: nothing is materialised."""
+    raw = {"model_type": "minimax_m3_vl", "text_config": {
+        "vocab_size": 200064, "hidden_size": 6144, "num_hidden_layers": 60, "num_attention_heads": 64,
+        "num_key_value_heads": 4, "head_dim": 128, "rotary_dim": 64, "partial_rotary_factor": 0.5,
+        "rope_theta": 5e6, "intermediate_size": 3072, "dense_intermediate_size": 12288,
+        "shared_intermediate_size": 3072, "num_local_experts": 128, "num_experts_per_tok": 4,
+        "moe_layer_freq": [0] * 3 + [1] * 57,
+        "sparse_attention_config": {"sparse_attention_freq": [0] * 3 + [1] * 57, "sparse_num_index_heads": 4,
+                                    "sparse_index_dim": 128, "sparse_block_size": 128, "sparse_topk_blocks": 16,
+                                    "sparse_local_block": 1}}}
+    cfg = m3jax.M3Config.from_hf_dict(raw)
+    abstract = nnx.eval_shape(lambda: m3jax.M3ForCausalLM(cfg, dtype=jnp.bfloat16))
+    leaves = jax.tree.leaves(nnx.state(abstract))
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+    total = sum(int(np.prod(x.shape)) for x in leaves)
+    assert 4.2e11 < total < 4.35e11
+    assert len(list(layouts.slots(cfg, "released"))) > 57 * 128 * 3
