@@ -208,7 +208,11 @@ class M3Config:
                   "num_key_value_heads", "intermediate_size", "dense_intermediate_size",
                   "shared_intermediate_size", "num_experts_per_tok"):
             kw[f] = take(f)
-        kw["head_dim"] = take("head_dim", None) or kw["hidden_size"] // kw["num_attention_heads"]
+        if "head_dim" not in text:
+            # transformers' config would default to 128 and its model to hidden/heads: ambiguous, so required.
+            raise ConfigError("config field 'head_dim' is missing: it is required (transformers' config "
+                              "defaults it to 128, not hidden_size / num_attention_heads)")
+        kw["head_dim"] = take("head_dim")
         experts = take("num_local_experts", None)
         if experts is None:
             experts = take("num_experts")
@@ -347,7 +351,8 @@ def _read_rope(text: dict, take, head_dim: int) -> dict[str, Any]:
     prf = rp.get("partial_rotary_factor", take("partial_rotary_factor", None))
     rotary_dim = take("rotary_dim", None)
     if prf is None:
-        if "rope_parameters" not in text and rotary_dim is not None and rotary_dim != head_dim:
+        if "rope_parameters" not in text and rotary_dim is not None and rotary_dim != head_dim \
+                and isinstance(head_dim, int) and head_dim > 0:  # a bad head_dim is validate()'s to report
             # Released-form config with only rotary_dim: HF would rotate every channel, vLLM only
             # rotary_dim of them. Refuse rather than pick one silently.
             raise _err("rotary_dim", rotary_dim,
