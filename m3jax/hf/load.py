@@ -19,13 +19,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
 
 from m3jax.config import M3Config
 from m3jax.hf import layouts
 from m3jax.hf.safetensors_io import CheckpointError, TensorInfo, read_header, read_into
 from m3jax.model.decoder import M3ForCausalLM
-from sharding.rules import logical_to_spec
+from sharding.rules import named_sharding
 
 log = logging.getLogger(__name__)
 _FLOAT = ("F32", "BF16", "F16", "F64")
@@ -146,4 +145,4 @@ def from_pretrained(path: str | os.PathLike, dtype=None, *, mesh=None, remat: bo
 def _param_sharding(var, mesh):
     if mesh is None:
         return None
-    return NamedSharding(mesh, logical_to_spec(var.get_metadata()["logical_axes"]))
+    return named_sharding(mesh, var.get_metadata()["logical_axes"])

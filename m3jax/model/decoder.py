@@ -17,7 +17,7 @@ from flax import nnx
 from m3jax.config import MOE_MLP, SPARSE_ATTENTION, M3Config
 from m3jax.model.attention import attention_block
 from m3jax.model.mlp import dense_mlp
-from m3jax.model.moe import local_expert_dispatch, moe_block
+from m3jax.model.moe import moe_block
 from m3jax.model.norms import rms_norm
 from m3jax.model.rope import rope_cos_sin
 from sharding.rules import constrain
@@ -81,7 +81,7 @@ def layer_param_specs(cfg: M3Config, attn_kind: str, mlp_kind: str) -> dict[str,
 def top_param_specs(cfg: M3Config) -> dict[str, ParamSpec]:
     v, d = cfg.vocab_size, cfg.hidden_size
     return {
-        "embed": ParamSpec((v, d), ("vocab", "embed")),
+        "embed": ParamSpec((v, d), ("table_vocab", None)),
         "final_norm": ParamSpec((d,), ("norm",), "zeros"),
         "lm_head": ParamSpec((v, d), ("vocab", "embed")),
     }
@@ -111,7 +111,7 @@ class LayerStack(nnx.Module):
             stacked = dataclasses.replace(spec, shape=(n, *spec.shape), axes=("layers", *spec.axes))
             setattr(self, name, _make(stacked, dtype, rngs.params()))
 
-    def __call__(self, x, cos, sin, positions, key_valid, moe_dispatch=local_expert_dispatch):
+    def __call__(self, x, cos, sin, positions, key_valid):
         cfg = self.cfg
         sparse, moe = self.attn_kind == SPARSE_ATTENTION, self.mlp_kind == MOE_MLP
         params = {name: getattr(self, name)[...] for name in self.param_names}
@@ -121,7 +121,7 @@ class LayerStack(nnx.Module):
             x = x + attention_block(p, h, cos, sin, positions, key_valid, cfg, sparse)
             h = rms_norm(x, p["post_norm"], cfg.rms_norm_eps)
             if moe:
-                x = x + moe_block(p, h, cfg, moe_dispatch)
+                x = x + moe_block(p, h, cfg)
             else:
                 x = x + dense_mlp(h, p["mlp_gate_up"], p["mlp_down"], cfg.swiglu_alpha, cfg.swiglu_limit)
             return constrain(x, ACT), None

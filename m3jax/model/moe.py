@@ -4,13 +4,16 @@ Work is proportional to tokens x top-k: assignments are sorted by expert and eac
 only its own rows (`jax.lax.ragged_dot_general`), never every expert on every token.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 from m3jax.model.mlp import dense_mlp, swiglu_oai
+from sharding.expert import routed_experts
 
 
-def route(x: jax.Array, router: jax.Array, bias: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
+def route(x: jax.Array, router: jax.Array, bias: jax.Array, *, top_k: int) -> tuple[jax.Array, jax.Array]:
     """Top-k expert choice and weights for tokens x [T, d]; router [E, d] and bias [E] in fp32.
 
         p = sigmoid(x W^T)            (fp32)
@@ -30,7 +33,7 @@ _ROWS_BY_EXPERT = jax.lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=(0,), rhs_group_dimensions=(0,))
 
 
-def grouped_experts(rows: jax.Array, group_sizes: jax.Array, gate_up: jax.Array, down: jax.Array,
+def grouped_experts(rows: jax.Array, group_sizes: jax.Array, gate_up: jax.Array, down: jax.Array, *,
                     alpha: float, limit: float) -> jax.Array:
     """SwiGLU-OAI experts on expert-sorted rows [N, d]: rows of group e go through expert e.
 
@@ -44,27 +47,15 @@ def grouped_experts(rows: jax.Array, group_sizes: jax.Array, gate_up: jax.Array,
     return jax.lax.ragged_dot_general(act, down, group_sizes, _ROWS_BY_EXPERT)
 
 
-def local_expert_dispatch(x, weights, idx, gate_up, down, alpha, limit):
-    """Routed sum_k w_k * Expert_{idx_k}(x) for tokens x [T, d] with every expert on this device."""
-    t, k = idx.shape
-    flat = idx.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    token_of_row = order // k
-    group_sizes = jnp.bincount(flat, length=gate_up.shape[0]).astype(jnp.int32)
-    out = grouped_experts(x[token_of_row], group_sizes, gate_up, down, alpha, limit)
-    # fp32 weight times expert output, cast to the activation dtype, then summed per token (as HF).
-    out = (out.astype(jnp.float32) * weights.reshape(-1)[order][:, None]).astype(x.dtype)
-    return jnp.zeros_like(x).at[token_of_row].add(out)
-
-
-def moe_block(p: dict, x: jax.Array, cfg, dispatch=local_expert_dispatch) -> jax.Array:
+def moe_block(p: dict, x: jax.Array, cfg, capacity_factor: float | None = None) -> jax.Array:
     """y = routed_scaling_factor * sum_k w_k Expert_k(x) + SharedExpert(x), x [B, S, d].
 
-    `dispatch` is the expert-execution strategy (local here; expert-parallel from `sharding`).
+    Where the experts run (locally, or expert-parallel over a mesh) is `sharding.expert`'s business.
     """
-    b, s, d = x.shape
-    t = x.reshape(b * s, d)
-    w, idx = route(t, p["router"], p["router_bias"], cfg.num_experts_per_tok)
-    routed = dispatch(t, w, idx, p["experts_gate_up"], p["experts_down"], cfg.swiglu_alpha, cfg.swiglu_limit)
-    shared = dense_mlp(t, p["shared_gate_up"], p["shared_down"], cfg.swiglu_alpha, cfg.swiglu_limit)
-    return (routed * cfg.routed_scaling_factor + shared).reshape(b, s, d)
+    alpha, limit = cfg.swiglu_alpha, cfg.swiglu_limit
+    routed = routed_experts(
+        x, functools.partial(route, top_k=cfg.num_experts_per_tok), (p["router"], p["router_bias"]),
+        functools.partial(grouped_experts, alpha=alpha, limit=limit), p["experts_gate_up"], p["experts_down"],
+        capacity_factor=capacity_factor)
+    shared = dense_mlp(x, p["shared_gate_up"], p["shared_down"], alpha, limit)
+    return routed * cfg.routed_scaling_factor + shared

@@ -1,0 +1,145 @@
+"""Parameter precision: bf16 params with an exact fp32 master kept in the optimizer state.
+
+Three modes of `with_master_weights(inner, mode)`:
+- "none":    the inner optimizer updates the params in their own dtype (fp32 training, or pure bf16);
+- "fp32":    an fp32 master copy lives in the state; the inner optimizer runs on it; params are
+             `to_bf16(master)` (2 + 4 bytes per parameter before moments);
+- "compact": only a 16-bit remainder lives beside the bf16 param; (param, remainder) reconstruct the
+             fp32 master bit for bit (2 + 2 bytes per parameter before moments).
+
+`to_bf16` rounds to nearest with ties away from zero (in magnitude). Round-to-nearest-even cannot be
+used: an even bf16 value has 2^16 + 1 fp32 values rounding to it, one too many for a 16-bit
+remainder (NVIDIA's `store_param_remainders` makes the same choice). It differs from `astype` only on
+exact halfway values, by one bf16 ulp. Both master modes use it, so they give bitwise equal params.
+
+Because the step must leave `params == to_bf16(master)` exactly, the new params are not formed by
+adding a delta (`optax.apply_updates` would round p + (new - p) twice, which is inexact when a
+parameter shrinks by more than 2^16 in one step): in the master modes the "updates" this
+transformation returns ARE the new params, and `apply` (not `optax.apply_updates`) installs them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+MODES = ("none", "fp32", "compact")
+
+
+def to_bf16(master: jax.Array) -> jax.Array:
+    """fp32 -> bf16, nearest with ties away from zero: top 16 bits of (bits + 0x8000)."""
+    bits = jax.lax.bitcast_convert_type(master, jnp.uint32)
+    return jax.lax.bitcast_convert_type(((bits + 0x8000) >> 16).astype(jnp.uint16), jnp.bfloat16)
+
+
+def remainder(master: jax.Array, param: jax.Array) -> jax.Array:
+    """int16 r with bits(master) = bits(param) << 16 + r, r in [-2^15, 2^15 - 1] by the rounding above."""
+    bits = jax.lax.bitcast_convert_type(master, jnp.uint32)
+    high = jax.lax.bitcast_convert_type(param, jnp.uint16).astype(jnp.uint32) << 16
+    return jax.lax.bitcast_convert_type(bits - high, jnp.int32).astype(jnp.int16)
+
+
+def join(param: jax.Array, rem: jax.Array) -> jax.Array:
+    """The exact fp32 master from a bf16 param and its int16 remainder."""
+    high = jax.lax.bitcast_convert_type(param, jnp.uint16).astype(jnp.uint32) << 16
+    low = jax.lax.bitcast_convert_type(rem.astype(jnp.int32), jnp.uint32)
+    return jax.lax.bitcast_convert_type(high + low, jnp.float32)
+
+
+class MasterState(NamedTuple):
+    master: Any  # fp32 tree ("fp32"), int16 remainder tree ("compact"), or () ("none")
+    inner: Any
+
+
+def _is_low(p) -> bool:
+    return p.dtype == jnp.bfloat16
+
+
+def with_master_weights(inner: optax.GradientTransformation, mode: str = "fp32") -> optax.GradientTransformation:
+    """Run `inner` on an fp32 master of the bf16 params (see module docstring for the modes)."""
+    if mode not in MODES:
+        raise ValueError(f"precision mode {mode!r}: expected one of {MODES}")
+
+    def init(params):
+        if mode == "none":
+            return MasterState((), inner.init(params))
+        master = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+        store = master if mode == "fp32" else jax.tree.map(
+            lambda p: jnp.zeros(p.shape, jnp.int16) if _is_low(p) else p.astype(jnp.float32), params)
+        return MasterState(store, inner.init(master))
+
+    def update(grads, state, params):
+        if mode == "none":
+            updates, inner_state = inner.update(grads, state.inner, params)
+            return updates, MasterState((), inner_state)
+        if mode == "fp32":
+            master = state.master
+        else:
+            master = jax.tree.map(lambda p, r: join(p, r) if _is_low(p) else r, params, state.master)
+        grads32 = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        updates, inner_state = inner.update(grads32, state.inner, master)
+        new_master = optax.apply_updates(master, updates)
+        new_params = jax.tree.map(lambda m, p: to_bf16(m) if _is_low(p) else m.astype(p.dtype), new_master, params)
+        if mode == "fp32":
+            store = new_master
+        else:
+            store = jax.tree.map(lambda m, p: remainder(m, p) if _is_low(p) else m, new_master, new_params)
+        return new_params, MasterState(store, inner_state)
+
+    return optax.GradientTransformation(init, update)
+
+
+def apply(params, updates, opt_state: MasterState):
+    """New params after `update`: the returned trees themselves in master modes, else p + u."""
+    if opt_state.master != ():
+        return updates
+    return optax.apply_updates(params, updates)
+
+
+def master_of(params, opt_state: MasterState):
+    """The fp32 master the state holds (for tests and checkpoint conversion)."""
+    if opt_state.master == ():
+        return jax.tree.map(lambda p: p.astype(jnp.float32), params)
+    return jax.tree.map(lambda p, r: join(p, r) if r.dtype == jnp.int16 else r, params, opt_state.master)
+
+
+class ScaleByAdamState(NamedTuple):
+    count: jax.Array
+    mu: Any
+    nu: Any
+
+
+def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+                  moment_dtype=jnp.float32) -> optax.GradientTransformation:
+    """Adam's direction with both moments stored in `moment_dtype` (optax keeps nu in fp32 always).
+
+    mu = b1 mu + (1-b1) g;  nu = b2 nu + (1-b2) g^2;  u = mu_hat / (sqrt(nu_hat) + eps), computed in fp32.
+    """
+    def init(params):
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, moment_dtype), params)
+        return ScaleByAdamState(jnp.zeros([], jnp.int32), zeros, zeros)
+
+    def update(grads, state, params=None):
+        count = state.count + 1
+        mu = jax.tree.map(lambda m, g: b1 * m.astype(jnp.float32) + (1 - b1) * g, state.mu, grads)
+        nu = jax.tree.map(lambda v, g: b2 * v.astype(jnp.float32) + (1 - b2) * g * g, state.nu, grads)
+        c1, c2 = 1 - b1 ** count.astype(jnp.float32), 1 - b2 ** count.astype(jnp.float32)
+        updates = jax.tree.map(lambda m, v: (m / c1) / (jnp.sqrt(v / c2) + eps), mu, nu)
+        cast = lambda t: jax.tree.map(lambda x: x.astype(moment_dtype), t)  # noqa: E731
+        return updates, ScaleByAdamState(count, cast(mu), cast(nu))
+
+    return optax.GradientTransformation(init, update)
+
+
+def adamw(learning_rate, *, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0, clip_norm: float | None = 1.0,
+          moment_dtype=jnp.float32, master: str = "fp32") -> optax.GradientTransformation:
+    """Clip -> Adam (moments in moment_dtype) -> decoupled weight decay -> lr schedule, on the master."""
+    parts = [optax.clip_by_global_norm(clip_norm)] if clip_norm else []
+    parts += [scale_by_adam(b1, b2, eps, moment_dtype)]
+    if weight_decay:
+        parts.append(optax.add_decayed_weights(weight_decay))
+    parts.append(optax.scale_by_learning_rate(learning_rate))
+    return with_master_weights(optax.chain(*parts), master)

@@ -1,0 +1,111 @@
+"""A jitted, sharded training step: micro-batch accumulation, global-token normalisation, clipping
+(inside the optimizer), non-finite skip, explicit shardings and donation.
+
+The model enters as (graphdef, params, rest) from `nnx.split(model, nnx.Param, ...)`; the loss is a
+plug-in `loss_fn(model, micro_batch) -> (sum of per-token losses, metrics)`, so GRPO and plain
+cross-entropy share the step. Normalisation: the summed loss of all micro-batches is divided by the
+number of valid tokens of the whole step (`batch["loss_mask"].sum()`), never a mean of means.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from sharding import precision
+from sharding.rules import logical_to_spec
+
+
+class TrainState(NamedTuple):
+    params: Any  # nnx.State of the trainable parameters
+    rest: Any  # non-trainable state (router correction bias)
+    opt_state: Any
+    step: jax.Array
+    skipped: jax.Array  # steps skipped for non-finite gradients
+
+
+def token_cross_entropy(model, batch) -> tuple[jax.Array, dict]:
+    """sum over valid tokens of -log p(target): batch has input_ids, targets, loss_mask [mb, S]."""
+    logits = model(batch["input_ids"], attention_mask=batch.get("attention_mask"))
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    nll = -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]
+    return jnp.sum(nll * batch["loss_mask"]), {}
+
+
+def init_state(model, optimizer: optax.GradientTransformation) -> tuple[Any, TrainState]:
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    return graphdef, TrainState(params, rest, optimizer.init(params), jnp.zeros([], jnp.int32),
+                                jnp.zeros([], jnp.int32))
+
+
+def _logical_shardings(mesh, state_tree):
+    """NamedShardings for an nnx.State from each Variable's `logical_axes` metadata."""
+    return jax.tree.map(lambda v: v.replace(NamedSharding(mesh, logical_to_spec(v.get_metadata()["logical_axes"]))),
+                        state_tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def state_shardings(mesh, state: TrainState) -> TrainState:
+    """Shardings for a (possibly abstract) TrainState: params and every param-shaped optimizer subtree
+    (master, remainder, moments) follow the params' logical axes; scalars are replicated."""
+    param_sh = _logical_shardings(mesh, state.params)
+    replicated = NamedSharding(mesh, P())
+    pdef = jax.tree.structure(state.params)
+    is_params = lambda x: jax.tree.structure(x) == pdef  # noqa: E731
+    opt_sh = jax.tree.map(lambda x: param_sh if is_params(x) else replicated, state.opt_state, is_leaf=is_params)
+    return TrainState(param_sh, _logical_shardings(mesh, state.rest), opt_sh, replicated, replicated)
+
+
+def batch_sharding(mesh) -> NamedSharding:
+    """[micro-batches, batch, seq] with batch on the token-batch axes and seq on context."""
+    return NamedSharding(mesh, P(None, *logical_to_spec(("act_batch", "act_seq"))))
+
+
+def make_train_step(graphdef, optimizer: optax.GradientTransformation,
+                    loss_fn: Callable = token_cross_entropy, *, mesh=None, shardings: TrainState | None = None,
+                    donate: bool = True) -> Callable:
+    """step(state, batch) -> (state, metrics); batch arrays are [num_micro_batches, micro_batch, ...]."""
+
+    def step(state: TrainState, batch: dict):
+        total = jnp.maximum(jnp.sum(batch["loss_mask"]).astype(jnp.float32), 1.0)
+
+        def micro(carry, mb):
+            grad_acc, loss_acc = carry
+
+            def f(params):
+                return loss_fn(nnx.merge(graphdef, params, state.rest), mb)
+
+            (loss_sum, _), grads = jax.value_and_grad(f, has_aux=True)(state.params)
+            grad_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grad_acc, grads)
+            return (grad_acc, loss_acc + loss_sum.astype(jnp.float32)), None
+
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+        (grads, loss_sum), _ = jax.lax.scan(micro, (zeros, jnp.zeros([], jnp.float32)), batch)
+        grads = jax.tree.map(lambda g: g / total, grads)
+        loss = loss_sum / total
+        grad_norm = optax.global_norm(grads)
+        finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = precision.apply(state.params, updates, opt_state)
+        new = TrainState(params, state.rest, opt_state, state.step + 1, state.skipped)
+        skipped = TrainState(state.params, state.rest, state.opt_state, state.step + 1, state.skipped + 1)
+        out = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, skipped)
+        return out, {"loss": loss, "grad_norm": grad_norm, "skipped": ~finite, "tokens": total}
+
+    if mesh is None:
+        return jax.jit(step, donate_argnums=(0,) if donate else ())
+    jitted = jax.jit(step, in_shardings=(shardings, batch_sharding(mesh)),
+                     out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=(0,) if donate else ())
+
+    def run(state, batch):
+        with jax.set_mesh(mesh):
+            return jitted(state, batch)
+
+    run.jitted = jitted
+    return run
+

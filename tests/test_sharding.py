@@ -1,0 +1,92 @@
+"""Sharded model and train step equal the single-device ones on 8 simulated CPU devices."""
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+import torch
+from flax import nnx
+
+import m3jax
+from sharding import precision
+from sharding.mesh import MeshConfig, build_mesh
+from sharding.train_step import init_state, make_train_step, state_shardings
+from tests import reference as ref
+
+MESHES = [(8, 1, 1, 1), (1, 8, 1, 1), (1, 1, 8, 1), (2, 2, 2, 1), (1, 2, 2, 2), (2, 1, 2, 2)]
+BATCH, SEQ = 8, 64  # SEQ = 4 x (index_topk_blocks x index_block_size): sparse layers select
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    cfg = ref.tiny_config("release_like")
+    hf = ref.build_model(cfg, seed=11)
+    with torch.no_grad():  # unbalanced routing: expert 0 takes every token, experts 5 and 6 none
+        for layer in hf.model.layers:
+            if hasattr(layer.mlp, "gate"):
+                bias = layer.mlp.gate.e_score_correction_bias
+                bias.zero_()
+                bias[0], bias[5], bias[6] = 5.0, -5.0, -5.0
+    return ref.save(hf, str(tmp_path_factory.mktemp("ckpt")), "native")
+
+
+def loss_and_grads(model, ids):
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss(params):
+        logits = nnx.merge(graphdef, params, rest)(ids[:, :-1])
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        return -jnp.mean(jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1))
+
+    return jax.jit(jax.value_and_grad(loss))(params)
+
+
+@pytest.fixture(scope="module")
+def single(ckpt):
+    model = m3jax.from_pretrained(ckpt)
+    ids = jnp.asarray(ref.random_ids(model.cfg, BATCH, SEQ + 1, seed=3))
+    logits = np.asarray(jax.jit(lambda m, x: m(x))(model, ids[:, :-1]))
+    loss, grads = loss_and_grads(model, ids)
+    return model, ids, logits, loss, grads
+
+
+def test_routing_is_unbalanced_and_sparse_layers_select(single):
+    model, ids, _, _, _ = single
+    from m3jax.model.moe import route
+    stack = model.stacks[1]
+    x = jnp.take(model.embed[...], ids[:, :-1], axis=0).reshape(-1, model.cfg.hidden_size)
+    _, idx = route(x, stack.router[...][0], stack.router_bias[...][0], top_k=model.cfg.num_experts_per_tok)
+    counts = np.bincount(np.asarray(idx).reshape(-1), minlength=model.cfg.num_local_experts)
+    assert counts[0] == x.shape[0] and counts[5] == counts[6] == 0
+    assert SEQ > model.cfg.index_topk_blocks * model.cfg.index_block_size
+
+
+@pytest.mark.parametrize("shape", MESHES, ids=lambda s: "x".join(map(str, s)))
+def test_sharded_logits_and_grads_equal_single_device(ckpt, single, shape):
+    _, ids, want_logits, want_loss, want_grads = single
+    mesh = build_mesh(MeshConfig(*shape), single[0].cfg, seq_len=SEQ, batch=BATCH)
+    model = m3jax.from_pretrained(ckpt, mesh=mesh)
+    with jax.set_mesh(mesh):
+        logits = np.asarray(jax.jit(lambda m, x: m(x))(model, ids[:, :-1]))
+        loss, grads = loss_and_grads(model, ids)
+    assert np.max(np.abs(logits - want_logits)) / np.max(np.abs(want_logits)) < 1e-5
+    assert abs(float(loss) - float(want_loss)) < 1e-5 * abs(float(want_loss))
+    got = dict(nnx.to_flat_state(grads))
+    for path, g in nnx.to_flat_state(want_grads):
+        g, h = np.asarray(g.get_value()), np.asarray(got[path].get_value())
+        scale = np.max(np.abs(g))
+        if scale == 0:
+            assert not np.any(h), path  # indexer: no gradient, sharded or not
+        else:
+            assert np.max(np.abs(h - g)) / scale < 1e-5, path
+
+
+def test_from_pretrained_places_experts_on_their_shards(ckpt):
+    mesh = build_mesh(MeshConfig(2, 1, 4, 1), seq_len=SEQ)
+    model = m3jax.from_pretrained(ckpt, mesh=mesh)
+    experts = model.stacks[1].experts_gate_up[...]  # [L, E=8, 2, I, d], experts over data x expert = 8
+    shards = experts.addressable_shards
+    assert len(shards) == 8 and all(s.data.shape[1] == 1 for s in shards)
+    embed = model.embed[...]  # rows over data (x tensor = 1)
+    assert all(s.data.shape == (embed.shape[0] // 2, embed.shape[1]) for s in embed.addressable_shards)
