@@ -49,13 +49,18 @@ def join(param: jax.Array, rem: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(high + low, jnp.float32)
 
 
+def _is_low(p) -> bool:
+    return p.dtype == jnp.bfloat16
+
+
+def params_from_master(master, like):
+    """The params a master implies: to_bf16 for bf16 params, a plain cast for the others (fp32 router)."""
+    return jax.tree.map(lambda m, p: to_bf16(m) if _is_low(p) else m.astype(p.dtype), master, like)
+
+
 class MasterState(NamedTuple):
     master: Any  # fp32 tree ("fp32"), int16 remainder tree ("compact"), or () ("none")
     inner: Any
-
-
-def _is_low(p) -> bool:
-    return p.dtype == jnp.bfloat16
 
 
 def with_master_weights(inner: optax.GradientTransformation, mode: str = "fp32") -> optax.GradientTransformation:
@@ -66,9 +71,10 @@ def with_master_weights(inner: optax.GradientTransformation, mode: str = "fp32")
     def init(params):
         if mode == "none":
             return MasterState((), inner.init(params))
-        master = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+        # Copies, never aliases of the params: the state is donated together with them.
+        master = jax.tree.map(lambda p: jnp.array(p, jnp.float32, copy=True), params)
         store = master if mode == "fp32" else jax.tree.map(
-            lambda p: jnp.zeros(p.shape, jnp.int16) if _is_low(p) else p.astype(jnp.float32), params)
+            lambda p: jnp.zeros(p.shape, jnp.int16) if _is_low(p) else jnp.array(p, jnp.float32, copy=True), params)
         return MasterState(store, inner.init(master))
 
     def update(grads, state, params):
@@ -82,7 +88,7 @@ def with_master_weights(inner: optax.GradientTransformation, mode: str = "fp32")
         grads32 = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
         updates, inner_state = inner.update(grads32, state.inner, master)
         new_master = optax.apply_updates(master, updates)
-        new_params = jax.tree.map(lambda m, p: to_bf16(m) if _is_low(p) else m.astype(p.dtype), new_master, params)
+        new_params = params_from_master(new_master, params)
         if mode == "fp32":
             store = new_master
         else:
@@ -119,8 +125,9 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
     mu = b1 mu + (1-b1) g;  nu = b2 nu + (1-b2) g^2;  u = mu_hat / (sqrt(nu_hat) + eps), computed in fp32.
     """
     def init(params):
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, moment_dtype), params)
-        return ScaleByAdamState(jnp.zeros([], jnp.int32), zeros, zeros)
+        # Two separate trees: a buffer appearing twice in a donated state is donated twice.
+        zeros = lambda: jax.tree.map(lambda p: jnp.zeros(p.shape, moment_dtype), params)  # noqa: E731
+        return ScaleByAdamState(jnp.zeros([], jnp.int32), zeros(), zeros())
 
     def update(grads, state, params=None):
         count = state.count + 1

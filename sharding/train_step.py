@@ -88,7 +88,7 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation,
         (grads, loss_sum), _ = jax.lax.scan(micro, (zeros, jnp.zeros([], jnp.float32)), batch)
         grads = jax.tree.map(lambda g: g / total, grads)
         loss = loss_sum / total
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = precision.apply(state.params, updates, opt_state)

@@ -1,0 +1,163 @@
+"""Precision modes, micro-batching, non-finite skips and sharded equality of the train step."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import m3jax
+from sharding import precision
+from sharding.mesh import MeshConfig, build_mesh
+from sharding.train_step import init_state, make_train_step, state_shardings, token_cross_entropy
+from tests import reference as ref
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    hf = ref.build_model(ref.tiny_config("release_like"), seed=5)
+    return ref.save(hf, str(tmp_path_factory.mktemp("ckpt")), "native")
+
+
+def make_batch(cfg, micro: int, per_micro: int, seq: int = 40, seed: int = 0):
+    ids = ref.random_ids(cfg, micro * per_micro, seq + 1, seed=seed).reshape(micro, per_micro, seq + 1)
+    mask = np.ones((micro, per_micro, seq), np.float32)
+    mask[..., : seq // 4] = 0  # prompt tokens carry no loss
+    mask[0, 0, seq // 2:] = 0  # uneven token counts across micro-batches
+    return {"input_ids": jnp.asarray(ids[..., :-1]), "targets": jnp.asarray(ids[..., 1:]),
+            "loss_mask": jnp.asarray(mask)}
+
+
+def bits(tree):
+    return [np.atleast_1d(np.asarray(x)).view(np.uint8) for x in jax.tree.leaves(tree)]
+
+
+def assert_bitwise(a, b):
+    for x, y in zip(bits(a), bits(b), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_to_bf16_and_remainder_reconstruct_every_fp32_exactly():
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.standard_normal(100_000).astype(np.float32) * 10.0 ** rng.integers(-30, 30, 100_000),
+                        # exact halfway values, both signs: the case round-to-nearest-even cannot encode
+                        (np.arange(1, 5000, dtype=np.uint32) << 16 | 0x8000).view(np.float32),
+                        -(np.arange(1, 5000, dtype=np.uint32) << 16 | 0x8000).view(np.float32)])
+    x = jnp.asarray(x)
+    p = precision.to_bf16(x)
+    np.testing.assert_array_equal(np.asarray(precision.join(p, precision.remainder(x, p))).view(np.uint32),
+                                  np.asarray(x).view(np.uint32))
+    nearest = np.abs(np.asarray(p, np.float32) - np.asarray(x)) <= \
+        np.abs(np.asarray(x.astype(jnp.bfloat16), np.float32) - np.asarray(x)) * (1 + 1e-7)
+    assert nearest.all()  # always a nearest bf16; only ties may differ from astype
+
+
+def test_fp32_master_keeps_small_updates_that_pure_bf16_loses():
+    """1000 SGD steps of -1e-4 on a weight of 1.0: bf16 alone never moves, the master tracks fp32."""
+    grads = {"w": jnp.full((64,), 1.0, jnp.bfloat16)}
+
+    def run(opt, params):
+        state = opt.init(params)
+        for _ in range(1000):
+            upd, state = opt.update(jax.tree.map(lambda g: g.astype(params["w"].dtype), grads), state, params)
+            params = precision.apply(params, upd, state)
+        return params, state
+
+    sgd = optax.sgd(1e-4)
+    pure16, _ = run(precision.with_master_weights(sgd, "none"), {"w": jnp.ones(64, jnp.bfloat16)})
+    fp32, _ = run(precision.with_master_weights(sgd, "none"), {"w": jnp.ones(64, jnp.float32)})
+    master, state = run(precision.with_master_weights(sgd, "fp32"), {"w": jnp.ones(64, jnp.bfloat16)})
+    compact, cstate = run(precision.with_master_weights(sgd, "compact"), {"w": jnp.ones(64, jnp.bfloat16)})
+    assert np.all(np.asarray(pure16["w"], np.float32) == 1.0)  # every update rounded away
+    np.testing.assert_allclose(np.asarray(fp32["w"]), 0.9, rtol=1e-4)
+    np.testing.assert_array_equal(np.asarray(state.master["w"]), np.asarray(fp32["w"]))
+    assert_bitwise(master, jax.tree.map(precision.to_bf16, fp32))
+    assert_bitwise(compact, master)
+    assert_bitwise(precision.master_of(compact, cstate), state.master)
+
+
+@pytest.mark.parametrize("moments", [jnp.float32, jnp.bfloat16])
+def test_master_invariant_and_compact_equals_fp32_master_over_many_steps(ckpt, moments):
+    model = m3jax.from_pretrained(ckpt, dtype=jnp.bfloat16)
+    runs = {}
+    for mode in ("fp32", "compact"):
+        opt = precision.adamw(3e-3, weight_decay=0.1, moment_dtype=moments, master=mode)
+        graphdef, state = init_state(model, opt)
+        step = make_train_step(graphdef, opt, donate=False)
+        for i in range(12):
+            state, metrics = step(state, make_batch(model.cfg, 2, 2, seed=i))
+            master = precision.master_of(state.params, state.opt_state)
+            assert_bitwise(state.params, precision.params_from_master(master, state.params))  # == bf16(master)
+            assert not bool(metrics["skipped"])
+        runs[mode] = state
+    assert_bitwise(runs["compact"].params, runs["fp32"].params)
+    assert_bitwise(precision.master_of(runs["compact"].params, runs["compact"].opt_state),
+                   runs["fp32"].opt_state.master)
+
+
+def test_micro_batches_equal_one_whole_batch(ckpt):
+    """k micro-batches of uneven token counts give the step of the whole batch (SGD: the update is the
+    gradient itself, so this compares gradients normalised by the global token count)."""
+    model = m3jax.from_pretrained(ckpt, dtype=jnp.float32)
+    opt = precision.with_master_weights(optax.sgd(1.0), "none")
+    batch4 = make_batch(model.cfg, 4, 2, seed=1)
+    whole = jax.tree.map(lambda x: x.reshape(1, -1, *x.shape[2:]), batch4)
+    out = {}
+    for name, batch in (("micro", batch4), ("whole", whole)):
+        graphdef, state = init_state(model, opt)
+        before = jax.tree.map(np.asarray, state.params)
+        state, metrics = make_train_step(graphdef, opt, donate=False)(state, batch)
+        out[name] = (jax.tree.map(lambda new, old: np.asarray(new) - old, state.params, before), metrics)
+    assert float(out["micro"][1]["tokens"]) == float(out["whole"][1]["tokens"]) == float(batch4["loss_mask"].sum())
+    loss_micro, loss_whole = float(out["micro"][1]["loss"]), float(out["whole"][1]["loss"])
+    assert abs(loss_micro - loss_whole) < 1e-6 * abs(loss_whole)
+    # A mean of micro-batch means would be off by far more than summation order (batch has uneven counts).
+    for a, b in zip(jax.tree.leaves(out["micro"][0]), jax.tree.leaves(out["whole"][0])):
+        scale = np.max(np.abs(b))
+        assert np.max(np.abs(a - b)) <= 1e-5 * scale
+
+
+def test_non_finite_step_is_skipped_and_state_untouched(ckpt):
+    model = m3jax.from_pretrained(ckpt, dtype=jnp.bfloat16)
+    opt = precision.adamw(1e-3, moment_dtype=jnp.bfloat16, master="compact")
+
+    def poisoned(model, batch):
+        loss, aux = token_cross_entropy(model, batch)
+        return loss * batch["scale"][0, 0], aux
+
+    graphdef, state = init_state(model, opt)
+    step = make_train_step(graphdef, opt, poisoned, donate=False)
+    batch = make_batch(model.cfg, 2, 2)
+    state, _ = step(state, {**batch, "scale": jnp.ones((2, 2, 40))})
+    before = jax.tree.map(np.asarray, state)
+    state, metrics = step(state, {**batch, "scale": jnp.full((2, 2, 40), jnp.nan)})
+    assert bool(metrics["skipped"]) and int(state.skipped) == 1 and int(state.step) == 2
+    assert_bitwise((state.params, state.opt_state, state.rest), (before.params, before.opt_state, before.rest))
+    state, metrics = step(state, {**batch, "scale": jnp.ones((2, 2, 40))})
+    assert not bool(metrics["skipped"]) and int(state.skipped) == 1
+
+
+def test_sharded_train_step_equals_single_device(ckpt):
+    """The jitted step with explicit shardings and donation on a (2,2,2,1) mesh makes the single-device
+    step's update (SGD, so the update is the normalised gradient; Adam would amplify float noise in
+    near-zero gradients into lr-sized differences)."""
+    opt = precision.with_master_weights(optax.sgd(1.0), "none")
+    ref_model = m3jax.from_pretrained(ckpt, dtype=jnp.float32)
+    batch = make_batch(ref_model.cfg, 2, 4, seq=64, seed=7)
+    before = jax.tree.map(np.asarray, nnx.state(ref_model, nnx.Param))
+    graphdef, state = init_state(ref_model, opt)
+    want, want_metrics = make_train_step(graphdef, opt, donate=False)(state, batch)
+
+    mesh = build_mesh(MeshConfig(2, 2, 2, 1), ref_model.cfg, seq_len=64, batch=4)
+    model = m3jax.from_pretrained(ckpt, dtype=jnp.float32, mesh=mesh)
+    graphdef, state = init_state(model, opt)
+    shardings = state_shardings(mesh, state)
+    step = make_train_step(graphdef, opt, mesh=mesh, shardings=shardings)
+    got, metrics = step(jax.device_put(state, shardings), batch)
+    assert abs(float(metrics["loss"]) - float(want_metrics["loss"])) < 1e-6 * float(want_metrics["loss"])
+    for a, b, p in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params), jax.tree.leaves(before)):
+        da, db = np.asarray(a) - p, np.asarray(b) - p
+        assert np.max(np.abs(da - db)) <= 1e-5 * max(np.max(np.abs(db)), 1e-30)
+    experts = got.params["stacks"][1]["experts_gate_up"][...]
+    assert all(s.data.shape[1] == experts.shape[1] // 8 for s in experts.addressable_shards)
