@@ -73,11 +73,8 @@ def validate(mesh: MeshConfig, model_cfg=None, *, num_devices: int | None = None
         if c.has_moe and c.num_local_experts % mesh.expert_parallel:
             raise MeshError(f"num_local_experts={c.num_local_experts} is not divisible by the expert-parallel "
                             f"size {mesh.expert_parallel} (= product of {mesh.expert_axes})")
-        if c.num_key_value_heads % mesh.tensor:
+        if c.num_key_value_heads % mesh.tensor:  # implies the query heads divide too (KV | H)
             raise MeshError(f"num_key_value_heads={c.num_key_value_heads} is not divisible by mesh.tensor="
-                            f"{mesh.tensor}")
-        if c.num_attention_heads % mesh.tensor:
-            raise MeshError(f"num_attention_heads={c.num_attention_heads} is not divisible by mesh.tensor="
                             f"{mesh.tensor}")
         for name in ("intermediate_size", "dense_intermediate_size", "shared_intermediate_size"):
             if getattr(c, name) % mesh.tensor:
