@@ -6,8 +6,9 @@ E / n_ep experts each). Per device, on its own tokens:
   2. exchange rows with the owners of their experts (all-to-all over the EP axes);
   3. group received rows by local expert and run the grouped matmuls (`expert_fn`);
   4. send the outputs back, weight them by the router and sum per token.
-The exchange on CPU is a padded `all_to_all` sized for the worst case (dropless) unless a capacity
-factor caps the rows per destination (overflowing assignments are dropped, i.e. contribute zero).
+The exchange is `jax.lax.ragged_all_to_all` (only real rows travel) where XLA compiles it (GPU, TPU)
+and a padded `all_to_all` of worst-case blocks on CPU; both are dropless unless a capacity factor caps
+the rows per destination (overflowing assignments are dropped, i.e. contribute zero).
 """
 
 from __future__ import annotations
@@ -41,42 +42,91 @@ def local_experts(x, weights, idx, expert_fn: Callable, num_experts: int) -> jax
     return combine(x, expert_fn(x[token_of_row], group_sizes), weights, order, token_of_row)
 
 
+def ragged_all_to_all_emulated(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                               axis_name):
+    """`jax.lax.ragged_all_to_all` semantics from all_gather + scatter, for backends (XLA:CPU) that
+    cannot compile the real collective. Moves n_ep x the data; used to test the ragged bookkeeping."""
+    me = jax.lax.axis_index(axis_name)
+    everyone = jax.lax.all_gather(operand, axis_name)  # [n_ep, N, d]
+    starts = jax.lax.all_gather(input_offsets, axis_name)[:, me]
+    sizes = jax.lax.all_gather(send_sizes, axis_name)[:, me]
+    where = jax.lax.all_gather(output_offsets, axis_name)[:, me]
+    rows = jnp.arange(operand.shape[0])
+    for src in range(everyone.shape[0]):
+        target = jnp.where(rows < sizes[src], where[src] + rows, output.shape[0])  # out of range: dropped
+        output = output.at[target].set(everyone[src][(starts[src] + rows) % operand.shape[0]], mode="drop")
+    return output
+
+
+def _ragged_collective(exchange: str):
+    return jax.lax.ragged_all_to_all if exchange == "ragged" else ragged_all_to_all_emulated
+
+
 def exchanged_experts(x, weights, idx, expert_fn: Callable, num_experts: int, ep_axes: tuple[str, ...],
-                      n_ep: int, capacity_factor: float | None = None) -> jax.Array:
-    """Expert-parallel body (inside shard_map): this device owns experts [r*E_loc, (r+1)*E_loc)."""
+                      n_ep: int, capacity_factor: float | None = None, exchange: str = "padded") -> jax.Array:
+    """Expert-parallel body (inside shard_map): this device owns experts [r*E_loc, (r+1)*E_loc).
+
+    Receive layout, the same for every exchange: a [n_ep, cap, d] buffer where block s holds the rows
+    source s sent, ordered by local expert. exchange = "padded" (all_to_all of worst-case-sized blocks;
+    XLA:CPU), "ragged" (`jax.lax.ragged_all_to_all`, only the real rows; GPU/TPU) or "ragged_emulated".
+    """
     t, k = idx.shape
     d = x.shape[-1]
     e_loc = num_experts // n_ep
     order, token_of_row, expert_of_row, per_expert = sort_by_expert(idx, num_experts)
     send_counts = per_expert.reshape(n_ep, e_loc)  # rows for each destination, by its local expert
     dest = expert_of_row // e_loc
-    dest_start = jnp.cumsum(send_counts.sum(1)) - send_counts.sum(1)
+    dest_rows = send_counts.sum(1)
+    dest_start = jnp.cumsum(dest_rows) - dest_rows
     slot = jnp.arange(t * k) - dest_start[dest]  # position inside the destination's block
     cap = t * min(k, e_loc)  # a token sends at most min(k, E_loc) rows to one device: dropless
     if capacity_factor is not None:
         cap = min(cap, max(1, math.ceil(capacity_factor * t * k / n_ep)))
     kept = slot < cap
     # Overflowing assignments drop out: their rows are not sent and their counts not announced.
-    send_counts = jnp.minimum(jnp.cumsum(send_counts, axis=1), cap) - \
-        jnp.minimum(jnp.cumsum(send_counts, axis=1) - send_counts, cap)
-    send = jnp.zeros((n_ep, cap, d), x.dtype).at[dest, slot].set(x[token_of_row], mode="drop")
-
-    recv = jax.lax.all_to_all(send, ep_axes, 0, 0, tiled=True) if n_ep > 1 else send
+    cum = jnp.cumsum(send_counts, axis=1)
+    send_counts = jnp.minimum(cum, cap) - jnp.minimum(cum - send_counts, cap)
     recv_counts = jax.lax.all_to_all(send_counts, ep_axes, 0, 0, tiled=True) if n_ep > 1 else send_counts
+    rows = x[token_of_row]
+
+    if exchange == "padded" or n_ep == 1:
+        send = jnp.zeros((n_ep, cap, d), x.dtype).at[dest, slot].set(rows, mode="drop")
+        recv = jax.lax.all_to_all(send, ep_axes, 0, 0, tiled=True) if n_ep > 1 else send
+    else:
+        collective = _ragged_collective(exchange)
+        me = jax.lax.axis_index(ep_axes)
+        sent = send_counts.sum(1)
+        recv = collective(rows, jnp.zeros((n_ep * cap, d), x.dtype), dest_start, sent,
+                          jnp.full((n_ep,), me * cap, jnp.int32), recv_counts.sum(1), axis_name=ep_axes)
+        recv = recv.reshape(n_ep, cap, d)
+
     # Received row r of source s belongs to local expert searchsorted(cumsum(recv_counts[s]), r).
     bounds = jnp.cumsum(recv_counts, axis=1)  # [n_ep, E_loc]
     r = jnp.arange(cap)
     local_expert = jax.vmap(lambda b: jnp.searchsorted(b, r, side="right"))(bounds).reshape(-1)
     regroup = jnp.argsort(local_expert, stable=True)  # invalid rows (id E_loc) sort last
     grouped_out = expert_fn(recv.reshape(n_ep * cap, d)[regroup], recv_counts.sum(0))
-    back = jnp.zeros_like(grouped_out).at[regroup].set(grouped_out).reshape(n_ep, cap, d)
-    back = jax.lax.all_to_all(back, ep_axes, 0, 0, tiled=True) if n_ep > 1 else back
-    rows_out = jnp.where(kept[:, None], back[dest, jnp.minimum(slot, cap - 1)], 0)
+    back = jnp.zeros_like(grouped_out).at[regroup].set(grouped_out)
+
+    if exchange == "padded" or n_ep == 1:
+        back = back.reshape(n_ep, cap, d)
+        back = jax.lax.all_to_all(back, ep_axes, 0, 0, tiled=True) if n_ep > 1 else back
+        rows_out = jnp.where(kept[:, None], back[dest, jnp.minimum(slot, cap - 1)], 0)
+    else:  # the return trip swaps the tables: block s goes back to where source s keeps its rows
+        start_at_source = jax.lax.all_to_all(dest_start, ep_axes, 0, 0, tiled=True)
+        rows_out = collective(back, jnp.zeros((t * k, d), x.dtype), jnp.arange(n_ep, dtype=jnp.int32) * cap,
+                              recv_counts.sum(1), start_at_source, send_counts.sum(1), axis_name=ep_axes)
     return combine(x, rows_out, weights, order, token_of_row)
 
 
+def default_exchange() -> str:
+    """The real ragged collective where XLA compiles it, the padded all_to_all elsewhere."""
+    return "ragged" if jax.default_backend() in ("gpu", "cuda", "rocm", "tpu") else "padded"
+
+
 def routed_experts(x: jax.Array, route_fn: Callable, router: tuple, expert_fn: Callable, gate_up: jax.Array,
-                   down: jax.Array, *, capacity_factor: float | None = None) -> jax.Array:
+                   down: jax.Array, *, capacity_factor: float | None = None, exchange: str | None = None
+                   ) -> jax.Array:
     """Routed output for hidden x [B, S, d].
 
     route_fn(tokens [T, d], *router) -> (weights [T, k], expert ids [T, k]); router arrays are replicated;
@@ -96,7 +146,8 @@ def routed_experts(x: jax.Array, route_fn: Callable, router: tuple, expert_fn: C
             return local_experts(t, w, idx, fn, num_experts).reshape(b, s, d)
         ep_axes = tuple(a for a in mesh_axes_of("experts") if mesh.shape[a] > 1)
         n_ep = math.prod(mesh.shape[a] for a in ep_axes)
-        out = exchanged_experts(t, w, idx, fn, num_experts, ep_axes, n_ep, capacity_factor)
+        out = exchanged_experts(t, w, idx, fn, num_experts, ep_axes, n_ep, capacity_factor,
+                                exchange or default_exchange())
         if any(mesh.shape[a] > 1 for a in mesh_axes_of("expert_mlp")):
             out = jax.lax.psum(out, mesh_axes_of("expert_mlp"))  # partial sums over the sharded width
         return out.reshape(b, s, d)

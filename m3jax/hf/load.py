@@ -105,12 +105,13 @@ def _write_slice(buf, value, index, n_lead):
     return jax.lax.dynamic_update_slice(buf, update, start)
 
 
-def from_pretrained(path: str | os.PathLike, dtype=None, *, mesh=None, remat: bool = True) -> M3ForCausalLM:
+def from_pretrained(path: str | os.PathLike, dtype=None, *, mesh=None, **model_options) -> M3ForCausalLM:
     """Load a local HF MiniMax-M3 directory (native or released layout, single file or sharded).
 
     dtype: parameter dtype (router and its bias stay fp32); default: the checkpoint's embedding dtype.
     mesh: a jax Mesh with axes ("data", "context", "expert", "tensor"): each parameter is placed on its
     shards per `sharding.rules`; default: the default device.
+    model_options: passed to M3ForCausalLM (remat, moe_capacity_factor, moe_exchange).
     """
     path = os.fspath(path)
     cfg = M3Config.from_pretrained(path)
@@ -118,7 +119,7 @@ def from_pretrained(path: str | os.PathLike, dtype=None, *, mesh=None, remat: bo
     _, slots, tensors = plan_load(cfg, tensors)
     if dtype is None:
         dtype = tensors[slots[0].name].np_dtype
-    abstract = nnx.eval_shape(lambda: M3ForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0), remat=remat))
+    abstract = nnx.eval_shape(lambda: M3ForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0), **model_options))
     graphdef, state = nnx.split(abstract)
     flat = dict(nnx.to_flat_state(state))
     target = {p: _param_sharding(v, mesh) for p, v in flat.items()}

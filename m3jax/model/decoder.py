@@ -101,10 +101,11 @@ class LayerStack(nnx.Module):
     """Consecutive decoder layers of one kind, parameters stacked on a leading "layers" axis."""
 
     def __init__(self, cfg: M3Config, attn_kind: str, mlp_kind: str, layer_ids, *, dtype, rngs: nnx.Rngs,
-                 remat: bool = True):
+                 remat: bool = True, moe_capacity_factor: float | None = None, moe_exchange: str | None = None):
         self.cfg, self.attn_kind, self.mlp_kind = cfg, attn_kind, mlp_kind
         self.layer_ids = tuple(layer_ids)
         self.remat = remat
+        self.moe_capacity_factor, self.moe_exchange = moe_capacity_factor, moe_exchange
         n = len(self.layer_ids)
         self.param_names = tuple(layer_param_specs(cfg, attn_kind, mlp_kind))
         for name, spec in layer_param_specs(cfg, attn_kind, mlp_kind).items():
@@ -121,7 +122,7 @@ class LayerStack(nnx.Module):
             x = x + attention_block(p, h, cos, sin, positions, key_valid, cfg, sparse)
             h = rms_norm(x, p["post_norm"], cfg.rms_norm_eps)
             if moe:
-                x = x + moe_block(p, h, cfg)
+                x = x + moe_block(p, h, cfg, self.moe_capacity_factor, self.moe_exchange)
             else:
                 x = x + dense_mlp(h, p["mlp_gate_up"], p["mlp_down"], cfg.swiglu_alpha, cfg.swiglu_limit)
             return constrain(x, ACT), None
@@ -135,13 +136,18 @@ class LayerStack(nnx.Module):
 class M3ForCausalLM(nnx.Module):
     """MiniMax-M3 language model: input_ids [B, S] -> logits [B, S, vocab] (in the param dtype)."""
 
-    def __init__(self, cfg: M3Config, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None, remat: bool = True):
+    def __init__(self, cfg: M3Config, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None, remat: bool = True,
+                 moe_capacity_factor: float | None = None, moe_exchange: str | None = None):
+        """remat: rematerialise each layer in the backward pass. moe_capacity_factor: cap on the rows an
+        expert-parallel device sends to one peer, x (tokens*top_k / n_ep); None = dropless.
+        moe_exchange: "padded" | "ragged" | "ragged_emulated"; None = ragged on GPU/TPU, padded on CPU."""
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         self.cfg, self.dtype = cfg, jnp.dtype(dtype)
         for name, spec in top_param_specs(cfg).items():
             setattr(self, name, _make(spec, dtype, rngs.params()))
         self.stacks = nnx.List([
-            LayerStack(cfg, attn, mlp, ids, dtype=dtype, rngs=rngs, remat=remat)
+            LayerStack(cfg, attn, mlp, ids, dtype=dtype, rngs=rngs, remat=remat,
+                       moe_capacity_factor=moe_capacity_factor, moe_exchange=moe_exchange)
             for attn, mlp, ids in cfg.segments()
         ])
 
