@@ -94,7 +94,13 @@ def validate(mesh: MeshConfig, model_cfg=None, *, num_devices: int | None = None
 
 
 def init_distributed(mesh: MeshConfig) -> None:
-    """Join a multi-host job: from the config, else from the environment; a no-op for one process."""
+    """Join a multi-host job: from the config, else from the environment; a no-op for one process
+    (or when already initialised)."""
+    if jax.distributed.is_initialized():
+        return
+    if mesh.coordinator_address or mesh.num_processes or os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        # Cross-process collectives on CPU hosts (tests, CPU clusters) need gloo; GPUs ignore this.
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if mesh.coordinator_address or mesh.num_processes:
         jax.distributed.initialize(coordinator_address=mesh.coordinator_address,
                                    num_processes=mesh.num_processes, process_id=mesh.process_id)

@@ -29,6 +29,14 @@ import optax
 MODES = ("none", "fp32", "compact")
 
 
+def param_dtype(master: str):
+    """The dtype params are loaded and kept in: bf16 when the optimizer keeps an fp32 master (or its
+    remainder), fp32 when it does not (the reference system's load-dtype rule)."""
+    if master not in MODES:
+        raise ValueError(f"precision mode {master!r}: expected one of {MODES}")
+    return jnp.float32 if master == "none" else jnp.bfloat16
+
+
 def to_bf16(master: jax.Array) -> jax.Array:
     """fp32 -> bf16, nearest with ties away from zero: top 16 bits of (bits + 0x8000)."""
     bits = jax.lax.bitcast_convert_type(master, jnp.uint32)

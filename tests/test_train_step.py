@@ -53,6 +53,13 @@ def test_to_bf16_and_remainder_reconstruct_every_fp32_exactly():
     assert nearest.all()  # always a nearest bf16; only ties may differ from astype
 
 
+def test_load_dtype_follows_the_optimizer():
+    assert precision.param_dtype("fp32") == precision.param_dtype("compact") == jnp.bfloat16
+    assert precision.param_dtype("none") == jnp.float32
+    with pytest.raises(ValueError, match="'fp16'"):
+        precision.param_dtype("fp16")
+
+
 def test_fp32_master_keeps_small_updates_that_pure_bf16_loses():
     """1000 SGD steps of -1e-4 on a weight of 1.0: bf16 alone never moves, the master tracks fp32."""
     grads = {"w": jnp.full((64,), 1.0, jnp.bfloat16)}
