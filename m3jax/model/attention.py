@@ -37,23 +37,38 @@ def gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, keep: jax.Array, sca
 
 
 def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, positions: jax.Array,
-                    key_valid: jax.Array | None, cfg, sparse: bool) -> jax.Array:
-    """One layer's attention on normalised hidden x [B, S, d] -> [B, S, d].
+                    key_valid: jax.Array | None, cfg, sparse: bool, cache: dict | None = None):
+    """One layer's attention on normalised hidden x [B, S, d] -> [B, S, d] (and the updated cache).
 
     p holds this layer's q/k/v/o projections ([heads, D, d] / [d, H, D]), q/k norms, and for sparse
     layers the indexer's index_q_proj [Hi, Di, d], index_k_proj [Di, d] and their norms.
+    cache (decoding): {"k", "v": [B, S_max, KV, D], "index_k": [B, S_max, Di] for sparse layers}, the
+    post-norm, post-RoPE keys by slot. The new tokens' keys are written at slots = positions, and
+    attention reads every slot (slots not yet written lie beyond each query's position, so causality
+    hides them); key_valid then spans S_max.
     """
     eps = cfg.rms_norm_eps
     q = rms_norm(jnp.einsum("bse,hde->bshd", x, p["q_proj"]), p["q_norm"], eps)
     k = rms_norm(jnp.einsum("bse,hde->bshd", x, p["k_proj"]), p["k_norm"], eps)
     v = jnp.einsum("bse,hde->bshd", x, p["v_proj"])
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    s = x.shape[1]
-    keep = causal_keep(positions, key_valid, s)
+    iq = ik = None
     if sparse:
-        keep = keep & sparse_keep(p, x, cos, sin, positions, s, cfg)
+        iq, ik = indexer_qk(p, x, cos, sin, eps)
+    if cache is not None:
+        rows = jnp.arange(x.shape[0])[:, None]
+        cache = {"k": cache["k"].at[rows, positions].set(k), "v": cache["v"].at[rows, positions].set(v),
+                 **({"index_k": cache["index_k"].at[rows, positions].set(ik)} if sparse else {})}
+        k, v = cache["k"], cache["v"]
+        ik = cache.get("index_k")
+    keep = causal_keep(positions, key_valid, k.shape[1])
+    if sparse:
+        blocks = select_key_blocks(iq, ik, positions, block_size=cfg.index_block_size,
+                                   topk_blocks=cfg.index_topk_blocks, local_blocks=cfg.index_local_blocks)
+        keep = keep & block_mask_to_tokens(blocks, cfg.index_block_size, k.shape[1], cfg.num_attention_heads)
     o = gqa_attention(q, k, v, keep, cfg.head_dim ** -0.5)
-    return jnp.einsum("bshd,ehd->bse", o, p["o_proj"])
+    out = jnp.einsum("bshd,ehd->bse", o, p["o_proj"])
+    return out if cache is None else (out, cache)
 
 
 def indexer_qk(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, eps: float):
@@ -67,11 +82,3 @@ def indexer_qk(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, eps: float
     iq = apply_rope(iq, cos[..., :di], sin[..., :di])
     ik = apply_rope(ik, cos[..., :di], sin[..., :di])
     return iq, ik[:, :, 0, :]
-
-
-def sparse_keep(p, x, cos, sin, positions, key_len, cfg) -> jax.Array:
-    """Token keep-mask [B, H, S, S_k] of the block-sparse layer (before causality/padding)."""
-    iq, ik = indexer_qk(p, x, cos, sin, cfg.rms_norm_eps)
-    blocks = select_key_blocks(iq, ik, positions, block_size=cfg.index_block_size,
-                               topk_blocks=cfg.index_topk_blocks, local_blocks=cfg.index_local_blocks)
-    return block_mask_to_tokens(blocks, cfg.index_block_size, key_len, cfg.num_attention_heads)

@@ -112,25 +112,38 @@ class LayerStack(nnx.Module):
             stacked = dataclasses.replace(spec, shape=(n, *spec.shape), axes=("layers", *spec.axes))
             setattr(self, name, _make(stacked, dtype, rngs.params()))
 
-    def __call__(self, x, cos, sin, positions, key_valid):
+    def __call__(self, x, cos, sin, positions, key_valid, cache=None):
+        """Run the stack; with `cache` (this stack's stacked KV / index-key cache) also return it updated."""
         cfg = self.cfg
         sparse, moe = self.attn_kind == SPARSE_ATTENTION, self.mlp_kind == MOE_MLP
         params = {name: getattr(self, name)[...] for name in self.param_names}
 
-        def layer(x, p):
+        def layer(x, p_and_cache):
+            p, layer_cache = p_and_cache
             h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps)
-            x = x + attention_block(p, h, cos, sin, positions, key_valid, cfg, sparse)
+            attn = attention_block(p, h, cos, sin, positions, key_valid, cfg, sparse, layer_cache)
+            if layer_cache is not None:
+                attn, layer_cache = attn
+            x = x + attn
             h = rms_norm(x, p["post_norm"], cfg.rms_norm_eps)
             if moe:
                 x = x + moe_block(p, h, cfg, self.moe_capacity_factor, self.moe_exchange)
             else:
                 x = x + dense_mlp(h, p["mlp_gate_up"], p["mlp_down"], cfg.swiglu_alpha, cfg.swiglu_limit)
-            return constrain(x, ACT), None
+            return constrain(x, ACT), layer_cache
 
-        if self.remat:
+        if self.remat and cache is None:
             layer = jax.checkpoint(layer, prevent_cse=False)
-        x, _ = jax.lax.scan(layer, x, params)
-        return x
+        x, cache = jax.lax.scan(layer, x, (params, cache))
+        return x if cache is None else (x, cache)
+
+    def init_cache(self, batch: int, max_len: int, dtype) -> dict:
+        cfg, n = self.cfg, len(self.layer_ids)
+        kv = (n, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+        cache = {"k": jnp.zeros(kv, dtype), "v": jnp.zeros(kv, dtype)}
+        if self.attn_kind == SPARSE_ATTENTION:
+            cache["index_k"] = jnp.zeros((n, batch, max_len, cfg.index_head_dim), dtype)
+        return cache
 
 
 class M3ForCausalLM(nnx.Module):
@@ -152,8 +165,13 @@ class M3ForCausalLM(nnx.Module):
         ])
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array | None = None,
-                 attention_mask: jax.Array | None = None) -> jax.Array:
-        """positions [B, S] default to 0..S-1; attention_mask [B, S] (1 = real token) for right padding."""
+                 attention_mask: jax.Array | None = None, cache: list | None = None):
+        """Logits [B, S, vocab] for input_ids [B, S].
+
+        positions [B, S] default to 0..S-1; attention_mask [B, S_keys] (1 = real token) for right padding.
+        cache (from `init_cache`): decode mode; the tokens' keys are written at slots = positions and
+        (logits, updated cache) is returned. attention_mask then covers the cache's S_max slots.
+        """
         cfg = self.cfg
         b, s = input_ids.shape
         if positions is None:
@@ -161,8 +179,17 @@ class M3ForCausalLM(nnx.Module):
         key_valid = None if attention_mask is None else attention_mask.astype(bool)
         x = constrain(jnp.take(self.embed[...], input_ids, axis=0), ACT)
         cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta, x.dtype)
-        for stack in self.stacks:
-            x = stack(x, cos, sin, positions, key_valid)
+        new_cache = []
+        for i, stack in enumerate(self.stacks):
+            if cache is None:
+                x = stack(x, cos, sin, positions, key_valid)
+            else:
+                x, stack_cache = stack(x, cos, sin, positions, key_valid, cache[i])
+                new_cache.append(stack_cache)
         x = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
-        logits = jnp.einsum("bsd,vd->bsv", x, self.lm_head[...])
-        return constrain(logits, ("act_batch", "act_seq", "act_vocab"))
+        logits = constrain(jnp.einsum("bsd,vd->bsv", x, self.lm_head[...]), ("act_batch", "act_seq", "act_vocab"))
+        return logits if cache is None else (logits, new_cache)
+
+    def init_cache(self, batch: int, max_len: int) -> list:
+        """Empty decode cache: per stack, keys/values (and indexer keys) for max_len slots."""
+        return [stack.init_cache(batch, max_len, self.dtype) for stack in self.stacks]

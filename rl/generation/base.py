@@ -1,0 +1,74 @@
+"""The generation-backend protocol shared by the JAX engine and the vLLM pool, and the sampling math
+that generator and trainer must agree on."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens}: expected >= 1")
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature}: expected >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p}: expected a value in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k}: expected >= 0 (0 = off)")
+
+
+@dataclasses.dataclass
+class Rollout:
+    """G samples per prompt, flattened: row i is a sample of prompt i // G."""
+    prompt_ids: list[list[int]]  # one per row
+    tokens: np.ndarray  # [N, T] response tokens (stop token included), padded with pad_id
+    logprobs: np.ndarray  # [N, T] logp_gen of each response token under the sampling transformation
+    lengths: np.ndarray  # [N] response lengths
+    truncated: np.ndarray  # [N] hit max_new_tokens without a stop token
+    weight_version: int = 0
+
+
+class Generator(Protocol):
+    def generate(self, prompts: list[list[int]], params: SamplingParams, key: jax.Array) -> Rollout: ...
+
+    def set_weights(self, params, version: int) -> None: ...
+
+
+def sampling_logits(logits: jax.Array, temperature: float, top_p: float = 1.0, top_k: int = 0) -> jax.Array:
+    """The logits samples are drawn from, in fp32: logits / T, then everything outside the top-k and
+    outside the smallest top-p nucleus set to -inf. Greedy (T = 0) scores with T = 1.
+
+    The trainer computes logp_old / logp with this same function, so on-policy ratios are exactly 1.
+    """
+    z = logits.astype(jnp.float32) / (temperature if temperature > 0 else 1.0)
+    if top_k > 0:
+        kth = jax.lax.top_k(z, top_k)[0][..., -1:]
+        z = jnp.where(z < kth, -jnp.inf, z)
+    if top_p < 1.0:
+        sorted_z = jnp.sort(z, axis=-1)[..., ::-1]
+        probs = jax.nn.softmax(sorted_z, axis=-1)
+        # keep the smallest prefix whose mass reaches top_p: a token stays if the mass before it < top_p
+        before = jnp.cumsum(probs, axis=-1) - probs
+        cutoff = jnp.min(jnp.where(before < top_p, sorted_z, jnp.inf), axis=-1, keepdims=True)
+        z = jnp.where(z < cutoff, -jnp.inf, z)
+    return z
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array, temperature: float, top_p: float = 1.0,
+                   top_k: int = 0) -> jax.Array:
+    """log p(token) under `sampling_logits`: [..., V] logits, [...] tokens -> [...] fp32."""
+    logp = jax.nn.log_softmax(sampling_logits(logits, temperature, top_p, top_k), axis=-1)
+    return jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]

@@ -1,0 +1,80 @@
+"""The embedded generation backend: batched prefill + KV-cache decode with the trainer's own model.
+
+One jitted program per (batch, prompt width, max_new_tokens): prefill the right-padded prompts, then
+a while-loop of single-token decode steps that stops when every row has emitted a stop token. Sparse
+layers keep their indexer keys in the cache, so decoding selects blocks exactly as a full forward.
+The engine holds a reference to the trainer's parameters (no copy): `set_weights` swaps it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from rl.generation.base import Rollout, SamplingParams, sampling_logits
+
+
+class JaxEngine:
+    def __init__(self, graphdef, params, rest, *, pad_id: int = 0, mesh=None):
+        self.graphdef, self.params, self.rest = graphdef, params, rest
+        self.pad_id, self.mesh = pad_id, mesh
+        self.version = 0
+
+    def set_weights(self, params, version: int) -> None:
+        self.params, self.version = params, version
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, key: jax.Array) -> Rollout:
+        width = max(map(len, prompts))
+        ids = np.full((len(prompts), width), self.pad_id, np.int32)
+        for row, p in enumerate(prompts):
+            ids[row, :len(p)] = p
+        lengths = np.array([len(p) for p in prompts], np.int32)
+        tokens, logprobs, n_new, truncated = _generate(self.graphdef, self.params, self.rest, jnp.asarray(ids),
+                                                       jnp.asarray(lengths), key, params, self.pad_id)
+        return Rollout([list(p) for p in prompts], np.asarray(tokens), np.asarray(logprobs), np.asarray(n_new),
+                       np.asarray(truncated), self.version)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 6, 7))
+def _generate(graphdef, params, rest, ids, prompt_lengths, key, sp: SamplingParams, pad_id: int):
+    model = nnx.merge(graphdef, params, rest)
+    b, width = ids.shape
+    max_len = width + sp.max_new_tokens
+    cache = model.init_cache(b, max_len)
+    valid = jnp.arange(max_len)[None] < prompt_lengths[:, None]
+    positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (b, width))
+    logits, cache = model(ids, positions=positions, attention_mask=valid, cache=cache)
+    last = logits[jnp.arange(b), prompt_lengths - 1]
+    stops = jnp.asarray(sp.stop_token_ids or (-1,), jnp.int32)
+
+    def pick(logits, key):
+        z = sampling_logits(logits, sp.temperature, sp.top_p, sp.top_k)
+        tok = jnp.argmax(z, -1) if sp.temperature == 0 else jax.random.categorical(key, z, axis=-1)
+        return tok.astype(jnp.int32), jnp.take_along_axis(jax.nn.log_softmax(z, -1), tok[:, None], -1)[:, 0]
+
+    def body(state):
+        t, last, cache, key, tokens, logps, done = state
+        key, sub = jax.random.split(key)
+        tok, logp = pick(last, sub)
+        tok = jnp.where(done, pad_id, tok)
+        tokens = tokens.at[:, t].set(tok)
+        logps = logps.at[:, t].set(jnp.where(done, 0.0, logp))
+        done = done | jnp.isin(tok, stops)
+        pos = (prompt_lengths + t)[:, None]
+        logits, cache = model(tok[:, None], positions=pos, cache=cache)
+        return t + 1, logits[:, 0], cache, key, tokens, logps, done
+
+    def cond(state):
+        t, *_, done = state
+        return (t < sp.max_new_tokens) & ~jnp.all(done)
+
+    init = (jnp.int32(0), last, cache, key, jnp.full((b, sp.max_new_tokens), pad_id, jnp.int32),
+            jnp.zeros((b, sp.max_new_tokens), jnp.float32), jnp.zeros((b,), bool))
+    t, _, _, _, tokens, logps, done = jax.lax.while_loop(cond, body, init)
+    is_stop = jnp.isin(tokens, stops)
+    first_stop = jnp.where(is_stop.any(-1), jnp.argmax(is_stop, -1) + 1, sp.max_new_tokens)
+    return tokens, logps, first_stop, ~is_stop.any(-1)

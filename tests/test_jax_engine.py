@@ -1,0 +1,85 @@
+"""The JAX engine decodes exactly as full forwards: greedy = argmax, logprobs = full log-softmax."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import m3jax
+from rl.generation.base import SamplingParams, sampling_logits, token_logprobs
+from rl.generation.jax_engine import JaxEngine
+from tests import reference as ref
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    hf = ref.build_model(ref.tiny_config("mixed_kinds"), seed=2)  # sparse layers with block 4, top-3 blocks
+    return m3jax.from_pretrained(ref.save(hf, str(tmp_path_factory.mktemp("m"))))
+
+
+def engine_for(model):
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    return JaxEngine(graphdef, params, rest, pad_id=0)
+
+
+def full_forward_logits(model, prompt, response):
+    seq = jnp.asarray([list(prompt) + list(response)], jnp.int32)
+    return np.asarray(model(seq))[0, len(prompt) - 1: len(prompt) + len(response) - 1]
+
+
+def prompts(cfg, lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [list(rng.integers(3, cfg.vocab_size, n)) for n in lengths]
+
+
+def test_greedy_equals_argmax_of_full_forward_every_step(model):
+    ps = prompts(model.cfg, [5, 11, 8])
+    sp = SamplingParams(max_new_tokens=20, temperature=0.0)
+    out = engine_for(model).generate(ps, sp, jax.random.key(0))
+    # 11 + 20 tokens > index_topk_blocks x index_block_size = 12: the sparse layers really select
+    for row, p in enumerate(ps):
+        resp = out.tokens[row, : out.lengths[row]]
+        logits = full_forward_logits(model, p, resp)
+        np.testing.assert_array_equal(resp, logits.argmax(-1))
+        want = np.asarray(token_logprobs(jnp.asarray(logits), jnp.asarray(resp), 0.0))
+        np.testing.assert_allclose(out.logprobs[row, : out.lengths[row]], want, atol=2e-5)
+
+
+@pytest.mark.parametrize("temperature, top_p, top_k", [(1.0, 1.0, 0), (0.7, 0.9, 0), (1.3, 1.0, 20)])
+def test_sampled_logprobs_equal_full_forward(model, temperature, top_p, top_k):
+    ps = prompts(model.cfg, [6, 9, 6, 13], seed=1)
+    sp = SamplingParams(max_new_tokens=16, temperature=temperature, top_p=top_p, top_k=top_k)
+    out = engine_for(model).generate(ps, sp, jax.random.key(3))
+    gen_kl = []
+    for row, p in enumerate(ps):
+        resp = out.tokens[row, : out.lengths[row]]
+        logits = jnp.asarray(full_forward_logits(model, p, resp))
+        want = np.asarray(token_logprobs(logits, jnp.asarray(resp), temperature, top_p, top_k))
+        assert np.all(np.isfinite(want))  # every sampled token is inside the truncated distribution
+        gen_kl.append(np.asarray(out.logprobs[row, : out.lengths[row]]) - want)
+    gen_kl = np.concatenate(gen_kl)
+    assert np.max(np.abs(gen_kl)) < 1e-4 and abs(np.mean(gen_kl)) < 1e-6
+
+
+def test_stop_tokens_end_rows_and_pad_after(model):
+    ps = prompts(model.cfg, [7, 7, 7, 7], seed=4)
+    greedy = engine_for(model).generate(ps, SamplingParams(max_new_tokens=12, temperature=0.0), jax.random.key(0))
+    stop = int(greedy.tokens[0, 3])  # the 4th greedy token of row 0 becomes a stop token
+    out = engine_for(model).generate(ps, SamplingParams(max_new_tokens=12, temperature=0.0,
+                                                        stop_token_ids=(stop,)), jax.random.key(0))
+    assert out.lengths[0] <= 4 and out.tokens[0, out.lengths[0] - 1] == stop and not out.truncated[0]
+    assert np.all(out.tokens[0, out.lengths[0]:] == 0) and np.all(out.logprobs[0, out.lengths[0]:] == 0)
+    for row in range(4):
+        n = out.lengths[row]
+        np.testing.assert_array_equal(out.tokens[row, :n], greedy.tokens[row, :n])
+        assert out.truncated[row] == (stop not in out.tokens[row, :n])
+
+
+def test_top_k_top_p_masks():
+    z = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]]))
+    assert np.isinf(np.asarray(sampling_logits(z, 1.0, top_k=2))[0, 2:]).all()
+    kept = np.isfinite(np.asarray(sampling_logits(z, 1.0, top_p=0.8)))[0]
+    np.testing.assert_array_equal(kept, [True, True, False, False])  # 0.5 + 0.3 reaches 0.8
+    kept = np.isfinite(np.asarray(sampling_logits(z, 1.0, top_p=0.81)))[0]
+    np.testing.assert_array_equal(kept, [True, True, True, False])
