@@ -1,0 +1,142 @@
+"""Group-relative advantages for GRPO and its variants (Dr.GRPO, RLOO, DAPO filters).
+
+Layout: `rewards` is a flat array [N] of N = num_prompts * group_size samples, grouped consecutively:
+samples [g*G, (g+1)*G) answer prompt g. One scalar advantage per sample; the loss broadcasts it over
+the sample's response tokens.
+
+Formulas (G = group_size, group g, sample i in g):
+
+  baseline   b_i = mean_g(r)                       (default)
+             b_i = (sum_g(r) - r_i) / (G - 1)      (leave_one_out: mean of the other G-1 samples)
+  scale      s_i = std_g(r), Bessel-corrected: sqrt(sum_j (r_j - mean_g)^2 / (G - 1))
+             with leave_one_out, s_i is the Bessel-corrected std of the same other G-1 samples
+             (the set the baseline is taken from; NeMo-RL does the same)
+  advantage  A_i = (r_i - b_i) / (s_i + eps)       scale="std"
+             A_i =  r_i - b_i                      scale="none", or when the set behind s_i has
+                                                   zero variance (all its rewards equal)
+
+"Zero variance" is tested exactly (max == min of the set), not as `std < tol`: the std computed in
+floating point of equal numbers can be a rounding residue, and dividing by it would turn a
+no-signal group into huge advantages. For a group whose rewards are all equal the mean-baseline
+advantage is then exactly 0.
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+SCALES = ("std", "none")
+
+
+def _grouped(rewards, group_size: int):
+    rewards = jnp.asarray(rewards)
+    if rewards.ndim != 1:
+        raise ValueError(f"rewards must be a flat array [num_prompts * group_size], got shape {rewards.shape}")
+    if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral) or group_size < 1:
+        raise ValueError(f"group_size={group_size!r} is invalid: must be a positive int")
+    group_size = int(group_size)
+    n = rewards.shape[0]
+    if n % group_size:
+        raise ValueError(f"rewards has {n} samples, not a multiple of group_size={group_size}")
+    return rewards.astype(jnp.float32).reshape(n // group_size, group_size)
+
+
+@functools.partial(jax.jit, static_argnames=("group_size", "scale", "leave_one_out", "eps"))
+def group_advantages(rewards, group_size: int, *, scale: str = "std", leave_one_out: bool = False,
+                     eps: float = 1e-6):
+    """Group-relative advantages, [N] float32.
+
+    A_i = (r_i - b_i) / (s_i + eps) with b_i the group mean (or, with `leave_one_out`, the mean of
+    the other G-1 samples of the group) and s_i the Bessel-corrected std of the same set;
+    A_i = r_i - b_i when `scale="none"` or when that set has zero variance (max == min).
+
+    Args:
+      rewards: [N] rewards, N = num_prompts * group_size, groups consecutive.
+      group_size: G, samples per prompt.
+      scale: "std" (GRPO) or "none" (Dr.GRPO / RLOO).
+      leave_one_out: baseline (and std) over the other G-1 samples; needs G >= 2. With G = 2 the
+        "other" set has one sample, whose std is undefined: treated as zero variance (no division).
+      eps: added to the std before dividing.
+    """
+    if scale not in SCALES:
+        raise ValueError(f"scale={scale!r} is invalid: allowed {SCALES}")
+    r = _grouped(rewards, group_size)
+    g = int(group_size)
+    if not leave_one_out:
+        mean = jnp.mean(r, axis=1, keepdims=True)
+        centred = r - mean
+        if scale == "none":
+            return centred.reshape(-1)
+        var = jnp.sum(centred * centred, axis=1, keepdims=True) / max(g - 1, 1)
+        std = jnp.sqrt(var)
+        constant = jnp.max(r, axis=1, keepdims=True) == jnp.min(r, axis=1, keepdims=True)
+        adv = jnp.where(constant, centred, centred / (std + eps))
+        return adv.reshape(-1)
+
+    if g < 2:
+        raise ValueError(f"leave_one_out needs group_size >= 2, got {g}")
+    others = ~jnp.eye(g, dtype=bool)                                    # [i, j]: j is another sample than i
+    baseline = (jnp.sum(r, axis=1, keepdims=True) - r) / (g - 1)       # [P, G]
+    centred = r - baseline
+    if scale == "none":
+        return centred.reshape(-1)
+    dev = r[:, None, :] - baseline[:, :, None]                          # [P, i, j] = r_j - b_i
+    ss = jnp.sum(jnp.where(others[None], dev * dev, 0.0), axis=2)      # [P, G]
+    std = jnp.sqrt(ss / max(g - 2, 1))
+    big = jnp.finfo(jnp.float32).max
+    rr = jnp.broadcast_to(r[:, None, :], (r.shape[0], g, g))
+    o_max = jnp.max(jnp.where(others[None], rr, -big), axis=2)
+    o_min = jnp.min(jnp.where(others[None], rr, big), axis=2)
+    constant = o_max == o_min                                           # G = 2: one other sample, always
+    adv = jnp.where(constant, centred, centred / (std + eps))
+    return adv.reshape(-1)
+
+
+ADVANTAGE_ESTIMATORS: dict[str, Callable] = {
+    # GRPO (and the M3 recipe): mean baseline, divide by the group std.
+    "grpo": functools.partial(group_advantages, scale="std", leave_one_out=False),
+    # Dr.GRPO: mean baseline, no std division (removes the difficulty bias of small-variance groups).
+    "dr_grpo": functools.partial(group_advantages, scale="none", leave_one_out=False),
+    # RLOO: leave-one-out baseline, no std division.
+    "rloo": functools.partial(group_advantages, scale="none", leave_one_out=True),
+}
+
+
+def get_advantage_estimator(name: str) -> Callable:
+    """The estimator `fn(rewards, group_size, eps=...) -> [N]` registered under `name`.
+
+    Raises ValueError naming the allowed names for an unknown one.
+    """
+    try:
+        return ADVANTAGE_ESTIMATORS[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"advantage estimator {name!r} is unknown: allowed {sorted(ADVANTAGE_ESTIMATORS)}") from None
+
+
+@functools.partial(jax.jit, static_argnames="group_size")
+def zero_variance_groups(rewards, group_size: int):
+    """bool [num_prompts]: True where every reward of the group is equal (max_g(r) == min_g(r)).
+
+    DAPO dynamic sampling drops these groups: with a mean baseline their advantages are all 0, so
+    they carry no policy gradient and only dilute the token normaliser.
+    """
+    r = _grouped(rewards, group_size)
+    return jnp.max(r, axis=1) == jnp.min(r, axis=1)
+
+
+def overlong_mask(truncated):
+    """float32 [N] loss weight per sample: 0 for truncated samples, 1 otherwise (= 1 - truncated).
+
+    DAPO overlong filtering: a response cut at the length limit gets no loss (its reward says
+    nothing reliable about the tokens), while it still counts in the group's reward statistics.
+    Multiply it into the token mask: `mask * overlong_mask(truncated)[:, None]`.
+    """
+    t = jnp.asarray(truncated)
+    if t.ndim != 1:
+        raise ValueError(f"truncated must be a flat array [N], got shape {t.shape}")
+    return 1.0 - t.astype(jnp.float32)

@@ -1,0 +1,437 @@
+"""GRPO advantages and loss against hand-computed numbers (see rl/grpo/*.py for the formulas).
+
+Expected values are written out by hand or computed with plain Python/numpy loops in this file,
+never with the functions under test.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rl.grpo import (ADVANTAGE_ESTIMATORS, LossConfig, generation_mismatch_metrics, get_advantage_estimator,
+                     group_advantages, grpo_loss, normalizer, overlong_mask, zero_variance_groups)
+
+PLAIN = dict(dual_clip=None, is_correction="none")   # only the clipped surrogate
+
+
+def col(*xs):
+    """[B, 1] float32 column."""
+    return np.asarray(xs, np.float32)[:, None]
+
+
+def ones(b, t=1):
+    return np.ones((b, t), np.float32)
+
+
+def close(a, b, tol=1e-5):
+    np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=tol, atol=tol)
+
+
+# ---------------------------------------------------------------- advantages
+
+REWARDS = np.array([1, 0, 0, 0,   1, 1, 1, 1,   0.0, 0.5, 1.0, 0.5], np.float32)
+
+
+def test_advantages_std():
+    # group 0: mean 1/4, Bessel std sqrt((0.75^2 + 3*0.25^2)/3) = 0.5
+    # group 1: all equal -> no division, A = r - mean = 0
+    # group 2: mean 0.5, std sqrt((0.25 + 0.25)/3) = sqrt(1/6)
+    s2 = math.sqrt(1 / 6) + 1e-6
+    want = [0.75 / 0.500001, -0.25 / 0.500001, -0.25 / 0.500001, -0.25 / 0.500001,
+            0, 0, 0, 0,
+            -0.5 / s2, 0, 0.5 / s2, 0]
+    close(group_advantages(REWARDS, 4), want)
+    close(get_advantage_estimator("grpo")(REWARDS, 4), want)
+
+
+def test_advantages_no_std():
+    want = [0.75, -0.25, -0.25, -0.25, 0, 0, 0, 0, -0.5, 0, 0.5, 0]
+    close(group_advantages(REWARDS, 4, scale="none"), want)
+    close(get_advantage_estimator("dr_grpo")(REWARDS, 4), want)
+
+
+def test_advantages_leave_one_out():
+    # baseline = mean of the 3 others: group 0 -> [0, 1/3, 1/3, 1/3]; group 2: [2/3, 1/2, 1/3, 1/2]
+    want = [1, -1 / 3, -1 / 3, -1 / 3, 0, 0, 0, 0, -2 / 3, 0, 2 / 3, 0]
+    close(group_advantages(REWARDS, 4, scale="none", leave_one_out=True), want)
+    close(get_advantage_estimator("rloo")(REWARDS, 4), want)
+    # RLOO = G/(G-1) * (r - mean)
+    close(get_advantage_estimator("rloo")(REWARDS, 4), np.array(get_advantage_estimator("dr_grpo")(REWARDS, 4)) * 4 / 3)
+
+
+def test_advantages_leave_one_out_std():
+    r = np.array([1, 0, 0, 0], np.float32)
+    # i=0: others [0,0,0] all equal -> no division: A = 1 - 0
+    # i>0: others [1,0,0]: mean 1/3, Bessel std sqrt(((2/3)^2 + 2*(1/3)^2)/2) = sqrt(1/3)
+    a = -(1 / 3) / (math.sqrt(1 / 3) + 1e-6)
+    close(group_advantages(r, 4, leave_one_out=True), [1, a, a, a])
+    # G = 2: the "other" set is one sample -> no division
+    close(group_advantages(np.array([1.0, 0.0]), 2, leave_one_out=True), [1, -1])
+
+
+def test_zero_variance_group():
+    r = np.array([0.7, 0.7, 0.7, 0.7, 0.1, 0.3, 0.1, 0.1], np.float32)
+    a = np.asarray(group_advantages(r, 4))
+    assert np.all(a[:4] == 0.0) and np.all(np.isfinite(a))
+    assert np.all(np.abs(a[4:]) > 0.1)
+    assert list(np.asarray(zero_variance_groups(r, 4))) == [True, False]
+    assert list(np.asarray(zero_variance_groups(REWARDS, 4))) == [False, True, False]
+
+
+def test_overlong_mask_and_registry_errors():
+    close(overlong_mask(np.array([True, False, True])), [0, 1, 0])
+    assert set(ADVANTAGE_ESTIMATORS) == {"grpo", "dr_grpo", "rloo"}
+    with pytest.raises(ValueError, match=r"'ppo'.*dr_grpo.*grpo.*rloo"):
+        get_advantage_estimator("ppo")
+    with pytest.raises(ValueError, match="multiple of group_size"):
+        group_advantages(np.zeros(6), 4)
+    with pytest.raises(ValueError, match="scale"):
+        group_advantages(np.zeros(4), 4, scale="var")
+
+
+# ---------------------------------------------------------------- config validation
+
+@pytest.mark.parametrize("field,value", [
+    ("eps_low", 1.0), ("eps_low", -0.1), ("eps_high", -0.01), ("dual_clip", 1.0), ("dual_clip", float("nan")),
+    ("is_correction", "clip"), ("is_level", "seq"), ("is_cap", 0.0), ("is_mask_low", -1.0),
+    ("is_mask_high", 0.5), ("kl", "k2"), ("kl_coef", -1.0), ("kl_coef", 0.1), ("kl_clamp", 0.0),
+    ("aggregation", "mean"), ("sequence_sum_len", 0), ("sequence_sum_len", True),
+])
+def test_config_rejects(field, value):
+    with pytest.raises(ValueError, match=rf"LossConfig\.{field}=.*allowed"):
+        LossConfig(**{field: value})
+
+
+def test_config_defaults_are_the_m3_recipe():
+    c = LossConfig()
+    assert (c.eps_low, c.eps_high, c.dual_clip, c.is_correction, c.is_level, c.is_cap, c.kl, c.aggregation) == (
+        0.2, 0.28, 10.0, "truncate", "token", 2.0, "none", "token")
+    LossConfig(kl="k3", kl_coef=0.1)   # valid
+    hash(c)                            # static-argument ready
+
+
+# ---------------------------------------------------------------- clipping
+
+def _surrogate(rhos, advs, **cfg):
+    lo = col(*([-1.0] * len(rhos)))
+    lp = lo + np.log(col(*rhos))
+    return grpo_loss(lp, lo, lo, np.asarray(advs, np.float32), ones(len(rhos)), LossConfig(**{**PLAIN, **cfg}))
+
+
+def test_clip_both_sides():
+    #        A>0 above 1+eps_high | A>0 inside | A<0 below 1-eps_low | A<0 inside | A>0 low (no clip) | A<0 high
+    rhos = [1.5, 1.1, 0.5, 0.9, 0.5, 1.5]
+    advs = [2.0, 2.0, -1.0, -1.0, 1.0, -1.0]
+    want = [-2 * 1.28, -2 * 1.1, 0.8, 0.9, -0.5, 1.5]
+    loss, st = _surrogate(rhos, advs)
+    close(loss, sum(want))
+    assert float(st["clipped_tokens"]) == 2.0 and float(st["dual_clipped_tokens"]) == 0.0
+    for i in range(6):   # one token at a time
+        close(_surrogate(rhos[i:i + 1], advs[i:i + 1])[0], want[i])
+
+
+def test_dual_clip():
+    # A<0, rho=20: min(-20, -1.28) = -20, dual clip max(-20, 10*-1) = -10 -> loss 10 (20 without dual clip)
+    close(_surrogate([20.0], [-1.0], dual_clip=10.0)[0], 10.0)
+    close(_surrogate([20.0], [-1.0])[0], 20.0)
+    # A<0, rho=5 < c: untouched; A>0 is never dual-clipped
+    close(_surrogate([5.0], [-1.0], dual_clip=10.0)[0], 5.0)
+    close(_surrogate([20.0], [1.0], dual_clip=10.0)[0], -1.28)
+    _, st = _surrogate([20.0, 5.0, 20.0], [-1.0, -1.0, 1.0], dual_clip=10.0)
+    assert float(st["dual_clipped_tokens"]) == 1.0 and float(st["clipped_tokens"]) == 1.0
+
+
+# ---------------------------------------------------------------- importance sampling
+
+def _is_case(w, **cfg):
+    """rho = 1, A = 1: each token's loss is -w_eff."""
+    lo = col(*([-2.0] * len(w)))
+    lg = lo - np.log(col(*w))                      # logp_old - logp_gen = log w
+    return grpo_loss(lo, lo, lg, np.ones(len(w), np.float32), ones(len(w)), LossConfig(**{**PLAIN, **cfg}))
+
+
+def test_is_truncation_token():
+    loss, st = _is_case([3.0, 0.4, 1.0], is_correction="truncate", is_cap=2.0)
+    close(loss, -(2.0 + 0.4 + 1.0))
+    assert float(st["is_truncated_tokens"]) == 1 and float(st["is_out_of_band_tokens"]) == 2
+    assert float(st["is_masked_tokens"]) == 0
+    close(st["is_weight_sum"], 3.4)
+
+
+def test_is_mask_token():
+    loss, st = _is_case([3.0, 0.4, 1.0, 0.5, 2.0], is_correction="mask", is_mask_low=0.5, is_mask_high=2.0)
+    close(loss, -(0 + 0 + 1.0 + 0.5 + 2.0))          # band edges are kept
+    assert float(st["is_masked_tokens"]) == 2 and float(st["is_out_of_band_tokens"]) == 2
+    loss, _ = _is_case([3.0, 0.4, 1.0], is_correction="none")
+    close(loss, -3.0)
+
+
+# two sequences, lengths 3 and 2; log w per token 0.3 (seq 0) and -0.2, -0.3 (seq 1); A = [1, -1], rho = 1
+SEQ_MASK = np.array([[1, 1, 1], [1, 1, 0]], np.float32)
+SEQ_LOGW = np.array([[0.3, 0.3, 0.3], [-0.2, -0.3, 0.0]], np.float32)
+
+
+def _seq_case(**cfg):
+    lo = np.full((2, 3), -1.0, np.float32)
+    lo[1, 2] = -np.inf                             # padding garbage must not leak
+    lg = lo - SEQ_LOGW
+    lg[1, 2] = np.nan
+    return grpo_loss(lo, lo, lg, np.array([1.0, -1.0], np.float32), SEQ_MASK, LossConfig(**{**PLAIN, **cfg}))
+
+
+def test_is_sequence_level():
+    w0, w1 = math.exp(0.9), math.exp(-0.5)         # products: 2.4596, 0.6065
+    loss, st = _seq_case(is_correction="truncate", is_level="sequence", is_cap=2.0)
+    close(loss, -3 * 2.0 + 2 * w1)
+    assert float(st["is_truncated_tokens"]) == 3 and float(st["is_out_of_band_tokens"]) == 3
+    loss, st = _seq_case(is_correction="mask", is_level="sequence", is_mask_low=0.5, is_mask_high=2.0)
+    close(loss, 0.0 * w0 + 2 * w1)
+    assert float(st["is_masked_tokens"]) == 3
+
+
+def test_is_geometric_level():
+    g0, g1 = math.exp(0.3), math.exp(-0.25)        # geometric means: 1.3499, 0.7788
+    loss, st = _seq_case(is_correction="mask", is_level="geometric", is_mask_low=0.7, is_mask_high=1.2)
+    close(loss, 2 * g1)
+    assert float(st["is_masked_tokens"]) == 3
+    loss, _ = _seq_case(is_correction="truncate", is_level="geometric", is_cap=1.2)
+    close(loss, -3 * 1.2 + 2 * g1)
+    loss, _ = _seq_case(is_correction="truncate", is_level="geometric", is_cap=2.0)
+    close(loss, -3 * g0 + 2 * g1)
+
+
+# ---------------------------------------------------------------- KL
+
+def _kl_case(**cfg):
+    lp = np.array([[-1.0, -2.0]], np.float32)
+    lref = np.array([[-1.5, -1.0]], np.float32)
+    # A = 0: only the KL term remains
+    return grpo_loss(lp, lp, lp, np.zeros(1, np.float32), ones(1, 2), LossConfig(**{**PLAIN, **cfg}), logp_ref=lref)
+
+
+def test_kl_k1():
+    loss, st = _kl_case(kl="k1", kl_coef=0.1)
+    close(st["kl_sum"], 0.5 + -1.0)                # logp - logp_ref
+    close(loss, 0.1 * -0.5)
+
+
+def test_kl_k3_and_clamps():
+    k3 = lambda x: math.exp(x) - x - 1             # x = logp_ref - logp  # noqa: E731
+    loss, st = _kl_case(kl="k3", kl_coef=0.1)
+    close(st["kl_sum"], k3(-0.5) + k3(1.0))        # 0.10653 + 0.71828
+    close(loss, 0.1 * (k3(-0.5) + k3(1.0)))
+    _, st = _kl_case(kl="k3", kl_coef=0.1, kl_clamp=0.5)
+    close(st["kl_sum"], k3(-0.5) + 0.5)
+    _, st = _kl_case(kl="k3", kl_coef=0.1, kl_log_ratio_clamp=0.6)
+    close(st["kl_sum"], k3(-0.5) + k3(0.6))
+    with pytest.raises(ValueError, match="logp_ref"):
+        grpo_loss(np.zeros((1, 1)), np.zeros((1, 1)), np.zeros((1, 1)), np.zeros(1), ones(1),
+                  LossConfig(kl="k3", kl_coef=0.1))
+
+
+def test_kl_k3_gradient():
+    lp = jnp.array([[-1.0, -2.0]])
+    lref = np.array([[-1.5, -1.0]], np.float32)
+    cfg = LossConfig(**PLAIN, kl="k3", kl_coef=1.0)
+    g = jax.grad(lambda x: grpo_loss(x, lp, lp, np.zeros(1), ones(1, 2), cfg, logp_ref=lref)[0])(lp)
+    # d/dlogp [exp(x) - x - 1], x = logp_ref - logp  =  1 - exp(x)
+    close(g, [[1 - math.exp(-0.5), 1 - math.exp(1.0)]])
+
+
+# ---------------------------------------------------------------- aggregation
+
+def _agg_case(**cfg):
+    mask = np.array([[1, 1, 1], [1, 1, 0], [0, 0, 0]], np.float32)
+    lp = np.full((3, 3), -1.0, np.float32)
+    loss, st = grpo_loss(lp, lp, lp, np.array([1.0, 2.0, 5.0], np.float32), mask, LossConfig(**{**PLAIN, **cfg}))
+    return float(loss), float(normalizer(mask, LossConfig(**{**PLAIN, **cfg}))), st
+
+
+def test_aggregation_token():
+    loss, norm, st = _agg_case(aggregation="token")   # per-token loss = -A; rows of 3 and 2 tokens
+    assert (loss, norm) == (-7.0, 5.0)
+    assert float(st["tokens"]) == 5 and float(st["sequences"]) == 2
+
+
+def test_aggregation_sequence_mean():
+    loss, norm, _ = _agg_case(aggregation="sequence_mean")
+    assert (loss, norm) == (-3.0, 2.0)                # means -1 and -2; the empty row does not count
+
+
+def test_aggregation_sequence_sum():
+    loss, norm, _ = _agg_case(aggregation="sequence_sum")
+    assert (loss, norm) == (-7.0, 6.0)                # 2 sequences * padded length 3
+    loss, norm, _ = _agg_case(aggregation="sequence_sum", sequence_sum_len=10)
+    assert (loss, norm) == (-7.0, 20.0)
+
+
+def test_normalizer_empty_batch():
+    assert float(normalizer(np.zeros((2, 3)), LossConfig())) == 1.0
+
+
+# ---------------------------------------------------------------- full reference and micro-batches
+
+def _np_reference(lp, lo, lg, adv, mask, lref, cfg):
+    """Independent per-token loop of the documented formula."""
+    B, T = lp.shape
+    per = np.zeros((B, T))
+    for i in range(B):
+        valid = [t for t in range(T) if mask[i, t] > 0]
+        s = sum(mask[i, t] * (lo[i, t] - lg[i, t]) for t in valid)
+        for t in valid:
+            a = adv[i]
+            rho = math.exp(lp[i, t] - lo[i, t])
+            o = min(rho * a, min(max(rho, 1 - cfg.eps_low), 1 + cfg.eps_high) * a)
+            if cfg.dual_clip is not None and a < 0:
+                o = max(o, cfg.dual_clip * a)
+            w = {"token": math.exp(lo[i, t] - lg[i, t]), "sequence": math.exp(s),
+                 "geometric": math.exp(s / sum(mask[i]))}[cfg.is_level]
+            if cfg.is_correction == "truncate":
+                w = min(w, cfg.is_cap)
+            elif cfg.is_correction == "mask":
+                w = w if cfg.is_mask_low <= w <= cfg.is_mask_high else 0.0
+            else:
+                w = 1.0
+            x = lref[i, t] - lp[i, t]
+            kl = {"none": 0.0, "k1": -x, "k3": math.exp(x) - x - 1}[cfg.kl]
+            per[i, t] = -w * o + cfg.kl_coef * kl
+    tot = float(np.sum(per * mask))
+    nseq = sum(1 for i in range(B) if mask[i].sum() > 0)
+    if cfg.aggregation == "token":
+        return tot / mask.sum()
+    if cfg.aggregation == "sequence_mean":
+        return sum(np.sum(per[i] * mask[i]) / mask[i].sum() for i in range(B) if mask[i].sum() > 0) / nseq
+    return tot / (nseq * (cfg.sequence_sum_len or T))
+
+
+def _random_batch(seed=0, B=8, T=7):
+    rng = np.random.default_rng(seed)
+    lo = -rng.uniform(0.1, 3.0, (B, T)).astype(np.float32)
+    lp = (lo + rng.normal(0, 0.8, (B, T))).astype(np.float32)      # wide ratios: clipped, dual-clipped tokens
+    lg = (lo + rng.normal(0, 0.5, (B, T))).astype(np.float32)      # IS weights beyond the band / cap
+    lref = (lo + rng.normal(0, 0.3, (B, T))).astype(np.float32)
+    adv = rng.normal(0, 1.5, B).astype(np.float32)
+    lengths = rng.integers(1, T + 1, B)
+    mask = (np.arange(T)[None] < lengths[:, None]).astype(np.float32)
+    mask[:, 0] = 0.0                                                  # a prompt position
+    mask[0, 1:] = 1.0
+    return lp, lo, lg, adv, mask, lref
+
+
+CONFIGS = [
+    LossConfig(),                                                                    # M3 recipe
+    LossConfig(is_correction="mask", is_level="token", kl="k3", kl_coef=0.05, kl_clamp=None,
+               kl_log_ratio_clamp=None, aggregation="sequence_mean"),
+    LossConfig(is_correction="truncate", is_level="sequence", is_cap=1.5, dual_clip=3.0, kl="k1", kl_coef=0.1,
+               kl_clamp=None, kl_log_ratio_clamp=None, aggregation="sequence_sum"),
+    LossConfig(is_correction="mask", is_level="geometric", is_mask_low=0.9, is_mask_high=1.1, dual_clip=None,
+               aggregation="token"),
+]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=["m3", "mask-tok-k3-seqmean", "trunc-seq-k1-seqsum", "mask-geo"])
+def test_matches_reference_and_microbatch_invariant(cfg):
+    lp, lo, lg, adv, mask, lref = _random_batch()
+    norm = normalizer(mask, cfg)
+    full, st = grpo_loss(lp, lo, lg, adv, mask, cfg, logp_ref=lref)
+    close(full / norm, _np_reference(lp, lo, lg, adv, mask, lref, cfg), tol=1e-4)
+    assert float(st["clipped_tokens"]) > 0 and float(st["is_out_of_band_tokens"]) > 0   # the branches are exercised
+    for cuts in ([2, 4, 6], [3]):                   # equal micro-batches, and an uneven split
+        parts = np.split(np.arange(len(adv)), cuts)
+        total, acc = 0.0, {k: 0.0 for k in st}
+        for idx in parts:
+            l_mb, st_mb = grpo_loss(lp[idx], lo[idx], lg[idx], adv[idx], mask[idx], cfg, logp_ref=lref[idx])
+            total += float(l_mb)
+            for k in acc:
+                acc[k] += float(st_mb[k])
+        close(total / norm, full / norm, tol=1e-5)
+        for k in st:
+            close(acc[k], st[k], tol=1e-4)
+
+
+def test_mean_of_microbatch_means_differs():
+    """The contract matters: averaging per-micro-batch token means is not the step's token mean."""
+    lp, lo, lg, adv, mask, lref = _random_batch()
+    cfg = LossConfig()
+    full = float(grpo_loss(lp, lo, lg, adv, mask, cfg)[0] / normalizer(mask, cfg))
+    halves = [np.arange(0, 3), np.arange(3, 8)]
+    naive = np.mean([float(grpo_loss(lp[i], lo[i], lg[i], adv[i], mask[i], cfg)[0] / normalizer(mask[i], cfg))
+                     for i in halves])
+    assert abs(naive - full) > 1e-3
+
+
+# ---------------------------------------------------------------- gradients
+
+def _grads(rhos, advs, ws=None, **cfg):
+    """d(loss_sum)/d(logp) for one token per row (rows are independent)."""
+    n = len(rhos)
+    lo = col(*([-1.0] * n))
+    lp = jnp.asarray(lo + np.log(col(*rhos)))
+    lg = lo - np.log(col(*(ws or [1.0] * n)))
+    c = LossConfig(**{**PLAIN, **cfg})
+    g = jax.grad(lambda x: grpo_loss(x, lo, lg, np.asarray(advs, np.float32), ones(n), c)[0])(lp)
+    return np.asarray(g)[:, 0]
+
+
+def test_gradients_unclipped_vs_clipped():
+    # unclipped term active: d(-rho*A)/dlogp = -rho*A
+    #   A>0 inside; A<0 inside; A>0 below 1-eps_low (the pessimistic min keeps rho*A); A<0 above 1+eps_high
+    # clipped on the active side: A>0 above 1+eps_high, A<0 below 1-eps_low -> no gradient
+    g = _grads([1.1, 0.9, 0.5, 1.5, 1.5, 0.5], [1.0, -1.0, 1.0, -1.0, 1.0, -1.0])
+    close(g, [-1.1, 0.9, -0.5, 1.5, 0.0, 0.0])
+    assert g[4] == 0.0 and g[5] == 0.0
+    # dual clip (c = 10), A<0: rho = 20 > c -> no gradient; rho = 5 -> -rho*A
+    g = _grads([20.0, 5.0, 20.0], [-1.0, -1.0, 1.0], dual_clip=10.0)
+    close(g, [0.0, 5.0, 0.0])                       # (A>0, rho=20 is clipped by eps_high)
+    assert g[0] == 0.0
+    # the truncated IS weight scales the gradient (w = 0.5 kept, w = 3 -> 2) and carries none itself
+    close(_grads([1.1, 1.1], [1.0, 1.0], ws=[0.5, 3.0], is_correction="truncate", is_cap=2.0), [-0.55, -2.2])
+
+
+def test_gradient_ignores_padding_garbage():
+    lp = jnp.array([[-1.0, -1.0]])
+    lo = np.array([[-1.1, -np.inf]], np.float32)
+    lg = np.array([[-1.0, np.nan]], np.float32)
+    mask = np.array([[1.0, 0.0]], np.float32)
+    loss, g = jax.value_and_grad(lambda x: grpo_loss(x, lo, lg, jnp.array([1.0]), mask, LossConfig())[0])(lp)
+    rho, w = math.exp(0.1), math.exp(-0.1)
+    close(loss, -w * rho)
+    close(g, [[-w * rho, 0.0]])
+
+
+# ---------------------------------------------------------------- generation mismatch metrics
+
+def test_mismatch_on_policy():
+    lp = np.array([[-0.5, -1.5, -3.0], [-2.0, -0.1, -9.0]], np.float32)
+    mask = np.array([[1, 1, 1], [1, 1, 0]], np.float32)
+    for kind in ("k1", "k3"):
+        m = generation_mismatch_metrics(lp, lp, mask, kl_type=kind)
+        assert float(m["gen_kl_error"]) == 0.0 and float(m["policy_kl_error"]) == 0.0
+        assert float(m["token_mult_prob_error"]) == 1.0
+        assert float(m["seq_mult_prob_error_median"]) == 1.0
+    # and the loss, on policy with A = 1: every token -1, nothing clipped / truncated / out of band
+    loss, st = grpo_loss(lp, lp, lp, np.ones(2, np.float32), mask, LossConfig())
+    close(loss, -5.0)
+    assert float(st["clipped_tokens"] + st["is_truncated_tokens"] + st["is_out_of_band_tokens"]) == 0.0
+    close(st["ratio_sum"], 5.0)
+    close(st["neg_logp_sum"], 0.5 + 1.5 + 3.0 + 2.0 + 0.1)
+
+
+def test_mismatch_hand_values():
+    lo = np.array([[-1.0, -1.0], [-1.0, -1.0]], np.float32)
+    lg = np.array([[-0.9, -1.2], [-1.5, 0.0]], np.float32)      # d = logp_gen - logp_old = .1, -.2 | -.5, (pad)
+    mask = np.array([[1, 1], [1, 0]], np.float32)
+    m = generation_mismatch_metrics(lg, lo, mask)
+    close(m["token_mult_prob_error"], (math.exp(0.1) + math.exp(0.2) + math.exp(0.5)) / 3)
+    k3 = lambda x: math.exp(x) - 1 - x                           # noqa: E731
+    close(m["gen_kl_error"], (k3(-0.1) + k3(0.2) + k3(0.5)) / 3)  # x = logp_old - logp_gen
+    close(m["policy_kl_error"], (k3(0.1) + k3(-0.2) + k3(-0.5)) / 3)
+    close(m["seq_mult_prob_error"], [(math.exp(0.1) + math.exp(0.2)) / 2, math.exp(0.5)])
+    close(m["seq_mult_prob_error_median"], ((math.exp(0.1) + math.exp(0.2)) / 2 + math.exp(0.5)) / 2)
+    m1 = generation_mismatch_metrics(lg, lo, mask, kl_type="k1")
+    close(m1["gen_kl_error"], (0.1 - 0.2 - 0.5) / 3)             # mean of logp_gen - logp_old
+    close(m["tokens"], 3.0)
+    close(m["mult_prob_error_sum"], math.exp(0.1) + math.exp(0.2) + math.exp(0.5))
