@@ -66,26 +66,38 @@ def batch_sharding(mesh) -> NamedSharding:
     return NamedSharding(mesh, P(None, *logical_to_spec(("act_batch", "act_seq"))))
 
 
+def valid_tokens(batch: dict) -> jax.Array:
+    return jnp.sum(batch["loss_mask"]).astype(jnp.float32)
+
+
 def make_train_step(graphdef, optimizer: optax.GradientTransformation,
-                    loss_fn: Callable = token_cross_entropy, *, mesh=None, shardings: TrainState | None = None,
-                    donate: bool = True) -> Callable:
-    """step(state, batch) -> (state, metrics); batch arrays are [num_micro_batches, micro_batch, ...]."""
+                    loss_fn: Callable = token_cross_entropy, *, normalizer: Callable = valid_tokens, mesh=None,
+                    shardings: TrainState | None = None, donate: bool = True) -> Callable:
+    """step(state, batch) -> (state, metrics); batch arrays are [num_micro_batches, micro_batch, ...].
+
+    normalizer(batch) is the whole step's denominator (default: its valid-token count). The loss's
+    metrics must be sums; they are summed over micro-batches and returned under metrics["sums"].
+    """
 
     def step(state: TrainState, batch: dict):
-        total = jnp.maximum(jnp.sum(batch["loss_mask"]).astype(jnp.float32), 1.0)
+        total = jnp.maximum(normalizer(batch), 1.0)
 
         def micro(carry, mb):
-            grad_acc, loss_acc = carry
+            grad_acc, loss_acc, sums_acc = carry
 
             def f(params):
                 return loss_fn(nnx.merge(graphdef, params, state.rest), mb)
 
-            (loss_sum, _), grads = jax.value_and_grad(f, has_aux=True)(state.params)
+            (loss_sum, sums), grads = jax.value_and_grad(f, has_aux=True)(state.params)
             grad_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grad_acc, grads)
-            return (grad_acc, loss_acc + loss_sum.astype(jnp.float32)), None
+            sums_acc = jax.tree.map(lambda a, x: a + x.astype(jnp.float32), sums_acc, sums)
+            return (grad_acc, loss_acc + loss_sum.astype(jnp.float32), sums_acc), None
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
-        (grads, loss_sum), _ = jax.lax.scan(micro, (zeros, jnp.zeros([], jnp.float32)), batch)
+        first = jax.tree.map(lambda x: x[0], batch)
+        sums_shape = jax.eval_shape(lambda: loss_fn(nnx.merge(graphdef, state.params, state.rest), first)[1])
+        sums0 = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), sums_shape)
+        (grads, loss_sum, sums), _ = jax.lax.scan(micro, (zeros, jnp.zeros([], jnp.float32), sums0), batch)
         grads = jax.tree.map(lambda g: g / total, grads)
         loss = loss_sum / total
         grad_norm = optax.tree.norm(grads)
@@ -95,7 +107,8 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation,
         new = TrainState(params, state.rest, opt_state, state.step + 1, state.skipped)
         skipped = TrainState(state.params, state.rest, state.opt_state, state.step + 1, state.skipped + 1)
         out = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, skipped)
-        return out, {"loss": loss, "grad_norm": grad_norm, "skipped": ~finite, "tokens": total}
+        return out, {"loss": loss, "grad_norm": grad_norm, "skipped": ~finite, "tokens": valid_tokens(batch),
+                     "sums": sums}
 
     if mesh is None:
         return jax.jit(step, donate_argnums=(0,) if donate else ())
