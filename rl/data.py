@@ -1,0 +1,441 @@
+"""Prompt datasets for GRPO: loading, validation, chat rendering and a checkpointable loader.
+
+Files
+-----
+``load_prompts`` reads local JSONL (one JSON object per line), JSON (one array of objects) and Parquet
+files (needs ``pyarrow``) and returns ``PromptRecord``s. Three record layouts are recognised:
+
+===========  =======================================================  ===============================
+layout       prompt                                                   answer
+===========  =======================================================  ===============================
+``dapo``     ``prompt``: list of chat messages ``{role, content}``    ``reward_model.ground_truth``
+``gsm8k``    ``question``: string                                     ``answer``; the text after the
+                                                                      last ``####`` (commas removed;
+                                                                      kept whole if it has none)
+``plain``    ``prompt`` (or ``question`` / ``problem``): string or    ``answer`` (or ``ground_truth``,
+             chat messages                                            ``solution``)
+===========  =======================================================  ===============================
+
+``prompt_key`` / ``answer_key`` override detection; dotted keys (``reward_model.ground_truth``) reach
+into nested objects. Auto-detection looks at the first row (top-level keys matched case-insensitively,
+so AIME's ``Problem`` / ``Answer`` columns work) and then every row must have those keys.
+
+The whole file is read and validated inside ``load_prompts``: a bad file raises one ``DatasetError``
+naming the file, the 1-based row (for JSONL: the line number) and what was expected, before a trainer
+has touched any state. Numeric answers are converted to strings.
+
+Prompts
+-------
+``PromptRecord.prompt`` is either a string or a list of chat messages; ``render_prompt`` turns it into
+token ids with the tokenizer's chat template when it has one (``add_generation_prompt=True``), else
+with plain ``encode`` (messages are then joined by blank lines). Synthetic tasks (``rl.tasks``) produce
+records whose prompt is a plain string that their own tokenizer encodes, so the loader and the trainer
+need no special case for them.
+
+Order
+-----
+``PromptLoader`` shuffles with a fresh ``numpy.random.Generator`` seeded by ``(seed, epoch)`` each epoch
+and keeps its position as ``{seed, epoch, index}``. A batch that runs past the end of an epoch is
+completed from the start of the next epoch's order, so nothing is skipped; restoring ``state_dict()``
+continues with exactly the batches an uninterrupted run would have produced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import numpy as np
+
+__all__ = [
+    "DatasetError",
+    "PromptRecord",
+    "load_prompts",
+    "records_from_rows",
+    "render_prompt",
+    "PromptLoader",
+]
+
+Message = dict  # {"role": str, "content": str}
+Prompt = Union[str, list[Message]]
+
+
+class DatasetError(ValueError):
+    """A prompt file that cannot be used: missing, unreadable, or a row without what is needed."""
+
+    def __init__(self, path: str | os.PathLike, message: str, *, row: int | None = None):
+        self.path = str(path)
+        self.row = row
+        where = self.path if row is None else f"{self.path}, row {row}"
+        super().__init__(f"{where}: {message}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptRecord:
+    """One prompt: a string or chat messages, the reference answer (a string), and free-form metadata.
+
+    ``meta`` holds the row's other fields plus ``source`` (the file) and ``row`` (1-based) when loaded
+    from a file; synthetic tasks put their ``task`` name, ``reward`` name and ``prompt_ids`` there.
+    """
+
+    prompt: Prompt
+    answer: str
+    meta: dict = dataclasses.field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading rows
+
+FileFormat = Literal["auto", "jsonl", "json", "parquet"]
+Layout = Literal["auto", "dapo", "gsm8k", "plain"]
+
+_EXT_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet", ".pq": "parquet"}
+
+
+def _file_format(path: Path, fmt: str) -> str:
+    if fmt != "auto":
+        if fmt not in ("jsonl", "json", "parquet"):
+            raise DatasetError(path, f"unknown format {fmt!r}; expected one of 'auto', 'jsonl', 'json', 'parquet'")
+        return fmt
+    ext = path.suffix.lower()
+    if ext in _EXT_FORMATS:
+        return _EXT_FORMATS[ext]
+    raise DatasetError(
+        path, f"cannot tell the file format from the extension {ext!r}; expected .jsonl, .json or .parquet, "
+        "or pass format='jsonl' | 'json' | 'parquet'"
+    )
+
+
+def _read_jsonl(path: Path) -> list[tuple[int, Any]]:
+    rows = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue  # blank lines (a trailing newline, separators) are not rows
+                try:
+                    rows.append((lineno, json.loads(line)))
+                except json.JSONDecodeError as e:
+                    raise DatasetError(path, f"invalid JSON ({e.msg} at column {e.colno}); expected one JSON object per line", row=lineno) from None
+    except UnicodeDecodeError as e:
+        raise DatasetError(path, f"not UTF-8 text ({e.reason} at byte {e.start}); expected JSON lines") from None
+    return rows
+
+
+def _read_json(path: Path) -> list[tuple[int, Any]]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise DatasetError(path, f"invalid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+    except UnicodeDecodeError as e:
+        raise DatasetError(path, f"not UTF-8 text ({e.reason} at byte {e.start})") from None
+    if isinstance(data, dict):  # {"data": [...]} / {"rows": [...]} wrappers, if there is exactly one list
+        lists = [v for v in data.values() if isinstance(v, list)]
+        if len(lists) == 1:
+            data = lists[0]
+    if not isinstance(data, list):
+        raise DatasetError(path, f"expected a JSON array of objects, got a JSON {type(data).__name__}")
+    return list(enumerate(data, start=1))
+
+
+def _read_parquet(path: Path) -> list[tuple[int, Any]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DatasetError(path, "reading Parquet needs the 'pyarrow' package (pip install pyarrow)") from None
+    try:
+        table = pq.read_table(path)
+    except Exception as e:  # pyarrow raises ArrowInvalid / OSError for corrupt or non-Parquet files
+        raise DatasetError(path, f"not a readable Parquet file ({type(e).__name__}: {e})") from None
+    return list(enumerate(table.to_pylist(), start=1))
+
+
+def _read_rows(path: Path, fmt: str) -> list[tuple[int, Any]]:
+    if not path.exists():
+        raise DatasetError(path, "file not found")
+    if not path.is_file():
+        raise DatasetError(path, "not a regular file")
+    kind = _file_format(path, fmt)
+    try:
+        if kind == "jsonl":
+            return _read_jsonl(path)
+        if kind == "json":
+            return _read_json(path)
+        return _read_parquet(path)
+    except OSError as e:
+        raise DatasetError(path, f"cannot read the file ({e.strerror or e})") from None
+
+
+# --------------------------------------------------------------------------------------------------
+# Keys and layouts
+
+_MISSING = object()
+
+
+def _lookup(row: Mapping, dotted: str) -> Any:
+    """``row["a"]["b"]`` for ``"a.b"``; a literal key containing dots wins over the nested path."""
+    if dotted in row:
+        return row[dotted]
+    node: Any = row
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return _MISSING
+        node = node[part]
+    return node
+
+
+def _find_key(row: Mapping, candidates: Sequence[str]) -> str | None:
+    lower = {k.lower(): k for k in row if isinstance(k, str)}
+    for cand in candidates:
+        if _lookup(row, cand) is not _MISSING:
+            return cand
+        top, _, rest = cand.partition(".")
+        if top.lower() in lower and lower[top.lower()] != top:
+            real = lower[top.lower()] + ("." + rest if rest else "")
+            if _lookup(row, real) is not _MISSING:
+                return real
+    return None
+
+
+_PROMPT_KEYS = ("prompt", "question", "problem")
+_ANSWER_KEYS = ("reward_model.ground_truth", "answer", "ground_truth", "solution")
+
+
+def _detect(path: Path, first: Mapping, first_row: int, layout: str, prompt_key: str | None,
+            answer_key: str | None) -> tuple[str, str, str]:
+    """Choose (layout, prompt_key, answer_key) from the first row and the caller's overrides."""
+    if layout not in ("auto", "dapo", "gsm8k", "plain"):
+        raise DatasetError(path, f"unknown layout {layout!r}; expected 'auto', 'dapo', 'gsm8k' or 'plain'")
+    defaults = {"dapo": ("prompt", "reward_model.ground_truth"), "gsm8k": ("question", "answer")}
+    if layout in defaults:
+        prompt_key = prompt_key or defaults[layout][0]
+        answer_key = answer_key or defaults[layout][1]
+    if prompt_key is None:
+        prompt_key = _find_key(first, _PROMPT_KEYS)
+        if prompt_key is None:
+            raise DatasetError(
+                path, f"no prompt field; expected one of {list(_PROMPT_KEYS)} (found keys {sorted(map(str, first))}); "
+                "pass prompt_key=... to choose one", row=first_row)
+    if answer_key is None:
+        answer_key = _find_key(first, _ANSWER_KEYS)
+        if answer_key is None:
+            raise DatasetError(
+                path, f"no answer field; expected one of {list(_ANSWER_KEYS)} (found keys {sorted(map(str, first))}); "
+                "pass answer_key=... to choose one", row=first_row)
+    if layout == "auto":
+        if answer_key.lower() == "reward_model.ground_truth":
+            layout = "dapo"
+        elif prompt_key.lower() == "question" and answer_key.lower() == "answer":
+            layout = "gsm8k"
+        else:
+            layout = "plain"
+    return layout, prompt_key, answer_key
+
+
+def _gsm8k_final(text: str) -> str | None:
+    if "####" not in text:
+        return None
+    return text.rsplit("####", 1)[1].strip().replace(",", "")
+
+
+def _check_prompt(path: Path, row: int, key: str, value: Any) -> Prompt:
+    if isinstance(value, str):
+        if not value.strip():
+            raise DatasetError(path, f"field {key!r} is an empty string; expected the prompt text", row=row)
+        return value
+    if isinstance(value, (list, tuple)):  # chat messages (Parquet gives lists of dicts, maybe numpy arrays)
+        messages = []
+        if not value:
+            raise DatasetError(path, f"field {key!r} is an empty list; expected chat messages", row=row)
+        for i, m in enumerate(value):
+            if not (isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                raise DatasetError(
+                    path, f"field {key!r} message {i}: expected an object with string 'role' and 'content', "
+                    f"got {_short(m)}", row=row)
+            messages.append({"role": m["role"], "content": m["content"]})
+        return messages
+    if isinstance(value, np.ndarray):
+        return _check_prompt(path, row, key, value.tolist())
+    raise DatasetError(path, f"field {key!r}: expected a string or a list of chat messages, got {_short(value)}", row=row)
+
+
+def _check_answer(path: Path, row: int, key: str, value: Any, layout: str) -> str:
+    if isinstance(value, bool) or not isinstance(value, (str, int, float, np.integer, np.floating)):
+        raise DatasetError(path, f"field {key!r}: expected a string or a number, got {_short(value)}", row=row)
+    text = str(value).strip()
+    if layout == "gsm8k":
+        final = _gsm8k_final(text)
+        if final is not None:
+            text = final
+    if not text:
+        raise DatasetError(path, f"field {key!r} is empty; expected the reference answer", row=row)
+    return text
+
+
+def _short(value: Any) -> str:
+    s = repr(value)
+    return f"{type(value).__name__} {s[:60] + '...' if len(s) > 60 else s}"
+
+
+def records_from_rows(rows: Sequence[tuple[int, Any]] | Sequence[Mapping], *, source: str | os.PathLike = "<rows>",
+                      layout: Layout = "auto", prompt_key: str | None = None,
+                      answer_key: str | None = None) -> list[PromptRecord]:
+    """Validate rows (dicts, or ``(row_number, dict)`` pairs) and turn them into ``PromptRecord``s."""
+    path = Path(source)
+    pairs = [r if isinstance(r, tuple) else (i, r) for i, r in enumerate(rows, start=1)]
+    if not pairs:
+        raise DatasetError(path, "no rows; expected at least one prompt")
+    for rownum, row in pairs:
+        if not isinstance(row, Mapping):
+            raise DatasetError(path, f"expected a JSON object (a mapping of field names to values), got {_short(row)}", row=rownum)
+    first_row, first = pairs[0]
+    layout, prompt_key, answer_key = _detect(path, first, first_row, layout, prompt_key, answer_key)
+    prompt_top = prompt_key if prompt_key in first else prompt_key.split(".")[0]
+    out = []
+    for rownum, row in pairs:
+        prompt = _lookup(row, prompt_key)
+        if prompt is _MISSING:
+            raise DatasetError(path, f"missing field {prompt_key!r} (the prompt)", row=rownum)
+        answer = _lookup(row, answer_key)
+        if answer is _MISSING:
+            raise DatasetError(path, f"missing field {answer_key!r} (the answer)", row=rownum)
+        prompt = _check_prompt(path, rownum, prompt_key, prompt)
+        answer_text = _check_answer(path, rownum, answer_key, answer, layout)
+        meta = {k: v for k, v in row.items() if k != prompt_top}
+        meta.update(source=str(path), row=rownum, layout=layout)
+        out.append(PromptRecord(prompt=prompt, answer=answer_text, meta=meta))
+    return out
+
+
+def load_prompts(path: str | os.PathLike, *, format: FileFormat = "auto", prompt_key: str | None = None,
+                 answer_key: str | None = None, layout: Layout = "auto") -> list[PromptRecord]:
+    """Read and validate a whole prompt file (JSONL / JSON / Parquet) into ``PromptRecord``s.
+
+    ``format`` is the file format (``"auto"``: from the extension). ``layout`` forces a record layout
+    (``"dapo"``, ``"gsm8k"``, ``"plain"``; default: detected). ``prompt_key`` / ``answer_key`` (dotted
+    for nested fields) override the detected fields. Raises ``DatasetError`` naming the file, the
+    1-based row and what was expected.
+    """
+    path = Path(path)
+    rows = _read_rows(path, format)
+    return records_from_rows(rows, source=path, layout=layout, prompt_key=prompt_key, answer_key=answer_key)
+
+
+# --------------------------------------------------------------------------------------------------
+# Rendering
+
+def _has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None)) and hasattr(tokenizer, "apply_chat_template")
+
+
+def _as_id_list(out) -> list[int]:
+    if isinstance(out, Mapping) or hasattr(out, "input_ids"):  # BatchEncoding (transformers >= 5 default)
+        out = out["input_ids"]
+    if hasattr(out, "tolist"):
+        out = out.tolist()
+    if out and isinstance(out[0], (list, tuple)):  # a batch of one
+        if len(out) != 1:
+            raise ValueError(f"expected one token sequence, got {len(out)}")
+        out = out[0]
+    return [int(t) for t in out]
+
+
+def render_prompt(record: PromptRecord | Prompt, tokenizer, *, chat_template: bool = True) -> list[int]:
+    """Token ids of a prompt, ready for generation.
+
+    With ``chat_template=True`` and a tokenizer that has one, messages (a string prompt becomes one user
+    message) go through ``tokenizer.apply_chat_template(..., add_generation_prompt=True, tokenize=True)``.
+    Otherwise the text (messages' contents joined by blank lines) is ``tokenizer.encode``d with the
+    tokenizer's own special tokens (BOS etc.).
+    """
+    prompt = record.prompt if isinstance(record, PromptRecord) else record
+    if chat_template and _has_chat_template(tokenizer):
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return _as_id_list(out)
+    text = prompt if isinstance(prompt, str) else "\n\n".join(m["content"] for m in prompt)
+    return _as_id_list(tokenizer.encode(text))
+
+
+# --------------------------------------------------------------------------------------------------
+# Loader
+
+class PromptLoader:
+    """Endless batches of prompts in a reshuffled order each epoch, with a checkpointable position.
+
+    Epoch ``e``'s order is ``np.random.default_rng([seed, e]).permutation(len(records))``; ``index`` is
+    the next position in that order. ``next_batch()`` returns ``batch_size`` records, continuing into
+    the next epoch's order when the current one runs out (nothing is dropped or repeated).
+    """
+
+    def __init__(self, records: Sequence[PromptRecord], batch_size: int, seed: int = 0):
+        if len(records) == 0:
+            raise ValueError("PromptLoader needs at least one record")
+        if int(batch_size) < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.records = list(records)
+        self.batch_size = int(batch_size)
+        self.seed = int(seed)
+        self.epoch = 0
+        self.index = 0
+        self._order: np.ndarray | None = None
+        self._order_epoch = -1
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    @property
+    def batches_per_epoch(self) -> float:
+        return len(self.records) / self.batch_size
+
+    def _epoch_order(self) -> np.ndarray:
+        if self._order_epoch != self.epoch:
+            rng = np.random.default_rng([self.seed, self.epoch])
+            self._order = rng.permutation(len(self.records))
+            self._order_epoch = self.epoch
+        return self._order
+
+    def next_indices(self) -> list[int]:
+        """Dataset indices of the next batch (advances the position)."""
+        out: list[int] = []
+        n = len(self.records)
+        while len(out) < self.batch_size:
+            order = self._epoch_order()
+            take = min(self.batch_size - len(out), n - self.index)
+            out.extend(int(i) for i in order[self.index:self.index + take])
+            self.index += take
+            if self.index == n:
+                self.epoch += 1
+                self.index = 0
+        return out
+
+    def next_batch(self) -> list[PromptRecord]:
+        return [self.records[i] for i in self.next_indices()]
+
+    def __iter__(self):
+        while True:
+            yield self.next_batch()
+
+    def state_dict(self) -> dict[str, int]:
+        """``{seed, epoch, index, num_records}`` (plain ints): the position after the last batch taken."""
+        return {"seed": self.seed, "epoch": self.epoch, "index": self.index, "num_records": len(self.records)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        missing = [k for k in ("seed", "epoch", "index") if k not in state]
+        if missing:
+            raise ValueError(f"loader state is missing {missing}; expected keys seed, epoch, index")
+        n = state.get("num_records")
+        if n is not None and int(n) != len(self.records):
+            raise ValueError(
+                f"loader state was saved with {int(n)} records but this dataset has {len(self.records)}; "
+                "resuming would not continue the same order")
+        epoch, index = int(state["epoch"]), int(state["index"])
+        if epoch < 0 or not 0 <= index < len(self.records):
+            raise ValueError(f"loader state out of range: epoch={epoch}, index={index} for {len(self.records)} records")
+        self.seed, self.epoch, self.index = int(state["seed"]), epoch, index
+        self._order_epoch = -1

@@ -1,0 +1,33 @@
+"""Rewards: a registry of ``fn(completion_text, answer, **kw) -> float`` and time-limited batch scoring.
+
+Built-in rewards (registered on import): ``math_verify`` (rl.rewards.math), ``format``
+(rl.rewards.format), ``reverse_digits`` / ``copy_digits`` / ``sort_digits`` / ``exact_digits``
+(rl.rewards.synthetic). See rl.rewards.registry for how ``score_batch`` runs and time-limits them.
+"""
+
+from rl.rewards.registry import (
+    MODES,
+    RewardScores,
+    UnknownRewardError,
+    get_reward,
+    list_rewards,
+    register_reward,
+    reward_mode,
+    score_batch,
+    score_components,
+    shutdown_process_pool,
+)
+from rl.rewards import format, math, synthetic  # noqa: E402,F401  (register the built-ins)
+
+__all__ = [
+    "MODES",
+    "RewardScores",
+    "UnknownRewardError",
+    "get_reward",
+    "list_rewards",
+    "register_reward",
+    "reward_mode",
+    "score_batch",
+    "score_components",
+    "shutdown_process_pool",
+]

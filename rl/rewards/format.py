@@ -1,0 +1,57 @@
+"""``format``: does the completion give one well-formed final answer?
+
+1.0 when all of these hold, else 0.0:
+
+- the completion was not cut off by the length limit (``truncated=True`` in the sample's kwargs, which
+  the trainer passes when no EOS was sampled, gives 0);
+- it contains exactly one ``\\boxed{...}`` (``\\fbox{`` counts as well), with balanced braces and
+  non-empty content.
+
+Text after the box (a closing ``$`` or a sentence) is allowed. The scan is linear in the length of the
+completion whatever it contains, so the reward runs inline.
+"""
+
+from __future__ import annotations
+
+from rl.rewards.registry import register_reward
+
+__all__ = ["boxed_format", "box_starts", "box_content"]
+
+_MARKERS = ("\\boxed{", "\\fbox{")
+
+
+def box_starts(text: str) -> list[int]:
+    """Offsets of every ``\\boxed{`` / ``\\fbox{`` in ``text``, in order."""
+    out = []
+    for m in _MARKERS:
+        i = text.find(m)
+        while i >= 0:
+            out.append(i)
+            i = text.find(m, i + len(m))
+    return sorted(out)
+
+
+def box_content(text: str, start: int) -> str | None:
+    """The content of the box starting at ``start`` (balanced braces), or None if it never closes."""
+    open_at = text.index("{", start)
+    depth = 0
+    for j in range(open_at, len(text)):
+        c = text[j]
+        if c == "{":
+            depth += 1
+        elif c == "}":
+            depth -= 1
+            if depth == 0:
+                return text[open_at + 1:j]
+    return None
+
+
+@register_reward("format", mode="inline")
+def boxed_format(completion: str, answer: str = "", *, truncated: bool = False, **_: object) -> float:
+    if truncated:
+        return 0.0
+    starts = box_starts(completion)
+    if len(starts) != 1:
+        return 0.0
+    content = box_content(completion, starts[0])
+    return float(content is not None and bool(content.strip()))

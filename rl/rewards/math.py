@@ -1,0 +1,140 @@
+"""``math_verify``: is the completion's final answer mathematically equal to the reference?
+
+Uses Hugging Face's ``math-verify`` (``parse`` + ``verify``):
+
+- gold: the reference answer wrapped as ``\\boxed{answer}`` (unless it already holds a box) and
+  parsed as LaTeX, so ``0.5``, ``1/2`` and ``\\frac{1}{2}`` all work; parsed golds are cached. A gold
+  that does not parse raises (the sample is counted as a failure: a data problem, not a wrong answer).
+- prediction: the content of the completion's last ``\\boxed{...}``; failing that, the last
+  ``Answer: ...`` line (DAPO-Math's requested format); failing both, math-verify's own extraction over
+  the whole completion (its last LaTeX or plain expression).
+- comparison: ``verify(gold, pred)`` over every parsed form pair; 1.0 if any matches.
+
+Time limits. math-verify bounds each ``parse`` and comparison with ``signal.alarm`` (whole seconds;
+main thread only; with ``timeout=None`` it runs unbounded). This reward passes each call the
+remaining part of its own ``timeout_s`` (rounded up to a second) when it runs in a main thread — in a
+``score_batch`` process-pool worker, or inline from the main thread when no other ``SIGALRM`` timer is
+pending (math-verify's ``alarm(0)`` would cancel it) — and ``None`` otherwise, where the caller's
+watchdog must bound it. In thread mode that watchdog can only abandon the thread: a runaway sympy
+evaluation (``\boxed{2^{2^{2^{30}}}}``) then keeps a core and grows memory until it ends, and while it is
+inside C it holds the GIL; so use the default process mode for untrusted completions. A math-verify timeout raises out of this function so that
+``score_batch`` counts it (math-verify would otherwise log it and return "wrong"). Registered with
+mode ``"process"``: a computation stuck in C (which no signal interrupts) is then ended by killing the
+worker.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import signal
+import threading
+import time
+from collections import OrderedDict
+
+from rl.rewards.format import box_content, box_starts
+from rl.rewards.registry import register_reward
+
+__all__ = ["math_verify_reward", "extract_final_answer"]
+
+_ANSWER_LINE = re.compile(r"^[ \t*#_]*answer[ \t*_]*:[ \t*]*(.+?)[ \t]*$", re.IGNORECASE | re.MULTILINE)
+_GOLD_CACHE: OrderedDict[str, list] = OrderedDict()
+_GOLD_CACHE_SIZE = 4096
+
+
+def extract_final_answer(text: str) -> str | None:
+    """Content of the last ``\\boxed{}``, else of the last ``Answer:`` line (``$`` stripped), else None."""
+    starts = box_starts(text)
+    for s in reversed(starts):
+        content = box_content(text, s)
+        if content is not None and content.strip():
+            return content.strip()
+    line = None
+    for line in _ANSWER_LINE.finditer(text):
+        pass
+    if line is not None:
+        ans = line.group(1).strip().strip("$").strip().rstrip(".").strip()
+        return ans or None
+    return None
+
+
+class _Budget:
+    """Per-call timeouts for math-verify out of one per-sample allowance."""
+
+    def __init__(self, timeout_s: float | None):
+        # signal.alarm only works in the main thread, and would cancel a timer the caller set itself
+        usable = (timeout_s is not None and hasattr(signal, "SIGALRM")
+                  and threading.current_thread() is threading.main_thread()
+                  and signal.getitimer(signal.ITIMER_REAL)[0] == 0)
+        self.deadline = time.monotonic() + timeout_s if usable else None
+
+    def next(self) -> int | None:
+        if self.deadline is None:
+            return None
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("math_verify: per-sample time limit used up")
+        return max(1, math.ceil(left))
+
+
+def _mv():
+    import math_verify
+    import math_verify.grader
+    import math_verify.parser
+
+    # Off-main-thread calls pass timeout=None on purpose (the caller bounds them); silence the
+    # one-time "timeout is disabled" warning that would otherwise suggest a misconfiguration.
+    math_verify.grader.TIMEOUT_WARNING_SHOWN = True
+    math_verify.parser.TIMEOUT_WARNING_SHOWN = True
+    return math_verify
+
+
+def _gold(answer: str, budget: _Budget) -> list:
+    hit = _GOLD_CACHE.get(answer)
+    if hit is not None:
+        _GOLD_CACHE.move_to_end(answer)
+        return hit
+    mv = _mv()
+    text = answer if "\\boxed" in answer else "\\boxed{" + answer + "}"
+    gold = mv.parse(text, extraction_config=[mv.LatexExtractionConfig()], parsing_timeout=budget.next(),
+                    raise_on_error=True)
+    if not gold:
+        gold = mv.parse(answer, parsing_timeout=budget.next(), raise_on_error=True)
+    if not gold:
+        raise ValueError(f"math_verify: cannot parse the reference answer {answer[:100]!r}")
+    _GOLD_CACHE[answer] = gold
+    if len(_GOLD_CACHE) > _GOLD_CACHE_SIZE:
+        _GOLD_CACHE.popitem(last=False)
+    return gold
+
+
+@register_reward("math_verify", mode="process")
+def math_verify_reward(completion: str, answer: str, *, timeout_s: float | None = 5.0, **_: object) -> float:
+    from math_verify.errors import TimeoutException
+
+    mv = _mv()
+    budget = _Budget(timeout_s)
+    gold = _gold(answer, budget)
+    final = extract_final_answer(completion)
+    if final is not None:
+        pred = mv.parse("\\boxed{" + final + "}", parsing_timeout=budget.next(), raise_on_error=True)
+    else:
+        pred = mv.parse(completion, parsing_timeout=budget.next(), raise_on_error=True)
+    if not pred:
+        return 0.0
+    timed_out = False
+    for g in gold:
+        for p in pred:
+            try:
+                if mv.verify(g, p, timeout_seconds=budget.next(), raise_on_error=True):
+                    return 1.0
+            except TimeoutException:
+                timed_out = True  # another form may still match cheaply; report only if none does
+            except Exception:
+                pass  # this pair of forms cannot be compared (sympy refuses); try the others
+    if timed_out:
+        raise TimeoutError("math_verify: comparison timed out")
+    return 0.0
+
+
+math_verify_reward.warmup = _mv  # score_batch / pool workers import math-verify before timing samples

@@ -1,0 +1,278 @@
+"""rl.data: prompt files in the common math-RL layouts, one clear error per bad row, chat rendering,
+and a loader whose position survives a checkpoint."""
+
+import json
+
+import numpy as np
+import pytest
+
+from rl.data import DatasetError, PromptLoader, PromptRecord, load_prompts, render_prompt
+from rl.tasks import DigitTokenizer, ReverseDigitsTask
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+DAPO_ROWS = [
+    {
+        "data_source": "math_dapo",
+        "prompt": [{"content": "Solve 1+1. Answer: $Answer", "role": "user"}],
+        "ability": "MATH",
+        "reward_model": {"ground_truth": "2", "style": "rule-lighteval/MATH_v2"},
+        "extra_info": {"index": "a1"},
+    },
+    {
+        "data_source": "math_dapo",
+        "prompt": [{"content": "You are terse.", "role": "system"}, {"content": "Half of 1?", "role": "user"}],
+        "ability": "MATH",
+        "reward_model": {"ground_truth": "\\frac{1}{2}", "style": "rule-lighteval/MATH_v2"},
+        "extra_info": {"index": "a2"},
+    },
+]
+
+
+# ------------------------------------------------------------------------------------------ formats
+
+def test_dapo_jsonl(tmp_path):
+    recs = load_prompts(write_jsonl(tmp_path / "dapo.jsonl", DAPO_ROWS))
+    assert len(recs) == 2 and all(isinstance(r, PromptRecord) for r in recs)
+    assert recs[0].prompt == [{"role": "user", "content": "Solve 1+1. Answer: $Answer"}]
+    assert recs[1].prompt[0]["role"] == "system" and recs[1].answer == "\\frac{1}{2}"
+    assert recs[0].answer == "2"
+    assert recs[0].meta["layout"] == "dapo" and recs[0].meta["row"] == 1
+    assert recs[0].meta["data_source"] == "math_dapo" and "prompt" not in recs[0].meta
+
+
+def test_gsm8k_jsonl(tmp_path):
+    rows = [
+        {"question": "Tom has 3 apples and buys 4. How many?", "answer": "3 + 4 = <<3+4=7>>7\n#### 7"},
+        {"question": "How many cents in 12.34 dollars times 100?", "answer": "Work...\n#### 1,234"},
+    ]
+    recs = load_prompts(write_jsonl(tmp_path / "gsm8k.jsonl", rows))
+    assert [r.answer for r in recs] == ["7", "1234"]
+    assert recs[0].prompt.startswith("Tom has") and recs[0].meta["layout"] == "gsm8k"
+    assert "#### 7" in recs[0].meta["answer"]  # the worked solution stays available
+
+
+def test_plain_jsonl_and_numeric_answer(tmp_path):
+    p = tmp_path / "plain.jsonl"
+    p.write_text('{"prompt": "What is 6*7?", "answer": "42"}\n\n{"prompt": "2+2?", "answer": 4}\n')
+    recs = load_prompts(p)
+    assert [(r.prompt, r.answer) for r in recs] == [("What is 6*7?", "42"), ("2+2?", "4")]
+    assert recs[1].meta["row"] == 3  # JSONL rows are line numbers (blank lines skipped)
+
+
+def test_json_array_and_case_insensitive_columns(tmp_path):
+    p = tmp_path / "aime.json"
+    p.write_text(json.dumps([{"ID": "2024-I-1", "Problem": "Find x.", "Answer": 204}]))
+    (rec,) = load_prompts(p)
+    assert rec.prompt == "Find x." and rec.answer == "204" and rec.meta["ID"] == "2024-I-1"
+
+
+def test_explicit_dotted_keys_override_detection(tmp_path):
+    rows = [{"prompt": "ignored", "text": "Real prompt", "labels": {"final": "9"}, "answer": "wrong"}]
+    (rec,) = load_prompts(write_jsonl(tmp_path / "x.jsonl", rows), prompt_key="text", answer_key="labels.final")
+    assert rec.prompt == "Real prompt" and rec.answer == "9"
+
+
+def test_parquet_dapo(tmp_path):
+    pa = pytest.importorskip("pyarrow", reason="Parquet support needs the 'pyarrow' package")
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "dapo.parquet"
+    pq.write_table(pa.Table.from_pylist(DAPO_ROWS), path)
+    recs = load_prompts(path)
+    assert [r.answer for r in recs] == ["2", "\\frac{1}{2}"]
+    assert recs[1].prompt == [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Half of 1?"}]
+    assert recs[0].meta["extra_info"] == {"index": "a1"}
+
+
+# ------------------------------------------------------------------------------------------ errors
+
+def check_error(excinfo, path, row):
+    msg = str(excinfo.value)
+    assert str(path) in msg
+    if row is not None:
+        assert f"row {row}" in msg, msg
+    assert excinfo.value.path == str(path) and excinfo.value.row == row
+    return msg
+
+
+def test_missing_file(tmp_path):
+    path = tmp_path / "nope.jsonl"
+    with pytest.raises(DatasetError) as e:
+        load_prompts(path)
+    assert "not found" in check_error(e, path, None)
+
+
+def test_invalid_json_row(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": "2"}\n{"prompt": "c", "answer": \n')
+    with pytest.raises(DatasetError) as e:
+        load_prompts(path)
+    assert "invalid JSON" in check_error(e, path, 3)
+
+
+def test_missing_answer_row(tmp_path):
+    path = write_jsonl(tmp_path / "m.jsonl", [{"prompt": "a", "answer": "1"}, {"prompt": "b"}])
+    with pytest.raises(DatasetError) as e:
+        load_prompts(path)
+    assert "missing field 'answer'" in check_error(e, path, 2)
+
+
+def test_missing_nested_answer_row(tmp_path):
+    rows = [DAPO_ROWS[0], DAPO_ROWS[1], {**DAPO_ROWS[0], "reward_model": {"style": "x"}}]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    with pytest.raises(DatasetError) as e:
+        load_prompts(path)
+    assert "reward_model.ground_truth" in check_error(e, path, 3)
+
+
+def test_bad_message_and_wrong_types(tmp_path):
+    rows = [DAPO_ROWS[0], {**DAPO_ROWS[0], "prompt": [{"role": "user"}]}]
+    path = write_jsonl(tmp_path / "msg.jsonl", rows)
+    with pytest.raises(DatasetError) as e:
+        load_prompts(path)
+    assert "'content'" in check_error(e, path, 2)
+
+    path = write_jsonl(tmp_path / "types.jsonl", [{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": [1, 2]}])
+    with pytest.raises(DatasetError) as e:
+        load_prompts(path)
+    assert "expected a string or a number" in check_error(e, path, 2)
+
+    path = write_jsonl(tmp_path / "notobj.jsonl", [{"prompt": "a", "answer": "1"}, ["b", "2"]])
+    with pytest.raises(DatasetError) as e:
+        load_prompts(path)
+    assert "expected a JSON object" in check_error(e, path, 2)
+
+
+def test_undetectable_and_explicit_missing_key(tmp_path):
+    path = write_jsonl(tmp_path / "u.jsonl", [{"text": "a", "label": "1"}])
+    with pytest.raises(DatasetError) as e:
+        load_prompts(path)
+    assert "no prompt field" in check_error(e, path, 1)
+    with pytest.raises(DatasetError) as e:
+        load_prompts(path, prompt_key="text", answer_key="gold")
+    assert "missing field 'gold'" in check_error(e, path, 1)
+
+
+def test_empty_and_unknown_extension(tmp_path):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("\n")
+    with pytest.raises(DatasetError, match="no rows"):
+        load_prompts(path)
+    path = tmp_path / "data.csv"
+    path.write_text("prompt,answer\n")
+    with pytest.raises(DatasetError, match="extension"):
+        load_prompts(path)
+
+
+def test_parquet_errors(tmp_path):
+    pa = pytest.importorskip("pyarrow", reason="Parquet support needs the 'pyarrow' package")
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "corrupt.parquet"
+    path.write_bytes(b"PAR1 this is not parquet")
+    with pytest.raises(DatasetError) as e:
+        load_prompts(path)
+    assert "Parquet" in check_error(e, path, None)
+
+    path = tmp_path / "null.parquet"
+    pq.write_table(pa.Table.from_pylist([{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": None}]), path)
+    with pytest.raises(DatasetError) as e:
+        load_prompts(path)
+    check_error(e, path, 2)
+
+
+# ------------------------------------------------------------------------------------------ rendering
+
+@pytest.fixture(scope="module")
+def chat_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<bos>", "<eos>", "<unk>", "<|user|>", "<|system|>", "<|assistant|>"]
+    words = specials + ["what", "is", "1", "+", "2", "?", "be", "terse", "half", "of"]
+    tk = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tk.add_special_tokens(specials)
+    template = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+                                  unk_token="<unk>", chat_template=template)
+    return tok
+
+
+def test_render_with_chat_template(chat_tokenizer):
+    tok = chat_tokenizer
+    v = tok.get_vocab()
+    rec = PromptRecord(prompt=[{"role": "system", "content": "be terse"}, {"role": "user", "content": "what is 1 + 2 ?"}],
+                       answer="3")
+    ids = render_prompt(rec, tok)
+    expect = [v[w] for w in ["<bos>", "<|system|>", "be", "terse", "<|user|>", "what", "is", "1", "+", "2", "?",
+                             "<|assistant|>"]]
+    assert ids == expect
+    # a string prompt becomes one user message
+    assert render_prompt(PromptRecord("what is 1 + 2 ?", "3"), tok) == [v["<bos>"]] + expect[4:]
+    # chat_template=False: plain encode of the text
+    assert render_prompt(PromptRecord("what is 1 + 2 ?", "3"), tok, chat_template=False) == tok.encode("what is 1 + 2 ?")
+
+
+def test_render_without_template_and_digit_tokenizer(chat_tokenizer):
+    tok = DigitTokenizer()
+    rec = ReverseDigitsTask(4, seed=3).dataset(1)[0]
+    ids = render_prompt(rec, tok)
+    assert ids == rec.meta["prompt_ids"] and ids[0] == tok.bos_token_id and ids[-1] == tok.sep_token_id
+    assert tok.decode(ids[1:-1]) == rec.prompt
+
+
+# ------------------------------------------------------------------------------------------ loader
+
+def make_records(n):
+    return [PromptRecord(prompt=f"p{i}", answer=str(i)) for i in range(n)]
+
+
+def answers(batch):
+    return [int(r.answer) for r in batch]
+
+
+def test_loader_epochs_are_permutations_and_deterministic():
+    recs = make_records(10)
+    a = PromptLoader(recs, batch_size=4, seed=7)
+    seq = [i for _ in range(5) for i in answers(a.next_batch())]  # 20 prompts = exactly 2 epochs
+    assert sorted(seq[:10]) == list(range(10)) and sorted(seq[10:]) == list(range(10))
+    assert seq[:10] != seq[10:]  # reshuffled per epoch
+    b = PromptLoader(recs, batch_size=4, seed=7)
+    assert [i for _ in range(5) for i in answers(b.next_batch())] == seq
+    c = PromptLoader(recs, batch_size=4, seed=8)
+    assert [i for _ in range(5) for i in answers(c.next_batch())] != seq
+    assert a.state_dict() == {"seed": 7, "epoch": 2, "index": 0, "num_records": 10}
+    # epoch e's order is the documented one
+    assert seq[:10] == np.random.default_rng([7, 0]).permutation(10).tolist()
+
+
+@pytest.mark.parametrize("stop_after", [1, 2, 3, 5])
+def test_loader_resume_matches_uninterrupted_run(stop_after):
+    recs = make_records(7)  # 7 prompts, batches of 3: batches straddle epoch boundaries
+    full = PromptLoader(recs, batch_size=3, seed=11)
+    expected = [answers(full.next_batch()) for _ in range(8)]
+
+    first = PromptLoader(recs, batch_size=3, seed=11)
+    got = [answers(first.next_batch()) for _ in range(stop_after)]
+    state = json.loads(json.dumps(first.state_dict()))  # what a checkpoint would store
+    resumed = PromptLoader(recs, batch_size=3, seed=999)  # the saved seed wins
+    resumed.load_state_dict(state)
+    got += [answers(resumed.next_batch()) for _ in range(8 - stop_after)]
+    assert got == expected
+
+
+def test_loader_state_validation():
+    loader = PromptLoader(make_records(5), batch_size=2, seed=0)
+    with pytest.raises(ValueError, match="5"):
+        loader.load_state_dict({"seed": 0, "epoch": 0, "index": 0, "num_records": 6})
+    with pytest.raises(ValueError, match="missing"):
+        loader.load_state_dict({"seed": 0})
+    with pytest.raises(ValueError):
+        PromptLoader([], batch_size=2, seed=0)

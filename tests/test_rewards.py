@@ -1,0 +1,267 @@
+"""rl.rewards: registry, the built-in rewards, and score_batch's failure / time-limit handling;
+rl.tasks: the digit tokenizer and the synthetic tasks."""
+
+import math
+import time
+
+import numpy as np
+import pytest
+
+import rl.rewards as rewards
+from rl.rewards import UnknownRewardError, get_reward, list_rewards, register_reward, score_batch, score_components
+from rl.rewards import registry
+from rl.tasks import (
+    AddModTask,
+    CopyDigitsTask,
+    DigitTokenizer,
+    ReverseDigitsTask,
+    SortDigitsTask,
+    make_task,
+)
+
+
+# Rewards used by the failure tests. Module-level so that the process pool can import them by name.
+def raises_on_bad(completion, answer, **kw):
+    if answer == "bad":
+        raise RuntimeError("reward exploded")
+    return 1.0
+
+
+def sleeps_on_slow(completion, answer, **kw):
+    if answer == "slow":
+        time.sleep(30)
+    return 1.0
+
+
+def returns_nan(completion, answer, **kw):
+    return float("nan") if answer == "nan" else 0.25
+
+
+def returns_string(completion, answer, **kw):
+    return "high"
+
+
+# ------------------------------------------------------------------------------------------ registry
+
+def test_builtins_registered():
+    assert {"math_verify", "format", "reverse_digits", "copy_digits", "sort_digits", "exact_digits"} <= set(list_rewards())
+    assert rewards.reward_mode("reverse_digits") == "inline"
+    assert rewards.reward_mode("math_verify") == "process"
+
+
+def test_unknown_reward_lists_names():
+    with pytest.raises(UnknownRewardError) as e:
+        get_reward("math_verfy")
+    msg = str(e.value)
+    assert "math_verfy" in msg and "math_verify" in msg and "reverse_digits" in msg
+    with pytest.raises(UnknownRewardError):  # score_batch resolves names before running anything
+        score_batch([("nope", 1.0)], ["x"], ["y"])
+
+
+def test_register_and_duplicate():
+    try:
+        @register_reward("_test_len")
+        def length(completion, answer, **kw):
+            return len(completion)
+
+        assert get_reward("_test_len") is length
+        assert score_batch({"_test_len": 0.5}, ["abcd", ""], ["", ""])[0].tolist() == [2.0, 0.0]
+        with pytest.raises(ValueError, match="already registered"):
+            register_reward("_test_len")(lambda c, a, **kw: 0.0)
+        register_reward("_test_len", replace=True)(raises_on_bad)
+        assert get_reward("_test_len") is raises_on_bad
+    finally:
+        registry._REGISTRY.pop("_test_len", None)
+
+
+# ------------------------------------------------------------------------------------------ digit task
+
+def test_digit_tokenizer_roundtrip():
+    tok = DigitTokenizer()
+    assert tok.vocab_size == len(tok) == 16
+    assert (tok.bos_token_id, tok.sep_token_id, tok.eos_token_id, tok.pad_token_id) == (10, 11, 12, 13)
+    ids = tok.encode("3141")
+    assert ids == [10, 3, 1, 4, 1, 11]
+    assert tok.encode("3141", add_special_tokens=False) == [3, 1, 4, 1]
+    assert tok.decode(ids) == "<bos>3141<sep>"
+    assert tok.decode(ids, skip_special_tokens=True) == "3141"
+    assert tok.decode(np.array([4, 3, 12, 13, 13])) == "43<eos><pad><pad>"
+    assert tok.encode(tok.decode([1, 2, 12]), add_special_tokens=False) == [1, 2, 12]
+    with pytest.raises(ValueError, match="unknown character"):
+        tok.encode("12a")
+    with pytest.raises(ValueError, match="outside"):
+        tok.decode([16])
+
+
+def test_tasks_records():
+    recs = ReverseDigitsTask(num_digits=4, seed=0).dataset(50)
+    assert recs == ReverseDigitsTask(num_digits=4, seed=0).dataset(50)  # deterministic
+    assert recs != ReverseDigitsTask(num_digits=4, seed=1).dataset(50)
+    for r in recs:
+        assert len(r.prompt) == 4 and r.answer == r.prompt[::-1]
+        assert r.meta["prompt_ids"] == [10, *map(int, r.prompt), 11] and r.meta["reward"] == "reverse_digits"
+    assert CopyDigitsTask(4).make_record("3141").answer == "3141"
+    assert SortDigitsTask(4).make_record("3141").answer == "1134"
+    add = AddModTask(seed=0).make_record("78")
+    assert (add.prompt, add.answer, add.meta["prompt_ids"]) == ("7+8", "5", [10, 7, 14, 8, 11])
+    assert make_task("copy", num_digits=8).dataset(3)[0].meta["reward"] == "copy_digits"
+    with pytest.raises(ValueError, match="reverse"):
+        make_task("revrse")
+    assert ReverseDigitsTask(4).max_new_tokens() == 5
+
+
+@pytest.mark.parametrize("completion,expected", [
+    ("4321<eos>", 1.0),
+    ("4321", 1.0),
+    ("4300<eos>", 0.5),
+    ("43", 0.5),          # missing positions are wrong
+    ("1234", 0.0),
+    ("4<sep>21", 0.75),   # a special token occupies its position
+    ("43<eos>21", 0.5),   # nothing after <eos> counts
+    ("432199", 1.0),      # extra digits past the answer are ignored
+    ("", 0.0),
+])
+def test_reverse_digits_partial_credit(completion, expected):
+    assert get_reward("reverse_digits")(completion, "4321") == expected
+
+
+def test_digit_variants_and_exact():
+    assert get_reward("copy_digits")("3140", "3141") == 0.75
+    assert get_reward("sort_digits")("1134<eos>", "1134") == 1.0
+    assert get_reward("exact_digits")("5<eos><pad>", "5") == 1.0
+    assert get_reward("exact_digits")("55", "5") == 0.0
+
+
+def test_tiny_task_scoring_is_fast():
+    task = ReverseDigitsTask(4, seed=0)
+    tok = task.tokenizer
+    recs = task.dataset(32)
+    rng = np.random.default_rng(0)
+    answers = [r.answer for r in recs for _ in range(8)]  # 32 prompts x 8 samples
+    completions = [tok.decode([*rng.integers(0, 10, 4), tok.eos_token_id]) for _ in answers]
+    completions[0] = answers[0] + "<eos>"
+    score_batch([("reverse_digits", 1.0)], completions, answers)  # warm
+    t0 = time.perf_counter()
+    r, failures = score_batch([("reverse_digits", 1.0)], completions, answers)
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 0.05, elapsed
+    assert failures == 0 and r.shape == (256,) and r.dtype == np.float32 and r[0] == 1.0
+    assert 0.0 < r.mean() < 0.3  # random guesses: about 0.1 per position
+
+
+# ------------------------------------------------------------------------------------------ format
+
+@pytest.mark.parametrize("completion,kw,expected", [
+    ("so the answer is \\boxed{42}.", {}, 1.0),
+    ("\\boxed{\\frac{1}{2}} $", {}, 1.0),
+    ("\\fbox{7}", {}, 1.0),
+    ("no box here", {}, 0.0),
+    ("\\boxed{1} or \\boxed{2}", {}, 0.0),
+    ("\\boxed{}", {}, 0.0),
+    ("\\boxed{\\frac{1}{2}", {}, 0.0),   # never closed
+    ("\\boxed{42}", {"truncated": True}, 0.0),
+])
+def test_format_reward(completion, kw, expected):
+    assert get_reward("format")(completion, "", **kw) == expected
+
+
+def test_format_is_linear_on_hostile_input():
+    t0 = time.perf_counter()
+    assert get_reward("format")("\\boxed{" * 20000, "") == 0.0
+    assert get_reward("format")("\\boxed{" + "{" * 50000, "") == 0.0
+    assert time.perf_counter() - t0 < 0.5
+
+
+# ------------------------------------------------------------------------------------------ math_verify
+
+@pytest.mark.parametrize("completion,answer,expected", [
+    ("We get \\boxed{1/2}.", "0.5", 1.0),
+    ("We get \\boxed{\\frac{1}{2}}.", "0.5", 1.0),
+    ("So $\\boxed{0.5}$", "\\frac{1}{2}", 1.0),
+    ("\\boxed{\\dfrac{\\sqrt{2}}{2}}", "\\frac{1}{\\sqrt{2}}", 1.0),
+    ("\\boxed{(x+1)^2}", "x^2+2x+1", 1.0),
+    ("First \\boxed{3}, no wait: \\boxed{4}", "4", 1.0),   # the last box counts
+    ("First \\boxed{4}, no wait: \\boxed{3}", "4", 0.0),
+    ("Reasoning...\nAnswer: 17", "17", 1.0),                # DAPO's requested format
+    ("\\boxed{0.49}", "0.5", 0.0),
+    ("\\boxed{2}", "3", 0.0),
+    ("I have no idea", "3", 0.0),
+    ("", "3", 0.0),
+])
+def test_math_verify_reward(completion, answer, expected):
+    assert get_reward("math_verify")(completion, answer, timeout_s=5) == expected
+
+
+def test_math_verify_batch_in_pool_and_threads():
+    completions = ["\\boxed{1/2}", "\\boxed{\\frac{1}{2}}", "\\boxed{0.3}", "Answer: 204", "\\boxed{x}"]
+    answers = ["0.5", "1/2", "0.5", "204", "\\frac{1}{2}"]
+    expected = [1.0, 1.0, 0.0, 1.0, 0.0]
+    for mode in (None, "thread"):  # None: the registered process pool; thread: math-verify without signals
+        r, failures = score_batch([("math_verify", 1.0)], completions, answers, timeout_s=10, mode=mode)
+        assert r.tolist() == expected and failures == 0, mode
+
+
+def test_math_verify_timeout_is_counted():
+    # 2^(2^(2^30)) cannot be evaluated in time: math-verify's own alarm (in the worker) or the pool's
+    # kill ends it; either way the sample is 0 and counted, and the good sample is unaffected.
+    t0 = time.perf_counter()
+    s = score_components([("math_verify", 1.0)], ["\\boxed{2^{2^{2^{30}}}}", "\\boxed{7}"], ["1", "7"], timeout_s=1)
+    assert time.perf_counter() - t0 < 8
+    assert s.total.tolist() == [0.0, 1.0] and s.failures["math_verify"] == 1
+
+
+# ------------------------------------------------------------------------------------------ failures
+
+@pytest.mark.parametrize("mode", ["inline", "thread", "process"])
+def test_raising_reward_scores_zero_and_is_counted(mode):
+    answers = ["ok", "bad", "ok", "bad", "ok"]
+    s = score_components([(raises_on_bad, 1.0)], ["c"] * 5, answers, mode=mode, timeout_s=5)
+    assert s.total.tolist() == [1.0, 0.0, 1.0, 0.0, 1.0]
+    assert s.num_failures == 2 and s.timeouts["raises_on_bad"] == 0
+    assert "reward exploded" in s.errors["raises_on_bad"][0]
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_slow_reward_times_out_promptly(mode):
+    if mode == "process":  # start the pool first so the timing below measures the call, not the start-up
+        score_batch([(sleeps_on_slow, 1.0)], ["c"], ["fast"], mode=mode)
+    answers = ["fast", "slow", "fast", "fast", "slow", "fast"]
+    t0 = time.perf_counter()
+    s = score_components([(sleeps_on_slow, 1.0)], ["c"] * 6, answers, mode=mode, timeout_s=0.3, num_workers=2)
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 3.0, elapsed
+    assert s.total.tolist() == [1.0, 0.0, 1.0, 1.0, 0.0, 1.0]
+    assert s.num_failures == 2 and s.timeouts["sleeps_on_slow"] == 2
+    # the machinery recovers: the next call is clean
+    assert score_batch([(sleeps_on_slow, 1.0)], ["c"] * 3, ["fast"] * 3, mode=mode, timeout_s=0.3) == (pytest.approx([1.0] * 3), 0)
+
+
+def test_batch_time_limit():
+    t0 = time.perf_counter()
+    r, failures = score_batch([(sleeps_on_slow, 1.0)], ["c"] * 4, ["slow"] * 4, mode="thread", timeout_s=10,
+                              batch_timeout_s=0.3)
+    assert time.perf_counter() - t0 < 2.0
+    assert r.tolist() == [0.0] * 4 and failures == 4
+
+
+def test_bad_return_values_are_failures():
+    r, failures = score_batch([(returns_nan, 1.0)], ["c"] * 3, ["x", "nan", "x"], mode="inline")
+    assert r.tolist() == [0.25, 0.0, 0.25] and failures == 1
+    r, failures = score_batch([(returns_string, 1.0)], ["c"] * 2, ["x", "y"])
+    assert r.tolist() == [0.0, 0.0] and failures == 2
+
+
+def test_weighted_sum_and_components():
+    completions = ["\\boxed{4}", "the answer is 4", "\\boxed{5}"]
+    answers = ["4", "4", "4"]
+    s = score_components([("math_verify", 1.0), ("format", 0.5)], completions, answers, timeout_s=10,
+                         sample_kwargs=[{}, {}, {"truncated": True}])
+    assert s.components["math_verify"].tolist() == [1.0, 1.0, 0.0]
+    assert s.components["format"].tolist() == [1.0, 0.0, 0.0]
+    assert s.total.tolist() == [1.5, 1.0, 0.0] and s.num_failures == 0
+    assert math.isclose(float(score_batch({"format": 2.0}, ["\\boxed{1}"], ["1"])[0][0]), 2.0)
+
+
+def test_mismatched_lengths_raise():
+    with pytest.raises(ValueError, match="answers"):
+        score_batch([("format", 1.0)], ["a", "b"], ["a"])
