@@ -13,6 +13,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -112,10 +113,13 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation,
 
     if mesh is None:
         return jax.jit(step, donate_argnums=(0,) if donate else ())
-    jitted = jax.jit(step, in_shardings=(shardings, batch_sharding(mesh)),
+    jitted = jax.jit(step, in_shardings=(shardings, None),
                      out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=(0,) if donate else ())
+    per_rank = batch_sharding(mesh).spec
 
     def run(state, batch):
+        # Leaves of rank 2 ([micro, batch], e.g. advantages) take the batch part of the layout only.
+        batch = {k: jax.device_put(v, NamedSharding(mesh, P(*per_rank[:np.ndim(v)]))) for k, v in batch.items()}
         with jax.set_mesh(mesh):
             return jitted(state, batch)
 

@@ -24,11 +24,16 @@ class JaxEngine:
         self.pad_id, self.mesh = pad_id, mesh
         self.version = 0
 
-    def set_weights(self, params, version: int) -> None:
+    def set_weights(self, params, version: int, rest=None) -> None:
+        """Generate with these params (and non-trainable state) from now on; no copy is made."""
         self.params, self.version = params, version
+        if rest is not None:
+            self.rest = rest
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, key: jax.Array) -> Rollout:
-        width = max(map(len, prompts))
+    def generate(self, prompts: list[list[int]], params: SamplingParams, key: jax.Array,
+                 prompt_width: int | None = None) -> Rollout:
+        """prompt_width: pad prompts to this many slots (a fixed width compiles once for every batch)."""
+        width = max(max(map(len, prompts)), prompt_width or 0)
         ids = np.full((len(prompts), width), self.pad_id, np.int32)
         for row, p in enumerate(prompts):
             ids[row, :len(p)] = p

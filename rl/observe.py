@@ -1,0 +1,87 @@
+"""What people see: a progress bar, metrics.jsonl and TensorBoard in the run directory, PNG curves."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+PLOTS = {  # panel title -> metrics drawn in it
+    "reward": ("reward/mean", "reward/std"),
+    "response length": ("response/length_mean", "response/truncated_frac"),
+    "train/inference mismatch and clipping": ("gen_kl_error", "token_mult_prob_error", "clip_frac",
+                                              "is_out_of_band_frac"),
+    "seconds per phase": ("time/generate", "time/logprobs", "time/train", "time/reward", "time/other"),
+}
+
+
+class RunLogger:
+    def __init__(self, run_dir: str, *, tensorboard: bool = True, progress_bar: bool = True, total_steps: int = 0,
+                 first_step: int = 0):
+        os.makedirs(run_dir, exist_ok=True)
+        self.run_dir = run_dir
+        self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+        self._tb = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+            self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+        self._bar = None
+        if progress_bar:
+            from tqdm import tqdm
+            self._bar = tqdm(total=total_steps, initial=first_step, unit="step", dynamic_ncols=True)
+
+    def log(self, step: int, metrics: dict) -> None:
+        clean = {k: (float(v) if isinstance(v, (int, float)) or hasattr(v, "item") else v) for k, v in metrics.items()}
+        self._jsonl.write(json.dumps({"step": step, **clean}) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            for k, v in clean.items():
+                if isinstance(v, float) and math.isfinite(v):
+                    self._tb.add_scalar(k, v, step)
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_postfix(reward=f"{clean.get('reward/mean', float('nan')):.3f}",
+                                  tok_s=f"{clean.get('throughput/tokens_per_s', 0):.0f}")
+
+    def close(self) -> None:
+        self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._bar is not None:
+            self._bar.close()
+
+
+def read_metrics(run_dir: str) -> list[dict]:
+    """metrics.jsonl rows, the last record of each step winning (a resumed run re-logs some steps)."""
+    rows = {}
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for line in f:
+            if line.strip():
+                row = json.loads(line)
+                rows[row["step"]] = row
+    return [rows[k] for k in sorted(rows)]
+
+
+def plot_run(run_dir: str, out: str | None = None) -> str:
+    """One PNG with reward, lengths, mismatch/clipping diagnostics and phase times against step."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(run_dir)
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    for ax, (title, keys) in zip(axes.flat, PLOTS.items()):
+        for key in keys:
+            pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+            if pts:
+                ax.plot(*zip(*pts), label=key)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(os.path.basename(os.path.abspath(run_dir)))
+    fig.tight_layout()
+    out = out or os.path.join(run_dir, "curves.png")
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

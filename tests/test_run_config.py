@@ -1,0 +1,547 @@
+"""rl.config: shipped configs, base chains and deep merge, overrides, one test per class of bad config,
+and the --print-config round trip.
+
+Every bad config must fail at load with a message that names the full dotted key (or the file), the
+bad value and what is allowed.
+"""
+
+import dataclasses
+import datetime as dt
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from rl import config as rc
+from rl.config import ConfigError, RunConfig, load_config, to_yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configs"
+TINY = CONFIGS / "tiny.yaml"
+ONE_NODE = CONFIGS / "m3-1node-h200.yaml"
+RECIPE = CONFIGS / "recipes" / "m3-32node.yaml"
+
+
+def write(dirpath: Path, name: str, text: str) -> Path:
+    p = dirpath / name
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(textwrap.dedent(text))
+    return p
+
+
+@pytest.fixture
+def recipe_paths(tmp_path):
+    """Stand-ins for the recipe's two user-supplied paths."""
+    model = tmp_path / "MiniMax-M3"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    data = tmp_path / "dapo.parquet"
+    data.write_bytes(b"")
+    return [f"model.path={model}", f"data.path={data}"]
+
+
+def delta(tmp_path: Path, body: str, name: str = "run.yaml") -> Path:
+    """A config that inherits tiny.yaml and changes `body`."""
+    return write(tmp_path, name, f"base: {TINY}\n" + textwrap.dedent(body))
+
+
+def load_error(path, overrides=()) -> str:
+    with pytest.raises(ConfigError) as e:
+        load_config(path, list(overrides))
+    return str(e.value)
+
+
+# ============================================================================== shipped configs
+def test_every_shipped_config_loads(recipe_paths):
+    tiny = load_config(TINY)
+    one = load_config(ONE_NODE)
+    recipe = load_config(RECIPE, recipe_paths)
+    for cfg in (tiny, one, recipe):
+        assert isinstance(cfg, RunConfig)
+    shipped = {p.relative_to(CONFIGS).as_posix() for p in CONFIGS.rglob("*.yaml")}
+    assert shipped == {"base.yaml", "tiny.yaml", "m3-1node-h200.yaml", "recipes/m3-32node.yaml"}, \
+        "a new shipped config needs a load test"
+    # base.yaml is a template: it asks for a model and a reward, and nothing else
+    msg = load_error(CONFIGS / "base.yaml")
+    assert "reward = []" in msg and "non-empty list" in msg
+    cfg = load_config(CONFIGS / "base.yaml", [f"model.path={recipe_paths[0].split('=')[1]}",
+                                              "reward=[{name: reverse_digits}]"])
+    assert cfg.reward[0] == rc.RewardSpec("reverse_digits", 1.0, 10.0)
+
+
+def test_base_yaml_restates_the_dataclass_defaults():
+    raw = rc.load_yaml((CONFIGS / "base.yaml").read_text())
+    assert "base" not in raw
+    raw["run"]["out_dir"] = raw["run"]["out_dir"].replace("${name}", raw["run"]["name"])
+    assert raw == rc.defaults_dict()
+
+
+def test_tiny_is_the_calibrated_cpu_demo():
+    cfg = load_config(TINY)
+    m3 = cfg.model.m3_config()
+    assert m3.vocab_size == 16 and m3.has_moe and m3.has_sparse_attention
+    assert set(m3.layer_types) == {"full_attention", "minimax_m3_sparse"}
+    assert set(m3.mlp_layer_types) == {"dense", "sparse"}
+    g = cfg.grpo
+    assert (g.prompts_per_step, g.group_size, g.updates_per_step, g.kl) == (32, 8, 1, "none")
+    assert (cfg.optim.lr, cfg.optim.clip_norm, cfg.precision.master) == (1e-3, 1.0, "none")
+    assert cfg.precision.param_dtype == "float32"
+    assert cfg.mesh.num_devices == 1
+    assert (cfg.data.task, cfg.data.num_digits, cfg.run.total_steps, cfg.checkpoint.every_steps) == \
+        ("reverse", 4, 200, 20)
+    assert 5 <= cfg.generation.max_new_tokens <= 6 and cfg.generation.temperature == 1.0
+    assert cfg.run.out_dir == "runs/tiny"
+    assert cfg.micro_steps_per_update == 1
+
+
+def test_tiny_fits_the_digit_task_and_mesh():
+    tasks = pytest.importorskip("rl.tasks")
+    from sharding.mesh import validate
+    cfg = load_config(TINY)
+    m3, tok = cfg.model.m3_config(), tasks.DigitTokenizer
+    assert (m3.bos_token_id, m3.eos_token_id, m3.pad_token_id) == (tok.BOS, tok.EOS, tok.PAD)
+    assert cfg.generation.stop_token_ids == (tok.EOS,)
+    task = tasks.make_task(cfg.data.task, num_digits=cfg.data.num_digits)
+    assert cfg.generation.max_new_tokens >= task.max_new_tokens()
+    assert cfg.generation.max_prompt_tokens >= len(task.dataset(1)[0].meta["prompt_ids"])
+    validate(cfg.mesh.to_mesh_config(), m3, num_devices=1, batch=cfg.grpo.micro_batch_size)
+
+
+def test_recipe_holds_the_production_values(recipe_paths):
+    cfg = load_config(RECIPE, recipe_paths)
+    m, g, o, gen = cfg.mesh, cfg.grpo, cfg.optim, cfg.generation
+    assert m.num_devices == 128 and m.context == 8 and m.expert_parallel == 128
+    assert m.expert_axes == ("data", "context")
+    assert (o.lr, o.weight_decay, o.warmup_steps, o.schedule) == (1e-6, 0.1, 10, "constant")
+    assert (cfg.precision.master, cfg.precision.moment_dtype, cfg.precision.param_dtype) == \
+        ("fp32", "bfloat16", "bfloat16")
+    assert (g.eps_low, g.eps_high, g.dual_clip) == (0.2, 0.28, 10.0)
+    assert (g.is_correction, g.is_cap, g.is_level, g.kl, g.aggregation, g.advantage) == \
+        ("truncate", 2.0, "token", "none", "token", "grpo")
+    assert (g.prompts_per_step, g.group_size, g.micro_batch_size, g.sequences_per_step) == (32, 16, 1, 512)
+    assert (gen.max_prompt_tokens, gen.max_new_tokens, gen.max_seq_len) == (2048, 6144, 8192)
+    assert (gen.backend, gen.vllm_tensor_parallel, gen.vllm_expert_parallel, gen.vllm_gpu_memory_utilization) \
+        == ("vllm", 16, 16, 0.8)
+    assert gen.vllm_servers * gen.vllm_tensor_parallel == 128  # 16 generation nodes x 8
+    assert cfg.model.remat
+    assert cfg.micro_steps_per_update == 32
+
+
+def test_recipe_mesh_fits_the_released_model(recipe_paths):
+    from m3jax.config import M3Config
+    from sharding.mesh import validate
+    cfg = load_config(RECIPE, recipe_paths)
+    release = M3Config(vocab_size=200064, hidden_size=6144, num_hidden_layers=60, num_attention_heads=64,
+                       num_key_value_heads=4, head_dim=128, intermediate_size=3072, dense_intermediate_size=12288,
+                       shared_intermediate_size=3072, num_local_experts=128, num_experts_per_tok=4,
+                       partial_rotary_factor=0.5, layer_types=["full_attention"] * 3 + ["minimax_m3_sparse"] * 57,
+                       mlp_layer_types=["dense"] * 3 + ["sparse"] * 57)
+    validate(cfg.mesh.to_mesh_config(), release, num_devices=128, seq_len=cfg.generation.max_seq_len,
+             batch=cfg.grpo.micro_batch_size * cfg.mesh.data * cfg.mesh.expert)
+
+
+def test_recipe_refuses_to_load_without_its_paths():
+    msg = load_error(RECIPE)
+    assert 'model.path = "???": must be set' in msg and "model.path=..." in msg
+    assert "a local Hugging Face model directory" in msg
+    assert 'data.path = "???"' in msg and "recipes/m3-32node.yaml" in msg
+    msg = load_error(RECIPE, ["model.path=/no/such/dir", "data.path=/no/such.parquet"])
+    assert "model.path" in msg and "no config.json" in msg and "data.path" in msg and "no such file" in msg
+
+
+def test_one_node_config_is_m3_shaped_and_fits_eight_devices():
+    from sharding.mesh import validate
+    cfg = load_config(ONE_NODE)
+    m3 = cfg.model.m3_config()
+    assert (m3.vocab_size, m3.hidden_size, m3.num_attention_heads, m3.num_key_value_heads, m3.head_dim) == \
+        (200064, 6144, 64, 4, 128)
+    assert (m3.intermediate_size, m3.dense_intermediate_size, m3.shared_intermediate_size,
+            m3.num_experts_per_tok, m3.rotary_dim) == (3072, 12288, 3072, 4, 64)
+    assert (m3.index_n_heads, m3.index_head_dim, m3.index_block_size, m3.index_topk_blocks) == (4, 128, 128, 16)
+    assert m3.num_hidden_layers < 60 and m3.num_local_experts < 128
+    assert cfg.mesh.num_devices == 8 and cfg.precision.master == "fp32"
+    validate(cfg.mesh.to_mesh_config(), m3, num_devices=8, seq_len=cfg.generation.max_seq_len,
+             batch=cfg.grpo.micro_batch_size * cfg.mesh.data * cfg.mesh.expert)
+    # the memory estimate in the file's comment: ~22.4 B parameters
+    h, n_dense, n_moe = 6144, 3, 5
+    attn = h * 64 * 128 * 2 + h * 4 * 128 * 2
+    per_expert = 3 * h * 3072
+    total = 2 * 200064 * h + n_dense * (attn + 3 * h * 12288) + n_moe * (attn + 65 * per_expert)
+    assert 22.0e9 < total < 22.5e9
+
+
+# ============================================================================== inheritance and merge
+def test_base_chain_deep_merge_and_relative_paths(tmp_path):
+    write(tmp_path, "root.yaml", """\
+        run: {name: root, seed: 1}
+        model:
+          tiny: {vocab_size: 16, hidden_size: 32, num_hidden_layers: 1, num_attention_heads: 2,
+                 num_key_value_heads: 1, head_dim: 16, intermediate_size: 32, dense_intermediate_size: 64,
+                 shared_intermediate_size: 32, num_local_experts: 4, num_experts_per_tok: 2,
+                 layer_types: [full_attention], mlp_layer_types: [dense], bos_token_id: 10, eos_token_id: 12}
+        grpo: {prompts_per_step: 4, group_size: 4, micro_batch_size: 2}
+        generation: {max_new_tokens: 8, max_prompt_tokens: 8, stop_token_ids: [12, 13]}
+        reward: [{name: reverse_digits}, {name: copy_digits, weight: 0.5}]
+        """)
+    write(tmp_path, "mid/mid.yaml", """\
+        base: ../root.yaml
+        run: {seed: 2}
+        model: {tiny: {hidden_size: 64}}
+        generation: {stop_token_ids: [12]}
+        """)
+    leaf = write(tmp_path, "mid/deeper/leaf.yaml", """\
+        base: ../mid.yaml
+        grpo: {group_size: 8}
+        reward: [{name: sort_digits, timeout_s: 3}]
+        """)
+    cfg = load_config(leaf)
+    assert (cfg.run.name, cfg.run.seed) == ("root", 2)            # scalars: nearest file wins
+    assert cfg.model.tiny["hidden_size"] == 64                     # dicts merge ...
+    assert cfg.model.tiny["num_local_experts"] == 4                # ... keeping inherited keys
+    assert (cfg.grpo.prompts_per_step, cfg.grpo.group_size, cfg.grpo.micro_batch_size) == (4, 8, 2)
+    assert cfg.generation.stop_token_ids == (12,)                  # lists replace
+    assert cfg.reward == (rc.RewardSpec("sort_digits", 1.0, 3.0),)
+    assert cfg.optim == rc.OptimSection()                          # untouched sections: defaults
+
+
+def test_empty_section_keeps_defaults(tmp_path):
+    cfg = load_config(delta(tmp_path, "logging:\n"))
+    assert cfg.logging == rc.LoggingSection(True, True, True)
+
+
+# ============================================================================== overrides
+def test_overrides_nested_and_typed(tmp_path):
+    cfg = load_config(TINY, [
+        "grpo.group_size=4",                 # int
+        "grpo.micro_batch_size=128",
+        "optim.lr=1e-6",                     # float, written without a dot
+        "optim.clip_norm=2",                 # an int is accepted for a float ...
+        "logging.plot=false",                # bool
+        "mesh.expert_axes=[data]",           # list
+        "grpo.dual_clip=3.0",
+        "optim.clip_norm=null",              # later overrides win; null = off
+        "model.tiny.hidden_size=32",         # into the tiny model's dict
+        "run.name=try2",
+        "checkpoint.must_save_by=23:30",     # a clock time stays a string
+        "reward=[{name: reverse_digits, weight: 2}, {name: copy_digits, weight: 0.5, timeout_s: 1}]",
+        "generation={temperature: 0.7}",     # a mapping merges into the section
+    ])
+    assert cfg.grpo.group_size == 4 and cfg.grpo.micro_batch_size == 128 and cfg.grpo.prompts_per_step == 32
+    assert cfg.optim.lr == 1e-6 and isinstance(cfg.optim.lr, float)
+    assert cfg.optim.clip_norm is None
+    assert cfg.logging.plot is False and cfg.logging.tensorboard is True
+    assert cfg.mesh.expert_axes == ("data",)
+    assert cfg.grpo.dual_clip == 3.0
+    assert cfg.model.tiny["hidden_size"] == 32 and cfg.model.tiny["vocab_size"] == 16
+    assert cfg.run.out_dir == "runs/try2"
+    assert cfg.checkpoint.must_save_by == "23:30"
+    assert [(r.name, r.weight, r.timeout_s) for r in cfg.reward] == [("reverse_digits", 2.0, 10.0),
+                                                                    ("copy_digits", 0.5, 1.0)]
+    assert cfg.generation.temperature == 0.7 and cfg.generation.max_new_tokens == 5
+    clip = load_config(TINY, ["optim.clip_norm=2"]).optim.clip_norm
+    assert clip == 2.0 and isinstance(clip, float)
+
+
+def test_out_dir_is_derived_from_the_name(tmp_path):
+    assert load_config(TINY).run.out_dir == "runs/tiny"
+    assert load_config(TINY, ["run.name=x"]).run.out_dir == "runs/x"
+    assert load_config(TINY, ["run.out_dir=/scratch/${name}/out", "run.name=y"]).run.out_dir == "/scratch/y/out"
+    assert load_config(TINY, ["run.out_dir=elsewhere"]).run.out_dir == "elsewhere"
+    msg = load_error(TINY, ["run.out_dir=runs/${user}"])
+    assert "run.out_dir" in msg and "only ${name}" in msg
+
+
+def test_yaml_dialect(tmp_path):
+    assert rc.load_yaml("a: 1e-6\nb: 23:30\nc: 010\nd: 0x10\ne: 1_000\nf: .5\ng: -2") == \
+        {"a": 1e-6, "b": "23:30", "c": "010", "d": 16, "e": 1000, "f": 0.5, "g": -2}
+    cfg = load_config(delta(tmp_path, "optim: {lr: 3e-4}\ncheckpoint: {must_save_by: 07:45}\n"))
+    assert cfg.optim.lr == 3e-4 and cfg.checkpoint.must_save_by == "07:45"
+    start = dt.datetime(2025, 1, 1, 8, 0)
+    assert cfg.checkpoint.deadline_seconds(start) == (23 * 60 + 45) * 60  # 07:45 tomorrow
+    assert load_config(TINY, ["checkpoint.must_save_by=3600"]).checkpoint.deadline_seconds(start) == 3600.0
+
+
+# ============================================================================== bad configs: files
+BAD_FILES = {
+    # class: (delta over tiny.yaml, substrings the message must hold)
+    "unknown_top_level_key": ("trainer: {lr: 1}\n",
+                              ["trainer: unknown key", "allowed keys in the top level: run, model, mesh"]),
+    "unknown_nested_key": ("grpo: {group_sise: 4}\n",
+                           ["grpo.group_sise: unknown key (did you mean 'group_size'?)", "allowed keys in grpo:",
+                            "prompts_per_step"]),
+    "unknown_tiny_model_key": ("model: {tiny: {hidden_sise: 4}}\n",
+                               ["model.tiny.hidden_sise: unknown key (did you mean 'hidden_size'?)",
+                                "num_attention_heads"]),
+    "unknown_key_in_list_item": ("reward: [{name: copy_digits, wieght: 2}]\n",
+                                 ["reward[0].wieght: unknown key (did you mean 'weight'?)", "name, weight, timeout_s"]),
+    "bool_for_int": ("grpo: {group_size: true}\n",
+                     ["grpo.group_size = true: wrong type (a boolean); allowed: an integer >= 2"]),
+    "float_for_int": ("run: {total_steps: 1.5}\n",
+                      ["run.total_steps = 1.5: wrong type (a number); allowed: an integer >= 1"]),
+    "string_for_float": ("optim: {lr: fast}\n",
+                         ['optim.lr = "fast": wrong type (a string); allowed: a number > 0']),
+    "int_for_bool": ("logging: {plot: 1}\n",
+                     ["logging.plot = 1: wrong type (an integer); allowed: true or false"]),
+    "int_for_string": ("run: {name: 7}\n", ["run.name = 7: wrong type (an integer); allowed: letters, digits"]),
+    "scalar_for_list": ("mesh: {expert_axes: data}\n",
+                        ['mesh.expert_axes = "data": wrong type (a string); allowed: a list whose items are each '
+                         'one of "data", "context", "expert"']),
+    "scalar_for_section": ("grpo: 5\n", ["grpo = 5: wrong type (an integer); allowed: a mapping with keys "
+                                         "prompts_per_step"]),
+    "out_of_range_int": ("grpo: {group_size: 1}\n", ["grpo.group_size = 1: out of range; allowed: an integer >= 2"]),
+    "out_of_range_open_interval": ("optim: {b2: 1.0}\n",
+                                   ["optim.b2 = 1.0: out of range; allowed: a number in [0, 1)"]),
+    "out_of_range_exclusive_min": ("generation: {top_p: 0}\n",
+                                   ["generation.top_p = 0.0: out of range; allowed: a number in (0, 1]"]),
+    "out_of_range_optional": ("grpo: {dual_clip: 0.5}\n",
+                              ["grpo.dual_clip = 0.5: out of range; allowed: null or a number > 1"]),
+    "not_finite": ("optim: {lr: .nan}\n", ["optim.lr = NaN: not a finite number; allowed: a number > 0"]),
+    "bad_choice": ("grpo: {advantage: ppo}\n",
+                   ['grpo.advantage = "ppo": not an allowed value; allowed: one of "grpo", "dr_grpo", "rloo"']),
+    "bad_choice_close_match": ("precision: {master: fp23}\n",
+                               ['precision.master = "fp23": not an allowed value (did you mean "fp32"?); '
+                                'allowed: one of "none", "fp32", "compact"']),
+    "bad_list_item_choice": ("mesh: {expert_axes: [data, tensor]}\n",
+                             ['mesh.expert_axes[1] = "tensor": not an allowed value; allowed: one of "data", '
+                              '"context", "expert"']),
+    "repeated_list_item": ("mesh: {expert_axes: [data, data]}\n",
+                           ['mesh.expert_axes = ["data", "data"]: has repeated items', "without repeats"]),
+    "bad_clock_time": ("checkpoint: {must_save_by: '25:00'}\n",
+                       ['checkpoint.must_save_by = "25:00"', "a time 'HH:MM' (24-hour)"]),
+    "empty_reward_list": ("reward: []\n", ["reward = []: needs at least 1 item(s); allowed: a non-empty list"]),
+    "null_for_required": ("grpo: {group_size: null}\n",
+                          ["grpo.group_size = null: must not be null; allowed: an integer >= 2"]),
+    "tiny_model_rule": ("model: {tiny: {num_key_value_heads: 3}}\n",
+                        ["model.tiny.num_key_value_heads", "a divisor of num_attention_heads=4"]),
+    "tiny_token_id_outside_vocab": ("model: {tiny: {eos_token_id: 16}}\n",
+                                    ["model.tiny.eos_token_id = 16: not a token id of the model; allowed: null or "
+                                     "an integer in [0, vocab_size=16)"]),
+    # cross-field rules
+    "batch_not_divisible": ("grpo: {micro_batch_size: 3}\n",
+                            ["grpo.micro_batch_size = 3", "32 prompts x 8 samples = 256 sequences",
+                             "allowed: values with prompts_per_step x group_size divisible by updates_per_step x "
+                             "mesh.data x mesh.expert x micro_batch_size (here 3)"]),
+    "batch_not_divisible_over_mesh": ("grpo: {micro_batch_size: 256}\nmesh: {data: 2}\n",
+                                      ["grpo.micro_batch_size = 256", "mesh.data x mesh.expert = 2",
+                                       "micro_batch_size (here 512)"]),
+    "model_path_and_tiny": ("model: {path: /some/model}\n",
+                            ["model.path = \"/some/model\" and model.tiny = {...}: both are set; allowed: exactly "
+                             "one of model.path"]),
+    "model_neither": ("model: {tiny: null}\n", ["model.tiny = null: neither is set; allowed: exactly one"]),
+    "kl_coef_without_kl": ("grpo: {kl_coef: 0.1}\n",
+                           ['grpo.kl_coef = 0.1: has no effect with grpo.kl = "none"; allowed: 0, or set grpo.kl']),
+    "kl_without_coef": ("grpo: {kl: k3}\n", ['grpo.kl_coef = 0 with grpo.kl = "k3"', "allowed: a number > 0"]),
+    "file_data_without_path": ("data: {kind: file}\n",
+                               ['data.path = null: data.kind = "file" needs a prompt file; allowed: a path']),
+    "path_with_synthetic_data": ("data: {path: x.jsonl}\n",
+                                 ['data.path = "x.jsonl": data.kind = "synthetic" reads no file; allowed: null']),
+    "answer_longer_than_generation": ("data: {num_digits: 8}\n",
+                                      ["generation.max_new_tokens = 5", "answers need 9 tokens",
+                                       "allowed: an integer >= 9", "generation.max_prompt_tokens = 8"]),
+    "stop_token_outside_vocab": ("generation: {stop_token_ids: [12, 99]}\n",
+                                 ["generation.stop_token_ids[1] = 99: not a token of the model; allowed: an integer "
+                                  "in [0, model.tiny.vocab_size=16)"]),
+    "process_id_past_num_processes": ("mesh: {num_processes: 2, process_id: 2}\n",
+                                      ["mesh.process_id = 2: not below mesh.num_processes = 2; allowed: an integer "
+                                       "in [0, 2)"]),
+    "reward_twice": ("reward: [{name: copy_digits}, {name: copy_digits}]\n",
+                     ['reward[1].name = "copy_digits": listed twice; allowed: each reward once']),
+    "reward_not_registered": ("reward: [{name: reverse_digit}]\n",
+                              ['reward[0].name = "reverse_digit": no reward is registered under this name (did you '
+                               'mean "reverse_digits"?); allowed: one of', '"math_verify"', "register_reward"]),
+    "mask_band_empty": ("grpo: {is_correction: mask, is_mask_low: 2.0, is_mask_high: 1.5}\n",
+                        ["grpo.is_mask_high = 1.5: not above grpo.is_mask_low = 2.0; allowed: a number > "
+                         "is_mask_low"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_FILES))
+def test_bad_config_is_rejected_with_key_value_and_allowed(tmp_path, case):
+    body, expected = BAD_FILES[case]
+    msg = load_error(delta(tmp_path, body))
+    for s in expected:
+        assert s in msg, f"{case}: {s!r} not in\n{msg}"
+    assert "run.yaml" in msg  # names the file that set the value
+
+
+def test_every_problem_is_reported_at_once(tmp_path):
+    msg = load_error(delta(tmp_path, """\
+        grpo: {group_sise: 4, advantage: ppo}
+        optim: {lr: -1.0}
+        logging: {plot: yes please}
+        """))
+    assert "4 problems" in msg
+    for key in ("grpo.group_sise", "grpo.advantage", "optim.lr", "logging.plot"):
+        assert key in msg
+
+
+def test_error_names_the_file_or_override_that_set_the_value(tmp_path):
+    msg = load_error(delta(tmp_path, "grpo: {group_size: 1}\n"), ["optim.lr=0"])
+    assert "grpo.group_size = 1" in msg and "[set by" in msg and "run.yaml]" in msg
+    assert "optim.lr = 0.0: out of range" in msg and "[set by override 'optim.lr=0']" in msg
+
+
+def test_duplicate_key_in_a_file(tmp_path):
+    msg = load_error(delta(tmp_path, "optim:\n  lr: 1.0e-3\n  lr: 1.0e-4\n"))
+    assert "run.yaml:4:" in msg and "'lr' appears twice" in msg  # line 1 is the base
+
+
+# ============================================================================== bad configs: files and chains
+def test_base_cycle(tmp_path):
+    write(tmp_path, "a.yaml", "base: b.yaml\n")
+    write(tmp_path, "b.yaml", "base: sub/c.yaml\n")
+    write(tmp_path, "sub/c.yaml", "base: ../a.yaml\n")
+    msg = load_error(tmp_path / "a.yaml")
+    assert "base: cycle of config files" in msg
+    assert "a.yaml -> " in msg and "b.yaml -> " in msg and "c.yaml -> " in msg and msg.rstrip().count("a.yaml") >= 2
+    write(tmp_path, "self.yaml", "base: self.yaml\n")
+    assert "cycle" in load_error(tmp_path / "self.yaml")
+
+
+def test_missing_base_file(tmp_path):
+    p = write(tmp_path, "child.yaml", "base: nowhere/parent.yaml\n")
+    msg = load_error(p)
+    assert "base: " in msg and "parent.yaml" in msg and "(named by" in msg and "child.yaml" in msg
+    assert "does not exist" in msg and "allowed: a YAML file path relative to the file that names it" in msg
+    assert "config file" in load_error(tmp_path / "absent.yaml") and "does not exist" in load_error(
+        tmp_path / "absent.yaml")
+
+
+def test_base_of_wrong_type(tmp_path):
+    msg = load_error(write(tmp_path, "x.yaml", "base: [a.yaml]\n"))
+    assert "base = [\"a.yaml\"]" in msg and "wrong type (a list)" in msg and "relative to this one" in msg
+
+
+def test_malformed_yaml(tmp_path):
+    p = write(tmp_path, "bad.yaml", "run:\n  name: x\n  seed: [1, 2\ngrpo: {}\n")
+    msg = load_error(p)
+    assert "bad.yaml:" in msg and "malformed YAML" in msg
+    p = write(tmp_path, "indent.yaml", "run:\n  name: x\n seed: 1\n")
+    msg = load_error(p)
+    assert "indent.yaml:3:" in msg and "malformed YAML" in msg
+
+
+def test_top_level_not_a_mapping(tmp_path):
+    msg = load_error(write(tmp_path, "list.yaml", "- run\n- model\n"))
+    assert "list.yaml: the top level is a list; allowed: a mapping of sections (run, model" in msg
+
+
+# ============================================================================== bad overrides
+BAD_OVERRIDES = {
+    "unknown_key": ("grpo.group_sise=4", ["override 'grpo.group_sise=4'", "grpo.group_sise: unknown key "
+                                          "(did you mean 'group_size'?)", "allowed keys in grpo:"]),
+    "unknown_section": ("grop.group_size=4", ["grop: unknown key (did you mean 'grpo'?)",
+                                              "allowed keys in the top level: run, model"]),
+    "unknown_tiny_key": ("model.tiny.hidden=3", ["model.tiny.hidden: unknown key (did you mean 'hidden_size'?)"]),
+    "unparsable_value": ("grpo.group_size=[1,2", ["override 'grpo.group_size=[1,2'", "the value '[1,2' for "
+                                                  "grpo.group_size is not valid YAML",
+                                                  "allowed: an integer >= 2"]),
+    "unparsable_mapping": ("generation={temperature: 1", ["generation is not valid YAML",
+                                                         "allowed: a mapping with keys backend"]),
+    "no_equals_sign": ("grpo.group_size", ["override 'grpo.group_size': expected key.sub=value"]),
+    "empty_key_part": ("grpo..group_size=2", ["expected key.sub=value"]),
+    "sub_key_of_scalar": ("optim.lr.x=1", ["optim.lr is a number > 0, it has no sub-keys; allowed: optim.lr=<value>"]),
+    "sub_key_of_list": ("reward.name=x", ["reward is a list, so it has no sub-keys", "name, weight, timeout_s"]),
+    "wrong_type_value": ("grpo.group_size=four", ['grpo.group_size = "four": wrong type (a string); allowed: an '
+                                                  "integer >= 2 [set by override 'grpo.group_size=four']"]),
+    "bad_choice_value": ("generation.backend=sglang", ['generation.backend = "sglang": not an allowed value; '
+                                                       'allowed: one of "jax", "vllm"']),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_OVERRIDES))
+def test_bad_override_is_rejected(case):
+    override, expected = BAD_OVERRIDES[case]
+    msg = load_error(TINY, [override])
+    for s in expected:
+        assert s in msg, f"{case}: {s!r} not in\n{msg}"
+
+
+# ============================================================================== print-config round trip
+@pytest.mark.parametrize("name", ["tiny", "one_node", "recipe", "overridden"])
+def test_print_config_round_trips(tmp_path, recipe_paths, name):
+    path, overrides = {"tiny": (TINY, []), "one_node": (ONE_NODE, []), "recipe": (RECIPE, recipe_paths),
+                       "overridden": (TINY, ["run.name=odd", "checkpoint.must_save_by=07:05", "optim.lr=1e-7",
+                                             "run.out_dir='1e3'", "data.shuffle_seed=5"])}[name]
+    cfg = load_config(path, overrides)
+    text = to_yaml(cfg)
+    printed = write(tmp_path, "printed.yaml", text)
+    again = load_config(printed)
+    assert again == cfg
+    assert to_yaml(again) == text
+    assert "base:" not in text and "${name}" not in text
+
+
+def test_print_config_command_line(tmp_path, capsys):
+    """`python -m rl.config` (what --print-config prints), run in-process to keep the suite fast."""
+    assert rc.main(["--config", str(TINY), "grpo.group_size=4", "grpo.micro_batch_size=32", "--print-config",
+                    "run.name=cli"]) == 0
+    printed = write(tmp_path, "printed.yaml", capsys.readouterr().out)
+    assert load_config(printed) == load_config(TINY, ["grpo.group_size=4", "grpo.micro_batch_size=32",
+                                                      "run.name=cli"])
+    assert rc.main(["--config", str(TINY), "grpo.group_sise=4"]) == 2
+    assert "grpo.group_sise: unknown key" in capsys.readouterr().err
+    # --print-config does not need the recipe's paths to exist, only to be given
+    assert rc.main(["--config", str(RECIPE), "model.path=/not/here", "data.path=/nor/here.parquet"]) == 0
+    assert "path: /not/here" in capsys.readouterr().out
+
+
+# ============================================================================== the dataclasses
+def test_config_is_frozen_and_replace_revalidates():
+    cfg = load_config(TINY)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.grpo.group_size = 4
+    ok = dataclasses.replace(cfg, grpo=dataclasses.replace(cfg.grpo, group_size=4, micro_batch_size=64))
+    assert ok.grpo.group_size == 4
+    with pytest.raises(ConfigError, match=r"grpo.group_size = 1: out of range; allowed: an integer >= 2"):
+        dataclasses.replace(cfg, grpo=dataclasses.replace(cfg.grpo, group_size=1))
+    with pytest.raises(ConfigError, match=r"reward = \[\]: needs at least 1"):
+        RunConfig()  # no reward (and no model)
+
+
+def test_built_in_code_normalises_like_yaml():
+    cfg = load_config(TINY)
+    built = RunConfig(run=rc.RunSection(name="tiny", total_steps=200), model=cfg.model,
+                      precision=cfg.precision, optim=dataclasses.replace(cfg.optim, lr=1), grpo=cfg.grpo,
+                      generation=dataclasses.replace(cfg.generation, stop_token_ids=[12]), data=cfg.data,
+                      reward=[rc.RewardSpec("reverse_digits", 1, 5)], checkpoint=cfg.checkpoint)
+    assert built.optim.lr == 1.0 and isinstance(built.optim.lr, float)
+    assert built.generation.stop_token_ids == (12,) and isinstance(built.reward, tuple)
+    assert built.run.out_dir == "runs/tiny"
+
+
+def test_names_mirrored_from_jax_modules_stay_equal():
+    from sharding import precision, rules
+    assert rc.TOKEN_AXES == rules.TOKEN_AXES
+    assert rc.PRECISION_MODES == precision.MODES
+    loss = pytest.importorskip("rl.grpo.loss")
+    assert (rc.IS_CORRECTIONS, rc.IS_LEVELS, rc.KL_TYPES, rc.AGGREGATIONS) == \
+        (loss.IS_CORRECTIONS, loss.IS_LEVELS, loss.KL_TYPES, loss.AGGREGATIONS)
+    adv = pytest.importorskip("rl.grpo.advantages")
+    assert set(rc.ADVANTAGES) == set(adv.ADVANTAGE_ESTIMATORS)
+    tasks = pytest.importorskip("rl.tasks")
+    assert set(rc.DATA_TASKS) == set(tasks.TASKS) and rc.DIGIT_VOCAB == tasks.DigitTokenizer.vocab_size
+    data = pytest.importorskip("rl.data")
+    assert rc.DATA_FORMATS == data.FileFormat.__args__ and rc.DATA_LAYOUTS == data.Layout.__args__
+
+
+def test_sections_map_onto_their_consumers(recipe_paths):
+    pytest.importorskip("rl.grpo.loss")
+    cfg = load_config(RECIPE, recipe_paths)
+    loss = cfg.grpo.loss_config(cfg.generation.max_new_tokens)
+    assert (loss.eps_low, loss.eps_high, loss.dual_clip, loss.is_cap, loss.kl) == (0.2, 0.28, 10.0, 2.0, "none")
+    mesh = cfg.mesh.to_mesh_config()
+    assert mesh.shape == (16, 8, 1, 1) and mesh.expert_parallel == 128
+
+
+def test_every_field_is_documented_and_constrained_sensibly():
+    def walk(cls):
+        for f in dataclasses.fields(cls):
+            assert f.metadata.get("doc"), f"{cls.__name__}.{f.name} has no doc"
+            tp = rc._non_none(rc._hints(cls)[f.name])
+            if rc._is_section(tp):
+                walk(tp)
+            item = rc._item_type(tp)
+            if item is not None and rc._is_section(item):
+                walk(item)
+    walk(RunConfig)
