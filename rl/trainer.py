@@ -53,6 +53,9 @@ def learning_rate(cfg: RunConfig):
 
 class GRPOTrainer:
     def __init__(self, cfg: RunConfig):
+        if cfg.generation.backend != "jax":
+            raise NotImplementedError(f"generation.backend={cfg.generation.backend!r}: only the embedded 'jax' engine "
+                                      "exists so far; the vLLM server pool is not built yet")
         self.cfg = cfg
         self.run_dir = cfg.run.out_dir
         os.makedirs(self.run_dir, exist_ok=True)
