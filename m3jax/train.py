@@ -30,7 +30,11 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     from rl.trainer import GRPOTrainer  # heavy imports only once the config is known to be good
 
-    trainer = GRPOTrainer(cfg)
+    try:
+        trainer = GRPOTrainer(cfg)
+    except NotImplementedError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
     if args.export:
         step = trainer.resume()
         print(f"exported step {step} to {trainer.export(args.export)}")
