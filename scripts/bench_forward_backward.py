@@ -1,0 +1,208 @@
+"""Forward+backward wall time: m3jax (jit(value_and_grad)) vs the HF PyTorch model (eager), same weights.
+
+The model is the tiny `release_like` reference config of tests/reference.py (4 layers: 1 full-attention
+dense layer, then 3 sparse-attention (indexer) MoE layers). The HF model is built with a fixed seed,
+saved with transformers to a temporary directory and loaded with `m3jax.from_pretrained`, so both
+sides hold identical fp32 weights. The loss is the mean next-token cross entropy over B x (S-1) tokens.
+
+Timing: each Flax variant is compiled first (compile time reported separately, never in the median);
+then, after --warmup untimed rounds, --iters rounds run every contestant once each, round-robin (so
+that load from other processes on a shared machine hits all of them alike), each iteration timed to
+`block_until_ready` (Flax) or the end of `loss.backward()` (HF). HF runs in eager mode with
+`torch.set_num_threads(cpu count)` and grads zeroed (set to None) before every iteration. Reported:
+median (and min) ms per iteration and HF/Flax of the medians (> 1 means Flax is faster); the loss of
+both and the relative difference of the global gradient norms. Flax is timed as loaded by default
+(remat=True: each layer's forward is recomputed in the backward pass) and with remat=False.
+The 1-minute load average is printed: on a machine shared with other jobs, torch's intra-op thread
+pool degrades far more than XLA's under contention, so only runs with a load average near or below
+the core count are a fair comparison.
+
+    .venv/bin/python scripts/bench_forward_backward.py                  # seq 64 and 256
+    .venv/bin/python scripts/bench_forward_backward.py --seq 64 --iters 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import torch  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import m3jax  # noqa: E402
+from tests import reference as ref  # noqa: E402
+
+
+def n_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+# ---------------------------------------------------------------- Flax
+
+
+def flax_step(model):
+    """jit(value_and_grad) of the next-token CE over the model's nnx.Param leaves."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss_fn(params, ids):
+        m = nnx.merge(graphdef, params, rest)
+        logits = m(ids).astype(jnp.float32)
+        logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
+        nll = -jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1)[..., 0]
+        return nll.mean()
+
+    return jax.jit(jax.value_and_grad(loss_fn)), params
+
+
+def prepare_flax(model, ids_np):
+    """Compile (timed) and return (one step -> (loss, grads) blocked, compile seconds, XLA flops)."""
+    step, params = flax_step(model)
+    ids = jnp.asarray(ids_np)
+    t0 = time.perf_counter()
+    compiled = step.lower(params, ids).compile()
+    compile_s = time.perf_counter() - t0
+    flops = None
+    try:
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+        flops = cost.get("flops") if cost else None
+    except Exception:  # cost analysis is best-effort
+        pass
+
+    def one():
+        return jax.block_until_ready(compiled(params, ids))
+
+    return one, compile_s, flops
+
+
+def flax_result(out):
+    loss, grads = out
+    return float(loss), float(jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads))))
+
+
+# ---------------------------------------------------------------- HF
+
+
+def hf_loss(model, ids):
+    logits = model(input_ids=ids).logits.float()
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+def prepare_hf(model, ids_np):
+    ids = torch.tensor(ids_np, dtype=torch.long)
+
+    def one():
+        model.zero_grad(set_to_none=True)
+        loss = hf_loss(model, ids)
+        loss.backward()
+        return loss
+
+    return one
+
+
+def hf_result(model, loss):
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return float(loss.detach()), float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads)))
+
+
+def time_interleaved(steps: dict, iters: int, warmup: int) -> tuple[dict, dict]:
+    """Round-robin the steps (one iteration of each per round) so that load from other processes on a
+    shared machine hits every contestant alike; returns ({name: [seconds]}, {name: last output})."""
+    out = {}
+    for _ in range(warmup):
+        for name, fn in steps.items():
+            out[name] = fn()
+    times = {name: [] for name in steps}
+    for _ in range(iters):
+        for name, fn in steps.items():
+            t0 = time.perf_counter()
+            out[name] = fn()
+            times[name].append(time.perf_counter() - t0)
+    return times, out
+
+
+# ---------------------------------------------------------------- main
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seq", type=int, nargs="+", default=[64, 256], help="sequence lengths (default 64 256)")
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--iters", type=int, default=30, help="timed iterations per measurement")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--variant", default="release_like")
+    ap.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads (default: cpu count)")
+    ap.add_argument("--no-remat-row", action="store_true",
+                    help="skip the extra Flax row loaded with remat=False")
+    args = ap.parse_args()
+
+    threads = n_cpus()
+    torch.set_num_threads(args.torch_threads or threads)
+    cfg = ref.tiny_config(args.variant)
+    hf = ref.build_model(cfg, seed=0)  # eval() mode: no dropout; grads still enabled
+    with tempfile.TemporaryDirectory(prefix="m3bench_fb_") as d:
+        ref.save(hf, d, "native")
+        flax_models = {"flax (remat=True, default)": m3jax.from_pretrained(d)}
+        if not args.no_remat_row:
+            flax_models["flax (remat=False)"] = m3jax.from_pretrained(d, remat=False)
+
+    n_params = sum(p.numel() for p in hf.parameters())
+    print(f"jax {jax.__version__} ({jax.default_backend()}), torch {torch.__version__} "
+          f"(threads={torch.get_num_threads()}), cpus={threads}")
+    print(f"config {args.variant}: hidden {cfg.hidden_size}, layers {cfg.num_hidden_layers}, "
+          f"attn {list(cfg.layer_types)}, mlp {list(cfg.mlp_layer_types)}, "
+          f"experts {cfg.num_local_experts} top-{cfg.num_experts_per_tok}, vocab {cfg.vocab_size}, "
+          f"{n_params / 1e6:.3f}M params")
+    print(f"batch {args.batch}, iters {args.iters} (+{args.warmup} warm-up), attn_implementation "
+          f"{hf.config._attn_implementation}\n")
+
+    rows = []
+    load0 = os.getloadavg()
+    for seq in args.seq:
+        ids = ref.random_ids(cfg, args.batch, seq, seed=seq)
+        steps, info = {}, {}
+        for name, fm in flax_models.items():
+            steps[name], comp, flops = prepare_flax(fm, ids)
+            info[name] = (comp, flops)
+        steps["hf"] = prepare_hf(hf, ids)
+        times, out = time_interleaved(steps, args.iters, args.warmup)
+        hloss, hgn = hf_result(hf, out["hf"])
+        hmed, hmin = statistics.median(times["hf"]) * 1e3, min(times["hf"]) * 1e3
+        for name in flax_models:
+            floss, fgn = flax_result(out[name])
+            fmed, fmin = statistics.median(times[name]) * 1e3, min(times[name]) * 1e3
+            rows.append((seq, name, fmed, fmin, hmed, hmin, floss, hloss, fgn, hgn, *info[name]))
+    load1 = os.getloadavg()
+
+    hdr = (f"{'seq':>4} | {'flax variant':<27} | {'flax ms':>8} | {'HF ms':>8} | {'HF/Flax':>7} | "
+           f"{'flax min':>8} | {'HF min':>8} | "
+           f"{'flax loss':>10} | {'HF loss':>10} | {'|dloss|':>8} | {'grad-norm rel diff':>18} | "
+           f"{'compile s':>9} | {'XLA GFLOP':>9}")
+    print(hdr)
+    print("-" * len(hdr))
+    for seq, name, fmed, fmin, hmed, hmin, floss, hloss, fgn, hgn, comp, flops in rows:
+        gf = f"{flops / 1e9:9.3f}" if flops else f"{'n/a':>9}"
+        print(f"{seq:>4} | {name:<27} | {fmed:8.2f} | {hmed:8.2f} | {hmed / fmed:7.2f} | {fmin:8.2f} | "
+              f"{hmin:8.2f} | {floss:10.6f} | "
+              f"{hloss:10.6f} | {abs(floss - hloss):8.1e} | {abs(fgn - hgn) / hgn:18.1e} | {comp:9.2f} | {gf}")
+    print("\nmedian ms per forward+backward iteration; HF/Flax > 1 means Flax is faster. "
+          "HF ms is the same measurement repeated on each row of a seq;\n"
+          "Flax and HF iterations are interleaved round-robin; min = fastest single iteration.\n"
+          f"load average (1 min) at start / end: {load0[0]:.2f} / {load1[0]:.2f} on {threads} cpus "
+          "(> cpus means other processes competed for the cores)")
+
+
+if __name__ == "__main__":
+    main()
