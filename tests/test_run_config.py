@@ -88,7 +88,7 @@ def test_tiny_is_the_calibrated_cpu_demo():
     assert cfg.precision.param_dtype == "float32"
     assert cfg.mesh.num_devices == 1
     assert (cfg.data.task, cfg.data.num_digits, cfg.run.total_steps, cfg.checkpoint.every_steps) == \
-        ("reverse", 4, 200, 20)
+        ("copy", 4, 200, 20)
     assert 5 <= cfg.generation.max_new_tokens <= 6 and cfg.generation.temperature == 1.0
     assert cfg.run.out_dir == "runs/tiny"
     assert cfg.micro_steps_per_update == 1

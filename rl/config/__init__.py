@@ -1,0 +1,143 @@
+"""The run config of a GRPO job: typed, frozen, validated before any work starts.
+
+    python -m m3jax.train --config configs/tiny.yaml grpo.group_size=4 optim.lr=3e-4 logging.plot=false
+    python -m rl.config --config configs/tiny.yaml run.name=try2        # print the resolved config
+
+Resolution (later wins)
+-----------------------
+1. the defaults declared on the dataclasses of `rl.config.schema` (`configs/base.yaml` restates them with comments; a
+   test keeps the two equal);
+2. the `base:` chain of the config file, root first. `base: other.yaml` is relative to the file that
+   names it; chains are allowed, a cycle is an error;
+3. the file itself (a *delta*: only what differs from its base);
+4. the command-line overrides `a.b.c=value`, left to right. The value is parsed as YAML (`true`, `3`,
+   `1e-6`, `[data, context]`, `{hidden_size: 64}`, `null`); the key must exist.
+
+Merging: mappings merge key by key (so `model.tiny` can change one field of an inherited tiny model),
+lists and scalars replace. A section left empty (`logging:`) keeps its defaults.
+
+YAML dialect (files and override values alike; `load_yaml`): the safe loader, except that `1e-6` is a
+float (YAML 1.1 would read a string), `23:30` is the string "23:30" (YAML 1.1 would read the base-60
+integer 1410), a leading-zero number such as `010` is a string (not octal 8), and a key repeated in
+one mapping is an error (YAML would keep the last silently).
+
+Derived values
+--------------
+`run.out_dir` may contain `${name}`, replaced by `run.name` when the config is built (default
+`runs/${name}`); a relative path is relative to the working directory of the job, not to the config
+file. The resolved path is what `to_yaml` prints, so a printed config loads back unchanged.
+
+Validation
+----------
+Each field declares its constraints once, in `dataclasses.field(metadata=...)` (see `schema._f`): `choices`,
+`min` / `max` (inclusive), `gt` / `lt` (exclusive), `pattern`, `items` (constraints of list items),
+`distinct`, `check` (a custom predicate). One generic validator walks the tree and reports, for every
+problem at once: unknown keys at any depth (with a "did you mean"), wrong types (bool, int, float, str
+and list are told apart; an int is accepted for a float), out-of-range values, bad choices, the `???`
+placeholder left unset, and then the cross-field rules and reward names (`validate._cross_checks`; a custom reward
+must be registered with `rl.rewards.register_reward` before the config is loaded). Every message names the full
+dotted key, the bad value, what is allowed and the file or override that set it. A `RunConfig` built in
+code is validated the same way in `__post_init__` (so `dataclasses.replace` re-validates); sections
+built alone are not validated until they are put into a `RunConfig`.
+
+Command line (what m3jax.train is expected to do)::
+
+    parser = argparse.ArgumentParser(); rl.config.add_arguments(parser)
+    args = parser.parse_intermixed_args(); cfg = rl.config.from_args(args)   # ConfigError: print it, exit 2
+    if args.print_config: print(rl.config.to_yaml(cfg), end=""); return
+
+What this package does not check: the mesh against the device count and the model's shapes
+(`sharding.mesh.validate`, which needs the devices), the contents of `model.path` (read by
+`M3Config.from_pretrained`) and data files (`rl.data.load_prompts`).
+`load_config(check_paths=True)` only checks that the paths exist.
+
+Modules
+-------
+schema     the section dataclasses: fields with default, doc and rules (`_f`), the mirrored choices
+fields     type introspection of the fields; values and allowed values in words
+errors     ConfigError and _Problem (one problem, with its dotted key)
+validate   the generic field checker, model.tiny against M3Config, the cross-field rules
+yaml_io    the YAML dialect, files and their base chain, deep merge, overrides, to_yaml / as_dict
+build      merged mapping -> validated RunConfig, each problem with the file or override that set it
+here       load_config and the command line (add_arguments, from_args, main; `python -m rl.config`)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from rl.config.build import defaults_dict, from_dict
+from rl.config.errors import ConfigError
+from rl.config.fields import _hints, _is_section, _item_type, _non_none, _show  # noqa: F401  (tests walk types)
+from rl.config.schema import (  # noqa: F401  (tests check the mirrored choices against their originals)
+    ADVANTAGES, AGGREGATIONS, DATA_FORMATS, DATA_LAYOUTS, DATA_TASKS, DIGIT_VOCAB, IS_CORRECTIONS, IS_LEVELS,
+    KL_TYPES, MISSING, PRECISION_MODES, TOKEN_AXES, CheckpointSection, DataSection, GenerationSection,
+    GrpoSection, LoggingSection, MeshSection, ModelSection, OptimSection, PrecisionSection, RewardSpec,
+    RunConfig, RunSection)
+from rl.config.yaml_io import _apply_overrides, _load_tree, as_dict, load_yaml, to_yaml
+
+__all__ = [
+    "ConfigError", "RunConfig", "RunSection", "ModelSection", "MeshSection", "PrecisionSection",
+    "OptimSection", "GrpoSection", "GenerationSection", "DataSection", "RewardSpec", "CheckpointSection",
+    "LoggingSection", "load_config", "from_dict", "as_dict", "to_yaml", "load_yaml", "defaults_dict",
+    "add_arguments", "from_args", "main", "MISSING",
+]
+
+
+def _check_paths(cfg: RunConfig) -> None:
+    problems = []
+    p = cfg.model.path
+    if p is not None and not os.path.isfile(os.path.join(p, "config.json")):
+        problems.append(f"model.path = {_show(p)}: no config.json there; allowed: a local Hugging Face model "
+                        "directory")
+    if cfg.data.kind == "file" and not os.path.isfile(cfg.data.path):
+        problems.append(f"data.path = {_show(cfg.data.path)}: no such file; allowed: an existing .jsonl, .json or "
+                        ".parquet file")
+    if problems:
+        raise ConfigError(problems)
+
+
+def load_config(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = (), *,
+                check_paths: bool = True) -> RunConfig:
+    """Read `path` (with its base chain), apply `overrides`, validate; raises ConfigError listing every problem.
+
+    check_paths: also require model.path to hold a config.json and data.path (kind=file) to exist.
+    """
+    sources: dict[str, str] = {}
+    tree = _load_tree(os.fspath(path), [], sources)
+    _apply_overrides(tree, list(overrides), sources)
+    cfg = from_dict(tree, sources=sources)
+    if check_paths:
+        _check_paths(cfg)
+    return cfg
+
+
+# ============================================================================== command line
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """--config FILE, --print-config and the positional key.sub=value overrides."""
+    parser.add_argument("--config", required=True, help="YAML run config (e.g. configs/tiny.yaml)")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved config as YAML and exit (paths need not exist)")
+    parser.add_argument("overrides", nargs="*", metavar="key.sub=value",
+                        help="override a config value; the value is YAML (true, 3, 1e-6, [a, b], null)")
+
+
+def from_args(args: argparse.Namespace) -> RunConfig:
+    return load_config(args.config, args.overrides, check_paths=not args.print_config)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rl.config",
+                                     description="Resolve a run config (base chain + overrides) and print it.")
+    add_arguments(parser)
+    args = parser.parse_intermixed_args(argv)
+    args.print_config = True
+    try:
+        cfg = from_args(args)
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
+    sys.stdout.write(to_yaml(cfg))
+    return 0

@@ -1,0 +1,347 @@
+"""The sections of a run config: frozen dataclasses whose fields declare default, doc and constraints.
+
+`_f` declares a field (its rules are listed in the `rl.config` docstring); `_Section` normalises values
+after construction; `RunConfig` validates itself on construction (`rl.config.validate`).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import datetime as _dt
+import math
+import re
+import typing
+from typing import Any
+
+from rl.config.errors import ConfigError
+from rl.config.fields import _hints, _non_none
+
+MISSING = "???"  # a value the user must supply (e.g. the recipe's model.path); an error if left as is
+
+# Mirrors of names defined in modules that import jax (kept here so that loading a config stays light);
+# tests/test_run_config.py checks they stay equal to the originals.
+TOKEN_AXES = ("data", "context", "expert")                     # sharding.rules.TOKEN_AXES
+PRECISION_MODES = ("none", "fp32", "compact")                  # sharding.precision.MODES
+ADVANTAGES = ("grpo", "dr_grpo", "rloo")                       # rl.grpo.advantages.ADVANTAGE_ESTIMATORS
+IS_CORRECTIONS = ("truncate", "mask", "none")                  # rl.grpo.loss.IS_CORRECTIONS
+IS_LEVELS = ("token", "sequence", "geometric")                 # rl.grpo.loss.IS_LEVELS
+KL_TYPES = ("none", "k1", "k3")                                # rl.grpo.loss.KL_TYPES
+AGGREGATIONS = ("token", "sequence_mean", "sequence_sum")      # rl.grpo.loss.AGGREGATIONS
+DATA_TASKS = ("reverse", "copy", "sort", "addmod")             # rl.tasks.TASKS
+DATA_FORMATS = ("auto", "jsonl", "json", "parquet")            # rl.data.FileFormat
+DATA_LAYOUTS = ("auto", "dapo", "gsm8k", "plain")              # rl.data.Layout
+DIGIT_VOCAB = 16                                               # rl.tasks.DigitTokenizer.vocab_size
+
+
+def _f(default: Any, doc: str, **rules: Any) -> Any:
+    """A config field: its default, one line of documentation and its constraints (`rl.config` docstring)."""
+    meta = {"doc": doc, **rules}
+    if isinstance(default, type):  # a section: built when needed
+        return dataclasses.field(default_factory=default, metadata=meta)
+    if isinstance(default, (list, dict)):
+        return dataclasses.field(default_factory=lambda d=default: copy.deepcopy(d), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def _hhmm_or_seconds(v: Any) -> str | None:
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return None if math.isfinite(v) and v > 0 else "must be a finite number of seconds > 0"
+    if isinstance(v, str) and re.fullmatch(r"([01]?\d|2[0-3]):[0-5]\d", v):
+        return None
+    return "not a number of seconds > 0 nor a 24-hour clock time HH:MM"
+
+
+def _out_dir_ok(v: Any) -> str | None:
+    if "${" in v:
+        return "has an unknown substitution (only ${name} is replaced)"
+    return None if v.strip() else "must not be empty"
+
+
+class _Section:
+    """Normalises values after construction: list -> tuple for tuple fields, int -> float for float fields."""
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            tp = _non_none(_hints(type(self))[f.name])
+            if tp is float and isinstance(v, int) and not isinstance(v, bool):
+                object.__setattr__(self, f.name, float(v))
+            elif typing.get_origin(tp) is tuple and isinstance(v, list):
+                item = typing.get_args(tp)[0]
+                if item is float:
+                    v = [float(x) if isinstance(x, int) and not isinstance(x, bool) else x for x in v]
+                object.__setattr__(self, f.name, tuple(v))
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSection(_Section):
+    """`out_dir` is resolved when the section is built: `dataclasses.replace(run, name=...)` keeps the old
+    out_dir (load the config again, or replace both)."""
+
+    name: str = _f("m3jax", "run name: used in out_dir, logs and checkpoints",
+                   pattern=(r"[A-Za-z0-9][A-Za-z0-9._-]*", "letters, digits, '.', '_' or '-', not starting with "
+                                                            "'.', '_' or '-'"))
+    out_dir: str = _f("runs/${name}", "where checkpoints, metrics and exports go; ${name} = run.name; "
+                                      "relative to the job's working directory", check=_out_dir_ok,
+                      allowed="a directory path (may contain ${name})")
+    seed: int = _f(0, "seed of sampling and everything random in the step (not the model init)", min=0)
+    total_steps: int = _f(200, "GRPO steps (one batch of prompts each)", min=1)
+    max_wall_minutes: float | None = _f(None, "stop (after saving) once this much wall time has passed; "
+                                              "null = no limit", gt=0)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if isinstance(self.out_dir, str) and isinstance(self.name, str):
+            object.__setattr__(self, "out_dir", self.out_dir.replace("${name}", self.name))
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection(_Section):
+    path: str | None = _f(None, "local Hugging Face model directory (either M3 layout); exclusive with tiny",
+                          allowed="a local Hugging Face model directory, or null when model.tiny is set")
+    tiny: dict[str, Any] | None = _f(None, "M3Config fields of a randomly initialised model; exclusive with path",
+                                     allowed="a mapping of M3Config fields")
+    init_seed: int = _f(0, "seed of the random initialisation of a tiny model", min=0)
+    remat: bool = _f(False, "activation checkpointing (recompute each layer in the backward pass)")
+
+    def m3_config(self):
+        """The model's M3Config (tiny: built from the fields; path: read from its config.json)."""
+        from m3jax.config import M3Config
+        if self.tiny is not None:
+            return M3Config(**self.tiny)
+        return M3Config.from_pretrained(self.path)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSection(_Section):
+    data: int = _f(1, "batch and FSDP axis", min=1)
+    context: int = _f(1, "sequence (context-parallel) axis", min=1)
+    expert: int = _f(1, "extra batch axis that never shards weights (expert parallelism only)", min=1)
+    tensor: int = _f(1, "attention heads / MLP width axis", min=1)
+    expert_axes: tuple[str, ...] = _f(list(TOKEN_AXES), "mesh axes the experts are spread over",
+                                      items={"choices": TOKEN_AXES}, distinct=True)
+    coordinator_address: str | None = _f(None, "host:port of process 0 for jax.distributed; null = single "
+                                               "process or from the environment (JAX_*, SLURM)")
+    num_processes: int | None = _f(None, "processes in a multi-host job; null = from the environment", min=1)
+    process_id: int | None = _f(None, "this process's index; null = from the environment", min=0)
+
+    @property
+    def num_devices(self) -> int:
+        return self.data * self.context * self.expert * self.tensor
+
+    @property
+    def expert_parallel(self) -> int:
+        sizes = {"data": self.data, "context": self.context, "expert": self.expert}
+        return math.prod(sizes[a] for a in self.expert_axes)
+
+    def to_mesh_config(self):
+        from sharding.mesh import MeshConfig
+        return MeshConfig(self.data, self.context, self.expert, self.tensor, tuple(self.expert_axes),
+                          self.coordinator_address, self.num_processes, self.process_id)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionSection(_Section):
+    master: str = _f("fp32", "'none': params in fp32, updated in place; 'fp32': bf16 params + fp32 master "
+                             "in the optimizer; 'compact': bf16 params + 16-bit remainder (same numbers)",
+                     choices=PRECISION_MODES)
+    moment_dtype: str = _f("float32", "dtype of Adam's two moments", choices=("float32", "bfloat16"))
+
+    @property
+    def param_dtype(self) -> str:
+        """Storage dtype of the params (the load-dtype rule: bf16 iff the optimizer owns a master)."""
+        return "float32" if self.master == "none" else "bfloat16"
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimSection(_Section):
+    lr: float = _f(1e-6, "peak learning rate (Adam)", gt=0)
+    schedule: str = _f("constant", "after warm-up: constant, or linear / cosine decay to 0 at run.total_steps",
+                       choices=("constant", "linear", "cosine"))
+    warmup_steps: int = _f(0, "linear warm-up from 0 to lr over this many steps", min=0)
+    weight_decay: float = _f(0.0, "decoupled weight decay (AdamW)", min=0)
+    b1: float = _f(0.9, "Adam beta1", min=0, lt=1)
+    b2: float = _f(0.999, "Adam beta2", min=0, lt=1)
+    eps: float = _f(1e-8, "Adam epsilon", gt=0)
+    clip_norm: float | None = _f(1.0, "global gradient-norm clip; null = off", gt=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class GrpoSection(_Section):
+    prompts_per_step: int = _f(32, "prompts sampled per step", min=1)
+    group_size: int = _f(16, "samples (generations) per prompt, G", min=2)
+    micro_batch_size: int = _f(1, "sequences per data-parallel rank (mesh.data x mesh.expert) in one "
+                                  "forward/backward; gradients accumulate over micro-batches", min=1)
+    updates_per_step: int = _f(1, "optimizer updates per step: the step's sequences are split into this "
+                                  "many mini-batches (1 = on-policy)", min=1)
+    advantage: str = _f("grpo", "grpo: (r - group mean) / group std; dr_grpo: no std; rloo: leave-one-out "
+                                "baseline", choices=ADVANTAGES)
+    eps_low: float = _f(0.2, "ratio clipped below at 1 - eps_low", min=0, lt=1)
+    eps_high: float = _f(0.28, "ratio clipped above at 1 + eps_high (clip-higher when > eps_low)", min=0)
+    dual_clip: float | None = _f(None, "dual clip c: for A < 0 the objective is bounded by c*A; null = off", gt=1)
+    is_correction: str = _f("truncate", "trainer-vs-generator importance weight w = exp(logp_old - logp_gen): "
+                                        "truncate (min(w, is_cap)), mask (0 outside [is_mask_low, is_mask_high]) "
+                                        "or none", choices=IS_CORRECTIONS)
+    is_level: str = _f("token", "importance weight per token, per sequence (product of ratios) or geometric "
+                                "(exp of the mean log-ratio)", choices=IS_LEVELS)
+    is_cap: float = _f(2.0, "truncation cap of the importance weight", gt=0)
+    is_mask_low: float = _f(0.5, "lower edge of the kept band of is_correction=mask", min=0)
+    is_mask_high: float = _f(2.0, "upper edge of the kept band of is_correction=mask", gt=0)
+    kl: str = _f("none", "KL penalty to the reference policy: none, or the k1 / k3 estimator",
+                 choices=KL_TYPES)
+    kl_coef: float = _f(0.0, "KL penalty weight (0 with kl=none, > 0 otherwise)", min=0)
+    kl_log_ratio_clamp: float | None = _f(20.0, "clamp of logp_ref - logp before the KL estimator; null = off", gt=0)
+    kl_clamp: float | None = _f(10.0, "clamp of the per-token KL estimate; null = off", gt=0)
+    aggregation: str = _f("token", "token: sum of token losses / valid tokens in the whole step; sequence_mean: "
+                                   "mean over sequences of their token mean; sequence_sum: sum / (sequences x L)",
+                          choices=AGGREGATIONS)
+    sequence_sum_len: int | None = _f(None, "the constant L of aggregation=sequence_sum; null = "
+                                            "generation.max_new_tokens", min=1)
+    dynamic_sampling: bool = _f(False, "DAPO: drop groups whose rewards are all equal (zero advantage)")
+    overlong_filter: bool = _f(False, "DAPO: no loss on responses cut at generation.max_new_tokens")
+
+    @property
+    def sequences_per_step(self) -> int:
+        return self.prompts_per_step * self.group_size
+
+    def loss_config(self, max_new_tokens: int | None = None):
+        """rl.grpo.loss.LossConfig of these settings."""
+        from rl.grpo.loss import LossConfig
+        return LossConfig(eps_low=self.eps_low, eps_high=self.eps_high, dual_clip=self.dual_clip,
+                          is_correction=self.is_correction, is_level=self.is_level, is_cap=self.is_cap,
+                          is_mask_low=self.is_mask_low, is_mask_high=self.is_mask_high, kl=self.kl,
+                          kl_coef=self.kl_coef, kl_log_ratio_clamp=self.kl_log_ratio_clamp,
+                          kl_clamp=self.kl_clamp, aggregation=self.aggregation,
+                          sequence_sum_len=self.sequence_sum_len or max_new_tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationSection(_Section):
+    backend: str = _f("jax", "jax: the in-process engine; vllm: vLLM servers (vllm_* fields)",
+                      choices=("jax", "vllm"))
+    max_new_tokens: int = _f(1024, "response length limit (tokens)", min=1)
+    max_prompt_tokens: int = _f(1024, "prompt length limit (tokens)", min=1)
+    temperature: float = _f(1.0, "sampling temperature (> 0: GRPO needs distinct samples per group)", gt=0)
+    top_p: float = _f(1.0, "nucleus sampling mass (1 = off)", gt=0, max=1)
+    top_k: int = _f(0, "keep the k most likely tokens (0 = off)", min=0)
+    stop_token_ids: tuple[int, ...] = _f([], "token ids that end a response; empty = the model's eos_token_id",
+                                         items={"min": 0})
+    vllm_tensor_parallel: int = _f(1, "GPUs per vLLM server (tensor parallel)", min=1)
+    vllm_expert_parallel: int = _f(1, "expert-parallel size inside one vLLM server", min=1)
+    vllm_servers: int = _f(1, "number of vLLM servers", min=1)
+    vllm_gpu_memory_utilization: float = _f(0.8, "fraction of GPU memory vLLM may take", gt=0, max=1)
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.max_prompt_tokens + self.max_new_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSection(_Section):
+    kind: str = _f("synthetic", "synthetic: a generated digit task (task, num_digits); file: prompts from path",
+                   choices=("synthetic", "file"))
+    task: str = _f("reverse", "synthetic task (rl.tasks): reverse / copy / sort digits (partial credit) or "
+                              "addmod ((a+b) mod 10, exact match)", choices=DATA_TASKS)
+    num_digits: int = _f(4, "digits per synthetic prompt (addmod always uses 2)", min=1)
+    path: str | None = _f(None, "prompt file for kind=file (.jsonl, .json or .parquet)",
+                          allowed="a .jsonl, .json or .parquet file, or null when data.kind is synthetic")
+    format: str = _f("auto", "file format; auto = from the extension", choices=DATA_FORMATS)
+    layout: str = _f("auto", "record layout (rl.data): auto-detected, dapo, gsm8k or plain", choices=DATA_LAYOUTS)
+    prompt_key: str | None = _f(None, "record field holding the prompt (dots reach into nested objects); "
+                                      "null = from the layout")
+    answer_key: str | None = _f(None, "record field holding the reference answer; null = from the layout")
+    chat_template: bool = _f(False, "render prompts with the tokenizer's chat template")
+    shuffle_seed: int = _f(0, "seed of the per-epoch shuffle of the prompts", min=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardSpec(_Section):
+    name: str = _f("", "registered reward function", pattern=(r"\S+", "a non-empty name"))
+    weight: float = _f(1.0, "weight of this reward in the sum")
+    timeout_s: float = _f(10.0, "time limit per sample (a timeout scores 0 and is counted)", gt=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointSection(_Section):
+    every_steps: int = _f(50, "save every this many steps (0 = only at the end and at must_save_by)", min=0)
+    keep: int = _f(3, "newest checkpoints kept on disk", min=1)
+    async_save: bool = _f(True, "write checkpoints in the background while training continues")
+    must_save_by: float | str | None = _f(None, "wall-clock deadline for a save: seconds after the start, or "
+                                              "'HH:MM' (next occurrence, local time); null = none",
+                                        check=_hhmm_or_seconds,
+                                        allowed="null, a number of seconds > 0, or a time 'HH:MM' (24-hour)")
+    resume: bool = _f(True, "continue from the newest checkpoint in run.out_dir when there is one")
+    export_hf_at_end: bool = _f(False, "write a Hugging Face checkpoint to out_dir/hf at the end")
+    export_layout: str = _f("native", "native (minimax_m3_vl_text) or released (minimax_m3_vl, what vLLM loads)",
+                            choices=("native", "released"))
+
+    def deadline_seconds(self, start: _dt.datetime) -> float | None:
+        """Seconds from `start` to the must-save-by deadline (None when there is none)."""
+        v = self.must_save_by
+        if v is None:
+            return None
+        if not isinstance(v, str):
+            return float(v)
+        hh, mm = map(int, v.split(":"))
+        target = start.replace(hour=hh, minute=mm, second=0, microsecond=0)
+        if target <= start:
+            target += _dt.timedelta(days=1)
+        return (target - start).total_seconds()
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingSection(_Section):
+    tensorboard: bool = _f(True, "write TensorBoard events to out_dir/tb")
+    progress_bar: bool = _f(True, "show a progress bar on the terminal")
+    plot: bool = _f(True, "write metric plots (PNG) to out_dir at the end")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig(_Section):
+    """The whole run: validated on construction (every problem at once, as ConfigError).
+
+    run         name, out_dir, seed, total_steps, max_wall_minutes
+    model       path | tiny (M3Config fields), init_seed, remat
+    mesh        data, context, expert, tensor, expert_axes, coordinator_address, num_processes, process_id
+    precision   master, moment_dtype
+    optim       lr, schedule, warmup_steps, weight_decay, b1, b2, eps, clip_norm
+    grpo        prompts_per_step, group_size, micro_batch_size, updates_per_step, advantage, eps_low,
+                eps_high, dual_clip, is_correction, is_level, is_cap, is_mask_low, is_mask_high, kl, kl_coef,
+                kl_log_ratio_clamp, kl_clamp, aggregation, sequence_sum_len, dynamic_sampling, overlong_filter
+    generation  backend, max_new_tokens, max_prompt_tokens, temperature, top_p, top_k, stop_token_ids,
+                vllm_tensor_parallel, vllm_expert_parallel, vllm_servers, vllm_gpu_memory_utilization
+    data        kind, task, num_digits, path, format, layout, prompt_key, answer_key, chat_template, shuffle_seed
+    reward      [{name, weight, timeout_s}, ...]
+    checkpoint  every_steps, keep, async_save, must_save_by, resume, export_hf_at_end, export_layout
+    logging     tensorboard, progress_bar, plot
+    """
+
+    run: RunSection = _f(RunSection, "the run")
+    model: ModelSection = _f(ModelSection, "the policy model")
+    mesh: MeshSection = _f(MeshSection, "device mesh of the trainer")
+    precision: PrecisionSection = _f(PrecisionSection, "parameter and optimizer-state precision")
+    optim: OptimSection = _f(OptimSection, "optimizer")
+    grpo: GrpoSection = _f(GrpoSection, "batch and loss")
+    generation: GenerationSection = _f(GenerationSection, "sampling")
+    data: DataSection = _f(DataSection, "prompts")
+    reward: tuple[RewardSpec, ...] = _f([], "reward functions, summed with their weights", min_items=1)
+    checkpoint: CheckpointSection = _f(CheckpointSection, "checkpoints and export")
+    logging: LoggingSection = _f(LoggingSection, "what to record")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not _DEFER[0]:
+            from rl.config.validate import _problems  # validate imports this module
+            problems = _problems(self)
+            if problems:
+                raise ConfigError([p.text for p in problems])
+
+    @property
+    def micro_steps_per_update(self) -> int:
+        """Forward/backward passes per optimizer update."""
+        g, m = self.grpo, self.mesh
+        return g.sequences_per_step // (g.updates_per_step * g.micro_batch_size * m.data * m.expert)
+
+
+_DEFER = [False]  # True while from_dict builds a RunConfig, so that problems are reported with sources

@@ -1,0 +1,256 @@
+"""The generic validator: every field against its declared type and rules, model.tiny against M3Config,
+then the cross-field rules and the reward registry. Problems come back as a list (all at once)."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import re
+from typing import Any, Callable
+
+from rl.config.errors import _bad, _Problem, _unknown
+from rl.config.fields import _allowed, _hints, _is, _is_section, _item_type, _kind, _plain, _scalar_allowed, \
+    _show, _union
+from rl.config.schema import DIGIT_VOCAB, MISSING, ModelSection, RunConfig
+
+
+def _check_scalar(key: str, value: Any, tp: Any, rules: dict, allowed: str, out: list[_Problem]) -> None:
+    if not _is(value, tp):
+        out.append(_bad(key, value, f"wrong type ({_kind(value)})", allowed))
+        return
+    if tp is float and not math.isfinite(value):
+        out.append(_bad(key, value, "not a finite number", allowed))
+        return
+    choices = rules.get("choices")
+    if choices and value not in choices:
+        close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+        hint = f" (did you mean {_show(close[0])}?)" if close else ""
+        out.append(_bad(key, value, "not an allowed value" + hint, allowed))
+        return
+    if "pattern" in rules and not re.fullmatch(rules["pattern"][0], value):
+        out.append(_bad(key, value, "not a valid value", allowed))
+        return
+    if tp in (int, float):
+        if ("min" in rules and value < rules["min"]) or ("gt" in rules and value <= rules["gt"]) or \
+                ("max" in rules and value > rules["max"]) or ("lt" in rules and value >= rules["lt"]):
+            out.append(_bad(key, value, "out of range", allowed))
+
+
+def _check_field(key: str, value: Any, tp: Any, meta: dict, out: list[_Problem]) -> None:
+    allowed = _allowed(tp, meta)
+    optional, members = _union(tp)
+    if value is None:
+        if not optional:
+            out.append(_bad(key, value, "must not be null", allowed))
+        return
+    if value == MISSING and any(m is str for m in members):
+        out.append(_bad(key, value, "must be set (this config leaves it to you: add the override "
+                                    f"{key}=...)", allowed))
+        return
+    if len(members) > 1:  # a union such as int | str: the custom check decides
+        if not any(_is(value, m) for m in members):
+            out.append(_bad(key, value, f"wrong type ({_kind(value)})", allowed))
+            return
+    else:
+        tp = members[0]
+        item = _item_type(tp)
+        if _is_section(tp):
+            if isinstance(value, tp):
+                _check_obj(value, key, out)
+            else:
+                out.append(_bad(key, value, f"wrong type ({_kind(value)})", allowed))
+            return
+        if item is not None:
+            if not isinstance(value, (tuple, list)):
+                out.append(_bad(key, value, f"wrong type ({_kind(value)})", allowed))
+                return
+            for i, v in enumerate(value):
+                if _is_section(item):
+                    if isinstance(v, item):
+                        _check_obj(v, f"{key}[{i}]", out)
+                    else:
+                        out.append(_bad(f"{key}[{i}]", v, f"wrong type ({_kind(v)})", _scalar_allowed(item, {})))
+                else:
+                    rules = meta.get("items", {})
+                    _check_scalar(f"{key}[{i}]", v, item, rules, _scalar_allowed(item, rules), out)
+            if len(value) < meta.get("min_items", 0):
+                out.append(_bad(key, value, f"needs at least {meta['min_items']} item(s)", allowed))
+            if meta.get("distinct") and len({_show(v) for v in value}) != len(value):
+                out.append(_bad(key, value, "has repeated items", allowed))
+            return
+        before = len(out)
+        _check_scalar(key, value, tp, meta, allowed, out)
+        if len(out) > before:
+            return
+    check: Callable[[Any], str | None] | None = meta.get("check")
+    if check is not None:
+        problem = check(value)
+        if problem:
+            out.append(_bad(key, value, problem, allowed))
+
+
+def _check_obj(obj: Any, prefix: str, out: list[_Problem]) -> None:
+    hints = _hints(type(obj))
+    for f in dataclasses.fields(obj):
+        key = f"{prefix}.{f.name}" if prefix else f.name
+        _check_field(key, getattr(obj, f.name), hints[f.name], dict(f.metadata), out)
+
+
+_M3_FIELD_RE = re.compile(r"config field '([^']+)'")
+
+
+def _m3_field_names() -> tuple[list[str], list[str]]:
+    """(all M3Config fields a tiny model may set, those without a default)."""
+    from m3jax.config import M3Config
+    fs = [f for f in dataclasses.fields(M3Config) if f.name != "vl_passthrough"]
+    required = [f.name for f in fs if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    return [f.name for f in fs], required
+
+
+def _check_tiny(tiny: dict, out: list[_Problem]) -> None:
+    """model.tiny must build an M3Config; its errors are reported under model.tiny.<field>."""
+    names, required = _m3_field_names()
+    before = len(out)
+    for k in tiny:
+        if k not in names:
+            out.append(_unknown(f"model.tiny.{k}", names, "model.tiny (M3Config fields)"))
+    missing = [k for k in required if k not in tiny]
+    if missing:
+        out.append(_Problem("model.tiny", f"model.tiny lacks {', '.join(missing)}: M3Config has no default for "
+                                          f"{'them' if len(missing) > 1 else 'it'}; allowed: a mapping of M3Config "
+                                          f"fields that sets at least {', '.join(required)}"))
+    if len(out) > before:
+        return
+    from m3jax.config import ConfigError as M3ConfigError
+    from m3jax.config import M3Config
+    try:
+        m3 = M3Config(**tiny)
+    except M3ConfigError as e:
+        msg = str(e)
+        m = _M3_FIELD_RE.search(msg)
+        field = m.group(1) if m else ""
+        key = f"model.tiny.{field}" if field else "model.tiny"
+        out.append(_Problem(key, _M3_FIELD_RE.sub(lambda mm: f"model.tiny.{mm.group(1)}", msg, count=1)
+                            if m else f"model.tiny: {msg}"))
+        return
+    except (TypeError, ValueError) as e:
+        out.append(_Problem("model.tiny", f"model.tiny = {_show(tiny)}: not a valid M3Config ({e}); allowed: "
+                                          f"a mapping of M3Config fields"))
+        return
+    for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        v = getattr(m3, k)
+        for tok in (v if isinstance(v, tuple) else (v,)):
+            if tok is not None and (not isinstance(tok, int) or isinstance(tok, bool) or not 0 <= tok < m3.vocab_size):
+                out.append(_bad(f"model.tiny.{k}", _plain(v), "not a token id of the model",
+                                f"null or an integer in [0, vocab_size={m3.vocab_size})"))
+                break
+
+
+def _cross_checks(cfg: RunConfig) -> list[_Problem]:
+    """Rules that tie fields together (run only when every field is valid on its own)."""
+    out: list[_Problem] = []
+    m, g, gen, d = cfg.model, cfg.grpo, cfg.generation, cfg.data
+
+    if (m.path is None) == (m.tiny is None):
+        both = "both are set" if m.path is not None else "neither is set"
+        out.append(_Problem("model.path", f"model.path = {_show(m.path)} and model.tiny = "
+                                     f"{'{...}' if m.tiny is not None else 'null'}: {both}; allowed: exactly one "
+                                     "of model.path (a local HF model directory) or model.tiny (M3Config fields "
+                                     "of a random model); set the other to null", ("model.tiny",)))
+
+    dp = cfg.mesh.data * cfg.mesh.expert
+    unit = g.updates_per_step * g.micro_batch_size * dp
+    if g.sequences_per_step % unit:
+        out.append(_Problem("grpo.micro_batch_size", (
+            f"grpo.micro_batch_size = {g.micro_batch_size}: a step's {g.prompts_per_step} prompts x {g.group_size} "
+            f"samples = {g.sequences_per_step} sequences do not divide into {g.updates_per_step} update(s) x {dp} "
+            f"data-parallel rank(s) (mesh.data x mesh.expert = {dp}) x micro-batches of {g.micro_batch_size}; "
+            f"allowed: values with prompts_per_step x group_size divisible by updates_per_step x mesh.data x "
+            f"mesh.expert x micro_batch_size (here {unit})"),
+            ("grpo.prompts_per_step", "grpo.group_size", "grpo.updates_per_step", "mesh.data", "mesh.expert")))
+
+    if g.kl == "none" and g.kl_coef != 0:
+        out.append(_Problem("grpo.kl_coef", f"grpo.kl_coef = {_show(g.kl_coef)}: has no effect with grpo.kl = "
+                                            "\"none\"; allowed: 0, or set grpo.kl to \"k1\" or \"k3\"",
+                            ("grpo.kl",)))
+    if g.kl != "none" and g.kl_coef == 0:
+        out.append(_Problem("grpo.kl_coef", f"grpo.kl_coef = 0 with grpo.kl = {_show(g.kl)}: the penalty is "
+                                            "switched off; allowed: a number > 0, or grpo.kl = \"none\"",
+                            ("grpo.kl",)))
+    if g.is_correction == "mask" and g.is_mask_high <= g.is_mask_low:
+        out.append(_Problem("grpo.is_mask_high", f"grpo.is_mask_high = {_show(g.is_mask_high)}: not above "
+                                                 f"grpo.is_mask_low = {_show(g.is_mask_low)}; allowed: a number > "
+                                                 "is_mask_low", ("grpo.is_mask_low",)))
+
+    if d.kind == "file" and d.path is None:
+        out.append(_Problem("data.path", "data.path = null: data.kind = \"file\" needs a prompt file; allowed: "
+                                         "a path to a .jsonl, .json or .parquet file", ("data.kind",)))
+    if d.kind == "synthetic" and d.path is not None:
+        out.append(_Problem("data.path", f"data.path = {_show(d.path)}: data.kind = \"synthetic\" reads no file; "
+                                         "allowed: null, or set data.kind = \"file\"", ("data.kind",)))
+    if d.kind == "synthetic":
+        digits = 2 if d.task == "addmod" else d.num_digits
+        prompt_len = digits + 2 + (1 if d.task == "addmod" else 0)  # <bos> digits [+] <sep>
+        answer_len = (1 if d.task == "addmod" else d.num_digits) + 1  # answer + <eos>
+        if gen.max_prompt_tokens < prompt_len:
+            out.append(_Problem("generation.max_prompt_tokens", (
+                f"generation.max_prompt_tokens = {gen.max_prompt_tokens}: the {d.task} task's prompts are "
+                f"{prompt_len} tokens; allowed: an integer >= {prompt_len}"), ("data.task", "data.num_digits")))
+        if gen.max_new_tokens < answer_len:
+            out.append(_Problem("generation.max_new_tokens", (
+                f"generation.max_new_tokens = {gen.max_new_tokens}: the {d.task} task's answers need {answer_len} "
+                f"tokens (with <eos>); allowed: an integer >= {answer_len}"), ("data.task", "data.num_digits")))
+        if m.tiny is not None and m.tiny.get("vocab_size", 0) < DIGIT_VOCAB:
+            out.append(_Problem("model.tiny.vocab_size", (
+                f"model.tiny.vocab_size = {_show(m.tiny.get('vocab_size'))}: the synthetic tasks use a "
+                f"{DIGIT_VOCAB}-token vocabulary; allowed: an integer >= {DIGIT_VOCAB}")))
+
+    if m.tiny is not None:
+        vocab = m.tiny["vocab_size"]
+        for i, t in enumerate(gen.stop_token_ids):
+            if t >= vocab:
+                out.append(_Problem(f"generation.stop_token_ids[{i}]", (
+                    f"generation.stop_token_ids[{i}] = {t}: not a token of the model; allowed: an integer in "
+                    f"[0, model.tiny.vocab_size={vocab})"), ("model.tiny.vocab_size",)))
+
+    names = [r.name for r in cfg.reward]
+    registered = _registered_rewards()
+    for i, n in enumerate(names):
+        if registered is not None and n not in registered:
+            close = difflib.get_close_matches(n, registered, n=1)
+            hint = f" (did you mean {_show(close[0])}?)" if close else ""
+            out.append(_Problem(f"reward[{i}].name", (
+                f"reward[{i}].name = {_show(n)}: no reward is registered under this name{hint}; allowed: one of "
+                f"{', '.join(_show(r) for r in registered)} (register custom rewards with "
+                "rl.rewards.register_reward before loading the config)")))
+        if n in names[:i]:
+            out.append(_Problem(f"reward[{i}].name", f"reward[{i}].name = {_show(n)}: listed twice; allowed: "
+                                                     "each reward once (combine weights)"))
+
+    mp = cfg.mesh
+    if mp.process_id is not None and mp.num_processes is not None and mp.process_id >= mp.num_processes:
+        out.append(_Problem("mesh.process_id", f"mesh.process_id = {mp.process_id}: not below mesh.num_processes "
+                                               f"= {mp.num_processes}; allowed: an integer in [0, {mp.num_processes})",
+                                ("mesh.num_processes",)))
+    return out
+
+
+def _registered_rewards() -> list[str] | None:
+    """Names in the reward registry (None when rl.rewards is not importable: the check is skipped)."""
+    try:
+        from rl.rewards import list_rewards
+    except ImportError:
+        return None
+    return sorted(list_rewards())
+
+
+def _problems(cfg: RunConfig) -> list[_Problem]:
+    out: list[_Problem] = []
+    _check_obj(cfg, "", out)
+    tiny = cfg.model.tiny if isinstance(cfg.model, ModelSection) else None
+    if isinstance(tiny, dict):
+        _check_tiny(tiny, out)
+    if not out:
+        out = _cross_checks(cfg)
+    return out
