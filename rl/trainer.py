@@ -33,6 +33,7 @@ from rl.rewards.registry import score_batch
 from rl.tasks import make_task
 from sharding import precision
 from sharding.mesh import build_mesh
+from sharding.rules import rules_for, set_rules
 from sharding.train_step import init_state, make_train_step, state_shardings
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,7 @@ class GRPOTrainer:
         cfg = self.cfg
         dtype = jnp.dtype(cfg.precision.param_dtype)
         m = cfg.mesh
+        set_rules(rules_for(tuple(m.expert_axes)))  # where the experts live is the run's choice
         self.mesh = None if m.num_devices == 1 else build_mesh(m.to_mesh_config(), cfg.model.m3_config(),
                                                                seq_len=self.width - 1)
         if cfg.model.path:

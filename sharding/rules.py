@@ -60,6 +60,11 @@ def use_rules(rules):
         _active.reset(token)
 
 
+def set_rules(rules) -> None:
+    """Make `rules` the table for the rest of this context (a run's process: its mesh config decides)."""
+    _active.set(tuple(rules))
+
+
 def active_rules() -> tuple:
     return _active.get()
 

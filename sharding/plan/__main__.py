@@ -1,0 +1,212 @@
+"""python -m sharding.plan --config <run config> [a.b=value ...] [--model release] [--device-memory-gb 80]
+                          [--sweep N_DEVICES] [--png out.png] [--compile] [--compile-layers 1,2]
+
+Prints the per-device plan (memory by term, FLOPs, communication, step time) and a verdict
+("FITS with X GB margin" / "DOES NOT FIT: <term> is Y GB"). --model release plans the released
+MiniMax-M3 shapes (sharding.plan.models) when the config's model.path is unset (`???`).
+--sweep N enumerates (data, context, expert, tensor) with product N and micro-batch 1, 2, 4, 8.
+--compile re-executes itself with N simulated CPU devices and compiles the real train step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import os
+import subprocess
+import sys
+
+from sharding.mesh import MeshConfig, MeshError, validate
+from sharding.plan.flops import Hardware, comm_bytes, step_flops, step_time
+from sharding.plan.memory import GB, Batch, memory_plan
+from sharding.plan.models import m3_release
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    model: object  # M3Config
+    mesh: MeshConfig
+    seq_len: int
+    seqs_per_update: int
+    updates: int
+    micro_batch: int
+    master: str
+    moment_dtype: str
+    remat: bool
+
+    @property
+    def num_micro(self) -> int:
+        return self.seqs_per_update // (self.micro_batch * self.mesh.data * self.mesh.expert)
+
+    @property
+    def batch(self) -> Batch:
+        return Batch(self.micro_batch, self.seq_len, max(self.num_micro, 1), self.remat)
+
+
+def load_job(path: str, overrides: list[str], model: str | None) -> Job:
+    from rl.config.build import from_dict
+    from rl.config.yaml_io import _apply_overrides, _load_tree
+    sources: dict = {}
+    tree = _load_tree(path, [], sources)
+    _apply_overrides(tree, list(overrides), sources)
+    if model == "release" or tree.get("model", {}).get("path") == "???":
+        tree["model"]["path"], tree["model"]["tiny"] = "unused-by-the-planner", None
+    if tree.get("data", {}).get("path") == "???":
+        tree["data"]["path"] = "unused-by-the-planner"
+    cfg = from_dict(tree, sources=sources)
+    m3 = m3_release() if model == "release" or cfg.model.path == "unused-by-the-planner" else cfg.model.m3_config()
+    g = cfg.grpo
+    return Job(m3, cfg.mesh.to_mesh_config(), cfg.generation.max_seq_len, g.sequences_per_step // g.updates_per_step,
+               g.updates_per_step, g.micro_batch_size, cfg.precision.master, cfg.precision.moment_dtype,
+               cfg.model.remat)
+
+
+def invalid_reason(job: Job) -> str | None:
+    """Why a mesh cannot run this job (MeshError text or a planner rule), or None."""
+    try:
+        validate(job.mesh, job.model, seq_len=job.seq_len)
+    except MeshError as e:
+        return str(e)
+    ranks = job.mesh.data * job.mesh.expert
+    if job.seqs_per_update % (job.micro_batch * ranks):
+        return (f"sequences per update {job.seqs_per_update} not divisible by micro-batch {job.micro_batch} x "
+                f"data x expert {ranks}")
+    return None
+
+
+def plan(job: Job, hw: Hardware) -> dict:
+    mem = memory_plan(job.model, job.mesh, job.batch, job.master, job.moment_dtype)
+    fl = step_flops(job.model, job.seqs_per_update * job.updates, job.seq_len, job.remat)
+    comm = comm_bytes(job.model, job.mesh, job.micro_batch, job.seq_len, job.batch.num_micro * job.updates,
+                      job.master, job.remat)
+    st = step_time(fl["executed_total"] / job.mesh.num_devices, comm, job.mesh, hw)
+    return {"memory": mem, "flops": fl, "comm": comm, "time": st}
+
+
+def verdict(mem: dict, device_gb: float) -> str:
+    total = mem["total"] / GB
+    if total <= device_gb:
+        return f"FITS with {device_gb - total:.2f} GB margin ({total:.2f} of {device_gb:g} GB)"
+    term = max((k for k in mem if k != "total"), key=mem.get)
+    return (f"DOES NOT FIT: needs {total:.2f} GB of {device_gb:g} GB ({total - device_gb:.2f} GB over); "
+            f"largest term {term} is {mem[term] / GB:.2f} GB")
+
+
+def print_plan(job: Job, p: dict, device_gb: float) -> None:
+    m = job.mesh
+    print(f"mesh data={m.data} context={m.context} expert={m.expert} tensor={m.tensor} (EP {m.expert_parallel} over "
+          f"{','.join(m.expert_axes)}), micro-batch {job.micro_batch} x {job.batch.num_micro} micro-batches, "
+          f"seq {job.seq_len}, master={job.master}, moments={job.moment_dtype}, remat={job.remat}")
+    print(f"{'per-device memory':28s} {'GB':>9s}")
+    for k, v in p["memory"].items():
+        print(f"  {k:26s} {v / GB:9.3f}")
+    f = p["flops"]
+    print(f"FLOPs per step: model {f['model_total']:.3e} (matmul {f['matmul']:.3e}, attention {f['attention']:.3e}, "
+          f"indexer {f['indexer_scores'] + f['indexer_proj']:.3e}); executed {f['executed_total']:.3e}")
+    print("communication per device per step:")
+    for k, (b, axes) in p["comm"].items():
+        print(f"  {k:30s} {b / GB:10.2f} GB over {','.join(axes)}  ({p['time'][k + '_s']:.2f} s)")
+    t = p["time"]
+    print(f"step time estimate: {t['total_s']:.1f} s (compute {t['compute_s']:.1f} s, communication {t['comm_s']:.1f} s, "
+          f"comm share {t['comm_share']:.0%})")
+    print(verdict(p["memory"], device_gb))
+
+
+def sweep(job: Job, n: int, hw: Hardware, device_gb: float, png: str | None, micro=(1, 2, 4, 8)) -> list:
+    divs = [d for d in range(1, n + 1) if n % d == 0]
+    rows, excluded = [], []
+    for dp, cp, ep in itertools.product(divs, divs, divs):
+        if n % (dp * cp * ep):
+            continue
+        tp = n // (dp * cp * ep)
+        for mb in micro:
+            mesh = dataclasses.replace(job.mesh, data=dp, context=cp, expert=ep, tensor=tp)
+            j = dataclasses.replace(job, mesh=mesh, micro_batch=mb)
+            why = invalid_reason(j)
+            if why:
+                excluded.append((mesh.shape, mb, why))
+                continue
+            p = plan(j, hw)
+            rows.append((mesh.shape, mb, p["memory"]["total"] / GB, p["time"]["total_s"], p["time"]["comm_share"],
+                         p["memory"]["total"] / GB <= device_gb))
+    rows.sort(key=lambda r: (not r[5], r[3]))
+    print(f"sweep over {n} devices: {len(rows)} valid, {len(excluded)} excluded")
+    print(f"{'data,ctx,exp,tp':>16s} {'mb':>3s} {'mem GB':>8s} {'step s':>9s} {'comm':>5s} fits")
+    for shape, mb, mem, t, share, fits in rows[:20]:
+        print(f"{','.join(map(str, shape)):>16s} {mb:3d} {mem:8.2f} {t:9.1f} {share:5.0%} {'yes' if fits else 'no'}")
+    reasons: dict = {}
+    for shape, mb, why in excluded:
+        reasons.setdefault(why.split(":")[0].split(" is not")[0][:70], []).append(shape)
+    for why, shapes in reasons.items():
+        print(f"  excluded {len(shapes):4d}: {why} ...")
+    if png:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(7, 5))
+        for fits, col in ((True, "tab:green"), (False, "tab:red")):
+            pts = [(r[3], r[2]) for r in rows if r[5] == fits]
+            if pts:
+                ax.scatter(*zip(*pts), c=col, s=12, label="fits" if fits else "does not fit")
+        ax.axhline(device_gb, color="k", ls="--", lw=1)
+        ax.set_xscale("log"); ax.set_yscale("log")
+        ax.set_xlabel("estimated step time (s)"); ax.set_ylabel("memory per device (GB)")
+        ax.set_title(f"mesh sweep, {n} devices"); ax.legend()
+        fig.savefig(png, dpi=100); plt.close(fig)
+        print(f"plot: {png}")
+    return rows, excluded
+
+
+def compile_reduced(job: Job, layer_sets) -> list:
+    """Re-execute with N simulated devices (XLA_FLAGS before jax loads) and compile reduced-depth models."""
+    n = job.mesh.num_devices
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n}", JAX_PLATFORMS="cpu")
+    spec = {"model": dataclasses.asdict(job.model), "mesh": dataclasses.asdict(job.mesh), "seq_len": job.seq_len,
+            "micro_batch": job.micro_batch, "master": job.master, "moment_dtype": job.moment_dtype,
+            "remat": job.remat, "layer_sets": layer_sets}
+    out = subprocess.run([sys.executable, "-m", "sharding.plan._compile_worker"], input=json.dumps(spec), env=env,
+                         capture_output=True, text=True, check=False)
+    if out.returncode:
+        raise SystemExit(f"compile failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m sharding.plan", description=__doc__.splitlines()[0])
+    ap.add_argument("--config", required=True)
+    ap.add_argument("overrides", nargs="*")
+    ap.add_argument("--model", choices=("config", "release"), default=None)
+    ap.add_argument("--device-memory-gb", type=float, default=80.0)
+    ap.add_argument("--peak-tflops", type=float, default=989.0)
+    ap.add_argument("--mfu", type=float, default=0.4)
+    ap.add_argument("--nvlink-gbps", type=float, default=450.0)
+    ap.add_argument("--ib-gbps", type=float, default=50.0)
+    ap.add_argument("--sweep", type=int, default=None, metavar="N_DEVICES")
+    ap.add_argument("--png", default="mesh_sweep.png")
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--compile-layers", default="1:1,1:2", help="dense:moe layer counts to compile")
+    a = ap.parse_args(argv)
+    job = load_job(a.config, a.overrides, a.model)
+    hw = Hardware(a.peak_tflops * 1e12, a.mfu, a.nvlink_gbps * 1e9, a.ib_gbps * 1e9)
+    if a.sweep:
+        sweep(job, a.sweep, hw, a.device_memory_gb, a.png)
+        return 0
+    why = invalid_reason(job)
+    if why:
+        print(f"INVALID MESH: {why}")
+        return 1
+    print_plan(job, plan(job, hw), a.device_memory_gb)
+    if a.compile:
+        sets = [tuple(map(int, s.split(":"))) for s in a.compile_layers.split(",")]
+        print(f"compiling on {job.mesh.num_devices} simulated CPU devices (XLA:CPU estimate, not the GPU OOM line):")
+        for r in compile_reduced(job, sets):
+            print(f"  {r['dense']} dense + {r['moe']} MoE layers: XLA peak {r['peak'] / GB:.3f} GB (args "
+                  f"{r['argument'] / GB:.3f}, temp {r['temp'] / GB:.3f}) vs analytic {r['analytic'] / GB:.3f} GB "
+                  f"(ratio {r['analytic'] / r['peak']:.2f}); compile {r['compile_s']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

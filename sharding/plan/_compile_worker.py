@@ -1,0 +1,41 @@
+"""Child process of `python -m sharding.plan --compile` (XLA_FLAGS already set by the parent).
+Reads the job as JSON on stdin, prints one JSON list: XLA and analytic memory per reduced depth."""
+
+import dataclasses
+import json
+import sys
+
+from m3jax.config import DENSE_MLP, FULL_ATTENTION, M3Config
+from sharding.mesh import MeshConfig
+from sharding.plan.compile import compile_step
+from sharding.plan.memory import Batch, memory_plan
+
+
+def reduced(cfg: M3Config, n_dense: int, n_moe: int) -> M3Config:
+    """First n_dense layers of the first kind and n_moe of the last kind, real widths."""
+    first, last = (cfg.layer_types[0], cfg.mlp_layer_types[0]), (cfg.layer_types[-1], cfg.mlp_layer_types[-1])
+    kinds = [first] * n_dense + [last] * n_moe if first != last else [first] * (n_dense + n_moe)
+    return dataclasses.replace(cfg, num_hidden_layers=len(kinds), layer_types=tuple(k[0] for k in kinds),
+                               mlp_layer_types=tuple(k[1] for k in kinds))
+
+
+def main():
+    spec = json.loads(sys.stdin.read())
+    m = spec["model"]
+    cfg = M3Config(**{**m, "eos_token_id": tuple(m["eos_token_id"]) if isinstance(m["eos_token_id"], list)
+                      else m["eos_token_id"]})
+    mesh = MeshConfig(**{**spec["mesh"], "expert_axes": tuple(spec["mesh"]["expert_axes"])})
+    batch = Batch(spec["micro_batch"], spec["seq_len"], 1, spec["remat"])
+    out = []
+    for n_dense, n_moe in spec["layer_sets"]:
+        c = reduced(cfg, n_dense, n_moe)
+        r = compile_step(c, mesh, batch, spec["master"], spec["moment_dtype"])
+        r.update(dense=n_dense, moe=n_moe, analytic=memory_plan(c, mesh, batch, spec["master"],
+                                                                spec["moment_dtype"])["total"])
+        out.append(r)
+        print(f"compiled {n_dense}+{n_moe}: {r['compile_s']:.0f} s", file=sys.stderr, flush=True)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,184 @@
+"""Analytic FLOPs, communication volume and step time of one training step (pure Python).
+
+Per optimizer step: G sequences (the global batch of one update; GRPO's sequences_per_step /
+updates_per_step, times updates_per_step for the whole step), S tokens each, N = G * S tokens.
+Notation as in `sharding.plan.memory`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from m3jax.config import MOE_MLP, SPARSE_ATTENTION, M3Config
+from m3jax.model.decoder import layer_param_specs
+from sharding.mesh import MeshConfig
+from sharding.plan.memory import Param, local_elems, mesh_sizes, param_table, shard_axes
+from sharding.rules import MESH_AXES
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """Device and links (defaults: H100/H200 SXM): dense bf16 FLOP/s, the MFU assumed for compute,
+    NVLink bandwidth per GPU inside a node, InfiniBand bandwidth per GPU between nodes (bytes/s)."""
+    peak_flops: float = 989e12
+    mfu: float = 0.4
+    nvlink_bw: float = 450e9
+    ib_bw: float = 50e9
+    gpus_per_node: int = 8
+
+
+def active_matmul_params(cfg: M3Config) -> dict[str, int]:
+    """Weights one token multiplies through (2 FLOPs each per forward):
+
+        attention  L * (H*D*d [q] + 2*KV*D*d [k, v] + d*H*D [o])
+        indexer    L_sparse * (Hi*Di*d + Di*d)            (forward only: it gets no gradient)
+        dense MLP  L_dense * 3*Id*d
+        MoE        L_moe * (k * 3*I*d [routed] + 3*Is*d [shared] + E*d [router])
+        head       V*d                                     (the embedding is a lookup, not a matmul)
+    """
+    d, h, kv, dd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    out = dict.fromkeys(("attention", "indexer", "dense_mlp", "moe", "head"), 0)
+    for attn, mlp in zip(cfg.layer_types, cfg.mlp_layer_types):
+        out["attention"] += 2 * h * dd * d + 2 * kv * dd * d
+        if attn == SPARSE_ATTENTION:
+            out["indexer"] += (cfg.index_n_heads + 1) * cfg.index_head_dim * d
+        if mlp == MOE_MLP:
+            out["moe"] += (cfg.num_experts_per_tok * 3 * cfg.intermediate_size * d
+                           + 3 * cfg.shared_intermediate_size * d + cfg.num_local_experts * d)
+        else:
+            out["dense_mlp"] += 3 * cfg.dense_intermediate_size * d
+    out["head"] = cfg.vocab_size * d
+    return out
+
+
+def causal_pairs(s: int, window: int | None = None) -> int:
+    """(query, key) pairs with key <= query, each query seeing at most `window` keys:
+    sum_{i=0}^{S-1} min(i + 1, W) = S(S+1)/2 if S <= W else W(W+1)/2 + (S - W) * W."""
+    w = s if window is None else min(window, s)
+    return w * (w + 1) // 2 + (s - w) * w
+
+
+def step_flops(cfg: M3Config, seqs: int, seq_len: int, remat: bool = True) -> dict[str, float]:
+    """FLOPs of one step over `seqs` sequences of `seq_len` tokens (N = seqs * seq_len tokens).
+
+    model FLOPs (what the maths needs):
+        matmul     = 6 * (attention + dense_mlp + moe + head active params) * N     (fwd 2 + bwd 4)
+        indexer_proj = 2 * indexer params * N                                      (forward only)
+        attention  = 12 * H*D * pairs per layer * seqs   (fwd QK^T and PV: 2 * 2*H*D per pair; bwd 2x that);
+                     pairs = causal_pairs(S) on full layers,
+                     causal_pairs(S, index_topk_blocks * index_block_size) on sparse layers
+        indexer_scores = 2 * Hi*Di * causal_pairs(S) * seqs per sparse layer     (forward only, every causal key)
+    executed FLOPs (what m3jax runs): the same, plus with remat one more forward of every layer
+        (2 * layer params * N + the forward attention/indexer again), and attention over the full
+        [S, S] block on every layer (the model masks, it does not skip: 12 * H*D * S^2 per layer).
+    """
+    act = active_matmul_params(cfg)
+    n = seqs * seq_len
+    h, dd = cfg.num_attention_heads, cfg.head_dim
+    window = cfg.index_topk_blocks * cfg.index_block_size
+    pairs_model = sum(causal_pairs(seq_len, window if t == SPARSE_ATTENTION else None) for t in cfg.layer_types)
+    n_sparse = sum(t == SPARSE_ATTENTION for t in cfg.layer_types)
+    layer_params = act["attention"] + act["dense_mlp"] + act["moe"]
+    out = {
+        "matmul": 6 * (layer_params + act["head"]) * n,
+        "indexer_proj": 2 * act["indexer"] * n,
+        "attention": 12 * h * dd * pairs_model * seqs,
+        "indexer_scores": 2 * cfg.index_n_heads * cfg.index_head_dim * causal_pairs(seq_len) * n_sparse * seqs,
+    }
+    out["model_total"] = sum(out.values())
+    full_attn = 12 * h * dd * seq_len * seq_len * cfg.num_hidden_layers * seqs
+    idx_exec = 2 * cfg.index_n_heads * cfg.index_head_dim * seq_len * seq_len * n_sparse * seqs
+    executed = out["matmul"] + out["indexer_proj"] + full_attn + idx_exec
+    if remat:
+        executed += 2 * layer_params * n + out["indexer_proj"] + full_attn / 3 + idx_exec
+    out["executed_total"] = executed
+    return out
+
+
+def axis_link(mesh: MeshConfig, axes: tuple[str, ...], hw: Hardware) -> float:
+    """Bandwidth of a collective over `axes`: NVLink when the group fits in one node, else IB.
+    Devices are laid out row-major over (data, context, expert, tensor) (jax.make_mesh), so an axis'
+    group stays inside a node iff its size times the sizes of every axis after it is <= gpus_per_node."""
+    sz = mesh_sizes(mesh)
+    used = [a for a in axes if sz[a] > 1]
+    if not used:
+        return hw.nvlink_bw
+    first = min(MESH_AXES.index(a) for a in used)
+    span = math.prod(sz[a] for a in MESH_AXES[first:])
+    return hw.nvlink_bw if span <= hw.gpus_per_node else hw.ib_bw
+
+
+def comm_bytes(cfg: M3Config, mesh: MeshConfig, micro_batch: int, seq_len: int, num_micro: int,
+               master: str = "fp32", remat: bool = True, rules=None) -> dict[str, tuple[float, tuple]]:
+    """Bytes one device sends per step, by collective -> (bytes, mesh axes it runs over).
+
+    Per micro-batch (x num_micro), p = param bytes, a = activation bytes, f(n) = (n-1)/n:
+      fsdp_all_gather     (1 + 1) * f(n_d) * sum of data-sharded (non-expert-dim) weights with the data shard undone * p
+                          (forward, and again in the backward / remat recompute)
+      fsdp_reduce_scatter f(n_d) * the same bytes (gradients, param dtype)
+      grad_all_reduce     2 f(n) * local gradient bytes, over the token axes (data, context, expert) a
+                          weight is replicated on (its gradient sums over the tokens those devices hold)
+      expert_all_to_all   L_moe * (2 fwd + 2 bwd [+ 2 remat]) * f(n_ep) * T_l * k * d * a (the ragged exchange:
+                          the rows really routed; the CPU's padded exchange sends n_ep * cap rows instead)
+      context_all_gather  L * (1 fwd [+ 1 remat] + 1 bwd reduce-scatter) * f(n_c) * b * S *
+                          (2 * KV/n_t * D + Di [sparse]) * a        (keys, values and indexer keys)
+      tensor_all_reduce   L * 4 * 2 f(n_t) * T_l * d * a           (attention and MLP outputs, fwd + bwd)
+    """
+    sz = mesh_sizes(mesh)
+    f = lambda n: (n - 1) / n if n > 1 else 0.0  # noqa: E731
+    a = 4 if master == "none" else 2
+    nd, nc, nt = sz["data"], sz["context"], sz["tensor"]
+    t_l = micro_batch * seq_len // nc
+    fsdp = 0.0
+    allreduce: dict[tuple, float] = {}
+    for p in param_table(cfg):
+        if p.buffer:
+            continue
+        dims = shard_axes(p, mesh, rules)
+        pb = 4 if (master == "none" or p.fp32) else 2
+        used = {x for axes in dims for x in axes}
+        # FSDP = data shards a weight dimension other than the experts one (tokens travel to experts)
+        if any("data" in axes and name != "experts" for name, axes in zip(p.axes, dims)):
+            fsdp += local_elems(p, mesh, rules) * nd * pb
+        red = tuple(x for x in ("data", "context", "expert") if sz[x] > 1 and x not in used)
+        if red:
+            allreduce[red] = allreduce.get(red, 0.0) + local_elems(p, mesh, rules) * pb
+    out = {"fsdp_all_gather": (2 * f(nd) * fsdp * num_micro, ("data",)),
+           "fsdp_reduce_scatter": (f(nd) * fsdp * num_micro, ("data",))}
+    for red, v in allreduce.items():
+        n = math.prod(sz[x] for x in red)
+        key = "grad_all_reduce" + ("" if len(allreduce) == 1 else f"[{','.join(red)}]")
+        out[key] = (2 * f(n) * v * num_micro, red)
+    n_moe = sum(m == MOE_MLP for m in cfg.mlp_layer_types)
+    n_ep = mesh.expert_parallel
+    trips = 4 + (2 if remat else 0)
+    ep_axes = tuple(x for x in mesh.expert_axes if sz[x] > 1)
+    out["expert_all_to_all"] = (n_moe * trips * f(n_ep) * t_l * cfg.num_experts_per_tok * cfg.hidden_size * a
+                                * num_micro, ep_axes)
+    kvw = 0.0
+    for t in cfg.layer_types:
+        kvw += 2 * cfg.num_key_value_heads / nt * cfg.head_dim + (cfg.index_head_dim if t == SPARSE_ATTENTION else 0)
+    out["context_all_gather"] = ((3 if remat else 2) * f(nc) * micro_batch * seq_len * kvw * a * num_micro,
+                                 ("context",))
+    out["tensor_all_reduce"] = (cfg.num_hidden_layers * 4 * 2 * f(nt) * t_l * cfg.hidden_size * a * num_micro,
+                                ("tensor",))
+    return {k: v for k, v in out.items() if v[0] > 0}
+
+
+def step_time(executed_flops_per_device: float, comm: dict[str, tuple[float, tuple]], mesh: MeshConfig,
+              hw: Hardware = Hardware()) -> dict[str, float]:
+    """compute = FLOPs per device / (peak_flops * mfu); each collective = bytes / bandwidth of its axes
+    (`axis_link`); total = compute + communication (no overlap assumed: an upper estimate);
+    comm_share = communication / total."""
+    compute = executed_flops_per_device / (hw.peak_flops * hw.mfu)
+    out = {"compute_s": compute}
+    comm_total = 0.0
+    for name, (b, axes) in comm.items():
+        t = b / axis_link(mesh, axes, hw)
+        out[f"{name}_s"] = t
+        comm_total += t
+    out["comm_s"] = comm_total
+    out["total_s"] = compute + comm_total
+    out["comm_share"] = comm_total / out["total_s"] if out["total_s"] else 0.0
+    return out
