@@ -58,6 +58,7 @@ class Checkpointer:
         """The newest readable checkpoint rebuilt into the layout of `like` (the freshly built state)."""
         steps = sorted(self.manager.all_steps(), reverse=True)
         target = _abstract(_portable(like))
+        unreadable = []
         for step in steps:
             try:
                 got = self.manager.restore(step, args=ocp.args.Composite(
@@ -65,9 +66,30 @@ class Checkpointer:
             except Exception as e:  # noqa: BLE001 - any unreadable checkpoint: fall back to the previous one
                 log.warning("checkpoint step %d in %s is unreadable (%s: %s); trying the previous one",
                             step, self.directory, type(e).__name__, str(e)[:200])
+                unreadable.append(step)
                 continue
+            self._set_aside(unreadable)
             return _rebuild(like, got["state"]), dict(got["meta"])
         return None
+
+    def _set_aside(self, steps: list[int]) -> None:
+        """Rename unreadable checkpoints newer than the one restored to `<step>.unreadable` (kept for
+        inspection, ignored by orbax): the resumed run saves those steps again, and orbax refuses to
+        save a step whose directory exists. (When no step is readable nothing is moved: the cause may
+        be this run's layout rather than the files.)"""
+        if not steps:
+            return
+        if jax.process_index() == 0:
+            for step in steps:
+                path = os.path.join(self.directory, str(step))
+                aside, n = f"{path}.unreadable", 1
+                while os.path.exists(aside):
+                    aside, n = f"{path}.unreadable{n}", n + 1
+                os.rename(path, aside)
+                log.warning("moved unreadable checkpoint step %d to %s", step, aside)
+        if jax.process_count() > 1:
+            ocp.multihost.sync_global_processes("rl.checkpoint:set_aside")
+        self.manager.reload()
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
