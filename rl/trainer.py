@@ -8,6 +8,7 @@ uninterrupted one would have done.
 
 from __future__ import annotations
 
+import datetime
 import functools
 import logging
 import os
@@ -120,7 +121,7 @@ class GRPOTrainer:
         self.train_step = make_train_step(
             self.graphdef, self.optimizer, loss_fn, mesh=self.mesh, shardings=self.shardings,
             normalizer=lambda b: normalizer(b["loss_mask"].reshape(-1, b["loss_mask"].shape[-1]), loss_cfg))
-        self.engine = JaxEngine(self.graphdef, self.state.params, self.state.rest, pad_id=self.pad_id, mesh=self.mesh)
+        self.engine = JaxEngine(self.graphdef, self.state.params, self.state.rest, pad_id=self.pad_id)
 
     # ------------------------------------------------------------------------------------ phases
     @functools.partial(jax.jit, static_argnums=(0,))
@@ -251,7 +252,7 @@ class GRPOTrainer:
         cfg = self.cfg
         start_wall = time.time()
         first = self.resume()
-        deadline = cfg.checkpoint.deadline_seconds(__import__("datetime").datetime.now())
+        deadline = cfg.checkpoint.deadline_seconds(datetime.datetime.now())
         logger = RunLogger(self.run_dir, tensorboard=cfg.logging.tensorboard, progress_bar=cfg.logging.progress_bar,
                            total_steps=cfg.run.total_steps, first_step=first)
         last = {}

@@ -3,7 +3,9 @@
 One jitted program per (batch, prompt width, max_new_tokens): prefill the right-padded prompts, then
 a while-loop of single-token decode steps that stops when every row has emitted a stop token. Sparse
 layers keep their indexer keys in the cache, so decoding selects blocks exactly as a full forward.
-The engine holds a reference to the trainer's parameters (no copy): `set_weights` swaps it.
+The engine holds a reference to the trainer's parameters (no copy): `set_weights` swaps it. With
+sharded parameters, generation is partitioned by XLA from their shardings (it does not enter the
+expert-parallel shard_map path the train step uses).
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ from rl.generation.base import Rollout, SamplingParams, sampling_logits
 
 
 class JaxEngine:
-    def __init__(self, graphdef, params, rest, *, pad_id: int = 0, mesh=None):
+    def __init__(self, graphdef, params, rest, *, pad_id: int = 0):
         self.graphdef, self.params, self.rest = graphdef, params, rest
-        self.pad_id, self.mesh = pad_id, mesh
+        self.pad_id = pad_id
         self.version = 0
 
     def set_weights(self, params, version: int, rest=None) -> None:
