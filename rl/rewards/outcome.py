@@ -1,0 +1,64 @@
+"""Evaluation of one (sample, reward) pair and the per-batch result record, shared by every run mode.
+
+``call_reward`` never raises for the reward's own failures (exceptions, non-float or non-finite
+results): it returns ``(True, value)`` or ``(False, reason)``. ``Outcome`` collects one reward's
+per-sample values over a batch; the first verdict for a sample wins, later ones are ignored.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+
+def call_reward(fn: Callable[..., float], completion: str, answer: str, kw: Mapping[str, Any], *,
+          in_caller: bool = True) -> tuple[bool, float | str]:
+    """(True, value) or (False, reason). Never raises, except KeyboardInterrupt / SystemExit when
+    running in the caller's own thread (``in_caller``), where they are the user's, not the reward's."""
+    try:
+        out = fn(completion, answer, **kw)
+    except (KeyboardInterrupt, SystemExit) as e:
+        if in_caller:
+            raise
+        return False, f"{type(e).__name__}: {e}"[:500]
+    except BaseException as e:  # math-verify's TimeoutException derives from BaseException
+        return False, f"{type(e).__name__}: {e}"[:500]
+    try:
+        value = float(out)
+    except (TypeError, ValueError):
+        return False, f"returned {type(out).__name__}, expected a float"
+    if not math.isfinite(value):
+        return False, f"returned {value}"
+    return True, value
+
+
+class Outcome:
+    """Per-sample results of one reward over one batch."""
+
+    def __init__(self, n: int):
+        self.values = np.zeros(n, dtype=np.float64)
+        self.done = np.zeros(n, dtype=bool)
+        self.failed = np.zeros(n, dtype=bool)
+        self.timeouts = 0
+        self.errors: list[str] = []
+
+    def ok(self, i: int, value: float) -> None:
+        if not self.done[i]:
+            self.values[i], self.done[i] = value, True
+
+    def fail(self, i: int, reason: str, *, timeout: bool = False) -> None:
+        if not self.done[i]:
+            self.done[i] = self.failed[i] = True
+            self.timeouts += timeout
+            if len(self.errors) < 3:
+                self.errors.append(f"sample {i}: {reason}")
+
+    def settle(self, i: int, ok: bool, res) -> None:
+        self.ok(i, res) if ok else self.fail(i, res)
+
+    def fail_rest(self, reason: str) -> None:
+        for i in np.flatnonzero(~self.done):
+            self.fail(int(i), reason, timeout=True)
