@@ -20,6 +20,7 @@ exact match; the sparse-reward case of §6).
 
 from __future__ import annotations
 
+import abc
 import re
 from collections.abc import Iterable, Sequence
 
@@ -111,7 +112,7 @@ class DigitTokenizer:
         return [self._IDS[t] for t in tokens]
 
 
-class DigitTask:
+class DigitTask(abc.ABC):
     """Base class: random digit strings -> ``PromptRecord``s; subclasses define ``target``."""
 
     name = "digits"
@@ -124,8 +125,9 @@ class DigitTask:
         self.seed = int(seed)
         self.tokenizer = DigitTokenizer()
 
+    @abc.abstractmethod
     def target(self, digits: str) -> str:
-        raise NotImplementedError
+        """The answer digit string for prompt digits."""
 
     def prompt_text(self, digits: str) -> str:
         return digits
