@@ -1,0 +1,147 @@
+"""One script for a lent GPU: correctness smoke + MFU of an M3-shaped train step + MoE grouped-matmul cost.
+
+    python scripts/gpu_check.py                 # on the GPU machine (about 3-6 minutes)
+    python scripts/gpu_check.py --small         # CPU smoke test of the script itself
+
+Prints one JSON line per check; keep the output with BENCHMARKS.md. Checks:
+1. devices and versions;
+2. parity: the tiny model's logits on the accelerator vs on the CPU (same params), fp32;
+3. MFU: a jitted train step (bf16 + compact master + bf16 moments, remat) of an M3-shaped model at the
+   real widths (d 6144, 64 heads x 128, 4 KV heads, experts of 3072) with few layers and experts so it
+   fills one GPU; MFU = model FLOPs (sharding.plan.flops.step_flops) / (step time x peak FLOP/s);
+4. MoE: grouped expert matmuls (ragged_dot) vs every expert on every token, same routing, timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from m3jax import M3Config, M3ForCausalLM
+from m3jax.model.mlp import swiglu_oai
+from m3jax.model.moe import grouped_experts, route
+from sharding import precision
+from sharding.expert import local_experts
+from sharding.plan.flops import step_flops
+from sharding.train_step import init_state, make_train_step
+
+
+def emit(**kw):
+    print(json.dumps(kw), flush=True)
+
+
+def timed(fn, *args, iters=5):
+    out = fn(*args)
+    jax.block_until_ready(out)
+    t = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        t.append(time.perf_counter() - t0)
+    return float(np.median(t)), out
+
+
+def m3_shaped(small: bool, layers: int, experts: int) -> M3Config:
+    if small:
+        d, h, kv, hd, i, di, v = 128, 4, 2, 32, 64, 256, 512
+    else:
+        d, h, kv, hd, i, di, v = 6144, 64, 4, 128, 3072, 12288, 200064
+    return M3Config(vocab_size=v, hidden_size=d, num_hidden_layers=layers, num_attention_heads=h,
+                    num_key_value_heads=kv, head_dim=hd, intermediate_size=i, dense_intermediate_size=di,
+                    shared_intermediate_size=i, num_local_experts=experts, num_experts_per_tok=4,
+                    partial_rotary_factor=0.5, layer_types=("full_attention",) + ("minimax_m3_sparse",) * (layers - 1),
+                    mlp_layer_types=("dense",) + ("sparse",) * (layers - 1), index_n_heads=kv,
+                    index_head_dim=hd, index_block_size=128 if not small else 16, index_topk_blocks=16 if not small else 2)
+
+
+def parity(small: bool):
+    cfg = m3_shaped(True, 2, 8)
+    model = M3ForCausalLM(cfg, rngs=nnx.Rngs(0))
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 128)), jnp.int32)
+    acc = np.asarray(jax.jit(lambda m, x: m(x))(model, ids))
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        ref = np.asarray(jax.jit(lambda m, x: m(x))(jax.device_put(model, cpu), jax.device_put(ids, cpu)))
+    emit(check="parity_accelerator_vs_cpu", rel_err=float(np.abs(acc - ref).max() / np.abs(ref).max()))
+
+
+def mfu(small: bool, layers: int, experts: int, seq: int, batch: int, peak: float):
+    cfg = m3_shaped(small, layers, experts)
+    model = M3ForCausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), remat=True)
+    opt = precision.adamw(1e-5, moment_dtype=jnp.bfloat16, master="compact")
+    graphdef, state = init_state(model, opt)
+    del model
+    step = make_train_step(graphdef, opt)
+    ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (1, batch, seq + 1)).astype(np.int32)
+    data = {"input_ids": jnp.asarray(ids[..., :-1]), "targets": jnp.asarray(ids[..., 1:]),
+            "loss_mask": jnp.ones((1, batch, seq), jnp.float32)}
+    t0 = time.perf_counter()
+    state, m = step(state, data)
+    jax.block_until_ready(m["loss"])
+    compile_s = time.perf_counter() - t0
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        state, m = step(state, data)
+        jax.block_until_ready(m["loss"])
+        times.append(time.perf_counter() - t0)
+    f = step_flops(cfg, batch, seq, remat=True)
+    t = float(np.median(times))
+    emit(check="train_step_mfu", layers=layers, experts=experts, seq=seq, batch=batch, step_s=t,
+         compile_s=compile_s, model_tflops=f["model_total"] / 1e12, executed_tflops=f["executed_total"] / 1e12,
+         mfu=f["model_total"] / t / peak, hfu=f["executed_total"] / t / peak, loss=float(m["loss"]),
+         params=sum(x.size for x in jax.tree.leaves(state.params)))
+
+
+def moe_cost(small: bool, experts: int, tokens: int):
+    d, i = (128, 64) if small else (6144, 3072)
+    k = jax.random.split(jax.random.key(0), 4)
+    x = jax.random.normal(k[0], (tokens, d), jnp.bfloat16)
+    router = jax.random.normal(k[1], (experts, d), jnp.float32) / d ** 0.5
+    gate_up = (jax.random.normal(k[2], (experts, 2, i, d), jnp.bfloat16) / d ** 0.5)
+    down = (jax.random.normal(k[3], (experts, d, i), jnp.bfloat16) / i ** 0.5)
+    w, idx = route(x, router, jnp.zeros(experts), top_k=4)
+    fn = lambda rows, sizes: grouped_experts(rows, sizes, gate_up, down, alpha=1.702, limit=7.0)  # noqa: E731
+    grouped = jax.jit(lambda x, w, idx: local_experts(x, w, idx, fn, experts))
+
+    @jax.jit
+    def dense(x, w, idx):
+        gu = jnp.einsum("td,ecid->teci", x, gate_up)
+        act = swiglu_oai(gu[:, :, 0], gu[:, :, 1], 1.702, 7.0)
+        out = jnp.einsum("tei,edi->ted", act, down)
+        weight = jnp.zeros((x.shape[0], experts), jnp.float32).at[jnp.arange(x.shape[0])[:, None], idx].set(w)
+        return jnp.einsum("ted,te->td", out.astype(jnp.float32), weight).astype(x.dtype)
+
+    tg, a = timed(grouped, x, w, idx)
+    td, b = timed(dense, x, w, idx)
+    err = float(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)).max() / jnp.abs(b.astype(jnp.float32)).max())
+    emit(check="moe_grouped_vs_dense", experts=experts, tokens=tokens, grouped_ms=tg * 1e3, dense_ms=td * 1e3,
+         dense_over_grouped=td / tg, rel_err=err)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--small", action="store_true", help="tiny shapes: a CPU smoke test of this script")
+    ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the device (H100/H200)")
+    args = ap.parse_args()
+    emit(check="devices", backend=jax.default_backend(), devices=[str(d) for d in jax.devices()],
+         jax=jax.__version__)
+    parity(args.small)
+    peak = args.peak_tflops * 1e12
+    if args.small:
+        mfu(True, 2, 8, 64, 2, peak)
+        moe_cost(True, 8, 256)
+    else:
+        mfu(False, 4, 16, 4096, 1, peak)
+        for e in (16, 64):
+            moe_cost(False, e, 8192)
+
+
+if __name__ == "__main__":
+    main()
