@@ -34,9 +34,16 @@ def _portable(state: TrainState) -> dict:
             "inner": state.opt_state.inner, "step": state.step, "skipped": state.skipped}
 
 
-def _abstract(tree):
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
-                        tree)
+def _abstract(tree, dtype=None):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype or x.dtype,
+                                                       sharding=getattr(x, "sharding", None)), tree)
+
+
+def _restore_target(like: TrainState) -> dict:
+    """The abstract `_portable(like)`, without computing a master just to learn its shapes."""
+    return {"master": nnx.to_pure_dict(_abstract(like.params, jnp.float32)),
+            "rest": nnx.to_pure_dict(_abstract(like.rest)), "inner": _abstract(like.opt_state.inner),
+            "step": _abstract(like.step), "skipped": _abstract(like.skipped)}
 
 
 class Checkpointer:
@@ -57,7 +64,7 @@ class Checkpointer:
     def restore_latest(self, like: TrainState) -> tuple[TrainState, dict] | None:
         """The newest readable checkpoint rebuilt into the layout of `like` (the freshly built state)."""
         steps = sorted(self.manager.all_steps(), reverse=True)
-        target = _abstract(_portable(like))
+        target = _restore_target(like)
         unreadable = []
         for step in steps:
             try:
