@@ -1,17 +1,14 @@
-"""Sharded model and train step equal the single-device ones on 8 simulated CPU devices."""
+"""The sharded model equals the single-device one on 8 simulated CPU devices."""
 
-import numpy as np
 import jax
 import jax.numpy as jnp
-import optax
+import numpy as np
 import pytest
 import torch
 from flax import nnx
 
 import m3jax
-from sharding import precision
 from sharding.mesh import MeshConfig, build_mesh
-from sharding.train_step import init_state, make_train_step, state_shardings
 from tests import reference as ref
 
 MESHES = [(8, 1, 1, 1), (1, 8, 1, 1), (1, 1, 8, 1), (2, 2, 2, 1), (1, 2, 2, 2), (2, 1, 2, 2)]
