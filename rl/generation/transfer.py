@@ -1,0 +1,262 @@
+"""Trainer weights -> generation engines: HF-named, checksummed buckets, staged, then applied together.
+
+The tensors come from `m3jax.hf.save.hf_tensors` (the generator `save_pretrained` writes from), so what
+an engine receives is byte for byte what an exported checkpoint would hold.
+
+An update is a two-phase commit so that a bad bucket can never leave an engine half updated:
+  1. stage: every bucket goes to every engine, which verifies each tensor (CRC32 of its bytes, and its
+     name / shape / dtype against the engine's own checkpoint manifest) and holds it without applying;
+  2. commit: only when every engine has acknowledged every bucket is `commit(version)` sent; each engine
+     applies the staged tensors in one `reload_weights` pass and reports the new version.
+On any failure the sender sends `abort(version)` everywhere and raises `TransferError` naming the
+tensor: the engines keep serving the previous version.
+
+Conversion of bucket n+1 runs in a thread while bucket n is being put into the object store and staged
+(`depth` buckets in flight), which is the double buffering of grpo-reference §3.
+
+The transport is the seam for GPU links: `RayObjectStoreTransport` moves host buffers through Ray's
+object store (the only transport CPU engines can use); an NCCL-broadcast or CUDA-IPC transport is a
+second class with the same `push` signature, selected by `generation.weight_transport`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+import zlib
+from typing import Iterable, Iterator, Protocol
+
+import numpy as np
+
+
+class TransferError(RuntimeError):
+    """A weight update was rejected; the engines still serve the previous version."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorRecord:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    crc32: int
+
+
+@dataclasses.dataclass
+class Bucket:
+    version: int
+    index: int
+    records: list[TensorRecord]
+    arrays: list[np.ndarray]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays)
+
+
+def checksum(array: np.ndarray) -> int:
+    """CRC32 of the array's bytes in C order (dtype-agnostic: bf16 is hashed as its raw 16-bit words)."""
+    flat = np.ascontiguousarray(array).reshape(-1)
+    return zlib.crc32(flat.view(np.uint8)) if flat.size else 0
+
+
+def make_buckets(named_arrays: Iterable[tuple[str, np.ndarray]], bucket_bytes: int, version: int) -> Iterator[Bucket]:
+    """Group tensors, in order, into buckets of at most `bucket_bytes` (a larger tensor travels alone)."""
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes={bucket_bytes}: expected >= 1")
+    records, arrays, size, index = [], [], 0, 0
+    for name, array in named_arrays:
+        array = np.ascontiguousarray(array)
+        if arrays and size + array.nbytes > bucket_bytes:
+            yield Bucket(version, index, records, arrays)
+            records, arrays, size, index = [], [], 0, index + 1
+        records.append(TensorRecord(name, tuple(array.shape), str(array.dtype), checksum(array)))
+        arrays.append(array)
+        size += array.nbytes
+    if arrays:
+        yield Bucket(version, index, records, arrays)
+
+
+def verify_bucket(bucket: Bucket, check=None) -> None:
+    """Raise TransferError naming the first tensor whose bytes, shape or dtype disagree with its record,
+    or that `check(name, shape, dtype)` (the receiving engine's manifest) rejects."""
+    if len(bucket.records) != len(bucket.arrays):
+        raise TransferError(f"bucket {bucket.index} of version {bucket.version}: {len(bucket.records)} records "
+                            f"for {len(bucket.arrays)} tensors")
+    for rec, array in zip(bucket.records, bucket.arrays):
+        where = f"tensor {rec.name!r} (bucket {bucket.index}, version {bucket.version})"
+        if tuple(array.shape) != rec.shape or str(array.dtype) != rec.dtype:
+            raise TransferError(f"{where}: arrived as {array.dtype}{list(array.shape)}, "
+                                f"sent as {rec.dtype}{list(rec.shape)}")
+        got = checksum(array)
+        if got != rec.crc32:
+            raise TransferError(f"{where}: checksum mismatch (crc32 {got:#010x}, expected {rec.crc32:#010x}): "
+                                "the bytes were corrupted in transit")
+        if check is not None:
+            try:
+                check(rec.name, rec.shape, rec.dtype)
+            except (KeyError, ValueError) as e:
+                raise TransferError(f"{where}: rejected by the engine: {e}") from None
+
+
+class StagedUpdate:
+    """Receiver side of one update: verified buckets held until commit (or dropped on abort)."""
+
+    def __init__(self):
+        self.version: int | None = None
+        self.buckets: dict[int, Bucket] = {}
+
+    def stage(self, bucket: Bucket, check=None) -> None:
+        if self.version != bucket.version:  # a new update replaces any abandoned one
+            self.version, self.buckets = bucket.version, {}
+        verify_bucket(bucket, check)
+        self.buckets[bucket.index] = bucket
+
+    def tensors(self, version: int, num_buckets: int) -> Iterator[tuple[str, np.ndarray]]:
+        """The staged tensors in send order; refuses an incomplete update or a repeated name (vLLM's
+        reload must see each name once)."""
+        if self.version != version or sorted(self.buckets) != list(range(num_buckets)):
+            raise TransferError(f"commit of version {version} with {num_buckets} buckets, but staged "
+                                f"version {self.version} holds buckets {sorted(self.buckets)}")
+        seen = set()
+        for i in range(num_buckets):
+            for rec in self.buckets[i].records:
+                if rec.name in seen:
+                    raise TransferError(f"tensor {rec.name!r} sent twice in version {version}")
+                seen.add(rec.name)
+        for i in range(num_buckets):
+            b = self.buckets[i]
+            yield from zip((r.name for r in b.records), b.arrays)
+
+    def clear(self) -> None:
+        self.version, self.buckets = None, {}
+
+
+@dataclasses.dataclass
+class TransferStats:
+    version: int
+    bytes: int
+    buckets: int
+    tensors: int
+    convert_s: float  # producing host arrays + checksums (overlaps send)
+    send_s: float  # object-store put + every engine's verify-and-stage
+    apply_s: float  # commit: every engine's reload_weights
+    total_s: float
+    lost: list[int] = dataclasses.field(default_factory=list)  # engines that died during the update
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / 1e9 / max(self.total_s, 1e-12)
+
+
+class Transport(Protocol):
+    def push(self, named_arrays: Iterable[tuple[str, np.ndarray]], version: int) -> TransferStats: ...
+
+
+class RayObjectStoreTransport:
+    """Buckets through Ray's object store to engine actors exposing stage / commit / abort."""
+
+    def __init__(self, engines, bucket_bytes: int, depth: int = 2, timeout_s: float = 600.0):
+        self.engines, self.bucket_bytes, self.depth, self.timeout_s = list(engines), bucket_bytes, depth, timeout_s
+
+    def push(self, named_arrays, version: int) -> TransferStats:
+        import ray
+
+        t0 = time.perf_counter()
+        ready: queue.Queue = queue.Queue(maxsize=self.depth)
+        convert = {"s": 0.0, "error": None}
+        stop = threading.Event()
+
+        def hand_over(item) -> None:
+            while not stop.is_set():
+                try:
+                    return ready.put(item, timeout=0.1)
+                except queue.Full:
+                    continue
+
+        def produce():
+            try:
+                it = make_buckets(named_arrays, self.bucket_bytes, version)
+                while not stop.is_set():
+                    s = time.perf_counter()
+                    b = next(it, None)
+                    convert["s"] += time.perf_counter() - s
+                    hand_over(b)
+                    if b is None:
+                        return
+            except BaseException as e:  # surfaced in the caller's thread below
+                convert["error"] = e
+                hand_over(None)
+
+        threading.Thread(target=produce, daemon=True, name="weight-convert").start()
+        live = dict(enumerate(self.engines))  # an engine that dies mid-update is dropped, not fatal
+        inflight: list[dict] = []
+        n_buckets = n_bytes = n_tensors = 0
+        send_s = 0.0
+        try:
+            while (bucket := ready.get()) is not None:
+                s = time.perf_counter()
+                ref = ray.put(bucket)
+                inflight.append({i: e.stage.remote(ref) for i, e in live.items()})
+                n_buckets, n_bytes, n_tensors = n_buckets + 1, n_bytes + bucket.nbytes, n_tensors + len(bucket.arrays)
+                del bucket, ref  # the object store keeps it until every engine has staged it
+                while len(inflight) >= self.depth:
+                    self._collect(inflight.pop(0), live)
+                send_s += time.perf_counter() - s
+            if convert["error"] is not None:
+                raise TransferError(f"converting the weights of version {version} failed: {convert['error']!r}")
+            s = time.perf_counter()
+            while inflight:
+                self._collect(inflight.pop(0), live)
+            send_s += time.perf_counter() - s
+            if not live:
+                raise TransferError(f"every engine died during the update to version {version}")
+        except Exception as e:
+            stop.set()  # the converter must not keep producing buckets nobody will take
+            self.abort(version)
+            raise _as_transfer_error(e) from None
+        s = time.perf_counter()
+        commits = {i: e.commit.remote(version, n_buckets) for i, e in live.items()}
+        try:
+            self._collect(commits, live, expect=version)
+        except Exception as e:  # staged bytes were verified, so this is the engine failing to apply them
+            raise _as_transfer_error(e) from None
+        end = time.perf_counter()
+        return TransferStats(version, n_bytes, n_buckets, n_tensors, convert["s"], send_s, end - s, end - t0,
+                             lost=sorted(set(range(len(self.engines))) - set(live)))
+
+    def _collect(self, acks: dict, live: dict, expect=None) -> None:
+        """Wait for one round of engine answers; drop engines that died, re-raise anything else."""
+        import ray
+
+        for i, ref in acks.items():
+            if i not in live:
+                continue
+            try:
+                got = ray.get(ref, timeout=self.timeout_s)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                live.pop(i)
+                continue
+            if expect is not None and got != expect:
+                raise TransferError(f"engine {i} reports version {got} after committing version {expect}")
+
+    def abort(self, version: int) -> None:
+        """Tell every engine to drop what it staged for `version`; a dead engine has nothing to drop."""
+        import ray
+
+        for ref in [e.abort.remote(version) for e in self.engines]:
+            try:
+                ray.get(ref, timeout=self.timeout_s)
+            except Exception:  # noqa: BLE001 - the pool's health check deals with dead engines
+                pass
+
+
+def _as_transfer_error(e: Exception) -> TransferError:
+    """Ray wraps an actor's exception; the engine's own TransferError message is what the user needs."""
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, TransferError):
+        return cause
+    if isinstance(e, TransferError):
+        return e
+    return TransferError(f"weight update failed: {e}")
