@@ -56,10 +56,14 @@ def test_every_shipped_config_loads(recipe_paths):
     tiny = load_config(TINY)
     one = load_config(ONE_NODE)
     recipe = load_config(RECIPE, recipe_paths)
-    for cfg in (tiny, one, recipe):
+    tiny_vllm = load_config(CONFIGS / "tiny-vllm.yaml")
+    for cfg in (tiny, one, recipe, tiny_vllm):
         assert isinstance(cfg, RunConfig)
+    assert tiny_vllm.generation.backend == "vllm" and tiny_vllm.generation.vllm_servers == 2
+    assert set(tiny_vllm.model.tiny["layer_types"]) == {"full_attention"}  # vLLM's CPU path has no sparse layers
     shipped = {p.relative_to(CONFIGS).as_posix() for p in CONFIGS.rglob("*.yaml")}
-    assert shipped == {"base.yaml", "tiny.yaml", "m3-1node-h200.yaml", "recipes/m3-32node.yaml"}, \
+    assert shipped == {"base.yaml", "tiny.yaml", "tiny-vllm.yaml", "m3-1node-h200.yaml",
+                       "recipes/m3-32node.yaml"}, \
         "a new shipped config needs a load test"
     # base.yaml is a template: it asks for a model and a reward, and nothing else
     msg = load_error(CONFIGS / "base.yaml")
@@ -545,3 +549,8 @@ def test_every_field_is_documented_and_constrained_sensibly():
             if item is not None and rc._is_section(item):
                 walk(item)
     walk(RunConfig)
+
+
+def test_probe_bound_without_probes_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"generation.verify_max_abs_diff = 0.0001: there is nothing to compare"):
+        load_config(CONFIGS / "tiny-vllm.yaml", ["generation.verify_probes=0"])

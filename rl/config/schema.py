@@ -231,6 +231,23 @@ class GenerationSection(_Section):
     vllm_expert_parallel: int = _f(1, "expert-parallel size inside one vLLM server", min=1)
     vllm_servers: int = _f(1, "number of vLLM servers", min=1)
     vllm_gpu_memory_utilization: float = _f(0.8, "fraction of GPU memory vLLM may take", gt=0, max=1)
+    vllm_dtype: str = _f("auto", "dtype the vLLM engines compute in; auto = the trainer's parameter dtype",
+                         choices=("auto", "float32", "bfloat16"))
+    vllm_ray_address: str | None = _f(None, "Ray cluster to place the vLLM engines on (e.g. ray://head:10001); "
+                                            "null = start a local Ray")
+    vllm_request_timeout_s: float = _f(600.0, "an engine that has not answered a rollout chunk for this long is "
+                                              "killed and its rows re-sent", gt=0)
+    vllm_max_restarts: int = _f(4, "dead or hung engines the pool replaces over a run before dropping them", min=0)
+    weight_transport: str = _f("ray", "how new weights reach the engines: ray = HF-named buckets through the Ray "
+                                      "object store (CPU and GPU); the seam for NCCL/CUDA-IPC links",
+                               choices=("ray",))
+    weight_bucket_mb: int = _f(256, "size of one weight-transfer bucket (MB); conversion of the next bucket "
+                                    "overlaps sending this one", min=1)
+    verify_probes: int = _f(0, "after each weight transfer, score this many fixed sequences on every engine and "
+                               "compare with the trainer (0 = off)", min=0)
+    verify_max_abs_diff: float | None = _f(None, "fail the run when a probe's per-token logprob differs by more "
+                                                 "than this between an engine and the trainer (null = only log)",
+                                           gt=0)
 
     @property
     def max_seq_len(self) -> int:

@@ -214,6 +214,12 @@ def _cross_checks(cfg: RunConfig) -> list[_Problem]:
                     f"generation.stop_token_ids[{i}] = {t}: not a token of the model; allowed: an integer in "
                     f"[0, model.tiny.vocab_size={vocab})"), ("model.tiny.vocab_size",)))
 
+    if gen.verify_max_abs_diff is not None and (gen.backend == "jax" or not gen.verify_probes):
+        out.append(_Problem("generation.verify_max_abs_diff", (
+            f"generation.verify_max_abs_diff = {gen.verify_max_abs_diff}: there is nothing to compare "
+            f"(backend {_show(gen.backend)}, verify_probes = {gen.verify_probes}); allowed: null, or a bound with "
+            "generation.backend = vllm and generation.verify_probes >= 1"), ("generation.verify_probes",)))
+
     names = [r.name for r in cfg.reward]
     registered = _registered_rewards()
     for i, n in enumerate(names):
