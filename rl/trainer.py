@@ -24,8 +24,9 @@ import m3jax
 from rl import checkpoint as ckpt_lib
 from rl.config import RunConfig
 from rl.data import PromptLoader, load_prompts, render_prompt
-from rl.generation.base import SamplingParams, token_logprobs
-from rl.generation.jax_engine import JaxEngine
+from rl.generation import backends
+from rl.generation.backends import sampling_of
+from rl.generation.base import token_logprobs
 from rl.grpo import advantages as adv_lib
 from rl.grpo.batch import build_train_batch, split_micro
 from rl.grpo.loss import generation_mismatch_metrics, grpo_loss, normalizer
@@ -55,15 +56,10 @@ def learning_rate(cfg: RunConfig):
 
 class GRPOTrainer:
     def __init__(self, cfg: RunConfig):
-        if cfg.generation.backend != "jax":
-            raise NotImplementedError(f"generation.backend={cfg.generation.backend!r}: only the embedded 'jax' engine "
-                                      "exists so far; the vLLM server pool is not built yet")
         self.cfg = cfg
         self.run_dir = cfg.run.out_dir
         os.makedirs(self.run_dir, exist_ok=True)
         g = cfg.generation
-        self.sampling = SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
-                                       top_k=g.top_k, stop_token_ids=tuple(g.stop_token_ids))
         self.width = g.max_prompt_tokens + g.max_new_tokens
         self.loss_cfg = cfg.grpo.loss_config(g.max_new_tokens)
         self._build_data()
@@ -99,6 +95,7 @@ class GRPOTrainer:
             model = m3jax.M3ForCausalLM(cfg.model.m3_config(), dtype=dtype, rngs=nnx.Rngs(cfg.model.init_seed),
                                         remat=cfg.model.remat)
         self.model_cfg = model.cfg
+        self.sampling = sampling_of(cfg, model.cfg.eos_token_id)
         o = cfg.optim
         self.optimizer = precision.adamw(learning_rate(cfg), b1=o.b1, b2=o.b2, eps=o.eps,
                                          weight_decay=o.weight_decay, clip_norm=o.clip_norm,
@@ -121,7 +118,13 @@ class GRPOTrainer:
         self.train_step = make_train_step(
             self.graphdef, self.optimizer, loss_fn, mesh=self.mesh, shardings=self.shardings,
             normalizer=lambda b: normalizer(b["loss_mask"].reshape(-1, b["loss_mask"].shape[-1]), loss_cfg))
-        self.engine = JaxEngine(self.graphdef, self.state.params, self.state.rest, pad_id=self.pad_id)
+        self.engine = backends.make_generator(cfg, self.graphdef, self.state, pad_id=self.pad_id, run_dir=self.run_dir)
+        g = cfg.generation
+        self.probes = None
+        if g.backend != "jax" and g.verify_probes:
+            half = max(g.max_seq_len // 2, 1)
+            self.probes = backends.probe_sequences(g.verify_probes, self.model_cfg.vocab_size, half,
+                                                   g.max_seq_len - half)
 
     # ------------------------------------------------------------------------------------ phases
     @functools.partial(jax.jit, static_argnums=(0,))
@@ -194,7 +197,7 @@ class GRPOTrainer:
             skipped += int(m["skipped"])
             stats_total = {k: stats_total.get(k, 0.0) + float(v) for k, v in m["sums"].items()}
         t["train"] = time.perf_counter()
-        self.engine.set_weights(self.state.params, step + 1, self.state.rest)
+        transfer = self._sync_weights(step + 1)
 
         mism = generation_mismatch_metrics(micro["logp_gen"].reshape(len(rows), -1),
                                            micro["logp_old"].reshape(len(rows), -1),
@@ -217,10 +220,37 @@ class GRPOTrainer:
             "gen_kl_error": float(mism["gen_kl_error"]), "token_mult_prob_error": float(mism["token_mult_prob_error"]),
             "lr": float(learning_rate(cfg)(step)),
             "throughput/tokens_per_s": gen_tokens / max(elapsed, 1e-9),
+            **transfer,
             **{f"time/{p}": v for p, v in phases.items()},
         }
         metrics["time/step"] = elapsed
         return metrics
+
+    def _sync_weights(self, version: int) -> dict:
+        """Hand the new weights to the generator; for a vLLM pool, report the transfer and (when
+        configured) check on fixed probe sequences that every engine now computes what the trainer does."""
+        t0 = time.perf_counter()
+        stats = self.engine.set_weights(self.state.params, version, self.state.rest)
+        if stats is None:  # the JAX engine shares the parameters: nothing moved
+            return {}
+        out = {"time/weight_transfer": time.perf_counter() - t0, "transfer/gb_per_s": stats.gb_per_s,
+               "transfer/convert_s": stats.convert_s, "transfer/send_s": stats.send_s,
+               "transfer/apply_s": stats.apply_s, "pool/resent_rows": self.engine.resent_rows,
+               "pool/restarts": self.engine.restarts}
+        if self.probes is not None:
+            prompts, responses = self.probes
+            engine_lp = self.engine.score(prompts, responses, self.sampling)
+            batch = backends.probe_batch(prompts, responses, self.width, self.pad_id)
+            trainer_lp = np.asarray(self._logprobs(self.state.params, self.state.rest, batch))[0]
+            diff = backends.probe_max_abs_diff(engine_lp, trainer_lp, prompts)
+            out["transfer/probe_max_abs_logprob_diff"] = diff
+            out["transfer/probe_engines"] = len(engine_lp)
+            limit = self.cfg.generation.verify_max_abs_diff
+            if limit is not None and (diff > limit or len(engine_lp) == 0):
+                raise RuntimeError(f"after the transfer of weight version {version}, the vLLM engines' logprobs on "
+                                   f"the probe sequences differ from the trainer's by {diff:.3g} > "
+                                   f"generation.verify_max_abs_diff={limit} ({len(engine_lp)} engines answered)")
+        return out
 
     # -------------------------------------------------------------------------------------- loop
     def _meta(self, step: int) -> dict:
@@ -270,7 +300,7 @@ class GRPOTrainer:
                     saved_for_deadline = True
                 last["time/checkpoint"] = time.perf_counter() - t1
                 last["time/other"] = (time.perf_counter() - t0) - sum(
-                    last[f"time/{p}"] for p in ("generate", "reward", "logprobs", "train"))
+                    last.get(f"time/{p}", 0.0) for p in ("generate", "reward", "logprobs", "train", "weight_transfer"))
                 logger.log(done, last)
                 if cfg.run.max_wall_minutes and time.time() - start_wall > 60 * cfg.run.max_wall_minutes:
                     self.save(done)
@@ -278,6 +308,8 @@ class GRPOTrainer:
         finally:
             self.checkpointer.wait()
             logger.close()
+            if hasattr(self.engine, "shutdown"):
+                self.engine.shutdown()
         if cfg.checkpoint.export_hf_at_end:
             self.export()
         if cfg.logging.plot:

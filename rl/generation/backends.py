@@ -1,0 +1,87 @@
+"""Building the configured generation backend, and the check that new weights really arrived.
+
+The trainer only sees the `Generator` interface; this is the one place that knows how each backend
+is constructed from a run config (architecture.md: the trainer never imports vLLM or Ray).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+
+from rl.generation.base import SamplingParams
+from rl.generation.jax_engine import JaxEngine
+
+log = logging.getLogger(__name__)
+
+
+def make_generator(cfg, graphdef, state, *, pad_id: int, run_dir: str):
+    """The JAX engine (sharing the trainer's parameters) or a vLLM pool started from a checkpoint."""
+    if cfg.generation.backend == "jax":
+        return JaxEngine(graphdef, state.params, state.rest, pad_id=pad_id)
+    from flax import nnx
+
+    import m3jax
+    from rl.generation.vllm_pool import PoolConfig, VLLMPool
+
+    g = cfg.generation
+    if cfg.model.path:
+        model_dir = cfg.model.path  # the release is in the layout vLLM reads
+    else:
+        # A freshly initialised model: the engines start from an export of exactly these weights.
+        model_dir = os.path.join(run_dir, "vllm-initial")
+        m3jax.save_pretrained(nnx.merge(graphdef, state.params, state.rest), model_dir, layout="released")
+    dtype = g.vllm_dtype if g.vllm_dtype != "auto" else str(np.dtype(cfg.precision.param_dtype))
+    pool_cfg = PoolConfig(model_dir=model_dir, servers=g.vllm_servers, tensor_parallel=g.vllm_tensor_parallel,
+                          expert_parallel=g.vllm_expert_parallel,
+                          gpu_memory_utilization=g.vllm_gpu_memory_utilization, max_model_len=g.max_seq_len,
+                          dtype=dtype, ray_address=g.vllm_ray_address, bucket_bytes=g.weight_bucket_mb << 20,
+                          request_timeout_s=g.vllm_request_timeout_s, max_restarts=g.vllm_max_restarts,
+                          seed=cfg.run.seed)
+    return VLLMPool(pool_cfg, graphdef, pad_id=pad_id)
+
+
+def probe_sequences(n: int, vocab: int, prompt_len: int, response_len: int, seed: int = 1234):
+    """Fixed token sequences (the same every step) whose logprobs engines and trainer must agree on."""
+    rng = np.random.default_rng(seed)
+    prompts = rng.integers(0, vocab, (n, prompt_len)).tolist()
+    responses = rng.integers(0, vocab, (n, response_len)).tolist()
+    return prompts, responses
+
+
+def probe_batch(prompts, responses, width: int, pad_id: int) -> dict[str, np.ndarray]:
+    """The trainer-side view of the probes: next-token arrays [1, n, width - 1] (one micro-batch)."""
+    n = len(prompts)
+    seq = np.full((n, width), pad_id, np.int32)
+    attention = np.zeros((n, width - 1), np.int32)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        seq[i, :len(p) + len(r)] = p + r
+        attention[i, :len(p) + len(r) - 1] = 1
+    return {"input_ids": seq[None, :, :-1], "targets": seq[None, :, 1:], "attention_mask": attention[None]}
+
+
+def probe_max_abs_diff(engine_logprobs: list[list[np.ndarray]], trainer_logprobs: np.ndarray, prompts) -> float:
+    """max over engines, probes and response tokens of |logp_engine - logp_trainer|.
+
+    trainer_logprobs[i, t] is log p(seq[t + 1] | seq[:t + 1]), so response token j of probe i sits at
+    t = len(prompt_i) - 1 + j.
+    """
+    worst = 0.0
+    for per_engine in engine_logprobs:
+        for i, lp in enumerate(per_engine):
+            start = len(prompts[i]) - 1
+            ref = trainer_logprobs[i, start:start + len(lp)]
+            worst = max(worst, float(np.max(np.abs(np.asarray(lp, np.float64) - ref))))
+    return worst
+
+
+def sampling_of(cfg, eos_token_id) -> SamplingParams:
+    """The run's sampling parameters; an empty `generation.stop_token_ids` means the model's eos token(s)."""
+    g = cfg.generation
+    stops = tuple(g.stop_token_ids)
+    if not stops and eos_token_id is not None:
+        stops = tuple(eos_token_id) if isinstance(eos_token_id, (list, tuple)) else (int(eos_token_id),)
+    return SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
+                          stop_token_ids=stops)

@@ -1,0 +1,44 @@
+"""rl.generation.backends: the run's sampling parameters and the probe check's index arithmetic."""
+
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import m3jax
+from m3jax.config import M3Config
+from rl.config import load_config
+from rl.generation import backends
+from rl.generation.base import token_logprobs
+
+TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
+
+
+def test_empty_stop_tokens_mean_the_models_eos():
+    cfg = load_config(TINY, ["generation.stop_token_ids=[]"])
+    assert backends.sampling_of(cfg, 12).stop_token_ids == (12,)
+    assert backends.sampling_of(cfg, (7, 12)).stop_token_ids == (7, 12)
+    explicit = load_config(TINY, ["generation.stop_token_ids=[5]"])
+    assert backends.sampling_of(explicit, 12).stop_token_ids == (5,)
+
+
+def test_probe_batch_and_diff_line_up_with_per_sequence_logprobs():
+    cfg = M3Config(vocab_size=32, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                   head_dim=16, intermediate_size=16, dense_intermediate_size=48, shared_intermediate_size=16,
+                   num_local_experts=2, num_experts_per_tok=1, layer_types=("full_attention",),
+                   mlp_layer_types=("dense",), index_n_heads=1, index_head_dim=16, index_block_size=4,
+                   index_topk_blocks=1)
+    model = m3jax.M3ForCausalLM(cfg, rngs=nnx.Rngs(0))
+    prompts, responses = backends.probe_sequences(3, cfg.vocab_size, 5, 4)
+    prompts[1] = prompts[1][:3]  # ragged prompts: the response starts at a different column
+    b = backends.probe_batch(prompts, responses, width=12, pad_id=0)
+    logits = model(jnp.asarray(b["input_ids"][0]), attention_mask=jnp.asarray(b["attention_mask"][0]))
+    batch_lp = np.asarray(token_logprobs(logits, jnp.asarray(b["targets"][0]), 1.0))
+    per_seq = []
+    for p, r in zip(prompts, responses):
+        lg = model(jnp.asarray([p + r]))[0, len(p) - 1:len(p) + len(r) - 1]
+        per_seq.append(np.asarray(token_logprobs(lg, jnp.asarray(r), 1.0)))
+    assert backends.probe_max_abs_diff([per_seq], batch_lp, prompts) < 1e-5
+    shifted = [np.roll(x, 1) for x in per_seq]  # an off-by-one alignment must show up
+    assert backends.probe_max_abs_diff([shifted], batch_lp, prompts) > 1e-2
