@@ -13,6 +13,7 @@ else stops with an error instead of silently computing the wrong model.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -47,6 +48,15 @@ _HARDCODED = {
     "sparse_init_block": 0,
 }
 _HIDDEN_ACTS = ("silu", "swigluoai")  # HF rewrites the release's "swigluoai" to "silu"; both mean §3.6
+
+
+# transformers' MiniMaxM3VLVisionConfig defaults, plus the release key vLLM's vision tower reads.
+_DEFAULT_VISION = {
+    "hidden_size": 1280, "intermediate_size": 5120, "num_hidden_layers": 32, "num_attention_heads": 16,
+    "num_channels": 3, "image_size": 2016, "patch_size": 14, "temporal_patch_size": 2, "spatial_merge_size": 2,
+    "hidden_act": "gelu", "layer_norm_eps": 1e-5,
+    "img_token_compression_config": {"spatial_merge_size": 2, "temporal_patch_size": 2},
+}
 
 
 class ConfigError(ValueError):
@@ -327,6 +337,9 @@ class M3Config:
             "use_gemma_norm": True, "use_qk_norm": True, "qk_norm_type": "per_head",
         })
         top = json.loads(self.vl_passthrough) if self.vl_passthrough else {}
+        # vLLM's VL class builds its vision tower from vision_config even for text-only serving (it
+        # reads the release-only img_token_compression_config); HF takes the same values when absent.
+        top.setdefault("vision_config", copy.deepcopy(_DEFAULT_VISION))
         top.update({"architectures": ["MiniMaxM3SparseForConditionalGeneration"], "model_type": "minimax_m3_vl",
                     "tie_word_embeddings": False, "text_config": text})
         return top
