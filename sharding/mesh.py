@@ -83,6 +83,9 @@ def validate(mesh: MeshConfig, model_cfg=None, *, num_devices: int | None = None
             raise MeshError(f"vocab_size={c.vocab_size} is not divisible by mesh.tensor={mesh.tensor}")
         if c.hidden_size % mesh.data:
             raise MeshError(f"hidden_size={c.hidden_size} is not divisible by mesh.data={mesh.data} (FSDP)")
+        undivided = undivided_parameter(mesh, c)
+        if undivided:
+            raise MeshError(undivided)
     if seq_len is not None:
         unit = mesh.context * (model_cfg.index_block_size if model_cfg is not None and
                                model_cfg.has_sparse_attention and mesh.context > 1 else 1)
@@ -91,6 +94,30 @@ def validate(mesh: MeshConfig, model_cfg=None, *, num_devices: int | None = None
                             + (f" x index_block_size={model_cfg.index_block_size}" if unit != mesh.context else ""))
     if batch is not None and batch % (mesh.data * mesh.expert):
         raise MeshError(f"batch {batch} is not divisible by mesh.data x mesh.expert = {mesh.data * mesh.expert}")
+
+
+def undivided_parameter(mesh: MeshConfig, model_cfg) -> str | None:
+    """The first parameter dimension that its mesh axes (per the rules table) do not divide, or None.
+
+    jit refuses uneven parameter shards, and the named rules above do not cover every row of the
+    table (the embedding's rows lie on data x tensor), so every parameter is checked here.
+    """
+    from m3jax.model.decoder import layer_param_specs, top_param_specs  # lazy: the model imports sharding
+    from sharding.rules import logical_to_spec, rules_for
+
+    sizes = dict(zip(MESH_AXES, mesh.shape))
+    rules = rules_for(mesh.expert_axes)
+    specs = list(top_param_specs(model_cfg).items())
+    for attn, mlp, _ in model_cfg.segments():
+        specs += [(f"{attn}/{mlp}/{n}", s) for n, s in layer_param_specs(model_cfg, attn, mlp).items()]
+    for name, spec in specs:
+        for dim, logical, axes in zip(spec.shape, spec.axes, logical_to_spec(spec.axes, rules, sizes)):
+            axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+            n = math.prod(sizes[a] for a in axes)
+            if dim % n:
+                return (f"parameter {name} axis {logical!r} = {dim} is not divisible by mesh "
+                        f"{' x '.join(axes)} = {n}")
+    return None
 
 
 def init_distributed(mesh: MeshConfig) -> None:

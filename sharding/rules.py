@@ -70,7 +70,12 @@ def active_rules() -> tuple:
 
 
 def mesh_axes_of(name: str, rules=None) -> tuple[str, ...]:
-    target = dict(rules or active_rules()).get(name)
+    table = dict(rules or active_rules())
+    if name not in table:
+        # A misspelt or new logical name would otherwise be replicated silently, on every mesh.
+        raise KeyError(f"logical axis {name!r} has no row in the sharding rules table (sharding/rules.py); "
+                       "add one (None = replicated)")
+    target = table[name]
     return (target,) if isinstance(target, str) else tuple(target or ())
 
 

@@ -1,11 +1,13 @@
 """python -m sharding.plan --config <run config> [a.b=value ...] [--model release] [--device-memory-gb 80]
-                          [--sweep N_DEVICES] [--png out.png] [--compile] [--compile-layers 1,2]
+                          [--sweep N_DEVICES [--top 20] [--png out.png]] [--compile [--compile-layers 2:2,3:2,2:4]]
+                          [--check-shardings]
 
 Prints the per-device plan (memory by term, FLOPs, communication, step time) and a verdict
 ("FITS with X GB margin" / "DOES NOT FIT: <term> is Y GB"). --model release plans the released
 MiniMax-M3 shapes (sharding.plan.models) when the config's model.path is unset (`???`).
 --sweep N enumerates (data, context, expert, tensor) with product N and micro-batch 1, 2, 4, 8.
---compile re-executes itself with N simulated CPU devices and compiles the real train step.
+--compile re-executes itself with N simulated CPU devices and compiles the real train step at reduced depth.
+--check-shardings checks the full-depth model's shardings on an AbstractMesh of any size (no devices).
 """
 
 from __future__ import annotations
@@ -13,12 +15,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import json
-import os
-import subprocess
 import sys
 
 from sharding.mesh import MeshConfig, MeshError, validate
+from sharding.plan.check import print_check
+from sharding.plan.compile import compile_reduced, print_compile
 from sharding.plan.flops import Hardware, comm_bytes, step_flops, step_time
 from sharding.plan.memory import GB, Batch, memory_plan
 from sharding.plan.models import m3_release
@@ -114,7 +115,8 @@ def print_plan(job: Job, p: dict, device_gb: float) -> None:
     print(verdict(p["memory"], device_gb))
 
 
-def sweep(job: Job, n: int, hw: Hardware, device_gb: float, png: str | None, micro=(1, 2, 4, 8)) -> list:
+def sweep(job: Job, n: int, hw: Hardware, device_gb: float, png: str | None, micro=(1, 2, 4, 8), top: int = 20
+          ) -> tuple[list, list]:
     divs = [d for d in range(1, n + 1) if n % d == 0]
     rows, excluded = [], []
     for dp, cp, ep in itertools.product(divs, divs, divs):
@@ -131,10 +133,11 @@ def sweep(job: Job, n: int, hw: Hardware, device_gb: float, png: str | None, mic
             p = plan(j, hw)
             rows.append((mesh.shape, mb, p["memory"]["total"] / GB, p["time"]["total_s"], p["time"]["comm_share"],
                          p["memory"]["total"] / GB <= device_gb))
-    rows.sort(key=lambda r: (not r[5], r[3]))
+    # Meshes that fit by step time; then the rest by memory, closest to fitting first.
+    rows.sort(key=lambda r: (not r[5], r[3] if r[5] else r[2]))
     print(f"sweep over {n} devices: {len(rows)} valid, {len(excluded)} excluded")
     print(f"{'data,ctx,exp,tp':>16s} {'mb':>3s} {'mem GB':>8s} {'step s':>9s} {'comm':>5s} fits")
-    for shape, mb, mem, t, share, fits in rows[:20]:
+    for shape, mb, mem, t, share, fits in rows[:top]:
         print(f"{','.join(map(str, shape)):>16s} {mb:3d} {mem:8.2f} {t:9.1f} {share:5.0%} {'yes' if fits else 'no'}")
     reasons: dict = {}
     for shape, mb, why in excluded:
@@ -159,20 +162,6 @@ def sweep(job: Job, n: int, hw: Hardware, device_gb: float, png: str | None, mic
     return rows, excluded
 
 
-def compile_reduced(job: Job, layer_sets) -> list:
-    """Re-execute with N simulated devices (XLA_FLAGS before jax loads) and compile reduced-depth models."""
-    n = job.mesh.num_devices
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n}", JAX_PLATFORMS="cpu")
-    spec = {"model": dataclasses.asdict(job.model), "mesh": dataclasses.asdict(job.mesh), "seq_len": job.seq_len,
-            "micro_batch": job.micro_batch, "master": job.master, "moment_dtype": job.moment_dtype,
-            "remat": job.remat, "layer_sets": layer_sets}
-    out = subprocess.run([sys.executable, "-m", "sharding.plan._compile_worker"], input=json.dumps(spec), env=env,
-                         capture_output=True, text=True, check=False)
-    if out.returncode:
-        raise SystemExit(f"compile failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m sharding.plan", description=__doc__.splitlines()[0])
     ap.add_argument("--config", required=True)
@@ -186,25 +175,34 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", type=int, default=None, metavar="N_DEVICES")
     ap.add_argument("--png", default="mesh_sweep.png")
     ap.add_argument("--compile", action="store_true")
-    ap.add_argument("--compile-layers", default="1:1,1:2", help="dense:moe layer counts to compile")
+    ap.add_argument("--compile-layers", default="2:2,3:2,2:4",
+                    help="reduced depths to compile, first-kind:last-kind layers; three of >= 2 per kind pin down "
+                         "the per-layer scaling")
+    ap.add_argument("--check-shardings", action="store_true",
+                    help="check every sharding of the full-depth model on an AbstractMesh (no devices) and lower the step")
+    ap.add_argument("--top", type=int, default=20, help="rows of the sweep table")
     a = ap.parse_args(argv)
     job = load_job(a.config, a.overrides, a.model)
     hw = Hardware(a.peak_tflops * 1e12, a.mfu, a.nvlink_gbps * 1e9, a.ib_gbps * 1e9)
     if a.sweep:
-        sweep(job, a.sweep, hw, a.device_memory_gb, a.png)
+        sweep(job, a.sweep, hw, a.device_memory_gb, a.png, top=a.top)
         return 0
     why = invalid_reason(job)
     if why:
         print(f"INVALID MESH: {why}")
         return 1
     print_plan(job, plan(job, hw), a.device_memory_gb)
+    if a.check_shardings:
+        return print_check(job)
     if a.compile:
-        sets = [tuple(map(int, s.split(":"))) for s in a.compile_layers.split(",")]
-        print(f"compiling on {job.mesh.num_devices} simulated CPU devices (XLA:CPU estimate, not the GPU OOM line):")
-        for r in compile_reduced(job, sets):
-            print(f"  {r['dense']} dense + {r['moe']} MoE layers: XLA peak {r['peak'] / GB:.3f} GB (args "
-                  f"{r['argument'] / GB:.3f}, temp {r['temp'] / GB:.3f}) vs analytic {r['analytic'] / GB:.3f} GB "
-                  f"(ratio {r['analytic'] / r['peak']:.2f}); compile {r['compile_s']:.0f} s")
+        try:
+            sets = [tuple(int(x) for x in s.split(":", 1)) for s in a.compile_layers.split(",")]
+        except ValueError:
+            ap.error(f"--compile-layers {a.compile_layers!r}: expected dense:moe pairs such as 2:2,3:2,2:4")
+        print(f"compiling on {job.mesh.num_devices} simulated CPU devices, real widths, reduced depth "
+              f"(XLA:CPU estimate, not the GPU OOM line):")
+        print_compile(job, compile_reduced(job, sets), memory_plan(job.model, job.mesh, job.batch, job.master,
+                                                                   job.moment_dtype)["total"])
     return 0
 
 

@@ -1,14 +1,16 @@
-"""Child process of `python -m sharding.plan --compile` (XLA_FLAGS already set by the parent).
+"""Child process of `sharding.plan.compile.compile_reduced` (XLA_FLAGS already set by the parent).
 Reads the job as JSON on stdin, prints one JSON list: XLA and analytic memory per reduced depth."""
 
 import dataclasses
 import json
 import sys
 
-from m3jax.config import DENSE_MLP, FULL_ATTENTION, M3Config
+from m3jax.config import M3Config
 from sharding.mesh import MeshConfig
 from sharding.plan.compile import compile_step
 from sharding.plan.memory import Batch, memory_plan
+
+STATE_TERMS = ("params", "master", "moments", "buffers")  # what XLA counts as arguments (besides the batch)
 
 
 def reduced(cfg: M3Config, n_dense: int, n_moe: int) -> M3Config:
@@ -30,10 +32,12 @@ def main():
     for n_dense, n_moe in spec["layer_sets"]:
         c = reduced(cfg, n_dense, n_moe)
         r = compile_step(c, mesh, batch, spec["master"], spec["moment_dtype"])
-        r.update(dense=n_dense, moe=n_moe, analytic=memory_plan(c, mesh, batch, spec["master"],
-                                                                spec["moment_dtype"])["total"])
+        plan = memory_plan(c, mesh, batch, spec["master"], spec["moment_dtype"])
+        r.update(dense=n_dense, moe=n_moe, analytic=plan["total"],
+                 analytic_state=sum(plan.get(k, 0.0) for k in STATE_TERMS))
         out.append(r)
-        print(f"compiled {n_dense}+{n_moe}: {r['compile_s']:.0f} s", file=sys.stderr, flush=True)
+        print(f"compiled {n_dense}+{n_moe} layers on {r['devices']} devices: lower {r['lower_s']:.0f} s, "
+              f"total {r['compile_s']:.0f} s", file=sys.stderr, flush=True)
     print(json.dumps(out))
 
 

@@ -1,61 +1,122 @@
 """XLA's view: compile the real train step from shape-only inputs on (simulated) devices.
 
 Needs as many jax devices as the mesh: on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N
-*before* jax is imported (`python -m sharding.plan --compile` re-executes itself to do so). Nothing is
+*before* jax is imported (`compile_reduced` re-executes Python in `_compile_worker` to do so). Nothing is
 allocated: the model and optimizer state are `jax.eval_shape`d, the batch is ShapeDtypeStructs.
+
+The real depth is not compiled: a few reduced-depth models at the real widths are (the layer stacks
+are scans, so XLA's figure is affine in the number of layers of each kind), and `depth_fit` extrapolates
+XLA's per-layer figures to the full depth, next to the analytic plan of the full model.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
 import time
+
+import numpy as np
 
 from m3jax.config import M3Config
 from sharding.mesh import MeshConfig
-from sharding.plan.memory import Batch
+from sharding.plan.memory import GB, Batch
 
 
 def compile_step(cfg: M3Config, mesh_cfg: MeshConfig, batch: Batch, master: str = "fp32",
                  moment_dtype: str = "float32") -> dict:
     """Lower and compile `make_train_step` (token cross-entropy loss) on a mesh of the first devices;
-    returns XLA's per-device memory_analysis (bytes) and the compile time.
+    returns XLA's per-device memory_analysis (bytes), the trace+lower and compile times and the size
+    of the partitioned (per-device) HLO.
 
         peak = argument + output - alias + temp   (donated state: outputs alias the arguments)
     """
     import jax
-    import jax.numpy as jnp
-    from flax import nnx
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
 
-    from m3jax.model.decoder import M3ForCausalLM
-    from sharding import precision
     from sharding.mesh import build_mesh
-    from sharding.rules import logical_to_spec, rules_for, use_rules
-    from sharding.train_step import TrainState, make_train_step, state_shardings
+    from sharding.plan.check import abstract_batch, abstract_train_state
+    from sharding.rules import rules_for, use_rules
+    from sharding.train_step import make_train_step, state_shardings
 
     n = mesh_cfg.num_devices
     t0 = time.perf_counter()
     with use_rules(rules_for(mesh_cfg.expert_axes)):
         mesh = build_mesh(mesh_cfg, cfg, seq_len=batch.seq_len, devices=jax.devices()[:n])
-        dtype = precision.param_dtype(master)
-        opt = precision.adamw(1e-6, moment_dtype=jnp.dtype(moment_dtype), master=master)
-        abstract = nnx.eval_shape(lambda: M3ForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0), remat=batch.remat))
-        graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
-        state = TrainState(params, rest, jax.eval_shape(opt.init, params), jax.ShapeDtypeStruct((), jnp.int32),
-                           jax.ShapeDtypeStruct((), jnp.int32))
+        graphdef, opt, state = abstract_train_state(cfg, master, moment_dtype, batch.remat)
         shardings = state_shardings(mesh, state)
         step = make_train_step(graphdef, opt, mesh=mesh, shardings=shardings)
-        rows = batch.micro_batch * mesh_cfg.data * mesh_cfg.expert
-        spec = P(None, *logical_to_spec(("act_batch", "act_seq")))
-        shape = (batch.num_micro, rows, batch.seq_len)
-        sds = lambda dt: jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, spec))  # noqa: E731
-        b = {"input_ids": sds(jnp.int32), "targets": sds(jnp.int32), "loss_mask": sds(jnp.float32)}
         with jax.set_mesh(mesh):
-            compiled = step.jitted.lower(state, b).compile()
+            lowered = step.jitted.lower(state, abstract_batch(mesh, mesh_cfg, batch))
+            t1 = time.perf_counter()
+            compiled = lowered.compile()
+    t2 = time.perf_counter()
     ma = compiled.memory_analysis()
     out = {k: float(getattr(ma, f"{k}_size_in_bytes")) for k in ("argument", "output", "alias", "temp",
                                                                   "generated_code")}
     out["peak"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
-    out["compile_s"] = time.perf_counter() - t0
-    out["devices"] = n
+    out.update(lower_s=t1 - t0, compile_s=t2 - t0, devices=n)
+    # Instructions of the partitioned module: what XLA optimises, one program for every device.
+    out["hlo_instructions"] = len(re.findall(r"^\s+(?:ROOT )?%?[\w.-]+ = ", compiled.as_text(), re.M))
     return out
+
+
+def compile_reduced(job, layer_sets, extra_env: dict | None = None) -> list:
+    """Re-execute Python with N simulated devices (XLA_FLAGS must be set before jax loads) and compile
+    `job`'s model at each (dense, moe) reduced depth of `layer_sets`. The child's progress goes to stderr."""
+    n = job.mesh.num_devices
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))
+    env = dict(os.environ, XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={n}".strip(),
+               JAX_PLATFORMS="cpu", **(extra_env or {}))
+    spec = {"model": dataclasses.asdict(job.model), "mesh": dataclasses.asdict(job.mesh), "seq_len": job.seq_len,
+            "micro_batch": job.micro_batch, "master": job.master, "moment_dtype": job.moment_dtype,
+            "remat": job.remat, "layer_sets": [list(s) for s in layer_sets]}
+    out = subprocess.run([sys.executable, "-m", "sharding.plan._compile_worker"], input=json.dumps(spec), env=env,
+                         stdout=subprocess.PIPE, text=True, check=False)
+    if out.returncode:
+        raise SystemExit(f"compile on {n} simulated devices failed (exit {out.returncode}; its stderr is above)")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def layer_counts(cfg: M3Config) -> tuple[int, int]:
+    """(layers of the first kind, the rest): the worker's reduced models repeat the first and the last kind."""
+    first = (cfg.layer_types[0], cfg.mlp_layer_types[0])
+    n_first = sum(1 for k in zip(cfg.layer_types, cfg.mlp_layer_types) if k == first)
+    return n_first, cfg.num_hidden_layers - n_first
+
+
+def depth_fit(results: list, key: str, full: tuple[int, int]) -> dict | None:
+    """Least-squares `value = base + dense * per_dense + moe * per_moe` over the compiled depths of at
+    least 2 layers per kind, and its value at the full depth; None unless they pin down all three terms
+    (e.g. 2:2, 3:2, 2:4). A one-layer scan is left out: XLA removes a loop of one trip, so its forward
+    and backward stop sharing buffers (1+1 compiles to a larger peak than 2+2 at M3 widths)."""
+    results = [r for r in results if r["dense"] >= 2 and r["moe"] >= 2]
+    a = np.array([[1.0, r["dense"], r["moe"]] for r in results])
+    if len(results) < 3 or np.linalg.matrix_rank(a) < 3:
+        return None
+    coef = np.linalg.lstsq(a, np.array([r[key] for r in results]), rcond=None)[0]
+    return {"base": coef[0], "per_dense": coef[1], "per_moe": coef[2],
+            "full": coef[0] + coef[1] * full[0] + coef[2] * full[1]}
+
+
+def print_compile(job, results: list, analytic_full: float) -> None:
+    """XLA's per-device figures next to the analytic plan at each reduced depth, then both scaled per layer."""
+    print(f"  {'dense+moe':>9s} {'XLA peak':>9s} {'args':>7s} {'temp':>7s} {'analytic':>9s} {'state':>7s} "
+          f"{'an/XLA':>6s} {'lower':>6s} {'compile':>7s}   (GB; XLA args = state + batch; s)")
+    for r in results:
+        print(f"  {r['dense']:>5d}+{r['moe']:<3d} {r['peak'] / GB:9.4g} {r['argument'] / GB:7.4g} "
+              f"{r['temp'] / GB:7.4g} {r['analytic'] / GB:9.4g} {r['analytic_state'] / GB:7.4g} "
+              f"{r['analytic'] / r['peak']:6.2f} {r['lower_s']:6.0f} {r['compile_s']:7.0f}")
+    full = layer_counts(job.model)
+    xla, ana = depth_fit(results, "peak", full), depth_fit(results, "analytic", full)
+    if xla is None:
+        print("  (compile three depths of >= 2 layers per kind, such as 2:2,3:2,2:4, to scale XLA's figure to the "
+              "full depth)")
+        return
+    print(f"  per layer: first kind XLA {xla['per_dense'] / GB:.4g} GB vs analytic {ana['per_dense'] / GB:.4g} GB; "
+          f"second kind XLA {xla['per_moe'] / GB:.4g} GB vs analytic {ana['per_moe'] / GB:.4g} GB")
+    print(f"  full depth ({full[0]}+{full[1]} layers), scaled per layer: XLA {xla['full'] / GB:.4g} GB vs analytic "
+          f"{ana['full'] / GB:.4g} GB (analytic plan of the full model: {analytic_full / GB:.4g} GB; "
+          f"analytic/XLA {analytic_full / xla['full']:.2f})")
