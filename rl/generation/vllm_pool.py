@@ -1,0 +1,361 @@
+"""The vLLM generation backend: a pool of Ray actors, each owning one vLLM engine, behind the same
+`Generator` interface as the JAX engine.
+
+Rollouts: the rows are cut into chunks; every healthy engine holding the current weight version takes
+one chunk at a time (so a fast engine takes more). A chunk whose engine dies (RayActorError) or hangs
+(no answer within `request_timeout_s`; the actor is then killed) goes back to the queue and is
+re-sent elsewhere, and results are kept per row, first answer wins: every sample comes back exactly
+once. Each row carries its own sampling seed, so a re-sent row samples the same tokens. A dead engine
+is replaced (up to `max_restarts` times per pool); the replacement starts from the checkpoint on disk,
+so it takes no work until the next weight update has brought it to the pool's version.
+
+Weight updates (`set_weights`) go through `rl.generation.transfer`; generation and updates take the
+same lock, so no rollout runs while weights change, and rollouts resume only once every engine has
+committed the new version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+
+import jax
+import numpy as np
+
+from rl.generation.base import Rollout, SamplingParams
+from rl.generation.transfer import RayObjectStoreTransport, StagedUpdate, TransferError, TransferStats
+
+log = logging.getLogger(__name__)
+
+
+class PoolError(RuntimeError):
+    """The pool cannot serve a request (e.g. no healthy engine is left)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolConfig:
+    model_dir: str  # the checkpoint every engine starts from (released HF layout)
+    servers: int = 2
+    tensor_parallel: int = 1
+    expert_parallel: int = 1
+    gpu_memory_utilization: float = 0.8
+    max_model_len: int = 2048
+    dtype: str = "float32"
+    ray_address: str | None = None  # None: start a local Ray
+    bucket_bytes: int = 256 << 20
+    request_timeout_s: float = 600.0
+    max_restarts: int = 4
+    chunks_per_engine: int = 2
+    seed: int = 0
+
+
+class EngineActor:
+    """Runs inside its Ray worker process: one vLLM engine plus the staging area of weight updates.
+
+    Wrapped by `ray.remote` in `_actor_class` with two concurrency groups: `work` (one call at a
+    time: generation, scoring, weight staging/commit) and `probe` (health answers while work runs).
+    """
+
+    def __init__(self, cfg: PoolConfig, rank: int):
+        from rl.generation.vllm_engine import VLLMEngine  # imports vLLM: only in engine processes
+
+        self.rank = rank
+        self.engine = VLLMEngine(cfg.model_dir, dtype=cfg.dtype, seed=cfg.seed + rank,
+                                 max_model_len=cfg.max_model_len, tensor_parallel=cfg.tensor_parallel,
+                                 expert_parallel=cfg.expert_parallel,
+                                 gpu_memory_utilization=cfg.gpu_memory_utilization)
+        self.staged = StagedUpdate()
+        self.busy_since: float | None = None
+
+    def generate(self, rows: list[int], prompts: list[list[int]], sp: SamplingParams, seeds: list[int]):
+        self.busy_since = time.time()
+        try:
+            return rows, self.engine.version, self.engine.generate(prompts, sp, seeds)
+        finally:
+            self.busy_since = None
+
+    def score(self, prompts, responses, temperature: float, top_p: float, top_k: int):
+        return self.engine.score(prompts, responses, temperature=temperature, top_p=top_p, top_k=top_k)
+
+    def stage(self, bucket) -> int:
+        self.staged.stage(bucket, self.engine.check)
+        return bucket.index
+
+    def commit(self, version: int, num_buckets: int) -> int:
+        try:
+            self.engine.load_weights(self.staged.tensors(version, num_buckets))
+        finally:
+            self.staged.clear()
+        self.engine.version = version
+        return version
+
+    def abort(self, version: int) -> None:
+        if self.staged.version == version:
+            self.staged.clear()
+
+    def health(self) -> dict:
+        return {"rank": self.rank, "pid": os.getpid(), "version": self.engine.version,
+                "busy_s": None if self.busy_since is None else time.time() - self.busy_since}
+
+
+_ACTOR = None
+
+
+def _actor_class():
+    global _ACTOR
+    if _ACTOR is None:
+        import ray
+
+        cls = type("VLLMEngineActor", (EngineActor,), {})
+        for name in ("generate", "score", "stage", "commit", "abort"):
+            setattr(cls, name, ray.method(concurrency_group="work")(getattr(EngineActor, name)))
+        cls.health = ray.method(concurrency_group="probe")(EngineActor.health)
+        _ACTOR = ray.remote(concurrency_groups={"work": 1, "probe": 1})(cls)
+    return _ACTOR
+
+
+@dataclasses.dataclass
+class _Slot:
+    rank: int
+    actor: object
+    version: int = 0
+    ready: bool = False  # __init__ finished (the engine is built)
+    restarts: int = 0
+
+
+class VLLMPool:
+    """`Generator` over a pool of vLLM engines; see the module docstring for the failure model."""
+
+    def __init__(self, cfg: PoolConfig, graphdef=None, *, pad_id: int = 0, layout: str = "released"):
+        import ray
+
+        self.cfg, self.graphdef, self.pad_id, self.layout = cfg, graphdef, pad_id, layout
+        self.version = 0
+        self.restarts = 0
+        self.resent_rows = 0
+        self.last_transfer: TransferStats | None = None
+        self._lock = threading.Lock()
+        if not ray.is_initialized():
+            if cfg.ray_address:
+                ray.init(address=cfg.ray_address, log_to_driver=False)
+            else:
+                ray.init(num_cpus=max(os.cpu_count() or 1, 1), include_dashboard=False, log_to_driver=False)
+        self.slots = [_Slot(r, self._spawn(r)) for r in range(cfg.servers)]
+        self._wait_ready(self.slots)
+
+    # -------------------------------------------------------------------------------- lifecycle
+    def _spawn(self, rank: int):
+        gpus = self.cfg.tensor_parallel if _cluster_has_gpus() else 0
+        return _actor_class().options(num_cpus=0, num_gpus=gpus, name=None).remote(self.cfg, rank)
+
+    def _wait_ready(self, slots) -> None:
+        import ray
+
+        for s in slots:
+            try:
+                h = ray.get(s.actor.health.remote(), timeout=max(self.cfg.request_timeout_s, 300))
+            except Exception as e:
+                raise PoolError(f"vLLM engine {s.rank} failed to start from {self.cfg.model_dir}: {e}") from e
+            s.ready, s.version = True, h["version"]
+
+    def _replace(self, slot: _Slot, why: str) -> None:
+        """Kill a dead or hung engine; start a fresh one unless the pool's restart budget is spent."""
+        import ray
+
+        log.warning("vLLM engine %d %s", slot.rank, why)
+        try:
+            ray.kill(slot.actor, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+        slot.ready = False
+        if self.restarts >= self.cfg.max_restarts:
+            slot.actor = None
+            return
+        self.restarts += 1
+        slot.restarts += 1
+        slot.actor, slot.version = self._spawn(slot.rank), 0  # it loads the on-disk checkpoint (version 0)
+
+    def _refresh(self) -> None:
+        """Probe engines that are starting or suspect; mark ready the ones that answer."""
+        import ray
+
+        for s in self.slots:
+            if s.actor is None or s.ready:
+                continue
+            try:
+                h = ray.get(s.actor.health.remote(), timeout=0.5)
+                s.ready, s.version = True, h["version"]
+            except ray.exceptions.GetTimeoutError:
+                pass  # still building its engine
+            except Exception as e:  # noqa: BLE001 - died while starting
+                self._replace(s, f"died while starting: {e}")
+
+    def serving(self) -> list[_Slot]:
+        """Engines that are up and hold the pool's current weight version."""
+        self._refresh()
+        return [s for s in self.slots if s.actor is not None and s.ready and s.version == self.version]
+
+    def health(self) -> list[dict]:
+        import ray
+
+        out = []
+        for s in self.slots:
+            if s.actor is None:
+                out.append({"rank": s.rank, "state": "dropped"})
+                continue
+            try:
+                out.append({**ray.get(s.actor.health.remote(), timeout=5), "state": "up"})
+            except Exception as e:  # noqa: BLE001
+                out.append({"rank": s.rank, "state": f"unreachable: {type(e).__name__}"})
+        return out
+
+    def shutdown(self) -> None:
+        import ray
+
+        for s in self.slots:
+            if s.actor is not None:
+                try:
+                    ray.kill(s.actor, no_restart=True)
+                except Exception:  # noqa: BLE001
+                    pass
+                s.actor = None
+
+    # ------------------------------------------------------------------------------- generation
+    def generate(self, prompts: list[list[int]], params: SamplingParams, key: jax.Array,
+                 prompt_width: int | None = None) -> Rollout:
+        """prompt_width is accepted for interface parity with the JAX engine (vLLM needs no padding)."""
+        import ray
+
+        del prompt_width
+        n = len(prompts)
+        seeds = np.asarray(jax.random.randint(key, (n,), 0, 2**31 - 1)).tolist()
+        with self._lock:
+            engines = self.serving()
+            if not engines:
+                raise PoolError(f"no vLLM engine serves weight version {self.version}: {self.health()}")
+            size = max(1, -(-n // (len(engines) * self.cfg.chunks_per_engine)))
+            pending = [list(range(i, min(i + size, n))) for i in range(0, n, size)]
+            results: dict[int, tuple] = {}
+            inflight: dict = {}  # ref -> (slot, rows, deadline)
+            while pending or inflight:
+                busy = {id(v[0]) for v in inflight.values()}
+                for s in self.serving():
+                    if pending and id(s) not in busy:
+                        rows = pending.pop(0)
+                        ref = s.actor.generate.remote(rows, [prompts[r] for r in rows], params, [seeds[r] for r in rows])
+                        inflight[ref] = (s, rows, time.time() + self.cfg.request_timeout_s)
+                if not inflight:
+                    raise PoolError(f"no healthy vLLM engine left for {len(pending)} chunks: {self.health()}")
+                deadline = min(v[2] for v in inflight.values())
+                done, _ = ray.wait(list(inflight), num_returns=1, timeout=max(0.05, min(deadline - time.time(), 1.0)))
+                for ref in done:
+                    slot, rows, _ = inflight.pop(ref)
+                    try:
+                        _, version, outs = ray.get(ref)
+                    except Exception as e:  # noqa: BLE001 - engine died mid-chunk: re-send it
+                        self._requeue(pending, rows, inflight)
+                        self._replace(slot, f"failed during a rollout ({type(e).__name__}); re-sending {len(rows)} rows")
+                        continue
+                    if version != self.version:
+                        raise PoolError(f"engine {slot.rank} answered with weight version {version}, "
+                                        f"pool is at {self.version}")
+                    for r, out in zip(rows, outs):
+                        results.setdefault(r, out)
+                now = time.time()
+                for ref, (slot, rows, dl) in list(inflight.items()):
+                    if now > dl:
+                        inflight.pop(ref)
+                        self._requeue(pending, rows, inflight)
+                        self._replace(slot, f"hung for {self.cfg.request_timeout_s:.0f} s; re-sending {len(rows)} rows")
+        return self._rollout(prompts, results, params.max_new_tokens)
+
+    def _requeue(self, pending, rows, inflight) -> None:
+        self.resent_rows += len(rows)
+        pending.insert(0, rows)
+
+    def _rollout(self, prompts, results, max_new: int) -> Rollout:
+        n = len(prompts)
+        if sorted(results) != list(range(n)):
+            raise PoolError(f"rollout incomplete: rows {sorted(set(range(n)) - set(results))} missing")
+        tokens = np.full((n, max_new), self.pad_id, np.int32)
+        logprobs = np.zeros((n, max_new), np.float32)
+        lengths = np.zeros(n, np.int32)
+        truncated = np.zeros(n, bool)
+        for r in range(n):
+            toks, lps, trunc = results[r]
+            k = len(toks)
+            tokens[r, :k], logprobs[r, :k], lengths[r], truncated[r] = toks, lps, k, trunc
+        return Rollout([list(p) for p in prompts], tokens, logprobs, lengths, truncated, self.version)
+
+    def score(self, prompts, responses, params: SamplingParams) -> list[list[np.ndarray]]:
+        """Per-token logprobs of fixed sequences on every serving engine (one list per engine)."""
+        import ray
+
+        with self._lock:
+            refs = [s.actor.score.remote(prompts, responses, params.temperature, params.top_p, params.top_k)
+                    for s in self.serving()]
+            return ray.get(refs, timeout=self.cfg.request_timeout_s)
+
+    # ---------------------------------------------------------------------------------- weights
+    def set_weights(self, params, version: int, rest=None) -> TransferStats:
+        """Convert the trainer's params to HF-named tensors and commit them on every live engine."""
+        from flax import nnx
+
+        from m3jax.hf.save import hf_tensors
+
+        if self.graphdef is None:
+            raise PoolError("VLLMPool needs the model graphdef to convert parameters")
+        model = nnx.merge(self.graphdef, params, rest) if rest is not None else nnx.merge(self.graphdef, params)
+        return self.push(hf_tensors(model, self.layout), version)
+
+    def push(self, named_arrays, version: int) -> TransferStats:
+        """Send HF-named tensors as weight `version`; on TransferError every engine keeps its version."""
+        import ray
+
+        with self._lock:
+            for s in self.slots:  # a replacement still building its engine must not miss the update
+                if s.actor is not None and not s.ready:
+                    try:
+                        s.version = ray.get(s.actor.health.remote(), timeout=self.cfg.request_timeout_s)["version"]
+                        s.ready = True
+                    except Exception as e:  # noqa: BLE001
+                        self._replace(s, f"did not start: {e}")
+            targets = [s for s in self.slots if s.actor is not None and s.ready]
+            if not targets:
+                raise PoolError(f"no live vLLM engine to receive weight version {version}")
+            transport = RayObjectStoreTransport([s.actor for s in targets], self.cfg.bucket_bytes,
+                                                timeout_s=self.cfg.request_timeout_s)
+            try:
+                stats = transport.push(named_arrays, version)
+            except TransferError:
+                self._sync_versions(targets)  # a failed commit may have updated some engines
+                raise
+            for i, s in enumerate(targets):
+                if i in stats.lost:
+                    self._replace(s, f"died or hung while receiving weight version {version}")
+                else:
+                    s.version = version
+            self.version = version
+            self.last_transfer = stats
+            return stats
+
+    def _sync_versions(self, slots) -> None:
+        import ray
+
+        for s in slots:
+            try:
+                s.version = ray.get(s.actor.health.remote(), timeout=30)["version"]
+            except Exception as e:  # noqa: BLE001
+                self._replace(s, f"unreachable after a failed update: {e}")
+
+
+def _cluster_has_gpus() -> bool:
+    import ray
+
+    return ray.cluster_resources().get("GPU", 0) > 0
+
+
+__all__ = ["PoolConfig", "PoolError", "TransferError", "VLLMPool"]
