@@ -1,0 +1,264 @@
+"""One in-process vLLM engine serving an M3 checkpoint: token ids and numpy in and out, no Ray, so an
+actor can wrap it.
+
+The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, the "uni" executor), so the CPU
+patches (`vllm_patches`) reach the process that builds the model and weight updates pass tensors by
+reference. Sampling follows the JAX engine (rl/generation/jax_engine.py): stop only on the request's
+stop ids, the stop token is part of the response, and every logprob is under the same transformation
+as `rl.generation.base.sampling_logits` (temperature, then top-k, then top-p), which the trainer
+recomputes. One engine per process: vLLM keeps process-global state.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import time
+import warnings
+from typing import Iterable
+
+import numpy as np
+
+from m3jax.hf.layouts import SKIPPED
+from m3jax.hf.safetensors_io import read_header
+from rl.generation.base import SamplingParams
+from rl.generation.vllm_patches import apply_patches
+
+
+class WeightUpdateError(ValueError):
+    """A weight update that would not reproduce the trainer's model; it was not applied."""
+
+
+def _log_softmax(z: np.ndarray) -> np.ndarray:
+    m = np.max(z, axis=-1, keepdims=True)
+    return z - (m + np.log(np.sum(np.exp(z - m), axis=-1, keepdims=True)))
+
+
+def sampling_logprobs(logp: np.ndarray, temperature: float, top_p: float = 1.0, top_k: int = 0) -> np.ndarray:
+    """numpy twin of `base.sampling_logits` + log-softmax, on rows of full-vocab logprobs [..., V] (any
+    per-row shift of the logits gives the same result). Kept off JAX so the engine never starts XLA."""
+    z = logp.astype(np.float32) / np.float32(temperature if temperature > 0 else 1.0)
+    if top_k > 0:
+        kth = -np.partition(-z, top_k - 1, axis=-1)[..., top_k - 1:top_k]
+        z = np.where(z < kth, -np.inf, z)
+    if top_p < 1.0:
+        sorted_z = -np.sort(-z, axis=-1)
+        probs = np.exp(_log_softmax(sorted_z))
+        before = np.cumsum(probs, axis=-1) - probs
+        cutoff = np.min(np.where(before < top_p, sorted_z, np.inf), axis=-1, keepdims=True)
+        z = np.where(z < cutoff, -np.inf, z)
+    return _log_softmax(z)
+
+
+class VLLMEngine:
+    def __init__(self, model_dir: str, *, dtype: str = "float32", seed: int = 0, max_model_len: int,
+                 tensor_parallel: int = 1, expert_parallel: int = 1, gpu_memory_utilization: float = 0.8,
+                 kv_cache_gb: float = 1):
+        """model_dir: a released-layout checkpoint (`m3jax.save_pretrained(model, path, layout="released")`).
+        expert_parallel: 1, or equal to tensor_parallel (vLLM's expert parallelism spans the TP ranks)."""
+        if tensor_parallel != 1:
+            # The "uni" executor is one process; more ranks need worker processes, where update tensors
+            # arrive as lists (stack-notes §8): that path belongs to the weight-transfer layer.
+            raise NotImplementedError(f"tensor_parallel={tensor_parallel}: VLLMEngine is one in-process "
+                                      "rank; run one engine per device (data parallel) instead")
+        if expert_parallel not in (1, tensor_parallel):
+            raise ValueError(f"expert_parallel={expert_parallel}: expected 1 or tensor_parallel={tensor_parallel}")
+        self.model_dir = os.path.abspath(model_dir)
+        text = self._check_config()
+        self.manifest: dict[str, tuple[tuple[int, ...], np.dtype]] = self._read_manifest()
+        self.version = 0
+        self._broken: str | None = None
+
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gb)
+        self.patches = apply_patches()
+        import torch
+        from vllm import LLM
+        from vllm.platforms import current_platform
+        if current_platform.is_cpu() and any((text.get("sparse_attention_config") or {}).get(
+                "sparse_attention_freq") or []):
+            raise ValueError(f"{self.model_dir}: sparse (lightning-indexer) attention layers have no vLLM CPU "
+                             "path; on CPU serve a checkpoint whose sparse_attention_freq is all 0")
+        if "OMP_NUM_THREADS" not in os.environ:
+            # vLLM serves with one torch thread unless OMP_NUM_THREADS says otherwise, but in-process its
+            # CPU worker disables torch.set_num_threads before it gets there; spinning OpenMP threads
+            # on a shared, busy CPU made decoding 10-100x slower in tests.
+            torch.set_num_threads(1)
+        t0 = time.perf_counter()
+        self.llm = LLM(
+            model=self.model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len,
+            tensor_parallel_size=tensor_parallel, enable_expert_parallel=expert_parallel > 1,
+            gpu_memory_utilization=gpu_memory_utilization, distributed_executor_backend="uni",
+            enforce_eager=True, skip_tokenizer_init=True,
+            # Logprobs after temperature / top-k / top-p, as the trainer's token_logprobs computes them.
+            logprobs_mode="processed_logprobs", max_logprobs=-1,
+            limit_mm_per_prompt={"image": 0, "video": 0}, generation_config="vllm")
+        self.start_seconds = time.perf_counter() - t0
+        self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
+
+    # ------------------------------------------------------------------------------------ checkpoint
+    def _check_config(self) -> dict:
+        """The checks vLLM would fail late or not at all; returns the text config."""
+        path = os.path.join(self.model_dir, "config.json")
+        with open(path) as f:
+            cfg = json.load(f)
+        vision = cfg.get("vision_config") or {}
+        if cfg.get("model_type") != "minimax_m3_vl" or not isinstance(cfg.get("text_config"), dict) \
+                or "img_token_compression_config" not in vision:
+            raise ValueError(f"{path}: vLLM's M3 loader needs the released layout (model_type minimax_m3_vl, "
+                             "a nested text_config, a vision_config with img_token_compression_config): write "
+                             "it with m3jax.save_pretrained(model, path, layout='released')")
+        text = cfg["text_config"]
+        shared = text.get("intermediate_size", 0) * text.get("n_shared_experts", 1)
+        if text.get("shared_intermediate_size", shared) != shared:
+            raise ValueError(f"{path}: shared_intermediate_size={text['shared_intermediate_size']}, but vLLM sizes "
+                             f"the shared expert as intermediate_size x n_shared_experts = {shared}")
+        return text
+
+    def _read_manifest(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        files = sorted(f for f in os.listdir(self.model_dir) if f.endswith(".safetensors"))
+        if not files:
+            raise ValueError(f"{self.model_dir}: no .safetensors files")
+        manifest = {}
+        for f in files:
+            for name, info in read_header(os.path.join(self.model_dir, f)).items():
+                if not SKIPPED.search(name):  # vision / MTP tensors are not served
+                    manifest[name] = (tuple(info.shape), np.dtype(info.np_dtype))
+        return manifest
+
+    def check(self, name: str, shape, dtype) -> None:
+        """Raise WeightUpdateError unless `name` is a served checkpoint tensor of this shape and dtype."""
+        if name not in self.manifest:
+            raise WeightUpdateError(f"tensor {name!r} is not a tensor of the served checkpoint {self.model_dir} "
+                                    "(vLLM's M3 loader would skip it silently)")
+        want_shape, want_dtype = self.manifest[name]
+        if tuple(shape) != want_shape or np.dtype(dtype) != want_dtype:
+            raise WeightUpdateError(f"tensor {name!r}: got shape {tuple(shape)} {np.dtype(dtype)}, the checkpoint "
+                                    f"has {want_shape} {want_dtype}")
+
+    # ------------------------------------------------------------------------------------ sampling
+    def _params(self, **kw):
+        from vllm import SamplingParams as VSP
+        # ignore_eos: the trainer puts eos into stop_token_ids itself, as for the JAX engine.
+        return VSP(ignore_eos=True, detokenize=False, skip_special_tokens=False, flat_logprobs=True, **kw)
+
+    def _run(self, prompts: list[list[int]], params: list) -> list:
+        self._check_alive()
+        inputs = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
+        return self.llm.generate(inputs, params, use_tqdm=False)
+
+    def generate(self, prompts: list[list[int]], sp: SamplingParams, seeds: list[int]
+                 ) -> list[tuple[list[int], list[float], bool]]:
+        """Per prompt: (response ids incl. the stop token, logprob of each, truncated = no stop token)."""
+        if len(seeds) != len(prompts):
+            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts: expected one per prompt")
+        stops = tuple(int(s) for s in sp.stop_token_ids)
+        params = [self._params(max_tokens=sp.max_new_tokens, temperature=sp.temperature, top_p=sp.top_p,
+                               top_k=sp.top_k if sp.top_k > 0 else 0, seed=int(s), stop_token_ids=list(stops),
+                               logprobs=0) for s in seeds]
+        out = []
+        for req in self._run(prompts, params):
+            c = req.outputs[0]
+            ids = list(c.token_ids)
+            lps = c.logprobs
+            # Column 0 of each position is the sampled token (vLLM gathers it first).
+            logps = [float(lps.logprobs[lps.start_indices[i]]) for i in range(len(ids))]
+            out.append((ids, logps, not (ids and ids[-1] in stops)))
+        if sp.temperature == 0 and (sp.top_k > 0 or sp.top_p < 1):
+            # vLLM's greedy path skips top-k/top-p, which the JAX engine's greedy logprobs include.
+            scored = self.score(prompts, [o[0] for o in out], 0.0, sp.top_p, sp.top_k)
+            out = [(ids, [float(x) for x in s], trunc) for (ids, _, trunc), s in zip(out, scored)]
+        return out
+
+    def score(self, prompts: list[list[int]], responses: list[list[int]], temperature: float = 1.0,
+              top_p: float = 1.0, top_k: int = 0) -> list[np.ndarray]:
+        """log p(response[t] | prompt, response[:t]) under the sampling transformation, fp32 [len(response)].
+
+        One prefill per row via prompt logprobs. Those are untransformed, so unless the transformation
+        is the identity every row returns full-vocab logprobs (O(vocab) per position: meant for checks
+        and small vocabularies, not for scoring a 200k-vocab batch).
+        """
+        if len(prompts) != len(responses):
+            raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+        identity = (temperature in (0, 1)) and top_k == 0 and top_p >= 1
+        params = self._params(max_tokens=1, temperature=0.0, prompt_logprobs=0 if identity else -1)
+        rows = [list(p) + list(r) for p, r in zip(prompts, responses)]
+        out = []
+        for req, p, r in zip(self._run(rows, [params] * len(rows)), prompts, responses):
+            lps, n = req.prompt_logprobs, len(r)
+            positions = range(len(p), len(p) + n)  # position i holds log p(row[i] | row[:i])
+            if identity:
+                out.append(np.array([lps.logprobs[lps.start_indices[i]] for i in positions], np.float32))
+                continue
+            full = np.full((n, self.vocab_size), -np.inf, np.float32)
+            for j, i in enumerate(positions):
+                a, b = lps.start_indices[i] + 1, lps.end_indices[i]  # [target, then the whole vocab]
+                full[j, np.asarray(lps.token_ids[a:b])] = lps.logprobs[a:b]
+            logp = sampling_logprobs(full, temperature, top_p, top_k)
+            out.append(logp[np.arange(n), np.asarray(r, np.int64)].astype(np.float32))
+        return out
+
+    # ------------------------------------------------------------------------------------ weights
+    def load_weights(self, named_arrays: Iterable[tuple[str, np.ndarray]]) -> None:
+        """Replace every served tensor (HF checkpoint names, released layout) in place.
+
+        The whole set is checked before anything is applied: names, shapes and dtypes against the
+        checkpoint, no repeats, nothing missing (vLLM reloads a layer only once all its tensors came,
+        and would run a layer with some tensors unloaded). A rejected update leaves the engine serving
+        the previous weights.
+        """
+        self._check_alive()
+        items = list(named_arrays)
+        seen = set()
+        for name, array in items:
+            self.check(name, np.shape(array), np.asarray(array).dtype)
+            if name in seen:
+                raise WeightUpdateError(f"tensor {name!r} appears twice in one update")
+            seen.add(name)
+        missing = sorted(self.manifest.keys() - seen)
+        if missing:
+            raise WeightUpdateError(f"incomplete update: {len(missing)} of {len(self.manifest)} tensors missing, "
+                                    f"e.g. {missing[:3]}; send every tensor (hf_tensors(model, 'released'))")
+        tensors = ((name, _to_torch(array)) for name, array in items)
+        try:
+            # reload_weights maps checkpoint names onto vLLM's fused parameters and re-runs the per-layer
+            # post-load processing; a second bare model.load_weights would not (stack-notes §8).
+            self.llm.collective_rpc("reload_weights",
+                                    kwargs={"weights_iterator": tensors, "is_checkpoint_format": True})
+        except BaseException as e:
+            self._broken = f"weight update failed part-way: {type(e).__name__}: {e}"
+            raise
+        self.llm.reset_prefix_cache()
+
+    # ------------------------------------------------------------------------------------ life cycle
+    def _check_alive(self) -> None:
+        if self._broken:
+            raise RuntimeError(f"engine unusable: {self._broken}")
+        if getattr(self, "llm", None) is None:
+            raise RuntimeError("engine was shut down")
+
+    def health(self) -> dict:
+        ok = self._broken is None and getattr(self, "llm", None) is not None
+        return {"ok": ok, "version": self.version, "pid": os.getpid(), **({"error": self._broken} if self._broken else {})}
+
+    def shutdown(self) -> None:
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is None:
+            return
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+        destroy_model_parallel()
+        destroy_distributed_environment()  # so a later engine in this process can initialise again
+
+
+def _to_torch(array):
+    import torch
+    a = np.asarray(array)
+    if a.dtype.name == "bfloat16":  # ml_dtypes: torch cannot read it, the bits are the same
+        return torch.from_numpy(np.ascontiguousarray(a).view(np.uint16)).view(torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only arrays (from JAX): vLLM only copies out of them
+        return torch.from_numpy(a)
