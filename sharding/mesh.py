@@ -34,7 +34,8 @@ class MeshConfig:
     tensor: int = 1
     expert_axes: tuple[str, ...] = TOKEN_AXES
     # Multi-host: jax.distributed.initialize arguments; None = single process, or taken from the
-    # environment (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, or a SLURM/cloud cluster).
+    # environment (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, or a SLURM / Open MPI
+    # launch); see `distributed_args` and docs/multihost.md.
     coordinator_address: str | None = None
     num_processes: int | None = None
     process_id: int | None = None
@@ -120,19 +121,41 @@ def undivided_parameter(mesh: MeshConfig, model_cfg) -> str | None:
     return None
 
 
+def distributed_args(mesh: MeshConfig, environ=None) -> dict | None:
+    """jax.distributed.initialize arguments, or None for a single process.
+
+    Each of coordinator address / process count / process index comes from the config, else from
+    JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID (jax itself reads only the first).
+    With none of them but a multi-task `srun` step or `mpirun` launch, {} lets jax detect all three
+    (the step's task count, not the allocation's: a batch script run once must not wait for peers).
+    """
+    env = os.environ if environ is None else environ
+    addr = mesh.coordinator_address or env.get("JAX_COORDINATOR_ADDRESS")
+    n = mesh.num_processes if mesh.num_processes is not None else _env_int(env, "JAX_NUM_PROCESSES")
+    pid = mesh.process_id if mesh.process_id is not None else _env_int(env, "JAX_PROCESS_ID")
+    if addr or n:
+        return {"coordinator_address": addr, "num_processes": n, "process_id": pid}
+    if _env_int(env, "SLURM_STEP_NUM_TASKS", 1) > 1 or _env_int(env, "OMPI_COMM_WORLD_SIZE", 1) > 1:
+        return {}
+    return None
+
+
+def _env_int(env, name: str, default: int | None = None) -> int | None:
+    value = env.get(name)
+    return default if value in (None, "") else int(value)
+
+
 def init_distributed(mesh: MeshConfig) -> None:
-    """Join a multi-host job: from the config, else from the environment; a no-op for one process
-    (or when already initialised)."""
+    """Join a multi-host job (`distributed_args`); a no-op for one process or when already joined.
+    Must run before anything asks jax for its devices."""
     if jax.distributed.is_initialized():
         return
-    if mesh.coordinator_address or mesh.num_processes or os.environ.get("JAX_COORDINATOR_ADDRESS"):
-        # Cross-process collectives on CPU hosts (tests, CPU clusters) need gloo; GPUs ignore this.
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    if mesh.coordinator_address or mesh.num_processes:
-        jax.distributed.initialize(coordinator_address=mesh.coordinator_address,
-                                   num_processes=mesh.num_processes, process_id=mesh.process_id)
-    elif os.environ.get("JAX_COORDINATOR_ADDRESS"):
-        jax.distributed.initialize()
+    args = distributed_args(mesh)
+    if args is None:
+        return
+    # Cross-process collectives on CPU hosts (tests, CPU clusters) need gloo; GPUs ignore this.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(**args)
 
 
 def build_mesh(mesh: MeshConfig, model_cfg=None, *, seq_len: int | None = None, batch: int | None = None,

@@ -1,24 +1,33 @@
-"""Two CPU processes joined with jax.distributed (from MeshConfig) run the sharded model like one."""
+"""Multi-host: two CPU processes joined with jax.distributed run the sharded model like one (from
+MeshConfig), and a GRPO step launched from the YAML config with the launcher's environment only."""
 
 import os
 import socket
 import subprocess
 import sys
 
+import json
+
 import jax
 import numpy as np
+import pytest
 
 import m3jax
+from sharding.mesh import MeshConfig, distributed_args
 from tests import reference as ref
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_two_process_mesh_equals_single_device(tmp_path):
-    ckpt = ref.save(ref.build_model(ref.tiny_config("release_like"), seed=3), str(tmp_path / "ckpt"))
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+def test_two_process_mesh_equals_single_device(tmp_path):
+    ckpt = ref.save(ref.build_model(ref.tiny_config("release_like"), seed=3), str(tmp_path / "ckpt"))
+    port = free_port()
     out = tmp_path / "logits.npy"
     env = {**os.environ, "PYTHONPATH": ROOT}
     env.pop("XLA_FLAGS", None)
@@ -32,3 +41,42 @@ def test_two_process_mesh_equals_single_device(tmp_path):
     want = np.asarray(jax.jit(lambda m, x: m(x))(model, ids))
     got = np.load(out)
     assert np.max(np.abs(got - want)) / np.max(np.abs(want)) < 1e-5
+
+
+@pytest.mark.parametrize("mesh, env, want", [
+    (MeshConfig(), {}, None),
+    (MeshConfig(coordinator_address="h0:1234", num_processes=16, process_id=3), {"JAX_PROCESS_ID": "9"},
+     {"coordinator_address": "h0:1234", "num_processes": 16, "process_id": 3}),  # the config wins
+    (MeshConfig(), {"JAX_COORDINATOR_ADDRESS": "h0:1234", "JAX_NUM_PROCESSES": "16", "JAX_PROCESS_ID": "5"},
+     {"coordinator_address": "h0:1234", "num_processes": 16, "process_id": 5}),
+    (MeshConfig(), {"SLURM_STEP_NUM_TASKS": "16", "SLURM_NTASKS": "16"}, {}),  # srun step: jax detects the rest
+    (MeshConfig(), {"SLURM_NTASKS": "16"}, None),  # a batch script run once: no peers to wait for
+    (MeshConfig(), {"OMPI_COMM_WORLD_SIZE": "2"}, {}),
+])
+def test_distributed_args_from_config_then_environment(mesh, env, want):
+    assert distributed_args(mesh, env) == want
+
+
+def test_two_hosts_run_a_grpo_step_launched_from_the_yaml_config(tmp_path):
+    """Every host runs the same command with the same config; only the launcher's environment differs."""
+    port = free_port()
+    overrides = ["mesh.data=2", "mesh.expert=2", "mesh.tensor=2", "grpo.prompts_per_step=4", "grpo.group_size=2",
+                 "grpo.micro_batch_size=2", f"run.out_dir={tmp_path / 'run'}", "logging.tensorboard=false",
+                 "logging.progress_bar=false"]
+    out = str(tmp_path / "out")
+    procs = []
+    for i in range(2):
+        env = {**os.environ, "PYTHONPATH": ROOT, "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+               "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i)}
+        env.pop("XLA_FLAGS", None)
+        procs.append(subprocess.Popen([sys.executable, os.path.join(ROOT, "tests/workers/multihost_train.py"), out,
+                                       os.path.join(ROOT, "configs/tiny.yaml"), *overrides], env=env, cwd=ROOT,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    logs = [p.communicate(timeout=900)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-4000:]
+    hosts = [json.load(open(f"{out}.{i}.json")) for i in range(2)]
+    for h in hosts:
+        assert h["processes"] == 2 and h["devices"] == 8
+        assert h["data_row_owners"] == [[0], [1]]  # mesh.data is the outer axis: one data row per host
+    assert hosts[0]["metrics"] == hosts[1]["metrics"]  # one global step, not two local ones
+    assert np.isfinite(hosts[0]["metrics"]["loss"])

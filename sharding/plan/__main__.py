@@ -179,7 +179,7 @@ def main(argv=None) -> int:
                     help="reduced depths to compile, first-kind:last-kind layers; three of >= 2 per kind pin down "
                          "the per-layer scaling")
     ap.add_argument("--check-shardings", action="store_true",
-                    help="check every sharding of the full-depth model on an AbstractMesh (no devices) and lower the step")
+                    help="check the full-depth model's shardings on an AbstractMesh (no devices); lower the step")
     ap.add_argument("--top", type=int, default=20, help="rows of the sweep table")
     a = ap.parse_args(argv)
     job = load_job(a.config, a.overrides, a.model)

@@ -40,7 +40,7 @@ def abstract_train_state(cfg: M3Config, master: str, moment_dtype: str, remat: b
 
 
 def abstract_batch(mesh, mesh_cfg: MeshConfig, batch: Batch) -> dict:
-    """The token cross-entropy batch [micro-batches, rows, seq] as ShapeDtypeStructs on `mesh` (concrete or abstract)."""
+    """The cross-entropy batch [micro-batches, rows, seq] as ShapeDtypeStructs on `mesh` (concrete or abstract)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
