@@ -33,15 +33,16 @@ def test_registry_is_idempotent_and_marks_every_patch():
     assert apply_patches() == []  # the fixture applied everything already
     for p in PATCHES:
         assert getattr(vllm_patches._resolve(p)[2], vllm_patches._MARK) == p.name
-        assert p.reason and p.name
+        assert p.reason and p.name and p.targets == "0.32.0"
     assert vllm_patches.WorkerExtension().m3jax_patches() == [p.name for p in PATCHES]
 
 
 def test_refuses_other_vllm_version(monkeypatch):
     import vllm
     monkeypatch.setattr(vllm, "__version__", "0.33.0")
-    with pytest.raises(PatchError, match="0.33.0.*written for 0.32.0"):
-        apply_patches()
+    for p in PATCHES:  # already applied or not: a new vLLM is refused before anything else
+        with pytest.raises(PatchError, match=f"{p.name!r} was written for vllm 0.32.0, vllm 0.33.0"):
+            p.apply()
 
 
 def test_refuses_changed_or_missing_symbol():

