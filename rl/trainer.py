@@ -90,10 +90,10 @@ class GRPOTrainer:
         self.mesh = None if m.num_devices == 1 else build_mesh(m.to_mesh_config(), cfg.model.m3_config(),
                                                                seq_len=self.width - 1)
         if cfg.model.path:
-            model = m3jax.from_pretrained(cfg.model.path, dtype=dtype, mesh=self.mesh, remat=cfg.model.remat)
+            model = m3jax.from_pretrained(cfg.model.path, dtype=dtype, mesh=self.mesh, **cfg.model.model_options())
         else:
             model = m3jax.M3ForCausalLM(cfg.model.m3_config(), dtype=dtype, rngs=nnx.Rngs(cfg.model.init_seed),
-                                        remat=cfg.model.remat)
+                                        **cfg.model.model_options())
         self.model_cfg = model.cfg
         self.sampling = sampling_of(cfg, model.cfg.eos_token_id)
         o = cfg.optim

@@ -14,6 +14,8 @@ from m3jax.hf import layouts
 from tests import reference as ref
 
 SEQ = 64  # > index_topk_blocks * index_block_size in every variant, so sparse layers really select
+# Query-chunked attention: 16 divides SEQ, 24 does not (the last block is padded); 0 = unchunked.
+CHUNKS = [0, 16, 24]
 
 
 def rel_err(got, want):
@@ -27,6 +29,14 @@ def case(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
     dirs = {layout: ref.save(hf, str(root / layout), layout) for layout in ("native", "released")}
     return request.param, cfg, hf, dirs
+
+
+@pytest.mark.parametrize("chunk", CHUNKS[1:])
+def test_chunked_attention_logits_match_hf(case, chunk):
+    _, cfg, hf, dirs = case
+    ids = ref.random_ids(cfg, 2, SEQ, seed=1)
+    model = m3jax.from_pretrained(dirs["native"], attention_query_chunk=chunk)
+    assert rel_err(model(jnp.asarray(ids)), ref.hf_logits(hf, ids)) < 1e-5
 
 
 @pytest.mark.parametrize("layout", ["native", "released"])
@@ -50,10 +60,11 @@ def test_logits_match_hf(case, layout):
         assert diff[:, block_span:].max() > 1e-2
 
 
-def test_gradients_match_torch_autograd(case):
+@pytest.mark.parametrize("chunk", CHUNKS)
+def test_gradients_match_torch_autograd(case, chunk):
     _, cfg, hf, dirs = case
     ids = ref.random_ids(cfg, 2, SEQ, seed=2)
-    model = m3jax.from_pretrained(dirs["native"])
+    model = m3jax.from_pretrained(dirs["native"], attention_query_chunk=chunk)
 
     hf.zero_grad()
     logits = hf(torch.tensor(ids[:, :-1], dtype=torch.long)).logits

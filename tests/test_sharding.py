@@ -12,6 +12,9 @@ from sharding.mesh import MeshConfig, build_mesh
 from tests import reference as ref
 
 MESHES = [(8, 1, 1, 1), (1, 8, 1, 1), (1, 1, 8, 1), (2, 2, 2, 1), (1, 2, 2, 2), (2, 1, 2, 2)]
+# (mesh, attention_query_chunk) against the unchunked single device: per-device query counts 8, 32, 32;
+# 3 and 5 leave a padded last block.
+CASES = [(shape, 0) for shape in MESHES] + [((1, 8, 1, 1), 3), ((2, 2, 2, 1), 5), ((1, 2, 2, 2), 16)]
 BATCH, SEQ = 8, 64  # SEQ = 4 x (index_topk_blocks x index_block_size): sparse layers select
 
 
@@ -59,11 +62,12 @@ def test_routing_is_unbalanced_and_sparse_layers_select(single):
     assert SEQ > model.cfg.index_topk_blocks * model.cfg.index_block_size
 
 
-@pytest.mark.parametrize("shape", MESHES, ids=lambda s: "x".join(map(str, s)))
-def test_sharded_logits_and_grads_equal_single_device(ckpt, single, shape):
+@pytest.mark.parametrize("shape,chunk", CASES,
+                         ids=lambda c: "x".join(map(str, c)) if isinstance(c, tuple) else f"chunk{c}")
+def test_sharded_logits_and_grads_equal_single_device(ckpt, single, shape, chunk):
     _, ids, want_logits, want_loss, want_grads = single
     mesh = build_mesh(MeshConfig(*shape), single[0].cfg, seq_len=SEQ, batch=BATCH)
-    model = m3jax.from_pretrained(ckpt, mesh=mesh)
+    model = m3jax.from_pretrained(ckpt, mesh=mesh, attention_query_chunk=chunk)
     with jax.set_mesh(mesh):
         logits = np.asarray(jax.jit(lambda m, x: m(x))(model, ids[:, :-1]))
         loss, grads = loss_and_grads(model, ids)

@@ -1,4 +1,11 @@
-"""M3 attention: per-head QK norm, partial RoPE, GQA; optional block-sparse mask from the indexer."""
+"""M3 attention: per-head QK norm, partial RoPE, GQA; optional block-sparse mask from the indexer.
+
+With `query_chunk` > 0 the scores are formed for `query_chunk` local queries at a time (a scan with a
+rematerialised body), so one chunk's [chunk, S_k] scores, masks and indexer scores live instead of the
+whole [S_local, S_k] block; the maths per query is unchanged.
+"""
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -6,6 +13,7 @@ import jax.numpy as jnp
 from m3jax.model.indexer import block_mask_to_tokens, select_key_blocks
 from m3jax.model.norms import rms_norm
 from m3jax.model.rope import apply_rope
+from sharding.rules import active_mesh, constrain, mesh_axes_of
 
 _MASKED = jnp.finfo(jnp.float32).min
 
@@ -37,7 +45,8 @@ def gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, keep: jax.Array, sca
 
 
 def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, positions: jax.Array,
-                    key_valid: jax.Array | None, cfg, sparse: bool, cache: dict | None = None):
+                    key_valid: jax.Array | None, cfg, sparse: bool, cache: dict | None = None,
+                    query_chunk: int = 0):
     """One layer's attention on normalised hidden x [B, S, d] -> [B, S, d] (and the updated cache).
 
     p holds this layer's q/k/v/o projections ([heads, D, d] / [d, H, D]), q/k norms, and for sparse
@@ -46,6 +55,7 @@ def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
     post-norm, post-RoPE keys by slot. The new tokens' keys are written at slots = positions, and
     attention reads every slot (slots not yet written lie beyond each query's position, so causality
     hides them); key_valid then spans S_max.
+    query_chunk: queries per scores block on each device (0 = all local queries at once).
     """
     eps = cfg.rms_norm_eps
     q = rms_norm(jnp.einsum("bse,hde->bshd", x, p["q_proj"]), p["q_norm"], eps)
@@ -61,14 +71,77 @@ def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
                  **({"index_k": cache["index_k"].at[rows, positions].set(ik)} if sparse else {})}
         k, v = cache["k"], cache["v"]
         ik = cache.get("index_k")
+    n_ctx = _context_size()
+    if query_chunk and x.shape[1] // n_ctx > query_chunk:
+        o = chunked_attention(q, k, v, positions, key_valid, iq, ik, cfg, query_chunk, n_ctx)
+    else:
+        o = masked_attention(q, k, v, positions, key_valid, iq, ik, cfg)
+    out = jnp.einsum("bshd,ehd->bse", o, p["o_proj"])
+    return out if cache is None else (out, cache)
+
+
+def masked_attention(q, k, v, positions, key_valid, iq, ik, cfg) -> jax.Array:
+    """Attention of queries q [B, S, H, D] at `positions` over every key slot of k/v [B, S_k, KV, D]:
+    causal and padding mask, AND the indexer's block selection when iq/ik are given (sparse layers)."""
     keep = causal_keep(positions, key_valid, k.shape[1])
-    if sparse:
+    if iq is not None:
         blocks = select_key_blocks(iq, ik, positions, block_size=cfg.index_block_size,
                                    topk_blocks=cfg.index_topk_blocks, local_blocks=cfg.index_local_blocks)
         keep = keep & block_mask_to_tokens(blocks, cfg.index_block_size, k.shape[1], cfg.num_attention_heads)
-    o = gqa_attention(q, k, v, keep, cfg.head_dim ** -0.5)
-    out = jnp.einsum("bshd,ehd->bse", o, p["o_proj"])
-    return out if cache is None else (out, cache)
+    return gqa_attention(q, k, v, keep, cfg.head_dim ** -0.5)
+
+
+def _context_size() -> int:
+    mesh = active_mesh()
+    return 1 if mesh is None else math.prod(mesh.shape[a] for a in mesh_axes_of("act_seq"))
+
+
+def _to_chunks(a: jax.Array, n_ctx: int, chunk: int) -> jax.Array:
+    """[B, S, ...] -> [n, B, n_ctx * chunk, ...]: step j holds local queries j*chunk.. of every context shard.
+
+    The sequence is split (n_ctx, S_l) with S_l = S / n_ctx, each shard's S_l padded with zeros to
+    n * chunk, n = ceil(S_l / chunk), so a step never crosses a context shard.
+    """
+    b, s, rest = a.shape[0], a.shape[1], a.shape[2:]
+    s_l = s // n_ctx
+    n = -(-s_l // chunk)
+    a = a.reshape(b, n_ctx, s_l, *rest)
+    a = jnp.pad(a, [(0, 0), (0, 0), (0, n * chunk - s_l)] + [(0, 0)] * len(rest))
+    a = jnp.moveaxis(a.reshape(b, n_ctx, n, chunk, *rest), 2, 0)
+    return a.reshape(n, b, n_ctx * chunk, *rest)
+
+
+def _from_chunks(a: jax.Array, n_ctx: int, s: int) -> jax.Array:
+    """Inverse of `_to_chunks` for [n, B, n_ctx * chunk, ...] -> [B, S, ...] (padding dropped)."""
+    n, b, rest = a.shape[0], a.shape[1], a.shape[3:]
+    chunk = a.shape[2] // n_ctx
+    a = jnp.moveaxis(a.reshape(n, b, n_ctx, chunk, *rest), 0, 2).reshape(b, n_ctx, n * chunk, *rest)
+    return a[:, :, : s // n_ctx].reshape(b, s, *rest)
+
+
+def chunked_attention(q, k, v, positions, key_valid, iq, ik, cfg, chunk: int, n_ctx: int) -> jax.Array:
+    """`masked_attention` over blocks of `chunk` local queries (a scan; each block is rematerialised in
+    the backward pass, so only one block's scores are ever live). Keys are gathered over the context
+    axis once, before the scan. K and V enter the scan in fp32 and are cast back per block: the
+    cotangents of scan constants accumulate in their dtype, so dK and dV sum over blocks in fp32.
+    Padded query rows (S_l not a multiple of chunk) sit at position 0 and are dropped from the output."""
+    s = q.shape[1]
+    k, v = constrain(k, ("act_batch", None, "act_kv_heads", None)), constrain(v, ("act_batch", None, "act_kv_heads", None))
+    dtype = k.dtype
+    k32, v32 = k.astype(jnp.float32), v.astype(jnp.float32)
+    if ik is not None:
+        ik = constrain(ik, ("act_batch", None, None))
+    xs = (_to_chunks(q, n_ctx, chunk), _to_chunks(positions, n_ctx, chunk),
+          None if iq is None else _to_chunks(iq, n_ctx, chunk))
+
+    def block(_, xs):
+        qc, pc, iqc = xs
+        qc = constrain(qc, ("act_batch", "act_seq", "act_heads", None))
+        o = masked_attention(qc, k32.astype(dtype), v32.astype(dtype), pc, key_valid, iqc, ik, cfg)
+        return None, constrain(o, ("act_batch", "act_seq", "act_heads", None))
+
+    _, o = jax.lax.scan(jax.checkpoint(block, prevent_cse=False), None, xs)
+    return _from_chunks(o, n_ctx, s)
 
 
 def indexer_qk(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, eps: float):

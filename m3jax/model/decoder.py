@@ -101,10 +101,11 @@ class LayerStack(nnx.Module):
     """Consecutive decoder layers of one kind, parameters stacked on a leading "layers" axis."""
 
     def __init__(self, cfg: M3Config, attn_kind: str, mlp_kind: str, layer_ids, *, dtype, rngs: nnx.Rngs,
-                 remat: bool = True, moe_capacity_factor: float | None = None, moe_exchange: str | None = None):
+                 remat: bool = True, moe_capacity_factor: float | None = None, moe_exchange: str | None = None,
+                 attention_query_chunk: int = 0):
         self.cfg, self.attn_kind, self.mlp_kind = cfg, attn_kind, mlp_kind
         self.layer_ids = tuple(layer_ids)
-        self.remat = remat
+        self.remat, self.attention_query_chunk = remat, attention_query_chunk
         self.moe_capacity_factor, self.moe_exchange = moe_capacity_factor, moe_exchange
         n = len(self.layer_ids)
         self.param_names = tuple(layer_param_specs(cfg, attn_kind, mlp_kind))
@@ -121,7 +122,8 @@ class LayerStack(nnx.Module):
         def layer(x, p_and_cache):
             p, layer_cache = p_and_cache
             h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps)
-            attn = attention_block(p, h, cos, sin, positions, key_valid, cfg, sparse, layer_cache)
+            attn = attention_block(p, h, cos, sin, positions, key_valid, cfg, sparse, layer_cache,
+                                   self.attention_query_chunk)
             if layer_cache is not None:
                 attn, layer_cache = attn
             x = x + attn
@@ -150,17 +152,23 @@ class M3ForCausalLM(nnx.Module):
     """MiniMax-M3 language model: input_ids [B, S] -> logits [B, S, vocab] (in the param dtype)."""
 
     def __init__(self, cfg: M3Config, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None, remat: bool = True,
-                 moe_capacity_factor: float | None = None, moe_exchange: str | None = None):
+                 moe_capacity_factor: float | None = None, moe_exchange: str | None = None,
+                 attention_query_chunk: int = 0):
         """remat: rematerialise each layer in the backward pass. moe_capacity_factor: cap on the rows an
         expert-parallel device sends to one peer, x (tokens*top_k / n_ep); None = dropless.
-        moe_exchange: "padded" | "ragged" | "ragged_emulated"; None = ragged on GPU/TPU, padded on CPU."""
+        moe_exchange: "padded" | "ragged" | "ragged_emulated"; None = ragged on GPU/TPU, padded on CPU.
+        attention_query_chunk: local queries per attention scores block (0 = all at once)."""
+        if isinstance(attention_query_chunk, bool) or not isinstance(attention_query_chunk, int) \
+                or attention_query_chunk < 0:
+            raise ValueError(f"attention_query_chunk={attention_query_chunk!r}: expected an integer >= 0")
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         self.cfg, self.dtype = cfg, jnp.dtype(dtype)
         for name, spec in top_param_specs(cfg).items():
             setattr(self, name, _make(spec, dtype, rngs.params()))
         self.stacks = nnx.List([
             LayerStack(cfg, attn, mlp, ids, dtype=dtype, rngs=rngs, remat=remat,
-                       moe_capacity_factor=moe_capacity_factor, moe_exchange=moe_exchange)
+                       moe_capacity_factor=moe_capacity_factor, moe_exchange=moe_exchange,
+                       attention_query_chunk=attention_query_chunk)
             for attn, mlp, ids in cfg.segments()
         ])
 

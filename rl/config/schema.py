@@ -104,6 +104,16 @@ class ModelSection(_Section):
                                      allowed="a mapping of M3Config fields")
     init_seed: int = _f(0, "seed of the random initialisation of a tiny model", min=0)
     remat: bool = _f(False, "activation checkpointing (recompute each layer in the backward pass)")
+    attention_query_chunk: int = _f(0, "local queries per attention-scores block (a rematerialised scan): "
+                                       "[chunk, S] scores live instead of [S_local, S]; 0 = all at once", min=0)
+    moe_capacity_factor: float | None = _f(None, "bound on an expert-parallel device's receive buffer, x the "
+                                                 "balanced load (tokens x top_k); overflow is dropped; null = "
+                                                 "dropless (worst-case buffers)", gt=0)
+
+    def model_options(self) -> dict[str, Any]:
+        """Keyword options of `M3ForCausalLM` / `m3jax.from_pretrained` this section sets."""
+        return {"remat": self.remat, "attention_query_chunk": self.attention_query_chunk,
+                "moe_capacity_factor": self.moe_capacity_factor}
 
     def m3_config(self):
         """The model's M3Config (tiny: built from the fields; path: read from its config.json)."""
@@ -319,7 +329,7 @@ class RunConfig(_Section):
     """The whole run: validated on construction (every problem at once, as ConfigError).
 
     run         name, out_dir, seed, total_steps, max_wall_minutes
-    model       path | tiny (M3Config fields), init_seed, remat
+    model       path | tiny (M3Config fields), init_seed, remat, attention_query_chunk, moe_capacity_factor
     mesh        data, context, expert, tensor, expert_axes, coordinator_address, num_processes, process_id
     precision   master, moment_dtype
     optim       lr, schedule, warmup_steps, weight_decay, b1, b2, eps, clip_norm
