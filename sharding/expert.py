@@ -7,12 +7,16 @@ E / n_ep experts each). Per device, on its own tokens:
   3. group received rows by local expert and run the grouped matmuls (`expert_fn`);
   4. send the outputs back, weight them by the router and sum per token.
 The exchange is `jax.lax.ragged_all_to_all` (only real rows travel) where XLA compiles it (GPU, TPU)
-and a padded `all_to_all` of worst-case blocks on CPU; both are dropless unless a capacity factor caps
-the rows per destination (overflowing assignments are dropped, i.e. contribute zero).
+and a padded `all_to_all` of worst-case blocks on CPU. Both are dropless unless a capacity factor
+bounds the receive buffer (overflowing assignments are dropped, i.e. contribute zero): per source for
+the padded exchange, one pool for all sources for the ragged one (`receive_rows`). Static shapes make
+a dropless buffer worst-case sized: n_ep * T * min(k, E_loc) rows, every peer's tokens picking this
+device, which is n_ep times the balanced load at E_loc = 1.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable
 
@@ -66,57 +70,111 @@ def exchanged_experts(x, weights, idx, expert_fn: Callable, num_experts: int, ep
                       n_ep: int, capacity_factor: float | None = None, exchange: str = "padded") -> jax.Array:
     """Expert-parallel body (inside shard_map): this device owns experts [r*E_loc, (r+1)*E_loc).
 
-    Receive layout, the same for every exchange: a [n_ep, cap, d] buffer where block s holds the rows
-    source s sent, ordered by local expert. exchange = "padded" (all_to_all of worst-case-sized blocks;
-    XLA:CPU), "ragged" (`jax.lax.ragged_all_to_all`, only the real rows; GPU/TPU) or "ragged_emulated".
+    exchange = "padded" (all_to_all of worst-case-sized blocks; XLA:CPU), "ragged"
+    (`jax.lax.ragged_all_to_all`, only the real rows; GPU/TPU) or "ragged_emulated" (the ragged
+    bookkeeping over an all_gather, for CPU tests). Buffer sizes: `receive_rows`.
     """
     t, k = idx.shape
-    d = x.shape[-1]
-    e_loc = num_experts // n_ep
     order, token_of_row, expert_of_row, per_expert = sort_by_expert(idx, num_experts)
+    if exchange == "padded" or n_ep == 1:
+        rows_out = _padded_exchange(x[token_of_row], expert_of_row, per_expert, expert_fn, ep_axes, n_ep, t, k,
+                                    capacity_factor)
+    else:
+        rows_out = _ragged_exchange(x[token_of_row], per_expert, expert_fn, ep_axes, n_ep, t, k, capacity_factor,
+                                    _ragged_collective(exchange))
+    return combine(x, rows_out, weights, order, token_of_row)
+
+
+def receive_rows(tokens: int, top_k: int, n_ep: int, experts_here: int, capacity_factor: float | None,
+                 exchange: str) -> int:
+    """Rows of one device's receive buffer (each of the exchange's [rows, d] buffers has this many).
+
+        dropless  W = n_ep * T * min(k, E_loc)       (every token of every peer may pick this device)
+        padded    W = n_ep * cap,  cap = min(T * min(k, E_loc), ceil(cf * T * k / n_ep))  per source
+        ragged    W = min(dropless, ceil(cf * T * k))   one pool for all sources (T * k = the balanced load)
+    with T tokens per device. n_ep = 1 runs locally: W = T * k.
+    """
+    worst = tokens * min(top_k, experts_here)
+    if n_ep == 1:
+        return tokens * top_k if capacity_factor is None else min(tokens * top_k, _cap(capacity_factor, tokens * top_k))
+    if capacity_factor is None:
+        return n_ep * worst
+    if exchange == "padded":
+        return n_ep * min(worst, _cap(capacity_factor, tokens * top_k / n_ep))
+    return min(n_ep * worst, _cap(capacity_factor, tokens * top_k))
+
+
+def _cap(capacity_factor: float, balanced: float) -> int:
+    return max(1, math.ceil(capacity_factor * balanced))
+
+
+def _padded_exchange(rows, expert_of_row, per_expert, expert_fn, ep_axes, n_ep, t, k, capacity_factor):
+    """A [n_ep, cap, d] block per source: source s's rows sorted by local expert, cap rows at most
+    (overflowing assignments are neither sent nor counted: they contribute zero)."""
+    d = rows.shape[-1]
+    e_loc = per_expert.shape[0] // n_ep
     send_counts = per_expert.reshape(n_ep, e_loc)  # rows for each destination, by its local expert
     dest = expert_of_row // e_loc
     dest_rows = send_counts.sum(1)
     dest_start = jnp.cumsum(dest_rows) - dest_rows
     slot = jnp.arange(t * k) - dest_start[dest]  # position inside the destination's block
-    cap = t * min(k, e_loc)  # a token sends at most min(k, E_loc) rows to one device: dropless
-    if capacity_factor is not None:
-        cap = min(cap, max(1, math.ceil(capacity_factor * t * k / n_ep)))
+    cap = receive_rows(t, k, n_ep, e_loc, capacity_factor, "padded") // n_ep
     kept = slot < cap
-    # Overflowing assignments drop out: their rows are not sent and their counts not announced.
     cum = jnp.cumsum(send_counts, axis=1)
     send_counts = jnp.minimum(cum, cap) - jnp.minimum(cum - send_counts, cap)
     recv_counts = jax.lax.all_to_all(send_counts, ep_axes, 0, 0, tiled=True) if n_ep > 1 else send_counts
-    rows = x[token_of_row]
-
-    if exchange == "padded" or n_ep == 1:
-        send = jnp.zeros((n_ep, cap, d), x.dtype).at[dest, slot].set(rows, mode="drop")
-        recv = jax.lax.all_to_all(send, ep_axes, 0, 0, tiled=True) if n_ep > 1 else send
-    else:
-        collective = _ragged_collective(exchange)
-        me = jax.lax.axis_index(ep_axes)
-        sent = send_counts.sum(1)
-        recv = collective(rows, jnp.zeros((n_ep * cap, d), x.dtype), dest_start, sent,
-                          jnp.full((n_ep,), me * cap, jnp.int32), recv_counts.sum(1), axis_name=ep_axes)
-        recv = recv.reshape(n_ep, cap, d)
-
+    send = jnp.zeros((n_ep, cap, d), rows.dtype).at[dest, slot].set(rows, mode="drop")
+    recv = jax.lax.all_to_all(send, ep_axes, 0, 0, tiled=True) if n_ep > 1 else send
     # Received row r of source s belongs to local expert searchsorted(cumsum(recv_counts[s]), r).
     bounds = jnp.cumsum(recv_counts, axis=1)  # [n_ep, E_loc]
     r = jnp.arange(cap)
     local_expert = jax.vmap(lambda b: jnp.searchsorted(b, r, side="right"))(bounds).reshape(-1)
-    regroup = jnp.argsort(local_expert, stable=True)  # invalid rows (id E_loc) sort last
-    grouped_out = expert_fn(recv.reshape(n_ep * cap, d)[regroup], recv_counts.sum(0))
-    back = jnp.zeros_like(grouped_out).at[regroup].set(grouped_out)
+    back = _grouped(recv.reshape(n_ep * cap, d), local_expert, recv_counts.sum(0), expert_fn).reshape(n_ep, cap, d)
+    back = jax.lax.all_to_all(back, ep_axes, 0, 0, tiled=True) if n_ep > 1 else back
+    return jnp.where(kept[:, None], back[dest, jnp.minimum(slot, cap - 1)], 0)
 
-    if exchange == "padded" or n_ep == 1:
-        back = back.reshape(n_ep, cap, d)
-        back = jax.lax.all_to_all(back, ep_axes, 0, 0, tiled=True) if n_ep > 1 else back
-        rows_out = jnp.where(kept[:, None], back[dest, jnp.minimum(slot, cap - 1)], 0)
-    else:  # the return trip swaps the tables: block s goes back to where source s keeps its rows
-        start_at_source = jax.lax.all_to_all(dest_start, ep_axes, 0, 0, tiled=True)
-        rows_out = collective(back, jnp.zeros((t * k, d), x.dtype), jnp.arange(n_ep, dtype=jnp.int32) * cap,
-                              recv_counts.sum(1), start_at_source, send_counts.sum(1), axis_name=ep_axes)
-    return combine(x, rows_out, weights, order, token_of_row)
+
+def _grouped(recv, local_expert, group_sizes, expert_fn, packed: bool = False):
+    """expert_fn on received rows regrouped expert-major (invalid rows, id E_loc, sort last), and the
+    outputs put back in receive order. Packed rows of one local expert are grouped already."""
+    if packed and group_sizes.shape[0] == 1:
+        return expert_fn(recv, group_sizes)
+    regroup = jnp.argsort(local_expert, stable=True)
+    out = expert_fn(recv[regroup], group_sizes)
+    return jnp.zeros_like(out).at[regroup].set(out)
+
+
+def _ragged_exchange(rows, per_expert, expert_fn, ep_axes, n_ep, t, k, capacity_factor, collective):
+    """Rows travel packed: receiver r lays the rows of source s at offset sum_{s' < s} of what it accepts
+    from s', in one pool of W rows (`receive_rows`). With a capacity below the dropless W, a receiver
+    accepts sources in rank order until the pool is full; the rest of a source's block (its last local
+    experts' rows) is dropped. Everyone derives the acceptance from the all-gathered [n_ep, n_ep] row counts."""
+    d = rows.shape[-1]
+    e_loc = per_expert.shape[0] // n_ep
+    me = jax.lax.axis_index(ep_axes)
+    pool = receive_rows(t, k, n_ep, e_loc, capacity_factor, "ragged")
+    send_counts = per_expert.reshape(n_ep, e_loc)
+    sent = jax.lax.all_gather(send_counts.sum(1), ep_axes)  # [source, destination] rows before the cap
+    before = jnp.cumsum(sent, axis=0) - sent
+    accepted = jnp.clip(pool - before, 0, sent)  # [source, destination]
+    offset = jnp.minimum(before, pool)  # where source s's rows start in destination d's pool
+    start = jnp.cumsum(sent, axis=1) - sent  # where source s keeps its rows for destination d
+    recv = collective(rows, jnp.zeros((pool, d), rows.dtype), start[me], accepted[me], offset[me],
+                      accepted[:, me], axis_name=ep_axes)
+    recv_counts = jax.lax.all_to_all(send_counts, ep_axes, 0, 0, tiled=True)  # [source, local expert]
+    cum = jnp.cumsum(recv_counts, axis=1)
+    took = accepted[:, me][:, None]
+    recv_counts = jnp.minimum(cum, took) - jnp.minimum(cum - recv_counts, took)
+    # Pool row r: source s = #sources whose block ends at or before r; its local expert from s's counts.
+    r = jnp.arange(pool)
+    ends = offset[:, me] + accepted[:, me]
+    src = jnp.minimum(jnp.searchsorted(ends, r, side="right"), n_ep - 1)
+    within = r - offset[src, me]
+    right = functools.partial(jnp.searchsorted, side="right")
+    local_expert = jnp.where(r < ends[-1], jax.vmap(right)(jnp.cumsum(recv_counts, 1)[src], within), e_loc)
+    back = _grouped(recv, local_expert, recv_counts.sum(0), expert_fn, packed=True)
+    return collective(back, jnp.zeros((t * k, d), rows.dtype), offset[:, me], accepted[:, me], start[:, me],
+                      accepted[me], axis_name=ep_axes)
 
 
 def default_exchange() -> str:

@@ -10,6 +10,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from m3jax import M3Config
+from m3jax.model.mlp import dense_mlp
 from m3jax.model.moe import grouped_experts, moe_block, route
 from sharding.expert import exchanged_experts, local_experts
 from sharding.mesh import MeshConfig, build_mesh
@@ -81,3 +82,34 @@ def test_capacity_factor_drops_overflow_and_large_capacity_is_dropless():
     want = local_experts(t, jnp.where(keep.reshape(idx.shape), w, 0.0), idx, fn, E)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6)
     assert not np.allclose(np.asarray(got), np.asarray(local), atol=1e-3)
+
+
+@pytest.mark.parametrize("n_ep", [8, 2])  # one local expert (packed rows go straight in) and four
+def test_ragged_capacity_pools_the_receive_buffer(n_ep):
+    """With a capacity, a ragged receiver takes whole source blocks in rank order into one pool of
+    ceil(cf * T * k) rows and truncates the first block that overflows; everything else is dropped."""
+    p = params()
+    cf, t = 0.75, 16
+    x = jax.random.normal(jax.random.key(3), (n_ep, t, D))
+    mesh = build_mesh(MeshConfig(1, 1, n_ep, 1), CFG, devices=jax.devices()[:n_ep])
+    with jax.set_mesh(mesh):
+        got = jax.jit(lambda p, x: moe_block(p, x, CFG, cf, "ragged_emulated"))(p, x)
+    e_loc, pool = E // n_ep, int(np.ceil(cf * t * K))
+    fn = lambda rows, sizes: grouped_experts(rows, sizes, p["experts_gate_up"], p["experts_down"],  # noqa: E731
+                                             alpha=1.702, limit=7.0)
+    routes = [route(x[s], p["router"], p["router_bias"], top_k=K) for s in range(n_ep)]
+    taken = np.zeros(n_ep, int)  # rows each destination has accepted so far
+    want = []
+    for s, (w, idx) in enumerate(routes):  # sources in rank order
+        flat = np.asarray(idx).reshape(-1)
+        keep = np.zeros(flat.size, bool)
+        for dest in range(n_ep):
+            rows = [a for a in np.argsort(flat, kind="stable") if flat[a] // e_loc == dest]
+            room = max(pool - taken[dest], 0)
+            keep[rows[:room]] = True
+            taken[dest] += len(rows)
+        local = local_experts(x[s], jnp.where(keep.reshape(idx.shape), w, 0.0), idx, fn, E)
+        want.append(local * CFG.routed_scaling_factor + dense_mlp(x[s], p["shared_gate_up"], p["shared_down"],
+                                                                  CFG.swiglu_alpha, CFG.swiglu_limit))
+    assert taken.max() > pool  # the hot expert's device really overflows
+    np.testing.assert_allclose(np.asarray(got), np.stack(want), atol=1e-5 * float(np.abs(want).max()))
