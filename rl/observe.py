@@ -18,19 +18,24 @@ PLOTS = {  # panel title -> metrics drawn in it
 class RunLogger:
     def __init__(self, run_dir: str, *, tensorboard: bool = True, progress_bar: bool = True, total_steps: int = 0,
                  first_step: int = 0):
-        os.makedirs(run_dir, exist_ok=True)
+        import jax
         self.run_dir = run_dir
+        self._jsonl = self._tb = self._bar = None
+        # Every host of a multi-host job runs the same loop with the same metrics; one of them writes.
+        if jax.process_index() != 0:
+            return
+        os.makedirs(run_dir, exist_ok=True)
         self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
-        self._tb = None
         if tensorboard:
             from tensorboardX import SummaryWriter
             self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
-        self._bar = None
         if progress_bar:
             from tqdm import tqdm
             self._bar = tqdm(total=total_steps, initial=first_step, unit="step", dynamic_ncols=True)
 
     def log(self, step: int, metrics: dict) -> None:
+        if self._jsonl is None:
+            return
         clean = {k: (float(v) if isinstance(v, (int, float)) or hasattr(v, "item") else v) for k, v in metrics.items()}
         self._jsonl.write(json.dumps({"step": step, **clean}) + "\n")
         self._jsonl.flush()
@@ -44,7 +49,8 @@ class RunLogger:
                                   tok_s=f"{clean.get('throughput/tokens_per_s', 0):.0f}")
 
     def close(self) -> None:
-        self._jsonl.close()
+        if self._jsonl is not None:
+            self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
         if self._bar is not None:
@@ -63,7 +69,12 @@ def read_metrics(run_dir: str) -> list[dict]:
 
 
 def plot_run(run_dir: str, out: str | None = None) -> str:
-    """One PNG with reward, lengths, mismatch/clipping diagnostics and phase times against step."""
+    """One PNG with reward, lengths, mismatch/clipping diagnostics and phase times against step
+    (written by process 0 only in a multi-host job, like the metrics)."""
+    import jax
+    out = out or os.path.join(run_dir, "curves.png")
+    if jax.process_index() != 0:
+        return out
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -81,7 +92,6 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
         ax.legend(fontsize=8)
     fig.suptitle(os.path.basename(os.path.abspath(run_dir)))
     fig.tight_layout()
-    out = out or os.path.join(run_dir, "curves.png")
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out

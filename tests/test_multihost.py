@@ -11,6 +11,7 @@ import json
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 import m3jax
 from sharding.mesh import MeshConfig, distributed_args
@@ -57,12 +58,13 @@ def test_distributed_args_from_config_then_environment(mesh, env, want):
     assert distributed_args(mesh, env) == want
 
 
-def test_two_hosts_run_a_grpo_step_launched_from_the_yaml_config(tmp_path):
-    """Every host runs the same command with the same config; only the launcher's environment differs."""
+def test_two_hosts_train_from_the_yaml_config(tmp_path):
+    """Every host runs `python -m m3jax.train` with the same config; only the launcher's environment
+    differs. One GRPO step, then the run's checkpoint, metrics, HF export and curves, written once."""
     port = free_port()
+    run = tmp_path / "run"
     overrides = ["mesh.data=2", "mesh.expert=2", "mesh.tensor=2", "grpo.prompts_per_step=4", "grpo.group_size=2",
-                 "grpo.micro_batch_size=2", f"run.out_dir={tmp_path / 'run'}", "logging.tensorboard=false",
-                 "logging.progress_bar=false"]
+                 "grpo.micro_batch_size=2", "run.total_steps=1", f"run.out_dir={run}", "logging.progress_bar=false"]
     out = str(tmp_path / "out")
     procs = []
     for i in range(2):
@@ -70,13 +72,16 @@ def test_two_hosts_run_a_grpo_step_launched_from_the_yaml_config(tmp_path):
                "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i)}
         env.pop("XLA_FLAGS", None)
         procs.append(subprocess.Popen([sys.executable, os.path.join(ROOT, "tests/workers/multihost_train.py"), out,
-                                       os.path.join(ROOT, "configs/tiny.yaml"), *overrides], env=env, cwd=ROOT,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+                                       "--config", os.path.join(ROOT, "configs/tiny.yaml"), *overrides], env=env,
+                                      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     logs = [p.communicate(timeout=900)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-4000:]
-    hosts = [json.load(open(f"{out}.{i}.json")) for i in range(2)]
-    for h in hosts:
-        assert h["processes"] == 2 and h["devices"] == 8
-        assert h["data_row_owners"] == [[0], [1]]  # mesh.data is the outer axis: one data row per host
-    assert hosts[0]["metrics"] == hosts[1]["metrics"]  # one global step, not two local ones
-    assert np.isfinite(hosts[0]["metrics"]["loss"])
+    done = [[line for line in log.splitlines() if line.startswith("done:")] for log in logs]
+    assert done[0] and done[0] == done[1]  # one global step: the same last reward on both hosts
+    for i in range(2):
+        host = json.load(open(f"{out}.{i}.json"))
+        assert host == {"rc": 0, "processes": 2, "devices": 8, "data_row_owners": [[0], [1]]}  # a data row per host
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 1  # written by process 0 only
+    assert (run / "checkpoints" / "1").is_dir() and (run / "curves.png").exists()
+    exported = m3jax.from_pretrained(str(run / "export"))
+    assert all(np.isfinite(np.asarray(v)).all() for _, v in nnx.to_flat_state(nnx.state(exported)))

@@ -12,6 +12,7 @@ import os
 import shutil
 import uuid
 
+import jax
 import numpy as np
 from flax import nnx
 
@@ -41,14 +42,39 @@ def hf_tensors(model, layout: str = "native"):
     flat = dict(nnx.to_flat_state(nnx.state(model)))
     for slot in layouts.slots(model.cfg, layout):
         value = flat[slot.param].get_value()
-        yield slot.name, np.asarray(value[slot.index] if slot.index else value).reshape(slot.shape)
+        yield slot.name, _on_host(value[slot.index] if slot.index else value).reshape(slot.shape)
+
+
+def _on_host(value) -> np.ndarray:
+    """The whole array in host memory. An array spanning other hosts' devices (multi-host mesh) is
+    gathered: a collective, so every process must iterate `hf_tensors` in the same order."""
+    if getattr(value, "is_fully_addressable", True):
+        return np.asarray(value)
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(value, tiled=True))
 
 
 def save_pretrained(model, path: str | os.PathLike, layout: str = "native",
                     max_shard_size: int | str = "5GB") -> str:
-    """Write `model` as a HF checkpoint directory in `layout` ("native" or "released")."""
+    """Write `model` as a HF checkpoint directory in `layout` ("native" or "released").
+
+    On a multi-host mesh every process must call this (the tensors are gathered collectively); process 0
+    writes, and every process returns once the directory is in place."""
     if layout not in ("native", "released"):
         raise ValueError(f"layout={layout!r}: expected 'native' or 'released'")
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        if jax.process_index() != 0:
+            for _ in hf_tensors(model, layout):  # take part in the gathers; process 0 writes
+                pass
+        else:
+            path = _write(model, path, layout, max_shard_size)
+        multihost_utils.sync_global_devices("m3jax.save_pretrained")
+        return os.path.abspath(os.fspath(path))
+    return _write(model, path, layout, max_shard_size)
+
+
+def _write(model, path, layout: str, max_shard_size: int | str) -> str:
     path = os.path.abspath(os.fspath(path))
     limit = parse_size(max_shard_size)
     cfg = model.cfg

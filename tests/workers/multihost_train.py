@@ -1,10 +1,11 @@
-"""One host of a 2-process CPU "cluster" running a GRPO step from the YAML config:
+"""One host of a 2-process CPU "cluster" launched the way every host of a real job is:
 
-    JAX_COORDINATOR_ADDRESS=... JAX_NUM_PROCESSES=2 JAX_PROCESS_ID=i python multihost_train.py OUT CONFIG [k=v ...]
+    JAX_COORDINATOR_ADDRESS=... JAX_NUM_PROCESSES=2 JAX_PROCESS_ID=i \\
+        python multihost_train.py OUT --config CONFIG [k=v ...]
 
-exactly what every host of a real launch runs, less the loop: the trainer joins the job from the
-launcher's environment when it builds its mesh. Writes OUT.<process index>.json with the step's
-metrics and which process owns each row of the mesh.
+runs `python -m m3jax.train --config CONFIG [k=v ...]` in this process (the trainer joins the job from
+the launcher's environment when it builds its mesh), then writes OUT.<process index>.json with the
+job's size and which process owns each data row of the mesh.
 """
 
 import json
@@ -16,18 +17,20 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402
 
+from m3jax import train  # noqa: E402
 from rl.config import load_config  # noqa: E402
-from rl.trainer import GRPOTrainer  # noqa: E402
+from sharding.mesh import build_mesh  # noqa: E402
 
 
-def main(out, config, *overrides):
-    trainer = GRPOTrainer(load_config(config, list(overrides)))
-    metrics = trainer.step(0)
-    owners = [sorted({d.process_index for d in row.flat}) for row in trainer.mesh.devices]
-    timing = ("time/", "throughput/")  # differ between hosts; everything else is one global step
+def main(out, flag, config, *overrides):
+    assert flag == "--config"
+    rc = train.main([flag, config, *overrides])
+    mesh = build_mesh(load_config(config, list(overrides)).mesh.to_mesh_config())
+    owners = [sorted({d.process_index for d in row.flat}) for row in mesh.devices]
     with open(f"{out}.{jax.process_index()}.json", "w") as f:
-        json.dump({"processes": jax.process_count(), "devices": len(jax.devices()), "data_row_owners": owners,
-                   "metrics": {k: float(v) for k, v in metrics.items() if not k.startswith(timing)}}, f)
+        json.dump({"rc": rc, "processes": jax.process_count(), "devices": len(jax.devices()),
+                   "data_row_owners": owners}, f)
+
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
