@@ -110,7 +110,7 @@ def test_check_shardings_full_depth_release_on_1024_devices():
     from sharding.plan.check import check_shardings
     cfg = m3_release()
     mesh, batch = MeshConfig(16, 8, 8, 1, expert_axes=("data", "context")), Batch(1, 8192, 4, True)
-    r = check_shardings(cfg, mesh, batch, "fp32", "bfloat16")
+    r = check_shardings(cfg, mesh, batch, "fp32", "bfloat16", model_options={"attention_query_chunk": 512})
     assert r["problems"] == [] and r["lowered"] and r["arrays"] > 100
     plan = memory_plan(cfg, mesh, batch, "fp32", "bfloat16")
     analytic_state = sum(plan[k] for k in ("params", "master", "moments", "buffers"))

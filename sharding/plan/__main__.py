@@ -36,6 +36,9 @@ class Job:
     master: str
     moment_dtype: str
     remat: bool
+    # M3ForCausalLM keywords besides remat (attention_query_chunk, moe_capacity_factor): what --compile
+    # and --check-shardings build, as the trainer would.
+    model_options: dict = dataclasses.field(default_factory=dict)
 
     @property
     def num_micro(self) -> int:
@@ -61,7 +64,7 @@ def load_job(path: str, overrides: list[str], model: str | None) -> Job:
     g = cfg.grpo
     return Job(m3, cfg.mesh.to_mesh_config(), cfg.generation.max_seq_len, g.sequences_per_step // g.updates_per_step,
                g.updates_per_step, g.micro_batch_size, cfg.precision.master, cfg.precision.moment_dtype,
-               cfg.model.remat)
+               cfg.model.remat, {k: v for k, v in cfg.model.model_options().items() if k != "remat"})
 
 
 def invalid_reason(job: Job) -> str | None:

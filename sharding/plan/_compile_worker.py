@@ -31,7 +31,7 @@ def main():
     out = []
     for n_dense, n_moe in spec["layer_sets"]:
         c = reduced(cfg, n_dense, n_moe)
-        r = compile_step(c, mesh, batch, spec["master"], spec["moment_dtype"])
+        r = compile_step(c, mesh, batch, spec["master"], spec["moment_dtype"], spec.get("model_options"))
         plan = memory_plan(c, mesh, batch, spec["master"], spec["moment_dtype"])
         r.update(dense=n_dense, moe=n_moe, analytic=plan["total"],
                  analytic_state=sum(plan.get(k, 0.0) for k in STATE_TERMS))

@@ -21,8 +21,10 @@ from sharding.mesh import MeshConfig, MeshError, validate
 from sharding.plan.memory import Batch
 
 
-def abstract_train_state(cfg: M3Config, master: str, moment_dtype: str, remat: bool = True):
-    """(graphdef, optimizer, TrainState of ShapeDtypeStructs): the model and its optimizer state by shape only."""
+def abstract_train_state(cfg: M3Config, master: str, moment_dtype: str, remat: bool = True,
+                         model_options: dict | None = None):
+    """(graphdef, optimizer, TrainState of ShapeDtypeStructs): the model (M3ForCausalLM keywords
+    `model_options`) and its optimizer state by shape only."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -33,7 +35,7 @@ def abstract_train_state(cfg: M3Config, master: str, moment_dtype: str, remat: b
 
     opt = precision.adamw(1e-6, moment_dtype=jnp.dtype(moment_dtype), master=master)
     abstract = nnx.eval_shape(lambda: M3ForCausalLM(cfg, dtype=precision.param_dtype(master), rngs=nnx.Rngs(0),
-                                                    remat=remat))
+                                                    remat=remat, **(model_options or {})))
     graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
     scalar = jax.ShapeDtypeStruct((), jnp.int32)
     return graphdef, opt, TrainState(params, rest, jax.eval_shape(opt.init, params), scalar, scalar)
@@ -80,7 +82,8 @@ def state_bytes_per_device(state, shardings) -> float:
 
 
 def check_shardings(cfg: M3Config, mesh_cfg: MeshConfig, batch: Batch, master: str = "fp32",
-                    moment_dtype: str = "float32", lower: bool = True, state=None) -> dict:
+                    moment_dtype: str = "float32", lower: bool = True, state=None,
+                    model_options: dict | None = None) -> dict:
     """Problems (empty list = none) of `cfg` on an abstract `mesh_cfg`, the number of arrays checked, the
     exact per-device train-state bytes and the trace+lower time. `state`: a prebuilt
     `abstract_train_state(...)` to reuse across meshes."""
@@ -98,7 +101,9 @@ def check_shardings(cfg: M3Config, mesh_cfg: MeshConfig, batch: Batch, master: s
         problems.append(f"mesh rules: {e}")
     except KeyError as e:  # a parameter's logical name without a rules row
         problems.append(f"rules: {e.args[0]}")
-    graphdef, opt, abstract = state or abstract_train_state(cfg, master, moment_dtype, batch.remat)
+    # Lowered for cuda, so the expert exchange is the one a GPU runs (the CPU default is the padded one).
+    model_options = {"moe_exchange": "ragged", **(model_options or {})}
+    graphdef, opt, abstract = state or abstract_train_state(cfg, master, moment_dtype, batch.remat, model_options)
     mesh = abstract_mesh(mesh_cfg)
     out = {"arrays": 0, "state_bytes": None, "lowered": False, "problems": problems}
     with use_rules(rules_for(mesh_cfg.expert_axes)):
@@ -131,7 +136,7 @@ def print_check(job) -> int:
     """CLI report of `check_shardings` for a planner Job; the exit status is 1 on any problem."""
     from sharding.plan.memory import GB, memory_plan
     m = job.mesh
-    r = check_shardings(job.model, m, job.batch, job.master, job.moment_dtype)
+    r = check_shardings(job.model, m, job.batch, job.master, job.moment_dtype, model_options=job.model_options)
     print(f"sharding check on an AbstractMesh data={m.data} context={m.context} expert={m.expert} tensor={m.tensor} "
           f"({m.num_devices} devices, EP {m.expert_parallel} over {','.join(m.expert_axes)}), "
           f"{job.model.num_hidden_layers} layers:")

@@ -27,7 +27,7 @@ from sharding.plan.memory import GB, Batch
 
 
 def compile_step(cfg: M3Config, mesh_cfg: MeshConfig, batch: Batch, master: str = "fp32",
-                 moment_dtype: str = "float32") -> dict:
+                 moment_dtype: str = "float32", model_options: dict | None = None) -> dict:
     """Lower and compile `make_train_step` (token cross-entropy loss) on a mesh of the first devices;
     returns XLA's per-device memory_analysis (bytes), the trace+lower and compile times and the size
     of the partitioned (per-device) HLO.
@@ -45,7 +45,7 @@ def compile_step(cfg: M3Config, mesh_cfg: MeshConfig, batch: Batch, master: str 
     t0 = time.perf_counter()
     with use_rules(rules_for(mesh_cfg.expert_axes)):
         mesh = build_mesh(mesh_cfg, cfg, seq_len=batch.seq_len, devices=jax.devices()[:n])
-        graphdef, opt, state = abstract_train_state(cfg, master, moment_dtype, batch.remat)
+        graphdef, opt, state = abstract_train_state(cfg, master, moment_dtype, batch.remat, model_options)
         shardings = state_shardings(mesh, state)
         step = make_train_step(graphdef, opt, mesh=mesh, shardings=shardings)
         with jax.set_mesh(mesh):
@@ -72,7 +72,7 @@ def compile_reduced(job, layer_sets, extra_env: dict | None = None) -> list:
                JAX_PLATFORMS="cpu", **(extra_env or {}))
     spec = {"model": dataclasses.asdict(job.model), "mesh": dataclasses.asdict(job.mesh), "seq_len": job.seq_len,
             "micro_batch": job.micro_batch, "master": job.master, "moment_dtype": job.moment_dtype,
-            "remat": job.remat, "layer_sets": [list(s) for s in layer_sets]}
+            "remat": job.remat, "model_options": job.model_options, "layer_sets": [list(s) for s in layer_sets]}
     out = subprocess.run([sys.executable, "-m", "sharding.plan._compile_worker"], input=json.dumps(spec), env=env,
                          stdout=subprocess.PIPE, text=True, check=False)
     if out.returncode:
