@@ -97,7 +97,9 @@ class EngineActor:
             self.staged.clear()
 
     def health(self) -> dict:
-        return {"rank": self.rank, "pid": os.getpid(), "version": self.engine.version,
+        """The engine's own report (ok is False once a weight update failed part-way) plus how long the
+        current call has been running."""
+        return {**self.engine.health(), "rank": self.rank,
                 "busy_s": None if self.busy_since is None else time.time() - self.busy_since}
 
 
@@ -347,9 +349,14 @@ class VLLMPool:
 
         for s in slots:
             try:
-                s.version = ray.get(s.actor.health.remote(), timeout=30)["version"]
+                h = ray.get(s.actor.health.remote(), timeout=30)
             except Exception as e:  # noqa: BLE001
                 self._replace(s, f"unreachable after a failed update: {e}")
+                continue
+            if h["ok"]:
+                s.version = h["version"]
+            else:  # half-applied weights: only a fresh engine is trustworthy
+                self._replace(s, f"unusable after a failed update: {h.get('error')}")
 
 
 def _cluster_has_gpus() -> bool:
