@@ -50,3 +50,36 @@ def test_it_learns_and_exports_for_vllm(vllm_run):
     assert reward[-5:].mean() > 1.5 * reward[:5].mean()  # 0.06 -> 0.12 here; 100 steps reach ~0.8 (BENCHMARKS.md)
     with open(os.path.join(out, "export", "config.json")) as f:
         assert json.load(f)["model_type"] == "minimax_m3_vl"  # the layout vLLM loads
+
+
+def test_two_host_trainer_shares_one_pool(tmp_path):
+    """A 2-process trainer (4 simulated devices each): process 0 owns the vLLM pool; both processes take
+    part in the weight gather and receive the rollouts, probes and transfer figures by broadcast."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run, out = tmp_path / "run", str(tmp_path / "out")
+    overrides = ["mesh.data=4", "mesh.expert=2", "mesh.expert_axes=[expert]", "grpo.prompts_per_step=4",
+                 "grpo.group_size=2", "grpo.micro_batch_size=1", "run.total_steps=2", f"run.out_dir={run}",
+                 "generation.vllm_servers=1", "logging.progress_bar=false", "logging.plot=false"]
+    procs = []
+    for i in range(2):
+        env = {**os.environ, "PYTHONPATH": ROOT, "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+               "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i),
+               # a Ray that does not exist: process 1 would fail if it tried to start a pool of its own
+               **({"RAY_ADDRESS": "127.0.0.1:9"} if i == 1 else {})}
+        env.pop("XLA_FLAGS", None)
+        procs.append(subprocess.Popen([sys.executable, os.path.join(ROOT, "tests/workers/multihost_train.py"), out,
+                                       "--config", os.path.join(ROOT, "configs/tiny-vllm.yaml"), *overrides],
+                                      env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    logs = [p.communicate(timeout=900)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-4000:]
+    done = [[line for line in log.splitlines() if line.startswith("done:")] for log in logs]
+    assert done[0] and done[0] == done[1]
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert len(rows) == 2
+    for r in rows:
+        assert r["transfer/probe_engines"] == 1 and r["transfer/probe_max_abs_logprob_diff"] < 1e-4
+        assert r["gen_kl_error"] < 1e-3

@@ -41,7 +41,14 @@ def make_generator(cfg, graphdef, state, *, pad_id: int, run_dir: str):
                           dtype=dtype, ray_address=g.vllm_ray_address, bucket_bytes=g.weight_bucket_mb << 20,
                           request_timeout_s=g.vllm_request_timeout_s, max_restarts=g.vllm_max_restarts,
                           seed=cfg.run.seed)
-    return VLLMPool(pool_cfg, graphdef, pad_id=pad_id)
+    import jax
+
+    if jax.process_count() == 1:
+        return VLLMPool(pool_cfg, graphdef, pad_id=pad_id)
+    from rl.generation.multihost import ProcessZeroPool
+
+    zero = jax.process_index() == 0
+    return ProcessZeroPool(VLLMPool(pool_cfg, graphdef, pad_id=pad_id) if zero else None, graphdef, is_zero=zero)
 
 
 def probe_sequences(n: int, vocab: int, prompt_len: int, response_len: int, seed: int = 1234):
