@@ -149,7 +149,11 @@ def test_stop_token_ends_response_and_is_included(engine):
 
 
 def test_reload_a_b_a(engine, models):
-    a, b, _ = models
+    reload_a_b_a(engine, *models[:2])
+
+
+def reload_a_b_a(engine, a, b, label="in-process"):
+    """A -> B -> A: B's outputs equal the trainer's B, and A's come back bit-identical."""
     ps = prompts([5, 10], seed=5)
     greedy = SamplingParams(max_new_tokens=10, temperature=0.0)
     sampled = SamplingParams(max_new_tokens=10, temperature=0.8, top_k=30)
@@ -159,7 +163,7 @@ def test_reload_a_b_a(engine, models):
     t0 = time.perf_counter()
     engine.load_weights(hf_tensors(b, "released"))
     seconds = time.perf_counter() - t0
-    print(f"reload {size / 1e6:.2f} MB in {seconds * 1e3:.0f} ms ({seconds * 1e3 / (size / 1e6):.1f} ms/MB)")
+    print(f"reload ({label}) {size / 1e6:.2f} MB in {seconds * 1e3:.0f} ms ({seconds * 1e3 / (size / 1e6):.1f} ms/MB)")
     engine.version = 1
     out = engine.generate(ps, greedy, [0, 0])
     for p, (ids, _, _) in zip(ps, out):

@@ -1,9 +1,13 @@
-"""One in-process vLLM engine serving an M3 checkpoint: token ids and numpy in and out, no Ray, so an
-actor can wrap it.
+"""One vLLM engine serving an M3 checkpoint: token ids and numpy in and out, no Ray, so an actor can wrap it.
 
-The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, the "uni" executor), so the CPU
-patches (`vllm_patches`) reach the process that builds the model and weight updates pass tensors by
-reference. Sampling follows the JAX engine (rl/generation/jax_engine.py): stop only on the request's
+The engine core always runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`). Its executor is either
+  - "uni" (the default for tensor_parallel == 1): the model lives in this process too, so the CPU patches
+    (`vllm_patches`) reach it directly and weight updates pass tensors by reference (~0.5 ms/MB);
+  - "mp" (needed for tensor_parallel > 1): one spawned worker process per rank. The patches reach the
+    workers through `worker_extension_cls`, and an update is written as one safetensors file into a fresh
+    directory under /dev/shm that every worker reloads from (collective_rpc would pickle tensors into
+    plain lists, stack-notes §8).
+Sampling follows the JAX engine (rl/generation/jax_engine.py): stop only on the request's
 stop ids, the stop token is part of the response, and every logprob is under the same transformation
 as `rl.generation.base.sampling_logits` (temperature, then top-k, then top-p), which the trainer
 recomputes. One engine per process: vLLM keeps process-global state.
@@ -11,9 +15,12 @@ recomputes. One engine per process: vLLM keeps process-global state.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
+import shutil
+import tempfile
 import time
 import warnings
 from typing import Iterable
@@ -21,9 +28,12 @@ from typing import Iterable
 import numpy as np
 
 from m3jax.hf.layouts import SKIPPED
-from m3jax.hf.safetensors_io import read_header
+from m3jax.hf.safetensors_io import StreamingWriter, read_header
 from rl.generation.base import SamplingParams
-from rl.generation.vllm_patches import apply_patches
+from rl.generation.vllm_patches import PATCHES, apply_patches
+
+WORKER_EXTENSION = "rl.generation.vllm_patches.WorkerExtension"
+STAGING_ROOT = "/dev/shm"  # RAM-backed: the workers read the update without touching a disk
 
 
 class WeightUpdateError(ValueError):
@@ -54,20 +64,22 @@ def sampling_logprobs(logp: np.ndarray, temperature: float, top_p: float = 1.0, 
 class VLLMEngine:
     def __init__(self, model_dir: str, *, dtype: str = "float32", seed: int = 0, max_model_len: int,
                  tensor_parallel: int = 1, expert_parallel: int = 1, gpu_memory_utilization: float = 0.8,
-                 kv_cache_gb: float = 1):
+                 kv_cache_gb: float = 1, executor: str | None = None):
         """model_dir: a released-layout checkpoint (`m3jax.save_pretrained(model, path, layout="released")`).
-        expert_parallel: 1, or equal to tensor_parallel (vLLM's expert parallelism spans the TP ranks)."""
-        if tensor_parallel != 1:
-            # The "uni" executor is one process; more ranks need worker processes, where update tensors
-            # arrive as lists (stack-notes §8): that path belongs to the weight-transfer layer.
-            raise NotImplementedError(f"tensor_parallel={tensor_parallel}: VLLMEngine is one in-process "
-                                      "rank; run one engine per device (data parallel) instead")
+        expert_parallel: 1, or equal to tensor_parallel (vLLM's expert parallelism spans the TP ranks).
+        executor: "uni" or "mp"; None picks "uni" for one rank and "mp" for more."""
+        executor = executor or ("uni" if tensor_parallel == 1 else "mp")
+        if executor not in ("uni", "mp"):
+            raise ValueError(f"executor={executor!r}: expected 'uni' or 'mp'")
+        if executor == "uni" and tensor_parallel != 1:
+            raise ValueError(f"tensor_parallel={tensor_parallel} needs worker processes: executor='mp'")
         if expert_parallel not in (1, tensor_parallel):
             raise ValueError(f"expert_parallel={expert_parallel}: expected 1 or tensor_parallel={tensor_parallel}")
         self.model_dir = os.path.abspath(model_dir)
         text = self._check_config()
         self.manifest: dict[str, tuple[tuple[int, ...], np.dtype]] = self._read_manifest()
         self.version = 0
+        self.executor = executor
         self._broken: str | None = None
 
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -85,15 +97,25 @@ class VLLMEngine:
             # CPU worker disables torch.set_num_threads before it gets there; spinning OpenMP threads
             # on a shared, busy CPU made decoding 10-100x slower in tests.
             torch.set_num_threads(1)
+        extra = {} if executor == "uni" else {"worker_extension_cls": WORKER_EXTENSION}
         t0 = time.perf_counter()
-        self.llm = LLM(
-            model=self.model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len,
-            tensor_parallel_size=tensor_parallel, enable_expert_parallel=expert_parallel > 1,
-            gpu_memory_utilization=gpu_memory_utilization, distributed_executor_backend="uni",
-            enforce_eager=True, skip_tokenizer_init=True,
-            # Logprobs after temperature / top-k / top-p, as the trainer's token_logprobs computes them.
-            logprobs_mode="processed_logprobs", max_logprobs=-1,
-            limit_mm_per_prompt={"image": 0, "video": 0}, generation_config="vllm")
+        with _worker_env(executor, current_platform.is_cpu()):
+            self.llm = LLM(
+                model=self.model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len,
+                tensor_parallel_size=tensor_parallel, enable_expert_parallel=expert_parallel > 1,
+                gpu_memory_utilization=gpu_memory_utilization, distributed_executor_backend=executor,
+                enforce_eager=True, skip_tokenizer_init=True,
+                # Logprobs after temperature / top-k / top-p, as the trainer's token_logprobs computes them.
+                logprobs_mode="processed_logprobs", max_logprobs=-1,
+                limit_mm_per_prompt={"image": 0, "video": 0}, generation_config="vllm", **extra)
+        if executor == "mp" and current_platform.is_cpu():
+            # Each worker resolved WORKER_EXTENSION before building its model; a worker without the
+            # patches would run the wrong math or crash at the first forward.
+            want = {p.name for p in PATCHES}
+            for rank, got in enumerate(self.llm.collective_rpc("m3jax_patches")):
+                if set(got) != want:
+                    self.shutdown()
+                    raise RuntimeError(f"vLLM worker {rank} lacks the CPU patches {sorted(want - set(got))}")
         self.start_seconds = time.perf_counter() - t0
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
 
@@ -220,25 +242,40 @@ class VLLMEngine:
         if missing:
             raise WeightUpdateError(f"incomplete update: {len(missing)} of {len(self.manifest)} tensors missing, "
                                     f"e.g. {missing[:3]}; send every tensor (hf_tensors(model, 'released'))")
-        tensors = ((name, _to_torch(array)) for name, array in items)
+        # reload_weights maps checkpoint names onto vLLM's fused parameters and re-runs the per-layer
+        # post-load processing; a second bare model.load_weights would not (stack-notes §8).
+        if self.executor == "uni":
+            tensors = ((name, _to_torch(array)) for name, array in items)
+            self._apply("reload_weights", {"weights_iterator": tensors, "is_checkpoint_format": True})
+        else:
+            # Written before anything is applied: a full /dev/shm fails here and the engine stays healthy.
+            with staged_checkpoint(items) as path:
+                self._apply("m3jax_reload_weights", {"weights_path": path})
+        self.llm.reset_prefix_cache()
+
+    def _apply(self, method: str, kwargs: dict) -> None:
         try:
-            # reload_weights maps checkpoint names onto vLLM's fused parameters and re-runs the per-layer
-            # post-load processing; a second bare model.load_weights would not (stack-notes §8).
-            self.llm.collective_rpc("reload_weights",
-                                    kwargs={"weights_iterator": tensors, "is_checkpoint_format": True})
+            self.llm.collective_rpc(method, kwargs=kwargs)
         except BaseException as e:
             self._broken = f"weight update failed part-way: {type(e).__name__}: {e}"
             raise
-        self.llm.reset_prefix_cache()
 
     # ------------------------------------------------------------------------------------ life cycle
     def _check_alive(self) -> None:
+        self._check_workers()
         if self._broken:
             raise RuntimeError(f"engine unusable: {self._broken}")
         if getattr(self, "llm", None) is None:
             raise RuntimeError("engine was shut down")
 
+    def _check_workers(self) -> None:
+        llm = getattr(self, "llm", None)
+        executor = getattr(getattr(getattr(llm, "llm_engine", None), "engine_core", None), "engine_core", None)
+        if getattr(getattr(executor, "model_executor", None), "is_failed", False) and not self._broken:
+            self._broken = "a vLLM worker process died"  # the executor has shut the others down
+
     def health(self) -> dict:
+        self._check_workers()
         ok = self._broken is None and getattr(self, "llm", None) is not None
         return {"ok": ok, "version": self.version, "pid": os.getpid(), **({"error": self._broken} if self._broken else {})}
 
@@ -252,6 +289,56 @@ class VLLMEngine:
         from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
         destroy_model_parallel()
         destroy_distributed_environment()  # so a later engine in this process can initialise again
+
+
+@contextlib.contextmanager
+def _worker_env(executor: str, cpu: bool):
+    """Environment for the worker processes `LLM(...)` spawns, restored afterwards.
+
+    vLLM's automatic CPU binding gives each rank its own NUMA node and refuses more ranks than nodes
+    ("Not enough allowed NUMA nodes"), and unbound workers default to one OpenMP thread per core each,
+    which oversubscribes a shared machine; one thread per rank unless the caller chose otherwise.
+    """
+    if executor != "mp" or not cpu:
+        yield
+        return
+    want = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+    old = {k: os.environ.get(k) for k in want}
+    os.environ.update({k: v for k, v in want.items() if old[k] is None})
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+
+
+@contextlib.contextmanager
+def staged_checkpoint(items: list[tuple[str, np.ndarray]], root: str = STAGING_ROOT):
+    """A directory holding `items` as one safetensors file, for the life of the block.
+
+    Written under a temporary name and renamed when complete, so a reader never sees a partial file;
+    removed on exit whatever happened.
+    """
+    root = root if os.path.isdir(root) else tempfile.gettempdir()
+    arrays = [(name, np.asarray(a)) for name, a in items]
+    need, free = sum(a.nbytes for _, a in arrays), shutil.disk_usage(root).free
+    if need > free:  # containers often mount a 64 MB /dev/shm: say so instead of failing mid-write
+        raise OSError(f"weight update of {need / 2**20:.0f} MiB does not fit in {root} ({free / 2**20:.0f} MiB "
+                      "free); enlarge it (docker --shm-size) or use the in-process executor")
+    tmp = tempfile.mkdtemp(prefix=".m3jax-update-", dir=root)
+    final = tmp.replace(".m3jax-update-", "m3jax-update-")
+    try:
+        writer = StreamingWriter(os.path.join(tmp, "model.safetensors"),
+                                 [(name, a.dtype, a.shape) for name, a in arrays])
+        for name, a in arrays:
+            writer.write(name, a)
+        writer.close()
+        os.rename(tmp, final)
+        yield final
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(final, ignore_errors=True)
 
 
 def _to_torch(array):

@@ -6,7 +6,7 @@ stop the model class from even being imported (torchvision, a patch-free inspect
 Each gap is one named `Patch` in `PATCHES`; `apply_patches()` applies them all, once, in the process
 that builds the model (before `vllm.LLM(...)` for an in-process engine). A multiprocess engine gets them through
 `worker_extension_cls="rl.generation.vllm_patches.WorkerExtension"`: resolving that name applies them
-in the worker before it builds the model.
+in each worker before it builds the model, and mixes in the collective_rpc methods below.
 
 Every patch checks the vLLM version and the signature of what it replaces, so an upgrade fails loudly
 at start-up instead of computing a different model. The torch code follows the m3jax model
@@ -335,6 +335,19 @@ class _WorkerExtension:
 
     def m3jax_patches(self) -> list[str]:
         return [p.name for p in PATCHES if getattr(_resolve(p)[2], _MARK, None) == p.name]
+
+    def m3jax_reload_weights(self, weights_path: str) -> None:
+        """`reload_weights` from a checkpoint directory that is deleted right after.
+
+        vLLM re-points `model_config.model` at `weights_path` for good; the worker must keep naming the
+        checkpoint it was started from, not a staging directory that no longer exists.
+        """
+        config = self.vllm_config.model_config
+        served = config.model, config.model_weights, config.revision
+        try:
+            self.reload_weights(weights_path=weights_path, is_checkpoint_format=True)
+        finally:
+            config.model, config.model_weights, config.revision = served
 
 
 def __getattr__(name):
