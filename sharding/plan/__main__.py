@@ -159,7 +159,9 @@ def sweep(job: Job, n: int, hw: Hardware, device_gb: float, png: str | None, mic
         ax.axhline(device_gb, color="k", ls="--", lw=1)
         ax.set_xscale("log"); ax.set_yscale("log")
         ax.set_xlabel("estimated step time (s)"); ax.set_ylabel("memory per device (GB)")
-        ax.set_title(f"mesh sweep, {n} devices"); ax.legend()
+        ax.set_title(f"mesh sweep, {n} devices")
+        if rows:
+            ax.legend()
         fig.savefig(png, dpi=100); plt.close(fig)
         print(f"plot: {png}")
     return rows, excluded
@@ -187,7 +189,9 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     job = load_job(a.config, a.overrides, a.model)
     hw = Hardware(a.peak_tflops * 1e12, a.mfu, a.nvlink_gbps * 1e9, a.ib_gbps * 1e9)
-    if a.sweep:
+    if a.sweep is not None:
+        if a.sweep < 1:
+            ap.error(f"--sweep {a.sweep}: expected a positive device count")
         sweep(job, a.sweep, hw, a.device_memory_gb, a.png, top=a.top)
         return 0
     why = invalid_reason(job)
