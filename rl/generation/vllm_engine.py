@@ -6,7 +6,8 @@ The engine core always runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`)
   - "mp" (needed for tensor_parallel > 1): one spawned worker process per rank. The patches reach the
     workers through `worker_extension_cls`, and an update is written as one safetensors file into a fresh
     directory under /dev/shm that every worker reloads from (collective_rpc would pickle tensors into
-    plain lists, stack-notes §8).
+    plain lists, stack-notes §8). Workers are spawned, so they re-import the caller's `__main__`: a
+    script that builds an "mp" engine needs the `if __name__ == "__main__":` guard (a Ray actor has it).
 Sampling follows the JAX engine (rl/generation/jax_engine.py): stop only on the request's
 stop ids, the stop token is part of the response, and every logprob is under the same transformation
 as `rl.generation.base.sampling_logits` (temperature, then top-k, then top-p), which the trainer
