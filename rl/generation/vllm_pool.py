@@ -151,7 +151,7 @@ class VLLMPool:
     # -------------------------------------------------------------------------------- lifecycle
     def _spawn(self, rank: int):
         gpus = self.cfg.tensor_parallel if _cluster_has_gpus() else 0
-        return _actor_class().options(num_cpus=0, num_gpus=gpus, name=None).remote(self.cfg, rank)
+        return _actor_class().options(num_cpus=0, num_gpus=gpus).remote(self.cfg, rank)
 
     def _wait_ready(self, slots) -> None:
         import ray
@@ -258,7 +258,7 @@ class VLLMPool:
                     try:
                         _, version, outs = ray.get(ref)
                     except Exception as e:  # noqa: BLE001 - engine died mid-chunk: re-send it
-                        self._requeue(pending, rows, inflight)
+                        self._requeue(pending, rows)
                         self._replace(slot, f"failed during a rollout ({type(e).__name__}); re-sending {len(rows)} rows")
                         continue
                     if version != self.version:
@@ -270,11 +270,11 @@ class VLLMPool:
                 for ref, (slot, rows, dl) in list(inflight.items()):
                     if now > dl:
                         inflight.pop(ref)
-                        self._requeue(pending, rows, inflight)
+                        self._requeue(pending, rows)
                         self._replace(slot, f"hung for {self.cfg.request_timeout_s:.0f} s; re-sending {len(rows)} rows")
         return self._rollout(prompts, results, params.max_new_tokens)
 
-    def _requeue(self, pending, rows, inflight) -> None:
+    def _requeue(self, pending, rows) -> None:
         self.resent_rows += len(rows)
         pending.insert(0, rows)
 
