@@ -99,15 +99,19 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation,
         sums_shape = jax.eval_shape(lambda: loss_fn(nnx.merge(graphdef, state.params, state.rest), first)[1])
         sums0 = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), sums_shape)
         (grads, loss_sum, sums), _ = jax.lax.scan(micro, (zeros, jnp.zeros([], jnp.float32), sums0), batch)
-        grads = jax.tree.map(lambda g: g / total, grads)
         loss = loss_sum / total
-        grad_norm = optax.tree.norm(grads)
+        grad_norm = optax.tree.norm(jax.tree.map(lambda g: g / total, grads))
         finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = precision.apply(state.params, updates, opt_state)
-        new = TrainState(params, state.rest, opt_state, state.step + 1, state.skipped)
-        skipped = TrainState(state.params, state.rest, state.opt_state, state.step + 1, state.skipped + 1)
-        out = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, skipped)
+        if hasattr(optimizer, "step"):  # in place, layer slice by layer slice (sharding.optim_step)
+            params, opt_state = optimizer.step(grads, total, state.opt_state, state.params, finite)
+            out = TrainState(params, state.rest, opt_state, state.step + 1, state.skipped + (~finite).astype(jnp.int32))
+        else:
+            grads = jax.tree.map(lambda g: g / total, grads)
+            updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+            params = precision.apply(state.params, updates, opt_state)
+            new = TrainState(params, state.rest, opt_state, state.step + 1, state.skipped)
+            skipped = TrainState(state.params, state.rest, state.opt_state, state.step + 1, state.skipped + 1)
+            out = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, skipped)
         return out, {"loss": loss, "grad_norm": grad_norm, "skipped": ~finite, "tokens": valid_tokens(batch),
                      "sums": sums}
 

@@ -168,3 +168,65 @@ def test_sharded_train_step_equals_single_device(ckpt):
         assert np.max(np.abs(da - db)) <= 1e-5 * max(np.max(np.abs(db)), 1e-30)
     experts = got.params["stacks"][1]["experts_gate_up"][...]
     assert all(s.data.shape[1] == experts.shape[1] // 8 for s in experts.addressable_shards)
+
+
+def assert_within_ulps(a, b, ulps: int):
+    """Every float leaf of a within `ulps` units in the last place (of its dtype) of the leaf's largest
+    magnitude from b (values that are sums of cancelling updates carry their terms' rounding); others equal."""
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        x, y = np.asarray(x), np.asarray(y)
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            np.testing.assert_array_equal(x, y)
+            continue
+        eps = float(jnp.finfo(x.dtype).eps)
+        x32, y32 = x.astype(np.float32), y.astype(np.float32)
+        tol = ulps * eps * max(float(np.max(np.abs(y32), initial=0.0)), float(np.finfo(np.float32).tiny))
+        assert np.all(np.abs(x32 - y32) <= tol), (x.dtype, float(np.max(np.abs(x32 - y32) - tol)))
+
+
+@pytest.mark.parametrize("mode,moments", [("none", jnp.float32), ("fp32", jnp.bfloat16), ("compact", jnp.bfloat16),
+                                          ("compact", jnp.float32)])
+def test_sliced_in_place_step_equals_the_whole_tree_update(mode, moments, monkeypatch):
+    """adamw's `step` (what make_train_step runs: each stacked leaf updated layer slice by layer slice,
+    in place) makes the optax update of the whole tree, through clipping, a schedule and a skipped step.
+    Equal up to float rounding, not bitwise: XLA:CPU compiles the slice's fused arithmetic into other
+    kernels, whose division or square root differs in the last bit now and then."""
+    from sharding import optim_step
+    monkeypatch.setattr(optim_step, "SLICE_MIN_ELEMS", 64)  # slice the stacked leaves, not the small ones
+    low = precision.param_dtype(mode)
+    keys = iter(jax.random.split(jax.random.key(0), 16))
+    stacked = lambda x: nnx.Param(x, logical_axes=("layers", None, None))  # noqa: E731
+    params = nnx.State({"stack": {"w": stacked(jax.random.normal(next(keys), (3, 8, 16)).astype(low)),
+                                  "router": stacked(jax.random.normal(next(keys), (3, 4, 16)))},  # fp32-kept
+                        "head": nnx.Param(jax.random.normal(next(keys), (16, 8)).astype(low),
+                                          logical_axes=("vocab", None)),  # rows: never looped over
+                        "norm": nnx.Param(jnp.zeros((3,), low), logical_axes=("norm",))})
+    opt = precision.adamw(optax.linear_schedule(1e-2, 3e-2, 4), weight_decay=0.1, clip_norm=0.5,
+                          moment_dtype=moments, master=mode)
+    total = jnp.float32(7.0)
+
+    @jax.jit
+    def whole(params, state, grads, keep):
+        updates, new_state = opt.update(jax.tree.map(lambda g: g / total, grads), state, params)
+        new = (precision.apply(params, updates, new_state), new_state)
+        return jax.tree.map(lambda a, b: jnp.where(keep, a, b), new, (params, state))
+
+    steps = [(jax.tree.map(lambda x, k=next(keys): jax.random.normal(k, x.shape), params), keep)
+             for keep in (True, False, True, True)]
+    sliced = jax.jit(lambda p, s, g, k: opt.step(g, total, s, p, k))
+    jaxpr = str(jax.make_jaxpr(sliced)(params, opt.init(params), steps[0][0], True))
+    assert jaxpr.count("scan[") == 2  # the two layer stacks loop; the head and the norm do not
+    runs = []
+    for fn in (sliced, whole):
+        p, state = params, opt.init(params)
+        for grads, keep in steps:
+            before = (p, state)
+            p, state = fn(p, state, grads, jnp.asarray(keep))
+            if not keep:
+                assert_bitwise((p, state), before)
+        runs.append((p, state))
+    (p1, s1), (p2, s2) = runs
+    assert_within_ulps(precision.master_of(p1, s1), precision.master_of(p2, s2), 4)
+    assert_within_ulps(s1.inner, s2.inner, 4)
+    assert_within_ulps(p1, p2, 1)
+    np.testing.assert_array_equal(np.asarray(s1.inner[1].count), 3)  # three kept steps

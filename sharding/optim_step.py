@@ -1,0 +1,135 @@
+"""The optimizer step applied one layer slice at a time, in place (bounded temporaries).
+
+Applying an optax chain to the whole parameter tree lets XLA hold fp32 temporaries (the master, Adam's
+fp32 moments, the update) of every leaf at once, and keep the old state beside the new one until the
+non-finite check selects between them: XLA:CPU measured 7-8 bytes per parameter on top of the train
+state for the compact and fp32 master modes (docs/planner.md), about 32 GB per GPU for the 32-node
+recipe. Here every large leaf of a layer stack is updated in a `fori_loop` over its layers whose carry
+is the leaf and its state leaves, so each layer's slice is written back into the same (donated)
+buffers and the temporaries are those of one slice (`sharding.plan.memory.update_temporaries`).
+
+The maths is the chain's own: the per-slice update calls the very transformations of the chain after
+the global-norm clip, whose factor (the only quantity that needs every leaf) is computed once with
+optax's formula. Results equal `optimizer.update` + `precision.apply` on the whole tree up to float
+rounding (XLA compiles the slice's arithmetic into other kernels); compact and fp32 masters stay
+bitwise equal to each other (tests/test_train_step.py).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from sharding import precision
+
+SLICE_MIN_ELEMS = 1 << 20  # smaller leaves are updated whole: their temporaries do not matter
+
+
+class SlicedOptimizer(NamedTuple):
+    """An optax GradientTransformation (init, update) plus `step`, its in-place sliced application:
+    step(grads, divisor, opt_state, params, keep) -> (params, opt_state) for grads / divisor, or the
+    old params and state where keep is False."""
+    init: Callable
+    update: Callable
+    step: Callable
+
+
+def sliced(rest: optax.GradientTransformation, clip_norm: float | None) -> Callable:
+    """`step` for `with_master_weights(chain(clip_by_global_norm(clip_norm), *parts))` whose state is
+    MasterState(store, (clip_state, *part_states)); `rest` = with_master_weights(chain(*parts)) (or the
+    whole optimizer when clip_norm is None: then its state is used as is)."""
+
+    def step(grads, divisor, opt_state, params, keep):
+        g_norm = optax.tree.norm(jax.tree.map(lambda g: g / divisor, grads))
+        clip = None if clip_norm is None else (jnp.squeeze(g_norm < clip_norm), g_norm)
+
+        def prepare(g):
+            g = g / divisor
+            if clip is None:
+                return g
+            trigger, norm = clip
+            return jax.lax.select(trigger, g, (g / norm.astype(g.dtype)) * clip_norm)
+
+        inner = opt_state.inner[1:] if clip_norm is not None else opt_state.inner
+        state = precision.MasterState(opt_state.master, inner)
+        params, state = _apply_by_slices(rest, prepare, grads, state, params, keep)
+        inner = ((opt_state.inner[0], *state.inner) if clip_norm is not None else state.inner)
+        return params, precision.MasterState(state.master, inner)
+
+    return step
+
+
+def _apply_by_slices(opt, prepare, grads, state, params, keep):
+    """Run opt.update leaf by leaf (sliced over the leading axis when large) and reassemble the state.
+
+    The state is seen as items: params-shaped subtrees (master store, moments) and scalars (counts). A
+    leaf's own state is the state with every params-shaped subtree replaced by that leaf's array."""
+    pdef = jax.tree.structure(params)
+    is_p = lambda x: jax.tree.structure(x) == pdef  # noqa: E731
+    items, sdef = jax.tree.flatten(state, is_leaf=is_p)
+    kinds = [is_p(x) for x in items]
+    columns = [jax.tree.leaves(x) if k else x for x, k in zip(items, kinds)]
+    master_mode = not (isinstance(state.master, tuple) and state.master == ())
+
+    def leaf_state(i, scalar_only=False):
+        pick = lambda col, k: (jnp.zeros((), col[i].dtype) if scalar_only else col[i]) if k else col  # noqa: E731
+        return jax.tree.unflatten(sdef, [pick(c, k) for c, k in zip(columns, kinds)])
+
+    def one(g, st, p):
+        upd, st2 = opt.update(prepare(g), st, p)
+        p2 = upd if master_mode else optax.apply_updates(p, upd)
+        return jax.tree.map(lambda a, b: jnp.where(keep, a, b), (p2, st2), (p, st))
+
+    new_p, new_cols = [], [[] for _ in items]
+    layered = [_leads_with_layers(v) for v in jax.tree.leaves(params, is_leaf=_is_variable)]
+    for i, (p, g) in enumerate(zip(jax.tree.leaves(params), jax.tree.leaves(grads))):
+        p2, st2 = _update_leaf(one, g, leaf_state(i), p, layered[i])
+        new_p.append(p2)
+        for j, x in enumerate(jax.tree.leaves(st2)):
+            new_cols[j].append(x)
+    # Counts are the same for every leaf: evaluate the chain once on 0-d stand-ins for their new values.
+    p0 = jax.tree.leaves(params)[0]
+    _, scalars = one(jnp.zeros((), jnp.float32), leaf_state(0, scalar_only=True), jnp.zeros((), p0.dtype))
+    scalars = jax.tree.leaves(scalars)
+    out = [jax.tree.unflatten(jax.tree.structure(x), col) if k else scalars[j]
+           for j, (x, k, col) in enumerate(zip(items, kinds, new_cols))]
+    return jax.tree.unflatten(pdef, new_p), jax.tree.unflatten(sdef, out)
+
+
+def _is_variable(x) -> bool:
+    return hasattr(x, "get_metadata") and hasattr(x, "get_value")
+
+
+def _leads_with_layers(v) -> bool:
+    """True for a parameter whose leading axis is a stack's "layers" axis (nnx metadata)."""
+    return _is_variable(v) and tuple(v.get_metadata().get("logical_axes") or ())[:1] == ("layers",)
+
+
+def _update_leaf(one, g, st, p, layered: bool):
+    """one(g, st, p) on a whole leaf, or for a large layer stack a fori_loop over its layers writing each
+    slice back into the carried leaf and state arrays (in place when the step donates them)."""
+    if not layered or p.shape[0] < 2 or math.prod(p.shape) < SLICE_MIN_ELEMS:
+        return one(g, st, p)
+    n = p.shape[0]
+    sliced_ = lambda x: x.shape[:1] == (n,) and x.ndim == p.ndim  # noqa: E731
+    take = lambda j: lambda x: jax.lax.dynamic_index_in_dim(x, j, keepdims=False) if sliced_(x) else x  # noqa: E731
+
+    # Software-pipelined: layer j is updated from slices read at the end of iteration j - 1 (carried,
+    # so materialised), and layer j + 1 is read from the arrays after layer j's write-back. Reading
+    # layer j inside the write-backs instead forms a cycle (the new param needs the old remainder and
+    # the new remainder the old param) that XLA breaks by copying whole carried leaves every iteration.
+    def body(j, carry):
+        (p_all, st_all), (p_j, st_j) = carry
+        p2, st2 = one(take(j)(g), st_j, p_j)
+        put = lambda full, part: jax.lax.dynamic_update_index_in_dim(full, part, j, 0) if sliced_(full) else full  # noqa: E731
+        p_all, st_all = put(p_all, p2), jax.tree.map(put, st_all, st2)
+        nxt = take(jnp.minimum(j + 1, n - 1))
+        return (p_all, st_all), (nxt(p_all), jax.tree.map(nxt, st_all))
+
+    first = take(0)
+    (p, st), _ = jax.lax.fori_loop(0, n, body, ((p, st), (first(p), jax.tree.map(first, st))))
+    return p, st
