@@ -20,8 +20,9 @@ import sys
 from sharding.mesh import MeshConfig, MeshError, validate
 from sharding.plan.check import print_check
 from sharding.plan.compile import compile_reduced, print_compile
-from sharding.plan.flops import Hardware, comm_bytes, step_flops, step_time
-from sharding.plan.memory import GB, Batch, memory_plan
+from sharding.expert import receive_rows
+from sharding.plan.flops import Hardware, comm_bytes, expert_rows_factor, step_flops, step_time
+from sharding.plan.memory import GB, Batch, memory_phases, memory_plan
 from sharding.plan.models import m3_release
 
 
@@ -39,6 +40,7 @@ class Job:
     # M3ForCausalLM keywords besides remat (attention_query_chunk, moe_capacity_factor): what --compile
     # and --check-shardings build, as the trainer would.
     model_options: dict = dataclasses.field(default_factory=dict)
+    ragged_dot: str = "dense"  # how the GPU's XLA lowers the grouped expert matmuls (sharding.plan.memory.Batch)
 
     @property
     def num_micro(self) -> int:
@@ -46,7 +48,9 @@ class Job:
 
     @property
     def batch(self) -> Batch:
-        return Batch(self.micro_batch, self.seq_len, max(self.num_micro, 1), self.remat)
+        """The micro-batch as a GPU runs it: the ragged expert exchange unless the options say otherwise."""
+        return Batch(self.micro_batch, self.seq_len, max(self.num_micro, 1), self.remat,
+                     ragged_dot=self.ragged_dot, **{"moe_exchange": "ragged", **self.model_options})
 
 
 def load_job(path: str, overrides: list[str], model: str | None) -> Job:
@@ -81,12 +85,21 @@ def invalid_reason(job: Job) -> str | None:
 
 
 def plan(job: Job, hw: Hardware) -> dict:
-    mem = memory_plan(job.model, job.mesh, job.batch, job.master, job.moment_dtype)
-    fl = step_flops(job.model, job.seqs_per_update * job.updates, job.seq_len, job.remat)
+    b = job.batch
+    phases = memory_phases(job.model, job.mesh, b, job.master, job.moment_dtype)
+    s_l = job.seq_len // job.mesh.context
+    fl = step_flops(job.model, job.seqs_per_update * job.updates, job.seq_len, job.remat,
+                    query_chunked=0 < b.attention_query_chunk < s_l,
+                    expert_rows=expert_rows_factor(job.model, job.mesh, b))
+    n_ep = job.mesh.expert_parallel
+    sent = None if b.exchange == "ragged" else receive_rows(
+        job.micro_batch * s_l, job.model.num_experts_per_tok, n_ep, job.model.num_local_experts // n_ep,
+        b.moe_capacity_factor, b.exchange)
     comm = comm_bytes(job.model, job.mesh, job.micro_batch, job.seq_len, job.batch.num_micro * job.updates,
-                      job.master, job.remat)
+                      job.master, job.remat, sent_rows=sent)
     st = step_time(fl["executed_total"] / job.mesh.num_devices, comm, job.mesh, hw)
-    return {"memory": mem, "flops": fl, "comm": comm, "time": st}
+    return {"memory": max(phases.values(), key=lambda t: t["total"]), "phases": phases, "flops": fl, "comm": comm,
+            "time": st}
 
 
 def verdict(mem: dict, device_gb: float) -> str:
@@ -103,9 +116,15 @@ def print_plan(job: Job, p: dict, device_gb: float) -> None:
     print(f"mesh data={m.data} context={m.context} expert={m.expert} tensor={m.tensor} (EP {m.expert_parallel} over "
           f"{','.join(m.expert_axes)}), micro-batch {job.micro_batch} x {job.batch.num_micro} micro-batches, "
           f"seq {job.seq_len}, master={job.master}, moments={job.moment_dtype}, remat={job.remat}")
-    print(f"{'per-device memory':28s} {'GB':>9s}")
+    b = job.batch
+    print(f"attention_query_chunk={b.attention_query_chunk}, expert exchange {b.exchange} "
+          f"(capacity factor {b.moe_capacity_factor or 'none: dropless'}), grouped matmuls lowered {b.ragged_dot}")
+    binding = max(p["phases"], key=lambda k: p["phases"][k]["total"])
+    other = next(k for k in p["phases"] if k != binding)
+    print(f"{'per-device memory (' + binding + ' peak)':34s} {'GB':>9s}")
     for k, v in p["memory"].items():
-        print(f"  {k:26s} {v / GB:9.3f}")
+        print(f"  {k:32s} {v / GB:9.3f}")
+    print(f"  ({other} peak: {p['phases'][other]['total'] / GB:.3f} GB)")
     f = p["flops"]
     print(f"FLOPs per step: model {f['model_total']:.3e} (matmul {f['matmul']:.3e}, attention {f['attention']:.3e}, "
           f"indexer {f['indexer_scores'] + f['indexer_proj']:.3e}); executed {f['executed_total']:.3e}")
@@ -186,8 +205,11 @@ def main(argv=None) -> int:
     ap.add_argument("--check-shardings", action="store_true",
                     help="check the full-depth model's shardings on an AbstractMesh (no devices); lower the step")
     ap.add_argument("--top", type=int, default=20, help="rows of the sweep table")
+    ap.add_argument("--ragged-dot", choices=("dense", "grouped"), default="dense",
+                    help="how XLA lowers the grouped expert matmuls on the GPU: dense = zero-padded batched matmul "
+                         "over the whole receive buffer (XLA's default), grouped = a grouped-GEMM kernel")
     a = ap.parse_args(argv)
-    job = load_job(a.config, a.overrides, a.model)
+    job = dataclasses.replace(load_job(a.config, a.overrides, a.model), ragged_dot=a.ragged_dot)
     hw = Hardware(a.peak_tflops * 1e12, a.mfu, a.nvlink_gbps * 1e9, a.ib_gbps * 1e9)
     if a.sweep is not None:
         if a.sweep < 1:

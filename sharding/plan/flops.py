@@ -59,7 +59,25 @@ def causal_pairs(s: int, window: int | None = None) -> int:
     return w * (w + 1) // 2 + (s - w) * w
 
 
-def step_flops(cfg: M3Config, seqs: int, seq_len: int, remat: bool = True) -> dict[str, float]:
+def expert_rows_factor(cfg: M3Config, mesh: MeshConfig, batch, ragged_dot: str | None = None) -> float:
+    """Rows the grouped expert matmuls execute per routed (token, expert) row, per device:
+
+        dense lowering    G * W / (T_l * k)   every local expert multiplies every row of the receive buffer
+                          (zero-padded per group: XLA's GPU default and the CPU reference rule)
+        grouped kernel    1                   only the real rows
+    with W = `sharding.expert.receive_rows` for the batch's exchange and capacity, G = E / n_ep local experts.
+    """
+    from sharding.expert import receive_rows
+    if (ragged_dot or batch.ragged_dot) != "dense":
+        return 1.0
+    sz = mesh_sizes(mesh)
+    t_l, k, n_ep = batch.micro_batch * batch.seq_len // sz["context"], cfg.num_experts_per_tok, mesh.expert_parallel
+    g = cfg.num_local_experts // n_ep
+    return g * receive_rows(t_l, k, n_ep, g, batch.moe_capacity_factor, batch.exchange) / (t_l * k)
+
+
+def step_flops(cfg: M3Config, seqs: int, seq_len: int, remat: bool = True, *, query_chunked: bool = False,
+               expert_rows: float = 1.0) -> dict[str, float]:
     """FLOPs of one step over `seqs` sequences of `seq_len` tokens (N = seqs * seq_len tokens).
 
     model FLOPs (what the maths needs):
@@ -69,9 +87,11 @@ def step_flops(cfg: M3Config, seqs: int, seq_len: int, remat: bool = True) -> di
                      pairs = causal_pairs(S) on full layers,
                      causal_pairs(S, index_topk_blocks * index_block_size) on sparse layers
         indexer_scores = 2 * Hi*Di * causal_pairs(S) * seqs per sparse layer     (forward only, every causal key)
-    executed FLOPs (what m3jax runs): the same, plus with remat one more forward of every layer
-        (2 * layer params * N + the forward attention/indexer again), and attention over the full
-        [S, S] block on every layer (the model masks, it does not skip: 12 * H*D * S^2 per layer).
+    executed FLOPs (what m3jax runs): the routed experts' matmuls times `expert_rows` (`expert_rows_factor`:
+        padding rows the grouped matmul multiplies too); with remat one more forward of every layer
+        (2 * layer params * N + the forward attention/indexer again); attention over the full [S, S] block
+        on every layer (the model masks, it does not skip: 12 * H*D * S^2 per layer); with query-chunked
+        attention one more forward of the attention and the indexer (each block is recomputed in its backward).
     """
     act = active_matmul_params(cfg)
     n = seqs * seq_len
@@ -87,11 +107,16 @@ def step_flops(cfg: M3Config, seqs: int, seq_len: int, remat: bool = True) -> di
         "indexer_scores": 2 * cfg.index_n_heads * cfg.index_head_dim * causal_pairs(seq_len) * n_sparse * seqs,
     }
     out["model_total"] = sum(out.values())
+    routed = sum(m == MOE_MLP for m in cfg.mlp_layer_types) * cfg.num_experts_per_tok * 3 * cfg.intermediate_size \
+        * cfg.hidden_size
+    layer_exec = layer_params + routed * (expert_rows - 1)
     full_attn = 12 * h * dd * seq_len * seq_len * cfg.num_hidden_layers * seqs
     idx_exec = 2 * cfg.index_n_heads * cfg.index_head_dim * seq_len * seq_len * n_sparse * seqs
-    executed = out["matmul"] + out["indexer_proj"] + full_attn + idx_exec
+    executed = 6 * (layer_exec + act["head"]) * n + out["indexer_proj"] + full_attn + idx_exec
     if remat:
-        executed += 2 * layer_params * n + out["indexer_proj"] + full_attn / 3 + idx_exec
+        executed += 2 * layer_exec * n + out["indexer_proj"] + full_attn / 3 + idx_exec
+    if query_chunked:
+        executed += full_attn / 3 + idx_exec
     out["executed_total"] = executed
     return out
 
@@ -110,7 +135,8 @@ def axis_link(mesh: MeshConfig, axes: tuple[str, ...], hw: Hardware) -> float:
 
 
 def comm_bytes(cfg: M3Config, mesh: MeshConfig, micro_batch: int, seq_len: int, num_micro: int,
-               master: str = "fp32", remat: bool = True, rules=None) -> dict[str, tuple[float, tuple]]:
+               master: str = "fp32", remat: bool = True, rules=None, sent_rows: float | None = None
+               ) -> dict[str, tuple[float, tuple]]:
     """Bytes one device sends per step, by collective -> (bytes, mesh axes it runs over).
 
     Per micro-batch (x num_micro), p = param bytes, a = activation bytes, f(n) = (n-1)/n:
@@ -119,8 +145,8 @@ def comm_bytes(cfg: M3Config, mesh: MeshConfig, micro_batch: int, seq_len: int, 
       fsdp_reduce_scatter f(n_d) * the same bytes (gradients, param dtype)
       grad_all_reduce     2 f(n) * local gradient bytes, over the token axes (data, context, expert) a
                           weight is replicated on (its gradient sums over the tokens those devices hold)
-      expert_all_to_all   L_moe * (2 fwd + 2 bwd [+ 2 remat]) * f(n_ep) * T_l * k * d * a (the ragged exchange:
-                          the rows really routed; the CPU's padded exchange sends n_ep * cap rows instead)
+      expert_all_to_all   L_moe * (2 fwd + 2 bwd [+ 2 remat]) * f(n_ep) * R * d * a, R = sent_rows: T_l * k for
+                          the ragged exchange (the rows really routed), W (`receive_rows`) for the padded one
       context_all_gather  L * (1 fwd [+ 1 remat] + 1 bwd reduce-scatter) * f(n_c) * b * S *
                           (2 * KV/n_t * D + Di [sparse]) * a        (keys, values and indexer keys)
       tensor_all_reduce   L * 4 * 2 f(n_t) * T_l * d * a           (attention and MLP outputs, fwd + bwd)
@@ -154,8 +180,8 @@ def comm_bytes(cfg: M3Config, mesh: MeshConfig, micro_batch: int, seq_len: int, 
     n_ep = mesh.expert_parallel
     trips = 4 + (2 if remat else 0)
     ep_axes = tuple(x for x in mesh.expert_axes if sz[x] > 1)
-    out["expert_all_to_all"] = (n_moe * trips * f(n_ep) * t_l * cfg.num_experts_per_tok * cfg.hidden_size * a
-                                * num_micro, ep_axes)
+    rows = t_l * cfg.num_experts_per_tok if sent_rows is None else sent_rows
+    out["expert_all_to_all"] = (n_moe * trips * f(n_ep) * rows * cfg.hidden_size * a * num_micro, ep_axes)
     kvw = 0.0
     for t in cfg.layer_types:
         kvw += 2 * cfg.num_key_value_heads / nt * cfg.head_dim + (cfg.index_head_dim if t == SPARSE_ATTENTION else 0)

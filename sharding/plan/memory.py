@@ -16,9 +16,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from m3jax.config import MOE_MLP, SPARSE_ATTENTION, M3Config
+from m3jax.config import M3Config
 from m3jax.model.decoder import layer_param_specs, top_param_specs
 from sharding.mesh import MeshConfig
+from sharding.plan.activations import head_terms, layer_phases
 from sharding.rules import MESH_AXES, logical_to_spec, rules_for
 
 GB = 1e9
@@ -77,16 +78,16 @@ def state_bytes(cfg: M3Config, mesh: MeshConfig, master: str = "fp32", moment_dt
                 rules=None) -> dict[str, float]:
     """Per-device bytes of the train state, summed over parameters of their local element count n_loc:
 
-        params    = n_loc * p            p = 4 (master 'none' or fp32-kept router) else 2
-        master    = n_loc * 4  ('fp32');  n_loc * (2 if bf16 param else 4)  ('compact');  0  ('none')
-        moments   = n_loc * 2 * m        m = 4 (float32) | 2 (bfloat16)   (Adam mu and nu)
-        gradients = n_loc * (4 + p)      the fp32 accumulator carried over micro-batches + one
-                                         micro-batch's gradient in the param dtype
-        buffers   = n_loc * 4            non-trainable (router correction bias), fp32
+        params            = n_loc * p        p = 4 (master 'none' or fp32-kept router) else 2
+        master            = n_loc * 4  ('fp32');  n_loc * (2 if bf16 param else 4)  ('compact');  0  ('none')
+        moments           = n_loc * 2 * m    m = 4 (float32) | 2 (bfloat16)   (Adam mu and nu)
+        grad_accumulator  = n_loc * 4        fp32, carried over the micro-batches
+        micro_gradient    = n_loc * p        one micro-batch's gradient (param dtype), during the backward
+        buffers           = n_loc * 4        non-trainable (router correction bias), fp32
     (BENCHMARKS.md issue 3 measured params+master+moments: 12 / 14 / 10 / 12 / 8 / 6 B per param.)
     """
     m = _DTYPE_BYTES[moment_dtype]
-    out = dict.fromkeys(("params", "master", "moments", "gradients", "buffers"), 0.0)
+    out = dict.fromkeys(("params", "master", "moments", "grad_accumulator", "micro_gradient", "buffers"), 0.0)
     for p in param_table(cfg):
         n = local_elems(p, mesh, rules)
         if p.buffer:
@@ -96,8 +97,34 @@ def state_bytes(cfg: M3Config, mesh: MeshConfig, master: str = "fp32", moment_dt
         out["params"] += n * pb
         out["master"] += 0 if master == "none" else n * (4 if master == "fp32" or pb == 4 else 2)
         out["moments"] += n * 2 * m
-        out["gradients"] += n * (4 + pb)
+        out["grad_accumulator"] += n * 4
+        out["micro_gradient"] += n * pb
     return out
+
+
+# XLA:CPU's temporaries of the optimizer step (`sharding.optim_step`), bytes per element, measured on
+# M3-shaped models (docs/planner.md): leaves updated whole, and the largest layer slice of a sliced leaf.
+UPDATE_BYTES_WHOLE, UPDATE_BYTES_SLICE = 12, 28
+
+
+def update_temporaries(cfg: M3Config, mesh: MeshConfig, rules=None) -> float:
+    """Temporaries of the in-place optimizer step (`sharding.optim_step`), per device:
+
+        12 * (local elements of the leaves updated whole) + 28 * (local elements of the largest layer
+        slice of a sliced leaf)
+    A leaf is sliced when it belongs to a layer stack of >= 2 layers and has >= SLICE_MIN_ELEMS elements.
+    """
+    from sharding.optim_step import SLICE_MIN_ELEMS
+    whole, largest = 0.0, 0.0
+    for p in param_table(cfg):
+        if p.buffer:
+            continue
+        n = local_elems(p, mesh, rules)
+        if p.kind != "top" and p.layers >= 2 and math.prod(p.shape) >= SLICE_MIN_ELEMS:
+            largest = max(largest, n / p.layers)
+        else:
+            whole += n
+    return UPDATE_BYTES_WHOLE * whole + UPDATE_BYTES_SLICE * largest
 
 
 def param_counts(cfg: M3Config) -> dict[str, int]:
@@ -109,101 +136,90 @@ def param_counts(cfg: M3Config) -> dict[str, int]:
 
 @dataclasses.dataclass(frozen=True)
 class Batch:
-    """micro_batch: sequences per data-parallel rank (data x expert) per forward/backward;
-    num_micro: micro-batches per optimizer update; seq_len: tokens per sequence."""
+    """One micro-batch's forward/backward as the model runs it.
+
+    micro_batch: sequences per data-parallel rank (data x expert); num_micro: micro-batches per optimizer
+    update; seq_len: tokens per sequence; remat, attention_query_chunk, moe_capacity_factor: the model
+    options (`M3ForCausalLM`); moe_exchange: "padded" | "ragged", None = the planning process's backend
+    default (`sharding.expert.default_exchange`: padded on CPU, ragged on GPU); ragged_dot: how XLA lowers
+    the grouped expert matmuls: "dense" (rows zero-padded per local expert into one batched matmul: XLA's
+    GPU default and the CPU reference) or "grouped" (a grouped-GEMM kernel that touches real rows only).
+    """
     micro_batch: int
     seq_len: int
     num_micro: int = 1
     remat: bool = True
+    attention_query_chunk: int = 0
+    moe_capacity_factor: float | None = None
+    moe_exchange: str | None = None
+    ragged_dot: str = "dense"
+
+    @property
+    def exchange(self) -> str:
+        from sharding.expert import default_exchange
+        return self.moe_exchange or default_exchange()
+
+    def model_options(self) -> dict:
+        """M3ForCausalLM keywords of this batch's model options besides remat."""
+        return {"attention_query_chunk": self.attention_query_chunk, "moe_capacity_factor": self.moe_capacity_factor,
+                "moe_exchange": self.moe_exchange}
 
 
-def _layer_working_set(cfg: M3Config, mesh: MeshConfig, attn: str, mlp: str, b: int, s: int, a: int,
-                       rules=None) -> dict[str, float]:
-    """Bytes one layer holds at its peak, per device: the backward of a rematerialised layer holds the
-    recomputed forward intermediates and their cotangents (same shapes), hence the factor 2:
-
-        attention scores  2 * b * H/n_t * S_l * S * (3*4 + a + mk)   three fp32 [S_l, S] tensors per head (logits,
-                          masked logits, softmax), the probabilities in a, and mk = 1 for the per-head bool
-                          token mask of sparse layers (full layers: a [b,1,S_l,S] mask, negligible). The model
-                          materialises the full [S_l, S] block per head (no flash attention): masked, not skipped
-        gathered K/V      2 * 2 * b * S * KV/n_t * D * a   (context all-gather of keys and values, + cotangents)
-        indexer           2 * b * Hi * S_l * S * 4          fp32 scores and their block-padded copy (sparse layers)
-        MoE dispatch      2 * 6 * n_ep * cap * d * a,  cap = T_l * min(k, E / n_ep): the padded worst case of the
-                          send, receive, regrouped, expert-output, return-send and return-receive buffers
-        expert hidden     2 * n_ep * cap * 3 * I / n_t * a  (gate_up output and activation of the received rows)
-        token rows        2 * T_l * k * d * (2a + 4)   the routed copies of the tokens, their outputs, fp32 weighted
-        MLP hidden        2 * T_l * 3 * W / n_t * a  (W = Id, dense, or Is, shared expert)
-        gathered weights  2 * (this layer's non-expert weights with the data (FSDP) shard undone) * p
-                          (the weights and their gradient before the reduce-scatter)
-    """
-    sz = mesh_sizes(mesh)
-    nt, nc = sz["tensor"], sz["context"]
-    s_l = s // nc
-    t_l = b * s_l
-    h, kv, dd, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
-    sparse, moe = attn == SPARSE_ATTENTION, mlp == MOE_MLP
-    ws = {"attention_scores": 2 * b * (h / nt) * s_l * s * (12 + a + (1 if sparse else 0)),
-          "gathered_kv": 2 * 2 * b * s * (kv / nt) * dd * a,
-          "indexer_scores": 2 * b * cfg.index_n_heads * s_l * s * 8 if sparse else 0.0}
-    if moe:
-        n_ep = mesh.expert_parallel
-        k = cfg.num_experts_per_tok
-        cap = t_l * min(k, cfg.num_local_experts // n_ep)
-        ws["moe_dispatch"] = 2 * 6 * n_ep * cap * d * a
-        ws["expert_hidden"] = 2 * n_ep * cap * 3 * cfg.intermediate_size / nt * a
-        ws["token_rows"] = 2 * t_l * k * d * (2 * a + 4)
-        ws["mlp_hidden"] = 2 * t_l * 3 * cfg.shared_intermediate_size / nt * a
-    else:
-        ws["mlp_hidden"] = 2 * t_l * 3 * cfg.dense_intermediate_size / nt * a
-    gathered = 0.0
-    for name, spec in layer_param_specs(cfg, attn, mlp).items():
-        if name.startswith("experts_"):
-            continue
-        p = Param(name, spec.shape, spec.axes, spec.fp32, spec.buffer, 1, "")
-        dims = shard_axes(p, mesh, rules)
-        n = math.prod(-(-dim // math.prod(sz[x] for x in axes if x != "data")) for dim, axes in zip(spec.shape, dims))
-        gathered += n * (4 if spec.fp32 else a)
-    ws["gathered_weights"] = 2 * gathered
-    return ws
+def _shard_dims(mesh: MeshConfig, rules):
+    return lambda name, spec: shard_axes(Param(name, spec.shape, spec.axes, spec.fp32, spec.buffer, 1, ""), mesh,
+                                         rules)
 
 
 def activation_bytes(cfg: M3Config, mesh: MeshConfig, batch: Batch, act_bytes: int = 2, rules=None
                      ) -> dict[str, float]:
-    """Per-device activation memory of one micro-batch's forward + backward:
+    """Per-device activation memory at the peak of one micro-batch's forward + backward (the terms of the
+    binding phase, `sharding.plan.activations`):
 
-        with remat:    checkpoints = L * T_l * d * a     (each layer's input, saved by the scan)
-                       layer       = max over layer kinds of the working set (`_layer_working_set`)
-        without remat: layer       = sum over layers of the working set (every layer's intermediates live)
-        head           = T_l * V/n_t * (a + 4 + 4)   logits, fp32 log-softmax and its gradient
-        batch inputs   = 4 arrays * num_micro * T_l * 4 B   (ids, targets, mask, attention mask; int32/f32)
+        checkpoints   = L * T_l * d * a       each layer's input, saved by the scan (remat)
+        batch_inputs  = 3 arrays * num_micro * T_l * 4 B   (ids, targets, loss mask)
+        + the larger of the worst layer's phases (`layer_phases`) and the head's (`head_terms`)
+    Without remat every layer's forward residuals live (half of each phase's terms) beside the worst
+    layer's cotangents.
     """
     sz = mesh_sizes(mesh)
-    s_l = batch.seq_len // sz["context"]
-    t_l = batch.micro_batch * s_l
-    a = act_bytes
+    t_l = batch.micro_batch * (batch.seq_len // sz["context"])
+    a, dims = act_bytes, _shard_dims(mesh, rules)
     kinds = {(attn, mlp): len(ids) for attn, mlp, ids in cfg.segments()}
-    per_kind = {k: _layer_working_set(cfg, mesh, *k, batch.micro_batch, batch.seq_len, a, rules) for k in kinds}
-    out: dict[str, float] = {}
-    if batch.remat:
-        out["checkpoints"] = cfg.num_hidden_layers * t_l * cfg.hidden_size * a
-        worst = max(per_kind, key=lambda k: sum(per_kind[k].values()))
-        for name, v in per_kind[worst].items():
-            out[name] = v
-    else:
+    phases = {k: layer_phases(cfg, mesh, *k, batch, a, batch.exchange, dims) for k in kinds}
+    out: dict[str, float] = {"checkpoints": cfg.num_hidden_layers * t_l * cfg.hidden_size * a if batch.remat else 0.0,
+                             "batch_inputs": 3 * batch.num_micro * t_l * 4}
+    candidates = [terms for ph in phases.values() for terms in ph.values()]
+    candidates.append(head_terms(cfg, mesh, t_l, a, dims))
+    worst = max(candidates, key=lambda t: sum(t.values()))
+    if not batch.remat:
         for k, n in kinds.items():
-            for name, v in per_kind[k].items():
-                out[name] = out.get(name, 0.0) + n * v
-    out["head"] = t_l * (cfg.vocab_size / sz["tensor"]) * (a + 8)
-    out["batch_inputs"] = 4 * batch.num_micro * t_l * 4
+            out["layer_residuals"] = out.get("layer_residuals", 0.0) + n * max(
+                sum(t.values()) for t in phases[k].values()) / 2
+    out.update(worst)
     return out
+
+
+def memory_phases(cfg: M3Config, mesh: MeshConfig, batch: Batch, master: str = "fp32",
+                  moment_dtype: str = "float32", rules=None, act_bytes: int | None = None
+                  ) -> dict[str, dict[str, float]]:
+    """Per-device terms (bytes) of the two peaks of a step, each with its 'total':
+
+        backward  the train state with one micro-batch's gradient + `activation_bytes`
+        update    the train state without it + `update_temporaries` (the optimizer step)
+    Activations are in the param dtype (bf16 unless master='none'); act_bytes overrides that (4 for
+    XLA:CPU, which computes bf16 arithmetic in fp32 and so holds fp32-sized activations)."""
+    a = act_bytes or (4 if master == "none" else 2)
+    state = state_bytes(cfg, mesh, master, moment_dtype, rules)
+    backward = {**state, **{f"act:{k}": v for k, v in activation_bytes(cfg, mesh, batch, a, rules).items()}}
+    update = {**{k: v for k, v in state.items() if k != "micro_gradient"},
+              "update_temporaries": update_temporaries(cfg, mesh, rules)}
+    for terms in (backward, update):
+        terms["total"] = sum(terms.values())
+    return {"backward": backward, "update": update}
 
 
 def memory_plan(cfg: M3Config, mesh: MeshConfig, batch: Batch, master: str = "fp32",
-                moment_dtype: str = "float32", rules=None) -> dict[str, float]:
-    """All per-device terms (bytes): the train state (`state_bytes`) + activations (`activation_bytes`),
-    with 'total' their sum. Activations are in the param dtype (bf16 unless master='none')."""
-    a = 4 if master == "none" else 2
-    out = {**state_bytes(cfg, mesh, master, moment_dtype, rules),
-           **{f"act:{k}": v for k, v in activation_bytes(cfg, mesh, batch, a, rules).items()}}
-    out["total"] = sum(out.values())
-    return out
+                moment_dtype: str = "float32", rules=None, act_bytes: int | None = None) -> dict[str, float]:
+    """The terms of the larger of the step's two peaks (`memory_phases`); they sum to 'total'."""
+    phases = memory_phases(cfg, mesh, batch, master, moment_dtype, rules, act_bytes)
+    return max(phases.values(), key=lambda t: t["total"])
