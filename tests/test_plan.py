@@ -135,3 +135,14 @@ def test_real_m3_on_recipe_mesh():
     before = dataclasses.replace(job, master="fp32", model_options={"attention_query_chunk": 0,
                                                                     "moe_capacity_factor": None})
     assert verdict(plan(before, Hardware())["memory"], 80).startswith("DOES NOT FIT")
+
+
+@pytest.mark.parametrize("recipe,total_gb", [("m3-1node-h200.yaml", 70.35), ("m3-1node-h200-128e.yaml", 114.96)])
+def test_one_node_recipes_fit_an_h200_and_the_release_does_not(recipe, total_gb):
+    job = load_job(f"configs/recipes/{recipe}", [], None)
+    assert invalid_reason(job) is None
+    mem = plan(job, Hardware())["memory"]
+    assert abs(mem["total"] / GB - total_gb) < 0.01 and verdict(mem, 141).startswith("FITS")  # recorded in the file
+    release = load_job(f"configs/recipes/{recipe}", [], "release")
+    assert release.mesh.num_devices == 8
+    assert verdict(plan(release, Hardware())["memory"], 141).startswith("DOES NOT FIT")  # 806.5 GB per GPU

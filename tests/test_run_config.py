@@ -18,7 +18,8 @@ from rl.config import ConfigError, RunConfig, load_config, to_yaml
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
 TINY = CONFIGS / "tiny.yaml"
-ONE_NODE = CONFIGS / "m3-1node-h200.yaml"
+ONE_NODE = CONFIGS / "recipes" / "m3-1node-h200.yaml"
+ONE_NODE_128E = CONFIGS / "recipes" / "m3-1node-h200-128e.yaml"
 RECIPE = CONFIGS / "recipes" / "m3-32node.yaml"
 
 
@@ -57,13 +58,14 @@ def test_every_shipped_config_loads(recipe_paths):
     one = load_config(ONE_NODE)
     recipe = load_config(RECIPE, recipe_paths)
     tiny_vllm = load_config(CONFIGS / "tiny-vllm.yaml")
-    for cfg in (tiny, one, recipe, tiny_vllm):
+    one_128e = load_config(ONE_NODE_128E)
+    for cfg in (tiny, one, recipe, tiny_vllm, one_128e):
         assert isinstance(cfg, RunConfig)
     assert tiny_vllm.generation.backend == "vllm" and tiny_vllm.generation.vllm_servers == 2
     assert set(tiny_vllm.model.tiny["layer_types"]) == {"full_attention"}  # vLLM's CPU path has no sparse layers
     shipped = {p.relative_to(CONFIGS).as_posix() for p in CONFIGS.rglob("*.yaml")}
-    assert shipped == {"base.yaml", "tiny.yaml", "tiny-vllm.yaml", "m3-1node-h200.yaml",
-                       "recipes/m3-32node.yaml"}, \
+    assert shipped == {"base.yaml", "tiny.yaml", "tiny-vllm.yaml", "recipes/m3-1node-h200.yaml",
+                       "recipes/m3-1node-h200-128e.yaml", "recipes/m3-32node.yaml"}, \
         "a new shipped config needs a load test"
     # base.yaml is a template: it asks for a model and a reward, and nothing else
     msg = load_error(CONFIGS / "base.yaml")
@@ -117,8 +119,10 @@ def test_recipe_holds_the_production_values(recipe_paths):
     assert m.num_devices == 128 and m.context == 8 and m.expert_parallel == 128
     assert m.expert_axes == ("data", "context")
     assert (o.lr, o.weight_decay, o.warmup_steps, o.schedule) == (1e-6, 0.1, 10, "constant")
+    # §1's fp32 master, held compact: bf16 param + 16-bit remainder, bitwise the fp32 master's update
     assert (cfg.precision.master, cfg.precision.moment_dtype, cfg.precision.param_dtype) == \
-        ("fp32", "bfloat16", "bfloat16")
+        ("compact", "bfloat16", "bfloat16")
+    assert cfg.model.remat and cfg.model.attention_query_chunk == 512 and cfg.model.moe_capacity_factor is None
     assert (g.eps_low, g.eps_high, g.dual_clip) == (0.2, 0.28, 10.0)
     assert (g.is_correction, g.is_cap, g.is_level, g.kl, g.aggregation, g.advantage) == \
         ("truncate", 2.0, "token", "none", "token", "grpo")
@@ -163,7 +167,10 @@ def test_one_node_config_is_m3_shaped_and_fits_eight_devices():
             m3.num_experts_per_tok, m3.rotary_dim) == (3072, 12288, 3072, 4, 64)
     assert (m3.index_n_heads, m3.index_head_dim, m3.index_block_size, m3.index_topk_blocks) == (4, 128, 128, 16)
     assert m3.num_hidden_layers < 60 and m3.num_local_experts < 128
-    assert cfg.mesh.num_devices == 8 and cfg.precision.master == "fp32"
+    assert cfg.mesh.num_devices == 8 and cfg.precision.master == "compact"
+    wide = load_config(ONE_NODE_128E)
+    assert wide.model.m3_config().num_local_experts == 128 and wide.mesh == cfg.mesh
+    validate(wide.mesh.to_mesh_config(), wide.model.m3_config(), num_devices=8, seq_len=wide.generation.max_seq_len)
     validate(cfg.mesh.to_mesh_config(), m3, num_devices=8, seq_len=cfg.generation.max_seq_len,
              batch=cfg.grpo.micro_batch_size * cfg.mesh.data * cfg.mesh.expert)
     # the memory estimate in the file's comment: ~22.4 B parameters
