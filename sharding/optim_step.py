@@ -2,8 +2,8 @@
 
 Applying an optax chain to the whole parameter tree lets XLA hold fp32 temporaries (the master, Adam's
 fp32 moments, the update) of every leaf at once, and keep the old state beside the new one until the
-non-finite check selects between them: XLA:CPU measured 7-8 bytes per parameter on top of the train
-state for the compact and fp32 master modes (docs/planner.md), about 32 GB per GPU for the 32-node
+non-finite check selects between them: XLA:CPU measured 7.5-9.5 bytes per parameter on top of the
+train state (BENCHMARKS.md, scripts/bench_update_memory.py), about 32 GB per GPU for the 32-node
 recipe. Here every large leaf of a layer stack is updated in a `fori_loop` over its layers whose carry
 is the leaf and its state leaves, so each layer's slice is written back into the same (donated)
 buffers and the temporaries are those of one slice (`sharding.plan.memory.update_temporaries`).

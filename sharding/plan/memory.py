@@ -102,8 +102,9 @@ def state_bytes(cfg: M3Config, mesh: MeshConfig, master: str = "fp32", moment_dt
     return out
 
 
-# XLA:CPU's temporaries of the optimizer step (`sharding.optim_step`), bytes per element, measured on
-# M3-shaped models (docs/planner.md): leaves updated whole, and the largest layer slice of a sliced leaf.
+# XLA:CPU's temporaries of the optimizer step (`sharding.optim_step`), bytes per element, the largest of
+# four precision modes measured on an M3-shaped model (BENCHMARKS.md, scripts/bench_update_memory.py):
+# leaves updated whole, and the largest layer slice of a sliced leaf.
 UPDATE_BYTES_WHOLE, UPDATE_BYTES_SLICE = 12, 28
 
 
