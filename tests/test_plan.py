@@ -3,8 +3,6 @@ the abstract-mesh sharding check."""
 
 import dataclasses
 
-import dataclasses
-
 import jax
 import pytest
 
@@ -146,3 +144,62 @@ def test_one_node_recipes_fit_an_h200_and_the_release_does_not(recipe, total_gb)
     release = load_job(f"configs/recipes/{recipe}", [], "release")
     assert release.mesh.num_devices == 8
     assert verdict(plan(release, Hardware())["memory"], 141).startswith("DOES NOT FIT")  # 806.5 GB per GPU
+
+
+# ---- abstract-mesh sharding check (no devices), the sweep's exclusions on the real shapes, compile scaling
+
+def test_check_shardings_full_depth_release_on_1024_devices():
+    from sharding.plan.check import check_shardings
+    cfg = m3_release()
+    mesh = MeshConfig(16, 8, 8, 1, expert_axes=("data", "context"))
+    batch = Batch(1, 8192, 4, True, attention_query_chunk=512, moe_exchange="ragged")
+    r = check_shardings(cfg, mesh, batch, "compact", "bfloat16", model_options={"attention_query_chunk": 512})
+    assert r["problems"] == [] and r["lowered"] and r["arrays"] > 100
+    plan = memory_plan(cfg, mesh, batch, "compact", "bfloat16")
+    analytic_state = sum(plan[k] for k in ("params", "master", "moments", "buffers"))
+    assert abs(r["state_bytes"] - analytic_state) / analytic_state < 1e-3
+
+
+def test_check_shardings_reports_indivisible_arrays_and_unknown_logical_names(monkeypatch):
+    from sharding import rules
+    from sharding.plan.check import check_shardings
+    cfg, batch = m3_release(), Batch(1, 8192, 1, True)
+    # data x tensor = 256 does not divide the embedding's 200064 rows: the mesh rules and JAX both say so
+    r = check_shardings(cfg, MeshConfig(64, 1, 1, 4, expert_axes=("data", "context")), batch, lower=False)
+    assert any(p.startswith("mesh rules: parameter embed axis 'table_vocab'") for p in r["problems"])
+    assert any("['embed']" in p and "200064" in p for p in r["problems"]), r["problems"]
+    monkeypatch.setattr(rules, "RULES", tuple(row for row in rules.RULES if row[0] != "index_heads"))
+    r = check_shardings(cfg, MeshConfig(16, 8, 1, 1, expert_axes=("data", "context")), batch, lower=False)
+    assert r["problems"] and all("'index_heads' has no row" in p for p in r["problems"])
+
+
+@pytest.mark.parametrize("n", [128, 256])
+def test_every_mesh_the_sweep_keeps_passes_jax_sharding_checks(n, capsys):
+    """The sweep's valid rows hold up against JAX's own shard_shape check on an AbstractMesh (and the best
+    one lowers); every other (mesh, micro-batch) it tried is excluded with a reason."""
+    from sharding.plan.check import abstract_train_state, check_shardings
+    job = load_job("configs/recipes/m3-32node.yaml", [], "release")
+    rows, excluded = sweep(job, n, Hardware(), 80.0, None)
+    assert rows and all(why for *_, why in excluded)
+    state = abstract_train_state(job.model, job.master, job.moment_dtype, job.remat,
+                                 {"moe_exchange": "ragged", **job.model_options})
+    for i, (shape, mb, *_) in enumerate(rows):
+        mesh = dataclasses.replace(job.mesh, data=shape[0], context=shape[1], expert=shape[2], tensor=shape[3])
+        j = dataclasses.replace(job, mesh=mesh, micro_batch=mb)
+        r = check_shardings(j.model, j.mesh, j.batch, j.master, j.moment_dtype, lower=i == 0, state=state)
+        assert r["problems"] == [], (shape, mb, r["problems"])
+    tried = {(s, mb) for s, mb, *_ in rows} | {(s, mb) for s, mb, _ in excluded}
+    assert len(tried) == len(rows) + len(excluded)
+    if n == 256:  # the rule the named mesh checks missed before the per-parameter check
+        assert any("table_vocab" in why for *_, why in excluded)
+
+
+def test_depth_fit_scales_per_layer_and_skips_one_layer_scans():
+    from sharding.plan.compile import depth_fit
+    value = lambda d, m: 10.0 + 2.0 * d + 3.0 * m  # noqa: E731
+    results = [{"dense": d, "moe": m, "peak": value(d, m) + (50.0 if min(d, m) < 2 else 0.0)}
+               for d, m in ((1, 1), (2, 2), (3, 2), (2, 4))]
+    fit = depth_fit(results, "peak", (3, 57))
+    assert fit["per_dense"] == pytest.approx(2.0) and fit["per_moe"] == pytest.approx(3.0)
+    assert fit["full"] == pytest.approx(value(3, 57))
+    assert depth_fit(results[:3], "peak", (3, 57)) is None  # 2:2 and 3:2 alone cannot separate the kinds

@@ -27,13 +27,15 @@ def main():
     cfg = M3Config(**{**m, "eos_token_id": tuple(m["eos_token_id"]) if isinstance(m["eos_token_id"], list)
                       else m["eos_token_id"]})
     mesh = MeshConfig(**{**spec["mesh"], "expert_axes": tuple(spec["mesh"]["expert_axes"])})
-    batch = Batch(spec["micro_batch"], spec["seq_len"], 1, spec["remat"])
+    # The analytic side as XLA:CPU runs the model: the exchange the CPU picks (padded) unless the options
+    # name one, and fp32-sized activations (XLA:CPU computes bf16 arithmetic in fp32).
+    batch = Batch(spec["micro_batch"], spec["seq_len"], 1, spec["remat"], **(spec.get("model_options") or {}))
     out = []
     for n_dense, n_moe in spec["layer_sets"]:
         c = reduced(cfg, n_dense, n_moe)
         r = compile_step(c, mesh, batch, spec["master"], spec["moment_dtype"], spec.get("model_options"))
-        plan = memory_plan(c, mesh, batch, spec["master"], spec["moment_dtype"])
-        r.update(dense=n_dense, moe=n_moe, analytic=plan["total"],
+        plan = memory_plan(c, mesh, batch, spec["master"], spec["moment_dtype"], act_bytes=4)
+        r.update(dense=n_dense, moe=n_moe, analytic=plan["total"], exchange=batch.exchange,
                  analytic_state=sum(plan.get(k, 0.0) for k in STATE_TERMS))
         out.append(r)
         print(f"compiled {n_dense}+{n_moe} layers on {r['devices']} devices: lower {r['lower_s']:.0f} s, "

@@ -101,8 +101,10 @@ def depth_fit(results: list, key: str, full: tuple[int, int]) -> dict | None:
             "full": coef[0] + coef[1] * full[0] + coef[2] * full[1]}
 
 
-def print_compile(job, results: list, analytic_full: float) -> None:
-    """XLA's per-device figures next to the analytic plan at each reduced depth, then both scaled per layer."""
+def print_compile(job, results: list, gpu_plan_full: float) -> None:
+    """XLA's per-device figures next to the analytic plan of the same model as XLA:CPU runs it, at each
+    reduced depth, then both scaled per layer to the full depth; `gpu_plan_full` is the plan of the full
+    model on the GPU (ragged exchange, bf16 activations), for reference."""
     print(f"  {'dense+moe':>9s} {'XLA peak':>9s} {'args':>7s} {'temp':>7s} {'analytic':>9s} {'state':>7s} "
           f"{'an/XLA':>6s} {'lower':>6s} {'compile':>7s}   (GB; XLA args = state + batch; s)")
     for r in results:
@@ -117,6 +119,7 @@ def print_compile(job, results: list, analytic_full: float) -> None:
         return
     print(f"  per layer: first kind XLA {xla['per_dense'] / GB:.4g} GB vs analytic {ana['per_dense'] / GB:.4g} GB; "
           f"second kind XLA {xla['per_moe'] / GB:.4g} GB vs analytic {ana['per_moe'] / GB:.4g} GB")
-    print(f"  full depth ({full[0]}+{full[1]} layers), scaled per layer: XLA {xla['full'] / GB:.4g} GB vs analytic "
-          f"{ana['full'] / GB:.4g} GB (analytic plan of the full model: {analytic_full / GB:.4g} GB; "
-          f"analytic/XLA {analytic_full / xla['full']:.2f})")
+    print(f"  full depth ({full[0]}+{full[1]} layers), scaled per layer: XLA:CPU {xla['full'] / GB:.4g} GB vs analytic "
+          f"{ana['full'] / GB:.4g} GB (analytic/XLA {ana['full'] / xla['full']:.2f})")
+    print(f"  (analytic as XLA:CPU runs it: {results[0]['exchange']} expert exchange, fp32-sized activations; "
+          f"the GPU plan of the full model: {gpu_plan_full / GB:.4g} GB)")
