@@ -1,10 +1,10 @@
-"""VLLMEngine with vLLM's multiprocess executor: tensor parallel 2 (with and without expert parallel) on
+"""VLLMEngine with vLLM's multiprocess executor: tensor parallel 2 with expert parallel 2 on
 CPU workers over gloo, the CPU patches applied in every worker through `worker_extension_cls`, and
 weight updates staged as safetensors under /dev/shm. Same tiny model and trainer reference as
 tests/test_vllm_engine.py.
 
-SLOW (~2 min on 2 busy cores): two engines (TP=2 without and with expert parallel), each spawning two
-worker processes (~2.5 GB RSS each) and taking ~30 s to start and ~10 s to shut down."""
+SLOW (~1 min on 2 busy cores): one TP=2 / EP=2 engine spawning two worker processes (~2.5 GB RSS each),
+~30 s to start and ~10 s to shut down."""
 
 import os
 import time
@@ -29,7 +29,9 @@ def models(tmp_path_factory):
     return a, b, path
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["tp2", "tp2-ep2"])
+# TP 2 without expert parallel passed too (logprobs within 2.0e-5, docs/vllm.md); only the recipe's shape
+# (TP = EP) runs here, since each engine costs ~40 s of the suite on 2 cores.
+@pytest.fixture(scope="module", params=[2], ids=["tp2-ep2"])
 def engine(request, models):
     t0 = time.perf_counter()
     eng = VLLMEngine(models[2], dtype="float32", seed=0, max_model_len=128, tensor_parallel=2,
