@@ -126,11 +126,14 @@ def chunked_attention(q, k, v, positions, key_valid, iq, ik, cfg, chunk: int, n_
     cotangents of scan constants accumulate in their dtype, so dK and dV sum over blocks in fp32.
     Padded query rows (S_l not a multiple of chunk) sit at position 0 and are dropped from the output."""
     s = q.shape[1]
-    k, v = constrain(k, ("act_batch", None, "act_kv_heads", None)), constrain(v, ("act_batch", None, "act_kv_heads", None))
+    local, gathered = ("act_batch", "act_seq", "act_kv_heads", None), ("act_batch", None, "act_kv_heads", None)
+    # Projected on each context shard, then gathered: constraining only the gathered layout lets the
+    # partitioner gather the (12x wider) hidden state instead and project the whole sequence everywhere.
+    k, v = (constrain(constrain(t, local), gathered) for t in (k, v))
     dtype = k.dtype
     k32, v32 = k.astype(jnp.float32), v.astype(jnp.float32)
     if ik is not None:
-        ik = constrain(ik, ("act_batch", None, None))
+        ik = constrain(constrain(ik, local[:2] + (None,)), ("act_batch", None, None))
     xs = (_to_chunks(q, n_ctx, chunk), _to_chunks(positions, n_ctx, chunk),
           None if iq is None else _to_chunks(iq, n_ctx, chunk))
 
