@@ -60,16 +60,17 @@ MEM = M3Config(vocab_size=512, hidden_size=128, num_hidden_layers=3, num_attenti
                index_head_dim=32, index_block_size=16, index_topk_blocks=2)
 
 
-@pytest.mark.parametrize("chunk", [0, 32], ids=["unchunked", "chunk32"])
+@pytest.mark.parametrize("master,chunk", [("fp32", 0), ("fp32", 32), ("none", 32)],
+                         ids=["bf16-unchunked", "bf16-chunk32", "fp32-chunk32"])
 @pytest.mark.parametrize("shape", [(8, 1, 1, 1), (2, 2, 1, 2), (2, 4, 1, 1)])
-def test_memory_matches_xla(shape, chunk):
-    """bf16 params + fp32 master. XLA:CPU computes bf16 arithmetic in fp32, so its activations are
-    fp32-sized: the analytic side counts activations at 4 bytes here (a GPU plan counts 2)."""
+def test_memory_matches_xla(shape, master, chunk):
+    """XLA:CPU computes bf16 arithmetic in fp32, so its activations are fp32-sized whatever the param
+    dtype: the analytic side counts activations at 4 bytes here (a GPU plan counts 2 for bf16)."""
     from sharding.plan.compile import compile_step
     assert len(jax.devices()) >= 8
     mesh, batch = MeshConfig(*shape), Batch(1, 256, 1, True, attention_query_chunk=chunk)
-    xla = compile_step(MEM, mesh, batch, "fp32", "float32", batch.model_options())
-    analytic = memory_plan(MEM, mesh, batch, "fp32", "float32", act_bytes=4)
+    xla = compile_step(MEM, mesh, batch, master, "float32", batch.model_options())
+    analytic = memory_plan(MEM, mesh, batch, master, "float32", act_bytes=4)
     state = sum(analytic[k] for k in ("params", "master", "moments", "buffers"))
     assert abs(state - xla["argument"]) / xla["argument"] < 0.05  # the train state is exact up to the batch
     assert abs(analytic["total"] - xla["peak"]) / xla["peak"] < 0.30, (analytic["total"], xla)
