@@ -126,6 +126,7 @@ class _Slot:
     version: int = 0
     ready: bool = False  # __init__ finished (the engine is built)
     restarts: int = 0
+    probe: object = None  # an outstanding health call while the engine is starting
 
 
 class VLLMPool:
@@ -172,7 +173,7 @@ class VLLMPool:
             ray.kill(slot.actor, no_restart=True)
         except Exception:  # noqa: BLE001 - already gone
             pass
-        slot.ready = False
+        slot.ready, slot.probe = False, None
         if self.restarts >= self.cfg.max_restarts:
             slot.actor = None
             return
@@ -181,17 +182,21 @@ class VLLMPool:
         slot.actor, slot.version = self._spawn(slot.rank), 0  # it loads the on-disk checkpoint (version 0)
 
     def _refresh(self) -> None:
-        """Probe engines that are starting or suspect; mark ready the ones that answer."""
+        """Mark ready the starting engines whose health probe has answered, without waiting for the
+        others (a rollout loop calls this between chunks while a replacement builds its engine)."""
         import ray
 
         for s in self.slots:
             if s.actor is None or s.ready:
                 continue
+            if s.probe is None:
+                s.probe = s.actor.health.remote()
+            done, _ = ray.wait([s.probe], timeout=0)
+            if not done:
+                continue  # still building its engine
+            probe, s.probe = s.probe, None
             try:
-                h = ray.get(s.actor.health.remote(), timeout=0.5)
-                s.ready, s.version = True, h["version"]
-            except ray.exceptions.GetTimeoutError:
-                pass  # still building its engine
+                s.ready, s.version = True, ray.get(probe)["version"]
             except Exception as e:  # noqa: BLE001 - died while starting
                 self._replace(s, f"died while starting: {e}")
 
