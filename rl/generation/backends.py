@@ -6,15 +6,12 @@ is constructed from a run config (architecture.md: the trainer never imports vLL
 
 from __future__ import annotations
 
-import logging
 import os
 
 import numpy as np
 
 from rl.generation.base import SamplingParams
 from rl.generation.jax_engine import JaxEngine
-
-log = logging.getLogger(__name__)
 
 
 def make_generator(cfg, graphdef, state, *, pad_id: int, run_dir: str):
@@ -33,7 +30,7 @@ def make_generator(cfg, graphdef, state, *, pad_id: int, run_dir: str):
         # A freshly initialised model: the engines start from an export of exactly these weights.
         model_dir = os.path.join(run_dir, "vllm-initial")
         m3jax.save_pretrained(nnx.merge(graphdef, state.params, state.rest), model_dir, layout="released")
-    dtype = g.vllm_dtype if g.vllm_dtype != "auto" else str(np.dtype(cfg.precision.param_dtype))
+    dtype = g.vllm_dtype if g.vllm_dtype != "auto" else cfg.precision.param_dtype  # "float32" | "bfloat16"
     pool_cfg = PoolConfig(model_dir=model_dir, servers=g.vllm_servers, tensor_parallel=g.vllm_tensor_parallel,
                           expert_parallel=g.vllm_expert_parallel,
                           gpu_memory_utilization=g.vllm_gpu_memory_utilization,
