@@ -13,7 +13,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from rl.generation.base import Rollout
-from rl.generation.transfer import TransferStats
+from rl.generation.transfer import TransferStats, model_tensors
 
 
 def _from_zero(value):
@@ -38,12 +38,7 @@ class ProcessZeroPool:
         return Rollout([list(p) for p in prompts], tokens, logprobs, lengths, truncated.astype(bool), int(version))
 
     def set_weights(self, params, version: int, rest=None) -> TransferStats:
-        from flax import nnx
-
-        from m3jax.hf.save import hf_tensors
-
-        model = nnx.merge(self.graphdef, params, rest) if rest is not None else nnx.merge(self.graphdef, params)
-        tensors = hf_tensors(model, self.layout)  # a collective on a multi-host mesh: everyone iterates
+        tensors = model_tensors(self.graphdef, params, rest, self.layout)  # a collective: everyone iterates
         if self.is_zero:
             s = self.pool.push(tensors, version)
             figures = np.array([s.bytes, s.buckets, s.tensors, s.convert_s, s.send_s, s.apply_s, s.total_s], np.float64)

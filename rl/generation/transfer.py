@@ -61,6 +61,17 @@ def checksum(array: np.ndarray) -> int:
     return zlib.crc32(flat.view(np.uint8)) if flat.size else 0
 
 
+def model_tensors(graphdef, params, rest=None, layout: str = "released") -> Iterator[tuple[str, np.ndarray]]:
+    """The trainer's parameters as HF-named host arrays, through `hf_tensors` (what `save_pretrained`
+    writes). On a multi-host mesh iterating it is a collective: every process must drain it."""
+    from flax import nnx
+
+    from m3jax.hf.save import hf_tensors
+
+    model = nnx.merge(graphdef, params, rest) if rest is not None else nnx.merge(graphdef, params)
+    return hf_tensors(model, layout)
+
+
 def make_buckets(named_arrays: Iterable[tuple[str, np.ndarray]], bucket_bytes: int, version: int) -> Iterator[Bucket]:
     """Group tensors, in order, into buckets of at most `bucket_bytes` (a larger tensor travels alone)."""
     if bucket_bytes < 1:

@@ -26,7 +26,8 @@ import jax
 import numpy as np
 
 from rl.generation.base import Rollout, SamplingParams
-from rl.generation.transfer import RayObjectStoreTransport, StagedUpdate, TransferError, TransferStats
+from rl.generation.transfer import (RayObjectStoreTransport, StagedUpdate, TransferError, TransferStats,
+                                    model_tensors)
 
 log = logging.getLogger(__name__)
 
@@ -309,14 +310,9 @@ class VLLMPool:
     # ---------------------------------------------------------------------------------- weights
     def set_weights(self, params, version: int, rest=None) -> TransferStats:
         """Convert the trainer's params to HF-named tensors and commit them on every live engine."""
-        from flax import nnx
-
-        from m3jax.hf.save import hf_tensors
-
         if self.graphdef is None:
             raise PoolError("VLLMPool needs the model graphdef to convert parameters")
-        model = nnx.merge(self.graphdef, params, rest) if rest is not None else nnx.merge(self.graphdef, params)
-        return self.push(hf_tensors(model, self.layout), version)
+        return self.push(model_tensors(self.graphdef, params, rest, self.layout), version)
 
     def push(self, named_arrays, version: int) -> TransferStats:
         """Send HF-named tensors as weight `version`; on TransferError every engine keeps its version."""
