@@ -20,12 +20,10 @@ import logging
 import os
 from typing import Any
 
-log = logging.getLogger(__name__)
+from m3jax.model.specs import (DENSE_MLP, FULL_ATTENTION, MOE_MLP, SPARSE_ATTENTION,  # noqa: F401 (public here too)
+                               layer_param_specs, top_param_specs)
 
-FULL_ATTENTION = "full_attention"
-SPARSE_ATTENTION = "minimax_m3_sparse"
-DENSE_MLP = "dense"
-MOE_MLP = "sparse"
+log = logging.getLogger(__name__)
 
 # Keys HF writes for bookkeeping or training-only features that do not change the forward pass.
 _BOOKKEEPING = {
@@ -121,6 +119,29 @@ class M3Config:
     @property
     def has_moe(self) -> bool:
         return MOE_MLP in self.mlp_layer_types
+
+    # ------------------------------------------------ what a mesh needs to know (sharding.mesh.ShardedModel)
+    def param_specs(self) -> dict:
+        """Every parameter's shape and logical axes, by name (per scanned stack: "{attn}/{mlp}/{param}")."""
+        specs = dict(top_param_specs(self))
+        for attn, mlp, _ in self.segments():
+            specs.update({f"{attn}/{mlp}/{n}": s for n, s in layer_param_specs(self, attn, mlp).items()})
+        return specs
+
+    def mesh_fields(self) -> list[tuple[str, int, str]]:
+        """(field, value, logical axis): fields that must divide into that axis's shards, named in errors."""
+        fields = [("num_local_experts", self.num_local_experts, "experts")] if self.has_moe else []
+        fields += [("num_key_value_heads", self.num_key_value_heads, "kv_heads"),  # then the query heads divide too
+                   ("intermediate_size", self.intermediate_size, "expert_mlp"),
+                   ("dense_intermediate_size", self.dense_intermediate_size, "mlp"),
+                   ("shared_intermediate_size", self.shared_intermediate_size, "mlp"),
+                   ("vocab_size", self.vocab_size, "vocab"),
+                   ("hidden_size", self.hidden_size, "embed")]
+        return fields
+
+    def context_block_size(self) -> int:
+        """Context shards hold whole indexer blocks (the indexer pools scores per block)."""
+        return self.index_block_size if self.has_sparse_attention else 1
 
     def segments(self) -> list[tuple[str, str, list[int]]]:
         """Maximal runs of consecutive layers with the same (attention, mlp) kind.

@@ -9,7 +9,6 @@ uninterrupted one would have done.
 from __future__ import annotations
 
 import datetime
-import functools
 import logging
 import os
 import time
@@ -27,15 +26,16 @@ from rl.data import PromptLoader, load_prompts, render_prompt
 from rl.generation import backends
 from rl.generation.backends import sampling_of
 from rl.generation.base import token_logprobs
+from rl.logprobs import make_logprob_pass
 from rl.grpo import advantages as adv_lib
 from rl.grpo.batch import build_train_batch, split_micro
 from rl.grpo.loss import generation_mismatch_metrics, grpo_loss, normalizer
 from rl.observe import RunLogger, plot_run
 from rl.rewards.registry import score_batch
 from rl.tasks import make_task
-from sharding import precision
+from sharding import optim_step
 from sharding.mesh import build_mesh
-from sharding.rules import rules_for, set_rules
+from sharding.layout import Layout
 from sharding.train_step import init_state, make_train_step, state_shardings
 
 log = logging.getLogger(__name__)
@@ -86,25 +86,26 @@ class GRPOTrainer:
         cfg = self.cfg
         dtype = jnp.dtype(cfg.precision.param_dtype)
         m = cfg.mesh
-        set_rules(rules_for(tuple(m.expert_axes)))  # where the experts live is the run's choice
-        self.mesh = None if m.num_devices == 1 else build_mesh(m.to_mesh_config(), cfg.model.m3_config(),
-                                                               seq_len=self.width - 1)
+        # The run's layout (mesh + rules, experts on mesh.expert_axes) travels with the model.
+        self.layout = Layout() if m.num_devices == 1 else build_mesh(m.to_mesh_config(), cfg.model.m3_config(),
+                                                                     seq_len=self.width - 1)
+        self.mesh = self.layout.mesh
         if cfg.model.path:
-            model = m3jax.from_pretrained(cfg.model.path, dtype=dtype, mesh=self.mesh, **cfg.model.model_options())
+            model = m3jax.from_pretrained(cfg.model.path, dtype=dtype, mesh=self.layout, **cfg.model.model_options())
         else:
             model = m3jax.M3ForCausalLM(cfg.model.m3_config(), dtype=dtype, rngs=nnx.Rngs(cfg.model.init_seed),
-                                        **cfg.model.model_options())
+                                        layout=self.layout, **cfg.model.model_options())
         self.model_cfg = model.cfg
         self.sampling = sampling_of(cfg, model.cfg.eos_token_id)
         o = cfg.optim
-        self.optimizer = precision.adamw(learning_rate(cfg), b1=o.b1, b2=o.b2, eps=o.eps,
+        self.optimizer = optim_step.adamw(learning_rate(cfg), b1=o.b1, b2=o.b2, eps=o.eps,
                                          weight_decay=o.weight_decay, clip_norm=o.clip_norm,
                                          moment_dtype=jnp.dtype(cfg.precision.moment_dtype),
                                          master=cfg.precision.master)
         self.graphdef, self.state = init_state(model, self.optimizer)
         self.shardings = None
         if self.mesh is not None:
-            self.shardings = state_shardings(self.mesh, self.state)
+            self.shardings = state_shardings(self.layout, self.state)
             self.state = jax.device_put(self.state, self.shardings)
         self.ref_params = (jax.tree.map(jnp.copy, self.state.params) if self.loss_cfg.kl != "none" else None)
         sp, loss_cfg = self.sampling, self.loss_cfg
@@ -116,8 +117,9 @@ class GRPOTrainer:
                              mb.get("logp_ref"))
 
         self.train_step = make_train_step(
-            self.graphdef, self.optimizer, loss_fn, mesh=self.mesh, shardings=self.shardings,
+            self.graphdef, self.optimizer, loss_fn, mesh=self.layout, shardings=self.shardings,
             normalizer=lambda b: normalizer(b["loss_mask"].reshape(-1, b["loss_mask"].shape[-1]), loss_cfg))
+        self.logprobs = make_logprob_pass(self.graphdef, self.sampling, self.layout)
         self.engine = backends.make_generator(cfg, self.graphdef, self.state, pad_id=self.pad_id, run_dir=self.run_dir)
         g = cfg.generation
         self.probes = None
@@ -127,18 +129,6 @@ class GRPOTrainer:
                                                    g.max_seq_len - half)
 
     # ------------------------------------------------------------------------------------ phases
-    @functools.partial(jax.jit, static_argnums=(0,))
-    def _logprobs(self, params, rest, batch):
-        """Per-token logp of every target under the sampling transform, micro-batch by micro-batch."""
-        model = nnx.merge(self.graphdef, params, rest)
-        sp = self.sampling
-
-        def one(mb):
-            logits = model(mb["input_ids"], attention_mask=mb["attention_mask"])
-            return token_logprobs(logits, mb["targets"], sp.temperature, sp.top_p, sp.top_k)
-
-        return jax.lax.map(one, {k: batch[k] for k in ("input_ids", "attention_mask", "targets")})
-
     def _rewards(self, completions, answers, truncated) -> tuple[np.ndarray, int]:
         total, failures = np.zeros(len(completions), np.float32), 0
         extra = [{"truncated": bool(x)} for x in truncated]
@@ -181,9 +171,9 @@ class GRPOTrainer:
         per_rank = gcfg.micro_batch_size * cfg.mesh.data * cfg.mesh.expert
         num_micro = len(rows) // per_rank
         micro = split_micro(batch, num_micro)
-        micro["logp_old"] = self._logprobs(self.state.params, self.state.rest, micro)
+        micro["logp_old"] = self.logprobs(self.state.params, self.state.rest, micro)
         if self.ref_params is not None:
-            micro["logp_ref"] = self._logprobs(self.ref_params, self.state.rest, micro)
+            micro["logp_ref"] = self.logprobs(self.ref_params, self.state.rest, micro)
         jax.block_until_ready(micro["logp_old"])
         t["logprobs"] = time.perf_counter()
 
@@ -241,7 +231,7 @@ class GRPOTrainer:
             prompts, responses = self.probes
             engine_lp = self.engine.score(prompts, responses, self.sampling)
             batch = backends.probe_batch(prompts, responses, self.width, self.pad_id)
-            trainer_lp = np.asarray(self._logprobs(self.state.params, self.state.rest, batch))[0]
+            trainer_lp = np.asarray(self.logprobs(self.state.params, self.state.rest, batch))[0]
             diff = backends.probe_max_abs_diff(engine_lp, trainer_lp, prompts)
             out["transfer/probe_max_abs_logprob_diff"] = diff
             out["transfer/probe_engines"] = len(engine_lp)

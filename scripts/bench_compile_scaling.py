@@ -1,6 +1,6 @@
 """Compile time of the real M3 train step (release widths, reduced depth) vs the number of simulated devices.
 
-Each device count runs in its own Python process (`sharding.plan.compile.compile_reduced`): the CPU
+Each device count runs in its own Python process (`m3jax.plan.compile.compile_reduced`): the CPU
 device count is fixed when jax is imported. The mesh keeps the 32-node recipe's layout, context 8 and
 data N / 8 with the experts over data x context, so every device holds 1024 tokens of one sequence;
 at 256 devices EP stays at 128 (the release has 128 experts) and the extra factor 2 goes to the
@@ -27,9 +27,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from sharding.plan.__main__ import load_job  # noqa: E402
-from sharding.plan.compile import compile_reduced  # noqa: E402
-from sharding.plan.memory import GB  # noqa: E402
+from m3jax.plan.__main__ import load_job  # noqa: E402
+from m3jax.plan.compile import compile_reduced  # noqa: E402
+from m3jax.plan.memory import GB  # noqa: E402
 
 RECIPE = "configs/recipes/m3-32node.yaml"
 

@@ -1,6 +1,6 @@
 """Persistent training-state bytes per parameter for each precision mode of `sharding.precision`.
 
-A tiny random M3 (`M3ForCausalLM(cfg, dtype=..., rngs=nnx.Rngs(0))`: 1 full-attention dense layer, then
+A tiny random M3 (`m3jax.tiny.m3_model(m3_config(...), dtype=...)`: 1 full-attention dense layer, then
 3 sparse-attention MoE layers) is split into a TrainState with `sharding.train_step.init_state` for each
 mode below; the bytes are summed over the ACTUAL arrays of `state.params` + `state.opt_state` (nbytes of
 every leaf), leaving out scalar counters (Adam's step count, and the TrainState's step / skipped), and
@@ -39,8 +39,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from m3jax import M3Config, M3ForCausalLM  # noqa: E402
-from sharding import precision  # noqa: E402
+from m3jax import M3Config  # noqa: E402
+from m3jax.tiny import m3_config, m3_model  # noqa: E402
+from sharding import optim_step, precision  # noqa: E402
 from sharding.train_step import init_state, make_train_step  # noqa: E402
 
 MODES = [  # name, param dtype, master, moment dtype, expected B/param, note
@@ -54,13 +55,7 @@ MODES = [  # name, param dtype, master, moment dtype, expected B/param, note
 
 
 def tiny_cfg(hidden: int = 128, experts: int = 8) -> M3Config:
-    return M3Config(
-        vocab_size=512, hidden_size=hidden, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=32, intermediate_size=64, dense_intermediate_size=256, shared_intermediate_size=64,
-        num_local_experts=experts, num_experts_per_tok=2,
-        layer_types=("full_attention",) + ("minimax_m3_sparse",) * 3, mlp_layer_types=("dense",) + ("sparse",) * 3,
-        partial_rotary_factor=0.5, index_n_heads=2, index_head_dim=32, index_block_size=16, index_topk_blocks=2,
-        bos_token_id=1, eos_token_id=2)
+    return m3_config(hidden_size=hidden, num_local_experts=experts)  # 4 layers: full + dense, 3 x sparse + MoE
 
 
 def leaves_with_path(tree):
@@ -102,8 +97,8 @@ def main():
           f"{cfg.vocab_size}")
     rows = []
     for name, dtype, master, mom, expected, note in MODES:
-        model = M3ForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0))
-        opt = precision.adamw(1e-3, weight_decay=0.1, moment_dtype=mom, master=master)
+        model = m3_model(cfg, seed=0, dtype=dtype)
+        opt = optim_step.adamw(1e-3, weight_decay=0.1, moment_dtype=mom, master=master)
         graphdef, state = init_state(model, opt)
         n = sum(x.size for x in jax.tree.leaves(state.params))
         n_router = sum(x.size for p, x in leaves_with_path(state.params) if "'router'" in p)

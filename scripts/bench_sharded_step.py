@@ -1,7 +1,7 @@
 """Train-step time of a small M3: one device vs 8 simulated CPU devices on several meshes, side by side.
 
 One process, one config, one batch: the jitted `sharding.train_step.make_train_step` (AdamW through
-`sharding.precision.adamw`, clipping, donation) of a random-init small M3 (hidden 128, 4 layers: 1
+`sharding.optim_step.adamw`, clipping, donation) of a random-init small M3 (hidden 128, 4 layers: 1
 full-attention dense layer + 3 sparse-attention (indexer) MoE layers with 8 experts, top-2) on
   - 1 device (no mesh: plain jit, everything on device 0), and
   - 8 devices (`--xla_force_host_platform_device_count=8`) with MeshConfig (data, context, expert, tensor)
@@ -37,10 +37,10 @@ sys.path.insert(0, ROOT)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
 
-from m3jax import M3Config, M3ForCausalLM  # noqa: E402
-from sharding import precision  # noqa: E402
+from m3jax import M3Config  # noqa: E402
+from m3jax.tiny import m3_config, m3_model  # noqa: E402
+from sharding import optim_step  # noqa: E402
 from sharding.mesh import MeshConfig, build_mesh  # noqa: E402
 from sharding.train_step import init_state, make_train_step, state_shardings  # noqa: E402
 
@@ -48,13 +48,8 @@ MESHES = [(8, 1, 1, 1), (2, 2, 2, 1), (1, 2, 2, 2)]
 
 
 def small_cfg(hidden: int) -> M3Config:
-    return M3Config(
-        vocab_size=1024, hidden_size=hidden, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=32, intermediate_size=128, dense_intermediate_size=512, shared_intermediate_size=128,
-        num_local_experts=8, num_experts_per_tok=2,
-        layer_types=("full_attention",) + ("minimax_m3_sparse",) * 3, mlp_layer_types=("dense",) + ("sparse",) * 3,
-        partial_rotary_factor=0.5, index_n_heads=2, index_head_dim=32, index_block_size=16, index_topk_blocks=2,
-        bos_token_id=1, eos_token_id=2)
+    # 4 layers: full attention + dense MLP, then 3 x sparse attention + MoE (8 experts, top-2)
+    return m3_config(vocab_size=1024, hidden_size=hidden, intermediate_size=128, dense_intermediate_size=512)
 
 
 def make_batch(cfg, micro: int, batch: int, seq: int, seed: int = 0):
@@ -84,8 +79,8 @@ def main():
     assert len(jax.devices()) == 8, jax.devices()
     cfg = small_cfg(args.hidden)
     dtype = jnp.dtype(args.dtype)
-    opt = (precision.adamw(1e-3, weight_decay=0.1, master="none") if dtype == jnp.float32 else
-           precision.adamw(1e-3, weight_decay=0.1, moment_dtype=jnp.bfloat16, master="compact"))
+    opt = (optim_step.adamw(1e-3, weight_decay=0.1, master="none") if dtype == jnp.float32 else
+           optim_step.adamw(1e-3, weight_decay=0.1, moment_dtype=jnp.bfloat16, master="compact"))
     batch = make_batch(cfg, args.micro, args.batch, args.seq)
     print(f"jax {jax.__version__}, {len(jax.devices())} simulated {jax.default_backend()} devices on {n_cpus()} "
           f"CPU cores, load avg {os.getloadavg()[0]:.2f}")
@@ -96,7 +91,8 @@ def main():
 
     contestants = {}  # name -> [step_fn, state, batch]
     for shape in [None] + MESHES:
-        model = M3ForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0))
+        layout = None if shape is None else build_mesh(MeshConfig(*shape), cfg, seq_len=args.seq, batch=args.batch)
+        model = m3_model(cfg, seed=0, dtype=dtype, layout=layout)
         graphdef, state = init_state(model, opt)
         if shape is None:
             name = "1 device"
@@ -104,9 +100,8 @@ def main():
             state = jax.device_put(state, jax.devices()[0])
         else:
             name = f"8 dev {shape}"
-            mesh = build_mesh(MeshConfig(*shape), cfg, seq_len=args.seq, batch=args.batch)
-            sh = state_shardings(mesh, state)
-            step, b = make_train_step(graphdef, opt, mesh=mesh, shardings=sh), batch
+            sh = state_shardings(layout, state)
+            step, b = make_train_step(graphdef, opt, mesh=layout, shardings=sh), batch
             state = jax.device_put(state, sh)
         t0 = time.perf_counter()
         state, metrics = step(state, b)

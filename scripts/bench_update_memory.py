@@ -1,5 +1,5 @@
 """XLA:CPU temporaries of the optimizer step: the whole-tree optax update vs `sharding.optim_step`'s
-in-place update layer slice by layer slice (the constants of `sharding.plan.memory.update_temporaries`).
+in-place update layer slice by layer slice (the constants of `m3jax.plan.memory.update_temporaries`).
 
     .venv/bin/python scripts/bench_update_memory.py
 
@@ -19,7 +19,7 @@ from flax import nnx
 
 from m3jax.config import M3Config
 from m3jax.model.decoder import M3ForCausalLM
-from sharding import precision
+from sharding import optim_step, precision
 from sharding.train_step import TrainState
 
 
@@ -33,7 +33,7 @@ def model(vocab: int, n_moe: int) -> M3Config:
 
 
 def temp_bytes(cfg: M3Config, master: str, moments: str, sliced: bool) -> tuple[float, int]:
-    opt = precision.adamw(1e-6, moment_dtype=jnp.dtype(moments), master=master, weight_decay=0.1)
+    opt = optim_step.adamw(1e-6, moment_dtype=jnp.dtype(moments), master=master, weight_decay=0.1)
     abstract = nnx.eval_shape(lambda: M3ForCausalLM(cfg, dtype=precision.param_dtype(master), rngs=nnx.Rngs(0)))
     _, params, rest = nnx.split(abstract, nnx.Param, ...)
     scalar = jax.ShapeDtypeStruct((), jnp.int32)

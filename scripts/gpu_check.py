@@ -8,7 +8,7 @@ Prints one JSON line per check; keep the output with BENCHMARKS.md. Checks:
 2. parity: the tiny model's logits on the accelerator vs on the CPU (same params), fp32;
 3. MFU: a jitted train step (bf16 + compact master + bf16 moments, remat) of an M3-shaped model at the
    real widths (d 6144, 64 heads x 128, 4 KV heads, experts of 3072) with few layers and experts so it
-   fills one GPU; MFU = model FLOPs (sharding.plan.flops.step_flops) / (step time x peak FLOP/s);
+   fills one GPU; MFU = model FLOPs (m3jax.plan.flops.step_flops) / (step time x peak FLOP/s);
 4. MoE: grouped expert matmuls (ragged_dot) vs every expert on every token, same routing, timed.
 """
 
@@ -26,9 +26,9 @@ from flax import nnx
 from m3jax import M3Config, M3ForCausalLM
 from m3jax.model.mlp import swiglu_oai
 from m3jax.model.moe import grouped_experts, route
-from sharding import precision
+from sharding import optim_step
 from sharding.expert import local_experts
-from sharding.plan.flops import step_flops
+from m3jax.plan.flops import step_flops
 from sharding.train_step import init_state, make_train_step
 
 
@@ -74,7 +74,7 @@ def parity(small: bool):
 def mfu(small: bool, layers: int, experts: int, seq: int, batch: int, peak: float):
     cfg = m3_shaped(small, layers, experts)
     model = M3ForCausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), remat=True)
-    opt = precision.adamw(1e-5, moment_dtype=jnp.bfloat16, master="compact")
+    opt = optim_step.adamw(1e-5, moment_dtype=jnp.bfloat16, master="compact")
     graphdef, state = init_state(model, opt)
     del model
     step = make_train_step(graphdef, opt)

@@ -1,6 +1,6 @@
 """Routed-expert execution: local (one device) or expert-parallel inside `jax.shard_map`.
 
-Expert parallel over the mesh axes that `sharding.rules` gives the "experts" axis (n_ep devices,
+Expert parallel over the mesh axes that the layout's rules give the "experts" axis (n_ep devices,
 E / n_ep experts each). Per device, on its own tokens:
   1. route (done by the caller's `route_fn`), sort the T*k assignments by global expert id;
   2. exchange rows with the owners of their experts (all-to-all over the EP axes);
@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from sharding.rules import active_mesh, logical_to_spec, mesh_axes_of
+from sharding.layout import Layout
 
 
 def sort_by_expert(idx: jax.Array, num_experts: int):
@@ -183,17 +183,18 @@ def default_exchange() -> str:
 
 
 def routed_experts(x: jax.Array, route_fn: Callable, router: tuple, expert_fn: Callable, gate_up: jax.Array,
-                   down: jax.Array, *, capacity_factor: float | None = None, exchange: str | None = None
-                   ) -> jax.Array:
+                   down: jax.Array, *, layout: Layout = Layout(), capacity_factor: float | None = None,
+                   exchange: str | None = None) -> jax.Array:
     """Routed output for hidden x [B, S, d].
 
     route_fn(tokens [T, d], *router) -> (weights [T, k], expert ids [T, k]); router arrays are replicated;
     expert_fn(rows [N, d], group_sizes [E_here], gate_up [E_here, 2, I, d], down [E_here, d, I]) -> [N, d].
-    Without an m3jax mesh in context every expert runs locally; with one, the same math runs in
-    shard_map with experts sharded per the rules table and tokens exchanged over those axes.
+    Without a mesh in `layout` every expert runs locally; with one, the same math runs in shard_map
+    with experts sharded per the layout's rules and tokens exchanged over those axes.
     """
     num_experts = gate_up.shape[0]
-    mesh = active_mesh()
+    mesh = layout.mesh
+    ep_axes, width_axes = layout.axes("experts"), layout.axes("expert_mlp")
 
     def body(x, router, gate_up, down):
         b, s, d = x.shape
@@ -202,20 +203,18 @@ def routed_experts(x: jax.Array, route_fn: Callable, router: tuple, expert_fn: C
         fn = lambda rows, sizes: expert_fn(rows, sizes, gate_up, down)  # noqa: E731
         if mesh is None:
             return local_experts(t, w, idx, fn, num_experts).reshape(b, s, d)
-        ep_axes = tuple(a for a in mesh_axes_of("experts") if mesh.shape[a] > 1)
-        n_ep = math.prod(mesh.shape[a] for a in ep_axes)
+        n_ep = layout.size("experts")
         out = exchanged_experts(t, w, idx, fn, num_experts, ep_axes, n_ep, capacity_factor,
                                 exchange or default_exchange())
-        if any(mesh.shape[a] > 1 for a in mesh_axes_of("expert_mlp")):
-            out = jax.lax.psum(out, mesh_axes_of("expert_mlp"))  # partial sums over the sharded width
+        if width_axes:
+            out = jax.lax.psum(out, width_axes)  # partial sums over the sharded width
         return out.reshape(b, s, d)
 
     if mesh is None:
         return body(x, router, gate_up, down)
-    shape = dict(mesh.shape)
-    x_spec = logical_to_spec(("act_batch", "act_seq", None), mesh_shape=shape)
-    gu_spec = logical_to_spec(("experts", None, "expert_mlp", None), mesh_shape=shape)
-    down_spec = logical_to_spec(("experts", None, "expert_mlp"), mesh_shape=shape)
+    x_spec = layout.spec(("act_batch", "act_seq", None), drop_trivial=True)
+    gu_spec = layout.spec(("experts", None, "expert_mlp", None), drop_trivial=True)
+    down_spec = layout.spec(("experts", None, "expert_mlp"), drop_trivial=True)
     router_spec = jax.tree.map(lambda _: P(), router)
     return jax.shard_map(body, mesh=mesh, in_specs=(x_spec, router_spec, gu_spec, down_spec), out_specs=x_spec)(
         x, router, gate_up, down)

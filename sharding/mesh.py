@@ -15,11 +15,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from typing import Protocol
 
 import jax
 from jax.sharding import AxisType, Mesh
 
-from sharding.rules import MESH_AXES, TOKEN_AXES
+from sharding.layout import Layout
+from sharding.rules import MESH_AXES, TOKEN_AXES, expert_axes_of, logical_to_spec, mesh_axes_of, rules_for
 
 
 class MeshError(ValueError):
@@ -56,9 +58,14 @@ class MeshConfig:
         return self.axis_size(self.expert_axes)
 
 
-def validate(mesh: MeshConfig, model_cfg=None, *, num_devices: int | None = None, seq_len: int | None = None,
+def validate(mesh: MeshConfig, model=None, *, num_devices: int | None = None, seq_len: int | None = None,
              batch: int | None = None) -> None:
-    """Raise MeshError for the first violated rule (each rule has its own message)."""
+    """Raise MeshError for the first violated rule (each rule has its own message).
+
+    `model` (optional) is anything describing its parameters to the mesh (`ShardedModel`, e.g. an
+    m3jax `M3Config`): its named fields and then every parameter dimension must divide into the
+    shards the rules table gives them.
+    """
     for name, size in zip(MESH_AXES, mesh.shape):
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise MeshError(f"mesh axis {name!r} = {size!r}: expected a positive integer")
@@ -69,49 +76,62 @@ def validate(mesh: MeshConfig, model_cfg=None, *, num_devices: int | None = None
     if num_devices is not None and mesh.num_devices != num_devices:
         raise MeshError(f"mesh data x context x expert x tensor = {' x '.join(map(str, mesh.shape))} = "
                         f"{mesh.num_devices} devices, but {num_devices} are available")
-    if model_cfg is not None:
-        c = model_cfg
-        if c.has_moe and c.num_local_experts % mesh.expert_parallel:
-            raise MeshError(f"num_local_experts={c.num_local_experts} is not divisible by the expert-parallel "
-                            f"size {mesh.expert_parallel} (= product of {mesh.expert_axes})")
-        if c.num_key_value_heads % mesh.tensor:  # implies the query heads divide too (KV | H)
-            raise MeshError(f"num_key_value_heads={c.num_key_value_heads} is not divisible by mesh.tensor="
-                            f"{mesh.tensor}")
-        for name in ("intermediate_size", "dense_intermediate_size", "shared_intermediate_size"):
-            if getattr(c, name) % mesh.tensor:
-                raise MeshError(f"{name}={getattr(c, name)} is not divisible by mesh.tensor={mesh.tensor}")
-        if c.vocab_size % mesh.tensor:
-            raise MeshError(f"vocab_size={c.vocab_size} is not divisible by mesh.tensor={mesh.tensor}")
-        if c.hidden_size % mesh.data:
-            raise MeshError(f"hidden_size={c.hidden_size} is not divisible by mesh.data={mesh.data} (FSDP)")
-        undivided = undivided_parameter(mesh, c)
-        if undivided:
-            raise MeshError(undivided)
+    if model is not None:
+        problem = undivided_field(mesh, model) or undivided_parameter(mesh, model)
+        if problem:
+            raise MeshError(problem)
     if seq_len is not None:
-        unit = mesh.context * (model_cfg.index_block_size if model_cfg is not None and
-                               model_cfg.has_sparse_attention and mesh.context > 1 else 1)
-        if seq_len % unit:
+        block_size = getattr(model, "context_block_size", None)
+        block = block_size() if block_size is not None and mesh.context > 1 else 1
+        if seq_len % (mesh.context * block):
             raise MeshError(f"sequence length {seq_len} is not divisible by mesh.context={mesh.context}"
-                            + (f" x index_block_size={model_cfg.index_block_size}" if unit != mesh.context else ""))
+                            + (f" x {block} (the model's block size)" if block != 1 else ""))
     if batch is not None and batch % (mesh.data * mesh.expert):
         raise MeshError(f"batch {batch} is not divisible by mesh.data x mesh.expert = {mesh.data * mesh.expert}")
 
 
-def undivided_parameter(mesh: MeshConfig, model_cfg) -> str | None:
+class ShardedModel(Protocol):
+    """What the mesh checks need to know of a model (this package never imports one).
+
+    param_specs():         {name: spec with .shape and .axes (logical axis names, one per dimension)}
+    mesh_fields():         [(config field, its value, logical axis)]: a field that must divide into the
+                           shards of that logical axis, reported by name (e.g. num_local_experts, "experts")
+    context_block_size():  optional; with context parallelism each context shard holds whole blocks of
+                           this many tokens
+    """
+
+    def param_specs(self) -> dict: ...
+
+    def mesh_fields(self) -> list[tuple[str, int, str]]: ...
+
+
+def _shards(mesh: MeshConfig, logical: str) -> tuple[tuple[str, ...], int]:
+    sizes = dict(zip(MESH_AXES, mesh.shape))
+    axes = tuple(a for a in mesh_axes_of(logical, rules_for(mesh.expert_axes)) if sizes[a] > 1)
+    return axes, math.prod(sizes[a] for a in axes)
+
+
+def undivided_field(mesh: MeshConfig, model: ShardedModel) -> str | None:
+    """The first of the model's named fields that its logical axis's shards do not divide, or None."""
+    for field, value, logical in model.mesh_fields():
+        axes, n = _shards(mesh, logical)
+        if value % n:
+            where = " x ".join(f"mesh.{a}={dict(zip(MESH_AXES, mesh.shape))[a]}" for a in axes)
+            hint = (f"; mesh.expert_axes={tuple(mesh.expert_axes)} decides which axes hold the experts"
+                    if logical == "experts" else "")
+            return f"{field}={value} is not divisible by {where} = {n} (the shards of {logical!r}){hint}"
+    return None
+
+
+def undivided_parameter(mesh: MeshConfig, model: ShardedModel) -> str | None:
     """The first parameter dimension that its mesh axes (per the rules table) do not divide, or None.
 
-    jit refuses uneven parameter shards, and the named rules above do not cover every row of the
-    table (the embedding's rows lie on data x tensor), so every parameter is checked here.
+    jit refuses uneven parameter shards, and the named fields do not cover every row of the table
+    (the embedding's rows lie on data x tensor), so every parameter is checked.
     """
-    from m3jax.model.decoder import layer_param_specs, top_param_specs  # lazy: the model imports sharding
-    from sharding.rules import logical_to_spec, rules_for
-
     sizes = dict(zip(MESH_AXES, mesh.shape))
     rules = rules_for(mesh.expert_axes)
-    specs = list(top_param_specs(model_cfg).items())
-    for attn, mlp, _ in model_cfg.segments():
-        specs += [(f"{attn}/{mlp}/{n}", s) for n, s in layer_param_specs(model_cfg, attn, mlp).items()]
-    for name, spec in specs:
+    for name, spec in model.param_specs().items():
         for dim, logical, axes in zip(spec.shape, spec.axes, logical_to_spec(spec.axes, rules, sizes)):
             axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
             n = math.prod(sizes[a] for a in axes)
@@ -158,18 +178,23 @@ def init_distributed(mesh: MeshConfig) -> None:
     jax.distributed.initialize(**args)
 
 
-def build_mesh(mesh: MeshConfig, model_cfg=None, *, seq_len: int | None = None, batch: int | None = None,
-               devices=None) -> Mesh:
-    """Validate and build the Mesh (Auto axis types: the partitioner places what the rules leave open)."""
+def build_mesh(mesh: MeshConfig, model: ShardedModel | None = None, *, seq_len: int | None = None,
+               batch: int | None = None, devices=None) -> Layout:
+    """Validate and build the layout: the Mesh (Auto axis types: the partitioner places what the rules
+    leave open) with the rules table that puts the experts on `mesh.expert_axes`."""
     init_distributed(mesh)
     devices = list(devices) if devices is not None else jax.devices()
-    validate(mesh, model_cfg, num_devices=len(devices), seq_len=seq_len, batch=batch)
-    return jax.make_mesh(mesh.shape, MESH_AXES, axis_types=(AxisType.Auto,) * 4, devices=devices)
+    validate(mesh, model, num_devices=len(devices), seq_len=seq_len, batch=batch)
+    return Layout(jax.make_mesh(mesh.shape, MESH_AXES, axis_types=(AxisType.Auto,) * 4, devices=devices),
+                  rules_for(mesh.expert_axes))
 
 
-def mesh_config_of(mesh: Mesh, expert_axes=TOKEN_AXES) -> MeshConfig:
-    """The MeshConfig describing an existing Mesh with m3jax's axis names."""
-    missing = [a for a in MESH_AXES if a not in mesh.shape]
+def mesh_config_of(mesh) -> MeshConfig:
+    """The MeshConfig describing a Layout (or a Mesh with m3jax's axis names and the default rules)."""
+    layout = mesh if isinstance(mesh, Layout) else Layout(mesh)
+    if layout.mesh is None:
+        return MeshConfig(expert_axes=expert_axes_of(layout.rules))
+    missing = [a for a in MESH_AXES if a not in layout.mesh.shape]
     if missing:
-        raise MeshError(f"mesh axes {tuple(mesh.axis_names)} lack {missing}: expected {MESH_AXES}")
-    return MeshConfig(*(mesh.shape[a] for a in MESH_AXES), expert_axes=tuple(expert_axes))
+        raise MeshError(f"mesh axes {tuple(layout.mesh.axis_names)} lack {missing}: expected {MESH_AXES}")
+    return MeshConfig(*(layout.mesh.shape[a] for a in MESH_AXES), expert_axes=expert_axes_of(layout.rules))

@@ -6,7 +6,7 @@ non-finite check selects between them: XLA:CPU measured 7.5-9.5 bytes per parame
 train state (BENCHMARKS.md, scripts/bench_update_memory.py), about 32 GB per GPU for the 32-node
 recipe. Here every large leaf of a layer stack is updated in a `fori_loop` over its layers whose carry
 is the leaf and its state leaves, so each layer's slice is written back into the same (donated)
-buffers and the temporaries are those of one slice (`sharding.plan.memory.update_temporaries`).
+buffers and the temporaries are those of one slice (`m3jax.plan.memory.update_temporaries`).
 
 The maths is the chain's own: the per-slice update calls the very transformations of the chain after
 the global-norm clip, whose factor (the only quantity that needs every leaf) is computed once with
@@ -133,3 +133,19 @@ def _update_leaf(one, g, st, p, layered: bool):
     first = take(0)
     (p, st), _ = jax.lax.fori_loop(0, n, body, ((p, st), (first(p), jax.tree.map(first, st))))
     return p, st
+
+
+def adamw(learning_rate, *, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0, clip_norm: float | None = 1.0,
+          moment_dtype=jnp.float32, master: str = "fp32") -> optax.GradientTransformation:
+    """Clip -> Adam (moments in moment_dtype) -> decoupled weight decay -> lr schedule, on the master.
+
+    Returns a `SlicedOptimizer`: the optax transformation plus `step`, the same update applied layer
+    slice by layer slice in place (what `make_train_step` runs). `master`: `sharding.precision` modes."""
+    parts = [precision.scale_by_adam(b1, b2, eps, moment_dtype)]
+    if weight_decay:
+        parts.append(optax.add_decayed_weights(weight_decay))
+    parts.append(optax.scale_by_learning_rate(learning_rate))
+    rest = precision.with_master_weights(optax.chain(*parts), master)
+    clip = [optax.clip_by_global_norm(clip_norm)] if clip_norm else []
+    whole = precision.with_master_weights(optax.chain(*clip, *parts), master)
+    return SlicedOptimizer(whole.init, whole.update, sliced(rest, clip_norm or None))

@@ -147,21 +147,3 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
         return updates, ScaleByAdamState(count, cast(mu), cast(nu))
 
     return optax.GradientTransformation(init, update)
-
-
-def adamw(learning_rate, *, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0, clip_norm: float | None = 1.0,
-          moment_dtype=jnp.float32, master: str = "fp32") -> optax.GradientTransformation:
-    """Clip -> Adam (moments in moment_dtype) -> decoupled weight decay -> lr schedule, on the master.
-
-    Returns a `sharding.optim_step.SlicedOptimizer`: the optax transformation plus `step`, the same
-    update applied layer slice by layer slice in place (what `make_train_step` runs)."""
-    from sharding.optim_step import SlicedOptimizer, sliced  # imports this module
-
-    parts = [scale_by_adam(b1, b2, eps, moment_dtype)]
-    if weight_decay:
-        parts.append(optax.add_decayed_weights(weight_decay))
-    parts.append(optax.scale_by_learning_rate(learning_rate))
-    rest = with_master_weights(optax.chain(*parts), master)
-    clip = [optax.clip_by_global_norm(clip_norm)] if clip_norm else []
-    whole = with_master_weights(optax.chain(*clip, *parts), master)
-    return SlicedOptimizer(whole.init, whole.update, sliced(rest, clip_norm or None))

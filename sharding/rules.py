@@ -3,16 +3,13 @@
 Model code only ever names logical axes (`("layers", "experts", None, "expert_mlp", "embed")`); this
 table decides where each lands on the ("data", "context", "expert", "tensor") mesh. Changing a
 layout means changing a row here, nowhere else. The only row a run may change is where the experts
-live (`MeshConfig.expert_axes`), through `rules_for`.
+live (`MeshConfig.expert_axes`), through `rules_for`. The table travels with its mesh as a
+`sharding.layout.Layout`; nothing here is process-wide state.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-
-import jax
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec
 
 MESH_AXES = ("data", "context", "expert", "tensor")
 TOKEN_AXES = ("data", "context", "expert")  # axes over which devices hold distinct tokens
@@ -43,34 +40,19 @@ RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("norm", None),
 )
 
-_active: contextvars.ContextVar = contextvars.ContextVar("m3jax_rules", default=RULES)
-
 
 def rules_for(expert_axes: tuple[str, ...]) -> tuple:
     """RULES with the experts placed on `expert_axes`."""
     return tuple((k, tuple(expert_axes) if k == "experts" else v) for k, v in RULES)
 
 
-@contextlib.contextmanager
-def use_rules(rules):
-    token = _active.set(tuple(rules))
-    try:
-        yield
-    finally:
-        _active.reset(token)
+def expert_axes_of(rules) -> tuple[str, ...]:
+    """The mesh axes a rules table puts the experts on (the inverse of `rules_for`)."""
+    return mesh_axes_of("experts", rules)
 
 
-def set_rules(rules) -> None:
-    """Make `rules` the table for the rest of this context (a run's process: its mesh config decides)."""
-    _active.set(tuple(rules))
-
-
-def active_rules() -> tuple:
-    return _active.get()
-
-
-def mesh_axes_of(name: str, rules=None) -> tuple[str, ...]:
-    table = dict(rules or active_rules())
+def mesh_axes_of(name: str, rules=RULES) -> tuple[str, ...]:
+    table = dict(rules)
     if name not in table:
         # A misspelt or new logical name would otherwise be replicated silently, on every mesh.
         raise KeyError(f"logical axis {name!r} has no row in the sharding rules table (sharding/rules.py); "
@@ -79,7 +61,7 @@ def mesh_axes_of(name: str, rules=None) -> tuple[str, ...]:
     return (target,) if isinstance(target, str) else tuple(target or ())
 
 
-def logical_to_spec(axes: tuple[str | None, ...], rules=None, mesh_shape: dict | None = None) -> PartitionSpec:
+def logical_to_spec(axes: tuple[str | None, ...], rules=RULES, mesh_shape: dict | None = None) -> PartitionSpec:
     """PartitionSpec for logical axes. A mesh axis is used at most once (later uses stay replicated);
     with `mesh_shape`, axes of size 1 are dropped."""
     taken: set[str] = set()
@@ -90,23 +72,3 @@ def logical_to_spec(axes: tuple[str | None, ...], rules=None, mesh_shape: dict |
         taken.update(targets)
         out.append(targets[0] if len(targets) == 1 else (targets or None))
     return PartitionSpec(*out)
-
-
-def active_mesh():
-    """The abstract mesh in context if it has m3jax's axes, else None."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh is None or mesh.empty or not set(MESH_AXES) <= set(mesh.axis_names):
-        return None
-    return mesh
-
-
-def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
-    """Constrain an activation to its logical layout when an m3jax mesh is active, else identity."""
-    mesh = active_mesh()
-    if mesh is None:
-        return x
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(axes)))
-
-
-def named_sharding(mesh, axes: tuple[str | None, ...]) -> NamedSharding:
-    return NamedSharding(mesh, logical_to_spec(axes))

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sharding import precision
-from sharding.rules import logical_to_spec
+from sharding.layout import Layout, as_layout
 
 
 class TrainState(NamedTuple):
@@ -45,26 +45,29 @@ def init_state(model, optimizer: optax.GradientTransformation) -> tuple[Any, Tra
                                 jnp.zeros([], jnp.int32))
 
 
-def _logical_shardings(mesh, state_tree):
+def _logical_shardings(layout: Layout, state_tree):
     """NamedShardings for an nnx.State from each Variable's `logical_axes` metadata."""
-    return jax.tree.map(lambda v: v.replace(NamedSharding(mesh, logical_to_spec(v.get_metadata()["logical_axes"]))),
+    return jax.tree.map(lambda v: v.replace(layout.sharding(v.get_metadata()["logical_axes"])),
                         state_tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def state_shardings(mesh, state: TrainState) -> TrainState:
-    """Shardings for a (possibly abstract) TrainState: params and every param-shaped optimizer subtree
-    (master, remainder, moments) follow the params' logical axes; scalars are replicated."""
-    param_sh = _logical_shardings(mesh, state.params)
-    replicated = NamedSharding(mesh, P())
+def state_shardings(layout, state: TrainState) -> TrainState:
+    """Shardings for a (possibly abstract) TrainState on a layout (or a Mesh with the default rules):
+    params and every param-shaped optimizer subtree (master, remainder, moments) follow the params'
+    logical axes; scalars are replicated."""
+    layout = as_layout(layout)
+    param_sh = _logical_shardings(layout, state.params)
+    replicated = layout.replicated()
     pdef = jax.tree.structure(state.params)
     is_params = lambda x: jax.tree.structure(x) == pdef  # noqa: E731
     opt_sh = jax.tree.map(lambda x: param_sh if is_params(x) else replicated, state.opt_state, is_leaf=is_params)
-    return TrainState(param_sh, _logical_shardings(mesh, state.rest), opt_sh, replicated, replicated)
+    return TrainState(param_sh, _logical_shardings(layout, state.rest), opt_sh, replicated, replicated)
 
 
-def batch_sharding(mesh) -> NamedSharding:
+def batch_sharding(layout) -> NamedSharding:
     """[micro-batches, batch, seq] with batch on the token-batch axes and seq on context."""
-    return NamedSharding(mesh, P(None, *logical_to_spec(("act_batch", "act_seq"))))
+    layout = as_layout(layout)
+    return NamedSharding(layout.mesh, P(None, *layout.spec(("act_batch", "act_seq"))))
 
 
 def valid_tokens(batch: dict) -> jax.Array:
@@ -78,7 +81,11 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation,
 
     normalizer(batch) is the whole step's denominator (default: its valid-token count). The loss's
     metrics must be sums; they are summed over micro-batches and returned under metrics["sums"].
+    mesh: the run's layout (`sharding.mesh.build_mesh`; a bare Mesh takes the default rules) or None for
+    one device; the step is traced and run under its mesh.
     """
+    layout = as_layout(mesh)
+    mesh = layout.mesh
 
     def step(state: TrainState, batch: dict):
         total = jnp.maximum(normalizer(batch), 1.0)
@@ -119,7 +126,7 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation,
         return jax.jit(step, donate_argnums=(0,) if donate else ())
     jitted = jax.jit(step, in_shardings=(shardings, None),
                      out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=(0,) if donate else ())
-    per_rank = batch_sharding(mesh).spec
+    per_rank = batch_sharding(layout).spec
 
     def run(state, batch):
         # Leaves of rank 2 ([micro, batch], e.g. advantages) take the batch part of the layout only.

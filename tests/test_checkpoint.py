@@ -23,7 +23,7 @@ from flax import nnx
 
 from m3jax import M3Config, M3ForCausalLM
 from rl.checkpoint import Checkpointer
-from sharding import precision
+from sharding import optim_step, precision
 from sharding.mesh import MeshConfig, build_mesh
 from sharding.train_step import init_state, make_train_step, state_shardings
 
@@ -143,7 +143,7 @@ def runs(tmp_path_factory, batches) -> dict[str, Run]:
     models = {dt: build_model(dt) for dt in (jnp.float32, jnp.bfloat16)}
     out = {}
     for name, (dtype, mode, moments) in KINDS.items():
-        opt = precision.adamw(LR, weight_decay=0.1, moment_dtype=moments, master=mode)
+        opt = optim_step.adamw(LR, weight_decay=0.1, moment_dtype=moments, master=mode)
         graphdef, fresh = init_state(models[dtype], opt)
         # committed to one device, like every restored array (else the step compiles again for those)
         fresh = jax.device_put(fresh, jax.devices()[0])
@@ -230,8 +230,9 @@ def test_restore_onto_a_mesh_and_back(runs, tmp_path):
     (given by `like`), saved from there and restored onto one device. (fp32 "none" kind: the precision
     conversions are the tests above; on a mesh each eager conversion op would compile once per shape.)"""
     run = runs["fp32"]
-    mesh = build_mesh(MeshConfig(2, 2, 2, 1), CFG)
-    shardings = state_shardings(mesh, run.fresh)
+    layout = build_mesh(MeshConfig(2, 2, 2, 1), CFG)
+    mesh = layout.mesh
+    shardings = state_shardings(layout, run.fresh)
     like = jax.device_put(jax.tree.map(np.asarray, run.fresh), shardings)  # the new run's state, placed
     got, meta = restore(run.dir, like)
     assert meta == meta_of(2)

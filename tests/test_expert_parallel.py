@@ -13,6 +13,7 @@ from m3jax import M3Config
 from m3jax.model.mlp import dense_mlp
 from m3jax.model.moe import grouped_experts, moe_block, route
 from sharding.expert import exchanged_experts, local_experts
+from sharding.layout import Layout
 from sharding.mesh import MeshConfig, build_mesh
 
 E, D, I, K = 8, 32, 16, 2
@@ -32,14 +33,12 @@ def params(seed=0):
             "shared_down": jax.random.normal(ks[4], (D, 16)) / 4.0}
 
 
-def run(p, x, exchange, mesh=None, capacity_factor=None):
+def run(p, x, exchange, layout=Layout(), capacity_factor=None):
     def f(p, x):
-        return jnp.sum(moe_block(p, x, CFG, capacity_factor, exchange) ** 2), moe_block(p, x, CFG, capacity_factor,
-                                                                                        exchange)
-    if mesh is None:
-        return jax.jit(jax.value_and_grad(f, has_aux=True))(p, x)
-    with jax.set_mesh(mesh):
-        return jax.jit(jax.value_and_grad(f, has_aux=True))(p, x)
+        out = moe_block(p, x, CFG, layout, capacity_factor, exchange)
+        return jnp.sum(out ** 2), out
+    # No mesh context: the layout alone decides the expert-parallel program.
+    return jax.jit(jax.value_and_grad(f, has_aux=True))(p, x)
 
 
 @pytest.mark.parametrize("exchange", ["padded", "ragged_emulated"])
@@ -60,9 +59,9 @@ def test_ragged_collective_lowers_for_gpu_backends():
     """The real ragged_all_to_all path traces and lowers (XLA:CPU cannot compile it; GPU/TPU do)."""
     p = params()
     x = jax.ShapeDtypeStruct((8, 16, D), jnp.float32)
-    mesh = build_mesh(MeshConfig(2, 2, 2, 1), CFG)
-    with jax.set_mesh(mesh):
-        text = jax.jit(lambda p, x: moe_block(p, x, CFG, None, "ragged")).lower(p, x).as_text()
+    layout = build_mesh(MeshConfig(2, 2, 2, 1), CFG)
+    with jax.set_mesh(layout.mesh):
+        text = jax.jit(lambda p, x: moe_block(p, x, CFG, layout, None, "ragged")).lower(p, x).as_text()
     assert "ragged_all_to_all" in text or "ragged-all-to-all" in text
 
 
@@ -91,9 +90,9 @@ def test_ragged_capacity_pools_the_receive_buffer(n_ep):
     p = params()
     cf, t = 0.75, 16
     x = jax.random.normal(jax.random.key(3), (n_ep, t, D))
-    mesh = build_mesh(MeshConfig(1, 1, n_ep, 1), CFG, devices=jax.devices()[:n_ep])
-    with jax.set_mesh(mesh):
-        got = jax.jit(lambda p, x: moe_block(p, x, CFG, cf, "ragged_emulated"))(p, x)
+    layout = build_mesh(MeshConfig(1, 1, n_ep, 1), CFG, devices=jax.devices()[:n_ep])
+    with jax.set_mesh(layout.mesh):
+        got = jax.jit(lambda p, x: moe_block(p, x, CFG, layout, cf, "ragged_emulated"))(p, x)
     e_loc, pool = E // n_ep, int(np.ceil(cf * t * K))
     fn = lambda rows, sizes: grouped_experts(rows, sizes, p["experts_gate_up"], p["experts_down"],  # noqa: E731
                                              alpha=1.702, limit=7.0)

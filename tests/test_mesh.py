@@ -5,7 +5,8 @@ import pytest
 
 from m3jax import M3Config
 from sharding.mesh import MeshConfig, MeshError, build_mesh, mesh_config_of, validate
-from sharding.rules import logical_to_spec, rules_for, use_rules
+from sharding.layout import Layout, as_layout
+from sharding.rules import logical_to_spec, rules_for
 
 CFG = M3Config(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                head_dim=16, intermediate_size=32, dense_intermediate_size=96, shared_intermediate_size=32,
@@ -19,13 +20,16 @@ CFG = M3Config(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attentio
     (MeshConfig(2, 2, 1, 1), {"num_devices": 8}, r"2 x 2 x 1 x 1 = 4 devices, but 8 are available"),
     (MeshConfig(1, 1, 1, 1, expert_axes=("tensor",)), {}, r"expert_axes = \('tensor',\)"),
     (MeshConfig(1, 1, 1, 1, expert_axes=("data", "data")), {}, r"expert_axes = \('data', 'data'\)"),
-    (MeshConfig(1, 1, 16, 1), {"model": True}, r"num_local_experts=8 is not divisible by the expert-parallel size 16"),
-    (MeshConfig(1, 1, 1, 4), {"model": True}, r"num_key_value_heads=2 is not divisible by mesh.tensor=4"),
+    (MeshConfig(1, 1, 16, 1), {"model": True}, r"num_local_experts=8 is not divisible by mesh.expert=16 = 16 "
+                                                r"\(the shards of 'experts'\); mesh.expert_axes="),
+    (MeshConfig(4, 2, 2, 1), {"model": True}, r"num_local_experts=8 is not divisible by mesh.data=4 x "
+                                              r"mesh.context=2 x mesh.expert=2 = 16"),
+    (MeshConfig(1, 1, 1, 4), {"model": True}, r"num_key_value_heads=2 is not divisible by mesh.tensor=4 = 4"),
     (MeshConfig(1, 1, 1, 8), {"model": True}, r"num_key_value_heads=2 is not divisible by mesh.tensor=8"),
     (MeshConfig(128, 1, 1, 1, expert_axes=("expert",)), {"model": True},
-     r"hidden_size=64 is not divisible by mesh.data=128 \(FSDP\)"),
+     r"hidden_size=64 is not divisible by mesh.data=128 = 128 \(the shards of 'embed'\)"),
     (MeshConfig(1, 4, 1, 1), {"model": True, "seq_len": 48}, r"sequence length 48 is not divisible by "
-                                                              r"mesh.context=4 x index_block_size=8"),
+                                                              r"mesh.context=4 x 8 \(the model's block size\)"),
     (MeshConfig(1, 3, 1, 1), {"seq_len": 64}, r"sequence length 64 is not divisible by mesh.context=3$"),
     (MeshConfig(2, 1, 2, 1), {"batch": 6}, r"batch 6 is not divisible by mesh.data x mesh.expert = 4"),
 ])
@@ -36,17 +40,37 @@ def test_each_rule_has_its_error(mesh, kwargs, message):
 
 
 def test_build_mesh_and_read_back():
-    mesh = build_mesh(MeshConfig(2, 2, 2, 1), CFG, seq_len=64, batch=4)
+    layout = build_mesh(MeshConfig(2, 2, 2, 1), CFG, seq_len=64, batch=4)
+    assert isinstance(layout, Layout)
+    mesh = layout.mesh
     assert dict(mesh.shape) == {"data": 2, "context": 2, "expert": 2, "tensor": 1}
     assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
-    assert mesh_config_of(mesh).shape == (2, 2, 2, 1)
+    assert mesh_config_of(layout).shape == (2, 2, 2, 1)
+    assert mesh_config_of(mesh).expert_axes == ("data", "context", "expert")  # a bare Mesh: the default rules
     with pytest.raises(MeshError, match="lack"):
         mesh_config_of(jax.make_mesh((8,), ("x",)))
+
+
+def test_layout_carries_its_rules():
+    """Where the experts live is part of the value build_mesh returns, not process state."""
+    narrow = build_mesh(MeshConfig(2, 2, 2, 1, expert_axes=("expert",)), CFG)
+    wide = build_mesh(MeshConfig(2, 2, 2, 1), CFG)
+    assert mesh_config_of(narrow).expert_axes == ("expert",)
+    assert narrow.spec(("experts", None, "expert_mlp", "embed")) == \
+        jax.sharding.PartitionSpec("expert", None, "tensor", "data")
+    assert wide.spec(("experts", None, "expert_mlp", "embed")) == \
+        jax.sharding.PartitionSpec(("data", "context", "expert"), None, "tensor", None)
+    assert narrow.size("experts") == 2 and wide.size("experts") == 8 and Layout().size("experts") == 1
+    assert as_layout(None) == Layout() and as_layout(narrow) is narrow and as_layout(narrow.mesh).rules == wide.rules
+    with pytest.raises(TypeError, match="expected a sharding.layout.Layout"):
+        as_layout("mesh")
+    with pytest.raises(KeyError, match="no row in the sharding rules table"):
+        narrow.spec(("expertz",))
 
 
 def test_rules_table_decides_placement():
     assert logical_to_spec(("layers", "experts", None, "expert_mlp", "embed")) == \
         jax.sharding.PartitionSpec(None, ("data", "context", "expert"), None, "tensor", None)
-    with use_rules(rules_for(("expert",))):  # experts on the expert axis only: embed is FSDP again
-        assert logical_to_spec(("experts", None, "expert_mlp", "embed")) == \
-            jax.sharding.PartitionSpec("expert", None, "tensor", "data")
+    # experts on the expert axis only: embed is FSDP again
+    assert logical_to_spec(("experts", None, "expert_mlp", "embed"), rules_for(("expert",))) == \
+        jax.sharding.PartitionSpec("expert", None, "tensor", "data")

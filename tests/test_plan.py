@@ -8,10 +8,10 @@ import pytest
 
 from m3jax.config import M3Config
 from sharding.mesh import MeshConfig
-from sharding.plan.__main__ import Job, invalid_reason, load_job, plan, sweep, verdict
-from sharding.plan.flops import Hardware, causal_pairs, step_flops
-from sharding.plan.memory import GB, Batch, memory_plan, param_counts
-from sharding.plan.models import m3_release
+from m3jax.plan.__main__ import Job, invalid_reason, load_job, plan, sweep, verdict
+from m3jax.plan.flops import Hardware, causal_pairs, step_flops
+from m3jax.plan.memory import GB, Batch, memory_plan, param_counts
+from m3jax.plan.models import m3_release
 
 TINY = M3Config(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                 head_dim=16, intermediate_size=32, dense_intermediate_size=128, shared_intermediate_size=32,
@@ -66,7 +66,7 @@ MEM = M3Config(vocab_size=512, hidden_size=128, num_hidden_layers=3, num_attenti
 def test_memory_matches_xla(shape, master, chunk):
     """XLA:CPU computes bf16 arithmetic in fp32, so its activations are fp32-sized whatever the param
     dtype: the analytic side counts activations at 4 bytes here (a GPU plan counts 2 for bf16)."""
-    from sharding.plan.compile import compile_step
+    from m3jax.plan.compile import compile_step
     assert len(jax.devices()) >= 8
     mesh, batch = MeshConfig(*shape), Batch(1, 256, 1, True, attention_query_chunk=chunk)
     xla = compile_step(MEM, mesh, batch, master, "float32", batch.model_options())
@@ -78,7 +78,7 @@ def test_memory_matches_xla(shape, master, chunk):
 
 def test_chunking_and_capacity_shrink_what_they_should():
     """Query chunking scales the scores block by chunk / S_l; a capacity factor bounds the receive pool."""
-    from sharding.plan.activations import attention_terms, moe_terms
+    from m3jax.plan.activations import attention_terms, moe_terms
     mesh = MeshConfig(2, 2, 2, 1)
     full, kept = attention_terms(MEM, mesh, True, 1, 256, 2, 0)
     half, kept_half = attention_terms(MEM, mesh, True, 1, 256, 2, 64)  # S_l = 128
@@ -150,7 +150,7 @@ def test_one_node_recipes_fit_an_h200_and_the_release_does_not(recipe, total_gb)
 # ---- abstract-mesh sharding check (no devices), the sweep's exclusions on the real shapes, compile scaling
 
 def test_check_shardings_full_depth_release_on_1024_devices():
-    from sharding.plan.check import check_shardings
+    from m3jax.plan.check import check_shardings
     cfg = m3_release()
     mesh = MeshConfig(16, 8, 8, 1, expert_axes=("data", "context"))
     batch = Batch(1, 8192, 4, True, attention_query_chunk=512, moe_exchange="ragged")
@@ -163,7 +163,7 @@ def test_check_shardings_full_depth_release_on_1024_devices():
 
 def test_check_shardings_reports_indivisible_arrays_and_unknown_logical_names(monkeypatch):
     from sharding import rules
-    from sharding.plan.check import check_shardings
+    from m3jax.plan.check import check_shardings
     cfg, batch = m3_release(), Batch(1, 8192, 1, True)
     # data x tensor = 256 does not divide the embedding's 200064 rows: the mesh rules and JAX both say so
     r = check_shardings(cfg, MeshConfig(64, 1, 1, 4, expert_axes=("data", "context")), batch, lower=False)
@@ -178,7 +178,7 @@ def test_check_shardings_reports_indivisible_arrays_and_unknown_logical_names(mo
 def test_every_mesh_the_sweep_keeps_passes_jax_sharding_checks(n, capsys):
     """The sweep's valid rows hold up against JAX's own shard_shape check on an AbstractMesh (and the best
     one lowers); every other (mesh, micro-batch) it tried is excluded with a reason."""
-    from sharding.plan.check import abstract_train_state, check_shardings
+    from m3jax.plan.check import abstract_train_state, check_shardings
     job = load_job("configs/recipes/m3-32node.yaml", [], "release")
     rows, excluded = sweep(job, n, Hardware(), 80.0, None)
     assert rows and all(why for *_, why in excluded)
@@ -196,7 +196,7 @@ def test_every_mesh_the_sweep_keeps_passes_jax_sharding_checks(n, capsys):
 
 
 def test_depth_fit_scales_per_layer_and_skips_one_layer_scans():
-    from sharding.plan.compile import depth_fit
+    from m3jax.plan.compile import depth_fit
     value = lambda d, m: 10.0 + 2.0 * d + 3.0 * m  # noqa: E731
     results = [{"dense": d, "moe": m, "peak": value(d, m) + (50.0 if min(d, m) < 2 else 0.0)}
                for d, m in ((1, 1), (2, 2), (3, 2), (2, 4))]

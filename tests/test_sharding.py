@@ -66,9 +66,9 @@ def test_routing_is_unbalanced_and_sparse_layers_select(single):
                          ids=lambda c: "x".join(map(str, c)) if isinstance(c, tuple) else f"chunk{c}")
 def test_sharded_logits_and_grads_equal_single_device(ckpt, single, shape, chunk):
     _, ids, want_logits, want_loss, want_grads = single
-    mesh = build_mesh(MeshConfig(*shape), single[0].cfg, seq_len=SEQ, batch=BATCH)
-    model = m3jax.from_pretrained(ckpt, mesh=mesh, attention_query_chunk=chunk)
-    with jax.set_mesh(mesh):
+    layout = build_mesh(MeshConfig(*shape), single[0].cfg, seq_len=SEQ, batch=BATCH)
+    model = m3jax.from_pretrained(ckpt, mesh=layout, attention_query_chunk=chunk)
+    with jax.set_mesh(layout.mesh):
         logits = np.asarray(jax.jit(lambda m, x: m(x))(model, ids[:, :-1]))
         loss, grads = loss_and_grads(model, ids)
     assert np.max(np.abs(logits - want_logits)) / np.max(np.abs(want_logits)) < 1e-5

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 import m3jax
-from sharding import precision
+from sharding import optim_step, precision
 from sharding.mesh import MeshConfig, build_mesh
 from sharding.train_step import init_state, make_train_step, state_shardings, token_cross_entropy
 from tests import reference as ref
@@ -89,7 +89,7 @@ def test_master_invariant_and_compact_equals_fp32_master_over_many_steps(ckpt, m
     model = m3jax.from_pretrained(ckpt, dtype=jnp.bfloat16)
     runs = {}
     for mode in ("fp32", "compact"):
-        opt = precision.adamw(3e-3, weight_decay=0.1, moment_dtype=moments, master=mode)
+        opt = optim_step.adamw(3e-3, weight_decay=0.1, moment_dtype=moments, master=mode)
         graphdef, state = init_state(model, opt)
         step = make_train_step(graphdef, opt, donate=False)
         for i in range(12):
@@ -127,7 +127,7 @@ def test_micro_batches_equal_one_whole_batch(ckpt):
 
 def test_non_finite_step_is_skipped_and_state_untouched(ckpt):
     model = m3jax.from_pretrained(ckpt, dtype=jnp.bfloat16)
-    opt = precision.adamw(1e-3, moment_dtype=jnp.bfloat16, master="compact")
+    opt = optim_step.adamw(1e-3, moment_dtype=jnp.bfloat16, master="compact")
 
     def poisoned(model, batch):
         loss, aux = token_cross_entropy(model, batch)
@@ -156,11 +156,12 @@ def test_sharded_train_step_equals_single_device(ckpt):
     graphdef, state = init_state(ref_model, opt)
     want, want_metrics = make_train_step(graphdef, opt, donate=False)(state, batch)
 
-    mesh = build_mesh(MeshConfig(2, 2, 2, 1), ref_model.cfg, seq_len=64, batch=4)
-    model = m3jax.from_pretrained(ckpt, dtype=jnp.float32, mesh=mesh)
+    layout = build_mesh(MeshConfig(2, 2, 2, 1), ref_model.cfg, seq_len=64, batch=4)
+    mesh = layout.mesh
+    model = m3jax.from_pretrained(ckpt, dtype=jnp.float32, mesh=layout)
     graphdef, state = init_state(model, opt)
-    shardings = state_shardings(mesh, state)
-    step = make_train_step(graphdef, opt, mesh=mesh, shardings=shardings)
+    shardings = state_shardings(layout, state)
+    step = make_train_step(graphdef, opt, mesh=layout, shardings=shardings)
     got, metrics = step(jax.device_put(state, shardings), batch)
     assert abs(float(metrics["loss"]) - float(want_metrics["loss"])) < 1e-6 * float(want_metrics["loss"])
     for a, b, p in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params), jax.tree.leaves(before)):
@@ -201,7 +202,7 @@ def test_sliced_in_place_step_equals_the_whole_tree_update(mode, moments, monkey
                         "head": nnx.Param(jax.random.normal(next(keys), (16, 8)).astype(low),
                                           logical_axes=("vocab", None)),  # rows: never looped over
                         "norm": nnx.Param(jnp.zeros((3,), low), logical_axes=("norm",))})
-    opt = precision.adamw(optax.linear_schedule(1e-2, 3e-2, 4), weight_decay=0.1, clip_norm=0.5,
+    opt = optim_step.adamw(optax.linear_schedule(1e-2, 3e-2, 4), weight_decay=0.1, clip_norm=0.5,
                           moment_dtype=moments, master=mode)
     total = jnp.float32(7.0)
 

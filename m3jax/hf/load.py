@@ -24,7 +24,8 @@ from m3jax.config import M3Config
 from m3jax.hf import layouts
 from m3jax.hf.safetensors_io import CheckpointError, TensorInfo, read_header, read_into
 from m3jax.model.decoder import M3ForCausalLM
-from sharding.rules import named_sharding
+from sharding.layout import as_layout
+from sharding.mesh import mesh_config_of, validate
 
 log = logging.getLogger(__name__)
 _FLOAT = ("F32", "BF16", "F16", "F64")
@@ -109,20 +110,26 @@ def from_pretrained(path: str | os.PathLike, dtype=None, *, mesh=None, **model_o
     """Load a local HF MiniMax-M3 directory (native or released layout, single file or sharded).
 
     dtype: parameter dtype (router and its bias stay fp32); default: the checkpoint's embedding dtype.
-    mesh: a jax Mesh with axes ("data", "context", "expert", "tensor"): each parameter is placed on its
-    shards per `sharding.rules`; default: the default device.
+    mesh: the layout from `sharding.mesh.build_mesh` (or a jax Mesh with axes ("data", "context", "expert",
+    "tensor") and the default rules): each parameter is placed on its shards per the layout's rules, and
+    the model keeps the layout for every later call. A mesh that cannot hold this model raises
+    `MeshError` naming the field before anything is read. Default: the default device.
     model_options: passed to M3ForCausalLM (remat, moe_capacity_factor, moe_exchange).
     """
     path = os.fspath(path)
     cfg = M3Config.from_pretrained(path)
     tensors = checkpoint_files(path)
     _, slots, tensors = plan_load(cfg, tensors)
+    layout = as_layout(mesh)
+    if layout.mesh is not None:
+        validate(mesh_config_of(layout), cfg, num_devices=layout.num_devices)
     if dtype is None:
         dtype = tensors[slots[0].name].np_dtype
-    abstract = nnx.eval_shape(lambda: M3ForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0), **model_options))
+    abstract = nnx.eval_shape(lambda: M3ForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0), layout=layout,
+                                                    **model_options))
     graphdef, state = nnx.split(abstract)
     flat = dict(nnx.to_flat_state(state))
-    target = {p: _param_sharding(v, mesh) for p, v in flat.items()}
+    target = {p: layout.sharding(v.get_metadata()["logical_axes"]) for p, v in flat.items()}
     arrays: dict[tuple, jax.Array] = {}
     for slot in slots:
         var = flat[slot.param]
@@ -141,9 +148,3 @@ def from_pretrained(path: str | os.PathLike, dtype=None, *, mesh=None, **model_o
     for p, var in flat.items():
         var.set_value(arrays[p])
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
-
-
-def _param_sharding(var, mesh):
-    if mesh is None:
-        return None
-    return named_sharding(mesh, var.get_metadata()["logical_axes"])

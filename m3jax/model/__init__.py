@@ -1,3 +1,2 @@
-from m3jax.model.decoder import M3ForCausalLM
-
-__all__ = ["M3ForCausalLM"]
+"""The M3 model: pure math (norms, rope, attention, indexer, mlp, moe), parameter specs, the NNX model
+(`m3jax.model.decoder.M3ForCausalLM`, also `m3jax.M3ForCausalLM`)."""

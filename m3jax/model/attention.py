@@ -5,15 +5,13 @@ rematerialised body), so one chunk's [chunk, S_k] scores, masks and indexer scor
 whole [S_local, S_k] block; the maths per query is unchanged.
 """
 
-import math
-
 import jax
 import jax.numpy as jnp
 
 from m3jax.model.indexer import block_mask_to_tokens, select_key_blocks
 from m3jax.model.norms import rms_norm
 from m3jax.model.rope import apply_rope
-from sharding.rules import active_mesh, constrain, mesh_axes_of
+from sharding.layout import Layout
 
 _MASKED = jnp.finfo(jnp.float32).min
 
@@ -46,7 +44,7 @@ def gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, keep: jax.Array, sca
 
 def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, positions: jax.Array,
                     key_valid: jax.Array | None, cfg, sparse: bool, cache: dict | None = None,
-                    query_chunk: int = 0):
+                    query_chunk: int = 0, layout: Layout = Layout()):
     """One layer's attention on normalised hidden x [B, S, d] -> [B, S, d] (and the updated cache).
 
     p holds this layer's q/k/v/o projections ([heads, D, d] / [d, H, D]), q/k norms, and for sparse
@@ -56,6 +54,7 @@ def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
     attention reads every slot (slots not yet written lie beyond each query's position, so causality
     hides them); key_valid then spans S_max.
     query_chunk: queries per scores block on each device (0 = all local queries at once).
+    layout: where activations live (the context shards of the sequence decide the chunking).
     """
     eps = cfg.rms_norm_eps
     q = rms_norm(jnp.einsum("bse,hde->bshd", x, p["q_proj"]), p["q_norm"], eps)
@@ -71,9 +70,9 @@ def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
                  **({"index_k": cache["index_k"].at[rows, positions].set(ik)} if sparse else {})}
         k, v = cache["k"], cache["v"]
         ik = cache.get("index_k")
-    n_ctx = _context_size()
+    n_ctx = layout.size("act_seq")
     if query_chunk and x.shape[1] // n_ctx > query_chunk:
-        o = chunked_attention(q, k, v, positions, key_valid, iq, ik, cfg, query_chunk, n_ctx)
+        o = chunked_attention(q, k, v, positions, key_valid, iq, ik, cfg, query_chunk, layout)
     else:
         o = masked_attention(q, k, v, positions, key_valid, iq, ik, cfg)
     out = jnp.einsum("bshd,ehd->bse", o, p["o_proj"])
@@ -89,11 +88,6 @@ def masked_attention(q, k, v, positions, key_valid, iq, ik, cfg) -> jax.Array:
                                    topk_blocks=cfg.index_topk_blocks, local_blocks=cfg.index_local_blocks)
         keep = keep & block_mask_to_tokens(blocks, cfg.index_block_size, k.shape[1], cfg.num_attention_heads)
     return gqa_attention(q, k, v, keep, cfg.head_dim ** -0.5)
-
-
-def _context_size() -> int:
-    mesh = active_mesh()
-    return 1 if mesh is None else math.prod(mesh.shape[a] for a in mesh_axes_of("act_seq"))
 
 
 def _to_chunks(a: jax.Array, n_ctx: int, chunk: int) -> jax.Array:
@@ -119,13 +113,13 @@ def _from_chunks(a: jax.Array, n_ctx: int, s: int) -> jax.Array:
     return a[:, :, : s // n_ctx].reshape(b, s, *rest)
 
 
-def chunked_attention(q, k, v, positions, key_valid, iq, ik, cfg, chunk: int, n_ctx: int) -> jax.Array:
+def chunked_attention(q, k, v, positions, key_valid, iq, ik, cfg, chunk: int, layout: Layout) -> jax.Array:
     """`masked_attention` over blocks of `chunk` local queries (a scan; each block is rematerialised in
     the backward pass, so only one block's scores are ever live). Keys are gathered over the context
     axis once, before the scan. K and V enter the scan in fp32 and are cast back per block: the
     cotangents of scan constants accumulate in their dtype, so dK and dV sum over blocks in fp32.
     Padded query rows (S_l not a multiple of chunk) sit at position 0 and are dropped from the output."""
-    s = q.shape[1]
+    s, n_ctx, constrain = q.shape[1], layout.size("act_seq"), layout.constrain
     local, gathered = ("act_batch", "act_seq", "act_kv_heads", None), ("act_batch", None, "act_kv_heads", None)
     # Projected on each context shard, then gathered: constraining only the gathered layout lets the
     # partitioner gather the (12x wider) hidden state instead and project the whole sequence everywhere.

@@ -3,7 +3,9 @@
 Layers are grouped into stacks of consecutive layers with the same (attention, MLP) kind; each stack
 holds its parameters with a leading "layers" axis and runs as one `jax.lax.scan` with
 rematerialisation, so compile time does not grow with depth. Parameters carry logical axis names
-(`logical_axes` metadata) that `sharding.rules` maps onto a mesh; nothing here names a mesh axis.
+(`logical_axes` metadata) that the layout's rules map onto its mesh; nothing here names a mesh axis.
+The model keeps the `Layout` it was built for, so its activations and expert exchange follow that
+placement whatever mesh context it is later called under.
 """
 
 from __future__ import annotations
@@ -14,77 +16,21 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from m3jax.config import MOE_MLP, SPARSE_ATTENTION, M3Config
+from m3jax.config import M3Config
 from m3jax.model.attention import attention_block
 from m3jax.model.mlp import dense_mlp
 from m3jax.model.moe import moe_block
 from m3jax.model.norms import rms_norm
 from m3jax.model.rope import rope_cos_sin
-from sharding.rules import constrain
+from m3jax.model.specs import MOE_MLP, SPARSE_ATTENTION, ParamSpec, layer_param_specs, top_param_specs
+from sharding.layout import Layout, as_layout
+from sharding.rules import mesh_axes_of
 
 ACT = ("act_batch", "act_seq", "act_embed")
 
 
 class Buffer(nnx.Variable):
     """Non-trainable state saved with the checkpoint (the router's correction bias)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class ParamSpec:
-    shape: tuple[int, ...]
-    axes: tuple[str | None, ...]
-    init: str = "normal"  # "normal" (std 0.02, as HF) or "zeros" (norms, bias)
-    fp32: bool = False  # kept in fp32 whatever the model dtype (router)
-    buffer: bool = False
-
-
-def layer_param_specs(cfg: M3Config, attn_kind: str, mlp_kind: str) -> dict[str, ParamSpec]:
-    """Per-layer parameter shapes (without the leading layer axis), in HF [out, in] orientation."""
-    d, h, kv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    specs = {
-        "input_norm": ParamSpec((d,), ("norm",), "zeros"),
-        "post_norm": ParamSpec((d,), ("norm",), "zeros"),
-        "q_proj": ParamSpec((h, hd, d), ("q_heads", "head_dim", "embed")),
-        "k_proj": ParamSpec((kv, hd, d), ("kv_heads", "head_dim", "embed")),
-        "v_proj": ParamSpec((kv, hd, d), ("kv_heads", "head_dim", "embed")),
-        "o_proj": ParamSpec((d, h, hd), ("embed", "q_heads", "head_dim")),
-        "q_norm": ParamSpec((hd,), ("head_dim",), "zeros"),
-        "k_norm": ParamSpec((hd,), ("head_dim",), "zeros"),
-    }
-    if attn_kind == SPARSE_ATTENTION:
-        hi, di = cfg.index_n_heads, cfg.index_head_dim
-        specs.update({
-            "index_q_proj": ParamSpec((hi, di, d), ("index_heads", "index_head_dim", "embed")),
-            "index_k_proj": ParamSpec((di, d), ("index_head_dim", "embed")),
-            "index_q_norm": ParamSpec((di,), ("index_head_dim",), "zeros"),
-            "index_k_norm": ParamSpec((di,), ("index_head_dim",), "zeros"),
-        })
-    if mlp_kind == MOE_MLP:
-        e, i, si = cfg.num_local_experts, cfg.intermediate_size, cfg.shared_intermediate_size
-        specs.update({
-            "router": ParamSpec((e, d), (None, "embed"), fp32=True),
-            "router_bias": ParamSpec((e,), (None,), "zeros", fp32=True, buffer=True),
-            "experts_gate_up": ParamSpec((e, 2, i, d), ("experts", None, "expert_mlp", "embed")),
-            "experts_down": ParamSpec((e, d, i), ("experts", "embed", "expert_mlp")),
-            "shared_gate_up": ParamSpec((2, si, d), (None, "mlp", "embed")),
-            "shared_down": ParamSpec((d, si), ("embed", "mlp")),
-        })
-    else:
-        i = cfg.dense_intermediate_size
-        specs.update({
-            "mlp_gate_up": ParamSpec((2, i, d), (None, "mlp", "embed")),
-            "mlp_down": ParamSpec((d, i), ("embed", "mlp")),
-        })
-    return specs
-
-
-def top_param_specs(cfg: M3Config) -> dict[str, ParamSpec]:
-    v, d = cfg.vocab_size, cfg.hidden_size
-    return {
-        "embed": ParamSpec((v, d), ("table_vocab", None)),
-        "final_norm": ParamSpec((d,), ("norm",), "zeros"),
-        "lm_head": ParamSpec((v, d), ("vocab", "embed")),
-    }
 
 
 def _make(spec: ParamSpec, dtype, key) -> nnx.Variable:
@@ -97,13 +43,22 @@ def _make(spec: ParamSpec, dtype, key) -> nnx.Variable:
     return cls(value, logical_axes=spec.axes)
 
 
+def decoding_layout(layout: Layout) -> Layout:
+    """The layout for decoding (and its prefill): a step's single token cannot be cut over the context
+    axis, so sequences stay whole per device, and the experts exchange only over the axes that then
+    hold distinct tokens (the batch axes). Heads and batch stay placed as in training."""
+    batch_axes = mesh_axes_of("act_batch", layout.rules)
+    experts = tuple(a for a in mesh_axes_of("experts", layout.rules) if a in batch_axes)
+    return layout.with_rule("act_seq", None).with_rule("experts", experts)
+
+
 class LayerStack(nnx.Module):
     """Consecutive decoder layers of one kind, parameters stacked on a leading "layers" axis."""
 
     def __init__(self, cfg: M3Config, attn_kind: str, mlp_kind: str, layer_ids, *, dtype, rngs: nnx.Rngs,
                  remat: bool = True, moe_capacity_factor: float | None = None, moe_exchange: str | None = None,
-                 attention_query_chunk: int = 0):
-        self.cfg, self.attn_kind, self.mlp_kind = cfg, attn_kind, mlp_kind
+                 attention_query_chunk: int = 0, layout: Layout = Layout()):
+        self.cfg, self.attn_kind, self.mlp_kind, self.layout = cfg, attn_kind, mlp_kind, layout
         self.layer_ids = tuple(layer_ids)
         self.remat, self.attention_query_chunk = remat, attention_query_chunk
         self.moe_capacity_factor, self.moe_exchange = moe_capacity_factor, moe_exchange
@@ -113,9 +68,10 @@ class LayerStack(nnx.Module):
             stacked = dataclasses.replace(spec, shape=(n, *spec.shape), axes=("layers", *spec.axes))
             setattr(self, name, _make(stacked, dtype, rngs.params()))
 
-    def __call__(self, x, cos, sin, positions, key_valid, cache=None):
-        """Run the stack; with `cache` (this stack's stacked KV / index-key cache) also return it updated."""
-        cfg = self.cfg
+    def __call__(self, x, cos, sin, positions, key_valid, cache=None, layout: Layout | None = None):
+        """Run the stack; with `cache` (this stack's stacked KV / index-key cache) also return it updated.
+        layout: overrides the stack's own (decoding keeps whole sequences on each device)."""
+        cfg, layout = self.cfg, layout or self.layout
         sparse, moe = self.attn_kind == SPARSE_ATTENTION, self.mlp_kind == MOE_MLP
         params = {name: getattr(self, name)[...] for name in self.param_names}
 
@@ -123,16 +79,16 @@ class LayerStack(nnx.Module):
             p, layer_cache = p_and_cache
             h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps)
             attn = attention_block(p, h, cos, sin, positions, key_valid, cfg, sparse, layer_cache,
-                                   self.attention_query_chunk)
+                                   self.attention_query_chunk, layout)
             if layer_cache is not None:
                 attn, layer_cache = attn
             x = x + attn
             h = rms_norm(x, p["post_norm"], cfg.rms_norm_eps)
             if moe:
-                x = x + moe_block(p, h, cfg, self.moe_capacity_factor, self.moe_exchange)
+                x = x + moe_block(p, h, cfg, layout, self.moe_capacity_factor, self.moe_exchange)
             else:
                 x = x + dense_mlp(h, p["mlp_gate_up"], p["mlp_down"], cfg.swiglu_alpha, cfg.swiglu_limit)
-            return constrain(x, ACT), layer_cache
+            return layout.constrain(x, ACT), layer_cache
 
         if self.remat and cache is None:
             layer = jax.checkpoint(layer, prevent_cse=False)
@@ -153,22 +109,25 @@ class M3ForCausalLM(nnx.Module):
 
     def __init__(self, cfg: M3Config, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None, remat: bool = True,
                  moe_capacity_factor: float | None = None, moe_exchange: str | None = None,
-                 attention_query_chunk: int = 0):
+                 attention_query_chunk: int = 0, layout=None):
         """remat: rematerialise each layer in the backward pass. moe_capacity_factor: cap on the rows an
         expert-parallel device sends to one peer, x (tokens*top_k / n_ep); None = dropless.
         moe_exchange: "padded" | "ragged" | "ragged_emulated"; None = ragged on GPU/TPU, padded on CPU.
-        attention_query_chunk: local queries per attention scores block (0 = all at once)."""
+        attention_query_chunk: local queries per attention scores block (0 = all at once).
+        layout: the `sharding.layout.Layout` (or a jax Mesh with the default rules) the model runs on;
+        None = one device. Parameters are created where jax puts them; `from_pretrained` or the
+        trainer places them on the layout."""
         if isinstance(attention_query_chunk, bool) or not isinstance(attention_query_chunk, int) \
                 or attention_query_chunk < 0:
             raise ValueError(f"attention_query_chunk={attention_query_chunk!r}: expected an integer >= 0")
         rngs = rngs if rngs is not None else nnx.Rngs(0)
-        self.cfg, self.dtype = cfg, jnp.dtype(dtype)
+        self.cfg, self.dtype, self.layout = cfg, jnp.dtype(dtype), as_layout(layout)
         for name, spec in top_param_specs(cfg).items():
             setattr(self, name, _make(spec, dtype, rngs.params()))
         self.stacks = nnx.List([
             LayerStack(cfg, attn, mlp, ids, dtype=dtype, rngs=rngs, remat=remat,
                        moe_capacity_factor=moe_capacity_factor, moe_exchange=moe_exchange,
-                       attention_query_chunk=attention_query_chunk)
+                       attention_query_chunk=attention_query_chunk, layout=self.layout)
             for attn, mlp, ids in cfg.segments()
         ])
 
@@ -181,21 +140,23 @@ class M3ForCausalLM(nnx.Module):
         (logits, updated cache) is returned. attention_mask then covers the cache's S_max slots.
         """
         cfg = self.cfg
+        layout = self.layout if cache is None else decoding_layout(self.layout)
         b, s = input_ids.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
         key_valid = None if attention_mask is None else attention_mask.astype(bool)
-        x = constrain(jnp.take(self.embed[...], input_ids, axis=0), ACT)
+        x = layout.constrain(jnp.take(self.embed[...], input_ids, axis=0), ACT)
         cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta, x.dtype)
         new_cache = []
         for i, stack in enumerate(self.stacks):
             if cache is None:
-                x = stack(x, cos, sin, positions, key_valid)
+                x = stack(x, cos, sin, positions, key_valid, layout=layout)
             else:
-                x, stack_cache = stack(x, cos, sin, positions, key_valid, cache[i])
+                x, stack_cache = stack(x, cos, sin, positions, key_valid, cache[i], layout=layout)
                 new_cache.append(stack_cache)
         x = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
-        logits = constrain(jnp.einsum("bsd,vd->bsv", x, self.lm_head[...]), ("act_batch", "act_seq", "act_vocab"))
+        logits = layout.constrain(jnp.einsum("bsd,vd->bsv", x, self.lm_head[...]),
+                                  ("act_batch", "act_seq", "act_vocab"))
         return logits if cache is None else (logits, new_cache)
 
     def init_cache(self, batch: int, max_len: int) -> list:

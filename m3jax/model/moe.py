@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from m3jax.model.mlp import dense_mlp, swiglu_oai
 from sharding.expert import routed_experts
+from sharding.layout import Layout
 
 
 def route(x: jax.Array, router: jax.Array, bias: jax.Array, *, top_k: int) -> tuple[jax.Array, jax.Array]:
@@ -47,16 +48,16 @@ def grouped_experts(rows: jax.Array, group_sizes: jax.Array, gate_up: jax.Array,
     return jax.lax.ragged_dot_general(act, down, group_sizes, _ROWS_BY_EXPERT)
 
 
-def moe_block(p: dict, x: jax.Array, cfg, capacity_factor: float | None = None, exchange: str | None = None
-              ) -> jax.Array:
+def moe_block(p: dict, x: jax.Array, cfg, layout: Layout = Layout(), capacity_factor: float | None = None,
+              exchange: str | None = None) -> jax.Array:
     """y = routed_scaling_factor * sum_k w_k Expert_k(x) + SharedExpert(x), x [B, S, d].
 
-    Where the experts run (locally, or expert-parallel over a mesh) is `sharding.expert`'s business.
+    Where the experts run (locally, or expert-parallel over the layout's mesh) is `sharding.expert`'s business.
     """
     alpha, limit = cfg.swiglu_alpha, cfg.swiglu_limit
     routed = routed_experts(
         x, functools.partial(route, top_k=cfg.num_experts_per_tok), (p["router"], p["router_bias"]),
         functools.partial(grouped_experts, alpha=alpha, limit=limit), p["experts_gate_up"], p["experts_down"],
-        capacity_factor=capacity_factor, exchange=exchange)
+        layout=layout, capacity_factor=capacity_factor, exchange=exchange)
     shared = dense_mlp(x, p["shared_gate_up"], p["shared_down"], alpha, limit)
     return routed * cfg.routed_scaling_factor + shared

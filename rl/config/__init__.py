@@ -49,7 +49,8 @@ Command line (what m3jax.train is expected to do)::
 What this package does not check: the mesh against the device count and the model's shapes
 (`sharding.mesh.validate`, which needs the devices), the contents of `model.path` (read by
 `M3Config.from_pretrained`) and data files (`rl.data.load_prompts`).
-`load_config(check_paths=True)` only checks that the paths exist.
+`load_config(check_paths=True)` only checks that the paths exist, and that a run with
+`checkpoint.resume: false` would not start over checkpoints already in `run.out_dir/checkpoints`.
 
 Modules
 -------
@@ -73,10 +74,11 @@ from rl.config.errors import ConfigError
 from rl.config.fields import _hints, _is_section, _item_type, _non_none, _show  # noqa: F401  (tests walk types)
 from rl.config.schema import (  # noqa: F401  (tests check the mirrored choices against their originals)
     ADVANTAGES, AGGREGATIONS, DATA_FORMATS, DATA_LAYOUTS, DATA_TASKS, DIGIT_VOCAB, IS_CORRECTIONS, IS_LEVELS,
-    KL_TYPES, MISSING, PRECISION_MODES, TOKEN_AXES, CheckpointSection, DataSection, GenerationSection,
-    GrpoSection, LoggingSection, MeshSection, ModelSection, OptimSection, PrecisionSection, RewardSpec,
-    RunConfig, RunSection)
-from rl.config.yaml_io import _apply_overrides, _load_tree, as_dict, load_yaml, to_yaml
+    KL_TYPES, MISSING, PRECISION_MODES, TOKEN_AXES, WEIGHT_TRANSPORTS, CheckpointSection, DataSection,
+    GenerationSection, GrpoSection, LoggingSection, MeshSection, ModelSection, OptimSection, PrecisionSection,
+    RewardSpec, RunSection)
+from rl.config.run import RunConfig
+from rl.config.yaml_io import apply_overrides, as_dict, load_tree, load_yaml, to_yaml
 
 __all__ = [
     "ConfigError", "RunConfig", "RunSection", "ModelSection", "MeshSection", "PrecisionSection",
@@ -95,19 +97,34 @@ def _check_paths(cfg: RunConfig) -> None:
     if cfg.data.kind == "file" and not os.path.isfile(cfg.data.path):
         problems.append(f"data.path = {_show(cfg.data.path)}: no such file; allowed: an existing .jsonl, .json or "
                         ".parquet file")
+    if not cfg.checkpoint.resume:
+        ckpt_dir = checkpoint_dir(cfg)
+        found = sorted(os.listdir(ckpt_dir)) if os.path.isdir(ckpt_dir) else []
+        if found:
+            shown = ", ".join(found[:5]) + (", ..." if len(found) > 5 else "")
+            problems.append(f"checkpoint.resume = false: {os.path.abspath(ckpt_dir)} already holds checkpoints "
+                            f"({shown}), and a fresh run there would mix with them; allowed: true (continue from "
+                            "the newest of them), or a run.name / run.out_dir without checkpoints (or delete that "
+                            "directory first)")
     if problems:
         raise ConfigError(problems)
+
+
+def checkpoint_dir(cfg: RunConfig) -> str:
+    """Where a run's checkpoints live (what `rl.trainer.GRPOTrainer` hands to its Checkpointer)."""
+    return os.path.join(cfg.run.out_dir, "checkpoints")
 
 
 def load_config(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = (), *,
                 check_paths: bool = True) -> RunConfig:
     """Read `path` (with its base chain), apply `overrides`, validate; raises ConfigError listing every problem.
 
-    check_paths: also require model.path to hold a config.json and data.path (kind=file) to exist.
+    check_paths: also require model.path to hold a config.json and data.path (kind=file) to exist, and, with
+    checkpoint.resume false, run.out_dir/checkpoints to hold no checkpoint (nothing is read or written there).
     """
     sources: dict[str, str] = {}
-    tree = _load_tree(os.fspath(path), [], sources)
-    _apply_overrides(tree, list(overrides), sources)
+    tree = load_tree(os.fspath(path), [], sources)
+    apply_overrides(tree, list(overrides), sources)
     cfg = from_dict(tree, sources=sources)
     if check_paths:
         _check_paths(cfg)

@@ -8,7 +8,7 @@ from typing import Any
 
 from rl.config.errors import ConfigError, _bad, _Problem, _unknown
 from rl.config.fields import _fields, _hints, _is_section, _item_type, _kind, _non_none
-from rl.config.schema import _DEFER, RunConfig
+from rl.config.run import _DEFER, RunConfig
 from rl.config.validate import _problems
 from rl.config.yaml_io import as_dict
 

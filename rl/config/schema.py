@@ -32,6 +32,8 @@ DATA_TASKS = ("reverse", "copy", "sort", "addmod")             # rl.tasks.TASKS
 DATA_FORMATS = ("auto", "jsonl", "json", "parquet")            # rl.data.FileFormat
 DATA_LAYOUTS = ("auto", "dapo", "gsm8k", "plain")              # rl.data.Layout
 DIGIT_VOCAB = 16                                               # rl.tasks.DigitTokenizer.vocab_size
+LOG_LEVELS = ("info", "debug")                                 # rl.logs.LEVELS
+WEIGHT_TRANSPORTS = ("ray",)                                   # rl.generation.transfer.TRANSPORTS
 
 
 def _f(default: Any, doc: str, **rules: Any) -> Any:
@@ -248,9 +250,9 @@ class GenerationSection(_Section):
     vllm_request_timeout_s: float = _f(600.0, "an engine that has not answered a rollout chunk for this long is "
                                               "killed and its rows re-sent", gt=0)
     vllm_max_restarts: int = _f(4, "dead or hung engines the pool replaces over a run before dropping them", min=0)
-    weight_transport: str = _f("ray", "how new weights reach the engines: ray = HF-named buckets through the Ray "
-                                      "object store (CPU and GPU); the seam for NCCL/CUDA-IPC links",
-                               choices=("ray",))
+    weight_transport: str = _f("ray", "how new weights reach the vLLM engines (rl.generation.transfer.TRANSPORTS): "
+                                      "ray = HF-named buckets through the Ray object store (CPU and GPU)",
+                               choices=WEIGHT_TRANSPORTS)
     weight_bucket_mb: int = _f(256, "size of one weight-transfer bucket (MB); conversion of the next bucket "
                                     "overlaps sending this one", min=1)
     verify_probes: int = _f(0, "after each weight transfer, score this many fixed sequences on every engine and "
@@ -298,8 +300,9 @@ class CheckpointSection(_Section):
                                               "'HH:MM' (next occurrence, local time); null = none",
                                         check=_hhmm_or_seconds,
                                         allowed="null, a number of seconds > 0, or a time 'HH:MM' (24-hour)")
-    resume: bool = _f(True, "continue from the newest checkpoint in run.out_dir when there is one")
-    export_hf_at_end: bool = _f(False, "write a Hugging Face checkpoint to out_dir/hf at the end")
+    resume: bool = _f(True, "true: continue from the newest checkpoint in run.out_dir/checkpoints when there is "
+                            "one; false: a fresh run only, refused at load when that directory holds checkpoints")
+    export_hf_at_end: bool = _f(False, "write a Hugging Face checkpoint to run.out_dir/export at the end")
     export_layout: str = _f("native", "native (minimax_m3_vl_text) or released (minimax_m3_vl, what vLLM loads)",
                             choices=("native", "released"))
 
@@ -319,56 +322,10 @@ class CheckpointSection(_Section):
 
 @dataclasses.dataclass(frozen=True)
 class LoggingSection(_Section):
-    tensorboard: bool = _f(True, "write TensorBoard events to out_dir/tb")
+    tensorboard: bool = _f(True, "write TensorBoard events to run.out_dir/tensorboard")
     progress_bar: bool = _f(True, "show a progress bar on the terminal")
-    plot: bool = _f(True, "write metric plots (PNG) to out_dir at the end")
-
-
-@dataclasses.dataclass(frozen=True)
-class RunConfig(_Section):
-    """The whole run: validated on construction (every problem at once, as ConfigError).
-
-    run         name, out_dir, seed, total_steps, max_wall_minutes
-    model       path | tiny (M3Config fields), init_seed, remat, attention_query_chunk, moe_capacity_factor
-    mesh        data, context, expert, tensor, expert_axes, coordinator_address, num_processes, process_id
-    precision   master, moment_dtype
-    optim       lr, schedule, warmup_steps, weight_decay, b1, b2, eps, clip_norm
-    grpo        prompts_per_step, group_size, micro_batch_size, updates_per_step, advantage, eps_low,
-                eps_high, dual_clip, is_correction, is_level, is_cap, is_mask_low, is_mask_high, kl, kl_coef,
-                kl_log_ratio_clamp, kl_clamp, aggregation, sequence_sum_len, dynamic_sampling, overlong_filter
-    generation  backend, max_new_tokens, max_prompt_tokens, temperature, top_p, top_k, stop_token_ids,
-                vllm_tensor_parallel, vllm_expert_parallel, vllm_servers, vllm_gpu_memory_utilization
-    data        kind, task, num_digits, path, format, layout, prompt_key, answer_key, chat_template, shuffle_seed
-    reward      [{name, weight, timeout_s}, ...]
-    checkpoint  every_steps, keep, async_save, must_save_by, resume, export_hf_at_end, export_layout
-    logging     tensorboard, progress_bar, plot
-    """
-
-    run: RunSection = _f(RunSection, "the run")
-    model: ModelSection = _f(ModelSection, "the policy model")
-    mesh: MeshSection = _f(MeshSection, "device mesh of the trainer")
-    precision: PrecisionSection = _f(PrecisionSection, "parameter and optimizer-state precision")
-    optim: OptimSection = _f(OptimSection, "optimizer")
-    grpo: GrpoSection = _f(GrpoSection, "batch and loss")
-    generation: GenerationSection = _f(GenerationSection, "sampling")
-    data: DataSection = _f(DataSection, "prompts")
-    reward: tuple[RewardSpec, ...] = _f([], "reward functions, summed with their weights", min_items=1)
-    checkpoint: CheckpointSection = _f(CheckpointSection, "checkpoints and export")
-    logging: LoggingSection = _f(LoggingSection, "what to record")
-
-    def __post_init__(self):
-        super().__post_init__()
-        if not _DEFER[0]:
-            from rl.config.validate import _problems  # validate imports this module
-            problems = _problems(self)
-            if problems:
-                raise ConfigError([p.text for p in problems])
-
-    @property
-    def micro_steps_per_update(self) -> int:
-        """Forward/backward passes per optimizer update."""
-        g, m = self.grpo, self.mesh
-        return g.sequences_per_step // (g.updates_per_step * g.micro_batch_size * m.data * m.expert)
-
-
-_DEFER = [False]  # True while from_dict builds a RunConfig, so that problems are reported with sources
+    plot: bool = _f(True, "write the metric curves to run.out_dir/curves.png at the end")
+    level: str = _f("info", "info: the terminal shows the progress bar, the project's INFO lines and anyone's "
+                            "warnings, while third-party INFO (absl/orbax, jax, Ray, vLLM) goes to run.out_dir/run.log "
+                            "only; debug: the terminal shows everything, and DEBUG records are logged too",
+                    choices=LOG_LEVELS)

@@ -12,7 +12,9 @@ from typing import Any, Callable
 from rl.config.errors import _bad, _Problem, _unknown
 from rl.config.fields import _allowed, _hints, _is, _is_section, _item_type, _kind, _plain, _scalar_allowed, \
     _show, _union
-from rl.config.schema import DIGIT_VOCAB, MISSING, ModelSection, RunConfig
+from rl.config.schema import DIGIT_VOCAB, MISSING, ModelSection
+
+# Checks take the whole `rl.config.run.RunConfig` (named in annotations only: that module imports this one).
 
 
 def _check_scalar(key: str, value: Any, tp: Any, rules: dict, allowed: str, out: list[_Problem]) -> None:

@@ -12,7 +12,8 @@ import yaml
 
 from rl.config.errors import ConfigError, _Problem, _unknown
 from rl.config.fields import _allowed, _fields, _hints, _is_section, _item_type, _kind, _non_none, _plain, _show
-from rl.config.schema import ModelSection, RunConfig
+from rl.config.run import RunConfig
+from rl.config.schema import ModelSection
 from rl.config.validate import _m3_field_names
 
 
@@ -150,7 +151,7 @@ def _read_file(path: str, chain: list[str]) -> dict:
     return data
 
 
-def _load_tree(path: str, chain: list[str], sources: dict[str, str]) -> dict:
+def load_tree(path: str, chain: list[str], sources: dict[str, str]) -> dict:
     path = os.path.abspath(path)
     if path in chain:
         cycle = " -> ".join(_display(p) for p in chain[chain.index(path):] + [path])
@@ -162,7 +163,7 @@ def _load_tree(path: str, chain: list[str], sources: dict[str, str]) -> dict:
         if not isinstance(base, str) or not base.strip():
             raise ConfigError(f"base = {_show(base)} in {_display(path)}: wrong type ({_kind(base)}); allowed: "
                               "the path of another YAML file, relative to this one")
-        tree = _load_tree(os.path.join(os.path.dirname(path), base), chain + [path], sources)
+        tree = load_tree(os.path.join(os.path.dirname(path), base), chain + [path], sources)
     _merge(tree, data, sources, _display(path))
     return tree
 
@@ -199,7 +200,7 @@ def _override_target(parts: list[str], text: str) -> tuple[Any, dict] | _Problem
     raise AssertionError("unreachable")
 
 
-def _apply_overrides(tree: dict, overrides: list[str], sources: dict[str, str]) -> None:
+def apply_overrides(tree: dict, overrides: list[str], sources: dict[str, str]) -> None:
     problems: list[str] = []
     for text in overrides:
         key, sep, raw = str(text).partition("=")

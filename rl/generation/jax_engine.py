@@ -3,13 +3,15 @@
 One jitted program per (batch, prompt width, max_new_tokens): prefill the right-padded prompts, then
 a while-loop of single-token decode steps that stops when every row has emitted a stop token. Sparse
 layers keep their indexer keys in the cache, so decoding selects blocks exactly as a full forward.
-The engine holds a reference to the trainer's parameters (no copy): `set_weights` swaps it. With
-sharded parameters, generation is partitioned by XLA from their shardings (it does not enter the
-expert-parallel shard_map path the train step uses).
+The engine holds a reference to the trainer's parameters (no copy): `set_weights` swaps it. It runs on
+the model's own layout (`M3ForCausalLM.layout`): batch rows on the batch axes, sequences whole per
+device, experts exchanged over the batch axes (`m3jax.model.decoder.decoding_layout`); a batch that
+does not divide into the batch shards is padded with throw-away rows.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -24,6 +26,7 @@ class JaxEngine:
     def __init__(self, graphdef, params, rest, *, pad_id: int = 0):
         self.graphdef, self.params, self.rest = graphdef, params, rest
         self.pad_id = pad_id
+        self.layout = nnx.merge(graphdef, params, rest).layout  # a view: no parameter is copied
         self.version = 0
 
     def set_weights(self, params, version: int, rest=None) -> None:
@@ -36,14 +39,19 @@ class JaxEngine:
                  prompt_width: int | None = None) -> Rollout:
         """prompt_width: pad prompts to this many slots (a fixed width compiles once for every batch)."""
         width = max(max(map(len, prompts)), prompt_width or 0)
-        ids = np.full((len(prompts), width), self.pad_id, np.int32)
+        n = len(prompts)
+        rows = n + (-n % self.layout.size("act_batch"))
+        ids = np.full((rows, width), self.pad_id, np.int32)
         for row, p in enumerate(prompts):
             ids[row, :len(p)] = p
-        lengths = np.array([len(p) for p in prompts], np.int32)
-        tokens, logprobs, n_new, truncated = _generate(self.graphdef, self.params, self.rest, jnp.asarray(ids),
-                                                       jnp.asarray(lengths), key, params, self.pad_id)
-        return Rollout([list(p) for p in prompts], np.asarray(tokens), np.asarray(logprobs), np.asarray(n_new),
-                       np.asarray(truncated), self.version)
+        lengths = np.array([len(p) for p in prompts] + [1] * (rows - n), np.int32)
+        with contextlib.ExitStack() as stack:
+            if self.layout.mesh is not None:
+                stack.enter_context(jax.set_mesh(self.layout.mesh))
+            out = _generate(self.graphdef, self.params, self.rest, jnp.asarray(ids), jnp.asarray(lengths), key,
+                            params, self.pad_id)
+        tokens, logprobs, n_new, truncated = (np.asarray(a)[:n] for a in out)
+        return Rollout([list(p) for p in prompts], tokens, logprobs, n_new, truncated, self.version)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 6, 7))
@@ -85,3 +93,9 @@ def _generate(graphdef, params, rest, ids, prompt_lengths, key, sp: SamplingPara
     is_stop = jnp.isin(tokens, stops)
     first_stop = jnp.where(is_stop.any(-1), jnp.argmax(is_stop, -1) + 1, sp.max_new_tokens)
     return tokens, logps, first_stop, ~is_stop.any(-1)
+
+
+# The jitted program `JaxEngine.generate` runs: (graphdef, params, rest, ids [B, W], prompt_lengths [B], key,
+# SamplingParams, pad_id), arguments 0, 6 and 7 static. Public for tools that inspect what the engine compiles
+# (`generate_program.lower(...).compile().as_text()`, as scripts/bench_generate.py --profile does).
+generate_program = _generate

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import numpy as np
 
-from rl.generation.base import Rollout
+
+class RolloutArrays(Protocol):
+    """What a batch is built from (a generator's `Rollout` has these, and more)."""
+
+    prompt_ids: list[list[int]]
+    tokens: np.ndarray  # [N, max_new] response tokens
+    logprobs: np.ndarray  # [N, max_new] the generator's logprob of each
+    lengths: np.ndarray  # [N] response tokens per row
 
 
-def build_train_batch(rollout: Rollout, advantages: np.ndarray, loss_weight: np.ndarray, *, width: int,
+def build_train_batch(rollout: RolloutArrays, advantages: np.ndarray, loss_weight: np.ndarray, *, width: int,
                       pad_id: int) -> dict[str, np.ndarray]:
     """Arrays [N, width - 1] for next-token training on prompt + response.
 

@@ -21,7 +21,7 @@ def main(ckpt, port, process_id, out):
     assert jax.process_count() == 2 and len(jax.devices()) == 8 and len(jax.local_devices()) == 4
     model = m3jax.from_pretrained(ckpt, mesh=mesh)
     ids = np.random.default_rng(0).integers(3, model.cfg.vocab_size, (4, 64)).astype(np.int32)
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(mesh.mesh):
         logits = jax.jit(lambda m, x: m(x))(model, ids)
     full = multihost_utils.process_allgather(logits, tiled=True)
     if jax.process_index() == 0:

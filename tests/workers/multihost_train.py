@@ -26,7 +26,7 @@ def main(out, flag, config, *overrides):
     assert flag == "--config"
     rc = train.main([flag, config, *overrides])
     mesh = build_mesh(load_config(config, list(overrides)).mesh.to_mesh_config())
-    owners = [sorted({d.process_index for d in row.flat}) for row in mesh.devices]
+    owners = [sorted({d.process_index for d in row.flat}) for row in mesh.mesh.devices]
     with open(f"{out}.{jax.process_index()}.json", "w") as f:
         json.dump({"rc": rc, "processes": jax.process_count(), "devices": len(jax.devices()),
                    "data_row_owners": owners}, f)

@@ -18,47 +18,50 @@ import time
 
 from m3jax.config import M3Config
 from sharding.mesh import MeshConfig, MeshError, validate
-from sharding.plan.memory import Batch
+from m3jax.plan.memory import Batch
 
 
 def abstract_train_state(cfg: M3Config, master: str, moment_dtype: str, remat: bool = True,
-                         model_options: dict | None = None):
+                         model_options: dict | None = None, layout=None):
     """(graphdef, optimizer, TrainState of ShapeDtypeStructs): the model (M3ForCausalLM keywords
-    `model_options`) and its optimizer state by shape only."""
+    `model_options`) on `layout` and its optimizer state by shape only."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
     from m3jax.model.decoder import M3ForCausalLM
-    from sharding import precision
+    from sharding import optim_step, precision
     from sharding.train_step import TrainState
 
-    opt = precision.adamw(1e-6, moment_dtype=jnp.dtype(moment_dtype), master=master)
+    opt = optim_step.adamw(1e-6, moment_dtype=jnp.dtype(moment_dtype), master=master)
     abstract = nnx.eval_shape(lambda: M3ForCausalLM(cfg, dtype=precision.param_dtype(master), rngs=nnx.Rngs(0),
-                                                    remat=remat, **(model_options or {})))
+                                                    remat=remat, layout=layout, **(model_options or {})))
     graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
     scalar = jax.ShapeDtypeStruct((), jnp.int32)
     return graphdef, opt, TrainState(params, rest, jax.eval_shape(opt.init, params), scalar, scalar)
 
 
-def abstract_batch(mesh, mesh_cfg: MeshConfig, batch: Batch) -> dict:
-    """The cross-entropy batch [micro-batches, rows, seq] as ShapeDtypeStructs on `mesh` (concrete or abstract)."""
+def abstract_batch(layout, mesh_cfg: MeshConfig, batch: Batch) -> dict:
+    """The cross-entropy batch [micro-batches, rows, seq] as ShapeDtypeStructs on `layout` (concrete or
+    abstract mesh)."""
     import jax
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding
 
     from sharding.train_step import batch_sharding
     shape = (batch.num_micro, batch.micro_batch * mesh_cfg.data * mesh_cfg.expert, batch.seq_len)
-    return {k: jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, batch_sharding(mesh).spec))
+    return {k: jax.ShapeDtypeStruct(shape, dt, sharding=batch_sharding(layout))
             for k, dt in (("input_ids", jnp.int32), ("targets", jnp.int32), ("loss_mask", jnp.float32))}
 
 
-def abstract_mesh(mesh_cfg: MeshConfig):
+def abstract_layout(mesh_cfg: MeshConfig):
+    """The run's layout on an AbstractMesh of `mesh_cfg`'s shape: traces and lowers, never compiles."""
     import jax
     from jax.sharding import AxisType
 
-    from sharding.rules import MESH_AXES
-    return jax.sharding.AbstractMesh(mesh_cfg.shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    from sharding.layout import Layout
+    from sharding.rules import MESH_AXES, rules_for
+    mesh = jax.sharding.AbstractMesh(mesh_cfg.shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    return Layout(mesh, rules_for(mesh_cfg.expert_axes))
 
 
 def indivisible(state, shardings) -> list[str]:
@@ -86,10 +89,9 @@ def check_shardings(cfg: M3Config, mesh_cfg: MeshConfig, batch: Batch, master: s
                     model_options: dict | None = None) -> dict:
     """Problems (empty list = none) of `cfg` on an abstract `mesh_cfg`, the number of arrays checked, the
     exact per-device train-state bytes and the trace+lower time. `state`: a prebuilt
-    `abstract_train_state(...)` to reuse across meshes."""
+    `abstract_train_state(...)` to reuse across meshes (its shapes; the lowered model is built on this mesh)."""
     import jax
 
-    from sharding.rules import rules_for, use_rules
     from sharding.train_step import make_train_step, state_shardings
 
     t0 = time.perf_counter()
@@ -103,38 +105,40 @@ def check_shardings(cfg: M3Config, mesh_cfg: MeshConfig, batch: Batch, master: s
         problems.append(f"rules: {e.args[0]}")
     # Lowered for cuda, so the expert exchange is the one a GPU runs (the CPU default is the padded one).
     model_options = {"moe_exchange": "ragged", **(model_options or {})}
-    graphdef, opt, abstract = state or abstract_train_state(cfg, master, moment_dtype, batch.remat, model_options)
-    mesh = abstract_mesh(mesh_cfg)
+    layout = abstract_layout(mesh_cfg)
+    if state is not None and lower:
+        state = None  # the lowered model carries this mesh's layout
+    graphdef, opt, abstract = state or abstract_train_state(cfg, master, moment_dtype, batch.remat, model_options,
+                                                            layout)
     out = {"arrays": 0, "state_bytes": None, "lowered": False, "problems": problems}
-    with use_rules(rules_for(mesh_cfg.expert_axes)):
+    try:
+        shardings = state_shardings(layout, abstract)
+    except KeyError as e:  # a parameter's logical name without a rules row
+        problems.append(f"rules: {e.args[0]}")
+        return out
+    b = abstract_batch(layout, mesh_cfg, batch)
+    bad = indivisible(abstract, shardings) + indivisible(b, {k: v.sharding for k, v in b.items()})
+    problems += bad
+    out["arrays"] = len(jax.tree.leaves(abstract)) + len(b)
+    if bad:
+        return out
+    out["state_bytes"] = state_bytes_per_device(abstract, shardings)
+    if lower:
+        st = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
+        step = make_train_step(graphdef, opt, mesh=layout, shardings=shardings)
         try:
-            shardings = state_shardings(mesh, abstract)
-        except KeyError as e:  # a parameter's logical name without a rules row
-            problems.append(f"rules: {e.args[0]}")
-            return out
-        b = abstract_batch(mesh, mesh_cfg, batch)
-        bad = indivisible(abstract, shardings) + indivisible(b, {k: v.sharding for k, v in b.items()})
-        problems += bad
-        out["arrays"] = len(jax.tree.leaves(abstract)) + len(b)
-        if bad:
-            return out
-        out["state_bytes"] = state_bytes_per_device(abstract, shardings)
-        if lower:
-            st = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
-            step = make_train_step(graphdef, opt, mesh=mesh, shardings=shardings)
-            try:
-                with jax.sharding.use_abstract_mesh(mesh):
-                    step.jitted.trace(st, b).lower(lowering_platforms=("cuda",))
-                out["lowered"] = True
-            except Exception as e:  # noqa: BLE001 - whatever tracing or lowering raises is the finding
-                problems.append(f"train step does not lower: {type(e).__name__}: {str(e)[:500]}")
+            with jax.sharding.use_abstract_mesh(layout.mesh):
+                step.jitted.trace(st, b).lower(lowering_platforms=("cuda",))
+            out["lowered"] = True
+        except Exception as e:  # noqa: BLE001 - whatever tracing or lowering raises is the finding
+            problems.append(f"train step does not lower: {type(e).__name__}: {str(e)[:500]}")
     out["check_s"] = time.perf_counter() - t0
     return out
 
 
 def print_check(job) -> int:
     """CLI report of `check_shardings` for a planner Job; the exit status is 1 on any problem."""
-    from sharding.plan.memory import GB, memory_plan
+    from m3jax.plan.memory import GB, memory_plan
     m = job.mesh
     r = check_shardings(job.model, m, job.batch, job.master, job.moment_dtype, model_options=job.model_options)
     print(f"sharding check on an AbstractMesh data={m.data} context={m.context} expert={m.expert} tensor={m.tensor} "

@@ -1,4 +1,4 @@
-"""Child process of `sharding.plan.compile.compile_reduced` (XLA_FLAGS already set by the parent).
+"""Child process of `m3jax.plan.compile.compile_reduced` (XLA_FLAGS already set by the parent).
 Reads the job as JSON on stdin, prints one JSON list: XLA and analytic memory per reduced depth."""
 
 import dataclasses
@@ -7,8 +7,8 @@ import sys
 
 from m3jax.config import M3Config
 from sharding.mesh import MeshConfig
-from sharding.plan.compile import compile_step
-from sharding.plan.memory import Batch, memory_plan
+from m3jax.plan.compile import compile_step
+from m3jax.plan.memory import Batch, memory_plan
 
 STATE_TERMS = ("params", "master", "moments", "buffers")  # what XLA counts as arguments (besides the batch)
 

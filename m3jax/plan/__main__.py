@@ -1,10 +1,10 @@
-"""python -m sharding.plan --config <run config> [a.b=value ...] [--model release] [--device-memory-gb 80]
+"""python -m m3jax.plan --config <run config> [a.b=value ...] [--model release] [--device-memory-gb 80]
                           [--sweep N_DEVICES [--top 20] [--png out.png]] [--compile [--compile-layers 2:2,3:2,2:4]]
                           [--check-shardings]
 
 Prints the per-device plan (memory by term, FLOPs, communication, step time) and a verdict
 ("FITS with X GB margin" / "DOES NOT FIT: <term> is Y GB"). --model release plans the released
-MiniMax-M3 shapes (sharding.plan.models) when the config's model.path is unset (`???`).
+MiniMax-M3 shapes (m3jax.plan.models) when the config's model.path is unset (`???`).
 --sweep N enumerates (data, context, expert, tensor) with product N and micro-batch 1, 2, 4, 8.
 --compile re-executes itself with N simulated CPU devices and compiles the real train step at reduced depth.
 --check-shardings checks the full-depth model's shardings on an AbstractMesh of any size (no devices).
@@ -18,12 +18,12 @@ import itertools
 import sys
 
 from sharding.mesh import MeshConfig, MeshError, validate
-from sharding.plan.check import print_check
-from sharding.plan.compile import compile_reduced, print_compile
+from m3jax.plan.check import print_check
+from m3jax.plan.compile import compile_reduced, print_compile
 from sharding.expert import receive_rows
-from sharding.plan.flops import Hardware, comm_bytes, expert_rows_factor, step_flops, step_time
-from sharding.plan.memory import GB, Batch, memory_phases, memory_plan
-from sharding.plan.models import m3_release
+from m3jax.plan.flops import Hardware, comm_bytes, expert_rows_factor, step_flops, step_time
+from m3jax.plan.memory import GB, Batch, memory_phases, memory_plan
+from m3jax.plan.models import m3_release
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +40,7 @@ class Job:
     # M3ForCausalLM keywords besides remat (attention_query_chunk, moe_capacity_factor): what --compile
     # and --check-shardings build, as the trainer would.
     model_options: dict = dataclasses.field(default_factory=dict)
-    ragged_dot: str = "dense"  # how the GPU's XLA lowers the grouped expert matmuls (sharding.plan.memory.Batch)
+    ragged_dot: str = "dense"  # how the GPU's XLA lowers the grouped expert matmuls (m3jax.plan.memory.Batch)
 
     @property
     def num_micro(self) -> int:
@@ -55,10 +55,10 @@ class Job:
 
 def load_job(path: str, overrides: list[str], model: str | None) -> Job:
     from rl.config.build import from_dict
-    from rl.config.yaml_io import _apply_overrides, _load_tree
+    from rl.config.yaml_io import apply_overrides, load_tree
     sources: dict = {}
-    tree = _load_tree(path, [], sources)
-    _apply_overrides(tree, list(overrides), sources)
+    tree = load_tree(path, [], sources)
+    apply_overrides(tree, list(overrides), sources)
     if model == "release" or tree.get("model", {}).get("path") == "???":
         tree["model"]["path"], tree["model"]["tiny"] = "unused-by-the-planner", None
     if tree.get("data", {}).get("path") == "???":
@@ -187,7 +187,7 @@ def sweep(job: Job, n: int, hw: Hardware, device_gb: float, png: str | None, mic
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sharding.plan", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m m3jax.plan", description=__doc__.splitlines()[0])
     ap.add_argument("--config", required=True)
     ap.add_argument("overrides", nargs="*")
     ap.add_argument("--model", choices=("config", "release"), default=None)

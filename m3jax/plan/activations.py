@@ -1,6 +1,6 @@
 """Analytic activation memory of one micro-batch's forward + backward, per device, by phase.
 
-Notation as in `sharding.plan.memory`; a = activation bytes, p = param bytes, b = micro-batch,
+Notation as in `m3jax.plan.memory`; a = activation bytes, p = param bytes, b = micro-batch,
 S / S_l = sequence / local sequence, T_l = b * S_l, H_l = H / n_t, KV_l = KV / n_t, q = the query rows of
 one attention-scores block (min(attention_query_chunk, S_l), or S_l unchunked), W = receive rows of the
 expert exchange (`sharding.expert.receive_rows`), G = local experts (E / n_ep).
@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 
 from m3jax.config import MOE_MLP, SPARSE_ATTENTION, M3Config
-from m3jax.model.decoder import layer_param_specs, top_param_specs
+from m3jax.model.specs import layer_param_specs, top_param_specs
 from sharding.expert import receive_rows
 from sharding.mesh import MeshConfig
 

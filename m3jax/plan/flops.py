@@ -2,7 +2,7 @@
 
 Per optimizer step: G sequences (the global batch of one update; GRPO's sequences_per_step /
 updates_per_step, times updates_per_step for the whole step), S tokens each, N = G * S tokens.
-Notation as in `sharding.plan.memory`.
+Notation as in `m3jax.plan.memory`.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import dataclasses
 import math
 
 from m3jax.config import MOE_MLP, SPARSE_ATTENTION, M3Config
-from m3jax.model.decoder import layer_param_specs
+from m3jax.model.specs import layer_param_specs
 from sharding.mesh import MeshConfig
-from sharding.plan.memory import Param, local_elems, mesh_sizes, param_table, shard_axes
+from m3jax.plan.memory import Param, local_elems, mesh_sizes, param_table, shard_axes
 from sharding.rules import MESH_AXES
 
 

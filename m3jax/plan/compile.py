@@ -23,7 +23,7 @@ import numpy as np
 
 from m3jax.config import M3Config
 from sharding.mesh import MeshConfig
-from sharding.plan.memory import GB, Batch
+from m3jax.plan.memory import GB, Batch
 
 
 def compile_step(cfg: M3Config, mesh_cfg: MeshConfig, batch: Batch, master: str = "fp32",
@@ -36,22 +36,20 @@ def compile_step(cfg: M3Config, mesh_cfg: MeshConfig, batch: Batch, master: str 
     """
     import jax
 
+    from m3jax.plan.check import abstract_batch, abstract_train_state
     from sharding.mesh import build_mesh
-    from sharding.plan.check import abstract_batch, abstract_train_state
-    from sharding.rules import rules_for, use_rules
     from sharding.train_step import make_train_step, state_shardings
 
     n = mesh_cfg.num_devices
     t0 = time.perf_counter()
-    with use_rules(rules_for(mesh_cfg.expert_axes)):
-        mesh = build_mesh(mesh_cfg, cfg, seq_len=batch.seq_len, devices=jax.devices()[:n])
-        graphdef, opt, state = abstract_train_state(cfg, master, moment_dtype, batch.remat, model_options)
-        shardings = state_shardings(mesh, state)
-        step = make_train_step(graphdef, opt, mesh=mesh, shardings=shardings)
-        with jax.set_mesh(mesh):
-            lowered = step.jitted.lower(state, abstract_batch(mesh, mesh_cfg, batch))
-            t1 = time.perf_counter()
-            compiled = lowered.compile()
+    layout = build_mesh(mesh_cfg, cfg, seq_len=batch.seq_len, devices=jax.devices()[:n])
+    graphdef, opt, state = abstract_train_state(cfg, master, moment_dtype, batch.remat, model_options, layout)
+    shardings = state_shardings(layout, state)
+    step = make_train_step(graphdef, opt, mesh=layout, shardings=shardings)
+    with jax.set_mesh(layout.mesh):
+        lowered = step.jitted.lower(state, abstract_batch(layout, mesh_cfg, batch))
+        t1 = time.perf_counter()
+        compiled = lowered.compile()
     t2 = time.perf_counter()
     ma = compiled.memory_analysis()
     out = {k: float(getattr(ma, f"{k}_size_in_bytes")) for k in ("argument", "output", "alias", "temp",
@@ -73,7 +71,7 @@ def compile_reduced(job, layer_sets, extra_env: dict | None = None) -> list:
     spec = {"model": dataclasses.asdict(job.model), "mesh": dataclasses.asdict(job.mesh), "seq_len": job.seq_len,
             "micro_batch": job.micro_batch, "master": job.master, "moment_dtype": job.moment_dtype,
             "remat": job.remat, "model_options": job.model_options, "layer_sets": [list(s) for s in layer_sets]}
-    out = subprocess.run([sys.executable, "-m", "sharding.plan._compile_worker"], input=json.dumps(spec), env=env,
+    out = subprocess.run([sys.executable, "-m", "m3jax.plan._compile_worker"], input=json.dumps(spec), env=env,
                          stdout=subprocess.PIPE, text=True, check=False)
     if out.returncode:
         raise SystemExit(f"compile on {n} simulated devices failed (exit {out.returncode}; its stderr is above)")

@@ -17,9 +17,9 @@ import dataclasses
 import math
 
 from m3jax.config import M3Config
-from m3jax.model.decoder import layer_param_specs, top_param_specs
+from m3jax.model.specs import layer_param_specs, top_param_specs
 from sharding.mesh import MeshConfig
-from sharding.plan.activations import head_terms, layer_phases
+from m3jax.plan.activations import head_terms, layer_phases
 from sharding.rules import MESH_AXES, logical_to_spec, rules_for
 
 GB = 1e9
@@ -174,7 +174,7 @@ def _shard_dims(mesh: MeshConfig, rules):
 def activation_bytes(cfg: M3Config, mesh: MeshConfig, batch: Batch, act_bytes: int = 2, rules=None
                      ) -> dict[str, float]:
     """Per-device activation memory at the peak of one micro-batch's forward + backward (the terms of the
-    binding phase, `sharding.plan.activations`):
+    binding phase, `m3jax.plan.activations`):
 
         checkpoints   = L * T_l * d * a       each layer's input, saved by the scan (remat)
         batch_inputs  = 3 arrays * num_micro * T_l * 4 B   (ids, targets, loss mask)

@@ -1,0 +1,77 @@
+"""A layout: one device mesh and the rules table that places logical axes on it, as one value.
+
+Everything that places or partitions arrays (the model's activation constraints and expert exchange,
+parameter loading, the train step, the logprob pass, generation) takes a `Layout` rather than reading
+process-wide state, so two layouts can live in one process and a loaded model keeps its placement
+whatever mesh context it is later called under. `Layout()` (no mesh) is one device: constraints are
+identities and the experts run locally.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from sharding.rules import RULES, logical_to_spec, mesh_axes_of
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    mesh: Mesh | None = None
+    rules: tuple = RULES
+
+    @property
+    def shape(self) -> dict[str, int]:
+        return {} if self.mesh is None else dict(self.mesh.shape)
+
+    @property
+    def num_devices(self) -> int:
+        return 1 if self.mesh is None else self.mesh.size
+
+    def axes(self, logical: str) -> tuple[str, ...]:
+        """Mesh axes (of size > 1) that hold the logical axis `logical`."""
+        if self.mesh is None:
+            mesh_axes_of(logical, self.rules)  # an unknown name is an error on every layout
+            return ()
+        return tuple(a for a in mesh_axes_of(logical, self.rules) if self.mesh.shape[a] > 1)
+
+    def size(self, logical: str) -> int:
+        """How many shards the logical axis `logical` is cut into (1 without a mesh)."""
+        return math.prod(self.mesh.shape[a] for a in self.axes(logical))
+
+    def spec(self, logical_axes: tuple[str | None, ...], drop_trivial: bool = False) -> PartitionSpec:
+        """PartitionSpec for logical axes; with `drop_trivial`, mesh axes of size 1 are left out."""
+        return logical_to_spec(logical_axes, self.rules, self.shape if drop_trivial and self.mesh else None)
+
+    def sharding(self, logical_axes: tuple[str | None, ...]) -> NamedSharding | None:
+        return None if self.mesh is None else NamedSharding(self.mesh, self.spec(logical_axes))
+
+    def replicated(self) -> NamedSharding | None:
+        return None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
+
+    def constrain(self, x: jax.Array, logical_axes: tuple[str | None, ...]) -> jax.Array:
+        """Constrain an activation to its logical layout (identity without a mesh)."""
+        if self.mesh is None:
+            return x
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, self.spec(logical_axes)))
+
+    def with_rule(self, logical: str, mesh_axes) -> "Layout":
+        """This layout with one row of the rules table changed (e.g. `("act_seq", None)` for decoding)."""
+        mesh_axes_of(logical, self.rules)
+        target = tuple(mesh_axes) if isinstance(mesh_axes, (list, tuple)) else mesh_axes
+        return dataclasses.replace(self, rules=tuple((k, target if k == logical else v) for k, v in self.rules))
+
+
+def as_layout(mesh_or_layout) -> Layout:
+    """A Layout from None (one device), a jax Mesh (the default rules) or a Layout (itself)."""
+    if mesh_or_layout is None:
+        return Layout()
+    if isinstance(mesh_or_layout, Layout):
+        return mesh_or_layout
+    if isinstance(mesh_or_layout, Mesh):
+        return Layout(mesh_or_layout)
+    raise TypeError(f"expected a sharding.layout.Layout (from sharding.mesh.build_mesh), a jax Mesh or None, "
+                    f"got {type(mesh_or_layout).__name__}")

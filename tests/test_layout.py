@@ -1,0 +1,98 @@
+"""The layout is a value: a model loaded onto `build_mesh(...)` keeps its mesh and rules for every call,
+and each jitted pass of a run lowers to the expert-parallel program of the run's layout."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import m3jax
+from rl.config import load_config
+from rl.generation.backends import sampling_of
+from rl.logprobs import make_logprob_pass
+from sharding import optim_step
+from sharding.layout import Layout
+from sharding.mesh import MeshConfig, MeshError, build_mesh
+from sharding.train_step import init_state, make_train_step, state_shardings
+from tests import reference as ref
+
+SEQ = 32
+
+
+@pytest.fixture(scope="module")
+def six_experts(tmp_path_factory):
+    """A checkpoint whose 6 experts do not divide the 8 devices of data x context x expert = 2 x 2 x 2."""
+    hf = ref.build_model(ref.tiny_config("release_like", num_local_experts=6, num_experts_per_tok=2), seed=5)
+    return ref.save(hf, str(tmp_path_factory.mktemp("six")), "native")
+
+
+def test_six_experts_on_eight_devices_with_explicit_expert_axes(six_experts):
+    single = m3jax.from_pretrained(six_experts)
+    ids = jnp.asarray(ref.random_ids(single.cfg, 4, SEQ, seed=1))
+    want = np.asarray(single(ids))
+
+    layout = build_mesh(MeshConfig(2, 2, 2, 1, expert_axes=("expert",)), single.cfg)
+    model = m3jax.from_pretrained(six_experts, mesh=layout)  # no other call: no rules context, no set_mesh
+    experts = model.stacks[-1].experts_gate_up[...]
+    assert all(s.data.shape[1] == 3 for s in experts.addressable_shards)  # 6 experts over the expert axis (2)
+    assert model.layout == layout
+    with jax.set_mesh(layout.mesh):
+        under_mesh = np.asarray(jax.jit(lambda m, x: m(x))(model, ids))
+    no_context = np.asarray(model(ids))
+    scale = np.max(np.abs(want))
+    for got in (under_mesh, no_context):
+        assert np.max(np.abs(got - want)) / scale <= 1e-5
+    # ... and the placement is unchanged by the calls
+    assert all(s.data.shape[1] == 3 for s in model.stacks[-1].experts_gate_up[...].addressable_shards)
+
+
+def test_six_experts_on_the_default_expert_axes_is_a_mesh_error(six_experts):
+    cfg = m3jax.M3Config.from_pretrained(six_experts)
+    with pytest.raises(MeshError, match=r"num_local_experts=6 is not divisible by mesh.data=2 x mesh.context=2 x "
+                                        r"mesh.expert=2 = 8 .*mesh.expert_axes"):
+        build_mesh(MeshConfig(2, 2, 2, 1), cfg)
+    bare = build_mesh(MeshConfig(2, 2, 2, 1))  # built without the model: from_pretrained checks it
+    with pytest.raises(MeshError, match="num_local_experts=6"):
+        m3jax.from_pretrained(six_experts, mesh=bare)
+
+
+def test_a_model_built_without_a_layout_runs_on_one_device():
+    cfg = m3jax.M3Config.from_hf_dict(ref.tiny_config("release_like").to_dict())
+    assert m3jax.M3ForCausalLM(cfg, rngs=nnx.Rngs(0)).layout == Layout()
+
+
+def _exchanges(text: str) -> int:
+    return text.count("all_to_all") + text.count("all-to-all")
+
+
+def test_logprob_pass_and_train_step_lower_to_the_expert_parallel_program():
+    """Both passes of a run trace the expert exchange on a multi-device layout (before the fix, the
+    logprob pass ran outside the mesh and every device gathered every expert)."""
+    cfg = load_config("configs/tiny.yaml", ["mesh.data=2", "mesh.context=2", "mesh.expert=2",
+                                            "mesh.expert_axes=[data, expert]", "grpo.micro_batch_size=4",
+                                            "grpo.prompts_per_step=2"])
+    m3 = cfg.model.m3_config()
+    layout = build_mesh(cfg.mesh.to_mesh_config(), m3, seq_len=SEQ)
+    model = m3jax.M3ForCausalLM(m3, rngs=nnx.Rngs(0), layout=layout)
+    opt = optim_step.adamw(1e-3, master="none")
+    graphdef, state = init_state(model, opt)
+    shardings = state_shardings(layout, state)
+    state = jax.device_put(state, shardings)
+    batch = {k: np.zeros((1, 4, SEQ), np.int32) for k in ("input_ids", "targets", "attention_mask")}
+    batch["loss_mask"] = np.ones((1, 4, SEQ), np.float32)
+
+    logprobs = make_logprob_pass(graphdef, sampling_of(cfg, m3.eos_token_id), layout)
+    with jax.set_mesh(layout.mesh):
+        text = logprobs.jitted.lower(state.params, state.rest, batch).as_text()
+    assert _exchanges(text) > 0
+    # Without the layout (a one-device model), the same pass has no exchange: the check can fail.
+    plain = make_logprob_pass(nnx.graphdef(m3jax.M3ForCausalLM(m3, rngs=nnx.Rngs(0))), sampling_of(cfg, 12))
+    assert _exchanges(plain.jitted.lower(state.params, state.rest, batch).as_text()) == 0
+
+    step = make_train_step(graphdef, opt, mesh=layout, shardings=shardings)
+    with jax.set_mesh(layout.mesh):
+        text = step.jitted.lower(state, batch).as_text()
+    assert _exchanges(text) > 0
+    out = np.asarray(logprobs(state.params, state.rest, batch))
+    assert out.shape == (1, 4, SEQ) and np.all(np.isfinite(out))
