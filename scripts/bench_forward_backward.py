@@ -1,9 +1,9 @@
 """Forward+backward wall time: m3jax (jit(value_and_grad)) vs the HF PyTorch model (eager), same weights.
 
-The model is the tiny `release_like` reference config of tests/reference.py (4 layers: 1 full-attention
+The model is the tiny `release_like` reference config of m3jax.tiny (4 layers: 1 full-attention
 dense layer, then 3 sparse-attention (indexer) MoE layers). The HF model is built with a fixed seed,
-saved with transformers to a temporary directory and loaded with `m3jax.from_pretrained`, so both
-sides hold identical fp32 weights. The loss is the mean next-token cross entropy over B x (S-1) tokens.
+saved with transformers to a temporary directory and loaded with `m3jax.from_pretrained`
+(`m3jax.tiny.m3_from_hf`), so both sides hold identical fp32 weights. The loss is the mean next-token cross entropy over B x (S-1) tokens.
 
 Timing: each Flax variant is compiled first (compile time reported separately, never in the median);
 then, after --warmup untimed rounds, --iters rounds run every contestant once each, round-robin (so
@@ -27,7 +27,6 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,8 +37,7 @@ import jax.numpy as jnp  # noqa: E402
 import torch  # noqa: E402
 from flax import nnx  # noqa: E402
 
-import m3jax  # noqa: E402
-from tests import reference as ref  # noqa: E402
+from m3jax import tiny  # noqa: E402
 
 
 def n_cpus() -> int:
@@ -150,13 +148,11 @@ def main():
 
     threads = n_cpus()
     torch.set_num_threads(args.torch_threads or threads)
-    cfg = ref.tiny_config(args.variant)
-    hf = ref.build_model(cfg, seed=0)  # eval() mode: no dropout; grads still enabled
-    with tempfile.TemporaryDirectory(prefix="m3bench_fb_") as d:
-        ref.save(hf, d, "native")
-        flax_models = {"flax (remat=True, default)": m3jax.from_pretrained(d)}
-        if not args.no_remat_row:
-            flax_models["flax (remat=False)"] = m3jax.from_pretrained(d, remat=False)
+    cfg = tiny.hf_config(args.variant)
+    hf = tiny.hf_model(cfg, seed=0)  # eval() mode: no dropout; grads still enabled
+    flax_models = {"flax (remat=True, default)": tiny.m3_from_hf(hf)}
+    if not args.no_remat_row:
+        flax_models["flax (remat=False)"] = tiny.m3_from_hf(hf, remat=False)
 
     n_params = sum(p.numel() for p in hf.parameters())
     print(f"jax {jax.__version__} ({jax.default_backend()}), torch {torch.__version__} "
@@ -171,7 +167,7 @@ def main():
     rows = []
     load0 = os.getloadavg()
     for seq in args.seq:
-        ids = ref.random_ids(cfg, args.batch, seq, seed=seq)
+        ids = tiny.random_ids(cfg, args.batch, seq, seed=seq)
         steps, info = {}, {}
         for name, fm in flax_models.items():
             steps[name], comp, flops = prepare_flax(fm, ids)

@@ -1,6 +1,6 @@
 """Decode throughput: the embedded JAX engine (rl.generation.jax_engine) vs HF PyTorch `generate`, same weights.
 
-The model is the tiny `release_like` reference config of tests/reference.py (4 layers: 1 full-attention
+The model is the tiny `release_like` reference config of m3jax.tiny (4 layers: 1 full-attention
 dense layer, then 3 sparse-attention (lightning indexer) MoE layers, 8 experts top-2). The HF model is
 built with a fixed seed, saved with transformers to a temporary directory and loaded with
 `m3jax.from_pretrained`, so both sides hold identical fp32 weights.
@@ -59,11 +59,19 @@ import jax.numpy as jnp  # noqa: E402
 import torch  # noqa: E402
 from flax import nnx  # noqa: E402
 
-import m3jax  # noqa: E402
-from rl.generation import jax_engine  # noqa: E402
+from m3jax import tiny  # noqa: E402
 from rl.generation.base import SamplingParams  # noqa: E402
-from rl.generation.jax_engine import JaxEngine  # noqa: E402
-from tests import reference as ref  # noqa: E402
+from rl.generation.jax_engine import JaxEngine, generate_program  # noqa: E402
+
+XLA_COMPILES = [0]  # XLA compilations of the engine's program (`generate_program`) so far
+
+
+def count_compiles(event: str, _seconds: float, fun_name: str = "", **_kw) -> None:
+    if event == "/jax/core/compile/backend_compile_duration" and fun_name == f"jit({generate_program.__name__})":
+        XLA_COMPILES[0] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(count_compiles)
 
 
 def n_cpus() -> int:
@@ -88,11 +96,11 @@ def time_call(fn):
 
 
 def bench_batch(engine, hf, cfg, batch, prompt_len, new, iters, warmup, seed, torch_threads):
-    ids = ref.random_ids(cfg, batch, prompt_len, seed=seed)
+    ids = tiny.random_ids(cfg, batch, prompt_len, seed=seed)
     prompts = [list(map(int, r)) for r in ids]
     sp = SamplingParams(max_new_tokens=new, temperature=0.0)
     key = jax.random.key(0)
-    cache_before = jax_engine._generate._cache_size()
+    compiles_before = XLA_COMPILES[0]
 
     def run_jax():
         return engine.generate(prompts, sp, key).tokens
@@ -119,7 +127,7 @@ def bench_batch(engine, hf, cfg, batch, prompt_len, new, iters, warmup, seed, to
         for name, fn in steps.items():
             s, out[name] = time_call(fn)
             times[name].append(s)
-    compiles = jax_engine._generate._cache_size() - cache_before
+    compiles = XLA_COMPILES[0] - compiles_before
     jtok = out["jax"]
     hf_names = [k for k in steps if k != "jax"]
     for k in hf_names:
@@ -133,7 +141,7 @@ def bench_batch(engine, hf, cfg, batch, prompt_len, new, iters, warmup, seed, to
 
 def breakdown(model, engine, cfg, batch, prompt_len, new, iters):
     """Where the JAX generate time goes: prefill/overhead vs per-token decode vs the model's decode step."""
-    ids = ref.random_ids(cfg, batch, prompt_len, seed=batch)
+    ids = tiny.random_ids(cfg, batch, prompt_len, seed=batch)
     prompts = [list(map(int, r)) for r in ids]
     key = jax.random.key(0)
     res = {}
@@ -191,7 +199,7 @@ ABLATIONS = {  # same active MLP width: dense 96 = 2 routed x 32 + shared 32
 
 
 def ablation_configs(variant):
-    base = ref.tiny_config(variant)
+    base = tiny.hf_config(variant)
     n = base.num_hidden_layers
     out = {}
     for name, ov in ABLATIONS.items():
@@ -199,9 +207,10 @@ def ablation_configs(variant):
         if "moe_layer_freq" in ov:
             kw["moe_layer_freq"] = [0] * n
         if "sparse_attention_freq" in ov:
-            sac = dict(ref.VARIANTS[variant].get("sparse_attention_config", ref.TINY["sparse_attention_config"]))
+            sac = dict(tiny.HF_VARIANTS[variant].get("sparse_attention_config",
+                                                     tiny.HF_TINY["sparse_attention_config"]))
             kw["sparse_attention_config"] = {**sac, "sparse_attention_freq": [0] * n}
-        out[name] = ref.tiny_config(variant, **kw)
+        out[name] = tiny.hf_config(variant, **kw)
     return out
 
 
@@ -210,10 +219,7 @@ def ablate(variant, batches, prompt_len, new, iters):
     as is and with its MoE layers made dense and/or its sparse layers made full attention; round-robin."""
     steps = {}
     for name, cfg in ablation_configs(variant).items():
-        hf = ref.build_model(cfg, seed=0)
-        with tempfile.TemporaryDirectory(prefix="m3bench_gen_") as d:
-            ref.save(hf, d, "native")
-            model = m3jax.from_pretrained(d)
+        model = tiny.m3_from_hf(tiny.hf_model(cfg, seed=0))
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
         def f(params, rest, tok, pos, cache, graphdef=graphdef):
@@ -248,12 +254,12 @@ def profile_generate(engine, cfg, batch, prompt_len, new, calls=3, top=25):
     import glob
     import re
 
-    ids = ref.random_ids(cfg, batch, prompt_len, seed=batch)
+    ids = tiny.random_ids(cfg, batch, prompt_len, seed=batch)
     prompts = [list(map(int, r)) for r in ids]
     sp = SamplingParams(max_new_tokens=new, temperature=0.0)
     key = jax.random.key(0)
     engine.generate(prompts, sp, key)
-    hlo = jax_engine._generate.lower(engine.graphdef, engine.params, engine.rest, jnp.asarray(ids),
+    hlo = generate_program.lower(engine.graphdef, engine.params, engine.rest, jnp.asarray(ids),
                                      jnp.full((batch,), prompt_len, jnp.int32), key, sp, engine.pad_id)
     text = hlo.compile().as_text()
     meta, shape = {}, {}
@@ -324,11 +330,9 @@ def main():
     args = ap.parse_args()
 
     threads = n_cpus()
-    cfg = ref.tiny_config(args.variant)
-    hf = ref.build_model(cfg, seed=0, attn="eager")
-    with tempfile.TemporaryDirectory(prefix="m3bench_gen_") as d:
-        ref.save(hf, d, "native")
-        model = m3jax.from_pretrained(d)
+    cfg = tiny.hf_config(args.variant)
+    hf = tiny.hf_model(cfg, seed=0, attn="eager")
+    model = tiny.m3_from_hf(hf)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     engine = JaxEngine(graphdef, params, rest, pad_id=0)
 
@@ -380,8 +384,8 @@ def main():
             fd = f"{fd:8.1f}" if fd is not None else f"{'-':>8}"
             print(f"{r['batch']:>5} | {r['med'][r['best_hf']] / r['med']['jax']:11.2f} | {r['first']:10.2f} | "
                   f"{r['first'] - r['med']['jax']:9.2f} | {r['compiles']:>9} | {rs:9.3f} | {ts:11.4f} | {fd}")
-        print("\n1st call = JAX trace + compile + run; compile = 1st call - median; #compiles = new entries in the "
-              "jitted program's cache\nduring the batch (1 = no recompiles); rows same / tokens same = greedy "
+        print("\n1st call = JAX trace + compile + run; compile = 1st call - median; #compiles = XLA compilations "
+              "of the engine's program\nduring the batch (1 = no recompiles); rows same / tokens same = greedy "
               "agreement JAX vs HF; 1st diff = mean first\ndiffering position among differing rows.\n"
               f"load average (1 min) at start / end: {load0[0]:.2f} / {load1[0]:.2f} on {threads} cpus")
 

@@ -1,7 +1,7 @@
 """Checkpoint load benchmark: wall time and peak host memory of `m3jax.from_pretrained`.
 
 A random M3-shaped fp32 checkpoint of a few hundred MB is built with HF/torch (fixed seed, via
-tests/reference.py) and saved by transformers, sharded (--shard-mb, default 100MB), in both the
+m3jax.tiny) and saved by transformers, sharded (--shard-mb, default 100MB), in both the
 native and the released layout, in a temporary directory. Each load then runs in a fresh
 subprocess, so that the peak memory measured belongs to that load alone:
 
@@ -109,11 +109,11 @@ def build_checkpoints(args, workdir: str) -> None:
     sys.path.insert(0, ROOT)
     import torch
 
-    from tests import reference as ref
+    from m3jax import tiny
 
     n = args.layers
     moe = [0] * args.dense_layers + [1] * (n - args.dense_layers)
-    cfg = ref.tiny_config(
+    cfg = tiny.hf_config(
         "release_like", vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.expert_mlp,
         dense_intermediate_size=3 * args.expert_mlp, shared_intermediate_size=args.expert_mlp,
         num_hidden_layers=n, num_attention_heads=8, num_key_value_heads=2, head_dim=64, rotary_dim=32,
@@ -122,11 +122,11 @@ def build_checkpoints(args, workdir: str) -> None:
                                      sparse_topk_blocks=4, sparse_local_block=1, sparse_attention_freq=moe))
     t0 = time.perf_counter()
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
-    model = ref.build_model(cfg, seed=args.seed)
+    model = tiny.hf_model(cfg, seed=args.seed)
     n_params = sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers()
                                                                 if b.is_floating_point())
     for layout in ("native", "released"):
-        ref.save(model, os.path.join(workdir, layout), layout, max_shard_size=f"{args.shard_mb}MB")
+        tiny.save_hf(model, os.path.join(workdir, layout), layout, max_shard_size=f"{args.shard_mb}MB")
     print(f"checkpoint: hidden {args.hidden}, {n} layers ({args.dense_layers} full-attention dense + "
           f"{n - args.dense_layers} sparse-attention MoE), {args.experts} experts (top-4) x {args.expert_mlp}, "
           f"vocab {args.vocab}: {n_params / 1e6:.1f}M fp32 text-model params; built and saved (both layouts, "

@@ -51,15 +51,20 @@ import jax.extend.core  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from m3jax import M3Config  # noqa: E402
-from m3jax.model.moe import _ROWS_BY_EXPERT, moe_block  # noqa: E402
+from m3jax.model.moe import moe_block  # noqa: E402
+from m3jax.tiny import m3_config  # noqa: E402
+
+# The ragged dot of m3jax.model.moe.grouped_experts: rows [N, in] against per-expert weights [E, out, in]
+# (HF layout), contracting `in` with the last rhs axis.
+ROWS_BY_EXPERT = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=(0,), rhs_group_dimensions=(0,))
 
 
 def make_cfg(d, inter, shared, experts, k) -> M3Config:
-    return M3Config(
-        vocab_size=256, hidden_size=d, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=32, intermediate_size=inter, dense_intermediate_size=inter, shared_intermediate_size=shared,
-        num_local_experts=experts, num_experts_per_tok=k, layer_types=("full_attention",),
-        mlp_layer_types=("sparse",), bos_token_id=1, eos_token_id=2)
+    # one layer, MoE only (moe_block reads the MoE fields; the attention fields are unused here)
+    return m3_config(layers=1, dense_layers=0, vocab_size=256, hidden_size=d, intermediate_size=inter,
+                     dense_intermediate_size=inter, shared_intermediate_size=shared, num_local_experts=experts,
+                     num_experts_per_tok=k)
 
 
 def make_params(cfg, dtype, seed=0):
@@ -101,7 +106,7 @@ def program_flops(jaxpr) -> dict:
 
 
 def show_lowering():
-    f = jax.jit(lambda a, b, g: jax.lax.ragged_dot_general(a, b, g, _ROWS_BY_EXPERT))
+    f = jax.jit(lambda a, b, g: jax.lax.ragged_dot_general(a, b, g, ROWS_BY_EXPERT))
     args = (jnp.ones((256, 64)), jnp.ones((8, 32, 64)), jnp.full((8,), 32, jnp.int32))
     print("What one ragged_dot_general (rows [256, 64], 8 experts [8, 32, 64]) lowers to, per platform:")
     for plat in ("cpu", "cuda", "tpu"):

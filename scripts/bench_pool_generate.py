@@ -18,15 +18,13 @@ import numpy as np
 
 
 def config(wide: bool):
-    from m3jax.config import M3Config
+    from m3jax.tiny import m3_config
 
-    h = 256 if wide else 64
-    return M3Config(vocab_size=512, hidden_size=h, num_hidden_layers=2, num_attention_heads=4 if wide else 2,
-                    num_key_value_heads=1, head_dim=64, intermediate_size=h, dense_intermediate_size=2 * h,
-                    shared_intermediate_size=h, num_local_experts=4, num_experts_per_tok=2, partial_rotary_factor=0.5,
-                    layer_types=("full_attention", "full_attention"), mlp_layer_types=("dense", "sparse"),
-                    index_n_heads=2, index_head_dim=16, index_block_size=8, index_topk_blocks=2,
-                    max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    h = 256 if wide else 64  # 2 full-attention layers (vLLM has no CPU sparse path): dense, then MoE (4 experts)
+    return m3_config(layers=2, full_attention_layers=2, hidden_size=h, num_attention_heads=4 if wide else 2,
+                     num_key_value_heads=1, head_dim=64, intermediate_size=h, dense_intermediate_size=2 * h,
+                     num_local_experts=4, index_head_dim=16, index_block_size=8, max_position_embeddings=256,
+                     pad_token_id=0)
 
 
 def main():
@@ -43,12 +41,13 @@ def main():
     from flax import nnx
 
     import m3jax
+    from m3jax.tiny import m3_model
     from rl.generation.base import SamplingParams
     from rl.generation.jax_engine import JaxEngine
     from rl.generation.vllm_pool import PoolConfig, VLLMPool
 
     cfg = config(a.wide)
-    model = m3jax.M3ForCausalLM(cfg, rngs=nnx.Rngs(0))
+    model = m3_model(cfg, seed=0)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     prompts = np.random.default_rng(0).integers(3, cfg.vocab_size, (a.rows, a.prompt)).tolist()
     sp = SamplingParams(max_new_tokens=a.new, temperature=1.0)  # no stop token: every row decodes a.new tokens

@@ -19,15 +19,13 @@ import numpy as np
 
 
 def config():
-    from m3jax.config import M3Config
+    from m3jax.tiny import m3_config
 
-    return M3Config(vocab_size=16384, hidden_size=1024, num_hidden_layers=2, num_attention_heads=16,
-                    num_key_value_heads=4, head_dim=64, intermediate_size=512, dense_intermediate_size=2048,
-                    shared_intermediate_size=512, num_local_experts=16, num_experts_per_tok=2,
-                    partial_rotary_factor=0.5, layer_types=("full_attention", "full_attention"),
-                    mlp_layer_types=("dense", "sparse"), index_n_heads=2, index_head_dim=64, index_block_size=64,
-                    index_topk_blocks=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
-                    pad_token_id=0)
+    # 2 full-attention layers (vLLM has no CPU sparse path): dense, then MoE with 16 experts
+    return m3_config(layers=2, full_attention_layers=2, vocab_size=16384, hidden_size=1024, num_attention_heads=16,
+                     num_key_value_heads=4, head_dim=64, intermediate_size=512, dense_intermediate_size=2048,
+                     num_local_experts=16, index_head_dim=64, index_block_size=64, max_position_embeddings=256,
+                     pad_token_id=0)
 
 
 def memcpy_gb_per_s(nbytes: int, repeats: int = 5) -> float:
@@ -54,10 +52,11 @@ def main():
     from flax import nnx
 
     import m3jax
+    from m3jax.tiny import m3_model
     from rl.generation.vllm_pool import PoolConfig, VLLMPool
 
     cfg = config()
-    model = m3jax.M3ForCausalLM(cfg, rngs=nnx.Rngs(0))
+    model = m3_model(cfg, seed=0)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     nbytes = sum(x.nbytes for x in jax.tree.leaves(params))
     print(f"model: {sum(x.size for x in jax.tree.leaves(params)) / 1e6:.1f} M params, {nbytes / 1e6:.0f} MB fp32")
