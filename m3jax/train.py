@@ -2,6 +2,9 @@
 
 GRPO on MiniMax-M3. The config (a YAML chain of base + deltas, then dotted overrides) is validated in
 full before any work starts. Rerunning the same command resumes from the run's latest checkpoint.
+A run locks its directory (`<run.out_dir>/.lock`, rl.run_lock): a second run on it exits with status 3.
+The terminal shows the progress bar, the project's INFO lines and warnings; everything else goes to
+`<run.out_dir>/run.log` (rl.logs; `logging.level=debug` shows it all).
 """
 
 from __future__ import annotations
@@ -27,7 +30,26 @@ def main(argv=None) -> int:
     if args.print_config:
         sys.stdout.write(to_yaml(cfg))
         return 0
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    # One run per directory: lock it before anything in it changes (and before the heavy imports, so
+    # that a second run is turned away at once). Process 0 holds it for the whole job.
+    from rl import logs, run_lock
+    try:
+        lock = run_lock.lock_run_dir(cfg.run.out_dir, cfg.mesh.process_id, warn=False)
+    except run_lock.RunLockHeld as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 3
+    try:
+        logs.setup(cfg.run.out_dir, cfg.logging.level, process_index=run_lock.process_index(cfg.mesh.process_id))
+        if lock is not None and lock.took_over:
+            logging.getLogger("m3jax.train").warning("%s", lock.took_over)
+        return _train(cfg, args)
+    finally:
+        logs.teardown()
+        if lock is not None:
+            lock.release()
+
+
+def _train(cfg, args) -> int:
     from rl.trainer import GRPOTrainer  # heavy imports only once the config is known to be good
 
     try:
@@ -41,7 +63,7 @@ def main(argv=None) -> int:
         return 0
     last = trainer.run()
     print(f"done: {cfg.run.total_steps} steps, last reward {last.get('reward/mean', float('nan')):.3f}; "
-          f"run directory {cfg.run.out_dir}")
+          f"run directory {cfg.run.out_dir} (log: run.log)")
     return 0
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 
 import jax
@@ -71,6 +72,7 @@ class Checkpointer:
                 got = self.manager.restore(step, args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
             except Exception as e:  # noqa: BLE001 - any unreadable checkpoint: fall back to the previous one
+                _quiet_abandoned_reads()
                 log.warning("checkpoint step %d in %s is unreadable (%s: %s); trying the previous one",
                             step, self.directory, type(e).__name__, str(e)[:200])
                 unreadable.append(step)
@@ -104,6 +106,54 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def _quiet_abandoned_reads() -> None:
+    """Send the after-effects of a failed restore to the DEBUG log (run.log) instead of the terminal.
+
+    orbax gives up on a checkpoint at its first failed read while its other reads are still in flight;
+    they end later, on their own: tensorstore's threads call back into the event loop orbax has closed
+    ("RuntimeError: Event loop is closed", which Python can only print as an unraisable exception),
+    unfinished read coroutines are collected ("Exception ignored in: <coroutine ...>"), and asyncio
+    reports "Task exception was never retrieved" for each failed read. The failure itself is already
+    the warning of `restore_latest`. Installed once, the first time a checkpoint is unreadable;
+    anything else goes on to the previous hook unchanged."""
+    if _QuietAbandonedReads.installed:
+        return
+    _QuietAbandonedReads.installed = True
+    sys.unraisablehook = _QuietAbandonedReads(sys.unraisablehook)
+    logging.getLogger("asyncio").addFilter(_demote_orbax_task_errors)
+
+
+def _from_orbax(code_or_text) -> bool:
+    text = code_or_text.co_filename if hasattr(code_or_text, "co_filename") else str(code_or_text)
+    return f"{os.sep}orbax{os.sep}" in text
+
+
+class _QuietAbandonedReads:
+    installed = False
+
+    def __init__(self, previous):
+        self.previous = previous
+
+    def __call__(self, u) -> None:
+        loop_closed = isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed"
+        code = getattr(u.object, "cr_code", None)  # a coroutine collected unfinished
+        if loop_closed or (code is not None and _from_orbax(code)):
+            where = u.err_msg or "Exception ignored in"
+            log.debug("a read abandoned with an unreadable checkpoint failed afterwards (%s%s)", where,
+                      "" if u.object is None else f": {u.object!r}",
+                      exc_info=(u.exc_type, u.exc_value, u.exc_traceback))
+        else:
+            self.previous(u)
+
+
+def _demote_orbax_task_errors(record: logging.LogRecord) -> bool:
+    """asyncio's "Task exception was never retrieved" for orbax's reads: DEBUG (a filter on the asyncio
+    logger runs before any handler, which then sees the new level)."""
+    if record.levelno >= logging.ERROR and "never retrieved" in str(record.msg) and _from_orbax(record.msg):
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+    return True
 
 
 def _rebuild(like: TrainState, saved: dict) -> TrainState:

@@ -1,0 +1,197 @@
+"""A quiet, honest terminal (rl.logs): the project's INFO lines and anyone's warnings on the terminal,
+third-party INFO (absl/orbax, jax, ...) in <run.out_dir>/run.log; `logging.level: debug` shows it all.
+Also: the after-effects of an unreadable checkpoint (rl.checkpoint) go to the DEBUG log, not the terminal."""
+
+import logging
+import os
+import subprocess
+import sys
+import types
+import warnings
+
+import pytest
+
+from rl import logs
+from rl.config import ConfigError, load_config
+from rl.config import schema
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "configs", "tiny.yaml")
+
+
+@pytest.fixture
+def routed(tmp_path):
+    """setup() on tmp_path; yields a function (level) -> path of run.log; always torn down."""
+    def go(level="info"):
+        return logs.setup(str(tmp_path), level)
+    yield go
+    logs.teardown()
+
+
+def emit_all():
+    logging.getLogger("rl.trainer").info("project info")
+    logging.getLogger("rl.trainer").debug("project debug")
+    logging.getLogger("sharding.mesh").info("sharding info")
+    logging.getLogger("orbax.checkpoint").info("orbax info")
+    logging.getLogger("jax._src.xla_bridge").info("Unable to initialize backend 'tpu'")
+    logging.getLogger("ray").warning("ray warning")
+    logging.getLogger("jax").debug("jax debug")
+    from absl import logging as absl_logging
+    absl_logging.info("absl info")
+
+
+def test_info_level_routes_third_party_info_to_the_file_only(routed, capsys):
+    path = routed("info")
+    assert path.endswith("run.log")
+    emit_all()
+    err = capsys.readouterr().err
+    assert "project info" in err and "sharding info" in err and "ray warning" in err
+    for quiet in ("orbax info", "backend 'tpu'", "absl info", "project debug", "jax debug"):
+        assert quiet not in err, quiet
+    text = open(path).read()
+    for logged in ("project info", "project debug", "sharding info", "orbax info", "backend 'tpu'", "absl info",
+                   "ray warning"):
+        assert logged in text, logged
+    assert "jax debug" not in text  # third-party DEBUG only at level debug
+
+
+def test_debug_level_shows_everything(routed, capsys):
+    path = routed("debug")
+    emit_all()
+    err = capsys.readouterr().err
+    text = open(path).read()
+    for line in ("project info", "project debug", "orbax info", "backend 'tpu'", "absl info", "jax debug"):
+        assert line in err and line in text, line
+
+
+def test_warnings_and_unraisable_exceptions_are_logged(routed, capsys):
+    path = routed()
+    warnings.warn("careful", UserWarning)
+    sys.unraisablehook(types.SimpleNamespace(exc_type=ValueError, exc_value=ValueError("boom"), exc_traceback=None,
+                                             err_msg="Exception ignored in", object="an object"))
+    err = capsys.readouterr().err
+    assert "careful" in err and "boom" in err and "an object" in err
+    text = open(path).read()
+    assert "py.warnings" in text and "careful" in text and "py.unraisable" in text
+
+
+def test_log_lines_go_above_the_progress_bar(routed, capsys):
+    from tqdm import tqdm
+    routed()
+    bar = tqdm(total=3, file=sys.stderr)
+    bar.update(1)
+    logging.getLogger("rl.trainer").info("between steps")
+    bar.update(1)
+    bar.close()
+    err = capsys.readouterr().err
+    # tqdm.write clears the bar, writes the line, and draws the bar again
+    assert "between steps\n" in err and err.index("between steps") < err.rindex("2/3")
+
+
+def test_libraries_with_their_own_handler_are_adopted_on_import(tmp_path, monkeypatch, capsys):
+    """Ray and vLLM give their logger a stderr handler (propagate off) when imported, after setup."""
+    pkg = tmp_path / "lib" / "loudlib"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(
+        "import logging, sys\n"
+        "log = logging.getLogger('loudlib')\n"
+        "log.addHandler(logging.StreamHandler(sys.stderr)); log.setLevel(logging.INFO); log.propagate = False\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "lib"))
+    monkeypatch.setattr(logs, "OWN_HANDLERS", ("loudlib",))
+    try:
+        path = logs.setup(str(tmp_path / "run"))
+        import loudlib
+        loudlib.log.info("loud info")
+        loudlib.log.warning("loud warning")
+    finally:
+        logs.teardown()
+        sys.modules.pop("loudlib", None)
+    err = capsys.readouterr().err
+    assert "loud info" not in err and err.count("loud warning") == 1
+    text = open(path).read()
+    assert "INFO loudlib" in text and "WARNING loudlib" in text
+
+
+def test_teardown_restores_logging(tmp_path):
+    root = logging.getLogger()
+    before = (root.level, list(root.handlers), sys.unraisablehook, logging.getLogger("rl").level)
+    logs.setup(str(tmp_path), "info")
+    assert root.handlers != before[1]
+    logs.teardown()
+    assert (root.level, list(root.handlers), sys.unraisablehook, logging.getLogger("rl").level) == before
+
+
+def test_other_processes_write_their_own_file(tmp_path):
+    try:
+        assert logs.setup(str(tmp_path), process_index=3).endswith("run.3.log")
+    finally:
+        logs.teardown()
+
+
+def test_config_key_and_its_choices_mirror_rl_logs():
+    assert schema.LOG_LEVELS == logs.LEVELS
+    assert load_config(TINY).logging.level == "info"
+    assert load_config(TINY, ["logging.level=debug"]).logging.level == "debug"
+    with pytest.raises(ConfigError, match="logging.level"):
+        load_config(TINY, ["logging.level=verbose"])
+
+
+def test_abandoned_orbax_reads_go_to_the_debug_log(caplog):
+    """What orbax leaves behind when it gives up on an unreadable checkpoint: the unraisable "Event loop is
+    closed" from tensorstore's threads, unfinished coroutines, asyncio's never-retrieved task errors."""
+    from rl import checkpoint as ckpt
+
+    seen = []
+    hook = ckpt._QuietAbandonedReads(seen.append)
+    try:
+        raise RuntimeError("Event loop is closed")
+    except RuntimeError as e:
+        closed = types.SimpleNamespace(exc_type=RuntimeError, exc_value=e, exc_traceback=e.__traceback__,
+                                       err_msg=None, object=None)
+    other = types.SimpleNamespace(exc_type=ValueError, exc_value=ValueError("x"), exc_traceback=None, err_msg=None,
+                                  object=None)
+    with caplog.at_level(logging.DEBUG, logger="rl.checkpoint"):
+        hook(closed)
+        hook(other)
+    assert seen == [other]  # anything else: to the previous hook
+    assert [r.levelno for r in caplog.records if r.name == "rl.checkpoint"] == [logging.DEBUG]
+
+    orbax_file = os.path.join("site-packages", "orbax", "checkpoint", "serialization.py")
+    rec = logging.LogRecord("asyncio", logging.ERROR, "x", 1, "Task exception was never retrieved\nfuture: <Task "
+                            f"coro=<async_deserialize() defined at {orbax_file}:394>>", None, None)
+    assert ckpt._demote_orbax_task_errors(rec) and rec.levelno == logging.DEBUG
+    mine = logging.LogRecord("asyncio", logging.ERROR, "x", 1, "Task exception was never retrieved\nfuture: "
+                             "<Task coro=<mine() defined at /app/mine.py:3>>", None, None)
+    assert ckpt._demote_orbax_task_errors(mine) and mine.levelno == logging.ERROR
+
+
+@pytest.mark.slow
+def test_real_run_keeps_the_terminal_quiet(tmp_path):
+    """A short real run and its resume: nothing of absl/orbax/jax INFO on the terminal, all of it in
+    run.log; a handful of lines besides the progress bar."""
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    env.pop("XLA_FLAGS", None)
+
+    def run(steps):
+        r = subprocess.run([sys.executable, "-m", "m3jax.train", "--config", "configs/tiny.yaml",
+                            f"run.out_dir={out}", f"run.total_steps={steps}", "checkpoint.every_steps=2",
+                            "logging.tensorboard=false", "logging.plot=false"],
+                           cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           timeout=600)
+        assert r.returncode == 0, r.stdout[-3000:]
+        return r.stdout
+
+    for steps, want in ((2, None), (3, "resumed from step 2")):  # a fresh run, then a resume
+        terminal = run(steps)
+        lines = [ln for ln in terminal.replace("\r", "\n").splitlines() if ln.strip() and "step/s" not in ln
+                 and "s/step" not in ln]
+        assert len(lines) <= 5, lines
+        assert lines[-1].startswith("done:"), lines
+        for noise in ("absl", "orbax", "xla_bridge", "Traceback", "INFO jax"):
+            assert noise not in terminal, (noise, lines)
+        if want:
+            assert any(want in ln for ln in lines), lines
+    text = (out / "run.log").read_text()
+    assert "INFO absl" in text and "INFO rl.trainer" in text and "resumed from step 2" in text
+    assert not (out / ".lock").exists()
