@@ -4,6 +4,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 import m3jax
@@ -13,6 +14,7 @@ from rl.generation import backends
 from rl.generation.base import token_logprobs
 
 TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
+TINY_VLLM = str(Path(__file__).resolve().parents[1] / "configs" / "tiny-vllm.yaml")
 
 
 def test_empty_stop_tokens_mean_the_models_eos():
@@ -42,3 +44,18 @@ def test_probe_batch_and_diff_line_up_with_per_sequence_logprobs():
     assert backends.probe_max_abs_diff([per_seq], batch_lp, prompts) < 1e-5
     shifted = [np.roll(x, 1) for x in per_seq]  # an off-by-one alignment must show up
     assert backends.probe_max_abs_diff([shifted], batch_lp, prompts) > 1e-2
+
+
+def test_weight_transport_is_read_where_the_pool_is_built(monkeypatch):
+    """generation.weight_transport reaches the pool's config, and a transport that is not built stops the
+    pool before any engine (or Ray) starts."""
+    from rl.generation import vllm_pool
+
+    built = []
+    monkeypatch.setattr(vllm_pool, "VLLMPool", lambda pool_cfg, graphdef, pad_id: built.append(pool_cfg))
+    cfg = load_config(TINY_VLLM, ["model.tiny=null", "model.path=/nowhere"], check_paths=False)
+    backends.make_generator(cfg, None, None, pad_id=0, run_dir="/nowhere")
+    assert built[0].transport == cfg.generation.weight_transport == "ray"
+    monkeypatch.undo()
+    with pytest.raises(vllm_pool.PoolError, match=r"weight transport 'nccl' is not built; allowed: ray"):
+        vllm_pool.VLLMPool(vllm_pool.PoolConfig(model_dir="/nowhere", transport="nccl"))

@@ -262,6 +262,31 @@ def test_out_dir_is_derived_from_the_name(tmp_path):
     assert "run.out_dir" in msg and "only ${name}" in msg
 
 
+def test_resume_false_refuses_a_directory_that_holds_checkpoints(tmp_path):
+    """checkpoint.resume: false means a fresh run only: over an earlier run's checkpoints it would mix the two,
+    so loading refuses, naming the directory, before anything is read or written there."""
+    out = tmp_path / "run"
+    fresh = [f"run.out_dir={out}", "checkpoint.resume=false"]
+    assert load_config(TINY, fresh).checkpoint.resume is False  # no directory yet
+    (out / "checkpoints").mkdir(parents=True)
+    load_config(TINY, fresh)  # an empty checkpoint directory (a run that died before its first save)
+    (out / "checkpoints" / "50").mkdir()
+    (out / "checkpoints" / "100").mkdir()
+    msg = load_error(TINY, fresh)
+    assert f"checkpoint.resume = false: {out / 'checkpoints'} already holds checkpoints (100, 50)" in msg
+    assert "allowed: true" in msg and "run.name / run.out_dir without checkpoints" in msg
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["100", "50"]  # untouched
+    assert load_config(TINY, [f"run.out_dir={out}"]).checkpoint.resume is True  # the default continues
+    assert load_config(TINY, fresh, check_paths=False).checkpoint.resume is False  # --print-config
+    assert rc.checkpoint_dir(load_config(TINY, fresh, check_paths=False)) == str(out / "checkpoints")
+
+
+def test_weight_transport_accepts_only_built_transports():
+    assert load_config(TINY).generation.weight_transport == "ray"
+    msg = load_error(TINY, ["generation.weight_transport=nccl"])
+    assert 'generation.weight_transport = "nccl"' in msg and "ray" in msg
+
+
 def test_yaml_dialect(tmp_path):
     assert rc.load_yaml("a: 1e-6\nb: 23:30\nc: 010\nd: 0x10\ne: 1_000\nf: .5\ng: -2") == \
         {"a": 1e-6, "b": "23:30", "c": "010", "d": 16, "e": 1000, "f": 0.5, "g": -2}
@@ -534,6 +559,8 @@ def test_names_mirrored_from_jax_modules_stay_equal():
     assert set(rc.DATA_TASKS) == set(tasks.TASKS) and rc.DIGIT_VOCAB == tasks.DigitTokenizer.vocab_size
     data = pytest.importorskip("rl.data")
     assert rc.DATA_FORMATS == data.FileFormat.__args__ and rc.DATA_LAYOUTS == data.Layout.__args__
+    transfer = pytest.importorskip("rl.generation.transfer")
+    assert rc.WEIGHT_TRANSPORTS == tuple(transfer.TRANSPORTS)
 
 
 def test_sections_map_onto_their_consumers(recipe_paths):

@@ -88,6 +88,14 @@ def test_staged_update_refuses_incomplete_or_repeated_and_restarts_on_new_versio
     assert st.version == 8 and list(st.buckets) == [0]
 
 
+def test_transport_is_built_by_its_config_name():
+    t = tr.make_transport("ray", ["e0", "e1"], bucket_bytes=64, timeout_s=5.0)
+    assert isinstance(t, tr.RayObjectStoreTransport)
+    assert (t.engines, t.bucket_bytes, t.timeout_s) == (["e0", "e1"], 64, 5.0)
+    with pytest.raises(ValueError, match=r"weight transport 'nccl' is not built; allowed: ray"):
+        tr.make_transport("nccl", [], bucket_bytes=64)
+
+
 def test_transferred_tensors_are_what_save_pretrained_writes(tmp_path):
     """The transfer path and the export path are the same generator: every byte agrees with the files."""
     from safetensors.numpy import load_file

@@ -15,8 +15,10 @@ Conversion of bucket n+1 runs in a thread while bucket n is being put into the o
 (`depth` buckets in flight), which is the double buffering of grpo-reference §3.
 
 The transport is the seam for GPU links: `RayObjectStoreTransport` moves host buffers through Ray's
-object store (the only transport CPU engines can use); an NCCL-broadcast or CUDA-IPC transport is a
-second class with the same `push` signature, selected by `generation.weight_transport`.
+object store (the only transport CPU engines can use, and the only one built so far).
+`generation.weight_transport` names the entry of `TRANSPORTS` that `make_transport` builds for each
+update; an NCCL-broadcast or CUDA-IPC transport is a second class with the same constructor and `push`
+signature, registered there.
 """
 
 from __future__ import annotations
@@ -261,6 +263,19 @@ class RayObjectStoreTransport:
                 ray.get(ref, timeout=self.timeout_s)
             except Exception:  # noqa: BLE001 - the pool's health check deals with dead engines
                 pass
+
+
+# generation.weight_transport -> the class (rl.config.schema.WEIGHT_TRANSPORTS mirrors the names).
+TRANSPORTS: dict[str, type] = {"ray": RayObjectStoreTransport}
+
+
+def make_transport(name: str, engines, bucket_bytes: int, timeout_s: float = 600.0) -> Transport:
+    """The transport `name` (a key of TRANSPORTS) to these engine actors."""
+    try:
+        cls = TRANSPORTS[name]
+    except KeyError:
+        raise ValueError(f"weight transport {name!r} is not built; allowed: {', '.join(TRANSPORTS)}") from None
+    return cls(engines, bucket_bytes, timeout_s=timeout_s)
 
 
 def _as_transfer_error(e: Exception) -> TransferError:

@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from rl.generation.base import Rollout, SamplingParams
-from rl.generation.transfer import (RayObjectStoreTransport, StagedUpdate, TransferError, TransferStats,
+from rl.generation.transfer import (TRANSPORTS, StagedUpdate, TransferError, TransferStats, make_transport,
                                     model_tensors)
 
 log = logging.getLogger(__name__)
@@ -47,6 +47,7 @@ class PoolConfig:
     dtype: str = "float32"
     ray_address: str | None = None  # None: start a local Ray
     bucket_bytes: int = 256 << 20
+    transport: str = "ray"  # a key of rl.generation.transfer.TRANSPORTS (generation.weight_transport)
     request_timeout_s: float = 600.0
     max_restarts: int = 4
     chunks_per_engine: int = 2
@@ -136,6 +137,8 @@ class VLLMPool:
     def __init__(self, cfg: PoolConfig, graphdef=None, *, pad_id: int = 0, layout: str = "released"):
         import ray
 
+        if cfg.transport not in TRANSPORTS:  # refused before any engine starts, not at the first update
+            raise PoolError(f"weight transport {cfg.transport!r} is not built; allowed: {', '.join(TRANSPORTS)}")
         self.cfg, self.graphdef, self.pad_id, self.layout = cfg, graphdef, pad_id, layout
         self.version = 0
         self.restarts = 0
@@ -329,8 +332,8 @@ class VLLMPool:
             targets = [s for s in self.slots if s.actor is not None and s.ready]
             if not targets:
                 raise PoolError(f"no live vLLM engine to receive weight version {version}")
-            transport = RayObjectStoreTransport([s.actor for s in targets], self.cfg.bucket_bytes,
-                                                timeout_s=self.cfg.request_timeout_s)
+            transport = make_transport(self.cfg.transport, [s.actor for s in targets], self.cfg.bucket_bytes,
+                                       timeout_s=self.cfg.request_timeout_s)
             try:
                 stats = transport.push(named_arrays, version)
             except TransferError:
