@@ -50,17 +50,24 @@ def main(argv=None) -> int:
 
 
 def _train(cfg, args) -> int:
-    from rl.trainer import GRPOTrainer  # heavy imports only once the config is known to be good
+    # Heavy imports only once the config is known to be good and the directory is ours.
+    if args.export:
+        from rl.policy import export_latest  # the model and its checkpoint only: no data, no engines
+
+        try:
+            step, path = export_latest(cfg, args.export)
+        except FileNotFoundError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        print(f"exported step {step} to {path}")
+        return 0
+    from rl.trainer import GRPOTrainer
 
     try:
         trainer = GRPOTrainer(cfg)
     except NotImplementedError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    if args.export:
-        step = trainer.resume()
-        print(f"exported step {step} to {trainer.export(args.export)}")
-        return 0
     last = trainer.run()
     print(f"done: {cfg.run.total_steps} steps, last reward {last.get('reward/mean', float('nan')):.3f}; "
           f"run directory {cfg.run.out_dir} (log: run.log)")

@@ -22,7 +22,7 @@ timing its whole wall time, then reads <tmp>/metrics.jsonl (the last record of e
     .venv/bin/python scripts/bench_grpo_step.py --keep run.total_steps=50
 
 --startup additionally builds the trainer in this process (no steps) and times its setup: config
-parsing, `import rl.trainer`, GRPOTrainer._build_data, GRPOTrainer._build_model, and the number and total
+parsing, `import rl.trainer`, rl.trainer.build_data, rl.policy.build_policy, GRPOTrainer, and the number and total
 seconds of XLA backend compilations during that setup (jax.monitoring's backend-compile event).
 """
 
@@ -83,27 +83,24 @@ def startup_profile(config: str, overrides: list[str], out_dir: str) -> None:
     import rl.trainer as trainer_mod
 
     t2 = time.perf_counter()
-    cls = trainer_mod.GRPOTrainer
+    from rl.policy import build_policy
+
     timings = {}
 
-    def timed(name, fn):
-        def wrapper(self):
-            n0, c0 = len(compiles), time.perf_counter()
-            fn(self)
-            timings[name] = (time.perf_counter() - c0, len(compiles) - n0, sum(compiles[n0:]))
-        return wrapper
+    def timed(name, fn, *a):
+        n0, c0 = len(compiles), time.perf_counter()
+        out = fn(*a)
+        timings[name] = (time.perf_counter() - c0, len(compiles) - n0, sum(compiles[n0:]))
+        return out
 
-    orig = cls._build_data, cls._build_model
-    cls._build_data, cls._build_model = timed("_build_data", orig[0]), timed("_build_model", orig[1])
-    try:
-        n0 = len(compiles)
-        t3 = time.perf_counter()
-        cls(cfg)
-        t4 = time.perf_counter()
-    finally:
-        cls._build_data, cls._build_model = orig
+    n0 = len(compiles)
+    t3 = time.perf_counter()
+    timed("build_data", trainer_mod.build_data, cfg)
+    policy = timed("build_policy", build_policy, cfg)
+    timed("GRPOTrainer(policy) (data again, passes, engine, checkpointer)", trainer_mod.GRPOTrainer, cfg, policy)
+    t4 = time.perf_counter()
     print(f"\nstartup (in-process, --startup): config + jax import {t1 - t0:.2f} s, import rl.trainer {t2 - t1:.2f} s, "
-          f"GRPOTrainer() {t4 - t3:.2f} s with {len(compiles) - n0} XLA compiles ({sum(compiles[n0:]):.2f} s)")
+          f"setup {t4 - t3:.2f} s with {len(compiles) - n0} XLA compiles ({sum(compiles[n0:]):.2f} s)")
     for name, (secs, n, csecs) in timings.items():
         print(f"  {name}: {secs:.2f} s, {n} XLA compiles ({csecs:.2f} s)")
 

@@ -83,3 +83,35 @@ def test_top_k_top_p_masks():
     np.testing.assert_array_equal(kept, [True, True, False, False])  # 0.5 + 0.3 reaches 0.8
     kept = np.isfinite(np.asarray(sampling_logits(z, 1.0, top_p=0.81)))[0]
     np.testing.assert_array_equal(kept, [True, True, True, False])
+
+
+def test_score_equals_full_forward_and_the_protocol_is_complete(model):
+    """`score` (what the trainer's probe check asks of every engine) is the full forward's logprob of each
+    response token; the in-process engine re-sends and restarts nothing."""
+    ps = prompts(model.cfg, [5, 9, 7], seed=4)
+    rs = prompts(model.cfg, [6, 3, 10], seed=5)
+    sp = SamplingParams(max_new_tokens=4, temperature=0.8, top_p=0.9)
+    engine = engine_for(model)
+    (got,) = engine.score(ps, rs, sp)
+    for p, r, lp in zip(ps, rs, got):
+        want = np.asarray(token_logprobs(jnp.asarray(full_forward_logits(model, p, r)), jnp.asarray(r), 0.8, 0.9))
+        assert lp.shape == (len(r),)
+        np.testing.assert_allclose(lp, want, atol=2e-5)
+    assert (engine.resent_rows, engine.restarts) == (0, 0)
+    engine.shutdown()
+
+
+def test_sharded_generation_pads_rows_to_the_batch_shards(model, tmp_path):
+    """On a layout whose batch axes hold 4 shards, 3 prompts are padded to 4 rows and the real rows
+    decode exactly as on one device (greedy)."""
+    from sharding.mesh import MeshConfig, build_mesh
+
+    ps = prompts(model.cfg, [5, 11, 8], seed=6)
+    sp = SamplingParams(max_new_tokens=8, temperature=0.0)
+    want = engine_for(model).generate(ps, sp, jax.random.key(0))
+    layout = build_mesh(MeshConfig(2, 1, 2, 2, expert_axes=("expert",)), model.cfg)
+    path = m3jax.save_pretrained(model, str(tmp_path / "m"))
+    sharded = m3jax.from_pretrained(path, mesh=layout)
+    got = engine_for(sharded).generate(ps, sp, jax.random.key(0))
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_allclose(got.logprobs, want.logprobs, atol=2e-5)

@@ -42,9 +42,29 @@ class Rollout:
 
 
 class Generator(Protocol):
-    def generate(self, prompts: list[list[int]], params: SamplingParams, key: jax.Array) -> Rollout: ...
+    """Everything the trainer asks of a generation backend (the JAX engine, a vLLM pool, the
+    multi-host wrapper of a pool)."""
 
-    def set_weights(self, params, version: int) -> None: ...
+    resent_rows: int  # rows re-sent after an engine died or hung (0 for an in-process engine)
+    restarts: int  # engines replaced so far
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, key: jax.Array,
+                 prompt_width: int | None = None) -> Rollout:
+        """G rows already repeated in `prompts`; `key` seeds every row's sampling; `prompt_width` pads
+        prompts to a fixed width (one compiled program for every batch)."""
+
+    def set_weights(self, params, version: int, rest=None):
+        """Generate with these parameters (and non-trainable state) from now on, as weight `version`.
+        Returns None when nothing moved (parameters shared in process), else the transfer's
+        `rl.generation.transfer.TransferStats`."""
+
+    def score(self, prompts: list[list[int]], responses: list[list[int]], params: SamplingParams
+              ) -> list[list[np.ndarray]]:
+        """Per engine, per sequence: logprob of each response token given the prompt and the tokens
+        before it, under `params`' sampling transformation."""
+
+    def shutdown(self) -> None:
+        """Release engines and workers; the generator is unusable afterwards."""
 
 
 def sampling_logits(logits: jax.Array, temperature: float, top_p: float = 1.0, top_k: int = 0) -> jax.Array:

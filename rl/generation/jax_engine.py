@@ -19,10 +19,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rl.generation.base import Rollout, SamplingParams, sampling_logits
+from rl.generation.base import Rollout, SamplingParams, sampling_logits, token_logprobs
 
 
 class JaxEngine:
+    """`Generator` in the trainer's process: nothing is re-sent, restarted or transferred."""
+
+    resent_rows = 0
+    restarts = 0
+
     def __init__(self, graphdef, params, rest, *, pad_id: int = 0):
         self.graphdef, self.params, self.rest = graphdef, params, rest
         self.pad_id = pad_id
@@ -52,6 +57,31 @@ class JaxEngine:
                             params, self.pad_id)
         tokens, logprobs, n_new, truncated = (np.asarray(a)[:n] for a in out)
         return Rollout([list(p) for p in prompts], tokens, logprobs, n_new, truncated, self.version)
+
+    def score(self, prompts: list[list[int]], responses: list[list[int]], params: SamplingParams
+              ) -> list[list[np.ndarray]]:
+        """One engine's logprobs of each response token (the `Generator.score` contract)."""
+        lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
+        width = max(lengths)
+        rows = len(prompts) + (-len(prompts) % self.layout.size("act_batch"))
+        ids = np.full((rows, width), self.pad_id, np.int32)
+        for i, (p, r) in enumerate(zip(prompts, responses)):
+            ids[i, :lengths[i]] = list(p) + list(r)
+        mask = (np.arange(width - 1)[None] < np.array(lengths + [1] * (rows - len(prompts)))[:, None] - 1)
+        with contextlib.ExitStack() as stack:
+            if self.layout.mesh is not None:
+                stack.enter_context(jax.set_mesh(self.layout.mesh))
+            lp = np.asarray(_score(self.graphdef, self.params, self.rest, jnp.asarray(ids), jnp.asarray(mask), params))
+        return [[lp[i, len(p) - 1:lengths[i] - 1] for i, p in enumerate(prompts)]]
+
+    def shutdown(self) -> None:
+        """Nothing to release: the engine holds references to the trainer's arrays only."""
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5))
+def _score(graphdef, params, rest, ids, mask, sp: SamplingParams):
+    logits = nnx.merge(graphdef, params, rest)(ids[:, :-1], attention_mask=mask)
+    return token_logprobs(logits, ids[:, 1:], sp.temperature, sp.top_p, sp.top_k)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 6, 7))

@@ -1,0 +1,178 @@
+"""The phases of one GRPO step, each a function of plain values that can be tested alone:
+
+    rollout -> rewards -> advantages (+ train batch) -> logprobs -> update -> weight sync -> metrics
+
+`rl.trainer.GRPOTrainer.step` calls them in this order; nothing here knows the order or holds state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rl.config import RunConfig
+from rl.data import render_prompt
+from rl.generation import backends
+from rl.generation.base import Generator, Rollout, SamplingParams
+from rl.grpo import advantages as adv_lib
+from rl.grpo.batch import build_train_batch, split_micro
+from rl.grpo.loss import generation_mismatch_metrics
+from rl.rewards.registry import score_batch
+
+
+@dataclasses.dataclass
+class Samples:
+    """G responses per prompt, flattened (row i answers prompt i // G)."""
+    rollout: Rollout
+    answers: list  # the reference answer of each row's prompt
+    completions: list[str]  # decoded responses (stop tokens dropped, other special tokens kept)
+
+
+def rollout(engine: Generator, records, tokenizer, cfg: RunConfig, sampling: SamplingParams, step: int) -> Samples:
+    """Sample `group_size` responses for every prompt of the batch; the key derives from (run.seed, step)."""
+    group = cfg.grpo.group_size
+    prompts = [render_prompt(r, tokenizer, chat_template=cfg.data.chat_template) for r in records]
+    rows = [p for p in prompts for _ in range(group)]
+    key = jax.random.fold_in(jax.random.key(cfg.run.seed), step)
+    out = engine.generate(rows, sampling, key, prompt_width=cfg.generation.max_prompt_tokens)
+    stops = set(sampling.stop_token_ids)
+    # Special tokens stay in the text: dropping a sampled <sep> would shift the digits after it.
+    completions = [tokenizer.decode([int(x) for x in out.tokens[i, :out.lengths[i]] if int(x) not in stops],
+                                    skip_special_tokens=False) for i in range(len(rows))]
+    return Samples(out, [r.answer for r in records for _ in range(group)], completions)
+
+
+def rewards(reward_specs, samples: Samples) -> tuple[np.ndarray, int]:
+    """Sum of each configured reward times its weight, per row, and how many scorings failed (scored 0).
+    One call per reward: each has its own time limit."""
+    total, failures = np.zeros(len(samples.completions), np.float32), 0
+    extra = [{"truncated": bool(x)} for x in samples.rollout.truncated]
+    for spec in reward_specs:
+        r, f = score_batch([(spec.name, spec.weight)], samples.completions, samples.answers,
+                           timeout_s=spec.timeout_s, sample_kwargs=extra)
+        total += r
+        failures += f
+    return total, failures
+
+
+@dataclasses.dataclass
+class Advantages:
+    advantages: np.ndarray  # [N] per row
+    weight: np.ndarray  # [N] loss weight: 0 for dropped groups (dynamic sampling) and filtered overlong rows
+    zero_variance: np.ndarray  # [groups] groups whose rewards are all equal
+
+
+def advantages(reward: np.ndarray, truncated: np.ndarray, gcfg) -> Advantages:
+    """The configured estimator per group of `group_size` rows, and the rows' loss weights."""
+    group = gcfg.group_size
+    estimator = adv_lib.get_advantage_estimator(gcfg.advantage)
+    adv = np.asarray(estimator(jnp.asarray(reward), group))
+    weight = np.ones(len(reward), np.float32)
+    dropped = np.asarray(adv_lib.zero_variance_groups(jnp.asarray(reward), group))
+    if gcfg.dynamic_sampling:
+        weight *= np.repeat(~dropped, group)
+    if gcfg.overlong_filter:
+        weight *= np.asarray(adv_lib.overlong_mask(jnp.asarray(truncated)))
+    return Advantages(adv, weight, dropped)
+
+
+def train_batch(samples: Samples, adv: Advantages, *, width: int, pad_id: int, num_micro: int) -> dict:
+    """[micro-batches, rows, width - 1] arrays of the step (see `rl.grpo.batch.build_train_batch`)."""
+    batch = build_train_batch(samples.rollout, adv.advantages, adv.weight, width=width, pad_id=pad_id)
+    return split_micro(batch, num_micro)
+
+
+def logprobs(logprob_pass: Callable, state, micro: dict, ref_params=None) -> dict:
+    """`micro` with logp_old under the current weights (and logp_ref under the reference, for a KL)."""
+    micro = dict(micro, logp_old=logprob_pass(state.params, state.rest, micro))
+    if ref_params is not None:
+        micro["logp_ref"] = logprob_pass(ref_params, state.rest, micro)
+    jax.block_until_ready(micro["logp_old"])
+    return micro
+
+
+@dataclasses.dataclass
+class UpdateStats:
+    loss: float
+    grad_norm: float
+    skipped: int  # updates skipped for a non-finite gradient
+    sums: dict  # the loss's metric sums (tokens, clipped tokens, ...) over the step
+
+
+def update(train_step: Callable, state, micro: dict, updates: int):
+    """`updates` optimizer steps over consecutive slices of the micro-batches -> (state, UpdateStats)."""
+    num_micro = next(iter(micro.values())).shape[0]
+    sums, losses, norms, skipped = {}, [], [], 0
+    for u in range(updates):
+        part = jax.tree.map(lambda x: x[u * num_micro // updates:(u + 1) * num_micro // updates], micro)
+        state, m = train_step(state, part)
+        losses.append(float(m["loss"]))
+        norms.append(float(m["grad_norm"]))
+        skipped += int(m["skipped"])
+        sums = {k: sums.get(k, 0.0) + float(v) for k, v in m["sums"].items()}
+    return state, UpdateStats(float(np.mean(losses)), float(np.mean(norms)), skipped, sums)
+
+
+@dataclasses.dataclass
+class ProbeCheck:
+    """Fixed sequences every engine must score as the trainer does after each weight transfer."""
+    prompts: list
+    responses: list
+    sampling: SamplingParams
+    trainer_logprobs: Callable  # (prompts, responses) -> the trainer's logprobs, as `probe_max_abs_diff` reads
+    limit: float | None  # generation.verify_max_abs_diff (None: measure only)
+
+
+def sync_weights(engine: Generator, state, version: int, probe: ProbeCheck | None = None) -> dict:
+    """Hand the new weights to the generator. For engines that received a copy, report the transfer
+    and, with `probe`, compare every engine's logprobs on the probe sequences with the trainer's.
+    Returns metrics (empty when the engine shares the parameters)."""
+    t0 = time.perf_counter()
+    stats = engine.set_weights(state.params, version, state.rest)
+    if stats is None:  # the JAX engine shares the parameters: nothing moved
+        return {}
+    out = {"time/weight_transfer": time.perf_counter() - t0, "transfer/gb_per_s": stats.gb_per_s,
+           "transfer/convert_s": stats.convert_s, "transfer/send_s": stats.send_s,
+           "transfer/apply_s": stats.apply_s, "pool/resent_rows": engine.resent_rows,
+           "pool/restarts": engine.restarts}
+    if probe is not None:
+        engine_lp = engine.score(probe.prompts, probe.responses, probe.sampling)
+        diff = backends.probe_max_abs_diff(engine_lp, probe.trainer_logprobs(probe.prompts, probe.responses),
+                                           probe.prompts)
+        out["transfer/probe_max_abs_logprob_diff"] = diff
+        out["transfer/probe_engines"] = len(engine_lp)
+        if probe.limit is not None and (diff > probe.limit or len(engine_lp) == 0):
+            raise RuntimeError(f"after the transfer of weight version {version}, the vLLM engines' logprobs on "
+                               f"the probe sequences differ from the trainer's by {diff:.3g} > "
+                               f"generation.verify_max_abs_diff={probe.limit} ({len(engine_lp)} engines answered)")
+    return out
+
+
+def step_metrics(samples: Samples, reward: np.ndarray, failures: int, adv: Advantages, micro: dict,
+                 stats: UpdateStats, lr: float, phases: dict, elapsed: float) -> dict:
+    """What one step logs: reward, groups, lengths, loss diagnostics, generator mismatch, throughput."""
+    n = len(samples.completions)
+    out = samples.rollout
+    mism = generation_mismatch_metrics(micro["logp_gen"].reshape(n, -1), micro["logp_old"].reshape(n, -1),
+                                       micro["loss_mask"].reshape(n, -1) > 0)
+    sums = stats.sums
+    tokens = max(sums.get("tokens", 0.0), 1.0)
+    return {
+        "reward/mean": float(reward.mean()), "reward/std": float(reward.std()), "reward/failures": failures,
+        "groups/zero_variance_frac": float(adv.zero_variance.mean()),
+        "response/length_mean": float(out.lengths.mean()), "response/truncated_frac": float(out.truncated.mean()),
+        "loss": stats.loss, "grad_norm": stats.grad_norm, "skipped_updates": stats.skipped,
+        "clip_frac": sums.get("clipped_tokens", 0.0) / tokens,
+        "dual_clip_frac": sums.get("dual_clipped_tokens", 0.0) / tokens,
+        "is_out_of_band_frac": sums.get("is_out_of_band_tokens", 0.0) / tokens,
+        "kl": sums.get("kl_sum", 0.0) / tokens, "entropy_approx": sums.get("neg_logp_sum", 0.0) / tokens,
+        "gen_kl_error": float(mism["gen_kl_error"]), "token_mult_prob_error": float(mism["token_mult_prob_error"]),
+        "lr": lr,
+        "throughput/tokens_per_s": int(out.lengths.sum()) / max(elapsed, 1e-9),
+        **{f"time/{p}": v for p, v in phases.items()},
+    }

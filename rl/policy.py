@@ -1,0 +1,145 @@
+"""The policy being trained: the model on the run's layout, its optimizer and train state, and the two
+jitted passes over it (the GRPO update and the logprob pass). No data, no engines: exporting a
+checkpoint builds only this.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+import m3jax
+from rl import checkpoint as ckpt_lib
+from rl.config import RunConfig, checkpoint_dir
+from rl.generation.backends import sampling_of
+from rl.generation.base import SamplingParams, token_logprobs
+from rl.grpo.loss import LossConfig, grpo_loss, normalizer
+from rl.logprobs import make_logprob_pass
+from sharding import optim_step
+from sharding.layout import Layout
+from sharding.mesh import build_mesh
+from sharding.train_step import TrainState, init_state, make_train_step, state_shardings
+
+log = logging.getLogger(__name__)
+
+
+def learning_rate(cfg: RunConfig):
+    """optim.lr after `warmup_steps` of linear warm-up, then constant, linear or cosine decay to 0 at
+    run.total_steps."""
+    o = cfg.optim
+    if o.schedule == "constant":
+        after = optax.constant_schedule(o.lr)
+    else:
+        decay = max(cfg.run.total_steps - o.warmup_steps, 1)
+        after = (optax.linear_schedule(o.lr, 0.0, decay) if o.schedule == "linear"
+                 else optax.cosine_decay_schedule(o.lr, decay))
+    if not o.warmup_steps:
+        return after
+    return optax.join_schedules([optax.linear_schedule(0.0, o.lr, o.warmup_steps), after], [o.warmup_steps])
+
+
+def sequence_width(cfg: RunConfig) -> int:
+    """Prompt + response slots of every training row."""
+    return cfg.generation.max_prompt_tokens + cfg.generation.max_new_tokens
+
+
+@dataclasses.dataclass
+class Policy:
+    cfg: RunConfig
+    layout: Layout
+    graphdef: Any
+    state: TrainState
+    optimizer: optax.GradientTransformation
+    shardings: TrainState | None  # None on one device
+    sampling: SamplingParams
+    model_cfg: m3jax.M3Config
+
+    def model(self) -> m3jax.M3ForCausalLM:
+        """The model with the current parameters (a view: nothing is copied)."""
+        return nnx.merge(self.graphdef, self.state.params, self.state.rest)
+
+    def place(self, state: TrainState) -> TrainState:
+        """`state` on the run's shardings (a restored checkpoint arrives wherever orbax put it)."""
+        return state if self.shardings is None else jax.device_put(state, self.shardings)
+
+    def export(self, path: str) -> str:
+        return m3jax.save_pretrained(self.model(), path, layout=self.cfg.checkpoint.export_layout)
+
+
+def build_policy(cfg: RunConfig) -> Policy:
+    """Layout (mesh + rules, experts on mesh.expert_axes), model (from model.path or freshly initialised
+    on that layout), optimizer and train state placed on the layout's shardings."""
+    dtype = jnp.dtype(cfg.precision.param_dtype)
+    m = cfg.mesh
+    m3_cfg = cfg.model.m3_config()
+    layout = Layout() if m.num_devices == 1 else build_mesh(m.to_mesh_config(), m3_cfg,
+                                                            seq_len=sequence_width(cfg) - 1)
+    if cfg.model.path:
+        model = m3jax.from_pretrained(cfg.model.path, dtype=dtype, mesh=layout, **cfg.model.model_options())
+    else:
+        model = m3jax.M3ForCausalLM(m3_cfg, dtype=dtype, rngs=nnx.Rngs(cfg.model.init_seed), layout=layout,
+                                    **cfg.model.model_options())
+    o = cfg.optim
+    optimizer = optim_step.adamw(learning_rate(cfg), b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
+                                 clip_norm=o.clip_norm, moment_dtype=jnp.dtype(cfg.precision.moment_dtype),
+                                 master=cfg.precision.master)
+    graphdef, state = init_state(model, optimizer)
+    shardings = None
+    if layout.mesh is not None:
+        shardings = state_shardings(layout, state)
+        state = jax.device_put(state, shardings)
+    return Policy(cfg, layout, graphdef, state, optimizer, shardings, sampling_of(cfg, model.cfg.eos_token_id),
+                  model.cfg)
+
+
+def grpo_loss_fn(sampling: SamplingParams, loss_cfg: LossConfig) -> Callable:
+    """loss_fn(model, micro_batch) -> (summed GRPO loss, metric sums) for `sharding.train_step`."""
+
+    def loss_fn(model, mb):
+        logits = model(mb["input_ids"], attention_mask=mb["attention_mask"])
+        logp = token_logprobs(logits, mb["targets"], sampling.temperature, sampling.top_p, sampling.top_k)
+        return grpo_loss(logp, mb["logp_old"], mb["logp_gen"], mb["advantages"], mb["loss_mask"], loss_cfg,
+                         mb.get("logp_ref"))
+
+    return loss_fn
+
+
+def make_update(policy: Policy, loss_cfg: LossConfig) -> Callable:
+    """update(state, micro_batches) -> (state, metrics): the jitted GRPO train step on the run's layout,
+    normalised by the step's token count as `loss_cfg.aggregation` says."""
+    return make_train_step(
+        policy.graphdef, policy.optimizer, grpo_loss_fn(policy.sampling, loss_cfg), mesh=policy.layout,
+        shardings=policy.shardings,
+        normalizer=lambda b: normalizer(b["loss_mask"].reshape(-1, b["loss_mask"].shape[-1]), loss_cfg))
+
+
+def make_logprobs(policy: Policy) -> Callable:
+    """logprobs(params, rest, micro_batches) -> logp: the same forward and sampling transform as the loss."""
+    return make_logprob_pass(policy.graphdef, policy.sampling, policy.layout)
+
+
+def checkpointer_for(cfg: RunConfig) -> ckpt_lib.Checkpointer:
+    return ckpt_lib.Checkpointer(checkpoint_dir(cfg), keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
+
+
+def export_latest(cfg: RunConfig, path: str | None = None) -> tuple[int, str]:
+    """Write the newest checkpoint's policy as a HF directory (default `<run.out_dir>/export`), building
+    only the model and its checkpoint reader: no data, no generation engines. Returns (step, path)."""
+    policy = build_policy(cfg)
+    checkpointer = checkpointer_for(cfg)
+    try:
+        got = checkpointer.restore_latest(policy.state)
+    finally:
+        checkpointer.close()
+    if got is None:
+        raise FileNotFoundError(f"no checkpoint to export in {checkpointer.directory}")
+    state, meta = got
+    policy.state = policy.place(state)
+    return int(meta["step"]), policy.export(path or os.path.join(cfg.run.out_dir, "export"))

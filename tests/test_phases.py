@@ -1,0 +1,135 @@
+"""Each phase of a GRPO step, alone, with a fake generator and a fake train step (no model, no jit)."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from rl import phases
+from rl.config import load_config
+from rl.generation.base import Rollout, SamplingParams
+from rl.tasks import make_task
+
+CFG = load_config("configs/tiny.yaml", ["grpo.prompts_per_step=2", "grpo.group_size=4", "grpo.micro_batch_size=4"])
+
+
+class FakeEngine:
+    """Answers every prompt with its own digits (the copy task's right answer) for even rows, and with one
+    wrong digit for odd rows; records what it was asked."""
+    resent_rows, restarts = 3, 1
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.calls, self.weights = tokenizer, [], []
+
+    def generate(self, prompts, params, key, prompt_width=None):
+        self.calls.append((len(prompts), prompt_width))
+        width = params.max_new_tokens
+        tokens = np.zeros((len(prompts), width), np.int32)
+        lengths = np.zeros(len(prompts), np.int32)
+        for i, p in enumerate(prompts):
+            digits = list(p[1:-1]) if i % 2 == 0 else list(p[1:-2]) + [p[1]]
+            answer = digits + [self.tokenizer.eos_token_id]
+            tokens[i, :len(answer)] = answer
+            lengths[i] = len(answer)
+        return Rollout([list(p) for p in prompts], tokens, np.full(tokens.shape, -0.5, np.float32), lengths,
+                       np.zeros(len(prompts), bool))
+
+    def set_weights(self, params, version, rest=None):
+        self.weights.append(version)
+        return Stats()
+
+    def score(self, prompts, responses, params):
+        return [[np.full(len(r), -1.0, np.float32) for r in responses]] * 2  # two engines
+
+    def shutdown(self):
+        pass
+
+
+@dataclasses.dataclass
+class Stats:
+    gb_per_s: float = 1.0
+    convert_s: float = 0.1
+    send_s: float = 0.2
+    apply_s: float = 0.3
+
+
+@pytest.fixture(scope="module")
+def samples():
+    task = make_task("copy", num_digits=4, seed=0)
+    engine = FakeEngine(task.tokenizer)
+    sp = SamplingParams(max_new_tokens=6, stop_token_ids=(task.tokenizer.eos_token_id,))
+    got = phases.rollout(engine, task.dataset(2), task.tokenizer, CFG, sp, step=0)
+    assert engine.calls == [(8, CFG.generation.max_prompt_tokens)]  # 2 prompts x G = 4, fixed width
+    return got
+
+
+def test_rollout_repeats_prompts_and_decodes_without_stop_tokens(samples):
+    assert len(samples.completions) == 8 and samples.answers[0] == samples.answers[3] != samples.answers[4]
+    assert samples.completions[0] == samples.answers[0]  # the eos was dropped, the digits kept
+
+
+def test_rewards_and_advantages(samples):
+    reward, failures = phases.rewards(CFG.reward, samples)
+    assert failures == 0 and np.all(reward[0::2] == 1.0) and np.all(reward[1::2] < 1.0)
+    adv = phases.advantages(reward, samples.rollout.truncated, CFG.grpo)
+    assert adv.advantages.shape == (8,) and np.all(adv.advantages[0::2] > 0) and np.all(adv.advantages[1::2] < 0)
+    assert np.allclose(adv.advantages.reshape(2, 4).sum(1), 0, atol=1e-5) and not adv.zero_variance.any()
+    flat = phases.advantages(np.ones(8, np.float32), samples.rollout.truncated,
+                             dataclasses.replace(CFG.grpo, dynamic_sampling=True))
+    assert flat.zero_variance.all() and not flat.weight.any()  # equal rewards: both groups dropped
+
+
+def test_train_batch_logprobs_update_and_metrics(samples):
+    reward, failures = phases.rewards(CFG.reward, samples)
+    adv = phases.advantages(reward, samples.rollout.truncated, CFG.grpo)
+    micro = phases.train_batch(samples, adv, width=16, pad_id=13, num_micro=2)
+    assert micro["input_ids"].shape == (2, 4, 15) and micro["loss_mask"].sum() == samples.rollout.lengths.sum()
+
+    state = type("S", (), {"params": "P", "rest": "R"})()
+    seen = []
+
+    def logprob_pass(params, rest, mb):
+        seen.append(params)
+        return np.full(mb["input_ids"].shape, -0.5, np.float32)
+
+    micro = phases.logprobs(logprob_pass, state, micro, ref_params="REF")
+    assert seen == ["P", "REF"] and "logp_old" in micro and "logp_ref" in micro
+
+    def train_step(state, part):
+        return state + 1, {"loss": 0.5, "grad_norm": 2.0, "skipped": False,
+                           "sums": {"tokens": float(part["loss_mask"].sum()), "clipped_tokens": 1.0}}
+
+    new, stats = phases.update(train_step, 0, micro, updates=2)  # one micro-batch per update
+    assert new == 2 and stats.sums["tokens"] == micro["loss_mask"].sum() and stats.sums["clipped_tokens"] == 2.0
+    m = phases.step_metrics(samples, reward, failures, adv, micro, stats, 1e-3, {"generate": 1.0}, 2.0)
+    assert m["clip_frac"] == 2.0 / stats.sums["tokens"] and m["gen_kl_error"] == pytest.approx(0.0, abs=1e-7)
+    assert m["time/generate"] == 1.0 and m["throughput/tokens_per_s"] == samples.rollout.lengths.sum() / 2.0
+
+
+def test_sync_weights_reports_the_transfer_and_checks_the_probes(samples):
+    engine = FakeEngine(None)
+    state = type("S", (), {"params": "P", "rest": "R"})()
+    sp = SamplingParams(max_new_tokens=2)
+    agree = phases.ProbeCheck([[1, 2]], [[3, 4]], sp, lambda p, r: np.full((1, 3), -1.0, np.float32), limit=1e-4)
+    out = phases.sync_weights(engine, state, 5, agree)
+    assert engine.weights == [5] and out["pool/resent_rows"] == 3 and out["transfer/probe_engines"] == 2
+    assert out["transfer/probe_max_abs_logprob_diff"] == 0.0
+    differ = dataclasses.replace(agree, trainer_logprobs=lambda p, r: np.full((1, 3), -1.5, np.float32))
+    with pytest.raises(RuntimeError, match="differ from the trainer's by 0.5"):
+        phases.sync_weights(engine, state, 6, differ)
+
+
+def test_the_rollout_key_derives_from_seed_and_step():
+    keys = []
+
+    class Recorder(FakeEngine):
+        def generate(self, prompts, params, key, prompt_width=None):
+            keys.append(np.asarray(jax.random.key_data(key)))
+            return super().generate(prompts, params, key, prompt_width)
+
+    task = make_task("copy", num_digits=4, seed=0)
+    sp = SamplingParams(max_new_tokens=6)
+    for step in (0, 1, 0):
+        phases.rollout(Recorder(task.tokenizer), task.dataset(2), task.tokenizer, CFG, sp, step)
+    assert np.array_equal(keys[0], keys[2]) and not np.array_equal(keys[0], keys[1])
