@@ -5,9 +5,10 @@ Rollouts: the rows are cut into chunks; every healthy engine holding the current
 one chunk at a time (so a fast engine takes more). A chunk whose engine dies (RayActorError) or hangs
 (no answer within `request_timeout_s`; the actor is then killed) goes back to the queue and is
 re-sent elsewhere, and results are kept per row, first answer wins: every sample comes back exactly
-once. Each row carries its own sampling seed, so a re-sent row samples the same tokens. A dead engine
-is replaced (up to `max_restarts` times per pool); the replacement starts from the checkpoint on disk,
-so it takes no work until the next weight update has brought it to the pool's version.
+once (the queue is rl.schedule.ChunkQueue). Each row carries its own sampling seed, so a re-sent row
+samples the same tokens. A dead engine is replaced (up to `max_restarts` times per pool); the
+replacement starts from the checkpoint on disk, so it takes no work until the next weight update has
+brought it to the pool's version.
 
 Weight updates (`set_weights`) go through `rl.generation.transfer`; generation and updates take the
 same lock, so no rollout runs while weights change, and rollouts resume only once every engine has
@@ -28,6 +29,7 @@ import numpy as np
 from rl.generation.base import Rollout, SamplingParams
 from rl.generation.transfer import (TRANSPORTS, StagedUpdate, TransferError, TransferStats, make_transport,
                                     model_tensors)
+from rl.schedule import ChunkQueue, Incomplete
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +123,7 @@ def _actor_class():
     return _ACTOR
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # hashed by identity: the rollout queue's key for its engine
 class _Slot:
     rank: int
     actor: object
@@ -247,50 +249,48 @@ class VLLMPool:
             engines = self.serving()
             if not engines:
                 raise PoolError(f"no vLLM engine serves weight version {self.version}: {self.health()}")
-            size = max(1, -(-n // (len(engines) * self.cfg.chunks_per_engine)))
-            pending = [list(range(i, min(i + size, n))) for i in range(0, n, size)]
-            results: dict[int, tuple] = {}
-            inflight: dict = {}  # ref -> (slot, rows, deadline)
-            while pending or inflight:
-                busy = {id(v[0]) for v in inflight.values()}
+            work = ChunkQueue(n, -(-n // (len(engines) * self.cfg.chunks_per_engine)), self.cfg.request_timeout_s)
+            inflight: dict = {}  # ref -> slot
+            while work.pending or inflight:
                 for s in self.serving():
-                    if pending and id(s) not in busy:
-                        rows = pending.pop(0)
+                    if not work.busy(s) and (rows := work.take(s)):
                         ref = s.actor.generate.remote(rows, [prompts[r] for r in rows], params, [seeds[r] for r in rows])
-                        inflight[ref] = (s, rows, time.time() + self.cfg.request_timeout_s)
+                        inflight[ref] = s
                 if not inflight:
-                    raise PoolError(f"no healthy vLLM engine left for {len(pending)} chunks: {self.health()}")
-                deadline = min(v[2] for v in inflight.values())
-                done, _ = ray.wait(list(inflight), num_returns=1, timeout=max(0.05, min(deadline - time.time(), 1.0)))
+                    raise PoolError(f"no healthy vLLM engine left for {len(work.pending)} chunks: {self.health()}")
+                done, _ = ray.wait(list(inflight), num_returns=1, timeout=max(0.05, work.wait_s(cap=1.0)))
                 for ref in done:
-                    slot, rows, _ = inflight.pop(ref)
+                    slot = inflight.pop(ref)
                     try:
-                        _, version, outs = ray.get(ref)
+                        rows, version, outs = ray.get(ref)
                     except Exception as e:  # noqa: BLE001 - engine died mid-chunk: re-send it
-                        self._requeue(pending, rows)
-                        self._replace(slot, f"failed during a rollout ({type(e).__name__}); re-sending {len(rows)} rows")
+                        self._resend(work, slot, f"failed during a rollout ({type(e).__name__})")
                         continue
                     if version != self.version:
                         raise PoolError(f"engine {slot.rank} answered with weight version {version}, "
                                         f"pool is at {self.version}")
                     for r, out in zip(rows, outs):
-                        results.setdefault(r, out)
-                now = time.time()
-                for ref, (slot, rows, dl) in list(inflight.items()):
-                    if now > dl:
-                        inflight.pop(ref)
-                        self._requeue(pending, rows)
-                        self._replace(slot, f"hung for {self.cfg.request_timeout_s:.0f} s; re-sending {len(rows)} rows")
+                        work.answer(slot, r, out)
+                late = work.late()
+                for ref, slot in list(inflight.items()):
+                    if slot in late:
+                        del inflight[ref]
+                        self._resend(work, slot, f"hung for {self.cfg.request_timeout_s:.0f} s")
+            try:
+                results = work.ordered()
+            except Incomplete as e:
+                raise PoolError(f"rollout incomplete: rows {e.missing} missing") from e
         return self._rollout(prompts, results, params.max_new_tokens)
 
-    def _requeue(self, pending, rows) -> None:
+    def _resend(self, work: ChunkQueue, slot: _Slot, why: str) -> None:
+        """An engine died or hung mid-chunk: its rows go back to the queue (no row is to blame, and each
+        samples with its own seed, so a re-send is exact) and the engine is replaced."""
+        rows = work.lose(slot).requeued
         self.resent_rows += len(rows)
-        pending.insert(0, rows)
+        self._replace(slot, f"{why}; re-sending {len(rows)} rows")
 
-    def _rollout(self, prompts, results, max_new: int) -> Rollout:
+    def _rollout(self, prompts, results: list, max_new: int) -> Rollout:
         n = len(prompts)
-        if sorted(results) != list(range(n)):
-            raise PoolError(f"rollout incomplete: rows {sorted(set(range(n)) - set(results))} missing")
         tokens = np.full((n, max_new), self.pad_id, np.int32)
         logprobs = np.zeros((n, max_new), np.float32)
         lengths = np.zeros(n, np.int32)

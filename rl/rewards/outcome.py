@@ -56,8 +56,14 @@ class Outcome:
             if len(self.errors) < 3:
                 self.errors.append(f"sample {i}: {reason}")
 
-    def settle(self, i: int, ok: bool, res) -> None:
-        self.ok(i, res) if ok else self.fail(i, res)
+    def settle(self, i: int, ok: bool, res, timeout: bool = False) -> None:
+        self.ok(i, res) if ok else self.fail(i, res, timeout=timeout)
+
+    def update(self, results: Mapping[int, tuple]) -> None:
+        """Settle every sample of a worker run's results (rl.schedule.ChunkQueue.results), whose values
+        are (ok, value_or_reason, timed_out)."""
+        for i in sorted(results):
+            self.settle(i, *results[i])
 
     def fail_rest(self, reason: str) -> None:
         for i in np.flatnonzero(~self.done):

@@ -6,21 +6,23 @@ done; a worker whose current sample passes ``timeout_s`` is killed and replaced,
 chunk goes to the next worker. A worker's first load of a reward (and its optional ``warmup()``) is
 not charged to any sample; it is bounded separately by ``LOAD_TIMEOUT_S``. The pool starts on first
 use and stays up until ``shutdown_process_pool()`` or interpreter exit.
+
+The queue, deadlines and re-sends are rl.schedule.ChunkQueue's; this module owns the processes, the
+pipes and the waiting.
 """
 
 from __future__ import annotations
 
 import atexit
-import collections
 import multiprocessing as mp
 import pickle
 import signal
 import threading
-import time
 from multiprocessing.connection import wait as _mp_wait
 from typing import Any
 
 from rl.rewards.outcome import Outcome, call_reward
+from rl.schedule import ChunkQueue
 
 __all__ = ["LOAD_TIMEOUT_S", "run_in_pool", "shutdown_process_pool"]
 
@@ -60,14 +62,7 @@ class _Worker:
         self.proc = ctx.Process(target=_worker_main, args=(child,), daemon=True, name="reward-worker")
         self.proc.start()
         child.close()
-        self.chunk: collections.deque[int] = collections.deque()  # samples sent and not yet answered
-        self.started = 0.0  # when its current sample (chunk[0]) started, or its chunk was sent
         self.loading = False  # chunk sent, reward not yet loaded (limit: LOAD_TIMEOUT_S)
-
-    def deadline(self, timeout_s: float | None) -> float | None:
-        if self.loading:
-            return self.started + max(LOAD_TIMEOUT_S, timeout_s or 0.0)
-        return None if timeout_s is None else self.started + timeout_s
 
     def kill(self) -> None:
         try:
@@ -103,52 +98,47 @@ class _ProcessPool:
             self.workers.clear()
 
     def run(self, fn_bytes, items, kws, timeout_s, deadline, num_workers, out: Outcome) -> None:
+        n = len(items)
         with self.lock:
+            for w in self.workers:
+                if not w.proc.is_alive():
+                    w.kill()  # reap it and close its pipe
+            self.workers = [w for w in self.workers if w.proc.is_alive()]
+            while len(self.workers) < num_workers:
+                self.workers.append(_Worker(self.ctx()))
+            # Values: (ok, value_or_reason, timed_out). A lost worker's current sample scores 0 (it is the
+            # likely reason the worker hung or died); the rest of its chunk is re-sent.
+            work = ChunkQueue(n, min(64, n // (4 * num_workers)), timeout_s, deadline=deadline)
             try:
-                self._run(fn_bytes, items, kws, timeout_s, deadline, num_workers, out)
+                reason = self._run(fn_bytes, items, kws, timeout_s, self.workers[:num_workers], work)
             except BaseException:
                 # Interrupted (Ctrl-C) with work in flight: those workers would later answer samples of
                 # this batch into the next one, so they go.
-                for w in self.workers:
-                    if w.chunk:
-                        w.kill()
-                self.workers = [w for w in self.workers if not w.chunk]
+                for w in work.busy_workers():
+                    w.kill()
+                    self.workers.remove(w)
                 raise
+        out.update(work.results)
+        out.fail_rest(reason)
 
-    def _run(self, fn_bytes, items, kws, timeout_s, deadline, num_workers, out: Outcome) -> None:
-        n = len(items)
-        for w in self.workers:
-            if not w.proc.is_alive():
-                w.kill()  # reap it and close its pipe
-        self.workers = [w for w in self.workers if w.proc.is_alive()]
-        while len(self.workers) < num_workers:
-            self.workers.append(_Worker(self.ctx()))
-        workers = self.workers[:num_workers]
-        for w in workers:
-            w.chunk.clear()
-        pending = collections.deque(range(n))
-        chunk_size = max(1, min(64, n // (4 * num_workers)))
+    def _run(self, fn_bytes, items, kws, timeout_s, workers: list[_Worker], work: ChunkQueue) -> str:
+        """Drive `work` to the end; returns the reason for samples left without a result."""
 
         def feed(w: _Worker) -> None:
-            if w.chunk or not pending:
+            idx = work.take(w, max(LOAD_TIMEOUT_S, timeout_s or 0.0))  # loading is not charged to a sample
+            if not idx:
                 return
-            idx = [pending.popleft() for _ in range(min(chunk_size, len(pending)))]
             payload = [(i, items[i][0], items[i][1], kws[i]) for i in idx]
             try:
                 w.conn.send((fn_bytes, payload))
             except Exception as e:  # e.g. unpicklable kwargs: fail those samples, keep going
                 for i in idx:
-                    out.fail(i, f"cannot send to the worker: {type(e).__name__}: {e}")
+                    work.answer(w, i, (False, f"cannot send to the worker: {type(e).__name__}: {e}", False))
                 return
-            w.chunk.extend(idx)
-            w.started = time.monotonic()
             w.loading = True
 
         def replace(w: _Worker, reason: str, *, timeout: bool) -> _Worker:
-            if w.chunk:
-                out.fail(w.chunk.popleft(), reason, timeout=timeout)
-                pending.extendleft(reversed(w.chunk))  # the rest of its chunk goes back to the queue
-                w.chunk.clear()
+            work.lose(w, (False, reason, timeout))
             w.kill()
             fresh = _Worker(self.ctx())
             self.workers[self.workers.index(w)] = fresh
@@ -157,54 +147,44 @@ class _ProcessPool:
 
         for w in workers:
             feed(w)
-        while not out.done.all():
-            busy = [w for w in workers if w.chunk]
+        while not work.finished:
+            busy = [w for w in workers if work.busy(w)]
             if not busy:
-                if pending:
-                    for w in workers:
-                        feed(w)
-                    continue
-                out.fail_rest("lost by the worker pool")
-                break
-            now = time.monotonic()
-            wake = [d for w in busy if (d := w.deadline(timeout_s)) is not None]
-            if deadline is not None:
-                wake.append(deadline)
-            ready = _mp_wait([w.conn for w in busy], timeout=max(0.0, min(wake) - now) if wake else None)
+                if not work.pending:
+                    return "lost by the worker pool"  # cannot happen: every sample is queued, leased or settled
+                for w in workers:
+                    feed(w)
+                continue
+            ready = _mp_wait([w.conn for w in busy], timeout=work.wait_s())
             for w in busy:
                 if w.conn not in ready:
                     continue
                 try:
                     while w.conn.poll():
                         msg = w.conn.recv()
-                        w.started = time.monotonic()
+                        work.touch(w)  # any message restarts its clock with the per-sample limit
                         if len(msg) == 1:  # ("ready",)
                             w.loading = False
                             continue
                         i, ok, res = msg
-                        if w.chunk and w.chunk[0] == i:
-                            w.chunk.popleft()
-                        out.settle(i, ok, res)
+                        work.answer(w, i, (ok, res, False))
                 except (EOFError, OSError):
                     replace(w, "the reward worker process died", timeout=False)
                     continue
                 feed(w)
-            now = time.monotonic()
-            if deadline is not None and now >= deadline:
-                for w in workers:
-                    if w.chunk:
-                        replace(w, "batch time limit reached", timeout=True)
-                out.fail_rest("batch time limit reached")
-                break
-            for w in list(workers):
-                d = w.deadline(timeout_s)
-                if w.chunk and d is not None and now > d and not w.conn.poll():
-                    why = (f"loading the reward took over {max(LOAD_TIMEOUT_S, timeout_s or 0.0)} s" if w.loading
-                           else f"timed out after {timeout_s} s")
-                    fresh = replace(w, why + " (worker killed)", timeout=True)
-                    feed(fresh)
+            if work.overdue():
+                for w in work.busy_workers():
+                    replace(w, "batch time limit reached", timeout=True)
+                return "batch time limit reached"
+            for w in work.late():
+                if w.conn.poll():
+                    continue  # it answered just now: read that first
+                why = (f"loading the reward took over {max(LOAD_TIMEOUT_S, timeout_s or 0.0)} s" if w.loading
+                       else f"timed out after {timeout_s} s")
+                feed(replace(w, why + " (worker killed)", timeout=True))
             for w in workers:
                 feed(w)
+        return "lost by the worker pool"
 
 
 _POOL = _ProcessPool()

@@ -47,7 +47,9 @@ A reward function with a parameter named ``timeout_s`` receives the per-sample l
 bound its own work (``math_verify`` passes it on to math-verify).
 
 Layout: this module holds the registry and the batch API; rl.rewards.outcome evaluates one sample,
-rl.rewards.runners runs the inline and thread modes (and dispatches), rl.rewards.pool the process pool.
+rl.rewards.runners runs the inline and thread modes (and dispatches), rl.rewards.pool the process pool;
+the thread and process modes hand out samples and keep time with rl.schedule.ChunkQueue (as does the
+vLLM pool with its rollout rows).
 """
 
 from __future__ import annotations

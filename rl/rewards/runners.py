@@ -8,12 +8,12 @@ See rl.rewards.registry for what each mode is for and what it costs.
 
 ``thread``: samples run one after another in worker threads ("lanes") while the caller watches the
 clock; a lane whose sample passes its limit is abandoned (it is a daemon thread that exits when its
-call returns) and a fresh lane carries on with the next sample.
+call returns) and a fresh lane carries on with the next sample. Lanes take their samples from an
+rl.schedule.ChunkQueue (chunks of one), which also keeps the deadlines and the results.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import pickle
@@ -23,6 +23,7 @@ import time
 
 from rl.rewards.outcome import Outcome, call_reward
 from rl.rewards.pool import run_in_pool
+from rl.schedule import ChunkQueue
 
 logger = logging.getLogger(__name__)
 
@@ -50,104 +51,67 @@ _abandoned_threads = 0
 
 
 class _Lane(threading.Thread):
-    def __init__(self, fn, items, kws, pending: collections.deque, results: queue.SimpleQueue):
+    """Takes one sample at a time from the run's queue itself (no hand-off through the supervisor)."""
+
+    def __init__(self, fn, items, kws, work: ChunkQueue, wake: queue.SimpleQueue):
         super().__init__(daemon=True, name="reward-lane")
-        self.fn, self.items, self.kws, self.pending, self.results = fn, items, kws, pending, results
-        self.lock = threading.Lock()
-        self.current: tuple[int, float] | None = None
-        self.abandoned = False
+        self.fn, self.items, self.kws, self.work, self.wake = fn, items, kws, work, wake
         self.finished = False
 
     def run(self) -> None:
         try:
-            while True:
-                with self.lock:
-                    if self.abandoned:
-                        return
-                    try:
-                        i = self.pending.popleft()
-                    except IndexError:
-                        return
-                    self.current = (i, time.monotonic())
-                completion, answer = self.items[i]
-                ok, res = call_reward(self.fn, completion, answer, self.kws[i], in_caller=False)
-                with self.lock:
-                    if self.abandoned:  # the supervisor already scored sample i as timed out
-                        return
-                    self.current = None
-                    self.results.put((i, ok, res))
+            while chunk := self.work.take(self):
+                for i in chunk:
+                    completion, answer = self.items[i]
+                    ok, res = call_reward(self.fn, completion, answer, self.kws[i], in_caller=False)
+                    if not self.work.answer(self, i, (ok, res, False)):
+                        return  # abandoned: the supervisor already scored sample i as timed out
+                    self.wake.put(None)
         except BaseException:  # nothing may escape a lane; unfinished samples are failed by the supervisor
             pass
         finally:
             self.finished = True
-            self.results.put(None)  # wake the supervisor
-
-
-def _drain(results: queue.SimpleQueue, out: Outcome) -> None:
-    while True:
-        try:
-            msg = results.get_nowait()
-        except queue.Empty:
-            return
-        if msg is not None:
-            out.settle(*msg)
+            self.wake.put(None)
 
 
 def run_threads(fn, items, kws, timeout_s, deadline, num_lanes, out: Outcome) -> None:
     global _abandoned_threads
-    pending = collections.deque(range(len(items)))
-    results: queue.SimpleQueue = queue.SimpleQueue()
+    # A sample past its limit scores 0 (it would hang the next lane too); its lane is abandoned.
+    work = ChunkQueue(len(items), 1, timeout_s, deadline=deadline)
+    wake: queue.SimpleQueue = queue.SimpleQueue()  # a lane answered or exited
     lanes: list[_Lane] = []
 
     def start_lane():
-        lane = _Lane(fn, items, kws, pending, results)
+        lane = _Lane(fn, items, kws, work, wake)
         lanes.append(lane)
         lane.start()
 
     for _ in range(max(1, min(num_lanes, len(items)))):
         start_lane()
+    reason = "reward lane exited unexpectedly"
     try:
-        while not out.done.all():
-            now = time.monotonic()
-            wake = [c[1] + timeout_s for lane in lanes if (c := lane.current) is not None] if timeout_s else []
-            if deadline is not None:
-                wake.append(deadline)
-            wait = max(0.0, min(wake) - now) if wake else 1.0
+        while not work.finished:
             try:
-                msg = results.get(timeout=wait + 1e-4)
-                if msg is not None:
-                    out.settle(*msg)
+                wake.get(timeout=work.wait_s(cap=1.0) + 1e-4)
             except queue.Empty:
                 pass
-            _drain(results, out)  # whatever else is ready, before looking at the clock
-            now = time.monotonic()
-            if deadline is not None and now >= deadline:
-                out.fail_rest("batch time limit reached")
+            if work.overdue():
+                reason = "batch time limit reached"
                 break
-            for lane in list(lanes):
-                cur = lane.current
-                if cur is None or timeout_s is None or now - cur[1] <= timeout_s:
+            for lane in work.late():
+                # if_late: a lane that answered in the meantime keeps its next sample
+                if work.lose(lane, (False, f"timed out after {timeout_s} s", True), if_late=True) is None:
                     continue
-                with lane.lock:
-                    if lane.current is not cur:
-                        continue  # it finished in the meantime; its result is in the queue
-                    lane.abandoned = True
-                out.fail(cur[0], f"timed out after {timeout_s} s", timeout=True)
                 lanes.remove(lane)
                 _abandoned_threads += 1
-                if pending:
+                if work.pending:
                     start_lane()
-            if not pending and all(lane.finished for lane in lanes):
-                # every live lane has exited, so all of their results are queued: collect them; anything
-                # still unscored was lost (cannot normally happen) and counts as failed
-                _drain(results, out)
-                out.fail_rest("reward lane exited unexpectedly")
-                break
+            if all(lane.finished for lane in lanes) and not work.finished:
+                break  # every lane has exited with samples unscored (cannot normally happen)
     finally:
-        for lane in lanes:
-            with lane.lock:
-                lane.abandoned = True
-        pending.clear()
+        work.close()  # abandoned and remaining lanes stop after their current call
+    out.update(work.results)
+    out.fail_rest(reason)
 
 
 # --------------------------------------------------------------------------------------------------
