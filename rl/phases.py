@@ -3,6 +3,7 @@
     rollout -> rewards -> advantages (+ train batch) -> logprobs -> update -> weight sync -> metrics
 
 `rl.trainer.GRPOTrainer.step` calls them in this order; nothing here knows the order or holds state.
+`draw` is rollout + rewards, repeated while DAPO dynamic sampling asks for more groups.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from rl.data import render_prompt
 from rl.generation import backends
 from rl.generation.base import Generator, Rollout, SamplingParams
 from rl.grpo import advantages as adv_lib
+from rl.grpo import dapo
 from rl.grpo.batch import build_train_batch, split_micro
 from rl.grpo.loss import generation_mismatch_metrics
 from rl.rewards.registry import score_batch
@@ -33,12 +35,14 @@ class Samples:
     completions: list[str]  # decoded responses (stop tokens dropped, other special tokens kept)
 
 
-def rollout(engine: Generator, records, tokenizer, cfg: RunConfig, sampling: SamplingParams, step: int) -> Samples:
-    """Sample `group_size` responses for every prompt of the batch; the key derives from (run.seed, step)."""
+def rollout(engine: Generator, records, tokenizer, cfg: RunConfig, sampling: SamplingParams, step: int,
+            round: int = 0) -> Samples:
+    """Sample `group_size` responses for every prompt of the batch; the key derives from (run.seed, step)
+    and, for dynamic sampling's refills, the round (`rl.grpo.dapo.round_key`)."""
     group = cfg.grpo.group_size
     prompts = [render_prompt(r, tokenizer, chat_template=cfg.data.chat_template) for r in records]
     rows = [p for p in prompts for _ in range(group)]
-    key = jax.random.fold_in(jax.random.key(cfg.run.seed), step)
+    key = dapo.round_key(cfg.run.seed, step, round)
     out = engine.generate(rows, sampling, key, prompt_width=cfg.generation.max_prompt_tokens)
     stops = set(sampling.stop_token_ids)
     # Special tokens stay in the text: dropping a sampled <sep> would shift the digits after it.
@@ -47,9 +51,11 @@ def rollout(engine: Generator, records, tokenizer, cfg: RunConfig, sampling: Sam
     return Samples(out, [r.answer for r in records for _ in range(group)], completions)
 
 
-def rewards(reward_specs, samples: Samples) -> tuple[np.ndarray, int]:
+def rewards(reward_specs, samples: Samples, *, max_new_tokens: int = 0, overlong_buffer: int = 0,
+            overlong_penalty: float = 1.0) -> tuple[np.ndarray, int]:
     """Sum of each configured reward times its weight, per row, and how many scorings failed (scored 0).
-    One call per reward: each has its own time limit."""
+    One call per reward: each has its own time limit. With `overlong_buffer` > 0, DAPO's soft overlong
+    punishment (`rl.grpo.dapo.overlong_penalty`) is added, before advantages see the reward."""
     total, failures = np.zeros(len(samples.completions), np.float32), 0
     extra = [{"truncated": bool(x)} for x in samples.rollout.truncated]
     for spec in reward_specs:
@@ -57,7 +63,78 @@ def rewards(reward_specs, samples: Samples) -> tuple[np.ndarray, int]:
                            timeout_s=spec.timeout_s, sample_kwargs=extra)
         total += r
         failures += f
+    if overlong_buffer:
+        total += dapo.overlong_penalty(samples.rollout.lengths, max_new_tokens, overlong_buffer, overlong_penalty)
     return total, failures
+
+
+@dataclasses.dataclass
+class Drawn:
+    """The groups a step trains on, their rewards, and what it took to get them."""
+    samples: Samples
+    reward: np.ndarray  # [N], overlong punishment included
+    failures: int  # failed scorings over every drawn row
+    metrics: dict  # dapo/* (with dynamic sampling), reward/overlong_penalty_mean (with overlong_buffer)
+    generate_s: float  # time in the generator over all rounds (the rest of the call was scoring)
+
+
+def _take(samples: list[Samples], picked: np.ndarray, group: int) -> Samples:
+    """The rows of the picked (round, group) pairs, in that order, as one Samples."""
+    rows = [(r, g * group + j) for r, g in picked for j in range(group)]
+    width = max(s.rollout.tokens.shape[1] for s in samples)  # equal for every engine today; pad if not
+
+    def stack(field):
+        out = [getattr(samples[r].rollout, field)[i] for r, i in rows]
+        return np.stack([np.pad(x, (0, width - len(x))) for x in out]) if np.ndim(out[0]) else np.asarray(out)
+
+    ro = samples[0].rollout
+    rollout_ = dataclasses.replace(ro, prompt_ids=[samples[r].rollout.prompt_ids[i] for r, i in rows],
+                                   tokens=stack("tokens"), logprobs=stack("logprobs"), lengths=stack("lengths"),
+                                   truncated=stack("truncated"))
+    return Samples(rollout_, [samples[r].answers[i] for r, i in rows], [samples[r].completions[i] for r, i in rows])
+
+
+def draw(engine: Generator, loader, tokenizer, cfg: RunConfig, sampling: SamplingParams, step: int) -> Drawn:
+    """Rollout + rewards of one step: one batch of `prompts_per_step` prompts from `loader`, or with
+    grpo.dynamic_sampling (DAPO, `rl.grpo.dapo`) further batches, round r sampled with
+    round_key(run.seed, step, r), until `prompts_per_step` groups have unequal rewards or
+    `dynamic_sampling_max_rounds` batches were drawn. The step keeps the first informative groups in draw
+    order; when the rounds run out, the earliest zero-variance groups fill it (`advantages` gives them
+    loss weight 0). Every drawn prompt is consumed, so the loader's position after the call (what a
+    checkpoint saves) replays exactly."""
+    g = cfg.grpo
+    shaping = dict(max_new_tokens=cfg.generation.max_new_tokens, overlong_buffer=g.overlong_buffer,
+                   overlong_penalty=g.overlong_penalty)
+    drawn, rewards_, zero, failures, informative, generate_s = [], [], [], 0, 0, 0.0
+    for r in range(g.dynamic_sampling_max_rounds if g.dynamic_sampling else 1):
+        t0 = time.perf_counter()
+        drawn.append(rollout(engine, loader.next_batch(), tokenizer, cfg, sampling, step, round=r))
+        generate_s += time.perf_counter() - t0
+        reward, f = rewards(cfg.reward, drawn[-1], **shaping)
+        rewards_.append(reward)
+        failures += f
+        zero.append(np.asarray(adv_lib.zero_variance_groups(jnp.asarray(reward), g.group_size)))
+        informative += int((~zero[-1]).sum())
+        if informative >= g.prompts_per_step:
+            break
+    metrics = {}
+    if len(drawn) == 1:  # every group of the one batch, as drawn
+        samples, reward, kept = drawn[0], rewards_[0], int((~zero[0]).sum())
+    else:
+        picked, kept = dapo.select_groups(zero, g.prompts_per_step)
+        samples = _take(drawn, picked, g.group_size)
+        reward = np.concatenate([rewards_[r][i * g.group_size:(i + 1) * g.group_size] for r, i in picked])
+    if g.dynamic_sampling:
+        every = np.concatenate(rewards_)
+        metrics.update({"dapo/rounds": len(drawn), "dapo/prompts_drawn": len(drawn) * g.prompts_per_step,
+                        "dapo/kept_groups": kept, "dapo/filled_groups": g.prompts_per_step - kept,
+                        # the trained batch leans to informative groups; this is the policy's reward
+                        "dapo/reward_mean_drawn": float(every.mean()),
+                        "dapo/zero_variance_frac_drawn": float(np.concatenate(zero).mean())})
+    if g.overlong_buffer:
+        metrics["reward/overlong_penalty_mean"] = float(dapo.overlong_penalty(
+            samples.rollout.lengths, cfg.generation.max_new_tokens, g.overlong_buffer, g.overlong_penalty).mean())
+    return Drawn(samples, reward, failures, metrics, generate_s)
 
 
 @dataclasses.dataclass
@@ -170,6 +247,7 @@ def step_metrics(samples: Samples, reward: np.ndarray, failures: int, adv: Advan
         "clip_frac": sums.get("clipped_tokens", 0.0) / tokens,
         "dual_clip_frac": sums.get("dual_clipped_tokens", 0.0) / tokens,
         "is_out_of_band_frac": sums.get("is_out_of_band_tokens", 0.0) / tokens,
+        "is/inf_frac": sums.get("is_inf_tokens", 0.0) / tokens,  # non-finite logp_gen: weight 0 (rl.grpo.importance)
         "kl": sums.get("kl_sum", 0.0) / tokens, "entropy_approx": sums.get("neg_logp_sum", 0.0) / tokens,
         "gen_kl_error": float(mism["gen_kl_error"]), "token_mult_prob_error": float(mism["token_mult_prob_error"]),
         "lr": lr,

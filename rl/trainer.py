@@ -87,10 +87,19 @@ class GRPOTrainer:
         """One GRPO step, phase by phase (each timed under time/<phase>)."""
         cfg, gcfg, policy = self.cfg, self.cfg.grpo, self.policy
         t = {"start": time.perf_counter()}
-        samples = phases.rollout(self.engine, self.loader.next_batch(), self.tokenizer, cfg, policy.sampling, step)
-        t["generate"] = time.perf_counter()
-
-        reward, failures = phases.rewards(cfg.reward, samples)
+        # rollout + rewards; with DAPO dynamic sampling as many rounds as it takes (rl.phases.draw)
+        drawn = phases.draw(self.engine, self.loader, self.tokenizer, cfg, policy.sampling, step)
+        samples, reward, failures = drawn.samples, drawn.reward, drawn.failures
+        t["generate"] = t["start"] + drawn.generate_s  # the scoring of every round counts as time/reward
+        if drawn.metrics.get("dapo/filled_groups"):
+            self._dapo_short_steps = getattr(self, "_dapo_short_steps", 0) + 1
+            # once as a warning, then in run.log and the metric: near convergence it is every step
+            # (step numbered as in metrics.jsonl: steps done)
+            (log.warning if self._dapo_short_steps == 1 else log.debug)(
+                "step %d: dynamic sampling found %d of %d informative groups in %d round(s) "
+                "(grpo.dynamic_sampling_max_rounds); %d zero-variance groups fill the step at loss weight 0",
+                step + 1, drawn.metrics["dapo/kept_groups"], gcfg.prompts_per_step, drawn.metrics["dapo/rounds"],
+                drawn.metrics["dapo/filled_groups"])
         adv = phases.advantages(reward, samples.rollout.truncated, gcfg)
         rows = len(samples.completions)
         num_micro = rows // (gcfg.micro_batch_size * cfg.mesh.data * cfg.mesh.expert)
@@ -110,6 +119,7 @@ class GRPOTrainer:
         metrics = phases.step_metrics(samples, reward, failures, adv, micro, stats,
                                       float(learning_rate(cfg)(step)), timing, elapsed)
         metrics.update(transfer)
+        metrics.update(drawn.metrics)
         metrics["time/step"] = elapsed
         return metrics
 

@@ -1,7 +1,9 @@
 """kill -9 at random points (including during an async save), rerun the same command: the finished run's
-final params are bitwise those of an uninterrupted run with the same seed."""
+final params are bitwise those of an uninterrupted run with the same seed. Also with DAPO dynamic
+sampling, whose refill rounds move the data position by a variable number of batches per step."""
 
 import glob
+import json
 import os
 import signal
 import subprocess
@@ -9,16 +11,17 @@ import sys
 import time
 
 import numpy as np
+import pytest
 from safetensors.numpy import load_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 8
 
 
-def command(out_dir):
+def command(out_dir, extra=()):
     return [sys.executable, "-m", "m3jax.train", "--config", "configs/tiny.yaml", f"run.out_dir={out_dir}",
             f"run.total_steps={STEPS}", "checkpoint.every_steps=2", "checkpoint.async_save=true",
-            "logging.progress_bar=false", "logging.tensorboard=false", "logging.plot=false"]
+            "logging.progress_bar=false", "logging.tensorboard=false", "logging.plot=false", *extra]
 
 
 def env():
@@ -27,8 +30,8 @@ def env():
     return e
 
 
-def run_to_end(out_dir):
-    r = subprocess.run(command(out_dir), cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
+def run_to_end(out_dir, extra=()):
+    r = subprocess.run(command(out_dir, extra), cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
 
 
@@ -37,9 +40,10 @@ def logged_steps(out_dir):
     return sum(1 for _ in open(path)) if os.path.exists(path) else 0
 
 
-def run_and_kill(out_dir, when):
+def run_and_kill(out_dir, when, extra=()):
     """Start the run and SIGKILL it as soon as `when(out_dir)` holds (or it ends by itself)."""
-    p = subprocess.Popen(command(out_dir), cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    p = subprocess.Popen(command(out_dir, extra), cwd=ROOT, env=env(), stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
     deadline = time.time() + 600
     while p.poll() is None and time.time() < deadline:
         if when(out_dir):
@@ -54,17 +58,23 @@ def exported(out_dir):
     return load_file(os.path.join(out_dir, "export", "model.safetensors"))
 
 
-def test_killed_runs_resume_bitwise(tmp_path):
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [(), ("grpo.dynamic_sampling=true",)], ids=["plain", "dynamic_sampling"])
+def test_killed_runs_resume_bitwise(tmp_path, extra):
     straight = str(tmp_path / "straight")
-    run_to_end(straight)
+    run_to_end(straight, extra)
+    if extra:  # the refill path must have run, or this case tests nothing new
+        rows = [json.loads(line) for line in open(os.path.join(straight, "metrics.jsonl"))]
+        rounds = [r["dapo/rounds"] for r in rows if "dapo/rounds" in r]  # (evaluation rows have none)
+        assert len(rounds) == STEPS and max(rounds) > 1, rounds
 
     killed = str(tmp_path / "killed")
     saving = lambda d: bool(glob.glob(os.path.join(d, "checkpoints", "*.orbax-checkpoint-tmp*")))  # noqa: E731
-    kills = [run_and_kill(killed, lambda d: logged_steps(d) >= 1),  # mid-run, before any checkpoint
-             run_and_kill(killed, saving),  # during an async save
-             run_and_kill(killed, lambda d: logged_steps(d) >= 6)]  # later, after resuming twice
+    kills = [run_and_kill(killed, lambda d: logged_steps(d) >= 1, extra),  # mid-run, before any checkpoint
+             run_and_kill(killed, saving, extra),  # during an async save
+             run_and_kill(killed, lambda d: logged_steps(d) >= 6, extra)]  # later, after resuming twice
     assert sum(kills) >= 2, "the run finished before it could be killed"
-    run_to_end(killed)
+    run_to_end(killed, extra)
 
     want, got = exported(straight), exported(killed)
     assert sorted(want) == sorted(got)

@@ -210,8 +210,15 @@ class GrpoSection(_Section):
                           choices=AGGREGATIONS)
     sequence_sum_len: int | None = _f(None, "the constant L of aggregation=sequence_sum; null = "
                                             "generation.max_new_tokens", min=1)
-    dynamic_sampling: bool = _f(False, "DAPO: drop groups whose rewards are all equal (zero advantage)")
+    dynamic_sampling: bool = _f(False, "DAPO: draw further batches of prompts until the step holds prompts_per_step "
+                                       "groups whose rewards are not all equal (rl.grpo.dapo)")
+    dynamic_sampling_max_rounds: int = _f(10, "batches of prompts one step may draw with dynamic_sampling; when they "
+                                              "run out, zero-variance groups fill the step at loss weight 0", min=1)
     overlong_filter: bool = _f(False, "DAPO: no loss on responses cut at generation.max_new_tokens")
+    overlong_buffer: int = _f(0, "DAPO soft overlong punishment: over the last this many tokens before "
+                                 "generation.max_new_tokens the reward falls linearly to -overlong_penalty; 0 = off",
+                              min=0)
+    overlong_penalty: float = _f(1.0, "the largest overlong punishment (at max_new_tokens)", gt=0)
 
     @property
     def sequences_per_step(self) -> int:

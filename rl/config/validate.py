@@ -184,6 +184,11 @@ def _cross_checks(cfg: RunConfig) -> list[_Problem]:
         out.append(_Problem("grpo.is_mask_high", f"grpo.is_mask_high = {_show(g.is_mask_high)}: not above "
                                                  f"grpo.is_mask_low = {_show(g.is_mask_low)}; allowed: a number > "
                                                  "is_mask_low", ("grpo.is_mask_low",)))
+    if g.overlong_buffer >= gen.max_new_tokens:  # the ramp must start after at least one unpunished token
+        out.append(_Problem("grpo.overlong_buffer", (
+            f"grpo.overlong_buffer = {g.overlong_buffer}: not below generation.max_new_tokens = "
+            f"{gen.max_new_tokens} (every response would be punished); allowed: 0 (off) or an integer in "
+            f"[1, {gen.max_new_tokens - 1}]"), ("generation.max_new_tokens",)))
 
     if d.kind == "file" and d.path is None:
         out.append(_Problem("data.path", "data.path = null: data.kind = \"file\" needs a prompt file; allowed: "
