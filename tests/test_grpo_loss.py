@@ -1,4 +1,5 @@
-"""GRPO advantages and loss against hand-computed numbers (see rl/grpo/*.py for the formulas).
+"""The GRPO loss (ppo_clip, importance correction, KL values, aggregation) against hand-computed numbers
+(see rl/grpo/*.py for the formulas; advantages, objectives and KL gradients have their own test files).
 
 Expected values are written out by hand or computed with plain Python/numpy loops in this file,
 never with the functions under test.
@@ -11,8 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rl.grpo import (ADVANTAGE_ESTIMATORS, LossConfig, generation_mismatch_metrics, get_advantage_estimator,
-                     group_advantages, grpo_loss, normalizer, overlong_mask, zero_variance_groups)
+from rl.grpo import LossConfig, generation_mismatch_metrics, grpo_loss, normalizer
 
 PLAIN = dict(dual_clip=None, is_correction="none")   # only the clipped surrogate
 
@@ -30,75 +30,15 @@ def close(a, b, tol=1e-5):
     np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=tol, atol=tol)
 
 
-# ---------------------------------------------------------------- advantages
-
-REWARDS = np.array([1, 0, 0, 0,   1, 1, 1, 1,   0.0, 0.5, 1.0, 0.5], np.float32)
-
-
-def test_advantages_std():
-    # group 0: mean 1/4, Bessel std sqrt((0.75^2 + 3*0.25^2)/3) = 0.5
-    # group 1: all equal -> no division, A = r - mean = 0
-    # group 2: mean 0.5, std sqrt((0.25 + 0.25)/3) = sqrt(1/6)
-    s2 = math.sqrt(1 / 6) + 1e-6
-    want = [0.75 / 0.500001, -0.25 / 0.500001, -0.25 / 0.500001, -0.25 / 0.500001,
-            0, 0, 0, 0,
-            -0.5 / s2, 0, 0.5 / s2, 0]
-    close(group_advantages(REWARDS, 4), want)
-    close(get_advantage_estimator("grpo")(REWARDS, 4), want)
-
-
-def test_advantages_no_std():
-    want = [0.75, -0.25, -0.25, -0.25, 0, 0, 0, 0, -0.5, 0, 0.5, 0]
-    close(group_advantages(REWARDS, 4, scale="none"), want)
-    close(get_advantage_estimator("dr_grpo")(REWARDS, 4), want)
-
-
-def test_advantages_leave_one_out():
-    # baseline = mean of the 3 others: group 0 -> [0, 1/3, 1/3, 1/3]; group 2: [2/3, 1/2, 1/3, 1/2]
-    want = [1, -1 / 3, -1 / 3, -1 / 3, 0, 0, 0, 0, -2 / 3, 0, 2 / 3, 0]
-    close(group_advantages(REWARDS, 4, scale="none", leave_one_out=True), want)
-    close(get_advantage_estimator("rloo")(REWARDS, 4), want)
-    # RLOO = G/(G-1) * (r - mean)
-    close(get_advantage_estimator("rloo")(REWARDS, 4), np.array(get_advantage_estimator("dr_grpo")(REWARDS, 4)) * 4 / 3)
-
-
-def test_advantages_leave_one_out_std():
-    r = np.array([1, 0, 0, 0], np.float32)
-    # i=0: others [0,0,0] all equal -> no division: A = 1 - 0
-    # i>0: others [1,0,0]: mean 1/3, Bessel std sqrt(((2/3)^2 + 2*(1/3)^2)/2) = sqrt(1/3)
-    a = -(1 / 3) / (math.sqrt(1 / 3) + 1e-6)
-    close(group_advantages(r, 4, leave_one_out=True), [1, a, a, a])
-    # G = 2: the "other" set is one sample -> no division
-    close(group_advantages(np.array([1.0, 0.0]), 2, leave_one_out=True), [1, -1])
-
-
-def test_zero_variance_group():
-    r = np.array([0.7, 0.7, 0.7, 0.7, 0.1, 0.3, 0.1, 0.1], np.float32)
-    a = np.asarray(group_advantages(r, 4))
-    assert np.all(a[:4] == 0.0) and np.all(np.isfinite(a))
-    assert np.all(np.abs(a[4:]) > 0.1)
-    assert list(np.asarray(zero_variance_groups(r, 4))) == [True, False]
-    assert list(np.asarray(zero_variance_groups(REWARDS, 4))) == [False, True, False]
-
-
-def test_overlong_mask_and_registry_errors():
-    close(overlong_mask(np.array([True, False, True])), [0, 1, 0])
-    assert set(ADVANTAGE_ESTIMATORS) == {"grpo", "dr_grpo", "rloo"}
-    with pytest.raises(ValueError, match=r"'ppo'.*dr_grpo.*grpo.*rloo"):
-        get_advantage_estimator("ppo")
-    with pytest.raises(ValueError, match="multiple of group_size"):
-        group_advantages(np.zeros(6), 4)
-    with pytest.raises(ValueError, match="scale"):
-        group_advantages(np.zeros(4), 4, scale="var")
-
-
 # ---------------------------------------------------------------- config validation
 
 @pytest.mark.parametrize("field,value", [
     ("eps_low", 1.0), ("eps_low", -0.1), ("eps_high", -0.01), ("dual_clip", 1.0), ("dual_clip", float("nan")),
     ("is_correction", "clip"), ("is_level", "seq"), ("is_cap", 0.0), ("is_mask_low", -1.0),
-    ("is_mask_high", 0.5), ("kl", "k2"), ("kl_coef", -1.0), ("kl_coef", 0.1), ("kl_clamp", 0.0),
-    ("aggregation", "mean"), ("sequence_sum_len", 0), ("sequence_sum_len", True),
+    ("is_mask_high", 0.5), ("kl", "k4"), ("kl_coef", -1.0), ("kl_coef", 0.1), ("kl_clamp", 0.0),
+    ("aggregation", "mean"), ("sequence_sum_len", 0), ("sequence_sum_len", True), ("loss", "ppo"),
+    ("gspo_eps_low", 1.0), ("gspo_eps_high", -1e-4), ("cispo_eps_low", 1.0), ("cispo_eps_high", -0.1),
+    ("is_floor", 2.0), ("is_floor", -0.1), ("kl_on_policy", 1),
 ])
 def test_config_rejects(field, value):
     with pytest.raises(ValueError, match=rf"LossConfig\.{field}=.*allowed"):
@@ -107,9 +47,12 @@ def test_config_rejects(field, value):
 
 def test_config_defaults_are_the_m3_recipe():
     c = LossConfig()
-    assert (c.eps_low, c.eps_high, c.dual_clip, c.is_correction, c.is_level, c.is_cap, c.kl, c.aggregation) == (
-        0.2, 0.28, 10.0, "truncate", "token", 2.0, "none", "token")
+    assert (c.loss, c.eps_low, c.eps_high, c.dual_clip, c.is_correction, c.is_level, c.is_cap, c.is_floor, c.kl,
+            c.aggregation) == ("ppo_clip", 0.2, 0.28, 10.0, "truncate", "token", 2.0, None, "none", "token")
     LossConfig(kl="k3", kl_coef=0.1)   # valid
+    LossConfig(kl="k2", kl_coef=0.1, kl_on_policy=True, is_floor=0.5)
+    with pytest.raises(ValueError, match=r"LossConfig\.is_floor=.*is_correction='truncate'"):
+        LossConfig(is_floor=0.5, is_correction="mask")
     hash(c)                            # static-argument ready
 
 
@@ -169,6 +112,37 @@ def test_is_mask_token():
     close(loss, -3.0)
 
 
+def test_is_floor():
+    loss, st = _is_case([3.0, 0.1, 0.4, 1.0], is_correction="truncate", is_cap=2.0, is_floor=0.25)
+    close(loss, -(2.0 + 0.25 + 0.4 + 1.0))           # 0.1 raised to the floor, 3 lowered to the cap
+    assert float(st["is_floored_tokens"]) == 1 and float(st["is_truncated_tokens"]) == 1
+
+
+def test_non_finite_generator_logprob_gets_weight_zero_and_is_counted():
+    # rho = 1, A = 1: token loss -w_eff; the generator gave -inf (and NaN) on valid tokens 1 and 2
+    lo = col(-2.0, -2.0, -2.0, -2.0)
+    lg = col(-2.0 - math.log(3.0), -np.inf, np.nan, -2.0)
+    run = lambda **c: grpo_loss(lo, lo, lg, np.ones(4, np.float32), ones(4), LossConfig(**{**PLAIN, **c}))  # noqa
+    loss, st = run(is_correction="truncate", is_cap=2.0)
+    close(loss, -(2.0 + 0 + 0 + 1.0))                 # not the cap
+    assert float(st["is_inf_tokens"]) == 2 and float(st["is_truncated_tokens"]) == 1
+    assert float(st["is_out_of_band_tokens"]) == 3
+    loss, st = run(is_correction="mask")
+    close(loss, -1.0)
+    assert float(st["is_inf_tokens"]) == 2
+    loss, st = run(is_correction="none")               # no correction: logp_gen unused, still counted
+    close(loss, -4.0)
+    assert float(st["is_inf_tokens"]) == 2
+    # sequence level: the whole sequence holding the bad token gets weight 0; its gradient is 0, finite
+    lo2, lg2 = np.full((2, 2), -1.0, np.float32), np.full((2, 2), -1.0, np.float32)
+    lg2[0, 1] = -np.inf
+    c = LossConfig(**{**PLAIN, "is_correction": "truncate", "is_level": "sequence"})
+    loss, g = jax.value_and_grad(lambda x: grpo_loss(x, lo2, lg2, np.ones(2, np.float32), ones(2, 2), c)[0])(
+        jnp.asarray(lo2))
+    close(loss, -2.0)
+    close(g, [[0.0, 0.0], [-1.0, -1.0]])
+
+
 # two sequences, lengths 3 and 2; log w per token 0.3 (seq 0) and -0.2, -0.3 (seq 1); A = [1, -1], rho = 1
 SEQ_MASK = np.array([[1, 1, 1], [1, 1, 0]], np.float32)
 SEQ_LOGW = np.array([[0.3, 0.3, 0.3], [-0.2, -0.3, 0.0]], np.float32)
@@ -201,44 +175,6 @@ def test_is_geometric_level():
     close(loss, -3 * 1.2 + 2 * g1)
     loss, _ = _seq_case(is_correction="truncate", is_level="geometric", is_cap=2.0)
     close(loss, -3 * g0 + 2 * g1)
-
-
-# ---------------------------------------------------------------- KL
-
-def _kl_case(**cfg):
-    lp = np.array([[-1.0, -2.0]], np.float32)
-    lref = np.array([[-1.5, -1.0]], np.float32)
-    # A = 0: only the KL term remains
-    return grpo_loss(lp, lp, lp, np.zeros(1, np.float32), ones(1, 2), LossConfig(**{**PLAIN, **cfg}), logp_ref=lref)
-
-
-def test_kl_k1():
-    loss, st = _kl_case(kl="k1", kl_coef=0.1)
-    close(st["kl_sum"], 0.5 + -1.0)                # logp - logp_ref
-    close(loss, 0.1 * -0.5)
-
-
-def test_kl_k3_and_clamps():
-    k3 = lambda x: math.exp(x) - x - 1             # x = logp_ref - logp  # noqa: E731
-    loss, st = _kl_case(kl="k3", kl_coef=0.1)
-    close(st["kl_sum"], k3(-0.5) + k3(1.0))        # 0.10653 + 0.71828
-    close(loss, 0.1 * (k3(-0.5) + k3(1.0)))
-    _, st = _kl_case(kl="k3", kl_coef=0.1, kl_clamp=0.5)
-    close(st["kl_sum"], k3(-0.5) + 0.5)
-    _, st = _kl_case(kl="k3", kl_coef=0.1, kl_log_ratio_clamp=0.6)
-    close(st["kl_sum"], k3(-0.5) + k3(0.6))
-    with pytest.raises(ValueError, match="logp_ref"):
-        grpo_loss(np.zeros((1, 1)), np.zeros((1, 1)), np.zeros((1, 1)), np.zeros(1), ones(1),
-                  LossConfig(kl="k3", kl_coef=0.1))
-
-
-def test_kl_k3_gradient():
-    lp = jnp.array([[-1.0, -2.0]])
-    lref = np.array([[-1.5, -1.0]], np.float32)
-    cfg = LossConfig(**PLAIN, kl="k3", kl_coef=1.0)
-    g = jax.grad(lambda x: grpo_loss(x, lp, lp, np.zeros(1), ones(1, 2), cfg, logp_ref=lref)[0])(lp)
-    # d/dlogp [exp(x) - x - 1], x = logp_ref - logp  =  1 - exp(x)
-    close(g, [[1 - math.exp(-0.5), 1 - math.exp(1.0)]])
 
 
 # ---------------------------------------------------------------- aggregation
@@ -284,19 +220,30 @@ def _np_reference(lp, lo, lg, adv, mask, lref, cfg):
         for t in valid:
             a = adv[i]
             rho = math.exp(lp[i, t] - lo[i, t])
-            o = min(rho * a, min(max(rho, 1 - cfg.eps_low), 1 + cfg.eps_high) * a)
-            if cfg.dual_clip is not None and a < 0:
-                o = max(o, cfg.dual_clip * a)
+            clip = lambda v, lo_, hi_: min(max(v, lo_), hi_)  # noqa: E731
+            if cfg.loss == "ppo_clip":
+                o = min(rho * a, clip(rho, 1 - cfg.eps_low, 1 + cfg.eps_high) * a)
+                if cfg.dual_clip is not None and a < 0:
+                    o = max(o, cfg.dual_clip * a)
+            elif cfg.loss == "gspo":
+                sr = math.exp(sum(lp[i, u] - lo[i, u] for u in valid) / len(valid))
+                o = min(sr * a, clip(sr, 1 - cfg.gspo_eps_low, 1 + cfg.gspo_eps_high) * a)
+            elif cfg.loss == "cispo":
+                o = clip(rho, 1 - (cfg.cispo_eps_low or 1.0), 1 + cfg.cispo_eps_high) * a * lp[i, t]
+            else:
+                o = a * lp[i, t]
             w = {"token": math.exp(lo[i, t] - lg[i, t]), "sequence": math.exp(s),
                  "geometric": math.exp(s / sum(mask[i]))}[cfg.is_level]
             if cfg.is_correction == "truncate":
-                w = min(w, cfg.is_cap)
+                w = max(min(w, cfg.is_cap), cfg.is_floor or 0.0)
             elif cfg.is_correction == "mask":
                 w = w if cfg.is_mask_low <= w <= cfg.is_mask_high else 0.0
             else:
                 w = 1.0
             x = lref[i, t] - lp[i, t]
-            kl = {"none": 0.0, "k1": -x, "k3": math.exp(x) - x - 1}[cfg.kl]
+            kl = {"none": 0.0, "k1": -x, "k2": x * x / 2, "k3": math.exp(x) - x - 1}[cfg.kl]
+            if cfg.kl_on_policy:
+                kl *= math.exp(lp[i, t] - lg[i, t])
             per[i, t] = -w * o + cfg.kl_coef * kl
     tot = float(np.sum(per * mask))
     nseq = sum(1 for i in range(B) if mask[i].sum() > 0)
@@ -329,16 +276,23 @@ CONFIGS = [
                kl_clamp=None, kl_log_ratio_clamp=None, aggregation="sequence_sum"),
     LossConfig(is_correction="mask", is_level="geometric", is_mask_low=0.9, is_mask_high=1.1, dual_clip=None,
                aggregation="token"),
+    LossConfig(loss="gspo", gspo_eps_low=0.1, gspo_eps_high=0.15, dual_clip=None, is_floor=0.8, kl="k2",
+               kl_coef=0.1, kl_on_policy=True, kl_clamp=None, kl_log_ratio_clamp=None, aggregation="sequence_mean"),
+    LossConfig(loss="cispo", cispo_eps_low=0.3, dual_clip=None, kl="k3", kl_coef=0.1, kl_on_policy=True,
+               kl_clamp=None, kl_log_ratio_clamp=None),
+    LossConfig(loss="reinforce", dual_clip=None, is_level="sequence", aggregation="sequence_sum"),
 ]
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=["m3", "mask-tok-k3-seqmean", "trunc-seq-k1-seqsum", "mask-geo"])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=["m3", "mask-tok-k3-seqmean", "trunc-seq-k1-seqsum", "mask-geo",
+                                              "gspo-floor-k2-onpolicy", "cispo-k3-onpolicy", "reinforce-seq"])
 def test_matches_reference_and_microbatch_invariant(cfg):
     lp, lo, lg, adv, mask, lref = _random_batch()
     norm = normalizer(mask, cfg)
     full, st = grpo_loss(lp, lo, lg, adv, mask, cfg, logp_ref=lref)
     close(full / norm, _np_reference(lp, lo, lg, adv, mask, lref, cfg), tol=1e-4)
-    assert float(st["clipped_tokens"]) > 0 and float(st["is_out_of_band_tokens"]) > 0   # the branches are exercised
+    # the branches are exercised (reinforce has no clip)
+    assert (float(st["clipped_tokens"]) > 0) == (cfg.loss != "reinforce") and float(st["is_out_of_band_tokens"]) > 0
     for cuts in ([2, 4, 6], [3]):                   # equal micro-batches, and an uneven split
         parts = np.split(np.arange(len(adv)), cuts)
         total, acc = 0.0, {k: 0.0 for k in st}
@@ -400,38 +354,3 @@ def test_gradient_ignores_padding_garbage():
     rho, w = math.exp(0.1), math.exp(-0.1)
     close(loss, -w * rho)
     close(g, [[-w * rho, 0.0]])
-
-
-# ---------------------------------------------------------------- generation mismatch metrics
-
-def test_mismatch_on_policy():
-    lp = np.array([[-0.5, -1.5, -3.0], [-2.0, -0.1, -9.0]], np.float32)
-    mask = np.array([[1, 1, 1], [1, 1, 0]], np.float32)
-    for kind in ("k1", "k3"):
-        m = generation_mismatch_metrics(lp, lp, mask, kl_type=kind)
-        assert float(m["gen_kl_error"]) == 0.0 and float(m["policy_kl_error"]) == 0.0
-        assert float(m["token_mult_prob_error"]) == 1.0
-        assert float(m["seq_mult_prob_error_median"]) == 1.0
-    # and the loss, on policy with A = 1: every token -1, nothing clipped / truncated / out of band
-    loss, st = grpo_loss(lp, lp, lp, np.ones(2, np.float32), mask, LossConfig())
-    close(loss, -5.0)
-    assert float(st["clipped_tokens"] + st["is_truncated_tokens"] + st["is_out_of_band_tokens"]) == 0.0
-    close(st["ratio_sum"], 5.0)
-    close(st["neg_logp_sum"], 0.5 + 1.5 + 3.0 + 2.0 + 0.1)
-
-
-def test_mismatch_hand_values():
-    lo = np.array([[-1.0, -1.0], [-1.0, -1.0]], np.float32)
-    lg = np.array([[-0.9, -1.2], [-1.5, 0.0]], np.float32)      # d = logp_gen - logp_old = .1, -.2 | -.5, (pad)
-    mask = np.array([[1, 1], [1, 0]], np.float32)
-    m = generation_mismatch_metrics(lg, lo, mask)
-    close(m["token_mult_prob_error"], (math.exp(0.1) + math.exp(0.2) + math.exp(0.5)) / 3)
-    k3 = lambda x: math.exp(x) - 1 - x                           # noqa: E731
-    close(m["gen_kl_error"], (k3(-0.1) + k3(0.2) + k3(0.5)) / 3)  # x = logp_old - logp_gen
-    close(m["policy_kl_error"], (k3(0.1) + k3(-0.2) + k3(-0.5)) / 3)
-    close(m["seq_mult_prob_error"], [(math.exp(0.1) + math.exp(0.2)) / 2, math.exp(0.5)])
-    close(m["seq_mult_prob_error_median"], ((math.exp(0.1) + math.exp(0.2)) / 2 + math.exp(0.5)) / 2)
-    m1 = generation_mismatch_metrics(lg, lo, mask, kl_type="k1")
-    close(m1["gen_kl_error"], (0.1 - 0.2 - 0.5) / 3)             # mean of logp_gen - logp_old
-    close(m["tokens"], 3.0)
-    close(m["mult_prob_error_sum"], math.exp(0.1) + math.exp(0.2) + math.exp(0.5))

@@ -388,6 +388,13 @@ BAD_FILES = {
     "mask_band_empty": ("grpo: {is_correction: mask, is_mask_low: 2.0, is_mask_high: 1.5}\n",
                         ["grpo.is_mask_high = 1.5: not above grpo.is_mask_low = 2.0; allowed: a number > "
                          "is_mask_low"]),
+    "loss_unknown": ("grpo: {loss: gpso}\n", ['grpo.loss = "gpso": not an allowed value (did you mean "gspo"?)']),
+    "dual_clip_without_ppo_clip": ("grpo: {loss: cispo, dual_clip: 10.0}\n",
+                                   ['grpo.dual_clip = 10.0: has no effect with grpo.loss = "cispo"']),
+    "is_floor_without_truncate": ("grpo: {is_correction: mask, is_floor: 0.5}\n",
+                                  ['grpo.is_floor = 0.5: has no effect with grpo.is_correction = "mask"']),
+    "is_floor_above_cap": ("grpo: {is_floor: 3.0}\n", ["grpo.is_floor = 3.0: not below grpo.is_cap = 2.0"]),
+    "kl_on_policy_without_kl": ("grpo: {kl_on_policy: true}\n", ['grpo.kl_on_policy = true: there is no KL term']),
 }
 
 
@@ -551,8 +558,8 @@ def test_names_mirrored_from_jax_modules_stay_equal():
     assert rc.TOKEN_AXES == rules.TOKEN_AXES
     assert rc.PRECISION_MODES == precision.MODES
     loss = pytest.importorskip("rl.grpo.loss")
-    assert (rc.IS_CORRECTIONS, rc.IS_LEVELS, rc.KL_TYPES, rc.AGGREGATIONS) == \
-        (loss.IS_CORRECTIONS, loss.IS_LEVELS, loss.KL_TYPES, loss.AGGREGATIONS)
+    assert (rc.IS_CORRECTIONS, rc.IS_LEVELS, rc.KL_TYPES, rc.AGGREGATIONS, rc.LOSSES) == \
+        (loss.IS_CORRECTIONS, loss.IS_LEVELS, loss.KL_TYPES, loss.AGGREGATIONS, loss.LOSSES)
     adv = pytest.importorskip("rl.grpo.advantages")
     assert set(rc.ADVANTAGES) == set(adv.ADVANTAGE_ESTIMATORS)
     tasks = pytest.importorskip("rl.tasks")

@@ -74,7 +74,7 @@ from rl.config.errors import ConfigError
 from rl.config.fields import _hints, _is_section, _item_type, _non_none, _show  # noqa: F401  (tests walk types)
 from rl.config.schema import (  # noqa: F401  (tests check the mirrored choices against their originals)
     ADVANTAGES, AGGREGATIONS, DATA_FORMATS, DATA_LAYOUTS, DATA_TASKS, DIGIT_VOCAB, IS_CORRECTIONS, IS_LEVELS,
-    KL_TYPES, MISSING, PRECISION_MODES, TOKEN_AXES, WEIGHT_TRANSPORTS, CheckpointSection, DataSection,
+    KL_TYPES, LOSSES, MISSING, PRECISION_MODES, TOKEN_AXES, WEIGHT_TRANSPORTS, CheckpointSection, DataSection,
     GenerationSection, GrpoSection, LoggingSection, MeshSection, ModelSection, OptimSection, PrecisionSection,
     RewardSpec, RunSection)
 from rl.config.run import RunConfig

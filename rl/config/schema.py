@@ -23,10 +23,11 @@ MISSING = "???"  # a value the user must supply (e.g. the recipe's model.path); 
 # tests/test_run_config.py checks they stay equal to the originals.
 TOKEN_AXES = ("data", "context", "expert")                     # sharding.rules.TOKEN_AXES
 PRECISION_MODES = ("none", "fp32", "compact")                  # sharding.precision.MODES
-ADVANTAGES = ("grpo", "dr_grpo", "rloo")                       # rl.grpo.advantages.ADVANTAGE_ESTIMATORS
+ADVANTAGES = ("grpo", "dr_grpo", "rloo", "grpo_loo")           # rl.grpo.advantages.ADVANTAGE_ESTIMATORS
+LOSSES = ("ppo_clip", "gspo", "cispo", "reinforce")            # rl.grpo.loss.LOSSES (rl.grpo.objectives)
 IS_CORRECTIONS = ("truncate", "mask", "none")                  # rl.grpo.loss.IS_CORRECTIONS
 IS_LEVELS = ("token", "sequence", "geometric")                 # rl.grpo.loss.IS_LEVELS
-KL_TYPES = ("none", "k1", "k3")                                # rl.grpo.loss.KL_TYPES
+KL_TYPES = ("none", "k1", "k2", "k3")                          # rl.grpo.loss.KL_TYPES
 AGGREGATIONS = ("token", "sequence_mean", "sequence_sum")      # rl.grpo.loss.AGGREGATIONS
 DATA_TASKS = ("reverse", "copy", "sort", "addmod")             # rl.tasks.TASKS
 DATA_FORMATS = ("auto", "jsonl", "json", "parquet")            # rl.data.FileFormat
@@ -188,23 +189,37 @@ class GrpoSection(_Section):
     updates_per_step: int = _f(1, "optimizer updates per step: the step's sequences are split into this "
                                   "many mini-batches (1 = on-policy)", min=1)
     advantage: str = _f("grpo", "grpo: (r - group mean) / group std; dr_grpo: no std; rloo: leave-one-out "
-                                "baseline", choices=ADVANTAGES)
-    eps_low: float = _f(0.2, "ratio clipped below at 1 - eps_low", min=0, lt=1)
-    eps_high: float = _f(0.28, "ratio clipped above at 1 + eps_high (clip-higher when > eps_low)", min=0)
-    dual_clip: float | None = _f(None, "dual clip c: for A < 0 the objective is bounded by c*A; null = off", gt=1)
+                                "baseline; grpo_loo: leave-one-out baseline and std (NeMo-RL's default)",
+                        choices=ADVANTAGES)
+    loss: str = _f("ppo_clip", "policy objective (rl.grpo.objectives): ppo_clip (clipped ratio), gspo (sequence "
+                               "ratio clipped per sequence), cispo (clipped stop-gradient weight x REINFORCE), "
+                               "reinforce (-A logp)", choices=LOSSES)
+    eps_low: float = _f(0.2, "ppo_clip: ratio clipped below at 1 - eps_low", min=0, lt=1)
+    eps_high: float = _f(0.28, "ppo_clip: ratio clipped above at 1 + eps_high (clip-higher when > eps_low)", min=0)
+    dual_clip: float | None = _f(None, "ppo_clip's dual clip c: for A < 0 the objective is bounded by c*A; null = "
+                                       "off", gt=1)
+    gspo_eps_low: float = _f(3e-4, "gspo: sequence ratio clipped below at 1 - gspo_eps_low", min=0, lt=1)
+    gspo_eps_high: float = _f(4e-4, "gspo: sequence ratio clipped above at 1 + gspo_eps_high", min=0)
+    cispo_eps_low: float | None = _f(None, "cispo: weight clipped below at 1 - cispo_eps_low; null = no lower "
+                                           "bound (MiniMax-M1)", min=0, lt=1)
+    cispo_eps_high: float = _f(0.28, "cispo: weight clipped above at 1 + cispo_eps_high", min=0)
     is_correction: str = _f("truncate", "trainer-vs-generator importance weight w = exp(logp_old - logp_gen): "
                                         "truncate (min(w, is_cap)), mask (0 outside [is_mask_low, is_mask_high]) "
-                                        "or none", choices=IS_CORRECTIONS)
+                                        "or none; a non-finite logp_gen gets weight 0", choices=IS_CORRECTIONS)
     is_level: str = _f("token", "importance weight per token, per sequence (product of ratios) or geometric "
                                 "(exp of the mean log-ratio)", choices=IS_LEVELS)
     is_cap: float = _f(2.0, "truncation cap of the importance weight", gt=0)
+    is_floor: float | None = _f(None, "lower bound of the truncated importance weight (is_correction=truncate); "
+                                      "null = none", min=0)
     is_mask_low: float = _f(0.5, "lower edge of the kept band of is_correction=mask", min=0)
     is_mask_high: float = _f(2.0, "upper edge of the kept band of is_correction=mask", gt=0)
-    kl: str = _f("none", "KL penalty to the reference policy: none, or the k1 / k3 estimator",
-                 choices=KL_TYPES)
+    kl: str = _f("none", "KL penalty to the reference policy: none, or the k1 / k2 / k3 estimator (gradient: "
+                         "the KL's, rl.grpo.kl)", choices=KL_TYPES)
     kl_coef: float = _f(0.0, "KL penalty weight (0 with kl=none, > 0 otherwise)", min=0)
     kl_log_ratio_clamp: float | None = _f(20.0, "clamp of logp_ref - logp before the KL estimator; null = off", gt=0)
     kl_clamp: float | None = _f(10.0, "clamp of the per-token KL estimate; null = off", gt=0)
+    kl_on_policy: bool = _f(False, "weight the KL term by pi/pi_gen, for tokens the generator sampled (NeMo-RL's "
+                                   "use_on_policy_kl_approximation)")
     aggregation: str = _f("token", "token: sum of token losses / valid tokens in the whole step; sequence_mean: "
                                    "mean over sequences of their token mean; sequence_sum: sum / (sequences x L)",
                           choices=AGGREGATIONS)
@@ -227,11 +242,13 @@ class GrpoSection(_Section):
     def loss_config(self, max_new_tokens: int | None = None):
         """rl.grpo.loss.LossConfig of these settings."""
         from rl.grpo.loss import LossConfig
-        return LossConfig(eps_low=self.eps_low, eps_high=self.eps_high, dual_clip=self.dual_clip,
+        return LossConfig(loss=self.loss, eps_low=self.eps_low, eps_high=self.eps_high, dual_clip=self.dual_clip,
+                          gspo_eps_low=self.gspo_eps_low, gspo_eps_high=self.gspo_eps_high,
+                          cispo_eps_low=self.cispo_eps_low, cispo_eps_high=self.cispo_eps_high,
                           is_correction=self.is_correction, is_level=self.is_level, is_cap=self.is_cap,
-                          is_mask_low=self.is_mask_low, is_mask_high=self.is_mask_high, kl=self.kl,
-                          kl_coef=self.kl_coef, kl_log_ratio_clamp=self.kl_log_ratio_clamp,
-                          kl_clamp=self.kl_clamp, aggregation=self.aggregation,
+                          is_floor=self.is_floor, is_mask_low=self.is_mask_low, is_mask_high=self.is_mask_high,
+                          kl=self.kl, kl_coef=self.kl_coef, kl_log_ratio_clamp=self.kl_log_ratio_clamp,
+                          kl_clamp=self.kl_clamp, kl_on_policy=self.kl_on_policy, aggregation=self.aggregation,
                           sequence_sum_len=self.sequence_sum_len or max_new_tokens)
 
 

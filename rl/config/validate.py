@@ -174,7 +174,7 @@ def _cross_checks(cfg: RunConfig) -> list[_Problem]:
 
     if g.kl == "none" and g.kl_coef != 0:
         out.append(_Problem("grpo.kl_coef", f"grpo.kl_coef = {_show(g.kl_coef)}: has no effect with grpo.kl = "
-                                            "\"none\"; allowed: 0, or set grpo.kl to \"k1\" or \"k3\"",
+                                            "\"none\"; allowed: 0, or set grpo.kl to \"k1\", \"k2\" or \"k3\"",
                             ("grpo.kl",)))
     if g.kl != "none" and g.kl_coef == 0:
         out.append(_Problem("grpo.kl_coef", f"grpo.kl_coef = 0 with grpo.kl = {_show(g.kl)}: the penalty is "
@@ -184,6 +184,7 @@ def _cross_checks(cfg: RunConfig) -> list[_Problem]:
         out.append(_Problem("grpo.is_mask_high", f"grpo.is_mask_high = {_show(g.is_mask_high)}: not above "
                                                  f"grpo.is_mask_low = {_show(g.is_mask_low)}; allowed: a number > "
                                                  "is_mask_low", ("grpo.is_mask_low",)))
+    out += _loss_checks(g)
     if g.overlong_buffer >= gen.max_new_tokens:  # the ramp must start after at least one unpunished token
         out.append(_Problem("grpo.overlong_buffer", (
             f"grpo.overlong_buffer = {g.overlong_buffer}: not below generation.max_new_tokens = "
@@ -246,6 +247,28 @@ def _cross_checks(cfg: RunConfig) -> list[_Problem]:
         out.append(_Problem("mesh.process_id", f"mesh.process_id = {mp.process_id}: not below mesh.num_processes "
                                                f"= {mp.num_processes}; allowed: an integer in [0, {mp.num_processes})",
                                 ("mesh.num_processes",)))
+    return out
+
+
+def _loss_checks(g) -> list[_Problem]:
+    """Loss options that would silently do nothing with the chosen objective / correction / KL."""
+    out: list[_Problem] = []
+    if g.dual_clip is not None and g.loss != "ppo_clip":
+        out.append(_Problem("grpo.dual_clip", f"grpo.dual_clip = {_show(g.dual_clip)}: has no effect with grpo.loss "
+                                              f"= {_show(g.loss)} (only ppo_clip has a dual clip); allowed: null, or "
+                                              "grpo.loss = \"ppo_clip\"", ("grpo.loss",)))
+    if g.is_floor is not None and g.is_correction != "truncate":
+        out.append(_Problem("grpo.is_floor", f"grpo.is_floor = {_show(g.is_floor)}: has no effect with "
+                                             f"grpo.is_correction = {_show(g.is_correction)}; allowed: null, or "
+                                             "grpo.is_correction = \"truncate\"", ("grpo.is_correction",)))
+    elif g.is_floor is not None and g.is_floor >= g.is_cap:
+        out.append(_Problem("grpo.is_floor", f"grpo.is_floor = {_show(g.is_floor)}: not below grpo.is_cap = "
+                                             f"{_show(g.is_cap)}; allowed: null or a number in [0, is_cap)",
+                            ("grpo.is_cap",)))
+    if g.kl_on_policy and g.kl == "none":
+        out.append(_Problem("grpo.kl_on_policy", "grpo.kl_on_policy = true: there is no KL term to weight "
+                                                 "(grpo.kl = \"none\"); allowed: false, or a KL estimator",
+                            ("grpo.kl",)))
     return out
 
 

@@ -1,4 +1,4 @@
-"""Group-relative advantages for GRPO and its variants (Dr.GRPO, RLOO, DAPO filters).
+"""Group-relative advantages for GRPO and its variants (Dr.GRPO, RLOO, GRPO-LOO, DAPO filters).
 
 Layout: `rewards` is a flat array [N] of N = num_prompts * group_size samples, grouped consecutively:
 samples [g*G, (g+1)*G) answer prompt g. One scalar advantage per sample; the loss broadcasts it over
@@ -104,6 +104,9 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable] = {
     "dr_grpo": functools.partial(group_advantages, scale="none", leave_one_out=False),
     # RLOO: leave-one-out baseline, no std division.
     "rloo": functools.partial(group_advantages, scale="none", leave_one_out=True),
+    # NeMo-RL's default (use_leave_one_out_baseline + normalize_rewards): leave-one-out baseline, divided by
+    # the std of the same other G-1 samples.
+    "grpo_loo": functools.partial(group_advantages, scale="std", leave_one_out=True),
 }
 
 

@@ -1,0 +1,74 @@
+"""Generator-vs-trainer mismatch diagnostics, defined as NeMo-RL's ClippedPGLossFn defines them."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from rl.grpo.kl import kl_estimate
+
+
+@functools.partial(jax.jit, static_argnames="kl_type")
+def generation_mismatch_metrics(logp_gen, logp_old, mask, kl_type: str = "k3"):
+    """Mismatch between the generator's and the trainer's log-probs of the sampled tokens.
+
+    With d = logp_gen - logp_old on valid tokens (N = sum(mask)):
+      token_mult_prob_error = (1/N) sum_t m_t * exp(|d_t| * m_t)
+          the mean multiplicative probability error; 1 when the two engines agree exactly.
+      gen_kl_error = (1/N) sum_t m_t * k(x_t),  x_t = logp_old - logp_gen
+          with k3(x) = exp(x) - 1 - x (NeMo-RL's default kl type; estimates KL(P_gen || P_train) on
+          tokens sampled from the generator), or k1(x) = -x = logp_gen - logp_old. No clamping.
+      policy_kl_error = the same with the roles swapped (x_t = logp_gen - logp_old): KL(P_train || P_gen).
+      seq_mult_prob_error [B] = sum_t m exp(|d| m) / sum_t m per sequence (NaN for a sequence with no
+          valid token), and its median over sequences, seq_mult_prob_error_median (NaN-ignoring).
+    NeMo-RL's CI gate "median token_mult_prob_error < 1.1" is a median over training steps of the
+    per-step token mean; the per-sequence median is an extra view that one bad sequence cannot move.
+
+    A valid token whose generator log-prob is not finite (-inf, NaN) is left out of every value here
+    (one such token would make each mean infinite); the loss counts those tokens (`is_inf_tokens`).
+
+    Also returns the sums (tokens, mult_prob_error_sum, gen_kl_sum, policy_kl_sum) so values can be
+    accumulated over micro-batches / ranks and divided once. Means over zero tokens are NaN.
+    No gradient flows through any of it.
+    """
+    if kl_type not in ("k1", "k3"):
+        raise ValueError(f"kl_type={kl_type!r} is invalid: allowed ('k1', 'k3')")
+    lg = jnp.asarray(logp_gen)
+    if lg.ndim != 2:
+        raise ValueError(f"logp_gen must be [B, T], got shape {lg.shape}")
+    shape = lg.shape
+    m = jnp.asarray(mask).astype(jnp.float32)
+    lo = jnp.asarray(logp_old)
+    for name, x in (("mask", m), ("logp_old", lo)):
+        if x.shape != shape:
+            raise ValueError(f"{name} has shape {x.shape}, expected {shape}")
+    lg = lg.astype(jnp.float32)
+    m = jnp.where(jnp.isfinite(lg), m, 0.0)
+    valid = m > 0
+    lg = jax.lax.stop_gradient(jnp.where(valid, lg, 0.0))
+    lo = jax.lax.stop_gradient(jnp.where(valid, lo.astype(jnp.float32), 0.0))
+
+    mult = m * jnp.exp(jnp.abs(lg - lo) * m)
+    gen_kl = m * kl_estimate(lg, lo, kl_type)          # x = logp_old - logp_gen
+    pol_kl = m * kl_estimate(lo, lg, kl_type)          # x = logp_gen - logp_old
+    tokens = jnp.sum(m)
+
+    def mean(total):
+        return jnp.where(tokens > 0, total / jnp.where(tokens > 0, tokens, 1.0), jnp.nan)
+
+    n_seq = jnp.sum(m, axis=-1)
+    seq_mult = jnp.where(n_seq > 0, jnp.sum(mult, axis=-1) / jnp.where(n_seq > 0, n_seq, 1.0), jnp.nan)
+    mult_sum, gen_sum, pol_sum = jnp.sum(mult), jnp.sum(gen_kl), jnp.sum(pol_kl)
+    return {
+        "token_mult_prob_error": mean(mult_sum),
+        "gen_kl_error": mean(gen_sum),
+        "policy_kl_error": mean(pol_sum),
+        "seq_mult_prob_error": seq_mult,
+        "seq_mult_prob_error_median": jnp.nanmedian(seq_mult),
+        "tokens": tokens,
+        "mult_prob_error_sum": mult_sum,
+        "gen_kl_sum": gen_sum,
+        "policy_kl_sum": pol_sum,
+    }

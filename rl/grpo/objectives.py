@@ -1,0 +1,119 @@
+"""Policy-gradient objectives, by name (`grpo.loss`): ppo_clip, gspo, cispo, reinforce.
+
+Each is a pure function of [B, T] arrays (float32, already zero at padding) that returns a
+`PolicyTerm`: the per-token loss (to be minimised) before the train/inference importance weight and the
+aggregation that `rl.grpo.loss.grpo_loss` applies to every objective alike, plus what the diagnostics
+count. Notation: lp = logp (carries the gradient), lo = logp_old, A = the advantage (no gradient),
+m = the mask (a weight), r = exp(lp - lo) the token ratio, sg = stop-gradient.
+
+On-policy with one update per batch (lp == lo, r = 1) all four have the same gradient, -A grad lp per
+token; they differ once the policy has moved from the one that sampled the batch
+(`grpo.updates_per_step` > 1), which is where their clipping rules act.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyTerm:
+    loss: jax.Array          # [B, T] per-token loss (before the importance weight and the mask)
+    ratio: jax.Array         # [B, T] the ratio the objective uses (no gradient), for ratio_sum
+    clipped: jax.Array       # [B, T] bool: a clip is active (see each objective)
+    dual_clipped: jax.Array  # [B, T] bool: the dual clip is active (ppo_clip only)
+
+
+def _sg(x):
+    return jax.lax.stop_gradient(x)
+
+
+def ppo_clip(lp, lo, a, *, eps_low: float, eps_high: float, dual_clip: Optional[float]) -> PolicyTerm:
+    """The clipped surrogate with clip-higher and dual clip (PPO / GRPO / DAPO; the M3 recipe).
+
+      r    = exp(lp - lo)
+      obj  = min(r*A, clip(r, 1 - eps_low, 1 + eps_high) * A)
+      obj  = max(obj, c*A)           for A < 0 when dual_clip = c
+      loss = -obj
+    `clipped` marks tokens where the clipped branch is the smaller one (the gradient is zero there).
+    """
+    r = jnp.exp(lp - lo)
+    unclipped = r * a
+    clipped = jnp.clip(r, 1.0 - eps_low, 1.0 + eps_high) * a
+    obj = jnp.minimum(unclipped, clipped)
+    clip_active = clipped < unclipped
+    if dual_clip is not None:
+        floor = dual_clip * a
+        dual_active = (a < 0) & (floor > obj)
+        obj = jnp.where(a < 0, jnp.maximum(obj, floor), obj)
+    else:
+        dual_active = jnp.zeros(r.shape, bool)
+    return PolicyTerm(-obj, _sg(r), clip_active, dual_active)
+
+
+def gspo(lp, lo, a, m, *, eps_low: float, eps_high: float) -> PolicyTerm:
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"), token form (GSPO-token).
+
+      s_i    = exp( sum_t m (lp - lo) / sum_t m )          sequence ratio: geometric mean of token ratios
+      s_i,t  = sg(s_i) * exp(lp_t - sg(lp_t))              value s_i, gradient s_i * grad lp_t
+      loss_t = -min(s_i,t * A, clip(s_i,t, 1 - eps_low, 1 + eps_high) * A)
+    Every token of sequence i has the same value and the same clip decision (the sequence is clipped as
+    a whole); the gradient flows through each token's log-prob. With a per-sequence advantage this is
+    GSPO: summed over the sequence's tokens and divided by its length (aggregation "sequence_mean") it
+    is the paper's sequence objective min(s_i A, clip(s_i) A) with gradient
+    s_i A (1/|y_i|) sum_t grad lp_t. The paper's clip range is ~3e-4 / 4e-4 (a geometric mean moves much
+    less than a token ratio). A sequence with no valid token gets s = 1.
+    """
+    n = jnp.sum(m, axis=-1, keepdims=True)
+    mean_log = jnp.sum(m * (lp - lo), axis=-1, keepdims=True) / jnp.where(n > 0, n, 1.0)
+    s = jnp.broadcast_to(jnp.exp(_sg(mean_log)), lp.shape)
+    s_tok = s * jnp.exp(lp - _sg(lp))
+    unclipped = s_tok * a
+    clipped = jnp.clip(s_tok, 1.0 - eps_low, 1.0 + eps_high) * a
+    obj = jnp.minimum(unclipped, clipped)
+    return PolicyTerm(-obj, s, clipped < unclipped, jnp.zeros(lp.shape, bool))
+
+
+def cispo(lp, lo, a, *, eps_low: Optional[float], eps_high: float) -> PolicyTerm:
+    """CISPO (MiniMax-M1 report, 2025): clipped, stop-gradient importance weight times REINFORCE.
+
+      r_hat  = clip(r, 1 - eps_low, 1 + eps_high)     lower bound 0 when eps_low is None (M1's setting)
+      loss_t = -sg(r_hat) * A * lp
+    Gradient -r_hat A grad lp: no token loses its gradient (PPO's clip zeroes it), the weight is only
+    bounded. `clipped` marks tokens whose weight was clipped (either side).
+    """
+    r = jnp.exp(lp - lo)
+    low = 0.0 if eps_low is None else 1.0 - eps_low
+    r_hat = _sg(jnp.clip(r, low, 1.0 + eps_high))
+    clip_active = (r > 1.0 + eps_high) | (r < low)
+    return PolicyTerm(-r_hat * a * lp, _sg(r), clip_active, jnp.zeros(lp.shape, bool))
+
+
+def reinforce(lp, lo, a) -> PolicyTerm:
+    """REINFORCE with the group baseline already in A (no ratio, no clip):  loss_t = -A * lp.
+
+    `lo` is unused by the loss (kept for the common signature); the ratio is still reported.
+    """
+    return PolicyTerm(-a * lp, _sg(jnp.exp(lp - lo)), jnp.zeros(lp.shape, bool), jnp.zeros(lp.shape, bool))
+
+
+# name -> fn(lp, lo, a, m, cfg) with cfg a rl.grpo.loss.LossConfig (read by attribute, not imported here).
+POLICY_LOSSES: dict[str, Callable[..., PolicyTerm]] = {
+    "ppo_clip": lambda lp, lo, a, m, cfg: ppo_clip(lp, lo, a, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
+                                                   dual_clip=cfg.dual_clip),
+    "gspo": lambda lp, lo, a, m, cfg: gspo(lp, lo, a, m, eps_low=cfg.gspo_eps_low, eps_high=cfg.gspo_eps_high),
+    "cispo": lambda lp, lo, a, m, cfg: cispo(lp, lo, a, eps_low=cfg.cispo_eps_low, eps_high=cfg.cispo_eps_high),
+    "reinforce": lambda lp, lo, a, m, cfg: reinforce(lp, lo, a),
+}
+
+
+def get_policy_loss(name: str) -> Callable[..., PolicyTerm]:
+    """The objective `fn(lp, lo, a, m, cfg) -> PolicyTerm` registered under `name`."""
+    try:
+        return POLICY_LOSSES[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"policy loss {name!r} is unknown: allowed {tuple(POLICY_LOSSES)}") from None

@@ -1,0 +1,90 @@
+"""Group-relative advantages against hand-computed numbers (rl/grpo/advantages.py has the formulas).
+
+Expected values are written out by hand, never computed with the functions under test.
+"""
+
+import math
+
+import numpy as np
+import pytest
+
+from rl.grpo import (ADVANTAGE_ESTIMATORS, get_advantage_estimator, group_advantages, overlong_mask,
+                     zero_variance_groups)
+
+
+def close(a, b, tol=1e-5):
+    np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=tol, atol=tol)
+
+
+REWARDS = np.array([1, 0, 0, 0,   1, 1, 1, 1,   0.0, 0.5, 1.0, 0.5], np.float32)
+
+
+def test_advantages_std():
+    # group 0: mean 1/4, Bessel std sqrt((0.75^2 + 3*0.25^2)/3) = 0.5
+    # group 1: all equal -> no division, A = r - mean = 0
+    # group 2: mean 0.5, std sqrt((0.25 + 0.25)/3) = sqrt(1/6)
+    s2 = math.sqrt(1 / 6) + 1e-6
+    want = [0.75 / 0.500001, -0.25 / 0.500001, -0.25 / 0.500001, -0.25 / 0.500001,
+            0, 0, 0, 0,
+            -0.5 / s2, 0, 0.5 / s2, 0]
+    close(group_advantages(REWARDS, 4), want)
+    close(get_advantage_estimator("grpo")(REWARDS, 4), want)
+
+
+def test_advantages_no_std():
+    want = [0.75, -0.25, -0.25, -0.25, 0, 0, 0, 0, -0.5, 0, 0.5, 0]
+    close(group_advantages(REWARDS, 4, scale="none"), want)
+    close(get_advantage_estimator("dr_grpo")(REWARDS, 4), want)
+
+
+def test_advantages_leave_one_out():
+    # baseline = mean of the 3 others: group 0 -> [0, 1/3, 1/3, 1/3]; group 2: [2/3, 1/2, 1/3, 1/2]
+    want = [1, -1 / 3, -1 / 3, -1 / 3, 0, 0, 0, 0, -2 / 3, 0, 2 / 3, 0]
+    close(group_advantages(REWARDS, 4, scale="none", leave_one_out=True), want)
+    close(get_advantage_estimator("rloo")(REWARDS, 4), want)
+    # RLOO = G/(G-1) * (r - mean)
+    close(get_advantage_estimator("rloo")(REWARDS, 4), np.array(get_advantage_estimator("dr_grpo")(REWARDS, 4)) * 4 / 3)
+
+
+def test_advantages_leave_one_out_std():
+    r = np.array([1, 0, 0, 0], np.float32)
+    # i=0: others [0,0,0] all equal -> no division: A = 1 - 0
+    # i>0: others [1,0,0]: mean 1/3, Bessel std sqrt(((2/3)^2 + 2*(1/3)^2)/2) = sqrt(1/3)
+    a = -(1 / 3) / (math.sqrt(1 / 3) + 1e-6)
+    close(group_advantages(r, 4, leave_one_out=True), [1, a, a, a])
+    # G = 2: the "other" set is one sample -> no division
+    close(group_advantages(np.array([1.0, 0.0]), 2, leave_one_out=True), [1, -1])
+
+
+def test_zero_variance_group():
+    r = np.array([0.7, 0.7, 0.7, 0.7, 0.1, 0.3, 0.1, 0.1], np.float32)
+    a = np.asarray(group_advantages(r, 4))
+    assert np.all(a[:4] == 0.0) and np.all(np.isfinite(a))
+    assert np.all(np.abs(a[4:]) > 0.1)
+    assert list(np.asarray(zero_variance_groups(r, 4))) == [True, False]
+    assert list(np.asarray(zero_variance_groups(REWARDS, 4))) == [False, True, False]
+
+
+def test_overlong_mask_and_registry_errors():
+    close(overlong_mask(np.array([True, False, True])), [0, 1, 0])
+    assert set(ADVANTAGE_ESTIMATORS) == {"grpo", "dr_grpo", "rloo", "grpo_loo"}
+    with pytest.raises(ValueError, match=r"'ppo'.*dr_grpo.*grpo.*grpo_loo.*rloo"):
+        get_advantage_estimator("ppo")
+    with pytest.raises(ValueError, match="multiple of group_size"):
+        group_advantages(np.zeros(6), 4)
+    with pytest.raises(ValueError, match="scale"):
+        group_advantages(np.zeros(4), 4, scale="var")
+
+
+def test_grpo_loo_hand_values():
+    """NeMo-RL's default: leave-one-out baseline AND the Bessel std of the same other G-1 samples."""
+    r = np.array([0.0, 0.5, 1.0, 0.5,   1, 0, 0, 1], np.float32)
+    # group 0, i=0: others [.5, 1, .5]: mean 2/3, deviations -1/6, 1/3, -1/6 -> ss 1/6, var 1/12
+    #   A = (0 - 2/3) / sqrt(1/12) = -2.3094; i=2 (others [0, .5, .5]): (1 - 1/3) / sqrt(1/12) = +2.3094
+    #   i=1, 3 (others [0, 1, .5]): mean 1/2 -> A = 0
+    # group 1, i=0: others [0, 0, 1]: mean 1/3, ss 2/9 + 4/9 -> std sqrt(1/3); A = (2/3) / sqrt(1/3) = 1.1547
+    #   i=1: others [1, 0, 1]: mean 2/3, std sqrt(1/3); A = -(2/3) / sqrt(1/3)
+    s12, s3 = math.sqrt(1 / 12) + 1e-6, math.sqrt(1 / 3) + 1e-6
+    want = [-(2 / 3) / s12, 0, (2 / 3) / s12, 0,   (2 / 3) / s3, -(2 / 3) / s3, -(2 / 3) / s3, (2 / 3) / s3]
+    close(get_advantage_estimator("grpo_loo")(r, 4), want)
+    close(want[:4], [-2.3094, 0, 2.3094, 0], tol=1e-4)
