@@ -248,7 +248,6 @@ def step_metrics(samples: Samples, reward: np.ndarray, failures: int, adv: Advan
         "dual_clip_frac": sums.get("dual_clipped_tokens", 0.0) / tokens,
         "is_out_of_band_frac": sums.get("is_out_of_band_tokens", 0.0) / tokens,
         "is/inf_frac": sums.get("is_inf_tokens", 0.0) / tokens,  # non-finite logp_gen: weight 0 (rl.grpo.importance)
-        "is/inf_frac": sums.get("is_inf_tokens", 0.0) / tokens,  # non-finite logp_gen: weight 0 (rl.grpo.importance)
         "kl": sums.get("kl_sum", 0.0) / tokens, "entropy_approx": sums.get("neg_logp_sum", 0.0) / tokens,
         "gen_kl_error": float(mism["gen_kl_error"]), "token_mult_prob_error": float(mism["token_mult_prob_error"]),
         "lr": lr,
