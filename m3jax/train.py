@@ -69,7 +69,12 @@ def _train(cfg, args) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     last = trainer.run()
-    print(f"done: {cfg.run.total_steps} steps, last reward {last.get('reward/mean', float('nan')):.3f}; "
+    held = ""
+    if "val/pass@1" in last:  # the evaluation after the last step, and the best of the run
+        held = f", held-out pass@1 {last['val/pass@1']:.3f}"
+        if trainer.best:
+            held += f" (best {trainer.best['metric']} {trainer.best['value']:.3f} at step {trainer.best['step']})"
+    print(f"done: {cfg.run.total_steps} steps, last reward {last.get('reward/mean', float('nan')):.3f}{held}; "
           f"run directory {cfg.run.out_dir} (log: run.log)")
     return 0
 

@@ -48,12 +48,31 @@ def _restore_target(like: TrainState) -> dict:
 
 
 class Checkpointer:
-    def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True):
+    def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True, read_only: bool = False):
+        """read_only: a reader (python -m m3jax.eval) that creates, saves and deletes nothing."""
         self.directory = os.path.abspath(directory)
-        self.manager = ocp.CheckpointManager(
-            self.directory, item_names=("state", "meta"),
-            options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
-                                                 create=True))
+        # orbax warns that a read-only directory is read only: what was asked for, so not on the terminal
+        notice = _Demote("Given directory is read only")
+        logging.getLogger("absl").addFilter(notice)
+        try:
+            self.manager = ocp.CheckpointManager(
+                self.directory, item_names=("state", "meta"),
+                options=ocp.CheckpointManagerOptions(max_to_keep=None if read_only else keep,
+                                                     save_interval_steps=0 if read_only else 1,
+                                                     enable_async_checkpointing=async_save and not read_only,
+                                                     create=not read_only, read_only=read_only))
+        finally:
+            logging.getLogger("absl").removeFilter(notice)
+
+    def steps(self) -> list[int]:
+        """The finished checkpoints' steps, oldest first."""
+        return sorted(self.manager.all_steps())
+
+    def restore_step(self, step: int, like: TrainState) -> tuple[TrainState, dict]:
+        """Checkpoint `step` rebuilt into the layout of `like`; no fallback (an unreadable one raises)."""
+        got = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(_restore_target(like)),
+                                                                 meta=ocp.args.JsonRestore()))
+        return _rebuild(like, got["state"]), dict(got["meta"])
 
     def save(self, step: int, state: TrainState, meta: dict) -> float:
         """Start saving (returns at once when async); the seconds spent blocking are returned."""
@@ -106,6 +125,19 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+class _Demote(logging.Filter):
+    """Turns records whose message starts with `prefix` into DEBUG records (run.log only)."""
+
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if str(record.msg).startswith(self.prefix):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return True
 
 
 def _quiet_abandoned_reads() -> None:

@@ -79,9 +79,10 @@ class _Setup:
 _active = _Setup()
 
 
-def setup(run_dir: str, level: str = "info", *, process_index: int = 0) -> str:
+def setup(run_dir: str | None, level: str = "info", *, process_index: int = 0) -> str | None:
     """Route logging as described above; returns the log file's path. Calling it again replaces the
-    previous setup (`teardown` undoes it)."""
+    previous setup (`teardown` undoes it). run_dir None: the terminal only, no file (a reader such as
+    `python -m m3jax.eval` writes nothing into a run directory)."""
     if level not in LEVELS:
         raise ValueError(f"logging level {level!r}: expected one of {LEVELS}")
     teardown()
@@ -98,18 +99,23 @@ def setup(run_dir: str, level: str = "info", *, process_index: int = 0) -> str:
     for p in PROJECT:  # the project's DEBUG records reach run.log even at level info
         logging.getLogger(p).setLevel(logging.DEBUG)
 
-    os.makedirs(run_dir, exist_ok=True)
-    path = os.path.join(run_dir, log_file_name(process_index))
-    file_handler = logging.FileHandler(path, mode="a", encoding="utf-8")
-    file_handler.setFormatter(logging.Formatter(FILE_FORMAT))
+    handlers: list[logging.Handler] = []
+    path = None
+    if run_dir is not None:
+        os.makedirs(run_dir, exist_ok=True)
+        path = os.path.join(run_dir, log_file_name(process_index))
+        file_handler = logging.FileHandler(path, mode="a", encoding="utf-8")
+        file_handler.setFormatter(logging.Formatter(FILE_FORMAT))
+        handlers.append(file_handler)
     terminal = TqdmHandler()
     terminal.setFormatter(logging.Formatter(TERMINAL_FORMAT, datefmt="%H:%M:%S"))
     terminal.addFilter(TerminalFilter(level))
     if not debug:  # the project's own DEBUG records: run.log only
         terminal.setLevel(logging.INFO)
-    for h in (file_handler, terminal):
+    handlers.append(terminal)
+    for h in handlers:
         root.addHandler(h)
-    _active.handlers = [file_handler, terminal]
+    _active.handlers = handlers
 
     _route_absl(debug)
     for name in OWN_HANDLERS:

@@ -8,10 +8,12 @@ import os
 
 PLOTS = {  # panel title -> metrics drawn in it
     "reward": ("reward/mean", "reward/std"),
+    "held-out evaluation": ("val/pass@1", "val/pass@k", "val/reward_mean"),
     "response length": ("response/length_mean", "response/truncated_frac"),
     "train/inference mismatch and clipping": ("gen_kl_error", "token_mult_prob_error", "clip_frac",
                                               "is_out_of_band_frac"),
-    "seconds per phase": ("time/generate", "time/logprobs", "time/train", "time/reward", "time/other"),
+    "seconds per phase": ("time/generate", "time/logprobs", "time/train", "time/reward", "time/other",
+                          "time/eval"),
 }
 
 
@@ -21,6 +23,7 @@ class RunLogger:
         import jax
         self.run_dir = run_dir
         self._jsonl = self._tb = self._bar = None
+        self._val = None  # the last held-out pass@1, shown on the progress bar
         # Every host of a multi-host job runs the same loop with the same metrics; one of them writes.
         if jax.process_index() != 0:
             return
@@ -33,7 +36,9 @@ class RunLogger:
             from tqdm import tqdm
             self._bar = tqdm(total=total_steps, initial=first_step, unit="step", dynamic_ncols=True)
 
-    def log(self, step: int, metrics: dict) -> None:
+    def log(self, step: int, metrics: dict, advance: bool = True) -> None:
+        """One row of metrics.jsonl (and TensorBoard); `advance`: the row ends a step (moves the progress
+        bar), unlike the evaluation of the initial policy at step 0."""
         if self._jsonl is None:
             return
         clean = {k: (float(v) if isinstance(v, (int, float)) or hasattr(v, "item") else v) for k, v in metrics.items()}
@@ -43,10 +48,12 @@ class RunLogger:
             for k, v in clean.items():
                 if isinstance(v, float) and math.isfinite(v):
                     self._tb.add_scalar(k, v, step)
-        if self._bar is not None:
+        self._val = clean.get("val/pass@1", self._val)
+        if self._bar is not None and advance:
             self._bar.update(1)
+            val = {} if self._val is None else {"val_pass1": f"{self._val:.3f}"}
             self._bar.set_postfix(reward=f"{clean.get('reward/mean', float('nan')):.3f}",
-                                  tok_s=f"{clean.get('throughput/tokens_per_s', 0):.0f}")
+                                  tok_s=f"{clean.get('throughput/tokens_per_s', 0):.0f}", **val)
 
     def close(self) -> None:
         if self._jsonl is not None:
@@ -69,7 +76,7 @@ def read_metrics(run_dir: str) -> list[dict]:
 
 
 def plot_run(run_dir: str, out: str | None = None) -> str:
-    """One PNG with reward, lengths, mismatch/clipping diagnostics and phase times against step
+    """One PNG with reward, held-out evaluation, lengths, mismatch/clipping diagnostics and phase times against step
     (written by process 0 only in a multi-host job, like the metrics)."""
     import jax
     out = out or os.path.join(run_dir, "curves.png")
@@ -80,16 +87,23 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
     import matplotlib.pyplot as plt
 
     rows = read_metrics(run_dir)
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    ncols = 3
+    nrows = -(-len(PLOTS) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(6 * ncols, 4 * nrows), squeeze=False)
+    for ax in axes.flat[len(PLOTS):]:
+        ax.set_visible(False)
     for ax, (title, keys) in zip(axes.flat, PLOTS.items()):
         for key in keys:
             pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
-            if pts:
-                ax.plot(*zip(*pts), label=key)
+            if pts:  # a metric of some steps only (evaluations): mark its points
+                ax.plot(*zip(*pts), label=key, marker="o" if 2 * len(pts) < len(rows) else None, markersize=3)
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_lines():
+            ax.legend(fontsize=8)
+        else:
+            ax.text(0.5, 0.5, "not logged in this run", ha="center", va="center", transform=ax.transAxes)
     fig.suptitle(os.path.basename(os.path.abspath(run_dir)))
     fig.tight_layout()
     fig.savefig(out, dpi=100)

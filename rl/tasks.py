@@ -16,6 +16,12 @@ has no chat template, so ``render_prompt`` uses ``encode``); ``answer`` is the t
 Tasks: ``reverse`` (answer = digits reversed), ``copy``, ``sort`` (ascending) — all scored with dense
 partial credit (fraction of positions right) — and ``addmod`` (prompt ``a+b``, answer ``(a+b) mod 10``,
 exact match; the sparse-reward case of §6).
+
+Held-out prompts: ``held_out(n, exclude)`` draws distinct prompts whose text is not in ``exclude`` (the
+training records), so a run evaluates on prompts it never trains on while its training prompts stay
+exactly those of ``dataset`` (a split of the string space by hash would change them, and with them a
+demo's whole trajectory). Short strings run out: 4,096 training draws leave ~2/3 of the 10,000 4-digit
+strings but ~16 of the 1,000 3-digit ones.
 """
 
 from __future__ import annotations
@@ -148,6 +154,23 @@ class DigitTask(abc.ABC):
         """``size`` random prompts, the same for the same (seed, num_digits, size)."""
         rng = np.random.default_rng([self.seed, self.num_digits])
         return [self.make_record(d) for d in self.sample_digits(int(size), rng)]
+
+    def held_out(self, size: int, exclude: Iterable[str]) -> list[PromptRecord]:
+        """Up to ``size`` distinct prompts whose text is not in ``exclude``, drawn on a random stream of
+        their own (the same for the same seed, num_digits, size and exclude); fewer when no more exist."""
+        excluded = set(exclude)
+        rng = np.random.default_rng([self.seed, self.num_digits, 1])  # not dataset()'s stream
+        picked: dict[str, None] = {}  # insertion-ordered set
+        barren = 0  # consecutive rounds that found nothing new: every string is excluded or taken
+        while len(picked) < size and barren < 8:
+            before = len(picked)
+            for d in self.sample_digits(max(int(size), 64), rng):
+                if self.prompt_text(d) not in excluded and d not in picked:
+                    picked[d] = None
+                    if len(picked) == size:
+                        break
+            barren = barren + 1 if len(picked) == before else 0
+        return [self.make_record(d) for d in picked]
 
     def max_new_tokens(self) -> int:
         """Answer digits + <eos>."""

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rl import evaluate as held_out
 from rl import phases
 from rl.config import RunConfig
 from rl.data import PromptLoader, load_prompts
@@ -64,10 +65,29 @@ class GRPOTrainer:
         self.engine = backends.make_generator(cfg, p.graphdef, p.state, pad_id=self.pad_id, run_dir=self.run_dir)
         self.probe = self._probe_check()
         self.checkpointer = checkpointer_for(cfg)
+        self.eval_set = self._eval_set() if cfg.eval.enabled else None
+        self.best = None  # {metric, value, step} of the best held-out evaluation so far (kept in checkpoints)
 
     @property
     def state(self):
         return self.policy.state
+
+    def _eval_set(self) -> held_out.EvalSet:
+        es = held_out.build_eval_set(self.cfg, self.tokenizer, self.policy.sampling.stop_token_ids,
+                                     self.loader.records)
+        shared = held_out.overlap(self.loader.records, es.records)
+        if shared:  # a prompt file that is not held out (synthetic prompts exclude the training records)
+            log.warning("%d of the %d evaluation prompts are also training prompts", shared, len(es.records))
+        return es
+
+    def _evaluate(self, step: int) -> dict:
+        """The held-out metrics of the generator's current weights (rl.evaluate); updates the best value."""
+        t0 = time.perf_counter()
+        metrics = held_out.evaluate(self.engine, self.eval_set, self.tokenizer)
+        metrics["time/eval"] = time.perf_counter() - t0
+        self.best = held_out.update_best(self.best, metrics, self.cfg.eval.best_metric, step)
+        log.debug("step %d held out: %s", step, {k: v for k, v in metrics.items() if k.startswith("val/")})
+        return metrics
 
     def _probe_check(self) -> phases.ProbeCheck | None:
         g = self.cfg.generation
@@ -126,7 +146,7 @@ class GRPOTrainer:
     # -------------------------------------------------------------------------------------- loop
     def _meta(self, step: int) -> dict:
         return {"step": step, "data": self.loader.state_dict(), "seed": self.cfg.run.seed,
-                "weight_version": step}
+                "weight_version": step, "best": self.best}
 
     def resume(self) -> int:
         got = self.checkpointer.restore_latest(self.state)
@@ -135,6 +155,7 @@ class GRPOTrainer:
         state, meta = got
         self.policy.state = self.policy.place(state)
         self.loader.load_state_dict(meta["data"])
+        self.best = meta.get("best")
         self.engine.set_weights(self.state.params, meta["weight_version"], self.state.rest)
         log.info("resumed from step %d in %s", meta["step"], self.checkpointer.directory)
         return int(meta["step"])
@@ -155,19 +176,25 @@ class GRPOTrainer:
         last = {}
         saved_for_deadline = False
         try:
+            if self.eval_set is not None and cfg.eval.at_start and first == 0:
+                logger.log(0, self._evaluate(0), advance=False)  # the initial policy: a row of its own
             for step in range(first, cfg.run.total_steps):
                 t0 = time.perf_counter()
                 last = self.step(step)
                 done = step + 1
+                if self.eval_set is not None and held_out.due(done, cfg.run.total_steps, cfg.eval.every_steps):
+                    last.update(self._evaluate(done))  # before the save: the checkpoint knows the best value
                 t1 = time.perf_counter()
-                if done % cfg.checkpoint.every_steps == 0 or done == cfg.run.total_steps:
+                every = cfg.checkpoint.every_steps  # 0: only at the end (and at must_save_by)
+                if (every and done % every == 0) or done == cfg.run.total_steps:
                     self.save(done)
                 elif deadline is not None and not saved_for_deadline and time.time() - start_wall >= deadline:
                     self.save(done)
                     saved_for_deadline = True
                 last["time/checkpoint"] = time.perf_counter() - t1
                 last["time/other"] = (time.perf_counter() - t0) - sum(
-                    last.get(f"time/{p}", 0.0) for p in ("generate", "reward", "logprobs", "train", "weight_transfer"))
+                    last.get(f"time/{p}", 0.0)
+                    for p in ("generate", "reward", "logprobs", "train", "weight_transfer", "eval"))
                 logger.log(done, last)
                 if cfg.run.max_wall_minutes and time.time() - start_wall > 60 * cfg.run.max_wall_minutes:
                     self.save(done)

@@ -131,7 +131,8 @@ def main():
             sys.stderr.write(f.read()[-4000:])
         sys.exit(f"training exited with status {rc}; log: {log_path}")
 
-    rows = read_metrics(os.path.join(out_dir, "metrics.jsonl"))
+    # training steps only (an evaluation of the initial policy is a row of its own, step 0)
+    rows = [r for r in read_metrics(os.path.join(out_dir, "metrics.jsonl")) if "reward/mean" in r]
     first, rest = rows[0], rows[1:]
     n = len(rows)
     print(f"{n} steps logged (steps {rows[0]['step']}..{rows[-1]['step']}); wall time of the whole run "

@@ -12,7 +12,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = ("sharding", "m3jax", "rl")
 # The user commands sit on top of every layer and may import anything.
-COMMANDS = ("m3jax.train", "m3jax.convert", "m3jax.plot", "m3jax.demo", "m3jax.plan")
+COMMANDS = ("m3jax.train", "m3jax.eval", "m3jax.convert", "m3jax.plot", "m3jax.demo", "m3jax.plan")
 
 
 def _module_name(path: pathlib.Path) -> str:

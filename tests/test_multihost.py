@@ -81,7 +81,8 @@ def test_two_hosts_train_from_the_yaml_config(tmp_path):
     for i in range(2):
         host = json.load(open(f"{out}.{i}.json"))
         assert host == {"rc": 0, "processes": 2, "devices": 8, "data_row_owners": [[0], [1]]}  # a data row per host
-    assert len((run / "metrics.jsonl").read_text().splitlines()) == 1  # written by process 0 only
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1]  # written by process 0 only (step 0: the evaluation of the initial policy)
     assert (run / "checkpoints" / "1").is_dir() and (run / "curves.png").exists()
     exported = m3jax.from_pretrained(str(run / "export"))
     assert all(np.isfinite(np.asarray(v)).all() for _, v in nnx.to_flat_state(nnx.state(exported)))

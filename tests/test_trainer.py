@@ -24,11 +24,11 @@ def tiny_run(tmp_path_factory):
     r = train(f"run.out_dir={out}", "logging.progress_bar=false")
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-    return out, rows
+    return out, [r for r in rows if "reward/mean" in r], [r for r in rows if "val/pass@1" in r]
 
 
 def test_tiny_demo_learns_within_the_budget(tiny_run):
-    _, rows = tiny_run
+    _, rows, _ = tiny_run
     reward = np.array([r["reward/mean"] for r in rows])
     assert len(reward) == 200
     start = reward[:10].mean()
@@ -37,7 +37,7 @@ def test_tiny_demo_learns_within_the_budget(tiny_run):
 
 
 def test_on_policy_diagnostics_and_logged_metrics(tiny_run):
-    _, rows = tiny_run
+    _, rows, _ = tiny_run
     for r in rows:  # generator and trainer share the weights: no train/inference mismatch in fp32
         assert abs(r["gen_kl_error"]) < 1e-6 and abs(r["token_mult_prob_error"] - 1) < 1e-5
     for key in ("reward/std", "response/length_mean", "response/truncated_frac", "clip_frac", "kl", "grad_norm",
@@ -46,8 +46,18 @@ def test_on_policy_diagnostics_and_logged_metrics(tiny_run):
         assert all(key in r for r in rows), key
 
 
+@pytest.mark.slow
+def test_held_out_accuracy_rises(tiny_run):
+    """Evaluated at the start and every eval.every_steps on prompts training never draws (DigitTask.held_out)."""
+    _, _, val = tiny_run
+    assert [r["step"] for r in val] == list(range(0, 201, 20))
+    start, end = val[0]["val/pass@1"], val[-1]["val/pass@1"]
+    assert end >= 0.9 and end >= 3 * start, (start, end)
+    assert all(r["val/prompts"] == 64 and r["val/samples_per_prompt"] == 4 for r in val)
+
+
 def test_outputs_checkpoints_export_and_plot(tiny_run, tmp_path):
-    out, _ = tiny_run
+    out, _, _ = tiny_run
     assert sorted(os.listdir(os.path.join(out, "checkpoints")))[-1] == "200"
     assert os.path.getsize(os.path.join(out, "curves.png")) > 10_000
     assert os.listdir(os.path.join(out, "tensorboard"))

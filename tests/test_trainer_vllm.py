@@ -25,7 +25,8 @@ def vllm_run(tmp_path_factory):
                         f"run.out_dir={out}", "run.total_steps=30", "logging.progress_bar=false", "logging.plot=false"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
-    return out, [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    return out, [r for r in rows if "reward/mean" in r]  # training steps (not the step-0 evaluation)
 
 
 def test_every_transfer_reaches_both_engines(vllm_run):
@@ -78,7 +79,7 @@ def test_two_host_trainer_shares_one_pool(tmp_path):
     assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-4000:]
     done = [[line for line in log.splitlines() if line.startswith("done:")] for log in logs]
     assert done[0] and done[0] == done[1]
-    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    rows = [r for r in map(json.loads, open(run / "metrics.jsonl")) if "reward/mean" in r]  # not step 0's eval
     assert len(rows) == 2
     for r in rows:
         assert r["transfer/probe_engines"] == 1 and r["transfer/probe_max_abs_logprob_diff"] < 1e-4

@@ -55,6 +55,7 @@ What this package does not check: the mesh against the device count and the mode
 Modules
 -------
 schema     the section dataclasses: fields with default, doc and rules (`_f`), the mirrored choices
+eval_section  the `eval` section (held-out evaluation); validate_eval: its cross-field rules
 fields     type introspection of the fields; values and allowed values in words
 errors     ConfigError and _Problem (one problem, with its dotted key)
 validate   the generic field checker, model.tiny against M3Config, the cross-field rules
@@ -77,12 +78,13 @@ from rl.config.schema import (  # noqa: F401  (tests check the mirrored choices 
     KL_TYPES, LOSSES, MISSING, PRECISION_MODES, TOKEN_AXES, WEIGHT_TRANSPORTS, CheckpointSection, DataSection,
     GenerationSection, GrpoSection, LoggingSection, MeshSection, ModelSection, OptimSection, PrecisionSection,
     RewardSpec, RunSection)
+from rl.config.eval_section import EVAL_METRICS, EvalSection  # noqa: F401  (EVAL_METRICS: mirrored, tested)
 from rl.config.run import RunConfig
 from rl.config.yaml_io import apply_overrides, as_dict, load_tree, load_yaml, to_yaml
 
 __all__ = [
     "ConfigError", "RunConfig", "RunSection", "ModelSection", "MeshSection", "PrecisionSection",
-    "OptimSection", "GrpoSection", "GenerationSection", "DataSection", "RewardSpec", "CheckpointSection",
+    "OptimSection", "GrpoSection", "GenerationSection", "DataSection", "RewardSpec", "EvalSection", "CheckpointSection",
     "LoggingSection", "load_config", "from_dict", "as_dict", "to_yaml", "load_yaml", "defaults_dict",
     "add_arguments", "from_args", "main", "MISSING",
 ]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from rl.config.errors import ConfigError
+from rl.config.eval_section import EvalSection
 from rl.config.schema import (CheckpointSection, DataSection, GenerationSection, GrpoSection, LoggingSection,
                               MeshSection, ModelSection, OptimSection, PrecisionSection, RewardSpec, RunSection,
                               _f, _Section)
@@ -32,6 +33,9 @@ class RunConfig(_Section):
                 verify_probes, verify_max_abs_diff
     data        kind, task, num_digits, path, format, layout, prompt_key, answer_key, chat_template, shuffle_seed
     reward      [{name, weight, timeout_s}, ...]
+    eval        every_steps, at_start, kind, task, num_digits, path, format, layout, prompt_key, answer_key, seed,
+                max_prompts, samples_per_prompt, prompts_per_batch, temperature, top_p, max_new_tokens,
+                max_prompt_tokens, reward, correct_threshold, best_metric
     checkpoint  every_steps, keep, async_save, must_save_by, resume, export_hf_at_end, export_layout
     logging     tensorboard, progress_bar, plot, level
     """
@@ -45,6 +49,7 @@ class RunConfig(_Section):
     generation: GenerationSection = _f(GenerationSection, "sampling")
     data: DataSection = _f(DataSection, "prompts")
     reward: tuple[RewardSpec, ...] = _f([], "reward functions, summed with their weights", min_items=1)
+    eval: EvalSection = _f(EvalSection, "held-out evaluation (rl.evaluate, python -m m3jax.eval)")
     checkpoint: CheckpointSection = _f(CheckpointSection, "checkpoints and export")
     logging: LoggingSection = _f(LoggingSection, "what to record")
 

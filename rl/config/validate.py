@@ -13,6 +13,7 @@ from rl.config.errors import _bad, _Problem, _unknown
 from rl.config.fields import _allowed, _hints, _is, _is_section, _item_type, _kind, _plain, _scalar_allowed, \
     _show, _union
 from rl.config.schema import DIGIT_VOCAB, MISSING, ModelSection
+from rl.config.validate_eval import eval_problems
 
 # Checks take the whole `rl.config.run.RunConfig` (named in annotations only: that module imports this one).
 
@@ -288,5 +289,5 @@ def _problems(cfg: RunConfig) -> list[_Problem]:
     if isinstance(tiny, dict):
         _check_tiny(tiny, out)
     if not out:
-        out = _cross_checks(cfg)
+        out = _cross_checks(cfg) + eval_problems(cfg)
     return out

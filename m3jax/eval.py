@@ -1,0 +1,69 @@
+"""python -m m3jax.eval --config configs/<name>.yaml [key.sub=value ...] [--step N | --hf DIR]
+
+Score a saved policy on the config's held-out evaluation (the `eval` section) without training: the
+run's newest checkpoint, checkpoint step N, or a Hugging Face directory. Prints one `metric value` line
+per metric and exits. Generation is the JAX engine (rl.eval_checkpoint); a checkpoint of a JAX-backend
+run prints what that run logged at the same step. Reads the run directory only: no lock, no run.log,
+no checkpoint is created or removed (the terminal shows the project's INFO lines and warnings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from rl.config import ConfigError, add_arguments, from_args, to_yaml
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m m3jax.eval", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--step", type=int, metavar="N", help="checkpoint step to score (default: the newest)")
+    source.add_argument("--hf", metavar="DIR", help="score this Hugging Face directory instead of a checkpoint")
+    args = parser.parse_intermixed_args(argv)
+    try:
+        cfg = from_args(args)
+        from rl.config.validate_eval import eval_problems
+        problems = eval_problems(cfg, enabled=True)  # checked even when training does not evaluate
+        if problems:
+            raise ConfigError([p.text for p in problems])
+    except ConfigError as e:
+        print(f"config error:\n{e}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        sys.stdout.write(to_yaml(cfg))
+        return 0
+    from rl import logs
+    logs.setup(None, cfg.logging.level)  # no log file: nothing is written into the run directory
+    try:
+        return _score(cfg, args)
+    finally:
+        logs.teardown()
+
+
+def _score(cfg, args) -> int:
+    # Heavy imports only once the config is known to be good.
+    from rl import eval_checkpoint
+    from rl.data import DatasetError
+
+    try:
+        policy = (eval_checkpoint.from_hf(cfg, args.hf) if args.hf
+                  else eval_checkpoint.from_checkpoint(cfg, args.step))
+        tokenizer = eval_checkpoint.tokenizer_for(cfg, args.hf)
+        metrics = eval_checkpoint.score(cfg, policy, tokenizer)
+    except (FileNotFoundError, DatasetError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    what = f"--hf {args.hf}" if args.hf else f"step {policy.step} of {cfg.run.out_dir}"
+    print(f"# {what}: {metrics['val/prompts']} prompts x {metrics['val/samples_per_prompt']} samples")
+    for k, v in metrics.items():
+        print(f"{k} {v}")  # floats in full (repr): comparable with metrics.jsonl
+    best = policy.meta.get("best")
+    if best:
+        print(f"# best {best['metric']} {best['value']:.6g} at step {best['step']} (the run's own evaluations)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""The cross-field rules of the `eval` section (`rl.config.validate` runs them with the others).
+
+They apply when training evaluates (`eval.every_steps > 0` or `eval.at_start`), so that a run with a file
+dataset and the default (synthetic) eval section stays valid; `python -m m3jax.eval` asks for them
+with `enabled=True`.
+"""
+
+from __future__ import annotations
+
+import difflib
+
+from rl.config.errors import _Problem
+from rl.config.fields import _show
+
+# Checks take the whole `rl.config.run.RunConfig` (named in annotations only: that module imports this one).
+
+
+def synthetic_lengths(task: str, num_digits: int) -> tuple[int, int]:
+    """(prompt tokens, answer tokens with <eos>) of a digit task: <bos> digits [+] <sep> / answer <eos>."""
+    digits = 2 if task == "addmod" else num_digits
+    prompt = digits + 2 + (1 if task == "addmod" else 0)
+    answer = (1 if task == "addmod" else num_digits) + 1
+    return prompt, answer
+
+
+def eval_lengths(cfg) -> tuple[int, int]:
+    """(prompt pad width, response limit) of the evaluation: its own, else the run's generation limits."""
+    e, g = cfg.eval, cfg.generation
+    return e.max_prompt_tokens or g.max_prompt_tokens, e.max_new_tokens or g.max_new_tokens
+
+
+def eval_problems(cfg, enabled: bool | None = None) -> list[_Problem]:
+    """Problems of the eval section in the context of the run (none when evaluation is off)."""
+    e, d = cfg.eval, cfg.data
+    if not (e.enabled if enabled is None else enabled):
+        return []
+    out: list[_Problem] = []
+    if e.kind == "file" and e.path is None:
+        out.append(_Problem("eval.path", "eval.path = null: eval.kind = \"file\" needs a prompt file; allowed: a "
+                                         "path to a .jsonl, .json or .parquet file", ("eval.kind",)))
+    if e.kind == "synthetic":
+        if e.path is not None:
+            out.append(_Problem("eval.path", f"eval.path = {_show(e.path)}: eval.kind = \"synthetic\" reads no file; "
+                                             "allowed: null, or set eval.kind = \"file\"", ("eval.kind",)))
+        if e.max_prompts is None:
+            out.append(_Problem("eval.max_prompts", "eval.max_prompts = null: a synthetic task has no \"all\" "
+                                                    "(null means the whole file of eval.kind = \"file\"); "
+                                                    "allowed: an integer >= 1", ("eval.kind",)))
+        if d.kind != "synthetic":  # the digit tasks bring their own tokenizer; the model's cannot read them
+            out.append(_Problem("eval.kind", (
+                f"eval.kind = \"synthetic\" with data.kind = {_show(d.kind)}: the digit tasks use their own "
+                "16-token vocabulary, not the model's tokenizer; allowed: eval.kind = \"file\" with eval.path "
+                "(a held-out prompt file), or eval.every_steps = 0 and eval.at_start = false"), ("data.kind",)))
+        else:
+            prompt_len, answer_len = synthetic_lengths(e.task or d.task, e.num_digits or d.num_digits)
+            width, new = eval_lengths(cfg)
+            if width < prompt_len:
+                out.append(_Problem("eval.max_prompt_tokens", (
+                    f"eval.max_prompt_tokens = {_show(e.max_prompt_tokens)} (then {width} tokens): the evaluation "
+                    f"task's prompts are {prompt_len} tokens; allowed: an integer >= {prompt_len}"),
+                    ("eval.task", "eval.num_digits", "generation.max_prompt_tokens")))
+            if new < answer_len:
+                out.append(_Problem("eval.max_new_tokens", (
+                    f"eval.max_new_tokens = {_show(e.max_new_tokens)} (then {new} tokens): the evaluation task's "
+                    f"answers need {answer_len} tokens (with <eos>); allowed: an integer >= {answer_len}"),
+                    ("eval.task", "eval.num_digits", "generation.max_new_tokens")))
+    else:
+        for key in ("task", "num_digits"):
+            if getattr(e, key) is not None:
+                out.append(_Problem(f"eval.{key}", f"eval.{key} = {_show(getattr(e, key))}: eval.kind = \"file\" "
+                                                   "generates no prompts; allowed: null", ("eval.kind",)))
+    if e.temperature == 0 and e.samples_per_prompt > 1:
+        out.append(_Problem("eval.samples_per_prompt", (
+            f"eval.samples_per_prompt = {e.samples_per_prompt} with eval.temperature = 0: greedy decoding gives "
+            "the same sample every time; allowed: 1, or eval.temperature > 0"), ("eval.temperature",)))
+    if cfg.generation.backend == "vllm":
+        width, new = eval_lengths(cfg)
+        if width + new > cfg.generation.max_seq_len:  # the engines are built for the run's longest sequence
+            out.append(_Problem("eval.max_new_tokens", (
+                f"eval.max_prompt_tokens + eval.max_new_tokens = {width} + {new}: longer than the vLLM engines' "
+                f"sequences (generation.max_prompt_tokens + max_new_tokens = {cfg.generation.max_seq_len}); "
+                "allowed: at most that in total"), ("eval.max_prompt_tokens", "generation.max_new_tokens")))
+    out += _reward_problems(e.reward)
+    return out
+
+
+def _reward_problems(specs) -> list[_Problem]:
+    try:
+        from rl.rewards import list_rewards
+    except ImportError:
+        return []
+    registered = sorted(list_rewards())
+    names = [r.name for r in specs]
+    out = []
+    for i, n in enumerate(names):
+        if n not in registered:
+            close = difflib.get_close_matches(n, registered, n=1)
+            hint = f" (did you mean {_show(close[0])}?)" if close else ""
+            out.append(_Problem(f"eval.reward[{i}].name", (
+                f"eval.reward[{i}].name = {_show(n)}: no reward is registered under this name{hint}; allowed: one "
+                f"of {', '.join(_show(r) for r in registered)}")))
+        if n in names[:i]:
+            out.append(_Problem(f"eval.reward[{i}].name", f"eval.reward[{i}].name = {_show(n)}: listed twice; "
+                                                          "allowed: each reward once (combine weights)"))
+    return out

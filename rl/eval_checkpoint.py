@@ -1,0 +1,111 @@
+"""Scoring a saved policy without training (what `python -m m3jax.eval` runs): a run's checkpoint (the
+latest or a given step) or a Hugging Face directory, evaluated on the config's `eval` section.
+
+Only the model and its checkpoint reader are built (as `rl.policy.export_latest` does), the reader is
+read-only, and generation is the JAX engine over the restored parameters whatever `generation.backend`
+says: a checkpoint of a JAX-backend run scores exactly as the run's own evaluation of the same step did
+(same parameters, prompts, sampling key and compiled program).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from rl import evaluate as held_out
+from rl.config import RunConfig, checkpoint_dir
+from rl.generation.backends import sampling_of
+from rl.generation.jax_engine import JaxEngine
+
+
+@dataclasses.dataclass
+class LoadedPolicy:
+    graphdef: Any
+    params: Any
+    rest: Any
+    eos_token_id: Any  # the model's (int, list or None): the stop tokens when generation.stop_token_ids is empty
+    step: int | None  # the checkpoint's step (None for a HF directory)
+    meta: dict  # the checkpoint's meta (best value, data position, ...); {} for a HF directory
+
+
+def from_checkpoint(cfg: RunConfig, step: int | None = None) -> LoadedPolicy:
+    """The policy of checkpoint `step` (None: the newest readable one) of the run's directory."""
+    from rl import checkpoint as ckpt_lib
+    from rl.policy import build_policy
+
+    directory = checkpoint_dir(cfg)
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"no checkpoints in {os.path.abspath(directory)} (run.out_dir = {cfg.run.out_dir})")
+    policy = build_policy(cfg)
+    reader = ckpt_lib.Checkpointer(directory, keep=cfg.checkpoint.keep, async_save=False, read_only=True)
+    try:
+        if step is None:
+            got = reader.restore_latest(policy.state)
+            if got is None:
+                raise FileNotFoundError(f"no readable checkpoint in {reader.directory}")
+        else:
+            if step not in reader.steps():
+                raise FileNotFoundError(f"no checkpoint of step {step} in {reader.directory} (steps: "
+                                        f"{', '.join(map(str, reader.steps())) or 'none'})")
+            got = reader.restore_step(step, policy.state)
+    finally:
+        reader.close()
+    state, meta = got
+    state = policy.place(state)
+    return LoadedPolicy(policy.graphdef, state.params, state.rest, policy.model_cfg.eos_token_id,
+                        int(meta["step"]), meta)
+
+
+def from_hf(cfg: RunConfig, path: str) -> LoadedPolicy:
+    """A Hugging Face directory's model (either M3 layout), on the config's mesh and parameter dtype."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import m3jax
+    from rl.policy import sequence_width
+    from sharding.layout import Layout
+    from sharding.mesh import build_mesh
+
+    m = cfg.mesh
+    layout = Layout() if m.num_devices == 1 else build_mesh(m.to_mesh_config(), m3jax.M3Config.from_pretrained(path),
+                                                            seq_len=sequence_width(cfg) - 1)
+    model = m3jax.from_pretrained(path, dtype=jnp.dtype(cfg.precision.param_dtype), mesh=layout,
+                                  **cfg.model.model_options())
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    return LoadedPolicy(graphdef, params, rest, model.cfg.eos_token_id, None, {})
+
+
+def tokenizer_for(cfg: RunConfig, hf_dir: str | None = None):
+    """The run's tokenizer: the digit tasks' own for a synthetic evaluation, else the HF directory's
+    (falling back to model.path's, where training read it)."""
+    if cfg.eval.kind == "synthetic":
+        from rl.tasks import DigitTokenizer
+        return DigitTokenizer()
+    from transformers import AutoTokenizer
+    for source in (hf_dir, cfg.model.path):
+        if source is None:
+            continue
+        try:
+            return AutoTokenizer.from_pretrained(source)
+        except (OSError, ValueError):  # an export without tokenizer files: try model.path
+            continue
+    raise FileNotFoundError(f"no tokenizer in {hf_dir or ''} {cfg.model.path or ''}".strip())
+
+
+def score(cfg: RunConfig, policy: LoadedPolicy, tokenizer) -> dict:
+    """The val/* metrics of `policy` on the config's evaluation (rl.evaluate)."""
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    engine = JaxEngine(policy.graphdef, policy.params, policy.rest, pad_id=pad_id)
+    es = held_out.build_eval_set(cfg, tokenizer, sampling_of(cfg, policy.eos_token_id).stop_token_ids,
+                                 training_records(cfg))
+    return held_out.evaluate(engine, es, tokenizer)
+
+
+def training_records(cfg: RunConfig) -> list:
+    """The run's training prompts, which a synthetic evaluation excludes (as the trainer's does); a file
+    evaluation excludes nothing (its file is the held-out set)."""
+    if cfg.eval.kind != "synthetic":
+        return []
+    from rl.trainer import build_data
+    return build_data(cfg)[1].records

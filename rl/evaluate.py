@@ -1,0 +1,171 @@
+"""Held-out evaluation: n samples per prompt from the run's generator, scored by the rewards.
+
+What an evaluation logs (`evaluate`), with n = eval.samples_per_prompt and a sample *correct* when its
+summed reward is >= eval.correct_threshold (the digit rewards give partial credit; 1.0 = every digit right):
+
+    val/pass@1                 mean over prompts of c / n (c = correct samples of the prompt)
+    val/pass@k                 mean over prompts of the unbiased pass@k of Chen et al. (2021) with k = n
+                               (= the fraction of prompts with at least one correct sample)
+    val/reward_mean            mean summed reward over every sample
+    val/response_length_mean   mean response tokens (stop token included); val/truncated_frac
+    val/reward_failures        reward evaluations that failed or timed out (scored 0)
+
+The prompts (`eval_records`) are a synthetic task's prompts that are not among the run's training
+records (`rl.tasks.DigitTask.held_out`: never trained on) or a seeded subset of a prompt file (which
+should be held out: the trainer warns about overlap); the sampling key derives from eval.seed alone, so every
+evaluation of a run, and `python -m m3jax.eval` on one of its checkpoints, draws with the same key: on the
+same parameters the figures are the same. The trainer passes its own generator (the JAX engine over the
+current parameters, or the vLLM pool holding the weights of the last sync); nothing here holds state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import numpy as np
+
+from rl.config.validate_eval import eval_lengths
+from rl.data import PromptRecord, load_prompts, render_prompt
+from rl.generation.base import Generator, SamplingParams
+from rl.rewards.registry import score_batch
+from rl.tasks import make_task
+
+METRICS = ("pass@1", "pass@k", "reward_mean")  # what eval.best_metric may name (rl.config.eval_section.EVAL_METRICS)
+_STREAM = 0x6576616C  # "eval": folded into the key so that eval.seed = run.seed does not replay rollout keys
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased estimate of the chance that at least one of k samples is correct, from n samples of
+    which c are correct (Chen et al. 2021, eq. 1):
+
+        pass@k = 1 - C(n - c, k) / C(n, k)  =  1 - prod_{i = n-c+1}^{n} (1 - k / i)
+
+    (the product avoids large binomials); 1 when n - c < k. pass@1 = c / n; pass@n = 1[c > 0].
+    """
+    if not (0 <= c <= n and 1 <= k <= n):
+        raise ValueError(f"pass_at_k(n={n}, c={c}, k={k}): expected 0 <= c <= n and 1 <= k <= n")
+    if n - c < k:
+        return 1.0
+    return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1, dtype=np.float64)))
+
+
+def mean_pass_at_k(correct: np.ndarray, k: int) -> float:
+    """pass@k averaged over prompts: `correct` is [prompts, n] booleans (n samples of each prompt)."""
+    correct = np.asarray(correct, bool)
+    n = correct.shape[1]
+    return float(np.mean([pass_at_k(n, int(c), k) for c in correct.sum(axis=1)]))
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSet:
+    """Everything an evaluation needs besides the generator: prompts, sampling, scoring."""
+    records: list[PromptRecord]
+    prompt_ids: list[list[int]]
+    sampling: SamplingParams
+    samples_per_prompt: int
+    prompt_width: int
+    prompts_per_batch: int
+    rewards: tuple  # rl.config.schema.RewardSpec
+    correct_threshold: float
+    seed: int
+
+
+def eval_records(cfg, train: list[PromptRecord] = ()) -> list[PromptRecord]:
+    """The held-out prompts: eval.max_prompts distinct prompts of the synthetic task that are not among
+    the `train` records (drawn with eval.seed), or of eval.path (a subset drawn with eval.seed, kept in
+    file order, when the file has more)."""
+    e, d = cfg.eval, cfg.data
+    if e.kind == "synthetic":
+        task = make_task(e.task or d.task, num_digits=e.num_digits or d.num_digits, seed=e.seed)
+        records = task.held_out(e.max_prompts, [r.prompt for r in train])
+        if not records:
+            raise ValueError(f"the training prompts cover every {task.name} prompt of {task.num_digits} digit(s): "
+                             "none is left to evaluate on; use longer strings (eval.num_digits) or a file")
+        return records
+    records = load_prompts(e.path, format=e.format, prompt_key=e.prompt_key, answer_key=e.answer_key,
+                           layout=e.layout)
+    if e.max_prompts is not None and len(records) > e.max_prompts:
+        keep = np.sort(np.random.default_rng(e.seed).choice(len(records), e.max_prompts, replace=False))
+        records = [records[i] for i in keep]
+    return records
+
+
+def build_eval_set(cfg, tokenizer, stop_token_ids, train: list[PromptRecord] = ()) -> EvalSet:
+    """The run's evaluation: its prompts (held out from `train`, the run's training records) rendered as
+    training renders them, its sampling (eval.temperature, eval.top_p, its own length limits, the run's stop
+    tokens) and its rewards (eval.reward, else the run's)."""
+    e = cfg.eval
+    records = eval_records(cfg, train)
+    width, new_tokens = eval_lengths(cfg)
+    sampling = SamplingParams(max_new_tokens=new_tokens, temperature=e.temperature, top_p=e.top_p,
+                              stop_token_ids=tuple(stop_token_ids))
+    prompt_ids = [render_prompt(r, tokenizer, chat_template=cfg.data.chat_template) for r in records]
+    return EvalSet(records, prompt_ids, sampling, e.samples_per_prompt, width, e.prompts_per_batch or len(records),
+                   tuple(e.reward or cfg.reward), e.correct_threshold, e.seed)
+
+
+def evaluate(engine: Generator, es: EvalSet, tokenizer) -> dict:
+    """Sample, score and summarise (the val/* metrics of the module docstring)."""
+    n = es.samples_per_prompt
+    stops = set(es.sampling.stop_token_ids)
+    base = jax.random.fold_in(jax.random.key(es.seed), _STREAM)
+    completions, lengths, truncated = [], [], []
+    for b, start in enumerate(range(0, len(es.prompt_ids), es.prompts_per_batch)):
+        rows = [p for p in es.prompt_ids[start:start + es.prompts_per_batch] for _ in range(n)]
+        out = engine.generate(rows, es.sampling, jax.random.fold_in(base, b), prompt_width=es.prompt_width)
+        # decoded as the training rollout decodes: stop tokens dropped, other special tokens kept
+        completions += [tokenizer.decode([int(x) for x in out.tokens[i, :out.lengths[i]] if int(x) not in stops],
+                                         skip_special_tokens=False) for i in range(len(rows))]
+        lengths.append(np.asarray(out.lengths))
+        truncated.append(np.asarray(out.truncated))
+    answers = [r.answer for r in es.records for _ in range(n)]
+    reward, failures = score(es.rewards, completions, answers, np.concatenate(truncated))
+    return summarize(reward, np.concatenate(lengths), np.concatenate(truncated), n, es.correct_threshold, failures)
+
+
+def score(specs, completions: list[str], answers: list[str], truncated: np.ndarray) -> tuple[np.ndarray, int]:
+    """Sum over the reward specs of weight x reward per sample (each spec with its own time limit), and
+    the number of failed evaluations (scored 0), as the training step scores."""
+    total, failures = np.zeros(len(completions), np.float32), 0
+    extra = [{"truncated": bool(t)} for t in truncated]
+    for spec in specs:
+        r, f = score_batch([(spec.name, spec.weight)], completions, answers, timeout_s=spec.timeout_s,
+                           sample_kwargs=extra)
+        total += r
+        failures += f
+    return total, failures
+
+
+def summarize(reward: np.ndarray, lengths: np.ndarray, truncated: np.ndarray, n: int, threshold: float,
+              failures: int = 0) -> dict:
+    """The val/* metrics of rows grouped n per prompt (row i is a sample of prompt i // n)."""
+    correct = (np.asarray(reward) >= threshold).reshape(-1, n)
+    return {"val/pass@1": mean_pass_at_k(correct, 1), "val/pass@k": mean_pass_at_k(correct, n),
+            "val/reward_mean": float(np.mean(reward)), "val/response_length_mean": float(np.mean(lengths)),
+            "val/truncated_frac": float(np.mean(truncated)), "val/reward_failures": int(failures),
+            "val/prompts": correct.shape[0], "val/samples_per_prompt": n}
+
+
+def due(step: int, total_steps: int, every_steps: int) -> bool:
+    """Whether training evaluates after `step` steps: every `every_steps` and after the last step."""
+    return every_steps > 0 and (step % every_steps == 0 or step == total_steps)
+
+
+def update_best(best: dict | None, metrics: dict, metric: str, step: int) -> dict | None:
+    """The best value so far of val/<metric> (higher is better; a tie keeps the earlier step), as
+    {metric, value, step}; `best` unchanged when `metrics` has no finite value of it."""
+    key = f"val/{metric}"
+    value = metrics.get(key)
+    if value is None or not np.isfinite(value):
+        return best
+    if best is None or best.get("metric") != key or value > best["value"]:
+        return {"metric": key, "value": float(value), "step": int(step)}
+    return best
+
+
+def overlap(train: list[PromptRecord], held_out: list[PromptRecord]) -> int:
+    """How many held-out prompts also occur among the training prompts (compared as rendered JSON)."""
+    seen = {json.dumps(r.prompt, sort_keys=True) for r in train}
+    return sum(json.dumps(r.prompt, sort_keys=True) in seen for r in held_out)

@@ -1,0 +1,262 @@
+"""Held-out evaluation alone (rl.evaluate): pass@k by hand, the disjoint split, the eval config section,
+evaluate() with a fake generator, and the best value a run's checkpoints remember."""
+
+import dataclasses
+import math
+
+import jax
+import numpy as np
+import pytest
+
+from rl import evaluate as ev
+from rl.config import ConfigError, load_config
+from rl.generation.base import Rollout
+from rl.tasks import make_task
+
+TINY = "configs/tiny.yaml"
+
+
+# ------------------------------------------------------------------------------------------- pass@k
+@pytest.mark.parametrize("n, c, k, want", [
+    (5, 2, 1, 2 / 5),               # c / n
+    (5, 2, 2, 1 - 3 / 10),          # 1 - C(3,2)/C(5,2)
+    (5, 2, 3, 1 - 1 / 10),          # 1 - C(3,3)/C(5,3)
+    (5, 2, 4, 1.0),                 # n - c = 3 < k: any 4 of the 5 hold a correct one
+    (5, 0, 3, 0.0),
+    (4, 4, 4, 1.0),
+    (4, 1, 4, 1.0),                 # pass@n = 1[c > 0]
+    (10, 3, 5, 1 - 21 / 252),       # 1 - C(7,5)/C(10,5)
+    (200, 1, 100, 0.5),             # 1 - C(199,100)/C(200,100) = 1 - 100/200; no overflow
+])
+def test_pass_at_k_by_hand(n, c, k, want):
+    assert math.isclose(ev.pass_at_k(n, c, k), want, rel_tol=1e-12, abs_tol=1e-15)
+
+
+def test_pass_at_k_rejects_impossible_counts():
+    for n, c, k in ((4, 5, 1), (4, -1, 1), (4, 1, 0), (4, 1, 5)):
+        with pytest.raises(ValueError):
+            ev.pass_at_k(n, c, k)
+
+
+def test_mean_pass_at_k_averages_prompts():
+    correct = np.array([[1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 0, 1]], bool)
+    assert math.isclose(ev.mean_pass_at_k(correct, 1), (1 / 4 + 0 + 3 / 4) / 3)
+    assert math.isclose(ev.mean_pass_at_k(correct, 2), ((1 - 3 / 6) + 0 + 1) / 3)  # C(3,2)/C(4,2) = 3/6
+    assert math.isclose(ev.mean_pass_at_k(correct, 4), 2 / 3)
+
+
+def test_summarize_counts_only_full_rewards_as_correct():
+    reward = np.array([1.0, 0.75, 0.75, 0.75, 1.0, 1.0], np.float32)  # 2 prompts x 3 samples
+    m = ev.summarize(reward, np.array([5, 5, 5, 4, 5, 6]), np.array([0, 0, 0, 0, 0, 1], bool), 3, 1.0, failures=2)
+    assert math.isclose(m["val/pass@1"], (1 / 3 + 2 / 3) / 2)
+    assert m["val/pass@k"] == 1.0 and math.isclose(m["val/reward_mean"], 5.25 / 6)
+    assert m["val/response_length_mean"] == 5.0 and math.isclose(m["val/truncated_frac"], 1 / 6)
+    assert (m["val/reward_failures"], m["val/prompts"], m["val/samples_per_prompt"]) == (2, 2, 3)
+    assert ev.summarize(reward, np.full(6, 5), np.zeros(6, bool), 3, 0.7)["val/pass@1"] == 1.0
+
+
+# ------------------------------------------------------------------------------------- the split
+def test_held_out_prompts_are_disjoint_from_the_training_prompts():
+    from rl.trainer import build_data
+    cfg = load_config(TINY)
+    _, loader, _ = build_data(cfg)
+    held = ev.eval_records(cfg, loader.records)
+    assert len(held) == cfg.eval.max_prompts == 64 and len({r.prompt for r in held}) == 64  # distinct
+    assert ev.overlap(loader.records, held) == 0
+    assert not {r.prompt for r in held} & {r.prompt for r in loader.records}
+    assert all(r.answer == r.prompt and len(r.prompt) == 4 for r in held)  # the copy task, 4 digits
+    assert [r.prompt for r in ev.eval_records(cfg, loader.records)] == [r.prompt for r in held]  # deterministic
+    other = ev.eval_records(load_config(TINY, ["eval.seed=1"]), loader.records)
+    assert [r.prompt for r in other] != [r.prompt for r in held]
+
+
+def test_held_out_runs_out_with_short_strings():
+    task = make_task("copy", num_digits=2, seed=0)
+    train = [r.prompt for r in task.dataset(60)]
+    rest = task.held_out(1000, train)  # more than remain: each remaining string once
+    assert sorted(r.prompt for r in rest) == sorted({f"{i:02d}" for i in range(100)} - set(train))
+    add = make_task("addmod", seed=0)
+    assert add.held_out(8, ["1+2"])[0].prompt != "1+2"
+    assert add.held_out(8, [r.prompt for r in add.dataset(4096)]) == []  # 4,096 draws cover the 100 pairs
+    with pytest.raises(ValueError, match="cover every"):
+        ev.eval_records(load_config(TINY, ["data.num_digits=1", "generation.max_new_tokens=2"]),
+                        make_task("copy", num_digits=1).dataset(4096))
+
+
+def test_eval_file_subset_is_seeded(tmp_path):
+    path = tmp_path / "held.jsonl"
+    path.write_text("".join(f'{{"prompt": "{i:04d}", "answer": "{i:04d}"}}\n' for i in range(100)))
+    cfg = load_config(TINY, ["eval.kind=file", f"eval.path={path}", "eval.max_prompts=10"])
+    recs = ev.eval_records(cfg)
+    assert len(recs) == 10 and [r.prompt for r in recs] == sorted(r.prompt for r in recs)  # file order
+    assert [r.prompt for r in recs] == [r.prompt for r in ev.eval_records(cfg)]
+    whole = load_config(TINY, ["eval.kind=file", f"eval.path={path}", "eval.max_prompts=null"])
+    assert len(ev.eval_records(whole)) == 100
+
+
+# ------------------------------------------------------------------------------------ the config
+def test_eval_section_defaults_off_and_tiny_on():
+    tiny = load_config(TINY)
+    assert tiny.eval.enabled and (tiny.eval.every_steps, tiny.eval.at_start) == (20, True)
+    assert (tiny.eval.max_prompts, tiny.eval.samples_per_prompt, tiny.eval.temperature) == (64, 4, 1.0)
+    off = load_config(TINY, ["eval.every_steps=0", "eval.at_start=false"])
+    assert not off.eval.enabled
+    from rl.config import eval_section
+    assert eval_section.EVAL_METRICS == ev.METRICS
+    assert not eval_section.EvalSection().enabled  # base.yaml restates these defaults (test_run_config)
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["eval.kind=file"], "eval.path"),
+    (["eval.path=x.jsonl"], "eval.path"),
+    (["eval.temperature=0"], "eval.samples_per_prompt"),
+    (["eval.max_new_tokens=3"], "eval.max_new_tokens"),
+    (["eval.num_digits=9"], "eval.max_prompt_tokens"),
+    (["eval.reward=[{name: copy_digitz}]"], "eval.reward[0].name"),
+    (["eval.kind=file", "eval.path=x.jsonl", "eval.task=copy"], "eval.task"),
+    (["data.kind=file", "data.path=train.jsonl"], "eval.kind"),
+    (["eval.samples_per_prompt=0"], "eval.samples_per_prompt"),
+    (["eval.max_prompts=null"], "eval.max_prompts"),
+    (["eval.best_metric=pass@2"], "eval.best_metric"),
+    (["eval.evry_steps=3"], "eval.evry_steps"),
+])
+def test_eval_section_problems_are_named(overrides, key):
+    with pytest.raises(ConfigError) as e:
+        load_config(TINY, overrides, check_paths=False)
+    assert f"{key} = " in str(e.value) or f"{key}: " in str(e.value), str(e.value)
+
+
+def test_eval_checks_apply_only_when_training_evaluates():
+    # a run on a prompt file with the default (synthetic, off) eval section is valid
+    cfg = load_config(TINY, ["data.kind=file", "data.path=train.jsonl", "eval.every_steps=0", "eval.at_start=false"],
+                      check_paths=False)
+    from rl.config.validate_eval import eval_problems
+    assert eval_problems(cfg) == [] and [p.key for p in eval_problems(cfg, enabled=True)] == ["eval.kind"]
+    vllm = ["generation.backend=vllm", "eval.max_new_tokens=9"]  # the engines hold 8 + 5 positions
+    with pytest.raises(ConfigError, match="longer than the vLLM engines"):
+        load_config(TINY, vllm, check_paths=False)
+
+
+# ----------------------------------------------------------------------------- evaluate() alone
+class FakeEngine:
+    """Right answers (the copy task) for rows whose sample index is below the prompt's first digit mod
+    (n + 1), one wrong digit otherwise: the counts of correct samples per prompt are known."""
+    resent_rows = restarts = 0
+
+    def __init__(self, n):
+        self.n, self.calls = n, []
+
+    def generate(self, prompts, params, key, prompt_width=None):
+        self.calls.append((len(prompts), prompt_width, params, jax.random.key_data(key).tolist()))
+        tokens = np.full((len(prompts), params.max_new_tokens), 13, np.int32)
+        lengths = np.zeros(len(prompts), np.int32)
+        for i, p in enumerate(prompts):
+            digits = list(p[1:-1])
+            if i % self.n >= correct_samples(p, self.n):
+                digits[-1] = (digits[-1] + 1) % 10
+            answer = digits + [12]
+            tokens[i, :len(answer)] = answer
+            lengths[i] = len(answer)
+        return Rollout([list(p) for p in prompts], tokens, np.zeros(tokens.shape, np.float32), lengths,
+                       np.zeros(len(prompts), bool))
+
+
+def correct_samples(prompt_ids, n):
+    return prompt_ids[1] % (n + 1)
+
+
+def test_evaluate_with_a_fake_engine():
+    cfg = load_config(TINY, ["eval.max_prompts=10", "eval.prompts_per_batch=4"])
+    task = make_task("copy", num_digits=4)
+    es = ev.build_eval_set(cfg, task.tokenizer, (12,))
+    assert (es.samples_per_prompt, es.prompt_width, es.sampling.temperature, es.sampling.max_new_tokens) == \
+        (4, 8, 1.0, 5)
+    engine = FakeEngine(4)
+    m = ev.evaluate(engine, es, task.tokenizer)
+    counts = np.array([correct_samples(p, 4) for p in es.prompt_ids])
+    assert [c[0] for c in engine.calls] == [16, 16, 8]  # 4 + 4 + 2 prompts, 4 samples each
+    assert all(c[1] == 8 for c in engine.calls)
+    assert len({str(c[3]) for c in engine.calls}) == 3  # a key per batch
+    assert math.isclose(m["val/pass@1"], np.mean(counts / 4))
+    assert math.isclose(m["val/pass@k"], np.mean(counts > 0))
+    assert math.isclose(m["val/reward_mean"], np.mean((counts + (4 - counts) * 0.75) / 4), rel_tol=1e-6)
+    assert m["val/response_length_mean"] == 5.0 and m["val/prompts"] == 10
+    again = FakeEngine(4)
+    assert ev.evaluate(again, es, task.tokenizer) == m and [c[3] for c in again.calls] == \
+        [c[3] for c in engine.calls]  # the same keys every time: comparable evaluations
+
+
+def test_eval_rewards_and_threshold_come_from_the_section():
+    cfg = load_config(TINY, ["eval.max_prompts=6", "eval.reward=[{name: exact_digits, weight: 2.0}]",
+                             "eval.correct_threshold=2.0"])
+    task = make_task("copy", num_digits=4)
+    es = ev.build_eval_set(cfg, task.tokenizer, (12,))
+    m = ev.evaluate(FakeEngine(4), es, task.tokenizer)
+    counts = np.array([correct_samples(p, 4) for p in es.prompt_ids])
+    assert math.isclose(m["val/reward_mean"], 2 * np.mean(counts / 4), rel_tol=1e-6)
+    assert math.isclose(m["val/pass@1"], np.mean(counts / 4))
+
+
+def test_due_every_n_and_after_the_last_step():
+    assert [s for s in range(1, 206) if ev.due(s, 205, 20)] == list(range(20, 201, 20)) + [205]
+    assert not any(ev.due(s, 200, 0) for s in range(1, 201))
+
+
+# --------------------------------------------------------------------------------------- the best
+def test_update_best_keeps_the_highest_and_the_earliest_tie():
+    best = None
+    for step, v in ((0, 0.0), (20, 0.5), (40, 0.9), (60, 0.9), (80, 0.7), (100, float("nan"))):
+        best = ev.update_best(best, {"val/pass@1": v}, "pass@1", step)
+    assert best == {"metric": "val/pass@1", "value": 0.9, "step": 40}
+    assert ev.update_best(best, {"reward/mean": 1.0}, "pass@1", 120) is best  # no evaluation this step
+    switched = ev.update_best(best, {"val/reward_mean": 0.1}, "reward_mean", 140)  # another metric: restart
+    assert switched == {"metric": "val/reward_mean", "value": 0.1, "step": 140}
+
+
+def test_checkpoints_remember_the_best_and_resume_keeps_it():
+    from rl.trainer import GRPOTrainer
+
+    saved = {}
+
+    class Checkpointer:
+        directory = "ckpt"
+
+        def save(self, step, state, meta):
+            saved[step] = meta
+
+        def restore_latest(self, like):
+            step = max(saved)
+            return "state", saved[step]
+
+    @dataclasses.dataclass
+    class Loader:
+        pos: dict = dataclasses.field(default_factory=lambda: {"epoch": 0, "index": 3})
+
+        def state_dict(self):
+            return dict(self.pos)
+
+        def load_state_dict(self, d):
+            self.pos = dict(d)
+
+    class Engine:
+        def set_weights(self, params, version, rest=None):
+            self.version = version
+
+    class Policy:
+        state = type("S", (), {"params": "p", "rest": "r"})()
+
+        def place(self, state):
+            return self.state
+
+    def trainer():
+        t = GRPOTrainer.__new__(GRPOTrainer)  # the loop's bookkeeping only: no model, no engine
+        t.cfg = load_config(TINY)
+        t.checkpointer, t.loader, t.engine, t.policy, t.best = Checkpointer(), Loader(), Engine(), Policy(), None
+        return t
+
+    first = trainer()
+    first.best = ev.update_best(None, {"val/pass@1": 0.75}, "pass@1", 20)
+    first.save(40)
+    assert saved[40]["best"] == {"metric": "val/pass@1", "value": 0.75, "step": 20}
+    second = trainer()
+    assert second.resume() == 40 and second.best == saved[40]["best"]
