@@ -106,6 +106,17 @@ def _write_slice(buf, value, index, n_lead):
     return jax.lax.dynamic_update_slice(buf, update, start)
 
 
+@functools.lru_cache(maxsize=None)
+def _zeros_fn(shape, dtype, sharding):
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+
+
+def _zeros(shape, dtype, sharding) -> jax.Array:
+    """A zero buffer placed on its shards; one compile per (shape, dtype, sharding) per process (a fresh
+    lambda per stacked parameter compiled again on every load: ~80 compiles per tiny checkpoint)."""
+    return _zeros_fn(tuple(shape), jnp.dtype(dtype), sharding)()
+
+
 def from_pretrained(path: str | os.PathLike, dtype=None, *, mesh=None, **model_options) -> M3ForCausalLM:
     """Load a local HF MiniMax-M3 directory (native or released layout, single file or sharded).
 
@@ -139,7 +150,7 @@ def from_pretrained(path: str | os.PathLike, dtype=None, *, mesh=None, **model_o
             arrays[slot.param] = jax.device_put(host.reshape(shape).astype(pdtype, copy=False), target[slot.param])
         else:
             if slot.param not in arrays:
-                arrays[slot.param] = jax.jit(lambda: jnp.zeros(shape, pdtype), out_shardings=target[slot.param])()
+                arrays[slot.param] = _zeros(shape, pdtype, target[slot.param])
             sub = host.reshape(shape[len(slot.index):])
             arrays[slot.param] = _write_slice(arrays[slot.param], sub, np.asarray(slot.index, np.int32),
                                               len(slot.index))
