@@ -1,5 +1,7 @@
 """Multi-host: two CPU processes joined with jax.distributed run the sharded model like one (from
-MeshConfig), and a GRPO step launched from the YAML config with the launcher's environment only."""
+MeshConfig), and a GRPO step launched from the YAML config with the launcher's environment only (both
+slow: subprocesses). Fast: where the job's size comes from, and the process-0 pool wrapper's broadcasts
+simulated in one process."""
 
 import os
 import socket
@@ -9,11 +11,15 @@ import sys
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 import m3jax
+from m3jax.config import M3Config
+from rl.generation.base import Rollout, SamplingParams
+from rl.generation.transfer import TransferStats
 from sharding.mesh import MeshConfig, distributed_args
 from tests import reference as ref
 
@@ -26,6 +32,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_process_mesh_equals_single_device(tmp_path):
     ckpt = ref.save(ref.build_model(ref.tiny_config("release_like"), seed=3), str(tmp_path / "ckpt"))
     port = free_port()
@@ -58,6 +65,7 @@ def test_distributed_args_from_config_then_environment(mesh, env, want):
     assert distributed_args(mesh, env) == want
 
 
+@pytest.mark.slow
 def test_two_hosts_train_from_the_yaml_config(tmp_path):
     """Every host runs `python -m m3jax.train` with the same config; only the launcher's environment
     differs. One GRPO step, then the run's checkpoint, metrics, HF export and curves, written once."""
@@ -86,3 +94,90 @@ def test_two_hosts_train_from_the_yaml_config(tmp_path):
     assert (run / "checkpoints" / "1").is_dir() and (run / "curves.png").exists()
     exported = m3jax.from_pretrained(str(run / "export"))
     assert all(np.isfinite(np.asarray(v)).all() for _, v in nnx.to_flat_state(nnx.state(exported)))
+
+
+class FakePool:
+    """The VLLMPool surface ProcessZeroPool uses."""
+
+    def __init__(self):
+        self.resent_rows, self.restarts, self.pushed = 3, 1, []
+
+    def generate(self, prompts, params, key, prompt_width=None):
+        n, t = len(prompts), params.max_new_tokens
+        lengths = np.arange(n, dtype=np.int32) % t + 1
+        tokens = np.where(np.arange(t) < lengths[:, None], np.arange(n * t).reshape(n, t) + 5, 0).astype(np.int32)
+        logprobs = np.where(tokens > 0, -0.25, 0.0).astype(np.float32)
+        return Rollout([list(p) for p in prompts], tokens, logprobs, lengths, lengths == t, 7)
+
+    def push(self, tensors, version):
+        self.pushed.append((version, [name for name, _ in tensors]))
+        return TransferStats(version, 1234, 2, len(self.pushed[-1][1]), 0.5, 0.25, 0.125, 1.0)
+
+    def score(self, prompts, responses, params):
+        return [[np.full(len(r), -e - 0.5, np.float32) for r in responses] for e in range(2)]
+
+
+class Broadcast:
+    """Stands in for broadcast_one_to_all between two processes: process 0's call records what it sends;
+    the other process must offer the same tree of shapes and dtypes (or the collective would hang or fail)
+    and receives process 0's values."""
+
+    def __init__(self):
+        self.sent = []
+
+    def zero(self, value):
+        self.sent.append(jax.tree.map(np.asarray, value))
+        return self.sent[-1]
+
+    def other(self, value):
+        want = self.sent.pop(0)
+        assert jax.tree.structure(value) == jax.tree.structure(want)
+        for a, b in zip(jax.tree.leaves(value), jax.tree.leaves(want)):
+            assert np.shape(a) == b.shape and np.asarray(a).dtype == b.dtype, (np.shape(a), b.shape)
+        return want
+
+
+def test_process_zero_pool_broadcasts_what_process_zero_got(monkeypatch):
+    from rl.generation import multihost
+    from rl.generation.multihost import ProcessZeroPool
+
+    cfg = M3Config(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                   head_dim=8, intermediate_size=8, dense_intermediate_size=16, shared_intermediate_size=8,
+                   num_local_experts=2, num_experts_per_tok=1, layer_types=("full_attention",),
+                   mlp_layer_types=("sparse",), index_n_heads=1, index_head_dim=8, index_block_size=4,
+                   index_topk_blocks=1)
+    graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: m3jax.M3ForCausalLM(cfg, rngs=nnx.Rngs(0))),
+                                       nnx.Param, ...)
+    params, rest = (jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), t) for t in (params, rest))
+    fake, bc = FakePool(), Broadcast()
+    zero = ProcessZeroPool(fake, graphdef, is_zero=True)
+    other = ProcessZeroPool(None, graphdef, is_zero=False)
+    prompts, sp = [[1, 2], [3], [4, 5, 6]], SamplingParams(max_new_tokens=4)
+
+    def on(rank, method, *args):
+        monkeypatch.setattr(multihost, "_from_zero", bc.zero if rank == 0 else bc.other)
+        return getattr(zero if rank == 0 else other, method)(*args)
+
+    want = fake.generate(prompts, sp, None)
+    for rank in (0, 1):
+        r = on(rank, "generate", prompts, sp, jax.random.key(0))
+        for name in ("tokens", "logprobs", "lengths", "truncated"):
+            got, ref_ = getattr(r, name), getattr(want, name)
+            assert got.dtype == ref_.dtype and np.array_equal(got, ref_), (rank, name)
+        assert r.weight_version == 7 and r.prompt_ids == prompts
+        assert ((zero, other)[rank].resent_rows, (zero, other)[rank].restarts) == (3, 1)
+
+    stats = [on(rank, "set_weights", params, 5, rest) for rank in (0, 1)]  # both drain the tensors
+    names = fake.pushed[0][1]
+    assert fake.pushed == [(5, names)] and any("experts" in n for n in names)
+    for s in stats:
+        assert (s.version, s.bytes, s.buckets, s.tensors) == (5, 1234, 2, len(names))
+        assert (s.convert_s, s.send_s, s.apply_s, s.total_s) == (0.5, 0.25, 0.125, 1.0)
+
+    responses = [[1, 2, 3], [4], [5, 6]]
+    for rank in (0, 1):
+        per_engine = on(rank, "score", prompts, responses, sp)
+        assert len(per_engine) == 2
+        for e, lps in enumerate(per_engine):
+            assert [lp.tolist() for lp in lps] == [[-e - 0.5] * len(r) for r in responses]
+    assert not bc.sent

@@ -60,6 +60,7 @@ MEM = M3Config(vocab_size=512, hidden_size=128, num_hidden_layers=3, num_attenti
                index_head_dim=32, index_block_size=16, index_topk_blocks=2)
 
 
+@pytest.mark.slow  # compiles a train step per case (the planner's analytic side has the fast tests here)
 @pytest.mark.parametrize("master,chunk", [("fp32", 0), ("fp32", 32), ("none", 32)],
                          ids=["bf16-unchunked", "bf16-chunk32", "fp32-chunk32"])
 @pytest.mark.parametrize("shape", [(8, 1, 1, 1), (2, 2, 1, 2), (2, 4, 1, 1)])

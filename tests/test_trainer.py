@@ -27,6 +27,7 @@ def tiny_run(tmp_path_factory):
     return out, [r for r in rows if "reward/mean" in r], [r for r in rows if "val/pass@1" in r]
 
 
+@pytest.mark.slow
 def test_tiny_demo_learns_within_the_budget(tiny_run):
     _, rows, _ = tiny_run
     reward = np.array([r["reward/mean"] for r in rows])
@@ -36,6 +37,7 @@ def test_tiny_demo_learns_within_the_budget(tiny_run):
     assert sum(r["time/step"] for r in rows) < 600
 
 
+@pytest.mark.slow
 def test_on_policy_diagnostics_and_logged_metrics(tiny_run):
     _, rows, _ = tiny_run
     for r in rows:  # generator and trainer share the weights: no train/inference mismatch in fp32
@@ -56,6 +58,7 @@ def test_held_out_accuracy_rises(tiny_run):
     assert all(r["val/prompts"] == 64 and r["val/samples_per_prompt"] == 4 for r in val)
 
 
+@pytest.mark.slow
 def test_outputs_checkpoints_export_and_plot(tiny_run, tmp_path):
     out, _, _ = tiny_run
     assert sorted(os.listdir(os.path.join(out, "checkpoints")))[-1] == "200"

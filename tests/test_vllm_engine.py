@@ -2,13 +2,16 @@
 of our full forward, and generated / scored logprobs equal the trainer's `token_logprobs`, before and
 after in-place weight updates. One engine start for the module (~5 s); a tiny fp32 model with dense
 and MoE layers (full attention only: vLLM's sparse layers have no CPU path; head_dim 64: the CPU
-attention kernel's smallest)."""
+attention kernel's smallest). The tests with the engine are slow (end to end); the engine's own logic
+(checkpoint checks, update validation, the numpy sampling transform, staging) runs without one."""
 
 import functools
 import json
+import os
 import shutil
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -21,6 +24,7 @@ from rl.generation import vllm_patches
 from rl.generation.base import SamplingParams, token_logprobs
 
 pytest.importorskip("vllm")
+from rl.generation import vllm_engine  # noqa: E402
 from rl.generation.vllm_engine import VLLMEngine, WeightUpdateError  # noqa: E402
 
 CFG = M3Config(vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
@@ -100,6 +104,7 @@ def max_diff(model, ps, out, sp):
     return worst
 
 
+@pytest.mark.slow
 def test_greedy_is_argmax_of_full_forward(engine, models):
     ps = prompts([5, 11, 8, 3])
     sp = SamplingParams(max_new_tokens=16, temperature=0.0)
@@ -113,6 +118,7 @@ def test_greedy_is_argmax_of_full_forward(engine, models):
     assert d < ATOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature, top_p, top_k", [(0.7, 1.0, 20), (1.3, 0.9, 0), (1.0, 1.0, 0)])
 def test_sampled_and_scored_logprobs_equal_trainer(engine, models, temperature, top_p, top_k):
     ps = prompts([6, 9, 4], seed=1)
@@ -128,12 +134,14 @@ def test_sampled_and_scored_logprobs_equal_trainer(engine, models, temperature, 
     assert [o[0] for o in again[::-1]] == [o[0] for o in out]
 
 
+@pytest.mark.slow
 def test_greedy_logprobs_keep_top_k(engine, models):
     ps = prompts([7, 5], seed=2)
     sp = SamplingParams(max_new_tokens=8, temperature=0.0, top_k=5, top_p=0.8)
     assert max_diff(models[0], ps, engine.generate(ps, sp, seeds=[0, 0]), sp) < ATOL
 
 
+@pytest.mark.slow
 def test_stop_token_ends_response_and_is_included(engine):
     ps = prompts([7, 7, 9], seed=4)
     greedy = engine.generate(ps, SamplingParams(max_new_tokens=12, temperature=0.0), seeds=[0, 0, 0])
@@ -148,6 +156,7 @@ def test_stop_token_ends_response_and_is_included(engine):
     assert not out[0][2] and len(out[0][0]) <= 4
 
 
+@pytest.mark.slow
 def test_reload_a_b_a(engine, models):
     reload_a_b_a(engine, *models[:2])
 
@@ -179,6 +188,7 @@ def reload_a_b_a(engine, a, b, label="in-process"):
     assert engine.health()["ok"] and engine.health()["version"] == 2
 
 
+@pytest.mark.slow
 def test_bad_updates_are_rejected_and_a_still_served(engine, models):
     a, _, _ = models
     ps = prompts([6], seed=6)
@@ -202,6 +212,7 @@ def test_bad_updates_are_rejected_and_a_still_served(engine, models):
     assert engine.health()["ok"]
 
 
+@pytest.mark.slow
 def test_comparison_catches_wrong_expert_math(engine, models, monkeypatch):
     # Without SwiGLU-OAI's +1 on the up half the MoE layers change: the check above must see that.
     ps = prompts([8], seed=7)
@@ -227,3 +238,89 @@ def test_rejects_checkpoints_it_cannot_serve(tmp_path, models):
         (bad / "config.json").write_text(json.dumps(cfg))
         with pytest.raises(ValueError, match="shared expert" if name == "shared" else "no vLLM CPU path"):
             VLLMEngine(str(bad), max_model_len=64)
+
+
+# ------------------------------------------------------------------------ without an engine (fast)
+class FakeLLM:
+    """Records what VLLMEngine hands vLLM's LLM (collective_rpc) instead of running it."""
+
+    def __init__(self, fail=False):
+        self.calls, self.resets, self.fail = [], 0, fail
+
+    def collective_rpc(self, method, kwargs):
+        if self.fail:
+            raise RuntimeError("Worker failed")
+        self.calls.append((method, [name for name, _ in kwargs["weights_iterator"]]))
+
+    def reset_prefix_cache(self):
+        self.resets += 1
+
+
+def unstarted_engine(path, llm):
+    """A VLLMEngine past its checkpoint checks, with `llm` in place of vLLM's LLM."""
+    eng = VLLMEngine.__new__(VLLMEngine)
+    eng.model_dir, eng.version, eng.executor, eng._broken, eng.llm = str(path), 0, "uni", None, llm
+    eng._check_config()
+    eng.manifest = eng._read_manifest()
+    return eng
+
+
+def test_weight_updates_are_validated_before_anything_is_applied(models):
+    a, _, path = models
+    llm = FakeLLM()
+    eng = unstarted_engine(path, llm)
+    good = list(hf_tensors(a, "released"))
+    assert sorted(eng.manifest) == sorted(n for n, _ in good)  # vision tensors are not served
+    name, array = good[5]
+    cases = {
+        "is not a tensor of the served checkpoint": [*good[:5], (name.replace("layers", "layer"), array), *good[6:]],
+        "got shape": [*good[:5], (name, array[..., :-1]), *good[6:]],
+        "float16": [*good[:5], (name, array.astype(np.float16)), *good[6:]],
+        "appears twice": [*good, good[5]],
+        "incomplete update": good[:-1],
+    }
+    for message, update in cases.items():
+        with pytest.raises(WeightUpdateError, match=message):
+            eng.load_weights(update)
+    assert llm.calls == [] and llm.resets == 0 and eng.health()["ok"]
+    eng.load_weights(iter(good))
+    assert llm.calls == [("reload_weights", [n for n, _ in good])] and llm.resets == 1
+
+    broken = unstarted_engine(path, FakeLLM(fail=True))  # a reload failing inside vLLM: unusable from then on
+    with pytest.raises(RuntimeError, match="Worker failed"):
+        broken.load_weights(good)
+    assert not broken.health()["ok"] and "part-way" in broken.health()["error"]
+    with pytest.raises(RuntimeError, match="unusable"):
+        broken.generate(prompts([6]), SamplingParams(max_new_tokens=4, temperature=0.0), [0])
+    with pytest.raises(ValueError, match="2 seeds for 1 prompts"):
+        eng.generate(prompts([6]), SamplingParams(max_new_tokens=4), [0, 1])
+
+
+@pytest.mark.parametrize("temperature, top_p, top_k", [(1.0, 1.0, 0), (0.7, 1.0, 20), (1.3, 0.9, 0), (0.0, 0.8, 5),
+                                                       (0.5, 0.3, 3)])
+def test_numpy_sampling_transform_equals_the_trainers(temperature, top_p, top_k):
+    """What score() applies to vLLM's full-vocab logprobs is base.sampling_logits + log-softmax."""
+    from rl.generation.base import sampling_logits
+    logits = np.random.default_rng(0).standard_normal((6, CFG.vocab_size)).astype(np.float32) * 3
+    logp = np.asarray(jax.nn.log_softmax(jnp.asarray(logits), axis=-1))
+    want = np.asarray(jax.nn.log_softmax(sampling_logits(jnp.asarray(logits), temperature, top_p, top_k), axis=-1))
+    got = vllm_engine.sampling_logprobs(logp + 5.0, temperature, top_p, top_k)  # any per-row shift
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
+    np.testing.assert_allclose(got[np.isfinite(want)], want[np.isfinite(want)], atol=2e-5)
+    if top_k or top_p < 1:
+        assert not np.isfinite(want).all()
+
+
+def test_staged_checkpoint_is_complete_then_removed(tmp_path, monkeypatch):
+    from safetensors.numpy import load_file
+    items = [("a", np.arange(6, dtype=np.float32).reshape(2, 3)), ("b", np.ones(4, np.int32))]
+    with vllm_engine.staged_checkpoint(items, root=str(tmp_path)) as path:
+        assert os.listdir(path) == ["model.safetensors"] and os.listdir(tmp_path) == [os.path.basename(path)]
+        got = load_file(os.path.join(path, "model.safetensors"))
+        assert sorted(got) == ["a", "b"] and all(np.array_equal(got[k], v) for k, v in items)
+    assert os.listdir(tmp_path) == []
+    monkeypatch.setattr(vllm_engine.shutil, "disk_usage", lambda root: shutil._ntuple_diskusage(1 << 20, 1 << 20, 8))
+    with pytest.raises(OSError, match="does not fit"):
+        with vllm_engine.staged_checkpoint(items, root=str(tmp_path)):
+            pass
+    assert os.listdir(tmp_path) == []

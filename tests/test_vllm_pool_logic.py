@@ -1,0 +1,166 @@
+"""VLLMPool's own logic with fake engines (no vLLM, so it is in the fast loop): chunked rollouts put every
+row back in its place, a re-sent row samples the same tokens, an engine that dies mid-rollout is replaced
+and loses or duplicates nothing, the replacement serves only once a weight update reaches it, a rejected
+update leaves every engine on its old version. The real engines: tests/test_vllm_pool.py (slow)."""
+
+import os
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from rl.generation import transfer as tr
+from rl.generation import vllm_pool
+from rl.generation.base import SamplingParams
+from rl.generation.vllm_pool import EngineActor, PoolConfig, PoolError, VLLMPool
+
+ray = pytest.importorskip("ray", reason="ray is not installed (scripts/setup.sh installs it)")
+
+# The fake checkpoint: tensor name -> (shape, dtype); "w0"[0] is the "weights" that shift every token.
+MANIFEST = {"w0": ((2, 3), np.dtype(np.float32)), "w1": ((4,), np.dtype(np.float32))}
+VOCAB = 50
+
+
+def fake_tokens(prompt, seed, offset, max_new):
+    """What the fake engine samples: a function of (prompt, per-row seed, weights) only."""
+    n = 1 + (seed + sum(prompt)) % max_new
+    return [int(prompt[0]) + 1000 * offset] + [3 + (seed + 7 * i + offset) % VOCAB for i in range(1, n)]
+
+
+class FakeEngine:
+    """The VLLMEngine surface EngineActor uses. Dies (os._exit) at its first generate call when the
+    file `<model_dir>/die` exists (and removes it, so its replacement lives)."""
+
+    def __init__(self, model_dir):
+        self.model_dir, self.version, self.calls = model_dir, 0, 0
+        self.weights = {n: np.zeros(s, d) for n, (s, d) in MANIFEST.items()}
+
+    def check(self, name, shape, dtype):
+        if name not in MANIFEST:
+            raise KeyError(f"{name!r} is not a tensor of this checkpoint")
+        if (tuple(shape), np.dtype(dtype)) != MANIFEST[name]:
+            raise ValueError(f"{name!r}: expected {MANIFEST[name]}, got {tuple(shape)} {dtype}")
+
+    def load_weights(self, named_arrays):
+        self.weights.update({n: np.array(a) for n, a in named_arrays})
+
+    def generate(self, prompts, sp, seeds):
+        die = os.path.join(self.model_dir, "die")
+        if os.path.exists(die):
+            os.remove(die)
+            os._exit(1)
+        self.calls += 1
+        time.sleep(0.05)  # long enough for the other engine to take the next chunk
+        offset = int(self.weights["w0"][0, 0])
+        out = []
+        for p, s in zip(prompts, seeds):
+            ids = fake_tokens(p, s, offset, sp.max_new_tokens)
+            out.append((ids, [-0.1 * (i + 1) for i in range(len(ids))], len(ids) == sp.max_new_tokens))
+        return out
+
+    def score(self, prompts, responses, temperature, top_p, top_k):
+        return [np.full(len(r), -float(self.weights["w0"][0, 0]), np.float32) for r in responses]
+
+    def health(self):
+        return {"ok": True, "version": self.version, "pid": os.getpid(), "calls": self.calls}
+
+
+class FakeActor(EngineActor):
+    def __init__(self, cfg, rank):  # EngineActor's, with a FakeEngine instead of a VLLMEngine
+        self.rank, self.engine = rank, FakeEngine(cfg.model_dir)
+        self.staged, self.busy_since = tr.StagedUpdate(), None
+
+
+def weights(offset):
+    return [("w0", np.full((2, 3), offset, np.float32)), ("w1", np.arange(4, dtype=np.float32))]
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    with pytest.MonkeyPatch.context() as mp:
+        cls = type("FakeEngineActor", (FakeActor,), {})
+        for name in ("generate", "score", "stage", "commit", "abort"):
+            setattr(cls, name, ray.method(concurrency_group="work")(getattr(FakeActor, name)))
+        cls.health = ray.method(concurrency_group="probe")(FakeActor.health)
+        mp.setattr(vllm_pool, "_ACTOR", ray.remote(concurrency_groups={"work": 1, "probe": 1})(cls))
+        d = tmp_path_factory.mktemp("fake-pool")
+        p = VLLMPool(PoolConfig(model_dir=str(d), servers=2, bucket_bytes=32, request_timeout_s=60, max_restarts=1),
+                     pad_id=99)
+        yield p
+        p.shutdown()
+    ray.shutdown()
+
+
+def prompts(n, seed=0):
+    return np.random.default_rng(seed).integers(0, 90, (n, 5)).tolist()
+
+
+def check_rollout(r, ps, sp, offset):
+    """Row i answers prompt i; tokens and logprobs padded after each row's length."""
+    assert r.tokens.shape == r.logprobs.shape == (len(ps), sp.max_new_tokens)
+    for i, p in enumerate(ps):
+        n = int(r.lengths[i])
+        assert r.tokens[i, 0] == p[0] + 1000 * offset, i
+        assert (r.tokens[i, n:] == 99).all() and (r.logprobs[i, n:] == 0).all()
+        np.testing.assert_allclose(r.logprobs[i, :n], -0.1 * np.arange(1, n + 1), rtol=1e-6)
+        assert bool(r.truncated[i]) == (n == sp.max_new_tokens)
+        assert r.prompt_ids[i] == p
+
+
+def test_rollout_rows_come_back_in_place_and_reproducible(pool):
+    ps, sp = prompts(24), SamplingParams(max_new_tokens=6)
+    a = pool.generate(ps, sp, jax.random.key(0))
+    check_rollout(a, ps, sp, offset=0)
+    assert a.weight_version == 0 and len(set(a.lengths.tolist())) > 1
+    assert all(h["calls"] >= 1 for h in pool.health())  # both engines took chunks
+    b = pool.generate(ps, sp, jax.random.key(0))
+    assert np.array_equal(a.tokens, b.tokens) and np.array_equal(a.lengths, b.lengths)
+    c = pool.generate(ps, sp, jax.random.key(1))
+    assert not np.array_equal(a.tokens, c.tokens)  # the key decides the per-row seeds
+
+
+def test_update_commits_everywhere_or_nowhere(pool):
+    stats = pool.push(iter(weights(2)), version=1)
+    assert stats.version == 1 and stats.buckets == 2 and stats.lost == [] and pool.version == 1
+    assert [h["version"] for h in pool.health()] == [1, 1]
+    ps, sp = prompts(8, seed=1), SamplingParams(max_new_tokens=4)
+    check_rollout(pool.generate(ps, sp, jax.random.key(2)), ps, sp, offset=2)
+    assert [[float(x) for x in lp] for lp in pool.score(ps, [[1, 2]] * 8, sp)[0]] == [[-2.0, -2.0]] * 8
+    bad = weights(3)[:1] + [("w1", np.zeros(5, np.float32))]  # the wrong shape: every engine refuses
+    with pytest.raises(tr.TransferError, match="'w1'"):
+        pool.push(iter(bad), version=2)
+    assert pool.version == 1 and [h["version"] for h in pool.health()] == [1, 1]
+    check_rollout(pool.generate(ps, sp, jax.random.key(2)), ps, sp, offset=2)
+
+
+def test_engine_dying_mid_rollout_is_replaced_and_rows_resent(pool):
+    ps, sp = prompts(32, seed=2), SamplingParams(max_new_tokens=5)
+    want = pool.generate(ps, sp, jax.random.key(3))
+    resent, restarts = pool.resent_rows, pool.restarts
+    open(os.path.join(pool.cfg.model_dir, "die"), "w").close()
+    got = pool.generate(ps, sp, jax.random.key(3))
+    assert pool.resent_rows > resent and pool.restarts == restarts + 1
+    assert np.array_equal(got.tokens, want.tokens) and np.array_equal(got.lengths, want.lengths)
+    # the replacement starts from the checkpoint (version 0): it serves only after the next update
+    deadline = time.time() + 60
+    while len([h for h in pool.health() if h["state"] == "up"]) < 2 and time.time() < deadline:
+        time.sleep(0.2)
+    assert sorted(h["version"] for h in pool.health()) == [0, pool.version]
+    assert len(pool.serving()) == 1
+    pool.push(iter(weights(2)), version=pool.version + 1)
+    assert len(pool.serving()) == 2
+    check_rollout(pool.generate(ps, sp, jax.random.key(3)), ps, sp, offset=2)
+
+
+def test_no_engine_left_is_a_clear_error(pool):
+    saved = pool.slots
+    pool.slots = []
+    try:
+        with pytest.raises(PoolError, match="no vLLM engine serves weight version"):
+            pool.generate(prompts(2), SamplingParams(max_new_tokens=2), jax.random.key(0))
+        with pytest.raises(PoolError, match="no live vLLM engine"):
+            pool.push(iter(weights(1)), version=9)
+    finally:
+        pool.slots = saved
