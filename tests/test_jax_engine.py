@@ -23,9 +23,16 @@ def engine_for(model):
     return JaxEngine(graphdef, params, rest, pad_id=0)
 
 
+@jax.jit
+def _forward(model, seq):
+    return model(seq)
+
+
 def full_forward_logits(model, prompt, response):
+    """Logits at the response positions of one unpadded forward of prompt + response (jitted: one compile
+    per sequence length, where an eager call compiles every op of the model for each new length)."""
     seq = jnp.asarray([list(prompt) + list(response)], jnp.int32)
-    return np.asarray(model(seq))[0, len(prompt) - 1: len(prompt) + len(response) - 1]
+    return np.asarray(_forward(model, seq))[0, len(prompt) - 1: len(prompt) + len(response) - 1]
 
 
 def prompts(cfg, lengths, seed=0):

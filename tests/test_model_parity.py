@@ -1,4 +1,9 @@
-"""The Flax model computes what transformers' MiniMaxM3VLForCausalLM computes (fp32, tiny random models)."""
+"""The Flax model computes what transformers' MiniMaxM3VLForCausalLM computes (fp32, tiny random models).
+
+Per variant, each (layout, options) checkpoint load and each compiled forward / gradient is shared by the
+tests that need it: the passes are jitted (one XLA compile per shape, not one per op), and torch's
+gradients are computed once per variant.
+"""
 
 import copy
 
@@ -22,30 +27,56 @@ def rel_err(got, want):
     return float(np.max(np.abs(np.asarray(got, np.float64) - want)) / np.max(np.abs(want)))
 
 
+@jax.jit
+def forward(model, ids, attention_mask=None, positions=None):
+    return model(ids, attention_mask=attention_mask, positions=positions)
+
+
+class Case:
+    """One variant: its HF model, both saved layouts, and memoised loads / torch gradients."""
+
+    def __init__(self, name, tmp_path_factory):
+        self.name, self.cfg = name, ref.tiny_config(name)
+        self.hf = ref.build_model(self.cfg, seed=len(name))
+        root = tmp_path_factory.mktemp(name)
+        self.dirs = {layout: ref.save(self.hf, str(root / layout), layout) for layout in ("native", "released")}
+        self._models, self._torch_grads = {}, None
+
+    def model(self, layout="native", dtype=None, chunk=0):
+        key = (layout, dtype, chunk)
+        if key not in self._models:
+            self._models[key] = m3jax.from_pretrained(self.dirs[layout], dtype=dtype, attention_query_chunk=chunk)
+        return self._models[key]
+
+    def torch_loss_and_grads(self, ids):
+        if self._torch_grads is None:
+            self.hf.zero_grad()
+            logits = self.hf(torch.tensor(ids[:, :-1], dtype=torch.long)).logits
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, self.cfg.vocab_size),
+                                                     torch.tensor(ids[:, 1:], dtype=torch.long).reshape(-1))
+            loss.backward()
+            self._torch_grads = ids, loss.item(), {n: p.grad for n, p in self.hf.named_parameters()}
+        assert np.array_equal(self._torch_grads[0], ids)
+        return self._torch_grads[1:]
+
+
 @pytest.fixture(scope="module", params=list(ref.VARIANTS))
 def case(request, tmp_path_factory):
-    cfg = ref.tiny_config(request.param)
-    hf = ref.build_model(cfg, seed=len(request.param))
-    root = tmp_path_factory.mktemp(request.param)
-    dirs = {layout: ref.save(hf, str(root / layout), layout) for layout in ("native", "released")}
-    return request.param, cfg, hf, dirs
+    return Case(request.param, tmp_path_factory)
 
 
 @pytest.mark.parametrize("chunk", CHUNKS[1:])
 def test_chunked_attention_logits_match_hf(case, chunk):
-    _, cfg, hf, dirs = case
-    ids = ref.random_ids(cfg, 2, SEQ, seed=1)
-    model = m3jax.from_pretrained(dirs["native"], attention_query_chunk=chunk)
-    assert rel_err(model(jnp.asarray(ids)), ref.hf_logits(hf, ids)) < 1e-5
+    ids = ref.random_ids(case.cfg, 2, SEQ, seed=1)
+    assert rel_err(forward(case.model(chunk=chunk), jnp.asarray(ids)), ref.hf_logits(case.hf, ids)) < 1e-5
 
 
 @pytest.mark.parametrize("layout", ["native", "released"])
 def test_logits_match_hf(case, layout):
-    name, cfg, hf, dirs = case
+    name, cfg, hf = case.name, case.cfg, case.hf
     ids = ref.random_ids(cfg, 2, SEQ, seed=1)
     want = ref.hf_logits(hf, ids)
-    model = m3jax.from_pretrained(dirs[layout])
-    assert rel_err(model(jnp.asarray(ids)), want) < 1e-5
+    assert rel_err(forward(case.model(layout), jnp.asarray(ids)), want) < 1e-5
 
     if layout == "native":
         # The sparse path is really exercised: the same weights with full attention everywhere differ.
@@ -62,26 +93,20 @@ def test_logits_match_hf(case, layout):
 
 @pytest.mark.parametrize("chunk", CHUNKS)
 def test_gradients_match_torch_autograd(case, chunk):
-    _, cfg, hf, dirs = case
+    cfg = case.cfg
     ids = ref.random_ids(cfg, 2, SEQ, seed=2)
-    model = m3jax.from_pretrained(dirs["native"], attention_query_chunk=chunk)
-
-    hf.zero_grad()
-    logits = hf(torch.tensor(ids[:, :-1], dtype=torch.long)).logits
-    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, cfg.vocab_size),
-                                             torch.tensor(ids[:, 1:], dtype=torch.long).reshape(-1))
-    loss.backward()
-    torch_grads = {n: p.grad for n, p in hf.named_parameters()}
+    model = case.model(chunk=chunk)
+    torch_loss, torch_grads = case.torch_loss_and_grads(ids)
 
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
-    def loss_fn(params):
-        out = nnx.merge(graphdef, params, rest)(jnp.asarray(ids[:, :-1]))
+    def loss_fn(params, ids):
+        out = nnx.merge(graphdef, params, rest)(ids[:, :-1])
         logp = jax.nn.log_softmax(out, axis=-1)
-        return -jnp.mean(jnp.take_along_axis(logp, jnp.asarray(ids[:, 1:])[..., None], axis=-1))
+        return -jnp.mean(jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1))
 
-    jloss, grads = jax.value_and_grad(loss_fn)(params)
-    assert abs(float(jloss) - loss.item()) < 1e-5
+    jloss, grads = jax.jit(jax.value_and_grad(loss_fn))(params, jnp.asarray(ids))
+    assert abs(float(jloss) - torch_loss) < 1e-5
     flat = dict(nnx.to_flat_state(grads))
     checked = 0
     for slot in layouts.slots(model.cfg, "native"):
@@ -101,14 +126,14 @@ def test_gradients_match_torch_autograd(case, chunk):
 
 def test_bf16_forward_within_bf16_tolerance(case):
     """bf16 error vs fp32 is what bf16 costs the reference too: no larger than HF's own bf16 model's."""
-    _, cfg, hf, dirs = case
+    cfg, hf = case.cfg, case.hf
     ids = ref.random_ids(cfg, 8, SEQ, seed=3)
     ref32 = ref.hf_logits(hf, ids)
     hf16 = ref.hf_logits(copy.deepcopy(hf).to(torch.bfloat16), ids)
-    model16 = m3jax.from_pretrained(dirs["native"], dtype=jnp.bfloat16)
+    model16 = case.model(dtype=jnp.bfloat16)
     moe_stack = next(s for s in model16.stacks if s.mlp_kind == "sparse")
     assert model16.embed[...].dtype == jnp.bfloat16 and moe_stack.router[...].dtype == jnp.float32
-    got = np.asarray(model16(jnp.asarray(ids)).astype(jnp.float32))
+    got = np.asarray(forward(model16, jnp.asarray(ids)).astype(jnp.float32))
     scale = np.abs(ref32).max()
     ours = np.abs(got - ref32).mean(-1) / scale  # per position
     theirs = np.abs(hf16 - ref32).mean(-1) / scale
@@ -119,8 +144,7 @@ def test_bf16_forward_within_bf16_tolerance(case):
 
 
 def test_right_padding_leaves_real_tokens_unchanged(case):
-    _, cfg, hf, dirs = case
-    model = m3jax.from_pretrained(dirs["native"])
+    cfg, hf, model = case.cfg, case.hf, case.model()
     ids = ref.random_ids(cfg, 2, SEQ, seed=4)
     lengths = [SEQ - 13, SEQ - 29]
     mask = np.zeros_like(ids)
@@ -128,17 +152,16 @@ def test_right_padding_leaves_real_tokens_unchanged(case):
     for row, n in enumerate(lengths):
         mask[row, :n] = 1
         padded[row, :n] = ids[row, :n]
-    got = np.asarray(model(jnp.asarray(padded), attention_mask=jnp.asarray(mask)))
+    got = np.asarray(forward(model, jnp.asarray(padded), attention_mask=jnp.asarray(mask)))
     want_hf = ref.hf_logits(hf, padded, mask)
     for row, n in enumerate(lengths):
-        alone = np.asarray(model(jnp.asarray(ids[row:row + 1, :n])))[0]
+        alone = np.asarray(forward(model, jnp.asarray(ids[row:row + 1, :n])))[0]
         assert rel_err(got[row, :n], alone) < 1e-5
         assert rel_err(got[row, :n], want_hf[row, :n]) < 1e-5
 
 
 def test_explicit_positions_equal_default(case):
-    _, cfg, _, dirs = case
-    model = m3jax.from_pretrained(dirs["native"])
-    ids = jnp.asarray(ref.random_ids(cfg, 2, 24, seed=5))
+    model = case.model()
+    ids = jnp.asarray(ref.random_ids(case.cfg, 2, 24, seed=5))
     pos = jnp.broadcast_to(jnp.arange(24), (2, 24))
-    np.testing.assert_array_equal(np.asarray(model(ids)), np.asarray(model(ids, positions=pos)))
+    np.testing.assert_array_equal(np.asarray(forward(model, ids)), np.asarray(forward(model, ids, positions=pos)))
