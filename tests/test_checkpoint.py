@@ -137,25 +137,35 @@ def batches() -> list[dict]:
     return [make_batch(shapes, seed) for seed in range(3)]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, batches) -> dict[str, Run]:
-    root = tmp_path_factory.mktemp("runs")
-    models = {dt: build_model(dt) for dt in (jnp.float32, jnp.bfloat16)}
-    out = {}
-    for name, (dtype, mode, moments) in KINDS.items():
+class Runs(dict):
+    """kind -> Run, each kind trained (one compile of its step) the first time a test asks for it."""
+
+    def __init__(self, root, batches):
+        super().__init__()
+        self.root, self.batches, self.models = root, batches, {}
+
+    def __missing__(self, name: str) -> Run:
+        dtype, mode, moments = KINDS[name]
+        if dtype not in self.models:
+            self.models[dtype] = build_model(dtype)
         opt = optim_step.adamw(LR, weight_decay=0.1, moment_dtype=moments, master=mode)
-        graphdef, fresh = init_state(models[dtype], opt)
+        graphdef, fresh = init_state(self.models[dtype], opt)
         # committed to one device, like every restored array (else the step compiles again for those)
         fresh = jax.device_put(fresh, jax.devices()[0])
         step = make_train_step(graphdef, opt, linear_loss, donate=False)
         state = fresh
-        for batch in batches[:2]:
+        for batch in self.batches[:2]:
             state, metrics = step(state, batch)
             assert not bool(metrics["skipped"])
-        s3, _ = step(state, batches[2])
-        save(str(root / name), 2, state)
-        out[name] = Run(step, fresh, state, s3, str(root / name))
-    return out
+        s3, _ = step(state, self.batches[2])
+        save(str(self.root / name), 2, state)
+        self[name] = Run(step, fresh, state, s3, str(self.root / name))
+        return self[name]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, batches) -> dict[str, Run]:
+    return Runs(tmp_path_factory.mktemp("runs"), batches)
 
 
 # ------------------------------------------------------------------------------ precision changes
@@ -182,7 +192,13 @@ PAIRS = {
 TOLERANCE = {"same": (1e-5, 1e-3), "cast": (1e-2, 5e-2)}
 
 
-@pytest.mark.parametrize("src, dst", list(PAIRS), ids=[f"{a}-to-{b}" for a, b in PAIRS])
+# The fast loop restores between fp32 params and the compact bf16 master (both ways, and each into itself);
+# the pairs with an fp32 master copy or bf16 moments run in the full suite.
+FAST_KINDS = {"fp32", "bf16_compact"}
+
+
+@pytest.mark.parametrize("src, dst", [p if set(p) <= FAST_KINDS else pytest.param(*p, marks=pytest.mark.slow)
+                                      for p in PAIRS], ids=[f"{a}-to-{b}" for a, b in PAIRS])
 def test_restore_into_another_precision_mode(runs, batches, src, dst):
     saved, target = runs[src], runs[dst]
     got, meta = restore(saved.dir, target.fresh)

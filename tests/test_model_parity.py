@@ -2,7 +2,8 @@
 
 Per variant, each (layout, options) checkpoint load and each compiled forward / gradient is shared by the
 tests that need it: the passes are jitted (one XLA compile per shape, not one per op), and torch's
-gradients are computed once per variant.
+gradients are computed once per variant. The fast loop (-m "not slow") runs every check on the
+release-like variant and the logits on every variant; the other variants' checks are slow.
 """
 
 import copy
@@ -60,17 +61,25 @@ class Case:
         return self._torch_grads[1:]
 
 
-@pytest.fixture(scope="module", params=list(ref.VARIANTS))
+@pytest.fixture(scope="module")
 def case(request, tmp_path_factory):
     return Case(request.param, tmp_path_factory)
 
 
+def variants(fast=("release_like",)):
+    """Parametrize `case` over every variant; those not in `fast` run in the full suite only."""
+    return pytest.mark.parametrize(
+        "case", [v if v in fast else pytest.param(v, marks=pytest.mark.slow) for v in ref.VARIANTS], indirect=True)
+
+
+@variants()
 @pytest.mark.parametrize("chunk", CHUNKS[1:])
 def test_chunked_attention_logits_match_hf(case, chunk):
     ids = ref.random_ids(case.cfg, 2, SEQ, seed=1)
     assert rel_err(forward(case.model(chunk=chunk), jnp.asarray(ids)), ref.hf_logits(case.hf, ids)) < 1e-5
 
 
+@variants(fast=tuple(ref.VARIANTS))
 @pytest.mark.parametrize("layout", ["native", "released"])
 def test_logits_match_hf(case, layout):
     name, cfg, hf = case.name, case.cfg, case.hf
@@ -91,7 +100,8 @@ def test_logits_match_hf(case, layout):
         assert diff[:, block_span:].max() > 1e-2
 
 
-@pytest.mark.parametrize("chunk", CHUNKS)
+@variants()
+@pytest.mark.parametrize("chunk", [0, pytest.param(16, marks=pytest.mark.slow), 24])  # 24: a padded last block
 def test_gradients_match_torch_autograd(case, chunk):
     cfg = case.cfg
     ids = ref.random_ids(cfg, 2, SEQ, seed=2)
@@ -124,6 +134,7 @@ def test_gradients_match_torch_autograd(case, chunk):
     assert checked > 20
 
 
+@variants()
 def test_bf16_forward_within_bf16_tolerance(case):
     """bf16 error vs fp32 is what bf16 costs the reference too: no larger than HF's own bf16 model's."""
     cfg, hf = case.cfg, case.hf
@@ -143,6 +154,7 @@ def test_bf16_forward_within_bf16_tolerance(case):
     assert ours.mean() < 1.25 * theirs.mean()
 
 
+@variants()
 def test_right_padding_leaves_real_tokens_unchanged(case):
     cfg, hf, model = case.cfg, case.hf, case.model()
     ids = ref.random_ids(cfg, 2, SEQ, seed=4)
@@ -160,6 +172,7 @@ def test_right_padding_leaves_real_tokens_unchanged(case):
         assert rel_err(got[row, :n], want_hf[row, :n]) < 1e-5
 
 
+@variants()
 def test_explicit_positions_equal_default(case):
     model = case.model()
     ids = jnp.asarray(ref.random_ids(case.cfg, 2, 24, seed=5))

@@ -29,6 +29,18 @@ def make_batch(cfg, micro: int, per_micro: int, seq: int = 40, seed: int = 0):
             "loss_mask": jnp.asarray(mask)}
 
 
+# jitted: one compile per state layout (eagerly, every op compiles again for each parameter shape and dtype)
+master_of = jax.jit(precision.master_of)
+params_from_master = jax.jit(precision.params_from_master)
+
+
+def committed_state(model, opt):
+    """init_state, with the state committed to one device as every step's output is (an uncommitted first
+    state would make the step compile a second time at step 2)."""
+    graphdef, state = init_state(model, opt)
+    return graphdef, jax.device_put(state, jax.devices()[0])
+
+
 def bits(tree):
     return [np.atleast_1d(np.asarray(x)).view(np.uint8) for x in jax.tree.leaves(tree)]
 
@@ -84,22 +96,23 @@ def test_fp32_master_keeps_small_updates_that_pure_bf16_loses():
     assert_bitwise(precision.master_of(compact, cstate), state.master)
 
 
+@pytest.mark.slow  # 24 steps, 2 compiles; the fast loop checks compact == fp32 master in the tests above and below
 @pytest.mark.parametrize("moments", [jnp.float32, jnp.bfloat16])
 def test_master_invariant_and_compact_equals_fp32_master_over_many_steps(ckpt, moments):
     model = m3jax.from_pretrained(ckpt, dtype=jnp.bfloat16)
     runs = {}
     for mode in ("fp32", "compact"):
         opt = optim_step.adamw(3e-3, weight_decay=0.1, moment_dtype=moments, master=mode)
-        graphdef, state = init_state(model, opt)
+        graphdef, state = committed_state(model, opt)
         step = make_train_step(graphdef, opt, donate=False)
         for i in range(12):
             state, metrics = step(state, make_batch(model.cfg, 2, 2, seed=i))
-            master = precision.master_of(state.params, state.opt_state)
-            assert_bitwise(state.params, precision.params_from_master(master, state.params))  # == bf16(master)
+            master = master_of(state.params, state.opt_state)
+            assert_bitwise(state.params, params_from_master(master, state.params))  # == bf16(master)
             assert not bool(metrics["skipped"])
         runs[mode] = state
     assert_bitwise(runs["compact"].params, runs["fp32"].params)
-    assert_bitwise(precision.master_of(runs["compact"].params, runs["compact"].opt_state),
+    assert_bitwise(master_of(runs["compact"].params, runs["compact"].opt_state),
                    runs["fp32"].opt_state.master)
 
 
@@ -133,18 +146,19 @@ def test_non_finite_step_is_skipped_and_state_untouched(ckpt):
         loss, aux = token_cross_entropy(model, batch)
         return loss * batch["scale"][0, 0], aux
 
-    graphdef, state = init_state(model, opt)
+    graphdef, state = committed_state(model, opt)
     step = make_train_step(graphdef, opt, poisoned, donate=False)
     batch = make_batch(model.cfg, 2, 2)
     state, _ = step(state, {**batch, "scale": jnp.ones((2, 2, 40))})
     before = jax.tree.map(np.asarray, state)
-    state, metrics = step(state, {**batch, "scale": jnp.full((2, 2, 40), jnp.nan)})
+    state, metrics = step(state, {**batch, "scale": jnp.full((2, 2, 40), jnp.nan, jnp.float32)})
     assert bool(metrics["skipped"]) and int(state.skipped) == 1 and int(state.step) == 2
     assert_bitwise((state.params, state.opt_state, state.rest), (before.params, before.opt_state, before.rest))
     state, metrics = step(state, {**batch, "scale": jnp.ones((2, 2, 40))})
     assert not bool(metrics["skipped"]) and int(state.skipped) == 1
 
 
+@pytest.mark.slow  # the fast loop's sharded checks: tests/test_sharding.py (gradients), tests/test_layout.py (lowering)
 def test_sharded_train_step_equals_single_device(ckpt):
     """The jitted step with explicit shardings and donation on a (2,2,2,1) mesh makes the single-device
     step's update (SGD, so the update is the normalised gradient; Adam would amplify float noise in
