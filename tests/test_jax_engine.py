@@ -23,16 +23,22 @@ def engine_for(model):
     return JaxEngine(graphdef, params, rest, pad_id=0)
 
 
+WIDTH = 40  # every reference forward is this long: one compile for the module
+
+
 @jax.jit
 def _forward(model, seq):
     return model(seq)
 
 
 def full_forward_logits(model, prompt, response):
-    """Logits at the response positions of one unpadded forward of prompt + response (jitted: one compile
-    per sequence length, where an eager call compiles every op of the model for each new length)."""
-    seq = jnp.asarray([list(prompt) + list(response)], jnp.int32)
-    return np.asarray(_forward(model, seq))[0, len(prompt) - 1: len(prompt) + len(response) - 1]
+    """Logits at the response positions of one full forward of prompt + response. The sequence is followed
+    by pad tokens up to WIDTH, which causal attention keeps out of every earlier position (the logits of
+    the real positions are those of the unpadded forward up to float rounding)."""
+    n = len(prompt) + len(response)
+    assert n <= WIDTH, n
+    seq = jnp.asarray([list(prompt) + list(response) + [0] * (WIDTH - n)], jnp.int32)
+    return np.asarray(_forward(model, seq))[0, len(prompt) - 1: n - 1]
 
 
 def prompts(cfg, lengths, seed=0):
