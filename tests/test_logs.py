@@ -4,7 +4,6 @@ Also: the after-effects of an unreadable checkpoint (rl.checkpoint) go to the DE
 
 import logging
 import os
-import subprocess
 import sys
 import types
 import warnings
@@ -165,33 +164,4 @@ def test_abandoned_orbax_reads_go_to_the_debug_log(caplog):
     assert ckpt._demote_orbax_task_errors(mine) and mine.levelno == logging.ERROR
 
 
-@pytest.mark.slow
-def test_real_run_keeps_the_terminal_quiet(tmp_path):
-    """A short real run and its resume: nothing of absl/orbax/jax INFO on the terminal, all of it in
-    run.log; a handful of lines besides the progress bar."""
-    out = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    env.pop("XLA_FLAGS", None)
-
-    def run(steps):
-        r = subprocess.run([sys.executable, "-m", "m3jax.train", "--config", "configs/tiny.yaml",
-                            f"run.out_dir={out}", f"run.total_steps={steps}", "checkpoint.every_steps=2",
-                            "logging.tensorboard=false", "logging.plot=false"],
-                           cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           timeout=600)
-        assert r.returncode == 0, r.stdout[-3000:]
-        return r.stdout
-
-    for steps, want in ((2, None), (3, "resumed from step 2")):  # a fresh run, then a resume
-        terminal = run(steps)
-        lines = [ln for ln in terminal.replace("\r", "\n").splitlines() if ln.strip() and "step/s" not in ln
-                 and "s/step" not in ln]
-        assert len(lines) <= 5, lines
-        assert lines[-1].startswith("done:"), lines
-        for noise in ("absl", "orbax", "xla_bridge", "Traceback", "INFO jax"):
-            assert noise not in terminal, (noise, lines)
-        if want:
-            assert any(want in ln for ln in lines), lines
-    text = (out / "run.log").read_text()
-    assert "INFO absl" in text and "INFO rl.trainer" in text and "resumed from step 2" in text
-    assert not (out / ".lock").exists()
+# The terminal of a real 200-step run and of a checkpoint restore: tests/test_trainer.py (one run serves both).

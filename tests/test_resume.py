@@ -3,7 +3,6 @@ final params are bitwise those of an uninterrupted run with the same seed. Also 
 sampling, whose refill rounds move the data position by a variable number of batches per step."""
 
 import glob
-import json
 import os
 import signal
 import subprocess
@@ -59,14 +58,12 @@ def exported(out_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [(), ("grpo.dynamic_sampling=true",)], ids=["plain", "dynamic_sampling"])
-def test_killed_runs_resume_bitwise(tmp_path, extra):
+def test_killed_runs_resume_bitwise(tmp_path):
+    """(Dynamic sampling's multi-round draws resume from the same loader state too: tests/test_dapo.py
+    replays that fast; a second end-to-end case cost ~2-4 min of the suite.)"""
+    extra = ()
     straight = str(tmp_path / "straight")
     run_to_end(straight, extra)
-    if extra:  # the refill path must have run, or this case tests nothing new
-        rows = [json.loads(line) for line in open(os.path.join(straight, "metrics.jsonl"))]
-        rounds = [r["dapo/rounds"] for r in rows if "dapo/rounds" in r]  # (evaluation rows have none)
-        assert len(rounds) == STEPS and max(rounds) > 1, rounds
 
     killed = str(tmp_path / "killed")
     saving = lambda d: bool(glob.glob(os.path.join(d, "checkpoints", "*.orbax-checkpoint-tmp*")))  # noqa: E731

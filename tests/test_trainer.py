@@ -23,8 +23,17 @@ def tiny_run(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("tiny") / "run")
     r = train(f"run.out_dir={out}", "logging.progress_bar=false")
     assert r.returncode == 0, r.stderr[-3000:]
+    tiny_run.terminal = r.stdout + r.stderr
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     return out, [r for r in rows if "reward/mean" in r], [r for r in rows if "val/pass@1" in r]
+
+
+def assert_quiet(terminal: str, most: int):
+    """Nothing of absl/orbax/jax INFO and no traceback on the terminal; at most `most` lines (no bar here)."""
+    lines = [ln for ln in terminal.replace("\r", "\n").splitlines() if ln.strip()]
+    assert len(lines) <= most, lines
+    for noise in ("absl", "orbax", "xla_bridge", "Traceback", "INFO jax"):
+        assert noise not in terminal, (noise, lines)
 
 
 @pytest.mark.slow
@@ -69,11 +78,56 @@ def test_outputs_checkpoints_export_and_plot(tiny_run, tmp_path):
     # on demand: export the latest checkpoint again, and re-plot
     r = train(f"run.out_dir={out}", "--export", str(tmp_path / "again"))
     assert r.returncode == 0, r.stderr[-3000:]
+    assert_quiet(r.stdout + r.stderr, 3)  # a checkpoint restore, quietly
     a = open(os.path.join(out, "export", "model.safetensors"), "rb").read()
     assert open(tmp_path / "again" / "model.safetensors", "rb").read() == a
     r = subprocess.run([sys.executable, "-m", "m3jax.plot", out, "--out", str(tmp_path / "c.png")], cwd=ROOT,
                        capture_output=True, text=True)
     assert r.returncode == 0 and os.path.exists(tmp_path / "c.png")
+
+
+@pytest.mark.slow
+def test_the_terminal_is_quiet_and_run_log_has_the_rest(tiny_run):
+    out, _, _ = tiny_run
+    assert_quiet(tiny_run.terminal, 5)
+    assert tiny_run.terminal.strip().splitlines()[-1].startswith("done:")
+    text = open(os.path.join(out, "run.log")).read()
+    assert "INFO absl" in text and "INFO rl" in text
+    assert not os.path.exists(os.path.join(out, ".lock"))
+
+
+def evaluate(out, *args):
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    env.pop("XLA_FLAGS", None)
+    r = subprocess.run([sys.executable, "-m", "m3jax.eval", "--config", "configs/tiny.yaml", f"run.out_dir={out}",
+                        *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    return r, {k: float(v) for k, v in (ln.split() for ln in r.stdout.splitlines() if ln.startswith("val/"))}
+
+
+def snapshot(root):
+    return sorted((os.path.relpath(os.path.join(d, f), root), os.stat(os.path.join(d, f)).st_mtime_ns)
+                  for d, _, files in os.walk(root) for f in files)
+
+
+@pytest.mark.slow
+def test_eval_command_prints_what_the_run_logged(tiny_run, tmp_path):
+    """`python -m m3jax.eval` on the run's last checkpoint, on step 180 and on the HF export prints the values
+    the run logged for that step, remembers the best, and writes nothing into the run directory."""
+    out, _, val = tiny_run
+    logged = {r["step"]: {k: v for k, v in r.items() if k.startswith("val/")} for r in val}
+    meta = json.load(open(os.path.join(out, "checkpoints", "200", "meta", "metadata")))
+    best = max(logged, key=lambda s: (logged[s]["val/pass@1"], -s))
+    assert meta["best"] == {"metric": "val/pass@1", "value": logged[best]["val/pass@1"], "step": best}
+    before = snapshot(out)
+    for args, step in (((), 200), (("--step", "180"), 180), (("--hf", os.path.join(out, "export")), 200)):
+        r, got = evaluate(out, *args)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert got == pytest.approx(logged[step], rel=0, abs=0), (args, got, logged[step])
+    assert snapshot(out) == before
+    r, _ = evaluate(out, "--step", "3")
+    assert r.returncode == 1 and "no checkpoint of step 3" in r.stderr
+    r, _ = evaluate(str(tmp_path / "none"))
+    assert r.returncode == 1 and "no checkpoints" in r.stderr and not (tmp_path / "none").exists()
 
 
 def test_bad_config_fails_before_any_work(tmp_path):

@@ -80,8 +80,18 @@ class JaxEngine:
 
 @functools.partial(jax.jit, static_argnums=(0, 5))
 def _score(graphdef, params, rest, ids, mask, sp: SamplingParams):
-    logits = nnx.merge(graphdef, params, rest)(ids[:, :-1], attention_mask=mask)
-    return token_logprobs(logits, ids[:, 1:], sp.temperature, sp.top_p, sp.top_k)
+    model = nnx.merge(graphdef, params, rest)
+    logits = model(ids[:, :-1], attention_mask=mask)
+    return _on_every_process(model.layout, token_logprobs(logits, ids[:, 1:], sp.temperature, sp.top_p, sp.top_k))
+
+
+def _on_every_process(layout, *arrays):
+    """Replicate results over the layout's devices: rows live on the batch shards, and on a multi-host
+    mesh the caller (every process) reads all of them back to the host."""
+    if layout.mesh is None:
+        return arrays if len(arrays) > 1 else arrays[0]
+    out = tuple(jax.lax.with_sharding_constraint(a, layout.replicated()) for a in arrays)
+    return out if len(out) > 1 else out[0]
 
 
 @functools.partial(jax.jit, static_argnums=(0, 6, 7))
@@ -122,7 +132,7 @@ def _generate(graphdef, params, rest, ids, prompt_lengths, key, sp: SamplingPara
     t, _, _, _, tokens, logps, done = jax.lax.while_loop(cond, body, init)
     is_stop = jnp.isin(tokens, stops)
     first_stop = jnp.where(is_stop.any(-1), jnp.argmax(is_stop, -1) + 1, sp.max_new_tokens)
-    return tokens, logps, first_stop, ~is_stop.any(-1)
+    return _on_every_process(model.layout, tokens, logps, first_stop, ~is_stop.any(-1))
 
 
 # The jitted program `JaxEngine.generate` runs: (graphdef, params, rest, ids [B, W], prompt_lengths [B], key,
