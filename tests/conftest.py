@@ -3,6 +3,8 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 # Tests run on the CPU; 8 simulated devices let sharding tests build real meshes. Must be set before jax loads.
 # Compiling dominates the suite (tiny programs, run once or twice): LLVM's -O0 backend compiles ~30% faster;
 # XLA's own graph optimisations (fusion, layout, simplification) still run.
@@ -19,3 +21,20 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _cache = tempfile.mkdtemp(prefix="m3jax-test-xla-cache-")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
     atexit.register(shutil.rmtree, _cache, True)
+
+
+@pytest.fixture(scope="session")
+def _ray_session():
+    ray = pytest.importorskip("ray", reason="ray is not installed (scripts/setup.sh installs it)")
+    yield ray
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_local(_ray_session):
+    """A local Ray shared by the modules whose actors are plain Python (its start is a few seconds of the
+    fast loop); started again if a module that ran its own (tests/test_vllm_pool.py) shut it down."""
+    if not _ray_session.is_initialized():
+        _ray_session.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    return _ray_session

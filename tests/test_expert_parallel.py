@@ -90,7 +90,7 @@ def test_capacity_factor_drops_overflow_and_large_capacity_is_dropless():
     assert not np.allclose(np.asarray(got), np.asarray(local), atol=1e-3)
 
 
-@pytest.mark.parametrize("n_ep", [8, 2])  # one local expert (packed rows go straight in) and four
+@pytest.mark.parametrize("n_ep", [pytest.param(8, marks=pytest.mark.slow), 2])  # one local expert (packed rows go straight in) and four
 def test_ragged_capacity_pools_the_receive_buffer(n_ep):
     """With a capacity, a ragged receiver takes whole source blocks in rank order into one pool of
     ceil(cf * T * k) rows and truncates the first block that overflows; everything else is dropped."""

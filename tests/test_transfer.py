@@ -150,14 +150,6 @@ class DictEngine:
         return self.version, self.weights
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
 def test_transport_commits_everywhere_or_nowhere(ray_local, monkeypatch):
     ray = ray_local
     named = _arrays(6)

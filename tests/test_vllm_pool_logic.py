@@ -77,8 +77,7 @@ def weights(offset):
 
 
 @pytest.fixture(scope="module")
-def pool(tmp_path_factory):
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+def pool(tmp_path_factory, ray_local):
     with pytest.MonkeyPatch.context() as mp:
         cls = type("FakeEngineActor", (FakeActor,), {})
         for name in ("generate", "score", "stage", "commit", "abort"):
@@ -90,7 +89,6 @@ def pool(tmp_path_factory):
                      pad_id=99)
         yield p
         p.shutdown()
-    ray.shutdown()
 
 
 def prompts(n, seed=0):
