@@ -62,14 +62,26 @@ class Case:
 
 
 @pytest.fixture(scope="module")
-def case(request, tmp_path_factory):
-    return Case(request.param, tmp_path_factory)
+def cases(tmp_path_factory):
+    """variant name -> its Case, built on first use and kept for the module (whatever the test order)."""
+    built = {}
+
+    def get(name):
+        if name not in built:
+            built[name] = Case(name, tmp_path_factory)
+        return built[name]
+    return get
+
+
+@pytest.fixture
+def case(cases, variant):
+    return cases(variant)
 
 
 def variants(fast=("release_like",)):
-    """Parametrize `case` over every variant; those not in `fast` run in the full suite only."""
+    """Parametrize `variant` over every variant; those not in `fast` run in the full suite only."""
     return pytest.mark.parametrize(
-        "case", [v if v in fast else pytest.param(v, marks=pytest.mark.slow) for v in ref.VARIANTS], indirect=True)
+        "variant", [v if v in fast else pytest.param(v, marks=pytest.mark.slow) for v in ref.VARIANTS])
 
 
 @variants()
@@ -80,9 +92,9 @@ def test_chunked_attention_logits_match_hf(case, chunk):
 
 
 # Fast: every variant's native logits, the released layout's on the release-like variant.
-@pytest.mark.parametrize("case, layout", [
+@pytest.mark.parametrize("variant, layout", [
     pytest.param(v, layout, marks=() if v == "release_like" or layout == "native" else pytest.mark.slow)
-    for v in ref.VARIANTS for layout in ("native", "released")], indirect=["case"])
+    for v in ref.VARIANTS for layout in ("native", "released")])
 def test_logits_match_hf(case, layout):
     name, cfg, hf = case.name, case.cfg, case.hf
     ids = ref.random_ids(cfg, 2, SEQ, seed=1)
@@ -102,8 +114,11 @@ def test_logits_match_hf(case, layout):
         assert diff[:, block_span:].max() > 1e-2
 
 
-@variants()
-@pytest.mark.parametrize("chunk", [0, pytest.param(16, marks=pytest.mark.slow), 24])  # 24: a padded last block
+# Chunks 0 and 24 (a padded last block) on every variant; 16 (divides SEQ: the same chunk loop without the
+# padding) on the release-like one only.
+@pytest.mark.parametrize("variant, chunk", [
+    pytest.param(v, chunk, marks=() if v == "release_like" and chunk != 16 else pytest.mark.slow)
+    for v in ref.VARIANTS for chunk in CHUNKS if chunk != 16 or v == "release_like"])
 def test_gradients_match_torch_autograd(case, chunk):
     cfg = case.cfg
     ids = ref.random_ids(cfg, 2, SEQ, seed=2)
