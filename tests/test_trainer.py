@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -18,14 +19,21 @@ def train(*args, timeout=900):
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+class TinyRun(NamedTuple):
+    out: str
+    rows: list       # training steps (rows with reward/mean)
+    val: list        # held-out evaluations (rows with val/pass@1)
+    terminal: str    # what the run printed, stdout then stderr
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("tiny") / "run")
     r = train(f"run.out_dir={out}", "logging.progress_bar=false")
     assert r.returncode == 0, r.stderr[-3000:]
-    tiny_run.terminal = r.stdout + r.stderr
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-    return out, [r for r in rows if "reward/mean" in r], [r for r in rows if "val/pass@1" in r]
+    return TinyRun(out, [r for r in rows if "reward/mean" in r], [r for r in rows if "val/pass@1" in r],
+                   r.stdout + r.stderr)
 
 
 def assert_quiet(terminal: str, most: int):
@@ -38,7 +46,7 @@ def assert_quiet(terminal: str, most: int):
 
 @pytest.mark.slow
 def test_tiny_demo_learns_within_the_budget(tiny_run):
-    _, rows, _ = tiny_run
+    rows = tiny_run.rows
     reward = np.array([r["reward/mean"] for r in rows])
     assert len(reward) == 200
     start = reward[:10].mean()
@@ -48,7 +56,7 @@ def test_tiny_demo_learns_within_the_budget(tiny_run):
 
 @pytest.mark.slow
 def test_on_policy_diagnostics_and_logged_metrics(tiny_run):
-    _, rows, _ = tiny_run
+    rows = tiny_run.rows
     for r in rows:  # generator and trainer share the weights: no train/inference mismatch in fp32
         assert abs(r["gen_kl_error"]) < 1e-6 and abs(r["token_mult_prob_error"] - 1) < 1e-5
     for key in ("reward/std", "response/length_mean", "response/truncated_frac", "clip_frac", "kl", "grad_norm",
@@ -60,7 +68,7 @@ def test_on_policy_diagnostics_and_logged_metrics(tiny_run):
 @pytest.mark.slow
 def test_held_out_accuracy_rises(tiny_run):
     """Evaluated at the start and every eval.every_steps on prompts training never draws (DigitTask.held_out)."""
-    _, _, val = tiny_run
+    val = tiny_run.val
     assert [r["step"] for r in val] == list(range(0, 201, 20))
     start, end = val[0]["val/pass@1"], val[-1]["val/pass@1"]
     assert end >= 0.9 and end >= 3 * start, (start, end)
@@ -69,7 +77,7 @@ def test_held_out_accuracy_rises(tiny_run):
 
 @pytest.mark.slow
 def test_outputs_checkpoints_export_and_plot(tiny_run, tmp_path):
-    out, _, _ = tiny_run
+    out = tiny_run.out
     assert sorted(os.listdir(os.path.join(out, "checkpoints")))[-1] == "200"
     assert os.path.getsize(os.path.join(out, "curves.png")) > 10_000
     assert os.listdir(os.path.join(out, "tensorboard"))
@@ -88,11 +96,12 @@ def test_outputs_checkpoints_export_and_plot(tiny_run, tmp_path):
 
 @pytest.mark.slow
 def test_the_terminal_is_quiet_and_run_log_has_the_rest(tiny_run):
-    out, _, _ = tiny_run
+    out = tiny_run.out
     assert_quiet(tiny_run.terminal, 5)
     assert tiny_run.terminal.strip().splitlines()[-1].startswith("done:")
     text = open(os.path.join(out, "run.log")).read()
-    assert "INFO absl" in text and "INFO rl" in text
+    assert "INFO absl" in text  # third-party INFO: in the file, not on the terminal
+    assert "rl.trainer" in text and "held out" in text  # and the project's own records
     assert not os.path.exists(os.path.join(out, ".lock"))
 
 
@@ -113,7 +122,7 @@ def snapshot(root):
 def test_eval_command_prints_what_the_run_logged(tiny_run, tmp_path):
     """`python -m m3jax.eval` on the run's last checkpoint, on step 180 and on the HF export prints the values
     the run logged for that step, remembers the best, and writes nothing into the run directory."""
-    out, _, val = tiny_run
+    out, val = tiny_run.out, tiny_run.val
     logged = {r["step"]: {k: v for k, v in r.items() if k.startswith("val/")} for r in val}
     meta = json.load(open(os.path.join(out, "checkpoints", "200", "meta", "metadata")))
     best = max(logged, key=lambda s: (logged[s]["val/pass@1"], -s))
