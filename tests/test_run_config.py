@@ -32,13 +32,16 @@ def write(dirpath: Path, name: str, text: str) -> Path:
 
 @pytest.fixture
 def recipe_paths(tmp_path):
-    """Stand-ins for the recipe's two user-supplied paths."""
+    """Stand-ins for the recipe's three user-supplied paths (the eval file holds two AIME-style problems)."""
     model = tmp_path / "MiniMax-M3"
     model.mkdir()
     (model / "config.json").write_text("{}")
     data = tmp_path / "dapo.parquet"
     data.write_bytes(b"")
-    return [f"model.path={model}", f"data.path={data}"]
+    aime = tmp_path / "aime-2024.jsonl"
+    aime.write_text('{"problem": "Find x if 2x = 10.", "answer": "5"}\n'
+                    '{"problem": "What is 3^2?", "answer": "9"}\n')
+    return [f"model.path={model}", f"data.path={data}", f"eval.path={aime}"]
 
 
 def delta(tmp_path: Path, body: str, name: str = "run.yaml") -> Path:
@@ -153,8 +156,20 @@ def test_recipe_refuses_to_load_without_its_paths():
     assert 'model.path = "???": must be set' in msg and "model.path=..." in msg
     assert "a local Hugging Face model directory" in msg
     assert 'data.path = "???"' in msg and "recipes/m3-32node.yaml" in msg
-    msg = load_error(RECIPE, ["model.path=/no/such/dir", "data.path=/no/such.parquet"])
+    assert 'eval.path = "???"' in msg
+    msg = load_error(RECIPE, ["model.path=/no/such/dir", "data.path=/no/such.parquet", "eval.path=/no/aime.jsonl"])
     assert "model.path" in msg and "no config.json" in msg and "data.path" in msg and "no such file" in msg
+    assert "eval.path = \"/no/aime.jsonl\": no such file" in msg
+
+
+def test_recipe_validates_on_a_user_given_aime_style_file(recipe_paths):
+    from rl.evaluate import eval_records
+    cfg = load_config(RECIPE, recipe_paths)
+    e = cfg.eval
+    assert e.enabled and e.kind == "file" and e.at_start and e.every_steps == cfg.checkpoint.every_steps
+    records = eval_records(cfg)  # every problem of the file, in file order (max_prompts null)
+    assert [(r.prompt, r.answer) for r in records] == [("Find x if 2x = 10.", "5"), ("What is 3^2?", "9")]
+    assert [r.name for r in cfg.reward] == ["math_verify"] and e.reward == ()  # scored by the run's reward
 
 
 def test_one_node_config_is_m3_shaped_and_fits_eight_devices():

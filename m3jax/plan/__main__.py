@@ -61,8 +61,9 @@ def load_job(path: str, overrides: list[str], model: str | None) -> Job:
     apply_overrides(tree, list(overrides), sources)
     if model == "release" or tree.get("model", {}).get("path") == "???":
         tree["model"]["path"], tree["model"]["tiny"] = "unused-by-the-planner", None
-    if tree.get("data", {}).get("path") == "???":
-        tree["data"]["path"] = "unused-by-the-planner"
+    for section in ("data", "eval"):  # the planner reads neither file
+        if tree.get(section, {}).get("path") == "???":
+            tree[section]["path"] = "unused-by-the-planner"
     cfg = from_dict(tree, sources=sources)
     m3 = m3_release() if model == "release" or cfg.model.path == "unused-by-the-planner" else cfg.model.m3_config()
     g = cfg.grpo

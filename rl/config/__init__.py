@@ -99,6 +99,9 @@ def _check_paths(cfg: RunConfig) -> None:
     if cfg.data.kind == "file" and not os.path.isfile(cfg.data.path):
         problems.append(f"data.path = {_show(cfg.data.path)}: no such file; allowed: an existing .jsonl, .json or "
                         ".parquet file")
+    if cfg.eval.enabled and cfg.eval.kind == "file" and cfg.eval.path and not os.path.isfile(cfg.eval.path):
+        problems.append(f"eval.path = {_show(cfg.eval.path)}: no such file; allowed: an existing .jsonl, .json or "
+                        ".parquet file of held-out prompts")
     if not cfg.checkpoint.resume:
         ckpt_dir = checkpoint_dir(cfg)
         found = sorted(os.listdir(ckpt_dir)) if os.path.isdir(ckpt_dir) else []
