@@ -19,9 +19,9 @@ import m3jax
 from rl import checkpoint as ckpt_lib
 from rl.config import RunConfig, checkpoint_dir
 from rl.generation.backends import sampling_of
-from rl.generation.base import SamplingParams, token_logprobs
+from rl.generation.base import SamplingParams
 from rl.grpo.loss import LossConfig, grpo_loss, normalizer
-from rl.logprobs import make_logprob_pass
+from rl.logprobs import make_logprob_pass, policy_logprobs
 from sharding import optim_step
 from sharding.layout import Layout
 from sharding.mesh import build_mesh
@@ -99,12 +99,12 @@ def build_policy(cfg: RunConfig) -> Policy:
                   model.cfg)
 
 
-def grpo_loss_fn(sampling: SamplingParams, loss_cfg: LossConfig) -> Callable:
-    """loss_fn(model, micro_batch) -> (summed GRPO loss, metric sums) for `sharding.train_step`."""
+def grpo_loss_fn(sampling: SamplingParams, loss_cfg: LossConfig, chunk_tokens: int = 0) -> Callable:
+    """loss_fn(model, micro_batch) -> (summed GRPO loss, metric sums) for `sharding.train_step`.
+    chunk_tokens: positions per logits block (`rl.logprobs.policy_logprobs`; 0 = full logits)."""
 
     def loss_fn(model, mb):
-        logits = model(mb["input_ids"], attention_mask=mb["attention_mask"])
-        logp = token_logprobs(logits, mb["targets"], sampling.temperature, sampling.top_p, sampling.top_k)
+        logp = policy_logprobs(model, mb, sampling, chunk_tokens)
         return grpo_loss(logp, mb["logp_old"], mb["logp_gen"], mb["advantages"], mb["loss_mask"], loss_cfg,
                          mb.get("logp_ref"))
 
@@ -115,14 +115,15 @@ def make_update(policy: Policy, loss_cfg: LossConfig) -> Callable:
     """update(state, micro_batches) -> (state, metrics): the jitted GRPO train step on the run's layout,
     normalised by the step's token count as `loss_cfg.aggregation` says."""
     return make_train_step(
-        policy.graphdef, policy.optimizer, grpo_loss_fn(policy.sampling, loss_cfg), mesh=policy.layout,
+        policy.graphdef, policy.optimizer,
+        grpo_loss_fn(policy.sampling, loss_cfg, policy.cfg.model.logprob_chunk_tokens), mesh=policy.layout,
         shardings=policy.shardings,
         normalizer=lambda b: normalizer(b["loss_mask"].reshape(-1, b["loss_mask"].shape[-1]), loss_cfg))
 
 
 def make_logprobs(policy: Policy) -> Callable:
     """logprobs(params, rest, micro_batches) -> logp: the same forward and sampling transform as the loss."""
-    return make_logprob_pass(policy.graphdef, policy.sampling, policy.layout)
+    return make_logprob_pass(policy.graphdef, policy.sampling, policy.layout, policy.cfg.model.logprob_chunk_tokens)
 
 
 def checkpointer_for(cfg: RunConfig) -> ckpt_lib.Checkpointer:

@@ -27,6 +27,7 @@ from sharding.layout import Layout, as_layout
 from sharding.rules import mesh_axes_of
 
 ACT = ("act_batch", "act_seq", "act_embed")
+LOGITS = ("act_batch", "act_seq", "act_vocab")
 
 
 class Buffer(nnx.Variable):
@@ -50,6 +51,13 @@ def decoding_layout(layout: Layout) -> Layout:
     batch_axes = mesh_axes_of("act_batch", layout.rules)
     experts = tuple(a for a in mesh_axes_of("experts", layout.rules) if a in batch_axes)
     return layout.with_rule("act_seq", None).with_rule("experts", experts)
+
+
+def lm_head_logits(x: jax.Array, lm_head: jax.Array, layout: Layout = Layout()) -> jax.Array:
+    """Logits [B, S, vocab] = x [B, S, d] @ lm_head [vocab, d].T, in the operands' dtype (no upcast: a
+    bf16 model gives bf16 logits), placed on `LOGITS`. The model's forward and the chunked logprob pass
+    (`rl.logprobs`, a block of positions at a time) both use this, so their logits are the same numbers."""
+    return layout.constrain(jnp.einsum("bsd,vd->bsv", x, lm_head), LOGITS)
 
 
 class LayerStack(nnx.Module):
@@ -132,12 +140,15 @@ class M3ForCausalLM(nnx.Module):
         ])
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array | None = None,
-                 attention_mask: jax.Array | None = None, cache: list | None = None):
+                 attention_mask: jax.Array | None = None, cache: list | None = None, hidden: bool = False):
         """Logits [B, S, vocab] for input_ids [B, S].
 
         positions [B, S] default to 0..S-1; attention_mask [B, S_keys] (1 = real token) for right padding.
         cache (from `init_cache`): decode mode; the tokens' keys are written at slots = positions and
         (logits, updated cache) is returned. attention_mask then covers the cache's S_max slots.
+        hidden: return the final hidden states [B, S, d] (after the final norm) in place of the logits;
+        `lm_head_logits(h, self.lm_head[...], self.layout)` turns them into the logits (the chunked
+        logprob pass does so a block of positions at a time, never holding [B, S, vocab]).
         """
         cfg = self.cfg
         layout = self.layout if cache is None else decoding_layout(self.layout)
@@ -155,9 +166,8 @@ class M3ForCausalLM(nnx.Module):
                 x, stack_cache = stack(x, cos, sin, positions, key_valid, cache[i], layout=layout)
                 new_cache.append(stack_cache)
         x = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
-        logits = layout.constrain(jnp.einsum("bsd,vd->bsv", x, self.lm_head[...]),
-                                  ("act_batch", "act_seq", "act_vocab"))
-        return logits if cache is None else (logits, new_cache)
+        out = x if hidden else lm_head_logits(x, self.lm_head[...], layout)
+        return out if cache is None else (out, new_cache)
 
     def init_cache(self, batch: int, max_len: int) -> list:
         """Empty decode cache: per stack, keys/values (and indexer keys) for max_len slots."""

@@ -109,6 +109,12 @@ class ModelSection(_Section):
     remat: bool = _f(False, "activation checkpointing (recompute each layer in the backward pass)")
     attention_query_chunk: int = _f(0, "local queries per attention-scores block (a rematerialised scan): "
                                        "[chunk, S] scores live instead of [S_local, S]; 0 = all at once", min=0)
+    # Not an M3ForCausalLM option (the model returns hidden states or logits): the logprob pass and the
+    # loss read it (rl.policy), so it stays out of model_options.
+    logprob_chunk_tokens: int = _f(1024, "positions of each row whose [.., vocab] logits are computed at once "
+                                         "by the logprob pass and the loss (a rematerialised loop over blocks; "
+                                         "same values and gradients); 0 = the whole sequence's logits at once",
+                                   min=0)
     moe_capacity_factor: float | None = _f(None, "bound on an expert-parallel device's receive buffer, x the "
                                                  "balanced load (tokens x top_k); overflow is dropped; null = "
                                                  "dropless (worst-case buffers)", gt=0)
