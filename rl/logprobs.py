@@ -30,26 +30,31 @@ _INPUTS = ("input_ids", "attention_mask", "targets")
 
 
 def chunked_token_logprobs(hidden: jax.Array, lm_head: jax.Array, targets: jax.Array, temperature: float,
-                           top_p: float = 1.0, top_k: int = 0, *, chunk_tokens: int,
-                           layout: Layout = Layout()) -> jax.Array:
+                           top_p: float = 1.0, top_k: int = 0, *, chunk_tokens: int, layout: Layout = Layout(),
+                           head_axes: tuple | None = None) -> jax.Array:
     """log p(target) [..., T] (fp32) from final hidden states [..., T, d] and the LM head [V, d]:
 
         logp[..., t] = log_softmax(sampling_logits(hidden[..., t, :] @ lm_head.T, temperature, top_p,
                                                    top_k))[targets[..., t]]
 
     i.e. `token_logprobs(lm_head_logits(hidden, lm_head), targets, ...)`, computed for at most
-    `chunk_tokens` positions of every row at a time: a `lax.map` over blocks whose body is
-    `jax.checkpoint`ed, so the forward keeps only one block's [..., chunk, V] logits live and the backward
-    recomputes each block's logits instead of saving them (what it keeps per block is the hidden block).
-    Values and gradients (w.r.t. hidden and lm_head) are today's full-logits ones; only the order of the
-    lm_head gradient's sum over positions changes (block by block).
+    `chunk_tokens` positions of every row at a time, so no [..., T, V] array is ever live. Forward: a
+    `lax.map` over blocks keeps one block's logits. Backward (a custom VJP; it saves only its inputs): a
+    scan recomputes each block's logits, back-propagates them to the block's hidden states, and adds the
+    block's lm_head gradient, kept in fp32, to an fp32 sum rounded once to the head's dtype at the end,
+    as the full path's single matmul rounds once. Values and hidden-state gradients are the full path's
+    (the same ops per position); the lm_head gradient differs only in the order of its fp32 sum.
+    Measured on a bf16 head against a float64 gradient of the same bf16 logits (64 blocks): the full path
+    2.4e-3 mean relative error, this 1.6e-3; autodiff through the loop (each block's share rounded to
+    bf16, summed in bf16) 7.1e-3. The fp32 sum is one [V, d] fp32 array, and only in the backward.
 
     Blocks are strided, position t = c * n + j in block j of n: on a layout that cuts the sequence over
     devices (`act_seq`), every block is spread over all of them as the sequence is, so each device works
     on every block and no block gathers positions across devices. T is padded up to n * ceil(T / n) (at
     most n - 1 padded positions, zero hidden states and target 0, dropped from the result). With
-    T <= chunk_tokens there is one block and this is exactly the full-logits computation.
-    layout: where the block's logits live (the model's `layout`; logical axes only).
+    T <= chunk_tokens there is one block: exactly the full-logits program, autodiff included.
+    layout: where the block's logits live (the model's `layout`; logical axes only). head_axes: the head's
+    logical axes (the model's parameter metadata): the fp32 gradient sum is placed as the head is.
     """
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise ValueError(f"chunk_tokens={chunk_tokens!r}: expected an integer >= 1")
@@ -60,15 +65,10 @@ def chunked_token_logprobs(hidden: jax.Array, lm_head: jax.Array, targets: jax.A
     h = hidden.reshape(rows, t, d)
     y = targets.reshape(rows, t)
 
+    sampling = (temperature, top_p, top_k)
     n = -(-t // chunk_tokens)
     if n == 1:
-        logits = lm_head_logits(h, lm_head, layout)
-        return token_logprobs(logits, y, temperature, top_p, top_k).reshape(*lead, t)
-
-    def block(w32, h_blk, y_blk):  # [rows, c, d], [rows, c] -> [rows, c]
-        return token_logprobs(lm_head_logits(h_blk, w32.astype(lm_head.dtype), layout), y_blk, temperature,
-                              top_p, top_k)
-
+        return token_logprobs(lm_head_logits(h, lm_head, layout), y, *sampling).reshape(*lead, t)
     c = -(-t // n)  # positions per block; n * c - t < n padded positions
     pad = n * c - t
     if pad:
@@ -77,15 +77,55 @@ def chunked_token_logprobs(hidden: jax.Array, lm_head: jax.Array, targets: jax.A
     # [rows, c * n] -> [n, rows, c]: block j holds positions j, n + j, 2n + j, ...
     h = layout.constrain(h.reshape(rows, c, n, d).transpose(2, 0, 1, 3), (None, *ACT))
     y = y.reshape(rows, c, n).transpose(2, 0, 1)
-    remat_block = jax.checkpoint(block, prevent_cse=False)  # inside a loop CSE cannot undo the remat
-    # The loop sums its blocks' lm_head gradients in the dtype of what it closes over. Closing over an
-    # fp32 copy (the round trip to a bf16 head inside the block is exact: same logits) sums a bf16 head's
-    # gradient in fp32 and rounds it once, as the full path's single matmul does. Measured on a bf16 head
-    # against a float64 gradient of the same bf16 logits (64 blocks): full path 2.4e-3 mean relative
-    # error, this 1.9e-3; summing in bf16 instead 7.1e-3.
-    w32 = lm_head.astype(jnp.promote_types(lm_head.dtype, jnp.float32))
-    out = jax.lax.map(lambda hy: remat_block(w32, *hy), (h, y))  # [n, rows, c]
+    out = _blocks(sampling, layout, head_axes)(h, lm_head, y)  # [n, rows, c]
     return out.transpose(1, 2, 0).reshape(rows, n * c)[:, :t].reshape(*lead, t)
+
+
+def _blocks(sampling: tuple, layout: Layout, head_axes):
+    """blocks(h [n, rows, c, d], w [V, d], y [n, rows, c]) -> logp [n, rows, c], block by block over the
+    leading axis, with the backward of `chunked_token_logprobs`."""
+
+    # XLA:CPU has no bf16 matmul: it upcasts the head, and loop-invariant code motion then hoists an fp32
+    # copy of it out of the loop (at M3's 200,064 x 6144 head, 4.7 GB per copy, two in the forward: more
+    # than the logits saved). Tying the head to the block in an optimization barrier keeps the upcast
+    # inside the matmul. CPU only: elsewhere bf16 matmuls are native, and the barrier would also keep an
+    # FSDP all-gather of the head from being hoisted out of the loop.
+    tie = jax.lax.optimization_barrier if _platform(layout) == "cpu" else (lambda xw: xw)
+
+    def block(h_blk, w, y_blk):
+        h_blk, w = tie((h_blk, w))
+        return token_logprobs(lm_head_logits(h_blk, w, layout), y_blk, *sampling)
+
+    @jax.custom_vjp
+    def blocks(h, w, y):
+        return jax.lax.map(lambda hy: block(hy[0], w, hy[1]), (h, y))
+
+    def fwd(h, w, y):
+        return blocks(h, w, y), (h, w, y)
+
+    def bwd(res, ct):
+        h, w, y = res
+        acc = jnp.promote_types(w.dtype, jnp.float32)
+
+        def step(dw, xs):
+            h_blk, y_blk, ct_blk = xs
+            h_blk, w_blk = tie((h_blk, w))
+            # the block's logits and their cotangent exactly as autodiff of the full path makes them
+            logits, head_vjp = jax.vjp(lambda x: lm_head_logits(x, w_blk, layout), h_blk)
+            dz = jax.vjp(lambda z: token_logprobs(z, y_blk, *sampling), logits)[1](ct_blk)[0]
+            dw = dw + jnp.einsum("bsv,bsd->vd", dz, h_blk, preferred_element_type=acc)
+            return (dw if head_axes is None else layout.constrain(dw, head_axes)), head_vjp(dz)[0]
+
+        dw0 = jnp.zeros(w.shape, acc)
+        dw, dh = jax.lax.scan(step, dw0 if head_axes is None else layout.constrain(dw0, head_axes), (h, y, ct))
+        return dh, dw.astype(w.dtype), None  # targets: integers, no cotangent
+
+    blocks.defvjp(fwd, bwd)
+    return blocks
+
+
+def _platform(layout: Layout) -> str:
+    return layout.mesh.devices.flat[0].platform if layout.mesh is not None else jax.default_backend()
 
 
 def policy_logprobs(model, mb: dict, sampling: SamplingParams, chunk_tokens: int = 0) -> jax.Array:
@@ -99,7 +139,8 @@ def policy_logprobs(model, mb: dict, sampling: SamplingParams, chunk_tokens: int
         return token_logprobs(logits, mb["targets"], sp.temperature, sp.top_p, sp.top_k)
     hidden = model(mb["input_ids"], attention_mask=mb["attention_mask"], hidden=True)
     return chunked_token_logprobs(hidden, model.lm_head[...], mb["targets"], sp.temperature, sp.top_p, sp.top_k,
-                                  chunk_tokens=chunk_tokens, layout=model.layout)
+                                  chunk_tokens=chunk_tokens, layout=model.layout,
+                                  head_axes=model.lm_head.get_metadata()["logical_axes"])
 
 
 def make_logprob_pass(graphdef, sampling: SamplingParams, layout: Layout = Layout(), chunk_tokens: int = 0):

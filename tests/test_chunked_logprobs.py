@@ -86,7 +86,7 @@ def test_a_bf16_head_gives_the_same_logits_and_its_gradient_within_one_rounding(
     got = _value_and_grads(lambda h, w, y: chunked_token_logprobs(h, w, y, *s, chunk_tokens=4), h, w, y, ct)
     np.testing.assert_array_equal(got[0], want[0])  # the same bf16 logits, then the same fp32 math
     np.testing.assert_array_equal(got[1][0], want[1][0])  # each position's hidden gradient: one block's
-    # lm_head: blocks summed in fp32 and rounded once to bf16 (2^-8 relative), as the full matmul is
+    # lm_head: blocks summed in fp32 and rounded once to bf16, as the full matmul is: within 2^-8 of the max
     np.testing.assert_allclose(got[1][1], want[1][1], rtol=0, atol=2.0 ** -8 * np.max(np.abs(want[1][1])))
 
 
@@ -110,7 +110,8 @@ def test_sharded_blocks_equal_one_device():
     y_s = jax.device_put(y, layout.sharding(("act_batch", "act_seq")))
     w_s = jax.device_put(w, layout.sharding(("vocab", "embed")))
     with jax.set_mesh(layout.mesh):
-        got = _value_and_grads(lambda h, w, y: chunked_token_logprobs(h, w, y, *s, chunk_tokens=8, layout=layout),
+        got = _value_and_grads(lambda h, w, y: chunked_token_logprobs(h, w, y, *s, chunk_tokens=8, layout=layout,
+                                                                      head_axes=("vocab", "embed")),
                                h_s, w_s, y_s, ct)
     _assert_same(got, want, rtol=1e-6)
 
@@ -186,8 +187,9 @@ def _temp_bytes(chunk: int, t: int, v: int = 32768, d: int = 64) -> int:
 
 
 def test_chunked_temporaries_do_not_grow_with_tokens_times_vocab():
-    """Forward + backward at vocab 32k, T 2048: the full path holds several [T, V] fp32 buffers; chunks
-    of 256 hold [256, V] ones, and doubling T leaves them as they are (scripts/bench_logprob_memory.py)."""
+    """Forward + backward at vocab 32k, T 2048: the full path holds several [T, V] fp32 buffers; blocks
+    of 256 positions hold [256, V] ones (plus the [V, d] fp32 gradient sum), and doubling T leaves them
+    as they are (scripts/bench_logprob_memory.py has the M3-sized figures)."""
     full, chunked, chunked_2t = _temp_bytes(0, 2048), _temp_bytes(256, 2048), _temp_bytes(256, 4096)
     tv = 2048 * 32768 * 4
     assert full >= tv  # at least one [T, V] fp32 array
