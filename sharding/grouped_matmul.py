@@ -1,0 +1,101 @@
+"""Grouped matmuls whose cost can follow the filled rows, not the buffer they sit in; kernel choice.
+
+    grouped_matmul   out[r] = rows[r] @ W_e(r)^T                     rows [N, in], weights [E, out, in]
+    grouped_mlp      out[r] = act(rows[r] @ W_in_e(r)^T) @ W_out_e(r)^T   (an expert MLP, fused when tiled)
+for r < F = sum(group_sizes), e(r) = the group holding row r (rows sorted by group); rows F..N-1 are
+padding: zero output, zero gradient. Weights in the HF [out, in] layout.
+
+Kernels (`kernel=`):
+  ragged_dot  `jax.lax.ragged_dot_general`, the oracle (today's path; grouped_mlp = two ragged dots
+              with `act` between). XLA:CPU lowers it densely (rows expanded to a masked [E, N, in]
+              tensor: E x N rows multiplied) and jaxlib 0.10.x's CUDA lowering is a dense matmul too, so
+              its cost follows the buffer N, not F.
+  tiled       `sharding.tiled_grouped`: a while_loop over (row tile, group) segments that stops after
+              the last filled tile, custom VJP over the same segments:
+                  executed rows <= tile * (ceil(F / tile) + E - 1)             (`executed_rows`)
+              grouped_mlp is fused: its hidden [N, H] is never materialised (one tile at a time) and
+              the backward recomputes it per tile (+ one rows @ W_in^T: 11/9 of the three matmuls'
+              6 x 3 units of FLOPs for a SwiGLU expert with H = 2A).
+  auto        tiled on CPU (measured: scripts/bench_grouped_matmul.py, BENCHMARKS.md 2026-12-01);
+              ragged_dot on GPU/TPU: whether tiled, ragged_dot or a grouped-GEMM kernel is fastest there
+              awaits a measurement (scripts/gpu_check.py); none exists yet, so nothing else is claimed.
+Not wired: jax 0.10.2's Mosaic GPU kernels (`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu` for the
+forward and input gradient, `transposed_ragged_dot_mgpu` for the weight gradient, under a custom VJP;
+Hopper only, bf16, dims multiples of their blocks) are the candidate GPU kernel; they cannot be compiled
+or tested without a Hopper GPU, so they are left for the session that has one.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from sharding.tiled_grouped import same_varying, tiled_matmul, tiled_mlp
+
+KERNELS = ("auto", "ragged_dot", "tiled")
+DEFAULT_TILE = 128
+
+# rows [N, in] against per-group weights [E, out, in]: contract `in` with the last weight axis.
+ROWS_BY_GROUP = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=(0,), rhs_group_dimensions=(0,))
+
+
+def resolve_kernel(kernel: str = "auto", backend: str | None = None) -> str:
+    """The concrete kernel for `kernel` on `backend` (default: jax's default backend)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"grouped matmul kernel {kernel!r}: expected one of {', '.join(KERNELS)}")
+    if kernel != "auto":
+        return kernel
+    return "tiled" if (backend or jax.default_backend()) == "cpu" else "ragged_dot"
+
+
+def _tile(tile: int, n: int) -> int:
+    if tile < 1:
+        raise ValueError(f"tile={tile}: expected >= 1")
+    return min(tile, n)
+
+
+def grouped_matmul(rows: jax.Array, weights: jax.Array, group_sizes: jax.Array, *, kernel: str = "auto",
+                   tile: int = DEFAULT_TILE) -> jax.Array:
+    """rows [N, in] (sorted by group) x weights [E, out, in] -> [N, out]; see the module docstring."""
+    kernel = resolve_kernel(kernel)
+    if kernel == "ragged_dot" or rows.shape[0] == 0:
+        return jax.lax.ragged_dot_general(rows, weights, group_sizes, ROWS_BY_GROUP)
+    rows, weights, group_sizes = same_varying(rows, weights, group_sizes.astype(jnp.int32))
+    return tiled_matmul(rows, weights, group_sizes, _tile(tile, rows.shape[0]))
+
+
+def grouped_mlp(rows: jax.Array, w_in: jax.Array, w_out: jax.Array, group_sizes: jax.Array,
+                act: Callable[[jax.Array], jax.Array], *, kernel: str = "auto", tile: int = DEFAULT_TILE
+                ) -> jax.Array:
+    """act(rows @ W_in_e^T) @ W_out_e^T per group: rows [N, in], w_in [E, H, in], w_out [E, out, A],
+    act [.., H] -> [.., A] row-wise (a row's output depends on that row alone). -> [N, out]."""
+    kernel = resolve_kernel(kernel)
+    if kernel != "tiled" or rows.shape[0] == 0:
+        h = grouped_matmul(rows, w_in, group_sizes, kernel=kernel, tile=tile)
+        return grouped_matmul(act(h), w_out, group_sizes, kernel=kernel, tile=tile)
+    rows, w_in, w_out, group_sizes = same_varying(rows, w_in, w_out, group_sizes.astype(jnp.int32))
+    return tiled_mlp(rows, w_in, w_out, group_sizes, act, _tile(tile, rows.shape[0]))
+
+
+def executed_rows(filled: float, groups: int, kernel: str, buffer_rows: float | None = None,
+                  tile: int = DEFAULT_TILE) -> float:
+    """Rows a grouped matmul multiplies (each through one group's weight) for `filled` real rows in a
+    buffer of `buffer_rows` (default: filled) with `groups` groups:
+
+        tiled       tile * min(ceil(F / tile), ceil(N / tile)) + tile * (G - 1)   (an upper bound: every
+                    group boundary inside a tile)
+        dense       G * N   a dense lowering of ragged_dot (every group against the whole zero-padded buffer)
+        grouped     F       an ideal grouped-GEMM kernel
+    """
+    n = filled if buffer_rows is None else buffer_rows
+    if kernel == "tiled":
+        return float(tile * (min(math.ceil(filled / tile), math.ceil(n / tile)) + groups - 1))
+    if kernel == "dense":
+        return float(groups * n)
+    if kernel == "grouped":
+        return float(filled)
+    raise ValueError(f"kernel {kernel!r}: expected tiled, dense or grouped")
