@@ -540,7 +540,8 @@ def test_print_config_command_line(tmp_path, capsys):
     assert rc.main(["--config", str(TINY), "grpo.group_sise=4"]) == 2
     assert "grpo.group_sise: unknown key" in capsys.readouterr().err
     # --print-config does not need the recipe's paths to exist, only to be given
-    assert rc.main(["--config", str(RECIPE), "model.path=/not/here", "data.path=/nor/here.parquet"]) == 0
+    assert rc.main(["--config", str(RECIPE), "model.path=/not/here", "data.path=/nor/here.parquet",
+                    "eval.path=/nor/aime.jsonl"]) == 0
     assert "path: /not/here" in capsys.readouterr().out
 
 
