@@ -125,7 +125,7 @@ def from_pretrained(path: str | os.PathLike, dtype=None, *, mesh=None, **model_o
     "tensor") and the default rules): each parameter is placed on its shards per the layout's rules, and
     the model keeps the layout for every later call. A mesh that cannot hold this model raises
     `MeshError` naming the field before anything is read. Default: the default device.
-    model_options: passed to M3ForCausalLM (remat, moe_capacity_factor, moe_exchange).
+    model_options: passed to M3ForCausalLM (remat, moe_capacity_factor, moe_exchange, moe_kernel).
     """
     path = os.fspath(path)
     cfg = M3Config.from_pretrained(path)

@@ -23,6 +23,7 @@ from m3jax.model.moe import moe_block
 from m3jax.model.norms import rms_norm
 from m3jax.model.rope import rope_cos_sin
 from m3jax.model.specs import MOE_MLP, SPARSE_ATTENTION, ParamSpec, layer_param_specs, top_param_specs
+from sharding.grouped_matmul import resolve_kernel
 from sharding.layout import Layout, as_layout
 from sharding.rules import mesh_axes_of
 
@@ -65,11 +66,11 @@ class LayerStack(nnx.Module):
 
     def __init__(self, cfg: M3Config, attn_kind: str, mlp_kind: str, layer_ids, *, dtype, rngs: nnx.Rngs,
                  remat: bool = True, moe_capacity_factor: float | None = None, moe_exchange: str | None = None,
-                 attention_query_chunk: int = 0, layout: Layout = Layout()):
+                 attention_query_chunk: int = 0, layout: Layout = Layout(), moe_kernel: str = "auto"):
         self.cfg, self.attn_kind, self.mlp_kind, self.layout = cfg, attn_kind, mlp_kind, layout
         self.layer_ids = tuple(layer_ids)
         self.remat, self.attention_query_chunk = remat, attention_query_chunk
-        self.moe_capacity_factor, self.moe_exchange = moe_capacity_factor, moe_exchange
+        self.moe_capacity_factor, self.moe_exchange, self.moe_kernel = moe_capacity_factor, moe_exchange, moe_kernel
         n = len(self.layer_ids)
         self.param_names = tuple(layer_param_specs(cfg, attn_kind, mlp_kind))
         for name, spec in layer_param_specs(cfg, attn_kind, mlp_kind).items():
@@ -93,7 +94,7 @@ class LayerStack(nnx.Module):
             x = x + attn
             h = rms_norm(x, p["post_norm"], cfg.rms_norm_eps)
             if moe:
-                x = x + moe_block(p, h, cfg, layout, self.moe_capacity_factor, self.moe_exchange)
+                x = x + moe_block(p, h, cfg, layout, self.moe_capacity_factor, self.moe_exchange, self.moe_kernel)
             else:
                 x = x + dense_mlp(h, p["mlp_gate_up"], p["mlp_down"], cfg.swiglu_alpha, cfg.swiglu_limit)
             return layout.constrain(x, ACT), layer_cache
@@ -117,10 +118,12 @@ class M3ForCausalLM(nnx.Module):
 
     def __init__(self, cfg: M3Config, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None, remat: bool = True,
                  moe_capacity_factor: float | None = None, moe_exchange: str | None = None,
-                 attention_query_chunk: int = 0, layout=None):
+                 attention_query_chunk: int = 0, layout=None, moe_kernel: str = "auto"):
         """remat: rematerialise each layer in the backward pass. moe_capacity_factor: cap on the rows an
         expert-parallel device sends to one peer, x (tokens*top_k / n_ep); None = dropless.
         moe_exchange: "padded" | "ragged" | "ragged_emulated"; None = ragged on GPU/TPU, padded on CPU.
+        moe_kernel: the experts' grouped matmul, "auto" | "ragged_dot" | "tiled" (`sharding.grouped_matmul`;
+        auto = tiled on CPU, ragged_dot elsewhere).
         attention_query_chunk: local queries per attention scores block (0 = all at once).
         layout: the `sharding.layout.Layout` (or a jax Mesh with the default rules) the model runs on;
         None = one device. Parameters are created where jax puts them; `from_pretrained` or the
@@ -128,6 +131,7 @@ class M3ForCausalLM(nnx.Module):
         if isinstance(attention_query_chunk, bool) or not isinstance(attention_query_chunk, int) \
                 or attention_query_chunk < 0:
             raise ValueError(f"attention_query_chunk={attention_query_chunk!r}: expected an integer >= 0")
+        resolve_kernel(moe_kernel)  # fail at construction on an unknown kernel name
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         self.cfg, self.dtype, self.layout = cfg, jnp.dtype(dtype), as_layout(layout)
         for name, spec in top_param_specs(cfg).items():
@@ -135,7 +139,7 @@ class M3ForCausalLM(nnx.Module):
         self.stacks = nnx.List([
             LayerStack(cfg, attn, mlp, ids, dtype=dtype, rngs=rngs, remat=remat,
                        moe_capacity_factor=moe_capacity_factor, moe_exchange=moe_exchange,
-                       attention_query_chunk=attention_query_chunk, layout=self.layout)
+                       attention_query_chunk=attention_query_chunk, layout=self.layout, moe_kernel=moe_kernel)
             for attn, mlp, ids in cfg.segments()
         ])
 

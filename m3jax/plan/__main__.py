@@ -21,7 +21,7 @@ from sharding.mesh import MeshConfig, MeshError, validate
 from m3jax.plan.check import print_check
 from m3jax.plan.compile import compile_reduced, print_compile
 from sharding.expert import receive_rows
-from m3jax.plan.flops import Hardware, comm_bytes, expert_rows_factor, step_flops, step_time
+from m3jax.plan.flops import Hardware, comm_bytes, expert_recompute, expert_rows_factor, step_flops, step_time
 from m3jax.plan.memory import GB, Batch, memory_phases, memory_plan
 from m3jax.plan.models import m3_release
 
@@ -49,8 +49,11 @@ class Job:
     @property
     def batch(self) -> Batch:
         """The micro-batch as a GPU runs it: the ragged expert exchange unless the options say otherwise."""
+        from sharding.grouped_matmul import resolve_kernel
+        kernel = resolve_kernel(self.model_options.get("moe_kernel", "auto"), backend="gpu")
         return Batch(self.micro_batch, self.seq_len, max(self.num_micro, 1), self.remat,
-                     ragged_dot=self.ragged_dot, **{"moe_exchange": "ragged", **self.model_options})
+                     ragged_dot=self.ragged_dot, **{"moe_exchange": "ragged", **self.model_options,
+                                                    "moe_kernel": kernel})
 
 
 def load_job(path: str, overrides: list[str], model: str | None) -> Job:
@@ -91,7 +94,7 @@ def plan(job: Job, hw: Hardware) -> dict:
     s_l = job.seq_len // job.mesh.context
     fl = step_flops(job.model, job.seqs_per_update * job.updates, job.seq_len, job.remat,
                     query_chunked=0 < b.attention_query_chunk < s_l,
-                    expert_rows=expert_rows_factor(job.model, job.mesh, b))
+                    expert_rows=expert_rows_factor(job.model, job.mesh, b), expert_recompute=expert_recompute(b))
     n_ep = job.mesh.expert_parallel
     sent = None if b.exchange == "ragged" else receive_rows(
         job.micro_batch * s_l, job.model.num_experts_per_tok, n_ep, job.model.num_local_experts // n_ep,
@@ -119,7 +122,8 @@ def print_plan(job: Job, p: dict, device_gb: float) -> None:
           f"seq {job.seq_len}, master={job.master}, moments={job.moment_dtype}, remat={job.remat}")
     b = job.batch
     print(f"attention_query_chunk={b.attention_query_chunk}, expert exchange {b.exchange} "
-          f"(capacity factor {b.moe_capacity_factor or 'none: dropless'}), grouped matmuls lowered {b.ragged_dot}")
+          f"(capacity factor {b.moe_capacity_factor or 'none: dropless'}), expert matmuls "
+          f"{'tiled (moe_kernel)' if b.expert_matmul == 'tiled' else 'ragged_dot lowered ' + b.ragged_dot}")
     binding = max(p["phases"], key=lambda k: p["phases"][k]["total"])
     other = next(k for k in p["phases"] if k != binding)
     print(f"{'per-device memory (' + binding + ' peak)':34s} {'GB':>9s}")
@@ -208,7 +212,8 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=20, help="rows of the sweep table")
     ap.add_argument("--ragged-dot", choices=("dense", "grouped"), default="dense",
                     help="how XLA lowers the grouped expert matmuls on the GPU: dense = zero-padded batched matmul "
-                         "over the whole receive buffer (XLA's default), grouped = a grouped-GEMM kernel")
+                         "over the whole receive buffer (XLA's default), grouped = a grouped-GEMM kernel; "
+                         "model.moe_kernel=tiled plans the tiled kernel instead")
     a = ap.parse_args(argv)
     job = dataclasses.replace(load_job(a.config, a.overrides, a.model), ragged_dot=a.ragged_dot)
     hw = Hardware(a.peak_tflops * 1e12, a.mfu, a.nvlink_gbps * 1e9, a.ib_gbps * 1e9)

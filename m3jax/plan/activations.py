@@ -21,6 +21,7 @@ import math
 from m3jax.config import MOE_MLP, SPARSE_ATTENTION, M3Config
 from m3jax.model.specs import layer_param_specs, top_param_specs
 from sharding.expert import receive_rows
+from sharding.grouped_matmul import DEFAULT_TILE
 from sharding.mesh import MeshConfig
 
 _SIZES = ("data", "context", "expert", "tensor")
@@ -61,13 +62,17 @@ def attention_terms(cfg: M3Config, mesh: MeshConfig, sparse: bool, b: int, s: in
 
 
 def moe_terms(cfg: M3Config, mesh: MeshConfig, t_l: int, a: int, capacity_factor: float | None, exchange: str,
-              ragged_dot: str) -> dict:
+              ragged_dot: str, tile: int = DEFAULT_TILE) -> dict:
     """MoE part of the MLP phase (residuals and cotangents), bytes per device:
 
         moe_dispatch      2 * n_buf * W * d * a     the exchange's [W, d] buffers and cotangents: padded
                           n_buf = 6 (send, receive, regrouped, expert output, return send, return receive);
                           ragged 2 (receive, expert output) + 2 (regrouped, scattered back) when G > 1
-        expert_hidden     2 * W * 3 * I / n_t * a   gate_up output and activation of the received rows
+        expert_hidden     2 * W * 3 * I / n_t * a   gate_up output and activation of the received rows;
+                          2 * tile * 3 * I / n_t * a with the tiled kernel (ragged_dot = "tiled": its fused
+                          MLP holds one tile's hidden at a time and recomputes it in the backward)
+        expert_grad_fp32  G * 3 * I / n_t * d * 4   with the tiled kernel: its fp32 accumulators of the local
+                          experts' weight gradients (cast to the param dtype when its backward ends)
         ragged_dot_expansion  G * W * (d + 2 I / n_t) * a   when G > 1 and the grouped matmul is lowered
                           densely (XLA's GPU default and the CPU): rows zero-padded per group, [G, W, in] and
                           [G, W, out] (the transient of one matmul)
@@ -82,7 +87,8 @@ def moe_terms(cfg: M3Config, mesh: MeshConfig, t_l: int, a: int, capacity_factor
     n_buf = 6 if exchange == "padded" or n_ep == 1 else 2 + (2 if g > 1 else 0)
     i_l = cfg.intermediate_size / nt
     return {"moe_dispatch": 2 * n_buf * w * d * a,
-            "expert_hidden": 2 * w * 3 * i_l * a,
+            "expert_hidden": 2 * (min(tile, w) if ragged_dot == "tiled" else w) * 3 * i_l * a,
+            "expert_grad_fp32": g * 3 * i_l * d * 4 if ragged_dot == "tiled" else 0.0,
             "ragged_dot_expansion": g * w * (d + 2 * i_l) * a if g > 1 and ragged_dot == "dense" else 0.0,
             "token_rows": 2 * t_l * k * d * (2 * a + 4),
             "mlp_hidden": 2 * t_l * 3 * cfg.shared_intermediate_size / nt * a}
@@ -110,7 +116,7 @@ def layer_phases(cfg: M3Config, mesh: MeshConfig, attn: str, mlp: str, batch, a:
     t_l = b * (s // sz["context"])
     att, residual = attention_terms(cfg, mesh, attn == SPARSE_ATTENTION, b, s, a, batch.attention_query_chunk)
     if mlp == MOE_MLP:
-        part = moe_terms(cfg, mesh, t_l, a, batch.moe_capacity_factor, exchange, batch.ragged_dot)
+        part = moe_terms(cfg, mesh, t_l, a, batch.moe_capacity_factor, exchange, batch.expert_matmul)
     else:
         part = {"mlp_hidden": 2 * t_l * 3 * cfg.dense_intermediate_size / sz["tensor"] * a}
     weights = {"gathered_weights": gathered_weights(cfg, mesh, attn, mlp, a, shard_dims)}

@@ -60,24 +60,37 @@ def causal_pairs(s: int, window: int | None = None) -> int:
 
 
 def expert_rows_factor(cfg: M3Config, mesh: MeshConfig, batch, ragged_dot: str | None = None) -> float:
-    """Rows the grouped expert matmuls execute per routed (token, expert) row, per device:
+    """Rows the grouped expert matmuls execute per routed (token, expert) row, per device
+    (`sharding.grouped_matmul.executed_rows` over F = T_l * k routed rows in the receive buffer):
 
         dense lowering    G * W / (T_l * k)   every local expert multiplies every row of the receive buffer
                           (zero-padded per group: XLA's GPU default and the CPU reference rule)
+        tiled kernel      tile * (ceil(T_l * k / tile) + G - 1) / (T_l * k)   the filled rows rounded up to
+                          row tiles, plus a tile per group boundary (`batch.expert_matmul` = "tiled")
         grouped kernel    1                   only the real rows
     with W = `sharding.expert.receive_rows` for the batch's exchange and capacity, G = E / n_ep local experts.
+    ragged_dot overrides the batch's way ("dense" | "grouped" | "tiled").
     """
     from sharding.expert import receive_rows
-    if (ragged_dot or batch.ragged_dot) != "dense":
+    from sharding.grouped_matmul import executed_rows
+    mode = ragged_dot or batch.expert_matmul
+    if mode == "grouped":
         return 1.0
     sz = mesh_sizes(mesh)
     t_l, k, n_ep = batch.micro_batch * batch.seq_len // sz["context"], cfg.num_experts_per_tok, mesh.expert_parallel
     g = cfg.num_local_experts // n_ep
-    return g * receive_rows(t_l, k, n_ep, g, batch.moe_capacity_factor, batch.exchange) / (t_l * k)
+    w = receive_rows(t_l, k, n_ep, g, batch.moe_capacity_factor, batch.exchange)
+    return executed_rows(min(t_l * k, w), g, mode, w) / (t_l * k)
+
+
+def expert_recompute(batch) -> float:
+    """Extra forward work of the routed experts' matmuls, as a fraction of their forward: the tiled
+    kernel's fused MLP recomputes rows @ W_gate_up^T (2 of the 3 I x d matrices) in its backward: 2/3."""
+    return 2 / 3 if batch.expert_matmul == "tiled" else 0.0
 
 
 def step_flops(cfg: M3Config, seqs: int, seq_len: int, remat: bool = True, *, query_chunked: bool = False,
-               expert_rows: float = 1.0) -> dict[str, float]:
+               expert_rows: float = 1.0, expert_recompute: float = 0.0) -> dict[str, float]:
     """FLOPs of one step over `seqs` sequences of `seq_len` tokens (N = seqs * seq_len tokens).
 
     model FLOPs (what the maths needs):
@@ -91,7 +104,9 @@ def step_flops(cfg: M3Config, seqs: int, seq_len: int, remat: bool = True, *, qu
         padding rows the grouped matmul multiplies too); with remat one more forward of every layer
         (2 * layer params * N + the forward attention/indexer again); attention over the full [S, S] block
         on every layer (the model masks, it does not skip: 12 * H*D * S^2 per layer); with query-chunked
-        attention one more forward of the attention and the indexer (each block is recomputed in its backward).
+        attention one more forward of the attention and the indexer (each block is recomputed in its backward);
+        the routed experts' forward again x `expert_recompute` (`expert_recompute(batch)`: the tiled kernel's
+        backward recomputes the gate/up projection): 2 * routed params * expert_rows * expert_recompute * N.
     """
     act = active_matmul_params(cfg)
     n = seqs * seq_len
@@ -113,6 +128,7 @@ def step_flops(cfg: M3Config, seqs: int, seq_len: int, remat: bool = True, *, qu
     full_attn = 12 * h * dd * seq_len * seq_len * cfg.num_hidden_layers * seqs
     idx_exec = 2 * cfg.index_n_heads * cfg.index_head_dim * seq_len * seq_len * n_sparse * seqs
     executed = 6 * (layer_exec + act["head"]) * n + out["indexer_proj"] + full_attn + idx_exec
+    executed += 2 * routed * expert_rows * expert_recompute * n
     if remat:
         executed += 2 * layer_exec * n + out["indexer_proj"] + full_attn / 3 + idx_exec
     if query_chunked:

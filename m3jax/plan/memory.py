@@ -142,8 +142,10 @@ class Batch:
     micro_batch: sequences per data-parallel rank (data x expert); num_micro: micro-batches per optimizer
     update; seq_len: tokens per sequence; remat, attention_query_chunk, moe_capacity_factor: the model
     options (`M3ForCausalLM`); moe_exchange: "padded" | "ragged", None = the planning process's backend
-    default (`sharding.expert.default_exchange`: padded on CPU, ragged on GPU); ragged_dot: how XLA lowers
-    the grouped expert matmuls: "dense" (rows zero-padded per local expert into one batched matmul: XLA's
+    default (`sharding.expert.default_exchange`: padded on CPU, ragged on GPU); moe_kernel: the experts'
+    grouped-matmul kernel (`sharding.grouped_matmul`), "auto" resolved for the planning process's backend
+    like the exchange (`m3jax.plan.__main__.Job.batch` resolves it for the GPU); ragged_dot: how XLA lowers
+    the ragged_dot kernel: "dense" (rows zero-padded per local expert into one batched matmul: XLA's
     GPU default and the CPU reference) or "grouped" (a grouped-GEMM kernel that touches real rows only).
     """
     micro_batch: int
@@ -154,16 +156,24 @@ class Batch:
     moe_capacity_factor: float | None = None
     moe_exchange: str | None = None
     ragged_dot: str = "dense"
+    moe_kernel: str = "auto"
 
     @property
     def exchange(self) -> str:
         from sharding.expert import default_exchange
         return self.moe_exchange or default_exchange()
 
+    @property
+    def expert_matmul(self) -> str:
+        """How the grouped expert matmuls execute: "tiled" (the tiled kernel: filled rows rounded up to
+        tiles), else the ragged_dot lowering `ragged_dot` ("dense" or "grouped")."""
+        from sharding.grouped_matmul import resolve_kernel
+        return "tiled" if resolve_kernel(self.moe_kernel) == "tiled" else self.ragged_dot
+
     def model_options(self) -> dict:
         """M3ForCausalLM keywords of this batch's model options besides remat."""
         return {"attention_query_chunk": self.attention_query_chunk, "moe_capacity_factor": self.moe_capacity_factor,
-                "moe_exchange": self.moe_exchange}
+                "moe_exchange": self.moe_exchange, "moe_kernel": self.moe_kernel}
 
 
 def _shard_dims(mesh: MeshConfig, rules):

@@ -118,11 +118,16 @@ class ModelSection(_Section):
     moe_capacity_factor: float | None = _f(None, "bound on an expert-parallel device's receive buffer, x the "
                                                  "balanced load (tokens x top_k); overflow is dropped; null = "
                                                  "dropless (worst-case buffers)", gt=0)
+    # sharding.grouped_matmul.KERNELS, listed here so that the schema needs no jax
+    moe_kernel: str = _f("auto", "grouped matmul of the routed experts: tiled (walks only the filled rows of the "
+                                 "receive buffer), ragged_dot (jax.lax.ragged_dot: dense lowering on CPU and "
+                                 "jaxlib 0.10 CUDA), auto (tiled on CPU, ragged_dot on GPU/TPU)",
+                         choices=("auto", "ragged_dot", "tiled"))
 
     def model_options(self) -> dict[str, Any]:
         """Keyword options of `M3ForCausalLM` / `m3jax.from_pretrained` this section sets."""
         return {"remat": self.remat, "attention_query_chunk": self.attention_query_chunk,
-                "moe_capacity_factor": self.moe_capacity_factor}
+                "moe_capacity_factor": self.moe_capacity_factor, "moe_kernel": self.moe_kernel}
 
     def m3_config(self):
         """The model's M3Config (tiny: built from the fields; path: read from its config.json)."""

@@ -1,0 +1,172 @@
+"""sharding.grouped_matmul: the tiled kernel equals jax.lax.ragged_dot_general (the oracle), values and
+gradients (rows and weights), for the grouped matmul and the fused grouped MLP, on the layouts an
+expert-parallel receive buffer produces: empty experts, one hot expert, padding rows past the filled
+total, groups not multiples of the tile; and the MoE model gives the same logits and gradients with
+either kernel."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from sharding.grouped_matmul import ROWS_BY_GROUP, executed_rows, grouped_matmul, grouped_mlp, resolve_kernel
+from sharding.tiled_grouped import segments
+
+RTOL = 1e-5  # fp32: max |got - want| / max |want|
+
+
+def _rel(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
+
+
+def _act(h):  # row-wise, like SwiGLU: [.., 2A] -> [.., A]
+    a = h.shape[-1] // 2
+    return jax.nn.silu(h[..., :a]) * (h[..., a:] + 1.0)
+
+
+# group sizes are an argument: cases with the same shapes share one compiled program
+@functools.partial(jax.jit, static_argnames=("op", "kernel", "tile"))
+def _value_and_grads(op, kernel, tile, sizes, args, cot):
+    def loss(args):
+        if op == "matmul":
+            out = grouped_matmul(*args, sizes, kernel=kernel, tile=tile)
+        else:
+            out = grouped_mlp(*args, sizes, _act, kernel=kernel, tile=tile)
+        return jnp.sum(out * cot), out
+    (_, out), grads = jax.value_and_grad(loss, has_aux=True)(args)
+    return out, grads
+
+
+def _check(sizes, n, tile, d_in=24, d_out=40, seed=0):
+    rng = np.random.default_rng(seed)
+    sizes = jnp.asarray(sizes, jnp.int32)
+    e, filled = sizes.shape[0], int(sizes.sum())
+    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
+    rows, cot = normal(n, d_in), normal(n, d_out)
+    cases = {"matmul": (rows, normal(e, d_out, d_in)),
+             "mlp": (rows, normal(e, 2 * 16, d_in) / 4, normal(e, d_out, 16) / 4)}
+    for op, args in cases.items():
+        want, want_g = _value_and_grads(op, "ragged_dot", tile, sizes, args, cot)
+        got, got_g = _value_and_grads(op, "tiled", tile, sizes, args, cot)
+        assert _rel(got, want) <= RTOL, op
+        for i, (g, w) in enumerate(zip(got_g, want_g)):
+            assert _rel(g, w) <= RTOL, (op, i)
+        # padding rows: zero value and zero gradient (exactly, not just close)
+        assert not np.asarray(got[filled:]).any() and not np.asarray(got_g[0][filled:]).any(), op
+        # empty experts get exactly zero weight gradients
+        assert all(not np.asarray(g[np.asarray(sizes) == 0]).any() for g in got_g[1:]), op
+
+
+@pytest.mark.parametrize("sizes, n, tile", [
+    ([5, 0, 13, 0, 9, 1], 64, 8),     # empty experts, boundaries inside tiles, 36 rows of padding
+    ([3, 7, 0, 11], 21, 8),           # no padding, last tile partial (21 rows, tile 8)
+    ([0, 0, 37, 0], 160, 16),         # one hot expert holding every filled row, 4x padding
+    ([0, 29, 0], 29, 8),              # one hot expert, every row filled
+    ([1, 1, 1, 1, 1, 1, 1, 1], 48, 16),  # more groups than tiles: several groups inside one tile
+    ([0, 0, 0], 24, 8),               # nothing filled: all zeros
+    ([4, 6], 7, 128),                 # buffer shorter than the tile (tile shrinks to N); sizes sum past N
+], ids=["empty-experts", "no-padding", "hot-expert-padded", "hot-expert-full", "tiny-groups", "none-filled",
+        "short-buffer"])
+def test_tiled_equals_ragged_dot(sizes, n, tile):
+    if sum(sizes) > n:  # ragged_dot's groups may not run past the buffer: compare on the clipped sizes
+        sizes = list(np.diff(np.minimum(np.cumsum([0] + sizes), n)))
+    _check(sizes, n, tile)
+
+
+def test_random_group_sizes():
+    rng = np.random.default_rng(3)
+    for seed in range(3):  # the shapes of the empty-experts case: its compiled programs are reused
+        filled = int(rng.integers(1, 64))
+        sizes = rng.multinomial(filled, rng.dirichlet(np.ones(6) * 0.5))
+        _check(sizes, 64, 8, seed=seed)
+
+
+def test_clipped_sizes_match_ragged_dot_on_overflow():
+    """Group sizes summing past N (never produced by sharding.expert, but cheap to define): the tiled
+    kernel clips at N like the oracle does on the clipped sizes."""
+    rows, w = jnp.ones((10, 4)), jnp.arange(2 * 3 * 4, dtype=jnp.float32).reshape(2, 3, 4)
+    got = grouped_matmul(rows, w, jnp.array([6, 9]), kernel="tiled", tile=4)
+    want = jax.lax.ragged_dot_general(rows, w, jnp.array([6, 4]), ROWS_BY_GROUP)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_segments_walk_only_filled_tiles():
+    """The loop's trip count: the tiles the filled rows touch, plus one per group boundary inside a tile;
+    never the buffer's tiles past the filled total."""
+    sizes = jnp.array([5, 0, 13, 0, 9, 1], jnp.int32)  # 28 rows filled of 1024
+    tile_of, group_of, _, _, live = segments(sizes, 1024, 8)
+    live = int(live)
+    assert live == 7  # tiles 0..3 (28 rows), + boundaries at rows 5, 18, 27 inside tiles
+    assert int(tile_of[:live].max()) == 3
+    assert [int(g) for g in group_of[:live]] == [0, 2, 2, 2, 4, 4, 5]
+    assert live * 8 <= executed_rows(28, 6, "tiled", 1024, tile=8) == 8 * (4 + 5)
+
+
+def test_bf16_close_to_fp32():
+    rng = np.random.default_rng(0)
+    sizes = jnp.array([10, 0, 22], jnp.int32)
+    rows = jnp.asarray(rng.normal(size=(48, 16)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(3, 8, 16)), jnp.float32)
+    want = grouped_matmul(rows, w, sizes, kernel="ragged_dot")
+    got = grouped_matmul(rows.astype(jnp.bfloat16), w.astype(jnp.bfloat16), sizes, kernel="tiled", tile=8)
+    assert got.dtype == jnp.bfloat16 and _rel(got.astype(jnp.float32), want) < 2e-2
+
+
+def test_kernel_choice():
+    assert resolve_kernel("auto", "cpu") == "tiled" and resolve_kernel("auto", "gpu") == "ragged_dot"
+    assert resolve_kernel("ragged_dot", "cpu") == "ragged_dot"
+    with pytest.raises(ValueError, match="expected one of"):
+        resolve_kernel("dense")
+
+
+def test_moe_model_tiled_equals_ragged_dot():
+    """One-device model forward and gradients: kernel tiled == kernel ragged_dot (fp32)."""
+    from m3jax.tiny import m3_config, m3_model, random_ids
+    cfg = m3_config(layers=1, dense_layers=0, full_attention_layers=1, vocab_size=64, hidden_size=32,
+                    num_attention_heads=2, num_key_value_heads=1, head_dim=16, intermediate_size=16,
+                    num_local_experts=4, num_experts_per_tok=2)
+    ids = jnp.asarray(random_ids(cfg, 2, 24))
+    out = {}
+    for kernel in ("ragged_dot", "tiled"):
+        model = m3_model(cfg, seed=0, remat=False, moe_kernel=kernel)
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+        def loss(params):
+            logits = nnx.merge(graphdef, params, rest)(ids)
+            return jnp.mean(jax.nn.logsumexp(logits, -1) - logits[..., 0]), logits
+        out[kernel] = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+    (_, want), want_g = out["ragged_dot"]
+    (_, got), got_g = out["tiled"]
+    assert _rel(got, want) <= RTOL
+    for (path, g), (_, w) in zip(jax.tree_util.tree_leaves_with_path(got_g), jax.tree_util.tree_leaves_with_path(want_g)):
+        assert _rel(g, w) <= RTOL, jax.tree_util.keystr(path)
+
+
+def test_config_choices_are_the_kernels():
+    import dataclasses
+
+    from rl.config.schema import ModelSection
+    from sharding.grouped_matmul import KERNELS
+    field = next(f for f in dataclasses.fields(ModelSection) if f.name == "moe_kernel")
+    assert tuple(field.metadata["choices"]) == KERNELS and ModelSection().model_options()["moe_kernel"] == "auto"
+
+
+def test_planner_follows_the_kernel():
+    """The 32-node recipe's executed FLOPs and memory: tiled counts the filled rows rounded up to tiles
+    (plus its backward's gate/up recompute) where the dense ragged_dot lowering counts the whole pool."""
+    import dataclasses
+
+    from m3jax.plan.__main__ import load_job, plan
+    from m3jax.plan.flops import Hardware, expert_rows_factor
+    job = load_job("configs/recipes/m3-32node.yaml", [], "release")
+    tiled = dataclasses.replace(job, model_options={**job.model_options, "moe_kernel": "tiled"})
+    assert job.batch.expert_matmul == "dense" and tiled.batch.expert_matmul == "tiled"  # auto plans a GPU
+    assert 1.0 <= expert_rows_factor(tiled.model, tiled.mesh, tiled.batch) < 1.01
+    dense, fast = plan(job, Hardware()), plan(tiled, Hardware())
+    ratio = fast["flops"]["executed_total"] / fast["flops"]["model_total"]
+    assert ratio < dense["flops"]["executed_total"] / dense["flops"]["model_total"] / 10
+    assert fast["memory"]["total"] < dense["memory"]["total"]
