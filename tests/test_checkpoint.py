@@ -241,6 +241,7 @@ def test_restore_into_another_precision_mode(runs, batches, src, dst):
 
 
 # ---------------------------------------------------------------------------------- mesh changes
+@pytest.mark.slow  # restores onto an 8-device mesh and compiles there
 def test_restore_onto_a_mesh_and_back(runs, tmp_path):
     """Saved on one device, restored onto a (2, 2, 2, 1) mesh in the layout of the new run's shardings
     (given by `like`), saved from there and restored onto one device. (fp32 "none" kind: the precision

@@ -25,6 +25,7 @@ def test_empty_stop_tokens_mean_the_models_eos():
     assert backends.sampling_of(explicit, 12).stop_token_ids == (5,)
 
 
+@pytest.mark.slow  # compiles a model's logprob pass
 def test_probe_batch_and_diff_line_up_with_per_sequence_logprobs():
     cfg = M3Config(vocab_size=32, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                    head_dim=16, intermediate_size=16, dense_intermediate_size=48, shared_intermediate_size=16,

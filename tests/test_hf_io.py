@@ -79,6 +79,7 @@ def test_cross_layout_round_trip(src, tmp_path):
     assert_bitwise_equal(read_all(back), read_all(dirs["native"]))
 
 
+@pytest.mark.slow  # places the model on 8 devices
 def test_sharded_export_and_bf16(src, tmp_path):
     _, dirs = src
     model = m3jax.from_pretrained(dirs["native"], dtype=jnp.bfloat16)
@@ -116,6 +117,7 @@ def test_failed_save_leaves_previous_directory_untouched(src, tmp_path, monkeypa
     assert os.listdir(tmp_path) == ["out"]  # no half-written directory left behind
 
 
+@pytest.mark.slow  # a subprocess that imports jax and torch
 def test_convert_cli(src, tmp_path):
     _, dirs = src
     dst = tmp_path / "cli"

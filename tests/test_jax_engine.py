@@ -76,6 +76,7 @@ def test_sampled_logprobs_equal_full_forward(model, temperature, top_p, top_k):
     assert np.max(np.abs(gen_kl)) < 1e-4 and abs(np.mean(gen_kl)) < 1e-6
 
 
+@pytest.mark.slow  # another generation compile; greedy and the masks stay fast
 def test_stop_tokens_end_rows_and_pad_after(model):
     ps = prompts(model.cfg, [7, 7, 7, 7], seed=4)
     greedy = engine_for(model).generate(ps, SamplingParams(max_new_tokens=12, temperature=0.0), jax.random.key(0))
@@ -99,6 +100,7 @@ def test_top_k_top_p_masks():
     np.testing.assert_array_equal(kept, [True, True, True, False])
 
 
+@pytest.mark.slow  # compiles the scoring pass
 def test_score_equals_full_forward_and_the_protocol_is_complete(model):
     """`score` (what the trainer's probe check asks of every engine) is the full forward's logprob of each
     response token; the in-process engine re-sends and restarts nothing."""

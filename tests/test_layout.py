@@ -27,6 +27,7 @@ def six_experts(tmp_path_factory):
     return ref.save(hf, str(tmp_path_factory.mktemp("six")), "native")
 
 
+@pytest.mark.slow  # loads and runs on 8 devices and on one; the fast loop keeps the MeshError case
 def test_six_experts_on_eight_devices_with_explicit_expert_axes(six_experts):
     single = m3jax.from_pretrained(six_experts)
     ids = jnp.asarray(ref.random_ids(single.cfg, 4, SEQ, seed=1))
@@ -66,6 +67,7 @@ def _exchanges(text: str) -> int:
     return text.count("all_to_all") + text.count("all-to-all")
 
 
+@pytest.mark.slow  # lowers a train step and a logprob pass on a mesh
 def test_logprob_pass_and_train_step_lower_to_the_expert_parallel_program():
     """Both passes of a run trace the expert exchange on a multi-device layout (before the fix, the
     logprob pass ran outside the mesh and every device gathered every expert)."""

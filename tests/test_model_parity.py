@@ -151,6 +151,7 @@ def test_gradients_match_torch_autograd(case, chunk):
     assert checked > 20
 
 
+@pytest.mark.slow  # another forward compile per variant
 @variants()
 def test_bf16_forward_within_bf16_tolerance(case):
     """bf16 error vs fp32 is what bf16 costs the reference too: no larger than HF's own bf16 model's."""
@@ -171,6 +172,7 @@ def test_bf16_forward_within_bf16_tolerance(case):
     assert ours.mean() < 1.25 * theirs.mean()
 
 
+@pytest.mark.slow  # another forward compile per variant
 @variants()
 def test_right_padding_leaves_real_tokens_unchanged(case):
     cfg, hf, model = case.cfg, case.hf, case.model()
@@ -189,6 +191,7 @@ def test_right_padding_leaves_real_tokens_unchanged(case):
         assert rel_err(got[row, :n], want_hf[row, :n]) < 1e-5
 
 
+@pytest.mark.slow  # another forward compile per variant
 @variants()
 def test_explicit_positions_equal_default(case):
     model = case.model()

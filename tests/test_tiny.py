@@ -21,6 +21,7 @@ def test_m3_config_layer_pattern_and_defaults():
         tiny.m3_config(layers=4, dense_layers=5)
 
 
+@pytest.mark.slow  # three eager forwards
 def test_m3_model_is_seeded_and_runs():
     cfg = tiny.m3_config(layers=2, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
                          intermediate_size=16, dense_intermediate_size=32, num_local_experts=4, vocab_size=64,
@@ -34,6 +35,7 @@ def test_m3_model_is_seeded_and_runs():
     assert np.array_equal(a, b) and not np.allclose(a, c)
 
 
+@pytest.mark.slow  # builds a torch model and converts it
 def test_hf_reference_and_its_m3jax_copy_agree():
     with pytest.raises(ValueError, match="unknown variant 'nope'"):
         tiny.hf_config("nope")

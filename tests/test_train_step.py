@@ -116,6 +116,7 @@ def test_master_invariant_and_compact_equals_fp32_master_over_many_steps(ckpt, m
                    runs["fp32"].opt_state.master)
 
 
+@pytest.mark.slow  # compiles a step per micro-batch count; the fast loop's step checks are the sliced and master tests
 def test_micro_batches_equal_one_whole_batch(ckpt):
     """k micro-batches of uneven token counts give the step of the whole batch (SGD: the update is the
     gradient itself, so this compares gradients normalised by the global token count)."""
@@ -138,6 +139,7 @@ def test_micro_batches_equal_one_whole_batch(ckpt):
         assert np.max(np.abs(a - b)) <= 1e-5 * scale
 
 
+@pytest.mark.slow  # three step compiles (finite, nan, inf)
 def test_non_finite_step_is_skipped_and_state_untouched(ckpt):
     model = m3jax.from_pretrained(ckpt, dtype=jnp.bfloat16)
     opt = optim_step.adamw(1e-3, moment_dtype=jnp.bfloat16, master="compact")

@@ -186,6 +186,7 @@ def test_transport_commits_everywhere_or_nowhere(ray_local, monkeypatch):
     assert {v for v, _ in ray.get([e.get.remote() for e in engines])} == {1}
 
 
+@pytest.mark.slow  # kills a Ray actor and waits for it
 def test_transport_drops_an_engine_that_dies_mid_update(ray_local):
     ray = ray_local
     named = _arrays(6)
