@@ -9,7 +9,10 @@ Prints one JSON line per check; keep the output with BENCHMARKS.md. Checks:
 3. MFU: a jitted train step (bf16 + compact master + bf16 moments, remat) of an M3-shaped model at the
    real widths (d 6144, 64 heads x 128, 4 KV heads, experts of 3072) with few layers and experts so it
    fills one GPU; MFU = model FLOPs (m3jax.plan.flops.step_flops) / (step time x peak FLOP/s);
-4. MoE: grouped expert matmuls (ragged_dot) vs every expert on every token, same routing, timed.
+4. MoE: grouped expert matmuls (ragged_dot) vs every expert on every token, same routing, timed;
+5. MoE kernels: `model.moe_kernel` ragged_dot vs tiled on an expert-parallel receive pool mostly padding
+   (1 local expert with a 32x pool, M3's 32-node layout; 4 local experts with a 16x pool), bf16, forward and
+   forward+backward: the figure `auto`'s GPU choice (ragged_dot until measured) waits for.
 """
 
 from __future__ import annotations
@@ -125,6 +128,30 @@ def moe_cost(small: bool, experts: int, tokens: int):
          dense_over_grouped=td / tg, rel_err=err)
 
 
+def moe_kernels(small: bool, experts: int, pool: int, real_rows: int):
+    d, i = (128, 64) if small else (6144, 3072)
+    k = jax.random.split(jax.random.key(1), 4)
+    n = pool * real_rows
+    rows = jnp.zeros((n, d), jnp.bfloat16).at[:real_rows].set(jax.random.normal(k[0], (real_rows, d), jnp.bfloat16))
+    sizes = jnp.full((experts,), real_rows // experts, jnp.int32).at[0].add(real_rows % experts)
+    gate_up = jax.random.normal(k[1], (experts, 2, i, d), jnp.bfloat16) / d ** 0.5
+    down = jax.random.normal(k[2], (experts, d, i), jnp.bfloat16) / i ** 0.5
+    cot = jax.random.normal(k[3], (n, d), jnp.bfloat16)
+    out = {}
+    for kernel in ("ragged_dot", "tiled"):
+        f = lambda r, gu, dn, kernel=kernel: grouped_experts(r, sizes, gu, dn, alpha=1.702, limit=7.0,  # noqa: E731
+                                                             kernel=kernel)
+        fwd = jax.jit(f)
+        bwd = jax.jit(jax.grad(lambda r, gu, dn: jnp.sum((f(r, gu, dn) * cot).astype(jnp.float32)), argnums=(0, 1, 2)))
+        out[kernel] = (*timed(fwd, rows, gate_up, down), *timed(bwd, rows, gate_up, down))
+    (tf_r, y_r, tb_r, g_r), (tf_t, y_t, tb_t, g_t) = out["ragged_dot"], out["tiled"]
+    rel = lambda a, b: float(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)).max()  # noqa: E731
+                             / jnp.abs(b.astype(jnp.float32)).max())
+    emit(check="moe_kernels", experts=experts, pool_x=pool, real_rows=real_rows, rows=n,
+         fwd_ms={"ragged_dot": tf_r * 1e3, "tiled": tf_t * 1e3}, fwd_bwd_ms={"ragged_dot": tb_r * 1e3, "tiled": tb_t * 1e3},
+         value_rel_err=rel(y_t, y_r), grad_rel_err=[rel(a, b) for a, b in zip(g_t, g_r)])
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="tiny shapes: a CPU smoke test of this script")
@@ -137,10 +164,13 @@ def main():
     if args.small:
         mfu(True, 2, 8, 64, 2, peak)
         moe_cost(True, 8, 256)
+        moe_kernels(True, 1, 32, 256)
     else:
         mfu(False, 4, 16, 4096, 1, peak)
         for e in (16, 64):
             moe_cost(False, e, 8192)
+        moe_kernels(False, 1, 32, 4096)
+        moe_kernels(False, 4, 16, 4096)
 
 
 if __name__ == "__main__":
