@@ -63,12 +63,12 @@ def _check(sizes, n, tile, d_in=24, d_out=40, seed=0):
 
 @pytest.mark.parametrize("sizes, n, tile", [
     ([5, 0, 13, 0, 9, 1], 64, 8),     # empty experts, boundaries inside tiles, 36 rows of padding
-    ([3, 7, 0, 11], 21, 8),           # no padding, last tile partial (21 rows, tile 8)
+    pytest.param([3, 7, 0, 11], 21, 8, marks=pytest.mark.slow),  # no padding, last tile partial (21 rows, tile 8)
     ([0, 0, 37, 0], 160, 16),         # one hot expert holding every filled row, 4x padding
-    ([0, 29, 0], 29, 8),              # one hot expert, every row filled
-    ([1, 1, 1, 1, 1, 1, 1, 1], 48, 16),  # more groups than tiles: several groups inside one tile
-    ([0, 0, 0], 24, 8),               # nothing filled: all zeros
-    ([4, 6], 7, 128),                 # buffer shorter than the tile (tile shrinks to N); sizes sum past N
+    pytest.param([0, 29, 0], 29, 8, marks=pytest.mark.slow),  # one hot expert, every row filled
+    pytest.param([1] * 8, 48, 16, marks=pytest.mark.slow),  # more groups than tiles: several in one tile
+    pytest.param([0, 0, 0], 24, 8, marks=pytest.mark.slow),  # nothing filled: all zeros
+    pytest.param([4, 6], 7, 128, marks=pytest.mark.slow),  # buffer shorter than the tile; sizes sum past N
 ], ids=["empty-experts", "no-padding", "hot-expert-padded", "hot-expert-full", "tiny-groups", "none-filled",
         "short-buffer"])
 def test_tiled_equals_ragged_dot(sizes, n, tile):
@@ -123,6 +123,7 @@ def test_kernel_choice():
         resolve_kernel("dense")
 
 
+@pytest.mark.slow  # two model compiles; in the fast loop the parity tests run the tiled kernel (auto on CPU)
 def test_moe_model_tiled_equals_ragged_dot():
     """One-device model forward and gradients: kernel tiled == kernel ragged_dot (fp32)."""
     from m3jax.tiny import m3_config, m3_model, random_ids

@@ -59,8 +59,8 @@ def test_greedy_equals_argmax_of_full_forward_every_step(model):
         np.testing.assert_allclose(out.logprobs[row, : out.lengths[row]], want, atol=2e-5)
 
 
-@pytest.mark.parametrize("temperature, top_p, top_k", [pytest.param(1.0, 1.0, 0, marks=pytest.mark.slow), (0.7, 0.9, 0),
-                                                       pytest.param(1.3, 1.0, 20, marks=pytest.mark.slow)])
+@pytest.mark.slow  # a sampling compile per case; the fast loop keeps greedy and the mask maths
+@pytest.mark.parametrize("temperature, top_p, top_k", [(1.0, 1.0, 0), (0.7, 0.9, 0), (1.3, 1.0, 20)])
 def test_sampled_logprobs_equal_full_forward(model, temperature, top_p, top_k):
     ps = prompts(model.cfg, [6, 9, 6, 13], seed=1)
     sp = SamplingParams(max_new_tokens=16, temperature=temperature, top_p=top_p, top_k=top_k)

@@ -58,6 +58,7 @@ def test_six_experts_on_the_default_expert_axes_is_a_mesh_error(six_experts):
         m3jax.from_pretrained(six_experts, mesh=bare)
 
 
+@pytest.mark.slow  # a forward compile; every single-device test builds its model without a layout
 def test_a_model_built_without_a_layout_runs_on_one_device():
     cfg = m3jax.M3Config.from_hf_dict(ref.tiny_config("release_like").to_dict())
     assert m3jax.M3ForCausalLM(cfg, rngs=nnx.Rngs(0)).layout == Layout()

@@ -201,8 +201,11 @@ def assert_within_ulps(a, b, ulps: int):
         assert np.all(np.abs(x32 - y32) <= tol), (x.dtype, float(np.max(np.abs(x32 - y32) - tol)))
 
 
-@pytest.mark.parametrize("mode,moments", [("none", jnp.float32), ("fp32", jnp.bfloat16), ("compact", jnp.bfloat16),
-                                          ("compact", jnp.float32)])
+# The fast loop runs the recipe's mode (compact master, bf16 moments); the other modes are slow.
+@pytest.mark.parametrize("mode,moments", [pytest.param("none", jnp.float32, marks=pytest.mark.slow),
+                                          pytest.param("fp32", jnp.bfloat16, marks=pytest.mark.slow),
+                                          ("compact", jnp.bfloat16),
+                                          pytest.param("compact", jnp.float32, marks=pytest.mark.slow)])
 def test_sliced_in_place_step_equals_the_whole_tree_update(mode, moments, monkeypatch):
     """adamw's `step` (what make_train_step runs: each stacked leaf updated layer slice by layer slice,
     in place) makes the optax update of the whole tree, through clipping, a schedule and a skipped step.

@@ -226,6 +226,7 @@ def test_comparison_catches_wrong_expert_math(engine, models, monkeypatch):
     assert np.max(np.abs(wrong - reference_logprobs(models[0], ps[0], ids)[1])) > 0.05
 
 
+@pytest.mark.slow  # imports vLLM and reads checkpoints
 def test_rejects_checkpoints_it_cannot_serve(tmp_path, models):
     path = m3jax.save_pretrained(models[0], tmp_path / "native", layout="native")
     with pytest.raises(ValueError, match="layout='released'"):

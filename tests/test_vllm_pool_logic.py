@@ -134,6 +134,9 @@ def test_update_commits_everywhere_or_nowhere(pool):
 
 
 def test_engine_dying_mid_rollout_is_replaced_and_rows_resent(pool):
+    # the pool holds an update beyond the checkpoint's version 0 whichever tests ran before (test order, or
+    # another pytest-xdist worker), so that a replacement engine differs from it
+    pool.push(iter(weights(2)), version=pool.version + 1)
     ps, sp = prompts(32, seed=2), SamplingParams(max_new_tokens=5)
     want = pool.generate(ps, sp, jax.random.key(3))
     resent, restarts = pool.resent_rows, pool.restarts
