@@ -16,6 +16,7 @@ import optax
 from flax import nnx
 
 import m3jax
+from m3jax.model.specs import weight_decay_mask
 from rl import checkpoint as ckpt_lib
 from rl.config import RunConfig, checkpoint_dir
 from rl.generation.backends import sampling_of
@@ -89,7 +90,8 @@ def build_policy(cfg: RunConfig) -> Policy:
     o = cfg.optim
     optimizer = optim_step.adamw(learning_rate(cfg), b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
                                  clip_norm=o.clip_norm, moment_dtype=jnp.dtype(cfg.precision.moment_dtype),
-                                 master=cfg.precision.master)
+                                 master=cfg.precision.master,
+                                 decay_mask=weight_decay_mask(model.cfg, nnx.state(model, nnx.Param)))
     graphdef, state = init_state(model, optimizer)
     shardings = None
     if layout.mesh is not None:

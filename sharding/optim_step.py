@@ -17,6 +17,7 @@ bitwise equal to each other (tests/test_train_step.py).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, NamedTuple
 
@@ -38,10 +39,12 @@ class SlicedOptimizer(NamedTuple):
     step: Callable
 
 
-def sliced(rest: optax.GradientTransformation, clip_norm: float | None) -> Callable:
+def sliced(rest: Callable[[bool], optax.GradientTransformation], clip_norm: float | None,
+           decay_mask=None) -> Callable:
     """`step` for `with_master_weights(chain(clip_by_global_norm(clip_norm), *parts))` whose state is
-    MasterState(store, (clip_state, *part_states)); `rest` = with_master_weights(chain(*parts)) (or the
-    whole optimizer when clip_norm is None: then its state is used as is)."""
+    MasterState(store, (clip_state, *part_states)); `rest(decay)` = with_master_weights(chain(*parts)) for
+    one leaf that is (or is not) weight-decayed (the whole optimizer when clip_norm is None: then its state
+    is used as is). `decay_mask`: a bool per parameter leaf (a pytree like the params), None = all."""
 
     def step(grads, divisor, opt_state, params, keep):
         g_norm = optax.tree.norm(jax.tree.map(lambda g: g / divisor, grads))
@@ -56,15 +59,17 @@ def sliced(rest: optax.GradientTransformation, clip_norm: float | None) -> Calla
 
         inner = opt_state.inner[1:] if clip_norm is not None else opt_state.inner
         state = precision.MasterState(opt_state.master, inner)
-        params, state = _apply_by_slices(rest, prepare, grads, state, params, keep)
+        params, state = _apply_by_slices(rest, prepare, grads, state, params, keep,
+                                         _flags(decay_mask, params))
         inner = ((opt_state.inner[0], *state.inner) if clip_norm is not None else state.inner)
         return params, precision.MasterState(state.master, inner)
 
     return step
 
 
-def _apply_by_slices(opt, prepare, grads, state, params, keep):
-    """Run opt.update leaf by leaf (sliced over the leading axis when large) and reassemble the state.
+def _apply_by_slices(opt_for, prepare, grads, state, params, keep, decays):
+    """Run opt_for(decays[i]).update leaf by leaf (sliced over the leading axis when large) and reassemble
+    the state.
 
     The state is seen as items: params-shaped subtrees (master store, moments) and scalars (counts). A
     leaf's own state is the state with every params-shaped subtree replaced by that leaf's array."""
@@ -79,7 +84,7 @@ def _apply_by_slices(opt, prepare, grads, state, params, keep):
         pick = lambda col, k: (jnp.zeros((), col[i].dtype) if scalar_only else col[i]) if k else col  # noqa: E731
         return jax.tree.unflatten(sdef, [pick(c, k) for c, k in zip(columns, kinds)])
 
-    def one(g, st, p):
+    def one(opt, g, st, p):
         upd, st2 = opt.update(prepare(g), st, p)
         p2 = upd if master_mode else optax.apply_updates(p, upd)
         return jax.tree.map(lambda a, b: jnp.where(keep, a, b), (p2, st2), (p, st))
@@ -87,13 +92,14 @@ def _apply_by_slices(opt, prepare, grads, state, params, keep):
     new_p, new_cols = [], [[] for _ in items]
     layered = [_leads_with_layers(v) for v in jax.tree.leaves(params, is_leaf=_is_variable)]
     for i, (p, g) in enumerate(zip(jax.tree.leaves(params), jax.tree.leaves(grads))):
-        p2, st2 = _update_leaf(one, g, leaf_state(i), p, layered[i])
+        p2, st2 = _update_leaf(functools.partial(one, opt_for(decays[i])), g, leaf_state(i), p, layered[i])
         new_p.append(p2)
         for j, x in enumerate(jax.tree.leaves(st2)):
             new_cols[j].append(x)
     # Counts are the same for every leaf: evaluate the chain once on 0-d stand-ins for their new values.
     p0 = jax.tree.leaves(params)[0]
-    _, scalars = one(jnp.zeros((), jnp.float32), leaf_state(0, scalar_only=True), jnp.zeros((), p0.dtype))
+    _, scalars = one(opt_for(True), jnp.zeros((), jnp.float32), leaf_state(0, scalar_only=True),
+                     jnp.zeros((), p0.dtype))
     scalars = jax.tree.leaves(scalars)
     out = [jax.tree.unflatten(jax.tree.structure(x), col) if k else scalars[j]
            for j, (x, k, col) in enumerate(zip(items, kinds, new_cols))]
@@ -135,17 +141,50 @@ def _update_leaf(one, g, st, p, layered: bool):
     return p, st
 
 
+def _flags(mask, tree) -> list[bool]:
+    """One bool per array leaf of `tree`: all True for mask None, `mask` itself for a bool, else the leaves
+    of `mask` (a pytree with one bool where `tree` has each array, e.g. built by mapping over the params)."""
+    n = len(jax.tree.leaves(tree))
+    if mask is None or isinstance(mask, bool):
+        return [mask is not False] * n
+    flags = [bool(f) for f in jax.tree.leaves(mask)]
+    if len(flags) != n:
+        raise ValueError(f"weight-decay mask has {len(flags)} leaves for {n} parameters: build it from the same "
+                         "parameter tree the optimizer updates")
+    return flags
+
+
+def decayed_weights(weight_decay: float, mask=None) -> optax.GradientTransformation:
+    """Decoupled weight decay where the mask says so: u + weight_decay * p on those leaves, u elsewhere.
+
+    optax.add_decayed_weights's arithmetic and (empty) state; optax's own `mask=` would wrap the state in
+    MaskedState, and the sliced step needs one state layout for every leaf whether decayed or not."""
+
+    def update(updates, state, params):
+        leaves, tdef = jax.tree.flatten(updates)
+        decayed = [g + weight_decay * p if f else g
+                   for g, p, f in zip(leaves, jax.tree.leaves(params), _flags(mask, updates), strict=True)]
+        return jax.tree.unflatten(tdef, decayed), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
 def adamw(learning_rate, *, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0, clip_norm: float | None = 1.0,
-          moment_dtype=jnp.float32, master: str = "fp32") -> optax.GradientTransformation:
+          moment_dtype=jnp.float32, master: str = "fp32", decay_mask=None) -> optax.GradientTransformation:
     """Clip -> Adam (moments in moment_dtype) -> decoupled weight decay -> lr schedule, on the master.
 
     Returns a `SlicedOptimizer`: the optax transformation plus `step`, the same update applied layer
-    slice by layer slice in place (what `make_train_step` runs). `master`: `sharding.precision` modes."""
-    parts = [precision.scale_by_adam(b1, b2, eps, moment_dtype)]
-    if weight_decay:
-        parts.append(optax.add_decayed_weights(weight_decay))
-    parts.append(optax.scale_by_learning_rate(learning_rate))
-    rest = precision.with_master_weights(optax.chain(*parts), master)
+    slice by layer slice in place (what `make_train_step` runs). `master`: `sharding.precision` modes.
+    `decay_mask`: a pytree like the params with a bool per parameter, False for parameters weight decay
+    must leave alone (those without a gradient from the loss, which decay alone would shrink every
+    step); None decays every parameter."""
+
+    def parts(decay):
+        adam = [precision.scale_by_adam(b1, b2, eps, moment_dtype)]
+        wd = [decayed_weights(weight_decay, decay)] if weight_decay else []
+        return [*adam, *wd, optax.scale_by_learning_rate(learning_rate)]
+
     clip = [optax.clip_by_global_norm(clip_norm)] if clip_norm else []
-    whole = precision.with_master_weights(optax.chain(*clip, *parts), master)
-    return SlicedOptimizer(whole.init, whole.update, sliced(rest, clip_norm or None))
+    whole = precision.with_master_weights(optax.chain(*clip, *parts(decay_mask)), master)
+    rest = lambda decay: precision.with_master_weights(optax.chain(*parts(decay)), master)  # noqa: E731
+    return SlicedOptimizer(whole.init, whole.update, sliced(rest, clip_norm or None, decay_mask))

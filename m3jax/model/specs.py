@@ -22,6 +22,9 @@ class ParamSpec:
     init: str = "normal"  # "normal" (std 0.02, as HF) or "zeros" (norms, bias)
     fp32: bool = False  # kept in fp32 whatever the model dtype (router)
     buffer: bool = False
+    # False for a parameter the LM loss gives no gradient: the indexer, whose only output is a discrete
+    # top-k choice of key blocks. Weight decay must leave it alone (`weight_decay_mask`).
+    lm_gradient: bool = True
 
 
 def layer_param_specs(cfg, attn_kind: str, mlp_kind: str) -> dict[str, ParamSpec]:
@@ -40,10 +43,10 @@ def layer_param_specs(cfg, attn_kind: str, mlp_kind: str) -> dict[str, ParamSpec
     if attn_kind == SPARSE_ATTENTION:
         hi, di = cfg.index_n_heads, cfg.index_head_dim
         specs.update({
-            "index_q_proj": ParamSpec((hi, di, d), ("index_heads", "index_head_dim", "embed")),
-            "index_k_proj": ParamSpec((di, d), ("index_head_dim", "embed")),
-            "index_q_norm": ParamSpec((di,), ("index_head_dim",), "zeros"),
-            "index_k_norm": ParamSpec((di,), ("index_head_dim",), "zeros"),
+            "index_q_proj": ParamSpec((hi, di, d), ("index_heads", "index_head_dim", "embed"), lm_gradient=False),
+            "index_k_proj": ParamSpec((di, d), ("index_head_dim", "embed"), lm_gradient=False),
+            "index_q_norm": ParamSpec((di,), ("index_head_dim",), "zeros", lm_gradient=False),
+            "index_k_norm": ParamSpec((di,), ("index_head_dim",), "zeros", lm_gradient=False),
         })
     if mlp_kind == MOE_MLP:
         e, i, si = cfg.num_local_experts, cfg.intermediate_size, cfg.shared_intermediate_size
@@ -71,3 +74,18 @@ def top_param_specs(cfg) -> dict[str, ParamSpec]:
         "final_norm": ParamSpec((d,), ("norm",), "zeros"),
         "lm_head": ParamSpec((v, d), ("vocab", "embed")),
     }
+
+
+def weight_decay_mask(cfg, params):
+    """A pytree like `params` (the model's nnx.Param state) with True where AdamW may decay the parameter
+    and False for the parameters without an LM gradient (`ParamSpec.lm_gradient`): with no gradient to
+    balance it, decoupled decay alone would shrink the indexer by lr * weight_decay every step and so move
+    its block choices. For `sharding.optim_step.adamw(..., decay_mask=...)`."""
+    import jax  # here, so that the config module can import this table without jax
+
+    frozen = {name.rsplit("/", 1)[-1] for name, spec in cfg.param_specs().items() if not spec.lm_gradient}
+
+    def names(path):
+        return {getattr(k, "key", getattr(k, "name", None)) for k in path}
+
+    return jax.tree_util.tree_map_with_path(lambda path, _: not (names(path) & frozen), params)

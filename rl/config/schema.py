@@ -184,7 +184,8 @@ class OptimSection(_Section):
     schedule: str = _f("constant", "after warm-up: constant, or linear / cosine decay to 0 at run.total_steps",
                        choices=("constant", "linear", "cosine"))
     warmup_steps: int = _f(0, "linear warm-up from 0 to lr over this many steps", min=0)
-    weight_decay: float = _f(0.0, "decoupled weight decay (AdamW)", min=0)
+    weight_decay: float = _f(0.0, "decoupled weight decay (AdamW); never applied to the indexer, which the LM "
+                                   "loss gives no gradient (m3jax.model.specs.weight_decay_mask)", min=0)
     b1: float = _f(0.9, "Adam beta1", min=0, lt=1)
     b2: float = _f(0.999, "Adam beta2", min=0, lt=1)
     eps: float = _f(1e-8, "Adam epsilon", gt=0)
