@@ -184,37 +184,44 @@ def default_exchange() -> str:
 
 def routed_experts(x: jax.Array, route_fn: Callable, router: tuple, expert_fn: Callable, gate_up: jax.Array,
                    down: jax.Array, *, layout: Layout = Layout(), capacity_factor: float | None = None,
-                   exchange: str | None = None) -> jax.Array:
+                   exchange: str | None = None, ids: jax.Array | None = None, return_ids: bool = False):
     """Routed output for hidden x [B, S, d].
 
     route_fn(tokens [T, d], *router) -> (weights [T, k], expert ids [T, k]); router arrays are replicated;
     expert_fn(rows [N, d], group_sizes [E_here], gate_up [E_here, 2, I, d], down [E_here, d, I]) -> [N, d].
     Without a mesh in `layout` every expert runs locally; with one, the same math runs in shard_map
     with experts sharded per the layout's rules and tokens exchanged over those axes.
+    ids [B, S, k] (routing replay): given expert ids, sharded like x's tokens, passed on as
+    route_fn(tokens, *router, ids [T, k]); the ids route_fn returns drive the exchange.
+    return_ids: return (output, the ids used [B, S, k] int32).
     """
     num_experts = gate_up.shape[0]
     mesh = layout.mesh
     ep_axes, width_axes = layout.axes("experts"), layout.axes("expert_mlp")
 
-    def body(x, router, gate_up, down):
+    def body(x, router, gate_up, down, ids=None):
         b, s, d = x.shape
         t = x.reshape(b * s, d)
-        w, idx = route_fn(t, *router)
+        w, idx = route_fn(t, *router) if ids is None else route_fn(t, *router, ids.reshape(b * s, -1))
         fn = lambda rows, sizes: expert_fn(rows, sizes, gate_up, down)  # noqa: E731
         if mesh is None:
-            return local_experts(t, w, idx, fn, num_experts).reshape(b, s, d)
-        n_ep = layout.size("experts")
-        out = exchanged_experts(t, w, idx, fn, num_experts, ep_axes, n_ep, capacity_factor,
-                                exchange or default_exchange())
-        if width_axes:
-            out = jax.lax.psum(out, width_axes)  # partial sums over the sharded width
-        return out.reshape(b, s, d)
+            out = local_experts(t, w, idx, fn, num_experts).reshape(b, s, d)
+        else:
+            n_ep = layout.size("experts")
+            out = exchanged_experts(t, w, idx, fn, num_experts, ep_axes, n_ep, capacity_factor,
+                                    exchange or default_exchange())
+            if width_axes:
+                out = jax.lax.psum(out, width_axes)  # partial sums over the sharded width
+            out = out.reshape(b, s, d)
+        return (out, idx.astype(jnp.int32).reshape(b, s, -1)) if return_ids else out
 
+    args = (x, router, gate_up, down) + (() if ids is None else (ids,))
     if mesh is None:
-        return body(x, router, gate_up, down)
+        return body(*args)
     x_spec = layout.spec(("act_batch", "act_seq", None), drop_trivial=True)
     gu_spec = layout.spec(("experts", None, "expert_mlp", None), drop_trivial=True)
     down_spec = layout.spec(("experts", None, "expert_mlp"), drop_trivial=True)
     router_spec = jax.tree.map(lambda _: P(), router)
-    return jax.shard_map(body, mesh=mesh, in_specs=(x_spec, router_spec, gu_spec, down_spec), out_specs=x_spec)(
-        x, router, gate_up, down)
+    in_specs = (x_spec, router_spec, gu_spec, down_spec) + (() if ids is None else (x_spec,))
+    out_specs = (x_spec, x_spec) if return_ids else x_spec
+    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(*args)

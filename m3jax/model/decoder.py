@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from m3jax.config import M3Config
+from m3jax.model.attention import IMPLS as ATTENTION_IMPLS
 from m3jax.model.attention import attention_block
 from m3jax.model.mlp import dense_mlp
 from m3jax.model.moe import moe_block
@@ -66,8 +67,10 @@ class LayerStack(nnx.Module):
 
     def __init__(self, cfg: M3Config, attn_kind: str, mlp_kind: str, layer_ids, *, dtype, rngs: nnx.Rngs,
                  remat: bool = True, moe_capacity_factor: float | None = None, moe_exchange: str | None = None,
-                 attention_query_chunk: int = 0, layout: Layout = Layout(), moe_kernel: str = "auto"):
+                 attention_query_chunk: int = 0, layout: Layout = Layout(), moe_kernel: str = "auto",
+                 attention_impl: str = "dense"):
         self.cfg, self.attn_kind, self.mlp_kind, self.layout = cfg, attn_kind, mlp_kind, layout
+        self.attention_impl = attention_impl
         self.layer_ids = tuple(layer_ids)
         self.remat, self.attention_query_chunk = remat, attention_query_chunk
         self.moe_capacity_factor, self.moe_exchange, self.moe_kernel = moe_capacity_factor, moe_exchange, moe_kernel
@@ -77,32 +80,43 @@ class LayerStack(nnx.Module):
             stacked = dataclasses.replace(spec, shape=(n, *spec.shape), axes=("layers", *spec.axes))
             setattr(self, name, _make(stacked, dtype, rngs.params()))
 
-    def __call__(self, x, cos, sin, positions, key_valid, cache=None, layout: Layout | None = None):
+    def __call__(self, x, cos, sin, positions, key_valid, cache=None, layout: Layout | None = None,
+                 routes=None, return_routes: bool = False):
         """Run the stack; with `cache` (this stack's stacked KV / index-key cache) also return it updated.
-        layout: overrides the stack's own (decoding keeps whole sequences on each device)."""
+        layout: overrides the stack's own (decoding keeps whole sequences on each device).
+        routes [n_layers, B, S, k] (MoE stacks): replay these expert ids, layer by layer. return_routes:
+        also return the ids each MoE layer used, [n_layers, B, S, k] int32 (last in the returned tuple)."""
         cfg, layout = self.cfg, layout or self.layout
         sparse, moe = self.attn_kind == SPARSE_ATTENTION, self.mlp_kind == MOE_MLP
+        return_routes = return_routes and moe
         params = {name: getattr(self, name)[...] for name in self.param_names}
 
-        def layer(x, p_and_cache):
-            p, layer_cache = p_and_cache
+        def layer(x, p_cache_routes):
+            p, layer_cache, layer_routes = p_cache_routes
             h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps)
             attn = attention_block(p, h, cos, sin, positions, key_valid, cfg, sparse, layer_cache,
-                                   self.attention_query_chunk, layout)
+                                   self.attention_query_chunk, layout, self.attention_impl)
             if layer_cache is not None:
                 attn, layer_cache = attn
             x = x + attn
             h = rms_norm(x, p["post_norm"], cfg.rms_norm_eps)
+            ids = None
             if moe:
-                x = x + moe_block(p, h, cfg, layout, self.moe_capacity_factor, self.moe_exchange, self.moe_kernel)
+                y = moe_block(p, h, cfg, layout, self.moe_capacity_factor, self.moe_exchange, self.moe_kernel,
+                              routes=layer_routes, return_routes=return_routes)
+                if return_routes:
+                    y, ids = y
+                x = x + y
             else:
                 x = x + dense_mlp(h, p["mlp_gate_up"], p["mlp_down"], cfg.swiglu_alpha, cfg.swiglu_limit)
-            return layout.constrain(x, ACT), layer_cache
+            return layout.constrain(x, ACT), (layer_cache, ids)
 
         if self.remat and cache is None:
             layer = jax.checkpoint(layer, prevent_cse=False)
-        x, cache = jax.lax.scan(layer, x, (params, cache))
-        return x if cache is None else (x, cache)
+        x, (cache, used) = jax.lax.scan(layer, x, (params, cache, routes if moe else None))
+        out = (x,) if cache is None else (x, cache)
+        out = out + ((used,) if return_routes else ())
+        return out if len(out) > 1 else out[0]
 
     def init_cache(self, batch: int, max_len: int, dtype) -> dict:
         cfg, n = self.cfg, len(self.layer_ids)
@@ -118,13 +132,16 @@ class M3ForCausalLM(nnx.Module):
 
     def __init__(self, cfg: M3Config, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None, remat: bool = True,
                  moe_capacity_factor: float | None = None, moe_exchange: str | None = None,
-                 attention_query_chunk: int = 0, layout=None, moe_kernel: str = "auto"):
+                 attention_query_chunk: int = 0, layout=None, moe_kernel: str = "auto",
+                 attention_impl: str = "dense"):
         """remat: rematerialise each layer in the backward pass. moe_capacity_factor: cap on the rows an
         expert-parallel device sends to one peer, x (tokens*top_k / n_ep); None = dropless.
         moe_exchange: "padded" | "ragged" | "ragged_emulated"; None = ragged on GPU/TPU, padded on CPU.
         moe_kernel: the experts' grouped matmul, "auto" | "ragged_dot" | "tiled" (`sharding.grouped_matmul`;
         auto = tiled on CPU, ragged_dot elsewhere).
         attention_query_chunk: local queries per attention scores block (0 = all at once).
+        attention_impl: "dense" (masked scores blocks) | "flash" (online softmax over key tiles, no
+        [queries, keys] block; sparse layers skip the key blocks the indexer dropped; `m3jax.model.flash`).
         layout: the `sharding.layout.Layout` (or a jax Mesh with the default rules) the model runs on;
         None = one device. Parameters are created where jax puts them; `from_pretrained` or the
         trainer places them on the layout."""
@@ -132,6 +149,8 @@ class M3ForCausalLM(nnx.Module):
                 or attention_query_chunk < 0:
             raise ValueError(f"attention_query_chunk={attention_query_chunk!r}: expected an integer >= 0")
         resolve_kernel(moe_kernel)  # fail at construction on an unknown kernel name
+        if attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"attention_impl={attention_impl!r}: expected one of {ATTENTION_IMPLS}")
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         self.cfg, self.dtype, self.layout = cfg, jnp.dtype(dtype), as_layout(layout)
         for name, spec in top_param_specs(cfg).items():
@@ -139,12 +158,14 @@ class M3ForCausalLM(nnx.Module):
         self.stacks = nnx.List([
             LayerStack(cfg, attn, mlp, ids, dtype=dtype, rngs=rngs, remat=remat,
                        moe_capacity_factor=moe_capacity_factor, moe_exchange=moe_exchange,
-                       attention_query_chunk=attention_query_chunk, layout=self.layout, moe_kernel=moe_kernel)
+                       attention_query_chunk=attention_query_chunk, layout=self.layout, moe_kernel=moe_kernel,
+                       attention_impl=attention_impl)
             for attn, mlp, ids in cfg.segments()
         ])
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array | None = None,
-                 attention_mask: jax.Array | None = None, cache: list | None = None, hidden: bool = False):
+                 attention_mask: jax.Array | None = None, cache: list | None = None, hidden: bool = False,
+                 routes: jax.Array | None = None, return_routes: bool = False):
         """Logits [B, S, vocab] for input_ids [B, S].
 
         positions [B, S] default to 0..S-1; attention_mask [B, S_keys] (1 = real token) for right padding.
@@ -153,6 +174,10 @@ class M3ForCausalLM(nnx.Module):
         hidden: return the final hidden states [B, S, d] (after the final norm) in place of the logits;
         `lm_head_logits(h, self.lm_head[...], self.layout)` turns them into the logits (the chunked
         logprob pass does so a block of positions at a time, never holding [B, S, vocab]).
+        routes [B, S, n_moe_layers, k] (routing replay): the MoE layers use these expert ids (in MoE-layer
+        order) with weights recomputed from the live router (`m3jax.model.moe.replay_route`).
+        return_routes: also return the expert ids every MoE layer used, [B, S, n_moe_layers, k] int32, as
+        the last element: (out, routes) or (out, cache, routes).
         """
         cfg = self.cfg
         layout = self.layout if cache is None else decoding_layout(self.layout)
@@ -162,16 +187,36 @@ class M3ForCausalLM(nnx.Module):
         key_valid = None if attention_mask is None else attention_mask.astype(bool)
         x = layout.constrain(jnp.take(self.embed[...], input_ids, axis=0), ACT)
         cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta, x.dtype)
-        new_cache = []
+        new_cache, used, first = [], [], 0
         for i, stack in enumerate(self.stacks):
-            if cache is None:
-                x = stack(x, cos, sin, positions, key_valid, layout=layout)
-            else:
-                x, stack_cache = stack(x, cos, sin, positions, key_valid, cache[i], layout=layout)
-                new_cache.append(stack_cache)
+            n_moe = len(stack.layer_ids) if stack.mlp_kind == MOE_MLP else 0
+            stack_routes = None
+            if routes is not None and n_moe:
+                stack_routes = jnp.moveaxis(routes[:, :, first:first + n_moe].astype(jnp.int32), 2, 0)
+            first += n_moe
+            extra = dict(routes=stack_routes, return_routes=return_routes) if (routes is not None or return_routes) \
+                else {}
+            out = stack(x, cos, sin, positions, key_valid, None if cache is None else cache[i], layout=layout, **extra)
+            out = out if isinstance(out, tuple) else (out,)
+            x = out[0]
+            if cache is not None:
+                new_cache.append(out[1])
+            if return_routes and n_moe:
+                used.append(jnp.moveaxis(out[-1], 0, 2))
+        if routes is not None and routes.shape[2] != first:
+            raise ValueError(f"routes {routes.shape}: expected [B, S, {first} MoE layers, k]")
         x = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
         out = x if hidden else lm_head_logits(x, self.lm_head[...], layout)
-        return out if cache is None else (out, new_cache)
+        result = (out,) if cache is None else (out, new_cache)
+        if return_routes:
+            k = cfg.num_experts_per_tok
+            result += (jnp.concatenate(used, axis=2) if used else jnp.zeros((b, s, 0, k), jnp.int32),)
+        return result if len(result) > 1 else result[0]
+
+    @property
+    def num_moe_layers(self) -> int:
+        """MoE layers, the third axis of `routes` / `return_routes`."""
+        return sum(len(st.layer_ids) for st in self.stacks if st.mlp_kind == MOE_MLP)
 
     def init_cache(self, batch: int, max_len: int) -> list:
         """Empty decode cache: per stack, keys/values (and indexer keys) for max_len slots."""

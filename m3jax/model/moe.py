@@ -32,6 +32,29 @@ def route(x: jax.Array, router: jax.Array, bias: jax.Array, *, top_k: int) -> tu
     return w / jnp.sum(w, axis=-1, keepdims=True), idx.astype(jnp.int32)
 
 
+def replay_route(x: jax.Array, router: jax.Array, idx: jax.Array) -> jax.Array:
+    """Weights of replayed expert choices (routing replay): tokens x [T, d], router [E, d], ids idx [T, k].
+
+        p = sigmoid(x W^T)            (fp32, the full dense router output)
+        w = p[idx] / sum(p[idx])      (the replayed experts' probabilities, renormalised over the k)
+    Returns w [T, k] fp32; `moe_block` scales it by routed_scaling_factor as for `route`. The ids are
+    given (e.g. the generator's), so the correction bias, which only selects, drops out; the scores are
+    gathered from the dense p (never from post-top-k zeros), so the router keeps its gradient for every
+    replayed expert. With idx = route(...)[1] this is route(...)[0], the same numbers.
+    """
+    logits = jnp.einsum("td,ed->te", x.astype(jnp.float32), router.astype(jnp.float32))
+    w = jnp.take_along_axis(jax.nn.sigmoid(logits), idx.astype(jnp.int32), axis=-1)
+    return w / jnp.sum(w, axis=-1, keepdims=True)
+
+
+def route_or_replay(x: jax.Array, router: jax.Array, bias: jax.Array, ids: jax.Array | None = None, *,
+                    top_k: int) -> tuple[jax.Array, jax.Array]:
+    """`route` (ids None) or `replay_route` of the given ids [T, k]: (w [T, k] fp32, ids [T, k] int32)."""
+    if ids is None:
+        return route(x, router, bias, top_k=top_k)
+    return replay_route(x, router, ids), ids.astype(jnp.int32)
+
+
 def grouped_experts(rows: jax.Array, group_sizes: jax.Array, gate_up: jax.Array, down: jax.Array, *,
                     alpha: float, limit: float, kernel: str = "auto") -> jax.Array:
     """SwiGLU-OAI experts on expert-sorted rows [N, d]: rows of group e go through expert e.
@@ -47,16 +70,22 @@ def grouped_experts(rows: jax.Array, group_sizes: jax.Array, gate_up: jax.Array,
 
 
 def moe_block(p: dict, x: jax.Array, cfg, layout: Layout = Layout(), capacity_factor: float | None = None,
-              exchange: str | None = None, kernel: str | None = None) -> jax.Array:
+              exchange: str | None = None, kernel: str | None = None, routes: jax.Array | None = None,
+              return_routes: bool = False):
     """y = routed_scaling_factor * sum_k w_k Expert_k(x) + SharedExpert(x), x [B, S, d].
 
     Where the experts run (locally, or expert-parallel over the layout's mesh) is `sharding.expert`'s business;
     kernel: the grouped-matmul kernel of the experts (None = "auto").
+    routes [B, S, k]: replay these expert ids (`replay_route`: weights from the live router) instead of
+    choosing them; they drive the expert-parallel exchange. return_routes: return (y, ids [B, S, k] int32).
     """
     alpha, limit = cfg.swiglu_alpha, cfg.swiglu_limit
     routed = routed_experts(
-        x, functools.partial(route, top_k=cfg.num_experts_per_tok), (p["router"], p["router_bias"]),
+        x, functools.partial(route_or_replay, top_k=cfg.num_experts_per_tok), (p["router"], p["router_bias"]),
         functools.partial(grouped_experts, alpha=alpha, limit=limit, kernel=kernel or "auto"), p["experts_gate_up"], p["experts_down"],
-        layout=layout, capacity_factor=capacity_factor, exchange=exchange)
+        layout=layout, capacity_factor=capacity_factor, exchange=exchange, ids=routes, return_ids=return_routes)
+    if return_routes:
+        routed, ids = routed
     shared = dense_mlp(x, p["shared_gate_up"], p["shared_down"], alpha, limit)
-    return routed * cfg.routed_scaling_factor + shared
+    y = routed * cfg.routed_scaling_factor + shared
+    return (y, ids) if return_routes else y

@@ -1,0 +1,126 @@
+"""Routing replay (issue 14 item 1): the forward returns the expert ids it used and can replay given ids
+with weights from the live router; replaying its own routes changes nothing, on one device and under
+expert parallelism (the replayed ids drive the exchange)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from m3jax.model.moe import replay_route, route
+from m3jax.tiny import m3_config, m3_model, random_ids
+from sharding.mesh import MeshConfig, build_mesh
+
+# 1 full-attention dense layer, then 2 sparse MoE layers; SEQ = 2 x (topk blocks x block size): sparse layers select.
+CFG = m3_config(layers=3, hidden_size=64, num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+                intermediate_size=32, dense_intermediate_size=64, num_local_experts=8, num_experts_per_tok=2,
+                index_head_dim=16, index_block_size=8, index_topk_blocks=2, vocab_size=128,
+                routed_scaling_factor=2.5)
+BATCH, SEQ, N_MOE, K = 8, 32, 2, 2
+
+
+@jax.jit(static_argnums=(0, 4))
+def _program(graphdef, params, rest, ids, return_routes, routes):
+    def loss(params):
+        out = nnx.merge(graphdef, params, rest)(ids[:, :-1], routes=routes, return_routes=return_routes)
+        logits, used = out if return_routes else (out, None)
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        return -jnp.mean(jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1)), (logits, used)
+
+    return jax.value_and_grad(loss, has_aux=True)(params)
+
+
+def loss_logits_routes_grads(model, ids, routes=None, return_routes=False):
+    """One jitted program (one compile per model layout and replay on/off): (loss, logits, routes or None,
+    gradients of the loss)."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    (value, (logits, used)), grads = _program(graphdef, params, rest, ids, return_routes, routes)
+    return float(value), np.asarray(logits), None if used is None else np.asarray(used), grads
+
+
+def assert_grads_close(got, want, rel):
+    got = dict(nnx.to_flat_state(got))
+    for path, g in nnx.to_flat_state(want):
+        g, h = np.asarray(g.get_value()), np.asarray(got[path].get_value())
+        scale = np.max(np.abs(g))
+        assert np.max(np.abs(h - g)) <= rel * max(scale, 1e-30), path
+
+
+@pytest.fixture(scope="module")
+def single():
+    model = m3_model(CFG, seed=5)
+    ids = jnp.asarray(random_ids(CFG, BATCH, SEQ + 1, seed=2))
+    plain = loss_logits_routes_grads(model, ids)
+    routed = loss_logits_routes_grads(model, ids, return_routes=True)
+    return model, ids, plain, routed
+
+
+def test_replay_route_formula():
+    x = jax.random.normal(jax.random.key(0), (5, 16))
+    w_router = jax.random.normal(jax.random.key(1), (8, 16))
+    bias = jnp.zeros(8).at[3].set(4.0)  # expert 3 always chosen: the bias only selects
+    w, idx = route(x, w_router, bias, top_k=2)
+    np.testing.assert_array_equal(np.asarray(replay_route(x, w_router, idx)), np.asarray(w))
+    ids = jnp.array([[0, 7]] * 5)
+    p = jax.nn.sigmoid(x @ w_router.T)
+    want = p[:, [0, 7]] / p[:, [0, 7]].sum(-1, keepdims=True)
+    np.testing.assert_allclose(np.asarray(replay_route(x, w_router, ids)), np.asarray(want), rtol=1e-6)
+    # the router gets a gradient through the replayed experts' scores only
+    g = jax.grad(lambda r: jnp.sum(replay_route(x, r, ids)[:, 0] ** 2))(w_router)
+    assert np.any(np.asarray(g[0])) and np.any(np.asarray(g[7])) and not np.any(np.asarray(g[1:7]))
+
+
+def test_routes_returned_and_replay_off_unchanged(single):
+    _, _, (loss, logits, none, grads), (loss_r, logits_r, routes, grads_r) = single
+    assert none is None
+    assert routes.shape == (BATCH, SEQ, N_MOE, K) and routes.dtype == np.int32
+    assert routes.min() >= 0 and routes.max() < CFG.num_local_experts
+    assert np.all(np.sort(routes, -1)[..., 0] != np.sort(routes, -1)[..., 1])  # k distinct experts
+    np.testing.assert_array_equal(logits_r, logits)  # returning the routes changes no number
+    assert loss_r == loss
+    assert_grads_close(grads_r, grads, 0.0)
+
+
+def test_foreign_routes_are_obeyed(single):
+    model, ids, _, (_, _, routes, _) = single
+    other = (routes + 1) % CFG.num_local_experts
+    _, logits_other, _, _ = loss_logits_routes_grads(model, ids, routes=jnp.asarray(other), return_routes=True)
+    assert np.max(np.abs(logits_other - single[2][1])) > 1e-3
+
+
+def test_replaying_own_routes_is_the_same_forward_and_gradient(single):
+    model, ids, (loss, logits, _, grads), (_, _, routes, _) = single
+    loss_p, logits_p, used, grads_p = loss_logits_routes_grads(model, ids, routes=jnp.asarray(routes),
+                                                               return_routes=True)
+    np.testing.assert_array_equal(used, routes)
+    assert np.max(np.abs(logits_p - logits)) <= 1e-6 * np.max(np.abs(logits))
+    assert abs(loss_p - loss) <= 1e-6 * abs(loss)
+    assert_grads_close(grads_p, grads, 1e-6)
+    router = dict(nnx.to_flat_state(grads_p))
+    assert any("router" in "/".join(map(str, path)) and np.any(np.asarray(g.get_value()))
+               for path, g in router.items())  # the router keeps its gradient under replay
+
+
+@pytest.mark.slow  # two 8-device compiles of forward + backward: ~30 s on the shared 2-core CPU
+def test_expert_parallel_replay_equals_single_device(single):
+    """On a 2 (data) x 4 (expert) mesh the replayed ids drive the exchange: replaying the model's own routes
+    equals the unreplayed sharded forward, and a foreign routing equals the single device's replay of it."""
+    model, ids, (loss, logits, _, grads), (_, _, routes, _) = single
+    other = jnp.asarray((routes + 3) % CFG.num_local_experts)  # a routing the router would not choose
+    _, logits_other, _, grads_other = loss_logits_routes_grads(model, ids, routes=other, return_routes=True)
+    layout = build_mesh(MeshConfig(data=2, expert=4), CFG, seq_len=SEQ, batch=BATCH)
+    sharded = m3_model(CFG, seed=5, layout=layout)
+    with jax.set_mesh(layout.mesh):
+        loss_s, logits_s, used_s, grads_s = loss_logits_routes_grads(sharded, ids, return_routes=True)
+        loss_sr, logits_sr, _, grads_sr = loss_logits_routes_grads(sharded, ids, routes=jnp.asarray(used_s),
+                                                                   return_routes=True)
+        _, logits_so, _, grads_so = loss_logits_routes_grads(sharded, ids, routes=other, return_routes=True)
+    np.testing.assert_array_equal(used_s, routes)
+    scale = np.max(np.abs(logits))
+    assert np.max(np.abs(logits_s - logits)) <= 1e-5 * scale
+    assert np.max(np.abs(logits_sr - logits_s)) <= 1e-6 * scale
+    assert abs(loss_sr - loss_s) <= 1e-6 * abs(loss_s)
+    assert_grads_close(grads_sr, grads_s, 1e-6)
+    assert np.max(np.abs(logits_so - logits_other)) <= 1e-5 * np.max(np.abs(logits_other))
+    assert_grads_close(grads_so, grads_other, 1e-5)
