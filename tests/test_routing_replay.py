@@ -10,6 +10,7 @@ from flax import nnx
 
 from m3jax.model.moe import replay_route, route
 from m3jax.tiny import m3_config, m3_model, random_ids
+from rl.grpo.mismatch import route_mismatch_frac
 from sharding.mesh import MeshConfig, build_mesh
 
 # 1 full-attention dense layer, then 2 sparse MoE layers; SEQ = 2 x (topk blocks x block size): sparse layers select.
@@ -124,3 +125,21 @@ def test_expert_parallel_replay_equals_single_device(single):
     assert_grads_close(grads_sr, grads_s, 1e-6)
     assert np.max(np.abs(logits_so - logits_other)) <= 1e-5 * np.max(np.abs(logits_other))
     assert_grads_close(grads_so, grads_other, 1e-5)
+
+
+def test_route_mismatch_frac_by_hand():
+    # B=1, S=3 tokens, L=2 layers, k=2; token 2 is padding
+    gen = np.array([[[[0, 1], [2, 3]],
+                     [[4, 5], [6, 7]],
+                     [[0, 1], [0, 1]]]], np.int16)
+    trainer = np.array([[[[1, 0], [2, 3]],    # same sets (order differs): 0 of 2 pairs differ
+                         [[4, 6], [6, 7]],    # layer 0: {4,6} vs {4,5} differs: 1 of 2
+                         [[7, 6], [5, 4]]]],  # padding: not counted
+                       np.int32)
+    mask = np.array([[1, 1, 0]])
+    assert float(route_mismatch_frac(trainer, gen, mask)) == pytest.approx(1 / 4)
+    assert float(route_mismatch_frac(trainer, gen, np.array([[1, 1, 1]]))) == pytest.approx(3 / 6)
+    assert float(route_mismatch_frac(gen, gen, np.ones((1, 3)))) == 0.0
+    assert np.isnan(float(route_mismatch_frac(trainer, gen, np.zeros((1, 3)))))
+    with pytest.raises(ValueError):
+        route_mismatch_frac(trainer[:, :2], gen, mask)

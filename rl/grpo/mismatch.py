@@ -72,3 +72,25 @@ def generation_mismatch_metrics(logp_gen, logp_old, mask, kl_type: str = "k3"):
         "gen_kl_sum": gen_sum,
         "policy_kl_sum": pol_sum,
     }
+
+
+def route_mismatch_frac(trainer_ids, generator_ids, mask):
+    """Share of (token, MoE layer) pairs whose top-k expert set differs between trainer and generator.
+
+    trainer_ids, generator_ids [B, S, L, k] expert ids (any integer dtype; the generator's are int16),
+    mask [B, S] (1 = a valid token). With N = sum(mask) valid tokens and L layers,
+        route_mismatch_frac = (1 / (N L)) sum_{b,s,l} mask[b,s] * [set(trainer[b,s,l]) != set(gen[b,s,l])]
+    Order-insensitive: each k-tuple is sorted before the comparison. NaN when no token is valid (or L = 0).
+    0 under routing replay of the generator's routes; any numeric difference that flips a near-tie
+    of the router shows here (a flipped choice moves the token's logprob by far more than rounding).
+    """
+    t = jnp.sort(jnp.asarray(trainer_ids).astype(jnp.int32), axis=-1)
+    g = jnp.sort(jnp.asarray(generator_ids).astype(jnp.int32), axis=-1)
+    if t.shape != g.shape or t.ndim != 4:
+        raise ValueError(f"trainer_ids {t.shape} and generator_ids {g.shape}: expected the same [B, S, L, k]")
+    m = jnp.asarray(mask).astype(jnp.float32)
+    if m.shape != t.shape[:2]:
+        raise ValueError(f"mask has shape {m.shape}, expected {t.shape[:2]}")
+    differ = jnp.any(t != g, axis=-1).astype(jnp.float32)  # [B, S, L]
+    pairs = jnp.sum(m) * t.shape[2]
+    return jnp.where(pairs > 0, jnp.sum(differ * m[..., None]) / jnp.where(pairs > 0, pairs, 1.0), jnp.nan)
