@@ -10,6 +10,8 @@ from flax import nnx
 
 from m3jax.model.moe import replay_route, route
 from m3jax.tiny import m3_config, m3_model, random_ids
+from rl.generation.base import SamplingParams
+from rl.generation.jax_engine import JaxEngine
 from rl.grpo.mismatch import route_mismatch_frac
 from sharding.mesh import MeshConfig, build_mesh
 
@@ -143,3 +145,29 @@ def test_route_mismatch_frac_by_hand():
     assert np.isnan(float(route_mismatch_frac(trainer, gen, np.zeros((1, 3)))))
     with pytest.raises(ValueError):
         route_mismatch_frac(trainer[:, :2], gen, mask)
+
+
+def test_jax_engine_returns_the_routes_of_prompt_and_response_tokens(single):
+    """Prefill and decode steps record each token's routes at its place in prompt + response; they are the
+    routes a full forward of that sequence takes (so the trainer, replaying them, routes as the sampler did)."""
+    model = single[0]
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    rng = np.random.default_rng(4)
+    prompts = [list(rng.integers(3, CFG.vocab_size, n)) for n in (5, 11, 8)]
+    sp = SamplingParams(max_new_tokens=12, temperature=1.0)
+    key = jax.random.key(1)
+    plain = JaxEngine(graphdef, params, rest).generate(prompts, sp, key)
+    out = JaxEngine(graphdef, params, rest, return_routes=True).generate(prompts, sp, key)
+    assert plain.routes is None
+    np.testing.assert_array_equal(out.tokens, plain.tokens)  # recording routes changes no sample
+    np.testing.assert_array_equal(out.logprobs, plain.logprobs)
+    assert out.routes.dtype == np.int16 and out.routes.shape == (3, 11 + 12, N_MOE, K)
+    assert out.routes[0].nbytes // out.routes.shape[1] == N_MOE * K * 2  # bytes per token
+    seq = np.zeros((3, SEQ), np.int32)
+    mask = np.zeros((3, SEQ))
+    for i, p in enumerate(prompts):
+        n = len(p) + int(out.lengths[i])
+        seq[i, :n] = list(p) + list(out.tokens[i, :out.lengths[i]])
+        mask[i, :n] = 1
+    _, full = jax.jit(lambda s: model(s, return_routes=True))(jnp.asarray(seq))
+    assert float(route_mismatch_frac(full[:, :23], out.routes, mask[:, :23])) == 0.0

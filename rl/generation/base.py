@@ -39,6 +39,12 @@ class Rollout:
     lengths: np.ndarray  # [N] response lengths
     truncated: np.ndarray  # [N] hit max_new_tokens without a stop token
     weight_version: int = 0
+    # [N, W + T, n_moe_layers, k] int16 or None: the expert ids each MoE layer routed each token to, for
+    # the token sequence prompt + response of row i (entry j = token j of that concatenation, as
+    # `rl.grpo.batch.build_train_batch` lays it out; entries past the sequence are meaningless), for
+    # routing replay and `moe/route_mismatch_frac`. n_moe_layers * k * 2 bytes per token (M3: 57 x 4 x 2 =
+    # 456 B). None when the backend does not return routes (the vLLM pool; the JAX engine unless asked).
+    routes: np.ndarray | None = None
 
 
 class Generator(Protocol):
@@ -51,7 +57,8 @@ class Generator(Protocol):
     def generate(self, prompts: list[list[int]], params: SamplingParams, key: jax.Array,
                  prompt_width: int | None = None) -> Rollout:
         """G rows already repeated in `prompts`; `key` seeds every row's sampling; `prompt_width` pads
-        prompts to a fixed width (one compiled program for every batch)."""
+        prompts to a fixed width (one compiled program for every batch). `Rollout.routes` is optional:
+        None from a backend that does not return the MoE routes it used."""
 
     def set_weights(self, params, version: int, rest=None):
         """Generate with these parameters (and non-trainable state) from now on, as weight `version`.

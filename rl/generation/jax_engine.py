@@ -7,6 +7,11 @@ The engine holds a reference to the trainer's parameters (no copy): `set_weights
 the model's own layout (`M3ForCausalLM.layout`): batch rows on the batch axes, sequences whole per
 device, experts exchanged over the batch axes (`m3jax.model.decoder.decoding_layout`); a batch that
 does not divide into the batch shards is padded with throw-away rows.
+
+With `return_routes` the rollout carries the expert ids every MoE layer used for every prompt token
+(prefill) and every sampled token (its decode step), int16 [N, W + T, n_moe_layers, k] laid out like the
+training sequence prompt + response: n_moe_layers * k * 2 bytes per token (M3: 57 x 4 x 2 = 456 B), for
+routing replay (`grpo.routing_replay`) and `moe/route_mismatch_frac`.
 """
 
 from __future__ import annotations
@@ -28,9 +33,10 @@ class JaxEngine:
     resent_rows = 0
     restarts = 0
 
-    def __init__(self, graphdef, params, rest, *, pad_id: int = 0):
+    def __init__(self, graphdef, params, rest, *, pad_id: int = 0, return_routes: bool = False):
+        """return_routes: fill `Rollout.routes` (the MoE expert ids of every prompt and sampled token)."""
         self.graphdef, self.params, self.rest = graphdef, params, rest
-        self.pad_id = pad_id
+        self.pad_id, self.return_routes = pad_id, return_routes
         self.layout = nnx.merge(graphdef, params, rest).layout  # a view: no parameter is copied
         self.version = 0
 
@@ -54,9 +60,10 @@ class JaxEngine:
             if self.layout.mesh is not None:
                 stack.enter_context(jax.set_mesh(self.layout.mesh))
             out = _generate(self.graphdef, self.params, self.rest, jnp.asarray(ids), jnp.asarray(lengths), key,
-                            params, self.pad_id)
-        tokens, logprobs, n_new, truncated = (np.asarray(a)[:n] for a in out)
-        return Rollout([list(p) for p in prompts], tokens, logprobs, n_new, truncated, self.version)
+                            params, self.pad_id, self.return_routes)
+        tokens, logprobs, n_new, truncated, *routes = (np.asarray(a)[:n] for a in out)
+        return Rollout([list(p) for p in prompts], tokens, logprobs, n_new, truncated, self.version,
+                       routes[0] if routes else None)
 
     def score(self, prompts: list[list[int]], responses: list[list[int]], params: SamplingParams
               ) -> list[list[np.ndarray]]:
@@ -94,15 +101,24 @@ def _on_every_process(layout, *arrays):
     return out if len(out) > 1 else out[0]
 
 
-@functools.partial(jax.jit, static_argnums=(0, 6, 7))
-def _generate(graphdef, params, rest, ids, prompt_lengths, key, sp: SamplingParams, pad_id: int):
+@functools.partial(jax.jit, static_argnums=(0, 6, 7, 8))
+def _generate(graphdef, params, rest, ids, prompt_lengths, key, sp: SamplingParams, pad_id: int,
+              return_routes: bool = False):
     model = nnx.merge(graphdef, params, rest)
     b, width = ids.shape
     max_len = width + sp.max_new_tokens
     cache = model.init_cache(b, max_len)
     valid = jnp.arange(max_len)[None] < prompt_lengths[:, None]
     positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (b, width))
-    logits, cache = model(ids, positions=positions, attention_mask=valid, cache=cache)
+    if return_routes:
+        logits, cache, prompt_routes = model(ids, positions=positions, attention_mask=valid, cache=cache,
+                                             return_routes=True)
+        routes = jnp.zeros((b, max_len, *prompt_routes.shape[2:]), jnp.int16)  # int16: 2 bytes per id
+        real = (jnp.arange(width)[None] < prompt_lengths[:, None])[..., None, None]
+        routes = routes.at[:, :width].set(jnp.where(real, prompt_routes, 0).astype(jnp.int16))
+    else:
+        logits, cache = model(ids, positions=positions, attention_mask=valid, cache=cache)
+        routes = None
     last = logits[jnp.arange(b), prompt_lengths - 1]
     stops = jnp.asarray(sp.stop_token_ids or (-1,), jnp.int32)
 
@@ -112,7 +128,7 @@ def _generate(graphdef, params, rest, ids, prompt_lengths, key, sp: SamplingPara
         return tok.astype(jnp.int32), jnp.take_along_axis(jax.nn.log_softmax(z, -1), tok[:, None], -1)[:, 0]
 
     def body(state):
-        t, last, cache, key, tokens, logps, done = state
+        t, last, cache, key, tokens, logps, done, routes = state
         key, sub = jax.random.split(key)
         tok, logp = pick(last, sub)
         tok = jnp.where(done, pad_id, tok)
@@ -120,22 +136,27 @@ def _generate(graphdef, params, rest, ids, prompt_lengths, key, sp: SamplingPara
         logps = logps.at[:, t].set(jnp.where(done, 0.0, logp))
         done = done | jnp.isin(tok, stops)
         pos = (prompt_lengths + t)[:, None]
-        logits, cache = model(tok[:, None], positions=pos, cache=cache)
-        return t + 1, logits[:, 0], cache, key, tokens, logps, done
+        if routes is None:
+            logits, cache = model(tok[:, None], positions=pos, cache=cache)
+        else:  # the sampled token's routes, at its place in prompt + response
+            logits, cache, step_routes = model(tok[:, None], positions=pos, cache=cache, return_routes=True)
+            routes = routes.at[jnp.arange(b), prompt_lengths + t].set(step_routes[:, 0].astype(jnp.int16))
+        return t + 1, logits[:, 0], cache, key, tokens, logps, done, routes
 
     def cond(state):
-        t, *_, done = state
+        t, done = state[0], state[6]
         return (t < sp.max_new_tokens) & ~jnp.all(done)
 
     init = (jnp.int32(0), last, cache, key, jnp.full((b, sp.max_new_tokens), pad_id, jnp.int32),
-            jnp.zeros((b, sp.max_new_tokens), jnp.float32), jnp.zeros((b,), bool))
-    t, _, _, _, tokens, logps, done = jax.lax.while_loop(cond, body, init)
+            jnp.zeros((b, sp.max_new_tokens), jnp.float32), jnp.zeros((b,), bool), routes)
+    t, _, _, _, tokens, logps, done, routes = jax.lax.while_loop(cond, body, init)
     is_stop = jnp.isin(tokens, stops)
     first_stop = jnp.where(is_stop.any(-1), jnp.argmax(is_stop, -1) + 1, sp.max_new_tokens)
-    return _on_every_process(model.layout, tokens, logps, first_stop, ~is_stop.any(-1))
+    return _on_every_process(model.layout, tokens, logps, first_stop, ~is_stop.any(-1),
+                             *(() if routes is None else (routes,)))
 
 
 # The jitted program `JaxEngine.generate` runs: (graphdef, params, rest, ids [B, W], prompt_lengths [B], key,
-# SamplingParams, pad_id), arguments 0, 6 and 7 static. Public for tools that inspect what the engine compiles
+# SamplingParams, pad_id, return_routes=False), arguments 0, 6, 7 and 8 static. Public for tools that inspect what the engine compiles
 # (`generate_program.lower(...).compile().as_text()`, as scripts/bench_generate.py --profile does).
 generate_program = _generate

@@ -299,7 +299,12 @@ class VLLMPool:
             toks, lps, trunc = results[r]
             k = len(toks)
             tokens[r, :k], logprobs[r, :k], lengths[r], truncated[r] = toks, lps, k, trunc
-        return Rollout([list(p) for p in prompts], tokens, logprobs, lengths, truncated, self.version)
+        # routes=None: no MoE routes from vLLM yet. vLLM can return them (`enable_return_routed_experts=True`
+        # -> `routed_experts` [gen_len, moe_layers, top_k] and `prompt_routed_experts`, int16), but the
+        # engines are not started with it and the chunk results carry no routes on any path here, the CPU
+        # path included (issue 14 item 1 leaves it open); the trainer then neither replays nor logs
+        # moe/route_mismatch_frac.
+        return Rollout([list(p) for p in prompts], tokens, logprobs, lengths, truncated, self.version, routes=None)
 
     def score(self, prompts, responses, params: SamplingParams) -> list[list[np.ndarray]]:
         """Per-token logprobs of fixed sequences on every serving engine (one list per engine)."""
