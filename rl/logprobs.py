@@ -12,6 +12,7 @@ positions at a time (rematerialised in the backward pass), so neither the pass n
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -128,44 +129,60 @@ def _platform(layout: Layout) -> str:
     return layout.mesh.devices.flat[0].platform if layout.mesh is not None else jax.default_backend()
 
 
-def policy_logprobs(model, mb: dict, sampling: SamplingParams, chunk_tokens: int = 0) -> jax.Array:
+def policy_logprobs(model, mb: dict, sampling: SamplingParams, chunk_tokens: int = 0, replay: bool = False,
+                    return_routes: bool = False):
     """log p(mb["targets"]) [B, S] under `sampling`'s transform for one micro-batch (input_ids,
     attention_mask, targets [B, S]): the logprob pass and the GRPO loss both call this.
     chunk_tokens: 0 = full [B, S, V] logits; else `chunked_token_logprobs` with that many positions per
-    block."""
+    block. replay: the MoE layers replay mb["routes"] [B, S, n_moe_layers, k] (the generator's expert ids;
+    routing replay). return_routes: return (logp, the router's own top-k ids [B, S, n_moe_layers, k])."""
     sp = sampling
+    moe = {}
+    if replay:
+        moe["routes"] = mb["routes"]
+    if return_routes:
+        moe["return_routes"] = True
+    out = model(mb["input_ids"], attention_mask=mb["attention_mask"], hidden=bool(chunk_tokens), **moe)
+    out, routes = out if return_routes else (out, None)
     if not chunk_tokens:
-        logits = model(mb["input_ids"], attention_mask=mb["attention_mask"])
-        return token_logprobs(logits, mb["targets"], sp.temperature, sp.top_p, sp.top_k)
-    hidden = model(mb["input_ids"], attention_mask=mb["attention_mask"], hidden=True)
-    return chunked_token_logprobs(hidden, model.lm_head[...], mb["targets"], sp.temperature, sp.top_p, sp.top_k,
-                                  chunk_tokens=chunk_tokens, layout=model.layout,
-                                  head_axes=model.lm_head.get_metadata()["logical_axes"])
+        logp = token_logprobs(out, mb["targets"], sp.temperature, sp.top_p, sp.top_k)
+    else:
+        logp = chunked_token_logprobs(out, model.lm_head[...], mb["targets"], sp.temperature, sp.top_p, sp.top_k,
+                                      chunk_tokens=chunk_tokens, layout=model.layout,
+                                      head_axes=model.lm_head.get_metadata()["logical_axes"])
+    return (logp, routes) if return_routes else logp
 
 
-def make_logprob_pass(graphdef, sampling: SamplingParams, layout: Layout = Layout(), chunk_tokens: int = 0):
+def make_logprob_pass(graphdef, sampling: SamplingParams, layout: Layout = Layout(), chunk_tokens: int = 0,
+                      replay: bool = False):
     """pass_(params, rest, batch) -> logp [micro-batches, batch, seq] for batch arrays
     [micro-batches, batch, seq] with input_ids, attention_mask and targets (micro-batches run in turn).
-    chunk_tokens: positions per logits block (`policy_logprobs`; 0 = full logits)."""
+    chunk_tokens: positions per logits block (`policy_logprobs`; 0 = full logits).
+    A batch with "routes" (the generator's MoE expert ids [micro-batches, batch, seq, n_moe_layers, k]) gives
+    (logp, the trainer's own top-k ids, same shape, int32): the routes are replayed when `replay` (routing
+    replay), else only compared with (`rl.grpo.mismatch.route_mismatch_frac`)."""
 
-    @jax.jit
-    def run(params, rest, batch):
+    @functools.partial(jax.jit, static_argnums=3)
+    def run(params, rest, batch, with_routes):
         model = nnx.merge(graphdef, params, rest)
-        return jax.lax.map(lambda mb: policy_logprobs(model, mb, sampling, chunk_tokens), batch)
+        return jax.lax.map(lambda mb: policy_logprobs(model, mb, sampling, chunk_tokens, replay and with_routes,
+                                                      with_routes), batch)
 
     def pass_(params, rest, batch):
-        batch = {k: batch[k] for k in _INPUTS}
+        with_routes = "routes" in batch
+        batch = {k: batch[k] for k in _INPUTS + (("routes",) if with_routes else ())}
         if layout.mesh is None:
-            return run(params, rest, batch)
+            return run(params, rest, batch, with_routes)
         rows = np.shape(batch["input_ids"])[1]
         extra = -rows % layout.size("act_batch")  # e.g. a handful of probe rows: pad, then drop
         if extra:
-            batch = {k: np.pad(np.asarray(v), [(0, 0), (0, extra), (0, 0)]) for k, v in batch.items()}
+            batch = {k: np.pad(np.asarray(v), [(0, 0), (0, extra)] + [(0, 0)] * (np.ndim(v) - 2))
+                     for k, v in batch.items()}
         spec = batch_sharding(layout).spec
         batch = {k: jax.device_put(v, NamedSharding(layout.mesh, P(*spec[:np.ndim(v)]))) for k, v in batch.items()}
         with jax.set_mesh(layout.mesh):
-            out = run(params, rest, batch)
-        return out[:, :rows] if extra else out
+            out = run(params, rest, batch, with_routes)
+        return jax.tree.map(lambda a: a[:, :rows], out) if extra else out
 
     pass_.jitted = run
     return pass_

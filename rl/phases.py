@@ -24,6 +24,7 @@ from rl.grpo import advantages as adv_lib
 from rl.grpo import dapo
 from rl.grpo.batch import build_train_batch, split_micro
 from rl.grpo.loss import generation_mismatch_metrics
+from rl.grpo.mismatch import route_mismatch_frac
 from rl.rewards.registry import score_batch
 
 
@@ -88,9 +89,12 @@ def _take(samples: list[Samples], picked: np.ndarray, group: int) -> Samples:
         return np.stack([np.pad(x, (0, width - len(x))) for x in out]) if np.ndim(out[0]) else np.asarray(out)
 
     ro = samples[0].rollout
+    routes = None  # [W + T, layers, k] per row: the same width from every round of one engine
+    if all(s.rollout.routes is not None for s in samples):
+        routes = np.stack([samples[r].rollout.routes[i] for r, i in rows])
     rollout_ = dataclasses.replace(ro, prompt_ids=[samples[r].rollout.prompt_ids[i] for r, i in rows],
                                    tokens=stack("tokens"), logprobs=stack("logprobs"), lengths=stack("lengths"),
-                                   truncated=stack("truncated"))
+                                   truncated=stack("truncated"), routes=routes)
     return Samples(rollout_, [samples[r].answers[i] for r, i in rows], [samples[r].completions[i] for r, i in rows])
 
 
@@ -159,18 +163,47 @@ def advantages(reward: np.ndarray, truncated: np.ndarray, gcfg) -> Advantages:
 
 
 def train_batch(samples: Samples, adv: Advantages, *, width: int, pad_id: int, num_micro: int) -> dict:
-    """[micro-batches, rows, width - 1] arrays of the step (see `rl.grpo.batch.build_train_batch`)."""
+    """[micro-batches, rows, width - 1] arrays of the step (see `rl.grpo.batch.build_train_batch`); with
+    the generator's routes also "routes" [micro-batches, rows, width - 1, n_moe_layers, k] int16, the
+    expert ids of each input token (the rollout lays them out as prompt + response, like input_ids)."""
     batch = build_train_batch(samples.rollout, adv.advantages, adv.weight, width=width, pad_id=pad_id)
+    routes = samples.rollout.routes
+    if routes is not None:
+        if routes.shape[1] < width - 1:
+            raise ValueError(f"rollout routes cover {routes.shape[1]} positions < {width - 1} training positions")
+        batch["routes"] = np.asarray(routes[:, :width - 1])
     return split_micro(batch, num_micro)
 
 
 def logprobs(logprob_pass: Callable, state, micro: dict, ref_params=None) -> dict:
-    """`micro` with logp_old under the current weights (and logp_ref under the reference, for a KL)."""
-    micro = dict(micro, logp_old=logprob_pass(state.params, state.rest, micro))
+    """`micro` with logp_old under the current weights (and logp_ref under the reference, for a KL).
+    When `micro` has the generator's "routes", the pass also gives the trainer's own top-k expert ids,
+    kept under "trainer_routes" for `route_metrics`."""
+    out = logprob_pass(state.params, state.rest, micro)
+    micro = dict(micro)
+    if isinstance(out, tuple):
+        out, micro["trainer_routes"] = out
+    micro["logp_old"] = out
     if ref_params is not None:
-        micro["logp_ref"] = logprob_pass(ref_params, state.rest, micro)
+        ref = logprob_pass(ref_params, state.rest, micro)
+        micro["logp_ref"] = ref[0] if isinstance(ref, tuple) else ref
     jax.block_until_ready(micro["logp_old"])
     return micro
+
+
+def route_metrics(micro: dict, replay: bool) -> tuple[dict, dict]:
+    """(micro-batches for the update, metrics): moe/route_mismatch_frac (`rl.grpo.mismatch`) of the
+    trainer's own top-k vs the generator's routes over the real input tokens, when both are there. The
+    update keeps "routes" only when it replays them (`replay`), so without replay it is today's program."""
+    micro = dict(micro)
+    trainer = micro.pop("trainer_routes", None)
+    generator = micro["routes"] if replay else micro.pop("routes", None)
+    if trainer is None or generator is None:
+        return micro, {}
+    frac = route_mismatch_frac(np.asarray(trainer).reshape(-1, *np.shape(trainer)[2:]),
+                               np.asarray(generator).reshape(-1, *np.shape(generator)[2:]),
+                               np.asarray(micro["attention_mask"]).reshape(-1, np.shape(generator)[2]))
+    return micro, {"moe/route_mismatch_frac": float(frac)}
 
 
 @dataclasses.dataclass

@@ -58,6 +58,9 @@ class GRPOTrainer:
         self.loss_cfg = cfg.grpo.loss_config(cfg.generation.max_new_tokens)
         self.tokenizer, self.loader, self.pad_id = build_data(cfg)
         self.policy = policy or build_policy(cfg)
+        if cfg.grpo.routing_replay == "rollout" and cfg.generation.backend != "jax":
+            raise ValueError("grpo.routing_replay=rollout needs the generator's MoE routes, which only "
+                             "generation.backend=jax returns so far (vLLM's routed-experts output is not wired)")
         self.ref_params = (jax.tree.map(jnp.copy, self.policy.state.params) if self.loss_cfg.kl != "none" else None)
         self.train_step = make_update(self.policy, self.loss_cfg)
         self.logprobs = make_logprobs(self.policy)
@@ -127,6 +130,7 @@ class GRPOTrainer:
         t["reward"] = time.perf_counter()
 
         micro = phases.logprobs(self.logprobs, policy.state, micro, self.ref_params)
+        micro, route_metrics = phases.route_metrics(micro, replay=gcfg.routing_replay == "rollout")
         t["logprobs"] = time.perf_counter()
 
         policy.state, stats = phases.update(self.train_step, policy.state, micro, gcfg.updates_per_step)
@@ -140,6 +144,7 @@ class GRPOTrainer:
                                       float(learning_rate(cfg)(step)), timing, elapsed)
         metrics.update(transfer)
         metrics.update(drawn.metrics)
+        metrics.update(route_metrics)
         metrics["time/step"] = elapsed
         return metrics
 

@@ -88,7 +88,10 @@ def test_routes_returned_and_replay_off_unchanged(single):
 def test_foreign_routes_are_obeyed(single):
     model, ids, _, (_, _, routes, _) = single
     other = (routes + 1) % CFG.num_local_experts
-    _, logits_other, _, _ = loss_logits_routes_grads(model, ids, routes=jnp.asarray(other), return_routes=True)
+    _, logits_other, chosen, _ = loss_logits_routes_grads(model, ids, routes=jnp.asarray(other), return_routes=True)
+    # under replay the returned routes are the router's own choice: the first MoE layer sees the same input
+    np.testing.assert_array_equal(chosen[:, :, 0], routes[:, :, 0])
+    assert np.mean(chosen != other) > 0.5
     assert np.max(np.abs(logits_other - single[2][1])) > 1e-3
 
 
@@ -171,3 +174,41 @@ def test_jax_engine_returns_the_routes_of_prompt_and_response_tokens(single):
         mask[i, :n] = 1
     _, full = jax.jit(lambda s: model(s, return_routes=True))(jnp.asarray(seq))
     assert float(route_mismatch_frac(full[:, :23], out.routes, mask[:, :23])) == 0.0
+
+
+def _trainer(tmp_path, name, *overrides):
+    from rl.config import load_config
+    from rl.trainer import GRPOTrainer
+    cfg = load_config("configs/tiny.yaml", [f"run.out_dir={tmp_path / name}", "grpo.prompts_per_step=4",
+                                            "grpo.group_size=4", "grpo.micro_batch_size=8", "logging.tensorboard=false",
+                                            *overrides])
+    return GRPOTrainer(cfg)
+
+
+def _two_steps(trainer):
+    try:
+        return [trainer.step(s) for s in range(2)]
+    finally:
+        trainer.engine.shutdown()
+
+
+def _numbers(metrics):
+    return {k: v for k, v in metrics.items() if not k.startswith(("time/", "throughput/"))}
+
+
+@pytest.mark.slow  # three tiny trainers, two GRPO steps each (~1 min on the shared 2-core CPU)
+def test_trainer_routing_replay(tmp_path):
+    """grpo.routing_replay=none: every metric of two steps is what the trainer logged before routes existed
+    (an engine that returns none), plus moe/route_mismatch_frac; rollout: the steps run, replay, and log it."""
+    today = _trainer(tmp_path, "today")
+    today.engine.return_routes = False  # the generator of before: no routes anywhere in the step
+    want = _two_steps(today)
+    got = _two_steps(_trainer(tmp_path, "none"))
+    replayed = _two_steps(_trainer(tmp_path, "rollout", "grpo.routing_replay=rollout"))
+    for w, g, r in zip(want, got, replayed):
+        assert "moe/route_mismatch_frac" not in w
+        frac = g.pop("moe/route_mismatch_frac")
+        assert _numbers(g) == _numbers(w)  # bitwise: equal floats
+        assert 0.0 <= frac <= 0.05  # one fp32 program family: the engine and the trainer route alike
+        assert 0.0 <= r["moe/route_mismatch_frac"] <= 0.05
+        assert np.isfinite(r["loss"]) and set(_numbers(r)) == set(_numbers(w)) | {"moe/route_mismatch_frac"}

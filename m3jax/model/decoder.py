@@ -167,8 +167,9 @@ class M3ForCausalLM(nnx.Module):
         logprob pass does so a block of positions at a time, never holding [B, S, vocab]).
         routes [B, S, n_moe_layers, k] (routing replay): the MoE layers use these expert ids (in MoE-layer
         order) with weights recomputed from the live router (`m3jax.model.moe.replay_route`).
-        return_routes: also return the expert ids every MoE layer used, [B, S, n_moe_layers, k] int32, as
-        the last element: (out, routes) or (out, cache, routes).
+        return_routes: also return the router's own top-k expert ids of every MoE layer, [B, S,
+        n_moe_layers, k] int32, as the last element: (out, routes) or (out, cache, routes). Without replay
+        these are the ids used; with replay, the ids the router would have chosen (`moe_block`).
         """
         cfg = self.cfg
         layout = self.layout if cache is None else decoding_layout(self.layout)

@@ -77,15 +77,22 @@ def moe_block(p: dict, x: jax.Array, cfg, layout: Layout = Layout(), capacity_fa
     Where the experts run (locally, or expert-parallel over the layout's mesh) is `sharding.expert`'s business;
     kernel: the grouped-matmul kernel of the experts (None = "auto").
     routes [B, S, k]: replay these expert ids (`replay_route`: weights from the live router) instead of
-    choosing them; they drive the expert-parallel exchange. return_routes: return (y, ids [B, S, k] int32).
+    choosing them; they drive the expert-parallel exchange. return_routes: return (y, ids [B, S, k] int32),
+    the router's own top-k choice: the ids used without replay; with replay, the ids it would have chosen
+    (one more router matmul), so a replayed step still sees how far trainer and generator disagree.
     """
     alpha, limit = cfg.swiglu_alpha, cfg.swiglu_limit
     routed = routed_experts(
         x, functools.partial(route_or_replay, top_k=cfg.num_experts_per_tok), (p["router"], p["router_bias"]),
         functools.partial(grouped_experts, alpha=alpha, limit=limit, kernel=kernel or "auto"), p["experts_gate_up"], p["experts_down"],
-        layout=layout, capacity_factor=capacity_factor, exchange=exchange, ids=routes, return_ids=return_routes)
-    if return_routes:
+        layout=layout, capacity_factor=capacity_factor, exchange=exchange, ids=routes,
+        return_ids=return_routes and routes is None)
+    if return_routes and routes is None:
         routed, ids = routed
+    elif return_routes:
+        b, s, d = x.shape
+        h = jax.lax.stop_gradient(x).reshape(b * s, d)
+        ids = route(h, p["router"], p["router_bias"], top_k=cfg.num_experts_per_tok)[1].reshape(b, s, -1)
     shared = dense_mlp(x, p["shared_gate_up"], p["shared_down"], alpha, limit)
     y = routed * cfg.routed_scaling_factor + shared
     return (y, ids) if return_routes else y

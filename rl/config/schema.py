@@ -246,6 +246,10 @@ class GrpoSection(_Section):
                                  "generation.max_new_tokens the reward falls linearly to -overlong_penalty; 0 = off",
                               min=0)
     overlong_penalty: float = _f(1.0, "the largest overlong punishment (at max_new_tokens)", gt=0)
+    routing_replay: str = _f("none", "MoE routing replay: none, or rollout (the logprob pass and the loss use the "
+                                     "generator's expert ids per token and MoE layer, weights recomputed from the "
+                                     "live router; needs generation.backend jax, the one that returns routes)",
+                             choices=("none", "rollout"))
 
     @property
     def sequences_per_step(self) -> int:

@@ -17,7 +17,8 @@ from rl.generation.jax_engine import JaxEngine
 def make_generator(cfg, graphdef, state, *, pad_id: int, run_dir: str):
     """The JAX engine (sharing the trainer's parameters) or a vLLM pool started from a checkpoint."""
     if cfg.generation.backend == "jax":
-        return JaxEngine(graphdef, state.params, state.rest, pad_id=pad_id)
+        # routes: for grpo.routing_replay and moe/route_mismatch_frac (n_moe_layers * k * 2 bytes per token)
+        return JaxEngine(graphdef, state.params, state.rest, pad_id=pad_id, return_routes=True)
     from flax import nnx
 
     import m3jax
