@@ -212,3 +212,17 @@ def test_trainer_routing_replay(tmp_path):
         assert 0.0 <= frac <= 0.05  # one fp32 program family: the engine and the trainer route alike
         assert 0.0 <= r["moe/route_mismatch_frac"] <= 0.05
         assert np.isfinite(r["loss"]) and set(_numbers(r)) == set(_numbers(w)) | {"moe/route_mismatch_frac"}
+
+
+@pytest.mark.slow  # compiles the engine's generate program on one device and on an 8-device mesh (~30 s)
+def test_jax_engine_routes_under_expert_parallelism():
+    """On a 2 (data) x 4 (expert) mesh the engine samples the same tokens and records the same routes."""
+    rng = np.random.default_rng(4)
+    prompts = [list(rng.integers(3, CFG.vocab_size, n)) for n in (5, 11, 8, 3, 7, 9, 4, 6)]
+    sp = SamplingParams(max_new_tokens=12, temperature=1.0)
+    outs = []
+    for layout in (None, build_mesh(MeshConfig(data=2, expert=4), CFG)):
+        graphdef, params, rest = nnx.split(m3_model(CFG, seed=5, layout=layout), nnx.Param, ...)
+        outs.append(JaxEngine(graphdef, params, rest, return_routes=True).generate(prompts, sp, jax.random.key(1)))
+    np.testing.assert_array_equal(outs[1].tokens, outs[0].tokens)
+    np.testing.assert_array_equal(outs[1].routes, outs[0].routes)
