@@ -3,17 +3,23 @@
 With `query_chunk` > 0 the scores are formed for `query_chunk` local queries at a time (a scan with a
 rematerialised body), so one chunk's [chunk, S_k] scores, masks and indexer scores live instead of the
 whole [S_local, S_k] block; the maths per query is unchanged.
+
+With impl="flash" (`m3jax.model.flash`) no scores block is held at all: an online softmax walks key tiles
+(the indexer's block size on sparse layers, whose unselected tiles it skips), and query_chunk is unused.
 """
 
 import jax
 import jax.numpy as jnp
 
+from m3jax.model.flash import flash_attention
 from m3jax.model.indexer import block_mask_to_tokens, select_key_blocks
 from m3jax.model.norms import rms_norm
 from m3jax.model.rope import apply_rope
 from sharding.layout import Layout
 
 _MASKED = jnp.finfo(jnp.float32).min
+IMPLS = ("dense", "flash")
+FLASH_TILE = 128  # queries and keys per flash tile on full layers (sparse layers: keys per indexer block)
 
 
 def causal_keep(positions: jax.Array, key_valid: jax.Array | None, key_len: int) -> jax.Array:
@@ -44,7 +50,7 @@ def gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, keep: jax.Array, sca
 
 def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, positions: jax.Array,
                     key_valid: jax.Array | None, cfg, sparse: bool, cache: dict | None = None,
-                    query_chunk: int = 0, layout: Layout = Layout()):
+                    query_chunk: int = 0, layout: Layout = Layout(), impl: str = "dense"):
     """One layer's attention on normalised hidden x [B, S, d] -> [B, S, d] (and the updated cache).
 
     p holds this layer's q/k/v/o projections ([heads, D, d] / [d, H, D]), q/k norms, and for sparse
@@ -55,6 +61,7 @@ def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
     hides them); key_valid then spans S_max.
     query_chunk: queries per scores block on each device (0 = all local queries at once).
     layout: where activations live (the context shards of the sequence decide the chunking).
+    impl: "dense" (masked [chunk, S_k] scores) or "flash" (`flash_attention`, no scores block).
     """
     eps = cfg.rms_norm_eps
     q = rms_norm(jnp.einsum("bse,hde->bshd", x, p["q_proj"]), p["q_norm"], eps)
@@ -71,7 +78,9 @@ def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
         k, v = cache["k"], cache["v"]
         ik = cache.get("index_k")
     n_ctx = layout.size("act_seq")
-    if query_chunk and x.shape[1] // n_ctx > query_chunk:
+    if impl == "flash":
+        o = flash_layer_attention(q, k, v, positions, key_valid, iq, ik, cfg)
+    elif query_chunk and x.shape[1] // n_ctx > query_chunk:
         o = chunked_attention(q, k, v, positions, key_valid, iq, ik, cfg, query_chunk, layout)
     else:
         o = masked_attention(q, k, v, positions, key_valid, iq, ik, cfg)
@@ -88,6 +97,18 @@ def masked_attention(q, k, v, positions, key_valid, iq, ik, cfg) -> jax.Array:
                                    topk_blocks=cfg.index_topk_blocks, local_blocks=cfg.index_local_blocks)
         keep = keep & block_mask_to_tokens(blocks, cfg.index_block_size, k.shape[1], cfg.num_attention_heads)
     return gqa_attention(q, k, v, keep, cfg.head_dim ** -0.5)
+
+
+def flash_layer_attention(q, k, v, positions, key_valid, iq, ik, cfg) -> jax.Array:
+    """`masked_attention` with `flash_attention`: the same keep-mask, never materialised. Sparse layers
+    walk key tiles of one indexer block and skip blocks no query of a tile selected."""
+    blocks, tile = None, FLASH_TILE
+    if iq is not None:
+        blocks = select_key_blocks(iq, ik, positions, block_size=cfg.index_block_size,
+                                   topk_blocks=cfg.index_topk_blocks, local_blocks=cfg.index_local_blocks)
+        tile = cfg.index_block_size
+    return flash_attention(q, k, v, scale=cfg.head_dim ** -0.5, positions=positions, key_valid=key_valid,
+                           block_mask=blocks, block_size=cfg.index_block_size, q_tile=max(tile, 64), k_tile=tile)
 
 
 def _to_chunks(a: jax.Array, n_ctx: int, chunk: int) -> jax.Array:

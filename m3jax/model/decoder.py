@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from m3jax.config import M3Config
+from m3jax.model.attention import IMPLS as ATTENTION_IMPLS
 from m3jax.model.attention import attention_block
 from m3jax.model.mlp import dense_mlp
 from m3jax.model.moe import moe_block
@@ -66,8 +67,10 @@ class LayerStack(nnx.Module):
 
     def __init__(self, cfg: M3Config, attn_kind: str, mlp_kind: str, layer_ids, *, dtype, rngs: nnx.Rngs,
                  remat: bool = True, moe_capacity_factor: float | None = None, moe_exchange: str | None = None,
-                 attention_query_chunk: int = 0, layout: Layout = Layout(), moe_kernel: str = "auto"):
+                 attention_query_chunk: int = 0, layout: Layout = Layout(), moe_kernel: str = "auto",
+                 attention_impl: str = "dense"):
         self.cfg, self.attn_kind, self.mlp_kind, self.layout = cfg, attn_kind, mlp_kind, layout
+        self.attention_impl = attention_impl
         self.layer_ids = tuple(layer_ids)
         self.remat, self.attention_query_chunk = remat, attention_query_chunk
         self.moe_capacity_factor, self.moe_exchange, self.moe_kernel = moe_capacity_factor, moe_exchange, moe_kernel
@@ -92,7 +95,7 @@ class LayerStack(nnx.Module):
             p, layer_cache, layer_routes = p_cache_routes
             h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps)
             attn = attention_block(p, h, cos, sin, positions, key_valid, cfg, sparse, layer_cache,
-                                   self.attention_query_chunk, layout)
+                                   self.attention_query_chunk, layout, self.attention_impl)
             if layer_cache is not None:
                 attn, layer_cache = attn
             x = x + attn
@@ -129,13 +132,16 @@ class M3ForCausalLM(nnx.Module):
 
     def __init__(self, cfg: M3Config, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None, remat: bool = True,
                  moe_capacity_factor: float | None = None, moe_exchange: str | None = None,
-                 attention_query_chunk: int = 0, layout=None, moe_kernel: str = "auto"):
+                 attention_query_chunk: int = 0, layout=None, moe_kernel: str = "auto",
+                 attention_impl: str = "dense"):
         """remat: rematerialise each layer in the backward pass. moe_capacity_factor: cap on the rows an
         expert-parallel device sends to one peer, x (tokens*top_k / n_ep); None = dropless.
         moe_exchange: "padded" | "ragged" | "ragged_emulated"; None = ragged on GPU/TPU, padded on CPU.
         moe_kernel: the experts' grouped matmul, "auto" | "ragged_dot" | "tiled" (`sharding.grouped_matmul`;
         auto = tiled on CPU, ragged_dot elsewhere).
         attention_query_chunk: local queries per attention scores block (0 = all at once).
+        attention_impl: "dense" (masked scores blocks) | "flash" (online softmax over key tiles, no
+        [queries, keys] block; sparse layers skip the key blocks the indexer dropped; `m3jax.model.flash`).
         layout: the `sharding.layout.Layout` (or a jax Mesh with the default rules) the model runs on;
         None = one device. Parameters are created where jax puts them; `from_pretrained` or the
         trainer places them on the layout."""
@@ -143,6 +149,8 @@ class M3ForCausalLM(nnx.Module):
                 or attention_query_chunk < 0:
             raise ValueError(f"attention_query_chunk={attention_query_chunk!r}: expected an integer >= 0")
         resolve_kernel(moe_kernel)  # fail at construction on an unknown kernel name
+        if attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"attention_impl={attention_impl!r}: expected one of {ATTENTION_IMPLS}")
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         self.cfg, self.dtype, self.layout = cfg, jnp.dtype(dtype), as_layout(layout)
         for name, spec in top_param_specs(cfg).items():
@@ -150,7 +158,8 @@ class M3ForCausalLM(nnx.Module):
         self.stacks = nnx.List([
             LayerStack(cfg, attn, mlp, ids, dtype=dtype, rngs=rngs, remat=remat,
                        moe_capacity_factor=moe_capacity_factor, moe_exchange=moe_exchange,
-                       attention_query_chunk=attention_query_chunk, layout=self.layout, moe_kernel=moe_kernel)
+                       attention_query_chunk=attention_query_chunk, layout=self.layout, moe_kernel=moe_kernel,
+                       attention_impl=attention_impl)
             for attn, mlp, ids in cfg.segments()
         ])
 

@@ -109,6 +109,11 @@ class ModelSection(_Section):
     remat: bool = _f(False, "activation checkpointing (recompute each layer in the backward pass)")
     attention_query_chunk: int = _f(0, "local queries per attention-scores block (a rematerialised scan): "
                                        "[chunk, S] scores live instead of [S_local, S]; 0 = all at once", min=0)
+    # m3jax.model.attention.IMPLS, listed here so that the schema needs no jax
+    attention_impl: str = _f("dense", "attention computation: dense (masked [chunk, S] scores blocks) or flash "
+                                      "(online softmax over key tiles, no scores block; sparse layers skip the "
+                                      "key blocks the indexer dropped; attention_query_chunk is then unused)",
+                             choices=("dense", "flash"))
     # Not an M3ForCausalLM option (the model returns hidden states or logits): the logprob pass and the
     # loss read it (rl.policy), so it stays out of model_options.
     logprob_chunk_tokens: int = _f(1024, "positions of each row whose [.., vocab] logits are computed at once "
@@ -127,7 +132,8 @@ class ModelSection(_Section):
     def model_options(self) -> dict[str, Any]:
         """Keyword options of `M3ForCausalLM` / `m3jax.from_pretrained` this section sets."""
         return {"remat": self.remat, "attention_query_chunk": self.attention_query_chunk,
-                "moe_capacity_factor": self.moe_capacity_factor, "moe_kernel": self.moe_kernel}
+                "attention_impl": self.attention_impl, "moe_capacity_factor": self.moe_capacity_factor,
+                "moe_kernel": self.moe_kernel}
 
     def m3_config(self):
         """The model's M3Config (tiny: built from the fields; path: read from its config.json)."""
