@@ -134,7 +134,7 @@ def models(tmp_path_factory):
     cfg = ref.tiny_config("release_like")
     hf = ref.build_model(cfg, seed=3)
     path = ref.save(hf, str(tmp_path_factory.mktemp("flash") / "native"))
-    return cfg, hf, {impl: m3jax.from_pretrained(path, attention_impl=impl) for impl in ("dense", "flash")}
+    return cfg, hf, {impl: m3jax.from_pretrained(path, attention_impl=impl) for impl in ("dense", "flash")}, path
 
 
 @jax.jit
@@ -143,14 +143,14 @@ def forward(model, ids, attention_mask=None):
 
 
 def test_flash_model_logits_match_hf(models):
-    cfg, hf, by_impl = models
+    cfg, hf, by_impl, _ = models
     ids = ref.random_ids(cfg, 2, SEQ, seed=1)
     assert rel_err(forward(by_impl["flash"], jnp.asarray(ids)), ref.hf_logits(hf, ids)) < 1e-5
 
 
 @pytest.mark.slow  # another forward compile (~6 s on the shared 2-core CPU)
 def test_flash_model_right_padding_matches_hf(models):
-    cfg, hf, by_impl = models
+    cfg, hf, by_impl, _ = models
     ids = ref.random_ids(cfg, 2, SEQ, seed=1)
     mask = np.ones_like(ids)
     mask[1, 40:] = 0  # right padding
@@ -161,7 +161,7 @@ def test_flash_model_right_padding_matches_hf(models):
 
 @pytest.mark.slow  # two gradient compiles of the tiny model (~17 s on the shared 2-core CPU)
 def test_flash_model_gradients_equal_dense(models):
-    cfg, _, by_impl = models
+    cfg, _, by_impl, _ = models
     ids = jnp.asarray(ref.random_ids(cfg, 2, SEQ, seed=2))
     grads = {}
     for impl, model in by_impl.items():
@@ -186,7 +186,7 @@ def test_flash_model_gradients_equal_dense(models):
 @pytest.mark.slow  # prefill + decode-step compiles (~13 s on the shared 2-core CPU)
 def test_flash_model_cached_decoding_matches_full_forward(models):
     """Prefill 40 tokens into the cache, then decode 4 one at a time: the logits of the full forward."""
-    cfg, _, by_impl = models
+    cfg, _, by_impl, _ = models
     model = by_impl["flash"]
     ids = jnp.asarray(ref.random_ids(cfg, 2, 44, seed=4))
     want = np.asarray(forward(model, ids))
@@ -212,3 +212,34 @@ def test_config_choices_are_the_impls():
     assert tuple(field.metadata["choices"]) == IMPLS and ModelSection().model_options()["attention_impl"] == "dense"
     with pytest.raises(ValueError, match="attention_impl"):
         m3jax.M3ForCausalLM(m3_config(), attention_impl="sdpa")
+
+
+@pytest.mark.slow  # 8-device compiles of the model's gradient (~20 s each on the shared 2-core CPU)
+@pytest.mark.parametrize("shape", [(2, 2, 2, 1), (1, 8, 1, 1)])
+def test_flash_sharded_equals_single_device(models, shape):
+    """Data x context x expert mesh (and all-context): the partitioner runs flash on sequence-sharded
+    activations; logits and every gradient equal the single device's dense path."""
+    from sharding.mesh import MeshConfig, build_mesh
+    cfg, _, by_impl, path = models
+    ids = jnp.asarray(ref.random_ids(cfg, 8, SEQ + 1, seed=5))
+
+    def logits_and_grads(model):
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+        def loss(params):
+            logits = nnx.merge(graphdef, params, rest)(ids[:, :-1])
+            logp = jax.nn.log_softmax(logits, axis=-1)
+            return -jnp.mean(jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1)), logits
+
+        (_, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+        return np.asarray(logits), dict(nnx.to_flat_state(grads))
+
+    want_logits, want = logits_and_grads(by_impl["dense"])
+    layout = build_mesh(MeshConfig(*shape), by_impl["dense"].cfg, seq_len=SEQ, batch=8)
+    model = m3jax.from_pretrained(path, mesh=layout, attention_impl="flash")
+    with jax.set_mesh(layout.mesh):
+        logits, got = logits_and_grads(model)
+    assert rel_err(logits, want_logits) < 1e-5
+    for key, g in want.items():
+        g, h = np.asarray(g.get_value()), np.asarray(got[key].get_value())
+        assert (not np.any(h)) if not np.any(g) else rel_err(h, g) < 1e-5, key
