@@ -58,9 +58,6 @@ class GRPOTrainer:
         self.loss_cfg = cfg.grpo.loss_config(cfg.generation.max_new_tokens)
         self.tokenizer, self.loader, self.pad_id = build_data(cfg)
         self.policy = policy or build_policy(cfg)
-        if cfg.grpo.routing_replay == "rollout" and cfg.generation.backend != "jax":
-            raise ValueError("grpo.routing_replay=rollout needs the generator's MoE routes, which only "
-                             "generation.backend=jax returns so far (vLLM's routed-experts output is not wired)")
         self.ref_params = (jax.tree.map(jnp.copy, self.policy.state.params) if self.loss_cfg.kl != "none" else None)
         self.train_step = make_update(self.policy, self.loss_cfg)
         self.logprobs = make_logprobs(self.policy)

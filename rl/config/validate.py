@@ -186,6 +186,11 @@ def _cross_checks(cfg: RunConfig) -> list[_Problem]:
                                                  f"grpo.is_mask_low = {_show(g.is_mask_low)}; allowed: a number > "
                                                  "is_mask_low", ("grpo.is_mask_low",)))
     out += _loss_checks(g)
+    if g.routing_replay == "rollout" and gen.backend != "jax":
+        out.append(_Problem("grpo.routing_replay", (
+            f"grpo.routing_replay = \"rollout\" with generation.backend = {_show(gen.backend)}: only the JAX "
+            "engine returns the MoE routes it sampled with (vLLM's routed-experts output is not wired yet); "
+            "allowed: \"none\", or generation.backend = \"jax\""), ("generation.backend",)))
     if g.overlong_buffer >= gen.max_new_tokens:  # the ramp must start after at least one unpunished token
         out.append(_Problem("grpo.overlong_buffer", (
             f"grpo.overlong_buffer = {g.overlong_buffer}: not below generation.max_new_tokens = "
