@@ -12,7 +12,13 @@ Prints one JSON line per check; keep the output with BENCHMARKS.md. Checks:
 4. MoE: grouped expert matmuls (ragged_dot) vs every expert on every token, same routing, timed;
 5. MoE kernels: `model.moe_kernel` ragged_dot vs tiled on an expert-parallel receive pool mostly padding
    (1 local expert with a 32x pool, M3's 32-node layout; 4 local experts with a 16x pool), bf16, forward and
-   forward+backward: the figure `auto`'s GPU choice (ragged_dot until measured) waits for.
+   forward+backward: the figure `auto`'s GPU choice (ragged_dot until measured) waits for;
+6. attention kernels at one M3 layer's shapes (64 query heads, 4 KV heads x 128, bf16, causal): the dense
+   path (`attention_impl: dense`), `flash` (m3jax.model.flash) full and with a sparse block mask (the
+   indexer's top-16 + local block shape), and cuDNN through `jax.nn.dot_product_attention` for the full
+   layer: forward and forward+backward times, each output against the dense path's;
+7. the LM head: token logprobs and their gradient from full [T, 200064] logits vs `model.logprob_chunk_tokens`
+   blocks (rl.logprobs.chunked_token_logprobs), times and the largest difference: what chunking costs in time.
 """
 
 from __future__ import annotations
@@ -152,6 +158,67 @@ def moe_kernels(small: bool, experts: int, pool: int, real_rows: int):
          value_rel_err=rel(y_t, y_r), grad_rel_err=[rel(a, b) for a, b in zip(g_t, g_r)])
 
 
+def attention_kernels(small: bool, seq: int):
+    from m3jax.model.attention import causal_keep, gqa_attention
+    from m3jax.model.flash import flash_attention
+    b, h, kv, hd, bs, topk = (1, 4, 2, 32, 16, 2) if small else (1, 64, 4, 128, 128, 16)
+    k = jax.random.split(jax.random.key(2), 4)
+    q, kk, v = (jax.random.normal(k[i], (b, seq, n, hd), jnp.bfloat16) for i, n in ((0, h), (1, kv), (2, kv)))
+    do = jax.random.normal(k[3], (b, seq, h, hd), jnp.bfloat16)
+    scale = hd ** -0.5
+    pos = jnp.broadcast_to(jnp.arange(seq), (b, seq))
+    nb = seq // bs  # a sparse mask shaped like the indexer's: each query's own block + topk random earlier ones
+    qb = jnp.arange(nb)
+    pick = jax.random.uniform(jax.random.key(3), (b, kv, nb, nb)) < topk / jnp.maximum(qb[:, None], 1)
+    blocks = ((qb[None, None, :, None] == qb[None, None, None, :]) | pick) & (qb[None, None, None, :] <= qb[:, None])
+    block_mask = jnp.repeat(blocks, bs, axis=2)  # [B, KV, S, S_k / bs]: a row per query
+    kernels = {
+        "dense": lambda q, k, v: gqa_attention(q, k, v, causal_keep(pos, None, seq), scale),
+        "flash": lambda q, k, v: flash_attention(q, k, v, scale=scale, positions=pos),
+        "flash_sparse": lambda q, k, v: flash_attention(q, k, v, scale=scale, positions=pos, block_mask=block_mask,
+                                                        block_size=bs, k_tile=bs),
+        "cudnn": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
+                                                              implementation="cudnn"),
+    }
+    res, ref = {}, None
+    for name, f in kernels.items():
+        try:
+            fwd = jax.jit(f)
+            bwd = jax.jit(jax.grad(lambda q, k, v, f=f: jnp.sum((f(q, k, v) * do).astype(jnp.float32)), argnums=(0, 1, 2)))
+            tf, out = timed(fwd, q, kk, v)
+            tb, _ = timed(bwd, q, kk, v)
+        except Exception as e:  # cuDNN off a GPU, or a shape its constraints refuse: say so, keep going
+            res[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+            continue
+        out = out.astype(jnp.float32)
+        ref = out if name == "dense" else ref
+        res[name] = {"fwd_ms": tf * 1e3, "fwd_bwd_ms": tb * 1e3}
+        if name in ("flash", "cudnn") and ref is not None:
+            res[name]["rel_err_vs_dense"] = float(jnp.abs(out - ref).max() / jnp.abs(ref).max())
+    emit(check="attention_kernels", seq=seq, heads=h, kv_heads=kv, head_dim=hd, block_size=bs, **res)
+
+
+def logprob_head(small: bool, tokens: int, chunk: int):
+    from rl.generation.base import token_logprobs
+    from rl.logprobs import chunked_token_logprobs
+    from m3jax.model.decoder import lm_head_logits
+    d, vocab = (64, 4096) if small else (6144, 200064)
+    k = jax.random.split(jax.random.key(4), 3)
+    hidden = jax.random.normal(k[0], (1, tokens, d), jnp.bfloat16)
+    head = (jax.random.normal(k[1], (vocab, d), jnp.float32) / d ** 0.5).astype(jnp.bfloat16)
+    targets = jax.random.randint(k[2], (1, tokens), 0, vocab)
+    full = lambda h, w: token_logprobs(lm_head_logits(h, w), targets, 1.0)  # noqa: E731
+    chunked = lambda h, w: chunked_token_logprobs(h, w, targets, 1.0, chunk_tokens=chunk)  # noqa: E731
+    out = {}
+    for name, f in (("full", full), ("chunked", chunked)):
+        tf, lp = timed(jax.jit(f), hidden, head)
+        tb, _ = timed(jax.jit(jax.grad(lambda h, w, f=f: jnp.sum(f(h, w)), argnums=(0, 1))), hidden, head)
+        out[name] = (tf, tb, lp)
+    emit(check="logprob_head", tokens=tokens, vocab=vocab, chunk_tokens=chunk,
+         fwd_ms={n: v[0] * 1e3 for n, v in out.items()}, fwd_bwd_ms={n: v[1] * 1e3 for n, v in out.items()},
+         max_abs_diff=float(jnp.abs(out["full"][2] - out["chunked"][2]).max()))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="tiny shapes: a CPU smoke test of this script")
@@ -165,12 +232,16 @@ def main():
         mfu(True, 2, 8, 64, 2, peak)
         moe_cost(True, 8, 256)
         moe_kernels(True, 1, 32, 256)
+        attention_kernels(True, 256)
+        logprob_head(True, 256, 64)
     else:
         mfu(False, 4, 16, 4096, 1, peak)
         for e in (16, 64):
             moe_cost(False, e, 8192)
         moe_kernels(False, 1, 32, 4096)
         moe_kernels(False, 4, 16, 4096)
+        attention_kernels(False, 8192)
+        logprob_head(False, 8192, 1024)
 
 
 if __name__ == "__main__":
