@@ -9,6 +9,7 @@ uninterrupted one would have done.
 from __future__ import annotations
 
 import datetime
+import functools
 import logging
 import os
 import time
@@ -19,6 +20,7 @@ import numpy as np
 
 from rl import evaluate as held_out
 from rl import phases
+from rl.ahead import AheadDraw, draws_ahead
 from rl.config import RunConfig
 from rl.data import PromptLoader, load_prompts
 from rl.generation import backends
@@ -67,6 +69,8 @@ class GRPOTrainer:
         self.checkpointer = checkpointer_for(cfg)
         self.eval_set = self._eval_set() if cfg.eval.enabled else None
         self.best = None  # {metric, value, step} of the best held-out evaluation so far (kept in checkpoints)
+        # grpo.max_trajectory_age_steps 1: the next step's draw runs while a step trains (rl.ahead)
+        self.ahead = AheadDraw() if cfg.grpo.max_trajectory_age_steps else None
 
     @property
     def state(self):
@@ -108,9 +112,22 @@ class GRPOTrainer:
         cfg, gcfg, policy = self.cfg, self.cfg.grpo, self.policy
         t = {"start": time.perf_counter()}
         # rollout + rewards; with DAPO dynamic sampling as many rounds as it takes (rl.phases.draw)
-        drawn = phases.draw(self.engine, self.loader, self.tokenizer, cfg, policy.sampling, step)
+        draw = functools.partial(phases.draw, self.engine, self.loader, self.tokenizer, cfg, policy.sampling)
+        ahead = self.ahead
+        if ahead is not None and ahead.pending:  # drawn while the previous step trained
+            drawn, version, waited = ahead.take()
+            t["generate"] = t["start"] + waited  # what the trainer waited for; the draw took drawn.generate_s
+            ahead_metrics = {"rollout/age_steps": step - version, "time/generate_ahead": drawn.generate_s}
+        else:
+            drawn = draw(step)
+            t["generate"] = t["start"] + drawn.generate_s  # the scoring of every round counts as time/reward
+            ahead_metrics = {"rollout/age_steps": 0} if ahead is not None else {}
+        done = step + 1
+        if ahead is not None and draws_ahead(done, cfg.run.total_steps, cfg.checkpoint.every_steps,
+                                             self._evaluates_after(done)):
+            # the generator holds the weights this step trains from (version `step`)
+            ahead.launch(functools.partial(draw, done), self.loader.state_dict(), version=step)
         samples, reward, failures = drawn.samples, drawn.reward, drawn.failures
-        t["generate"] = t["start"] + drawn.generate_s  # the scoring of every round counts as time/reward
         if drawn.metrics.get("dapo/filled_groups"):
             self._dapo_short_steps = getattr(self, "_dapo_short_steps", 0) + 1
             # once as a warning, then in run.log and the metric: near convergence it is every step
@@ -133,6 +150,8 @@ class GRPOTrainer:
         policy.state, stats = phases.update(self.train_step, policy.state, micro, gcfg.updates_per_step)
         t["train"] = time.perf_counter()
 
+        if ahead is not None:  # the engine keeps the old weights until the draw in flight is done
+            ahead_metrics["time/wait_rollout"] = t["generate"] - t["start"] + ahead.settle()
         transfer = phases.sync_weights(self.engine, policy.state, step + 1, self.probe)
         elapsed = time.perf_counter() - t["start"]
         timing = {p: t[p] - t[q] for p, q in (("generate", "start"), ("reward", "generate"),
@@ -142,13 +161,19 @@ class GRPOTrainer:
         metrics.update(transfer)
         metrics.update(drawn.metrics)
         metrics.update(route_metrics)
+        metrics.update(ahead_metrics)
         metrics["time/step"] = elapsed
         return metrics
 
     # -------------------------------------------------------------------------------------- loop
+    def _evaluates_after(self, done: int) -> bool:
+        return self.eval_set is not None and held_out.due(done, self.cfg.run.total_steps, self.cfg.eval.every_steps)
+
     def _meta(self, step: int) -> dict:
-        return {"step": step, "data": self.loader.state_dict(), "seed": self.cfg.run.seed,
-                "weight_version": step, "best": self.best}
+        # with a draw in flight (a save the schedule did not foresee), the position before it: those
+        # prompts are drawn again after a resume (rl.ahead)
+        data = self.ahead.loader_state if self.ahead is not None and self.ahead.pending else self.loader.state_dict()
+        return {"step": step, "data": data, "seed": self.cfg.run.seed, "weight_version": step, "best": self.best}
 
     def resume(self) -> int:
         got = self.checkpointer.restore_latest(self.state)
@@ -184,7 +209,7 @@ class GRPOTrainer:
                 t0 = time.perf_counter()
                 last = self.step(step)
                 done = step + 1
-                if self.eval_set is not None and held_out.due(done, cfg.run.total_steps, cfg.eval.every_steps):
+                if self._evaluates_after(done):
                     last.update(self._evaluate(done))  # before the save: the checkpoint knows the best value
                 t1 = time.perf_counter()
                 every = cfg.checkpoint.every_steps  # 0: only at the end (and at must_save_by)
@@ -202,6 +227,8 @@ class GRPOTrainer:
                     self.save(done)
                     break
         finally:
+            if self.ahead is not None:
+                self.ahead.close()  # before the generator shuts down: a draw in flight uses it
             self.checkpointer.wait()
             logger.close()
             self.engine.shutdown()

@@ -256,6 +256,11 @@ class GrpoSection(_Section):
                                      "generator's expert ids per token and MoE layer, weights recomputed from the "
                                      "live router; needs generation.backend jax, the one that returns routes)",
                              choices=("none", "rollout"))
+    max_trajectory_age_steps: int = _f(0, "0: on-policy (generate, then train, each step in turn); 1: the next step's "
+                                          "rollouts are generated with the current weights while this step trains "
+                                          "(one step off policy; the importance correction uses the generator's "
+                                          "logprobs), draining at checkpoints and evaluations (rl.ahead)",
+                                       min=0, max=1)
 
     @property
     def sequences_per_step(self) -> int:

@@ -18,7 +18,10 @@ def make_generator(cfg, graphdef, state, *, pad_id: int, run_dir: str):
     """The JAX engine (sharing the trainer's parameters) or a vLLM pool started from a checkpoint."""
     if cfg.generation.backend == "jax":
         # routes: for grpo.routing_replay and moe/route_mismatch_frac (n_moe_layers * k * 2 bytes per token)
-        return JaxEngine(graphdef, state.params, state.rest, pad_id=pad_id, return_routes=True)
+        # one step off policy: the engine samples while the train step donates the parameters' buffers,
+        # so it keeps a copy of each version it is given
+        return JaxEngine(graphdef, state.params, state.rest, pad_id=pad_id, return_routes=True,
+                         copy_weights=cfg.grpo.max_trajectory_age_steps > 0)
     from flax import nnx
 
     import m3jax

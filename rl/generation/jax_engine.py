@@ -33,18 +33,25 @@ class JaxEngine:
     resent_rows = 0
     restarts = 0
 
-    def __init__(self, graphdef, params, rest, *, pad_id: int = 0, return_routes: bool = False):
-        """return_routes: fill `Rollout.routes` (the MoE expert ids of every prompt and sampled token)."""
-        self.graphdef, self.params, self.rest = graphdef, params, rest
-        self.pad_id, self.return_routes = pad_id, return_routes
+    def __init__(self, graphdef, params, rest, *, pad_id: int = 0, return_routes: bool = False,
+                 copy_weights: bool = False):
+        """return_routes: fill `Rollout.routes` (the MoE expert ids of every prompt and sampled token).
+        copy_weights: keep a copy of the weights it is given (needed when it generates while the trainer
+        updates them in place: `grpo.max_trajectory_age_steps` 1); otherwise it shares them."""
+        self.graphdef, self.pad_id, self.return_routes = graphdef, pad_id, return_routes
+        self.copy_weights = copy_weights
+        self.params, self.rest = self._own(params), self._own(rest)
         self.layout = nnx.merge(graphdef, params, rest).layout  # a view: no parameter is copied
         self.version = 0
 
+    def _own(self, tree):
+        return jax.tree.map(jnp.copy, tree) if self.copy_weights else tree
+
     def set_weights(self, params, version: int, rest=None) -> None:
-        """Generate with these params (and non-trainable state) from now on; no copy is made."""
-        self.params, self.version = params, version
+        """Generate with these params (and non-trainable state) from now on; copied with copy_weights."""
+        self.params, self.version = self._own(params), version
         if rest is not None:
-            self.rest = rest
+            self.rest = self._own(rest)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, key: jax.Array,
                  prompt_width: int | None = None) -> Rollout:
