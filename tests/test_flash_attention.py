@@ -45,6 +45,8 @@ CASES = {
     "blocks_per_kv_head_g4": (37, 37, 8, 2, 8, 8, True, False, 2, 8),
     "blocks_per_query_head_pad_ragged": (45, 45, 4, 2, 16, 8, True, True, 4, 8),
     "blocks_coarser_than_tiles": (40, 40, 4, 1, 8, 4, True, True, 2, 8),
+    "blocks_finer_than_tiles": (37, 37, 4, 2, 8, 16, True, True, 2, 8),
+    "blocks_misaligned_with_tiles": (40, 40, 4, 2, 8, 12, True, False, 2, 8),
     "decode_step": (3, 40, 8, 2, 8, 8, True, True, 2, 8),
 }
 

@@ -60,8 +60,8 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, p
     # Padded query rows see nothing (position -1); padded key slots are invalid.
     pos = jnp.pad(positions.astype(jnp.int32), ((0, 0), (0, nq * tq - s)), constant_values=-1)
     kval = jnp.pad(key_valid.astype(bool), ((0, 0), (0, nk * tk - sk)))
-    if block_mask is None:
-        hb, bs, bm = 1, tk, jnp.ones((b, 1, nq * tq, nk), bool)
+    if block_mask is None:  # one block spanning every slot, kept
+        hb, bs, bm = 1, nk * tk, jnp.ones((b, 1, nq * tq, 1), bool)
     else:
         if block_size is None:
             raise ValueError("block_mask needs block_size")
@@ -100,8 +100,15 @@ def visited_key_tiles(pos, kval, bm, bs, tq, tk, nq, nk, h, kvh):
     causal = (jnp.arange(nk) * tk)[None, None, :] <= pos_max[:, :, None]  # [B, nq, nk]
     valid = kval.reshape(b, nk, tk).any(-1)  # [B, nk]
     bq = bm.reshape(b, hb, nq, tq, nb).any(3)  # [B, Hb, nq, nb]
-    slot_block = np.minimum(np.arange(nk * tk) // bs, nb - 1)
-    blk = bq[..., slot_block].reshape(b, hb, nq, nk, tk).any(-1)  # [B, Hb, nq, nk]
+    if bs % tk == 0:  # each key tile lies in one block
+        blk = bq[..., np.minimum(np.arange(nk) * tk // bs, nb - 1)]
+    elif tk % bs == 0:  # each key tile covers tk / bs whole blocks
+        per = tk // bs
+        bq = bq[..., : nk * per] if nb >= nk * per else jnp.pad(bq, ((0, 0),) * 3 + ((0, nk * per - nb),))
+        blk = bq.reshape(b, hb, nq, nk, per).any(-1)
+    else:  # through the slots: [B, Hb, nq, nk * tk]
+        slot_block = np.minimum(np.arange(nk * tk) // bs, nb - 1)
+        blk = bq[..., slot_block].reshape(b, hb, nq, nk, tk).any(-1)  # [B, Hb, nq, nk]
     blk = blk[:, _head_map(h, kvh, hb)].any(2)  # [B, KV, nq, nk]
     need = blk & causal[:, None] & valid[:, None, None, :]
     tiles = jnp.argsort(~need, axis=-1, stable=True).astype(jnp.int32)
@@ -110,15 +117,15 @@ def visited_key_tiles(pos, kval, bm, bs, tq, tk, nq, nk, h, kvh):
 
 def _tile_keep(st, pos_t, kval, bm_t, hmap, idx, active):
     """[B, KV, G, tq, tk] keep-mask of key tile idx [B, KV] for the query tile (pos_t [B, tq],
-    bm_t [B, Hb, tq, nb])."""
+    bm_t [B, Hb, nb, tq]: read only at this tile's blocks and the kv head's query heads)."""
     _, sk, _, tk, bs, _ = st
     slot = idx[..., None] * tk + jnp.arange(tk)  # [B, KV, tk]
     ok = (slot < sk) & jnp.take_along_axis(kval[:, None, :], slot, axis=2) & active[..., None]
     keep = ok[:, :, None, None, :] & (slot[:, :, None, None, :] <= pos_t[:, None, None, :, None])
-    blocks = jnp.minimum(slot // bs, bm_t.shape[-1] - 1)  # [B, KV, tk]
-    bmh = bm_t[:, hmap]  # [B, KV, G, tq, nb]
-    tok = jnp.take_along_axis(bmh, jnp.broadcast_to(blocks[:, :, None, None, :], bmh.shape[:-1] + (tk,)), axis=-1)
-    return keep & tok
+    blocks = jnp.minimum(slot // bs, bm_t.shape[-2] - 1)  # [B, KV, tk]
+    rows = jnp.arange(blocks.shape[0])[:, None, None, None]
+    tok = bm_t[rows, hmap[None, :, :, None], blocks[:, :, None, :]]  # [B, KV, G, tk, tq]
+    return keep & jnp.swapaxes(tok, -1, -2)
 
 
 def _layout(st, q, k, v):
@@ -148,7 +155,7 @@ def _xs(st, aux):
     nq = tiles.shape[2]
     b, hb, _, nb = bm.shape
     pos_t = pos.reshape(b, nq, tq).transpose(1, 0, 2)
-    bm_t = bm.reshape(b, hb, nq, tq, nb).transpose(2, 0, 1, 3, 4)
+    bm_t = bm.reshape(b, hb, nq, tq, nb).transpose(2, 0, 1, 4, 3)  # [nq, B, Hb, nb, tq]
     return pos_t, bm_t, tiles.transpose(2, 0, 1, 3), count.transpose(2, 0, 1)
 
 
