@@ -79,6 +79,24 @@ def test_memory_matches_xla(shape, master, chunk):
     assert abs(analytic["total"] - xla["peak"]) / xla["peak"] < 0.30, (analytic["total"], xla)
 
 
+def test_flash_attention_plans_linear_memory_and_visited_pairs_only():
+    """attention_impl flash: the attention terms grow linearly in S (no [q, S] block), and the executed
+    attention FLOPs follow the pairs the kernel visits (causal tiles; a sparse layer's selected blocks)."""
+    from m3jax.plan.activations import attention_terms
+    from m3jax.plan.flops import flash_pairs
+    mesh = MeshConfig(2, 2, 2, 1)
+    dense = [attention_terms(MEM, mesh, True, 1, s, 2, 0)[0]["attention_scores"] for s in (1024, 4096)]
+    flash = [attention_terms(MEM, mesh, True, 1, s, 2, 0, "flash")[0]["attention_scores"] for s in (1024, 4096)]
+    assert dense[1] == 16 * dense[0] and flash[1] < 4 * flash[0] and flash[1] < dense[1] / 50
+    s, keep = 4096, (MEM.index_topk_blocks + MEM.index_local_blocks) * MEM.index_block_size
+    assert flash_pairs(MEM, s) == causal_pairs(s) + s * 128 // 2 + 2 * s * keep  # 1 full + 2 sparse layers
+    f_dense, f_flash = (step_flops(MEM, 4, s, attention=a) for a in ("dense", "flash"))
+    assert f_flash["model_total"] == f_dense["model_total"] and f_flash["executed_total"] < f_dense["executed_total"]
+    job = load_job("configs/recipes/m3-32node.yaml", ["model.attention_impl=flash", "model.moe_kernel=tiled"], "release")
+    p = plan(job, Hardware())
+    assert p["flops"]["executed_total"] / p["flops"]["model_total"] < 1.5  # 21.9x with the dense defaults
+
+
 def test_chunking_and_capacity_shrink_what_they_should():
     """Query chunking scales the scores block by chunk / S_l; a capacity factor bounds the receive pool."""
     from m3jax.plan.activations import attention_terms, moe_terms

@@ -94,7 +94,8 @@ def plan(job: Job, hw: Hardware) -> dict:
     s_l = job.seq_len // job.mesh.context
     fl = step_flops(job.model, job.seqs_per_update * job.updates, job.seq_len, job.remat,
                     query_chunked=0 < b.attention_query_chunk < s_l,
-                    expert_rows=expert_rows_factor(job.model, job.mesh, b), expert_recompute=expert_recompute(b))
+                    expert_rows=expert_rows_factor(job.model, job.mesh, b), expert_recompute=expert_recompute(b),
+                    attention=b.attention_impl)
     n_ep = job.mesh.expert_parallel
     sent = None if b.exchange == "ragged" else receive_rows(
         job.micro_batch * s_l, job.model.num_experts_per_tok, n_ep, job.model.num_local_experts // n_ep,
@@ -121,7 +122,7 @@ def print_plan(job: Job, p: dict, device_gb: float) -> None:
           f"{','.join(m.expert_axes)}), micro-batch {job.micro_batch} x {job.batch.num_micro} micro-batches, "
           f"seq {job.seq_len}, master={job.master}, moments={job.moment_dtype}, remat={job.remat}")
     b = job.batch
-    print(f"attention_query_chunk={b.attention_query_chunk}, expert exchange {b.exchange} "
+    print(f"attention {b.attention_impl}, attention_query_chunk={b.attention_query_chunk}, expert exchange {b.exchange} "
           f"(capacity factor {b.moe_capacity_factor or 'none: dropless'}), expert matmuls "
           f"{'tiled (moe_kernel)' if b.expert_matmul == 'tiled' else 'ragged_dot lowered ' + b.ragged_dot}")
     binding = max(p["phases"], key=lambda k: p["phases"][k]["total"])

@@ -32,8 +32,11 @@ def query_rows(chunk: int, s_local: int) -> int:
     return min(chunk, s_local) if chunk else s_local
 
 
-def attention_terms(cfg: M3Config, mesh: MeshConfig, sparse: bool, b: int, s: int, a: int, chunk: int
-                    ) -> tuple[dict, dict]:
+FLASH_TILE = 128  # m3jax.model.flash's default query / key tile
+
+
+def attention_terms(cfg: M3Config, mesh: MeshConfig, sparse: bool, b: int, s: int, a: int, chunk: int,
+                    impl: str = "dense") -> tuple[dict, dict]:
     """(attention phase terms, attention residuals kept through the MLP phase), bytes per device:
 
         attention_scores  b * H_l * q * S * (12 + 2a + m): the block's softmax output (fp32) and probabilities
@@ -45,6 +48,12 @@ def attention_terms(cfg: M3Config, mesh: MeshConfig, sparse: bool, b: int, s: in
         attention_qkv     2 * T_l * (2 H_l + 2 KV_l) * D * a   q, o, local k, v and their cotangents
         gathered_kv       2 * 2 * b * S * KV_l * D * (a + 4 if chunked)   keys and values gathered over
                           context (+ the fp32 copies the chunk scan accumulates dK, dV in) and cotangents
+    With impl "flash" (m3jax.model.flash: online softmax over key tiles, custom VJP) no [q, S] block exists:
+        attention_scores  b * H_l * (S_l * (8 + 4 D) + t^2 * (12 + 2a))   running max / sum and the fp32
+                          output accumulator per query, one t x t tile's scores (t = FLASH_TILE)
+        gathered_kv       as chunked (fp32 dK, dV accumulators)
+    and the residual kept through the MLP phase is the output's logsumexp (b * H_l * S_l * 4) besides q, k, v.
+    The indexer's scores are unchanged (issue 11 item 3).
     """
     sz = dict(zip(_SIZES, mesh.shape))
     nt, s_l = sz["tensor"], s // sz["context"]
@@ -57,6 +66,12 @@ def attention_terms(cfg: M3Config, mesh: MeshConfig, sparse: bool, b: int, s: in
              "indexer_scores": b * cfg.index_n_heads * q * s * 8 if sparse else 0.0,
              "attention_qkv": 2 * t_l * (2 * h_l + 2 * kv_l) * hd * a,
              "gathered_kv": 2 * 2 * b * s * kv_l * hd * (a + (4 if chunked else 0))}
+    if impl == "flash":
+        t = FLASH_TILE
+        phase["attention_scores"] = b * h_l * (s_l * (8 + 4 * hd) + t * t * (12 + 2 * a + m))
+        phase["gathered_kv"] = 2 * 2 * b * s * kv_l * hd * (a + 4)
+        residual = b * h_l * s_l * 4 + (phase["attention_qkv"] + phase["gathered_kv"]) / 2
+        return phase, {"attention_residuals": residual}
     residual = (0.0 if chunked else phase["attention_scores"]) + (phase["attention_qkv"] + phase["gathered_kv"]) / 2
     return phase, {"attention_residuals": residual}
 
@@ -114,7 +129,8 @@ def layer_phases(cfg: M3Config, mesh: MeshConfig, attn: str, mlp: str, batch, a:
     sz = dict(zip(_SIZES, mesh.shape))
     b, s = batch.micro_batch, batch.seq_len
     t_l = b * (s // sz["context"])
-    att, residual = attention_terms(cfg, mesh, attn == SPARSE_ATTENTION, b, s, a, batch.attention_query_chunk)
+    att, residual = attention_terms(cfg, mesh, attn == SPARSE_ATTENTION, b, s, a, batch.attention_query_chunk,
+                                    batch.attention_impl)
     if mlp == MOE_MLP:
         part = moe_terms(cfg, mesh, t_l, a, batch.moe_capacity_factor, exchange, batch.expert_matmul)
     else:

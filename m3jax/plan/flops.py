@@ -89,8 +89,18 @@ def expert_recompute(batch) -> float:
     return 2 / 3 if batch.expert_matmul == "tiled" else 0.0
 
 
+def flash_pairs(cfg: M3Config, seq_len: int, tile: int = 128) -> int:
+    """(query, key) pairs the flash kernel multiplies over all layers: on full layers the causal pairs plus
+    the masked half of the diagonal tiles (S * t / 2); on sparse layers each query's selected blocks and
+    its local ones, whole: S * min(S, (index_topk_blocks + index_local_blocks) * index_block_size)."""
+    keep = (cfg.index_topk_blocks + cfg.index_local_blocks) * cfg.index_block_size
+    return sum(causal_pairs(seq_len) + seq_len * min(tile, seq_len) // 2 if t != SPARSE_ATTENTION
+               else seq_len * min(seq_len, keep) for t in cfg.layer_types)
+
+
 def step_flops(cfg: M3Config, seqs: int, seq_len: int, remat: bool = True, *, query_chunked: bool = False,
-               expert_rows: float = 1.0, expert_recompute: float = 0.0) -> dict[str, float]:
+               expert_rows: float = 1.0, expert_recompute: float = 0.0, attention: str = "dense"
+               ) -> dict[str, float]:
     """FLOPs of one step over `seqs` sequences of `seq_len` tokens (N = seqs * seq_len tokens).
 
     model FLOPs (what the maths needs):
@@ -107,6 +117,9 @@ def step_flops(cfg: M3Config, seqs: int, seq_len: int, remat: bool = True, *, qu
         attention one more forward of the attention and the indexer (each block is recomputed in its backward);
         the routed experts' forward again x `expert_recompute` (`expert_recompute(batch)`: the tiled kernel's
         backward recomputes the gate/up projection): 2 * routed params * expert_rows * expert_recompute * N.
+        With attention "flash" the attention runs over `flash_pairs` only, 14 * H*D per pair (its backward
+        recomputes the scores: FlashAttention-2's 5 matmuls instead of 4), plus 4 * H*D per pair with remat;
+        the query chunking no longer recomputes it (the indexer still runs over every [S, S] pair).
     """
     act = active_matmul_params(cfg)
     n = seqs * seq_len
@@ -127,12 +140,17 @@ def step_flops(cfg: M3Config, seqs: int, seq_len: int, remat: bool = True, *, qu
     layer_exec = layer_params + routed * (expert_rows - 1)
     full_attn = 12 * h * dd * seq_len * seq_len * cfg.num_hidden_layers * seqs
     idx_exec = 2 * cfg.index_n_heads * cfg.index_head_dim * seq_len * seq_len * n_sparse * seqs
-    executed = 6 * (layer_exec + act["head"]) * n + out["indexer_proj"] + full_attn + idx_exec
+    if attention == "flash":
+        attn_exec, attn_again = 14 * h * dd * flash_pairs(cfg, seq_len) * seqs, 0.0
+        attn_remat = 4 * h * dd * flash_pairs(cfg, seq_len) * seqs
+    else:
+        attn_exec, attn_again, attn_remat = full_attn, full_attn / 3, full_attn / 3
+    executed = 6 * (layer_exec + act["head"]) * n + out["indexer_proj"] + attn_exec + idx_exec
     executed += 2 * routed * expert_rows * expert_recompute * n
     if remat:
-        executed += 2 * layer_exec * n + out["indexer_proj"] + full_attn / 3 + idx_exec
+        executed += 2 * layer_exec * n + out["indexer_proj"] + attn_remat + idx_exec
     if query_chunked:
-        executed += full_attn / 3 + idx_exec
+        executed += attn_again + idx_exec
     out["executed_total"] = executed
     return out
 

@@ -140,7 +140,7 @@ class Batch:
     """One micro-batch's forward/backward as the model runs it.
 
     micro_batch: sequences per data-parallel rank (data x expert); num_micro: micro-batches per optimizer
-    update; seq_len: tokens per sequence; remat, attention_query_chunk, moe_capacity_factor: the model
+    update; seq_len: tokens per sequence; remat, attention_query_chunk, attention_impl, moe_capacity_factor: the model
     options (`M3ForCausalLM`); moe_exchange: "padded" | "ragged", None = the planning process's backend
     default (`sharding.expert.default_exchange`: padded on CPU, ragged on GPU); moe_kernel: the experts'
     grouped-matmul kernel (`sharding.grouped_matmul`), "auto" resolved for the planning process's backend
@@ -153,6 +153,7 @@ class Batch:
     num_micro: int = 1
     remat: bool = True
     attention_query_chunk: int = 0
+    attention_impl: str = "dense"
     moe_capacity_factor: float | None = None
     moe_exchange: str | None = None
     ragged_dot: str = "dense"
@@ -172,8 +173,9 @@ class Batch:
 
     def model_options(self) -> dict:
         """M3ForCausalLM keywords of this batch's model options besides remat."""
-        return {"attention_query_chunk": self.attention_query_chunk, "moe_capacity_factor": self.moe_capacity_factor,
-                "moe_exchange": self.moe_exchange, "moe_kernel": self.moe_kernel}
+        return {"attention_query_chunk": self.attention_query_chunk, "attention_impl": self.attention_impl,
+                "moe_capacity_factor": self.moe_capacity_factor, "moe_exchange": self.moe_exchange,
+                "moe_kernel": self.moe_kernel}
 
 
 def _shard_dims(mesh: MeshConfig, rules):
