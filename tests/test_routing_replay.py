@@ -150,6 +150,7 @@ def test_route_mismatch_frac_by_hand():
         route_mismatch_frac(trainer[:, :2], gen, mask)
 
 
+@pytest.mark.slow  # compiles the engine's generate program with routes; the model-level tests above stay fast
 def test_jax_engine_returns_the_routes_of_prompt_and_response_tokens(single):
     """Prefill and decode steps record each token's routes at its place in prompt + response; they are the
     routes a full forward of that sequence takes (so the trainer, replaying them, routes as the sampler did)."""

@@ -39,6 +39,8 @@ def steps():
     return out, nnx.state(grads, nnx.Param)
 
 
+@pytest.mark.slow  # two train-step compiles and an eager gradient; the fast loop checks the mask in
+# tests/test_train_step.py's sliced-vs-whole test and the unit tests below
 def test_the_indexer_has_no_lm_gradient(steps):
     _, grads = steps
     flat = jax.tree_util.tree_leaves_with_path(grads)
@@ -47,6 +49,8 @@ def test_the_indexer_has_no_lm_gradient(steps):
         assert np.any(np.asarray(g)) != is_indexer(path), jax.tree_util.keystr(path)
 
 
+@pytest.mark.slow  # two train-step compiles and an eager gradient; the fast loop checks the mask in
+# tests/test_train_step.py's sliced-vs-whole test and the unit tests below
 def test_indexer_is_bitwise_unchanged_by_a_decayed_step_and_the_rest_decays_as_before(steps):
     out, _ = steps
     (before, masked), (_, unmasked) = out["masked"], out["unmasked"]
