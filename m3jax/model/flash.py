@@ -37,7 +37,8 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, p
                     block_size: int | None = None, q_tile: int = 128, k_tile: int = 128) -> jax.Array:
     """softmax(scale q k^T, masked) v without a [S, S_k] block; q [B, S, H, D], k/v [B, S_k, KV, D] -> [B, S, H, D].
 
-    positions [B, S] (int): query i sees key slot j only if j <= positions[b, i] (causal; default 0..S-1).
+    positions [B, S] (int): with causal, query i sees key slot j only if j <= positions[b, i] (default 0..S-1;
+    a decode step passes its slots); ignored when causal is False.
     key_valid [B, S_k] bool: False slots (padding) are hidden from every query.
     block_mask [B, Hb, S, nb] bool with `block_size` slots per block (Hb divides H; query head h reads
     block_mask[:, h // (H / Hb)]): query i sees slot j only if block_mask[b, ., i, j // block_size].
@@ -70,9 +71,7 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, p
             raise ValueError(f"{h} query heads are not a multiple of {hb} block-mask heads")
         bm = jnp.pad(block_mask.astype(bool), ((0, 0), (0, 0), (0, nq * tq - s), (0, 0)))
     tiles, count = visited_key_tiles(pos, kval, bm, bs, tq, tk, nq, nk, h, kvh)
-    aux = (pos, kval, bm, tiles, count)
-    out = _flash(_Static(s, sk, tq, tk, bs, float(scale)), q, k, v, aux)
-    return out
+    return _flash(_Static(s, sk, tq, tk, bs, float(scale)), q, k, v, (pos, kval, bm, tiles, count))
 
 
 class _Static(tuple):
