@@ -162,8 +162,8 @@ def make_logprob_pass(graphdef, sampling: SamplingParams, layout: Layout = Layou
     (logp, the trainer's own top-k ids, same shape, int32): the routes are replayed when `replay` (routing
     replay), else only compared with (`rl.grpo.mismatch.route_mismatch_frac`)."""
 
-    @functools.partial(jax.jit, static_argnums=3)
-    def run(params, rest, batch, with_routes):
+    @functools.partial(jax.jit, static_argnames="with_routes")
+    def run(params, rest, batch, with_routes=False):
         model = nnx.merge(graphdef, params, rest)
         return jax.lax.map(lambda mb: policy_logprobs(model, mb, sampling, chunk_tokens, replay and with_routes,
                                                       with_routes), batch)
@@ -172,7 +172,7 @@ def make_logprob_pass(graphdef, sampling: SamplingParams, layout: Layout = Layou
         with_routes = "routes" in batch
         batch = {k: batch[k] for k in _INPUTS + (("routes",) if with_routes else ())}
         if layout.mesh is None:
-            return run(params, rest, batch, with_routes)
+            return run(params, rest, batch, with_routes=with_routes)
         rows = np.shape(batch["input_ids"])[1]
         extra = -rows % layout.size("act_batch")  # e.g. a handful of probe rows: pad, then drop
         if extra:
@@ -181,7 +181,7 @@ def make_logprob_pass(graphdef, sampling: SamplingParams, layout: Layout = Layou
         spec = batch_sharding(layout).spec
         batch = {k: jax.device_put(v, NamedSharding(layout.mesh, P(*spec[:np.ndim(v)]))) for k, v in batch.items()}
         with jax.set_mesh(layout.mesh):
-            out = run(params, rest, batch, with_routes)
+            out = run(params, rest, batch, with_routes=with_routes)
         return jax.tree.map(lambda a: a[:, :rows], out) if extra else out
 
     pass_.jitted = run

@@ -191,6 +191,15 @@ def logprobs(logprob_pass: Callable, state, micro: dict, ref_params=None) -> dic
     return micro
 
 
+def _on_host(x):
+    """x as a numpy array on every process: a multi-host run's global array is gathered (a collective every
+    process calls, as every process runs the step)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
 def route_metrics(micro: dict, replay: bool) -> tuple[dict, dict]:
     """(micro-batches for the update, metrics): moe/route_mismatch_frac (`rl.grpo.mismatch`) of the
     trainer's own top-k vs the generator's routes over the real input tokens, when both are there. The
@@ -200,6 +209,7 @@ def route_metrics(micro: dict, replay: bool) -> tuple[dict, dict]:
     generator = micro["routes"] if replay else micro.pop("routes", None)
     if trainer is None or generator is None:
         return micro, {}
+    trainer = _on_host(trainer)
     frac = route_mismatch_frac(np.asarray(trainer).reshape(-1, *np.shape(trainer)[2:]),
                                np.asarray(generator).reshape(-1, *np.shape(generator)[2:]),
                                np.asarray(micro["attention_mask"]).reshape(-1, np.shape(generator)[2]))

@@ -252,6 +252,7 @@ def test_checkpoints_remember_the_best_and_resume_keeps_it():
         t = GRPOTrainer.__new__(GRPOTrainer)  # the loop's bookkeeping only: no model, no engine
         t.cfg = load_config(TINY)
         t.checkpointer, t.loader, t.engine, t.policy, t.best = Checkpointer(), Loader(), Engine(), Policy(), None
+        t.ahead = None  # on-policy: no draw in flight (rl.ahead)
         return t
 
     first = trainer()
