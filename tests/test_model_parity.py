@@ -78,10 +78,13 @@ def case(cases, variant):
     return cases(variant)
 
 
-def variants(fast=("release_like",)):
-    """Parametrize `variant` over every variant; those not in `fast` run in the full suite only."""
+def variants(fast=("release_like",), suite=None):
+    """Parametrize `variant` over every variant; those not in `fast` run in the full suite only, and those not
+    in `suite` (when given) only with -m extended."""
+    def marks(v):
+        return (pytest.mark.slow,) + ((pytest.mark.extended,) if suite is not None and v not in suite else ())
     return pytest.mark.parametrize(
-        "variant", [v if v in fast else pytest.param(v, marks=pytest.mark.slow) for v in ref.VARIANTS])
+        "variant", [v if v in fast else pytest.param(v, marks=marks(v)) for v in ref.VARIANTS])
 
 
 @variants()
@@ -152,7 +155,7 @@ def test_gradients_match_torch_autograd(case, chunk):
 
 
 @pytest.mark.slow  # another forward compile per variant
-@variants()
+@variants(suite=("release_like",))  # the other variants: -m extended
 def test_bf16_forward_within_bf16_tolerance(case):
     """bf16 error vs fp32 is what bf16 costs the reference too: no larger than HF's own bf16 model's."""
     cfg, hf = case.cfg, case.hf
@@ -173,7 +176,7 @@ def test_bf16_forward_within_bf16_tolerance(case):
 
 
 @pytest.mark.slow  # another forward compile per variant
-@variants()
+@variants(suite=("release_like",))  # the other variants: -m extended
 def test_right_padding_leaves_real_tokens_unchanged(case):
     cfg, hf, model = case.cfg, case.hf, case.model()
     ids = ref.random_ids(cfg, 2, SEQ, seed=4)
@@ -192,7 +195,7 @@ def test_right_padding_leaves_real_tokens_unchanged(case):
 
 
 @pytest.mark.slow  # another forward compile per variant
-@variants()
+@variants(suite=("release_like",))  # the other variants: -m extended
 def test_explicit_positions_equal_default(case):
     model = case.model()
     ids = jnp.asarray(ref.random_ids(case.cfg, 2, 24, seed=5))

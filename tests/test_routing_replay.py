@@ -215,6 +215,7 @@ def test_trainer_routing_replay(tmp_path):
         assert np.isfinite(r["loss"]) and set(_numbers(r)) == set(_numbers(w)) | {"moe/route_mismatch_frac"}
 
 
+@pytest.mark.extended  # the engine on a 2x4 mesh (~10 s); tests/test_jax_engine.py runs sharded generation in the suite
 @pytest.mark.slow  # compiles the engine's generate program on one device and on an 8-device mesh (~30 s)
 def test_jax_engine_routes_under_expert_parallelism():
     """On a 2 (data) x 4 (expert) mesh the engine samples the same tokens and records the same routes."""

@@ -21,6 +21,8 @@ MESHES = [(8, 1, 1, 1), (1, 8, 1, 1), (1, 1, 8, 1), (2, 2, 2, 1), (1, 2, 2, 2), 
 # 3 and 5 leave a padded last block.
 CASES = [(shape, 0) for shape in MESHES] + [((1, 8, 1, 1), 3), ((2, 2, 2, 1), 5), ((1, 2, 2, 2), 16)]
 FAST = {((2, 2, 2, 1), 0)}
+# the chunked cases and the data-only mesh widen what the others check: run with -m extended
+EXTENDED = {((1, 8, 1, 1), 3), ((2, 2, 2, 1), 5), ((1, 2, 2, 2), 16), ((8, 1, 1, 1), 0)}
 BATCH, SEQ = 8, 64  # SEQ = 4 x (index_topk_blocks x index_block_size): sparse layers select
 
 
@@ -68,7 +70,7 @@ def test_routing_is_unbalanced_and_sparse_layers_select(single):
     assert SEQ > model.cfg.index_topk_blocks * model.cfg.index_block_size
 
 
-@pytest.mark.parametrize("shape,chunk", [c if c in FAST else pytest.param(*c, marks=pytest.mark.slow) for c in CASES],
+@pytest.mark.parametrize("shape,chunk", [c if c in FAST else pytest.param(*c, marks=(pytest.mark.slow,) + ((pytest.mark.extended,) if c in EXTENDED else ())) for c in CASES],
                          ids=lambda c: "x".join(map(str, c)) if isinstance(c, tuple) else f"chunk{c}")
 def test_sharded_logits_and_grads_equal_single_device(ckpt, single, shape, chunk):
     _, ids, want_logits, want_loss, want_grads = single

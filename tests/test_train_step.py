@@ -97,7 +97,8 @@ def test_fp32_master_keeps_small_updates_that_pure_bf16_loses():
 
 
 @pytest.mark.slow  # 24 steps, 2 compiles; the fast loop checks compact == fp32 master in the tests above and below
-@pytest.mark.parametrize("moments", [jnp.float32, jnp.bfloat16])
+# bf16 moments (the recipe's) in the suite; fp32 moments with -m extended
+@pytest.mark.parametrize("moments", [pytest.param(jnp.float32, marks=pytest.mark.extended), jnp.bfloat16])
 def test_master_invariant_and_compact_equals_fp32_master_over_many_steps(ckpt, moments):
     model = m3jax.from_pretrained(ckpt, dtype=jnp.bfloat16)
     runs = {}

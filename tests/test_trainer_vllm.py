@@ -54,6 +54,7 @@ def test_it_learns_and_exports_for_vllm(vllm_run):
         assert json.load(f)["model_type"] == "minimax_m3_vl"  # the layout vLLM loads
 
 
+@pytest.mark.extended  # two processes and a vLLM pool (~60 s); the suite runs the one-host pool end to end and the process-0 pool logic
 def test_two_host_trainer_shares_one_pool(tmp_path):
     """A 2-process trainer (4 simulated devices each): process 0 owns the vLLM pool; both processes take
     part in the weight gather and receive the rollouts, probes and transfer figures by broadcast."""

@@ -151,6 +151,7 @@ def test_weights_arrive_on_every_engine_and_a_corrupt_bucket_is_refused(pool, mo
             np.testing.assert_allclose(lp, w, atol=1e-4, rtol=0)
 
 
+@pytest.mark.extended  # real engines killed and replaced (~15 s); tests/test_vllm_pool_logic.py checks the same bookkeeping
 def test_an_engine_killed_mid_rollout_loses_and_duplicates_nothing(pool):
     sp = SamplingParams(max_new_tokens=64, temperature=1.0)
     prompts = _prompts(96, seed=7)

@@ -35,7 +35,8 @@ def steps():
         new, metrics = make_train_step(graphdef, opt, donate=False)(state, batch)
         assert not bool(metrics["skipped"])
         out[name] = (state.params, new.params)
-    grads = nnx.grad(lambda m: token_cross_entropy(m, {k: v[0] for k, v in batch.items()})[0])(model)
+    # jitted: eagerly, every op of the backward compiles on its own (~10 s)
+    grads = nnx.jit(nnx.grad(lambda m, b: token_cross_entropy(m, b)[0]))(model, {k: v[0] for k, v in batch.items()})
     return out, nnx.state(grads, nnx.Param)
 
 
