@@ -87,7 +87,7 @@ def variants(fast=("release_like",), suite=None):
         "variant", [v if v in fast else pytest.param(v, marks=marks(v)) for v in ref.VARIANTS])
 
 
-@variants()
+@variants(suite=("release_like",))  # the other variants: -m extended
 @pytest.mark.parametrize("chunk", [c if c == 24 else pytest.param(c, marks=pytest.mark.slow) for c in CHUNKS[1:]])
 def test_chunked_attention_logits_match_hf(case, chunk):  # fast: 24, the chunk loop with a padded last block
     ids = ref.random_ids(case.cfg, 2, SEQ, seed=1)
@@ -118,9 +118,16 @@ def test_logits_match_hf(case, layout):
 
 
 # Chunks 0 and 24 (a padded last block) on every variant; 16 (divides SEQ: the same chunk loop without the
-# padding) on the release-like one only. The fast loop: chunk 0 on the release-like variant.
+# padding) on the release-like one only. The fast loop: chunk 0 on the release-like variant; the default run
+# adds chunk 24 there; the other variants' gradients run with -m extended.
+def _gradient_marks(v, chunk):
+    if v == "release_like":
+        return () if chunk == 0 else (pytest.mark.slow,) if chunk == 24 else (pytest.mark.slow, pytest.mark.extended)
+    return (pytest.mark.slow, pytest.mark.extended)
+
+
 @pytest.mark.parametrize("variant, chunk", [
-    pytest.param(v, chunk, marks=() if v == "release_like" and chunk == 0 else pytest.mark.slow)
+    pytest.param(v, chunk, marks=_gradient_marks(v, chunk))
     for v in ref.VARIANTS for chunk in CHUNKS if chunk != 16 or v == "release_like"])
 def test_gradients_match_torch_autograd(case, chunk):
     cfg = case.cfg
