@@ -69,7 +69,14 @@ def make(name):
                            causal=causal), (tq, tk)
 
 
-@pytest.fixture(scope="module", params=list(CASES))
+# The fast loop: GQA with padding and ragged tiles, per-query-head blocks, blocks misaligned with tiles, a
+# decode step; the other cases are slow.
+FAST_CASES = ("causal_g4_pad_tiles_ragged", "blocks_per_query_head_pad_ragged", "blocks_misaligned_with_tiles",
+              "decode_step")
+
+
+@pytest.fixture(scope="module", params=[c if c in FAST_CASES else pytest.param(c, marks=pytest.mark.slow)
+                                        for c in CASES])
 def results(request):
     """(flash, dense) outputs and (q, k, v) cotangents of a random output cotangent, one jit each."""
     (q, k, v), kw, (tq, tk) = make(request.param)
