@@ -148,6 +148,15 @@ def _gather_tile(a, idx):
     return jnp.take_along_axis(a, idx[:, :, None, None, None], axis=2)[:, :, 0]
 
 
+def _visit(st, qi, kt, vt, kval, hmap, pos_t, bm_t, idx, active):
+    """One key tile idx [B, KV] for query tile qi [B, KV, G, tq, D]: (keep mask, K tile, V tile, fp32 scores
+    scale * q k^T), what the forward and the backward (which recomputes the scores) both start from."""
+    keep = _tile_keep(st, pos_t, kval, bm_t, hmap, idx, active)
+    kj, vj = _gather_tile(kt, idx), _gather_tile(vt, idx)
+    sc = jnp.einsum("bkgqd,bktd->bkgqt", qi, kj, preferred_element_type=jnp.float32) * st[5]
+    return keep, kj, vj, sc
+
+
 def _xs(st, aux):
     pos, kval, bm, tiles, count = aux
     tq = st[2]
@@ -159,7 +168,7 @@ def _xs(st, aux):
 
 
 def _forward(st, q, k, v, aux):
-    s, sk, tq, tk, bs, scale = st
+    s, sk, tq, tk, bs, _ = st
     b, _, h, d = q.shape
     kvh = k.shape[2]
     g = h // kvh
@@ -173,10 +182,7 @@ def _forward(st, q, k, v, aux):
 
         def k_step(t, carry):
             m, l, acc = carry
-            idx = tiles[:, :, t]
-            keep = _tile_keep(st, pos_t, kval, bm_t, hmap, idx, t < count)
-            kj, vj = _gather_tile(kt, idx), _gather_tile(vt, idx)
-            sc = jnp.einsum("bkgqd,bktd->bkgqt", qi, kj, preferred_element_type=jnp.float32) * scale
+            keep, kj, vj, sc = _visit(st, qi, kt, vt, kval, hmap, pos_t, bm_t, tiles[:, :, t], t < count)
             sc = jnp.where(keep, sc, -jnp.inf)
             m_new = jnp.maximum(m, sc.max(-1))
             alpha = jnp.exp(m - m_new)
@@ -234,9 +240,7 @@ def _flash_bwd(st, res, do):
         def k_step(t, c):
             dq, dk, dv = c
             idx = tiles[:, :, t]
-            keep = _tile_keep(st, pos_t, kval, bm_t, hmap, idx, t < count)
-            kj, vj = _gather_tile(kt, idx), _gather_tile(vt, idx)
-            sc = jnp.einsum("bkgqd,bktd->bkgqt", qi, kj, preferred_element_type=jnp.float32) * scale
+            keep, kj, vj, sc = _visit(st, qi, kt, vt, kval, hmap, pos_t, bm_t, idx, t < count)
             p = jnp.where(keep, jnp.exp(sc - lse_i[..., None]), 0.0)
             dv_j = jnp.einsum("bkgqt,bkgqd->bktd", p.astype(v.dtype), doi, preferred_element_type=jnp.float32)
             dp = jnp.einsum("bkgqd,bktd->bkgqt", doi, vj, preferred_element_type=jnp.float32)
