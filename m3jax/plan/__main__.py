@@ -41,6 +41,9 @@ class Job:
     # and --check-shardings build, as the trainer would.
     model_options: dict = dataclasses.field(default_factory=dict)
     ragged_dot: str = "dense"  # how the GPU's XLA lowers the grouped expert matmuls (m3jax.plan.memory.Batch)
+    # model.sparse_attention where model_options does not carry it (m3jax.plan.memory.Batch); model_options wins
+    sparse_attention: str = "gather"
+    logprob_chunk_tokens: int = 0  # model.logprob_chunk_tokens: the loss's logits block (not a model option)
 
     @property
     def num_micro(self) -> int:
@@ -52,8 +55,9 @@ class Job:
         from sharding.grouped_matmul import resolve_kernel
         kernel = resolve_kernel(self.model_options.get("moe_kernel", "auto"), backend="gpu")
         return Batch(self.micro_batch, self.seq_len, max(self.num_micro, 1), self.remat,
-                     ragged_dot=self.ragged_dot, **{"moe_exchange": "ragged", **self.model_options,
-                                                    "moe_kernel": kernel})
+                     ragged_dot=self.ragged_dot, logprob_chunk_tokens=self.logprob_chunk_tokens,
+                     **{"moe_exchange": "ragged", "sparse_attention": self.sparse_attention, **self.model_options,
+                        "moe_kernel": kernel})
 
 
 def load_job(path: str, overrides: list[str], model: str | None) -> Job:
@@ -72,7 +76,9 @@ def load_job(path: str, overrides: list[str], model: str | None) -> Job:
     g = cfg.grpo
     return Job(m3, cfg.mesh.to_mesh_config(), cfg.generation.max_seq_len, g.sequences_per_step // g.updates_per_step,
                g.updates_per_step, g.micro_batch_size, cfg.precision.master, cfg.precision.moment_dtype,
-               cfg.model.remat, {k: v for k, v in cfg.model.model_options().items() if k != "remat"})
+               cfg.model.remat, {k: v for k, v in cfg.model.model_options().items() if k != "remat"},
+               sparse_attention=getattr(cfg.model, "sparse_attention", "gather"),
+               logprob_chunk_tokens=cfg.model.logprob_chunk_tokens)
 
 
 def invalid_reason(job: Job) -> str | None:
@@ -95,7 +101,7 @@ def plan(job: Job, hw: Hardware) -> dict:
     fl = step_flops(job.model, job.seqs_per_update * job.updates, job.seq_len, job.remat,
                     query_chunked=0 < b.attention_query_chunk < s_l,
                     expert_rows=expert_rows_factor(job.model, job.mesh, b), expert_recompute=expert_recompute(b),
-                    attention=b.attention_impl)
+                    attention=b.attention_impl, sparse_attention=b.sparse_attention)
     n_ep = job.mesh.expert_parallel
     sent = None if b.exchange == "ragged" else receive_rows(
         job.micro_batch * s_l, job.model.num_experts_per_tok, n_ep, job.model.num_local_experts // n_ep,
@@ -122,7 +128,8 @@ def print_plan(job: Job, p: dict, device_gb: float) -> None:
           f"{','.join(m.expert_axes)}), micro-batch {job.micro_batch} x {job.batch.num_micro} micro-batches, "
           f"seq {job.seq_len}, master={job.master}, moments={job.moment_dtype}, remat={job.remat}")
     b = job.batch
-    print(f"attention {b.attention_impl}, attention_query_chunk={b.attention_query_chunk}, expert exchange {b.exchange} "
+    print(f"attention {b.attention_impl}, sparse layers {b.sparse_attention}, attention_query_chunk="
+          f"{b.attention_query_chunk}, logprob_chunk_tokens={b.logprob_chunk_tokens}, expert exchange {b.exchange} "
           f"(capacity factor {b.moe_capacity_factor or 'none: dropless'}), expert matmuls "
           f"{'tiled (moe_kernel)' if b.expert_matmul == 'tiled' else 'ragged_dot lowered ' + b.ragged_dot}")
     binding = max(p["phases"], key=lambda k: p["phases"][k]["total"])
@@ -133,7 +140,10 @@ def print_plan(job: Job, p: dict, device_gb: float) -> None:
     print(f"  ({other} peak: {p['phases'][other]['total'] / GB:.3f} GB)")
     f = p["flops"]
     print(f"FLOPs per step: model {f['model_total']:.3e} (matmul {f['matmul']:.3e}, attention {f['attention']:.3e}, "
-          f"indexer {f['indexer_scores'] + f['indexer_proj']:.3e}); executed {f['executed_total']:.3e}")
+          f"indexer {f['indexer_scores'] + f['indexer_proj']:.3e}); executed {f['executed_total']:.3e} "
+          f"= {f['executed_total'] / f['model_total']:.2f}x (matmul {f['matmul_executed']:.3e}, attention "
+          f"{f['attention_executed']:.3e}, indexer {f['indexer_executed']:.3e}, indexer projections "
+          f"{f['indexer_proj'] * (2 if job.remat else 1):.3e})")
     print("communication per device per step:")
     for k, (b, axes) in p["comm"].items():
         print(f"  {k:30s} {b / GB:10.2f} GB over {','.join(axes)}  ({p['time'][k + '_s']:.2f} s)")

@@ -33,10 +33,11 @@ def query_rows(chunk: int, s_local: int) -> int:
 
 
 FLASH_TILE = 128  # m3jax.model.flash's default query / key tile
+GATHER_TILE = 64  # m3jax.model.sparse.QUERY_TILE: local queries per tile of the sparse layers' gather path
 
 
 def attention_terms(cfg: M3Config, mesh: MeshConfig, sparse: bool, b: int, s: int, a: int, chunk: int,
-                    impl: str = "dense") -> tuple[dict, dict]:
+                    impl: str = "dense", sparse_impl: str = "gather") -> tuple[dict, dict]:
     """(attention phase terms, attention residuals kept through the MLP phase), bytes per device:
 
         attention_scores  b * H_l * q * S * (12 + 2a + m): the block's softmax output (fp32) and probabilities
@@ -53,7 +54,19 @@ def attention_terms(cfg: M3Config, mesh: MeshConfig, sparse: bool, b: int, s: in
                           output accumulator per query, one t x t tile's scores (t = FLASH_TILE)
         gathered_kv       as chunked (fp32 dK, dV accumulators)
     and the residual kept through the MLP phase is the output's logsumexp (b * H_l * S_l * 4) besides q, k, v.
-    The indexer's scores are unchanged (issue 11 item 3).
+    A sparse layer with sparse_impl "gather" (model.sparse_attention, the default; whatever impl is) walks its
+    local queries in tiles of tq = min(GATHER_TILE, S_l) (a rematerialised scan: each tile is recomputed in
+    its backward), with kb = min(S, K * bs) kept keys per query (`m3jax.plan.flops.sparse_keys`):
+        attention_scores  b * H_l * tq * kb * (12 + 2a)   one tile's scores over its gathered keys, the same
+                          pieces as a dense block (fp32 scores, probabilities, dprobs, fp32 copy, dlogits)
+        gathered_blocks   2 * 2 * b * U_l * tq * kb * D * a   the tile's K and V gathered per (query, head unit:
+                          U = lcm(KV, Hi) units share a kv head and an index head, U_l = max(U / n_t, 1))
+                          and their cotangents before the scatter-add into dK, dV
+        indexer_scores    b * Hi * tq * S * 8           the tile's fp32 scores over every key, reduced to block
+                          maxima and the top-K block ids
+        attention_qkv, gathered_kv as chunked (fp32 dK, dV accumulated over the tiles)
+    and the residual kept through the MLP phase is q, k, v only (the scan saves its inputs).
+    sparse_impl "masked": the sparse layer follows impl with a block mask, as the full layers do.
     """
     sz = dict(zip(_SIZES, mesh.shape))
     nt, s_l = sz["tensor"], s // sz["context"]
@@ -66,6 +79,17 @@ def attention_terms(cfg: M3Config, mesh: MeshConfig, sparse: bool, b: int, s: in
              "indexer_scores": b * cfg.index_n_heads * q * s * 8 if sparse else 0.0,
              "attention_qkv": 2 * t_l * (2 * h_l + 2 * kv_l) * hd * a,
              "gathered_kv": 2 * 2 * b * s * kv_l * hd * (a + (4 if chunked else 0))}
+    if sparse and sparse_impl == "gather":
+        from m3jax.plan.flops import sparse_keys
+        tq, kb = min(GATHER_TILE, s_l), sparse_keys(cfg, s)
+        phase["attention_scores"] = b * h_l * tq * kb * (12 + 2 * a)
+        units = max(math.lcm(cfg.num_key_value_heads, cfg.index_n_heads) / nt, 1)
+        phase["gathered_blocks"] = 2 * 2 * b * units * tq * kb * hd * a
+        phase["indexer_scores"] = b * cfg.index_n_heads * tq * s * 8
+        phase["gathered_kv"] = 2 * 2 * b * s * kv_l * hd * (a + 4)
+        return phase, {"attention_residuals": (phase["attention_qkv"] + phase["gathered_kv"]) / 2}
+    if sparse_impl not in ("gather", "masked"):
+        raise ValueError(f"sparse_impl={sparse_impl!r}: expected 'gather' or 'masked'")
     if impl == "flash":
         t = FLASH_TILE
         phase["attention_scores"] = b * h_l * (s_l * (8 + 4 * hd) + t * t * (12 + 2 * a + m))
@@ -130,7 +154,7 @@ def layer_phases(cfg: M3Config, mesh: MeshConfig, attn: str, mlp: str, batch, a:
     b, s = batch.micro_batch, batch.seq_len
     t_l = b * (s // sz["context"])
     att, residual = attention_terms(cfg, mesh, attn == SPARSE_ATTENTION, b, s, a, batch.attention_query_chunk,
-                                    batch.attention_impl)
+                                    batch.attention_impl, batch.sparse_attention)
     if mlp == MOE_MLP:
         part = moe_terms(cfg, mesh, t_l, a, batch.moe_capacity_factor, exchange, batch.expert_matmul)
     else:
@@ -139,15 +163,40 @@ def layer_phases(cfg: M3Config, mesh: MeshConfig, attn: str, mlp: str, batch, a:
     return {"mlp": {**weights, **residual, **part}, "attention": {**weights, **att}}
 
 
-def head_terms(cfg: M3Config, mesh: MeshConfig, t_l: int, a: int, shard_dims) -> dict:
-    """The head's backward, bytes per device:
+def logprob_block_rows(s: int, chunk_tokens: int) -> int:
+    """Positions of a row in one block of `rl.logprobs.chunked_token_logprobs`: n = ceil(S / chunk) blocks of
+    ceil(S / n) strided positions; S when chunking is off (chunk_tokens = 0)."""
+    if not chunk_tokens:
+        return s
+    n = -(-s // chunk_tokens)
+    return -(-s // n)
 
-        head_logits       T_l * V / n_t * (a + 8)      logits, fp32 log-softmax and its gradient
+
+def head_terms(cfg: M3Config, mesh: MeshConfig, b: int, s: int, a: int, shard_dims, chunk_tokens: int = 0) -> dict:
+    """The head's backward, bytes per device (c_l = ceil(c / n_c) local positions of a logits block of c =
+    `logprob_block_rows(S, chunk_tokens)` positions per row; c = S, so b * c_l = T_l, unchunked):
+
+        head_logits       b * c_l * V / n_t * (a + 8)   one block's logits, fp32 log-softmax and its gradient
         gathered_head     2 * V / n_t * d * p           lm_head gathered over data for the matmul (FSDP shards its
                           embed dim) and its full gradient before the reduce-scatter; 0 without FSDP
+    With chunk_tokens (`model.logprob_chunk_tokens`: `rl.logprobs.chunked_token_logprobs`, a custom VJP whose
+    backward scans the blocks and sums the head's gradient in fp32):
+        gathered_head     V / n_t * d * (p [the gathered weight, FSDP only] + 4 [one block's fp32 gradient
+                          of the whole local head, before it is reduced into the sum])
+        head_grad_fp32    the head's local elements * 4     the fp32 gradient sum, placed as the head is
+    (one block only when S <= chunk_tokens: then the full-logits program, as unchunked).
     """
     sz = dict(zip(_SIZES, mesh.shape))
     spec = top_param_specs(cfg)["lm_head"]
-    fsdp = any("data" in axes for axes in shard_dims("lm_head", spec))
-    return {"head_logits": t_l * cfg.vocab_size / sz["tensor"] * (a + 8),
-            "gathered_head": 2 * cfg.vocab_size / sz["tensor"] * cfg.hidden_size * a if fsdp else 0.0}
+    dims = shard_dims("lm_head", spec)
+    fsdp = any("data" in axes for axes in dims)
+    c = logprob_block_rows(s, chunk_tokens)
+    rows = b * -(-c // sz["context"])
+    head = cfg.vocab_size / sz["tensor"] * cfg.hidden_size
+    out = {"head_logits": rows * cfg.vocab_size / sz["tensor"] * (a + 8),
+           "gathered_head": 2 * head * a if fsdp else 0.0}
+    if c < s:
+        local = math.prod(-(-dim // math.prod(sz[x] for x in axes)) for dim, axes in zip(spec.shape, dims))
+        out["gathered_head"] = head * ((a if fsdp else 0) + 4)
+        out["head_grad_fp32"] = local * 4
+    return out

@@ -89,18 +89,37 @@ def expert_recompute(batch) -> float:
     return 2 / 3 if batch.expert_matmul == "tiled" else 0.0
 
 
-def flash_pairs(cfg: M3Config, seq_len: int, tile: int = 128) -> int:
+SPARSE_ATTENTION_IMPLS = ("gather", "masked")  # model.sparse_attention (rl/config/schema.py)
+
+
+def sparse_keys(cfg: M3Config, seq_len: int) -> int:
+    """Keys a sparse layer keeps per query: min(S, index_topk_blocks * index_block_size). The local blocks are
+    forced INTO the top-K (HF sets their block score to +inf before the top-k), so they add no keys."""
+    return min(seq_len, cfg.index_topk_blocks * cfg.index_block_size)
+
+
+def flash_pairs(cfg: M3Config, seq_len: int, tile: int = 128, sparse_layers: bool = True) -> int:
     """(query, key) pairs the flash kernel multiplies over all layers: on full layers the causal pairs plus
-    the masked half of the diagonal tiles (S * t / 2); on sparse layers each query's selected blocks and
-    its local ones, whole: S * min(S, (index_topk_blocks + index_local_blocks) * index_block_size)."""
-    keep = (cfg.index_topk_blocks + cfg.index_local_blocks) * cfg.index_block_size
+    the masked half of the diagonal tiles (S * t / 2); on sparse layers (unless sparse_layers is False: then
+    they are left out) each query's selected blocks, whole: S * `sparse_keys` = S * min(S, K * bs). On sparse
+    layers this is a lower bound: the kernel visits, per query tile, the union of the tile's queries' selected
+    key tiles, up to the causal tiles when the queries of a tile select different blocks."""
+    keep = sparse_keys(cfg, seq_len)
     return sum(causal_pairs(seq_len) + seq_len * min(tile, seq_len) // 2 if t != SPARSE_ATTENTION
-               else seq_len * min(seq_len, keep) for t in cfg.layer_types)
+               else (seq_len * keep if sparse_layers else 0) for t in cfg.layer_types)
+
+
+def gather_pairs(cfg: M3Config, seq_len: int) -> int:
+    """(query, key) pairs the gather path (`model.sparse_attention: gather`) multiplies over the sparse layers:
+    every query multiplies its K gathered blocks whole, S * min(S, K * bs) per layer (the causal pairs of a
+    window, causal_pairs(S, K * bs), are what the maths needs; the rest are the masked future slots of the
+    query's own block and of the early queries' padding blocks)."""
+    return sum(t == SPARSE_ATTENTION for t in cfg.layer_types) * seq_len * sparse_keys(cfg, seq_len)
 
 
 def step_flops(cfg: M3Config, seqs: int, seq_len: int, remat: bool = True, *, query_chunked: bool = False,
-               expert_rows: float = 1.0, expert_recompute: float = 0.0, attention: str = "dense"
-               ) -> dict[str, float]:
+               expert_rows: float = 1.0, expert_recompute: float = 0.0, attention: str = "dense",
+               sparse_attention: str = "gather") -> dict[str, float]:
     """FLOPs of one step over `seqs` sequences of `seq_len` tokens (N = seqs * seq_len tokens).
 
     model FLOPs (what the maths needs):
@@ -112,15 +131,26 @@ def step_flops(cfg: M3Config, seqs: int, seq_len: int, remat: bool = True, *, qu
         indexer_scores = 2 * Hi*Di * causal_pairs(S) * seqs per sparse layer     (forward only, every causal key)
     executed FLOPs (what m3jax runs): the routed experts' matmuls times `expert_rows` (`expert_rows_factor`:
         padding rows the grouped matmul multiplies too); with remat one more forward of every layer
-        (2 * layer params * N + the forward attention/indexer again); attention over the full [S, S] block
-        on every layer (the model masks, it does not skip: 12 * H*D * S^2 per layer); with query-chunked
-        attention one more forward of the attention and the indexer (each block is recomputed in its backward);
-        the routed experts' forward again x `expert_recompute` (`expert_recompute(batch)`: the tiled kernel's
-        backward recomputes the gate/up projection): 2 * routed params * expert_rows * expert_recompute * N.
-        With attention "flash" the attention runs over `flash_pairs` only, 14 * H*D per pair (its backward
-        recomputes the scores: FlashAttention-2's 5 matmuls instead of 4), plus 4 * H*D per pair with remat;
-        the query chunking no longer recomputes it (the indexer still runs over every [S, S] pair).
+        (2 * layer params * N + the forward attention/indexer again); the routed experts' forward again x
+        `expert_recompute` (`expert_recompute(batch)`: the tiled kernel's backward recomputes the gate/up
+        projection): 2 * routed params * expert_rows * expert_recompute * N. Attention, by layer:
+      full layers (and sparse ones with sparse_attention "masked"), by `attention`:
+        dense   the full [S, S] block (the model masks, it does not skip): 12 * H*D * S^2 per layer, + 4 * H*D * S^2
+                with remat, + 4 * H*D * S^2 with query-chunked attention (each block is recomputed in its
+                backward); the indexer of a masked sparse layer scores every [S, S] pair (2 * Hi*Di * S^2 per
+                forward): once, + once with remat, + once with query chunking
+        flash   `flash_pairs` only, 14 * H*D per pair (its backward recomputes the scores: FlashAttention-2's
+                5 matmuls instead of 4), + 4 * H*D per pair with remat; the query chunking no longer
+                recomputes the attention (the masked sparse layers' indexer as under dense)
+      sparse layers with sparse_attention "gather" (the default; whatever `attention` is): the local queries
+        in tiles of 64, a rematerialised scan; per tile the indexer scores every key and the top-K blocks of
+        keys and values are gathered: `gather_pairs` = S * min(S, K * bs) pairs per layer at 4 * H*D (forward)
+        + 8 * H*D (backward) + 4 * H*D (the backward's tile recompute) [+ 4 * H*D with remat] = 16 (20) * H*D
+        per pair; the indexer 2 * Hi*Di * S^2 per forward, twice (forward + the tile recompute) [+ once with
+        remat]; query chunking does not apply.
     """
+    if sparse_attention not in SPARSE_ATTENTION_IMPLS:
+        raise ValueError(f"sparse_attention={sparse_attention!r}: expected one of {SPARSE_ATTENTION_IMPLS}")
     act = active_matmul_params(cfg)
     n = seqs * seq_len
     h, dd = cfg.num_attention_heads, cfg.head_dim
@@ -138,19 +168,31 @@ def step_flops(cfg: M3Config, seqs: int, seq_len: int, remat: bool = True, *, qu
     routed = sum(m == MOE_MLP for m in cfg.mlp_layer_types) * cfg.num_experts_per_tok * 3 * cfg.intermediate_size \
         * cfg.hidden_size
     layer_exec = layer_params + routed * (expert_rows - 1)
-    full_attn = 12 * h * dd * seq_len * seq_len * cfg.num_hidden_layers * seqs
-    idx_exec = 2 * cfg.index_n_heads * cfg.index_head_dim * seq_len * seq_len * n_sparse * seqs
+    gather = sparse_attention == "gather"
+    n_other = cfg.num_hidden_layers - (n_sparse if gather else 0)  # layers that follow `attention`
+    idx_fwd = 2 * cfg.index_n_heads * cfg.index_head_dim * seq_len * seq_len * n_sparse * seqs
     if attention == "flash":
-        attn_exec, attn_again = 14 * h * dd * flash_pairs(cfg, seq_len) * seqs, 0.0
-        attn_remat = 4 * h * dd * flash_pairs(cfg, seq_len) * seqs
+        fp = flash_pairs(cfg, seq_len, sparse_layers=not gather) * seqs
+        attn_exec, attn_again, attn_remat = 14 * h * dd * fp, 0.0, 4 * h * dd * fp
     else:
+        full_attn = 12 * h * dd * seq_len * seq_len * n_other * seqs
         attn_exec, attn_again, attn_remat = full_attn, full_attn / 3, full_attn / 3
+    idx_exec, idx_again, idx_remat = idx_fwd, (0.0 if gather else idx_fwd), idx_fwd
+    if gather:
+        gp = gather_pairs(cfg, seq_len) * seqs
+        attn_exec += 16 * h * dd * gp  # forward 4, backward 8, the backward's tile recompute 4
+        attn_remat += 4 * h * dd * gp
+        idx_exec += idx_fwd  # the tile recompute scores every key again
+    out["attention_executed"] = attn_exec + (attn_remat if remat else 0.0) + (attn_again if query_chunked else 0.0)
+    out["indexer_executed"] = idx_exec + (idx_remat if remat else 0.0) + (idx_again if query_chunked else 0.0)
     executed = 6 * (layer_exec + act["head"]) * n + out["indexer_proj"] + attn_exec + idx_exec
     executed += 2 * routed * expert_rows * expert_recompute * n
     if remat:
-        executed += 2 * layer_exec * n + out["indexer_proj"] + attn_remat + idx_exec
+        executed += 2 * layer_exec * n + out["indexer_proj"] + attn_remat + idx_remat
     if query_chunked:
-        executed += attn_again + idx_exec
+        executed += attn_again + idx_again
+    out["matmul_executed"] = executed - out["attention_executed"] - out["indexer_executed"] \
+        - out["indexer_proj"] * (2 if remat else 1)
     out["executed_total"] = executed
     return out
 

@@ -146,7 +146,12 @@ class Batch:
     grouped-matmul kernel (`sharding.grouped_matmul`), "auto" resolved for the planning process's backend
     like the exchange (`m3jax.plan.__main__.Job.batch` resolves it for the GPU); ragged_dot: how XLA lowers
     the ragged_dot kernel: "dense" (rows zero-padded per local expert into one batched matmul: XLA's
-    GPU default and the CPU reference) or "grouped" (a grouped-GEMM kernel that touches real rows only).
+    GPU default and the CPU reference) or "grouped" (a grouped-GEMM kernel that touches real rows only);
+    sparse_attention: the sparse layers' attention, "gather" (the model's default: query tiles over the
+    gathered top-K key blocks) or "masked" (they follow attention_impl with a block mask);
+    logprob_chunk_tokens: positions per row of one logits block of the loss (`model.logprob_chunk_tokens`,
+    `rl.logprobs.chunked_token_logprobs`), 0 = the whole sequence's logits at once (what `--compile`'s
+    token cross-entropy step builds).
     """
     micro_batch: int
     seq_len: int
@@ -158,6 +163,8 @@ class Batch:
     moe_exchange: str | None = None
     ragged_dot: str = "dense"
     moe_kernel: str = "auto"
+    sparse_attention: str = "gather"
+    logprob_chunk_tokens: int = 0
 
     @property
     def exchange(self) -> str:
@@ -172,10 +179,17 @@ class Batch:
         return "tiled" if resolve_kernel(self.moe_kernel) == "tiled" else self.ragged_dot
 
     def model_options(self) -> dict:
-        """M3ForCausalLM keywords of this batch's model options besides remat."""
-        return {"attention_query_chunk": self.attention_query_chunk, "attention_impl": self.attention_impl,
-                "moe_capacity_factor": self.moe_capacity_factor, "moe_exchange": self.moe_exchange,
-                "moe_kernel": self.moe_kernel}
+        """M3ForCausalLM keywords of this batch's model options besides remat (sparse_attention only where the
+        model takes that keyword)."""
+        out = {"attention_query_chunk": self.attention_query_chunk, "attention_impl": self.attention_impl,
+               "moe_capacity_factor": self.moe_capacity_factor, "moe_exchange": self.moe_exchange,
+               "moe_kernel": self.moe_kernel}
+        import inspect
+
+        from m3jax.model.decoder import M3ForCausalLM
+        if "sparse_attention" in inspect.signature(M3ForCausalLM.__init__).parameters:
+            out["sparse_attention"] = self.sparse_attention
+        return out
 
 
 def _shard_dims(mesh: MeshConfig, rules):
@@ -202,7 +216,7 @@ def activation_bytes(cfg: M3Config, mesh: MeshConfig, batch: Batch, act_bytes: i
     out: dict[str, float] = {"checkpoints": cfg.num_hidden_layers * t_l * cfg.hidden_size * a if batch.remat else 0.0,
                              "batch_inputs": 3 * batch.num_micro * t_l * 4}
     candidates = [terms for ph in phases.values() for terms in ph.values()]
-    candidates.append(head_terms(cfg, mesh, t_l, a, dims))
+    candidates.append(head_terms(cfg, mesh, batch.micro_batch, batch.seq_len, a, dims, batch.logprob_chunk_tokens))
     worst = max(candidates, key=lambda t: sum(t.values()))
     if not batch.remat:
         for k, n in kinds.items():
