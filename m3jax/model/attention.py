@@ -4,8 +4,12 @@ With `query_chunk` > 0 the scores are formed for `query_chunk` local queries at 
 rematerialised body), so one chunk's [chunk, S_k] scores, masks and indexer scores live instead of the
 whole [S_local, S_k] block; the maths per query is unchanged.
 
-With impl="flash" (`m3jax.model.flash`) no scores block is held at all: an online softmax walks key tiles
-(the indexer's block size on sparse layers, whose unselected tiles it skips), and query_chunk is unused.
+With impl="flash" (`m3jax.model.flash`) no scores block is held at all: an online softmax walks key tiles,
+and query_chunk is unused.
+
+Sparse layers read only the key blocks the indexer kept (sparse_impl="gather", `m3jax.model.sparse`),
+whatever impl the full layers use; sparse_impl="masked" runs them as masks on impl's full attention
+(the reference the gathered path is tested against).
 """
 
 import jax
@@ -15,10 +19,12 @@ from m3jax.model.flash import flash_attention
 from m3jax.model.indexer import block_mask_to_tokens, select_key_blocks
 from m3jax.model.norms import rms_norm
 from m3jax.model.rope import apply_rope
+from m3jax.model.sparse import sparse_layer_attention
 from sharding.layout import Layout
 
 _MASKED = jnp.finfo(jnp.float32).min
 IMPLS = ("dense", "flash")
+SPARSE_IMPLS = ("gather", "masked")
 FLASH_TILE = 128  # queries and keys per flash tile on full layers (sparse layers: keys per indexer block)
 
 
@@ -50,7 +56,8 @@ def gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, keep: jax.Array, sca
 
 def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, positions: jax.Array,
                     key_valid: jax.Array | None, cfg, sparse: bool, cache: dict | None = None,
-                    query_chunk: int = 0, layout: Layout = Layout(), impl: str = "dense"):
+                    query_chunk: int = 0, layout: Layout = Layout(), impl: str = "dense",
+                    sparse_impl: str = "gather"):
     """One layer's attention on normalised hidden x [B, S, d] -> [B, S, d] (and the updated cache).
 
     p holds this layer's q/k/v/o projections ([heads, D, d] / [d, H, D]), q/k norms, and for sparse
@@ -62,6 +69,7 @@ def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
     query_chunk: queries per scores block on each device (0 = all local queries at once).
     layout: where activations live (the context shards of the sequence decide the chunking).
     impl: "dense" (masked [chunk, S_k] scores) or "flash" (`flash_attention`, no scores block).
+    sparse_impl: sparse layers "gather" (only the kept blocks, `sparse_layer_attention`) or "masked".
     """
     eps = cfg.rms_norm_eps
     q = rms_norm(jnp.einsum("bse,hde->bshd", x, p["q_proj"]), p["q_norm"], eps)
@@ -78,7 +86,12 @@ def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
         k, v = cache["k"], cache["v"]
         ik = cache.get("index_k")
     n_ctx = layout.size("act_seq")
-    if impl == "flash":
+    if sparse and sparse_impl == "gather":
+        k, v, ik = gather_keys(k, v, ik, layout)
+        o = sparse_layer_attention(q, k, v, positions, key_valid, iq, ik, cfg, to_chunks=_to_chunks,
+                                   from_chunks=_from_chunks, n_ctx=n_ctx, constrain=layout.constrain,
+                                   grouped=layout.num_devices == 1)
+    elif impl == "flash":
         o = flash_layer_attention(q, k, v, positions, key_valid, iq, ik, cfg)
     elif query_chunk and x.shape[1] // n_ctx > query_chunk:
         o = chunked_attention(q, k, v, positions, key_valid, iq, ik, cfg, query_chunk, layout)
@@ -141,14 +154,9 @@ def chunked_attention(q, k, v, positions, key_valid, iq, ik, cfg, chunk: int, la
     cotangents of scan constants accumulate in their dtype, so dK and dV sum over blocks in fp32.
     Padded query rows (S_l not a multiple of chunk) sit at position 0 and are dropped from the output."""
     s, n_ctx, constrain = q.shape[1], layout.size("act_seq"), layout.constrain
-    local, gathered = ("act_batch", "act_seq", "act_kv_heads", None), ("act_batch", None, "act_kv_heads", None)
-    # Projected on each context shard, then gathered: constraining only the gathered layout lets the
-    # partitioner gather the (12x wider) hidden state instead and project the whole sequence everywhere.
-    k, v = (constrain(constrain(t, local), gathered) for t in (k, v))
+    k, v, ik = gather_keys(k, v, ik, layout)
     dtype = k.dtype
     k32, v32 = k.astype(jnp.float32), v.astype(jnp.float32)
-    if ik is not None:
-        ik = constrain(constrain(ik, local[:2] + (None,)), ("act_batch", None, None))
     xs = (_to_chunks(q, n_ctx, chunk), _to_chunks(positions, n_ctx, chunk),
           None if iq is None else _to_chunks(iq, n_ctx, chunk))
 
@@ -160,6 +168,18 @@ def chunked_attention(q, k, v, positions, key_valid, iq, ik, cfg, chunk: int, la
 
     _, o = jax.lax.scan(jax.checkpoint(block, prevent_cse=False), None, xs)
     return _from_chunks(o, n_ctx, s)
+
+
+def gather_keys(k, v, ik, layout: Layout):
+    """Keys, values (and indexer keys) of every slot on each device: gathered over the context axis."""
+    constrain = layout.constrain
+    local, gathered = ("act_batch", "act_seq", "act_kv_heads", None), ("act_batch", None, "act_kv_heads", None)
+    # Projected on each context shard, then gathered: constraining only the gathered layout lets the
+    # partitioner gather the (12x wider) hidden state instead and project the whole sequence everywhere.
+    k, v = (constrain(constrain(t, local), gathered) for t in (k, v))
+    if ik is not None:
+        ik = constrain(constrain(ik, local[:2] + (None,)), ("act_batch", None, None))
+    return k, v, ik
 
 
 def indexer_qk(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, eps: float):

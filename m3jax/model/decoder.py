@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from m3jax.config import M3Config
-from m3jax.model.attention import IMPLS as ATTENTION_IMPLS
+from m3jax.model.attention import IMPLS as ATTENTION_IMPLS, SPARSE_IMPLS
 from m3jax.model.attention import attention_block
 from m3jax.model.mlp import dense_mlp
 from m3jax.model.moe import moe_block
@@ -68,9 +68,9 @@ class LayerStack(nnx.Module):
     def __init__(self, cfg: M3Config, attn_kind: str, mlp_kind: str, layer_ids, *, dtype, rngs: nnx.Rngs,
                  remat: bool = True, moe_capacity_factor: float | None = None, moe_exchange: str | None = None,
                  attention_query_chunk: int = 0, layout: Layout = Layout(), moe_kernel: str = "auto",
-                 attention_impl: str = "dense"):
+                 attention_impl: str = "dense", sparse_attention: str = "gather"):
         self.cfg, self.attn_kind, self.mlp_kind, self.layout = cfg, attn_kind, mlp_kind, layout
-        self.attention_impl = attention_impl
+        self.attention_impl, self.sparse_attention = attention_impl, sparse_attention
         self.layer_ids = tuple(layer_ids)
         self.remat, self.attention_query_chunk = remat, attention_query_chunk
         self.moe_capacity_factor, self.moe_exchange, self.moe_kernel = moe_capacity_factor, moe_exchange, moe_kernel
@@ -95,7 +95,8 @@ class LayerStack(nnx.Module):
             p, layer_cache, layer_routes = p_cache_routes
             h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps)
             attn = attention_block(p, h, cos, sin, positions, key_valid, cfg, sparse, layer_cache,
-                                   self.attention_query_chunk, layout, self.attention_impl)
+                                   self.attention_query_chunk, layout, self.attention_impl,
+                                   self.sparse_attention)
             if layer_cache is not None:
                 attn, layer_cache = attn
             x = x + attn
@@ -133,7 +134,7 @@ class M3ForCausalLM(nnx.Module):
     def __init__(self, cfg: M3Config, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None, remat: bool = True,
                  moe_capacity_factor: float | None = None, moe_exchange: str | None = None,
                  attention_query_chunk: int = 0, layout=None, moe_kernel: str = "auto",
-                 attention_impl: str = "dense"):
+                 attention_impl: str = "dense", sparse_attention: str = "gather"):
         """remat: rematerialise each layer in the backward pass. moe_capacity_factor: cap on the rows an
         expert-parallel device sends to one peer, x (tokens*top_k / n_ep); None = dropless.
         moe_exchange: "padded" | "ragged" | "ragged_emulated"; None = ragged on GPU/TPU, padded on CPU.
@@ -141,7 +142,9 @@ class M3ForCausalLM(nnx.Module):
         auto = tiled on CPU, ragged_dot elsewhere).
         attention_query_chunk: local queries per attention scores block (0 = all at once).
         attention_impl: "dense" (masked scores blocks) | "flash" (online softmax over key tiles, no
-        [queries, keys] block; sparse layers skip the key blocks the indexer dropped; `m3jax.model.flash`).
+        [queries, keys] block; `m3jax.model.flash`) on full layers, and on sparse ones with "masked".
+        sparse_attention: "gather" (sparse layers read only the key blocks the indexer kept,
+        `m3jax.model.sparse`) | "masked" (the indexer's selection as a mask on attention_impl's attention).
         layout: the `sharding.layout.Layout` (or a jax Mesh with the default rules) the model runs on;
         None = one device. Parameters are created where jax puts them; `from_pretrained` or the
         trainer places them on the layout."""
@@ -151,6 +154,8 @@ class M3ForCausalLM(nnx.Module):
         resolve_kernel(moe_kernel)  # fail at construction on an unknown kernel name
         if attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"attention_impl={attention_impl!r}: expected one of {ATTENTION_IMPLS}")
+        if sparse_attention not in SPARSE_IMPLS:
+            raise ValueError(f"sparse_attention={sparse_attention!r}: expected one of {SPARSE_IMPLS}")
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         self.cfg, self.dtype, self.layout = cfg, jnp.dtype(dtype), as_layout(layout)
         for name, spec in top_param_specs(cfg).items():
@@ -159,7 +164,7 @@ class M3ForCausalLM(nnx.Module):
             LayerStack(cfg, attn, mlp, ids, dtype=dtype, rngs=rngs, remat=remat,
                        moe_capacity_factor=moe_capacity_factor, moe_exchange=moe_exchange,
                        attention_query_chunk=attention_query_chunk, layout=self.layout, moe_kernel=moe_kernel,
-                       attention_impl=attention_impl)
+                       attention_impl=attention_impl, sparse_attention=sparse_attention)
             for attn, mlp, ids in cfg.segments()
         ])
 

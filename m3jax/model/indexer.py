@@ -9,36 +9,73 @@ import jax
 import jax.numpy as jnp
 
 
-def select_key_blocks(index_q: jax.Array, index_k: jax.Array, positions: jax.Array, *, block_size: int,
-                      topk_blocks: int, local_blocks: int) -> jax.Array:
-    """Boolean keep-mask over key blocks, [B, Hi, S, nb], nb = ceil(S_k / block_size).
+KEY_CHUNK_BLOCKS = 8  # key blocks scored per step of `key_block_scores`' loop
+
+
+def key_block_scores(index_q: jax.Array, index_k: jax.Array, positions: jax.Array, *, block_size: int,
+                     local_blocks: int) -> jax.Array:
+    """Block scores the top-k ranks, [B, Hi, S, nb] fp32, nb = ceil(S_k / block_size).
 
     index_q [B, S, Hi, Di] and index_k [B, S_k, Di] are normalised and rotated already.
         score[b,h,i,j] = <iq[b,i,h], ik[b,j]>  (fp32, no scale)   ;  -inf where key slot j > position_i
         blk[b,h,i,n]   = max_{j in block n} score                 (padded slots count as -inf)
         blk[..., max(pos_i // bs - l, 0)] = +inf  for l < local_blocks   (the query's own block, forced)
-        keep = top-min(K, nb) blocks of blk, minus those whose selected score is -inf (fully future)
+    The token scores are reduced to block maxima KEY_CHUNK_BLOCKS blocks at a time, and the loop stops
+    after the last chunk any of the S queries can see (max position), so no [S, S_k] buffer is formed
+    and wholly-future key chunks cost nothing. No gradient flows (the selection is discrete).
     """
-    b, s, hi, _ = index_q.shape
+    b, s, hi, di = index_q.shape
     sk = index_k.shape[1]
     nb = -(-sk // block_size)
-    scores = jnp.einsum("bshd,btd->bhst", index_q.astype(jnp.float32), index_k.astype(jnp.float32))
-    future = jnp.arange(sk)[None, None, None, :] > positions[:, None, :, None]
-    scores = jnp.where(future, -jnp.inf, scores)
-    pad = nb * block_size - sk
-    if pad:
-        scores = jnp.pad(scores, ((0, 0), (0, 0), (0, 0), (0, pad)), constant_values=-jnp.inf)
-    block_scores = scores.reshape(b, hi, s, nb, block_size).max(axis=-1)
+    cb = min(KEY_CHUNK_BLOCKS, nb)
+    n_chunks = -(-nb // cb)
+    width = cb * block_size
+    iq = jax.lax.stop_gradient(index_q).astype(jnp.float32)
+    ik = jnp.pad(jax.lax.stop_gradient(index_k).astype(jnp.float32), ((0, 0), (0, n_chunks * width - sk), (0, 0)))
+    ik = ik.reshape(b, n_chunks, width, di)
+    live = jnp.clip((positions.max() + width) // width, 1, n_chunks)
+
+    def chunk(c, out):
+        scores = jnp.einsum("bshd,btd->bhst", iq, jax.lax.dynamic_index_in_dim(ik, c, 1, keepdims=False))
+        slot = c * width + jnp.arange(width)
+        hidden = (slot[None, None, :] > positions[:, :, None]) | (slot >= sk)[None, None, :]
+        scores = jnp.where(hidden[:, None], -jnp.inf, scores)
+        return jax.lax.dynamic_update_slice_in_dim(out, scores.reshape(b, hi, s, cb, block_size).max(-1), c * cb, 3)
+
+    block_scores = jax.lax.fori_loop(0, live, chunk, jnp.full((b, hi, s, n_chunks * cb), -jnp.inf))[..., :nb]
     block_ids = jnp.arange(nb)
     query_block = positions // block_size  # [B, S]
     forced = jnp.zeros((b, s, nb), bool)
     for lag in range(local_blocks):
         forced |= block_ids == jnp.maximum(query_block - lag, 0)[..., None]
-    block_scores = jnp.where(forced[:, None], jnp.inf, block_scores)
-    k = min(topk_blocks, nb)
-    top_scores, top_ids = jax.lax.top_k(block_scores, k)
-    chosen = (top_ids[..., None] == block_ids) & (top_scores > -jnp.inf)[..., None]
-    return jax.lax.stop_gradient(chosen.any(axis=-2))
+    return jnp.where(forced[:, None], jnp.inf, block_scores)
+
+
+def topk_key_blocks(index_q: jax.Array, index_k: jax.Array, positions: jax.Array, *, block_size: int,
+                    topk_blocks: int, local_blocks: int) -> jax.Array:
+    """The key blocks each query keeps, [B, Hi, S, min(K, nb)] int32 block ids, -1 where none.
+
+    ids = top-min(K, nb) of `key_block_scores` (HF's top-k: the forced local blocks come first, ties
+    as jax.lax.top_k), with ids whose selected score is -inf (blocks wholly in the query's future, for
+    queries with fewer than K past blocks) replaced by -1.
+    """
+    block_scores = key_block_scores(index_q, index_k, positions, block_size=block_size,
+                                    local_blocks=local_blocks)
+    top_scores, top_ids = jax.lax.top_k(block_scores, min(topk_blocks, block_scores.shape[-1]))
+    return jax.lax.stop_gradient(jnp.where(top_scores > -jnp.inf, top_ids, -1).astype(jnp.int32))
+
+
+def block_ids_to_mask(block_ids: jax.Array, num_blocks: int) -> jax.Array:
+    """[B, Hi, S, K] block ids (-1 = none) -> [B, Hi, S, nb] boolean keep-mask over key blocks."""
+    return (block_ids[..., None] == jnp.arange(num_blocks)).any(axis=-2)
+
+
+def select_key_blocks(index_q: jax.Array, index_k: jax.Array, positions: jax.Array, *, block_size: int,
+                      topk_blocks: int, local_blocks: int) -> jax.Array:
+    """Boolean keep-mask over key blocks, [B, Hi, S, nb]: the blocks of `topk_key_blocks`."""
+    ids = topk_key_blocks(index_q, index_k, positions, block_size=block_size, topk_blocks=topk_blocks,
+                          local_blocks=local_blocks)
+    return block_ids_to_mask(ids, -(-index_k.shape[1] // block_size))
 
 
 def block_mask_to_tokens(keep_blocks: jax.Array, block_size: int, key_len: int, num_heads: int) -> jax.Array:

@@ -114,6 +114,11 @@ class ModelSection(_Section):
                                       "(online softmax over key tiles, no scores block; sparse layers skip the "
                                       "key blocks the indexer dropped; attention_query_chunk is then unused)",
                              choices=("dense", "flash"))
+    # m3jax.model.attention.SPARSE_IMPLS
+    sparse_attention: str = _f("gather", "sparse (indexer) layers: gather (each query multiplies only the key "
+                                         "blocks the indexer kept, a scan over query tiles) or masked (the "
+                                         "selection as a mask on attention_impl's full attention: the reference)",
+                               choices=("gather", "masked"))
     # Not an M3ForCausalLM option (the model returns hidden states or logits): the logprob pass and the
     # loss read it (rl.policy), so it stays out of model_options.
     logprob_chunk_tokens: int = _f(1024, "positions of each row whose [.., vocab] logits are computed at once "
@@ -132,7 +137,8 @@ class ModelSection(_Section):
     def model_options(self) -> dict[str, Any]:
         """Keyword options of `M3ForCausalLM` / `m3jax.from_pretrained` this section sets."""
         return {"remat": self.remat, "attention_query_chunk": self.attention_query_chunk,
-                "attention_impl": self.attention_impl, "moe_capacity_factor": self.moe_capacity_factor,
+                "attention_impl": self.attention_impl, "sparse_attention": self.sparse_attention,
+                "moe_capacity_factor": self.moe_capacity_factor,
                 "moe_kernel": self.moe_kernel}
 
     def m3_config(self):

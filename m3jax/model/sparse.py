@@ -1,0 +1,256 @@
+"""Block-sparse attention that reads only the key blocks the indexer kept (pure functions).
+
+For query i, query head h and the blocks ids[b, h // (H / Hi), i, :] (`topk_key_blocks`; -1 = none):
+
+    keys(i, h) = { j : j // bs in ids, j <= position_i, key_valid_j }
+    o_ih       = sum_{j in keys} softmax_j(scale * <q_ih, k_j>) v_j
+
+the same numbers as the masked path (`masked_attention`: a softmax over every slot with the others set
+to finfo.min, whose exp is exactly 0), but each query multiplies K * bs keys instead of S_k. A query
+with no visible key gets, like the masked path, the mean of v over all S_k slots.
+
+Query heads are grouped into units that share both their kv head and their index head (U = lcm(Hi, KV)
+units of H / U heads), so a gathered block of keys serves every query head of its unit at once.
+`sparse_layer_attention` walks the queries in tiles twice: a first scan runs the indexer (its
+[Hi, tile, S_k] scores live per tile; no gradient, so never recomputed) and keeps the block ids, a
+second scan attends (custom VJP): per tile the gathered [U, tile, K * bs, D] keys and values and the
+[H, tile, K * bs] probabilities are live, linear in S. Only the output's log-sum-exp is saved; the
+backward recomputes each tile's probabilities and scatter-adds its key and value gradients into fp32
+[B, KV, nb, bs, D] accumulators block by block (FlashAttention-2's backward, on gathered keys):
+    dv_j += sum_i p_ij do_i ,  dp_ij = <do_i, v_j> ,  ds_ij = p_ij (dp_ij - sum_j' p_ij' dp_ij') ,
+    dq_i = scale sum_j ds_ij k_j ,  dk_j += scale sum_i ds_ij q_i
+(the row sum of p dp rather than <do, o>, so that a bf16 run differentiates exactly what it computed).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from m3jax.model.indexer import topk_key_blocks
+
+_MASKED = jnp.finfo(jnp.float32).min
+QUERY_TILE = 64  # local queries per step of the sparse layers' scan
+
+
+def head_units(h: int, kvh: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+    """(kv head, index head) of each unit, [U] each: unit u holds query heads u*(H/U) .. (u+1)*(H/U)-1."""
+    u = math.lcm(kvh, hi)
+    if h % u:
+        raise ValueError(f"{h} query heads do not split into lcm({kvh} kv heads, {hi} index heads) = {u} groups")
+    return np.arange(u) // (u // kvh), np.arange(u) // (u // hi)
+
+
+def to_blocks(a: jax.Array, block_size: int) -> jax.Array:
+    """[B, S_k, KV, D] -> [B, KV, nb, bs, D], the slots past S_k zero (they are masked by slot < S_k)."""
+    b, sk, kvh, d = a.shape
+    nb = -(-sk // block_size)
+    a = jnp.pad(a, ((0, 0), (0, nb * block_size - sk), (0, 0), (0, 0)))
+    return a.reshape(b, nb, block_size, kvh, d).transpose(0, 3, 1, 2, 4)
+
+
+class _Static(tuple):
+    """Hashable static configuration: (key_len, block_size, scale, dtype name, kv head of each unit,
+    index head of each unit)."""
+
+    def __new__(cls, *a):
+        return super().__new__(cls, a)
+
+
+def _kept_slots(st, kval_blocks, pos, ids):
+    """(keep [B, U, T, K, bs]: slot j of each selected block is valid, < key_len and <= the query's position;
+    clipped ids [B, U, T, K]); pos [B, T], ids [B, T, Hi, K] (-1 = none)."""
+    key_len, bs, idx_of = st[0], st[1], np.asarray(st[5])
+    ids = jnp.moveaxis(ids, 1, 2)[:, idx_of]  # [B, U, T, K]
+    safe = jnp.clip(ids, 0, kval_blocks.shape[1] - 1)
+    slot = safe[..., None] * bs + jnp.arange(bs)
+    rows = jnp.arange(pos.shape[0])[:, None, None, None]
+    keep = (ids >= 0)[..., None] & kval_blocks[rows, safe] & (slot < key_len) & (slot <= pos[:, None, :, None, None])
+    return keep, safe
+
+
+def _gather_tile(st, kb, vb, kval_blocks, pos, ids):
+    """One tile's gathered keys/values [B, U, T, K*bs, D] (in st's dtype), keep mask [B, U, 1, T, K*bs], and
+    the clipped ids [B, U, T, K]; pos [B, T], ids [B, T, Hi, K] (-1 = none)."""
+    bs, dtype, kv_of = st[1], jnp.dtype(st[3]), np.asarray(st[4])
+    b, t = pos.shape
+    d = kb.shape[-1]
+    keep, safe = _kept_slots(st, kval_blocks, pos, ids)
+    u, kk = safe.shape[1], safe.shape[-1]
+    rows, heads = jnp.arange(b)[:, None, None, None], jnp.asarray(kv_of)[None, :, None, None]
+    kg = kb[rows, heads, safe].astype(dtype).reshape(b, u, t, kk * bs, d)
+    vg = vb[rows, heads, safe].astype(dtype).reshape(b, u, t, kk * bs, d)
+    return kg, vg, keep.reshape(b, u, 1, t, kk * bs), safe
+
+
+def _tile_logits(st, q, kg, keep):
+    """q [B, T, H, D] -> masked fp32 logits [B, U, G, T, K*bs] (finfo.min where not kept, as the masked path)."""
+    b, t, h, d = q.shape
+    u = kg.shape[1]
+    qu = q.reshape(b, t, u, h // u, d)
+    logits = jnp.einsum("btugd,butjd->bugtj", qu, kg, preferred_element_type=jnp.float32) * st[2]
+    return jnp.where(keep, logits, _MASKED)
+
+
+def _forward(st, q, kb, vb, aux):
+    """Scan over tiles: q [n, B, T, H, D] -> (o [n, B, T, H, D], lse [n, B, U, G, T])."""
+    kval_blocks, pos, ids = aux
+
+    def step(_, xs):
+        qi, pi, ii = xs
+        kg, vg, keep, _ = _gather_tile(st, kb, vb, kval_blocks, pi, ii)
+        logits = _tile_logits(st, qi, kg, keep)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        probs = jnp.exp(logits - lse[..., None]).astype(vg.dtype)
+        o = jnp.einsum("bugtj,butjd->btugd", probs, vg).reshape(qi.shape)
+        return None, (o, lse)
+
+    return jax.lax.scan(step, None, (q, pos, ids))[1]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _gathered(st, q, kb, vb, aux):
+    return _forward(st, q, kb, vb, aux)[0]
+
+
+def _gathered_fwd(st, q, kb, vb, aux):
+    o, lse = _forward(st, q, kb, vb, aux)
+    return o, (q, kb, vb, lse, aux)
+
+
+def _gathered_bwd(st, res, do):
+    q, kb, vb, lse, aux = res
+    kval_blocks, pos, ids = aux
+    b, kvh, nb, bs, d = kb.shape
+    kv_of = np.asarray(st[4])
+
+    def step(carry, xs):
+        dkb, dvb = carry
+        qi, doi, lse_i, pi, ii = xs
+        kg, vg, keep, safe = _gather_tile(st, kb, vb, kval_blocks, pi, ii)
+        t, h = qi.shape[1], qi.shape[2]
+        u, kk = kg.shape[1], safe.shape[-1]
+        logits = _tile_logits(st, qi, kg, keep)
+        p = jnp.where(keep, jnp.exp(logits - lse_i[..., None]), 0.0)  # [B, U, G, T, J]
+        dou = doi.reshape(b, t, u, h // u, d)
+        dv = jnp.einsum("bugtj,btugd->butjd", p.astype(vg.dtype), dou, preferred_element_type=jnp.float32)
+        dp = jnp.einsum("btugd,butjd->bugtj", dou, vg, preferred_element_type=jnp.float32)
+        ds = p * (dp - jnp.sum(p * dp, axis=-1, keepdims=True)) * st[2]
+        dq = jnp.einsum("bugtj,butjd->btugd", ds, kg.astype(jnp.float32)).reshape(qi.shape)
+        dk = jnp.einsum("bugtj,btugd->butjd", ds, qi.reshape(dou.shape).astype(jnp.float32))
+        rows, heads = jnp.arange(b)[:, None, None, None], jnp.asarray(kv_of)[None, :, None, None]
+        dkb = dkb.at[rows, heads, safe].add(dk.reshape(b, u, t, kk, bs, d))
+        dvb = dvb.at[rows, heads, safe].add(dv.reshape(b, u, t, kk, bs, d))
+        return (dkb, dvb), dq.astype(qi.dtype)
+
+    zeros = jnp.zeros((b, kvh, nb, bs, d), jnp.float32)
+    (dkb, dvb), dq = jax.lax.scan(step, (zeros, zeros), (q, do, lse, pos, ids))
+    return dq, dkb.astype(kb.dtype), dvb.astype(vb.dtype), None
+
+
+_gathered.defvjp(_gathered_fwd, _gathered_bwd)
+
+
+def _head_blocks(a: jax.Array, kv_of: np.ndarray, block_size: int) -> jax.Array:
+    """k or v [B, S_k, KV, D] -> [B * U * nb, bs, D] fp32: block n of unit u's kv head, group (b * U + u) * nb + n."""
+    b, sk, _, d = a.shape
+    nb = -(-sk // block_size)
+    a = jnp.pad(a.astype(jnp.float32), ((0, 0), (0, nb * block_size - sk), (0, 0), (0, 0)))
+    a = a.reshape(b, nb, block_size, -1, d)[:, :, :, kv_of]  # [B, nb, bs, U, D]
+    return a.transpose(0, 3, 1, 2, 4).reshape(-1, block_size, d)
+
+
+def grouped_block_attention(q: jax.Array, k: jax.Array, v: jax.Array, keep: jax.Array, ids: jax.Array,
+                            kv_of: np.ndarray, *, block_size: int, scale: float, kernel: str = "tiled") -> jax.Array:
+    """Attention of q [B, S, H, D] over its selected blocks as two grouped matmuls (one device).
+
+    Every (query, unit, selected block) pair is a row group of the H/U query heads; the pairs are sorted
+    by (batch row, unit, block) so that each block's keys are a group's weights, as experts are in a MoE:
+        scores = grouped_matmul(q rows, K blocks)  [pairs * H/U, bs]     (fp32)
+        out    = sum over a query's K blocks of grouped_matmul(probs rows, V blocks^T)
+    with the softmax over a query's K * bs slots in between, so a block's keys are read once per row
+    tile, not once per query (`gathered` reads them per query). Work and memory follow S x K x bs.
+    keep [B, U, S, K, bs] (`_kept_slots`), ids [B, U, S, K] clipped block ids, kv_of [U]. -> [B, S, H, D]
+    (rows of a query that sees no key are a uniform average over its gathered slots: callers replace them).
+    kernel: `sharding.grouped_matmul`'s; "tiled" (work follows the filled rows), since ragged_dot lowers
+    densely (B * U * nb groups x all rows) on CPU and jaxlib 0.10 CUDA.
+    """
+    from sharding.grouped_matmul import grouped_matmul  # the model package does not import sharding at load
+
+    b, s, h, d = q.shape
+    u, kk, bs = ids.shape[1], ids.shape[-1], block_size
+    nb = -(-k.shape[1] // bs)
+    g = h // u
+    group = ((jnp.arange(b)[:, None, None, None] * u + jnp.arange(u)[None, :, None, None]) * nb + ids).reshape(-1)
+    order = jnp.argsort(group, stable=True)  # pairs (b, u, t, k) sorted by group
+    inverse = jnp.argsort(order)
+    sizes = jnp.bincount(group, length=b * u * nb) * g
+    pb, pu, pt = order // (u * s * kk), (order // (s * kk)) % u, (order // kk) % s
+    rows = q.reshape(b, s, u, g, d).astype(jnp.float32)[pb, pt, pu].reshape(-1, d)  # [P * G, D]
+    scores = grouped_matmul(rows, _head_blocks(k, kv_of, bs), sizes, kernel=kernel) * scale
+    scores = scores.reshape(-1, g, bs)[inverse].reshape(b, u, s, kk, g, bs)
+    scores = jnp.where(keep[:, :, :, :, None, :], scores, _MASKED)
+    scores = jnp.moveaxis(scores, 4, 3).reshape(b, u, s, g, kk * bs)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).astype(jnp.float32)
+    probs = jnp.moveaxis(probs.reshape(b, u, s, g, kk, bs), 3, 4).reshape(-1, g, bs)[order].reshape(-1, bs)
+    out = grouped_matmul(probs, jnp.swapaxes(_head_blocks(v, kv_of, bs), 1, 2), sizes, kernel=kernel)
+    out = out.reshape(-1, g, d)[inverse].reshape(b, u, s, kk, g, d).sum(3)  # [B, U, S, G, D]
+    return jnp.moveaxis(out, 1, 2).reshape(b, s, h, d).astype(v.dtype)
+
+
+def sparse_layer_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
+                           key_valid: jax.Array | None, iq: jax.Array | None, ik: jax.Array | None, cfg, *,
+                           to_chunks, from_chunks, n_ctx: int = 1, tile: int = QUERY_TILE, constrain=None,
+                           block_ids: jax.Array | None = None, return_block_ids: bool = False,
+                           grouped: bool = False):
+    """A sparse layer's attention: the indexer's top-K blocks per query, then attention over them only.
+
+    q [B, S, H, D] local queries at `positions`, k/v [B, S_k, KV, D] every key slot, iq [B, S, Hi, Di],
+    ik [B, S_k, Di]. block_ids [B, S, Hi, K] (replay): use these blocks instead of the indexer's.
+    to_chunks / from_chunks / n_ctx: how the sequence splits into scan steps (`attention._to_chunks`:
+    a step holds `tile` local queries of each of the n_ctx context shards); constrain(array, logical axes):
+    the layout's sharding constraint for the chunked queries and output.
+    grouped: attend with `grouped_block_attention` (one device: the whole sequence's pairs are sorted
+    together) instead of the per-tile `_gathered` scan (any layout: each tile is a batched gather).
+    A query that sees no key (its blocks hold no valid slot at or before its position) outputs the mean
+    of v over all S_k slots, as the masked path's all-finfo.min softmax does.
+    -> o [B, S, H, D] (and the ids used, [B, S, Hi, K] int32, -1 = none, with return_block_ids).
+    """
+    b, s, h, _ = q.shape
+    sk, kvh, bs = k.shape[1], k.shape[2], cfg.index_block_size
+    chunk = min(tile, s // n_ctx)
+    pos_c = to_chunks(positions, n_ctx, chunk)
+    if block_ids is None:
+        def select(xs):
+            return jnp.moveaxis(topk_key_blocks(xs[0], ik, xs[1], block_size=bs, topk_blocks=cfg.index_topk_blocks,
+                                                local_blocks=cfg.index_local_blocks), 1, 2)
+        ids_c = jax.lax.map(select, (to_chunks(iq, n_ctx, chunk), pos_c))
+    else:
+        ids_c = to_chunks(block_ids.astype(jnp.int32), n_ctx, chunk)
+    ids_c = jax.lax.stop_gradient(ids_c)  # [n, B, T, Hi, K]
+    kv_of, idx_of = head_units(h, kvh, ids_c.shape[3])
+    st = _Static(sk, bs, float(cfg.head_dim ** -0.5), jnp.dtype(k.dtype).name, tuple(kv_of.tolist()),
+                 tuple(idx_of.tolist()))
+    kval = jnp.ones((b, sk), bool) if key_valid is None else key_valid.astype(bool)
+    nb = -(-sk // bs)
+    kval_blocks = jnp.pad(kval, ((0, 0), (0, nb * bs - sk))).reshape(b, nb, bs)
+    ids = from_chunks(ids_c, n_ctx, s)  # [B, S, Hi, K]
+    keep, safe = _kept_slots(st, kval_blocks, positions, ids)  # [B, U, S, K, bs], [B, U, S, K]
+    if grouped:
+        o = grouped_block_attention(q, k, v, keep, safe, kv_of, block_size=bs, scale=st[2], kernel="tiled")
+    else:
+        constrain = constrain or (lambda a, axes: a)
+        chunked = (None, "act_batch", "act_seq", "act_heads", None)
+        kb32, vb32 = to_blocks(k.astype(jnp.float32), bs), to_blocks(v.astype(jnp.float32), bs)
+        o = _gathered(st, constrain(to_chunks(q, n_ctx, chunk), chunked), kb32, vb32, (kval_blocks, pos_c, ids_c))
+        o = from_chunks(constrain(o, chunked), n_ctx, s)
+    # A query that sees no key: the mean of v over all S_k slots, as the masked path.
+    seen = jnp.moveaxis(keep.any(axis=(3, 4)), 1, 2)[..., None, None]  # [B, S, U, 1, 1]
+    blind = v.astype(jnp.float32).mean(axis=1).astype(o.dtype)[:, kv_of]  # [B, U, D]
+    o = jnp.where(seen, o.reshape(b, s, len(kv_of), h // len(kv_of), -1), blind[:, None, :, None, :])
+    o = o.reshape(b, s, h, -1)
+    return (o, ids) if return_block_ids else o

@@ -1,0 +1,110 @@
+"""A 2-layer all-sparse M3 vs the same model with full attention, side by side: forward, forward+backward
+and compiled temp memory at long S.
+
+Model (m3jax.tiny.m3_config): 2 layers, dense MLPs (to isolate attention), hidden 512, 8 query heads of
+128, 2 kv heads, vocab 512, fp32; the sparse model's indexer: 2 index heads of 64, blocks of 64, top-4
+(the query's own block forced among them, HF's `index_local_blocks` = 1), so each query keeps <= 256 keys.
+Contestants (each its own jit, same input ids):
+  sparse gather   sparse layers, `model.sparse_attention: gather` (the default: only the kept blocks)
+  sparse masked   sparse layers, `masked` on dense attention (the indexer's selection as a mask; before
+                  issue 11 item 3 the only path) -- timed up to --dense-max
+  full flash      full-attention layers, `attention_impl: flash` (causal online softmax, no [S, S] block)
+  full dense      full-attention layers, the dense default (masked [S, S] scores) -- up to --dense-max
+fwd = logits of the batch; f+b = value_and_grad of the mean logit over all parameters (remat on, the
+model's default). Median wall ms over --iters round-robin calls (load from other processes hits all alike),
+after one warm-up call; temp = `jit(f).lower(..).compile().memory_analysis().temp_size_in_bytes`.
+
+    .venv/bin/python scripts/bench_sparse_model.py                   # S = 4096 16384
+    .venv/bin/python scripts/bench_sparse_model.py --seq 1024 --iters 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from m3jax import tiny  # noqa: E402
+
+DIMS = dict(layers=2, dense_layers=2, hidden_size=512, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
+            dense_intermediate_size=1024, vocab_size=512, index_n_heads=2, index_head_dim=64, index_block_size=64,
+            index_topk_blocks=4, index_local_blocks=1)
+
+
+def build(name: str):
+    sparse = name.startswith("sparse")
+    cfg = tiny.m3_config(full_attention_layers=0 if sparse else 2, **DIMS)
+    options = {"sparse gather": dict(sparse_attention="gather"),
+               "sparse masked": dict(sparse_attention="masked", attention_impl="dense"),
+               "full flash": dict(attention_impl="flash"), "full dense": dict(attention_impl="dense")}[name]
+    return tiny.m3_model(cfg, seed=0, **options)
+
+
+def programs(model):
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def fwd(params, ids):
+        return nnx.merge(graphdef, params, rest)(ids)
+
+    def loss(params, ids):
+        return fwd(params, ids).astype(jnp.float32).mean()
+
+    return params, jax.jit(fwd), jax.jit(jax.value_and_grad(loss))
+
+
+def temp_mb(f, *args) -> float:
+    return f.lower(*args).compile().memory_analysis().temp_size_in_bytes / 2 ** 20
+
+
+def timed(f, *args) -> float:
+    t = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    return (time.perf_counter() - t) * 1e3
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seq", type=int, nargs="+", default=[4096, 16384])
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--dense-max", type=int, default=4096, help="longest S at which the dense paths run")
+    args = ap.parse_args()
+    print(f"jax {jax.__version__}, {jax.devices()[0].platform}, load {os.getloadavg()[0]:.1f}")
+    print("| S | contestant | fwd ms | f+b ms | fwd temp MB | f+b temp MB |")
+    print("|---|---|---|---|---|---|")
+    for s in args.seq:
+        names = ["sparse gather", "full flash"] + (["sparse masked", "full dense"] if s <= args.dense_max else [])
+        ids = jnp.asarray(tiny.random_ids(tiny.m3_config(**DIMS), 1, s))
+        runs = {}
+        for name in names:
+            params, fwd, fb = programs(build(name))
+            runs[name] = (params, fwd, fb, temp_mb(fwd, params, ids), temp_mb(fb, params, ids))
+            timed(fwd, params, ids), timed(fb, params, ids)  # compile + warm
+        times = {n: ([], []) for n in names}
+        for _ in range(args.iters):
+            for n in names:
+                params, fwd, fb = runs[n][:3]
+                times[n][0].append(timed(fwd, params, ids))
+                times[n][1].append(timed(fb, params, ids))
+        med = {n: (statistics.median(a), statistics.median(b)) for n, (a, b) in times.items()}
+        for n in names:
+            print(f"| {s} | {n} | {med[n][0]:.1f} | {med[n][1]:.1f} | {runs[n][3]:.1f} | {runs[n][4]:.1f} |")
+        g, f = med["sparse gather"], med["full flash"]
+        line = f"S={s}: sparse gather vs full flash: fwd {f[0] / g[0]:.2f}x, f+b {f[1] / g[1]:.2f}x"
+        if "full dense" in med:
+            d, m = med["full dense"], med["sparse masked"]
+            line += (f"; vs full dense: fwd {d[0] / g[0]:.2f}x, f+b {d[1] / g[1]:.2f}x; sparse masked vs full dense "
+                     f"fwd {d[0] / m[0]:.2f}x")
+        print(line, f"(load {os.getloadavg()[0]:.1f})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
