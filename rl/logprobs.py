@@ -130,49 +130,71 @@ def _platform(layout: Layout) -> str:
 
 
 def policy_logprobs(model, mb: dict, sampling: SamplingParams, chunk_tokens: int = 0, replay: bool = False,
-                    return_routes: bool = False):
+                    return_routes: bool = False, replay_blocks: bool = False, return_block_ids: bool = False):
     """log p(mb["targets"]) [B, S] under `sampling`'s transform for one micro-batch (input_ids,
     attention_mask, targets [B, S]): the logprob pass and the GRPO loss both call this.
     chunk_tokens: 0 = full [B, S, V] logits; else `chunked_token_logprobs` with that many positions per
     block. replay: the MoE layers replay mb["routes"] [B, S, n_moe_layers, k] (the generator's expert ids;
-    routing replay). return_routes: return (logp, the router's own top-k ids [B, S, n_moe_layers, k])."""
+    routing replay). return_routes: return (logp, the router's own top-k ids [B, S, n_moe_layers, k]).
+    replay_blocks: the sparse layers attend over mb["block_ids"] [B, S, n_sparse_layers, Hi, K] (the
+    generator's key blocks; indexer selection replay). return_block_ids: also return the indexer's own
+    top-K block ids [B, S, n_sparse_layers, Hi, K] (last: (logp, [routes,] block ids))."""
     sp = sampling
     moe = {}
     if replay:
         moe["routes"] = mb["routes"]
     if return_routes:
         moe["return_routes"] = True
+    if replay_blocks:
+        moe["block_ids"] = mb["block_ids"]
+    if return_block_ids:
+        moe["return_block_ids"] = True
     out = model(mb["input_ids"], attention_mask=mb["attention_mask"], hidden=bool(chunk_tokens), **moe)
-    out, routes = out if return_routes else (out, None)
+    extra = ()
+    if return_routes or return_block_ids:
+        out, *extra = out
     if not chunk_tokens:
         logp = token_logprobs(out, mb["targets"], sp.temperature, sp.top_p, sp.top_k)
     else:
         logp = chunked_token_logprobs(out, model.lm_head[...], mb["targets"], sp.temperature, sp.top_p, sp.top_k,
                                       chunk_tokens=chunk_tokens, layout=model.layout,
                                       head_axes=model.lm_head.get_metadata()["logical_axes"])
-    return (logp, routes) if return_routes else logp
+    return (logp, *extra) if extra else logp
 
 
 def make_logprob_pass(graphdef, sampling: SamplingParams, layout: Layout = Layout(), chunk_tokens: int = 0,
-                      replay: bool = False):
+                      replay: bool = False, indexer_replay: bool = False):
     """pass_(params, rest, batch) -> logp [micro-batches, batch, seq] for batch arrays
     [micro-batches, batch, seq] with input_ids, attention_mask and targets (micro-batches run in turn).
     chunk_tokens: positions per logits block (`policy_logprobs`; 0 = full logits).
-    A batch with "routes" (the generator's MoE expert ids [micro-batches, batch, seq, n_moe_layers, k]) gives
-    (logp, the trainer's own top-k ids, same shape, int32): the routes are replayed when `replay` (routing
-    replay), else only compared with (`rl.grpo.mismatch.route_mismatch_frac`)."""
+    A batch with "routes" (the generator's MoE expert ids [micro-batches, batch, seq, n_moe_layers, k]) and/or
+    "block_ids" (the generator's key blocks [micro-batches, batch, seq, n_sparse_layers, Hi, K]) gives
+    (logp, {"routes": the trainer's own top-k ids, "block_ids": its indexer's own top-K blocks}, each the
+    shape of the generator's, int32, present when the batch has them): the routes are replayed when
+    `replay` (routing replay) and the blocks when `indexer_replay` (indexer selection replay), else only
+    compared with (`rl.grpo.mismatch.route_mismatch_frac`, `selection_mismatch_frac`)."""
 
-    @functools.partial(jax.jit, static_argnames="with_routes")
-    def run(params, rest, batch, with_routes=False):
+    @functools.partial(jax.jit, static_argnames=("with_routes", "with_blocks"))
+    def run(params, rest, batch, with_routes=False, with_blocks=False):
         model = nnx.merge(graphdef, params, rest)
-        return jax.lax.map(lambda mb: policy_logprobs(model, mb, sampling, chunk_tokens, replay and with_routes,
-                                                      with_routes), batch)
+
+        def one(mb):
+            out = policy_logprobs(model, mb, sampling, chunk_tokens, replay and with_routes, with_routes,
+                                  indexer_replay and with_blocks, with_blocks)
+            if not (with_routes or with_blocks):
+                return out
+            logp, *extra = out
+            names = ("routes",) * with_routes + ("block_ids",) * with_blocks
+            return logp, dict(zip(names, extra))
+
+        return jax.lax.map(one, batch)
 
     def pass_(params, rest, batch):
-        with_routes = "routes" in batch
-        batch = {k: batch[k] for k in _INPUTS + (("routes",) if with_routes else ())}
+        with_routes, with_blocks = "routes" in batch, "block_ids" in batch
+        batch = {k: batch[k] for k in _INPUTS + ("routes",) * with_routes + ("block_ids",) * with_blocks}
+        flags = dict(with_routes=with_routes, with_blocks=with_blocks)
         if layout.mesh is None:
-            return run(params, rest, batch, with_routes=with_routes)
+            return run(params, rest, batch, **flags)
         rows = np.shape(batch["input_ids"])[1]
         extra = -rows % layout.size("act_batch")  # e.g. a handful of probe rows: pad, then drop
         if extra:
@@ -181,7 +203,7 @@ def make_logprob_pass(graphdef, sampling: SamplingParams, layout: Layout = Layou
         spec = batch_sharding(layout).spec
         batch = {k: jax.device_put(v, NamedSharding(layout.mesh, P(*spec[:np.ndim(v)]))) for k, v in batch.items()}
         with jax.set_mesh(layout.mesh):
-            out = run(params, rest, batch, with_routes=with_routes)
+            out = run(params, rest, batch, **flags)
         return jax.tree.map(lambda a: a[:, :rows], out) if extra else out
 
     pass_.jitted = run

@@ -24,7 +24,7 @@ from rl.grpo import advantages as adv_lib
 from rl.grpo import dapo
 from rl.grpo.batch import build_train_batch, split_micro
 from rl.grpo.loss import generation_mismatch_metrics
-from rl.grpo.mismatch import route_mismatch_frac
+from rl.grpo.mismatch import route_mismatch_frac, selection_mismatch_frac
 from rl.rewards.registry import score_batch
 
 
@@ -89,12 +89,15 @@ def _take(samples: list[Samples], picked: np.ndarray, group: int) -> Samples:
         return np.stack([np.pad(x, (0, width - len(x))) for x in out]) if np.ndim(out[0]) else np.asarray(out)
 
     ro = samples[0].rollout
-    routes = None  # [W + T, layers, k] per row: the same width from every round of one engine
-    if all(s.rollout.routes is not None for s in samples):
-        routes = np.stack([samples[r].rollout.routes[i] for r, i in rows])
+    def per_token(field):  # [W + T, layers, ...] per row: the same width from every round of one engine
+        if all(getattr(s.rollout, field) is not None for s in samples):
+            return np.stack([getattr(samples[r].rollout, field)[i] for r, i in rows])
+        return None
+
     rollout_ = dataclasses.replace(ro, prompt_ids=[samples[r].rollout.prompt_ids[i] for r, i in rows],
                                    tokens=stack("tokens"), logprobs=stack("logprobs"), lengths=stack("lengths"),
-                                   truncated=stack("truncated"), routes=routes)
+                                   truncated=stack("truncated"), routes=per_token("routes"),
+                                   block_ids=per_token("block_ids"))
     return Samples(rollout_, [samples[r].answers[i] for r, i in rows], [samples[r].completions[i] for r, i in rows])
 
 
@@ -165,24 +168,27 @@ def advantages(reward: np.ndarray, truncated: np.ndarray, gcfg) -> Advantages:
 def train_batch(samples: Samples, adv: Advantages, *, width: int, pad_id: int, num_micro: int) -> dict:
     """[micro-batches, rows, width - 1] arrays of the step (see `rl.grpo.batch.build_train_batch`); with
     the generator's routes also "routes" [micro-batches, rows, width - 1, n_moe_layers, k] int16, the
-    expert ids of each input token (the rollout lays them out as prompt + response, like input_ids)."""
+    expert ids of each input token (the rollout lays them out as prompt + response, like input_ids), and
+    with its key blocks "block_ids" [micro-batches, rows, width - 1, n_sparse_layers, Hi, K] int16 likewise."""
     batch = build_train_batch(samples.rollout, adv.advantages, adv.weight, width=width, pad_id=pad_id)
-    routes = samples.rollout.routes
-    if routes is not None:
-        if routes.shape[1] < width - 1:
-            raise ValueError(f"rollout routes cover {routes.shape[1]} positions < {width - 1} training positions")
-        batch["routes"] = np.asarray(routes[:, :width - 1])
+    for field in ("routes", "block_ids"):
+        ids = getattr(samples.rollout, field)
+        if ids is not None:
+            if ids.shape[1] < width - 1:
+                raise ValueError(f"rollout {field} cover {ids.shape[1]} positions < {width - 1} training positions")
+            batch[field] = np.asarray(ids[:, :width - 1])
     return split_micro(batch, num_micro)
 
 
 def logprobs(logprob_pass: Callable, state, micro: dict, ref_params=None) -> dict:
     """`micro` with logp_old under the current weights (and logp_ref under the reference, for a KL).
-    When `micro` has the generator's "routes", the pass also gives the trainer's own top-k expert ids,
-    kept under "trainer_routes" for `route_metrics`."""
+    When `micro` has the generator's "routes" / "block_ids", the pass also gives the trainer's own top-k
+    expert ids / key blocks, kept under "trainer_routes" / "trainer_block_ids" for `route_metrics`."""
     out = logprob_pass(state.params, state.rest, micro)
     micro = dict(micro)
     if isinstance(out, tuple):
-        out, micro["trainer_routes"] = out
+        out, own = out
+        micro.update({f"trainer_{k}": v for k, v in own.items()})
     micro["logp_old"] = out
     if ref_params is not None:
         ref = logprob_pass(ref_params, state.rest, micro)
@@ -200,20 +206,26 @@ def _on_host(x):
     return np.asarray(x)
 
 
-def route_metrics(micro: dict, replay: bool) -> tuple[dict, dict]:
+def route_metrics(micro: dict, replay: bool, indexer_replay: bool = False) -> tuple[dict, dict]:
     """(micro-batches for the update, metrics): moe/route_mismatch_frac (`rl.grpo.mismatch`) of the
-    trainer's own top-k vs the generator's routes over the real input tokens, when both are there. The
-    update keeps "routes" only when it replays them (`replay`), so without replay it is today's program."""
-    micro = dict(micro)
-    trainer = micro.pop("trainer_routes", None)
-    generator = micro["routes"] if replay else micro.pop("routes", None)
-    if trainer is None or generator is None:
-        return micro, {}
-    trainer = _on_host(trainer)
-    frac = route_mismatch_frac(np.asarray(trainer).reshape(-1, *np.shape(trainer)[2:]),
-                               np.asarray(generator).reshape(-1, *np.shape(generator)[2:]),
-                               np.asarray(micro["attention_mask"]).reshape(-1, np.shape(generator)[2]))
-    return micro, {"moe/route_mismatch_frac": float(frac)}
+    trainer's own top-k vs the generator's routes, and indexer/selection_mismatch_frac of the trainer's
+    indexer's own top-K key blocks vs the generator's, over the real input tokens, each when both are
+    there. The update keeps "routes" / "block_ids" only when it replays them (`replay` / `indexer_replay`),
+    so without replay it is today's program."""
+    micro, metrics = dict(micro), {}
+    for field, keep, name, frac_of in (("routes", replay, "moe/route_mismatch_frac", route_mismatch_frac),
+                                       ("block_ids", indexer_replay, "indexer/selection_mismatch_frac",
+                                        selection_mismatch_frac)):
+        trainer = micro.pop(f"trainer_{field}", None)
+        generator = micro[field] if keep and field in micro else micro.pop(field, None)
+        if trainer is None or generator is None:
+            continue
+        trainer = _on_host(trainer)
+        frac = frac_of(np.asarray(trainer).reshape(-1, *np.shape(trainer)[2:]),
+                       np.asarray(generator).reshape(-1, *np.shape(generator)[2:]),
+                       np.asarray(micro["attention_mask"]).reshape(-1, np.shape(generator)[2]))
+        metrics[name] = float(frac)
+    return micro, metrics
 
 
 @dataclasses.dataclass

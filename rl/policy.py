@@ -102,13 +102,15 @@ def build_policy(cfg: RunConfig) -> Policy:
 
 
 def grpo_loss_fn(sampling: SamplingParams, loss_cfg: LossConfig, chunk_tokens: int = 0,
-                 replay: bool = False) -> Callable:
+                 replay: bool = False, indexer_replay: bool = False) -> Callable:
     """loss_fn(model, micro_batch) -> (summed GRPO loss, metric sums) for `sharding.train_step`.
     chunk_tokens: positions per logits block (`rl.logprobs.policy_logprobs`; 0 = full logits).
-    replay: routing replay of the micro-batch's "routes" (the generator's MoE expert ids), when it has them."""
+    replay: routing replay of the micro-batch's "routes" (the generator's MoE expert ids), when it has them.
+    indexer_replay: indexer selection replay of its "block_ids" (the generator's key blocks), when it has them."""
 
     def loss_fn(model, mb):
-        logp = policy_logprobs(model, mb, sampling, chunk_tokens, replay=replay and "routes" in mb)
+        logp = policy_logprobs(model, mb, sampling, chunk_tokens, replay=replay and "routes" in mb,
+                               replay_blocks=indexer_replay and "block_ids" in mb)
         return grpo_loss(logp, mb["logp_old"], mb["logp_gen"], mb["advantages"], mb["loss_mask"], loss_cfg,
                          mb.get("logp_ref"))
 
@@ -121,7 +123,8 @@ def make_update(policy: Policy, loss_cfg: LossConfig) -> Callable:
     return make_train_step(
         policy.graphdef, policy.optimizer,
         grpo_loss_fn(policy.sampling, loss_cfg, policy.cfg.model.logprob_chunk_tokens,
-                     policy.cfg.grpo.routing_replay == "rollout"), mesh=policy.layout,
+                     policy.cfg.grpo.routing_replay == "rollout", policy.cfg.grpo.indexer_replay == "rollout"),
+        mesh=policy.layout,
         shardings=policy.shardings,
         normalizer=lambda b: normalizer(b["loss_mask"].reshape(-1, b["loss_mask"].shape[-1]), loss_cfg))
 
@@ -129,7 +132,8 @@ def make_update(policy: Policy, loss_cfg: LossConfig) -> Callable:
 def make_logprobs(policy: Policy) -> Callable:
     """logprobs(params, rest, micro_batches) -> logp: the same forward and sampling transform as the loss."""
     return make_logprob_pass(policy.graphdef, policy.sampling, policy.layout, policy.cfg.model.logprob_chunk_tokens,
-                             replay=policy.cfg.grpo.routing_replay == "rollout")
+                             replay=policy.cfg.grpo.routing_replay == "rollout",
+                             indexer_replay=policy.cfg.grpo.indexer_replay == "rollout")
 
 
 def checkpointer_for(cfg: RunConfig) -> ckpt_lib.Checkpointer:

@@ -144,7 +144,8 @@ class GRPOTrainer:
         t["reward"] = time.perf_counter()
 
         micro = phases.logprobs(self.logprobs, policy.state, micro, self.ref_params)
-        micro, route_metrics = phases.route_metrics(micro, replay=gcfg.routing_replay == "rollout")
+        micro, route_metrics = phases.route_metrics(micro, replay=gcfg.routing_replay == "rollout",
+                                                    indexer_replay=gcfg.indexer_replay == "rollout")
         t["logprobs"] = time.perf_counter()
 
         policy.state, stats = phases.update(self.train_step, policy.state, micro, gcfg.updates_per_step)

@@ -203,12 +203,15 @@ def test_trainer_routing_replay(tmp_path):
     (an engine that returns none), plus moe/route_mismatch_frac; rollout: the steps run, replay, and log it."""
     today = _trainer(tmp_path, "today")
     today.engine.return_routes = False  # the generator of before: no routes anywhere in the step
+    today.engine.return_block_ids = False  # nor key blocks (tests/test_indexer_replay.py checks those)
     want = _two_steps(today)
     got = _two_steps(_trainer(tmp_path, "none"))
     replayed = _two_steps(_trainer(tmp_path, "rollout", "grpo.routing_replay=rollout"))
     for w, g, r in zip(want, got, replayed):
         assert "moe/route_mismatch_frac" not in w
         frac = g.pop("moe/route_mismatch_frac")
+        g.pop("indexer/selection_mismatch_frac")
+        r.pop("indexer/selection_mismatch_frac")
         assert _numbers(g) == _numbers(w)  # bitwise: equal floats
         assert 0.0 <= frac <= 0.05  # one fp32 program family: the engine and the trainer route alike
         assert 0.0 <= r["moe/route_mismatch_frac"] <= 0.05

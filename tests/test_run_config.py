@@ -414,6 +414,10 @@ BAD_FILES = {
                                       ['grpo.routing_replay = "rollout" with generation.backend = "vllm": only the '
                                        'JAX engine returns the MoE routes', 'allowed: "none", or generation.backend '
                                        '= "jax"']),
+    "indexer_replay_without_block_ids": ("grpo: {indexer_replay: rollout}\ngeneration: {backend: vllm}\n",
+                                         ['grpo.indexer_replay = "rollout" with generation.backend = "vllm": this '
+                                          "vLLM version does not return the indexer's block selection",
+                                          'allowed: "none", or generation.backend = "jax"']),
 }
 
 

@@ -10,16 +10,21 @@ and query_chunk is unused.
 Sparse layers read only the key blocks the indexer kept (sparse_impl="gather", `m3jax.model.sparse`),
 whatever impl the full layers use; sparse_impl="masked" runs them as masks on impl's full attention
 (the reference the gathered path is tested against).
+
+Indexer selection replay (`grpo.indexer_replay`): a sparse layer given block_ids [B, S, Hi, K] attends over
+those key blocks instead of the indexer's (every impl: the gathered path reads them, the masked paths
+turn them into the block mask); return_block_ids gives the indexer's own ids, padded with -1 to
+K = index_topk_blocks (without replay: the blocks used).
 """
 
 import jax
 import jax.numpy as jnp
 
 from m3jax.model.flash import flash_attention
-from m3jax.model.indexer import block_mask_to_tokens, select_key_blocks
+from m3jax.model.indexer import block_ids_to_mask, block_mask_to_tokens, select_key_blocks, topk_key_blocks
 from m3jax.model.norms import rms_norm
 from m3jax.model.rope import apply_rope
-from m3jax.model.sparse import sparse_layer_attention
+from m3jax.model.sparse import QUERY_TILE, sparse_layer_attention
 from sharding.layout import Layout
 
 _MASKED = jnp.finfo(jnp.float32).min
@@ -57,7 +62,7 @@ def gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, keep: jax.Array, sca
 def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, positions: jax.Array,
                     key_valid: jax.Array | None, cfg, sparse: bool, cache: dict | None = None,
                     query_chunk: int = 0, layout: Layout = Layout(), impl: str = "dense",
-                    sparse_impl: str = "gather"):
+                    sparse_impl: str = "gather", block_ids: jax.Array | None = None, return_block_ids: bool = False):
     """One layer's attention on normalised hidden x [B, S, d] -> [B, S, d] (and the updated cache).
 
     p holds this layer's q/k/v/o projections ([heads, D, d] / [d, H, D]), q/k norms, and for sparse
@@ -70,6 +75,11 @@ def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
     layout: where activations live (the context shards of the sequence decide the chunking).
     impl: "dense" (masked [chunk, S_k] scores) or "flash" (`flash_attention`, no scores block).
     sparse_impl: sparse layers "gather" (only the kept blocks, `sparse_layer_attention`) or "masked".
+    block_ids [B, S, Hi, K] (sparse layers; indexer selection replay): attend over these key blocks (-1 =
+    none) instead of the indexer's. return_block_ids (sparse layers): also return, last, the indexer's own
+    top-K block ids [B, S, Hi, index_topk_blocks] int32 (-1 = none; padded with -1 when the keys hold
+    fewer blocks): the blocks used without replay; with replay, those the indexer would have chosen
+    (one extra indexer pass, no attention).
     """
     eps = cfg.rms_norm_eps
     q = rms_norm(jnp.einsum("bse,hde->bshd", x, p["q_proj"]), p["q_norm"], eps)
@@ -86,42 +96,99 @@ def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
         k, v = cache["k"], cache["v"]
         ik = cache.get("index_k")
     n_ctx = layout.size("act_seq")
+    replay, used = (block_ids if sparse else None), None
+    own = return_block_ids and sparse and replay is None  # the ids the attention selects are the answer
+    if replay is not None:
+        b, s = x.shape[:2]
+        want = (b, s, cfg.index_n_heads)
+        if replay.ndim != 4 or replay.shape[:3] != want:
+            raise ValueError(f"block_ids {replay.shape}: expected [B, S, Hi, K] = [{b}, {s}, {cfg.index_n_heads}, K]")
+        replay = replay.astype(jnp.int32)
     if sparse and sparse_impl == "gather":
         k, v, ik = gather_keys(k, v, ik, layout)
         o = sparse_layer_attention(q, k, v, positions, key_valid, iq, ik, cfg, to_chunks=_to_chunks,
                                    from_chunks=_from_chunks, n_ctx=n_ctx, constrain=layout.constrain,
-                                   grouped=layout.num_devices == 1)
+                                   grouped=layout.num_devices == 1, block_ids=replay, return_block_ids=own)
+        if own:
+            o, used = o
     elif impl == "flash":
-        o = flash_layer_attention(q, k, v, positions, key_valid, iq, ik, cfg)
+        o = flash_layer_attention(q, k, v, positions, key_valid, iq, ik, cfg, block_ids=replay,
+                                  return_block_ids=own)
     elif query_chunk and x.shape[1] // n_ctx > query_chunk:
-        o = chunked_attention(q, k, v, positions, key_valid, iq, ik, cfg, query_chunk, layout)
+        o = chunked_attention(q, k, v, positions, key_valid, iq, ik, cfg, query_chunk, layout, block_ids=replay,
+                              return_block_ids=own)
     else:
-        o = masked_attention(q, k, v, positions, key_valid, iq, ik, cfg)
+        o = masked_attention(q, k, v, positions, key_valid, iq, ik, cfg, block_ids=replay, return_block_ids=own)
+    if own and sparse_impl != "gather":
+        o, used = o
     out = jnp.einsum("bshd,ehd->bse", o, p["o_proj"])
-    return out if cache is None else (out, cache)
+    result = (out,) if cache is None else (out, cache)
+    if return_block_ids and sparse:
+        if used is None:  # replayed: the indexer's own choice, for the selection-mismatch metric
+            _, _, ik = gather_keys(k, v, ik, layout)
+            used = indexer_block_ids(iq, ik, positions, cfg, n_ctx)
+        result += (pad_block_ids(used, cfg.index_topk_blocks),)
+    return result if len(result) > 1 else result[0]
 
 
-def masked_attention(q, k, v, positions, key_valid, iq, ik, cfg) -> jax.Array:
+def pad_block_ids(ids: jax.Array, k: int) -> jax.Array:
+    """[..., K'] block ids -> [..., k] int32, padded with -1 (none) when the keys held fewer than k blocks."""
+    return jnp.pad(ids.astype(jnp.int32), [(0, 0)] * (ids.ndim - 1) + [(0, k - ids.shape[-1])], constant_values=-1)
+
+
+def indexer_block_ids(iq, ik, positions, cfg, n_ctx: int = 1, tile: int = QUERY_TILE) -> jax.Array:
+    """The indexer's top-K key blocks [B, S, Hi, K] int32 (-1 = none) for queries iq [B, S, Hi, Di] over
+    every key slot's ik [B, S_k, Di], `tile` local queries at a time (as `sparse_layer_attention` selects:
+    one tile's [Hi, tile, S_k] scores live)."""
+    s = iq.shape[1]
+    chunk = min(tile, s // n_ctx)
+
+    def select(xs):
+        return jnp.moveaxis(topk_key_blocks(xs[0], ik, xs[1], block_size=cfg.index_block_size,
+                                            topk_blocks=cfg.index_topk_blocks,
+                                            local_blocks=cfg.index_local_blocks), 1, 2)
+
+    ids = jax.lax.map(select, (_to_chunks(iq, n_ctx, chunk), _to_chunks(positions, n_ctx, chunk)))
+    return _from_chunks(ids, n_ctx, s)
+
+
+def _sparse_blocks(iq, ik, positions, cfg, block_ids, return_block_ids: bool):
+    """(keep-mask over key blocks [B, Hi, S, nb], the ids it came from [B, S, Hi, K] or None): the replayed
+    block_ids [B, S, Hi, K], else the indexer's top-K (ids only when asked: otherwise `select_key_blocks`,
+    today's program)."""
+    nb = -(-ik.shape[1] // cfg.index_block_size)
+    if block_ids is not None:
+        return block_ids_to_mask(jnp.moveaxis(block_ids, 2, 1), nb), None
+    kw = dict(block_size=cfg.index_block_size, topk_blocks=cfg.index_topk_blocks, local_blocks=cfg.index_local_blocks)
+    if not return_block_ids:
+        return select_key_blocks(iq, ik, positions, **kw), None
+    ids = topk_key_blocks(iq, ik, positions, **kw)  # select_key_blocks, keeping the ids
+    return block_ids_to_mask(ids, nb), jnp.moveaxis(ids, 1, 2)
+
+
+def masked_attention(q, k, v, positions, key_valid, iq, ik, cfg, block_ids=None, return_block_ids=False):
     """Attention of queries q [B, S, H, D] at `positions` over every key slot of k/v [B, S_k, KV, D]:
-    causal and padding mask, AND the indexer's block selection when iq/ik are given (sparse layers)."""
+    causal and padding mask, AND the indexer's block selection when iq/ik are given (sparse layers), or the
+    replayed block_ids [B, S, Hi, K]. return_block_ids (no replay): (o, the ids used [B, S, Hi, K])."""
     keep = causal_keep(positions, key_valid, k.shape[1])
+    ids = None
     if iq is not None:
-        blocks = select_key_blocks(iq, ik, positions, block_size=cfg.index_block_size,
-                                   topk_blocks=cfg.index_topk_blocks, local_blocks=cfg.index_local_blocks)
+        blocks, ids = _sparse_blocks(iq, ik, positions, cfg, block_ids, return_block_ids)
         keep = keep & block_mask_to_tokens(blocks, cfg.index_block_size, k.shape[1], cfg.num_attention_heads)
-    return gqa_attention(q, k, v, keep, cfg.head_dim ** -0.5)
+    o = gqa_attention(q, k, v, keep, cfg.head_dim ** -0.5)
+    return (o, ids) if return_block_ids else o
 
 
-def flash_layer_attention(q, k, v, positions, key_valid, iq, ik, cfg) -> jax.Array:
+def flash_layer_attention(q, k, v, positions, key_valid, iq, ik, cfg, block_ids=None, return_block_ids=False):
     """`masked_attention` with `flash_attention`: the same keep-mask, never materialised. Sparse layers
     walk key tiles of one indexer block and skip blocks no query of a tile selected."""
-    blocks, tile = None, FLASH_TILE
+    blocks, tile, ids = None, FLASH_TILE, None
     if iq is not None:
-        blocks = select_key_blocks(iq, ik, positions, block_size=cfg.index_block_size,
-                                   topk_blocks=cfg.index_topk_blocks, local_blocks=cfg.index_local_blocks)
+        blocks, ids = _sparse_blocks(iq, ik, positions, cfg, block_ids, return_block_ids)
         tile = cfg.index_block_size
-    return flash_attention(q, k, v, scale=cfg.head_dim ** -0.5, positions=positions, key_valid=key_valid,
-                           block_mask=blocks, block_size=cfg.index_block_size, q_tile=max(tile, 64), k_tile=tile)
+    o = flash_attention(q, k, v, scale=cfg.head_dim ** -0.5, positions=positions, key_valid=key_valid,
+                        block_mask=blocks, block_size=cfg.index_block_size, q_tile=max(tile, 64), k_tile=tile)
+    return (o, ids) if return_block_ids else o
 
 
 def _to_chunks(a: jax.Array, n_ctx: int, chunk: int) -> jax.Array:
@@ -147,26 +214,35 @@ def _from_chunks(a: jax.Array, n_ctx: int, s: int) -> jax.Array:
     return a[:, :, : s // n_ctx].reshape(b, s, *rest)
 
 
-def chunked_attention(q, k, v, positions, key_valid, iq, ik, cfg, chunk: int, layout: Layout) -> jax.Array:
+def chunked_attention(q, k, v, positions, key_valid, iq, ik, cfg, chunk: int, layout: Layout, block_ids=None,
+                      return_block_ids: bool = False):
     """`masked_attention` over blocks of `chunk` local queries (a scan; each block is rematerialised in
     the backward pass, so only one block's scores are ever live). Keys are gathered over the context
     axis once, before the scan. K and V enter the scan in fp32 and are cast back per block: the
     cotangents of scan constants accumulate in their dtype, so dK and dV sum over blocks in fp32.
-    Padded query rows (S_l not a multiple of chunk) sit at position 0 and are dropped from the output."""
+    Padded query rows (S_l not a multiple of chunk) sit at position 0 and are dropped from the output.
+    block_ids [B, S, Hi, K]: replayed selection, chunked like the queries; return_block_ids: (o, ids used)."""
     s, n_ctx, constrain = q.shape[1], layout.size("act_seq"), layout.constrain
     k, v, ik = gather_keys(k, v, ik, layout)
     dtype = k.dtype
     k32, v32 = k.astype(jnp.float32), v.astype(jnp.float32)
     xs = (_to_chunks(q, n_ctx, chunk), _to_chunks(positions, n_ctx, chunk),
           None if iq is None else _to_chunks(iq, n_ctx, chunk))
+    if block_ids is not None:
+        xs += (_to_chunks(block_ids, n_ctx, chunk),)
 
     def block(_, xs):
-        qc, pc, iqc = xs
+        qc, pc, iqc = xs[:3]
         qc = constrain(qc, ("act_batch", "act_seq", "act_heads", None))
-        o = masked_attention(qc, k32.astype(dtype), v32.astype(dtype), pc, key_valid, iqc, ik, cfg)
-        return None, constrain(o, ("act_batch", "act_seq", "act_heads", None))
+        o = masked_attention(qc, k32.astype(dtype), v32.astype(dtype), pc, key_valid, iqc, ik, cfg,
+                             block_ids=xs[3] if len(xs) > 3 else None, return_block_ids=return_block_ids)
+        o, ids = o if return_block_ids else (o, None)
+        o = constrain(o, ("act_batch", "act_seq", "act_heads", None))
+        return None, ((o, ids) if return_block_ids else o)
 
     _, o = jax.lax.scan(jax.checkpoint(block, prevent_cse=False), None, xs)
+    if return_block_ids:
+        return _from_chunks(o[0], n_ctx, s), _from_chunks(o[1], n_ctx, s)
     return _from_chunks(o, n_ctx, s)
 
 

@@ -81,25 +81,32 @@ class LayerStack(nnx.Module):
             setattr(self, name, _make(stacked, dtype, rngs.params()))
 
     def __call__(self, x, cos, sin, positions, key_valid, cache=None, layout: Layout | None = None,
-                 routes=None, return_routes: bool = False):
+                 routes=None, return_routes: bool = False, block_ids=None, return_block_ids: bool = False):
         """Run the stack; with `cache` (this stack's stacked KV / index-key cache) also return it updated.
         layout: overrides the stack's own (decoding keeps whole sequences on each device).
         routes [n_layers, B, S, k] (MoE stacks): replay these expert ids, layer by layer. return_routes:
-        also return the ids each MoE layer used, [n_layers, B, S, k] int32 (last in the returned tuple)."""
+        also return the ids each MoE layer used, [n_layers, B, S, k] int32 (after the cache).
+        block_ids [n_layers, B, S, Hi, K] (sparse stacks): replay these key blocks, layer by layer.
+        return_block_ids: also return the indexer's own block ids of each sparse layer, [n_layers, B, S, Hi,
+        index_topk_blocks] int32 (last in the returned tuple; `attention_block`)."""
         cfg, layout = self.cfg, layout or self.layout
         sparse, moe = self.attn_kind == SPARSE_ATTENTION, self.mlp_kind == MOE_MLP
         return_routes = return_routes and moe
+        return_block_ids = return_block_ids and sparse
         params = {name: getattr(self, name)[...] for name in self.param_names}
 
         def layer(x, p_cache_routes):
-            p, layer_cache, layer_routes = p_cache_routes
+            p, layer_cache, layer_routes, *layer_blocks = p_cache_routes
             h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps)
+            blocks = dict(block_ids=layer_blocks[0], return_block_ids=return_block_ids) if layer_blocks else {}
             attn = attention_block(p, h, cos, sin, positions, key_valid, cfg, sparse, layer_cache,
                                    self.attention_query_chunk, layout, self.attention_impl,
-                                   self.sparse_attention)
+                                   self.sparse_attention, **blocks)
+            attn = attn if isinstance(attn, tuple) else (attn,)
+            block_used = attn[-1] if return_block_ids else None
             if layer_cache is not None:
-                attn, layer_cache = attn
-            x = x + attn
+                layer_cache = attn[1]
+            x = x + attn[0]
             h = rms_norm(x, p["post_norm"], cfg.rms_norm_eps)
             ids = None
             if moe:
@@ -110,13 +117,16 @@ class LayerStack(nnx.Module):
                 x = x + y
             else:
                 x = x + dense_mlp(h, p["mlp_gate_up"], p["mlp_down"], cfg.swiglu_alpha, cfg.swiglu_limit)
-            return layout.constrain(x, ACT), (layer_cache, ids)
+            return layout.constrain(x, ACT), (layer_cache, ids) + ((block_used,) if layer_blocks else ())
 
         if self.remat and cache is None:
             layer = jax.checkpoint(layer, prevent_cse=False)
-        x, (cache, used) = jax.lax.scan(layer, x, (params, cache, routes if moe else None))
+        xs = (params, cache, routes if moe else None)
+        if sparse and (block_ids is not None or return_block_ids):  # else today's program
+            xs += (block_ids,)
+        x, (cache, used, *blocks_used) = jax.lax.scan(layer, x, xs)
         out = (x,) if cache is None else (x, cache)
-        out = out + ((used,) if return_routes else ())
+        out = out + ((used,) if return_routes else ()) + ((blocks_used[0],) if return_block_ids else ())
         return out if len(out) > 1 else out[0]
 
     def init_cache(self, batch: int, max_len: int, dtype) -> dict:
@@ -170,7 +180,8 @@ class M3ForCausalLM(nnx.Module):
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array | None = None,
                  attention_mask: jax.Array | None = None, cache: list | None = None, hidden: bool = False,
-                 routes: jax.Array | None = None, return_routes: bool = False):
+                 routes: jax.Array | None = None, return_routes: bool = False,
+                 block_ids: jax.Array | None = None, return_block_ids: bool = False):
         """Logits [B, S, vocab] for input_ids [B, S].
 
         positions [B, S] default to 0..S-1; attention_mask [B, S_keys] (1 = real token) for right padding.
@@ -184,6 +195,12 @@ class M3ForCausalLM(nnx.Module):
         return_routes: also return the router's own top-k expert ids of every MoE layer, [B, S,
         n_moe_layers, k] int32, as the last element: (out, routes) or (out, cache, routes). Without replay
         these are the ids used; with replay, the ids the router would have chosen (`moe_block`).
+        block_ids [B, S, n_sparse_layers, Hi, K] (indexer selection replay): each sparse layer (in
+        sparse-layer order) attends over these key blocks (-1 = none) instead of its indexer's top-K, with
+        every attention impl and in decode mode. return_block_ids: also return the indexer's own top-K
+        block ids of every sparse layer, [B, S, n_sparse_layers, Hi, index_topk_blocks] int32 (-1 = none,
+        and padding when the keys hold fewer blocks), as the last element (after routes): without replay
+        the blocks used; with replay, those the indexer would have chosen.
         """
         cfg = self.cfg
         layout = self.layout if cache is None else decoding_layout(self.layout)
@@ -193,20 +210,34 @@ class M3ForCausalLM(nnx.Module):
         key_valid = None if attention_mask is None else attention_mask.astype(bool)
         x = layout.constrain(jnp.take(self.embed[...], input_ids, axis=0), ACT)
         cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta, x.dtype)
-        new_cache, used, first = [], [], 0
+        n_sparse = self.num_sparse_layers
+        if block_ids is not None:
+            want = (b, s, n_sparse, cfg.index_n_heads)
+            if block_ids.ndim != 5 or block_ids.shape[:4] != want or not block_ids.shape[4]:
+                raise ValueError(f"block_ids {block_ids.shape}: expected [B, S, n_sparse_layers, Hi, K] = "
+                                 f"[{b}, {s}, {n_sparse}, {cfg.index_n_heads}, K >= 1]")
+        new_cache, used, blocks_used, first, first_sparse = [], [], [], 0, 0
         for i, stack in enumerate(self.stacks):
             n_moe = len(stack.layer_ids) if stack.mlp_kind == MOE_MLP else 0
+            n_sp = len(stack.layer_ids) if stack.attn_kind == SPARSE_ATTENTION else 0
             stack_routes = None
             if routes is not None and n_moe:
                 stack_routes = jnp.moveaxis(routes[:, :, first:first + n_moe].astype(jnp.int32), 2, 0)
             first += n_moe
             extra = dict(routes=stack_routes, return_routes=return_routes) if (routes is not None or return_routes) \
                 else {}
+            if (block_ids is not None or return_block_ids) and n_sp:
+                extra.update(return_block_ids=return_block_ids, block_ids=None if block_ids is None else
+                             jnp.moveaxis(block_ids[:, :, first_sparse:first_sparse + n_sp].astype(jnp.int32), 2, 0))
+            first_sparse += n_sp
             out = stack(x, cos, sin, positions, key_valid, None if cache is None else cache[i], layout=layout, **extra)
             out = out if isinstance(out, tuple) else (out,)
             x = out[0]
             if cache is not None:
                 new_cache.append(out[1])
+            if return_block_ids and n_sp:
+                blocks_used.append(jnp.moveaxis(out[-1], 0, 2))
+                out = out[:-1]
             if return_routes and n_moe:
                 used.append(jnp.moveaxis(out[-1], 0, 2))
         if routes is not None and routes.shape[2] != first:
@@ -217,12 +248,20 @@ class M3ForCausalLM(nnx.Module):
         if return_routes:
             k = cfg.num_experts_per_tok
             result += (jnp.concatenate(used, axis=2) if used else jnp.zeros((b, s, 0, k), jnp.int32),)
+        if return_block_ids:
+            result += (jnp.concatenate(blocks_used, axis=2) if blocks_used else
+                       jnp.zeros((b, s, 0, cfg.index_n_heads, cfg.index_topk_blocks), jnp.int32),)
         return result if len(result) > 1 else result[0]
 
     @property
     def num_moe_layers(self) -> int:
         """MoE layers, the third axis of `routes` / `return_routes`."""
         return sum(len(st.layer_ids) for st in self.stacks if st.mlp_kind == MOE_MLP)
+
+    @property
+    def num_sparse_layers(self) -> int:
+        """Sparse-attention layers, the third axis of `block_ids` / `return_block_ids`."""
+        return sum(len(st.layer_ids) for st in self.stacks if st.attn_kind == SPARSE_ATTENTION)
 
     def init_cache(self, batch: int, max_len: int) -> list:
         """Empty decode cache: per stack, keys/values (and indexer keys) for max_len slots."""

@@ -262,6 +262,10 @@ class GrpoSection(_Section):
                                      "generator's expert ids per token and MoE layer, weights recomputed from the "
                                      "live router; needs generation.backend jax, the one that returns routes)",
                              choices=("none", "rollout"))
+    indexer_replay: str = _f("none", "indexer selection replay: none, or rollout (the logprob pass and the loss attend "
+                                     "over the key blocks the generator's indexer kept, per token, sparse layer and "
+                                     "index head; needs generation.backend jax, the one that returns them)",
+                             choices=("none", "rollout"))
     max_trajectory_age_steps: int = _f(0, "0: on-policy (generate, then train, each step in turn); 1: the next step's "
                                           "rollouts are generated with the current weights while this step trains "
                                           "(one step off policy; the importance correction uses the generator's "

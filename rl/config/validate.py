@@ -191,6 +191,12 @@ def _cross_checks(cfg: RunConfig) -> list[_Problem]:
             f"grpo.routing_replay = \"rollout\" with generation.backend = {_show(gen.backend)}: only the JAX "
             "engine returns the MoE routes it sampled with (vLLM's routed-experts output is not wired yet); "
             "allowed: \"none\", or generation.backend = \"jax\""), ("generation.backend",)))
+    if g.indexer_replay == "rollout" and gen.backend != "jax":
+        out.append(_Problem("grpo.indexer_replay", (
+            f"grpo.indexer_replay = \"rollout\" with generation.backend = {_show(gen.backend)}: this vLLM version "
+            "does not return the indexer's block selection (vLLM has an open RFC for it; the Generator / "
+            "Rollout interface carries block_ids for a backend that does); allowed: \"none\", or "
+            "generation.backend = \"jax\""), ("generation.backend",)))
     if g.overlong_buffer >= gen.max_new_tokens:  # the ramp must start after at least one unpunished token
         out.append(_Problem("grpo.overlong_buffer", (
             f"grpo.overlong_buffer = {g.overlong_buffer}: not below generation.max_new_tokens = "

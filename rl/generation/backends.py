@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
+from flax import nnx
 
 from rl.generation.base import SamplingParams
 from rl.generation.jax_engine import JaxEngine
@@ -17,13 +18,15 @@ from rl.generation.jax_engine import JaxEngine
 def make_generator(cfg, graphdef, state, *, pad_id: int, run_dir: str):
     """The JAX engine (sharing the trainer's parameters) or a vLLM pool started from a checkpoint."""
     if cfg.generation.backend == "jax":
-        # routes: for grpo.routing_replay and moe/route_mismatch_frac (n_moe_layers * k * 2 bytes per token)
+        # routes: for grpo.routing_replay and moe/route_mismatch_frac (n_moe_layers * k * 2 bytes per token);
+        # block_ids, when the model has sparse layers: for grpo.indexer_replay and
+        # indexer/selection_mismatch_frac (n_sparse_layers * Hi * K * 2 bytes per token, M3: 7,296 B, held on
+        # the device for the whole batch while it decodes, and sent to the host with the rollout)
         # one step off policy: the engine samples while the train step donates the parameters' buffers,
         # so it keeps a copy of each version it is given
+        sparse = nnx.merge(graphdef, state.params, state.rest).num_sparse_layers > 0
         return JaxEngine(graphdef, state.params, state.rest, pad_id=pad_id, return_routes=True,
-                         copy_weights=cfg.grpo.max_trajectory_age_steps > 0)
-    from flax import nnx
-
+                         return_block_ids=sparse, copy_weights=cfg.grpo.max_trajectory_age_steps > 0)
     import m3jax
     from rl.generation.vllm_pool import PoolConfig, VLLMPool
 

@@ -45,6 +45,12 @@ class Rollout:
     # routing replay and `moe/route_mismatch_frac`. n_moe_layers * k * 2 bytes per token (M3: 57 x 4 x 2 =
     # 456 B). None when the backend does not return routes (the vLLM pool; the JAX engine unless asked).
     routes: np.ndarray | None = None
+    # [N, W + T, n_sparse_layers, Hi, K] int16 or None: the key blocks (-1 = none) each sparse layer's indexer
+    # kept for each index head and token of prompt + response (laid out as routes), for indexer selection
+    # replay and `indexer/selection_mismatch_frac`. n_sparse_layers * Hi * K * 2 bytes per token (M3
+    # release: 57 x 4 x 16 x 2 = 7,296 B). None when the backend does not return them: this vLLM version
+    # has no output for the indexer's selection (an open vLLM RFC); a backend that returns them fills this.
+    block_ids: np.ndarray | None = None
 
 
 class Generator(Protocol):
@@ -57,8 +63,9 @@ class Generator(Protocol):
     def generate(self, prompts: list[list[int]], params: SamplingParams, key: jax.Array,
                  prompt_width: int | None = None) -> Rollout:
         """G rows already repeated in `prompts`; `key` seeds every row's sampling; `prompt_width` pads
-        prompts to a fixed width (one compiled program for every batch). `Rollout.routes` is optional:
-        None from a backend that does not return the MoE routes it used."""
+        prompts to a fixed width (one compiled program for every batch). `Rollout.routes` and
+        `Rollout.block_ids` are optional: None from a backend that does not return the MoE routes / the
+        sparse layers' key blocks it used."""
 
     def set_weights(self, params, version: int, rest=None):
         """Generate with these parameters (and non-trainable state) from now on, as weight `version`.

@@ -12,6 +12,14 @@ With `return_routes` the rollout carries the expert ids every MoE layer used for
 (prefill) and every sampled token (its decode step), int16 [N, W + T, n_moe_layers, k] laid out like the
 training sequence prompt + response: n_moe_layers * k * 2 bytes per token (M3: 57 x 4 x 2 = 456 B), for
 routing replay (`grpo.routing_replay`) and `moe/route_mismatch_frac`.
+
+With `return_block_ids` it carries the key blocks every sparse layer's indexer selected, per index head, for
+every prompt token (prefill) and sampled token (its decode step), int16 [N, W + T, n_sparse_layers, Hi, K]
+(K = index_topk_blocks, -1 = none), laid out the same way: n_sparse_layers * Hi * K * 2 bytes per token
+(M3 release: 57 x 4 x 16 x 2 = 7,296 B, 16x the routes), for indexer selection replay
+(`grpo.indexer_replay`) and `indexer/selection_mismatch_frac`. A query at position < K * block_size keeps
+every past block (nothing to select, so its selection cannot differ); dropping those entries from the
+transfer is a compaction left for later.
 """
 
 from __future__ import annotations
@@ -34,11 +42,13 @@ class JaxEngine:
     restarts = 0
 
     def __init__(self, graphdef, params, rest, *, pad_id: int = 0, return_routes: bool = False,
-                 copy_weights: bool = False):
+                 copy_weights: bool = False, return_block_ids: bool = False):
         """return_routes: fill `Rollout.routes` (the MoE expert ids of every prompt and sampled token).
+        return_block_ids: fill `Rollout.block_ids` (the sparse layers' selected key blocks, likewise).
         copy_weights: keep a copy of the weights it is given (needed when it generates while the trainer
         updates them in place: `grpo.max_trajectory_age_steps` 1); otherwise it shares them."""
         self.graphdef, self.pad_id, self.return_routes = graphdef, pad_id, return_routes
+        self.return_block_ids = return_block_ids
         self.copy_weights = copy_weights
         self.params, self.rest = self._own(params), self._own(rest)
         self.layout = nnx.merge(graphdef, params, rest).layout  # a view: no parameter is copied
@@ -67,10 +77,12 @@ class JaxEngine:
             if self.layout.mesh is not None:
                 stack.enter_context(jax.set_mesh(self.layout.mesh))
             out = _generate(self.graphdef, self.params, self.rest, jnp.asarray(ids), jnp.asarray(lengths), key,
-                            params, self.pad_id, self.return_routes)
-        tokens, logprobs, n_new, truncated, *routes = (np.asarray(a)[:n] for a in out)
-        return Rollout([list(p) for p in prompts], tokens, logprobs, n_new, truncated, self.version,
-                       routes[0] if routes else None)
+                            params, self.pad_id, self.return_routes, self.return_block_ids)
+        tokens, logprobs, n_new, truncated, *extra = (np.asarray(a)[:n] for a in out)
+        routes = extra.pop(0) if self.return_routes else None
+        block_ids = extra.pop(0) if self.return_block_ids else None
+        return Rollout([list(p) for p in prompts], tokens, logprobs, n_new, truncated, self.version, routes,
+                       block_ids)
 
     def score(self, prompts: list[list[int]], responses: list[list[int]], params: SamplingParams
               ) -> list[list[np.ndarray]]:
@@ -108,24 +120,28 @@ def _on_every_process(layout, *arrays):
     return out if len(out) > 1 else out[0]
 
 
-@functools.partial(jax.jit, static_argnums=(0, 6, 7, 8))
+@functools.partial(jax.jit, static_argnums=(0, 6, 7, 8, 9))
 def _generate(graphdef, params, rest, ids, prompt_lengths, key, sp: SamplingParams, pad_id: int,
-              return_routes: bool = False):
+              return_routes: bool = False, return_block_ids: bool = False):
     model = nnx.merge(graphdef, params, rest)
     b, width = ids.shape
     max_len = width + sp.max_new_tokens
     cache = model.init_cache(b, max_len)
     valid = jnp.arange(max_len)[None] < prompt_lengths[:, None]
     positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (b, width))
-    if return_routes:
-        logits, cache, prompt_routes = model(ids, positions=positions, attention_mask=valid, cache=cache,
-                                             return_routes=True)
-        routes = jnp.zeros((b, max_len, *prompt_routes.shape[2:]), jnp.int16)  # int16: 2 bytes per id
-        real = (jnp.arange(width)[None] < prompt_lengths[:, None])[..., None, None]
-        routes = routes.at[:, :width].set(jnp.where(real, prompt_routes, 0).astype(jnp.int16))
-    else:
-        logits, cache = model(ids, positions=positions, attention_mask=valid, cache=cache)
-        routes = None
+    asked = dict(return_routes=True) if return_routes else {}
+    if return_block_ids:
+        asked["return_block_ids"] = True
+    logits, cache, *extra = model(ids, positions=positions, attention_mask=valid, cache=cache, **asked)
+    real = jnp.arange(width)[None] < prompt_lengths[:, None]
+
+    def record(prompt_ids, fill):  # int16: 2 bytes per id; the prompt's at their slots, the rest `fill`
+        out = jnp.full((b, max_len, *prompt_ids.shape[2:]), fill, jnp.int16)
+        mask = real.reshape(b, width, *(1,) * (prompt_ids.ndim - 2))
+        return out.at[:, :width].set(jnp.where(mask, prompt_ids, fill).astype(jnp.int16))
+
+    routes = record(extra.pop(0), 0) if return_routes else None
+    blocks = record(extra.pop(0), -1) if return_block_ids else None
     last = logits[jnp.arange(b), prompt_lengths - 1]
     stops = jnp.asarray(sp.stop_token_ids or (-1,), jnp.int32)
 
@@ -135,7 +151,7 @@ def _generate(graphdef, params, rest, ids, prompt_lengths, key, sp: SamplingPara
         return tok.astype(jnp.int32), jnp.take_along_axis(jax.nn.log_softmax(z, -1), tok[:, None], -1)[:, 0]
 
     def body(state):
-        t, last, cache, key, tokens, logps, done, routes = state
+        t, last, cache, key, tokens, logps, done, routes, blocks = state
         key, sub = jax.random.split(key)
         tok, logp = pick(last, sub)
         tok = jnp.where(done, pad_id, tok)
@@ -143,27 +159,28 @@ def _generate(graphdef, params, rest, ids, prompt_lengths, key, sp: SamplingPara
         logps = logps.at[:, t].set(jnp.where(done, 0.0, logp))
         done = done | jnp.isin(tok, stops)
         pos = (prompt_lengths + t)[:, None]
-        if routes is None:
-            logits, cache = model(tok[:, None], positions=pos, cache=cache)
-        else:  # the sampled token's routes, at its place in prompt + response
-            logits, cache, step_routes = model(tok[:, None], positions=pos, cache=cache, return_routes=True)
-            routes = routes.at[jnp.arange(b), prompt_lengths + t].set(step_routes[:, 0].astype(jnp.int16))
-        return t + 1, logits[:, 0], cache, key, tokens, logps, done, routes
+        logits, cache, *step = model(tok[:, None], positions=pos, cache=cache, **asked)
+        # the sampled token's routes and key blocks, at its place in prompt + response
+        if routes is not None:
+            routes = routes.at[jnp.arange(b), prompt_lengths + t].set(step.pop(0)[:, 0].astype(jnp.int16))
+        if blocks is not None:
+            blocks = blocks.at[jnp.arange(b), prompt_lengths + t].set(step.pop(0)[:, 0].astype(jnp.int16))
+        return t + 1, logits[:, 0], cache, key, tokens, logps, done, routes, blocks
 
     def cond(state):
         t, done = state[0], state[6]
         return (t < sp.max_new_tokens) & ~jnp.all(done)
 
     init = (jnp.int32(0), last, cache, key, jnp.full((b, sp.max_new_tokens), pad_id, jnp.int32),
-            jnp.zeros((b, sp.max_new_tokens), jnp.float32), jnp.zeros((b,), bool), routes)
-    t, _, _, _, tokens, logps, done, routes = jax.lax.while_loop(cond, body, init)
+            jnp.zeros((b, sp.max_new_tokens), jnp.float32), jnp.zeros((b,), bool), routes, blocks)
+    t, _, _, _, tokens, logps, done, routes, blocks = jax.lax.while_loop(cond, body, init)
     is_stop = jnp.isin(tokens, stops)
     first_stop = jnp.where(is_stop.any(-1), jnp.argmax(is_stop, -1) + 1, sp.max_new_tokens)
     return _on_every_process(model.layout, tokens, logps, first_stop, ~is_stop.any(-1),
-                             *(() if routes is None else (routes,)))
+                             *(() if routes is None else (routes,)), *(() if blocks is None else (blocks,)))
 
 
 # The jitted program `JaxEngine.generate` runs: (graphdef, params, rest, ids [B, W], prompt_lengths [B], key,
-# SamplingParams, pad_id, return_routes=False), arguments 0, 6, 7 and 8 static. Public for tools that inspect what the engine compiles
+# SamplingParams, pad_id, return_routes=False, return_block_ids=False), arguments 0 and 6-9 static. Public for tools that inspect what the engine compiles
 # (`generate_program.lower(...).compile().as_text()`, as scripts/bench_generate.py --profile does).
 generate_program = _generate

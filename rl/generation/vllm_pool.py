@@ -304,7 +304,10 @@ class VLLMPool:
         # engines are not started with it and the chunk results carry no routes on any path here, the CPU
         # path included (issue 14 item 1 leaves it open); the trainer then neither replays nor logs
         # moe/route_mismatch_frac.
-        return Rollout([list(p) for p in prompts], tokens, logprobs, lengths, truncated, self.version, routes=None)
+        # block_ids=None: this vLLM version has no output for the sparse layers' indexer selection (an open
+        # vLLM RFC asks for it, naming MiniMax-M3); Rollout.block_ids takes them once it does.
+        return Rollout([list(p) for p in prompts], tokens, logprobs, lengths, truncated, self.version, routes=None,
+                       block_ids=None)
 
     def score(self, prompts, responses, params: SamplingParams) -> list[list[np.ndarray]]:
         """Per-token logprobs of fixed sequences on every serving engine (one list per engine)."""

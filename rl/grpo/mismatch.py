@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -72,6 +73,36 @@ def generation_mismatch_metrics(logp_gen, logp_old, mask, kl_type: str = "k3"):
         "gen_kl_sum": gen_sum,
         "policy_kl_sum": pol_sum,
     }
+
+
+def _set_mismatch(trainer_ids, generator_ids, mask, ndim: int, what: str):
+    """Share of the mask's (token, ...) entries whose last-axis id sets differ; NaN when none is counted."""
+    t = jnp.sort(jnp.asarray(trainer_ids).astype(jnp.int32), axis=-1)
+    g = jnp.sort(jnp.asarray(generator_ids).astype(jnp.int32), axis=-1)
+    if t.shape != g.shape or t.ndim != ndim:
+        raise ValueError(f"trainer_ids {t.shape} and generator_ids {g.shape}: expected the same {what}")
+    m = jnp.asarray(mask).astype(jnp.float32)
+    if m.shape != t.shape[:2]:
+        raise ValueError(f"mask has shape {m.shape}, expected {t.shape[:2]}")
+    differ = jnp.any(t != g, axis=-1).astype(jnp.float32)  # [B, S, ...]
+    per_token = math.prod(t.shape[2:-1])
+    pairs = jnp.sum(m) * per_token
+    total = jnp.sum(differ.reshape(*m.shape, -1).sum(-1) * m)
+    return jnp.where(pairs > 0, total / jnp.where(pairs > 0, pairs, 1.0), jnp.nan)
+
+
+def selection_mismatch_frac(trainer_ids, generator_ids, mask):
+    """Share of (token, sparse layer, index head) triples whose top-K key-block set differs between the
+    trainer's indexer and the generator's.
+
+    trainer_ids, generator_ids [B, S, L, Hi, K] block ids (-1 = none; the generator's are int16), mask
+    [B, S] (1 = a valid token). With N = sum(mask) valid tokens, L sparse layers and Hi index heads,
+        selection_mismatch_frac = (1 / (N L Hi)) sum_{b,s,l,h} mask[b,s] * [set(trainer[b,s,l,h]) != set(gen[b,s,l,h])]
+    Order-insensitive (each K-tuple is sorted first; -1 entries count as ids). NaN when no token is valid
+    (or L = 0). The indexer's selection without replay drives the trainer's attention, so a differing set
+    means the trainer attended over other keys than the sampler did.
+    """
+    return _set_mismatch(trainer_ids, generator_ids, mask, 5, "[B, S, L, Hi, K]")
 
 
 def route_mismatch_frac(trainer_ids, generator_ids, mask):
