@@ -181,6 +181,7 @@ def _generate(graphdef, params, rest, ids, prompt_lengths, key, sp: SamplingPara
 
 
 # The jitted program `JaxEngine.generate` runs: (graphdef, params, rest, ids [B, W], prompt_lengths [B], key,
-# SamplingParams, pad_id, return_routes=False, return_block_ids=False), arguments 0 and 6-9 static. Public for tools that inspect what the engine compiles
-# (`generate_program.lower(...).compile().as_text()`, as scripts/bench_generate.py --profile does).
+# SamplingParams, pad_id, return_routes=False, return_block_ids=False), arguments 0 and 6-9 static. Public for
+# tools that inspect what the engine compiles (`generate_program.lower(...).compile().as_text()`, as
+# scripts/bench_generate.py --profile does).
 generate_program = _generate
