@@ -14,9 +14,11 @@ Prints one JSON line per check; keep the output with BENCHMARKS.md. Checks:
    (1 local expert with a 32x pool, M3's 32-node layout; 4 local experts with a 16x pool), bf16, forward and
    forward+backward: the figure `auto`'s GPU choice (ragged_dot until measured) waits for;
 6. attention kernels at one M3 layer's shapes (64 query heads, 4 KV heads x 128, bf16, causal): the dense
-   path (`attention_impl: dense`), `flash` (m3jax.model.flash) full and with a sparse block mask (the
-   indexer's top-16 + local block shape), and cuDNN through `jax.nn.dot_product_attention` for the full
-   layer: forward and forward+backward times, each output against the dense path's;
+   path (`attention_impl: dense`), `flash` (m3jax.model.flash), cuDNN through `jax.nn.dot_product_attention`
+   for the full layer; for a sparse layer (the indexer's top-16 shape, ids replayed): the masked dense path,
+   masked flash, and `model.sparse_attention: gather`'s two implementations (m3jax.model.sparse: per-tile
+   gathers, the meshes' path; grouped matmuls, one device's): forward and forward+backward times, each
+   output against the dense (masked) path's;
 7. the LM head: token logprobs and their gradient from full [T, 200064] logits vs `model.logprob_chunk_tokens`
    blocks (rl.logprobs.chunked_token_logprobs), times and the largest difference: what chunking costs in time.
 """
@@ -159,28 +161,46 @@ def moe_kernels(small: bool, experts: int, pool: int, real_rows: int):
 
 
 def attention_kernels(small: bool, seq: int):
-    from m3jax.model.attention import causal_keep, gqa_attention
+    from types import SimpleNamespace
+
+    from m3jax.model.attention import _from_chunks, _to_chunks, causal_keep, gqa_attention
     from m3jax.model.flash import flash_attention
+    from m3jax.model.indexer import block_ids_to_mask, block_mask_to_tokens
+    from m3jax.model.sparse import sparse_layer_attention
     b, h, kv, hd, bs, topk = (1, 4, 2, 32, 16, 2) if small else (1, 64, 4, 128, 128, 16)
     k = jax.random.split(jax.random.key(2), 4)
     q, kk, v = (jax.random.normal(k[i], (b, seq, n, hd), jnp.bfloat16) for i, n in ((0, h), (1, kv), (2, kv)))
     do = jax.random.normal(k[3], (b, seq, h, hd), jnp.bfloat16)
     scale = hd ** -0.5
     pos = jnp.broadcast_to(jnp.arange(seq), (b, seq))
-    nb = seq // bs  # a sparse mask shaped like the indexer's: each query's own block + topk random earlier ones
+    nb = seq // bs  # the indexer's selection shape: each query block's own block + topk - 1 random earlier ones
     qb = jnp.arange(nb)
-    pick = jax.random.uniform(jax.random.key(3), (b, kv, nb, nb)) < topk / jnp.maximum(qb[:, None], 1)
-    blocks = ((qb[None, None, :, None] == qb[None, None, None, :]) | pick) & (qb[None, None, None, :] <= qb[:, None])
-    block_mask = jnp.repeat(blocks, bs, axis=2)  # [B, KV, S, S_k / bs]: a row per query
+    noise = jax.random.uniform(jax.random.key(3), (b, kv, nb, nb))
+    noise = jnp.where(qb[None, None, None, :] > qb[:, None], -jnp.inf, noise)
+    noise = jnp.where(qb[None, None, None, :] == qb[:, None], jnp.inf, noise)
+    top, ids = jax.lax.top_k(noise, topk)
+    ids = jnp.repeat(jnp.where(top > -jnp.inf, ids, -1), bs, axis=2)  # [B, KV, S, topk], a row per query
+    block_mask = block_ids_to_mask(ids, nb)  # [B, KV, S, nb]
+    sparse_cfg = SimpleNamespace(index_block_size=bs, index_topk_blocks=topk, index_local_blocks=1, head_dim=hd)
+
+    def sparse(grouped):
+        return lambda q, k, v: sparse_layer_attention(
+            q, k, v, pos, None, None, None, sparse_cfg, to_chunks=_to_chunks, from_chunks=_from_chunks,
+            block_ids=jnp.moveaxis(ids, 1, 2), grouped=grouped)
+
     kernels = {
         "dense": lambda q, k, v: gqa_attention(q, k, v, causal_keep(pos, None, seq), scale),
         "flash": lambda q, k, v: flash_attention(q, k, v, scale=scale, positions=pos),
+        "dense_sparse": lambda q, k, v: gqa_attention(
+            q, k, v, causal_keep(pos, None, seq) & block_mask_to_tokens(block_mask, bs, seq, h), scale),
         "flash_sparse": lambda q, k, v: flash_attention(q, k, v, scale=scale, positions=pos, block_mask=block_mask,
                                                         block_size=bs, k_tile=bs),
+        "gathered_sparse": sparse(False),
+        "grouped_sparse": sparse(True),
         "cudnn": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
                                                               implementation="cudnn"),
     }
-    res, ref = {}, None
+    res, ref, ref_sparse = {}, None, None
     for name, f in kernels.items():
         try:
             fwd = jax.jit(f)
@@ -192,9 +212,11 @@ def attention_kernels(small: bool, seq: int):
             continue
         out = out.astype(jnp.float32)
         ref = out if name == "dense" else ref
+        ref_sparse = out if name == "dense_sparse" else ref_sparse
         res[name] = {"fwd_ms": tf * 1e3, "fwd_bwd_ms": tb * 1e3}
-        if name in ("flash", "cudnn") and ref is not None:
-            res[name]["rel_err_vs_dense"] = float(jnp.abs(out - ref).max() / jnp.abs(ref).max())
+        against = ref_sparse if "sparse" in name else ref
+        if name not in ("dense", "dense_sparse") and against is not None:
+            res[name]["rel_err_vs_dense"] = float(jnp.abs(out - against).max() / jnp.abs(against).max())
     emit(check="attention_kernels", seq=seq, heads=h, kv_heads=kv, head_dim=hd, block_size=bs, **res)
 
 

@@ -24,7 +24,7 @@ from m3jax.model.flash import flash_attention
 from m3jax.model.indexer import block_ids_to_mask, block_mask_to_tokens, select_key_blocks, topk_key_blocks
 from m3jax.model.norms import rms_norm
 from m3jax.model.rope import apply_rope
-from m3jax.model.sparse import QUERY_TILE, sparse_layer_attention
+from m3jax.model.sparse import select_blocks, sparse_layer_attention
 from sharding.layout import Layout
 
 _MASKED = jnp.finfo(jnp.float32).min
@@ -126,7 +126,7 @@ def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
     if return_block_ids and sparse:
         if used is None:  # replayed: the indexer's own choice, for the selection-mismatch metric
             _, _, ik = gather_keys(k, v, ik, layout)
-            used = indexer_block_ids(iq, ik, positions, cfg, n_ctx)
+            used = select_blocks(iq, ik, positions, cfg, to_chunks=_to_chunks, from_chunks=_from_chunks, n_ctx=n_ctx)
         result += (pad_block_ids(used, cfg.index_topk_blocks),)
     return result if len(result) > 1 else result[0]
 
@@ -134,22 +134,6 @@ def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
 def pad_block_ids(ids: jax.Array, k: int) -> jax.Array:
     """[..., K'] block ids -> [..., k] int32, padded with -1 (none) when the keys held fewer than k blocks."""
     return jnp.pad(ids.astype(jnp.int32), [(0, 0)] * (ids.ndim - 1) + [(0, k - ids.shape[-1])], constant_values=-1)
-
-
-def indexer_block_ids(iq, ik, positions, cfg, n_ctx: int = 1, tile: int = QUERY_TILE) -> jax.Array:
-    """The indexer's top-K key blocks [B, S, Hi, K] int32 (-1 = none) for queries iq [B, S, Hi, Di] over
-    every key slot's ik [B, S_k, Di], `tile` local queries at a time (as `sparse_layer_attention` selects:
-    one tile's [Hi, tile, S_k] scores live)."""
-    s = iq.shape[1]
-    chunk = min(tile, s // n_ctx)
-
-    def select(xs):
-        return jnp.moveaxis(topk_key_blocks(xs[0], ik, xs[1], block_size=cfg.index_block_size,
-                                            topk_blocks=cfg.index_topk_blocks,
-                                            local_blocks=cfg.index_local_blocks), 1, 2)
-
-    ids = jax.lax.map(select, (_to_chunks(iq, n_ctx, chunk), _to_chunks(positions, n_ctx, chunk)))
-    return _from_chunks(ids, n_ctx, s)
 
 
 def _sparse_blocks(iq, ik, positions, cfg, block_ids, return_block_ids: bool):

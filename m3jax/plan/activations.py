@@ -19,6 +19,9 @@ from __future__ import annotations
 import math
 
 from m3jax.config import MOE_MLP, SPARSE_ATTENTION, M3Config
+from m3jax.model.indexer import KEY_CHUNK_BLOCKS
+from m3jax.model.sparse import INDEX_QUERY_TILE
+from m3jax.model.sparse import QUERY_TILE as GATHER_TILE
 from m3jax.model.specs import layer_param_specs, top_param_specs
 from sharding.expert import receive_rows
 from sharding.grouped_matmul import DEFAULT_TILE
@@ -33,7 +36,6 @@ def query_rows(chunk: int, s_local: int) -> int:
 
 
 FLASH_TILE = 128  # m3jax.model.flash's default query / key tile
-GATHER_TILE = 64  # m3jax.model.sparse.QUERY_TILE: local queries per tile of the sparse layers' gather path
 
 
 def attention_terms(cfg: M3Config, mesh: MeshConfig, sparse: bool, b: int, s: int, a: int, chunk: int,
@@ -62,8 +64,9 @@ def attention_terms(cfg: M3Config, mesh: MeshConfig, sparse: bool, b: int, s: in
         gathered_blocks   2 * 2 * b * U_l * tq * kb * D * a   the tile's K and V gathered per (query, head unit:
                           U = lcm(KV, Hi) units share a kv head and an index head, U_l = max(U / n_t, 1))
                           and their cotangents before the scatter-add into dK, dV
-        indexer_scores    b * Hi * tq * S * 8           the tile's fp32 scores over every key, reduced to block
-                          maxima and the top-K block ids
+        indexer_scores    b * Hi * ti * (c * bs + S / bs) * 4   the indexer's tile of ti = INDEX_QUERY_TILE queries:
+                          fp32 scores over one chunk of c = KEY_CHUNK_BLOCKS key blocks at a time and the
+                          block maxima of every block (m3jax.model.indexer.key_block_scores)
         attention_qkv, gathered_kv as chunked (fp32 dK, dV accumulated over the tiles)
     and the residual kept through the MLP phase is q, k, v only (the scan saves its inputs).
     sparse_impl "masked": the sparse layer follows impl with a block mask, as the full layers do.
@@ -85,7 +88,9 @@ def attention_terms(cfg: M3Config, mesh: MeshConfig, sparse: bool, b: int, s: in
         phase["attention_scores"] = b * h_l * tq * kb * (12 + 2 * a)
         units = max(math.lcm(cfg.num_key_value_heads, cfg.index_n_heads) / nt, 1)
         phase["gathered_blocks"] = 2 * 2 * b * units * tq * kb * hd * a
-        phase["indexer_scores"] = b * cfg.index_n_heads * tq * s * 8
+        bs = cfg.index_block_size
+        ti = min(INDEX_QUERY_TILE, s_l)
+        phase["indexer_scores"] = b * cfg.index_n_heads * ti * (min(KEY_CHUNK_BLOCKS * bs, s) + s / bs) * 4
         phase["gathered_kv"] = 2 * 2 * b * s * kv_l * hd * (a + 4)
         return phase, {"attention_residuals": (phase["attention_qkv"] + phase["gathered_kv"]) / 2}
     if sparse_impl not in ("gather", "masked"):
