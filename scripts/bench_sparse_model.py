@@ -16,6 +16,10 @@ after one warm-up call; temp = `jit(f).lower(..).compile().memory_analysis().tem
 
     .venv/bin/python scripts/bench_sparse_model.py                   # S = 4096 16384
     .venv/bin/python scripts/bench_sparse_model.py --seq 1024 --iters 2
+    .venv/bin/python scripts/bench_sparse_model.py --selection --seq 4096 16384   # the indexer alone, per tiling
+
+--selection times only one sparse layer's block selection (`m3jax.model.sparse.select_blocks`, 2 index heads of
+64, the model's block size and top-K) for key chunks of (8, 16, 32) blocks x query tiles of (64, 128, 256).
 """
 
 from __future__ import annotations
@@ -71,12 +75,36 @@ def timed(f, *args) -> float:
     return (time.perf_counter() - t) * 1e3
 
 
+def selection(seqs, iters: int):
+    """Median ms of the indexer's block selection per (key chunk blocks, query tile)."""
+    from m3jax.model import attention, indexer, sparse
+
+    cfg = tiny.m3_config(full_attention_layers=0, **DIMS)
+    print("| S | key chunk (blocks) | query tile | selection ms |\n|---|---|---|---|")
+    for s in seqs:
+        k1, k2 = jax.random.split(jax.random.key(0))
+        iq = jax.random.normal(k1, (1, s, cfg.index_n_heads, cfg.index_head_dim))
+        ik = jax.random.normal(k2, (1, s, cfg.index_head_dim))
+        pos = jnp.arange(s)[None]
+        for chunk in (8, 16, 32):
+            for tile in (64, 128, 256):
+                indexer.KEY_CHUNK_BLOCKS = chunk  # read at trace time: each jit below traces afresh
+                f = jax.jit(lambda iq, ik, tile=tile: sparse.select_blocks(
+                    iq, ik, pos, cfg, to_chunks=attention._to_chunks, from_chunks=attention._from_chunks, tile=tile))
+                timed(f, iq, ik)
+                ms = statistics.median(timed(f, iq, ik) for _ in range(iters))
+                print(f"| {s} | {chunk} | {tile} | {ms:.1f} |", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seq", type=int, nargs="+", default=[4096, 16384])
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--dense-max", type=int, default=4096, help="longest S at which the dense paths run")
+    ap.add_argument("--selection", action="store_true", help="time the indexer's block selection per tiling")
     args = ap.parse_args()
+    if args.selection:
+        return selection(args.seq, args.iters)
     print(f"jax {jax.__version__}, {jax.devices()[0].platform}, load {os.getloadavg()[0]:.1f}")
     print("| S | contestant | fwd ms | f+b ms | fwd temp MB | f+b temp MB |")
     print("|---|---|---|---|---|---|")
