@@ -163,8 +163,10 @@ def test_planner_follows_the_kernel():
 
     from m3jax.plan.__main__ import load_job, plan
     from m3jax.plan.flops import Hardware, expert_rows_factor
-    job = load_job("configs/recipes/m3-32node.yaml", [], "release")
-    tiled = dataclasses.replace(job, model_options={**job.model_options, "moe_kernel": "tiled"})
+    recipe = load_job("configs/recipes/m3-32node.yaml", [], "release")
+    assert recipe.batch.expert_matmul == "tiled"  # the recipe selects the tiled kernel
+    job = dataclasses.replace(recipe, model_options={**recipe.model_options, "moe_kernel": "auto"})
+    tiled = recipe
     assert job.batch.expert_matmul == "dense" and tiled.batch.expert_matmul == "tiled"  # auto plans a GPU
     assert 1.0 <= expert_rows_factor(tiled.model, tiled.mesh, tiled.batch) < 1.01
     dense, fast = plan(job, Hardware()), plan(tiled, Hardware())

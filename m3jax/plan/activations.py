@@ -38,6 +38,12 @@ def query_rows(chunk: int, s_local: int) -> int:
 FLASH_TILE = 128  # m3jax.model.flash's default query / key tile
 
 
+def sparse_keys(cfg: M3Config, seq_len: int) -> int:
+    """Keys a sparse layer keeps per query: min(S, index_topk_blocks * index_block_size). The local blocks are
+    forced INTO the top-K (HF sets their block score to +inf before the top-k), so they add no keys."""
+    return min(seq_len, cfg.index_topk_blocks * cfg.index_block_size)
+
+
 def attention_terms(cfg: M3Config, mesh: MeshConfig, sparse: bool, b: int, s: int, a: int, chunk: int,
                     impl: str = "dense", sparse_impl: str = "gather") -> tuple[dict, dict]:
     """(attention phase terms, attention residuals kept through the MLP phase), bytes per device:
@@ -58,7 +64,7 @@ def attention_terms(cfg: M3Config, mesh: MeshConfig, sparse: bool, b: int, s: in
     and the residual kept through the MLP phase is the output's logsumexp (b * H_l * S_l * 4) besides q, k, v.
     A sparse layer with sparse_impl "gather" (model.sparse_attention, the default; whatever impl is) walks its
     local queries in tiles of tq = min(GATHER_TILE, S_l) (a rematerialised scan: each tile is recomputed in
-    its backward), with kb = min(S, K * bs) kept keys per query (`m3jax.plan.flops.sparse_keys`):
+    its backward), with kb = min(S, K * bs) kept keys per query (`sparse_keys`):
         attention_scores  b * H_l * tq * kb * (12 + 2a)   one tile's scores over its gathered keys, the same
                           pieces as a dense block (fp32 scores, probabilities, dprobs, fp32 copy, dlogits)
         gathered_blocks   2 * 2 * b * U_l * tq * kb * D * a   the tile's K and V gathered per (query, head unit:
@@ -83,7 +89,6 @@ def attention_terms(cfg: M3Config, mesh: MeshConfig, sparse: bool, b: int, s: in
              "attention_qkv": 2 * t_l * (2 * h_l + 2 * kv_l) * hd * a,
              "gathered_kv": 2 * 2 * b * s * kv_l * hd * (a + (4 if chunked else 0))}
     if sparse and sparse_impl == "gather":
-        from m3jax.plan.flops import sparse_keys
         tq, kb = min(GATHER_TILE, s_l), sparse_keys(cfg, s)
         phase["attention_scores"] = b * h_l * tq * kb * (12 + 2 * a)
         units = max(math.lcm(cfg.num_key_value_heads, cfg.index_n_heads) / nt, 1)

@@ -13,6 +13,7 @@ import math
 from m3jax.config import MOE_MLP, SPARSE_ATTENTION, M3Config
 from m3jax.model.specs import layer_param_specs
 from sharding.mesh import MeshConfig
+from m3jax.plan.activations import sparse_keys  # noqa: F401  (re-exported: the FLOPs model's name for it)
 from m3jax.plan.memory import Param, local_elems, mesh_sizes, param_table, shard_axes
 from sharding.rules import MESH_AXES
 
@@ -90,12 +91,6 @@ def expert_recompute(batch) -> float:
 
 
 SPARSE_ATTENTION_IMPLS = ("gather", "masked")  # model.sparse_attention (rl/config/schema.py)
-
-
-def sparse_keys(cfg: M3Config, seq_len: int) -> int:
-    """Keys a sparse layer keeps per query: min(S, index_topk_blocks * index_block_size). The local blocks are
-    forced INTO the top-K (HF sets their block score to +inf before the top-k), so they add no keys."""
-    return min(seq_len, cfg.index_topk_blocks * cfg.index_block_size)
 
 
 def flash_pairs(cfg: M3Config, seq_len: int, tile: int = 128, sparse_layers: bool = True) -> int:
