@@ -1,4 +1,5 @@
-"""python -m m3jax.plot RUN_DIR [--out FILE]: PNG curves of a run (reward, lengths, mismatch, phase times)."""
+"""python -m m3jax.plot RUN_DIR [--out FILE]: PNG curves of a run (reward, lengths, mismatch, phase times, and
+the indexer recall when logged)."""
 
 import argparse
 

@@ -15,6 +15,18 @@ PLOTS = {  # panel title -> metrics drawn in it
     "seconds per phase": ("time/generate", "time/logprobs", "time/train", "time/reward", "time/other",
                           "time/eval"),
 }
+RECALL_PANEL = "indexer recall: full-attention mass in the kept blocks"  # only in runs that log indexer/recall
+
+
+def panels(rows: list[dict]) -> dict:
+    """PLOTS, plus the indexer-recall panel (indexer/recall and its indexer/recall/layer_j curves) when the run
+    logged it (logging.indexer_recall_every)."""
+    out = dict(PLOTS)
+    if any("indexer/recall" in r for r in rows):
+        layers = sorted({k for r in rows for k in r if k.startswith("indexer/recall/layer_")},
+                        key=lambda k: int(k.rsplit("_", 1)[1]))
+        out[RECALL_PANEL] = ("indexer/recall", *layers)
+    return out
 
 
 class RunLogger:
@@ -76,8 +88,9 @@ def read_metrics(run_dir: str) -> list[dict]:
 
 
 def plot_run(run_dir: str, out: str | None = None) -> str:
-    """One PNG with reward, held-out evaluation, lengths, mismatch/clipping diagnostics and phase times against step
-    (written by process 0 only in a multi-host job, like the metrics)."""
+    """One PNG with reward, held-out evaluation, lengths, mismatch/clipping diagnostics and phase times against step,
+    and the indexer recall when the run logged it (written by process 0 only in a multi-host job, like the
+    metrics)."""
     import jax
     out = out or os.path.join(run_dir, "curves.png")
     if jax.process_index() != 0:
@@ -87,12 +100,13 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
     import matplotlib.pyplot as plt
 
     rows = read_metrics(run_dir)
+    plots = panels(rows)
     ncols = 3
-    nrows = -(-len(PLOTS) // ncols)
+    nrows = -(-len(plots) // ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(6 * ncols, 4 * nrows), squeeze=False)
-    for ax in axes.flat[len(PLOTS):]:
+    for ax in axes.flat[len(plots):]:
         ax.set_visible(False)
-    for ax, (title, keys) in zip(axes.flat, PLOTS.items()):
+    for ax, (title, keys) in zip(axes.flat, plots.items()):
         for key in keys:
             pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
             if pts:  # a metric of some steps only (evaluations): mark its points

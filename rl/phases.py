@@ -228,6 +228,19 @@ def route_metrics(micro: dict, replay: bool, indexer_replay: bool = False) -> tu
     return micro, metrics
 
 
+def indexer_recall(recall_pass: Callable, state, micro: dict) -> dict:
+    """indexer/recall (the mean over sparse layers) and indexer/recall/layer_{j} (sparse layer j) on a sample:
+    the step's first micro-batch (its rows' real tokens: attention_mask), under the weights the step
+    starts from. Each layer's figure is the share of its full attention's probability mass (no indexer
+    mask) in the key blocks its own indexer selects (`m3jax.model.recall`). Empty without sparse layers."""
+    sample = {k: np.asarray(micro[k][0]) for k in ("input_ids", "attention_mask")}
+    recall = np.asarray(_on_host(recall_pass(state.params, state.rest, sample)), np.float64).reshape(-1)
+    if not recall.size:
+        return {}
+    per_layer = {f"indexer/recall/layer_{j}": float(r) for j, r in enumerate(recall)}
+    return {"indexer/recall": float(recall.mean()), **per_layer}
+
+
 @dataclasses.dataclass
 class UpdateStats:
     loss: float

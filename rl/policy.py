@@ -1,6 +1,6 @@
 """The policy being trained: the model on the run's layout, its optimizer and train state, and the two
-jitted passes over it (the GRPO update and the logprob pass). No data, no engines: exporting a
-checkpoint builds only this.
+jitted passes over it (the GRPO update and the logprob pass; and the indexer-recall diagnostic). No data,
+no engines: exporting a checkpoint builds only this.
 """
 
 from __future__ import annotations
@@ -12,8 +12,11 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import m3jax
 from m3jax.model.specs import weight_decay_mask
@@ -26,7 +29,7 @@ from rl.logprobs import make_logprob_pass, policy_logprobs
 from sharding import optim_step
 from sharding.layout import Layout
 from sharding.mesh import build_mesh
-from sharding.train_step import TrainState, init_state, make_train_step, state_shardings
+from sharding.train_step import TrainState, batch_sharding, init_state, make_train_step, state_shardings
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +137,33 @@ def make_logprobs(policy: Policy) -> Callable:
     return make_logprob_pass(policy.graphdef, policy.sampling, policy.layout, policy.cfg.model.logprob_chunk_tokens,
                              replay=policy.cfg.grpo.routing_replay == "rollout",
                              indexer_replay=policy.cfg.grpo.indexer_replay == "rollout")
+
+
+def make_indexer_recall(policy: Policy) -> Callable:
+    """recall(params, rest, sample) -> [n_sparse_layers] fp32 (a jax array): each sparse layer's indexer recall
+    (`M3ForCausalLM.indexer_recall`) over the real tokens of sample {"input_ids", "attention_mask"} [rows, seq].
+    A jitted program of its own, run outside the train step and the logprob pass (whose programs it leaves
+    as they are). On a mesh the sample is placed as the logprob pass places a micro-batch (rows padded to
+    the batch axes with attention_mask 0, which the recall does not count); the result is replicated."""
+    graphdef, layout = policy.graphdef, policy.layout
+
+    @jax.jit
+    def run(params, rest, input_ids, attention_mask):
+        return nnx.merge(graphdef, params, rest).indexer_recall(input_ids, attention_mask=attention_mask)
+
+    def recall(params, rest, sample: dict):
+        ids, mask = np.asarray(sample["input_ids"]), np.asarray(sample["attention_mask"])
+        if layout.mesh is None:
+            return run(params, rest, ids, mask)
+        extra = -ids.shape[0] % layout.size("act_batch")
+        if extra:
+            ids, mask = (np.pad(a, ((0, extra), (0, 0))) for a in (ids, mask))
+        where = NamedSharding(layout.mesh, P(*batch_sharding(layout).spec[1:3]))
+        with jax.set_mesh(layout.mesh):
+            return run(params, rest, jax.device_put(ids, where), jax.device_put(mask, where))
+
+    recall.jitted = run
+    return recall
 
 
 def checkpointer_for(cfg: RunConfig) -> ckpt_lib.Checkpointer:

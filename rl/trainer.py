@@ -25,8 +25,8 @@ from rl.config import RunConfig
 from rl.data import PromptLoader, load_prompts
 from rl.generation import backends
 from rl.observe import RunLogger, plot_run
-from rl.policy import (Policy, build_policy, checkpointer_for, learning_rate, make_logprobs, make_update,
-                       sequence_width)
+from rl.policy import (Policy, build_policy, checkpointer_for, learning_rate, make_indexer_recall, make_logprobs,
+                       make_update, sequence_width)
 from rl.tasks import make_task
 
 log = logging.getLogger(__name__)
@@ -63,6 +63,9 @@ class GRPOTrainer:
         self.ref_params = (jax.tree.map(jnp.copy, self.policy.state.params) if self.loss_cfg.kl != "none" else None)
         self.train_step = make_update(self.policy, self.loss_cfg)
         self.logprobs = make_logprobs(self.policy)
+        # logging.indexer_recall_every: a forward of its own on a sample every N steps (models with sparse layers)
+        self.recall = (make_indexer_recall(self.policy) if cfg.logging.indexer_recall_every
+                       and self.policy.model().num_sparse_layers else None)
         p = self.policy
         self.engine = backends.make_generator(cfg, p.graphdef, p.state, pad_id=self.pad_id, run_dir=self.run_dir)
         self.probe = self._probe_check()
@@ -146,6 +149,10 @@ class GRPOTrainer:
         micro = phases.logprobs(self.logprobs, policy.state, micro, self.ref_params)
         micro, route_metrics = phases.route_metrics(micro, replay=gcfg.routing_replay == "rollout",
                                                     indexer_replay=gcfg.indexer_replay == "rollout")
+        if self.recall is not None and step % cfg.logging.indexer_recall_every == 0:  # steps 1, 1 + N, ... as logged
+            t0 = time.perf_counter()
+            route_metrics.update(phases.indexer_recall(self.recall, policy.state, micro))
+            route_metrics["time/indexer_recall"] = time.perf_counter() - t0  # inside time/logprobs
         t["logprobs"] = time.perf_counter()
 
         policy.state, stats = phases.update(self.train_step, policy.state, micro, gcfg.updates_per_step)

@@ -62,7 +62,8 @@ def gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, keep: jax.Array, sca
 def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, positions: jax.Array,
                     key_valid: jax.Array | None, cfg, sparse: bool, cache: dict | None = None,
                     query_chunk: int = 0, layout: Layout = Layout(), impl: str = "dense",
-                    sparse_impl: str = "gather", block_ids: jax.Array | None = None, return_block_ids: bool = False):
+                    sparse_impl: str = "gather", block_ids: jax.Array | None = None, return_block_ids: bool = False,
+                    return_recall: bool = False):
     """One layer's attention on normalised hidden x [B, S, d] -> [B, S, d] (and the updated cache).
 
     p holds this layer's q/k/v/o projections ([heads, D, d] / [d, H, D]), q/k norms, and for sparse
@@ -80,6 +81,9 @@ def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
     top-K block ids [B, S, Hi, index_topk_blocks] int32 (-1 = none; padded with -1 when the keys hold
     fewer blocks): the blocks used without replay; with replay, those the indexer would have chosen
     (one extra indexer pass, no attention).
+    return_recall (sparse layers, no cache): also return, last, the layer's indexer recall (a scalar, fp32;
+    `m3jax.model.recall.indexer_recall`): the share of the full attention's probability mass (computed
+    without the indexer's mask) in the blocks the indexer selects, over the real queries (key_valid).
     """
     eps = cfg.rms_norm_eps
     q = rms_norm(jnp.einsum("bse,hde->bshd", x, p["q_proj"]), p["q_norm"], eps)
@@ -97,7 +101,8 @@ def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
         ik = cache.get("index_k")
     n_ctx = layout.size("act_seq")
     replay, used = (block_ids if sparse else None), None
-    own = return_block_ids and sparse and replay is None  # the ids the attention selects are the answer
+    want_ids = sparse and (return_block_ids or return_recall)
+    own = want_ids and replay is None  # the ids the attention selects are the answer
     if replay is not None:
         b, s = x.shape[:2]
         want = (b, s, cfg.index_n_heads)
@@ -123,11 +128,18 @@ def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
         o, used = o
     out = jnp.einsum("bshd,ehd->bse", o, p["o_proj"])
     result = (out,) if cache is None else (out, cache)
+    if want_ids and used is None:  # replayed: the indexer's own choice, for the selection-mismatch metric
+        _, _, ik = gather_keys(k, v, ik, layout)
+        used = select_blocks(iq, ik, positions, cfg, to_chunks=_to_chunks, from_chunks=_from_chunks, n_ctx=n_ctx)
     if return_block_ids and sparse:
-        if used is None:  # replayed: the indexer's own choice, for the selection-mismatch metric
-            _, _, ik = gather_keys(k, v, ik, layout)
-            used = select_blocks(iq, ik, positions, cfg, to_chunks=_to_chunks, from_chunks=_from_chunks, n_ctx=n_ctx)
         result += (pad_block_ids(used, cfg.index_topk_blocks),)
+    if return_recall and sparse:
+        if cache is not None:
+            raise ValueError("return_recall needs the whole sequence (no decode cache)")
+        from m3jax.model.recall import indexer_recall  # recall builds on this module
+        keys = gather_keys(k, v, None, layout)[0]
+        result += (indexer_recall(q, keys, positions, key_valid, used, cfg, query_mask=key_valid, n_ctx=n_ctx,
+                                  constrain=layout.constrain),)
     return result if len(result) > 1 else result[0]
 
 

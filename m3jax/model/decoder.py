@@ -81,28 +81,36 @@ class LayerStack(nnx.Module):
             setattr(self, name, _make(stacked, dtype, rngs.params()))
 
     def __call__(self, x, cos, sin, positions, key_valid, cache=None, layout: Layout | None = None,
-                 routes=None, return_routes: bool = False, block_ids=None, return_block_ids: bool = False):
+                 routes=None, return_routes: bool = False, block_ids=None, return_block_ids: bool = False,
+                 return_recall: bool = False):
         """Run the stack; with `cache` (this stack's stacked KV / index-key cache) also return it updated.
         layout: overrides the stack's own (decoding keeps whole sequences on each device).
         routes [n_layers, B, S, k] (MoE stacks): replay these expert ids, layer by layer. return_routes:
         also return the ids each MoE layer used, [n_layers, B, S, k] int32 (after the cache).
         block_ids [n_layers, B, S, Hi, K] (sparse stacks): replay these key blocks, layer by layer.
         return_block_ids: also return the indexer's own block ids of each sparse layer, [n_layers, B, S, Hi,
-        index_topk_blocks] int32 (last in the returned tuple; `attention_block`)."""
+        index_topk_blocks] int32 (after the routes; `attention_block`).
+        return_recall (sparse stacks, no cache): also return each layer's indexer recall, [n_layers] fp32
+        (last; `m3jax.model.recall.indexer_recall`)."""
         cfg, layout = self.cfg, layout or self.layout
         sparse, moe = self.attn_kind == SPARSE_ATTENTION, self.mlp_kind == MOE_MLP
         return_routes = return_routes and moe
         return_block_ids = return_block_ids and sparse
+        return_recall = return_recall and sparse
         params = {name: getattr(self, name)[...] for name in self.param_names}
 
         def layer(x, p_cache_routes):
             p, layer_cache, layer_routes, *layer_blocks = p_cache_routes
             h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps)
             blocks = dict(block_ids=layer_blocks[0], return_block_ids=return_block_ids) if layer_blocks else {}
+            if return_recall:
+                blocks["return_recall"] = True
             attn = attention_block(p, h, cos, sin, positions, key_valid, cfg, sparse, layer_cache,
                                    self.attention_query_chunk, layout, self.attention_impl,
                                    self.sparse_attention, **blocks)
             attn = attn if isinstance(attn, tuple) else (attn,)
+            recall = attn[-1] if return_recall else None
+            attn = attn[:-1] if return_recall else attn
             block_used = attn[-1] if return_block_ids else None
             if layer_cache is not None:
                 layer_cache = attn[1]
@@ -117,7 +125,8 @@ class LayerStack(nnx.Module):
                 x = x + y
             else:
                 x = x + dense_mlp(h, p["mlp_gate_up"], p["mlp_down"], cfg.swiglu_alpha, cfg.swiglu_limit)
-            return layout.constrain(x, ACT), (layer_cache, ids) + ((block_used,) if layer_blocks else ())
+            return layout.constrain(x, ACT), ((layer_cache, ids) + ((block_used,) if layer_blocks else ())
+                                              + ((recall,) if return_recall else ()))
 
         if self.remat and cache is None:
             layer = jax.checkpoint(layer, prevent_cse=False)
@@ -125,8 +134,9 @@ class LayerStack(nnx.Module):
         if sparse and (block_ids is not None or return_block_ids):  # else today's program
             xs += (block_ids,)
         x, (cache, used, *blocks_used) = jax.lax.scan(layer, x, xs)
+        recalls = (blocks_used.pop(),) if return_recall else ()
         out = (x,) if cache is None else (x, cache)
-        out = out + ((used,) if return_routes else ()) + ((blocks_used[0],) if return_block_ids else ())
+        out = out + ((used,) if return_routes else ()) + ((blocks_used[0],) if return_block_ids else ()) + recalls
         return out if len(out) > 1 else out[0]
 
     def init_cache(self, batch: int, max_len: int, dtype) -> dict:
@@ -181,7 +191,8 @@ class M3ForCausalLM(nnx.Module):
     def __call__(self, input_ids: jax.Array, positions: jax.Array | None = None,
                  attention_mask: jax.Array | None = None, cache: list | None = None, hidden: bool = False,
                  routes: jax.Array | None = None, return_routes: bool = False,
-                 block_ids: jax.Array | None = None, return_block_ids: bool = False):
+                 block_ids: jax.Array | None = None, return_block_ids: bool = False,
+                 return_indexer_recall: bool = False):
         """Logits [B, S, vocab] for input_ids [B, S].
 
         positions [B, S] default to 0..S-1; attention_mask [B, S_keys] (1 = real token) for right padding.
@@ -201,6 +212,8 @@ class M3ForCausalLM(nnx.Module):
         block ids of every sparse layer, [B, S, n_sparse_layers, Hi, index_topk_blocks] int32 (-1 = none,
         and padding when the keys hold fewer blocks), as the last element (after routes): without replay
         the blocks used; with replay, those the indexer would have chosen.
+        return_indexer_recall (no cache): also return, last, each sparse layer's indexer recall for the batch,
+        [n_sparse_layers] fp32 (`indexer_recall`).
         """
         cfg = self.cfg
         layout = self.layout if cache is None else decoding_layout(self.layout)
@@ -211,12 +224,14 @@ class M3ForCausalLM(nnx.Module):
         x = layout.constrain(jnp.take(self.embed[...], input_ids, axis=0), ACT)
         cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta, x.dtype)
         n_sparse = self.num_sparse_layers
+        if return_indexer_recall and cache is not None:
+            raise ValueError("return_indexer_recall needs the whole sequence (no decode cache)")
         if block_ids is not None:
             want = (b, s, n_sparse, cfg.index_n_heads)
             if block_ids.ndim != 5 or block_ids.shape[:4] != want or not block_ids.shape[4]:
                 raise ValueError(f"block_ids {block_ids.shape}: expected [B, S, n_sparse_layers, Hi, K] = "
                                  f"[{b}, {s}, {n_sparse}, {cfg.index_n_heads}, K >= 1]")
-        new_cache, used, blocks_used, first, first_sparse = [], [], [], 0, 0
+        new_cache, used, blocks_used, recalls, first, first_sparse = [], [], [], [], 0, 0
         for i, stack in enumerate(self.stacks):
             n_moe = len(stack.layer_ids) if stack.mlp_kind == MOE_MLP else 0
             n_sp = len(stack.layer_ids) if stack.attn_kind == SPARSE_ATTENTION else 0
@@ -230,11 +245,16 @@ class M3ForCausalLM(nnx.Module):
                 extra.update(return_block_ids=return_block_ids, block_ids=None if block_ids is None else
                              jnp.moveaxis(block_ids[:, :, first_sparse:first_sparse + n_sp].astype(jnp.int32), 2, 0))
             first_sparse += n_sp
+            if return_indexer_recall and n_sp:
+                extra["return_recall"] = True
             out = stack(x, cos, sin, positions, key_valid, None if cache is None else cache[i], layout=layout, **extra)
             out = out if isinstance(out, tuple) else (out,)
             x = out[0]
             if cache is not None:
                 new_cache.append(out[1])
+            if return_indexer_recall and n_sp:
+                recalls.append(out[-1])
+                out = out[:-1]
             if return_block_ids and n_sp:
                 blocks_used.append(jnp.moveaxis(out[-1], 0, 2))
                 out = out[:-1]
@@ -251,7 +271,18 @@ class M3ForCausalLM(nnx.Module):
         if return_block_ids:
             result += (jnp.concatenate(blocks_used, axis=2) if blocks_used else
                        jnp.zeros((b, s, 0, cfg.index_n_heads, cfg.index_topk_blocks), jnp.int32),)
+        if return_indexer_recall:
+            result += (jnp.concatenate(recalls) if recalls else jnp.zeros((0,), jnp.float32),)
         return result if len(result) > 1 else result[0]
+
+    def indexer_recall(self, input_ids: jax.Array, attention_mask: jax.Array | None = None,
+                       positions: jax.Array | None = None) -> jax.Array:
+        """[n_sparse_layers] fp32: per sparse layer (in sparse-layer order), the share of its full attention's
+        probability mass (causal + padding softmax, no indexer mask) that lies in the key blocks its own
+        indexer selects, averaged over query heads and real tokens (attention_mask) of the batch
+        (`m3jax.model.recall.indexer_recall`). One forward of the model as it runs, plus per sparse layer
+        one full-attention pass a tile of queries at a time; no logits."""
+        return self(input_ids, positions, attention_mask, hidden=True, return_indexer_recall=True)[-1]
 
     @property
     def num_moe_layers(self) -> int:

@@ -386,6 +386,11 @@ class LoggingSection(_Section):
     tensorboard: bool = _f(True, "write TensorBoard events to run.out_dir/tensorboard")
     progress_bar: bool = _f(True, "show a progress bar on the terminal")
     plot: bool = _f(True, "write the metric curves to run.out_dir/curves.png at the end")
+    indexer_recall_every: int = _f(0, "log indexer/recall (and indexer/recall/layer_j per sparse layer) at steps 1, "
+                                      "1 + N, 1 + 2N, ...: the share of each sparse layer's full-attention "
+                                      "probability mass (no indexer mask) in the key blocks its indexer selects, on "
+                                      "the step's first micro-batch (real tokens), by a forward of its own outside "
+                                      "the train step; 0 = off", min=0)
     level: str = _f("info", "info: the terminal shows the progress bar, the project's INFO lines and anyone's "
                             "warnings, while third-party INFO (absl/orbax, jax, Ray, vLLM) goes to run.out_dir/run.log "
                             "only; debug: the terminal shows everything, and DEBUG records are logged too",
