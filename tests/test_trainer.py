@@ -63,6 +63,10 @@ def test_on_policy_diagnostics_and_logged_metrics(tiny_run):
                 "entropy_approx", "is_out_of_band_frac", "time/generate", "time/logprobs", "time/train",
                 "time/other", "throughput/tokens_per_s", "lr"):
         assert all(key in r for r in rows), key
+    # logging.indexer_recall_every: 10 in tiny.yaml: steps 1, 11, ..., 191 log the sparse layer's recall
+    recall = {r["step"]: r["indexer/recall"] for r in rows if "indexer/recall" in r}
+    assert sorted(recall) == list(range(1, 201, 10))
+    assert all(0.5 < v < 1.0 for v in recall.values()), recall  # 2 of the 3 blocks of the last queries kept
 
 
 @pytest.mark.slow
