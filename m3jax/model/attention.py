@@ -23,22 +23,16 @@ import jax.numpy as jnp
 from m3jax.model.flash import flash_attention
 from m3jax.model.indexer import block_ids_to_mask, block_mask_to_tokens, select_key_blocks, topk_key_blocks
 from m3jax.model.norms import rms_norm
+from m3jax.model.recall import indexer_recall
 from m3jax.model.rope import apply_rope
 from m3jax.model.sparse import select_blocks, sparse_layer_attention
+from m3jax.model.tiles import _from_chunks, _to_chunks, causal_keep  # noqa: F401  (their home before tiles.py)
 from sharding.layout import Layout
 
 _MASKED = jnp.finfo(jnp.float32).min
 IMPLS = ("dense", "flash")
 SPARSE_IMPLS = ("gather", "masked")
 FLASH_TILE = 128  # queries and keys per flash tile on full layers (sparse layers: keys per indexer block)
-
-
-def causal_keep(positions: jax.Array, key_valid: jax.Array | None, key_len: int) -> jax.Array:
-    """[B, 1, S, S_k] boolean: key slot j visible to query i iff j <= position_i and j is not padding."""
-    keep = jnp.arange(key_len)[None, None, None, :] <= positions[:, None, :, None]
-    if key_valid is not None:
-        keep &= key_valid[:, None, None, :]
-    return keep
 
 
 def gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, keep: jax.Array, scale: float) -> jax.Array:
@@ -136,7 +130,6 @@ def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
     if return_recall and sparse:
         if cache is not None:
             raise ValueError("return_recall needs the whole sequence (no decode cache)")
-        from m3jax.model.recall import indexer_recall  # recall builds on this module
         keys = gather_keys(k, v, None, layout)[0]
         result += (indexer_recall(q, keys, positions, key_valid, used, cfg, query_mask=key_valid, n_ctx=n_ctx,
                                   constrain=layout.constrain),)
@@ -185,29 +178,6 @@ def flash_layer_attention(q, k, v, positions, key_valid, iq, ik, cfg, block_ids=
     o = flash_attention(q, k, v, scale=cfg.head_dim ** -0.5, positions=positions, key_valid=key_valid,
                         block_mask=blocks, block_size=cfg.index_block_size, q_tile=max(tile, 64), k_tile=tile)
     return (o, ids) if return_block_ids else o
-
-
-def _to_chunks(a: jax.Array, n_ctx: int, chunk: int) -> jax.Array:
-    """[B, S, ...] -> [n, B, n_ctx * chunk, ...]: step j holds local queries j*chunk.. of every context shard.
-
-    The sequence is split (n_ctx, S_l) with S_l = S / n_ctx, each shard's S_l padded with zeros to
-    n * chunk, n = ceil(S_l / chunk), so a step never crosses a context shard.
-    """
-    b, s, rest = a.shape[0], a.shape[1], a.shape[2:]
-    s_l = s // n_ctx
-    n = -(-s_l // chunk)
-    a = a.reshape(b, n_ctx, s_l, *rest)
-    a = jnp.pad(a, [(0, 0), (0, 0), (0, n * chunk - s_l)] + [(0, 0)] * len(rest))
-    a = jnp.moveaxis(a.reshape(b, n_ctx, n, chunk, *rest), 2, 0)
-    return a.reshape(n, b, n_ctx * chunk, *rest)
-
-
-def _from_chunks(a: jax.Array, n_ctx: int, s: int) -> jax.Array:
-    """Inverse of `_to_chunks` for [n, B, n_ctx * chunk, ...] -> [B, S, ...] (padding dropped)."""
-    n, b, rest = a.shape[0], a.shape[1], a.shape[3:]
-    chunk = a.shape[2] // n_ctx
-    a = jnp.moveaxis(a.reshape(n, b, n_ctx, chunk, *rest), 0, 2).reshape(b, n_ctx, n * chunk, *rest)
-    return a[:, :, : s // n_ctx].reshape(b, s, *rest)
 
 
 def chunked_attention(q, k, v, positions, key_valid, iq, ik, cfg, chunk: int, layout: Layout, block_ids=None,

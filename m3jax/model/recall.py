@@ -21,7 +21,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from m3jax.model.attention import _from_chunks, _to_chunks, causal_keep
+from m3jax.model.tiles import _from_chunks, _to_chunks, causal_keep
 
 
 def indexer_recall(q: jax.Array, k: jax.Array, positions: jax.Array, key_valid: jax.Array | None,
