@@ -195,6 +195,7 @@ def test_phase_logs_the_mean_and_each_layer_on_the_first_micro_batch(tmp_path):
     assert metrics["indexer/recall"] == pytest.approx(float(want[0]), rel=1e-6)
 
 
+@pytest.mark.extended  # widens a check the default run keeps (the suite's 15-minute bound)
 @pytest.mark.slow  # one tiny trainer, two GRPO steps (~15 s on the shared 2-core CPU)
 def test_trainer_logs_the_recall_every_n_steps(tmp_path):
     from rl.trainer import GRPOTrainer
@@ -219,6 +220,7 @@ def test_curves_have_a_recall_panel_only_when_logged(tmp_path):
     assert Path(out).stat().st_size > 10_000
 
 
+@pytest.mark.extended  # widens a check the default run keeps (the suite's 15-minute bound)
 @pytest.mark.slow  # compiles the forward on an 8-device mesh, two impls (~10 s on the shared 2-core CPU)
 @pytest.mark.parametrize("impl", ["gather", "masked"])
 def test_recall_under_context_parallelism_equals_one_device(impl):

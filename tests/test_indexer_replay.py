@@ -236,6 +236,7 @@ def _numbers(metrics):
     return {k: v for k, v in metrics.items() if not k.startswith(("time/", "throughput/"))}
 
 
+@pytest.mark.extended  # widens a check the default run keeps (the suite's 15-minute bound)
 @pytest.mark.slow  # three tiny trainers, two GRPO steps each (~1 min on the shared 2-core CPU)
 def test_trainer_indexer_replay(tmp_path):
     """grpo.indexer_replay=none: every metric of two steps is what the trainer logged before block ids
@@ -256,6 +257,7 @@ def test_trainer_indexer_replay(tmp_path):
         assert np.isfinite(r["loss"]) and set(_numbers(r)) == set(_numbers(w)) | {"indexer/selection_mismatch_frac"}
 
 
+@pytest.mark.extended  # widens a check the default run keeps (the suite's 15-minute bound)
 @pytest.mark.slow  # compiles the forward on an 8-device mesh, two impls (~10 s on the shared 2-core CPU)
 @pytest.mark.parametrize("impl", ["gather", "masked"])
 def test_replay_under_context_parallelism_equals_one_device(impl):

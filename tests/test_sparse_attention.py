@@ -127,7 +127,7 @@ def test_head_units_pair_each_query_head_with_its_kv_and_index_head():
         head_units(6, 2, 4)
 
 
-@pytest.mark.parametrize("grouped", [False, True], ids=["gathered", "grouped"])
+@pytest.mark.parametrize("grouped", [pytest.param(False, marks=[pytest.mark.extended, pytest.mark.slow]), True], ids=["gathered", "grouped"])
 def test_temp_memory_grows_linearly_in_s(grouped):
     """Compiled temp memory of forward+backward at S and 4S: x4-ish (linear), not x16 (an [S, S] term)."""
     cfg = SimpleNamespace(index_block_size=64, index_topk_blocks=4, index_local_blocks=1, head_dim=64,
