@@ -2,7 +2,6 @@
 indexer kept and can attend over given blocks instead (every attention impl, and decoding); the JAX engine
 records them per prompt and sampled token; `indexer/selection_mismatch_frac` compares block sets."""
 
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +18,7 @@ from rl import phases
 from rl.generation.base import Rollout, SamplingParams
 from rl.generation.jax_engine import JaxEngine
 from rl.grpo.mismatch import selection_mismatch_frac
+from tests.tiny_runs import TINY, numbers, tiny_trainer, two_steps
 
 # Two sparse layers (dense MLPs: nothing but attention differs between the tests' models); SEQ = 7 blocks of 4
 # with 2 kept per query, so every query past position 7 really drops blocks.
@@ -26,7 +26,6 @@ CFG = m3_config(layers=2, full_attention_layers=0, dense_layers=2, hidden_size=3
                 num_key_value_heads=2, head_dim=16, intermediate_size=16, dense_intermediate_size=32,
                 index_n_heads=2, index_head_dim=8, index_block_size=4, index_topk_blocks=2, vocab_size=64)
 BATCH, SEQ, N_SPARSE, HI, K = 2, 28, 2, 2, 2
-TINY = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
 IMPLS = {"gather": {}, "masked": dict(sparse_attention="masked"),
          "masked_flash": dict(sparse_attention="masked", attention_impl="flash"),
          "masked_chunked": dict(sparse_attention="masked", attention_query_chunk=8)}
@@ -217,44 +216,25 @@ def test_jax_engine_returns_the_block_ids_of_prompt_and_response_tokens(model_id
         assert (out.block_ids[i, n:] == -1).all()  # no stop token: every row ran 12 steps; slots past it: none
 
 
-def _trainer(tmp_path, name, *overrides):
-    from rl.config import load_config
-    from rl.trainer import GRPOTrainer
-    cfg = load_config(str(TINY), [f"run.out_dir={tmp_path / name}", "grpo.prompts_per_step=4", "grpo.group_size=4",
-                                  "grpo.micro_batch_size=8", "logging.tensorboard=false", *overrides])
-    return GRPOTrainer(cfg)
-
-
-def _two_steps(trainer):
-    try:
-        return [trainer.step(s) for s in range(2)]
-    finally:
-        trainer.engine.shutdown()
-
-
-def _numbers(metrics):
-    return {k: v for k, v in metrics.items() if not k.startswith(("time/", "throughput/"))}
-
-
 @pytest.mark.extended  # widens a check the default run keeps (the suite's 15-minute bound)
 @pytest.mark.slow  # three tiny trainers, two GRPO steps each (~1 min on the shared 2-core CPU)
 def test_trainer_indexer_replay(tmp_path):
     """grpo.indexer_replay=none: every metric of two steps is what the trainer logged before block ids
     existed (an engine that returns none), plus indexer/selection_mismatch_frac; rollout: the steps run,
     replay the generator's blocks, and log it."""
-    today = _trainer(tmp_path, "today")
+    today = tiny_trainer(tmp_path, "today")
     assert today.engine.return_block_ids  # tiny.yaml has a sparse layer
     today.engine.return_block_ids = False  # the generator of before: no key blocks anywhere in the step
-    want = _two_steps(today)
-    got = _two_steps(_trainer(tmp_path, "none"))
-    replayed = _two_steps(_trainer(tmp_path, "rollout", "grpo.indexer_replay=rollout"))
+    want = two_steps(today)
+    got = two_steps(tiny_trainer(tmp_path, "none"))
+    replayed = two_steps(tiny_trainer(tmp_path, "rollout", "grpo.indexer_replay=rollout"))
     for w, g, r in zip(want, got, replayed):
         assert "indexer/selection_mismatch_frac" not in w
         frac = g.pop("indexer/selection_mismatch_frac")
-        assert _numbers(g) == _numbers(w)  # bitwise: equal floats
+        assert numbers(g) == numbers(w)  # bitwise: equal floats
         assert 0.0 <= frac <= 0.05  # one fp32 program family: the engine and the trainer select alike
         assert 0.0 <= r["indexer/selection_mismatch_frac"] <= 0.05
-        assert np.isfinite(r["loss"]) and set(_numbers(r)) == set(_numbers(w)) | {"indexer/selection_mismatch_frac"}
+        assert np.isfinite(r["loss"]) and set(numbers(r)) == set(numbers(w)) | {"indexer/selection_mismatch_frac"}
 
 
 @pytest.mark.extended  # widens a check the default run keeps (the suite's 15-minute bound)

@@ -14,6 +14,7 @@ from rl.generation.base import SamplingParams
 from rl.generation.jax_engine import JaxEngine
 from rl.grpo.mismatch import route_mismatch_frac
 from sharding.mesh import MeshConfig, build_mesh
+from tests.tiny_runs import numbers, tiny_trainer, two_steps
 
 # 1 full-attention dense layer, then 2 sparse MoE layers; SEQ = 2 x (topk blocks x block size): sparse layers select.
 CFG = m3_config(layers=3, hidden_size=64, num_attention_heads=2, num_key_value_heads=2, head_dim=16,
@@ -177,45 +178,25 @@ def test_jax_engine_returns_the_routes_of_prompt_and_response_tokens(single):
     assert float(route_mismatch_frac(full[:, :23], out.routes, mask[:, :23])) == 0.0
 
 
-def _trainer(tmp_path, name, *overrides):
-    from rl.config import load_config
-    from rl.trainer import GRPOTrainer
-    cfg = load_config("configs/tiny.yaml", [f"run.out_dir={tmp_path / name}", "grpo.prompts_per_step=4",
-                                            "grpo.group_size=4", "grpo.micro_batch_size=8", "logging.tensorboard=false",
-                                            *overrides])
-    return GRPOTrainer(cfg)
-
-
-def _two_steps(trainer):
-    try:
-        return [trainer.step(s) for s in range(2)]
-    finally:
-        trainer.engine.shutdown()
-
-
-def _numbers(metrics):
-    return {k: v for k, v in metrics.items() if not k.startswith(("time/", "throughput/"))}
-
-
 @pytest.mark.slow  # three tiny trainers, two GRPO steps each (~1 min on the shared 2-core CPU)
 def test_trainer_routing_replay(tmp_path):
     """grpo.routing_replay=none: every metric of two steps is what the trainer logged before routes existed
     (an engine that returns none), plus moe/route_mismatch_frac; rollout: the steps run, replay, and log it."""
-    today = _trainer(tmp_path, "today")
+    today = tiny_trainer(tmp_path, "today")
     today.engine.return_routes = False  # the generator of before: no routes anywhere in the step
     today.engine.return_block_ids = False  # nor key blocks (tests/test_indexer_replay.py checks those)
-    want = _two_steps(today)
-    got = _two_steps(_trainer(tmp_path, "none"))
-    replayed = _two_steps(_trainer(tmp_path, "rollout", "grpo.routing_replay=rollout"))
+    want = two_steps(today)
+    got = two_steps(tiny_trainer(tmp_path, "none"))
+    replayed = two_steps(tiny_trainer(tmp_path, "rollout", "grpo.routing_replay=rollout"))
     for w, g, r in zip(want, got, replayed):
         assert "moe/route_mismatch_frac" not in w
         frac = g.pop("moe/route_mismatch_frac")
         g.pop("indexer/selection_mismatch_frac")
         r.pop("indexer/selection_mismatch_frac")
-        assert _numbers(g) == _numbers(w)  # bitwise: equal floats
+        assert numbers(g) == numbers(w)  # bitwise: equal floats
         assert 0.0 <= frac <= 0.05  # one fp32 program family: the engine and the trainer route alike
         assert 0.0 <= r["moe/route_mismatch_frac"] <= 0.05
-        assert np.isfinite(r["loss"]) and set(_numbers(r)) == set(_numbers(w)) | {"moe/route_mismatch_frac"}
+        assert np.isfinite(r["loss"]) and set(numbers(r)) == set(numbers(w)) | {"moe/route_mismatch_frac"}
 
 
 @pytest.mark.extended  # the engine on a 2x4 mesh (~10 s); tests/test_jax_engine.py runs sharded generation in the suite

@@ -242,9 +242,7 @@ def sparse_layer_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: 
     else:
         ids = block_ids.astype(jnp.int32)
     ids = jax.lax.stop_gradient(ids)  # [B, S, Hi, K]
-    chunk = min(tile, s // n_ctx)
-    pos_c, ids_c = to_chunks(positions, n_ctx, chunk), to_chunks(ids, n_ctx, chunk)
-    kv_of, idx_of = head_units(h, kvh, ids_c.shape[3])
+    kv_of, idx_of = head_units(h, kvh, ids.shape[2])
     st = _Static(sk, bs, float(cfg.head_dim ** -0.5), jnp.dtype(k.dtype).name, tuple(kv_of.tolist()),
                  tuple(idx_of.tolist()))
     kval = jnp.ones((b, sk), bool) if key_valid is None else key_valid.astype(bool)
@@ -256,6 +254,8 @@ def sparse_layer_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: 
     else:
         constrain = constrain or (lambda a, axes: a)
         chunked = (None, "act_batch", "act_seq", "act_heads", None)
+        chunk = min(tile, s // n_ctx)
+        pos_c, ids_c = to_chunks(positions, n_ctx, chunk), to_chunks(ids, n_ctx, chunk)
         kb32, vb32 = to_blocks(k.astype(jnp.float32), bs), to_blocks(v.astype(jnp.float32), bs)
         o = _gathered(st, constrain(to_chunks(q, n_ctx, chunk), chunked), kb32, vb32, (kval_blocks, pos_c, ids_c))
         o = from_chunks(constrain(o, chunked), n_ctx, s)
