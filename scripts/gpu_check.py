@@ -20,13 +20,25 @@ Prints one JSON line per check; keep the output with BENCHMARKS.md. Checks:
    gathers, the meshes' path; grouped matmuls, one device's): forward and forward+backward times, each
    output against the dense (masked) path's;
 7. the LM head: token logprobs and their gradient from full [T, 200064] logits vs `model.logprob_chunk_tokens`
-   blocks (rl.logprobs.chunked_token_logprobs), times and the largest difference: what chunking costs in time.
+   blocks (rl.logprobs.chunked_token_logprobs), times and the largest difference: what chunking costs in time;
+8. vLLM long context: the GPU vLLM engine (rl.generation.vllm_engine, the pool's engine) on an M3-shaped
+   tiny-width model with sparse layers at vLLM's kernel shapes (head_dim 128, 128-token blocks, top-4 blocks)
+   and a 2,304-token prompt + 256 greedy tokens (> 2,048, so the indexer selects 4 of up to 20 blocks): its
+   generated (decode path) and scored (prefill path) logprobs against the trainer's (the JAX model's, fp32 on
+   the same bf16-rounded weights). The engine runs in a child process (one engine per process, and JAX holds
+   most of the GPU here); the check says why it is skipped when vllm does not import or finds no CUDA device.
+   `selection_effect` (CPU side, also under --small) is how far the same weights move when every block is
+   selected: the size of error a wrong block choice makes, to read the engine's difference against.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
 
 import jax
@@ -241,13 +253,134 @@ def logprob_head(small: bool, tokens: int, chunk: int):
          max_abs_diff=float(jnp.abs(out["full"][2] - out["chunked"][2]).max()))
 
 
+VLLM_PROMPT, VLLM_RESPONSE = 2304, 256  # > 2,048 tokens: 20 blocks of 128, of which the indexer keeps 4
+
+
+def m3_sparse_for_vllm():
+    """M3's layer pattern at tiny width, at the shapes vLLM's sparse kernels take (head_dim, index head_dim and
+    block size 128); random norms and router bias (m3jax initialises them to 0) so every piece shows."""
+    from m3jax.tiny import m3_config, m3_model
+    cfg = m3_config(layers=4, vocab_size=2048, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=128, intermediate_size=128, dense_intermediate_size=512, num_local_experts=8,
+                    index_n_heads=2, index_head_dim=128, index_block_size=128, index_topk_blocks=4,
+                    max_position_embeddings=8192)
+    model = m3_model(cfg, seed=0)
+    rng = np.random.default_rng(0)
+    for path, var in nnx.to_flat_state(nnx.state(model)):
+        v = np.asarray(var.get_value())
+        if "norm" in path[-1] or path[-1] == "router_bias":
+            v = (0.3 if "norm" in path[-1] else 0.1) * rng.standard_normal(v.shape)
+        # bf16-representable weights: the engine serves bf16 (its indexer cache is bf16 at best), the
+        # trainer's reference computes in fp32 on exactly those values.
+        var.set_value(jnp.asarray(v, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32))
+    return cfg, model
+
+
+@jax.jit
+def _token_logprobs(model, seq):
+    from rl.generation.base import token_logprobs
+    return token_logprobs(model(seq)[0, :-1], seq[0, 1:], 1.0)
+
+
+def trainer_logprobs(model, prompt, response):
+    """The trainer's logprobs of `response` after `prompt`: one full forward, as GRPO computes them."""
+    seq = jnp.asarray([list(prompt) + list(response)], jnp.int32)
+    return np.asarray(_token_logprobs(model, seq))[len(prompt) - 1:]
+
+
+def vllm_long_context(timeout_s: int = 900):
+    import dataclasses
+    import m3jax
+    cfg, model = m3_sparse_for_vllm()
+    rng = np.random.default_rng(1)
+    prompt = [int(t) for t in rng.integers(3, cfg.vocab_size, VLLM_PROMPT)]
+    probe = [int(t) for t in rng.integers(3, cfg.vocab_size, VLLM_RESPONSE)]
+    # CPU side: the same weights with every block selected (top-k = all 20 blocks = causal attention).
+    every = M3ForCausalLM(dataclasses.replace(cfg, index_topk_blocks=(VLLM_PROMPT + VLLM_RESPONSE) // 128),
+                          rngs=nnx.Rngs(0))
+    nnx.update(every, nnx.state(model))
+    t0 = time.perf_counter()
+    sparse_lp = trainer_logprobs(model, prompt, probe)
+    effect = np.abs(sparse_lp - trainer_logprobs(every, prompt, probe))
+    base = dict(check="vllm_long_context", tokens=VLLM_PROMPT + VLLM_RESPONSE, block_size=128, topk_blocks=4,
+                selection_effect={"max": float(effect.max()), "mean": float(effect.mean())},
+                reference_finite=bool(np.isfinite(sparse_lp).all()), reference_s=time.perf_counter() - t0)
+    with tempfile.TemporaryDirectory() as work:
+        m3jax.save_pretrained(model, os.path.join(work, "ckpt"), layout="released")
+        with open(os.path.join(work, "request.json"), "w") as f:
+            json.dump({"prompt": prompt, "max_new_tokens": VLLM_RESPONSE}, f)
+        env = dict(os.environ, JAX_PLATFORMS="cpu")  # the child never computes with JAX
+        try:
+            proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--vllm-child", work], env=env,
+                                  capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return emit(**base, error=f"the vLLM child ran past {timeout_s} s")
+        try:
+            with open(os.path.join(work, "result.json")) as f:
+                got = json.load(f)
+        except FileNotFoundError:
+            return emit(**base, error=f"vLLM child exited {proc.returncode} without a result: "
+                                      f"{proc.stderr.strip()[-1500:]}")
+    if "skipped" in got or "error" in got:
+        return emit(**base, **got)
+    response = got["response"]
+    want = trainer_logprobs(model, prompt, response)
+    effect = float(np.abs(want - trainer_logprobs(every, prompt, response)).mean())
+    out = dict(base, vllm=got["vllm"], response_tokens=len(response), engine_start_s=got["start_s"],
+               selection_effect_on_response=effect)
+    for path in ("generate", "score"):  # decode-path top-k, prefill-path top-k
+        d = np.abs(np.asarray(got[path], np.float64) - want)
+        out[path] = {"max_abs_diff": float(d.max()), "mean_abs_diff": float(d.mean()),
+                     "p99_abs_diff": float(np.quantile(d, 0.99)), "finite": bool(np.isfinite(d).all())}
+    # bf16 serving against an fp32 reference cannot match to 1e-4; what must hold is that the engine sits
+    # nearer the trainer than another block choice would move it (a wrong or non-causal block, a NaN fail).
+    out["ok"] = all(out[p]["finite"] and out[p]["mean_abs_diff"] < 0.5 * effect for p in ("generate", "score"))
+    emit(**out)
+
+
+def vllm_child(work: str):
+    """In a fresh process: serve the checkpoint with the pool's engine on CUDA, greedy-generate, score."""
+    def done(**kw):
+        with open(os.path.join(work, "result.json"), "w") as f:
+            json.dump(kw, f)
+    try:
+        import vllm
+        from vllm.platforms import current_platform
+    except Exception as e:  # noqa: BLE001 (any import failure means: no engine to check)
+        return done(skipped=f"vllm is not importable: {type(e).__name__}: {e}")
+    if not current_platform.is_cuda():
+        return done(skipped=f"no CUDA device: vLLM {vllm.__version__} runs on platform "
+                            f"{type(current_platform).__name__} (vLLM's sparse M3 layers are CUDA/ROCm only)")
+    from rl.generation.base import SamplingParams
+    from rl.generation.vllm_engine import VLLMEngine
+    with open(os.path.join(work, "request.json")) as f:
+        req = json.load(f)
+    try:
+        # JAX in the parent keeps most of the GPU; this tiny model needs a sliver.
+        eng = VLLMEngine(os.path.join(work, "ckpt"), dtype="bfloat16", max_model_len=4096, gpu_memory_utilization=0.1)
+        (ids, lps, _), = eng.generate([req["prompt"]], SamplingParams(max_new_tokens=req["max_new_tokens"],
+                                                                      temperature=0.0), seeds=[0])
+        scored = eng.score([req["prompt"]], [ids])[0]
+        done(response=ids, generate=lps, score=[float(x) for x in scored], start_s=eng.start_seconds,
+             vllm=vllm.__version__)
+        eng.shutdown()
+    except Exception as e:  # noqa: BLE001 (reported as the check's result)
+        done(error=f"{type(e).__name__}: {str(e)[:1500]}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="tiny shapes: a CPU smoke test of this script")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the device (H100/H200)")
+    ap.add_argument("--only", choices=("vllm",), help="run only this check")
+    ap.add_argument("--vllm-child", metavar="DIR", help=argparse.SUPPRESS)  # check 8's engine process
     args = ap.parse_args()
+    if args.vllm_child:
+        return vllm_child(args.vllm_child)
     emit(check="devices", backend=jax.default_backend(), devices=[str(d) for d in jax.devices()],
          jax=jax.__version__)
+    if args.only == "vllm":
+        return vllm_long_context()
     parity(args.small)
     peak = args.peak_tflops * 1e12
     if args.small:
@@ -256,6 +389,7 @@ def main():
         moe_kernels(True, 1, 32, 256)
         attention_kernels(True, 256)
         logprob_head(True, 256, 64)
+        vllm_long_context()
     else:
         mfu(False, 4, 16, 4096, 1, peak)
         for e in (16, 64):
@@ -264,6 +398,7 @@ def main():
         moe_kernels(False, 4, 16, 4096)
         attention_kernels(False, 8192)
         logprob_head(False, 8192, 1024)
+        vllm_long_context()
 
 
 if __name__ == "__main__":
