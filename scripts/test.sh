@@ -4,4 +4,6 @@ set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
 ./scripts/setup.sh
-exec .venv/bin/python -m pytest tests "$@"
+# pyproject.toml's testpaths names tests/ when no path is given; prepending "tests" here made
+# `./scripts/test.sh tests/test_x.py` run the whole suite.
+exec .venv/bin/python -m pytest "$@"
