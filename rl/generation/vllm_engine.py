@@ -35,6 +35,7 @@ from rl.generation.vllm_patches import PATCHES, apply_patches
 
 WORKER_EXTENSION = "rl.generation.vllm_patches.WorkerExtension"
 STAGING_ROOT = "/dev/shm"  # RAM-backed: the workers read the update without touching a disk
+APPLY_MODES = ("auto", "inplace", "reload")
 
 
 class WeightUpdateError(ValueError):
@@ -63,15 +64,24 @@ def sampling_logprobs(logp: np.ndarray, temperature: float, top_p: float = 1.0, 
 
 
 class VLLMEngine:
+    # How load_weights applies an update (set by _setup_apply): "inplace" or "reload", and why not inplace.
+    apply_mode, apply_fallback, _applier = "reload", None, None
+
     def __init__(self, model_dir: str, *, dtype: str = "float32", seed: int = 0, max_model_len: int,
                  tensor_parallel: int = 1, expert_parallel: int = 1, gpu_memory_utilization: float = 0.8,
-                 kv_cache_gb: float = 1, executor: str | None = None):
+                 kv_cache_gb: float = 1, executor: str | None = None, weight_apply: str = "auto"):
         """model_dir: a released-layout checkpoint (`m3jax.save_pretrained(model, path, layout="released")`).
         expert_parallel: 1, or equal to tensor_parallel (vLLM's expert parallelism spans the TP ranks).
-        executor: "uni" or "mp"; None picks "uni" for one rank and "mp" for more."""
+        executor: "uni" or "mp"; None picks "uni" for one rank and "mp" for more.
+        weight_apply: how `load_weights` writes an update. "inplace": one copy into the loaded parameters
+        plus the oneDNN re-pack (`rl.generation.inplace`; in-process executor only); "reload": vLLM's
+        `reload_weights`; "auto": inplace when it covers every layer of the model, else reload
+        (`apply_mode` / `apply_fallback` say which and why)."""
         executor = executor or ("uni" if tensor_parallel == 1 else "mp")
         if executor not in ("uni", "mp"):
             raise ValueError(f"executor={executor!r}: expected 'uni' or 'mp'")
+        if weight_apply not in APPLY_MODES:
+            raise ValueError(f"weight_apply={weight_apply!r}: expected one of {APPLY_MODES}")
         if executor == "uni" and tensor_parallel != 1:
             raise ValueError(f"tensor_parallel={tensor_parallel} needs worker processes: executor='mp'")
         if expert_parallel not in (1, tensor_parallel):
@@ -117,8 +127,29 @@ class VLLMEngine:
                 if set(got) != want:
                     self.shutdown()
                     raise RuntimeError(f"vLLM worker {rank} lacks the CPU patches {sorted(want - set(got))}")
+        self._setup_apply(weight_apply)
         self.start_seconds = time.perf_counter() - t0
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
+
+    def _setup_apply(self, want: str) -> None:
+        """Pick the weight-apply path; an in-process engine whose every layer the in-place applier covers
+        gets it (see rl.generation.inplace), anything else keeps vLLM's reload_weights."""
+        if want == "reload":
+            return
+        if self.executor != "uni":
+            why = "worker processes (executor 'mp') hold the model out of this process"
+        else:
+            from rl.generation.inplace import InplaceApplier
+            applier = self.llm.apply_model(InplaceApplier)[0]
+            missing = applier.uncovered()
+            why = f"layers not covered: {missing}" if missing else None
+            if not missing:
+                self.apply_mode, self._applier = "inplace", applier
+                return
+        if want == "inplace":
+            self.shutdown()
+            raise ValueError(f"weight_apply='inplace' is not possible here: {why}")
+        self.apply_fallback = why  # auto: reload_weights, and the reason is kept for logs / tests
 
     # ------------------------------------------------------------------------------------ checkpoint
     def _check_config(self) -> dict:
@@ -243,9 +274,16 @@ class VLLMEngine:
         if missing:
             raise WeightUpdateError(f"incomplete update: {len(missing)} of {len(self.manifest)} tensors missing, "
                                     f"e.g. {missing[:3]}; send every tensor (hf_tensors(model, 'released'))")
+        if self._applier is not None:  # one copy into the loaded layout + the oneDNN re-pack
+            tensors = ((name, _to_torch(array)) for name, array in items)
+            try:
+                self._applier.apply(tensors)
+            except BaseException as e:
+                self._broken = f"weight update failed part-way: {type(e).__name__}: {e}"
+                raise
         # reload_weights maps checkpoint names onto vLLM's fused parameters and re-runs the per-layer
-        # post-load processing; a second bare model.load_weights would not (stack-notes §8).
-        if self.executor == "uni":
+        # post-load processing; a second bare model.load_weights would not (rl.generation.inplace says why).
+        elif self.executor == "uni":
             tensors = ((name, _to_torch(array)) for name, array in items)
             self._apply("reload_weights", {"weights_iterator": tensors, "is_checkpoint_format": True})
         else:

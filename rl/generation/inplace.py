@@ -1,0 +1,117 @@
+"""One-copy weight apply for an in-process vLLM engine (issue 12 item 3).
+
+vLLM's `reload_weights` restores every layer onto the meta device, materialises fresh tensors, copies
+each checkpoint tensor into them, re-runs the layer's post-load processing and copies the result back
+into the live storage: two copies and a fresh allocation (page faults) per tensor, then the repack.
+
+Why a bare second `model.load_weights` corrupts a CPU model: on CPU the post-load processing of every
+unquantized linear layer (`UnquantizedLinearMethod`, `dispatch_cpu_unquantized_gemm(remove_weight=True)`)
+packs the [N, K] weight into a oneDNN matmul handle (or an sgl/zentorch packed tensor) and replaces
+`layer.weight` with an empty Parameter; `forward` reads only the packed copy. A second load_weights then
+writes into that empty Parameter (a shape error, or nothing) and the handle keeps the old weights. The
+embedding and lm_head keep their weight but also carry a packed copy for the logits matmul.
+
+What this module does instead, once per engine:
+  - every CPU-dispatched GEMM layer gets one persistent weight buffer in vLLM's *loaded* layout (built
+    from the meta tensor vLLM recorded for reloading, so it carries the layer's own `weight_loader`,
+    shard offsets and TP slicing);
+  - an update swaps those buffers in, runs the model's own `load_weights` (vLLM's name mapping: q/k/v ->
+    qkv_proj shard, gate/up -> gate_up_proj, expert e -> w13/w2 slot e), which copies each received
+    tensor once into its final place, and re-runs only the post-processing that depends on the values:
+    the GEMM dispatch (the oneDNN pack) of each linear / embedding layer;
+  - everything else (norms, router bias, the MoE expert stacks of the torch experts kernel, which reads
+    `w13_weight` / `w2_weight` at every forward and never repacks) is written in place by its loader.
+A layer whose post-processing this does not know (another quantisation method, a MoE kernel that
+repacks, a GPU platform's layouts) makes `uncovered()` non-empty: the engine then keeps `reload_weights`
+and says which layer (`VLLMEngine.apply_mode`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger(__name__)
+
+# MoE experts kernels that read the loaded w13/w2 storage directly at every forward (no repack).
+_PLAIN_MOE_EXPERTS = ("M3TorchExperts",)
+
+
+class InplaceApplier:
+    def __init__(self, model):
+        import torch
+        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+        from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+        from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+        from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
+        from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
+        from vllm.platforms import current_platform
+
+        self.model = model
+        self.gemm: dict[str, tuple[torch.nn.Module, torch.nn.Parameter, bool]] = {}  # name -> (layer, buffer, drop)
+        self._uncovered: list[str] = []
+        cpu = current_platform.is_cpu()
+        for name, layer in model.named_modules():
+            if not any(True for _ in layer.parameters(recurse=False)):
+                continue
+            qm = getattr(layer, "quant_method", None)
+            if qm is None:
+                continue  # norms, router bias: plain parameters written in place by their loader
+            if isinstance(qm, UnquantizedFusedMoEMethod):
+                kernel = getattr(getattr(qm, "moe_kernel", None), "fused_experts", None)
+                if type(kernel).__name__ not in _PLAIN_MOE_EXPERTS:
+                    self._uncovered.append(f"{name} (MoE experts kernel {type(kernel).__name__} may repack)")
+                continue
+            if not isinstance(qm, (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)):
+                self._uncovered.append(f"{name} ({type(qm).__name__} post-processing is not modelled)")
+                continue
+            if not cpu:
+                continue  # CUDA: unquantized linear / embedding weights are used as loaded
+            if getattr(layer, "_cpu_skip_gemm_dispatch", False) or not hasattr(layer, "cpu_linear"):
+                continue
+            drop = isinstance(qm, UnquantizedLinearMethod)  # linear layers drop their weight after packing
+            if drop:
+                info = LAYERWISE_INFO.get(layer)
+                meta = None if info is None else info.restore_metadata[0].get("weight")
+                if meta is None:
+                    self._uncovered.append(f"{name} (vLLM recorded no loaded layout for its weight)")
+                    continue
+                with info.restore_device:
+                    buf = restore_layer_refs(materialize_meta_tensor(meta), layer)
+                buf.requires_grad_(False)
+            else:
+                buf = layer.weight  # the embedding keeps its weight: the buffer is the live parameter
+            self.gemm[name] = (layer, buf, drop)
+
+    def uncovered(self) -> list[str]:
+        """Layers whose post-load processing an in-place write would not reproduce."""
+        return list(self._uncovered)
+
+    def apply(self, named_tensors) -> set[str]:
+        """Write HF-named tensors into the model once; returns the parameter names vLLM loaded.
+
+        The caller has checked the set complete (every layer gets every tensor), so every GEMM buffer
+        is fully rewritten before it is packed again.
+        """
+        import torch
+        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+        if self._uncovered:
+            raise RuntimeError(f"in-place apply does not cover {self._uncovered}")
+        removed = {}
+        for name, (layer, buf, drop) in self.gemm.items():
+            if drop:
+                removed[name] = layer.weight
+                layer.weight = buf  # register the loaded-layout buffer so load_weights finds it
+        try:
+            with torch.no_grad():
+                loaded = self.model.load_weights(named_tensors)
+        except BaseException:
+            for name, w in removed.items():  # the packed handles still hold the old weights
+                self.gemm[name][0].weight = w
+            raise
+        with torch.no_grad():
+            for name, (layer, buf, drop) in self.gemm.items():
+                # The one piece of post-processing that depends on the values: the oneDNN / sgl pack.
+                dispatch_cpu_unquantized_gemm(layer, remove_weight=drop)
+        return set(loaded or ())
