@@ -34,7 +34,7 @@ DATA_FORMATS = ("auto", "jsonl", "json", "parquet")            # rl.data.FileFor
 DATA_LAYOUTS = ("auto", "dapo", "gsm8k", "plain")              # rl.data.Layout
 DIGIT_VOCAB = 16                                               # rl.tasks.DigitTokenizer.vocab_size
 LOG_LEVELS = ("info", "debug")                                 # rl.logs.LEVELS
-WEIGHT_TRANSPORTS = ("ray",)                                   # rl.generation.transfer.TRANSPORTS
+WEIGHT_TRANSPORTS = ("ray", "collective")                     # rl.generation.transfer.TRANSPORTS
 
 
 def _f(default: Any, doc: str, **rules: Any) -> Any:
@@ -312,7 +312,9 @@ class GenerationSection(_Section):
                                               "killed and its rows re-sent", gt=0)
     vllm_max_restarts: int = _f(4, "dead or hung engines the pool replaces over a run before dropping them", min=0)
     weight_transport: str = _f("ray", "how new weights reach the vLLM engines (rl.generation.transfer.TRANSPORTS): "
-                                      "ray = HF-named buckets through the Ray object store (CPU and GPU)",
+                                      "ray = HF-named buckets through the Ray object store (CPU and GPU); "
+                                      "collective = the same buckets broadcast over a torch.distributed group "
+                                      "of the trainer and the engines (gloo on CPU, NCCL on GPU)",
                                choices=WEIGHT_TRANSPORTS)
     weight_bucket_mb: int = _f(256, "size of one weight-transfer bucket (MB); conversion of the next bucket "
                                     "overlaps sending this one", min=1)

@@ -7,18 +7,18 @@ An update is a two-phase commit so that a bad bucket can never leave an engine h
   1. stage: every bucket goes to every engine, which verifies each tensor (CRC32 of its bytes, and its
      name / shape / dtype against the engine's own checkpoint manifest) and holds it without applying;
   2. commit: only when every engine has acknowledged every bucket is `commit(version)` sent; each engine
-     applies the staged tensors in one `reload_weights` pass and reports the new version.
+     applies the staged tensors (one copy into its loaded parameters, `rl.generation.inplace`, or
+     vLLM's `reload_weights` where that does not cover the model) and reports the new version.
 On any failure the sender sends `abort(version)` everywhere and raises `TransferError` naming the
 tensor: the engines keep serving the previous version.
 
 Conversion of bucket n+1 runs in a thread while bucket n is being put into the object store and staged
 (`depth` buckets in flight), which is the double buffering of grpo-reference §3.
 
-The transport is the seam for GPU links: `RayObjectStoreTransport` moves host buffers through Ray's
-object store (the only transport CPU engines can use, and the only one built so far).
-`generation.weight_transport` names the entry of `TRANSPORTS` that `make_transport` builds for each
-update; an NCCL-broadcast or CUDA-IPC transport is a second class with the same constructor and `push`
-signature, registered there.
+`generation.weight_transport` names the entry of `TRANSPORTS` that `make_transport` builds:
+`RayObjectStoreTransport` ("ray") moves host buffers through Ray's object store;
+`rl.generation.collective.CollectiveTransport` ("collective") broadcasts the buckets over a
+torch.distributed group (gloo on CPU, NCCL on GPU) joined by the trainer process and the engines.
 """
 
 from __future__ import annotations
@@ -157,6 +157,7 @@ class TransferStats:
     apply_s: float  # commit: every engine's reload_weights
     total_s: float
     lost: list[int] = dataclasses.field(default_factory=list)  # engines that died during the update
+    setup_s: float = 0.0  # building the transport's group (collective, first update only), within total_s
 
     @property
     def gb_per_s(self) -> float:
@@ -164,14 +165,23 @@ class TransferStats:
 
 
 class Transport(Protocol):
+    broken: bool  # True once the transport cannot be reused (the pool then builds a new one)
+
     def push(self, named_arrays: Iterable[tuple[str, np.ndarray]], version: int) -> TransferStats: ...
+
+    def close(self) -> None: ...
 
 
 class RayObjectStoreTransport:
     """Buckets through Ray's object store to engine actors exposing stage / commit / abort."""
 
+    broken = False  # holds no connection: reusable for any update to the same engines
+
     def __init__(self, engines, bucket_bytes: int, depth: int = 2, timeout_s: float = 600.0):
         self.engines, self.bucket_bytes, self.depth, self.timeout_s = list(engines), bucket_bytes, depth, timeout_s
+
+    def close(self) -> None:
+        pass
 
     def push(self, named_arrays, version: int) -> TransferStats:
         import ray
@@ -265,8 +275,15 @@ class RayObjectStoreTransport:
                 pass
 
 
-# generation.weight_transport -> the class (rl.config.schema.WEIGHT_TRANSPORTS mirrors the names).
-TRANSPORTS: dict[str, type] = {"ray": RayObjectStoreTransport}
+def _collective(engines, bucket_bytes: int, timeout_s: float = 600.0):
+    from rl.generation.collective import CollectiveTransport  # imports torch: only when selected
+
+    return CollectiveTransport(engines, bucket_bytes, timeout_s=timeout_s)
+
+
+# generation.weight_transport -> the class (rl.config.schema.WEIGHT_TRANSPORTS mirrors the names):
+# ray = buckets through the Ray object store; collective = a torch.distributed group (rl.generation.collective).
+TRANSPORTS: dict[str, object] = {"ray": RayObjectStoreTransport, "collective": _collective}
 
 
 def make_transport(name: str, engines, bucket_bytes: int, timeout_s: float = 600.0) -> Transport:

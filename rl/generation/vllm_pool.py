@@ -27,8 +27,8 @@ import jax
 import numpy as np
 
 from rl.generation.base import Rollout, SamplingParams
-from rl.generation.transfer import (TRANSPORTS, StagedUpdate, TransferError, TransferStats, make_transport,
-                                    model_tensors)
+from rl.generation.transfer import TRANSPORTS, TransferError, TransferStats, make_transport, model_tensors
+from rl.generation.vllm_actor import EngineActor
 from rl.schedule import ChunkQueue, Incomplete
 
 log = logging.getLogger(__name__)
@@ -50,61 +50,11 @@ class PoolConfig:
     ray_address: str | None = None  # None: start a local Ray
     bucket_bytes: int = 256 << 20
     transport: str = "ray"  # a key of rl.generation.transfer.TRANSPORTS (generation.weight_transport)
+    weight_apply: str = "auto"  # VLLMEngine's weight_apply: auto (in-place where it covers the model) / reload
     request_timeout_s: float = 600.0
     max_restarts: int = 4
     chunks_per_engine: int = 2
     seed: int = 0
-
-
-class EngineActor:
-    """Runs inside its Ray worker process: one vLLM engine plus the staging area of weight updates.
-
-    Wrapped by `ray.remote` in `_actor_class` with two concurrency groups: `work` (one call at a
-    time: generation, scoring, weight staging/commit) and `probe` (health answers while work runs).
-    """
-
-    def __init__(self, cfg: PoolConfig, rank: int):
-        from rl.generation.vllm_engine import VLLMEngine  # imports vLLM: only in engine processes
-
-        self.rank = rank
-        self.engine = VLLMEngine(cfg.model_dir, dtype=cfg.dtype, seed=cfg.seed + rank,
-                                 max_model_len=cfg.max_model_len, tensor_parallel=cfg.tensor_parallel,
-                                 expert_parallel=cfg.expert_parallel,
-                                 gpu_memory_utilization=cfg.gpu_memory_utilization)
-        self.staged = StagedUpdate()
-        self.busy_since: float | None = None
-
-    def generate(self, rows: list[int], prompts: list[list[int]], sp: SamplingParams, seeds: list[int]):
-        self.busy_since = time.time()
-        try:
-            return rows, self.engine.version, self.engine.generate(prompts, sp, seeds)
-        finally:
-            self.busy_since = None
-
-    def score(self, prompts, responses, temperature: float, top_p: float, top_k: int):
-        return self.engine.score(prompts, responses, temperature=temperature, top_p=top_p, top_k=top_k)
-
-    def stage(self, bucket) -> int:
-        self.staged.stage(bucket, self.engine.check)
-        return bucket.index
-
-    def commit(self, version: int, num_buckets: int) -> int:
-        try:
-            self.engine.load_weights(self.staged.tensors(version, num_buckets))
-        finally:
-            self.staged.clear()
-        self.engine.version = version
-        return version
-
-    def abort(self, version: int) -> None:
-        if self.staged.version == version:
-            self.staged.clear()
-
-    def health(self) -> dict:
-        """The engine's own report (ok is False once a weight update failed part-way) plus how long the
-        current call has been running."""
-        return {**self.engine.health(), "rank": self.rank,
-                "busy_s": None if self.busy_since is None else time.time() - self.busy_since}
 
 
 _ACTOR = None
@@ -116,7 +66,8 @@ def _actor_class():
         import ray
 
         cls = type("VLLMEngineActor", (EngineActor,), {})
-        for name in ("generate", "score", "stage", "commit", "abort"):
+        for name in ("generate", "score", "stage", "commit", "abort", "join_weight_group", "leave_weight_group",
+                     "receive_weights", "apply_mode"):
             setattr(cls, name, ray.method(concurrency_group="work")(getattr(EngineActor, name)))
         cls.health = ray.method(concurrency_group="probe")(EngineActor.health)
         _ACTOR = ray.remote(concurrency_groups={"work": 1, "probe": 1})(cls)
@@ -146,6 +97,7 @@ class VLLMPool:
         self.restarts = 0
         self.resent_rows = 0
         self.last_transfer: TransferStats | None = None
+        self._transport, self._transport_to = None, ()  # kept across updates while the engines stay the same
         self._lock = threading.Lock()
         if not ray.is_initialized():
             if cfg.ray_address:
@@ -228,6 +180,7 @@ class VLLMPool:
     def shutdown(self) -> None:
         import ray
 
+        self._drop_transport()
         for s in self.slots:
             if s.actor is not None:
                 try:
@@ -340,11 +293,12 @@ class VLLMPool:
             targets = [s for s in self.slots if s.actor is not None and s.ready]
             if not targets:
                 raise PoolError(f"no live vLLM engine to receive weight version {version}")
-            transport = make_transport(self.cfg.transport, [s.actor for s in targets], self.cfg.bucket_bytes,
-                                       timeout_s=self.cfg.request_timeout_s)
+            transport = self._transport_for([s.actor for s in targets])
             try:
                 stats = transport.push(named_arrays, version)
             except TransferError:
+                if transport.broken:
+                    self._drop_transport()
                 self._sync_versions(targets)  # a failed commit may have updated some engines
                 raise
             for i, s in enumerate(targets):
@@ -355,6 +309,25 @@ class VLLMPool:
             self.version = version
             self.last_transfer = stats
             return stats
+
+    def _transport_for(self, actors):
+        """The configured transport to these engines: reused while they are the same actors (the collective
+        one holds a process group), rebuilt when an engine was replaced or the last push broke it."""
+        key = tuple(id(a) for a in actors)
+        if self._transport is None or self._transport.broken or key != self._transport_to:
+            self._drop_transport()
+            self._transport = make_transport(self.cfg.transport, actors, self.cfg.bucket_bytes,
+                                             timeout_s=self.cfg.request_timeout_s)
+            self._transport_to = key
+        return self._transport
+
+    def _drop_transport(self) -> None:
+        transport, self._transport, self._transport_to = self._transport, None, ()
+        if transport is not None:
+            try:
+                transport.close()
+            except Exception:  # noqa: BLE001 - closing a group whose engines died
+                pass
 
     def _sync_versions(self, slots) -> None:
         import ray
@@ -377,4 +350,4 @@ def _cluster_has_gpus() -> bool:
     return ray.cluster_resources().get("GPU", 0) > 0
 
 
-__all__ = ["PoolConfig", "PoolError", "TransferError", "VLLMPool"]
+__all__ = ["EngineActor", "PoolConfig", "PoolError", "TransferError", "VLLMPool"]

@@ -1,0 +1,88 @@
+"""The Ray actor of the vLLM pool (rl.generation.vllm_pool): one vLLM engine plus the receiving end of
+weight updates, for both transports (Ray object-store buckets staged by `stage`, or a collective group
+joined by `join_weight_group` and read by `receive_weights`), committed together by `commit`."""
+
+from __future__ import annotations
+
+import time
+
+from rl.generation.base import SamplingParams
+from rl.generation.transfer import StagedUpdate, TransferError
+
+
+class EngineActor:
+    """Runs inside its Ray worker process: one vLLM engine plus the staging area of weight updates.
+
+    Wrapped by `ray.remote` in `rl.generation.vllm_pool._actor_class` with two concurrency groups: `work` (one call at a
+    time: generation, scoring, weight staging/commit) and `probe` (health answers while work runs).
+    """
+
+    receiver = None  # rl.generation.collective.Receiver, once the collective transport has joined
+
+    def __init__(self, cfg, rank: int):  # cfg: rl.generation.vllm_pool.PoolConfig
+        from rl.generation.vllm_engine import VLLMEngine  # imports vLLM: only in engine processes
+
+        self.rank = rank
+        self.engine = VLLMEngine(cfg.model_dir, dtype=cfg.dtype, seed=cfg.seed + rank,
+                                 max_model_len=cfg.max_model_len, tensor_parallel=cfg.tensor_parallel,
+                                 expert_parallel=cfg.expert_parallel,
+                                 gpu_memory_utilization=cfg.gpu_memory_utilization,
+                                 weight_apply=cfg.weight_apply)
+        self.staged = StagedUpdate()
+        self.busy_since: float | None = None
+
+    def generate(self, rows: list[int], prompts: list[list[int]], sp: SamplingParams, seeds: list[int]):
+        self.busy_since = time.time()
+        try:
+            return rows, self.engine.version, self.engine.generate(prompts, sp, seeds)
+        finally:
+            self.busy_since = None
+
+    def score(self, prompts, responses, temperature: float, top_p: float, top_k: int):
+        return self.engine.score(prompts, responses, temperature=temperature, top_p=top_p, top_k=top_k)
+
+    def stage(self, bucket) -> int:
+        self.staged.stage(bucket, self.engine.check)
+        return bucket.index
+
+    def join_weight_group(self, host: str, port: int, rank: int, world: int, backend: str, timeout_s: float) -> int:
+        from rl.generation.collective import Receiver  # imports torch.distributed: collective transport only
+
+        self.receiver = self.receiver or Receiver()
+        return self.receiver.join(host, port, rank, world, backend, timeout_s)
+
+    def leave_weight_group(self) -> None:
+        if self.receiver is not None:
+            self.receiver.leave()
+
+    def receive_weights(self, version: int) -> int:
+        """Phase 1 on the collective path: every bucket received, verified and complete, or TransferError."""
+        if self.receiver is None:
+            raise TransferError(f"engine {self.rank} is not in a weight group (version {version})")
+        return self.receiver.receive(version, self.engine.check, self.engine.manifest)
+
+    def commit(self, version: int, num_buckets: int) -> int:
+        collective = self.receiver is not None and self.receiver.version == version
+        staged = self.receiver if collective else self.staged
+        try:
+            self.engine.load_weights(staged.tensors(version, num_buckets))
+        finally:
+            staged.clear()
+        self.engine.version = version
+        return version
+
+    def abort(self, version: int) -> None:
+        if self.staged.version == version:
+            self.staged.clear()
+        if self.receiver is not None and self.receiver.version == version:
+            self.receiver.clear()
+
+    def apply_mode(self) -> tuple[str, str | None]:
+        """How this engine applies an update, and why not in place when it does not."""
+        return self.engine.apply_mode, self.engine.apply_fallback
+
+    def health(self) -> dict:
+        """The engine's own report (ok is False once a weight update failed part-way) plus how long the
+        current call has been running."""
+        return {**self.engine.health(), "rank": self.rank,
+                "busy_s": None if self.busy_since is None else time.time() - self.busy_since}

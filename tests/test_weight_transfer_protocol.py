@@ -1,0 +1,109 @@
+"""The collective weight path's protocol without vLLM (rl.generation.collective): plain Ray actors that keep
+applied tensors in a dict join a gloo group with the test process; buckets arrive bit for bit (fp32 and
+bf16, a tensor larger than a bucket travels alone), and a corrupted or partial push is refused with the
+tensor named and nothing applied anywhere, after which the same group carries the next update."""
+
+import numpy as np
+import pytest
+
+pytest.importorskip("ray", reason="ray is not installed (scripts/setup.sh installs it)")
+import ml_dtypes  # noqa: E402
+import ray  # noqa: E402
+
+from rl.generation import collective  # noqa: E402
+from rl.generation.transfer import TransferError  # noqa: E402
+
+
+class DictEngine:
+    """The engine surface the collective path uses: a manifest, `check`, and commit into a dict."""
+
+    def __init__(self, named):
+        self.manifest = {n: (a.shape, a.dtype) for n, a in named}
+        self.receiver, self.applied, self.version = None, {}, 0
+
+    def check(self, name, shape, dtype):
+        if name not in self.manifest or tuple(shape) != self.manifest[name][0]:
+            raise KeyError(f"{name!r} {tuple(shape)} is not a tensor of this engine")
+
+    def join_weight_group(self, host, port, rank, world, backend, timeout_s):
+        self.receiver = self.receiver or collective.Receiver()
+        return self.receiver.join(host, port, rank, world, backend, timeout_s)
+
+    def leave_weight_group(self):
+        self.receiver.leave()
+
+    def receive_weights(self, version):
+        return self.receiver.receive(version, self.check, self.manifest)
+
+    def commit(self, version, num_buckets):
+        self.applied = {n: np.array(a) for n, a in self.receiver.tensors(version, num_buckets)}
+        self.receiver.clear()
+        self.version = version
+        return version
+
+    def abort(self, version):
+        if self.receiver is not None and self.receiver.version == version:
+            self.receiver.clear()
+
+    def state(self):
+        return self.version, self.applied
+
+
+def _named(seed):
+    rng = np.random.default_rng(seed)
+    return [("a", rng.standard_normal((3, 5)).astype(np.float32)),
+            ("b", rng.standard_normal((7,)).astype(ml_dtypes.bfloat16)),
+            ("big", rng.standard_normal((64, 40)).astype(np.float32)),  # 10 kB: alone in its bucket
+            ("c", rng.standard_normal((2, 2, 3)).astype(np.float32))]
+
+
+@pytest.fixture(scope="module")
+def engines(ray_local):
+    actor = ray.remote(DictEngine)
+    handles = [actor.remote(_named(0)) for _ in range(2)]
+    t = collective.CollectiveTransport(handles, bucket_bytes=256, timeout_s=60)
+    yield t, handles
+    t.close()
+    for h in handles:
+        ray.kill(h)
+
+
+def _check_applied(handles, version, named):
+    for version_got, applied in ray.get([h.state.remote() for h in handles]):
+        assert version_got == version and list(applied) == [n for n, _ in named]
+        for n, a in named:
+            assert applied[n].dtype == a.dtype and np.array_equal(applied[n].view(np.uint8), a.view(np.uint8)), n
+
+
+def test_collective_push_arrives_bit_for_bit_on_every_engine(engines):
+    t, handles = engines
+    stats = t.push(iter(_named(1)), 1)
+    assert stats.setup_s > 0 and stats.buckets == 3 and stats.tensors == 4  # [a b] [big] [c]
+    assert stats.bytes == sum(a.nbytes for _, a in _named(1))
+    _check_applied(handles, 1, _named(1))
+    assert t.push(iter(_named(2)), 2).setup_s == 0  # the group is kept between updates
+    _check_applied(handles, 2, _named(2))
+
+
+def test_corrupted_or_partial_push_is_refused_everywhere_and_the_group_stays_usable(engines, monkeypatch):
+    t, handles = engines
+    t.push(iter(_named(3)), 3)
+    real = collective.WeightGroup.broadcast
+
+    def corrupt_big(self, tensor, root=0):
+        if tensor.numel() == 64 * 40 * 4:  # the payload of the bucket holding 'big'
+            tensor = tensor.clone()
+            tensor[17] ^= 4
+        return real(self, tensor, root)
+
+    monkeypatch.setattr(collective.WeightGroup, "broadcast", corrupt_big)
+    with pytest.raises(TransferError, match=r"tensor 'big' \(bucket 1, version 4\): checksum mismatch"):
+        t.push(iter(_named(4)), 4)
+    monkeypatch.setattr(collective.WeightGroup, "broadcast", real)
+    with pytest.raises(TransferError, match=r"tensor 'c' missing from version 5 \(partial update: 1 of 4"):
+        t.push(iter(_named(5)[:3]), 5)
+    with pytest.raises(TransferError, match=r"tensor 'a' sent twice in version 6"):
+        t.push(iter(_named(6) + _named(6)[:1]), 6)
+    _check_applied(handles, 3, _named(3))  # nothing of 4, 5 or 6 was applied anywhere
+    t.push(iter(_named(7)), 7)
+    _check_applied(handles, 7, _named(7))
