@@ -38,7 +38,7 @@ import time
 
 import numpy as np
 
-from rl.generation.transfer import TransferError, TransferStats, _as_transfer_error, checksum
+from rl.generation.transfer_base import TransferError, TransferStats, as_transfer_error, checksum
 
 BUCKET, END, ABORT = 0, 1, 2
 ALIGN = 64
@@ -229,8 +229,13 @@ class CollectiveTransport:
         group = WeightGroup(host, 0, 0, world, self.backend, self.timeout_s)
         joins = [e.join_weight_group.remote(host, group.port, i + 1, world, self.backend, self.timeout_s)
                  for i, e in enumerate(self.engines)]
-        group.connect()
-        ray.get(joins, timeout=self.timeout_s)
+        try:
+            group.connect()
+            ray.get(joins, timeout=self.timeout_s)
+        except Exception as e:  # an engine that died or never joined: no update, a fresh group next time
+            group.close()
+            self.broken = True
+            raise TransferError(f"building the weight group of {len(self.engines)} engines failed: {e}") from None
         self.group = group
         return time.perf_counter() - t
 
@@ -258,7 +263,7 @@ class CollectiveTransport:
         import torch
 
         t0 = time.perf_counter()
-        setup_s = self.connect() if self.group is None else 0.0
+        setup_s = self.connect() if self.group is None else 0.0  # TransferError: nothing was sent
         receives = {i: e.receive_weights.remote(version) for i, e in enumerate(self.engines)}
         free: queue.Queue = queue.Queue()
         for i in range(self.depth):
@@ -338,7 +343,7 @@ class CollectiveTransport:
         except Exception as e:
             stop.set()
             self.abort(version)
-            raise _as_transfer_error(e) from None
+            raise as_transfer_error(e) from None
         s = time.perf_counter()
         self._collect({i: e.commit.remote(version, n_buckets) for i, e in enumerate(self.engines)}, version,
                       "commit", expect=version)
@@ -360,7 +365,7 @@ class CollectiveTransport:
                                                f"{type(e).__name__}")
                 continue
             except Exception as e:  # noqa: BLE001
-                first = first or _as_transfer_error(e)
+                first = first or as_transfer_error(e)
                 continue
             if expect is not None and got != expect:
                 first = first or TransferError(f"engine {i} reports version {got} after committing {expect}")

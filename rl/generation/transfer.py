@@ -27,14 +27,12 @@ import dataclasses
 import queue
 import threading
 import time
-import zlib
 from typing import Iterable, Iterator, Protocol
 
 import numpy as np
 
-
-class TransferError(RuntimeError):
-    """A weight update was rejected; the engines still serve the previous version."""
+from rl.generation.collective import CollectiveTransport
+from rl.generation.transfer_base import TransferError, TransferStats, as_transfer_error, checksum
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,12 +53,6 @@ class Bucket:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays)
-
-
-def checksum(array: np.ndarray) -> int:
-    """CRC32 of the array's bytes in C order (dtype-agnostic: bf16 is hashed as its raw 16-bit words)."""
-    flat = np.ascontiguousarray(array).reshape(-1)
-    return zlib.crc32(flat.view(np.uint8)) if flat.size else 0
 
 
 def model_tensors(graphdef, params, rest=None, layout: str = "released") -> Iterator[tuple[str, np.ndarray]]:
@@ -146,24 +138,6 @@ class StagedUpdate:
         self.version, self.buckets = None, {}
 
 
-@dataclasses.dataclass
-class TransferStats:
-    version: int
-    bytes: int
-    buckets: int
-    tensors: int
-    convert_s: float  # producing host arrays + checksums (overlaps send)
-    send_s: float  # object-store put + every engine's verify-and-stage
-    apply_s: float  # commit: every engine's reload_weights
-    total_s: float
-    lost: list[int] = dataclasses.field(default_factory=list)  # engines that died during the update
-    setup_s: float = 0.0  # building the transport's group (collective, first update only), within total_s
-
-    @property
-    def gb_per_s(self) -> float:
-        return self.bytes / 1e9 / max(self.total_s, 1e-12)
-
-
 class Transport(Protocol):
     broken: bool  # True once the transport cannot be reused (the pool then builds a new one)
 
@@ -238,13 +212,13 @@ class RayObjectStoreTransport:
         except Exception as e:
             stop.set()  # the converter must not keep producing buckets nobody will take
             self.abort(version)
-            raise _as_transfer_error(e) from None
+            raise as_transfer_error(e) from None
         s = time.perf_counter()
         commits = {i: e.commit.remote(version, n_buckets) for i, e in live.items()}
         try:
             self._collect(commits, live, expect=version)
         except Exception as e:  # staged bytes were verified, so this is the engine failing to apply them
-            raise _as_transfer_error(e) from None
+            raise as_transfer_error(e) from None
         end = time.perf_counter()
         return TransferStats(version, n_bytes, n_buckets, n_tensors, convert["s"], send_s, end - s, end - t0,
                              lost=sorted(set(range(len(self.engines))) - set(live)))
@@ -275,15 +249,7 @@ class RayObjectStoreTransport:
                 pass
 
 
-def _collective(engines, bucket_bytes: int, timeout_s: float = 600.0):
-    from rl.generation.collective import CollectiveTransport  # imports torch: only when selected
-
-    return CollectiveTransport(engines, bucket_bytes, timeout_s=timeout_s)
-
-
-# generation.weight_transport -> the class (rl.config.schema.WEIGHT_TRANSPORTS mirrors the names):
-# ray = buckets through the Ray object store; collective = a torch.distributed group (rl.generation.collective).
-TRANSPORTS: dict[str, object] = {"ray": RayObjectStoreTransport, "collective": _collective}
+TRANSPORTS: dict[str, type] = {"ray": RayObjectStoreTransport, "collective": CollectiveTransport}
 
 
 def make_transport(name: str, engines, bucket_bytes: int, timeout_s: float = 600.0) -> Transport:
@@ -293,13 +259,3 @@ def make_transport(name: str, engines, bucket_bytes: int, timeout_s: float = 600
     except KeyError:
         raise ValueError(f"weight transport {name!r} is not built; allowed: {', '.join(TRANSPORTS)}") from None
     return cls(engines, bucket_bytes, timeout_s=timeout_s)
-
-
-def _as_transfer_error(e: Exception) -> TransferError:
-    """Ray wraps an actor's exception; the engine's own TransferError message is what the user needs."""
-    cause = getattr(e, "cause", None)
-    if isinstance(cause, TransferError):
-        return cause
-    if isinstance(e, TransferError):
-        return e
-    return TransferError(f"weight update failed: {e}")

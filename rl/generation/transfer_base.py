@@ -1,0 +1,47 @@
+"""What both weight transports share (rl.generation.transfer, rl.generation.collective): the error an
+update is rejected with, the per-tensor checksum and the per-update statistics."""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+
+import numpy as np
+
+
+class TransferError(RuntimeError):
+    """A weight update was rejected; the engines still serve the previous version."""
+
+
+def checksum(array: np.ndarray) -> int:
+    """CRC32 of the array's bytes in C order (dtype-agnostic: bf16 is hashed as its raw 16-bit words)."""
+    flat = np.ascontiguousarray(array).reshape(-1)
+    return zlib.crc32(flat.view(np.uint8)) if flat.size else 0
+
+
+@dataclasses.dataclass
+class TransferStats:
+    version: int
+    bytes: int
+    buckets: int
+    tensors: int
+    convert_s: float  # the sender: host arrays (hf_tensors) + packing + checksums; overlaps the wire
+    send_s: float  # the wire: object-store put or group broadcast, until every engine verified and staged
+    apply_s: float  # commit: every engine's apply (in place or reload_weights), in parallel
+    total_s: float
+    lost: list[int] = dataclasses.field(default_factory=list)  # engines that died during the update
+    setup_s: float = 0.0  # building the transport's group (collective, first update only), within total_s
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / 1e9 / max(self.total_s, 1e-12)
+
+
+def as_transfer_error(e: Exception) -> TransferError:
+    """Ray wraps an actor's exception; the engine's own TransferError message is what the user needs."""
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, TransferError):
+        return cause
+    if isinstance(e, TransferError):
+        return e
+    return TransferError(f"weight update failed: {e}")
