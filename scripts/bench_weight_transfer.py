@@ -1,11 +1,15 @@
 """Weight transfer into vLLM engines, end to end, next to a plain host memcpy of the same bytes.
 
-Builds a ~300 MB (fp32) M3 with MoE layers, starts a pool of vLLM engines on CPU from its export, then
-pushes new weights several times (trainer params -> HF tensors -> checksummed buckets -> Ray object
-store -> every engine's stage + reload_weights) and prints GB/s of model bytes per update, the convert /
-send / apply split, and the ratio to np.copyto of a buffer of the same size measured in this run.
+Builds a ~300 MB (fp32) M3 with MoE layers (`--large`: 1.03 GB), starts a pool of vLLM engines on CPU
+from its export, then pushes new weights several times (trainer params -> HF tensors -> checksummed
+buckets -> the transport -> every engine's verify + stage -> commit = apply) and prints GB/s of model
+bytes per update, the split sender (convert + pack + CRC, overlapping the wire) / wire (send + every
+engine's verify) / apply (commit), and the ratio to np.copyto of a buffer of the same size measured in
+this run. Transports: `ray` (Ray object store) and `collective` (a gloo group, rl.generation.collective);
+apply: `auto` (one copy in place, rl.generation.inplace) or `reload` (vLLM's reload_weights).
 
-    .venv/bin/python scripts/bench_weight_transfer.py [--engines 1 2] [--bucket-mb 64] [--repeats 3]
+    .venv/bin/python scripts/bench_weight_transfer.py [--engines 1 2] [--transport ray collective]
+        [--apply auto reload] [--large] [--bucket-mb 64] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -28,6 +32,17 @@ def config():
                      pad_token_id=0)
 
 
+def large_config():
+    from m3jax.tiny import m3_config
+
+    # 1.03 GB fp32: vocab 32768 x hidden 1536 (embed + lm_head 403 MB), a dense layer (6144 wide), a MoE layer
+    # with 32 experts of 768 (467 MB)
+    return m3_config(layers=2, full_attention_layers=2, vocab_size=32768, hidden_size=1536, num_attention_heads=24,
+                     num_key_value_heads=4, head_dim=64, intermediate_size=768, dense_intermediate_size=6144,
+                     num_local_experts=32, index_head_dim=64, index_block_size=64, max_position_embeddings=256,
+                     pad_token_id=0)
+
+
 def memcpy_gb_per_s(nbytes: int, repeats: int = 5) -> float:
     src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
     dst = np.empty_like(src)
@@ -45,6 +60,10 @@ def main():
     ap.add_argument("--engines", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--bucket-mb", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--transport", nargs="+", default=["ray", "collective"], help="generation.weight_transport values")
+    ap.add_argument("--apply", nargs="+", default=["auto"], choices=["auto", "reload"],
+                    help="engine weight apply: auto (in place where covered) or reload (vLLM reload_weights)")
+    ap.add_argument("--large", action="store_true", help="a 1.03 GB model instead of 287 MB")
     a = ap.parse_args()
 
     import jax
@@ -55,7 +74,7 @@ def main():
     from m3jax.tiny import m3_model
     from rl.generation.vllm_pool import PoolConfig, VLLMPool
 
-    cfg = config()
+    cfg = large_config() if a.large else config()
     model = m3_model(cfg, seed=0)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     nbytes = sum(x.nbytes for x in jax.tree.leaves(params))
@@ -66,19 +85,23 @@ def main():
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "model")
         m3jax.save_pretrained(model, path, layout="released")
-        for n in a.engines:
+        for n, apply, transport in ((n, ap_, t) for n in a.engines for ap_ in a.apply for t in a.transport):
             pool = VLLMPool(PoolConfig(model_dir=path, servers=n, max_model_len=256, dtype="float32",
-                                       bucket_bytes=a.bucket_mb << 20, request_timeout_s=600), graphdef)
+                                       bucket_bytes=a.bucket_mb << 20, request_timeout_s=600, transport=transport,
+                                       weight_apply=apply), graphdef)
+            modes = sorted({m for m, _ in ray.get([s.actor.apply_mode.remote() for s in pool.slots])})
+            tag = f"{n} engine(s), {transport}, apply {'/'.join(modes)}"
             rows = []
             for i in range(a.repeats):
                 s = pool.set_weights(params2 if i % 2 == 0 else params, i + 1, rest)
                 rows.append(s)
-                print(f"  {n} engine(s) update {i + 1}: {s.total_s:.2f} s = {s.gb_per_s:.2f} GB/s of model bytes "
-                      f"(convert {s.convert_s:.2f} s, send+stage {s.send_s:.2f} s, apply {s.apply_s:.2f} s; "
-                      f"{s.buckets} buckets)")
+                print(f"  {tag} update {i + 1}: {s.total_s:.2f} s = {s.gb_per_s:.2f} GB/s of model bytes "
+                      f"(sender {s.convert_s:.2f} s, wire {s.send_s:.2f} s, apply {s.apply_s:.2f} s, "
+                      f"group setup {s.setup_s:.2f} s; {s.buckets} buckets)", flush=True)
             best = max(rows, key=lambda s: s.gb_per_s)
-            print(f"{n} engine(s): best {best.gb_per_s:.2f} GB/s per update = {best.gb_per_s / copy:.2f} x memcpy; "
-                  f"{best.gb_per_s * n:.2f} GB/s delivered in all = {best.gb_per_s * n / copy:.2f} x memcpy")
+            print(f"{tag}: best {best.gb_per_s:.2f} GB/s per update = {best.gb_per_s / copy:.3f} x memcpy; "
+                  f"{best.gb_per_s * n:.2f} GB/s delivered in all = {best.gb_per_s * n / copy:.3f} x memcpy",
+                  flush=True)
             pool.shutdown()
         ray.shutdown()
 
