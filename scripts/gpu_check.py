@@ -21,14 +21,12 @@ Prints one JSON line per check; keep the output with BENCHMARKS.md. Checks:
    output against the dense (masked) path's;
 7. the LM head: token logprobs and their gradient from full [T, 200064] logits vs `model.logprob_chunk_tokens`
    blocks (rl.logprobs.chunked_token_logprobs), times and the largest difference: what chunking costs in time;
-8. vLLM long context: the GPU vLLM engine (rl.generation.vllm_engine, the pool's engine) on an M3-shaped
-   tiny-width model with sparse layers at vLLM's kernel shapes (head_dim 128, 128-token blocks, top-4 blocks)
-   and a 2,304-token prompt + 256 greedy tokens (> 2,048, so the indexer selects 4 of up to 20 blocks): its
-   generated (decode path) and scored (prefill path) logprobs against the trainer's (the JAX model's, fp32 on
-   the same bf16-rounded weights). The engine runs in a child process (one engine per process, and JAX holds
-   most of the GPU here); the check says why it is skipped when vllm does not import or finds no CUDA device.
-   `selection_effect` (CPU side, also under --small) is how far the same weights move when every block is
-   selected: the size of error a wrong block choice makes, to read the engine's difference against.
+8. vLLM long context: the pool's GPU vLLM engine on an M3-shaped tiny model with sparse layers at vLLM's kernel
+   shapes (head_dim 128, 128-token blocks, top-4) over a 2,304-token prompt + 256 greedy tokens (> 2,048: the
+   indexer keeps 4 of up to 20 blocks): generated (decode) and scored (prefill) logprobs against the trainer's
+   (JAX, fp32, same bf16-rounded weights). The engine runs in a child process (JAX holds most of the GPU); the
+   check says why it is skipped without vllm or a CUDA device. `selection_effect` (CPU side, run by --small):
+   how far the logprobs move when every block is selected, the scale of a wrong block choice.
 """
 
 from __future__ import annotations
