@@ -130,7 +130,8 @@ def _platform(layout: Layout) -> str:
 
 
 def policy_logprobs(model, mb: dict, sampling: SamplingParams, chunk_tokens: int = 0, replay: bool = False,
-                    return_routes: bool = False, replay_blocks: bool = False, return_block_ids: bool = False):
+                    return_routes: bool = False, replay_blocks: bool = False, return_block_ids: bool = False,
+                    return_indexer_kl: bool = False):
     """log p(mb["targets"]) [B, S] under `sampling`'s transform for one micro-batch (input_ids,
     attention_mask, targets [B, S]): the logprob pass and the GRPO loss both call this.
     chunk_tokens: 0 = full [B, S, V] logits; else `chunked_token_logprobs` with that many positions per
@@ -138,7 +139,9 @@ def policy_logprobs(model, mb: dict, sampling: SamplingParams, chunk_tokens: int
     routing replay). return_routes: return (logp, the router's own top-k ids [B, S, n_moe_layers, k]).
     replay_blocks: the sparse layers attend over mb["block_ids"] [B, S, n_sparse_layers, Hi, K] (the
     generator's key blocks; indexer selection replay). return_block_ids: also return the indexer's own
-    top-K block ids [B, S, n_sparse_layers, Hi, K] (last: (logp, [routes,] block ids))."""
+    top-K block ids [B, S, n_sparse_layers, Hi, K] (last: (logp, [routes,] block ids)). return_indexer_kl:
+    also return, last, the indexer alignment KL per position [B, S] (`m3jax.model.indexer_align`, averaged
+    over the sparse layers)."""
     sp = sampling
     moe = {}
     if replay:
@@ -149,9 +152,11 @@ def policy_logprobs(model, mb: dict, sampling: SamplingParams, chunk_tokens: int
         moe["block_ids"] = mb["block_ids"]
     if return_block_ids:
         moe["return_block_ids"] = True
+    if return_indexer_kl:
+        moe["return_indexer_kl"] = True
     out = model(mb["input_ids"], attention_mask=mb["attention_mask"], hidden=bool(chunk_tokens), **moe)
     extra = ()
-    if return_routes or return_block_ids:
+    if return_routes or return_block_ids or return_indexer_kl:
         out, *extra = out
     if not chunk_tokens:
         logp = token_logprobs(out, mb["targets"], sp.temperature, sp.top_p, sp.top_k)

@@ -317,6 +317,7 @@ def step_metrics(samples: Samples, reward: np.ndarray, failures: int, adv: Advan
         "is_out_of_band_frac": sums.get("is_out_of_band_tokens", 0.0) / tokens,
         "is/inf_frac": sums.get("is_inf_tokens", 0.0) / tokens,  # non-finite logp_gen: weight 0 (rl.grpo.importance)
         "kl": sums.get("kl_sum", 0.0) / tokens, "entropy_approx": sums.get("neg_logp_sum", 0.0) / tokens,
+        **({"indexer/align_kl": sums["indexer_kl_sum"] / tokens} if "indexer_kl_sum" in sums else {}),
         "gen_kl_error": float(mism["gen_kl_error"]), "token_mult_prob_error": float(mism["token_mult_prob_error"]),
         "lr": lr,
         "throughput/tokens_per_s": int(out.lengths.sum()) / max(elapsed, 1e-9),

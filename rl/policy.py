@@ -24,7 +24,7 @@ from rl import checkpoint as ckpt_lib
 from rl.config import RunConfig, checkpoint_dir
 from rl.generation.backends import sampling_of
 from rl.generation.base import SamplingParams
-from rl.grpo.loss import LossConfig, grpo_loss, normalizer
+from rl.grpo.loss import LossConfig, aggregate, grpo_loss, normalizer
 from rl.logprobs import make_logprob_pass, policy_logprobs
 from sharding import optim_step
 from sharding.layout import Layout
@@ -105,17 +105,27 @@ def build_policy(cfg: RunConfig) -> Policy:
 
 
 def grpo_loss_fn(sampling: SamplingParams, loss_cfg: LossConfig, chunk_tokens: int = 0,
-                 replay: bool = False, indexer_replay: bool = False) -> Callable:
+                 replay: bool = False, indexer_replay: bool = False, indexer_loss_coef: float = 0.0) -> Callable:
     """loss_fn(model, micro_batch) -> (summed GRPO loss, metric sums) for `sharding.train_step`.
     chunk_tokens: positions per logits block (`rl.logprobs.policy_logprobs`; 0 = full logits).
     replay: routing replay of the micro-batch's "routes" (the generator's MoE expert ids), when it has them.
-    indexer_replay: indexer selection replay of its "block_ids" (the generator's key blocks), when it has them."""
+    indexer_replay: indexer selection replay of its "block_ids" (the generator's key blocks), when it has them.
+    indexer_loss_coef > 0: adds coef x the indexer alignment KL of each response position (`aggregate`d as
+    the GRPO loss is, so the step's normaliser applies to both) and its sum as "indexer_kl_sum"; its
+    gradient reaches only the indexer (`m3jax.model.indexer_align`)."""
+    align = indexer_loss_coef > 0
 
     def loss_fn(model, mb):
-        logp = policy_logprobs(model, mb, sampling, chunk_tokens, replay=replay and "routes" in mb,
-                               replay_blocks=indexer_replay and "block_ids" in mb)
-        return grpo_loss(logp, mb["logp_old"], mb["logp_gen"], mb["advantages"], mb["loss_mask"], loss_cfg,
-                         mb.get("logp_ref"))
+        out = policy_logprobs(model, mb, sampling, chunk_tokens, replay=replay and "routes" in mb,
+                              replay_blocks=indexer_replay and "block_ids" in mb, return_indexer_kl=align)
+        logp, indexer_kl = out if align else (out, None)
+        loss_sum, stats = grpo_loss(logp, mb["logp_old"], mb["logp_gen"], mb["advantages"], mb["loss_mask"],
+                                    loss_cfg, mb.get("logp_ref"))
+        if align:
+            m = mb["loss_mask"].astype(jnp.float32)
+            loss_sum = loss_sum + indexer_loss_coef * aggregate(indexer_kl, m, loss_cfg.aggregation)
+            stats = {**stats, "indexer_kl_sum": jnp.sum(m * jax.lax.stop_gradient(indexer_kl))}
+        return loss_sum, stats
 
     return loss_fn
 
@@ -126,7 +136,8 @@ def make_update(policy: Policy, loss_cfg: LossConfig) -> Callable:
     return make_train_step(
         policy.graphdef, policy.optimizer,
         grpo_loss_fn(policy.sampling, loss_cfg, policy.cfg.model.logprob_chunk_tokens,
-                     policy.cfg.grpo.routing_replay == "rollout", policy.cfg.grpo.indexer_replay == "rollout"),
+                     policy.cfg.grpo.routing_replay == "rollout", policy.cfg.grpo.indexer_replay == "rollout",
+                     policy.cfg.model.indexer_loss_coef),
         mesh=policy.layout,
         shardings=policy.shardings,
         normalizer=lambda b: normalizer(b["loss_mask"].reshape(-1, b["loss_mask"].shape[-1]), loss_cfg))

@@ -418,6 +418,10 @@ BAD_FILES = {
                                          ['grpo.indexer_replay = "rollout" with generation.backend = "vllm": this '
                                           "vLLM version does not return the indexer's block selection",
                                           'allowed: "none", or generation.backend = "jax"']),
+    "indexer_loss_without_sparse_layers": ("model: {indexer_loss_coef: 0.1, tiny: {layer_types: [full_attention, "
+                                           "full_attention]}}\n",
+                                           ["model.indexer_loss_coef = 0.1: the model has no sparse (indexer) layers",
+                                            "allowed: 0"]),
 }
 
 

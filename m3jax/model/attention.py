@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from m3jax.model.flash import flash_attention
 from m3jax.model.indexer import block_ids_to_mask, block_mask_to_tokens, select_key_blocks, topk_key_blocks
+from m3jax.model.indexer_align import indexer_alignment_kl
 from m3jax.model.norms import rms_norm
 from m3jax.model.recall import indexer_recall
 from m3jax.model.rope import apply_rope
@@ -57,7 +58,7 @@ def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
                     key_valid: jax.Array | None, cfg, sparse: bool, cache: dict | None = None,
                     query_chunk: int = 0, layout: Layout = Layout(), impl: str = "dense",
                     sparse_impl: str = "gather", block_ids: jax.Array | None = None, return_block_ids: bool = False,
-                    return_recall: bool = False):
+                    return_recall: bool = False, return_indexer_kl: bool = False):
     """One layer's attention on normalised hidden x [B, S, d] -> [B, S, d] (and the updated cache).
 
     p holds this layer's q/k/v/o projections ([heads, D, d] / [d, H, D]), q/k norms, and for sparse
@@ -78,6 +79,8 @@ def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
     return_recall (sparse layers, no cache): also return, last, the layer's indexer recall (a scalar, fp32;
     `m3jax.model.recall.indexer_recall`): the share of the full attention's probability mass (computed
     without the indexer's mask) in the blocks the indexer selects, over the real queries (key_valid).
+    return_indexer_kl (sparse layers, no cache): also return, last, the indexer alignment KL of every query,
+    [B, S] fp32 (`m3jax.model.indexer_align`); its gradient reaches only the indexer's parameters.
     """
     eps = cfg.rms_norm_eps
     q = rms_norm(jnp.einsum("bse,hde->bshd", x, p["q_proj"]), p["q_norm"], eps)
@@ -85,8 +88,8 @@ def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
     v = jnp.einsum("bse,hde->bshd", x, p["v_proj"])
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     iq = ik = None
-    if sparse:
-        iq, ik = indexer_qk(p, x, cos, sin, eps)
+    if sparse:  # detached: the selection is discrete, and the alignment KL must not train the residual stream
+        iq, ik = indexer_qk(p, jax.lax.stop_gradient(x), cos, sin, eps)
     if cache is not None:
         rows = jnp.arange(x.shape[0])[:, None]
         cache = {"k": cache["k"].at[rows, positions].set(k), "v": cache["v"].at[rows, positions].set(v),
@@ -133,6 +136,12 @@ def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
         keys = gather_keys(k, v, None, layout)[0]
         result += (indexer_recall(q, keys, positions, key_valid, used, cfg, query_mask=key_valid, n_ctx=n_ctx,
                                   constrain=layout.constrain),)
+    if return_indexer_kl and sparse:
+        if cache is not None:
+            raise ValueError("return_indexer_kl needs the whole sequence (no decode cache)")
+        keys, _, index_keys = gather_keys(k, v, ik, layout)
+        result += (indexer_alignment_kl(q, keys, iq, index_keys, positions, key_valid, cfg, n_ctx=n_ctx,
+                                        constrain=layout.constrain),)
     return result if len(result) > 1 else result[0]
 
 

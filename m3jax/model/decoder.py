@@ -82,7 +82,7 @@ class LayerStack(nnx.Module):
 
     def __call__(self, x, cos, sin, positions, key_valid, cache=None, layout: Layout | None = None,
                  routes=None, return_routes: bool = False, block_ids=None, return_block_ids: bool = False,
-                 return_recall: bool = False):
+                 return_recall: bool = False, return_indexer_kl: bool = False):
         """Run the stack; with `cache` (this stack's stacked KV / index-key cache) also return it updated.
         layout: overrides the stack's own (decoding keeps whole sequences on each device).
         routes [n_layers, B, S, k] (MoE stacks): replay these expert ids, layer by layer. return_routes:
@@ -91,12 +91,14 @@ class LayerStack(nnx.Module):
         return_block_ids: also return the indexer's own block ids of each sparse layer, [n_layers, B, S, Hi,
         index_topk_blocks] int32 (after the routes; `attention_block`).
         return_recall (sparse stacks, no cache): also return each layer's indexer recall, [n_layers] fp32
-        (last; `m3jax.model.recall.indexer_recall`)."""
+        (`m3jax.model.recall.indexer_recall`). return_indexer_kl (sparse stacks, no cache): also return each
+        layer's per-query indexer alignment KL, [n_layers, B, S] fp32 (last; `m3jax.model.indexer_align`)."""
         cfg, layout = self.cfg, layout or self.layout
         sparse, moe = self.attn_kind == SPARSE_ATTENTION, self.mlp_kind == MOE_MLP
         return_routes = return_routes and moe
         return_block_ids = return_block_ids and sparse
         return_recall = return_recall and sparse
+        return_indexer_kl = return_indexer_kl and sparse
         params = {name: getattr(self, name)[...] for name in self.param_names}
 
         def layer(x, p_cache_routes):
@@ -105,10 +107,14 @@ class LayerStack(nnx.Module):
             blocks = dict(block_ids=layer_blocks[0], return_block_ids=return_block_ids) if layer_blocks else {}
             if return_recall:
                 blocks["return_recall"] = True
+            if return_indexer_kl:
+                blocks["return_indexer_kl"] = True
             attn = attention_block(p, h, cos, sin, positions, key_valid, cfg, sparse, layer_cache,
                                    self.attention_query_chunk, layout, self.attention_impl,
                                    self.sparse_attention, **blocks)
             attn = attn if isinstance(attn, tuple) else (attn,)
+            align = attn[-1] if return_indexer_kl else None
+            attn = attn[:-1] if return_indexer_kl else attn
             recall = attn[-1] if return_recall else None
             attn = attn[:-1] if return_recall else attn
             block_used = attn[-1] if return_block_ids else None
@@ -126,7 +132,8 @@ class LayerStack(nnx.Module):
             else:
                 x = x + dense_mlp(h, p["mlp_gate_up"], p["mlp_down"], cfg.swiglu_alpha, cfg.swiglu_limit)
             return layout.constrain(x, ACT), ((layer_cache, ids) + ((block_used,) if layer_blocks else ())
-                                              + ((recall,) if return_recall else ()))
+                                              + ((recall,) if return_recall else ())
+                                              + ((align,) if return_indexer_kl else ()))
 
         if self.remat and cache is None:
             layer = jax.checkpoint(layer, prevent_cse=False)
@@ -134,9 +141,11 @@ class LayerStack(nnx.Module):
         if sparse and (block_ids is not None or return_block_ids):  # else today's program
             xs += (block_ids,)
         x, (cache, used, *blocks_used) = jax.lax.scan(layer, x, xs)
+        aligns = (blocks_used.pop(),) if return_indexer_kl else ()
         recalls = (blocks_used.pop(),) if return_recall else ()
         out = (x,) if cache is None else (x, cache)
         out = out + ((used,) if return_routes else ()) + ((blocks_used[0],) if return_block_ids else ()) + recalls
+        out += aligns
         return out if len(out) > 1 else out[0]
 
     def init_cache(self, batch: int, max_len: int, dtype) -> dict:
@@ -192,7 +201,7 @@ class M3ForCausalLM(nnx.Module):
                  attention_mask: jax.Array | None = None, cache: list | None = None, hidden: bool = False,
                  routes: jax.Array | None = None, return_routes: bool = False,
                  block_ids: jax.Array | None = None, return_block_ids: bool = False,
-                 return_indexer_recall: bool = False):
+                 return_indexer_recall: bool = False, return_indexer_kl: bool = False):
         """Logits [B, S, vocab] for input_ids [B, S].
 
         positions [B, S] default to 0..S-1; attention_mask [B, S_keys] (1 = real token) for right padding.
@@ -214,6 +223,8 @@ class M3ForCausalLM(nnx.Module):
         the blocks used; with replay, those the indexer would have chosen.
         return_indexer_recall (no cache): also return, last, each sparse layer's indexer recall for the batch,
         [n_sparse_layers] fp32 (`indexer_recall`).
+        return_indexer_kl (no cache): also return, last, the indexer alignment KL of every query averaged over
+        the sparse layers, [B, S] fp32 (`m3jax.model.indexer_align`; model.indexer_loss_coef trains on it).
         """
         cfg = self.cfg
         layout = self.layout if cache is None else decoding_layout(self.layout)
@@ -226,12 +237,15 @@ class M3ForCausalLM(nnx.Module):
         n_sparse = self.num_sparse_layers
         if return_indexer_recall and cache is not None:
             raise ValueError("return_indexer_recall needs the whole sequence (no decode cache)")
+        if return_indexer_kl and (cache is not None or not n_sparse):
+            raise ValueError("return_indexer_kl needs the whole sequence (no decode cache) and sparse layers; "
+                             f"this call has cache={cache is not None}, {n_sparse} sparse layers")
         if block_ids is not None:
             want = (b, s, n_sparse, cfg.index_n_heads)
             if block_ids.ndim != 5 or block_ids.shape[:4] != want or not block_ids.shape[4]:
                 raise ValueError(f"block_ids {block_ids.shape}: expected [B, S, n_sparse_layers, Hi, K] = "
                                  f"[{b}, {s}, {n_sparse}, {cfg.index_n_heads}, K >= 1]")
-        new_cache, used, blocks_used, recalls, first, first_sparse = [], [], [], [], 0, 0
+        new_cache, used, blocks_used, recalls, aligns, first, first_sparse = [], [], [], [], [], 0, 0
         for i, stack in enumerate(self.stacks):
             n_moe = len(stack.layer_ids) if stack.mlp_kind == MOE_MLP else 0
             n_sp = len(stack.layer_ids) if stack.attn_kind == SPARSE_ATTENTION else 0
@@ -247,11 +261,16 @@ class M3ForCausalLM(nnx.Module):
             first_sparse += n_sp
             if return_indexer_recall and n_sp:
                 extra["return_recall"] = True
+            if return_indexer_kl and n_sp:
+                extra["return_indexer_kl"] = True
             out = stack(x, cos, sin, positions, key_valid, None if cache is None else cache[i], layout=layout, **extra)
             out = out if isinstance(out, tuple) else (out,)
             x = out[0]
             if cache is not None:
                 new_cache.append(out[1])
+            if return_indexer_kl and n_sp:
+                aligns.append(out[-1].sum(0))
+                out = out[:-1]
             if return_indexer_recall and n_sp:
                 recalls.append(out[-1])
                 out = out[:-1]
@@ -273,6 +292,8 @@ class M3ForCausalLM(nnx.Module):
                        jnp.zeros((b, s, 0, cfg.index_n_heads, cfg.index_topk_blocks), jnp.int32),)
         if return_indexer_recall:
             result += (jnp.concatenate(recalls) if recalls else jnp.zeros((0,), jnp.float32),)
+        if return_indexer_kl:
+            result += (sum(aligns) / n_sparse,)
         return result if len(result) > 1 else result[0]
 
     def indexer_recall(self, input_ids: jax.Array, attention_mask: jax.Array | None = None,

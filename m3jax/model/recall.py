@@ -36,8 +36,8 @@ def indexer_recall(q: jax.Array, k: jax.Array, positions: jax.Array, key_valid: 
     n_ctx / constrain: how the sequence is cut over context shards and the layout's constraint (as
     `sparse_layer_attention`): a tile holds `tile` local queries of each shard.
     """
-    b, s, h, d = q.shape
-    sk, kvh = k.shape[1], k.shape[2]
+    b, s, h, _ = q.shape
+    sk = k.shape[1]
     hi = block_ids.shape[2]
     bs = cfg.index_block_size
     nb = -(-sk // bs)
@@ -50,17 +50,8 @@ def indexer_recall(q: jax.Array, k: jax.Array, positions: jax.Array, key_valid: 
 
     def one(xs):
         qc, pc, ic, mc = xs  # [B, T, H, D], [B, T], [B, T, Hi, K], [B, T]
-        t = qc.shape[1]
-        qc = constrain(qc, ("act_batch", "act_seq", "act_heads", None))
-        qg = jax.lax.stop_gradient(qc).astype(jnp.float32).reshape(b, t, kvh, h // kvh, d)
-        logits = jnp.einsum("btkgd,bskd->bkgts", qg, k32, precision=jax.lax.Precision.HIGHEST) * scale
-        logits = logits.reshape(b, h, t, sk)
-        keep = causal_keep(pc, kval, sk)  # [B, 1, T, S_k]
-        seen = keep.any(-1)  # [B, 1, T]
-        top = jnp.max(jnp.where(keep, logits, -jnp.inf), axis=-1, keepdims=True)
-        e = jnp.where(keep, jnp.exp(logits - jnp.where(seen[..., None], top, 0.0)), 0.0)  # unnormalised p
-        total = e.sum(-1)  # [B, H, T]
-        mass = jnp.pad(e, ((0, 0), (0, 0), (0, 0), (0, nb * bs - sk))).reshape(b, h, t, nb, bs).sum(-1)
+        mass, total, seen = full_attention_block_mass(constrain(qc, ("act_batch", "act_seq", "act_heads", None)),
+                                                      k32, pc, kval, scale, bs)
         sel = (ic[..., None] == jnp.arange(nb)).any(-2)  # [B, T, Hi, nb]
         sel = jnp.repeat(jnp.moveaxis(sel, 2, 1), h // hi, axis=1)  # [B, H, T, nb]: index head h // (H / Hi)
         r = jnp.where(seen, jnp.sum(jnp.where(sel, mass, 0.0), -1) / jnp.where(seen, total, 1.0), 1.0)
@@ -72,3 +63,24 @@ def indexer_recall(q: jax.Array, k: jax.Array, positions: jax.Array, key_valid: 
         return _from_chunks(r, n_ctx, s)
     count = w.sum() * h
     return jnp.where(count > 0, jnp.sum(r * w[..., None]) / jnp.maximum(count, 1), jnp.nan).astype(jnp.float32)
+
+
+def full_attention_block_mass(q: jax.Array, k32: jax.Array, positions: jax.Array, key_valid: jax.Array,
+                              scale: float, block_size: int):
+    """The full causal + padding softmax of queries q [B, T, H, D] (positions [B, T]) over key slots k32
+    [B, S_k, KV, D] (fp32, key_valid [B, S_k] bool), reduced to key blocks of `block_size`, without the
+    normaliser: (mass [B, H, T, nb] = sum_{j in block n} exp(l_j - max l), total [B, H, T] = sum_n mass,
+    seen [B, 1, T]: the query sees some key). p(block n) = mass / total where seen. fp32, HIGHEST
+    precision, no gradient (q is stopped here; k32 the caller's stopped copy)."""
+    b, t, h, d = q.shape
+    sk, kvh = k32.shape[1], k32.shape[2]
+    nb = -(-sk // block_size)
+    qg = jax.lax.stop_gradient(q).astype(jnp.float32).reshape(b, t, kvh, h // kvh, d)
+    logits = jnp.einsum("btkgd,bskd->bkgts", qg, k32, precision=jax.lax.Precision.HIGHEST) * scale
+    logits = logits.reshape(b, h, t, sk)
+    keep = causal_keep(positions, key_valid, sk)  # [B, 1, T, S_k]
+    seen = keep.any(-1)  # [B, 1, T]
+    top = jnp.max(jnp.where(keep, logits, -jnp.inf), axis=-1, keepdims=True)
+    e = jnp.where(keep, jnp.exp(logits - jnp.where(seen[..., None], top, 0.0)), 0.0)
+    mass = jnp.pad(e, ((0, 0), (0, 0), (0, 0), (0, nb * block_size - sk))).reshape(b, h, t, nb, block_size).sum(-1)
+    return mass, e.sum(-1), seen

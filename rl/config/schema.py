@@ -125,6 +125,11 @@ class ModelSection(_Section):
                                          "by the logprob pass and the loss (a rematerialised loop over blocks; "
                                          "same values and gradients); 0 = the whole sequence's logits at once",
                                    min=0)
+    # Read by the loss (rl.policy), not an M3ForCausalLM option.
+    indexer_loss_coef: float = _f(0.0, "weight of the indexer alignment KL (the full attention's block distribution "
+                                       "-> the indexer's softmax over blocks, m3jax.model.indexer_align) added to "
+                                       "the loss per response token; trains only the indexer; 0 = off (the "
+                                       "indexer stays frozen)", min=0)
     moe_capacity_factor: float | None = _f(None, "bound on an expert-parallel device's receive buffer, x the "
                                                  "balanced load (tokens x top_k); overflow is dropped; null = "
                                                  "dropless (worst-case buffers)", gt=0)

@@ -216,6 +216,17 @@ def normalizer(mask, cfg: LossConfig):
     return jnp.where(d > 0, d, 1.0)
 
 
+def aggregate(per_token, m, aggregation: str):
+    """The summed loss of per-token terms [B, T] under mask m [B, T] (fp32 weights), as `normalizer` expects:
+    sum_{i,t} m*x ("token", "sequence_sum") or sum_i (sum_t m*x / sum_t m) ("sequence_mean"; rows without a
+    masked token add 0)."""
+    if aggregation == "sequence_mean":
+        n = jnp.sum(m, axis=-1)
+        seq = jnp.sum(m * per_token, axis=-1)
+        return jnp.sum(jnp.where(n > 0, seq / jnp.where(n > 0, n, 1.0), 0.0))
+    return jnp.sum(m * per_token)
+
+
 @functools.partial(jax.jit, static_argnames="cfg")
 def grpo_loss(logp, logp_old, logp_gen, advantages, mask, cfg: LossConfig, logp_ref=None):
     """Masked SUM of the per-token GRPO loss, and a dict of summed statistics.
@@ -281,12 +292,7 @@ def grpo_loss(logp, logp_old, logp_gen, advantages, mask, cfg: LossConfig, logp_
         kl = jnp.zeros(shape, jnp.float32)
         per_token = pg
 
-    if cfg.aggregation == "sequence_mean":
-        n = jnp.sum(m, axis=-1)
-        seq = jnp.sum(m * per_token, axis=-1)
-        loss_sum = jnp.sum(jnp.where(n > 0, seq / jnp.where(n > 0, n, 1.0), 0.0))
-    else:
-        loss_sum = jnp.sum(m * per_token)
+    loss_sum = aggregate(per_token, m, cfg.aggregation)
 
     count = lambda b: jnp.sum(m * b.astype(jnp.float32))  # noqa: E731
     stats = {
