@@ -144,7 +144,7 @@ class Receiver:
                     raise TransferError(f"{where}: checksum mismatch (crc32 {got:#010x}, expected "
                                         f"{r['crc32']:#010x}): the bytes were corrupted in transit")
                 try:
-                    check(r["name"], tuple(r["shape"]), r["dtype"])
+                    check(r["name"], tuple(r["shape"]), _dtype(r["dtype"]))
                 except (KeyError, ValueError) as e:
                     raise TransferError(f"{where}: rejected by the engine: {e}") from None
                 out.append((r["name"], a.view(_dtype(r["dtype"])).reshape(r["shape"])))

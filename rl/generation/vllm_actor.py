@@ -46,7 +46,7 @@ class EngineActor:
         return bucket.index
 
     def join_weight_group(self, host: str, port: int, rank: int, world: int, backend: str, timeout_s: float) -> int:
-        from rl.generation.collective import Receiver  # imports torch.distributed: collective transport only
+        from rl.generation.collective import Receiver  # the engine end of the collective transport
 
         self.receiver = self.receiver or Receiver()
         return self.receiver.join(host, port, rank, world, backend, timeout_s)
