@@ -107,3 +107,16 @@ def test_corrupted_or_partial_push_is_refused_everywhere_and_the_group_stays_usa
     _check_applied(handles, 3, _named(3))  # nothing of 4, 5 or 6 was applied anywhere
     t.push(iter(_named(7)), 7)
     _check_applied(handles, 7, _named(7))
+
+
+def test_the_config_selects_the_collective_transport_and_refuses_unknown_ones():
+    from pathlib import Path
+
+    from rl.config import ConfigError, load_config
+    from rl.generation.transfer import TRANSPORTS
+
+    tiny_vllm = Path(__file__).resolve().parents[1] / "configs" / "tiny-vllm.yaml"
+    cfg = load_config(tiny_vllm, ["generation.weight_transport=collective"])
+    assert cfg.generation.weight_transport == "collective" and TRANSPORTS["collective"] is collective.CollectiveTransport
+    with pytest.raises(ConfigError, match=r'generation.weight_transport = "nccl".*ray.*collective'):
+        load_config(tiny_vllm, ["generation.weight_transport=nccl"])
