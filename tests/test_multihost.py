@@ -65,7 +65,8 @@ def test_distributed_args_from_config_then_environment(mesh, env, want):
     assert distributed_args(mesh, env) == want
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # ~2 min of two processes compiling the tiny trainer on a 2x2x2 mesh; the default run
+@pytest.mark.slow  # keeps the two-process mesh parity test below and the single-host trainer runs
 def test_two_hosts_train_from_the_yaml_config(tmp_path):
     """Every host runs `python -m m3jax.train` with the same config; only the launcher's environment
     differs. One GRPO step, then the run's checkpoint, metrics, HF export and curves, written once."""

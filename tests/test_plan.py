@@ -95,9 +95,11 @@ MEM = M3Config(vocab_size=512, hidden_size=128, num_hidden_layers=3, num_attenti
 
 
 # Each mesh with one precision / chunking (every term of the plan is met; a 15-20 s compile per case). The
-# other six pairs agreed too when last run (docs/planner.md: 0.90-1.21 on all nine).
+# other six pairs agreed too when last run (docs/planner.md: 0.90-1.21 on all nine). The default run keeps the
+# mesh with every kind of axis; the data-only and context meshes are extended.
 @pytest.mark.slow  # compiles a train step per case (the planner's analytic side has the fast tests here)
-@pytest.mark.parametrize("shape, master, chunk", [((8, 1, 1, 1), "fp32", 0), ((2, 2, 1, 2), "fp32", 32),
+@pytest.mark.parametrize("shape, master, chunk", [pytest.param((8, 1, 1, 1), "fp32", 0, marks=pytest.mark.extended),
+                                                  ((2, 2, 1, 2), "fp32", 32),
                                                   pytest.param((2, 4, 1, 1), "none", 32, marks=pytest.mark.extended)],
                          ids=["8x1x1x1-bf16-unchunked", "2x2x1x2-bf16-chunk32", "2x4x1x1-fp32-chunk32"])
 def test_memory_matches_xla(shape, master, chunk):

@@ -178,7 +178,8 @@ def test_jax_engine_returns_the_routes_of_prompt_and_response_tokens(single):
     assert float(route_mismatch_frac(full[:, :23], out.routes, mask[:, :23])) == 0.0
 
 
-@pytest.mark.slow  # three tiny trainers, two GRPO steps each (~1 min on the shared 2-core CPU)
+@pytest.mark.extended  # as the indexer-replay trainer runs: the model-level replay, EP replay and engine tests
+@pytest.mark.slow  # stay in the default run. Three tiny trainers, two GRPO steps each (~1 min on the 2-core CPU)
 def test_trainer_routing_replay(tmp_path):
     """grpo.routing_replay=none: every metric of two steps is what the trainer logged before routes existed
     (an engine that returns none), plus moe/route_mismatch_frac; rollout: the steps run, replay, and log it."""
