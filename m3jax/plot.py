@@ -1,17 +1,30 @@
 """python -m m3jax.plot RUN_DIR [--out FILE]: PNG curves of a run (reward, lengths, mismatch, phase times, and
-the indexer recall when logged)."""
+the indexer recall / alignment KL when logged).
+
+python -m m3jax.plot RUN_DIR RUN_DIR ... --metrics indexer/recall reward/mean [--labels a b ...] --out FILE:
+those metrics of several runs side by side, one curve per run."""
 
 import argparse
 
-from rl.observe import plot_run
+from rl.observe import plot_compare, plot_run
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m m3jax.plot", description=__doc__)
-    ap.add_argument("run_dir")
-    ap.add_argument("--out", default=None, help="default: RUN_DIR/curves.png")
+    ap = argparse.ArgumentParser(prog="python -m m3jax.plot", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    ap.add_argument("--out", default=None, help="default: RUN_DIR/curves.png (one run)")
+    ap.add_argument("--metrics", nargs="+", default=None, help="compare these metrics across the runs")
+    ap.add_argument("--labels", nargs="+", default=None, help="one legend label per run (default: directory names)")
     args = ap.parse_args(argv)
-    print(plot_run(args.run_dir, args.out))
+    if args.metrics is None:
+        if len(args.run_dirs) != 1:
+            ap.error("several runs need --metrics (the metrics to compare) and --out")
+        print(plot_run(args.run_dirs[0], args.out))
+        return
+    if args.out is None:
+        ap.error("--metrics needs --out (the PNG to write)")
+    print(plot_compare(args.run_dirs, args.metrics, args.out, args.labels))
 
 
 if __name__ == "__main__":

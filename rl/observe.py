@@ -16,16 +16,19 @@ PLOTS = {  # panel title -> metrics drawn in it
                           "time/eval"),
 }
 RECALL_PANEL = "indexer recall: full-attention mass in the kept blocks"  # only in runs that log indexer/recall
+ALIGN_PANEL = "indexer alignment KL (model.indexer_loss_coef)"  # only in runs that train the indexer
 
 
 def panels(rows: list[dict]) -> dict:
     """PLOTS, plus the indexer-recall panel (indexer/recall and its indexer/recall/layer_j curves) when the run
-    logged it (logging.indexer_recall_every)."""
+    logged it (logging.indexer_recall_every), and the alignment KL's when the run trained the indexer."""
     out = dict(PLOTS)
     if any("indexer/recall" in r for r in rows):
         layers = sorted({k for r in rows for k in r if k.startswith("indexer/recall/layer_")},
                         key=lambda k: int(k.rsplit("_", 1)[1]))
         out[RECALL_PANEL] = ("indexer/recall", *layers)
+    if any("indexer/align_kl" in r for r in rows):
+        out[ALIGN_PANEL] = ("indexer/align_kl",)
     return out
 
 
@@ -119,6 +122,37 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
         else:
             ax.text(0.5, 0.5, "not logged in this run", ha="center", va="center", transform=ax.transAxes)
     fig.suptitle(os.path.basename(os.path.abspath(run_dir)))
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def plot_compare(run_dirs: list[str], keys: list[str], out: str, labels: list[str] | None = None) -> str:
+    """One PNG with a panel per metric in `keys`, each run of `run_dirs` a curve (labelled by `labels` or the
+    run directory's name): e.g. indexer/recall with and without model.indexer_loss_coef."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = labels or [os.path.basename(os.path.abspath(d)) for d in run_dirs]
+    if len(labels) != len(run_dirs):
+        raise ValueError(f"{len(labels)} labels for {len(run_dirs)} runs: give one label per run")
+    runs = [read_metrics(d) for d in run_dirs]
+    fig, axes = plt.subplots(1, len(keys), figsize=(6 * len(keys), 4), squeeze=False)
+    for ax, key in zip(axes.flat, keys):
+        for i, (rows, label) in enumerate(zip(runs, labels)):
+            pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+            if pts:  # a run keeps its colour in every panel, whether or not it logged the others
+                ax.plot(*zip(*pts), label=label, color=f"C{i}", marker="o" if 2 * len(pts) < len(rows) else None,
+                        markersize=3)
+        ax.set_title(key)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if ax.get_lines():
+            ax.legend(fontsize=8)
+        else:
+            ax.text(0.5, 0.5, "not logged in these runs", ha="center", va="center", transform=ax.transAxes)
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)

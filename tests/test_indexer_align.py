@@ -166,3 +166,27 @@ def test_grpo_loss_adds_the_kl_and_trains_only_the_indexer():
             assert not jnp.any(a[...]) and bool(jnp.any(b[...])), name
         else:
             np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]), err_msg=name)
+
+
+def test_runs_that_train_the_indexer_plot_the_kl_and_runs_compare(tmp_path):
+    import json
+
+    from m3jax.plot import main as plot_main
+    from rl.observe import ALIGN_PANEL, panels, plot_compare
+
+    dirs = []
+    for name, extra in (("frozen", {}), ("aligned", {"indexer/align_kl": 0.5})):
+        d = tmp_path / name
+        d.mkdir()
+        rows = [{"step": s, "reward/mean": 0.1 * s, "indexer/recall": 0.9, **extra} for s in (1, 2, 3)]
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        dirs.append(str(d))
+    assert ALIGN_PANEL not in panels([{"step": 1, "indexer/recall": 0.9}])
+    assert panels([{"step": 1, "indexer/align_kl": 0.5}])[ALIGN_PANEL] == ("indexer/align_kl",)
+    out = tmp_path / "cmp.png"
+    plot_main([*dirs, "--metrics", "indexer/recall", "indexer/align_kl", "--out", str(out)])
+    assert out.stat().st_size > 1000
+    with pytest.raises(ValueError, match="2 runs"):
+        plot_compare(dirs, ["indexer/recall"], str(out), labels=["one"])
+    with pytest.raises(SystemExit):
+        plot_main(dirs)  # several runs without --metrics
