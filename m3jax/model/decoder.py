@@ -30,6 +30,20 @@ from sharding.rules import mesh_axes_of
 
 ACT = ("act_batch", "act_seq", "act_embed")
 LOGITS = ("act_batch", "act_seq", "act_vocab")
+# model.remat_policy: what a rematerialised layer keeps from its forward for the backward. "full" keeps
+# only the layer's input (the whole forward runs again in the backward); "save_dots" also keeps the
+# outputs of the matmuls without batch dimensions (the q/k/v/o, indexer, router, shared-expert and dense-MLP
+# projections: token-sized), so the backward recomputes norms, RoPE, the attention core, the indexer scores
+# and the expert dispatch but not those projections. The attention core's and the routed experts'
+# batched / looped matmuls are not kept (their outputs are [S, S]- or receive-pool-sized).
+REMAT_POLICIES = ("full", "save_dots")
+
+
+def remat_policy_fn(name: str):
+    """The `jax.checkpoint` policy of a `REMAT_POLICIES` name (None = save nothing but the inputs)."""
+    if name not in REMAT_POLICIES:
+        raise ValueError(f"remat_policy={name!r}: expected one of {REMAT_POLICIES}")
+    return None if name == "full" else jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 
 
 class Buffer(nnx.Variable):
@@ -68,8 +82,9 @@ class LayerStack(nnx.Module):
     def __init__(self, cfg: M3Config, attn_kind: str, mlp_kind: str, layer_ids, *, dtype, rngs: nnx.Rngs,
                  remat: bool = True, moe_capacity_factor: float | None = None, moe_exchange: str | None = None,
                  attention_query_chunk: int = 0, layout: Layout = Layout(), moe_kernel: str = "auto",
-                 attention_impl: str = "dense", sparse_attention: str = "gather"):
+                 attention_impl: str = "dense", sparse_attention: str = "gather", remat_policy: str = "full"):
         self.cfg, self.attn_kind, self.mlp_kind, self.layout = cfg, attn_kind, mlp_kind, layout
+        self.remat_policy = remat_policy
         self.attention_impl, self.sparse_attention = attention_impl, sparse_attention
         self.layer_ids = tuple(layer_ids)
         self.remat, self.attention_query_chunk = remat, attention_query_chunk
@@ -136,7 +151,9 @@ class LayerStack(nnx.Module):
                                               + ((align,) if return_indexer_kl else ()))
 
         if self.remat and cache is None:
-            layer = jax.checkpoint(layer, prevent_cse=False)
+            policy = remat_policy_fn(self.remat_policy)
+            # "full" passes no policy at all, so its program is the one built before the option existed
+            layer = jax.checkpoint(layer, prevent_cse=False, **({"policy": policy} if policy else {}))
         xs = (params, cache, routes if moe else None)
         if sparse and (block_ids is not None or return_block_ids):  # else today's program
             xs += (block_ids,)
@@ -163,8 +180,10 @@ class M3ForCausalLM(nnx.Module):
     def __init__(self, cfg: M3Config, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None, remat: bool = True,
                  moe_capacity_factor: float | None = None, moe_exchange: str | None = None,
                  attention_query_chunk: int = 0, layout=None, moe_kernel: str = "auto",
-                 attention_impl: str = "dense", sparse_attention: str = "gather"):
-        """remat: rematerialise each layer in the backward pass. moe_capacity_factor: cap on the rows an
+                 attention_impl: str = "dense", sparse_attention: str = "gather", remat_policy: str = "full"):
+        """remat: rematerialise each layer in the backward pass. remat_policy: what a rematerialised layer
+        keeps for its backward, "full" (its input only) | "save_dots" (also the token-sized projection
+        outputs; `REMAT_POLICIES`). moe_capacity_factor: cap on the rows an
         expert-parallel device sends to one peer, x (tokens*top_k / n_ep); None = dropless.
         moe_exchange: "padded" | "ragged" | "ragged_emulated"; None = ragged on GPU/TPU, padded on CPU.
         moe_kernel: the experts' grouped matmul, "auto" | "ragged_dot" | "tiled" (`sharding.grouped_matmul`;
@@ -185,6 +204,7 @@ class M3ForCausalLM(nnx.Module):
             raise ValueError(f"attention_impl={attention_impl!r}: expected one of {ATTENTION_IMPLS}")
         if sparse_attention not in SPARSE_IMPLS:
             raise ValueError(f"sparse_attention={sparse_attention!r}: expected one of {SPARSE_IMPLS}")
+        remat_policy_fn(remat_policy)  # fail at construction on an unknown policy name
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         self.cfg, self.dtype, self.layout = cfg, jnp.dtype(dtype), as_layout(layout)
         for name, spec in top_param_specs(cfg).items():
@@ -193,7 +213,8 @@ class M3ForCausalLM(nnx.Module):
             LayerStack(cfg, attn, mlp, ids, dtype=dtype, rngs=rngs, remat=remat,
                        moe_capacity_factor=moe_capacity_factor, moe_exchange=moe_exchange,
                        attention_query_chunk=attention_query_chunk, layout=self.layout, moe_kernel=moe_kernel,
-                       attention_impl=attention_impl, sparse_attention=sparse_attention)
+                       attention_impl=attention_impl, sparse_attention=sparse_attention,
+                       remat_policy=remat_policy)
             for attn, mlp, ids in cfg.segments()
         ])
 

@@ -18,8 +18,9 @@ class RunConfig(_Section):
     """The whole run: validated on construction (every problem at once, as ConfigError).
 
     run         name, out_dir, seed, total_steps, max_wall_minutes
-    model       path | tiny (M3Config fields), init_seed, remat, attention_query_chunk, attention_impl,
-                sparse_attention, logprob_chunk_tokens, indexer_loss_coef, moe_capacity_factor, moe_kernel
+    model       path | tiny (M3Config fields), init_seed, remat, remat_policy, attention_query_chunk,
+                attention_impl, sparse_attention, logprob_chunk_tokens, indexer_loss_coef, moe_capacity_factor,
+                moe_kernel
     mesh        data, context, expert, tensor, expert_axes, coordinator_address, num_processes, process_id
     precision   master, moment_dtype
     optim       lr, schedule, warmup_steps, weight_decay, b1, b2, eps, clip_norm

@@ -107,6 +107,12 @@ class ModelSection(_Section):
                                      allowed="a mapping of M3Config fields")
     init_seed: int = _f(0, "seed of the random initialisation of a tiny model", min=0)
     remat: bool = _f(False, "activation checkpointing (recompute each layer in the backward pass)")
+    # m3jax.model.decoder.REMAT_POLICIES, listed here so that the schema needs no jax
+    remat_policy: str = _f("full", "with remat, what each layer keeps for its backward: full (its input only; "
+                                   "the whole forward runs again) or save_dots (also the token-sized projection "
+                                   "outputs: q/k/v/o, indexer, router, shared-expert and dense-MLP gate/up; the "
+                                   "backward then recomputes only norms, attention cores, dispatch and the "
+                                   "routed experts)", choices=("full", "save_dots"))
     attention_query_chunk: int = _f(0, "local queries per attention-scores block (a rematerialised scan): "
                                        "[chunk, S] scores live instead of [S_local, S]; 0 = all at once", min=0)
     # m3jax.model.attention.IMPLS, listed here so that the schema needs no jax
@@ -141,7 +147,8 @@ class ModelSection(_Section):
 
     def model_options(self) -> dict[str, Any]:
         """Keyword options of `M3ForCausalLM` / `m3jax.from_pretrained` this section sets."""
-        return {"remat": self.remat, "attention_query_chunk": self.attention_query_chunk,
+        return {"remat": self.remat, "remat_policy": self.remat_policy,
+                "attention_query_chunk": self.attention_query_chunk,
                 "attention_impl": self.attention_impl, "sparse_attention": self.sparse_attention,
                 "moe_capacity_factor": self.moe_capacity_factor,
                 "moe_kernel": self.moe_kernel}
