@@ -101,7 +101,7 @@ def plan(job: Job, hw: Hardware) -> dict:
     fl = step_flops(job.model, job.seqs_per_update * job.updates, job.seq_len, job.remat,
                     query_chunked=0 < b.attention_query_chunk < s_l,
                     expert_rows=expert_rows_factor(job.model, job.mesh, b), expert_recompute=expert_recompute(b),
-                    attention=b.attention_impl, sparse_attention=b.sparse_attention)
+                    attention=b.attention_impl, sparse_attention=b.sparse_attention, remat_policy=b.remat_policy)
     n_ep = job.mesh.expert_parallel
     sent = None if b.exchange == "ragged" else receive_rows(
         job.micro_batch * s_l, job.model.num_experts_per_tok, n_ep, job.model.num_local_experts // n_ep,
@@ -126,7 +126,8 @@ def print_plan(job: Job, p: dict, device_gb: float) -> None:
     m = job.mesh
     print(f"mesh data={m.data} context={m.context} expert={m.expert} tensor={m.tensor} (EP {m.expert_parallel} over "
           f"{','.join(m.expert_axes)}), micro-batch {job.micro_batch} x {job.batch.num_micro} micro-batches, "
-          f"seq {job.seq_len}, master={job.master}, moments={job.moment_dtype}, remat={job.remat}")
+          f"seq {job.seq_len}, master={job.master}, moments={job.moment_dtype}, remat={job.remat}"
+          + (f" ({job.batch.remat_policy})" if job.remat else ""))
     b = job.batch
     print(f"attention {b.attention_impl}, sparse layers {b.sparse_attention}, attention_query_chunk="
           f"{b.attention_query_chunk}, logprob_chunk_tokens={b.logprob_chunk_tokens}, expert exchange {b.exchange} "
@@ -143,7 +144,7 @@ def print_plan(job: Job, p: dict, device_gb: float) -> None:
           f"indexer {f['indexer_scores'] + f['indexer_proj']:.3e}); executed {f['executed_total']:.3e} "
           f"= {f['executed_total'] / f['model_total']:.2f}x (matmul {f['matmul_executed']:.3e}, attention "
           f"{f['attention_executed']:.3e}, indexer {f['indexer_executed']:.3e}, indexer projections "
-          f"{f['indexer_proj'] * (2 if job.remat else 1):.3e})")
+          f"{f['indexer_proj_executed']:.3e})")
     print("communication per device per step:")
     for k, (b, axes) in p["comm"].items():
         print(f"  {k:30s} {b / GB:10.2f} GB over {','.join(axes)}  ({p['time'][k + '_s']:.2f} s)")

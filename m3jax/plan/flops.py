@@ -15,6 +15,7 @@ from m3jax.model.specs import layer_param_specs
 from sharding.mesh import MeshConfig
 from m3jax.plan.activations import sparse_keys  # noqa: F401  (re-exported: the FLOPs model's name for it)
 from m3jax.plan.memory import Param, local_elems, mesh_sizes, param_table, shard_axes
+from m3jax.plan.remat import recomputed_params
 from sharding.rules import MESH_AXES
 
 
@@ -114,7 +115,7 @@ def gather_pairs(cfg: M3Config, seq_len: int) -> int:
 
 def step_flops(cfg: M3Config, seqs: int, seq_len: int, remat: bool = True, *, query_chunked: bool = False,
                expert_rows: float = 1.0, expert_recompute: float = 0.0, attention: str = "dense",
-               sparse_attention: str = "gather") -> dict[str, float]:
+               sparse_attention: str = "gather", remat_policy: str = "full") -> dict[str, float]:
     """FLOPs of one step over `seqs` sequences of `seq_len` tokens (N = seqs * seq_len tokens).
 
     model FLOPs (what the maths needs):
@@ -125,8 +126,10 @@ def step_flops(cfg: M3Config, seqs: int, seq_len: int, remat: bool = True, *, qu
                      causal_pairs(S, index_topk_blocks * index_block_size) on sparse layers
         indexer_scores = 2 * Hi*Di * causal_pairs(S) * seqs per sparse layer     (forward only, every causal key)
     executed FLOPs (what m3jax runs): the routed experts' matmuls times `expert_rows` (`expert_rows_factor`:
-        padding rows the grouped matmul multiplies too); with remat one more forward of every layer
-        (2 * layer params * N + the forward attention/indexer again); the routed experts' forward again x
+        padding rows the grouped matmul multiplies too); with remat the projections the backward reads again,
+        by `remat_policy` (`m3jax.plan.remat.recomputed_params`: 2 * those params * N, the routed ones x
+        expert_rows; full: every projection but the dense / shared down, save_dots: the routed experts only)
+        + the forward attention/indexer scores again; the routed experts' forward again x
         `expert_recompute` (`expert_recompute(batch)`: the tiled kernel's backward recomputes the gate/up
         projection): 2 * routed params * expert_rows * expert_recompute * N. Attention, by layer:
       full layers (and sparse ones with sparse_attention "masked"), by `attention`:
@@ -183,11 +186,15 @@ def step_flops(cfg: M3Config, seqs: int, seq_len: int, remat: bool = True, *, qu
     executed = 6 * (layer_exec + act["head"]) * n + out["indexer_proj"] + attn_exec + idx_exec
     executed += 2 * routed * expert_rows * expert_recompute * n
     if remat:
-        executed += 2 * layer_exec * n + out["indexer_proj"] + attn_remat + idx_remat
+        again = recomputed_params(cfg, remat_policy)
+        executed += 2 * (again["layer"] + again["routed"] * expert_rows + again["indexer"]) * n + attn_remat \
+            + idx_remat
     if query_chunked:
         executed += attn_again + idx_again
+    out["indexer_proj_executed"] = out["indexer_proj"] + (2 * recomputed_params(cfg, remat_policy)["indexer"] * n
+                                                          if remat else 0.0)
     out["matmul_executed"] = executed - out["attention_executed"] - out["indexer_executed"] \
-        - out["indexer_proj"] * (2 if remat else 1)
+        - out["indexer_proj_executed"]
     out["executed_total"] = executed
     return out
 

@@ -20,6 +20,7 @@ from m3jax.config import M3Config
 from m3jax.model.specs import layer_param_specs, top_param_specs
 from sharding.mesh import MeshConfig
 from m3jax.plan.activations import head_terms, layer_phases
+from m3jax.plan.remat import saved_residuals
 from sharding.rules import MESH_AXES, logical_to_spec, rules_for
 
 GB = 1e9
@@ -151,7 +152,8 @@ class Batch:
     gathered top-K key blocks) or "masked" (they follow attention_impl with a block mask);
     logprob_chunk_tokens: positions per row of one logits block of the loss (`model.logprob_chunk_tokens`,
     `rl.logprobs.chunked_token_logprobs`), 0 = the whole sequence's logits at once (what `--compile`'s
-    token cross-entropy step builds).
+    token cross-entropy step builds). remat_policy: what a rematerialised layer keeps for its backward
+    (`model.remat_policy`, `m3jax.plan.remat`).
     """
     micro_batch: int
     seq_len: int
@@ -165,6 +167,7 @@ class Batch:
     moe_kernel: str = "auto"
     sparse_attention: str = "gather"
     logprob_chunk_tokens: int = 0
+    remat_policy: str = "full"
 
     @property
     def exchange(self) -> str:
@@ -182,6 +185,7 @@ class Batch:
         """M3ForCausalLM keywords of this batch's model options besides remat (sparse_attention only where the
         model takes that keyword)."""
         out = {"attention_query_chunk": self.attention_query_chunk, "attention_impl": self.attention_impl,
+               "remat_policy": self.remat_policy,
                "moe_capacity_factor": self.moe_capacity_factor, "moe_exchange": self.moe_exchange,
                "moe_kernel": self.moe_kernel}
         import inspect
@@ -203,6 +207,8 @@ def activation_bytes(cfg: M3Config, mesh: MeshConfig, batch: Batch, act_bytes: i
     binding phase, `m3jax.plan.activations`):
 
         checkpoints   = L * T_l * d * a       each layer's input, saved by the scan (remat)
+        saved_residuals   what each rematerialised layer keeps besides its input, all layers (remat_policy
+                      save_dots: `m3jax.plan.remat.saved_residuals`, the token-sized projection outputs)
         batch_inputs  = 3 arrays * num_micro * T_l * 4 B   (ids, targets, loss mask)
         + the larger of the worst layer's phases (`layer_phases`) and the head's (`head_terms`)
     Without remat every layer's forward residuals live (half of each phase's terms) beside the worst
@@ -215,6 +221,8 @@ def activation_bytes(cfg: M3Config, mesh: MeshConfig, batch: Batch, act_bytes: i
     phases = {k: layer_phases(cfg, mesh, *k, batch, a, batch.exchange, dims) for k in kinds}
     out: dict[str, float] = {"checkpoints": cfg.num_hidden_layers * t_l * cfg.hidden_size * a if batch.remat else 0.0,
                              "batch_inputs": 3 * batch.num_micro * t_l * 4}
+    if batch.remat and batch.remat_policy != "full":
+        out["saved_residuals"] = saved_residuals(cfg, t_l, sz["tensor"], a, batch.remat_policy)
     candidates = [terms for ph in phases.values() for terms in ph.values()]
     candidates.append(head_terms(cfg, mesh, batch.micro_batch, batch.seq_len, a, dims, batch.logprob_chunk_tokens))
     worst = max(candidates, key=lambda t: sum(t.values()))

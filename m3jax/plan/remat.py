@@ -1,0 +1,148 @@
+"""Remat policies in the plan (`model.remat_policy`): what a rematerialised layer's backward multiplies again,
+and what it keeps from its forward besides the layer's input.
+
+    python -m m3jax.plan.remat     XLA:CPU's compiled FLOPs and temporaries of a small model's gradient, per
+                                   policy, next to this module's figures (a minute on a shared 2-core CPU)
+
+Under remat the backward of a layer re-runs only the forward ops whose values some backward op reads (jax
+drops the rest), so even "full" does not recompute everything:
+
+    full       every projection whose output a backward reads: q/k/v/o (the o output makes the residual sum
+               the MLP part normalises), the indexer's q/k, the router, the dense MLP's and shared expert's
+               gate/up, and the routed experts whole (the router weights' gradient reads each expert's
+               output). Not the dense MLP's and shared expert's down projections: their outputs only join
+               the residual stream, which the layer scan saves as the next layer's input (XLA:CPU: the
+               gradient of a dense-MLP layer under full remat re-runs its gate/up, not its down).
+    save_dots  keeps the outputs of the matmuls without batch dimensions (`dots_with_no_batch_dims_saveable`):
+               all of the above but the routed experts, whose grouped matmuls run in the tiled kernel's loop
+               (or as ragged_dot, not a dot_general), so their forward runs again. The attention core's and
+               the indexer's scores are batched matmuls: recomputed under both policies.
+"""
+
+from __future__ import annotations
+
+import math
+
+from m3jax.config import MOE_MLP, SPARSE_ATTENTION, M3Config
+
+REMAT_POLICIES = ("full", "save_dots")  # m3jax.model.decoder.REMAT_POLICIES (tests check they agree)
+
+
+def _check(policy: str) -> None:
+    if policy not in REMAT_POLICIES:
+        raise ValueError(f"remat_policy={policy!r}: expected one of {REMAT_POLICIES}")
+
+
+def recomputed_params(cfg: M3Config, policy: str = "full") -> dict[str, int]:
+    """Weights one token multiplies through again in the remat forward, summed over layers (2 FLOPs each):
+
+        full       "layer": L * (2 H D d + 2 KV D d) + L_dense * 2 Id d + L_moe * (E d + 2 Is d)
+                   "indexer": L_sparse * (Hi + 1) Di d          "routed": L_moe * k * 3 I d
+        save_dots  "routed" only
+    ("routed" is scaled by the kernel's executed rows in `m3jax.plan.flops.step_flops`.)"""
+    _check(policy)
+    d = cfg.hidden_size
+    out = dict.fromkeys(("layer", "indexer", "routed"), 0)
+    for attn, mlp in zip(cfg.layer_types, cfg.mlp_layer_types):
+        out["routed"] += cfg.num_experts_per_tok * 3 * cfg.intermediate_size * d if mlp == MOE_MLP else 0
+        if policy == "save_dots":
+            continue
+        out["layer"] += (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim * d
+        out["layer"] += (cfg.num_local_experts + 2 * cfg.shared_intermediate_size) * d if mlp == MOE_MLP \
+            else 2 * cfg.dense_intermediate_size * d
+        out["indexer"] += (cfg.index_n_heads + 1) * cfg.index_head_dim * d if attn == SPARSE_ATTENTION else 0
+    return out
+
+
+def saved_bytes_per_token(cfg: M3Config, attn: str, mlp: str, tensor: int = 1, a: int = 2,
+                          policy: str = "full") -> float:
+    """Bytes one layer keeps per local token for its backward beyond its input (0 under "full"); save_dots:
+
+        a * (H_l D [q] + 2 KV_l D [k, v] + d [o projection])  + sparse layers a * (Hi Di + Di) [indexer q, k]
+        + MoE layers 4 E [router logits, fp32] + a * 2 Is / n_t [shared gate/up];  dense layers a * 2 Id / n_t
+    (H_l = H / n_t, KV_l = max(KV / n_t, 1); XLA:CPU kept 0.95x this on the small model of `main`)."""
+    _check(policy)
+    if policy == "full":
+        return 0.0
+    kv_l = max(cfg.num_key_value_heads / tensor, 1)
+    out = a * ((cfg.num_attention_heads / tensor + 2 * kv_l) * cfg.head_dim + cfg.hidden_size)
+    if attn == SPARSE_ATTENTION:
+        out += a * (cfg.index_n_heads + 1) * cfg.index_head_dim
+    if mlp == MOE_MLP:
+        out += 4 * cfg.num_local_experts + a * 2 * cfg.shared_intermediate_size / tensor
+    else:
+        out += a * 2 * cfg.dense_intermediate_size / tensor
+    return out
+
+
+def saved_residuals(cfg: M3Config, tokens_local: int, tensor: int = 1, a: int = 2, policy: str = "full") -> float:
+    """Bytes every layer's kept values hold per device, live from the forward until that layer's backward (so
+    all of them at the head's backward): tokens_local * sum over layers of `saved_bytes_per_token`."""
+    return tokens_local * sum(saved_bytes_per_token(cfg, t, m, tensor, a, policy)
+                              for t, m in zip(cfg.layer_types, cfg.mlp_layer_types))
+
+
+# ----------------------------------------------------------------------------------------- XLA's view
+
+def small_config(moe_layers: int = 2) -> M3Config:
+    """A full-attention dense layer, then `moe_layers` sparse MoE layers (one scan): the check's model."""
+    return M3Config(vocab_size=512, hidden_size=128, num_hidden_layers=1 + moe_layers, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=32, intermediate_size=64, dense_intermediate_size=256,
+                    shared_intermediate_size=64, num_local_experts=8, num_experts_per_tok=2,
+                    layer_types=["full_attention"] + ["minimax_m3_sparse"] * moe_layers,
+                    mlp_layer_types=["dense"] + ["sparse"] * moe_layers, partial_rotary_factor=0.5,
+                    index_n_heads=2, index_head_dim=32, index_block_size=16, index_topk_blocks=2)
+
+
+def compiled_cost(cfg: M3Config, seq: int, remat: bool, policy: str, **options) -> dict[str, float]:
+    """XLA's 'flops' and temp bytes of jit(grad) of a loss on the logits of one fp32 sequence. XLA counts a
+    loop body once (not x its trips), so compare policies on the same model, not models of other depths."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from m3jax.model.decoder import M3ForCausalLM
+    model = M3ForCausalLM(cfg, rngs=nnx.Rngs(0), remat=remat, remat_policy=policy, **options)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    ids = jnp.arange(seq, dtype=jnp.int32)[None] % cfg.vocab_size
+    loss = lambda p: jnp.mean(nnx.merge(graphdef, p, rest)(ids).astype(jnp.float32) ** 2)  # noqa: E731
+    compiled = jax.jit(jax.grad(loss)).lower(params).compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return {"flops": float(cost["flops"]), "temp": float(compiled.memory_analysis().temp_size_in_bytes)}
+
+
+def check(seq: int = 64, options: dict | None = None) -> dict[str, float]:
+    """full vs save_dots on `small_config`, both sides: XLA's FLOPs saved by save_dots against
+    2 * seq * (the recomputed weights save_dots drops), and XLA's extra temporaries per MoE layer (from 2 to 4
+    MoE layers: the scan's per-layer slope) against `saved_bytes_per_token` * seq at fp32."""
+    opts = options or {}
+    cost = {(n, p): compiled_cost(small_config(n), seq, True, p, **opts) for n in (2, 4) for p in REMAT_POLICIES}
+    cfg = small_config(1)  # XLA counts the MoE scan's body once: one MoE layer's weights
+    dropped = {k: v - recomputed_params(cfg, "save_dots")[k] for k, v in recomputed_params(cfg, "full").items()}
+    slope = ((cost[4, "save_dots"]["temp"] - cost[2, "save_dots"]["temp"])
+             - (cost[4, "full"]["temp"] - cost[2, "full"]["temp"])) / 2
+    return {"xla_flops_saved": cost[2, "full"]["flops"] - cost[2, "save_dots"]["flops"],
+            "plan_flops_saved": 2 * seq * sum(dropped.values()),
+            "xla_saved_bytes_per_moe_layer": slope,
+            "plan_saved_bytes_per_moe_layer": seq * saved_bytes_per_token(cfg, SPARSE_ATTENTION, MOE_MLP, 1, 4,
+                                                                          "save_dots"),
+            **{f"xla_flops_{p}": cost[2, p]["flops"] for p in REMAT_POLICIES}}
+
+
+def main() -> int:
+    for name, opts in (("dense attention, ragged_dot experts", {"moe_kernel": "ragged_dot"}),
+                       ("flash attention, tiled experts (the recipes')", {"attention_impl": "flash",
+                                                                          "moe_kernel": "tiled"})):
+        r = check(options=opts)
+        print(f"{name}: FLOPs saved by save_dots XLA {r['xla_flops_saved']:.4e} vs plan "
+              f"{r['plan_flops_saved']:.4e} ({r['plan_flops_saved'] / r['xla_flops_saved']:.2f}); kept bytes per "
+              f"MoE layer XLA {r['xla_saved_bytes_per_moe_layer']:.0f} vs plan "
+              f"{r['plan_saved_bytes_per_moe_layer']:.0f} "
+              f"({r['plan_saved_bytes_per_moe_layer'] / max(r['xla_saved_bytes_per_moe_layer'], 1):.2f})")
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+    sys.exit(main())
