@@ -596,6 +596,9 @@ def test_names_mirrored_from_jax_modules_stay_equal():
     assert rc.DATA_FORMATS == data.FileFormat.__args__ and rc.DATA_LAYOUTS == data.Layout.__args__
     transfer = pytest.importorskip("rl.generation.transfer")
     assert rc.WEIGHT_TRANSPORTS == tuple(transfer.TRANSPORTS)
+    from rl.config import schema
+    from rl.generation import vllm_ray  # no vLLM / Ray import: always there
+    assert schema.VLLM_EXECUTORS == vllm_ray.EXECUTORS
 
 
 def test_sections_map_onto_their_consumers(recipe_paths):
@@ -618,6 +621,22 @@ def test_every_field_is_documented_and_constrained_sensibly():
             if item is not None and rc._is_section(item):
                 walk(item)
     walk(RunConfig)
+
+
+def test_vllm_executor_is_checked():
+    """generation.vllm_executor (issue 12 item 1): one of auto / mp / ray; ray only for a vLLM server with
+    several ranks. The pool resolves auto (rl.generation.vllm_ray.choose_executor; tests/test_vllm_ray_logic.py)."""
+    assert load_config(CONFIGS / "tiny-vllm.yaml").generation.vllm_executor == "auto"
+    ok = load_config(CONFIGS / "tiny-vllm.yaml", ["generation.vllm_executor=ray", "generation.vllm_tensor_parallel=2"])
+    assert ok.generation.vllm_executor == "ray"
+    with pytest.raises(ConfigError, match=r'generation.vllm_executor = "uni": not an allowed value; allowed: '
+                                          r'one of "auto", "mp", "ray"'):
+        load_config(CONFIGS / "tiny-vllm.yaml", ["generation.vllm_executor=uni"])
+    with pytest.raises(ConfigError, match=r'generation.vllm_executor = "ray" with backend .vllm. and '
+                                          r'vllm_tensor_parallel = 1'):
+        load_config(CONFIGS / "tiny-vllm.yaml", ["generation.vllm_executor=ray"])
+    with pytest.raises(ConfigError, match=r'generation.vllm_executor = "ray" with backend .jax.'):
+        load_config(TINY, ["generation.vllm_executor=ray", "generation.vllm_tensor_parallel=2"])
 
 
 def test_probe_bound_without_probes_is_refused(tmp_path):

@@ -35,6 +35,7 @@ DATA_LAYOUTS = ("auto", "dapo", "gsm8k", "plain")              # rl.data.Layout
 DIGIT_VOCAB = 16                                               # rl.tasks.DigitTokenizer.vocab_size
 LOG_LEVELS = ("info", "debug")                                 # rl.logs.LEVELS
 WEIGHT_TRANSPORTS = ("ray", "collective")                     # rl.generation.transfer.TRANSPORTS
+VLLM_EXECUTORS = ("auto", "mp", "ray")                         # rl.generation.vllm_ray.EXECUTORS
 
 
 def _f(default: Any, doc: str, **rules: Any) -> Any:
@@ -320,6 +321,11 @@ class GenerationSection(_Section):
                          choices=("auto", "float32", "bfloat16"))
     vllm_ray_address: str | None = _f(None, "Ray cluster to place the vLLM engines on (e.g. ray://head:10001); "
                                             "null = start a local Ray")
+    vllm_executor: str = _f("auto", "how one vLLM server runs its ranks: mp = worker processes on one host "
+                                    "(in-process for one rank); ray = vLLM's Ray executor, ranks placed by a "
+                                    "placement group of the server's own, across hosts if needed; auto = ray only "
+                                    "when vllm_tensor_parallel exceeds the largest Ray node's devices",
+                            choices=VLLM_EXECUTORS)
     vllm_request_timeout_s: float = _f(600.0, "an engine that has not answered a rollout chunk for this long is "
                                               "killed and its rows re-sent", gt=0)
     vllm_max_restarts: int = _f(4, "dead or hung engines the pool replaces over a run before dropping them", min=0)

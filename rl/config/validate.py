@@ -248,6 +248,13 @@ def _cross_checks(cfg: RunConfig) -> list[_Problem]:
                     f"generation.stop_token_ids[{i}] = {t}: not a token of the model; allowed: an integer in "
                     f"[0, model.tiny.vocab_size={vocab})"), ("model.tiny.vocab_size",)))
 
+    if gen.vllm_executor == "ray" and (gen.backend != "vllm" or gen.vllm_tensor_parallel < 2):
+        out.append(_Problem("generation.vllm_executor", (
+            f"generation.vllm_executor = \"ray\" with backend {_show(gen.backend)} and vllm_tensor_parallel = "
+            f"{gen.vllm_tensor_parallel}: the Ray executor places the ranks of a vLLM server that has several "
+            "(a one-rank server runs in its own actor); allowed: auto or mp, or ray with generation.backend = vllm "
+            "and generation.vllm_tensor_parallel >= 2"), ("generation.backend", "generation.vllm_tensor_parallel")))
+
     if gen.verify_max_abs_diff is not None and (gen.backend == "jax" or not gen.verify_probes):
         out.append(_Problem("generation.verify_max_abs_diff", (
             f"generation.verify_max_abs_diff = {gen.verify_max_abs_diff}: there is nothing to compare "
