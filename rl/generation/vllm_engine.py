@@ -7,7 +7,10 @@ The engine core always runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`)
     workers through `worker_extension_cls`, and an update is written as one safetensors file into a fresh
     directory under /dev/shm that every worker reloads from (collective_rpc would pickle tensors into
     plain lists, stack-notes §8). Workers are spawned, so they re-import the caller's `__main__`: a
-    script that builds an "mp" engine needs the `if __name__ == "__main__":` guard (a Ray actor has it).
+    script that builds an "mp" engine needs the `if __name__ == "__main__":` guard (a Ray actor has it);
+  - "ray" (ranks on several hosts): one Ray actor per rank, in the placement group of the Ray actor this
+    engine runs in (rl.generation.vllm_ray; the pool sets that up). Updates go through /dev/shm as for
+    "mp", which only reaches workers on this host: `load_weights` refuses otherwise.
 Sampling follows the JAX engine (rl/generation/jax_engine.py): stop only on the request's
 stop ids, the stop token is part of the response, and every logprob is under the same transformation
 as `rl.generation.base.sampling_logits` (temperature, then top-k, then top-p), which the trainer
@@ -31,7 +34,8 @@ import numpy as np
 from m3jax.hf.layouts import SKIPPED
 from m3jax.hf.safetensors_io import StreamingWriter, read_header
 from rl.generation.base import SamplingParams
-from rl.generation.vllm_patches import PATCHES, apply_patches
+from rl.generation.vllm_patches import ImportPatch, apply_patches, selected_patches
+from rl.generation.vllm_ray import host_of
 
 WORKER_EXTENSION = "rl.generation.vllm_patches.WorkerExtension"
 STAGING_ROOT = "/dev/shm"  # RAM-backed: the workers read the update without touching a disk
@@ -66,20 +70,21 @@ def sampling_logprobs(logp: np.ndarray, temperature: float, top_p: float = 1.0, 
 class VLLMEngine:
     # How load_weights applies an update (set by _setup_apply): "inplace" or "reload", and why not inplace.
     apply_mode, apply_fallback, _applier = "reload", None, None
+    worker_hosts: list = []  # executor "ray": (machine, Ray node, pid) per rank
 
     def __init__(self, model_dir: str, *, dtype: str = "float32", seed: int = 0, max_model_len: int,
                  tensor_parallel: int = 1, expert_parallel: int = 1, gpu_memory_utilization: float = 0.8,
                  kv_cache_gb: float = 1, executor: str | None = None, weight_apply: str = "auto"):
         """model_dir: a released-layout checkpoint (`m3jax.save_pretrained(model, path, layout="released")`).
         expert_parallel: 1, or equal to tensor_parallel (vLLM's expert parallelism spans the TP ranks).
-        executor: "uni" or "mp"; None picks "uni" for one rank and "mp" for more.
+        executor: "uni", "mp" or "ray"; None picks "uni" for one rank and "mp" for more.
         weight_apply: how `load_weights` writes an update. "inplace": one copy into the loaded parameters
         plus the oneDNN re-pack (`rl.generation.inplace`; in-process executor only); "reload": vLLM's
         `reload_weights`; "auto": inplace when it covers every layer of the model, else reload
         (`apply_mode` / `apply_fallback` say which and why)."""
         executor = executor or ("uni" if tensor_parallel == 1 else "mp")
-        if executor not in ("uni", "mp"):
-            raise ValueError(f"executor={executor!r}: expected 'uni' or 'mp'")
+        if executor not in ("uni", "mp", "ray"):
+            raise ValueError(f"executor={executor!r}: expected 'uni', 'mp' or 'ray'")
         if weight_apply not in APPLY_MODES:
             raise ValueError(f"weight_apply={weight_apply!r}: expected one of {APPLY_MODES}")
         if executor == "uni" and tensor_parallel != 1:
@@ -95,6 +100,9 @@ class VLLMEngine:
 
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gb)
+        if executor == "ray":  # the Ray patches of the CPU set (vllm_ray), here and in the workers
+            from rl.generation.vllm_ray import EXECUTOR_ENV
+            os.environ[EXECUTOR_ENV] = "ray"
         self.patches = apply_patches()
         import torch
         from vllm import LLM
@@ -119,14 +127,16 @@ class VLLMEngine:
                 # Logprobs after temperature / top-k / top-p, as the trainer's token_logprobs computes them.
                 logprobs_mode="processed_logprobs", max_logprobs=-1,
                 limit_mm_per_prompt={"image": 0, "video": 0}, generation_config="vllm", **extra)
-        if executor == "mp" and current_platform.is_cpu():
+        if executor != "uni" and current_platform.is_cpu():
             # Each worker resolved WORKER_EXTENSION before building its model; a worker without the
             # patches would run the wrong math or crash at the first forward.
-            want = {p.name for p in PATCHES}
+            want = {p.name for p in selected_patches() if not isinstance(p, ImportPatch) and p.needed()}
             for rank, got in enumerate(self.llm.collective_rpc("m3jax_patches")):
-                if set(got) != want:
+                if want - set(got):
                     self.shutdown()
                     raise RuntimeError(f"vLLM worker {rank} lacks the CPU patches {sorted(want - set(got))}")
+        # (machine, Ray node, pid) of every rank: whether /dev/shm staging reaches it; health() reports them
+        self.worker_hosts = self.llm.collective_rpc(host_of) if executor == "ray" else []
         self._setup_apply(weight_apply)
         self.start_seconds = time.perf_counter() - t0
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
@@ -137,7 +147,7 @@ class VLLMEngine:
         if want == "reload":
             return
         if self.executor != "uni":
-            why = "worker processes (executor 'mp') hold the model out of this process"
+            why = f"worker processes (executor {self.executor!r}) hold the model out of this process"
         else:
             from rl.generation.inplace import InplaceApplier
             applier = self.llm.apply_model(InplaceApplier)[0]
@@ -287,6 +297,11 @@ class VLLMEngine:
             tensors = ((name, _to_torch(array)) for name, array in items)
             self._apply("reload_weights", {"weights_iterator": tensors, "is_checkpoint_format": True})
         else:
+            here = host_of(None)[0]
+            if any(h[0] != here for h in self.worker_hosts):  # refused before anything is written
+                raise WeightUpdateError(f"workers on hosts {sorted({h[0] for h in self.worker_hosts})} cannot read "
+                                        f"an update staged under /dev/shm of {here}: a multi-host engine needs "
+                                        "its workers in the weight group (docs/vllm.md, 'Engines across hosts')")
             # Written before anything is applied: a full /dev/shm fails here and the engine stays healthy.
             with staged_checkpoint(items) as path:
                 self._apply("m3jax_reload_weights", {"weights_path": path})
@@ -316,7 +331,8 @@ class VLLMEngine:
     def health(self) -> dict:
         self._check_workers()
         ok = self._broken is None and getattr(self, "llm", None) is not None
-        return {"ok": ok, "version": self.version, "pid": os.getpid(), **({"error": self._broken} if self._broken else {})}
+        return {"ok": ok, "version": self.version, "pid": os.getpid(), **({"error": self._broken} if self._broken else {}),
+                **({"workers": [{"node": n, "pid": pid} for _, n, pid in self.worker_hosts]} if self.worker_hosts else {})}
 
     def shutdown(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None
@@ -338,7 +354,7 @@ def _worker_env(executor: str, cpu: bool):
     ("Not enough allowed NUMA nodes"), and unbound workers default to one OpenMP thread per core each,
     which oversubscribes a shared machine; one thread per rank unless the caller chose otherwise.
     """
-    if executor != "mp" or not cpu:
+    if executor == "uni" or not cpu:
         yield
         return
     want = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}

@@ -10,6 +10,12 @@ samples the same tokens. A dead engine is replaced (up to `max_restarts` times p
 replacement starts from the checkpoint on disk, so it takes no work until the next weight update has
 brought it to the pool's version.
 
+An engine whose ranks do not fit one host runs vLLM's Ray executor (`PoolConfig.executor`,
+rl.generation.vllm_ray): the pool gives it a placement group of its own, one bundle per rank, starts its
+actor inside (vLLM's workers follow into the bundles) and, when it replaces the engine, removes that group
+(ending any of its workers still alive) and creates a fresh one. Everything above holds for such an
+engine as a unit: a dead worker fails the engine's next call, its rows are re-sent and it is replaced.
+
 Weight updates (`set_weights`) go through `rl.generation.transfer`; generation and updates take the
 same lock, so no rollout runs while weights change, and rollouts resume only once every engine has
 committed the new version.
@@ -28,6 +34,7 @@ import numpy as np
 
 from rl.generation.base import Rollout, SamplingParams
 from rl.generation.transfer import TRANSPORTS, TransferError, TransferStats, make_transport, model_tensors
+from rl.generation import vllm_ray
 from rl.generation.vllm_actor import EngineActor
 from rl.schedule import ChunkQueue, Incomplete
 
@@ -55,6 +62,9 @@ class PoolConfig:
     max_restarts: int = 4
     chunks_per_engine: int = 2
     seed: int = 0
+    # generation.vllm_executor: auto | mp | ray (rl.generation.vllm_ray.EXECUTORS); the pool's own copy of
+    # the config holds what "auto" resolved to (uni / mp / ray), which each engine actor uses
+    executor: str = "auto"
 
 
 _ACTOR = None
@@ -67,7 +77,7 @@ def _actor_class():
 
         cls = type("VLLMEngineActor", (EngineActor,), {})
         for name in ("generate", "score", "stage", "commit", "abort", "join_weight_group", "leave_weight_group",
-                     "receive_weights", "apply_mode"):
+                     "receive_weights", "apply_mode", "shutdown"):
             setattr(cls, name, ray.method(concurrency_group="work")(getattr(EngineActor, name)))
         cls.health = ray.method(concurrency_group="probe")(EngineActor.health)
         _ACTOR = ray.remote(concurrency_groups={"work": 1, "probe": 1})(cls)
@@ -82,6 +92,7 @@ class _Slot:
     ready: bool = False  # __init__ finished (the engine is built)
     restarts: int = 0
     probe: object = None  # an outstanding health call while the engine is starting
+    group: object = None  # the engine's placement group (Ray executor only), removed when it is replaced
 
 
 class VLLMPool:
@@ -99,18 +110,63 @@ class VLLMPool:
         self.last_transfer: TransferStats | None = None
         self._transport, self._transport_to = None, ()  # kept across updates while the engines stay the same
         self._lock = threading.Lock()
+        ranks = vllm_ray.engine_ranks(cfg.tensor_parallel, cfg.expert_parallel)
+        if cfg.executor not in vllm_ray.EXECUTORS + ("uni",):
+            raise PoolError(f"vllm executor {cfg.executor!r}: expected one of {vllm_ray.EXECUTORS}")
         if not ray.is_initialized():
             if cfg.ray_address:
                 ray.init(address=cfg.ray_address, log_to_driver=False)
             else:
-                ray.init(num_cpus=max(os.cpu_count() or 1, 1), include_dashboard=False, log_to_driver=False)
-        self.slots = [_Slot(r, self._spawn(r)) for r in range(cfg.servers)]
+                # A local CPU Ray advertises engine-rank slots only when the Ray executor was asked for, so
+                # that "auto" keeps every engine on this host's multiprocess executor.
+                slots = {vllm_ray.CPU_SLOT: ranks * cfg.servers} if cfg.executor == "ray" else {}
+                ray.init(num_cpus=max(os.cpu_count() or 1, 1), include_dashboard=False, log_to_driver=False,
+                         resources=slots)
+        self.key = vllm_ray.device_key(ray.cluster_resources())  # what one rank takes: GPU or the CPU slot
+        self.per_host = vllm_ray.devices_per_host(ray.nodes(), self.key)
+        try:
+            executor = cfg.executor if cfg.executor == "uni" else vllm_ray.choose_executor(cfg.executor, ranks,
+                                                                                            self.per_host)
+        except ValueError as e:
+            raise PoolError(str(e)) from None
+        if executor == "ray" and ray.cluster_resources().get(self.key, 0) < ranks:
+            raise PoolError(f"a Ray-executor engine of {ranks} ranks needs {ranks} x {self.key!r} in the Ray "
+                            f"cluster, which has {ray.cluster_resources().get(self.key, 0):g}; on CPU every Ray node "
+                            f"advertises {vllm_ray.CPU_SLOT!r} per engine rank it may host (docs/vllm.md)")
+        self.cfg = dataclasses.replace(cfg, executor=executor)
+        self.slots = [_Slot(r, None) for r in range(cfg.servers)]
+        for s in self.slots:
+            self._spawn(s)
         self._wait_ready(self.slots)
 
     # -------------------------------------------------------------------------------- lifecycle
-    def _spawn(self, rank: int):
-        gpus = self.cfg.tensor_parallel if _cluster_has_gpus() else 0
-        return _actor_class().options(num_cpus=0, num_gpus=gpus).remote(self.cfg, rank)
+    def _spawn(self, slot: _Slot) -> None:
+        """Start slot's engine actor; a Ray-executor engine in a fresh placement group of its own."""
+        if self.cfg.executor != "ray":
+            gpus = self.cfg.tensor_parallel if _cluster_has_gpus() else 0
+            slot.actor = _actor_class().options(num_cpus=0, num_gpus=gpus).remote(self.cfg, slot.rank)
+            return
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        bundles, strategy = vllm_ray.placement(self.cfg.tensor_parallel, self.per_host, self.key)
+        slot.group = placement_group(bundles, strategy=strategy)
+        # The actor takes no resources of the group; its vLLM workers take one bundle each (the executor
+        # finds the group because child tasks are captured). Until the group is placed the actor waits.
+        slot.actor = _actor_class().options(
+            num_cpus=0, num_gpus=0, runtime_env=vllm_ray.actor_runtime_env(),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=slot.group, placement_group_capture_child_tasks=True),
+        ).remote(self.cfg, slot.rank)
+
+    def _remove_group(self, slot: _Slot) -> None:
+        group, slot.group = slot.group, None
+        if group is not None:
+            from ray.util.placement_group import remove_placement_group
+            try:
+                remove_placement_group(group)  # ends every actor still in it: the engine's workers too
+            except Exception:  # noqa: BLE001 - already removed (a Ray cluster going down)
+                pass
 
     def _wait_ready(self, slots) -> None:
         import ray
@@ -131,13 +187,14 @@ class VLLMPool:
             ray.kill(slot.actor, no_restart=True)
         except Exception:  # noqa: BLE001 - already gone
             pass
-        slot.ready, slot.probe = False, None
+        self._remove_group(slot)  # a multi-host engine goes as a unit: a surviving worker must not linger
+        slot.ready, slot.probe, slot.actor = False, None, None
         if self.restarts >= self.cfg.max_restarts:
-            slot.actor = None
             return
         self.restarts += 1
         slot.restarts += 1
-        slot.actor, slot.version = self._spawn(slot.rank), 0  # it loads the on-disk checkpoint (version 0)
+        slot.version = 0  # it loads the on-disk checkpoint (version 0)
+        self._spawn(slot)
 
     def _refresh(self) -> None:
         """Mark ready the starting engines whose health probe has answered, without waiting for the
@@ -181,6 +238,9 @@ class VLLMPool:
         import ray
 
         self._drop_transport()
+        live = [s.actor.shutdown.remote() for s in self.slots if s.actor is not None and s.ready]
+        if live:  # the orderly stop first (shared memory released), bounded: a hung engine is killed below
+            ray.wait(live, num_returns=len(live), timeout=60)
         for s in self.slots:
             if s.actor is not None:
                 try:
@@ -188,6 +248,7 @@ class VLLMPool:
                 except Exception:  # noqa: BLE001
                     pass
                 s.actor = None
+            self._remove_group(s)
 
     # ------------------------------------------------------------------------------- generation
     def generate(self, prompts: list[list[int]], params: SamplingParams, key: jax.Array,
