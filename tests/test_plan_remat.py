@@ -70,3 +70,11 @@ def test_plan_matches_xla_on_the_small_model():
         assert 0.97 < r["plan_flops_saved"] / r["xla_flops_saved"] < 1.03
         assert low <= r["xla_saved_bytes_per_moe_layer"] / r["plan_saved_bytes_per_moe_layer"] <= 1.03
         assert r["xla_flops_save_dots"] < r["xla_flops_full"]
+
+
+@pytest.mark.slow  # two gradient compiles (~20 s)
+def test_full_remat_does_not_recompute_the_down_projection():
+    from m3jax.plan.remat import check_full
+    r = check_full()
+    assert 0.95 < r["plan_remat_flops"] / r["xla_remat_flops"] < 1.03
+    assert r["plan_with_down"] / r["xla_remat_flops"] > 1.3

@@ -130,7 +130,24 @@ def check(seq: int = 64, options: dict | None = None) -> dict[str, float]:
             **{f"xla_flops_{p}": cost[2, p]["flops"] for p in REMAT_POLICIES}}
 
 
+def check_full(seq: int = 64) -> dict[str, float]:
+    """full remat vs none on one full-attention dense-MLP layer with a wide MLP (Id 2048, so the down
+    projection would show): XLA's extra FLOPs against the plan's 2 * seq * `recomputed_params` + the dense
+    attention's scores again (4 H D S^2), and against the same with the down projection counted too."""
+    import dataclasses
+    cfg = dataclasses.replace(small_config(0), vocab_size=64, dense_intermediate_size=2048)
+    xla = {r: compiled_cost(cfg, seq, r, "full")["flops"] for r in (False, True)}
+    again = recomputed_params(cfg, "full")
+    plan = 2 * seq * sum(again.values()) + 4 * cfg.num_attention_heads * cfg.head_dim * seq * seq
+    return {"xla_remat_flops": xla[True] - xla[False], "plan_remat_flops": plan,
+            "plan_with_down": plan + 2 * seq * cfg.dense_intermediate_size * cfg.hidden_size}
+
+
 def main() -> int:
+    r = check_full()
+    print(f"full remat, one dense layer (Id 2048): extra FLOPs XLA {r['xla_remat_flops']:.4e} vs plan "
+          f"{r['plan_remat_flops']:.4e} ({r['plan_remat_flops'] / r['xla_remat_flops']:.2f}); counting the down "
+          f"projection too would be {r['plan_with_down']:.4e} ({r['plan_with_down'] / r['xla_remat_flops']:.2f})")
     for name, opts in (("dense attention, ragged_dot experts", {"moe_kernel": "ragged_dot"}),
                        ("flash attention, tiled experts (the recipes')", {"attention_impl": "flash",
                                                                           "moe_kernel": "tiled"})):
