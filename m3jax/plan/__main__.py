@@ -101,7 +101,8 @@ def plan(job: Job, hw: Hardware) -> dict:
     fl = step_flops(job.model, job.seqs_per_update * job.updates, job.seq_len, job.remat,
                     query_chunked=0 < b.attention_query_chunk < s_l,
                     expert_rows=expert_rows_factor(job.model, job.mesh, b), expert_recompute=expert_recompute(b),
-                    attention=b.attention_impl, sparse_attention=b.sparse_attention, remat_policy=b.remat_policy)
+                    attention=b.attention_impl, sparse_attention=b.sparse_attention,
+                    remat_policy=b.remat_policy)
     n_ep = job.mesh.expert_parallel
     sent = None if b.exchange == "ragged" else receive_rows(
         job.micro_batch * s_l, job.model.num_experts_per_tok, n_ep, job.model.num_local_experts // n_ep,
