@@ -91,20 +91,19 @@ def test_model_logits_unchanged_and_only_indexer_params_get_gradient():
     model = _model()
     ids = jnp.asarray(random_ids(CFG, 2, 24, seed=1))
     mask = jnp.ones((2, 24), jnp.int32).at[1, 20:].set(0)
-    logits = model(ids, attention_mask=mask)
-    logits2, kl = model(ids, attention_mask=mask, return_indexer_kl=True)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    logits = jax.jit(lambda p: nnx.merge(graphdef, p, rest)(ids, attention_mask=mask))(params)
+    logits2, kl = jax.jit(lambda p: nnx.merge(graphdef, p, rest)(ids, attention_mask=mask,
+                                                                 return_indexer_kl=True))(params)
     np.testing.assert_array_equal(np.asarray(logits), np.asarray(logits2))
     assert kl.shape == (2, 24) and bool(jnp.all(kl >= -1e-6)) and float(kl.max()) > 0
-
-    def loss(m):
-        return m(ids, attention_mask=mask, return_indexer_kl=True)[1].sum()
-
-    grads = nnx.grad(loss)(model)
-    flat = {"/".join(map(str, path)): g for path, g in nnx.to_flat_state(grads)}
+    grads = jax.jit(jax.grad(lambda p: nnx.merge(graphdef, p, rest)(ids, attention_mask=mask, hidden=True,
+                                                                   return_indexer_kl=True)[1].sum()))(params)
+    flat = {jax.tree_util.keystr(path): g for path, g in jax.tree_util.tree_leaves_with_path(grads)}
     indexer = {n: g for n, g in flat.items() if any(p in n for p in INDEX_PARAMS)}
-    assert indexer and all(bool(jnp.any(g[...])) for g in indexer.values())
-    assert all(not bool(jnp.any(g[...])) for n, g in flat.items() if n not in indexer), \
-        [n for n, g in flat.items() if n not in indexer and bool(jnp.any(g[...]))]
+    assert indexer and all(bool(jnp.any(g)) for g in indexer.values())
+    assert all(not bool(jnp.any(g)) for n, g in flat.items() if n not in indexer), \
+        [n for n, g in flat.items() if n not in indexer and bool(jnp.any(g))]
 
 
 def test_descending_the_kl_raises_recall():
@@ -153,19 +152,26 @@ def test_grpo_loss_adds_the_kl_and_trains_only_the_indexer():
     mb = {"input_ids": ids[:, :-1], "attention_mask": jnp.ones((2, 24), jnp.int32), "targets": ids[:, 1:],
           "logp_old": lp, "logp_gen": lp, "advantages": jnp.asarray([1.0, -1.0]), "loss_mask": mask}
     sampling = SamplingParams(max_new_tokens=4)
-    off, on = (grpo_loss_fn(sampling, LossConfig(), indexer_loss_coef=c) for c in (0.0, 0.5))
-    (loss_off, stats_off), g_off = nnx.value_and_grad(off, has_aux=True)(model, mb)
-    (loss_on, stats_on), g_on = nnx.value_and_grad(on, has_aux=True)(model, mb)
-    kl = model(mb["input_ids"], attention_mask=mb["attention_mask"], hidden=True, return_indexer_kl=True)[1]
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def value_and_grad(coef):
+        loss_fn = grpo_loss_fn(sampling, LossConfig(), indexer_loss_coef=coef)
+        f = lambda p, mb: loss_fn(nnx.merge(graphdef, p, rest), mb)  # noqa: E731
+        return jax.jit(jax.value_and_grad(f, has_aux=True))(params, mb)
+
+    (loss_off, stats_off), g_off = value_and_grad(0.0)
+    (loss_on, stats_on), g_on = value_and_grad(0.5)
+    kl = jax.jit(lambda p: nnx.merge(graphdef, p, rest)(mb["input_ids"], attention_mask=mb["attention_mask"],
+                                                        hidden=True, return_indexer_kl=True)[1])(params)
     np.testing.assert_allclose(float(stats_on["indexer_kl_sum"]), float(jnp.sum(mask * kl)), rtol=1e-6)
     np.testing.assert_allclose(float(loss_on - loss_off), 0.5 * float(jnp.sum(mask * kl)), rtol=1e-5)
     assert "indexer_kl_sum" not in stats_off
-    for (path, a), (_, b) in zip(nnx.to_flat_state(g_off), nnx.to_flat_state(g_on)):
-        name = "/".join(map(str, path))
+    for (path, a), (_, b) in zip(jax.tree_util.tree_leaves_with_path(g_off), jax.tree_util.tree_leaves_with_path(g_on)):
+        name = jax.tree_util.keystr(path)
         if any(p in name for p in INDEX_PARAMS):
-            assert not jnp.any(a[...]) and bool(jnp.any(b[...])), name
+            assert not jnp.any(a) and bool(jnp.any(b)), name
         else:
-            np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]), err_msg=name)
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
 
 
 def test_runs_that_train_the_indexer_plot_the_kl_and_runs_compare(tmp_path):
@@ -190,3 +196,41 @@ def test_runs_that_train_the_indexer_plot_the_kl_and_runs_compare(tmp_path):
         plot_compare(dirs, ["indexer/recall"], str(out), labels=["one"])
     with pytest.raises(SystemExit):
         plot_main(dirs)  # several runs without --metrics
+
+
+@pytest.mark.extended  # as the recall's context-parallel check (the suite's 15-minute bound)
+@pytest.mark.slow  # compiles the KL's forward and backward on an 8-device mesh (~20 s on the shared 2-core CPU)
+def test_kl_and_its_gradient_under_context_parallelism_equal_one_device():
+    """On a 2 (data) x 4 (context) mesh the per-query KL and the indexer's gradient are the single device's:
+    keys and indexer keys are gathered over the context axis as for the attention."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from sharding.mesh import MeshConfig, build_mesh
+
+    ids = jnp.asarray(random_ids(CFG, 2, 32, seed=5))
+    mask = jnp.ones((2, 32), jnp.int32).at[1, 26:].set(0)
+
+    def run(layout):
+        model = m3_model(CFG, seed=6, dtype=jnp.float32, **({} if layout is None else {"layout": layout}))
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+        def kl_sum(p, x, m):
+            return nnx.merge(graphdef, p, rest)(x, attention_mask=m, hidden=True, return_indexer_kl=True)[1].sum()
+
+        def kl(p, x, m):
+            return nnx.merge(graphdef, p, rest)(x, attention_mask=m, hidden=True, return_indexer_kl=True)[1]
+
+        x, m = ids, mask
+        if layout is not None:
+            x, m = (jax.device_put(a, NamedSharding(layout.mesh, P("data", None))) for a in (ids, mask))
+        grads = jax.jit(jax.grad(kl_sum))(params, x, m)
+        flat = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(grads)}
+        return np.asarray(jax.jit(kl)(params, x, m)), {k: v for k, v in flat.items() if "index_" in k}
+
+    want_kl, want_g = run(None)
+    got_kl, got_g = run(build_mesh(MeshConfig(data=2, context=4), CFG, seq_len=32, batch=2))
+    np.testing.assert_allclose(got_kl, want_kl, rtol=1e-5, atol=1e-7)
+    assert want_g and want_g.keys() == got_g.keys()
+    for k in want_g:  # relative to the gradient's scale: a sum over tokens in another order (elements near 0 cancel)
+        assert np.abs(got_g[k] - want_g[k]).max() <= 1e-5 * np.abs(want_g[k]).max(), k
