@@ -232,6 +232,8 @@ def test_ray_cpu_patches_only_with_the_ray_executor(monkeypatch):
 
     from rl.generation import vllm_ray
     key, ids = CpuPlatform.ray_device_key, ray_executor_v2.RayWorkerProc.get_node_and_physical_gpu_ids
+    mod, fn = vllm_ray.SETUP_HOOK.rsplit(".", 1)  # the hook the engine actor hands to vLLM's Ray workers
+    assert mod == vllm_patches.__name__ and getattr(vllm_patches, fn) is vllm_patches.worker_setup
     monkeypatch.delenv(vllm_ray.EXECUTOR_ENV, raising=False)
     assert apply_patches() == [] and CpuPlatform.ray_device_key == ""
     assert not any(p.installed() for p in vllm_patches.RAY_CPU_PATCHES)

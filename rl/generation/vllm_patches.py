@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from rl.generation import vllm_patch_registry as registry
+from rl.generation.vllm_ray import CPU_SLOT, EXECUTOR_ENV
 from rl.generation.vllm_patch_registry import (  # noqa: F401 (public here)
     ImportPatch, Patch, PatchError, Refused, ValuePatch)
 
@@ -260,12 +261,10 @@ PATCHES: tuple[Patch, ...] = (
 def _ray_executor() -> bool:
     # Set by VLLMEngine(executor="ray") in its process and carried to the workers by the actor's runtime_env
     # (rl.generation.vllm_ray): the in-process and multiprocess executors never load these two.
-    from rl.generation.vllm_ray import EXECUTOR_ENV
     return os.environ.get(EXECUTOR_ENV) == "ray"
 
 
 def _ray_cpu_slot(_original):
-    from rl.generation.vllm_ray import CPU_SLOT
     return CPU_SLOT
 
 
@@ -351,6 +350,12 @@ class _WorkerExtension:
             self.reload_weights(weights_path=weights_path, is_checkpoint_format=True)
         finally:
             config.model, config.model_weights, config.revision = served
+
+
+def worker_setup() -> None:
+    """Ray's worker-process setup hook (rl.generation.vllm_ray.SETUP_HOOK): this engine's patch set, the Ray
+    patches among it (EXECUTOR_ENV is "ray" there), before vLLM code runs in a RayWorkerProc."""
+    apply_patches()
 
 
 def __getattr__(name):

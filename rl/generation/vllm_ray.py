@@ -13,7 +13,7 @@ no CPU accelerator). Two patches in `rl.generation.vllm_patches.PATCH_SETS` (nee
 `EXECUTOR_ENV` says "ray") name a custom Ray resource, `CPU_SLOT`, as the CPU's device key, and make a
 worker report its node and no device ids (Ray has none for a custom resource). They must be in place in
 every worker process before vLLM's code runs there; `worker_extension_cls` resolves too late, so
-the engine actor's runtime_env carries Ray's worker-process setup hook (`worker_setup`), which vLLM
+the engine actor's runtime_env carries Ray's worker-process setup hook (`SETUP_HOOK`), which vLLM
 passes on to its workers. Each CPU Ray node must advertise `CPU_SLOT`: one unit per engine rank it may
 host (`ray start --resources='{"m3jax_cpu_slot": 4}'`).
 
@@ -33,7 +33,7 @@ EXECUTOR_ENV = "M3JAX_VLLM_EXECUTOR"  # "ray" in an engine process and its worke
 # `worker_process_setup_hook` is recorded and ignored (checked with Ray 2.60), so the engine actor sets
 # the variable itself, and vLLM copies the actor's runtime_env to the RayWorkerProc actors it starts.
 _RAY_SETUP_HOOK_ENV = "__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR"  # ray._private.ray_constants
-SETUP_HOOK = "rl.generation.vllm_ray.worker_setup"
+SETUP_HOOK = "rl.generation.vllm_patches.worker_setup"  # in the module this one must not import
 # One OpenMP thread and no automatic NUMA binding per CPU rank (rl.generation.vllm_engine._worker_env says why)
 CPU_WORKER_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
                   "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
@@ -129,11 +129,3 @@ def host_of(_worker) -> tuple[str, str, int]:
     except ImportError:
         node = ""
     return f"{socket.gethostname()}/{boot}", node, os.getpid()
-
-
-def worker_setup() -> None:
-    """Ray's worker-process setup hook: the engine's patch set (the Ray patches among it, since
-    EXECUTOR_ENV is "ray" here) before vLLM code runs in this process."""
-    from rl.generation.vllm_patches import apply_patches
-
-    apply_patches()
