@@ -22,9 +22,15 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from sharding.layout import Layout
+
+# The name `combine` gives the routed experts' output rows (`jax.ad_checkpoint.checkpoint_name`): a remat policy
+# that saves it (model.remat_policy save_dots_experts) spares the backward the experts' forward, which the router
+# weights' gradient would otherwise re-run to read these rows. An identity without such a policy.
+MOE_EXPERT_OUT = "moe_expert_out"
 
 
 def sort_by_expert(idx: jax.Array, num_experts: int):
@@ -35,7 +41,9 @@ def sort_by_expert(idx: jax.Array, num_experts: int):
 
 
 def combine(x: jax.Array, rows_out: jax.Array, weights: jax.Array, order: jax.Array, token_of_row) -> jax.Array:
-    """sum_k w_k * out_k per token: fp32 weight times output, cast to x.dtype, summed (HF's order)."""
+    """sum_k w_k * out_k per token: fp32 weight times output, cast to x.dtype, summed (HF's order).
+    rows_out carries the checkpoint name `MOE_EXPERT_OUT` (every path, local or exchanged, combines here)."""
+    rows_out = checkpoint_name(rows_out, MOE_EXPERT_OUT)
     out = (rows_out.astype(jnp.float32) * weights.reshape(-1)[order][:, None]).astype(x.dtype)
     return jnp.zeros_like(x).at[token_of_row].add(out)
 

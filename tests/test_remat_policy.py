@@ -1,8 +1,9 @@
 """model.remat_policy: what a rematerialised layer keeps for its backward changes the work, never the numbers.
 
 Logits and gradients of the tiny two-kind model (a full-attention dense layer, then two sparse MoE layers in one
-scan) under no remat, full remat and save_dots agree to <= 1e-6 relative, on the default path (dense attention on
-the full layer, the gather sparse path, the CPU's auto = tiled experts) and on the recipes' (flash). The planner
+scan) under no remat, full remat, save_dots and save_dots_experts agree to <= 1e-6 relative, on the default path
+(dense attention on the full layer, the gather sparse path, the CPU's auto = tiled experts) and on the recipes'
+(flash); save_dots_experts also on one expert-parallel MoE block. The planner
 side (m3jax.plan.remat) is checked against XLA's compiled FLOPs and temporaries of the same model in
 tests/test_plan_remat.py.
 """
@@ -80,3 +81,48 @@ def test_full_is_the_program_without_a_policy():
     default = lowered()
     assert lowered(remat_policy="full") == default
     assert lowered(remat_policy="save_dots") != default
+    assert lowered(remat_policy="save_dots_experts") not in (default, lowered(remat_policy="save_dots"))
+
+
+def test_expert_rows_tag_is_an_identity_without_a_policy(monkeypatch):
+    """combine's checkpoint_name(MOE_EXPERT_OUT) lowers to nothing: with the tag replaced by the identity, the
+    full-remat gradient's program is the same text (the program before the tag existed)."""
+    import sharding.expert as expert
+
+    def lowered():
+        model = M3ForCausalLM(CFG, rngs=nnx.Rngs(0), remat=True, remat_policy="full")
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        ids = jnp.zeros((1, SEQ), jnp.int32)
+        f = lambda p: jnp.sum(nnx.merge(graphdef, p, rest)(ids).astype(jnp.float32))  # noqa: E731
+        return jax.jit(jax.grad(f)).lower(params).as_text()
+
+    tagged = lowered()
+    monkeypatch.setattr(expert, "checkpoint_name", lambda x, name: x)
+    assert lowered() == tagged
+
+
+@pytest.mark.slow  # four gradient compiles of one expert-parallel MoE block (~30 s)
+def test_save_dots_experts_keeps_the_rows_on_the_expert_parallel_path():
+    """Inside shard_map (EP over 2 x 2 x 2, the padded exchange) the policy keeps combine's [T * k, d] rows too,
+    and the gradient equals the block's without remat to 1e-6."""
+    from jax._src.ad_checkpoint import saved_residuals
+
+    from m3jax.model.decoder import remat_policy_fn
+    from m3jax.model.moe import moe_block
+    from sharding.mesh import MeshConfig, build_mesh
+    from tests.test_expert_parallel import CFG as MOE_CFG, params
+
+    p = params()
+    x = jax.random.normal(jax.random.key(1), (8, 16, MOE_CFG.hidden_size))
+    mesh = build_mesh(MeshConfig(2, 2, 2, 1), MOE_CFG)
+    f = lambda p, x: jnp.sum(moe_block(p, x, MOE_CFG, mesh, None, "padded") ** 2)  # noqa: E731
+    rows = x.shape[0] * x.shape[1] * MOE_CFG.num_experts_per_tok  # T * k of every rank (a global residual)
+    kept = {pol: [r for r, _ in saved_residuals(jax.checkpoint(f, policy=remat_policy_fn(pol)), p, x)]
+            for pol in ("save_dots", "save_dots_experts")}
+    extra = [r.shape for r in kept["save_dots_experts"]]
+    for r in kept["save_dots"]:
+        extra.remove(r.shape)
+    assert extra == [(rows, MOE_CFG.hidden_size)]
+    ref = jax.jit(jax.grad(f))(p, x)
+    got = jax.jit(jax.grad(jax.checkpoint(f, policy=remat_policy_fn("save_dots_experts"))))(p, x)
+    jax.tree.map(_close, got, ref)

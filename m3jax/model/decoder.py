@@ -24,6 +24,7 @@ from m3jax.model.moe import moe_block
 from m3jax.model.norms import rms_norm
 from m3jax.model.rope import rope_cos_sin
 from m3jax.model.specs import MOE_MLP, SPARSE_ATTENTION, ParamSpec, layer_param_specs, top_param_specs
+from sharding.expert import MOE_EXPERT_OUT
 from sharding.grouped_matmul import resolve_kernel
 from sharding.layout import Layout, as_layout
 from sharding.rules import mesh_axes_of
@@ -35,15 +36,23 @@ LOGITS = ("act_batch", "act_seq", "act_vocab")
 # outputs of the matmuls without batch dimensions (the q/k/v/o, indexer, router, shared-expert and dense-MLP
 # projections: token-sized), so the backward recomputes norms, RoPE, the attention core, the indexer scores
 # and the expert dispatch but not those projections. The attention core's and the routed experts'
-# batched / looped matmuls are not kept (their outputs are [S, S]- or receive-pool-sized).
-REMAT_POLICIES = ("full", "save_dots")
+# batched / looped matmuls are not kept (their outputs are [S, S]- or receive-pool-sized). "save_dots_experts"
+# keeps those and the routed experts' output rows too (`sharding.expert.MOE_EXPERT_OUT`, T * k rows of d per MoE
+# layer), which the router weights' gradient reads: the backward then does not re-run the experts' forward to
+# get them (the tiled kernel's backward recomputes its gate/up itself; under ragged_dot the gate/up run again).
+REMAT_POLICIES = ("full", "save_dots", "save_dots_experts")
 
 
 def remat_policy_fn(name: str):
     """The `jax.checkpoint` policy of a `REMAT_POLICIES` name (None = save nothing but the inputs)."""
     if name not in REMAT_POLICIES:
         raise ValueError(f"remat_policy={name!r}: expected one of {REMAT_POLICIES}")
-    return None if name == "full" else jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    cp = jax.checkpoint_policies
+    if name == "full":
+        return None
+    if name == "save_dots":
+        return cp.dots_with_no_batch_dims_saveable
+    return cp.save_from_both_policies(cp.dots_with_no_batch_dims_saveable, cp.save_only_these_names(MOE_EXPERT_OUT))
 
 
 class Buffer(nnx.Variable):
@@ -183,7 +192,8 @@ class M3ForCausalLM(nnx.Module):
                  attention_impl: str = "dense", sparse_attention: str = "gather", remat_policy: str = "full"):
         """remat: rematerialise each layer in the backward pass. remat_policy: what a rematerialised layer
         keeps for its backward, "full" (its input only) | "save_dots" (also the token-sized projection
-        outputs; `REMAT_POLICIES`). moe_capacity_factor: cap on the rows an
+        outputs) | "save_dots_experts" (and the routed experts' output rows; `REMAT_POLICIES`).
+        moe_capacity_factor: cap on the rows an
         expert-parallel device sends to one peer, x (tokens*top_k / n_ep); None = dropless.
         moe_exchange: "padded" | "ragged" | "ragged_emulated"; None = ragged on GPU/TPU, padded on CPU.
         moe_kernel: the experts' grouped matmul, "auto" | "ragged_dot" | "tiled" (`sharding.grouped_matmul`;

@@ -110,10 +110,12 @@ class ModelSection(_Section):
     remat: bool = _f(False, "activation checkpointing (recompute each layer in the backward pass)")
     # m3jax.model.decoder.REMAT_POLICIES, listed here so that the schema needs no jax
     remat_policy: str = _f("full", "with remat, what each layer keeps for its backward: full (its input only; "
-                                   "the whole forward runs again) or save_dots (also the token-sized projection "
+                                   "the whole forward runs again), save_dots (also the token-sized projection "
                                    "outputs: q/k/v/o, indexer, router, shared-expert and dense-MLP gate/up; the "
                                    "backward then recomputes only norms, attention cores, dispatch and the "
-                                   "routed experts)", choices=("full", "save_dots"))
+                                   "routed experts) or save_dots_experts (also the routed experts' output rows, "
+                                   "T * k * d per MoE layer, so their forward does not run again)",
+                        choices=("full", "save_dots", "save_dots_experts"))
     attention_query_chunk: int = _f(0, "local queries per attention-scores block (a rematerialised scan): "
                                        "[chunk, S] scores live instead of [S_local, S]; 0 = all at once", min=0)
     # m3jax.model.attention.IMPLS, listed here so that the schema needs no jax
