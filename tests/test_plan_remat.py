@@ -24,6 +24,12 @@ def test_recomputed_params_hand_count():
     assert full["indexer"] == 2 * (2 + 1) * 32 * d
     assert full["routed"] == 2 * 2 * 3 * 64 * d
     assert recomputed_params(CFG, "save_dots") == {"layer": 0, "indexer": 0, "routed": full["routed"]}
+    # save_dots_experts: the kept expert rows spare the down projection (ragged_dot: gate/up run again for the
+    # experts' own backward) or the whole walk (tiled: its custom VJP saves only its inputs)
+    assert recomputed_params(CFG, "save_dots_experts", "ragged_dot") == {"layer": 0, "indexer": 0,
+                                                                         "routed": 2 * 2 * 2 * 64 * d}
+    assert recomputed_params(CFG, "save_dots_experts", "tiled") == {"layer": 0, "indexer": 0, "routed": 0}
+    assert recomputed_params(CFG, "save_dots", "tiled") == recomputed_params(CFG, "save_dots")
     with pytest.raises(ValueError, match="remat_policy"):
         recomputed_params(CFG, "dots")
 
@@ -41,6 +47,14 @@ def test_step_flops_follow_the_policy():
     for f in (full, dots):
         assert f["matmul_executed"] + f["attention_executed"] + f["indexer_executed"] \
             + f["indexer_proj_executed"] == f["executed_total"]
+    for kernel, rows in (("tiled", 1.25), ("ragged_dot", 1.0)):
+        dots_k = step_flops(CFG, seqs, s, True, remat_policy="save_dots", expert_matmul=kernel, expert_rows=rows)
+        experts = step_flops(CFG, seqs, s, True, remat_policy="save_dots_experts", expert_matmul=kernel,
+                             expert_rows=rows)
+        routed = recomputed_params(CFG, "save_dots")["routed"] \
+            - recomputed_params(CFG, "save_dots_experts", kernel)["routed"]
+        assert dots_k["executed_total"] - experts["executed_total"] == pytest.approx(2 * n * routed * rows)
+        assert experts["attention_executed"] == dots_k["attention_executed"]
     no_remat = step_flops(CFG, seqs, s, False, remat_policy="save_dots")
     assert no_remat == step_flops(CFG, seqs, s, False)  # the policy means nothing without remat
 
@@ -56,6 +70,12 @@ def test_saved_residuals_term():
     assert got == t_l * (per_dense + 2 * per_moe)
     assert "saved_residuals" not in activation_bytes(CFG, mesh, Batch(2, 64, remat=True), 2)
     assert Batch(2, 64, remat_policy="save_dots").model_options()["remat_policy"] == "save_dots"
+    per_moe_experts = per_moe + 2 * 2 * 128  # + the experts' output rows: k rows of d per token
+    assert saved_bytes_per_token(CFG, SPARSE_ATTENTION, MOE_MLP, 1, 2, "save_dots_experts") == per_moe_experts
+    assert saved_bytes_per_token(CFG, SPARSE_ATTENTION, MOE_MLP, 2, 2, "save_dots_experts") \
+        - saved_bytes_per_token(CFG, SPARSE_ATTENTION, MOE_MLP, 2, 2, "save_dots") == 2 * 2 * 128  # whole d per rank
+    experts = activation_bytes(CFG, mesh, Batch(2, 64, remat=True, remat_policy="save_dots_experts"), 2)
+    assert experts["saved_residuals"] == t_l * (per_dense + 2 * per_moe_experts)
 
 
 @pytest.mark.slow  # eight gradient compiles of the small model (~100 s on the shared 2-core CPU)
@@ -78,3 +98,17 @@ def test_full_remat_does_not_recompute_the_down_projection():
     r = check_full()
     assert 0.95 < r["plan_remat_flops"] / r["xla_remat_flops"] < 1.03
     assert r["plan_with_down"] / r["xla_remat_flops"] > 1.3
+
+
+@pytest.mark.slow  # eight gradient compiles and four while-loop counts of the small model (~6 min on the shared CPU)
+def test_save_dots_experts_matches_xla_on_the_small_model():
+    """XLA:CPU's FLOPs saved by save_dots_experts over save_dots match the plan's (ragged_dot: the down projection;
+    tiled: one trip of the remat forward's walk, which XLA counts once); the compiled tiled program has one while
+    loop fewer per MoE layer body; the kept bytes per MoE layer at least the plan's T * k * d."""
+    from m3jax.plan.remat import check_experts
+    for kernel, opts in (("ragged_dot", {}), ("tiled", {"attention_impl": "flash"})):
+        r = check_experts(kernel=kernel, options=opts)
+        assert 0.97 < r["plan_flops_saved"] / r["xla_flops_saved"] < 1.03, (kernel, r)
+        assert r["xla_saved_bytes_per_moe_layer"] >= 0.97 * r["plan_saved_bytes_per_moe_layer"], (kernel, r)
+        if kernel == "tiled":
+            assert r["xla_while_save_dots_experts"] < r["xla_while_save_dots"], r

@@ -102,7 +102,7 @@ def plan(job: Job, hw: Hardware) -> dict:
                     query_chunked=0 < b.attention_query_chunk < s_l,
                     expert_rows=expert_rows_factor(job.model, job.mesh, b), expert_recompute=expert_recompute(b),
                     attention=b.attention_impl, sparse_attention=b.sparse_attention,
-                    remat_policy=b.remat_policy)
+                    remat_policy=b.remat_policy, expert_matmul=b.expert_matmul)
     n_ep = job.mesh.expert_parallel
     sent = None if b.exchange == "ragged" else receive_rows(
         job.micro_batch * s_l, job.model.num_experts_per_tok, n_ep, job.model.num_local_experts // n_ep,

@@ -115,7 +115,8 @@ def gather_pairs(cfg: M3Config, seq_len: int) -> int:
 
 def step_flops(cfg: M3Config, seqs: int, seq_len: int, remat: bool = True, *, query_chunked: bool = False,
                expert_rows: float = 1.0, expert_recompute: float = 0.0, attention: str = "dense",
-               sparse_attention: str = "gather", remat_policy: str = "full") -> dict[str, float]:
+               sparse_attention: str = "gather", remat_policy: str = "full",
+               expert_matmul: str = "ragged_dot") -> dict[str, float]:
     """FLOPs of one step over `seqs` sequences of `seq_len` tokens (N = seqs * seq_len tokens).
 
     model FLOPs (what the maths needs):
@@ -128,7 +129,8 @@ def step_flops(cfg: M3Config, seqs: int, seq_len: int, remat: bool = True, *, qu
     executed FLOPs (what m3jax runs): the routed experts' matmuls times `expert_rows` (`expert_rows_factor`:
         padding rows the grouped matmul multiplies too); with remat the projections the backward reads again,
         by `remat_policy` (`m3jax.plan.remat.recomputed_params`: 2 * those params * N, the routed ones x
-        expert_rows; full: every projection but the dense / shared down, save_dots: the routed experts only)
+        expert_rows; full: every projection but the dense / shared down, save_dots: the routed experts only,
+        save_dots_experts: their gate/up under ragged_dot, nothing under the tiled kernel (`expert_matmul`))
         + the forward attention/indexer scores again; the routed experts' forward again x
         `expert_recompute` (`expert_recompute(batch)`: the tiled kernel's backward recomputes the gate/up
         projection): 2 * routed params * expert_rows * expert_recompute * N. Attention, by layer:
@@ -186,7 +188,7 @@ def step_flops(cfg: M3Config, seqs: int, seq_len: int, remat: bool = True, *, qu
     executed = 6 * (layer_exec + act["head"]) * n + out["indexer_proj"] + attn_exec + idx_exec
     executed += 2 * routed * expert_rows * expert_recompute * n
     if remat:
-        again = recomputed_params(cfg, remat_policy)
+        again = recomputed_params(cfg, remat_policy, expert_matmul)
         executed += 2 * (again["layer"] + again["routed"] * expert_rows + again["indexer"]) * n + attn_remat \
             + idx_remat
     if query_chunked:

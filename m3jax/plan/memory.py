@@ -208,7 +208,8 @@ def activation_bytes(cfg: M3Config, mesh: MeshConfig, batch: Batch, act_bytes: i
 
         checkpoints   = L * T_l * d * a       each layer's input, saved by the scan (remat)
         saved_residuals   what each rematerialised layer keeps besides its input, all layers (remat_policy
-                      save_dots: `m3jax.plan.remat.saved_residuals`, the token-sized projection outputs)
+                      save_dots: `m3jax.plan.remat.saved_residuals`, the token-sized projection outputs;
+                      save_dots_experts: and the routed experts' output rows, T_l * k * d * a per MoE layer)
         batch_inputs  = 3 arrays * num_micro * T_l * 4 B   (ids, targets, loss mask)
         + the larger of the worst layer's phases (`layer_phases`) and the head's (`head_terms`)
     Without remat every layer's forward residuals live (half of each phase's terms) beside the worst

@@ -17,6 +17,12 @@ drops the rest), so even "full" does not recompute everything:
                all of the above but the routed experts, whose grouped matmuls run in the tiled kernel's loop
                (or as ragged_dot, not a dot_general), so their forward runs again. The attention core's and
                the indexer's scores are batched matmuls: recomputed under both policies.
+    save_dots_experts  save_dots and the routed experts' output rows (`sharding.expert.MOE_EXPERT_OUT`, named
+               in `combine`: T * k rows of d per MoE layer), the values the router weights' gradient reads. The
+               experts' forward then runs again only for what their own backward needs: nothing under the tiled
+               kernel (a custom VJP whose residuals are its inputs; its backward recomputes gate/up itself,
+               `m3jax.plan.flops.expert_recompute`), the gate/up projections under ragged_dot (the activation's
+               and the down projection's gradients read them; the down projection is not re-run).
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ import math
 
 from m3jax.config import MOE_MLP, SPARSE_ATTENTION, M3Config
 
-REMAT_POLICIES = ("full", "save_dots")  # m3jax.model.decoder.REMAT_POLICIES (tests check they agree)
+# m3jax.model.decoder.REMAT_POLICIES (tests check they agree)
+REMAT_POLICIES = ("full", "save_dots", "save_dots_experts")
 
 
 def _check(policy: str) -> None:
@@ -33,19 +40,22 @@ def _check(policy: str) -> None:
         raise ValueError(f"remat_policy={policy!r}: expected one of {REMAT_POLICIES}")
 
 
-def recomputed_params(cfg: M3Config, policy: str = "full") -> dict[str, int]:
+def recomputed_params(cfg: M3Config, policy: str = "full", expert_matmul: str = "ragged_dot") -> dict[str, int]:
     """Weights one token multiplies through again in the remat forward, summed over layers (2 FLOPs each):
 
         full       "layer": L * (2 H D d + 2 KV D d) + L_dense * 2 Id d + L_moe * (E d + 2 Is d)
                    "indexer": L_sparse * (Hi + 1) Di d          "routed": L_moe * k * 3 I d
         save_dots  "routed" only
-    ("routed" is scaled by the kernel's executed rows in `m3jax.plan.flops.step_flops`.)"""
+        save_dots_experts  "routed": L_moe * k * 2 I d under ragged_dot (gate/up), 0 under the tiled kernel
+    (expert_matmul: `Batch.expert_matmul`, "tiled" or "ragged_dot"; "routed" is scaled by the kernel's executed
+    rows in `m3jax.plan.flops.step_flops`.)"""
     _check(policy)
     d = cfg.hidden_size
+    routed_mats = 3 if policy != "save_dots_experts" else (0 if expert_matmul == "tiled" else 2)
     out = dict.fromkeys(("layer", "indexer", "routed"), 0)
     for attn, mlp in zip(cfg.layer_types, cfg.mlp_layer_types):
-        out["routed"] += cfg.num_experts_per_tok * 3 * cfg.intermediate_size * d if mlp == MOE_MLP else 0
-        if policy == "save_dots":
+        out["routed"] += cfg.num_experts_per_tok * routed_mats * cfg.intermediate_size * d if mlp == MOE_MLP else 0
+        if policy != "full":
             continue
         out["layer"] += (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim * d
         out["layer"] += (cfg.num_local_experts + 2 * cfg.shared_intermediate_size) * d if mlp == MOE_MLP \
@@ -60,6 +70,7 @@ def saved_bytes_per_token(cfg: M3Config, attn: str, mlp: str, tensor: int = 1, a
 
         a * (H_l D [q] + 2 KV_l D [k, v] + d [o projection])  + sparse layers a * (Hi Di + Di) [indexer q, k]
         + MoE layers 4 E [router logits, fp32] + a * 2 Is / n_t [shared gate/up];  dense layers a * 2 Id / n_t
+    save_dots_experts: + MoE layers a * k * d [the experts' output rows, whole d on every tensor rank]
     (H_l = H / n_t, KV_l = max(KV / n_t, 1); XLA:CPU kept 0.95x this on the small model of `main`)."""
     _check(policy)
     if policy == "full":
@@ -70,6 +81,8 @@ def saved_bytes_per_token(cfg: M3Config, attn: str, mlp: str, tensor: int = 1, a
         out += a * (cfg.index_n_heads + 1) * cfg.index_head_dim
     if mlp == MOE_MLP:
         out += 4 * cfg.num_local_experts + a * 2 * cfg.shared_intermediate_size / tensor
+        if policy == "save_dots_experts":
+            out += a * cfg.num_experts_per_tok * cfg.hidden_size
     else:
         out += a * 2 * cfg.dense_intermediate_size / tensor
     return out
@@ -117,7 +130,8 @@ def check(seq: int = 64, options: dict | None = None) -> dict[str, float]:
     2 * seq * (the recomputed weights save_dots drops), and XLA's extra temporaries per MoE layer (from 2 to 4
     MoE layers: the scan's per-layer slope) against `saved_bytes_per_token` * seq at fp32."""
     opts = options or {}
-    cost = {(n, p): compiled_cost(small_config(n), seq, True, p, **opts) for n in (2, 4) for p in REMAT_POLICIES}
+    cost = {(n, p): compiled_cost(small_config(n), seq, True, p, **opts) for n in (2, 4)
+            for p in ("full", "save_dots")}
     cfg = small_config(1)  # XLA counts the MoE scan's body once: one MoE layer's weights
     dropped = {k: v - recomputed_params(cfg, "save_dots")[k] for k, v in recomputed_params(cfg, "full").items()}
     slope = ((cost[4, "save_dots"]["temp"] - cost[2, "save_dots"]["temp"])
@@ -127,7 +141,56 @@ def check(seq: int = 64, options: dict | None = None) -> dict[str, float]:
             "xla_saved_bytes_per_moe_layer": slope,
             "plan_saved_bytes_per_moe_layer": seq * saved_bytes_per_token(cfg, SPARSE_ATTENTION, MOE_MLP, 1, 4,
                                                                           "save_dots"),
-            **{f"xla_flops_{p}": cost[2, p]["flops"] for p in REMAT_POLICIES}}
+            **{f"xla_flops_{p}": cost[2, p]["flops"] for p in ("full", "save_dots")}}
+
+
+def while_loops(cfg: M3Config, seq: int, policy: str, **options) -> int:
+    """While loops in XLA:CPU's compiled jit(grad) of `compiled_cost`'s loss (the layer scans, the tiled
+    kernel's walks: one per tiled forward or backward a layer body runs)."""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from m3jax.model.decoder import M3ForCausalLM
+    model = M3ForCausalLM(cfg, rngs=nnx.Rngs(0), remat=True, remat_policy=policy, **options)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    ids = jnp.arange(seq, dtype=jnp.int32)[None] % cfg.vocab_size
+    loss = lambda p: jnp.mean(nnx.merge(graphdef, p, rest)(ids).astype(jnp.float32) ** 2)  # noqa: E731
+    return len(re.findall(r"\bwhile\(", jax.jit(jax.grad(loss)).lower(params).compile().as_text()))
+
+
+def check_experts(seq: int = 64, kernel: str = "ragged_dot", options: dict | None = None) -> dict[str, float]:
+    """save_dots vs save_dots_experts on `small_config` with the routed experts on `kernel`: XLA's FLOPs saved
+    against the plan's, and XLA's extra temporaries per MoE layer (the 2 -> 4 MoE layers slope) against
+    seq * a * k * d at fp32 (the kept expert output rows).
+        ragged_dot  plan: 2 * seq * (routed weights save_dots re-runs minus those save_dots_experts re-runs),
+                    one MoE layer (XLA counts the scan's body once): the down projection, k * I * d, times
+                    XLA:CPU's dense lowering of ragged_dot (every expert multiplies every row: E, `expert_rows_factor`)
+        tiled       XLA counts a while loop's body once, so dropping the remat forward's tiled walk saves one
+                    trip of it: 2 * tile * 3 I d (tile = min(DEFAULT_TILE, seq * k) rows); the compiled
+                    program also has one while loop fewer per MoE layer body ("xla_while_*")."""
+    from sharding.grouped_matmul import DEFAULT_TILE
+    opts = {**(options or {}), "moe_kernel": kernel}
+    pols = ("save_dots", "save_dots_experts")
+    cost = {(n, p): compiled_cost(small_config(n), seq, True, p, **opts) for n in (2, 4) for p in pols}
+    cfg = small_config(1)
+    if kernel == "tiled":
+        tile = min(DEFAULT_TILE, seq * cfg.num_experts_per_tok)
+        plan = 2 * tile * 3 * cfg.intermediate_size * cfg.hidden_size
+    else:
+        rows = cfg.num_local_experts  # `m3jax.plan.flops.expert_rows_factor`, dense lowering, one device
+        plan = 2 * seq * rows * (recomputed_params(cfg, "save_dots", kernel)["routed"]
+                                 - recomputed_params(cfg, "save_dots_experts", kernel)["routed"])
+    slope = ((cost[4, pols[1]]["temp"] - cost[2, pols[1]]["temp"])
+             - (cost[4, pols[0]]["temp"] - cost[2, pols[0]]["temp"])) / 2
+    kept = seq * (saved_bytes_per_token(cfg, SPARSE_ATTENTION, MOE_MLP, 1, 4, pols[1])
+                  - saved_bytes_per_token(cfg, SPARSE_ATTENTION, MOE_MLP, 1, 4, pols[0]))
+    out = {"xla_flops_saved": cost[2, pols[0]]["flops"] - cost[2, pols[1]]["flops"], "plan_flops_saved": plan,
+           "xla_saved_bytes_per_moe_layer": slope, "plan_saved_bytes_per_moe_layer": kept}
+    out.update({f"xla_while_{p}": while_loops(small_config(2), seq, p, **opts) for p in pols})
+    return out
 
 
 def check_full(seq: int = 64) -> dict[str, float]:
@@ -157,6 +220,14 @@ def main() -> int:
               f"MoE layer XLA {r['xla_saved_bytes_per_moe_layer']:.0f} vs plan "
               f"{r['plan_saved_bytes_per_moe_layer']:.0f} "
               f"({r['plan_saved_bytes_per_moe_layer'] / max(r['xla_saved_bytes_per_moe_layer'], 1):.2f})")
+    for name, kernel, opts in (("dense attention, ragged_dot experts", "ragged_dot", {}),
+                               ("flash attention, tiled experts (the recipes')", "tiled", {"attention_impl": "flash"})):
+        r = check_experts(kernel=kernel, options=opts)
+        print(f"{name}: FLOPs saved by save_dots_experts over save_dots XLA {r['xla_flops_saved']:.4e} vs plan "
+              f"{r['plan_flops_saved']:.4e} ({r['plan_flops_saved'] / r['xla_flops_saved']:.2f}); kept bytes per MoE "
+              f"layer XLA {r['xla_saved_bytes_per_moe_layer']:.0f} vs plan {r['plan_saved_bytes_per_moe_layer']:.0f} "
+              f"({r['plan_saved_bytes_per_moe_layer'] / max(r['xla_saved_bytes_per_moe_layer'], 1):.2f}); while "
+              f"loops {r['xla_while_save_dots']} -> {r['xla_while_save_dots_experts']}")
     return 0
 
 
