@@ -78,6 +78,7 @@ def test_saved_residuals_term():
     assert experts["saved_residuals"] == t_l * (per_dense + 2 * per_moe_experts)
 
 
+@pytest.mark.extended  # ~45 s idle; `python -m m3jax.plan.remat` prints the same comparison
 @pytest.mark.slow  # eight gradient compiles of the small model (~100 s on the shared 2-core CPU)
 def test_plan_matches_xla_on_the_small_model():
     """XLA:CPU's FLOPs saved by save_dots within 3 % of the plan's (BENCHMARKS.md: 1.01 on both paths); the
@@ -100,6 +101,7 @@ def test_full_remat_does_not_recompute_the_down_projection():
     assert r["plan_with_down"] / r["xla_remat_flops"] > 1.3
 
 
+@pytest.mark.extended  # ~55 s idle; `python -m m3jax.plan.remat` prints the same comparison
 @pytest.mark.slow  # eight gradient compiles and four while-loop counts of the small model (~6 min on the shared CPU)
 def test_save_dots_experts_matches_xla_on_the_small_model():
     """XLA:CPU's FLOPs saved by save_dots_experts over save_dots match the plan's (ragged_dot: the down projection;

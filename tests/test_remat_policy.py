@@ -58,7 +58,8 @@ def test_unknown_policy_fails_at_construction():
 
 
 @pytest.mark.slow  # three gradient compiles of the tiny model per path (15-21 s on the shared 2-core CPU)
-@pytest.mark.parametrize("options", [{}, {"attention_impl": "flash", "moe_kernel": "tiled"}],
+@pytest.mark.parametrize("options", [{}, pytest.param({"attention_impl": "flash", "moe_kernel": "tiled"},
+                                                       marks=pytest.mark.extended)],
                          ids=["default-path", "recipe-path"])
 def test_values_and_gradients_match_full_and_no_remat(options):
     ref_value, ref_logits, ref_grads = _loss_and_grad(False, "full", **options)

@@ -90,6 +90,7 @@ def _use_transport(pool, name):
     pool.cfg = dataclasses.replace(pool.cfg, transport=name)
 
 
+@pytest.mark.extended  # tests/test_weight_transfer_protocol.py checks the same refusals against fake engines
 def test_corrupted_refused_or_partial_collective_push_names_the_tensor_and_keeps_the_old_version(setup, monkeypatch):
     pool, _, named = setup
     pool.push(named[1], 10)
