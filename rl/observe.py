@@ -90,6 +90,22 @@ def read_metrics(run_dir: str) -> list[dict]:
     return [rows[k] for k in sorted(rows)]
 
 
+def _panel(ax, title: str, curves: list, empty: str) -> None:
+    """One panel: a curve per (rows, metric, label, colour or None) over step; `empty` when none was logged."""
+    for rows, key, label, color in curves:
+        pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+        if pts:  # a metric of some steps only (evaluations): mark its points
+            ax.plot(*zip(*pts), label=label, color=color, marker="o" if 2 * len(pts) < len(rows) else None,
+                    markersize=3)
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+    if ax.get_lines():
+        ax.legend(fontsize=8)
+    else:
+        ax.text(0.5, 0.5, empty, ha="center", va="center", transform=ax.transAxes)
+
+
 def plot_run(run_dir: str, out: str | None = None) -> str:
     """One PNG with reward, held-out evaluation, lengths, mismatch/clipping diagnostics and phase times against step,
     and the indexer recall when the run logged it (written by process 0 only in a multi-host job, like the
@@ -110,17 +126,7 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
     for ax in axes.flat[len(plots):]:
         ax.set_visible(False)
     for ax, (title, keys) in zip(axes.flat, plots.items()):
-        for key in keys:
-            pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
-            if pts:  # a metric of some steps only (evaluations): mark its points
-                ax.plot(*zip(*pts), label=key, marker="o" if 2 * len(pts) < len(rows) else None, markersize=3)
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-        if ax.get_lines():
-            ax.legend(fontsize=8)
-        else:
-            ax.text(0.5, 0.5, "not logged in this run", ha="center", va="center", transform=ax.transAxes)
+        _panel(ax, title, [(rows, key, key, None) for key in keys], "not logged in this run")
     fig.suptitle(os.path.basename(os.path.abspath(run_dir)))
     fig.tight_layout()
     fig.savefig(out, dpi=100)
@@ -140,19 +146,9 @@ def plot_compare(run_dirs: list[str], keys: list[str], out: str, labels: list[st
         raise ValueError(f"{len(labels)} labels for {len(run_dirs)} runs: give one label per run")
     runs = [read_metrics(d) for d in run_dirs]
     fig, axes = plt.subplots(1, len(keys), figsize=(6 * len(keys), 4), squeeze=False)
-    for ax, key in zip(axes.flat, keys):
-        for i, (rows, label) in enumerate(zip(runs, labels)):
-            pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
-            if pts:  # a run keeps its colour in every panel, whether or not it logged the others
-                ax.plot(*zip(*pts), label=label, color=f"C{i}", marker="o" if 2 * len(pts) < len(rows) else None,
-                        markersize=3)
-        ax.set_title(key)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-        if ax.get_lines():
-            ax.legend(fontsize=8)
-        else:
-            ax.text(0.5, 0.5, "not logged in these runs", ha="center", va="center", transform=ax.transAxes)
+    for ax, key in zip(axes.flat, keys):  # a run keeps its colour in every panel, whether or not it logged the key
+        _panel(ax, key, [(rows, key, label, f"C{i}") for i, (rows, label) in enumerate(zip(runs, labels))],
+               "not logged in these runs")
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)

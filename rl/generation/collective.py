@@ -38,7 +38,8 @@ import time
 
 import numpy as np
 
-from rl.generation.transfer_base import TransferError, TransferStats, as_transfer_error, checksum
+from rl.generation.transfer_base import (TransferError, TransferStats, abort_staged, as_transfer_error,
+                                         checksum)
 
 BUCKET, END, ABORT = 0, 1, 2
 ALIGN = 64
@@ -373,13 +374,7 @@ class CollectiveTransport:
             raise first
 
     def abort(self, version: int) -> None:
-        import ray
-
-        for ref in [e.abort.remote(version) for e in self.engines]:
-            try:
-                ray.get(ref, timeout=self.timeout_s)
-            except Exception:  # noqa: BLE001 - the pool's health check deals with dead engines
-                pass
+        abort_staged(self.engines, version, self.timeout_s)
 
 
 def _as_bytes(a: np.ndarray):

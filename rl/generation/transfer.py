@@ -32,7 +32,8 @@ from typing import Iterable, Iterator, Protocol
 import numpy as np
 
 from rl.generation.collective import CollectiveTransport
-from rl.generation.transfer_base import TransferError, TransferStats, as_transfer_error, checksum
+from rl.generation.transfer_base import (TransferError, TransferStats, abort_staged, as_transfer_error,
+                                         checksum)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,14 +257,8 @@ class RayObjectStoreTransport:
                 raise TransferError(f"engine {i} reports version {got} after committing version {expect}")
 
     def abort(self, version: int) -> None:
-        """Tell every engine to drop what it staged for `version`; a dead engine has nothing to drop."""
-        import ray
-
-        for ref in [e.abort.remote(version) for e in self.engines]:
-            try:
-                ray.get(ref, timeout=self.timeout_s)
-            except Exception:  # noqa: BLE001 - the pool's health check deals with dead engines
-                pass
+        """Tell every engine to drop what it staged for `version` (`abort_staged`)."""
+        abort_staged(self.engines, version, self.timeout_s)
 
 
 TRANSPORTS: dict[str, type] = {"ray": RayObjectStoreTransport, "collective": CollectiveTransport}

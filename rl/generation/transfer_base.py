@@ -1,5 +1,5 @@
 """What both weight transports share (rl.generation.transfer, rl.generation.collective): the error an
-update is rejected with, the per-tensor checksum and the per-update statistics."""
+update is rejected with, the per-tensor checksum, the per-update statistics and the abort of a staged update."""
 
 from __future__ import annotations
 
@@ -45,3 +45,14 @@ def as_transfer_error(e: Exception) -> TransferError:
     if isinstance(e, TransferError):
         return e
     return TransferError(f"weight update failed: {e}")
+
+
+def abort_staged(engines, version: int, timeout_s: float) -> None:
+    """Tell every engine actor to drop what it staged for `version`; a dead engine has nothing to drop."""
+    import ray
+
+    for ref in [e.abort.remote(version) for e in engines]:
+        try:
+            ray.get(ref, timeout=timeout_s)
+        except Exception:  # noqa: BLE001 - the pool's health check deals with dead engines
+            pass
