@@ -26,7 +26,9 @@ Prints one JSON line per check; keep the output with BENCHMARKS.md. Checks:
    indexer keeps 4 of up to 20 blocks): generated (decode) and scored (prefill) logprobs against the trainer's
    (JAX, fp32, same bf16-rounded weights). The engine runs in a child process (JAX holds most of the GPU); the
    check says why it is skipped without vllm or a CUDA device. `selection_effect` (CPU side, run by --small):
-   how far the logprobs move when every block is selected, the scale of a wrong block choice.
+   how far the logprobs move when every block is selected, the scale of a wrong block choice. The engine
+   also returns its MoE routes (issue 14 item 1): `routes` gives moe/route_mismatch_frac of the trainer's own
+   routes against vLLM's, and the generator-vs-trainer logprob gap without and with vLLM's routes replayed.
 """
 
 from __future__ import annotations
@@ -275,15 +277,22 @@ def m3_sparse_for_vllm():
 
 
 @jax.jit
-def _token_logprobs(model, seq):
+def _token_logprobs(model, seq, routes=None):
     from rl.generation.base import token_logprobs
-    return token_logprobs(model(seq)[0, :-1], seq[0, 1:], 1.0)
+    logits, own = model(seq, routes=routes, return_routes=True)
+    return token_logprobs(logits[0, :-1], seq[0, 1:], 1.0), own
 
 
-def trainer_logprobs(model, prompt, response):
-    """The trainer's logprobs of `response` after `prompt`: one full forward, as GRPO computes them."""
+def trainer_logprobs(model, prompt, response, routes=None, with_routes=False):
+    """The trainer's logprobs of `response` after `prompt`: one full forward, as GRPO computes them; with
+    `routes` [tokens, n_moe_layers, k] the MoE layers replay them (grpo.routing_replay). with_routes: also
+    the router's own top-k ids of every token, [tokens, n_moe_layers, k]."""
     seq = jnp.asarray([list(prompt) + list(response)], jnp.int32)
-    return np.asarray(_token_logprobs(model, seq))[len(prompt) - 1:]
+    if routes is not None:  # vLLM's cover every token but the last; the last is only a target
+        routes = jnp.asarray(np.pad(routes, ((0, seq.shape[1] - len(routes)), (0, 0), (0, 0))))[None]
+    lp, own = _token_logprobs(model, seq, routes)
+    lp = np.asarray(lp)[len(prompt) - 1:]
+    return (lp, np.asarray(own)[0]) if with_routes else lp
 
 
 def vllm_long_context(timeout_s: int = 900):
@@ -330,6 +339,20 @@ def vllm_long_context(timeout_s: int = 900):
         d = np.abs(np.asarray(got[path], np.float64) - want)
         out[path] = {"max_abs_diff": float(d.max()), "mean_abs_diff": float(d.mean()),
                      "p99_abs_diff": float(np.quantile(d, 0.99)), "finite": bool(np.isfinite(d).all())}
+    if "routes" in got:  # issue 14 item 1 on the GPU engine: vLLM's routes vs the trainer's, and replayed
+        from rl.grpo.mismatch import route_mismatch_frac
+        vllm_routes = np.asarray(got["routes"], np.int16)
+        _, own = trainer_logprobs(model, prompt, response, with_routes=True)
+        n = len(vllm_routes)
+        mask = np.ones((1, n), np.int32)
+        replayed = trainer_logprobs(model, prompt, response, routes=vllm_routes)
+        gen = np.asarray(got["generate"], np.float64)
+        out["routes"] = {
+            "tokens": n, "shape": list(vllm_routes.shape),
+            "route_mismatch_frac": float(route_mismatch_frac(own[None, :n], vllm_routes[None], mask)),
+            # the generator's logprobs against the trainer's, without and with its routes replayed
+            "gen_mean_abs_diff": float(np.abs(gen - want).mean()),
+            "gen_mean_abs_diff_replayed": float(np.abs(gen - replayed).mean())}
     # bf16 serving against an fp32 reference cannot match to 1e-4; what must hold is that the engine sits
     # nearer the trainer than another block choice would move it (a wrong or non-causal block, a NaN fail).
     out["ok"] = all(out[p]["finite"] and out[p]["mean_abs_diff"] < 0.5 * effect for p in ("generate", "score"))
@@ -355,12 +378,13 @@ def vllm_child(work: str):
         req = json.load(f)
     try:
         # JAX in the parent keeps most of the GPU; this tiny model needs a sliver.
-        eng = VLLMEngine(os.path.join(work, "ckpt"), dtype="bfloat16", max_model_len=4096, gpu_memory_utilization=0.1)
-        (ids, lps, _), = eng.generate([req["prompt"]], SamplingParams(max_new_tokens=req["max_new_tokens"],
-                                                                      temperature=0.0), seeds=[0])
+        eng = VLLMEngine(os.path.join(work, "ckpt"), dtype="bfloat16", max_model_len=4096, gpu_memory_utilization=0.1,
+                         return_routes=True)
+        (ids, lps, _, routes), = eng.generate([req["prompt"]], SamplingParams(max_new_tokens=req["max_new_tokens"],
+                                                                              temperature=0.0), seeds=[0])
         scored = eng.score([req["prompt"]], [ids])[0]
         done(response=ids, generate=lps, score=[float(x) for x in scored], start_s=eng.start_seconds,
-             vllm=vllm.__version__)
+             vllm=vllm.__version__, routes=routes.tolist())
         eng.shutdown()
     except Exception as e:  # noqa: BLE001 (reported as the check's result)
         done(error=f"{type(e).__name__}: {str(e)[:1500]}")

@@ -100,15 +100,16 @@ def test_two_hosts_train_from_the_yaml_config(tmp_path):
 class FakePool:
     """The VLLMPool surface ProcessZeroPool uses."""
 
-    def __init__(self):
-        self.resent_rows, self.restarts, self.pushed = 3, 1, []
+    def __init__(self, routes=False):
+        self.resent_rows, self.restarts, self.pushed, self.routes = 3, 1, [], routes
 
     def generate(self, prompts, params, key, prompt_width=None):
         n, t = len(prompts), params.max_new_tokens
         lengths = np.arange(n, dtype=np.int32) % t + 1
         tokens = np.where(np.arange(t) < lengths[:, None], np.arange(n * t).reshape(n, t) + 5, 0).astype(np.int32)
         logprobs = np.where(tokens > 0, -0.25, 0.0).astype(np.float32)
-        return Rollout([list(p) for p in prompts], tokens, logprobs, lengths, lengths == t, 7)
+        routes = (np.arange(n * (3 + t) * 2 * 1, dtype=np.int16).reshape(n, 3 + t, 2, 1) % 5) if self.routes else None
+        return Rollout([list(p) for p in prompts], tokens, logprobs, lengths, lengths == t, 7, routes=routes)
 
     def push(self, tensors, version):
         self.pushed.append((version, [name for name, _ in tensors]))
@@ -165,8 +166,14 @@ def test_process_zero_pool_broadcasts_what_process_zero_got(monkeypatch):
         for name in ("tokens", "logprobs", "lengths", "truncated"):
             got, ref_ = getattr(r, name), getattr(want, name)
             assert got.dtype == ref_.dtype and np.array_equal(got, ref_), (rank, name)
-        assert r.weight_version == 7 and r.prompt_ids == prompts
+        assert r.weight_version == 7 and r.prompt_ids == prompts and r.routes is None
         assert ((zero, other)[rank].resent_rows, (zero, other)[rank].restarts) == (3, 1)
+    fake.routes = True  # engines that return MoE routes (GPU vLLM): every process gets process 0's
+    want = fake.generate(prompts, sp, None)
+    for rank in (0, 1):
+        r = on(rank, "generate", prompts, sp, jax.random.key(0))
+        assert r.routes.dtype == np.int16 and np.array_equal(r.routes, want.routes), rank
+    fake.routes = False
 
     stats = [on(rank, "set_weights", params, 5, rest) for rank in (0, 1)]  # both drain the tensors
     names = fake.pushed[0][1]

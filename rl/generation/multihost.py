@@ -34,8 +34,15 @@ class ProcessZeroPool:
             arrays = (np.zeros((n, t), np.int32), np.zeros((n, t), np.float32), np.zeros(n, np.int32),
                       np.zeros(n, bool), np.int32(0))
         tokens, logprobs, lengths, truncated, version = (np.asarray(a) for a in _from_zero(arrays))
+        # MoE routes (engines started with return_routes): their shape first, so the others can take part
+        routes_shape = np.array(r.routes.shape if self.is_zero and r.routes is not None else (0, 0, 0, 0), np.int32)
+        routes_shape = tuple(int(x) for x in np.asarray(_from_zero(routes_shape)))
+        routes = None
+        if routes_shape[0]:
+            routes = np.asarray(_from_zero(r.routes if self.is_zero else np.zeros(routes_shape, np.int16)))
         self._counters()
-        return Rollout([list(p) for p in prompts], tokens, logprobs, lengths, truncated.astype(bool), int(version))
+        return Rollout([list(p) for p in prompts], tokens, logprobs, lengths, truncated.astype(bool), int(version),
+                       routes=routes)
 
     def set_weights(self, params, version: int, rest=None) -> TransferStats:
         tensors = model_tensors(self.graphdef, params, rest, self.layout)  # a collective: everyone iterates

@@ -27,7 +27,7 @@ class EngineActor:
                                  max_model_len=cfg.max_model_len, tensor_parallel=cfg.tensor_parallel,
                                  expert_parallel=cfg.expert_parallel,
                                  gpu_memory_utilization=cfg.gpu_memory_utilization,
-                                 weight_apply=cfg.weight_apply,
+                                 weight_apply=cfg.weight_apply, return_routes=cfg.return_routes,
                                  # the pool resolved "auto" (rl.generation.vllm_ray.choose_executor)
                                  executor=None if cfg.executor == "auto" else cfg.executor)
         self.staged = StagedUpdate()

@@ -36,6 +36,7 @@ from m3jax.hf.safetensors_io import StreamingWriter, read_header
 from rl.generation.base import SamplingParams
 from rl.generation.vllm_patches import ImportPatch, apply_patches, selected_patches
 from rl.generation.vllm_ray import host_of
+from rl.generation.vllm_routes import CPU_REASON, moe_layer_ids, routes_from_vllm
 
 WORKER_EXTENSION = "rl.generation.vllm_patches.WorkerExtension"
 STAGING_ROOT = "/dev/shm"  # RAM-backed: the workers read the update without touching a disk
@@ -74,14 +75,16 @@ class VLLMEngine:
 
     def __init__(self, model_dir: str, *, dtype: str = "float32", seed: int = 0, max_model_len: int,
                  tensor_parallel: int = 1, expert_parallel: int = 1, gpu_memory_utilization: float = 0.8,
-                 kv_cache_gb: float = 1, executor: str | None = None, weight_apply: str = "auto"):
+                 kv_cache_gb: float = 1, executor: str | None = None, weight_apply: str = "auto",
+                 return_routes: bool = False):
         """model_dir: a released-layout checkpoint (`m3jax.save_pretrained(model, path, layout="released")`).
         expert_parallel: 1, or equal to tensor_parallel (vLLM's expert parallelism spans the TP ranks).
         executor: "uni", "mp" or "ray"; None picks "uni" for one rank and "mp" for more.
         weight_apply: how `load_weights` writes an update. "inplace": one copy into the loaded parameters
         plus the oneDNN re-pack (`rl.generation.inplace`; in-process executor only); "reload": vLLM's
         `reload_weights`; "auto": inplace when it covers every layer of the model, else reload
-        (`apply_mode` / `apply_fallback` say which and why)."""
+        (`apply_mode` / `apply_fallback` say which and why).
+        return_routes: `generate` also returns each request's MoE routes (`rl.generation.vllm_routes`); GPU only."""
         executor = executor or ("uni" if tensor_parallel == 1 else "mp")
         if executor not in ("uni", "mp", "ray"):
             raise ValueError(f"executor={executor!r}: expected 'uni', 'mp' or 'ray'")
@@ -107,6 +110,10 @@ class VLLMEngine:
         import torch
         from vllm import LLM
         from vllm.platforms import current_platform
+        if return_routes and current_platform.is_cpu():
+            raise ValueError(f"return_routes: {CPU_REASON}")
+        self.moe_layers = moe_layer_ids(text) if return_routes else None
+        self.top_k = text.get("num_experts_per_tok")
         if current_platform.is_cpu() and any((text.get("sparse_attention_config") or {}).get(
                 "sparse_attention_freq") or []):
             raise ValueError(f"{self.model_dir}: sparse (lightning-indexer) attention layers have no vLLM CPU "
@@ -126,7 +133,8 @@ class VLLMEngine:
                 enforce_eager=True, skip_tokenizer_init=True,
                 # Logprobs after temperature / top-k / top-p, as the trainer's token_logprobs computes them.
                 logprobs_mode="processed_logprobs", max_logprobs=-1,
-                limit_mm_per_prompt={"image": 0, "video": 0}, generation_config="vllm", **extra)
+                limit_mm_per_prompt={"image": 0, "video": 0}, generation_config="vllm",
+                **({"enable_return_routed_experts": True} if return_routes else {}), **extra)
         if executor != "uni" and current_platform.is_cpu():
             # Each worker resolved WORKER_EXTENSION before building its model; a worker without the
             # patches would run the wrong math or crash at the first forward.
@@ -213,8 +221,9 @@ class VLLMEngine:
         return self.llm.generate(inputs, params, use_tqdm=False)
 
     def generate(self, prompts: list[list[int]], sp: SamplingParams, seeds: list[int]
-                 ) -> list[tuple[list[int], list[float], bool]]:
-        """Per prompt: (response ids incl. the stop token, logprob of each, truncated = no stop token)."""
+                 ) -> list[tuple]:
+        """Per prompt: (response ids incl. the stop token, logprob of each, truncated = no stop token), and
+        with return_routes a fourth entry, the routes int16 [prompt + response - 1, n_moe_layers, k]."""
         if len(seeds) != len(prompts):
             raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts: expected one per prompt")
         stops = tuple(int(s) for s in sp.stop_token_ids)
@@ -222,17 +231,20 @@ class VLLMEngine:
                                top_k=sp.top_k if sp.top_k > 0 else 0, seed=int(s), stop_token_ids=list(stops),
                                logprobs=0) for s in seeds]
         out = []
-        for req in self._run(prompts, params):
+        for prompt, req in zip(prompts, self._run(prompts, params)):
             c = req.outputs[0]
             ids = list(c.token_ids)
             lps = c.logprobs
             # Column 0 of each position is the sampled token (vLLM gathers it first).
             logps = [float(lps.logprobs[lps.start_indices[i]]) for i in range(len(ids))]
-            out.append((ids, logps, not (ids and ids[-1] in stops)))
+            row = (ids, logps, not (ids and ids[-1] in stops))
+            if self.moe_layers is not None:
+                row += (routes_from_vllm(c.routed_experts, self.moe_layers, len(prompt) + len(ids) - 1, self.top_k),)
+            out.append(row)
         if sp.temperature == 0 and (sp.top_k > 0 or sp.top_p < 1):
             # vLLM's greedy path skips top-k/top-p, which the JAX engine's greedy logprobs include.
             scored = self.score(prompts, [o[0] for o in out], 0.0, sp.top_p, sp.top_k)
-            out = [(ids, [float(x) for x in s], trunc) for (ids, _, trunc), s in zip(out, scored)]
+            out = [(o[0], [float(x) for x in s], *o[2:]) for o, s in zip(out, scored)]
         return out
 
     def score(self, prompts: list[list[int]], responses: list[list[int]], temperature: float = 1.0,

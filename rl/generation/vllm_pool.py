@@ -35,6 +35,7 @@ import numpy as np
 from rl.generation.base import Rollout, SamplingParams
 from rl.generation.transfer import TRANSPORTS, TransferError, TransferStats, make_transport, model_tensors
 from rl.generation import vllm_ray
+from rl.generation.vllm_routes import CPU_REASON, rollout_routes
 from rl.generation.vllm_actor import EngineActor
 from rl.schedule import ChunkQueue, Incomplete
 
@@ -65,6 +66,8 @@ class PoolConfig:
     # generation.vllm_executor: auto | mp | ray (rl.generation.vllm_ray.EXECUTORS); the pool's own copy of
     # the config holds what "auto" resolved to (uni / mp / ray), which each engine actor uses
     executor: str = "auto"
+    # engines return each row's MoE routes (grpo.routing_replay: rollout): GPU vLLM only (vllm_routes.CPU_REASON)
+    return_routes: bool = False
 
 
 _ACTOR = None
@@ -124,6 +127,8 @@ class VLLMPool:
                          resources=slots)
         self.key = vllm_ray.device_key(ray.cluster_resources())  # what one rank takes: GPU or the CPU slot
         self.per_host = vllm_ray.devices_per_host(ray.nodes(), self.key)
+        if cfg.return_routes and self.key != "GPU":  # refused before any engine starts
+            raise PoolError(f"MoE routes from the pool's engines (grpo.routing_replay: rollout): {CPU_REASON}")
         try:
             executor = cfg.executor if cfg.executor == "uni" else vllm_ray.choose_executor(cfg.executor, ranks,
                                                                                             self.per_host)
@@ -253,10 +258,9 @@ class VLLMPool:
     # ------------------------------------------------------------------------------- generation
     def generate(self, prompts: list[list[int]], params: SamplingParams, key: jax.Array,
                  prompt_width: int | None = None) -> Rollout:
-        """prompt_width is accepted for interface parity with the JAX engine (vLLM needs no padding)."""
+        """prompt_width: vLLM needs no padding; it sets the width of `Rollout.routes` as for the JAX engine."""
         import ray
 
-        del prompt_width
         n = len(prompts)
         seeds = np.asarray(jax.random.randint(key, (n,), 0, 2**31 - 1)).tolist()
         with self._lock:
@@ -294,7 +298,7 @@ class VLLMPool:
                 results = work.ordered()
             except Incomplete as e:
                 raise PoolError(f"rollout incomplete: rows {e.missing} missing") from e
-        return self._rollout(prompts, results, params.max_new_tokens)
+        return self._rollout(prompts, results, params.max_new_tokens, prompt_width)
 
     def _resend(self, work: ChunkQueue, slot: _Slot, why: str) -> None:
         """An engine died or hung mid-chunk: its rows go back to the queue (no row is to blame, and each
@@ -303,24 +307,26 @@ class VLLMPool:
         self.resent_rows += len(rows)
         self._replace(slot, f"{why}; re-sending {len(rows)} rows")
 
-    def _rollout(self, prompts, results: list, max_new: int) -> Rollout:
+    def _rollout(self, prompts, results: list, max_new: int, prompt_width: int | None) -> Rollout:
         n = len(prompts)
         tokens = np.full((n, max_new), self.pad_id, np.int32)
         logprobs = np.zeros((n, max_new), np.float32)
         lengths = np.zeros(n, np.int32)
         truncated = np.zeros(n, bool)
         for r in range(n):
-            toks, lps, trunc = results[r]
+            toks, lps, trunc = results[r][:3]
             k = len(toks)
             tokens[r, :k], logprobs[r, :k], lengths[r], truncated[r] = toks, lps, k, trunc
-        # routes=None: no MoE routes from vLLM yet. vLLM can return them (`enable_return_routed_experts=True`
-        # -> `routed_experts` [gen_len, moe_layers, top_k] and `prompt_routed_experts`, int16), but the
-        # engines are not started with it and the chunk results carry no routes on any path here, the CPU
-        # path included (issue 14 item 1 leaves it open); the trainer then neither replays nor logs
-        # moe/route_mismatch_frac.
+        # routes: engines started with return_routes answer each row with its MoE routes (GPU vLLM only,
+        # rl.generation.vllm_routes), laid out like the JAX engine's: prompt width + max_new_tokens.
+        width = (prompt_width or max(len(p) for p in prompts)) + max_new
+        try:
+            routes = rollout_routes([res[3] if len(res) > 3 else None for res in results], width)
+        except ValueError as e:
+            raise PoolError(f"rollout routes: {e}") from None
         # block_ids=None: this vLLM version has no output for the sparse layers' indexer selection (an open
         # vLLM RFC asks for it, naming MiniMax-M3); Rollout.block_ids takes them once it does.
-        return Rollout([list(p) for p in prompts], tokens, logprobs, lengths, truncated, self.version, routes=None,
+        return Rollout([list(p) for p in prompts], tokens, logprobs, lengths, truncated, self.version, routes=routes,
                        block_ids=None)
 
     def score(self, prompts, responses, params: SamplingParams) -> list[list[np.ndarray]]:
