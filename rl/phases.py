@@ -244,23 +244,27 @@ def indexer_recall(recall_pass: Callable, state, micro: dict) -> dict:
 @dataclasses.dataclass
 class UpdateStats:
     loss: float
-    grad_norm: float
+    grad_norm: float  # the policy's: what the optimizer clips it by
     skipped: int  # updates skipped for a non-finite gradient
     sums: dict  # the loss's metric sums (tokens, clipped tokens, ...) over the step
+    grad_norm_apart: float | None = None  # the parameters clipped on their own (the indexer), when there are any
 
 
 def update(train_step: Callable, state, micro: dict, updates: int):
     """`updates` optimizer steps over consecutive slices of the micro-batches -> (state, UpdateStats)."""
     num_micro = next(iter(micro.values())).shape[0]
-    sums, losses, norms, skipped = {}, [], [], 0
+    sums, losses, norms, apart, skipped = {}, [], [], [], 0
     for u in range(updates):
         part = jax.tree.map(lambda x: x[u * num_micro // updates:(u + 1) * num_micro // updates], micro)
         state, m = train_step(state, part)
         losses.append(float(m["loss"]))
         norms.append(float(m["grad_norm"]))
+        if "grad_norm_apart" in m:
+            apart.append(float(m["grad_norm_apart"]))
         skipped += int(m["skipped"])
         sums = {k: sums.get(k, 0.0) + float(v) for k, v in m["sums"].items()}
-    return state, UpdateStats(float(np.mean(losses)), float(np.mean(norms)), skipped, sums)
+    return state, UpdateStats(float(np.mean(losses)), float(np.mean(norms)), skipped, sums,
+                              float(np.mean(apart)) if apart else None)
 
 
 @dataclasses.dataclass
@@ -318,6 +322,8 @@ def step_metrics(samples: Samples, reward: np.ndarray, failures: int, adv: Advan
         "is/inf_frac": sums.get("is_inf_tokens", 0.0) / tokens,  # non-finite logp_gen: weight 0 (rl.grpo.importance)
         "kl": sums.get("kl_sum", 0.0) / tokens, "entropy_approx": sums.get("neg_logp_sum", 0.0) / tokens,
         **({"indexer/align_kl": sums["indexer_kl_sum"] / tokens} if "indexer_kl_sum" in sums else {}),
+        # the indexer's gradient (alignment loss only), clipped by its own norm (sharding.optim_step.clip_by_group_norms)
+        **({"indexer/grad_norm": stats.grad_norm_apart} if stats.grad_norm_apart is not None else {}),
         "gen_kl_error": float(mism["gen_kl_error"]), "token_mult_prob_error": float(mism["token_mult_prob_error"]),
         "lr": lr,
         "throughput/tokens_per_s": int(out.lengths.sum()) / max(elapsed, 1e-9),

@@ -91,10 +91,13 @@ def build_policy(cfg: RunConfig) -> Policy:
         model = m3jax.M3ForCausalLM(m3_cfg, dtype=dtype, rngs=nnx.Rngs(cfg.model.init_seed), layout=layout,
                                     **cfg.model.model_options())
     o = cfg.optim
+    lm_gradient = weight_decay_mask(model.cfg, nnx.state(model, nnx.Param))
     optimizer = optim_step.adamw(learning_rate(cfg), b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
                                  clip_norm=o.clip_norm, moment_dtype=jnp.dtype(cfg.precision.moment_dtype),
                                  master=cfg.precision.master,
-                                 decay_mask=weight_decay_mask(model.cfg, nnx.state(model, nnx.Param)))
+                                 # parameters without an LM gradient (the indexer): never decayed, and
+                                 # clipped by their own norm so the alignment loss cannot shrink the policy's step
+                                 decay_mask=lm_gradient, clip_mask=lm_gradient)
     graphdef, state = init_state(model, optimizer)
     shardings = None
     if layout.mesh is not None:

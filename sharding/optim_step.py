@@ -33,29 +33,67 @@ SLICE_MIN_ELEMS = 1 << 20  # smaller leaves are updated whole: their temporaries
 class SlicedOptimizer(NamedTuple):
     """An optax GradientTransformation (init, update) plus `step`, its in-place sliced application:
     step(grads, divisor, opt_state, params, keep) -> (params, opt_state) for grads / divisor, or the
-    old params and state where keep is False."""
+    old params and state where keep is False. `clip_mask`: the clip groups (`group_norms`), None = one."""
     init: Callable
     update: Callable
     step: Callable
+    clip_mask: object = None
+
+
+def _one_group(mask) -> bool:
+    """True when `mask` puts every leaf in one clip group (None, a bool, or a tree of equal bools)."""
+    return mask is None or isinstance(mask, bool) or len(set(jax.tree.leaves(mask))) <= 1
+
+
+def group_norms(grads, mask) -> tuple[jax.Array, jax.Array | None]:
+    """(norm of the leaves where mask is True, norm of the others or None when there are none): the two
+    clip groups. With mask None every leaf is in the first group, and its norm is optax's global norm
+        ||g|| = sqrt(sum_leaves sum(g_leaf^2))."""
+    flags = _flags(mask, grads)
+    leaves = jax.tree.leaves(grads)
+    main = optax.tree.norm([g for g, f in zip(leaves, flags) if f])
+    apart = [g for g, f in zip(leaves, flags) if not f]
+    return main, (optax.tree.norm(apart) if apart else None)
+
+
+def _clip(g, norm, clip_norm):
+    """optax.clip_by_global_norm's arithmetic for one leaf: g where norm < clip_norm, else g / norm * clip_norm."""
+    return jax.lax.select(jnp.squeeze(norm < clip_norm), g, (g / norm.astype(g.dtype)) * clip_norm)
+
+
+def clip_by_group_norms(clip_norm: float, mask) -> optax.GradientTransformation:
+    """optax.clip_by_global_norm applied to each clip group on its own (`group_norms`): the leaves where mask
+    is False (those without an LM gradient: the indexer, trained only by an auxiliary loss) are clipped by
+    their own global norm, so that their gradient never scales the policy's update down. With one group
+    (mask None or all True) it is optax's transformation itself; the state is optax's EmptyState."""
+    if _one_group(mask):
+        return optax.clip_by_global_norm(clip_norm)
+
+    def update(updates, state, params=None):
+        del params
+        main, apart = group_norms(updates, mask)
+        leaves, tdef = jax.tree.flatten(updates)
+        out = [_clip(g, main if f else apart, clip_norm) for g, f in zip(leaves, _flags(mask, updates))]
+        return jax.tree.unflatten(tdef, out), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
 def sliced(rest: Callable[[bool], optax.GradientTransformation], clip_norm: float | None,
-           decay_mask=None) -> Callable:
-    """`step` for `with_master_weights(chain(clip_by_global_norm(clip_norm), *parts))` whose state is
-    MasterState(store, (clip_state, *part_states)); `rest(decay)` = with_master_weights(chain(*parts)) for
-    one leaf that is (or is not) weight-decayed (the whole optimizer when clip_norm is None: then its state
-    is used as is). `decay_mask`: a bool per parameter leaf (a pytree like the params), None = all."""
+           decay_mask=None, clip_mask=None) -> Callable:
+    """`step` for `with_master_weights(chain(clip_by_group_norms(clip_norm, clip_mask), *parts))` whose state
+    is MasterState(store, (clip_state, *part_states)); `rest(decay)` = with_master_weights(chain(*parts))
+    for one leaf that is (or is not) weight-decayed (the whole optimizer when clip_norm is None: then its
+    state is used as is). `decay_mask` / `clip_mask`: a bool per parameter leaf (a pytree like the params),
+    None = all True."""
 
     def step(grads, divisor, opt_state, params, keep):
-        g_norm = optax.tree.norm(jax.tree.map(lambda g: g / divisor, grads))
-        clip = None if clip_norm is None else (jnp.squeeze(g_norm < clip_norm), g_norm)
+        norms = group_norms(jax.tree.map(lambda g: g / divisor, grads), clip_mask)
+        in_main = _flags(clip_mask, params)
 
-        def prepare(g):
+        def prepare(i, g):
             g = g / divisor
-            if clip is None:
-                return g
-            trigger, norm = clip
-            return jax.lax.select(trigger, g, (g / norm.astype(g.dtype)) * clip_norm)
+            return g if clip_norm is None else _clip(g, norms[0] if in_main[i] else norms[1], clip_norm)
 
         inner = opt_state.inner[1:] if clip_norm is not None else opt_state.inner
         state = precision.MasterState(opt_state.master, inner)
@@ -84,21 +122,22 @@ def _apply_by_slices(opt_for, prepare, grads, state, params, keep, decays):
         pick = lambda col, k: (jnp.zeros((), col[i].dtype) if scalar_only else col[i]) if k else col  # noqa: E731
         return jax.tree.unflatten(sdef, [pick(c, k) for c, k in zip(columns, kinds)])
 
-    def one(opt, g, st, p):
-        upd, st2 = opt.update(prepare(g), st, p)
+    def one(opt, prep, g, st, p):
+        upd, st2 = opt.update(prep(g), st, p)
         p2 = upd if master_mode else optax.apply_updates(p, upd)
         return jax.tree.map(lambda a, b: jnp.where(keep, a, b), (p2, st2), (p, st))
 
     new_p, new_cols = [], [[] for _ in items]
     layered = [_leads_with_layers(v) for v in jax.tree.leaves(params, is_leaf=_is_variable)]
     for i, (p, g) in enumerate(zip(jax.tree.leaves(params), jax.tree.leaves(grads))):
-        p2, st2 = _update_leaf(functools.partial(one, opt_for(decays[i])), g, leaf_state(i), p, layered[i])
+        p2, st2 = _update_leaf(functools.partial(one, opt_for(decays[i]), functools.partial(prepare, i)), g,
+                               leaf_state(i), p, layered[i])
         new_p.append(p2)
         for j, x in enumerate(jax.tree.leaves(st2)):
             new_cols[j].append(x)
     # Counts are the same for every leaf: evaluate the chain once on 0-d stand-ins for their new values.
     p0 = jax.tree.leaves(params)[0]
-    _, scalars = one(opt_for(True), jnp.zeros((), jnp.float32), leaf_state(0, scalar_only=True),
+    _, scalars = one(opt_for(True), functools.partial(prepare, 0), jnp.zeros((), jnp.float32), leaf_state(0, scalar_only=True),
                      jnp.zeros((), p0.dtype))
     scalars = jax.tree.leaves(scalars)
     out = [jax.tree.unflatten(jax.tree.structure(x), col) if k else scalars[j]
@@ -170,21 +209,24 @@ def decayed_weights(weight_decay: float, mask=None) -> optax.GradientTransformat
 
 
 def adamw(learning_rate, *, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0, clip_norm: float | None = 1.0,
-          moment_dtype=jnp.float32, master: str = "fp32", decay_mask=None) -> optax.GradientTransformation:
+          moment_dtype=jnp.float32, master: str = "fp32", decay_mask=None, clip_mask=None) -> optax.GradientTransformation:
     """Clip -> Adam (moments in moment_dtype) -> decoupled weight decay -> lr schedule, on the master.
 
     Returns a `SlicedOptimizer`: the optax transformation plus `step`, the same update applied layer
     slice by layer slice in place (what `make_train_step` runs). `master`: `sharding.precision` modes.
     `decay_mask`: a pytree like the params with a bool per parameter, False for parameters weight decay
     must leave alone (those without a gradient from the loss, which decay alone would shrink every
-    step); None decays every parameter."""
+    step); None decays every parameter. `clip_mask`: likewise, False for the parameters clipped by their own
+    global norm (`clip_by_group_norms`); None clips all together."""
 
     def parts(decay):
         adam = [precision.scale_by_adam(b1, b2, eps, moment_dtype)]
         wd = [decayed_weights(weight_decay, decay)] if weight_decay else []
         return [*adam, *wd, optax.scale_by_learning_rate(learning_rate)]
 
-    clip = [optax.clip_by_global_norm(clip_norm)] if clip_norm else []
+    clip_mask = None if _one_group(clip_mask) else clip_mask
+    clip = [clip_by_group_norms(clip_norm, clip_mask)] if clip_norm else []
     whole = precision.with_master_weights(optax.chain(*clip, *parts(decay_mask)), master)
     rest = lambda decay: precision.with_master_weights(optax.chain(*parts(decay)), master)  # noqa: E731
-    return SlicedOptimizer(whole.init, whole.update, sliced(rest, clip_norm or None, decay_mask))
+    return SlicedOptimizer(whole.init, whole.update, sliced(rest, clip_norm or None, decay_mask, clip_mask),
+                           clip_mask)

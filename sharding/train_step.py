@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sharding import precision
+from sharding.optim_step import group_norms
 from sharding.layout import Layout, as_layout
 
 
@@ -107,8 +108,12 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation,
         sums0 = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), sums_shape)
         (grads, loss_sum, sums), _ = jax.lax.scan(micro, (zeros, jnp.zeros([], jnp.float32), sums0), batch)
         loss = loss_sum / total
-        grad_norm = optax.tree.norm(jax.tree.map(lambda g: g / total, grads))
+        # grad_norm: the norm the optimizer clips the policy by; the parameters it clips apart (no LM
+        # gradient: the indexer's alignment loss) report theirs as grad_norm_apart
+        grad_norm, apart = group_norms(jax.tree.map(lambda g: g / total, grads), getattr(optimizer, "clip_mask", None))
         finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
+        if apart is not None:
+            finite &= jnp.isfinite(apart)
         if hasattr(optimizer, "step"):  # in place, layer slice by layer slice (sharding.optim_step)
             params, opt_state = optimizer.step(grads, total, state.opt_state, state.params, finite)
             out = TrainState(params, state.rest, opt_state, state.step + 1, state.skipped + (~finite).astype(jnp.int32))
@@ -120,7 +125,7 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation,
             skipped = TrainState(state.params, state.rest, state.opt_state, state.step + 1, state.skipped + 1)
             out = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, skipped)
         return out, {"loss": loss, "grad_norm": grad_norm, "skipped": ~finite, "tokens": valid_tokens(batch),
-                     "sums": sums}
+                     "sums": sums, **({} if apart is None else {"grad_norm_apart": apart})}
 
     if mesh is None:
         return jax.jit(step, donate_argnums=(0,) if donate else ())

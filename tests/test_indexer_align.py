@@ -174,6 +174,55 @@ def test_grpo_loss_adds_the_kl_and_trains_only_the_indexer():
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
 
 
+@pytest.mark.slow  # three train-step compiles of the tiny model (~15 s)
+def test_alignment_loss_leaves_the_policy_step_bitwise_unchanged():
+    """Through the train step as rl.policy builds it (AdamW, a clip that triggers, the indexer clipped by
+    its own norm): with indexer_loss_coef 0.5 every non-indexer parameter takes bitwise the coef-0 step and
+    grad_norm is the coef-0 one; the indexer moves only with the loss on, and reports its norm apart. With
+    one global clip norm, as before, the indexer's gradient shrinks the policy's step."""
+    from m3jax.model.specs import weight_decay_mask
+    from rl.generation.base import SamplingParams
+    from rl.grpo.loss import LossConfig
+    from rl.policy import grpo_loss_fn
+    from sharding import optim_step
+    from sharding.train_step import init_state, make_train_step
+
+    model = _model()
+    ids = jnp.asarray(random_ids(CFG, 2, 25, seed=3))
+    rng = np.random.default_rng(4)
+    lp = jnp.asarray(-rng.uniform(0.5, 3.0, (2, 24)), jnp.float32)
+    batch = {"input_ids": ids[:, :-1], "attention_mask": jnp.ones((2, 24), jnp.int32), "targets": ids[:, 1:],
+             "logp_old": lp, "logp_gen": lp, "advantages": jnp.asarray([1.0, -1.0]),
+             "loss_mask": jnp.zeros((2, 24), jnp.float32).at[:, 10:].set(1.0)}
+    batch = jax.tree.map(lambda x: x[None], batch)  # one micro-batch
+    lm_gradient = weight_decay_mask(CFG, nnx.state(model, nnx.Param))
+
+    def step(coef, clip_mask):
+        opt = optim_step.adamw(1e-2, clip_norm=1e-3, master="none", decay_mask=lm_gradient, clip_mask=clip_mask)
+        graphdef, state = init_state(model, opt)
+        loss_fn = grpo_loss_fn(SamplingParams(max_new_tokens=4), LossConfig(), indexer_loss_coef=coef)
+        new, metrics = make_train_step(graphdef, opt, loss_fn, donate=False)(state, batch)
+        return state.params, new.params, metrics
+
+    before, off, m_off = step(0.0, lm_gradient)
+    _, on, m_on = step(0.5, lm_gradient)
+    _, together, _ = step(0.5, None)
+    assert float(m_off["grad_norm"]) > 1e-3  # the clip triggers
+    assert float(m_off["grad_norm_apart"]) == 0.0 and float(m_on["grad_norm_apart"]) > 0.0
+    assert float(m_on["grad_norm"]) == float(m_off["grad_norm"])
+    moved_apart = False
+    for (path, p0), a, b, c in zip(jax.tree_util.tree_leaves_with_path(before), jax.tree.leaves(off),
+                                   jax.tree.leaves(on), jax.tree.leaves(together)):
+        name = jax.tree_util.keystr(path)
+        if any(p in name for p in INDEX_PARAMS):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(p0), err_msg=name)
+            assert not np.array_equal(np.asarray(b), np.asarray(p0)), name
+        else:
+            np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=name)
+            moved_apart |= not np.array_equal(np.asarray(c), np.asarray(a))
+    assert moved_apart  # one global norm: the indexer's gradient changes the policy's step
+
+
 def test_runs_that_train_the_indexer_plot_the_kl_and_runs_compare(tmp_path):
     import json
 

@@ -203,14 +203,15 @@ def assert_within_ulps(a, b, ulps: int):
 
 
 # The fast loop runs the recipe's mode (compact master, bf16 moments); the other modes are slow.
-@pytest.mark.parametrize("mode,moments", [pytest.param("none", jnp.float32, marks=pytest.mark.slow),
-                                          pytest.param("fp32", jnp.bfloat16, marks=pytest.mark.slow),
-                                          ("compact", jnp.bfloat16),
-                                          pytest.param("compact", jnp.float32, marks=pytest.mark.slow)])
-def test_sliced_in_place_step_equals_the_whole_tree_update(mode, moments, monkeypatch):
+@pytest.mark.parametrize("mode,moments,groups", [pytest.param("none", jnp.float32, False, marks=pytest.mark.slow),
+                                                 pytest.param("fp32", jnp.bfloat16, False, marks=pytest.mark.slow),
+                                                 ("compact", jnp.bfloat16, False), ("compact", jnp.bfloat16, True),
+                                                 pytest.param("compact", jnp.float32, True, marks=pytest.mark.slow)])
+def test_sliced_in_place_step_equals_the_whole_tree_update(mode, moments, groups, monkeypatch):
     """adamw's `step` (what make_train_step runs: each stacked leaf updated layer slice by layer slice,
-    in place) makes the optax update of the whole tree, through clipping, a schedule and a skipped step.
-    Equal up to float rounding, not bitwise: XLA:CPU compiles the slice's fused arithmetic into other
+    in place) makes the optax update of the whole tree, through clipping (one global norm, or with
+    `groups` the router clipped by its own norm, as the model's indexer is), a schedule and a skipped
+    step. Equal up to float rounding, not bitwise: XLA:CPU compiles the slice's fused arithmetic into other
     kernels, whose division or square root differs in the last bit now and then."""
     from sharding import optim_step
     monkeypatch.setattr(optim_step, "SLICE_MIN_ELEMS", 64)  # slice the stacked leaves, not the small ones
@@ -226,7 +227,8 @@ def test_sliced_in_place_step_equals_the_whole_tree_update(mode, moments, monkey
     # sliced step picks each leaf's decay as the whole-tree update does
     no_decay = nnx.State({"stack": {"w": True, "router": False}, "head": True, "norm": True})
     opt = optim_step.adamw(optax.linear_schedule(1e-2, 3e-2, 4), weight_decay=0.1, clip_norm=0.5,
-                          moment_dtype=moments, master=mode, decay_mask=no_decay)
+                          moment_dtype=moments, master=mode, decay_mask=no_decay,
+                          clip_mask=no_decay if groups else None)
     total = jnp.float32(7.0)
 
     @jax.jit

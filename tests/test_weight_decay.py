@@ -1,4 +1,5 @@
-"""Weight decay leaves alone the parameters the LM loss gives no gradient (the indexer)."""
+"""Weight decay leaves alone the parameters the LM loss gives no gradient (the indexer), and clipping takes
+their norm apart from the policy's."""
 
 import jax
 import jax.numpy as jnp
@@ -85,3 +86,23 @@ def test_all_true_mask_is_optax_add_decayed_weights():
     got, _ = optim_step.decayed_weights(WD, {"a": False, "b": True}).update(updates, optax.EmptyState(), params)
     np.testing.assert_array_equal(np.asarray(got["a"]), np.asarray(updates["a"]))
     np.testing.assert_array_equal(np.asarray(got["b"]), np.asarray(want["b"]))
+
+
+def test_clip_groups_are_optax_global_norm_clips_of_each_group():
+    """clip_by_group_norms: the leaves where the mask is False are clipped by their own global norm, the
+    others by theirs, each exactly as optax.clip_by_global_norm clips a tree; one group is optax's own."""
+    updates = {"a": jnp.full(3, 2.0), "b": jnp.full((2, 2), -1.5), "idx": jnp.arange(4.0)}
+    mask = {"a": True, "b": True, "idx": False}
+    got, state = optim_step.clip_by_group_norms(1.0, mask).update(updates, optax.EmptyState())
+    policy, _ = optax.clip_by_global_norm(1.0).update({"a": updates["a"], "b": updates["b"]}, optax.EmptyState())
+    indexer, _ = optax.clip_by_global_norm(1.0).update({"idx": updates["idx"]}, optax.EmptyState())
+    for name, want in (*policy.items(), *indexer.items()):
+        np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(want), err_msg=name)
+    assert state == optax.EmptyState()
+    # the policy's leaves do not see the indexer's norm (which one global norm would fold in)
+    together, _ = optax.clip_by_global_norm(1.0).update(updates, optax.EmptyState())
+    assert not np.array_equal(np.asarray(got["a"]), np.asarray(together["a"]))
+    main, apart = optim_step.group_norms(updates, mask)
+    np.testing.assert_allclose([float(main), float(apart)], [np.sqrt(12 + 9), np.sqrt(14)], rtol=1e-6)
+    assert optim_step.group_norms(updates, None)[1] is None
+    assert isinstance(optim_step.clip_by_group_norms(1.0, {"a": True, "b": True}), type(optax.clip_by_global_norm(1.0)))
