@@ -32,6 +32,23 @@ def panels(rows: list[dict]) -> dict:
     return out
 
 
+def _summary_writer():
+    """tensorboardX's SummaryWriter without torch: tensorboardX imports torch at load when it is installed
+    (the cpu extras install it for the HF reference), only so that it can log torch tensors, which a run never
+    does; that import was 1.6 s of every trainer process's start (-X importtime, 2026-12-01). Unless torch is
+    loaded already, the import of tensorboardX sees it as absent."""
+    import sys
+    if "torch" in sys.modules or "tensorboardX" in sys.modules:
+        from tensorboardX import SummaryWriter
+        return SummaryWriter
+    sys.modules["torch"] = None  # `import torch` raises ImportError, which tensorboardX handles
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
+
+
 class RunLogger:
     def __init__(self, run_dir: str, *, tensorboard: bool = True, progress_bar: bool = True, total_steps: int = 0,
                  first_step: int = 0):
@@ -45,8 +62,7 @@ class RunLogger:
         os.makedirs(run_dir, exist_ok=True)
         self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
         if tensorboard:
-            from tensorboardX import SummaryWriter
-            self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+            self._tb = _summary_writer()(os.path.join(run_dir, "tensorboard"))
         if progress_bar:
             from tqdm import tqdm
             self._bar = tqdm(total=total_steps, initial=first_step, unit="step", dynamic_ncols=True)
