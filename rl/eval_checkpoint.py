@@ -37,17 +37,20 @@ def from_checkpoint(cfg: RunConfig, step: int | None = None) -> LoadedPolicy:
     directory = checkpoint_dir(cfg)
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"no checkpoints in {os.path.abspath(directory)} (run.out_dir = {cfg.run.out_dir})")
-    policy = build_policy(cfg)
     reader = ckpt_lib.Checkpointer(directory, keep=cfg.checkpoint.keep, async_save=False, read_only=True)
     try:
+        # A missing step is refused before the model is built (at M3's size that is the expensive part).
+        if step is not None and step not in reader.steps():
+            raise FileNotFoundError(f"no checkpoint of step {step} in {reader.directory} (steps: "
+                                    f"{', '.join(map(str, reader.steps())) or 'none'})")
+        if not reader.steps():
+            raise FileNotFoundError(f"no readable checkpoint in {reader.directory}")
+        policy = build_policy(cfg)
         if step is None:
             got = reader.restore_latest(policy.state)
             if got is None:
                 raise FileNotFoundError(f"no readable checkpoint in {reader.directory}")
         else:
-            if step not in reader.steps():
-                raise FileNotFoundError(f"no checkpoint of step {step} in {reader.directory} (steps: "
-                                        f"{', '.join(map(str, reader.steps())) or 'none'})")
             got = reader.restore_step(step, policy.state)
     finally:
         reader.close()

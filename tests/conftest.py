@@ -36,6 +36,18 @@ def pytest_configure(config):
     jax.config.update("jax_enable_compilation_cache", False)
 
 
+# The modules that take longest (end-to-end trainer runs, many compiles; `--durations`, 2026-12-01) run
+# first, so that in scripts/test.sh's two-worker phase neither worker is left with one of them at the end.
+# Only the order changes: no test depends on it.
+FIRST = ("test_trainer.py", "test_resume.py", "test_ahead.py", "test_train_step.py", "test_jax_engine.py",
+         "test_indexer_align.py", "test_routing_replay.py", "test_remat_policy.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))  # stable: the rest keep their order
+
+
 @pytest.fixture(scope="session")
 def _ray_session():
     ray = pytest.importorskip("ray", reason="ray is not installed (scripts/setup.sh installs it)")

@@ -176,10 +176,11 @@ def test_grpo_loss_adds_the_kl_and_trains_only_the_indexer():
 
 @pytest.mark.slow  # two train-step compiles of the tiny model (~20 s)
 def test_alignment_loss_leaves_the_policy_step_bitwise_unchanged():
-    """Through the train step as rl.policy builds it (AdamW, a clip that triggers, the indexer clipped by
-    its own norm): with indexer_loss_coef 0.5 every non-indexer parameter takes bitwise the coef-0 step and
-    grad_norm is the coef-0 one; the indexer moves only with the loss on, and reports its norm apart. (That one
-    global clip norm would mix the two: tests/test_weight_decay.py's clip-group test.)"""
+    """Through the train step as rl.policy builds it (AdamW with weight decay and the model's decay mask, a clip
+    that triggers, the indexer clipped by its own norm): with indexer_loss_coef 0.5 every non-indexer parameter
+    takes bitwise the coef-0 step and grad_norm is the coef-0 one; the indexer moves only with the loss on (so
+    it has no LM gradient and is not decayed: issue 14 item 4's acceptance), and reports its norm apart. (That
+    one global clip norm would mix the two: tests/test_weight_decay.py's clip-group test.)"""
     from m3jax.model.specs import weight_decay_mask
     from rl.generation.base import SamplingParams
     from rl.grpo.loss import LossConfig
@@ -198,7 +199,8 @@ def test_alignment_loss_leaves_the_policy_step_bitwise_unchanged():
     lm_gradient = weight_decay_mask(CFG, nnx.state(model, nnx.Param))
 
     def step(coef):
-        opt = optim_step.adamw(1e-2, clip_norm=1e-3, master="none", decay_mask=lm_gradient, clip_mask=lm_gradient)
+        opt = optim_step.adamw(1e-2, weight_decay=0.1, clip_norm=1e-3, master="none", decay_mask=lm_gradient,
+                               clip_mask=lm_gradient)
         graphdef, state = init_state(model, opt)
         loss_fn = grpo_loss_fn(SamplingParams(max_new_tokens=4), LossConfig(), indexer_loss_coef=coef)
         new, metrics = make_train_step(graphdef, opt, loss_fn, donate=False)(state, batch)

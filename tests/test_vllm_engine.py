@@ -24,6 +24,7 @@ from rl.generation import vllm_patches
 from rl.generation.base import SamplingParams, token_logprobs
 
 pytest.importorskip("vllm")
+pytestmark = pytest.mark.serial  # scripts/test.sh runs it alone: a real vLLM engine
 from rl.generation import vllm_engine  # noqa: E402
 from rl.generation.vllm_engine import VLLMEngine, WeightUpdateError  # noqa: E402
 

