@@ -104,7 +104,7 @@ def test_corrupted_refused_or_partial_collective_push_names_the_tensor_and_keeps
             sent["payloads"] += 1
             if sent["payloads"] == 2:
                 tensor = tensor.clone()
-                tensor[0] ^= 1  # in transit, after the sender's CRC32
+                tensor[0] ^= 1  # in transit, after the sender's checksum
         return real(self, tensor, root)
 
     monkeypatch.setattr(collective.WeightGroup, "broadcast", flip_a_byte_in_the_second_bucket)

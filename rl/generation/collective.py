@@ -13,11 +13,11 @@ apply (rl.generation.inplace), so only the wire is ours.
 
 One update, per bucket (fixed size `bucket_bytes`; a larger tensor travels alone), rank 0 broadcasts
   1. a header int64[4]: kind (BUCKET / END / ABORT), metadata bytes, payload bytes, bucket index;
-  2. the metadata (JSON: name, shape, dtype, CRC32, offset of every tensor);
+  2. the metadata (JSON: name, shape, dtype, XXH3, offset of every tensor);
   3. the payload: the tensors packed at 64-byte-aligned offsets.
-The sender packs bucket n+1 (HF names and layout from `hf_tensors`, CRC32 of each source array) in a
+The sender packs bucket n+1 (HF names and layout from `hf_tensors`, XXH3 of each source array) in a
 thread while bucket n is on the wire: two buffers, double buffered. Each engine receives into staging
-buffers it keeps between updates and verifies bucket n (CRC32 of the received bytes, name / shape /
+buffers it keeps between updates and verifies bucket n (XXH3 of the received bytes, name / shape /
 dtype against its checkpoint manifest) in a thread while bucket n+1 arrives; at END it checks that
 every tensor of the checkpoint came exactly once. This is phase 1; the sender then commits on every
 engine only if every engine accepted (phase 2 = the apply), else aborts everywhere: a corrupted,
@@ -141,9 +141,9 @@ class Receiver:
                 where = f"tensor {r['name']!r} (bucket {index}, version {version})"
                 a = host[r["offset"]:r["offset"] + r["nbytes"]]
                 got = checksum(a)
-                if got != r["crc32"]:
-                    raise TransferError(f"{where}: checksum mismatch (crc32 {got:#010x}, expected "
-                                        f"{r['crc32']:#010x}): the bytes were corrupted in transit")
+                if got != r["checksum"]:
+                    raise TransferError(f"{where}: checksum mismatch (xxh3 {got:#018x}, expected "
+                                        f"{r['checksum']:#018x}): the bytes were corrupted in transit")
                 try:
                     check(r["name"], tuple(r["shape"]), _dtype(r["dtype"]))
                 except (KeyError, ValueError) as e:
@@ -298,7 +298,7 @@ class CollectiveTransport:
                     if a.nbytes:
                         buf[start:start + a.nbytes].copy_(_as_bytes(a))
                     records.append({"name": name, "shape": list(a.shape), "dtype": str(a.dtype),
-                                    "crc32": checksum(a), "offset": start, "nbytes": a.nbytes})
+                                    "checksum": checksum(a), "offset": start, "nbytes": a.nbytes})
                     off, conv["tensors"] = start + a.nbytes, conv["tensors"] + 1
                 conv["s"] += time.perf_counter() - s
                 if records:

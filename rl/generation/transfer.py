@@ -4,7 +4,7 @@ The tensors come from `m3jax.hf.save.hf_tensors` (the generator `save_pretrained
 an engine receives is byte for byte what an exported checkpoint would hold.
 
 An update is a two-phase commit so that a bad bucket can never leave an engine half updated:
-  1. stage: every bucket goes to every engine, which verifies each tensor (CRC32 of its bytes, and its
+  1. stage: every bucket goes to every engine, which verifies each tensor (XXH3-64 of its bytes, and its
      name / shape / dtype against the engine's own checkpoint manifest) and holds it without applying;
   2. commit: only when every engine has acknowledged every bucket is `commit(version)` sent; each engine
      applies the staged tensors (one copy into its loaded parameters, `rl.generation.inplace`, or
@@ -41,7 +41,7 @@ class TensorRecord:
     name: str
     shape: tuple[int, ...]
     dtype: str
-    crc32: int
+    checksum: int  # transfer_base.checksum of its bytes
 
 
 @dataclasses.dataclass
@@ -113,8 +113,8 @@ def verify_bucket(bucket: Bucket, check=None) -> None:
             raise TransferError(f"{where}: arrived as {array.dtype}{list(array.shape)}, "
                                 f"sent as {rec.dtype}{list(rec.shape)}")
         got = checksum(array)
-        if got != rec.crc32:
-            raise TransferError(f"{where}: checksum mismatch (crc32 {got:#010x}, expected {rec.crc32:#010x}): "
+        if got != rec.checksum:
+            raise TransferError(f"{where}: checksum mismatch (xxh3 {got:#018x}, expected {rec.checksum:#018x}): "
                                 "the bytes were corrupted in transit")
         if check is not None:
             try:

@@ -4,9 +4,9 @@ update is rejected with, the per-tensor checksum, the per-update statistics and 
 from __future__ import annotations
 
 import dataclasses
-import zlib
 
 import numpy as np
+import xxhash
 
 
 class TransferError(RuntimeError):
@@ -14,9 +14,14 @@ class TransferError(RuntimeError):
 
 
 def checksum(array: np.ndarray) -> int:
-    """CRC32 of the array's bytes in C order (dtype-agnostic: bf16 is hashed as its raw 16-bit words)."""
+    """XXH3-64 of the array's bytes in C order (dtype-agnostic: bf16 is hashed as its raw 16-bit words).
+
+    XXH3 rather than CRC32: every update hashes each tensor twice (sender and engine), and on this machine
+    zlib's CRC32 ran at 4.3 GB/s against XXH3's 12.4 GB/s and an 11.2 GB/s memcpy (256 MB, 2026-12-01), so
+    the two hashes cost 5.2 memcpy-times per byte with CRC32 and 1.8 with XXH3. It detects any corruption
+    in transit as well (64 bits; not a defence against a forger, which the transport does not claim)."""
     flat = np.ascontiguousarray(array).reshape(-1)
-    return zlib.crc32(flat.view(np.uint8)) if flat.size else 0
+    return xxhash.xxh3_64_intdigest(flat.view(np.uint8)) if flat.size else 0
 
 
 @dataclasses.dataclass
