@@ -315,14 +315,16 @@ def test_numpy_sampling_transform_equals_the_trainers(temperature, top_p, top_k)
 
 def test_staged_checkpoint_is_complete_then_removed(tmp_path, monkeypatch):
     from safetensors.numpy import load_file
+
+    from rl.generation import vllm_staging
     items = [("a", np.arange(6, dtype=np.float32).reshape(2, 3)), ("b", np.ones(4, np.int32))]
-    with vllm_engine.staged_checkpoint(items, root=str(tmp_path)) as path:
+    with vllm_staging.staged_checkpoint(items, root=str(tmp_path)) as path:
         assert os.listdir(path) == ["model.safetensors"] and os.listdir(tmp_path) == [os.path.basename(path)]
         got = load_file(os.path.join(path, "model.safetensors"))
         assert sorted(got) == ["a", "b"] and all(np.array_equal(got[k], v) for k, v in items)
     assert os.listdir(tmp_path) == []
-    monkeypatch.setattr(vllm_engine.shutil, "disk_usage", lambda root: shutil._ntuple_diskusage(1 << 20, 1 << 20, 8))
+    monkeypatch.setattr(vllm_staging.shutil, "disk_usage", lambda root: shutil._ntuple_diskusage(1 << 20, 1 << 20, 8))
     with pytest.raises(OSError, match="does not fit"):
-        with vllm_engine.staged_checkpoint(items, root=str(tmp_path)):
+        with vllm_staging.staged_checkpoint(items, root=str(tmp_path)):
             pass
     assert os.listdir(tmp_path) == []

@@ -23,8 +23,6 @@ import contextlib
 import gc
 import json
 import os
-import shutil
-import tempfile
 import time
 import warnings
 from typing import Iterable
@@ -32,14 +30,14 @@ from typing import Iterable
 import numpy as np
 
 from m3jax.hf.layouts import SKIPPED
-from m3jax.hf.safetensors_io import StreamingWriter, read_header
+from m3jax.hf.safetensors_io import read_header
 from rl.generation.base import SamplingParams
 from rl.generation.vllm_patches import ImportPatch, apply_patches, selected_patches
 from rl.generation.vllm_ray import host_of
-from rl.generation.vllm_routes import CPU_REASON, moe_layer_ids, routes_from_vllm
+from rl.generation.vllm_results import CPU_REASON, moe_layer_ids, routes_from_vllm
+from rl.generation.vllm_staging import staged_checkpoint
 
 WORKER_EXTENSION = "rl.generation.vllm_patches.WorkerExtension"
-STAGING_ROOT = "/dev/shm"  # RAM-backed: the workers read the update without touching a disk
 APPLY_MODES = ("auto", "inplace", "reload")
 
 
@@ -84,7 +82,7 @@ class VLLMEngine:
         plus the oneDNN re-pack (`rl.generation.inplace`; in-process executor only); "reload": vLLM's
         `reload_weights`; "auto": inplace when it covers every layer of the model, else reload
         (`apply_mode` / `apply_fallback` say which and why).
-        return_routes: `generate` also returns each request's MoE routes (`rl.generation.vllm_routes`); GPU only."""
+        return_routes: `generate` also returns each request's MoE routes (`rl.generation.vllm_results`); GPU only."""
         executor = executor or ("uni" if tensor_parallel == 1 else "mp")
         if executor not in ("uni", "mp", "ray"):
             raise ValueError(f"executor={executor!r}: expected 'uni', 'mp' or 'ray'")
@@ -378,34 +376,6 @@ def _worker_env(executor: str, cpu: bool):
         for k, v in old.items():
             if v is None:
                 os.environ.pop(k, None)
-
-
-@contextlib.contextmanager
-def staged_checkpoint(items: list[tuple[str, np.ndarray]], root: str = STAGING_ROOT):
-    """A directory holding `items` as one safetensors file, for the life of the block.
-
-    Written under a temporary name and renamed when complete, so a reader never sees a partial file;
-    removed on exit whatever happened.
-    """
-    root = root if os.path.isdir(root) else tempfile.gettempdir()
-    arrays = [(name, np.asarray(a)) for name, a in items]
-    need, free = sum(a.nbytes for _, a in arrays), shutil.disk_usage(root).free
-    if need > free:  # containers often mount a 64 MB /dev/shm: say so instead of failing mid-write
-        raise OSError(f"weight update of {need / 2**20:.0f} MiB does not fit in {root} ({free / 2**20:.0f} MiB "
-                      "free); enlarge it (docker --shm-size) or use the in-process executor")
-    tmp = tempfile.mkdtemp(prefix=".m3jax-update-", dir=root)
-    final = tmp.replace(".m3jax-update-", "m3jax-update-")
-    try:
-        writer = StreamingWriter(os.path.join(tmp, "model.safetensors"),
-                                 [(name, a.dtype, a.shape) for name, a in arrays])
-        for name, a in arrays:
-            writer.write(name, a)
-        writer.close()
-        os.rename(tmp, final)
-        yield final
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(final, ignore_errors=True)
 
 
 def _to_torch(array):

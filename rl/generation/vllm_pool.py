@@ -35,7 +35,7 @@ import numpy as np
 from rl.generation.base import Rollout, SamplingParams
 from rl.generation.transfer import TRANSPORTS, TransferError, TransferStats, make_transport, model_tensors
 from rl.generation import vllm_ray
-from rl.generation.vllm_routes import CPU_REASON, rollout_routes
+from rl.generation.vllm_results import CPU_REASON, assemble_rollout
 from rl.generation.vllm_actor import EngineActor
 from rl.schedule import ChunkQueue, Incomplete
 
@@ -298,7 +298,11 @@ class VLLMPool:
                 results = work.ordered()
             except Incomplete as e:
                 raise PoolError(f"rollout incomplete: rows {e.missing} missing") from e
-        return self._rollout(prompts, results, params.max_new_tokens, prompt_width)
+        try:
+            return assemble_rollout(prompts, results, params.max_new_tokens, prompt_width, pad_id=self.pad_id,
+                                    version=self.version)
+        except ValueError as e:
+            raise PoolError(f"rollout routes: {e}") from None
 
     def _resend(self, work: ChunkQueue, slot: _Slot, why: str) -> None:
         """An engine died or hung mid-chunk: its rows go back to the queue (no row is to blame, and each
@@ -306,28 +310,6 @@ class VLLMPool:
         rows = work.lose(slot).requeued
         self.resent_rows += len(rows)
         self._replace(slot, f"{why}; re-sending {len(rows)} rows")
-
-    def _rollout(self, prompts, results: list, max_new: int, prompt_width: int | None) -> Rollout:
-        n = len(prompts)
-        tokens = np.full((n, max_new), self.pad_id, np.int32)
-        logprobs = np.zeros((n, max_new), np.float32)
-        lengths = np.zeros(n, np.int32)
-        truncated = np.zeros(n, bool)
-        for r in range(n):
-            toks, lps, trunc = results[r][:3]
-            k = len(toks)
-            tokens[r, :k], logprobs[r, :k], lengths[r], truncated[r] = toks, lps, k, trunc
-        # routes: engines started with return_routes answer each row with its MoE routes (GPU vLLM only,
-        # rl.generation.vllm_routes), laid out like the JAX engine's: prompt width + max_new_tokens.
-        width = (prompt_width or max(len(p) for p in prompts)) + max_new
-        try:
-            routes = rollout_routes([res[3] if len(res) > 3 else None for res in results], width)
-        except ValueError as e:
-            raise PoolError(f"rollout routes: {e}") from None
-        # block_ids=None: this vLLM version has no output for the sparse layers' indexer selection (an open
-        # vLLM RFC asks for it, naming MiniMax-M3); Rollout.block_ids takes them once it does.
-        return Rollout([list(p) for p in prompts], tokens, logprobs, lengths, truncated, self.version, routes=routes,
-                       block_ids=None)
 
     def score(self, prompts, responses, params: SamplingParams) -> list[list[np.ndarray]]:
         """Per-token logprobs of fixed sequences on every serving engine (one list per engine)."""

