@@ -137,8 +137,8 @@ def _apply_by_slices(opt_for, prepare, grads, state, params, keep, decays):
             new_cols[j].append(x)
     # Counts are the same for every leaf: evaluate the chain once on 0-d stand-ins for their new values.
     p0 = jax.tree.leaves(params)[0]
-    _, scalars = one(opt_for(True), functools.partial(prepare, 0), jnp.zeros((), jnp.float32), leaf_state(0, scalar_only=True),
-                     jnp.zeros((), p0.dtype))
+    _, scalars = one(opt_for(True), functools.partial(prepare, 0), jnp.zeros((), jnp.float32),
+                     leaf_state(0, scalar_only=True), jnp.zeros((), p0.dtype))
     scalars = jax.tree.leaves(scalars)
     out = [jax.tree.unflatten(jax.tree.structure(x), col) if k else scalars[j]
            for j, (x, k, col) in enumerate(zip(items, kinds, new_cols))]
@@ -209,7 +209,8 @@ def decayed_weights(weight_decay: float, mask=None) -> optax.GradientTransformat
 
 
 def adamw(learning_rate, *, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0, clip_norm: float | None = 1.0,
-          moment_dtype=jnp.float32, master: str = "fp32", decay_mask=None, clip_mask=None) -> optax.GradientTransformation:
+          moment_dtype=jnp.float32, master: str = "fp32", decay_mask=None,
+          clip_mask=None) -> optax.GradientTransformation:
     """Clip -> Adam (moments in moment_dtype) -> decoupled weight decay -> lr schedule, on the master.
 
     Returns a `SlicedOptimizer`: the optax transformation plus `step`, the same update applied layer

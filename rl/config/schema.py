@@ -275,7 +275,8 @@ class GrpoSection(_Section):
     overlong_penalty: float = _f(1.0, "the largest overlong punishment (at max_new_tokens)", gt=0)
     routing_replay: str = _f("none", "MoE routing replay: none, or rollout (the logprob pass and the loss use the "
                                      "generator's expert ids per token and MoE layer, weights recomputed from the "
-                                     "live router; the JAX engine, or vLLM engines on GPU: CPU vLLM cannot return routes)",
+                                     "live router; the JAX engine, or vLLM engines on GPU: CPU vLLM cannot "
+                                     "return routes)",
                              choices=("none", "rollout"))
     indexer_replay: str = _f("none", "indexer selection replay: none, or rollout (the logprob pass and the loss attend "
                                      "over the key blocks the generator's indexer kept, per token, sparse layer and "
