@@ -66,7 +66,7 @@ class PoolConfig:
     # generation.vllm_executor: auto | mp | ray (rl.generation.vllm_ray.EXECUTORS); the pool's own copy of
     # the config holds what "auto" resolved to (uni / mp / ray), which each engine actor uses
     executor: str = "auto"
-    # engines return each row's MoE routes (grpo.routing_replay: rollout): GPU vLLM only (vllm_routes.CPU_REASON)
+    # engines return each row's MoE routes (grpo.routing_replay: rollout): GPU vLLM only (vllm_results.CPU_REASON)
     return_routes: bool = False
 
 
