@@ -40,10 +40,11 @@ def from_checkpoint(cfg: RunConfig, step: int | None = None) -> LoadedPolicy:
     reader = ckpt_lib.Checkpointer(directory, keep=cfg.checkpoint.keep, async_save=False, read_only=True)
     try:
         # A missing step is refused before the model is built (at M3's size that is the expensive part).
-        if step is not None and step not in reader.steps():
+        steps = reader.steps()
+        if step is not None and step not in steps:
             raise FileNotFoundError(f"no checkpoint of step {step} in {reader.directory} (steps: "
-                                    f"{', '.join(map(str, reader.steps())) or 'none'})")
-        if not reader.steps():
+                                    f"{', '.join(map(str, steps)) or 'none'})")
+        if not steps:
             raise FileNotFoundError(f"no readable checkpoint in {reader.directory}")
         policy = build_policy(cfg)
         if step is None:
