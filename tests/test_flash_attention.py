@@ -218,9 +218,25 @@ def test_config_choices_are_the_impls():
     from m3jax.model.attention import IMPLS
     from rl.config.schema import ModelSection
     field = next(f for f in dataclasses.fields(ModelSection) if f.name == "attention_impl")
-    assert tuple(field.metadata["choices"]) == IMPLS and ModelSection().model_options()["attention_impl"] == "dense"
+    assert tuple(field.metadata["choices"]) == IMPLS and ModelSection().model_options()["attention_impl"] == "auto"
     with pytest.raises(ValueError, match="attention_impl"):
         m3jax.M3ForCausalLM(m3_config(), attention_impl="sdpa")
+
+
+def test_auto_is_dense_below_flash_min_keys_and_flash_from_it(models, monkeypatch):
+    from m3jax.model import attention
+    assert [attention.resolve_impl("auto", n) for n in (attention.FLASH_MIN_KEYS - 1, attention.FLASH_MIN_KEYS)] \
+        == ["dense", "flash"]
+    assert attention.resolve_impl("dense", 10 ** 6) == "dense" and attention.resolve_impl("flash", 1) == "flash"
+    with pytest.raises(ValueError, match="sdpa"):
+        attention.resolve_impl("sdpa", 8)
+    # The model under "auto" runs exactly the resolved impl: bitwise its logits (a lower threshold keeps it small).
+    cfg, _, by_impl, path = models
+    monkeypatch.setattr(attention, "FLASH_MIN_KEYS", 24)
+    auto = m3jax.from_pretrained(path, attention_impl="auto")
+    for seq, impl in ((16, "dense"), (SEQ, "flash")):  # SEQ = 64 keys >= 24
+        ids = jnp.asarray(ref.random_ids(cfg, 2, seq, seed=5))
+        np.testing.assert_array_equal(forward(auto, ids), forward(by_impl[impl], ids))
 
 
 @pytest.mark.slow  # 8-device compiles of the model's gradient (~20 s each on the shared 2-core CPU)

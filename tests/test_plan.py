@@ -218,6 +218,7 @@ def test_real_m3_on_recipe_mesh():
     # Without the levers (compact master, chunked or flash attention) the same mesh does not fit with masked
     # sparse layers; the gather path alone holds no [q, S] block on 57 of the 60 layers.
     before = dataclasses.replace(job, master="fp32", model_options={"attention_query_chunk": 0,
+                                                                    "attention_impl": "dense",
                                                                     "moe_capacity_factor": None,
                                                                     "sparse_attention": "masked"})
     assert verdict(plan(before, Hardware())["memory"], 80).startswith("DOES NOT FIT")

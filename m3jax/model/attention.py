@@ -5,7 +5,7 @@ rematerialised body), so one chunk's [chunk, S_k] scores, masks and indexer scor
 whole [S_local, S_k] block; the maths per query is unchanged.
 
 With impl="flash" (`m3jax.model.flash`) no scores block is held at all: an online softmax walks key tiles,
-and query_chunk is unused.
+and query_chunk is unused. impl="auto" (the default) is flash from FLASH_MIN_KEYS keys on (`resolve_impl`).
 
 Sparse layers read only the key blocks the indexer kept (sparse_impl="gather", `m3jax.model.sparse`),
 whatever impl the full layers use; sparse_impl="masked" runs them as masks on impl's full attention
@@ -26,14 +26,29 @@ from m3jax.model.indexer_align import indexer_alignment_kl
 from m3jax.model.norms import rms_norm
 from m3jax.model.recall import indexer_recall
 from m3jax.model.rope import apply_rope
-from m3jax.model.sparse import select_blocks, sparse_layer_attention
+from m3jax.model.sparse import grouped_pays, select_blocks, sparse_layer_attention
 from m3jax.model.tiles import _from_chunks, _to_chunks, causal_keep  # noqa: F401  (their home before tiles.py)
 from sharding.layout import Layout
 
 _MASKED = jnp.finfo(jnp.float32).min
-IMPLS = ("dense", "flash")
+IMPLS = ("auto", "dense", "flash")
+# "auto" runs flash from this many keys on. Flash runs faster at every length measured on CPU (one M3-width
+# layer, scripts/bench_attention.py: 1.5x at 256 keys, 2.0x at 512, 2.7x at 1024, forward), but it compiles
+# slower (the tiny model's fwd+bwd: 24.7 s against 16.4 s at S = 64); below 512 keys a layer takes a few ms
+# either way, so short runs (tests, the CPU demo) keep the faster compile.
+FLASH_MIN_KEYS = 512
 SPARSE_IMPLS = ("gather", "masked")
 FLASH_TILE = 128  # queries and keys per flash tile on full layers (sparse layers: keys per indexer block)
+
+
+def resolve_impl(impl: str, key_len: int) -> str:
+    """The attention impl that runs for `impl` over key_len keys (cache slots when decoding): "auto" is
+    "flash" when key_len >= FLASH_MIN_KEYS, else "dense"; "dense" and "flash" are themselves."""
+    if impl not in IMPLS:
+        raise ValueError(f"attention impl {impl!r}: expected one of {IMPLS}")
+    if impl != "auto":
+        return impl
+    return "flash" if key_len >= FLASH_MIN_KEYS else "dense"
 
 
 def gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, keep: jax.Array, scale: float) -> jax.Array:
@@ -56,7 +71,7 @@ def gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, keep: jax.Array, sca
 
 def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, positions: jax.Array,
                     key_valid: jax.Array | None, cfg, sparse: bool, cache: dict | None = None,
-                    query_chunk: int = 0, layout: Layout = Layout(), impl: str = "dense",
+                    query_chunk: int = 0, layout: Layout = Layout(), impl: str = "auto",
                     sparse_impl: str = "gather", block_ids: jax.Array | None = None, return_block_ids: bool = False,
                     return_recall: bool = False, return_indexer_kl: bool = False):
     """One layer's attention on normalised hidden x [B, S, d] -> [B, S, d] (and the updated cache).
@@ -69,7 +84,8 @@ def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
     hides them); key_valid then spans S_max.
     query_chunk: queries per scores block on each device (0 = all local queries at once).
     layout: where activations live (the context shards of the sequence decide the chunking).
-    impl: "dense" (masked [chunk, S_k] scores) or "flash" (`flash_attention`, no scores block).
+    impl: "dense" (masked [chunk, S_k] scores), "flash" (`flash_attention`, no scores block) or "auto"
+    (`resolve_impl` of the key length).
     sparse_impl: sparse layers "gather" (only the kept blocks, `sparse_layer_attention`) or "masked".
     block_ids [B, S, Hi, K] (sparse layers; indexer selection replay): attend over these key blocks (-1 =
     none) instead of the indexer's. return_block_ids (sparse layers): also return, last, the indexer's own
@@ -97,6 +113,7 @@ def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
         k, v = cache["k"], cache["v"]
         ik = cache.get("index_k")
     n_ctx = layout.size("act_seq")
+    impl = resolve_impl(impl, k.shape[1])
     replay, used = (block_ids if sparse else None), None
     want_ids = sparse and (return_block_ids or return_recall)
     own = want_ids and replay is None  # the ids the attention selects are the answer
@@ -110,7 +127,8 @@ def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
         k, v, ik = gather_keys(k, v, ik, layout)
         o = sparse_layer_attention(q, k, v, positions, key_valid, iq, ik, cfg, to_chunks=_to_chunks,
                                    from_chunks=_from_chunks, n_ctx=n_ctx, constrain=layout.constrain,
-                                   grouped=layout.num_devices == 1, block_ids=replay, return_block_ids=own)
+                                   grouped=layout.num_devices == 1 and grouped_pays(cfg, q.shape[2], k.shape[2]),
+                                   block_ids=replay, return_block_ids=own)
         if own:
             o, used = o
     elif impl == "flash":

@@ -91,7 +91,7 @@ class LayerStack(nnx.Module):
     def __init__(self, cfg: M3Config, attn_kind: str, mlp_kind: str, layer_ids, *, dtype, rngs: nnx.Rngs,
                  remat: bool = True, moe_capacity_factor: float | None = None, moe_exchange: str | None = None,
                  attention_query_chunk: int = 0, layout: Layout = Layout(), moe_kernel: str = "auto",
-                 attention_impl: str = "dense", sparse_attention: str = "gather", remat_policy: str = "full"):
+                 attention_impl: str = "auto", sparse_attention: str = "gather", remat_policy: str = "full"):
         self.cfg, self.attn_kind, self.mlp_kind, self.layout = cfg, attn_kind, mlp_kind, layout
         self.remat_policy = remat_policy
         self.attention_impl, self.sparse_attention = attention_impl, sparse_attention
@@ -189,7 +189,7 @@ class M3ForCausalLM(nnx.Module):
     def __init__(self, cfg: M3Config, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None, remat: bool = True,
                  moe_capacity_factor: float | None = None, moe_exchange: str | None = None,
                  attention_query_chunk: int = 0, layout=None, moe_kernel: str = "auto",
-                 attention_impl: str = "dense", sparse_attention: str = "gather", remat_policy: str = "full"):
+                 attention_impl: str = "auto", sparse_attention: str = "gather", remat_policy: str = "full"):
         """remat: rematerialise each layer in the backward pass. remat_policy: what a rematerialised layer
         keeps for its backward, "full" (its input only) | "save_dots" (also the token-sized projection
         outputs) | "save_dots_experts" (and the routed experts' output rows; `REMAT_POLICIES`).
@@ -200,7 +200,8 @@ class M3ForCausalLM(nnx.Module):
         auto = tiled on CPU, ragged_dot elsewhere).
         attention_query_chunk: local queries per attention scores block (0 = all at once).
         attention_impl: "dense" (masked scores blocks) | "flash" (online softmax over key tiles, no
-        [queries, keys] block; `m3jax.model.flash`) on full layers, and on sparse ones with "masked".
+        [queries, keys] block; `m3jax.model.flash`) on full layers, and on sparse ones with "masked";
+        "auto" (default): flash from `m3jax.model.attention.FLASH_MIN_KEYS` keys on, dense below.
         sparse_attention: "gather" (sparse layers read only the key blocks the indexer kept,
         `m3jax.model.sparse`) | "masked" (the indexer's selection as a mask on attention_impl's attention).
         layout: the `sharding.layout.Layout` (or a jax Mesh with the default rules) the model runs on;

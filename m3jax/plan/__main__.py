@@ -101,7 +101,7 @@ def plan(job: Job, hw: Hardware) -> dict:
     fl = step_flops(job.model, job.seqs_per_update * job.updates, job.seq_len, job.remat,
                     query_chunked=0 < b.attention_query_chunk < s_l,
                     expert_rows=expert_rows_factor(job.model, job.mesh, b), expert_recompute=expert_recompute(b),
-                    attention=b.attention_impl, sparse_attention=b.sparse_attention,
+                    attention=b.attention, sparse_attention=b.sparse_attention,
                     remat_policy=b.remat_policy, expert_matmul=b.expert_matmul)
     n_ep = job.mesh.expert_parallel
     sent = None if b.exchange == "ragged" else receive_rows(
@@ -130,7 +130,7 @@ def print_plan(job: Job, p: dict, device_gb: float) -> None:
           f"seq {job.seq_len}, master={job.master}, moments={job.moment_dtype}, remat={job.remat}"
           + (f" ({job.batch.remat_policy})" if job.remat else ""))
     b = job.batch
-    print(f"attention {b.attention_impl}, sparse layers {b.sparse_attention}, attention_query_chunk="
+    print(f"attention {b.attention}, sparse layers {b.sparse_attention}, attention_query_chunk="
           f"{b.attention_query_chunk}, logprob_chunk_tokens={b.logprob_chunk_tokens}, expert exchange {b.exchange} "
           f"(capacity factor {b.moe_capacity_factor or 'none: dropless'}), expert matmuls "
           f"{'tiled (moe_kernel)' if b.expert_matmul == 'tiled' else 'ragged_dot lowered ' + b.ragged_dot}")

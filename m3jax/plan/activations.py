@@ -164,7 +164,7 @@ def layer_phases(cfg: M3Config, mesh: MeshConfig, attn: str, mlp: str, batch, a:
     b, s = batch.micro_batch, batch.seq_len
     t_l = b * (s // sz["context"])
     att, residual = attention_terms(cfg, mesh, attn == SPARSE_ATTENTION, b, s, a, batch.attention_query_chunk,
-                                    batch.attention_impl, batch.sparse_attention)
+                                    batch.attention, batch.sparse_attention)
     if mlp == MOE_MLP:
         part = moe_terms(cfg, mesh, t_l, a, batch.moe_capacity_factor, exchange, batch.expert_matmul)
     else:

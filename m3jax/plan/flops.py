@@ -134,7 +134,8 @@ def step_flops(cfg: M3Config, seqs: int, seq_len: int, remat: bool = True, *, qu
         + the forward attention/indexer scores again; the routed experts' forward again x
         `expert_recompute` (`expert_recompute(batch)`: the tiled kernel's backward recomputes the gate/up
         projection): 2 * routed params * expert_rows * expert_recompute * N. Attention, by layer:
-      full layers (and sparse ones with sparse_attention "masked"), by `attention`:
+      full layers (and sparse ones with sparse_attention "masked"), by `attention` ("auto" as the model resolves
+      it over seq_len keys, `m3jax.model.attention.resolve_impl`):
         dense   the full [S, S] block (the model masks, it does not skip): 12 * H*D * S^2 per layer, + 4 * H*D * S^2
                 with remat, + 4 * H*D * S^2 with query-chunked attention (each block is recomputed in its
                 backward); the indexer of a masked sparse layer scores every [S, S] pair (2 * Hi*Di * S^2 per
@@ -151,6 +152,8 @@ def step_flops(cfg: M3Config, seqs: int, seq_len: int, remat: bool = True, *, qu
     """
     if sparse_attention not in SPARSE_ATTENTION_IMPLS:
         raise ValueError(f"sparse_attention={sparse_attention!r}: expected one of {SPARSE_ATTENTION_IMPLS}")
+    from m3jax.model.attention import resolve_impl
+    attention = resolve_impl(attention, seq_len)  # "auto" -> what runs over seq_len keys
     act = active_matmul_params(cfg)
     n = seqs * seq_len
     h, dd = cfg.num_attention_heads, cfg.head_dim

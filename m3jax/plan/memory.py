@@ -160,7 +160,7 @@ class Batch:
     num_micro: int = 1
     remat: bool = True
     attention_query_chunk: int = 0
-    attention_impl: str = "dense"
+    attention_impl: str = "auto"
     moe_capacity_factor: float | None = None
     moe_exchange: str | None = None
     ragged_dot: str = "dense"
@@ -173,6 +173,12 @@ class Batch:
     def exchange(self) -> str:
         from sharding.expert import default_exchange
         return self.moe_exchange or default_exchange()
+
+    @property
+    def attention(self) -> str:
+        """The full layers' attention as it runs over seq_len keys ("auto" resolved: dense or flash)."""
+        from m3jax.model.attention import resolve_impl
+        return resolve_impl(self.attention_impl, self.seq_len)
 
     @property
     def expert_matmul(self) -> str:

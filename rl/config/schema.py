@@ -119,10 +119,10 @@ class ModelSection(_Section):
     attention_query_chunk: int = _f(0, "local queries per attention-scores block (a rematerialised scan): "
                                        "[chunk, S] scores live instead of [S_local, S]; 0 = all at once", min=0)
     # m3jax.model.attention.IMPLS, listed here so that the schema needs no jax
-    attention_impl: str = _f("dense", "attention computation: dense (masked [chunk, S] scores blocks) or flash "
-                                      "(online softmax over key tiles, no scores block; sparse layers skip the "
-                                      "key blocks the indexer dropped; attention_query_chunk is then unused)",
-                             choices=("dense", "flash"))
+    attention_impl: str = _f("auto", "attention computation: dense (masked [chunk, S] scores blocks), flash "
+                                     "(online softmax over key tiles, no scores block; attention_query_chunk is "
+                                     "then unused) or auto (flash from 512 keys on, dense below)",
+                             choices=("auto", "dense", "flash"))
     # m3jax.model.attention.SPARSE_IMPLS
     sparse_attention: str = _f("gather", "sparse (indexer) layers: gather (each query multiplies only the key "
                                          "blocks the indexer kept, a scan over query tiles) or masked (the "
