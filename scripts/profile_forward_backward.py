@@ -1,0 +1,101 @@
+"""Where the tiny model's jit(value_and_grad) step spends its time on CPU: XLA thunks by name.
+
+Builds the same model and step as scripts/bench_forward_backward.py (the tiny `release_like` config, batch 2,
+mean next-token cross entropy over the nnx.Param leaves), traces --iters steps with `jax.profiler`, and sums
+the top-level thunks (a `while` includes its body) over the XLA:CPU worker threads, per step. With --inside a
+while's name, also the thunks inside it. Tracing slows the step, so the sums exceed the untraced median
+printed first; the split is what to read.
+
+    .venv/bin/python scripts/profile_forward_backward.py --seq 256 --no-remat
+    .venv/bin/python scripts/profile_forward_backward.py --seq 256 --inside while.212
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+import jax  # noqa: E402
+
+import bench_forward_backward as fb  # noqa: E402
+from m3jax import tiny  # noqa: E402
+
+
+def thunk_times(xplane: str, inside: str | None) -> tuple[collections.Counter, collections.Counter, int]:
+    """({top-level thunk: ns}, {thunk inside `inside`: ns}, top-level thunks run) over the XLA:CPU worker
+    threads of a trace."""
+    top, nested, runs = collections.Counter(), collections.Counter(), 0
+    for plane in jax.profiler.ProfileData.from_file(xplane).planes:
+        for line in plane.lines:
+            if "Eigen" not in line.name:  # XLA:CPU's worker threads
+                continue
+            ends, window = [], None
+            for ev in sorted(line.events, key=lambda e: (e.start_ns, -e.duration_ns)):
+                while ends and ends[-1] <= ev.start_ns:
+                    ends.pop()
+                if len(ends) == 1 and not ev.name.startswith("ThunkExecutor"):
+                    top[ev.name] += ev.duration_ns
+                    runs += 1
+                    window = (ev.start_ns, ev.start_ns + ev.duration_ns) if ev.name == inside else window
+                elif window and window[0] < ev.start_ns < window[1] and not ev.name.startswith(("Thunk", "while")):
+                    nested[ev.name] += ev.duration_ns
+                ends.append(ev.start_ns + ev.duration_ns)
+    return top, nested, runs
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--no-remat", action="store_true")
+    ap.add_argument("--attention-impl", default="auto")
+    ap.add_argument("--inside", help="also list the thunks inside this top-level thunk (e.g. while.212)")
+    ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--hlo", help="write the compiled HLO text here (to look up what a thunk name computes)")
+    args = ap.parse_args()
+
+    hf = tiny.hf_model(tiny.hf_config("release_like"), seed=0)
+    model = tiny.m3_from_hf(hf, remat=not args.no_remat, attention_impl=args.attention_impl)
+    ids = tiny.random_ids(hf.config, args.batch, args.seq, seed=args.seq)
+    one, compile_s, _ = fb.prepare_flax(model, ids)
+    if args.hlo:
+        step, params = fb.flax_step(model)
+        with open(args.hlo, "w") as f:
+            f.write(step.lower(params, jax.numpy.asarray(ids)).compile().as_text())
+    for _ in range(3):
+        one()
+    times = []
+    for _ in range(args.iters):
+        t = time.perf_counter()
+        one()
+        times.append(time.perf_counter() - t)
+    print(f"S {args.seq}, batch {args.batch}, remat {not args.no_remat}, attention {args.attention_impl}: "
+          f"untraced median {statistics.median(times) * 1e3:.2f} ms (compile {compile_s:.1f} s)")
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d)
+        for _ in range(args.iters):
+            one()
+        jax.profiler.stop_trace()
+        top, nested, runs = thunk_times(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0], args.inside)
+    per = 1e6 * args.iters
+    print(f"traced: {sum(top.values()) / per:.2f} ms of top-level thunks per step, {runs / args.iters:.0f} "
+          f"thunks run per step")
+    for name, ns in top.most_common(args.top):
+        print(f"  {ns / per:7.3f} ms  {name}")
+    for name, ns in nested.most_common(args.top):
+        print(f"  {ns / per:7.3f} ms  inside {args.inside}: {name}")
+
+
+if __name__ == "__main__":
+    main()
