@@ -5,6 +5,8 @@ engines' logprobs equal the trainer's; a worker killed mid-rollout fails its eng
 are re-sent (every sample exactly once) and which is replaced in a fresh placement group and rejoins at
 the next weight version.
 
+The collective transport reaches each worker itself (every worker is a rank of the weight group).
+
 SLOW and EXTENDED (~4-6 min on 2 shared cores): two engines start at once (~1-2 min), a replacement starts
 (~1 min); each vLLM process holds ~1-2 GB. The pool's bookkeeping alone: tests/test_vllm_ray_logic.py."""
 
@@ -128,3 +130,54 @@ def test_a_worker_killed_mid_rollout_fails_its_engine_as_a_unit(pool):
     assert victim["pid"] not in {w["pid"] for w in workers} and len({w["node"] for w in workers}) == 2
     again = pool.generate(ps, sp, jax.random.key(5))  # both engines again: same weights, same per-row seeds
     assert np.array_equal(again.tokens, reference.tokens) and np.array_equal(again.lengths, reference.lengths)
+
+
+def test_collective_weights_reach_every_worker_and_a_corrupted_push_changes_nothing(pool, monkeypatch):
+    """`generation.weight_transport: collective` into Ray-executor engines: every worker joins the weight group
+    itself (rank 0 + 2 engines x 2 workers), so no update goes through the actor's /dev/shm, which a worker on
+    another machine could not read. A byte flipped in transit is refused with the tensor's name and every
+    engine keeps the old weights; a good push gives the trainer's logprobs on both nodes of each engine."""
+    import dataclasses
+
+    from m3jax.hf.save import hf_tensors
+    from rl.generation import collective
+    from rl.generation.transfer import TransferError
+
+    pool._drop_transport()
+    pool.cfg = dataclasses.replace(pool.cfg, transport="collective", bucket_bytes=64 << 10)
+    try:
+        new = random_model(1)
+        named = [(n, np.asarray(a)) for n, a in hf_tensors(new, "released")]
+        ps, greedy = prompts([5, 11, 8]), SamplingParams(max_new_tokens=12, temperature=0.0)
+        before, version = pool.generate(ps, greedy, jax.random.key(0)), pool.version
+
+        real, payloads = collective.WeightGroup.broadcast, [0]
+
+        def flip_a_byte_in_the_second_bucket(self, tensor, root=0):
+            if not tensor.dtype.is_floating_point and tensor.numel() > 4096:  # a payload, not a header
+                payloads[0] += 1
+                if payloads[0] == 2:
+                    tensor = tensor.clone()
+                    tensor[0] ^= 1  # after the sender's checksum
+            return real(self, tensor, root)
+
+        monkeypatch.setattr(collective.WeightGroup, "broadcast", flip_a_byte_in_the_second_bucket)
+        with pytest.raises(TransferError, match=rf"tensor '[^']+' \(bucket 1, version {version + 1}\): checksum"):
+            pool.push(named, version + 1)
+        monkeypatch.setattr(collective.WeightGroup, "broadcast", real)
+        assert pool.version == version and len(pool.serving()) == 2
+        same = pool.generate(ps, greedy, jax.random.key(0))
+        assert np.array_equal(same.tokens, before.tokens) and np.abs(same.logprobs - before.logprobs).max() < 1e-6
+
+        t0 = time.perf_counter()
+        stats = pool.push(named, version + 2)
+        print(f"collective push into 4 Ray-executor workers: {time.perf_counter() - t0:.2f} s, {stats.buckets} buckets")
+        assert pool._transport.group.world == 5 and pool.version == version + 2
+        r = pool.generate(ps, greedy, jax.random.key(0))
+        out = [(r.tokens[i, :r.lengths[i]].tolist(), r.logprobs[i, :r.lengths[i]].tolist(), False) for i in range(3)]
+        d = max_diff(new, ps, out, greedy)
+        print(f"after the collective push: max |dlogprob| vs the new trainer model {d:.2e}")
+        assert d < ATOL and np.abs(r.logprobs - before.logprobs).max() > 1e-2  # the weights really changed
+    finally:
+        pool._drop_transport()
+        pool.cfg = dataclasses.replace(pool.cfg, transport="ray")

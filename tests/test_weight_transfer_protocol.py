@@ -1,7 +1,13 @@
 """The collective weight path's protocol without vLLM (rl.generation.collective): plain Ray actors that keep
 applied tensors in a dict join a gloo group with the test process; buckets arrive bit for bit (fp32 and
 bf16, a tensor larger than a bucket travels alone), and a corrupted or partial push is refused with the
-tensor named and nothing applied anywhere, after which the same group carries the next update."""
+tensor named and nothing applied anywhere, after which the same group carries the next update.
+
+One of the engines stands in for a vLLM engine on the Ray executor: the real `EngineActor` over two workers
+that are ranks of the group themselves (`rl.generation.vllm_worker_weights.WorkerWeights`, the methods
+vLLM's workers get), so the group has 1 + 1 + 2 ranks."""
+
+import concurrent.futures
 
 import numpy as np
 import pytest
@@ -11,7 +17,9 @@ import ml_dtypes  # noqa: E402
 import ray  # noqa: E402
 
 from rl.generation import collective  # noqa: E402
-from rl.generation.transfer import TransferError  # noqa: E402
+from rl.generation.transfer import StagedUpdate, TransferError  # noqa: E402
+from rl.generation.vllm_actor import EngineActor  # noqa: E402
+from rl.generation.vllm_worker_weights import WorkerWeights  # noqa: E402
 
 
 class DictEngine:
@@ -45,8 +53,53 @@ class DictEngine:
         if self.receiver is not None and self.receiver.version == version:
             self.receiver.clear()
 
-    def state(self):
-        return self.version, self.applied
+    def weight_ranks(self):
+        return 1
+
+    def states(self):
+        return [(self.version, self.applied)]
+
+
+class _Worker(WorkerWeights):
+    """A vLLM worker's weight methods over a dict: reload_weights keeps what it is given."""
+
+    def __init__(self, rank):
+        self.rank, self.applied = rank, {}
+
+    def reload_weights(self, weights_iterator, is_checkpoint_format):
+        import torch
+
+        assert is_checkpoint_format
+        self.applied = {n: (t.view(torch.int16).numpy().view(ml_dtypes.bfloat16) if t.dtype == torch.bfloat16
+                            else t.numpy()).copy() for n, t in weights_iterator}
+
+
+class _RayExecutorEngine:
+    """The VLLMEngine surface EngineActor uses for an engine on vLLM's Ray executor: two workers, each a rank
+    of the weight group; collective_rpc runs a method on both at once, as vLLM's executor does."""
+
+    executor, weight_ranks, model_dir = "ray", 2, "the served checkpoint"
+
+    def __init__(self, named):
+        self.manifest = {n: (a.shape, a.dtype) for n, a in named}
+        self.workers, self.version, self.llm = [_Worker(0), _Worker(1)], 0, self
+
+    def collective_rpc(self, method, args=(), kwargs=None):
+        with concurrent.futures.ThreadPoolExecutor(len(self.workers)) as pool:
+            futures = [pool.submit(getattr(w, method), *args, **(kwargs or {})) for w in self.workers]
+            return [f.result() for f in futures]
+
+    def commit_in_workers(self, version, num_buckets):
+        self.collective_rpc("m3jax_commit_weights", kwargs={"version": version, "num_buckets": num_buckets})
+
+
+class RayExecutorEngine(EngineActor):
+    def __init__(self, named):  # EngineActor's own __init__ would start vLLM
+        self.rank, self.staged, self.busy_since = 1, StagedUpdate(), None
+        self.engine = _RayExecutorEngine(named)
+
+    def states(self):
+        return [(self.engine.version, w.applied) for w in self.engine.workers]
 
 
 def _named(seed):
@@ -59,8 +112,7 @@ def _named(seed):
 
 @pytest.fixture(scope="module")
 def engines(ray_local):
-    actor = ray.remote(DictEngine)
-    handles = [actor.remote(_named(0)) for _ in range(2)]
+    handles = [ray.remote(DictEngine).remote(_named(0)), ray.remote(RayExecutorEngine).remote(_named(0))]
     t = collective.CollectiveTransport(handles, bucket_bytes=256, timeout_s=60)
     yield t, handles
     t.close()
@@ -69,7 +121,9 @@ def engines(ray_local):
 
 
 def _check_applied(handles, version, named):
-    for version_got, applied in ray.get([h.state.remote() for h in handles]):
+    states = [state for h in handles for state in ray.get(h.states.remote())]
+    assert len(states) == 3  # the dict engine and both workers of the Ray-executor one
+    for version_got, applied in states:
         assert version_got == version and list(applied) == [n for n, _ in named]
         for n, a in named:
             assert applied[n].dtype == a.dtype and np.array_equal(applied[n].view(np.uint8), a.view(np.uint8)), n
@@ -78,6 +132,7 @@ def _check_applied(handles, version, named):
 def test_collective_push_arrives_bit_for_bit_on_every_engine(engines):
     t, handles = engines
     stats = t.push(iter(_named(1)), 1)
+    assert t.group.world == 4  # the trainer, the dict engine, the two workers
     assert stats.setup_s > 0 and stats.buckets == 3 and stats.tensors == 4  # [a b] [big] [c]
     assert stats.bytes == sum(a.nbytes for _, a in _named(1))
     _check_applied(handles, 1, _named(1))

@@ -1,8 +1,9 @@
 """The collective weight path (`generation.weight_transport: collective`, issue 12 item 2).
 
-The data plane leaves the Ray object store: the trainer process (rank 0) and every engine (ranks 1..n)
-join one torch.distributed group that is *not* the process-global default group (vLLM owns that one in
-each engine process, and the trainer must not need a global init): a TCPStore rendezvous plus a
+The data plane leaves the Ray object store: the trainer process (rank 0) and every engine (one rank, or
+one per worker of a Ray-executor engine: rl.generation.vllm_worker_weights) join one torch.distributed
+group that is *not* the process-global default group (vLLM owns that one in each engine process, and the
+trainer must not need a global init): a TCPStore rendezvous plus a
 `ProcessGroupGloo` (CPU tensors) or `ProcessGroupNCCL` (CUDA tensors) object built directly on it, the
 way NeMo-RL's stateless group does. The same code runs both backends; only the buffers' device differs.
 
@@ -222,14 +223,21 @@ class CollectiveTransport:
         self._slots: list = [None] * depth  # the double buffer, kept between updates
 
     def connect(self) -> float:
-        """Build the group (every engine joins as rank i + 1); returns the seconds it took."""
+        """Build the group (engine i joins as ranks 1 + the ranks of engines 0..i-1, one rank or one per
+        Ray-executor worker); returns the seconds it took."""
         import ray
 
         t = time.perf_counter()
-        host, world = ray.util.get_node_ip_address(), len(self.engines) + 1
+        try:  # an engine on vLLM's Ray executor takes one rank per worker (rl.generation.vllm_worker_weights)
+            ranks = ray.get([e.weight_ranks.remote() for e in self.engines], timeout=self.timeout_s)
+        except Exception as e:  # noqa: BLE001 - a dead engine: no update, a fresh group next time
+            self.broken = True
+            raise TransferError(f"asking {len(self.engines)} engines for their weight ranks failed: {e}") from None
+        host, world = ray.util.get_node_ip_address(), 1 + sum(ranks)
         group = WeightGroup(host, 0, 0, world, self.backend, self.timeout_s)
-        joins = [e.join_weight_group.remote(host, group.port, i + 1, world, self.backend, self.timeout_s)
-                 for i, e in enumerate(self.engines)]
+        first = np.cumsum([1] + list(ranks[:-1])).tolist()
+        joins = [e.join_weight_group.remote(host, group.port, r, world, self.backend, self.timeout_s)
+                 for e, r in zip(self.engines, first)]
         try:
             group.connect()
             ray.get(joins, timeout=self.timeout_s)

@@ -18,6 +18,7 @@ class EngineActor:
     """
 
     receiver = None  # rl.generation.collective.Receiver, once the collective transport has joined
+    workers_staged: int | None = None  # the version a Ray-executor engine's workers hold staged
 
     def __init__(self, cfg, rank: int):  # cfg: rl.generation.vllm_pool.PoolConfig
         from rl.generation.vllm_engine import VLLMEngine  # imports vLLM: only in engine processes
@@ -47,23 +48,55 @@ class EngineActor:
         self.staged.stage(bucket, self.engine.check)
         return bucket.index
 
+    def _in_workers(self) -> bool:
+        """Whether the collective path reaches this engine's workers themselves (the Ray executor's, which may
+        sit on other machines: rl.generation.vllm_worker_weights) rather than this process."""
+        return self.engine.executor == "ray"
+
+    def weight_ranks(self) -> int:
+        return self.engine.weight_ranks
+
     def join_weight_group(self, host: str, port: int, rank: int, world: int, backend: str, timeout_s: float) -> int:
+        """Join the collective weight group as ranks rank .. rank + weight_ranks() - 1; returns rank."""
+        if self._in_workers():
+            self.engine.llm.collective_rpc("m3jax_join_weight_group", args=(host, port, rank, world, backend,
+                                                                           timeout_s))
+            return rank
         from rl.generation.collective import Receiver  # the engine end of the collective transport
 
         self.receiver = self.receiver or Receiver()
         return self.receiver.join(host, port, rank, world, backend, timeout_s)
 
     def leave_weight_group(self) -> None:
-        if self.receiver is not None:
+        if self._in_workers():
+            self.engine.llm.collective_rpc("m3jax_leave_weight_group")
+        elif self.receiver is not None:
             self.receiver.leave()
 
     def receive_weights(self, version: int) -> int:
         """Phase 1 on the collective path: every bucket received, verified and complete, or TransferError."""
+        if self._in_workers():
+            answers = self.engine.llm.collective_rpc(
+                "m3jax_receive_weights", args=(version, dict(self.engine.manifest), self.engine.model_dir))
+            errors = [a["error"] for a in answers if "error" in a]
+            if errors:
+                raise TransferError(f"engine {self.rank}: {errors[0]}")
+            counts = {a["buckets"] for a in answers}
+            if len(counts) != 1:
+                raise TransferError(f"engine {self.rank}: its workers staged {sorted(counts)} buckets of version "
+                                    f"{version}")
+            self.workers_staged = version
+            return counts.pop()
         if self.receiver is None:
             raise TransferError(f"engine {self.rank} is not in a weight group (version {version})")
         return self.receiver.receive(version, self.engine.check, self.engine.manifest)
 
     def commit(self, version: int, num_buckets: int) -> int:
+        if self.workers_staged == version:
+            self.workers_staged = None
+            self.engine.commit_in_workers(version, num_buckets)
+            self.engine.version = version
+            return version
         collective = self.receiver is not None and self.receiver.version == version
         staged = self.receiver if collective else self.staged
         try:
@@ -74,6 +107,9 @@ class EngineActor:
         return version
 
     def abort(self, version: int) -> None:
+        if self.workers_staged == version:
+            self.workers_staged = None
+            self.engine.llm.collective_rpc("m3jax_abort_weights", args=(version,))
         if self.staged.version == version:
             self.staged.clear()
         if self.receiver is not None and self.receiver.version == version:

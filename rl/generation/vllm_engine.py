@@ -36,6 +36,7 @@ from rl.generation.vllm_patches import ImportPatch, apply_patches, selected_patc
 from rl.generation.vllm_ray import host_of
 from rl.generation.vllm_results import CPU_REASON, moe_layer_ids, routes_from_vllm
 from rl.generation.vllm_staging import staged_checkpoint
+from rl.generation.vllm_worker_weights import manifest_check
 
 WORKER_EXTENSION = "rl.generation.vllm_patches.WorkerExtension"
 APPLY_MODES = ("auto", "inplace", "reload")
@@ -199,13 +200,22 @@ class VLLMEngine:
 
     def check(self, name: str, shape, dtype) -> None:
         """Raise WeightUpdateError unless `name` is a served checkpoint tensor of this shape and dtype."""
-        if name not in self.manifest:
-            raise WeightUpdateError(f"tensor {name!r} is not a tensor of the served checkpoint {self.model_dir} "
-                                    "(vLLM's M3 loader would skip it silently)")
-        want_shape, want_dtype = self.manifest[name]
-        if tuple(shape) != want_shape or np.dtype(dtype) != want_dtype:
-            raise WeightUpdateError(f"tensor {name!r}: got shape {tuple(shape)} {np.dtype(dtype)}, the checkpoint "
-                                    f"has {want_shape} {want_dtype}")
+        try:
+            manifest_check(self.manifest, self.model_dir)(name, shape, dtype)
+        except ValueError as e:
+            raise WeightUpdateError(str(e)) from None
+
+    @property
+    def weight_ranks(self) -> int:
+        """Ranks this engine takes in a collective weight group: on the Ray executor one per worker (they
+        receive themselves: rl.generation.vllm_worker_weights), else one (this process receives)."""
+        return len(self.worker_hosts) if self.executor == "ray" else 1
+
+    def commit_in_workers(self, version: int, num_buckets: int) -> None:
+        """Phase 2 of a collective update the Ray executor's workers staged: each reloads its tensors."""
+        self._check_alive()
+        self._apply("m3jax_commit_weights", {"version": version, "num_buckets": num_buckets})
+        self.llm.reset_prefix_cache()
 
     # ------------------------------------------------------------------------------------ sampling
     def _params(self, **kw):
@@ -310,8 +320,8 @@ class VLLMEngine:
             here = host_of(None)[0]
             if any(h[0] != here for h in self.worker_hosts):  # refused before anything is written
                 raise WeightUpdateError(f"workers on hosts {sorted({h[0] for h in self.worker_hosts})} cannot read "
-                                        f"an update staged under /dev/shm of {here}: a multi-host engine needs "
-                                        "its workers in the weight group (docs/vllm.md, 'Engines across hosts')")
+                                        f"an update staged under /dev/shm of {here}: a multi-host engine takes its "
+                                        "weights with generation.weight_transport: collective (docs/vllm.md)")
             # Written before anything is applied: a full /dev/shm fails here and the engine stays healthy.
             with staged_checkpoint(items) as path:
                 self._apply("m3jax_reload_weights", {"weights_path": path})

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from rl.generation import vllm_patch_registry as registry
 from rl.generation.vllm_ray import CPU_SLOT, EXECUTOR_ENV
+from rl.generation.vllm_worker_weights import WorkerWeights
 from rl.generation.vllm_patch_registry import (  # noqa: F401 (public here)
     ImportPatch, Patch, PatchError, Refused, ValuePatch)
 
@@ -331,8 +332,9 @@ def selected_patches(platform: str | None = None, version: str | None = None) ->
     return registry.select(PATCH_SETS, platform or registry.platform_name(), version)
 
 
-class _WorkerExtension:
-    """Mixed into vLLM's worker class by `worker_extension_cls`; its methods are collective_rpc targets."""
+class _WorkerExtension(WorkerWeights):
+    """Mixed into vLLM's worker class by `worker_extension_cls`; its methods are collective_rpc targets (the
+    collective weight path's worker end: rl.generation.vllm_worker_weights)."""
 
     def m3jax_patches(self) -> list[str]:
         """The symbol patches installed in this worker (the engine compares them with PATCHES on a CPU)."""

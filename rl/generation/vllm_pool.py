@@ -79,8 +79,8 @@ def _actor_class():
         import ray
 
         cls = type("VLLMEngineActor", (EngineActor,), {})
-        for name in ("generate", "score", "stage", "commit", "abort", "join_weight_group", "leave_weight_group",
-                     "receive_weights", "apply_mode", "shutdown"):
+        for name in ("generate", "score", "stage", "commit", "abort", "weight_ranks", "join_weight_group",
+                     "leave_weight_group", "receive_weights", "apply_mode", "shutdown"):
             setattr(cls, name, ray.method(concurrency_group="work")(getattr(EngineActor, name)))
         cls.health = ray.method(concurrency_group="probe")(EngineActor.health)
         _ACTOR = ray.remote(concurrency_groups={"work": 1, "probe": 1})(cls)

@@ -1,0 +1,89 @@
+"""The collective weight path into the workers of a Ray-executor engine (engines across hosts).
+
+An engine on vLLM's Ray executor (`generation.vllm_executor: ray`) holds its model in one worker per rank,
+possibly on other machines than the engine's actor, so an update staged by the actor (/dev/shm) does not
+reach them. On the `collective` transport each worker therefore joins the weight group itself: the engine
+takes ranks first .. first + TP - 1 of it (`EngineActor.weight_ranks`), every worker receives every bucket
+the trainer broadcasts, verifies it (XXH3, name / shape / dtype against the served checkpoint, the set
+complete) and keeps it staged; the commit reloads the staged tensors in each worker (`reload_weights`,
+vLLM's name mapping and TP slicing: each rank keeps its own slice). Phase 1 and 2 are the same as for an
+in-process engine (rl.generation.collective): a rejected bucket on any worker aborts the update on every
+engine, before any worker has written a weight.
+
+The methods below are collective_rpc targets mixed into vLLM's worker class (`_WorkerExtension`). A worker
+answers phase 1 with {"buckets": n} or {"error": text}, not an exception, so that the engine can raise the
+TransferError with the tensor's name (an exception crossing vLLM's executor arrives wrapped).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def manifest_check(manifest: dict, source: str):
+    """check(name, shape, dtype): raise ValueError unless `name` is a tensor of the served checkpoint
+    (manifest: name -> (shape, dtype)) with this shape and dtype; source names the checkpoint."""
+
+    def check(name: str, shape, dtype) -> None:
+        if name not in manifest:
+            raise ValueError(f"tensor {name!r} is not a tensor of the served checkpoint {source} "
+                             "(vLLM's M3 loader would skip it silently)")
+        want_shape, want_dtype = manifest[name]
+        if tuple(shape) != tuple(want_shape) or np.dtype(dtype) != np.dtype(want_dtype):
+            raise ValueError(f"tensor {name!r}: got shape {tuple(shape)} {np.dtype(dtype)}, the checkpoint "
+                             f"has {tuple(want_shape)} {np.dtype(want_dtype)}")
+
+    return check
+
+
+class WorkerWeights:
+    """A vLLM worker's end of the collective weight group (mixed into `_WorkerExtension`)."""
+
+    _m3jax_receiver = None
+
+    def m3jax_join_weight_group(self, host: str, port: int, first_rank: int, world: int, backend: str,
+                                timeout_s: float) -> int:
+        """Join as rank first_rank + this worker's rank in its engine; returns the rank."""
+        from rl.generation.collective import Receiver
+
+        if self._m3jax_receiver is None:
+            self._m3jax_receiver = Receiver()
+        return self._m3jax_receiver.join(host, port, first_rank + self.rank, world, backend, timeout_s)
+
+    def m3jax_leave_weight_group(self) -> None:
+        if self._m3jax_receiver is not None:
+            self._m3jax_receiver.leave()
+
+    def m3jax_receive_weights(self, version: int, manifest: dict, source: str) -> dict:
+        """Phase 1: every bucket of `version` received, verified and complete -> {"buckets": n}, else
+        {"error": the TransferError's text} (the stream drained, nothing staged)."""
+        from rl.generation.transfer_base import TransferError
+
+        if self._m3jax_receiver is None:
+            return {"error": f"worker {self.rank} is not in a weight group (version {version})"}
+        try:
+            return {"buckets": self._m3jax_receiver.receive(version, manifest_check(manifest, source), manifest)}
+        except TransferError as e:
+            return {"error": str(e)}
+
+    def m3jax_commit_weights(self, version: int, num_buckets: int) -> None:
+        """Phase 2: reload the staged tensors (vLLM's checkpoint-format reload: names mapped, this rank's
+        slice taken, the layers' post-load processing re-run), then drop them."""
+        receiver = self._m3jax_receiver
+        try:
+            tensors = ((name, _to_torch(a)) for name, a in receiver.tensors(version, num_buckets))
+            self.reload_weights(weights_iterator=tensors, is_checkpoint_format=True)
+        finally:
+            receiver.clear()
+
+    def m3jax_abort_weights(self, version: int) -> None:
+        if self._m3jax_receiver is not None and self._m3jax_receiver.version == version:
+            self._m3jax_receiver.clear()
+
+
+def _to_torch(a: np.ndarray):
+    import torch
+
+    if a.dtype.name == "bfloat16":  # ml_dtypes: same bits as torch's bfloat16
+        return torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
