@@ -18,7 +18,8 @@ Prints one JSON line per check; keep the output with BENCHMARKS.md. Checks:
    for the full layer; for a sparse layer (the indexer's top-16 shape, ids replayed): the masked dense path,
    masked flash, and `model.sparse_attention: gather`'s two implementations (m3jax.model.sparse: per-tile
    gathers, the meshes' path; grouped matmuls, one device's): forward and forward+backward times, each
-   output against the dense (masked) path's;
+   output against the dense (masked) path's; at 1,024 and 8,192 keys (whether `attention_impl: auto`, flash
+   from 512 keys as measured on CPU, should switch elsewhere on a GPU);
 7. the LM head: token logprobs and their gradient from full [T, 200064] logits vs `model.logprob_chunk_tokens`
    blocks (rl.logprobs.chunked_token_logprobs), times and the largest difference: what chunking costs in time;
 8. vLLM long context: the pool's GPU vLLM engine on an M3-shaped tiny model with sparse layers at vLLM's kernel
@@ -418,7 +419,8 @@ def main():
             moe_cost(False, e, 8192)
         moe_kernels(False, 1, 32, 4096)
         moe_kernels(False, 4, 16, 4096)
-        attention_kernels(False, 8192)
+        for seq in (1024, 8192):  # 1024: near `attention_impl: auto`'s CPU-measured switch to flash (512 keys)
+            attention_kernels(False, seq)
         logprob_head(False, 8192, 1024)
         vllm_long_context()
 
