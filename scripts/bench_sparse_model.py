@@ -19,10 +19,10 @@ after one warm-up call; temp = `jit(f).lower(..).compile().memory_analysis().tem
     .venv/bin/python scripts/bench_sparse_model.py --selection --seq 4096 16384   # the indexer alone, per tiling
     .venv/bin/python scripts/bench_sparse_model.py --one-device-paths --seq 256 1024 4096
 
---one-device-paths times the sparse model's two one-device gather paths side by side (`grouped_block_attention`,
-sorted (query, block) pairs through the tiled grouped matmul, against the per-tile gathers of any mesh), for this
-model's shape and for the tiny release_like shape (hidden 64, 4 heads of 16, 2 kv heads, 2 index heads, blocks of
-8, top-2, batch 2), with the choice `m3jax.model.sparse.grouped_pays` makes for each.
+--one-device-paths times the sparse model's two gather paths on one device side by side (`grouped_block_attention`,
+sorted (query, block) pairs through the tiled grouped matmul, the one-device default, against the per-tile gathers
+of any mesh), for this model's shape and for the tiny release_like shape (hidden 64, 4 heads of 16, 2 kv heads, 2
+index heads, blocks of 8, top-2, batch 2).
 
 --selection times only one sparse layer's block selection (`m3jax.model.sparse.select_blocks`, 2 index heads of
 64, the model's block size and top-K) for key chunks of (8, 16, 32) blocks x query tiles of (64, 128, 256).
@@ -108,30 +108,32 @@ TINY_DIMS = dict(layers=2, dense_layers=2, hidden_size=64, num_attention_heads=4
 
 
 def one_device_paths(seqs, iters: int):
-    """Median ms of the sparse model with each one-device gather path forced (`attention.grouped_pays`)."""
-    from m3jax.model import attention, sparse
+    """Median ms of the sparse model with each one-device gather path forced."""
+    from m3jax.model import attention
 
-    print("| shape | S | grouped_pays | grouped fwd | per-tile fwd | grouped f+b | per-tile f+b |")
-    print("|---|---|---|---|---|---|---|")
+    real = attention.sparse_layer_attention
+    print("| shape | S | grouped fwd | per-tile fwd | grouped f+b | per-tile f+b |")
+    print("|---|---|---|---|---|---|")
     for shape, dims, batch in (("bench", DIMS, 1), ("tiny release_like", TINY_DIMS, 2)):
         cfg = tiny.m3_config(full_attention_layers=0, **dims)
-        pays = sparse.grouped_pays(cfg, cfg.num_attention_heads, cfg.num_key_value_heads)
         for s in seqs:
             ids = jnp.asarray(tiny.random_ids(cfg, batch, s))
             runs = {}
-            for grouped in (True, False):
-                attention.grouped_pays = lambda *a, grouped=grouped: grouped  # read at trace time
+            for grouped in (True, False):  # read at trace time
+                def forced(*a, grouped=grouped, **k):
+                    return real(*a, **{**k, "grouped": grouped})
+                attention.sparse_layer_attention = forced
                 params, fwd, fb = programs(tiny.m3_model(cfg, seed=0))
                 timed(fwd, params, ids), timed(fb, params, ids)  # compile + warm
                 runs[grouped] = (params, fwd, fb)
-            attention.grouped_pays = sparse.grouped_pays
+            attention.sparse_layer_attention = real
             times = {g: ([], []) for g in runs}
             for _ in range(iters):
                 for g, (params, fwd, fb) in runs.items():
                     times[g][0].append(timed(fwd, params, ids))
                     times[g][1].append(timed(fb, params, ids))
             med = {g: [statistics.median(t) for t in ts] for g, ts in times.items()}
-            print(f"| {shape} | {s} | {pays} | {med[True][0]:.1f} | {med[False][0]:.1f} | {med[True][1]:.1f} | "
+            print(f"| {shape} | {s} | {med[True][0]:.1f} | {med[False][0]:.1f} | {med[True][1]:.1f} | "
                   f"{med[False][1]:.1f} |", flush=True)
 
 

@@ -203,22 +203,6 @@ def grouped_block_attention(q: jax.Array, k: jax.Array, v: jax.Array, keep: jax.
     return jnp.moveaxis(out, 1, 2).reshape(b, s, h, d).astype(v.dtype)
 
 
-def grouped_pays(cfg, heads: int, kv_heads: int) -> bool:
-    """Whether `grouped_block_attention` is the faster one-device path for this shape.
-
-    Each key block of a unit is a group of its grouped matmuls, with K * bs * H/U rows on average (the
-    S/bs blocks share S * K (query, block) pairs of H/U heads each). The tiled kernel multiplies whole
-    tiles of DEFAULT_TILE rows and walks at least one per group, so where a group averages under a tile
-    most of each tile is padding and the loop has a step per block; the per-tile gather then wins
-    (`scripts/bench_sparse_model.py --one-device-paths`, BENCHMARKS.md issue 11 item 3: K 4, bs 64, H/U 4,
-    1,024 rows a group, against K 2, bs 8, H/U 2, 32 rows a group).
-    """
-    from sharding.grouped_matmul import DEFAULT_TILE  # the model package does not import sharding at load
-
-    units = math.lcm(kv_heads, cfg.index_n_heads)
-    return cfg.index_topk_blocks * cfg.index_block_size * (heads // units) >= DEFAULT_TILE
-
-
 def select_blocks(iq: jax.Array, ik: jax.Array, positions: jax.Array, cfg, *, to_chunks, from_chunks,
                   n_ctx: int = 1, tile: int = INDEX_QUERY_TILE) -> jax.Array:
     """`topk_key_blocks` a tile of `tile` local queries at a time (its [Hi, tile, S_k] scores are reduced
