@@ -81,11 +81,7 @@ def weights(offset):
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory, ray_local):
     with pytest.MonkeyPatch.context() as mp:
-        cls = type("FakeEngineActor", (FakeActor,), {})
-        for name in ("generate", "score", "stage", "commit", "abort"):
-            setattr(cls, name, ray.method(concurrency_group="work")(getattr(FakeActor, name)))
-        cls.health = ray.method(concurrency_group="probe")(FakeActor.health)
-        mp.setattr(vllm_pool, "_ACTOR", ray.remote(concurrency_groups={"work": 1, "probe": 1})(cls))
+        mp.setattr(vllm_pool, "_ACTOR", vllm_pool.actor_class(FakeActor, "FakeEngineActor"))
         d = tmp_path_factory.mktemp("fake-pool")
         p = VLLMPool(PoolConfig(model_dir=str(d), servers=2, bucket_bytes=32, request_timeout_s=60, max_restarts=1),
                      pad_id=99)

@@ -55,11 +55,7 @@ def test_actor_runtime_env_carries_the_setup_hook():
 
 
 def _fake_actor_class():
-    cls = type("FakeRayEngineActor", (FakeActor,), {})
-    for name in ("generate", "score", "stage", "commit", "abort"):
-        setattr(cls, name, ray.method(concurrency_group="work")(getattr(FakeActor, name)))
-    cls.health = ray.method(concurrency_group="probe")(FakeActor.health)
-    return ray.remote(concurrency_groups={"work": 1, "probe": 1})(cls)
+    return vllm_pool.actor_class(FakeActor, "FakeRayEngineActor")
 
 
 def test_ray_executor_needs_rank_slots(ray_local, tmp_path):

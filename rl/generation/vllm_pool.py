@@ -24,6 +24,7 @@ committed the new version.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import threading
@@ -71,19 +72,32 @@ class PoolConfig:
 
 
 _ACTOR = None
+_WORK = ("generate", "score", "stage", "commit", "abort", "weight_ranks", "join_weight_group", "leave_weight_group",
+         "receive_weights", "apply_mode", "shutdown")
+
+
+def actor_class(base: type = EngineActor, name: str = "VLLMEngineActor"):
+    """`base` (EngineActor, or a test's stand-in subclass) as a Ray actor class with the pool's two concurrency
+    groups: `work` (one call at a time) and `probe` (health, answered while work runs)."""
+    import ray
+
+    def in_group(method: str, group: str):
+        # ray.method marks the function object it is given: mark a wrapper, never base's own function, or a
+        # class Ray starts later without these groups (inheriting the marked function) fails to start.
+        fn = getattr(base, method)
+        return ray.method(concurrency_group=group)(functools.wraps(fn)(lambda self, *a, **k: fn(self, *a, **k)))
+
+    cls = type(name, (base,), {})
+    for method in _WORK:
+        setattr(cls, method, in_group(method, "work"))
+    cls.health = in_group("health", "probe")
+    return ray.remote(concurrency_groups={"work": 1, "probe": 1})(cls)
 
 
 def _actor_class():
     global _ACTOR
     if _ACTOR is None:
-        import ray
-
-        cls = type("VLLMEngineActor", (EngineActor,), {})
-        for name in ("generate", "score", "stage", "commit", "abort", "weight_ranks", "join_weight_group",
-                     "leave_weight_group", "receive_weights", "apply_mode", "shutdown"):
-            setattr(cls, name, ray.method(concurrency_group="work")(getattr(EngineActor, name)))
-        cls.health = ray.method(concurrency_group="probe")(EngineActor.health)
-        _ACTOR = ray.remote(concurrency_groups={"work": 1, "probe": 1})(cls)
+        _ACTOR = actor_class()
     return _ACTOR
 
 
