@@ -13,6 +13,7 @@ import pytest
 from rl.generation import transfer as tr
 from rl.generation import vllm_pool
 from rl.generation.base import SamplingParams
+from rl.generation.vllm_actor import actor_class
 from rl.generation.vllm_pool import EngineActor, PoolConfig, PoolError, VLLMPool
 
 ray = pytest.importorskip("ray", reason="ray is not installed (scripts/setup.sh installs it)")
@@ -81,7 +82,7 @@ def weights(offset):
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory, ray_local):
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(vllm_pool, "_ACTOR", vllm_pool.actor_class(FakeActor, "FakeEngineActor"))
+        mp.setattr(vllm_pool, "_ACTOR", actor_class(FakeActor, "FakeEngineActor"))
         d = tmp_path_factory.mktemp("fake-pool")
         p = VLLMPool(PoolConfig(model_dir=str(d), servers=2, bucket_bytes=32, request_timeout_s=60, max_restarts=1),
                      pad_id=99)
@@ -163,3 +164,34 @@ def test_no_engine_left_is_a_clear_error(pool):
             pool.push(iter(weights(1)), version=9)
     finally:
         pool.slots = saved
+
+
+class _SlowEngine:
+    version = 0
+
+    def generate(self, prompts, sp, seeds):
+        time.sleep(1.0)
+        return []
+
+    def health(self):
+        return {"ok": True, "version": 0}
+
+
+class SlowActor(EngineActor):
+    def __init__(self):  # EngineActor's would start vLLM
+        self.rank, self.engine, self.busy_since = 0, _SlowEngine(), None
+
+
+def test_the_actor_class_answers_health_while_it_works_and_leaves_engine_actor_unmarked(ray_local):
+    """`actor_class` puts health in its own concurrency group (the pool's hang detection reads busy_s while a
+    rollout runs), and marks wrappers, not EngineActor's own methods: ray.method marks the function it is given,
+    so a class started later without these groups would inherit the marks and fail to start."""
+    actor = actor_class(SlowActor, "SlowActor").remote()
+    ray.get(actor.health.remote())
+    work, busy = actor.generate.remote([0], [], None, []), None
+    while busy is None and not ray.wait([work], timeout=0)[0]:
+        busy = ray.get(actor.health.remote(), timeout=5)["busy_s"]
+    ray.get(work)
+    ray.kill(actor)
+    assert busy is not None  # answered while generate ran
+    assert not any(hasattr(getattr(EngineActor, m), "__ray_concurrency_group__") for m in ("generate", "health"))

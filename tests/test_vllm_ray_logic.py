@@ -11,6 +11,7 @@ import pytest
 
 from rl.generation import vllm_pool, vllm_ray
 from rl.generation.base import SamplingParams
+from rl.generation.vllm_actor import actor_class
 from rl.generation.vllm_pool import PoolConfig, PoolError, VLLMPool
 
 ray = pytest.importorskip("ray", reason="ray is not installed (scripts/setup.sh installs it)")
@@ -55,7 +56,7 @@ def test_actor_runtime_env_carries_the_setup_hook():
 
 
 def _fake_actor_class():
-    return vllm_pool.actor_class(FakeActor, "FakeRayEngineActor")
+    return actor_class(FakeActor, "FakeRayEngineActor")
 
 
 def test_ray_executor_needs_rank_slots(ray_local, tmp_path):
@@ -113,3 +114,26 @@ def test_one_placement_group_per_engine_replaced_with_it(ray_pool):
     p.shutdown()
     assert all(s.group is None for s in p.slots)
     assert _table(groups[1 - i])["state"] == "REMOVED"
+
+
+class AwayWorkersActor(FakeActor):
+    """A Ray-executor engine whose second worker sits on another machine than the engine actor."""
+
+    def health(self):
+        return {**super().health(), "machine": "here",
+                "workers": [{"machine": "here", "node": "a", "pid": 1}, {"machine": "there", "node": "b", "pid": 2}]}
+
+
+def test_workers_on_another_machine_need_the_collective_transport(ray_local, tmp_path, monkeypatch):
+    """The object-store transport stages updates under the engine actor's /dev/shm: a pool whose engine has a
+    worker elsewhere refuses at start (not at the first push), naming the transport that reaches it."""
+    import dataclasses
+
+    monkeypatch.setattr(vllm_pool, "_ACTOR", actor_class(AwayWorkersActor, "AwayWorkersActor"))
+    monkeypatch.setattr(vllm_ray, "CPU_SLOT", "CPU")
+    monkeypatch.setattr(vllm_ray, "actor_runtime_env", lambda base=None: {})
+    cfg = PoolConfig(model_dir=str(tmp_path), servers=1, executor="ray", request_timeout_s=60)
+    with pytest.raises(PoolError, match=r"engine 0 has workers on other machines \(\['there'\]\).*"
+                                        r"weight_transport: collective"):
+        VLLMPool(cfg, pad_id=99)
+    VLLMPool(dataclasses.replace(cfg, transport="collective"), pad_id=99).shutdown()

@@ -110,20 +110,6 @@ def _named(seed):
             ("c", rng.standard_normal((2, 2, 3)).astype(np.float32))]
 
 
-def test_the_pool_actor_class_leaves_engine_actor_unmarked(ray_local):
-    """The pool's Ray class marks wrappers with its concurrency groups, not EngineActor's own methods: a class
-    started later without those groups (RayExecutorEngine below) would inherit the marks and fail to start."""
-    from rl.generation.vllm_pool import actor_class
-
-    actor_class(DictEngineActor, "Marked")
-    assert not any(hasattr(getattr(EngineActor, m), "__ray_concurrency_group__") for m in ("commit", "health"))
-
-
-class DictEngineActor(EngineActor):
-    def __init__(self):
-        pass
-
-
 @pytest.fixture(scope="module")
 def engines(ray_local):
     handles = [ray.remote(DictEngine).remote(_named(0)), ray.remote(RayExecutorEngine).remote(_named(0))]

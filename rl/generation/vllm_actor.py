@@ -132,3 +132,30 @@ class EngineActor:
         current call has been running."""
         return {**self.engine.health(), "rank": self.rank,
                 "busy_s": None if self.busy_since is None else time.time() - self.busy_since}
+
+
+_WORK = ("generate", "score", "stage", "commit", "abort", "weight_ranks", "join_weight_group", "leave_weight_group",
+         "receive_weights", "apply_mode", "shutdown")
+
+
+def actor_class(base: type = EngineActor, name: str = "VLLMEngineActor"):
+    """`base` (EngineActor, or a test's stand-in subclass) as a Ray actor class with the pool's two concurrency
+    groups: `work` (one call at a time) and `probe` (health, answered while work runs)."""
+    import ray
+
+    def in_group(method: str, group: str):
+        # ray.method marks the function object it is given: mark a wrapper, never base's own function, or a
+        # class Ray starts later without these groups (inheriting the marked function) fails to start.
+        fn = getattr(base, method)
+
+        def call(self, *a, **k):
+            return fn(self, *a, **k)
+
+        call.__name__, call.__qualname__, call.__doc__ = method, f"{name}.{method}", fn.__doc__
+        return ray.method(concurrency_group=group)(call)
+
+    cls = type(name, (base,), {})
+    for method in _WORK:
+        setattr(cls, method, in_group(method, "work"))
+    cls.health = in_group("health", "probe")
+    return ray.remote(concurrency_groups={"work": 1, "probe": 1})(cls)

@@ -352,7 +352,9 @@ class VLLMEngine:
         self._check_workers()
         ok = self._broken is None and getattr(self, "llm", None) is not None
         return {"ok": ok, "version": self.version, "pid": os.getpid(), **({"error": self._broken} if self._broken else {}),
-                **({"workers": [{"node": n, "pid": pid} for _, n, pid in self.worker_hosts]} if self.worker_hosts else {})}
+                "machine": host_of(None)[0],
+                **({"workers": [{"machine": m, "node": n, "pid": pid} for m, n, pid in self.worker_hosts]}
+                   if self.worker_hosts else {})}
 
     def shutdown(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None

@@ -24,7 +24,6 @@ committed the new version.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import os
 import threading
@@ -37,7 +36,7 @@ from rl.generation.base import Rollout, SamplingParams
 from rl.generation.transfer import TRANSPORTS, TransferError, TransferStats, make_transport, model_tensors
 from rl.generation import vllm_ray
 from rl.generation.vllm_results import CPU_REASON, assemble_rollout
-from rl.generation.vllm_actor import EngineActor
+from rl.generation.vllm_actor import EngineActor, actor_class
 from rl.schedule import ChunkQueue, Incomplete
 
 log = logging.getLogger(__name__)
@@ -72,28 +71,6 @@ class PoolConfig:
 
 
 _ACTOR = None
-_WORK = ("generate", "score", "stage", "commit", "abort", "weight_ranks", "join_weight_group", "leave_weight_group",
-         "receive_weights", "apply_mode", "shutdown")
-
-
-def actor_class(base: type = EngineActor, name: str = "VLLMEngineActor"):
-    """`base` (EngineActor, or a test's stand-in subclass) as a Ray actor class with the pool's two concurrency
-    groups: `work` (one call at a time) and `probe` (health, answered while work runs)."""
-    import ray
-
-    def in_group(method: str, group: str):
-        # ray.method marks the function object it is given: mark a wrapper, never base's own function, or a
-        # class Ray starts later without these groups (inheriting the marked function) fails to start.
-        fn = getattr(base, method)
-        return ray.method(concurrency_group=group)(functools.wraps(fn)(lambda self, *a, **k: fn(self, *a, **k)))
-
-    cls = type(name, (base,), {})
-    for method in _WORK:
-        setattr(cls, method, in_group(method, "work"))
-    cls.health = in_group("health", "probe")
-    return ray.remote(concurrency_groups={"work": 1, "probe": 1})(cls)
-
-
 def _actor_class():
     global _ACTOR
     if _ACTOR is None:
@@ -157,6 +134,7 @@ class VLLMPool:
         for s in self.slots:
             self._spawn(s)
         self._wait_ready(self.slots)
+        self._check_weight_path()
 
     # -------------------------------------------------------------------------------- lifecycle
     def _spawn(self, slot: _Slot) -> None:
@@ -196,6 +174,19 @@ class VLLMPool:
             except Exception as e:
                 raise PoolError(f"vLLM engine {s.rank} failed to start from {self.cfg.model_dir}: {e}") from e
             s.ready, s.version = True, h["version"]
+
+    def _check_weight_path(self) -> None:
+        """Refuse at start what every push would refuse: the `ray` transport stages an update under the engine
+        actor's /dev/shm, which a Ray-executor worker on another machine cannot read."""
+        if self.cfg.transport != "ray" or self.cfg.executor != "ray":
+            return
+        for h in self.health():
+            away = sorted({w.get("machine") for w in h.get("workers", [])} - {h.get("machine")})
+            if away:
+                self.shutdown()
+                raise PoolError(f"vLLM engine {h.get('rank')} has workers on other machines ({away}) than its actor "
+                                f"({h.get('machine')}): generation.weight_transport \"ray\" stages updates under "
+                                "the actor's /dev/shm; use generation.weight_transport: collective")
 
     def _replace(self, slot: _Slot, why: str) -> None:
         """Kill a dead or hung engine; start a fresh one unless the pool's restart budget is spent."""
