@@ -151,6 +151,8 @@ def actor_class(base: type = EngineActor, name: str = "VLLMEngineActor"):
         def call(self, *a, **k):
             return fn(self, *a, **k)
 
+        # Named after this class, not base: with functools.wraps (base's qualname) Ray ran health in the work
+        # group's queue, behind generate (tests/test_vllm_pool_logic.py checks that it answers meanwhile).
         call.__name__, call.__qualname__, call.__doc__ = method, f"{name}.{method}", fn.__doc__
         return ray.method(concurrency_group=group)(call)
 
