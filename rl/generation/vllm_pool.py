@@ -71,6 +71,8 @@ class PoolConfig:
 
 
 _ACTOR = None
+
+
 def _actor_class():
     global _ACTOR
     if _ACTOR is None:
