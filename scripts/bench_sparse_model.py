@@ -8,8 +8,10 @@ Contestants (each its own jit, same input ids):
   sparse gather   sparse layers, `model.sparse_attention: gather` (the default: only the kept blocks)
   sparse masked   sparse layers, `masked` on dense attention (the indexer's selection as a mask; before
                   issue 11 item 3 the only path) -- timed up to --dense-max
-  full flash      full-attention layers, `attention_impl: flash` (causal online softmax, no [S, S] block)
-  full dense      full-attention layers, the dense default (masked [S, S] scores) -- up to --dense-max
+  full flash      full-attention layers, `attention_impl: flash` (causal online softmax, no [S, S] block; what
+                  the default `auto` runs from 512 keys on)
+  full dense      full-attention layers, `attention_impl: dense` (masked [S, S] scores; the default before
+                  `auto`) -- up to --dense-max
 fwd = logits of the batch; f+b = value_and_grad of the mean logit over all parameters (remat on, the
 model's default). Median wall ms over --iters round-robin calls (load from other processes hits all alike),
 after one warm-up call; temp = `jit(f).lower(..).compile().memory_analysis().temp_size_in_bytes`.
