@@ -24,7 +24,6 @@ import gc
 import json
 import os
 import time
-import warnings
 from typing import Iterable
 
 import numpy as np
@@ -36,7 +35,7 @@ from rl.generation.vllm_patches import ImportPatch, apply_patches, selected_patc
 from rl.generation.vllm_ray import host_of
 from rl.generation.vllm_results import CPU_REASON, moe_layer_ids, routes_from_vllm
 from rl.generation.vllm_staging import staged_checkpoint
-from rl.generation.vllm_worker_weights import manifest_check
+from rl.generation.vllm_worker_weights import manifest_check, to_torch
 
 WORKER_EXTENSION = "rl.generation.vllm_patches.WorkerExtension"
 APPLY_MODES = ("auto", "inplace", "reload")
@@ -71,6 +70,7 @@ class VLLMEngine:
     # How load_weights applies an update (set by _setup_apply): "inplace" or "reload", and why not inplace.
     apply_mode, apply_fallback, _applier = "reload", None, None
     worker_hosts: list = []  # executor "ray": (machine, Ray node, pid) per rank
+    machine = ""  # this process's machine (rl.generation.vllm_ray.host_of), recorded at start
 
     def __init__(self, model_dir: str, *, dtype: str = "float32", seed: int = 0, max_model_len: int,
                  tensor_parallel: int = 1, expert_parallel: int = 1, gpu_memory_utilization: float = 0.8,
@@ -144,6 +144,7 @@ class VLLMEngine:
                     raise RuntimeError(f"vLLM worker {rank} lacks the CPU patches {sorted(want - set(got))}")
         # (machine, Ray node, pid) of every rank: whether /dev/shm staging reaches it; health() reports them
         self.worker_hosts = self.llm.collective_rpc(host_of) if executor == "ray" else []
+        self.machine = host_of(None)[0]
         self._setup_apply(weight_apply)
         self.start_seconds = time.perf_counter() - t0
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
@@ -305,7 +306,7 @@ class VLLMEngine:
             raise WeightUpdateError(f"incomplete update: {len(missing)} of {len(self.manifest)} tensors missing, "
                                     f"e.g. {missing[:3]}; send every tensor (hf_tensors(model, 'released'))")
         if self._applier is not None:  # one copy into the loaded layout + the oneDNN re-pack
-            tensors = ((name, _to_torch(array)) for name, array in items)
+            tensors = ((name, to_torch(array)) for name, array in items)
             try:
                 self._applier.apply(tensors)
             except BaseException as e:
@@ -314,10 +315,10 @@ class VLLMEngine:
         # reload_weights maps checkpoint names onto vLLM's fused parameters and re-runs the per-layer
         # post-load processing; a second bare model.load_weights would not (rl.generation.inplace says why).
         elif self.executor == "uni":
-            tensors = ((name, _to_torch(array)) for name, array in items)
+            tensors = ((name, to_torch(array)) for name, array in items)
             self._apply("reload_weights", {"weights_iterator": tensors, "is_checkpoint_format": True})
         else:
-            here = host_of(None)[0]
+            here = self.machine
             if any(h[0] != here for h in self.worker_hosts):  # refused before anything is written
                 raise WeightUpdateError(f"workers on hosts {sorted({h[0] for h in self.worker_hosts})} cannot read "
                                         f"an update staged under /dev/shm of {here}: a multi-host engine takes its "
@@ -352,7 +353,7 @@ class VLLMEngine:
         self._check_workers()
         ok = self._broken is None and getattr(self, "llm", None) is not None
         return {"ok": ok, "version": self.version, "pid": os.getpid(), **({"error": self._broken} if self._broken else {}),
-                "machine": host_of(None)[0],
+                "machine": self.machine,
                 **({"workers": [{"machine": m, "node": n, "pid": pid} for m, n, pid in self.worker_hosts]}
                    if self.worker_hosts else {})}
 
@@ -388,13 +389,3 @@ def _worker_env(executor: str, cpu: bool):
         for k, v in old.items():
             if v is None:
                 os.environ.pop(k, None)
-
-
-def _to_torch(array):
-    import torch
-    a = np.asarray(array)
-    if a.dtype.name == "bfloat16":  # ml_dtypes: torch cannot read it, the bits are the same
-        return torch.from_numpy(np.ascontiguousarray(a).view(np.uint16)).view(torch.bfloat16)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # read-only arrays (from JAX): vLLM only copies out of them
-        return torch.from_numpy(a)

@@ -71,7 +71,7 @@ class WorkerWeights:
         slice taken, the layers' post-load processing re-run), then drop them."""
         receiver = self._m3jax_receiver
         try:
-            tensors = ((name, _to_torch(a)) for name, a in receiver.tensors(version, num_buckets))
+            tensors = ((name, to_torch(a)) for name, a in receiver.tensors(version, num_buckets))
             self.reload_weights(weights_iterator=tensors, is_checkpoint_format=True)
         finally:
             receiver.clear()
@@ -81,9 +81,15 @@ class WorkerWeights:
             self._m3jax_receiver.clear()
 
 
-def _to_torch(a: np.ndarray):
+def to_torch(array):
+    """A numpy array as a torch tensor on the same memory (bfloat16 from ml_dtypes by its bits)."""
+    import warnings
+
     import torch
 
-    if a.dtype.name == "bfloat16":  # ml_dtypes: same bits as torch's bfloat16
-        return torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16)
-    return torch.from_numpy(a)
+    a = np.asarray(array)
+    if a.dtype.name == "bfloat16":  # ml_dtypes: torch cannot read it, the bits are the same
+        return torch.from_numpy(np.ascontiguousarray(a).view(np.uint16)).view(torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only arrays (from JAX): vLLM only copies out of them
+        return torch.from_numpy(a)
