@@ -287,7 +287,8 @@ def sync_weights(engine: Generator, state, version: int, probe: ProbeCheck | Non
         return {}
     out = {"time/weight_transfer": time.perf_counter() - t0, "transfer/gb_per_s": stats.gb_per_s,
            "transfer/convert_s": stats.convert_s, "transfer/send_s": stats.send_s,
-           "transfer/apply_s": stats.apply_s, "pool/resent_rows": engine.resent_rows,
+           "transfer/apply_s": stats.apply_s, "transfer/senders": stats.senders,
+           "pool/resent_rows": engine.resent_rows,
            "pool/restarts": engine.restarts}
     if probe is not None:
         engine_lp = engine.score(probe.prompts, probe.responses, probe.sampling)

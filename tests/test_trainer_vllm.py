@@ -55,9 +55,11 @@ def test_it_learns_and_exports_for_vllm(vllm_run):
 
 
 @pytest.mark.extended  # two processes and a vLLM pool (~60 s); the suite runs the one-host pool end to end and the process-0 pool logic
-def test_two_host_trainer_shares_one_pool(tmp_path):
-    """A 2-process trainer (4 simulated devices each): process 0 owns the vLLM pool; both processes take
-    part in the weight gather and receive the rollouts, probes and transfer figures by broadcast."""
+@pytest.mark.parametrize("transport", ["ray", "collective"])
+def test_two_host_trainer_shares_one_pool(tmp_path, transport):
+    """A 2-process trainer (4 simulated devices each): process 0 owns the vLLM pool; both processes receive
+    the rollouts, probes and transfer figures by broadcast. On `ray` both take part in the weight gather and
+    process 0 sends; on `collective` each sends the tensors it holds through its own weight group."""
     import socket
 
     with socket.socket() as s:
@@ -66,7 +68,8 @@ def test_two_host_trainer_shares_one_pool(tmp_path):
     run, out = tmp_path / "run", str(tmp_path / "out")
     overrides = ["mesh.data=4", "mesh.expert=2", "mesh.expert_axes=[expert]", "grpo.prompts_per_step=4",
                  "grpo.group_size=2", "grpo.micro_batch_size=1", "run.total_steps=2", f"run.out_dir={run}",
-                 "generation.vllm_servers=1", "logging.progress_bar=false", "logging.plot=false"]
+                 "generation.vllm_servers=1", "logging.progress_bar=false", "logging.plot=false",
+                 f"generation.weight_transport={transport}"]
     procs = []
     for i in range(2):
         env = {**os.environ, "PYTHONPATH": ROOT, "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
@@ -85,4 +88,5 @@ def test_two_host_trainer_shares_one_pool(tmp_path):
     assert len(rows) == 2
     for r in rows:
         assert r["transfer/probe_engines"] == 1 and r["transfer/probe_max_abs_logprob_diff"] < 1e-4
+        assert r["transfer/senders"] == (2 if transport == "collective" else 1)  # each host sends what it holds
         assert r["gen_kl_error"] < 1e-3

@@ -172,7 +172,7 @@ def test_collective_weights_reach_every_worker_and_a_corrupted_push_changes_noth
         t0 = time.perf_counter()
         stats = pool.push(named, version + 2)
         print(f"collective push into 4 Ray-executor workers: {time.perf_counter() - t0:.2f} s, {stats.buckets} buckets")
-        assert pool._transport.group.world == 5 and pool.version == version + 2
+        assert pool._transport.sender.group.world == 5 and pool.version == version + 2
         r = pool.generate(ps, greedy, jax.random.key(0))
         out = [(r.tokens[i, :r.lengths[i]].tolist(), r.logprobs[i, :r.lengths[i]].tolist(), False) for i in range(3)]
         d = max_diff(new, ps, out, greedy)

@@ -33,9 +33,9 @@ class DictEngine:
         if name not in self.manifest or tuple(shape) != self.manifest[name][0]:
             raise KeyError(f"{name!r} {tuple(shape)} is not a tensor of this engine")
 
-    def join_weight_group(self, host, port, rank, world, backend, timeout_s):
+    def join_weight_group(self, senders, rank, world, backend, timeout_s):
         self.receiver = self.receiver or collective.Receiver()
-        return self.receiver.join(host, port, rank, world, backend, timeout_s)
+        return self.receiver.join(senders, rank, world, backend, timeout_s)
 
     def leave_weight_group(self):
         self.receiver.leave()
@@ -132,7 +132,7 @@ def _check_applied(handles, version, named):
 def test_collective_push_arrives_bit_for_bit_on_every_engine(engines):
     t, handles = engines
     stats = t.push(iter(_named(1)), 1)
-    assert t.group.world == 4  # the trainer, the dict engine, the two workers
+    assert t.sender.group.world == 4  # the trainer, the dict engine, the two workers
     assert stats.setup_s > 0 and stats.buckets == 3 and stats.tensors == 4  # [a b] [big] [c]
     assert stats.bytes == sum(a.nbytes for _, a in _named(1))
     _check_applied(handles, 1, _named(1))

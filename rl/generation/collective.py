@@ -1,31 +1,29 @@
 """The collective weight path (`generation.weight_transport: collective`, issue 12 item 2).
 
-The data plane leaves the Ray object store: the trainer process (rank 0) and every engine (one rank, or
-one per worker of a Ray-executor engine: rl.generation.vllm_worker_weights) join one torch.distributed
-group that is *not* the process-global default group (vLLM owns that one in each engine process, and the
-trainer must not need a global init): a TCPStore rendezvous plus a
-`ProcessGroupGloo` (CPU tensors) or `ProcessGroupNCCL` (CUDA tensors) object built directly on it, the
-way NeMo-RL's stateless group does. The same code runs both backends; only the buffers' device differs.
+The data plane leaves the Ray object store. Each sending trainer process (process 0 of a one-host
+trainer; every process of a multi-host one, each sending the tensors its own devices hold:
+`m3jax.hf.owned`) is rank 0 of its own weight group, whose other ranks are the engines (one rank, or one
+per worker of a Ray-executor engine: rl.generation.vllm_worker_weights). A group is *not* the
+process-global default group (vLLM owns that one in each engine process, and the trainer must not need a
+global init): a TCPStore rendezvous plus a `ProcessGroupGloo` (CPU tensors) or `ProcessGroupNCCL` (CUDA
+tensors) object built directly on it, the way NeMo-RL's stateless group does. The same code runs both
+backends; only the buffers' device differs.
 
 vLLM 0.32's own weight-transfer API (`LLM.init_weight_transfer_engine` / `update_weights`) was the first
 choice, but none of its backends (nccl, ipc, sparse_nccl, sharded_rdt, ...) runs on a CPU (stack-notes
 §8b), and a custom backend would still need this group; the engine keeps vLLM's `load_weights` for the
 apply (rl.generation.inplace), so only the wire is ours.
 
-One update, per bucket (fixed size `bucket_bytes`; a larger tensor travels alone), rank 0 broadcasts
-  1. a header int64[4]: kind (BUCKET / END / ABORT), metadata bytes, payload bytes, bucket index;
-  2. the metadata (JSON: name, shape, dtype, XXH3, offset of every tensor);
-  3. the payload: the tensors packed at 64-byte-aligned offsets.
-The sender packs bucket n+1 (HF names and layout from `hf_tensors`, XXH3 of each source array) in a
-thread while bucket n is on the wire: two buffers, double buffered. Each engine receives into staging
-buffers it keeps between updates and verifies bucket n (XXH3 of the received bytes, name / shape /
-dtype against its checkpoint manifest) in a thread while bucket n+1 arrives; at END it checks that
-every tensor of the checkpoint came exactly once. This is phase 1; the sender then commits on every
-engine only if every engine accepted (phase 2 = the apply), else aborts everywhere: a corrupted,
-refused or partial update leaves every engine on its old version, with the tensor named.
+Each sender streams its buckets (`rl.generation.bucket_sender`: header, metadata, payload, double
+buffered). Each engine receives every group in its own thread into staging buffers it keeps between
+updates and verifies bucket n (XXH3 of the received bytes, name / shape / dtype against its checkpoint
+manifest) while bucket n+1 arrives; once every sender has ended it checks that every tensor of the
+checkpoint came exactly once. This is phase 1; process 0 then commits on every engine only if every engine
+accepted and every sender finished (phase 2 = the apply), else aborts everywhere: a corrupted, refused or
+partial update leaves every engine on its old version, with the tensor named.
 
-A failure inside the group (an engine dies mid-broadcast) fails the whole update, all engines keep the
-old version, the pool replaces the dead engine, and the next update builds a new group.
+A failure inside a group (an engine dies mid-broadcast) fails the whole update, all engines keep the
+old version, the pool replaces the dead engine, and the next update builds new groups.
 """
 
 from __future__ import annotations
@@ -33,17 +31,14 @@ from __future__ import annotations
 import concurrent.futures
 import datetime
 import json
-import queue
-import threading
+import socket
 import time
 
 import numpy as np
 
+from rl.generation.bucket_sender import ABORT, END, BucketSender, SendResult
 from rl.generation.transfer_base import (TransferError, TransferStats, abort_staged, as_transfer_error,
                                          checksum)
-
-BUCKET, END, ABORT = 0, 1, 2
-ALIGN = 64
 
 
 def _dtype(name: str) -> np.dtype:
@@ -92,54 +87,56 @@ class WeightGroup:
 
 
 class Receiver:
-    """Engine side: joins the group, stages verified buckets, hands them to the apply at commit."""
+    """Engine side: joins every sender's group, stages verified buckets, hands them to the apply at commit."""
 
     def __init__(self):
-        self.group: WeightGroup | None = None
+        self.groups: list[WeightGroup] = []
         self.version: int | None = None
         self.views: list[list[tuple[str, np.ndarray]]] = []
-        self._buffers: list = []  # kept between updates: no page faults after the first one
+        self._buffers: dict = {}  # (sender, bucket) -> bytes, kept between updates: no page faults after the first
         self.verify_s = 0.0
 
-    def join(self, host: str, port: int, rank: int, world: int, backend: str, timeout_s: float) -> int:
+    def join(self, senders, rank: int, world: int, backend: str, timeout_s: float) -> int:
+        """Join the group of each sender ([host, port] each) as `rank`; blocks until each is complete. The
+        groups are joined in order: every sender connects its own at the same time, so none waits on another."""
         self.leave()
-        self.group = WeightGroup(host, port, rank, world, backend, timeout_s).connect()
+        for host, port in senders:
+            self.groups.append(WeightGroup(host, int(port), rank, world, backend, timeout_s).connect())
         return rank
 
     def leave(self) -> None:
-        if self.group is not None:
-            self.group.close()
-            self.group = None
+        groups, self.groups = self.groups, []
+        for g in groups:
+            g.close()
 
-    def _buffer(self, index: int, nbytes: int, device: str):
+    def _buffer(self, key, nbytes: int, device: str):
         import torch
 
-        while len(self._buffers) <= index:
-            self._buffers.append(None)
-        b = self._buffers[index]
+        b = self._buffers.get(key)
         if b is None or b.numel() < nbytes:
-            b = self._buffers[index] = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+            b = self._buffers[key] = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
         return b[:nbytes]
 
     def receive(self, version: int, check, manifest, device: str = "cpu") -> int:
-        """Phase 1 of `version`: take every bucket rank 0 broadcasts; returns the bucket count once every
-        tensor arrived intact, or raises TransferError naming the first bad one (after draining the
-        stream, so the group stays in step)."""
+        """Phase 1 of `version`: take every bucket every sender broadcasts (one thread per group); returns the
+        bucket count once every tensor arrived intact, or raises TransferError naming the first bad one (after
+        draining every stream, so the groups stay in step)."""
         import torch
 
-        if self.group is None:
+        if not self.groups:
             raise TransferError(f"engine is not in a weight group (version {version})")
         self.clear()
-        self.version, error, t_verify = version, None, [0.0]
+        self.version, t_verify = version, [0.0]
         verifier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weight-verify")
-        pending = []
+        pending = []  # (sender, bucket index, future)
 
-        def verify(index, records, payload):
+        def verify(sender, index, records, payload):
             s = time.perf_counter()
             host = payload.cpu().numpy() if payload.device.type != "cpu" else payload.numpy()
             out = []
             for r in records:
-                where = f"tensor {r['name']!r} (bucket {index}, version {version})"
+                of = f" of sender {sender}" if len(self.groups) > 1 else ""
+                where = f"tensor {r['name']!r} (bucket {index}{of}, version {version})"
                 a = host[r["offset"]:r["offset"] + r["nbytes"]]
                 got = checksum(a)
                 if got != r["checksum"]:
@@ -153,23 +150,29 @@ class Receiver:
             t_verify[0] += time.perf_counter() - s
             return out
 
-        head = torch.empty(4, dtype=torch.int64, device=device)
-        try:
+        def drain(sender: int, group: WeightGroup) -> TransferError | None:
+            head = torch.empty(4, dtype=torch.int64, device=device)
             while True:
-                self.group.broadcast(head).wait()
+                group.broadcast(head).wait()
                 kind, n_meta, n_payload, index = (int(x) for x in head.tolist())
                 if kind == ABORT:
-                    error = error or TransferError(f"the sender aborted version {version}")
-                    break
+                    return TransferError(f"sender {sender} aborted version {version}")
                 if kind == END:
-                    break
+                    return None
                 meta = torch.empty(n_meta, dtype=torch.uint8, device=device)
-                self.group.broadcast(meta).wait()
-                payload = self._buffer(index, n_payload, device)
-                self.group.broadcast(payload).wait()
+                group.broadcast(meta).wait()
+                payload = self._buffer((sender, index), n_payload, device)
+                group.broadcast(payload).wait()
                 records = json.loads(meta.cpu().numpy().tobytes())
-                pending.append(verifier.submit(verify, index, records, payload))
-            for f in pending:
+                pending.append((sender, index, verifier.submit(verify, sender, index, records, payload)))
+
+        error = None
+        try:
+            with concurrent.futures.ThreadPoolExecutor(len(self.groups), thread_name_prefix="weight-recv") as readers:
+                ended = [readers.submit(drain, i, g) for i, g in enumerate(self.groups)]
+            for f in ended:  # a broken group raises here (after every other stream ended)
+                error = error or f.result()
+            for _, _, f in sorted(pending, key=lambda p: p[:2]):
                 try:
                     self.views.append(f.result())
                 except TransferError as e:
@@ -208,157 +211,133 @@ class Receiver:
         self.version, self.views = None, []
 
 
-class CollectiveTransport:
-    """Rank 0 of a weight group over engine actors exposing join_weight_group / receive_weights / commit /
-    abort. Kept by the pool across updates (the group costs a rendezvous) until the engines change or a
-    push fails inside the group (`broken`)."""
+class Alone:
+    """The peers of a trainer that is one process (rl.generation.multihost.JaxPeers is the other kind):
+    `agree` hands out process 0's value, `gather` stacks every process's."""
 
-    def __init__(self, engines, bucket_bytes: int, depth: int = 2, timeout_s: float = 600.0, device: str = "cpu"):
-        if bucket_bytes < 1:
-            raise ValueError(f"bucket_bytes={bucket_bytes}: expected >= 1")
-        self.engines, self.bucket_bytes, self.depth, self.timeout_s = list(engines), bucket_bytes, depth, timeout_s
-        self.device, self.backend = device, ("nccl" if device.startswith("cuda") else "gloo")
-        self.group: WeightGroup | None = None
-        self.broken = False
-        self._slots: list = [None] * depth  # the double buffer, kept between updates
+    def agree(self, value) -> np.ndarray:
+        return np.asarray(value)
+
+    def gather(self, value) -> np.ndarray:
+        return np.asarray(value)[None]
+
+
+def encode_address(host: str, port: int) -> np.ndarray:
+    """An IPv4 address and port as int64[5], the form the senders exchange them in."""
+    try:
+        return np.array([*socket.inet_aton(host), port], np.int64)
+    except OSError:
+        raise ValueError(f"weight group address {host!r}: expected an IPv4 address") from None
+
+
+def decode_address(a) -> tuple[str, int]:
+    a = [int(x) for x in np.asarray(a)]
+    return socket.inet_ntoa(bytes(a[:4])), a[4]
+
+
+class CollectiveTransport:
+    """Process 0's side of the collective path over engine actors exposing weight_ranks / join_weight_group /
+    receive_weights / commit / abort: it sends its own tensors like every other sender and alone talks to
+    the engines. Kept by the pool across updates (the groups cost a rendezvous) until the engines change or
+    a push fails inside a group (`broken`). `peers`: the other trainer processes (each a BucketSender run by
+    `rl.generation.multihost.follow_push`, in the same collective steps), or none."""
+
+    def __init__(self, engines, bucket_bytes: int, depth: int = 2, timeout_s: float = 600.0, device: str = "cpu",
+                 peers=None):
+        self.engines, self.timeout_s = list(engines), timeout_s
+        self.sender = BucketSender(bucket_bytes, depth, timeout_s, device)
+        self.peers = peers or Alone()
+        self.connected = self.broken = False
 
     def connect(self) -> float:
-        """Build the group (engine i joins as ranks 1 + the ranks of engines 0..i-1, one rank or one per
-        Ray-executor worker); returns the seconds it took."""
+        """Agree with the peers whether to (re)build the groups; if so, gather every sender's address, have
+        engine i join each group as ranks 1 + the ranks of engines 0..i-1 (one rank, or one per Ray-executor
+        worker), and agree that every group connected. Returns the seconds it took (0 when kept)."""
         import ray
 
+        if self.connected:
+            self.peers.agree(np.zeros(5, np.int64))
+            return 0.0
         t = time.perf_counter()
+        host = ray.util.get_node_ip_address()
         try:  # an engine on vLLM's Ray executor takes one rank per worker (rl.generation.vllm_worker_weights)
             ranks = ray.get([e.weight_ranks.remote() for e in self.engines], timeout=self.timeout_s)
-        except Exception as e:  # noqa: BLE001 - a dead engine: no update, a fresh group next time
+        except Exception as e:  # noqa: BLE001 - a dead engine: no update, fresh groups next time
+            self.peers.agree(np.array([-1, *encode_address(host, 0)[:4]], np.int64))
             self.broken = True
             raise TransferError(f"asking {len(self.engines)} engines for their weight ranks failed: {e}") from None
-        host, world = ray.util.get_node_ip_address(), 1 + sum(ranks)
-        group = WeightGroup(host, 0, 0, world, self.backend, self.timeout_s)
-        first = np.cumsum([1] + list(ranks[:-1])).tolist()
-        joins = [e.join_weight_group.remote(host, group.port, r, world, self.backend, self.timeout_s)
-                 for e, r in zip(self.engines, first)]
+        world = 1 + sum(ranks)
+        self.peers.agree(np.array([world, *encode_address(host, 0)[:4]], np.int64))
+        error = None
         try:
-            group.connect()
+            port = self.sender.open(host, world)
+        except Exception as e:  # noqa: BLE001 - the peers still wait for this address
+            port, error = 0, e
+        senders = [decode_address(a) for a in self.peers.gather(encode_address(host, port))]
+        try:
+            if error is not None:
+                raise error
+            if any(port == 0 for _, port in senders):
+                raise TransferError("a trainer process could not open its weight group")
+            first = np.cumsum([1] + list(ranks[:-1])).tolist()
+            joins = [e.join_weight_group.remote(senders, r, world, self.sender.backend, self.timeout_s)
+                     for e, r in zip(self.engines, first)]
+            self.sender.connect()
             ray.get(joins, timeout=self.timeout_s)
-        except Exception as e:  # an engine that died or never joined: no update, a fresh group next time
-            group.close()
+        except Exception as e:  # noqa: BLE001 - an engine that died or never joined
+            error = e
+        if error is not None or not np.all(self.peers.gather(np.array([error is None], np.int64))):
+            self.sender.close()
             self.broken = True
-            raise TransferError(f"building the weight group of {len(self.engines)} engines failed: {e}") from None
-        self.group = group
+            raise TransferError(f"building the weight groups of {len(self.engines)} engines failed: "
+                                f"{error or 'another trainer process could not connect its group'}") from None
+        self.connected = True
         return time.perf_counter() - t
 
     def close(self) -> None:
         import ray
 
-        if self.group is not None:
+        if self.connected:
             for ref in [e.leave_weight_group.remote() for e in self.engines]:
                 try:
                     ray.get(ref, timeout=10)
                 except Exception:  # noqa: BLE001 - a dead engine has no group to leave
                     pass
-            self.group.close()
-            self.group = None
-
-    def _slot(self, i: int, nbytes: int):
-        import torch
-
-        if self._slots[i] is None or self._slots[i].numel() < nbytes:
-            self._slots[i] = torch.empty(max(nbytes, self.bucket_bytes), dtype=torch.uint8, device=self.device)
-        return self._slots[i]
+        self.sender.close()
+        self.connected = False
 
     def push(self, named_arrays, version: int) -> TransferStats:
-        import ray
-        import torch
-
         t0 = time.perf_counter()
-        setup_s = self.connect() if self.group is None else 0.0  # TransferError: nothing was sent
+        setup_s = self.connect()  # TransferError: nothing was sent, every sender was told
         receives = {i: e.receive_weights.remote(version) for i, e in enumerate(self.engines)}
-        free: queue.Queue = queue.Queue()
-        for i in range(self.depth):
-            free.put(i)
-        ready: queue.Queue = queue.Queue()
-        stop = threading.Event()
-        conv = {"s": 0.0, "error": None, "tensors": 0}
-
-        def take_slot():
-            while not stop.is_set():
-                try:
-                    return free.get(timeout=0.1)
-                except queue.Empty:
-                    continue
-            raise InterruptedError
-
-        def produce():
-            try:
-                slot, index, off, records = take_slot(), 0, 0, []
-                s, it = time.perf_counter(), iter(named_arrays)
-                while (item := next(it, None)) is not None:
-                    name, a = item
-                    a = np.ascontiguousarray(a)
-                    start = -(-off // ALIGN) * ALIGN
-                    if records and start + a.nbytes > self.bucket_bytes:
-                        conv["s"] += time.perf_counter() - s
-                        ready.put((slot, index, records, off))
-                        slot, index, off, records, start = take_slot(), index + 1, 0, [], 0
-                        s = time.perf_counter()
-                    buf = self._slot(slot, start + a.nbytes)  # grows only for a tensor that travels alone
-                    if a.nbytes:
-                        buf[start:start + a.nbytes].copy_(_as_bytes(a))
-                    records.append({"name": name, "shape": list(a.shape), "dtype": str(a.dtype),
-                                    "checksum": checksum(a), "offset": start, "nbytes": a.nbytes})
-                    off, conv["tensors"] = start + a.nbytes, conv["tensors"] + 1
-                conv["s"] += time.perf_counter() - s
-                if records:
-                    ready.put((slot, index, records, off))
-            except InterruptedError:
-                return
-            except BaseException as e:  # surfaced in the caller's thread below
-                conv["error"] = e
-            ready.put(None)
-
-        threading.Thread(target=produce, daemon=True, name="weight-pack").start()
-        n_buckets = n_bytes = 0
-        wire_s = 0.0
+        results = [SendResult.from_array(a) for a in self.peers.gather(
+            self.sender.send(named_arrays, version).to_array())]
+        if any(r.broken for r in results):
+            self.broken = True  # the next update builds every group afresh
+        s = time.perf_counter()
         try:
-            try:
-                while (item := ready.get()) is not None:
-                    slot, index, records, nbytes = item
-                    s = time.perf_counter()
-                    meta = torch.frombuffer(bytearray(json.dumps(records).encode()), dtype=torch.uint8)
-                    head = torch.tensor([BUCKET, meta.numel(), nbytes, index], dtype=torch.int64)
-                    for t in (head.to(self.device), meta.to(self.device), self._slots[slot][:nbytes]):
-                        self.group.broadcast(t).wait()
-                    wire_s += time.perf_counter() - s
-                    free.put(slot)
-                    n_buckets, n_bytes = n_buckets + 1, n_bytes + sum(r["nbytes"] for r in records)
-                end = ABORT if conv["error"] is not None else END
-                self.group.broadcast(torch.tensor([end, 0, 0, n_buckets], dtype=torch.int64, device=self.device)).wait()
-            except Exception:
-                self.broken = True  # the group is out of step: peers must not wait on it for the timeout
-                self.group.close()
-                raise
-            s = time.perf_counter()
             refused = None
             try:
                 self._collect(receives, version, "receive")
             except TransferError as e:
                 refused = e
-            wire_s += time.perf_counter() - s
-            if conv["error"] is not None:  # the cause; the engines only saw the abort
-                raise TransferError(f"converting the weights of version {version} failed: {conv['error']!r}")
+            failed = [(p, r.error) for p, r in enumerate(results) if r.error]
+            if failed:  # the cause; the engines only saw an abort or a broken stream
+                raise TransferError(f"trainer process {failed[0][0]}: {failed[0][1]}")
             if refused is not None:
                 raise refused
         except Exception as e:
-            stop.set()
             self.abort(version)
             raise as_transfer_error(e) from None
+        wire_s = max(r.wire_s for r in results) + time.perf_counter() - s
+        n_buckets = sum(r.buckets for r in results)
         s = time.perf_counter()
         self._collect({i: e.commit.remote(version, n_buckets) for i, e in enumerate(self.engines)}, version,
                       "commit", expect=version)
         end_t = time.perf_counter()
-        return TransferStats(version, n_bytes, n_buckets, conv["tensors"], conv["s"], wire_s, end_t - s,
-                             end_t - t0, setup_s=setup_s)
+        return TransferStats(version, sum(r.bytes for r in results), n_buckets, sum(r.tensors for r in results),
+                             max(r.convert_s for r in results), wire_s, end_t - s, end_t - t0, setup_s=setup_s,
+                             senders=sum(r.bytes > 0 for r in results))
 
     def _collect(self, refs: dict, version: int, what: str, expect=None) -> None:
         """Every engine's answer; the first failure is raised (after all have answered or timed out)."""
@@ -383,15 +362,3 @@ class CollectiveTransport:
 
     def abort(self, version: int) -> None:
         abort_staged(self.engines, version, self.timeout_s)
-
-
-def _as_bytes(a: np.ndarray):
-    """The array's bytes as a torch uint8 tensor, without a copy (JAX hands out read-only arrays; they are
-    only read from here)."""
-    import warnings
-
-    import torch
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(a.reshape(-1).view(np.uint8))

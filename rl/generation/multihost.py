@@ -1,10 +1,14 @@
 """A vLLM pool behind a multi-host trainer: process 0 owns the pool, every process sees its results.
 
 The trainer is SPMD: every training process runs the same step on the same prompts. Only one of them
-may talk to the engines (one pool, not one per host), but all of them need the rollout, and gathering
-the weights into HF tensors (`hf_tensors`) is a collective that every process must iterate in the same
-order. So process 0 generates / pushes / scores and broadcasts what came back; the others take part in
-the collectives and receive the broadcasts.
+may talk to the engines (one pool, not one per host), but all of them need the rollout. So process 0
+generates / scores and broadcasts what came back; the others receive the broadcasts.
+
+Weights: on the `ray` transport process 0 sends everything, so every tensor is gathered to it (`hf_tensors`
+is a collective every process iterates). On the `collective` transport every process sends the tensors its
+own devices hold (`m3jax.hf.owned`) through its own weight group (`rl.generation.bucket_sender`), side by
+side: process 0's `CollectiveTransport` talks to the engines, the others run `follow_push`, and both
+sides take the same collective steps (`JaxPeers`) in the same order.
 """
 
 from __future__ import annotations
@@ -13,16 +17,84 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from rl.generation.base import Rollout
-from rl.generation.transfer import TransferStats, model_tensors
+from rl.generation.bucket_sender import BucketSender
+from rl.generation.collective import decode_address, encode_address
+from rl.generation.transfer import TransferError, TransferStats, _host_views, model_tensors
 
 
 def _from_zero(value):
     return multihost_utils.broadcast_one_to_all(value)
 
 
+class JaxPeers:
+    """The trainer processes as seen by the collective weight path: `agree` = process 0's value everywhere,
+    `gather` = every process's value stacked [processes, ...]. `engaged` records whether this update has
+    taken its first step, so that process 0 can release the others when it fails before the transport."""
+
+    engaged = False
+
+    def agree(self, value) -> np.ndarray:
+        self.engaged = True
+        return np.asarray(_from_zero(np.asarray(value)))
+
+    def gather(self, value) -> np.ndarray:
+        return np.asarray(multihost_utils.process_allgather(np.asarray(value)))
+
+
+def routable_ip(toward: str) -> str:
+    """This host's address on the interface that reaches `toward` (no packet is sent)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((toward, 9))
+        return s.getsockname()[0]
+
+
+def follow_push(sender: BucketSender, peers, named_arrays, version: int) -> None:
+    """A non-zero process's part of one collective update, step for step with process 0's
+    `CollectiveTransport.connect` / `push`: (re)build the groups when process 0 says so, send this
+    process's tensors, report how it went. Never raises: process 0 decides and broadcasts the outcome."""
+    world, *leader = (int(x) for x in peers.agree(np.zeros(5, np.int64)))
+    if world < 0:  # process 0 failed before the update began: nothing is iterated anywhere
+        return
+    if world > 0:
+        error = None
+        try:
+            host = routable_ip(decode_address([*leader, 0])[0])
+            port = sender.open(host, world)
+        except Exception as e:  # noqa: BLE001 - process 0 sees port 0 and fails the build
+            host, port, error = "0.0.0.0", 0, e
+        peers.gather(encode_address(host, port))
+        if error is None:
+            try:
+                sender.connect()
+            except Exception as e:  # noqa: BLE001
+                error = e
+        if not np.all(peers.gather(np.array([error is None], np.int64))):
+            sender.close()
+            return
+    peers.gather(sender.send(named_arrays, version).to_array())
+
+
+def owned_model_tensors(graphdef, params, rest=None, layout: str = "released"):
+    """The HF tensors this process sends on the collective path (`m3jax.hf.owned.owned_hf_tensors`)."""
+    from flax import nnx
+
+    from m3jax.hf.owned import owned_hf_tensors
+
+    params, rest = _host_views(params), _host_views(rest)
+    model = nnx.merge(graphdef, params, rest) if rest is not None else nnx.merge(graphdef, params)
+    return owned_hf_tensors(model, layout)
+
+
 class ProcessZeroPool:
-    def __init__(self, pool, graphdef, *, is_zero: bool, layout: str = "released"):
+    """`peers` / `sender`: given on the collective transport, where every process sends its own tensors
+    (process 0's pool holds the same `peers`; the others send through `sender`)."""
+
+    def __init__(self, pool, graphdef, *, is_zero: bool, layout: str = "released", peers: JaxPeers | None = None,
+                 sender: BucketSender | None = None):
         self.pool, self.graphdef, self.is_zero, self.layout = pool, graphdef, is_zero, layout
+        self.peers, self.sender = peers, sender
         self.resent_rows = self.restarts = 0
 
     def generate(self, prompts, params, key, prompt_width=None) -> Rollout:
@@ -45,6 +117,8 @@ class ProcessZeroPool:
                        routes=routes)
 
     def set_weights(self, params, version: int, rest=None) -> TransferStats:
+        if self.peers is not None:
+            return self._push_owned(params, version, rest)
         tensors = model_tensors(self.graphdef, params, rest, self.layout)  # a collective: everyone iterates
         if self.is_zero:
             s = self.pool.push(tensors, version)
@@ -56,6 +130,29 @@ class ProcessZeroPool:
         f = np.asarray(_from_zero(figures))
         self._counters()
         return TransferStats(version, int(f[0]), int(f[1]), int(f[2]), *map(float, f[3:]))
+
+    def _push_owned(self, params, version: int, rest) -> TransferStats:
+        """Every process sends its own tensors; process 0 then broadcasts the figures, or the failure that
+        every process raises."""
+        tensors = owned_model_tensors(self.graphdef, params, rest, self.layout)
+        figures, error = np.zeros(9, np.float64), None
+        if self.is_zero:
+            self.peers.engaged = False
+            try:
+                s = self.pool.push(tensors, version)
+                figures[:8] = [s.bytes, s.buckets, s.tensors, s.convert_s, s.send_s, s.apply_s, s.total_s, s.senders]
+            except Exception as e:  # noqa: BLE001 - re-raised below, once the others know
+                error, figures[8] = e, 1
+                if not self.peers.engaged:  # failed before the transport's first step: release the others
+                    self.peers.agree(np.array([-1, 0, 0, 0, 0], np.int64))
+        else:
+            follow_push(self.sender, self.peers, tensors, version)
+        f = np.asarray(_from_zero(figures))
+        self._counters()
+        if f[8]:
+            raise error if error is not None else TransferError(f"weight version {version} was refused; process 0 "
+                                                                "names the cause")
+        return TransferStats(version, int(f[0]), int(f[1]), int(f[2]), *map(float, f[3:7]), senders=int(f[7]))
 
     def score(self, prompts, responses, params) -> list[list[np.ndarray]]:
         lengths = [len(r) for r in responses]
@@ -80,3 +177,5 @@ class ProcessZeroPool:
     def shutdown(self) -> None:
         if self.is_zero:
             self.pool.shutdown()
+        elif self.sender is not None:
+            self.sender.close()

@@ -264,10 +264,15 @@ class RayObjectStoreTransport:
 TRANSPORTS: dict[str, type] = {"ray": RayObjectStoreTransport, "collective": CollectiveTransport}
 
 
-def make_transport(name: str, engines, bucket_bytes: int, timeout_s: float = 600.0) -> Transport:
-    """The transport `name` (a key of TRANSPORTS) to these engine actors."""
+def make_transport(name: str, engines, bucket_bytes: int, timeout_s: float = 600.0, peers=None) -> Transport:
+    """The transport `name` (a key of TRANSPORTS) to these engine actors; `peers`: the other trainer
+    processes that send their own tensors beside this one (collective only, rl.generation.multihost)."""
     try:
         cls = TRANSPORTS[name]
     except KeyError:
         raise ValueError(f"weight transport {name!r} is not built; allowed: {', '.join(TRANSPORTS)}") from None
-    return cls(engines, bucket_bytes, timeout_s=timeout_s)
+    if peers is None:
+        return cls(engines, bucket_bytes, timeout_s=timeout_s)
+    if cls is not CollectiveTransport:
+        raise ValueError(f"weight transport {name!r} sends from one process; several senders need 'collective'")
+    return cls(engines, bucket_bytes, timeout_s=timeout_s, peers=peers)

@@ -36,6 +36,7 @@ class TransferStats:
     total_s: float
     lost: list[int] = dataclasses.field(default_factory=list)  # engines that died during the update
     setup_s: float = 0.0  # building the transport's group (collective, first update only), within total_s
+    senders: int = 1  # trainer processes that sent bytes (each of a multi-host trainer on the collective path)
 
     @property
     def gb_per_s(self) -> float:

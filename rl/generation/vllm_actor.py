@@ -56,16 +56,16 @@ class EngineActor:
     def weight_ranks(self) -> int:
         return self.engine.weight_ranks
 
-    def join_weight_group(self, host: str, port: int, rank: int, world: int, backend: str, timeout_s: float) -> int:
-        """Join the collective weight group as ranks rank .. rank + weight_ranks() - 1; returns rank."""
+    def join_weight_group(self, senders, rank: int, world: int, backend: str, timeout_s: float) -> int:
+        """Join every sender's weight group ([host, port] each) as ranks rank .. rank + weight_ranks() - 1;
+        returns rank."""
         if self._in_workers():
-            self.engine.llm.collective_rpc("m3jax_join_weight_group", args=(host, port, rank, world, backend,
-                                                                           timeout_s))
+            self.engine.llm.collective_rpc("m3jax_join_weight_group", args=(senders, rank, world, backend, timeout_s))
             return rank
         from rl.generation.collective import Receiver  # the engine end of the collective transport
 
         self.receiver = self.receiver or Receiver()
-        return self.receiver.join(host, port, rank, world, backend, timeout_s)
+        return self.receiver.join(senders, rank, world, backend, timeout_s)
 
     def leave_weight_group(self) -> None:
         if self._in_workers():

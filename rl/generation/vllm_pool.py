@@ -94,12 +94,16 @@ class _Slot:
 class VLLMPool:
     """`Generator` over a pool of vLLM engines; see the module docstring for the failure model."""
 
-    def __init__(self, cfg: PoolConfig, graphdef=None, *, pad_id: int = 0, layout: str = "released"):
+    def __init__(self, cfg: PoolConfig, graphdef=None, *, pad_id: int = 0, layout: str = "released", peers=None):
+        """peers: the other processes of a multi-host trainer, which send their own tensors beside this one
+        (`rl.generation.multihost.JaxPeers`; collective transport only)."""
         import ray
 
         if cfg.transport not in TRANSPORTS:  # refused before any engine starts, not at the first update
             raise PoolError(f"weight transport {cfg.transport!r} is not built; allowed: {', '.join(TRANSPORTS)}")
-        self.cfg, self.graphdef, self.pad_id, self.layout = cfg, graphdef, pad_id, layout
+        if peers is not None and cfg.transport != "collective":
+            raise PoolError(f"weight transport {cfg.transport!r} sends from one process; peers need 'collective'")
+        self.cfg, self.graphdef, self.pad_id, self.layout, self.peers = cfg, graphdef, pad_id, layout, peers
         self.version = 0
         self.restarts = 0
         self.resent_rows = 0
@@ -373,7 +377,7 @@ class VLLMPool:
         if self._transport is None or self._transport.broken or key != self._transport_to:
             self._drop_transport()
             self._transport = make_transport(self.cfg.transport, actors, self.cfg.bucket_bytes,
-                                             timeout_s=self.cfg.request_timeout_s)
+                                             timeout_s=self.cfg.request_timeout_s, peers=self.peers)
             self._transport_to = key
         return self._transport
 

@@ -41,14 +41,13 @@ class WorkerWeights:
 
     _m3jax_receiver = None
 
-    def m3jax_join_weight_group(self, host: str, port: int, first_rank: int, world: int, backend: str,
-                                timeout_s: float) -> int:
+    def m3jax_join_weight_group(self, senders, first_rank: int, world: int, backend: str, timeout_s: float) -> int:
         """Join as rank first_rank + this worker's rank in its engine; returns the rank."""
         from rl.generation.collective import Receiver
 
         if self._m3jax_receiver is None:
             self._m3jax_receiver = Receiver()
-        return self._m3jax_receiver.join(host, port, first_rank + self.rank, world, backend, timeout_s)
+        return self._m3jax_receiver.join(senders, first_rank + self.rank, world, backend, timeout_s)
 
     def m3jax_leave_weight_group(self) -> None:
         if self._m3jax_receiver is not None:

@@ -1,0 +1,175 @@
+"""One trainer process's end of the collective weight path: rank 0 of its own weight group.
+
+Every trainer process that sends (process 0 alone on one host; each process of a multi-host trainer,
+`rl.generation.multihost`) owns one group whose other ranks are the engines' receivers, and broadcasts
+its own tensors into it, so the senders run side by side and no process relays another's bytes.
+
+Per bucket (fixed size `bucket_bytes`; a larger tensor travels alone) the sender broadcasts
+  1. a header int64[4]: kind (BUCKET / END / ABORT), metadata bytes, payload bytes, bucket index;
+  2. the metadata (JSON: name, shape, dtype, XXH3, offset of every tensor);
+  3. the payload: the tensors packed at 64-byte-aligned offsets.
+A thread packs bucket n+1 (XXH3 of each source array) while bucket n is on the wire: `depth` buffers,
+kept between updates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import queue
+import threading
+import time
+
+import numpy as np
+
+from rl.generation.transfer_base import checksum
+
+BUCKET, END, ABORT = 0, 1, 2
+ALIGN = 64
+
+
+@dataclasses.dataclass
+class SendResult:
+    """What one sender did in one update; `error` set = this sender's part failed (the engines saw ABORT or
+    a broken group), `broken` = its group can no longer be used."""
+    buckets: int = 0
+    bytes: int = 0
+    tensors: int = 0
+    convert_s: float = 0.0
+    wire_s: float = 0.0
+    error: str | None = None
+    broken: bool = False
+
+    ERROR_BYTES = 480  # the error text travels to process 0 in a fixed-size array
+
+    def to_array(self) -> np.ndarray:
+        text = np.zeros(self.ERROR_BYTES, np.float64)
+        if self.error is not None:
+            raw = np.frombuffer(self.error.encode()[:self.ERROR_BYTES], np.uint8)
+            text[:raw.size] = raw
+        head = [self.buckets, self.bytes, self.tensors, self.convert_s, self.wire_s, self.error is not None,
+                self.broken]
+        return np.concatenate([np.array(head, np.float64), text])
+
+    @classmethod
+    def from_array(cls, a) -> "SendResult":
+        a = np.asarray(a, np.float64)
+        error = bytes(a[7:].astype(np.uint8)).rstrip(b"\0").decode(errors="replace") if a[5] else None
+        return cls(int(a[0]), int(a[1]), int(a[2]), float(a[3]), float(a[4]), error, bool(a[6]))
+
+
+class BucketSender:
+    """Rank 0 of one weight group: `open` serves its rendezvous, `connect` waits for the engines, `send`
+    streams one update's tensors. `send` never raises: a failure is reported in its SendResult, after the
+    tensors were drained (on a multi-host trainer they may hold collectives every process must join)."""
+
+    def __init__(self, bucket_bytes: int, depth: int = 2, timeout_s: float = 600.0, device: str = "cpu"):
+        if bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes={bucket_bytes}: expected >= 1")
+        self.bucket_bytes, self.depth, self.timeout_s = bucket_bytes, depth, timeout_s
+        self.device, self.backend = device, ("nccl" if device.startswith("cuda") else "gloo")
+        self.group = None
+        self._slots: list = [None] * depth  # the double buffer, kept between updates
+
+    def open(self, host: str, world: int) -> int:
+        """Serve a new group's rendezvous on `host`; returns its port (the engines join it there)."""
+        from rl.generation.collective import WeightGroup
+
+        self.close()
+        self.group = WeightGroup(host, 0, 0, world, self.backend, self.timeout_s)
+        return self.group.port
+
+    def connect(self) -> None:
+        """Blocks until every engine rank has joined."""
+        self.group.connect()
+
+    def close(self) -> None:
+        group, self.group = self.group, None
+        if group is not None:
+            group.close()
+
+    def _slot(self, i: int, nbytes: int):
+        import torch
+
+        if self._slots[i] is None or self._slots[i].numel() < nbytes:
+            self._slots[i] = torch.empty(max(nbytes, self.bucket_bytes), dtype=torch.uint8, device=self.device)
+        return self._slots[i]
+
+    def send(self, named_arrays, version: int) -> SendResult:
+        import torch
+
+        out = SendResult()
+        free: queue.Queue = queue.Queue()
+        for i in range(self.depth):
+            free.put(i)
+        ready: queue.Queue = queue.Queue()
+        conv = {"error": None}
+
+        def produce():
+            try:
+                slot, index, off, records = free.get(), 0, 0, []
+                s, it = time.perf_counter(), iter(named_arrays)
+                while (item := next(it, None)) is not None:
+                    name, a = item
+                    a = np.ascontiguousarray(a)
+                    start = -(-off // ALIGN) * ALIGN
+                    if records and start + a.nbytes > self.bucket_bytes:
+                        out.convert_s += time.perf_counter() - s
+                        ready.put((slot, index, records, off))
+                        slot, index, off, records, start = free.get(), index + 1, 0, [], 0
+                        s = time.perf_counter()
+                    buf = self._slot(slot, start + a.nbytes)  # grows only for a tensor that travels alone
+                    if a.nbytes:
+                        buf[start:start + a.nbytes].copy_(_as_bytes(a))
+                    records.append({"name": name, "shape": list(a.shape), "dtype": str(a.dtype),
+                                    "checksum": checksum(a), "offset": start, "nbytes": a.nbytes})
+                    off, out.tensors = start + a.nbytes, out.tensors + 1
+                out.convert_s += time.perf_counter() - s
+                if records:
+                    ready.put((slot, index, records, off))
+            except BaseException as e:  # reported below
+                conv["error"] = e
+            ready.put(None)
+
+        threading.Thread(target=produce, daemon=True, name="weight-pack").start()
+        wire_ok = self.group is not None
+        if not wire_ok:
+            out.error, out.broken = f"trainer sender is not in a weight group (version {version})", True
+        while (item := ready.get()) is not None:  # after a wire failure: drained without sending
+            slot, index, records, nbytes = item
+            if wire_ok:
+                s = time.perf_counter()
+                try:
+                    meta = torch.frombuffer(bytearray(json.dumps(records).encode()), dtype=torch.uint8)
+                    head = torch.tensor([BUCKET, meta.numel(), nbytes, index], dtype=torch.int64)
+                    for t in (head.to(self.device), meta.to(self.device), self._slots[slot][:nbytes]):
+                        self.group.broadcast(t).wait()
+                    out.buckets, out.bytes = out.buckets + 1, out.bytes + sum(r["nbytes"] for r in records)
+                except Exception as e:  # noqa: BLE001 - a peer died: the group is out of step
+                    wire_ok, out.error, out.broken = False, f"weight group broadcast failed: {e}", True
+                out.wire_s += time.perf_counter() - s
+            free.put(slot)
+        if conv["error"] is not None and out.error is None:
+            out.error = f"converting the weights of version {version} failed: {conv['error']!r}"
+        if wire_ok:
+            end = ABORT if out.error is not None else END
+            try:
+                self.group.broadcast(torch.tensor([end, 0, 0, out.buckets], dtype=torch.int64,
+                                                  device=self.device)).wait()
+            except Exception as e:  # noqa: BLE001
+                wire_ok, out.error, out.broken = False, out.error or f"weight group broadcast failed: {e}", True
+        if not wire_ok and self.group is not None:
+            self.close()  # peers blocked in this group fail now instead of at the timeout
+        return out
+
+
+def _as_bytes(a: np.ndarray):
+    """The array's bytes as a torch uint8 tensor, without a copy (JAX hands out read-only arrays; they are
+    only read from here)."""
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(a.reshape(-1).view(np.uint8))

@@ -1,0 +1,66 @@
+"""One process of a 2-process CPU trainer pushing weights on the collective path, each process sending the
+tensors its own devices hold (m3jax.hf.owned) through its own weight group:
+
+    python multihost_weights.py CKPT PORT PROCESS_ID OUT
+
+Process 0 also runs Ray and one stand-in engine (the dict engine of tests/test_weight_transfer_protocol.py,
+a receiver of both groups), pushes versions 1 and 2 (the second reuses the groups), and writes what the
+engine applied to OUT.npz; every process writes the names and bytes it sent to OUT.<process>.json.
+"""
+
+import json
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0"  # -O0: see conftest.py
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import m3jax  # noqa: E402
+from m3jax.hf import layouts  # noqa: E402
+from m3jax.hf.owned import owned_hf_tensors  # noqa: E402
+from rl.generation.bucket_sender import BucketSender  # noqa: E402
+from rl.generation.multihost import JaxPeers, follow_push  # noqa: E402
+from sharding.mesh import MeshConfig, build_mesh  # noqa: E402
+
+BUCKET = 1 << 16
+
+
+def main(ckpt, port, process_id, out):
+    # data 2 spans the two processes: dense weights are FSDP-sharded across them, each expert sits on one device
+    cfg = MeshConfig(2, 1, 4, 1, coordinator_address=f"127.0.0.1:{port}", num_processes=2,
+                     process_id=int(process_id))
+    mesh = build_mesh(cfg, seq_len=64)
+    model = m3jax.from_pretrained(ckpt, mesh=mesh)
+    me, peers = jax.process_index(), JaxPeers()
+    sent = {name: int(a.nbytes) for name, a in owned_hf_tensors(model, "released")}
+    with open(f"{out}.{me}.json", "w") as f:
+        json.dump(sent, f)
+    if me == 0:
+        import ray
+
+        from rl.generation.collective import CollectiveTransport
+        from tests.test_weight_transfer_protocol import DictEngine
+
+        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+        dtype = np.dtype(model.dtype)
+        manifest = [(s.name, np.empty(s.shape, dtype)) for s in layouts.slots(model.cfg, "released")]
+        engine = ray.remote(DictEngine).remote(manifest)
+        transport = CollectiveTransport([engine], BUCKET, timeout_s=120, peers=peers)
+        stats = [transport.push(owned_hf_tensors(model, "released"), v) for v in (1, 2)]
+        version, applied = ray.get(engine.states.remote())[0]
+        assert version == 2 and stats[1].setup_s == 0.0, (version, stats)
+        np.savez(f"{out}.npz", **applied)
+        transport.close()
+        ray.shutdown()
+    else:
+        sender = BucketSender(BUCKET, timeout_s=120)
+        for v in (1, 2):
+            follow_push(sender, peers, owned_hf_tensors(model, "released"), v)
+        sender.close()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
