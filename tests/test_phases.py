@@ -52,6 +52,7 @@ class Stats:
     convert_s: float = 0.1
     send_s: float = 0.2
     apply_s: float = 0.3
+    senders: int = 1
 
 
 @pytest.fixture(scope="module")

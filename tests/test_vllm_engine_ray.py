@@ -1,11 +1,14 @@
-"""Engines across hosts on CPU (issue 12 item 1): a pool of two TP 2 engines on vLLM's Ray executor, each with
+"""Engines across hosts on CPU (issue 12 item 1): a pool of two TP 2 / EP 2 engines (the recipe's shape: EP =
+TP) on vLLM's Ray executor, each with
 its two workers on two different Ray nodes of a four-node `ray.cluster_utils.Cluster` on this machine (every
 node advertises one rank slot, so each engine's placement group is STRICT_SPREAD over two nodes). The
 engines' logprobs equal the trainer's; a worker killed mid-rollout fails its engine as a unit, whose rows
 are re-sent (every sample exactly once) and which is replaced in a fresh placement group and rejoins at
 the next weight version.
 
-The collective transport reaches each worker itself (every worker is a rank of the weight group).
+The collective transport reaches each worker itself (every worker is a rank of a weight group), and each
+worker receives only the routed experts it holds (rl.generation.weight_routes); a TP-only engine's workers
+(one route) are the stand-in workers of tests/test_weight_transfer_protocol.py.
 
 SLOW and EXTENDED (~4-6 min on 2 shared cores): two engines start at once (~1-2 min), a replacement starts
 (~1 min); each vLLM process holds ~1-2 GB. The pool's bookkeeping alone: tests/test_vllm_ray_logic.py."""
@@ -70,10 +73,10 @@ def pool(tmp_path_factory):
         cluster.add_node(**node)
     cluster.wait_for_nodes()
     t0 = time.perf_counter()
-    p = VLLMPool(PoolConfig(model_dir=str(path), servers=2, tensor_parallel=2, executor="ray", max_model_len=128,
+    p = VLLMPool(PoolConfig(model_dir=str(path), servers=2, tensor_parallel=2, expert_parallel=2, executor="ray", max_model_len=128,
                             dtype="float32", ray_address=cluster.address, request_timeout_s=180, max_restarts=2),
                  nnx.split(model, nnx.Param, ...)[0], pad_id=0)
-    print(f"pool of 2 Ray-executor TP 2 engines: start {time.perf_counter() - t0:.1f} s")
+    print(f"pool of 2 Ray-executor TP 2 / EP 2 engines: start {time.perf_counter() - t0:.1f} s")
     p.model = model
     yield p
     p.shutdown()
@@ -101,7 +104,7 @@ def test_workers_span_two_nodes_and_logprobs_equal_the_trainer(pool):
     s = pool.generate(ps * 2, sp, jax.random.key(1))
     out = [(s.tokens[i, :s.lengths[i]].tolist(), s.logprobs[i, :s.lengths[i]].tolist(), False) for i in range(6)]
     ds = max_diff(pool.model, ps * 2, out, sp)
-    print(f"two-node TP 2 engines: max |dlogprob| vs trainer greedy {d:.2e}, sampled {ds:.2e}")
+    print(f"two-node TP 2 / EP 2 engines: max |dlogprob| vs trainer greedy {d:.2e}, sampled {ds:.2e}")
     assert max(d, ds) < ATOL
 
 
@@ -162,7 +165,8 @@ def test_collective_weights_reach_every_worker_and_a_corrupted_push_changes_noth
             return real(self, tensor, root)
 
         monkeypatch.setattr(collective.WeightGroup, "broadcast", flip_a_byte_in_the_second_bucket)
-        with pytest.raises(TransferError, match=rf"tensor '[^']+' \(bucket 1, version {version + 1}\): checksum"):
+        # the groups of the two routes run side by side: which bucket carries the second payload varies
+        with pytest.raises(TransferError, match=rf"tensor '[^']+' \(bucket \d+, version {version + 1}\): checksum"):
             pool.push(named, version + 1)
         monkeypatch.setattr(collective.WeightGroup, "broadcast", real)
         assert pool.version == version and len(pool.serving()) == 2
@@ -172,7 +176,12 @@ def test_collective_weights_reach_every_worker_and_a_corrupted_push_changes_noth
         t0 = time.perf_counter()
         stats = pool.push(named, version + 2)
         print(f"collective push into 4 Ray-executor workers: {time.perf_counter() - t0:.2f} s, {stats.buckets} buckets")
-        assert pool._transport.sender.group.world == 5 and pool.version == version + 2
+        # EP 2: worker r of each engine holds half of the experts, so each half has its group of the two
+        # engines' workers (plus the sender); every other tensor goes to both groups
+        routes = pool._transport.sender.routes
+        assert len(routes) == 2 and not routes[0] & routes[1], routes
+        assert routes[0] | routes[1] == set(range(pool.model.cfg.num_local_experts))
+        assert [s.group.world for s in pool._transport.sender.senders] == [3, 3] and pool.version == version + 2
         r = pool.generate(ps, greedy, jax.random.key(0))
         out = [(r.tokens[i, :r.lengths[i]].tolist(), r.logprobs[i, :r.lengths[i]].tolist(), False) for i in range(3)]
         d = max_diff(new, ps, out, greedy)

@@ -1,7 +1,8 @@
 """Several trainer processes send the weights on the collective path, each the tensors its own devices hold
 (m3jax.hf.owned, rl.generation.bucket_sender, rl.generation.multihost.follow_push). Fast: the ownership
-plan and the pieces the senders exchange. Slow: two JAX processes push through two weight groups into one
-engine, which receives every tensor exactly once and bit for bit."""
+plan, the routes and the pieces the senders exchange. Slow: two JAX processes push, each through its own
+weight groups, into an engine that receives every tensor exactly once and bit for bit, and into an
+expert-parallel engine whose workers receive only their own experts (and everything else)."""
 
 import json
 import os
@@ -18,6 +19,7 @@ from m3jax.hf.save import hf_tensors
 from rl.generation.bucket_sender import SendResult
 from rl.generation.collective import decode_address, encode_address
 from rl.generation.transfer import make_transport
+from rl.generation.weight_routes import expert_of
 from tests import reference as ref
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -81,7 +83,32 @@ def test_two_processes_send_their_own_tensors_into_one_engine(tmp_path):
     assert experts and all(any(n in s for n in experts) for s in sent)  # the experts go from where they live
     share = sum(sent[1].values()) / sum(a.nbytes for a in want.values())
     assert 0.3 < share < 0.7, share  # balanced, not one process sending everything
-    got = np.load(f"{out}.npz")
-    assert set(got.files) == set(want)
-    for name, a in want.items():
-        assert got[name].dtype == a.dtype and np.array_equal(got[name], a), name
+    half = model.cfg.num_local_experts // 2
+    routes = [None, range(half), range(half, model.cfg.num_local_experts)]  # the dict engine, then 2 workers
+    for i, route in enumerate(routes):
+        got = np.load(f"{out}.engine{i}.npz")
+        mine = {n for n in want if route is None or expert_of(n) is None or expert_of(n) in route}
+        assert set(got.files) == mine, i  # an expert-parallel worker: its own experts and everything else
+        for name in mine:
+            assert got[name].dtype == want[name].dtype and np.array_equal(got[name], want[name]), name
+
+
+def test_routes_group_receivers_by_the_experts_they_hold():
+    from rl.generation import weight_routes as wr
+
+    # an in-process engine (everything), then a 2-rank expert-parallel engine, then another like it
+    receivers = [[None], [[0, 1], [2, 3]], [[2, 3], [1, 0]]]
+    routes, placement = wr.plan(receivers)
+    assert routes == [None, frozenset({0, 1}), frozenset({2, 3})]
+    # (route, rank in its group, group size): rank 0 of every group is its sender
+    assert placement == [[(0, 1, 2)], [(1, 1, 3), (2, 1, 3)], [(2, 2, 3), (1, 2, 3)]]
+    assert wr.plan([[None, None]]) == ([None], [[(0, 1, 3), (0, 2, 3)]])  # no expert parallelism: one group
+    name = "language_model.model.layers.3.block_sparse_moe.experts.{}.w2.weight"
+    assert wr.expert_of(name.format(12)) == 12
+    assert wr.expert_of("language_model.model.layers.3.block_sparse_moe.shared_experts.down_proj.weight") is None
+    assert wr.wants(frozenset({0}), name.format(0)) and not wr.wants(frozenset({0}), name.format(1))
+    assert wr.wants(frozenset({0}), "language_model.model.norm.weight") and wr.wants(None, name.format(1))
+    table = wr.encode(routes, [2, 3, 3], 4)
+    assert wr.decode(table) == (routes, [2, 3, 3])
+    with pytest.raises(ValueError, match="expert 7, but the model has 4"):
+        wr.encode([frozenset({7})], [2], 4)

@@ -33,9 +33,9 @@ class DictEngine:
         if name not in self.manifest or tuple(shape) != self.manifest[name][0]:
             raise KeyError(f"{name!r} {tuple(shape)} is not a tensor of this engine")
 
-    def join_weight_group(self, senders, rank, world, backend, timeout_s):
+    def join_weight_group(self, senders_by_route, placement, routes, backend, timeout_s):
         self.receiver = self.receiver or collective.Receiver()
-        return self.receiver.join(senders, rank, world, backend, timeout_s)
+        self.receiver.join_placed(senders_by_route, placement, routes, 0, backend, timeout_s)
 
     def leave_weight_group(self):
         self.receiver.leave()
@@ -53,8 +53,8 @@ class DictEngine:
         if self.receiver is not None and self.receiver.version == version:
             self.receiver.clear()
 
-    def weight_ranks(self):
-        return 1
+    def weight_receivers(self):
+        return [None]
 
     def states(self):
         return [(self.version, self.applied)]
@@ -63,8 +63,11 @@ class DictEngine:
 class _Worker(WorkerWeights):
     """A vLLM worker's weight methods over a dict: reload_weights keeps what it is given."""
 
-    def __init__(self, rank):
-        self.rank, self.applied = rank, {}
+    def __init__(self, rank, experts=None):
+        self.rank, self.applied, self.experts = rank, {}, experts
+
+    def m3jax_local_experts(self):  # vLLM's expert map, which the real method reads, is not here
+        return self.experts
 
     def reload_weights(self, weights_iterator, is_checkpoint_format):
         import torch
@@ -78,11 +81,14 @@ class _RayExecutorEngine:
     """The VLLMEngine surface EngineActor uses for an engine on vLLM's Ray executor: two workers, each a rank
     of the weight group; collective_rpc runs a method on both at once, as vLLM's executor does."""
 
-    executor, weight_ranks, model_dir = "ray", 2, "the served checkpoint"
+    executor, model_dir = "ray", "the served checkpoint"
 
-    def __init__(self, named):
+    def __init__(self, named, experts=(None, None)):
         self.manifest = {n: (a.shape, a.dtype) for n, a in named}
-        self.workers, self.version, self.llm = [_Worker(0), _Worker(1)], 0, self
+        self.workers, self.version, self.llm = [_Worker(0, experts[0]), _Worker(1, experts[1])], 0, self
+
+    def weight_receivers(self):
+        return self.collective_rpc("m3jax_local_experts")
 
     def collective_rpc(self, method, args=(), kwargs=None):
         with concurrent.futures.ThreadPoolExecutor(len(self.workers)) as pool:
@@ -94,9 +100,9 @@ class _RayExecutorEngine:
 
 
 class RayExecutorEngine(EngineActor):
-    def __init__(self, named):  # EngineActor's own __init__ would start vLLM
+    def __init__(self, named, experts=(None, None)):  # EngineActor's own __init__ would start vLLM
         self.rank, self.staged, self.busy_since = 1, StagedUpdate(), None
-        self.engine = _RayExecutorEngine(named)
+        self.engine = _RayExecutorEngine(named, experts)
 
     def states(self):
         return [(self.engine.version, w.applied) for w in self.engine.workers]
@@ -132,7 +138,7 @@ def _check_applied(handles, version, named):
 def test_collective_push_arrives_bit_for_bit_on_every_engine(engines):
     t, handles = engines
     stats = t.push(iter(_named(1)), 1)
-    assert t.sender.group.world == 4  # the trainer, the dict engine, the two workers
+    assert [s.group.world for s in t.sender.senders] == [4]  # the trainer, the dict engine, the two workers
     assert stats.setup_s > 0 and stats.buckets == 3 and stats.tensors == 4  # [a b] [big] [c]
     assert stats.bytes == sum(a.nbytes for _, a in _named(1))
     _check_applied(handles, 1, _named(1))
@@ -175,3 +181,42 @@ def test_the_config_selects_the_collective_transport_and_refuses_unknown_ones():
     assert cfg.generation.weight_transport == "collective" and TRANSPORTS["collective"] is collective.CollectiveTransport
     with pytest.raises(ConfigError, match=r'generation.weight_transport = "nccl".*ray.*collective'):
         load_config(tiny_vllm, ["generation.weight_transport=nccl"])
+
+
+def _named_moe(seed):
+    """_named plus two routed experts of one layer, in the released layout's names."""
+    rng = np.random.default_rng(seed)
+    experts = [(f"language_model.model.layers.0.block_sparse_moe.experts.{e}.w{w}.weight",
+                rng.standard_normal((4, 6)).astype(np.float32)) for e in range(2) for w in (1, 2, 3)]
+    return _named(seed) + experts
+
+
+def test_expert_parallel_workers_receive_only_their_experts(ray_local):
+    """Worker r of an expert-parallel engine holds expert r: it gets every other tensor and its own experts,
+    through its route's group (rl.generation.weight_routes); the in-process engine still gets everything."""
+    named = _named_moe(0)
+    handles = [ray.remote(DictEngine).remote(named), ray.remote(RayExecutorEngine).remote(named, ([0], [1]))]
+    t = collective.CollectiveTransport(handles, bucket_bytes=256, timeout_s=60)
+    try:
+        stats = t.push(iter(_named_moe(1)), 1)
+        assert t.sender.routes == [None, frozenset({0}), frozenset({1})]
+        assert [s.group.world for s in t.sender.senders] == [2, 2, 2]  # the trainer and one receiver each
+        assert stats.tensors == len(named) and stats.bytes == sum(a.nbytes for _, a in named)
+        (_, whole), = ray.get(handles[0].states.remote())
+        workers = ray.get(handles[1].states.remote())
+        want = dict(_named_moe(1))
+        assert list(whole) == list(want)
+        for r, (version, got) in enumerate(workers):
+            mine = [n for n in want if ".experts." not in n or f".experts.{r}." in n]
+            assert version == 1 and list(got) == mine, r
+            assert all(np.array_equal(got[n].view(np.uint8), want[n].view(np.uint8)) for n in mine)
+        # worker 1 misses its expert: refused with the name, nothing applied anywhere
+        missing = "language_model.model.layers.0.block_sparse_moe.experts.1.w2.weight"
+        with pytest.raises(TransferError, match=rf"tensor '{missing}' missing from version 2"):
+            t.push(iter([(n, a) for n, a in _named_moe(2) if n != missing]), 2)
+        assert [v for v, _ in ray.get(handles[1].states.remote())] == [1, 1]
+        assert ray.get(handles[0].states.remote())[0][0] == 1
+    finally:
+        t.close()
+        for h in handles:
+            ray.kill(h)

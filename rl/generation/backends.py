@@ -51,13 +51,13 @@ def make_generator(cfg, graphdef, state, *, pad_id: int, run_dir: str):
 
     if jax.process_count() == 1:
         return VLLMPool(pool_cfg, graphdef, pad_id=pad_id)
-    from rl.generation.bucket_sender import BucketSender
+    from rl.generation.bucket_sender import RoutedSender
     from rl.generation.multihost import JaxPeers, ProcessZeroPool
 
     zero = jax.process_index() == 0
     # On the collective transport every process sends the tensors it holds; on `ray`, process 0 sends all.
     peers = JaxPeers() if g.weight_transport == "collective" else None
-    sender = (BucketSender(pool_cfg.bucket_bytes, timeout_s=pool_cfg.request_timeout_s)
+    sender = (RoutedSender(pool_cfg.bucket_bytes, timeout_s=pool_cfg.request_timeout_s)
               if peers is not None and not zero else None)
     return ProcessZeroPool(VLLMPool(pool_cfg, graphdef, pad_id=pad_id, peers=peers) if zero else None, graphdef,
                            is_zero=zero, peers=peers, sender=sender)

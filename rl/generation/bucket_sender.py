@@ -39,23 +39,35 @@ class SendResult:
     wire_s: float = 0.0
     error: str | None = None
     broken: bool = False
+    route_buckets: tuple[int, ...] = ()  # buckets sent into each route's group (rl.generation.weight_routes)
 
     ERROR_BYTES = 480  # the error text travels to process 0 in a fixed-size array
 
     def to_array(self) -> np.ndarray:
+        """Fixed size for a given number of routes, so every process's result can be gathered."""
         text = np.zeros(self.ERROR_BYTES, np.float64)
         if self.error is not None:
             raw = np.frombuffer(self.error.encode()[:self.ERROR_BYTES], np.uint8)
             text[:raw.size] = raw
         head = [self.buckets, self.bytes, self.tensors, self.convert_s, self.wire_s, self.error is not None,
                 self.broken]
-        return np.concatenate([np.array(head, np.float64), text])
+        return np.concatenate([np.array(head, np.float64), text, np.array(self.route_buckets, np.float64)])
 
     @classmethod
     def from_array(cls, a) -> "SendResult":
         a = np.asarray(a, np.float64)
-        error = bytes(a[7:].astype(np.uint8)).rstrip(b"\0").decode(errors="replace") if a[5] else None
-        return cls(int(a[0]), int(a[1]), int(a[2]), float(a[3]), float(a[4]), error, bool(a[6]))
+        text, routes = a[7:7 + cls.ERROR_BYTES], a[7 + cls.ERROR_BYTES:]
+        error = bytes(text.astype(np.uint8)).rstrip(b"\0").decode(errors="replace") if a[5] else None
+        return cls(int(a[0]), int(a[1]), int(a[2]), float(a[3]), float(a[4]), error, bool(a[6]),
+                   tuple(int(x) for x in routes))
+
+    @classmethod
+    def combine(cls, parts: list["SendResult"]) -> "SendResult":
+        """One process's result over its routes' groups (the stages ran side by side)."""
+        error = next((p.error for p in parts if p.error), None)
+        return cls(sum(p.buckets for p in parts), sum(p.bytes for p in parts), sum(p.tensors for p in parts),
+                   max(p.convert_s for p in parts), max(p.wire_s for p in parts), error, any(p.broken for p in parts),
+                   tuple(p.buckets for p in parts))
 
 
 class BucketSender:
@@ -73,7 +85,7 @@ class BucketSender:
 
     def open(self, host: str, world: int) -> int:
         """Serve a new group's rendezvous on `host`; returns its port (the engines join it there)."""
-        from rl.generation.collective import WeightGroup
+        from rl.generation.weight_group import WeightGroup
 
         self.close()
         self.group = WeightGroup(host, 0, 0, world, self.backend, self.timeout_s)
@@ -173,3 +185,73 @@ def _as_bytes(a: np.ndarray):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         return torch.from_numpy(a.reshape(-1).view(np.uint8))
+
+
+class RoutedSender:
+    """One BucketSender per route (rl.generation.weight_routes): every tensor streams into each group whose
+    receivers want it, the groups side by side. With one route it is exactly one BucketSender."""
+
+    def __init__(self, bucket_bytes: int, depth: int = 2, timeout_s: float = 600.0, device: str = "cpu"):
+        BucketSender(bucket_bytes, depth, timeout_s, device)  # the argument checks, before anything is built
+        self._args = (bucket_bytes, depth, timeout_s, device)
+        self.backend = "nccl" if device.startswith("cuda") else "gloo"
+        self.routes: list = []
+        self.senders: list[BucketSender] = []
+
+    def open(self, host: str, routes: list, worlds: list[int]) -> list[int]:
+        """Serve one group per route (of `worlds[g]` ranks); returns their ports."""
+        self.close()
+        self.routes, self.senders = list(routes), [BucketSender(*self._args) for _ in routes]
+        return [s.open(host, w) for s, w in zip(self.senders, worlds)]
+
+    def connect(self) -> None:
+        """Every group at once: a receiver joins its group of each sender in turn, so none may wait on another."""
+        import concurrent.futures
+
+        with concurrent.futures.ThreadPoolExecutor(max(1, len(self.senders))) as pool:
+            for f in [pool.submit(s.connect) for s in self.senders]:
+                f.result()
+
+    def close(self) -> None:
+        for s in self.senders:
+            s.close()
+
+    def send(self, named_arrays, version: int) -> SendResult:
+        from rl.generation.weight_routes import wants
+
+        if len(self.senders) == 1:
+            r = self.senders[0].send(named_arrays, version)
+            r.route_buckets = (r.buckets,)
+            return r
+        done = object()
+        feeds = [queue.Queue(maxsize=2) for _ in self.senders]
+        results: list = [None] * len(self.senders)
+
+        def stream(q):
+            while (item := q.get()) is not done:
+                yield item
+
+        def run(g):
+            results[g] = self.senders[g].send(stream(feeds[g]), version)
+
+        threads = [threading.Thread(target=run, args=(g,), daemon=True, name=f"weight-route-{g}")
+                   for g in range(len(self.senders))]
+        for t in threads:
+            t.start()
+        error, tensors, nbytes = None, 0, 0
+        try:
+            for name, a in named_arrays:  # drained whole: on a multi-host trainer it holds collectives
+                tensors, nbytes = tensors + 1, nbytes + a.nbytes
+                for g, route in enumerate(self.routes):
+                    if wants(route, name):
+                        feeds[g].put((name, a))
+        except BaseException as e:  # noqa: BLE001 - reported in the result
+            error = f"converting the weights of version {version} failed: {e!r}"
+        for q in feeds:
+            q.put(done)
+        for t in threads:
+            t.join()
+        out = SendResult.combine(results)
+        # model bytes, as with one route (a tensor every route wants crossed the wire once per group)
+        out.tensors, out.bytes, out.error = tensors, nbytes, error or out.error
+        return out

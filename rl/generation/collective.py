@@ -29,14 +29,16 @@ old version, the pool replaces the dead engine, and the next update builds new g
 from __future__ import annotations
 
 import concurrent.futures
-import datetime
 import json
 import socket
 import time
 
 import numpy as np
 
-from rl.generation.bucket_sender import ABORT, END, BucketSender, SendResult
+from rl.generation import weight_routes
+from rl.generation.bucket_sender import ABORT, END, RoutedSender, SendResult
+from rl.generation.weight_group import WeightGroup
+from rl.generation.weight_routes import wants
 from rl.generation.transfer_base import (TransferError, TransferStats, abort_staged, as_transfer_error,
                                          checksum)
 
@@ -48,44 +50,6 @@ def _dtype(name: str) -> np.dtype:
     return np.dtype(name)
 
 
-class WeightGroup:
-    """A stateless process group: its own TCPStore rendezvous and backend object, no global state."""
-
-    def __init__(self, host: str, port: int, rank: int, world: int, backend: str, timeout_s: float):
-        import torch.distributed as dist
-
-        timeout = datetime.timedelta(seconds=timeout_s)
-        # Rank 0 serves the store without waiting for the others, so it can hand out the port first.
-        self.store = dist.TCPStore(host, port, world, rank == 0, timeout=timeout, wait_for_workers=False)
-        self.port, self.rank, self.world, self.backend = self.store.port, rank, world, backend
-        self._host, self._timeout = host, timeout
-        self.pg = None
-
-    def connect(self) -> "WeightGroup":
-        """Blocks until every rank has connected (a collective)."""
-        import torch.distributed as dist
-
-        if self.backend == "gloo":
-            self.pg = dist.ProcessGroupGloo(self.store, self.rank, self.world, self._timeout)
-        elif self.backend == "nccl":
-            self.pg = dist.ProcessGroupNCCL(self.store, self.rank, self.world)
-        else:
-            raise ValueError(f"weight group backend {self.backend!r}: expected gloo or nccl")
-        return self
-
-    def broadcast(self, tensor, root: int = 0):
-        return self.pg.broadcast(tensor, root)
-
-    def close(self) -> None:
-        pg, self.pg = self.pg, None
-        if pg is not None and hasattr(pg, "abort"):
-            try:
-                pg.abort()  # peers blocked in a collective fail now instead of at the timeout
-            except Exception:  # noqa: BLE001 - gloo has no abort in some builds: dropping it closes the sockets
-                pass
-        self.store = None
-
-
 class Receiver:
     """Engine side: joins every sender's group, stages verified buckets, hands them to the apply at commit."""
 
@@ -95,14 +59,26 @@ class Receiver:
         self.views: list[list[tuple[str, np.ndarray]]] = []
         self._buffers: dict = {}  # (sender, bucket) -> bytes, kept between updates: no page faults after the first
         self.verify_s = 0.0
+        self.route, self.route_index = None, 0
 
-    def join(self, senders, rank: int, world: int, backend: str, timeout_s: float) -> int:
+    def join(self, senders, rank: int, world: int, backend: str, timeout_s: float, route=None,
+             route_index: int = 0) -> int:
         """Join the group of each sender ([host, port] each) as `rank`; blocks until each is complete. The
-        groups are joined in order: every sender connects its own at the same time, so none waits on another."""
+        groups are joined in order: every sender connects its own at the same time, so none waits on another.
+        `route`: the routed experts this receiver holds (None = all: rl.generation.weight_routes), whose
+        group is number `route_index` of every sender."""
         self.leave()
+        self.route, self.route_index = (None if route is None else frozenset(route)), route_index
         for host, port in senders:
             self.groups.append(WeightGroup(host, int(port), rank, world, backend, timeout_s).connect())
         return rank
+
+    def join_placed(self, senders_by_route, placement, routes, local_rank: int, backend: str,
+                    timeout_s: float) -> int:
+        """Join as rank `local_rank` of an engine placed by `weight_routes.plan`: placement[local_rank] =
+        (route index, rank in its group, group size); senders_by_route[g] = every sender's [host, port]."""
+        g, rank, world = placement[local_rank]
+        return self.join(senders_by_route[g], rank, world, backend, timeout_s, routes[g], g)
 
     def leave(self) -> None:
         groups, self.groups = self.groups, []
@@ -194,13 +170,16 @@ class Receiver:
                 if name in seen:
                     return TransferError(f"tensor {name!r} sent twice in version {version}")
                 seen.add(name)
-        missing = sorted(set(manifest) - seen)
+        missing = sorted(n for n in manifest if n not in seen and wants(self.route, n))
         if missing:
             return TransferError(f"tensor {missing[0]!r} missing from version {version} (partial update: "
                                  f"{len(missing)} of {len(manifest)} tensors never arrived)")
         return None
 
-    def tensors(self, version: int, num_buckets: int):
+    def tensors(self, version: int, num_buckets):
+        """The staged tensors; num_buckets: the update's bucket count, or one per route (into each group)."""
+        if not isinstance(num_buckets, int):
+            num_buckets = num_buckets[self.route_index]
         if self.version != version or len(self.views) != num_buckets:
             raise TransferError(f"commit of version {version} with {num_buckets} buckets, but version "
                                 f"{self.version} staged {len(self.views)}")
@@ -236,52 +215,60 @@ def decode_address(a) -> tuple[str, int]:
 
 
 class CollectiveTransport:
-    """Process 0's side of the collective path over engine actors exposing weight_ranks / join_weight_group /
+    """Process 0's side of the collective path over engine actors exposing weight_receivers / join_weight_group /
     receive_weights / commit / abort: it sends its own tensors like every other sender and alone talks to
     the engines. Kept by the pool across updates (the groups cost a rendezvous) until the engines change or
-    a push fails inside a group (`broken`). `peers`: the other trainer processes (each a BucketSender run by
+    a push fails inside a group (`broken`). `peers`: the other trainer processes (each a RoutedSender run by
     `rl.generation.multihost.follow_push`, in the same collective steps), or none."""
 
     def __init__(self, engines, bucket_bytes: int, depth: int = 2, timeout_s: float = 600.0, device: str = "cpu",
                  peers=None):
         self.engines, self.timeout_s = list(engines), timeout_s
-        self.sender = BucketSender(bucket_bytes, depth, timeout_s, device)
+        self.sender = RoutedSender(bucket_bytes, depth, timeout_s, device)
         self.peers = peers or Alone()
         self.connected = self.broken = False
 
     def connect(self) -> float:
-        """Agree with the peers whether to (re)build the groups; if so, gather every sender's address, have
-        engine i join each group as ranks 1 + the ranks of engines 0..i-1 (one rank, or one per Ray-executor
-        worker), and agree that every group connected. Returns the seconds it took (0 when kept)."""
+        """The steps every sender takes together before an update (`rl.generation.multihost.follow_push` is
+        the other processes' side): agree whether to (re)build the groups, and if so the routes
+        (`weight_routes.plan`: one group per set of experts the receivers hold) and the leader's address;
+        gather every sender's ports, have every engine rank join its route's group of each sender, and
+        agree that every group connected. Returns the seconds it took (0 when kept)."""
         import ray
 
         if self.connected:
-            self.peers.agree(np.zeros(5, np.int64))
+            self.peers.agree(np.zeros(7, np.int64))
             return 0.0
         t = time.perf_counter()
-        host = ray.util.get_node_ip_address()
-        try:  # an engine on vLLM's Ray executor takes one rank per worker (rl.generation.vllm_worker_weights)
-            ranks = ray.get([e.weight_ranks.remote() for e in self.engines], timeout=self.timeout_s)
+        ip = encode_address(ray.util.get_node_ip_address(), 0)[:4]
+        try:  # one entry per receiving rank: the experts it holds (an engine on vLLM's Ray executor: per worker)
+            receivers = ray.get([e.weight_receivers.remote() for e in self.engines], timeout=self.timeout_s)
+            routes, placement = weight_routes.plan(receivers)
+            worlds = [1 + sum(1 for p in placement for g, _, _ in p if g == r) for r in range(len(routes))]
+            experts = 1 + max([e for r in routes for e in (r or ())], default=-1)
+            table = weight_routes.encode(routes, worlds, experts)
         except Exception as e:  # noqa: BLE001 - a dead engine: no update, fresh groups next time
-            self.peers.agree(np.array([-1, *encode_address(host, 0)[:4]], np.int64))
+            self.peers.agree(np.array([-1, *ip, 0, 0], np.int64))
             self.broken = True
-            raise TransferError(f"asking {len(self.engines)} engines for their weight ranks failed: {e}") from None
-        world = 1 + sum(ranks)
-        self.peers.agree(np.array([world, *encode_address(host, 0)[:4]], np.int64))
+            raise TransferError(f"asking {len(self.engines)} engines for their weight receivers failed: {e}") from None
+        self.peers.agree(np.array([1, *ip, len(routes), experts], np.int64))
+        self.peers.agree(table)
+        host = decode_address([*ip, 0])[0]
         error = None
         try:
-            port = self.sender.open(host, world)
-        except Exception as e:  # noqa: BLE001 - the peers still wait for this address
-            port, error = 0, e
-        senders = [decode_address(a) for a in self.peers.gather(encode_address(host, port))]
+            ports = self.sender.open(host, routes, worlds)
+        except Exception as e:  # noqa: BLE001 - the peers still wait for these addresses
+            ports, error = [0] * len(routes), e
+        addresses = self.peers.gather(np.stack([encode_address(host, p) for p in ports]))  # [senders, routes, 5]
+        by_route = [[decode_address(a) for a in addresses[:, g]] for g in range(len(routes))]
         try:
             if error is not None:
                 raise error
-            if any(port == 0 for _, port in senders):
-                raise TransferError("a trainer process could not open its weight group")
-            first = np.cumsum([1] + list(ranks[:-1])).tolist()
-            joins = [e.join_weight_group.remote(senders, r, world, self.sender.backend, self.timeout_s)
-                     for e, r in zip(self.engines, first)]
+            if any(port == 0 for group in by_route for _, port in group):
+                raise TransferError("a trainer process could not open its weight groups")
+            wire_routes = [None if r is None else sorted(r) for r in routes]
+            joins = [e.join_weight_group.remote(by_route, p, wire_routes, self.sender.backend, self.timeout_s)
+                     for e, p in zip(self.engines, placement)]
             self.sender.connect()
             ray.get(joins, timeout=self.timeout_s)
         except Exception as e:  # noqa: BLE001 - an engine that died or never joined
@@ -290,7 +277,7 @@ class CollectiveTransport:
             self.sender.close()
             self.broken = True
             raise TransferError(f"building the weight groups of {len(self.engines)} engines failed: "
-                                f"{error or 'another trainer process could not connect its group'}") from None
+                                f"{error or 'another trainer process could not connect its groups'}") from None
         self.connected = True
         return time.perf_counter() - t
 
@@ -331,8 +318,9 @@ class CollectiveTransport:
             raise as_transfer_error(e) from None
         wire_s = max(r.wire_s for r in results) + time.perf_counter() - s
         n_buckets = sum(r.buckets for r in results)
+        per_route = [sum(r.route_buckets[g] for r in results) for g in range(len(self.sender.routes))]
         s = time.perf_counter()
-        self._collect({i: e.commit.remote(version, n_buckets) for i, e in enumerate(self.engines)}, version,
+        self._collect({i: e.commit.remote(version, per_route) for i, e in enumerate(self.engines)}, version,
                       "commit", expect=version)
         end_t = time.perf_counter()
         return TransferStats(version, sum(r.bytes for r in results), n_buckets, sum(r.tensors for r in results),

@@ -17,7 +17,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from rl.generation.base import Rollout
-from rl.generation.bucket_sender import BucketSender
+from rl.generation import weight_routes
+from rl.generation.bucket_sender import RoutedSender
 from rl.generation.collective import decode_address, encode_address
 from rl.generation.transfer import TransferError, TransferStats, _host_views, model_tensors
 
@@ -50,21 +51,24 @@ def routable_ip(toward: str) -> str:
         return s.getsockname()[0]
 
 
-def follow_push(sender: BucketSender, peers, named_arrays, version: int) -> None:
+def follow_push(sender: RoutedSender, peers, named_arrays, version: int) -> None:
     """A non-zero process's part of one collective update, step for step with process 0's
-    `CollectiveTransport.connect` / `push`: (re)build the groups when process 0 says so, send this
-    process's tensors, report how it went. Never raises: process 0 decides and broadcasts the outcome."""
-    world, *leader = (int(x) for x in peers.agree(np.zeros(5, np.int64)))
-    if world < 0:  # process 0 failed before the update began: nothing is iterated anywhere
+    `CollectiveTransport.connect` / `push`: (re)build its groups (one per route) when process 0 says so,
+    send this process's tensors, report how it went. Never raises: process 0 decides and broadcasts the
+    outcome."""
+    status, *rest = (int(x) for x in peers.agree(np.zeros(7, np.int64)))
+    if status < 0:  # process 0 failed before the update began: nothing is iterated anywhere
         return
-    if world > 0:
+    if status > 0:
+        leader, (n_routes, n_experts) = rest[:4], rest[4:]
+        routes, worlds = weight_routes.decode(peers.agree(np.zeros((n_routes, 2 + n_experts), np.int64)))
         error = None
         try:
             host = routable_ip(decode_address([*leader, 0])[0])
-            port = sender.open(host, world)
+            ports = sender.open(host, routes, worlds)
         except Exception as e:  # noqa: BLE001 - process 0 sees port 0 and fails the build
-            host, port, error = "0.0.0.0", 0, e
-        peers.gather(encode_address(host, port))
+            host, ports, error = "0.0.0.0", [0] * n_routes, e
+        peers.gather(np.stack([encode_address(host, p) for p in ports]))
         if error is None:
             try:
                 sender.connect()
@@ -92,7 +96,7 @@ class ProcessZeroPool:
     (process 0's pool holds the same `peers`; the others send through `sender`)."""
 
     def __init__(self, pool, graphdef, *, is_zero: bool, layout: str = "released", peers: JaxPeers | None = None,
-                 sender: BucketSender | None = None):
+                 sender: RoutedSender | None = None):
         self.pool, self.graphdef, self.is_zero, self.layout = pool, graphdef, is_zero, layout
         self.peers, self.sender = peers, sender
         self.resent_rows = self.restarts = 0

@@ -53,19 +53,21 @@ class EngineActor:
         sit on other machines: rl.generation.vllm_worker_weights) rather than this process."""
         return self.engine.executor == "ray"
 
-    def weight_ranks(self) -> int:
-        return self.engine.weight_ranks
+    def weight_receivers(self) -> list:
+        return self.engine.weight_receivers()
 
-    def join_weight_group(self, senders, rank: int, world: int, backend: str, timeout_s: float) -> int:
-        """Join every sender's weight group ([host, port] each) as ranks rank .. rank + weight_ranks() - 1;
-        returns rank."""
+    def join_weight_group(self, senders_by_route, placement, routes, backend: str, timeout_s: float) -> None:
+        """Every receiving rank of this engine joins its route's group of every sender (`weight_routes.plan`:
+        placement[j] = (route, rank in the group, group size) of rank j; senders_by_route[g] = each sender's
+        [host, port])."""
+        args = (senders_by_route, placement, routes, backend, timeout_s)
         if self._in_workers():
-            self.engine.llm.collective_rpc("m3jax_join_weight_group", args=(senders, rank, world, backend, timeout_s))
-            return rank
+            self.engine.llm.collective_rpc("m3jax_join_weight_group", args=args)
+            return
         from rl.generation.collective import Receiver  # the engine end of the collective transport
 
         self.receiver = self.receiver or Receiver()
-        return self.receiver.join(senders, rank, world, backend, timeout_s)
+        self.receiver.join_placed(senders_by_route, placement, routes, 0, backend, timeout_s)
 
     def leave_weight_group(self) -> None:
         if self._in_workers():
@@ -81,12 +83,8 @@ class EngineActor:
             errors = [a["error"] for a in answers if "error" in a]
             if errors:
                 raise TransferError(f"engine {self.rank}: {errors[0]}")
-            counts = {a["buckets"] for a in answers}
-            if len(counts) != 1:
-                raise TransferError(f"engine {self.rank}: its workers staged {sorted(counts)} buckets of version "
-                                    f"{version}")
-            self.workers_staged = version
-            return counts.pop()
+            self.workers_staged = version  # each worker checked its own set complete (its route's)
+            return sum(a["buckets"] for a in answers)
         if self.receiver is None:
             raise TransferError(f"engine {self.rank} is not in a weight group (version {version})")
         return self.receiver.receive(version, self.engine.check, self.engine.manifest)
@@ -134,7 +132,7 @@ class EngineActor:
                 "busy_s": None if self.busy_since is None else time.time() - self.busy_since}
 
 
-_WORK = ("generate", "score", "stage", "commit", "abort", "weight_ranks", "join_weight_group", "leave_weight_group",
+_WORK = ("generate", "score", "stage", "commit", "abort", "weight_receivers", "join_weight_group", "leave_weight_group",
          "receive_weights", "apply_mode", "shutdown")
 
 

@@ -206,11 +206,14 @@ class VLLMEngine:
         except ValueError as e:
             raise WeightUpdateError(str(e)) from None
 
-    @property
-    def weight_ranks(self) -> int:
-        """Ranks this engine takes in a collective weight group: on the Ray executor one per worker (they
+    def weight_receivers(self) -> list:
+        """The ranks this engine takes on the collective weight path, each as the routed experts it holds
+        (None = all; rl.generation.weight_routes): on the Ray executor one per worker, in rank order (they
         receive themselves: rl.generation.vllm_worker_weights), else one (this process receives)."""
-        return len(self.worker_hosts) if self.executor == "ray" else 1
+        if self.executor != "ray":
+            return [None]
+        self._check_alive()
+        return self.llm.collective_rpc("m3jax_local_experts")
 
     def commit_in_workers(self, version: int, num_buckets: int) -> None:
         """Phase 2 of a collective update the Ray executor's workers staged: each reloads its tensors."""

@@ -2,11 +2,12 @@
 
 An engine on vLLM's Ray executor (`generation.vllm_executor: ray`) holds its model in one worker per rank,
 possibly on other machines than the engine's actor, so an update staged by the actor (/dev/shm) does not
-reach them. On the `collective` transport each worker therefore joins the weight group itself: the engine
-takes ranks first .. first + TP - 1 of it (`EngineActor.weight_ranks`), every worker receives every bucket
-the trainer broadcasts, verifies it (XXH3, name / shape / dtype against the served checkpoint, the set
-complete) and keeps it staged; the commit reloads the staged tensors in each worker (`reload_weights`,
-vLLM's name mapping and TP slicing: each rank keeps its own slice). Phase 1 and 2 are the same as for an
+reach them. On the `collective` transport each worker therefore joins the weight groups itself, one per
+sender, each the group of its route (`rl.generation.weight_routes`: a worker of an expert-parallel engine
+receives only the routed experts it holds, and every other tensor). It verifies every bucket (XXH3, name /
+shape / dtype against the served checkpoint, the set it should hold complete) and keeps it staged; the
+commit reloads the staged tensors in each worker (`reload_weights`, vLLM's name mapping and TP slicing:
+each rank keeps its own slice; an expert of another rank would be skipped by vLLM's loader anyway). Phase 1 and 2 are the same as for an
 in-process engine (rl.generation.collective): a rejected bucket on any worker aborts the update on every
 engine, before any worker has written a weight.
 
@@ -41,13 +42,25 @@ class WorkerWeights:
 
     _m3jax_receiver = None
 
-    def m3jax_join_weight_group(self, senders, first_rank: int, world: int, backend: str, timeout_s: float) -> int:
-        """Join as rank first_rank + this worker's rank in its engine; returns the rank."""
+    def m3jax_local_experts(self) -> list[int] | None:
+        """The routed experts this worker holds (global ids), or None when it holds all of them (no expert
+        parallelism) or its MoE layers are placed differently from each other (then it receives every one)."""
+        held = {tuple(m.expert_map_manager.get_local_expert_ids()) for m in self.model_runner.model.modules()
+                if getattr(m, "expert_map_manager", None) is not None}
+        if len(held) != 1:
+            return None
+        experts = list(held.pop())
+        total = {m.expert_map_manager.global_num_experts for m in self.model_runner.model.modules()
+                 if getattr(m, "expert_map_manager", None) is not None}
+        return None if {len(experts)} == total else experts
+
+    def m3jax_join_weight_group(self, senders_by_route, placement, routes, backend: str, timeout_s: float) -> int:
+        """Join this worker's route's group of every sender (placement is indexed by the worker's rank)."""
         from rl.generation.collective import Receiver
 
         if self._m3jax_receiver is None:
             self._m3jax_receiver = Receiver()
-        return self._m3jax_receiver.join(senders, first_rank + self.rank, world, backend, timeout_s)
+        return self._m3jax_receiver.join_placed(senders_by_route, placement, routes, self.rank, backend, timeout_s)
 
     def m3jax_leave_weight_group(self) -> None:
         if self._m3jax_receiver is not None:

@@ -3,9 +3,11 @@ tensors its own devices hold (m3jax.hf.owned) through its own weight group:
 
     python multihost_weights.py CKPT PORT PROCESS_ID OUT
 
-Process 0 also runs Ray and one stand-in engine (the dict engine of tests/test_weight_transfer_protocol.py,
-a receiver of both groups), pushes versions 1 and 2 (the second reuses the groups), and writes what the
-engine applied to OUT.npz; every process writes the names and bytes it sent to OUT.<process>.json.
+Process 0 also runs Ray and two stand-in engines of tests/test_weight_transfer_protocol.py: the dict engine
+(receives everything) and an expert-parallel engine whose two workers hold half of the experts each (three
+routes, so three groups per sender). It pushes versions 1 and 2 (the second reuses the groups) and writes
+what each receiver applied to OUT.engine<i>.npz; every process writes the names and bytes it sent to
+OUT.<process>.json.
 """
 
 import json
@@ -21,7 +23,7 @@ import numpy as np  # noqa: E402
 import m3jax  # noqa: E402
 from m3jax.hf import layouts  # noqa: E402
 from m3jax.hf.owned import owned_hf_tensors  # noqa: E402
-from rl.generation.bucket_sender import BucketSender  # noqa: E402
+from rl.generation.bucket_sender import RoutedSender  # noqa: E402
 from rl.generation.multihost import JaxPeers, follow_push  # noqa: E402
 from sharding.mesh import MeshConfig, build_mesh  # noqa: E402
 
@@ -42,21 +44,25 @@ def main(ckpt, port, process_id, out):
         import ray
 
         from rl.generation.collective import CollectiveTransport
-        from tests.test_weight_transfer_protocol import DictEngine
+        from tests.test_weight_transfer_protocol import DictEngine, RayExecutorEngine
 
         ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
         dtype = np.dtype(model.dtype)
         manifest = [(s.name, np.empty(s.shape, dtype)) for s in layouts.slots(model.cfg, "released")]
-        engine = ray.remote(DictEngine).remote(manifest)
-        transport = CollectiveTransport([engine], BUCKET, timeout_s=120, peers=peers)
+        half = model.cfg.num_local_experts // 2
+        experts = (list(range(half)), list(range(half, model.cfg.num_local_experts)))
+        engines = [ray.remote(DictEngine).remote(manifest), ray.remote(RayExecutorEngine).remote(manifest, experts)]
+        transport = CollectiveTransport(engines, BUCKET, timeout_s=120, peers=peers)
         stats = [transport.push(owned_hf_tensors(model, "released"), v) for v in (1, 2)]
-        version, applied = ray.get(engine.states.remote())[0]
-        assert version == 2 and stats[1].setup_s == 0.0, (version, stats)
-        np.savez(f"{out}.npz", **applied)
+        states = [s for e in engines for s in ray.get(e.states.remote())]  # the dict engine, then 2 workers
+        assert [v for v, _ in states] == [2, 2, 2] and stats[1].setup_s == 0.0 and stats[1].senders == 2, stats
+        assert len(transport.sender.routes) == 3  # everything, and each worker's half of the experts
+        for i, (_, applied) in enumerate(states):
+            np.savez(f"{out}.engine{i}.npz", **applied)
         transport.close()
         ray.shutdown()
     else:
-        sender = BucketSender(BUCKET, timeout_s=120)
+        sender = RoutedSender(BUCKET, timeout_s=120)
         for v in (1, 2):
             follow_push(sender, peers, owned_hf_tensors(model, "released"), v)
         sender.close()
