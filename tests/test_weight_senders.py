@@ -112,3 +112,21 @@ def test_routes_group_receivers_by_the_experts_they_hold():
     assert wr.decode(table) == (routes, [2, 3, 3])
     with pytest.raises(ValueError, match="expert 7, but the model has 4"):
         wr.encode([frozenset({7})], [2], 4)
+
+
+def test_a_sender_that_fails_to_pack_still_drains_its_tensors(monkeypatch):
+    """On a multi-host trainer the tensors a process sends hold gathers every process must join, so a sender
+    whose packing fails keeps iterating (unsent) and reports the failure instead of stopping short."""
+    from rl.generation import bucket_sender
+
+    taken = []
+
+    def tensors():
+        for i in range(5):
+            taken.append(i)
+            yield f"t{i}", np.full((4,), i, np.float32)
+
+    real = bucket_sender.checksum
+    monkeypatch.setattr(bucket_sender, "checksum", lambda a: real(a) if a[0] != 1 else 1 // 0)
+    out = bucket_sender.BucketSender(64).send(tensors(), 3)  # no group: nothing goes on a wire
+    assert taken == [0, 1, 2, 3, 4] and out.error is not None and out.buckets == 0

@@ -117,10 +117,12 @@ class BucketSender:
         ready: queue.Queue = queue.Queue()
         conv = {"error": None}
 
+        it = iter(named_arrays)
+
         def produce():
             try:
                 slot, index, off, records = free.get(), 0, 0, []
-                s, it = time.perf_counter(), iter(named_arrays)
+                s = time.perf_counter()
                 while (item := next(it, None)) is not None:
                     name, a = item
                     a = np.ascontiguousarray(a)
@@ -141,6 +143,11 @@ class BucketSender:
                     ready.put((slot, index, records, off))
             except BaseException as e:  # reported below
                 conv["error"] = e
+                try:  # the rest is drained unsent: on a multi-host trainer it holds gathers the others wait in
+                    for _ in it:
+                        pass
+                except BaseException:  # noqa: BLE001 - the source itself failed: nothing more to drain
+                    pass
             ready.put(None)
 
         threading.Thread(target=produce, daemon=True, name="weight-pack").start()
