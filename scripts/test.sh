@@ -16,6 +16,8 @@ fi
 # Phase 2 alone: the `serial` modules, real vLLM engines in Ray actors or worker processes, which hold
 # gigabytes each and answer within request timeouts that a second worker's load would stretch.
 status=0
-.venv/bin/python -m pytest -n 2 --dist loadfile -m "not extended and not serial" || status=$?
+# --no-loadscope-reorder: xdist would otherwise hand out the modules with the most tests first, undoing
+# tests/conftest.py's FIRST (the longest modules first, so no worker is left with one of them at the end).
+.venv/bin/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder -m "not extended and not serial" || status=$?
 .venv/bin/python -m pytest -m "serial and not extended" || status=$((status ? status : $?))
 exit "$status"

@@ -68,7 +68,9 @@ def follow_push(sender: RoutedSender, peers, named_arrays, version: int) -> None
             ports = sender.open(host, routes, worlds)
         except Exception as e:  # noqa: BLE001 - process 0 sees port 0 and fails the build
             host, ports, error = "0.0.0.0", [0] * n_routes, e
-        peers.gather(np.stack([encode_address(host, p) for p in ports]))
+        addresses = peers.gather(np.stack([encode_address(host, p) for p in ports]))
+        if error is None and np.any(addresses[..., 4] == 0):  # a sender could not open: process 0 starts no join
+            error = "a trainer process could not open its weight groups"
         if error is None:
             try:
                 sender.connect()
