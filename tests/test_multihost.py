@@ -189,3 +189,44 @@ def test_process_zero_pool_broadcasts_what_process_zero_got(monkeypatch):
         for e, lps in enumerate(per_engine):
             assert [lp.tolist() for lp in lps] == [[-e - 0.5] * len(r) for r in responses]
     assert not bc.sent
+
+
+def test_a_collective_push_that_fails_before_the_transport_releases_the_other_processes(monkeypatch):
+    """On the collective transport every process sends, in lockstep with process 0's transport. When process 0
+    fails before the transport's first step (no live engine), it still takes that step with 'no update', so
+    the others neither wait nor iterate their tensors, and every process raises."""
+    from rl.generation import multihost
+    from rl.generation.bucket_sender import RoutedSender
+    from rl.generation.multihost import JaxPeers, ProcessZeroPool
+    from rl.generation.transfer import TransferError
+    from rl.generation.vllm_pool import PoolError
+
+    class NoEngines(FakePool):
+        def push(self, tensors, version):
+            raise PoolError(f"no live vLLM engine to receive weight version {version}")
+
+    cfg = M3Config(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                   head_dim=8, intermediate_size=8, dense_intermediate_size=16, shared_intermediate_size=8,
+                   num_local_experts=2, num_experts_per_tok=1, layer_types=("full_attention",),
+                   mlp_layer_types=("sparse",), index_n_heads=1, index_head_dim=8, index_block_size=4,
+                   index_topk_blocks=1)
+    graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: m3jax.M3ForCausalLM(cfg, rngs=nnx.Rngs(0))),
+                                       nnx.Param, ...)
+    params, rest = (jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), t) for t in (params, rest))
+    bc = Broadcast()
+    zero = ProcessZeroPool(NoEngines(), graphdef, is_zero=True, peers=JaxPeers())
+    other = ProcessZeroPool(None, graphdef, is_zero=False, peers=JaxPeers(), sender=RoutedSender(1 << 16))
+    sent = []
+
+    def owned(*_):
+        sent.append("iterated")
+        yield "model.norm.weight", np.zeros(16, np.float32)
+
+    monkeypatch.setattr(multihost, "owned_model_tensors", owned)
+    monkeypatch.setattr(multihost, "_from_zero", bc.zero)
+    with pytest.raises(PoolError, match="no live vLLM engine"):
+        zero.set_weights(params, 5, rest)
+    monkeypatch.setattr(multihost, "_from_zero", bc.other)
+    with pytest.raises(TransferError, match="weight version 5 was refused"):
+        other.set_weights(params, 5, rest)
+    assert not bc.sent and not sent  # the same steps on both sides; nobody iterated a tensor

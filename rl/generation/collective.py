@@ -15,7 +15,9 @@ choice, but none of its backends (nccl, ipc, sparse_nccl, sharded_rdt, ...) runs
 apply (rl.generation.inplace), so only the wire is ours.
 
 Each sender streams its buckets (`rl.generation.bucket_sender`: header, metadata, payload, double
-buffered). Each engine receives every group in its own thread into staging buffers it keeps between
+buffered), one group per route (`rl.generation.weight_routes`: a worker of an expert-parallel engine is
+in the group of the experts it holds, and receives only those experts and every other tensor). Each
+engine receives every group in its own thread into staging buffers it keeps between
 updates and verifies bucket n (XXH3 of the received bytes, name / shape / dtype against its checkpoint
 manifest) while bucket n+1 arrives; once every sender has ended it checks that every tensor of the
 checkpoint came exactly once. This is phase 1; process 0 then commits on every engine only if every engine
@@ -37,10 +39,10 @@ import numpy as np
 
 from rl.generation import weight_routes
 from rl.generation.bucket_sender import ABORT, END, RoutedSender, SendResult
-from rl.generation.weight_group import WeightGroup
-from rl.generation.weight_routes import wants
 from rl.generation.transfer_base import (TransferError, TransferStats, abort_staged, as_transfer_error,
                                          checksum)
+from rl.generation.weight_group import WeightGroup
+from rl.generation.weight_routes import wants
 
 
 def _dtype(name: str) -> np.dtype:
@@ -214,6 +216,13 @@ def decode_address(a) -> tuple[str, int]:
     return socket.inet_ntoa(bytes(a[:4])), a[4]
 
 
+def setup_message(status: int, ip=(0, 0, 0, 0), routes: int = 0, experts: int = 0) -> np.ndarray:
+    """The first step every sender takes in an update, process 0's value agreed by all (int64[7]): status
+    (1 = build the groups, 0 = keep them, -1 = no update), process 0's IPv4 address, the number of routes and
+    of experts (the shape of the routes table agreed next)."""
+    return np.array([status, *ip, routes, experts], np.int64)
+
+
 class CollectiveTransport:
     """Process 0's side of the collective path over engine actors exposing weight_receivers / join_weight_group /
     receive_weights / commit / abort: it sends its own tensors like every other sender and alone talks to
@@ -237,7 +246,7 @@ class CollectiveTransport:
         import ray
 
         if self.connected:
-            self.peers.agree(np.zeros(7, np.int64))
+            self.peers.agree(setup_message(0))
             return 0.0
         t = time.perf_counter()
         ip = encode_address(ray.util.get_node_ip_address(), 0)[:4]
@@ -248,10 +257,10 @@ class CollectiveTransport:
             experts = 1 + max([e for r in routes for e in (r or ())], default=-1)
             table = weight_routes.encode(routes, worlds, experts)
         except Exception as e:  # noqa: BLE001 - a dead engine: no update, fresh groups next time
-            self.peers.agree(np.array([-1, *ip, 0, 0], np.int64))
+            self.peers.agree(setup_message(-1, ip))
             self.broken = True
             raise TransferError(f"asking {len(self.engines)} engines for their weight receivers failed: {e}") from None
-        self.peers.agree(np.array([1, *ip, len(routes), experts], np.int64))
+        self.peers.agree(setup_message(1, ip, len(routes), experts))
         self.peers.agree(table)
         host = decode_address([*ip, 0])[0]
         error = None

@@ -16,10 +16,10 @@ from __future__ import annotations
 import numpy as np
 from jax.experimental import multihost_utils
 
-from rl.generation.base import Rollout
 from rl.generation import weight_routes
+from rl.generation.base import Rollout
 from rl.generation.bucket_sender import RoutedSender
-from rl.generation.collective import decode_address, encode_address
+from rl.generation.collective import decode_address, encode_address, setup_message
 from rl.generation.transfer import TransferError, TransferStats, _host_views, model_tensors
 
 
@@ -56,7 +56,7 @@ def follow_push(sender: RoutedSender, peers, named_arrays, version: int) -> None
     `CollectiveTransport.connect` / `push`: (re)build its groups (one per route) when process 0 says so,
     send this process's tensors, report how it went. Never raises: process 0 decides and broadcasts the
     outcome."""
-    status, *rest = (int(x) for x in peers.agree(np.zeros(7, np.int64)))
+    status, *rest = (int(x) for x in peers.agree(setup_message(0)))
     if status < 0:  # process 0 failed before the update began: nothing is iterated anywhere
         return
     if status > 0:
@@ -150,7 +150,7 @@ class ProcessZeroPool:
             except Exception as e:  # noqa: BLE001 - re-raised below, once the others know
                 error, figures[8] = e, 1
                 if not self.peers.engaged:  # failed before the transport's first step: release the others
-                    self.peers.agree(np.array([-1, 0, 0, 0, 0], np.int64))
+                    self.peers.agree(setup_message(-1))
         else:
             follow_push(self.sender, self.peers, tensors, version)
         f = np.asarray(_from_zero(figures))
