@@ -95,7 +95,10 @@ def owned_hf_tensors(model, layout: str, process: int | None = None,
     for slot in slots:
         value = flat[slot.param].get_value()
         region = _region(slot.index, value.shape)
-        held_by = sorted(p for p, blocks in _blocks_by_process(value).items() if covers(blocks, region))
+        if isinstance(value, np.ndarray):  # a host copy every process holds (`_host_views` of a local array)
+            held_by = list(range(processes))
+        else:
+            held_by = sorted(p for p, blocks in _blocks_by_process(value).items() if covers(blocks, region))
         values.append((value, region))
         holders.append(held_by)
         sizes.append(int(np.prod(slot.shape)) * np.dtype(value.dtype).itemsize)
@@ -105,4 +108,6 @@ def owned_hf_tensors(model, layout: str, process: int | None = None,
             if owner == process:
                 yield slot.name, whole.reshape(slot.shape)
         elif owner == process:
-            yield slot.name, _local_region(value, region).reshape(slot.shape)
+            local = np.asarray(value[slot.index] if slot.index else value) if isinstance(value, np.ndarray) \
+                else _local_region(value, region)
+            yield slot.name, local.reshape(slot.shape)
