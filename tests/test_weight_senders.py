@@ -130,3 +130,11 @@ def test_a_sender_that_fails_to_pack_still_drains_its_tensors(monkeypatch):
     monkeypatch.setattr(bucket_sender, "checksum", lambda a: real(a) if a[0] != 1 else 1 // 0)
     out = bucket_sender.BucketSender(64).send(tensors(), 3)  # no group: nothing goes on a wire
     assert taken == [0, 1, 2, 3, 4] and out.error is not None and out.buckets == 0
+
+
+def test_a_sender_never_opened_drains_and_reports_it():
+    from rl.generation.bucket_sender import RoutedSender
+
+    taken = []
+    out = RoutedSender(64).send(((taken.append(i) or f"t{i}", np.zeros(2, np.float32)) for i in range(3)), 1)
+    assert taken == [0, 1, 2] and out.broken and "not in a weight group" in out.error

@@ -226,6 +226,10 @@ class RoutedSender:
     def send(self, named_arrays, version: int) -> SendResult:
         from rl.generation.weight_routes import wants
 
+        if not self.senders:  # never opened: drained all the same (collectives), reported as not in a group
+            for _ in named_arrays:
+                pass
+            return SendResult(error=f"trainer sender is not in a weight group (version {version})", broken=True)
         if len(self.senders) == 1:
             r = self.senders[0].send(named_arrays, version)
             r.route_buckets = (r.buckets,)
