@@ -73,8 +73,9 @@ def pool(tmp_path_factory):
         cluster.add_node(**node)
     cluster.wait_for_nodes()
     t0 = time.perf_counter()
-    p = VLLMPool(PoolConfig(model_dir=str(path), servers=2, tensor_parallel=2, expert_parallel=2, executor="ray", max_model_len=128,
-                            dtype="float32", ray_address=cluster.address, request_timeout_s=180, max_restarts=2),
+    p = VLLMPool(PoolConfig(model_dir=str(path), servers=2, tensor_parallel=2, expert_parallel=2, executor="ray",
+                            max_model_len=128, dtype="float32", ray_address=cluster.address, request_timeout_s=180,
+                            max_restarts=2),
                  nnx.split(model, nnx.Param, ...)[0], pad_id=0)
     print(f"pool of 2 Ray-executor TP 2 / EP 2 engines: start {time.perf_counter() - t0:.1f} s")
     p.model = model

@@ -7,9 +7,9 @@ sender, each the group of its route (`rl.generation.weight_routes`: a worker of 
 receives only the routed experts it holds, and every other tensor). It verifies every bucket (XXH3, name /
 shape / dtype against the served checkpoint, the set it should hold complete) and keeps it staged; the
 commit reloads the staged tensors in each worker (`reload_weights`, vLLM's name mapping and TP slicing:
-each rank keeps its own slice; an expert of another rank would be skipped by vLLM's loader anyway). Phase 1 and 2 are the same as for an
-in-process engine (rl.generation.collective): a rejected bucket on any worker aborts the update on every
-engine, before any worker has written a weight.
+each rank keeps its own slice; an expert of another rank would be skipped by vLLM's loader anyway).
+Phase 1 and 2 are the same as for an in-process engine (rl.generation.collective): a rejected bucket on
+any worker aborts the update on every engine, before any worker has written a weight.
 
 The methods below are collective_rpc targets mixed into vLLM's worker class (`_WorkerExtension`). A worker
 answers phase 1 with {"buckets": n} or {"error": text}, not an exception, so that the engine can raise the
