@@ -139,10 +139,8 @@ class Broadcast:
         return want
 
 
-def test_process_zero_pool_broadcasts_what_process_zero_got(monkeypatch):
-    from rl.generation import multihost
-    from rl.generation.multihost import ProcessZeroPool
-
+def _zero_model():
+    """graphdef, params, rest of a one-layer MoE model filled with zeros (what the pool wrappers convert)."""
     cfg = M3Config(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                    head_dim=8, intermediate_size=8, dense_intermediate_size=16, shared_intermediate_size=8,
                    num_local_experts=2, num_experts_per_tok=1, layer_types=("full_attention",),
@@ -151,6 +149,14 @@ def test_process_zero_pool_broadcasts_what_process_zero_got(monkeypatch):
     graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: m3jax.M3ForCausalLM(cfg, rngs=nnx.Rngs(0))),
                                        nnx.Param, ...)
     params, rest = (jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), t) for t in (params, rest))
+    return graphdef, params, rest
+
+
+def test_process_zero_pool_broadcasts_what_process_zero_got(monkeypatch):
+    from rl.generation import multihost
+    from rl.generation.multihost import ProcessZeroPool
+
+    graphdef, params, rest = _zero_model()
     fake, bc = FakePool(), Broadcast()
     zero = ProcessZeroPool(fake, graphdef, is_zero=True)
     other = ProcessZeroPool(None, graphdef, is_zero=False)
@@ -205,14 +211,7 @@ def test_a_collective_push_that_fails_before_the_transport_releases_the_other_pr
         def push(self, tensors, version):
             raise PoolError(f"no live vLLM engine to receive weight version {version}")
 
-    cfg = M3Config(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                   head_dim=8, intermediate_size=8, dense_intermediate_size=16, shared_intermediate_size=8,
-                   num_local_experts=2, num_experts_per_tok=1, layer_types=("full_attention",),
-                   mlp_layer_types=("sparse",), index_n_heads=1, index_head_dim=8, index_block_size=4,
-                   index_topk_blocks=1)
-    graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: m3jax.M3ForCausalLM(cfg, rngs=nnx.Rngs(0))),
-                                       nnx.Param, ...)
-    params, rest = (jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), t) for t in (params, rest))
+    graphdef, params, rest = _zero_model()
     bc = Broadcast()
     zero = ProcessZeroPool(NoEngines(), graphdef, is_zero=True, peers=JaxPeers())
     other = ProcessZeroPool(None, graphdef, is_zero=False, peers=JaxPeers(), sender=RoutedSender(1 << 16))

@@ -62,12 +62,12 @@ class SendResult:
                    tuple(int(x) for x in routes))
 
     @classmethod
-    def combine(cls, parts: list["SendResult"]) -> "SendResult":
-        """One process's result over its routes' groups (the stages ran side by side)."""
+    def combine(cls, parts: list["SendResult"], tensors: int, nbytes: int) -> "SendResult":
+        """One process's result over its routes' groups (the stages ran side by side); tensors / nbytes: the
+        model's, counted once (a tensor every route wants crossed the wire once per group)."""
         error = next((p.error for p in parts if p.error), None)
-        return cls(sum(p.buckets for p in parts), sum(p.bytes for p in parts), sum(p.tensors for p in parts),
-                   max(p.convert_s for p in parts), max(p.wire_s for p in parts), error, any(p.broken for p in parts),
-                   tuple(p.buckets for p in parts))
+        return cls(sum(p.buckets for p in parts), nbytes, tensors, max(p.convert_s for p in parts),
+                   max(p.wire_s for p in parts), error, any(p.broken for p in parts), tuple(p.buckets for p in parts))
 
 
 class BucketSender:
@@ -262,7 +262,6 @@ class RoutedSender:
             q.put(done)
         for t in threads:
             t.join()
-        out = SendResult.combine(results)
-        # model bytes, as with one route (a tensor every route wants crossed the wire once per group)
-        out.tensors, out.bytes, out.error = tensors, nbytes, error or out.error
+        out = SendResult.combine(results, tensors, nbytes)
+        out.error = error or out.error
         return out
