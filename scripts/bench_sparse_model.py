@@ -21,10 +21,11 @@ after one warm-up call; temp = `jit(f).lower(..).compile().memory_analysis().tem
     .venv/bin/python scripts/bench_sparse_model.py --selection --seq 4096 16384   # the indexer alone, per tiling
     .venv/bin/python scripts/bench_sparse_model.py --one-device-paths --seq 256 1024 4096
 
---one-device-paths times the sparse model's two gather paths on one device side by side (`grouped_block_attention`,
-sorted (query, block) pairs through the tiled grouped matmul, the one-device default, against the per-tile gathers
-of any mesh), for this model's shape and for the tiny release_like shape (hidden 64, 4 heads of 16, 2 kv heads, 2
-index heads, blocks of 8, top-2, batch 2).
+--one-device-paths times the sparse model's gather paths forced on one device side by side: `grouped_block_attention`
+(sorted (query, block) pairs through the tiled grouped matmul), `slot_block_attention` (each query's blocks gathered,
+batched matmuls; `one_device_path` picks one of these two by the shape) and the per-tile gathers of any mesh, for this
+model's shape and for the tiny release_like shape (hidden 64, 4 heads of 16, 2 kv heads, 2 index heads, blocks of 8,
+top-2, batch 2).
 
 --selection times only one sparse layer's block selection (`m3jax.model.sparse.select_blocks`, 2 index heads of
 64, the model's block size and top-K) for key chunks of (8, 16, 32) blocks x query tiles of (64, 128, 256).
@@ -46,6 +47,7 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from m3jax import tiny  # noqa: E402
+from m3jax.model.sparse import head_units  # noqa: E402
 
 DIMS = dict(layers=2, dense_layers=2, hidden_size=512, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
             dense_intermediate_size=1024, vocab_size=512, index_n_heads=2, index_head_dim=64, index_block_size=64,
@@ -113,30 +115,34 @@ def one_device_paths(seqs, iters: int):
     """Median ms of the sparse model with each one-device gather path forced."""
     from m3jax.model import attention
 
-    real = attention.sparse_layer_attention
-    print("| shape | S | grouped fwd | per-tile fwd | grouped f+b | per-tile f+b |")
-    print("|---|---|---|---|---|---|")
+    real = attention.one_device_path
+    paths = ("grouped", "slots", "tiles")
+    print("| shape (rows a block) | S | " + " | ".join(f"{p} fwd" for p in paths) + " | "
+          + " | ".join(f"{p} f+b" for p in paths) + " |")
+    print("|---|---|" + "---|" * 2 * len(paths))
     for shape, dims, batch in (("bench", DIMS, 1), ("tiny release_like", TINY_DIMS, 2)):
         cfg = tiny.m3_config(full_attention_layers=0, **dims)
+        g = cfg.num_attention_heads // len(head_units(cfg.num_attention_heads, cfg.num_key_value_heads,
+                                                      cfg.index_n_heads)[0])
+        rows, pick = cfg.index_topk_blocks * cfg.index_block_size * g, real(cfg.index_topk_blocks, cfg.index_block_size, g)
         for s in seqs:
             ids = jnp.asarray(tiny.random_ids(cfg, batch, s))
             runs = {}
-            for grouped in (True, False):  # read at trace time
-                def forced(*a, grouped=grouped, **k):
-                    return real(*a, **{**k, "grouped": grouped})
-                attention.sparse_layer_attention = forced
+            for path in paths:  # read at trace time; "tiles" is what a mesh runs
+                attention.one_device_path = lambda *a, path=path: path
                 params, fwd, fb = programs(tiny.m3_model(cfg, seed=0))
                 timed(fwd, params, ids), timed(fb, params, ids)  # compile + warm
-                runs[grouped] = (params, fwd, fb)
-            attention.sparse_layer_attention = real
-            times = {g: ([], []) for g in runs}
+                runs[path] = (params, fwd, fb)
+            attention.one_device_path = real
+            times = {p: ([], []) for p in runs}
             for _ in range(iters):
-                for g, (params, fwd, fb) in runs.items():
-                    times[g][0].append(timed(fwd, params, ids))
-                    times[g][1].append(timed(fb, params, ids))
-            med = {g: [statistics.median(t) for t in ts] for g, ts in times.items()}
-            print(f"| {shape} | {s} | {med[True][0]:.1f} | {med[False][0]:.1f} | {med[True][1]:.1f} | "
-                  f"{med[False][1]:.1f} |", flush=True)
+                for p, (params, fwd, fb) in runs.items():
+                    times[p][0].append(timed(fwd, params, ids))
+                    times[p][1].append(timed(fb, params, ids))
+            med = {p: [statistics.median(t) for t in ts] for p, ts in times.items()}
+            print(f"| {shape} ({rows}: {pick}) | {s} | "
+                  + " | ".join(f"{med[p][0]:.1f}" for p in paths) + " | "
+                  + " | ".join(f"{med[p][1]:.1f}" for p in paths) + " |", flush=True)
 
 
 def main():

@@ -1,10 +1,10 @@
 """Sparse layers that read only the kept key blocks (m3jax.model.sparse) against the masked reference.
 
 The reference is `masked_attention`: dense scores with the indexer's selection as a mask (what HF does).
-Both implementations of the gather path (per-tile gathers under a custom VJP for meshes, grouped
-matmuls on one device) must give its values and q/k/v gradients to fp32 rounding, for GQA shapes, key
-padding, sequences not a multiple of the block size, more than one local block and queries that see no
-key at all.
+Every implementation of the gather path (per-tile gathers under a custom VJP for meshes; grouped
+matmuls or per-query gathered slots on one device) must give its values and q/k/v gradients to fp32
+rounding, for GQA shapes, key padding, sequences not a multiple of the block size, more than one local
+block and queries that see no key at all.
 """
 
 from types import SimpleNamespace
@@ -16,7 +16,8 @@ import pytest
 
 from m3jax.model import attention
 from m3jax.model.indexer import block_ids_to_mask, key_block_scores, select_key_blocks, topk_key_blocks
-from m3jax.model.sparse import head_units, sparse_layer_attention
+from m3jax.model import sparse
+from m3jax.model.sparse import PATHS, head_units, one_device_path, slot_block_attention, sparse_layer_attention
 
 TOL = 1e-5
 
@@ -40,16 +41,14 @@ CASES = [  # b, s, h, kv, hi, tile, local blocks
 
 
 def _grid():
-    """Every case with both implementations (jitted, a few seconds each)."""
-    for i, c in enumerate(CASES):
-        for grouped in (False, True):
-            kept = True
-            name = f"b{c[0]}s{c[1]}h{c[2]}kv{c[3]}hi{c[4]}t{c[5]}l{c[6]}-{'grouped' if grouped else 'gathered'}"
-            yield pytest.param(c, grouped, id=name, marks=() if kept else (pytest.mark.extended, pytest.mark.slow))
+    """Every case with every implementation (jitted, a few seconds each)."""
+    for c in CASES:
+        for path in PATHS:
+            yield pytest.param(c, path, id=f"b{c[0]}s{c[1]}h{c[2]}kv{c[3]}hi{c[4]}t{c[5]}l{c[6]}-{path}")
 
 
-@pytest.mark.parametrize("case,grouped", list(_grid()))
-def test_values_and_gradients_equal_the_masked_path(case, grouped):
+@pytest.mark.parametrize("case,path", list(_grid()))
+def test_values_and_gradients_equal_the_masked_path(case, path):
     b, s, h, kv, hi, tile, local = case
     cfg = SimpleNamespace(index_block_size=8, index_topk_blocks=3, index_local_blocks=local, head_dim=16,
                           num_attention_heads=h)
@@ -68,7 +67,7 @@ def test_values_and_gradients_equal_the_masked_path(case, grouped):
 
     def new(q, k, v):
         return sparse_layer_attention(q, k, v, pos, valid, iq, ik, cfg, to_chunks=attention._to_chunks,
-                                      from_chunks=attention._from_chunks, tile=tile, grouped=grouped)
+                                      from_chunks=attention._from_chunks, tile=tile, path=path)
 
     assert _rel(jax.jit(ref)(q, k, v), jax.jit(new)(q, k, v)) < TOL
     # jitted: op by op, the gathered path's loops took ~11 s per case
@@ -87,10 +86,10 @@ def test_a_query_that_sees_no_key_gets_the_mean_of_v_like_the_masked_path():
     pos = jnp.broadcast_to(jnp.arange(s), (b, s))
     valid = jnp.arange(s)[None] >= 16
     ref = jax.jit(lambda *a: attention.masked_attention(*a, cfg))(q, k, v, pos, valid, iq, ik)
-    for grouped in (False, True):  # jitted: op by op, the layer's loops took ~10 s
-        out = jax.jit(lambda *a, grouped=grouped: sparse_layer_attention(
+    for path in PATHS:  # jitted: op by op, the layer's loops took ~10 s
+        out = jax.jit(lambda *a, path=path: sparse_layer_attention(
             *a, cfg, to_chunks=attention._to_chunks, from_chunks=attention._from_chunks, tile=8,
-            grouped=grouped))(q, k, v, pos, valid, iq, ik)
+            path=path))(q, k, v, pos, valid, iq, ik)
         np.testing.assert_allclose(out[0, :16], jnp.broadcast_to(v.mean(1)[:, None], (1, 16, h, 16))[0],
                                    rtol=1e-6, atol=1e-6)
         assert _rel(ref, out) < TOL
@@ -138,8 +137,9 @@ def test_head_units_pair_each_query_head_with_its_kv_and_index_head():
         head_units(6, 2, 4)
 
 
-@pytest.mark.parametrize("grouped", [pytest.param(False, marks=[pytest.mark.extended, pytest.mark.slow]), True], ids=["gathered", "grouped"])
-def test_temp_memory_grows_linearly_in_s(grouped):
+@pytest.mark.parametrize("path", [pytest.param("tiles", marks=[pytest.mark.extended, pytest.mark.slow]), "grouped",
+                                  "slots"])
+def test_temp_memory_grows_linearly_in_s(path):
     """Compiled temp memory of forward+backward at S and 4S: x4-ish (linear), not x16 (an [S, S] term)."""
     cfg = SimpleNamespace(index_block_size=64, index_topk_blocks=4, index_local_blocks=1, head_dim=64,
                           num_attention_heads=4)
@@ -150,10 +150,54 @@ def test_temp_memory_grows_linearly_in_s(grouped):
 
         def loss(q, k, v, iq, ik):
             return sparse_layer_attention(q, k, v, pos, None, iq, ik, cfg, to_chunks=attention._to_chunks,
-                                          from_chunks=attention._from_chunks, grouped=grouped).sum()
+                                          from_chunks=attention._from_chunks, path=path).sum()
 
         grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
         return grad.lower(q, k, v, iq, ik).compile().memory_analysis().temp_size_in_bytes
 
     small, large = temp(1024), temp(4096)
     assert large / small < 6, (small, large)
+
+
+def _slot_inputs(b=2, s=40, h=4, kvh=2, kk=2, bs=8, d=16, seed=5):
+    r = np.random.default_rng(seed)
+    q, k, v = (jnp.asarray(r.normal(size=(b, s, n, d)), jnp.float32) for n in (h, kvh, kvh))
+    u = kvh
+    ids = jnp.asarray(r.integers(0, -(-s // bs), (b, u, s, kk)), jnp.int32)
+    keep = jnp.asarray(r.random((b, u, s, kk, bs)) > 0.3)
+    return q, k, v, keep, ids, np.arange(u)
+
+
+def test_slot_path_in_query_chunks_equals_one_chunk(monkeypatch):
+    """Past SLOT_ELEMENTS gathered elements the queries are walked in chunks (padding the last one): the same
+    values and gradients to fp32 rounding (XLA:CPU vectorises the softmax's exp and sums by shape, so not
+    bit for bit)."""
+    q, k, v, keep, ids, kv_of = _slot_inputs()
+
+    def results():  # a new function each time, so that jit traces it again under the patched constant
+        def run(q, k, v):
+            return slot_block_attention(q, k, v, keep, ids, kv_of, block_size=8, scale=0.25)
+
+        grads = jax.jit(jax.grad(lambda *a: jnp.sum(jnp.sin(run(*a))), argnums=(0, 1, 2)))(q, k, v)
+        return jax.jit(run)(q, k, v), grads, "scan" in str(jax.make_jaxpr(run)(q, k, v))
+
+    whole, whole_grads, walked = results()
+    assert not walked
+    per_query = 2 * 2 * 2 * 2 * 8 * 16  # 2 (k and v) x B x U x K x bs x D
+    monkeypatch.setattr(sparse, "SLOT_ELEMENTS", per_query * 16)  # chunks of 16 queries: 16, 16, 8 (+8 padding)
+    chunked, chunked_grads, walked = results()
+    assert walked
+    assert _rel(whole, chunked) < 1e-6
+    for a, b in zip(chunked_grads, whole_grads):
+        assert _rel(b, a) < 1e-6
+
+
+def test_one_device_path_follows_the_rows_a_block_brings_and_unknown_paths_are_refused():
+    assert one_device_path(2, 8, 2) == "slots"  # the tiny release-like model: 32 rows a block
+    assert one_device_path(4, 64, 4) == "grouped"  # the sparse bench model: 1,024
+    assert one_device_path(2, 32, 2) == "grouped"  # exactly one 128-row tile
+    q, k, v, iq, ik = _inputs(1, 16, 2, 1, 1)
+    cfg = SimpleNamespace(index_block_size=8, index_topk_blocks=1, index_local_blocks=1, head_dim=16)
+    with pytest.raises(ValueError, match="sparse attention path 'dense'"):
+        sparse_layer_attention(q, k, v, jnp.arange(16)[None], None, iq, ik, cfg, to_chunks=attention._to_chunks,
+                               from_chunks=attention._from_chunks, path="dense")

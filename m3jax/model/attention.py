@@ -26,7 +26,7 @@ from m3jax.model.indexer_align import indexer_alignment_kl
 from m3jax.model.norms import rms_norm
 from m3jax.model.recall import indexer_recall
 from m3jax.model.rope import apply_rope
-from m3jax.model.sparse import select_blocks, sparse_layer_attention
+from m3jax.model.sparse import head_units, one_device_path, select_blocks, sparse_layer_attention
 from m3jax.model.tiles import _from_chunks, _to_chunks, causal_keep  # noqa: F401  (their home before tiles.py)
 from sharding.layout import Layout
 
@@ -125,13 +125,17 @@ def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
         replay = replay.astype(jnp.int32)
     if sparse and sparse_impl == "gather":
         k, v, ik = gather_keys(k, v, ik, layout)
-        # One device: the grouped path, which is batch invariant: a query's arithmetic does not depend on how
-        # many queries run with it, so the engine's decode steps give bitwise the trainer's full-forward logprobs
-        # (the tiny demo's gen_kl_error is 0: tests/test_trainer.py). The per-tile gathers are faster for tiny
-        # blocks (BENCHMARKS.md, issue 11 item 3) but their einsums sum in an order that follows the tile.
+        # One device: the grouped or the slot path, chosen by the config's shape alone (never by S), so that
+        # the engine's decode steps and the trainer's full forward run the same arithmetic. Neither is bitwise
+        # batch invariant on XLA:CPU (a query alone and among S others differ by 1-2 ulp: the softmax's exp
+        # and sums vectorise by shape), as the per-tile gathers are not either.
+        path = "tiles"
+        if layout.num_devices == 1:
+            units = len(head_units(q.shape[2], k.shape[2], cfg.index_n_heads)[0])
+            path = one_device_path(cfg.index_topk_blocks, cfg.index_block_size, q.shape[2] // units)
         o = sparse_layer_attention(q, k, v, positions, key_valid, iq, ik, cfg, to_chunks=_to_chunks,
                                    from_chunks=_from_chunks, n_ctx=n_ctx, constrain=layout.constrain,
-                                   grouped=layout.num_devices == 1, block_ids=replay, return_block_ids=own)
+                                   path=path, block_ids=replay, return_block_ids=own)
         if own:
             o, used = o
     elif impl == "flash":

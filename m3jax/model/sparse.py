@@ -36,6 +36,9 @@ from m3jax.model.indexer import topk_key_blocks
 _MASKED = jnp.finfo(jnp.float32).min
 QUERY_TILE = 64  # local queries per step of the per-tile gather scan (`_gathered`)
 INDEX_QUERY_TILE = 128  # local queries per step of the indexer: with 16-block key chunks the fastest on CPU at 4k-16k
+SLOT_ELEMENTS = 1 << 24  # gathered key + value elements per step of `slot_block_attention` (64 MB in fp32)
+GROUPED_TILE = 128  # rows per tile of the grouped path's matmuls
+PATHS = ("tiles", "grouped", "slots")
 
 
 def head_units(h: int, kvh: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
@@ -192,15 +195,68 @@ def grouped_block_attention(q: jax.Array, k: jax.Array, v: jax.Array, keep: jax.
     sizes = jnp.bincount(group, length=b * u * nb) * g
     pb, pu, pt = order // (u * s * kk), (order // (s * kk)) % u, (order // kk) % s
     rows = q.reshape(b, s, u, g, d).astype(jnp.float32)[pb, pt, pu].reshape(-1, d)  # [P * G, D]
-    scores = grouped_matmul(rows, _head_blocks(k, kv_of, bs), sizes, kernel=kernel) * scale
+    scores = grouped_matmul(rows, _head_blocks(k, kv_of, bs), sizes, kernel=kernel, tile=GROUPED_TILE) * scale
     scores = scores.reshape(-1, g, bs)[inverse].reshape(b, u, s, kk, g, bs)
     scores = jnp.where(keep[:, :, :, :, None, :], scores, _MASKED)
     scores = jnp.moveaxis(scores, 4, 3).reshape(b, u, s, g, kk * bs)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).astype(jnp.float32)
     probs = jnp.moveaxis(probs.reshape(b, u, s, g, kk, bs), 3, 4).reshape(-1, g, bs)[order].reshape(-1, bs)
-    out = grouped_matmul(probs, jnp.swapaxes(_head_blocks(v, kv_of, bs), 1, 2), sizes, kernel=kernel)
+    out = grouped_matmul(probs, jnp.swapaxes(_head_blocks(v, kv_of, bs), 1, 2), sizes, kernel=kernel,
+                         tile=GROUPED_TILE)
     out = out.reshape(-1, g, d)[inverse].reshape(b, u, s, kk, g, d).sum(3)  # [B, U, S, G, D]
     return jnp.moveaxis(out, 1, 2).reshape(b, s, h, d).astype(v.dtype)
+
+
+def one_device_path(topk_blocks: int, block_size: int, heads_per_unit: int) -> str:
+    """The faster one-device sparse path for a model's shape: "slots" when a key block's mean number of rows
+    in the grouped matmul, K x bs x H/U (each block is picked by K x bs queries on average, each bringing its
+    unit's H/U heads), is below one of its row tiles, else "grouped". Below a tile, the grouped path's walk
+    multiplies a whole tile for every (tile, block) segment, about S / bs loop steps of mostly wasted rows,
+    where the slot path runs a few batched matmuls (BENCHMARKS.md, issue 11: the tiny release-like model,
+    32 rows a block, and the sparse bench model, 1,024). The choice depends on the config alone, never on
+    S, so a model's decode steps and its full forward run the same path."""
+    return "slots" if topk_blocks * block_size * heads_per_unit < GROUPED_TILE else "grouped"
+
+
+def slot_block_attention(q: jax.Array, k: jax.Array, v: jax.Array, keep: jax.Array, ids: jax.Array,
+                         kv_of: np.ndarray, *, block_size: int, scale: float) -> jax.Array:
+    """Attention of q [B, S, H, D] over its selected blocks, each query's K blocks gathered (one device):
+
+        scores[b, u, i, g, k, j] = scale <q[b, i, u * G + g], K_(u)[ids[b, u, i, k] * bs + j]>   (fp32)
+        out[b, i, u * G + g]     = sum_{k, j} softmax_{k, j}(scores, masked by keep) V_(u)[ids * bs + j]
+
+    Each query is the batch element of its own [H/U, D] x [D, K bs] matmuls: a few batched ops however
+    small the blocks, where the grouped path walks ~S / bs tiles. Work follows S x K x bs; the gathered
+    keys and values (B U S K bs D each) are bounded by walking the queries in chunks of SLOT_ELEMENTS
+    under a rematerialised map. keep [B, U, S, K, bs], ids [B, U, S, K] clipped
+    block ids, kv_of [U]. -> [B, S, H, D] (a query that sees no key gets a uniform average: callers replace it).
+    """
+    b, s, h, d = q.shape
+    u, kk, bs = ids.shape[1], ids.shape[-1], block_size
+    g = h // u
+    kb, vb = to_blocks(k.astype(jnp.float32), bs), to_blocks(v.astype(jnp.float32), bs)
+    rows, heads = jnp.arange(b)[:, None, None, None], jnp.asarray(kv_of)[None, :, None, None]
+
+    def attend(qc, keep_c, ids_c):  # [B, T, H, D], [B, U, T, K, bs], [B, U, T, K]
+        t = qc.shape[1]
+        kg, vg = kb[rows, heads, ids_c], vb[rows, heads, ids_c]  # [B, U, T, K, bs, D]
+        qu = jnp.moveaxis(qc.reshape(b, t, u, g, d).astype(jnp.float32), 2, 1)  # [B, U, T, G, D]
+        scores = jnp.einsum("butgd,butkjd->butgkj", qu, kg) * scale
+        scores = jnp.where(keep_c[:, :, :, None], scores, _MASKED).reshape(b, u, t, g, kk * bs)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).astype(jnp.float32).reshape(b, u, t, g, kk, bs)
+        return jnp.moveaxis(jnp.einsum("butgkj,butkjd->butgd", probs, vg), 1, 2).reshape(b, t, h, d)
+
+    chunk = max(1, min(s, SLOT_ELEMENTS // (2 * b * u * kk * bs * d)))
+    if chunk == s:
+        return attend(q, keep, ids).astype(v.dtype)
+    n = -(-s // chunk)  # padded queries attend to block 0 with nothing kept; their rows are dropped
+
+    def split(a, axis):
+        a = jnp.pad(a, [(0, n * chunk - s if i == axis else 0) for i in range(a.ndim)])
+        return jnp.moveaxis(a.reshape(*a.shape[:axis], n, chunk, *a.shape[axis + 1:]), axis, 0)
+
+    out = jax.lax.map(jax.checkpoint(lambda xs: attend(*xs)), (split(q, 1), split(keep, 2), split(ids, 2)))
+    return jnp.moveaxis(out, 0, 1).reshape(b, n * chunk, h, d)[:, :s].astype(v.dtype)
 
 
 def select_blocks(iq: jax.Array, ik: jax.Array, positions: jax.Array, cfg, *, to_chunks, from_chunks,
@@ -221,7 +277,7 @@ def sparse_layer_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: 
                            key_valid: jax.Array | None, iq: jax.Array | None, ik: jax.Array | None, cfg, *,
                            to_chunks, from_chunks, n_ctx: int = 1, tile: int = QUERY_TILE, constrain=None,
                            block_ids: jax.Array | None = None, return_block_ids: bool = False,
-                           grouped: bool = False):
+                           path: str = "tiles"):
     """A sparse layer's attention: the indexer's top-K blocks per query, then attention over them only.
 
     q [B, S, H, D] local queries at `positions`, k/v [B, S_k, KV, D] every key slot, iq [B, S, Hi, Di],
@@ -229,8 +285,9 @@ def sparse_layer_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: 
     to_chunks / from_chunks / n_ctx: how the sequence splits into scan steps (`attention._to_chunks`:
     a step holds `tile` local queries of each of the n_ctx context shards); constrain(array, logical axes):
     the layout's sharding constraint for the chunked queries and output.
-    grouped: attend with `grouped_block_attention` (one device: the whole sequence's pairs are sorted
-    together) instead of the per-tile `_gathered` scan (any layout: each tile is a batched gather).
+    path: "tiles", the per-tile `_gathered` scan (any layout: each tile is a batched gather); on one device
+    "grouped" (`grouped_block_attention`: the whole sequence's pairs sorted together) or "slots"
+    (`slot_block_attention`); `one_device_path` picks the faster of the two for a shape.
     A query that sees no key (its blocks hold no valid slot at or before its position) outputs the mean
     of v over all S_k slots, as the masked path's all-finfo.min softmax does.
     -> o [B, S, H, D] (and the ids used, [B, S, Hi, K] int32, -1 = none, with return_block_ids).
@@ -249,8 +306,12 @@ def sparse_layer_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: 
     nb = -(-sk // bs)
     kval_blocks = jnp.pad(kval, ((0, 0), (0, nb * bs - sk))).reshape(b, nb, bs)
     keep, safe = _kept_slots(st, kval_blocks, positions, ids)  # [B, U, S, K, bs], [B, U, S, K]
-    if grouped:
+    if path not in PATHS:
+        raise ValueError(f"sparse attention path {path!r}: expected one of {PATHS}")
+    if path == "grouped":
         o = grouped_block_attention(q, k, v, keep, safe, kv_of, block_size=bs, scale=st[2], kernel="tiled")
+    elif path == "slots":
+        o = slot_block_attention(q, k, v, keep, safe, kv_of, block_size=bs, scale=st[2])
     else:
         constrain = constrain or (lambda a, axes: a)
         chunked = (None, "act_batch", "act_seq", "act_heads", None)
