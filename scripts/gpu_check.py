@@ -16,8 +16,8 @@ Prints one JSON line per check; keep the output with BENCHMARKS.md. Checks:
 6. attention kernels at one M3 layer's shapes (64 query heads, 4 KV heads x 128, bf16, causal): the dense
    path (`attention_impl: dense`), `flash` (m3jax.model.flash), cuDNN through `jax.nn.dot_product_attention`
    for the full layer; for a sparse layer (the indexer's top-16 shape, ids replayed): the masked dense path,
-   masked flash, and `model.sparse_attention: gather`'s two implementations (m3jax.model.sparse: per-tile
-   gathers, the meshes' path; grouped matmuls, one device's): forward and forward+backward times, each
+   masked flash, and `model.sparse_attention: gather`'s three implementations (m3jax.model.sparse: per-tile
+   gathers, the meshes' path; grouped matmuls and gathered slots, one device's, picked by shape): forward and forward+backward times, each
    output against the dense (masked) path's; at 1,024 and 8,192 keys (whether `attention_impl: auto`, flash
    from 512 keys as measured on CPU, should switch elsewhere on a GPU);
 7. the LM head: token logprobs and their gradient from full [T, 200064] logits vs `model.logprob_chunk_tokens`
@@ -196,10 +196,10 @@ def attention_kernels(small: bool, seq: int):
     block_mask = block_ids_to_mask(ids, nb)  # [B, KV, S, nb]
     sparse_cfg = SimpleNamespace(index_block_size=bs, index_topk_blocks=topk, index_local_blocks=1, head_dim=hd)
 
-    def sparse(grouped):
+    def sparse(path):
         return lambda q, k, v: sparse_layer_attention(
             q, k, v, pos, None, None, None, sparse_cfg, to_chunks=_to_chunks, from_chunks=_from_chunks,
-            block_ids=jnp.moveaxis(ids, 1, 2), grouped=grouped)
+            block_ids=jnp.moveaxis(ids, 1, 2), path=path)
 
     kernels = {
         "dense": lambda q, k, v: gqa_attention(q, k, v, causal_keep(pos, None, seq), scale),
@@ -208,8 +208,9 @@ def attention_kernels(small: bool, seq: int):
             q, k, v, causal_keep(pos, None, seq) & block_mask_to_tokens(block_mask, bs, seq, h), scale),
         "flash_sparse": lambda q, k, v: flash_attention(q, k, v, scale=scale, positions=pos, block_mask=block_mask,
                                                         block_size=bs, k_tile=bs),
-        "gathered_sparse": sparse(False),
-        "grouped_sparse": sparse(True),
+        "gathered_sparse": sparse("tiles"),
+        "grouped_sparse": sparse("grouped"),
+        "slots_sparse": sparse("slots"),
         "cudnn": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
                                                               implementation="cudnn"),
     }
