@@ -9,7 +9,7 @@ this run. Transports: `ray` (Ray object store) and `collective` (a gloo group, r
 apply: `auto` (one copy in place, rl.generation.inplace) or `reload` (vLLM's reload_weights).
 
     .venv/bin/python scripts/bench_weight_transfer.py [--engines 1 2] [--transport ray collective]
-        [--apply auto reload] [--large] [--bucket-mb 64] [--repeats 3]
+        [--apply auto reload] [--large] [--bucket-mb 64] [--repeats 3] [--tensor-parallel 2]
 """
 
 from __future__ import annotations
@@ -64,6 +64,9 @@ def main():
     ap.add_argument("--apply", nargs="+", default=["auto"], choices=["auto", "reload"],
                     help="engine weight apply: auto (in place where covered) or reload (vLLM reload_weights)")
     ap.add_argument("--large", action="store_true", help="a 1.03 GB model instead of 287 MB")
+    ap.add_argument("--tensor-parallel", type=int, default=1,
+                    help="ranks per engine: > 1 runs vLLM's mp executor (worker processes, each writes its slice; "
+                         "expert parallel over the same ranks), staged under /dev/shm on the ray transport")
     a = ap.parse_args()
 
     import jax
@@ -88,9 +91,10 @@ def main():
         for n, apply, transport in ((n, ap_, t) for n in a.engines for ap_ in a.apply for t in a.transport):
             pool = VLLMPool(PoolConfig(model_dir=path, servers=n, max_model_len=256, dtype="float32",
                                        bucket_bytes=a.bucket_mb << 20, request_timeout_s=600, transport=transport,
-                                       weight_apply=apply), graphdef)
+                                       weight_apply=apply, tensor_parallel=a.tensor_parallel,
+                                       expert_parallel=a.tensor_parallel), graphdef)
             modes = sorted({m for m, _ in ray.get([s.actor.apply_mode.remote() for s in pool.slots])})
-            tag = f"{n} engine(s), {transport}, apply {'/'.join(modes)}"
+            tag = f"{n} engine(s) of TP {a.tensor_parallel}, {transport}, apply {'/'.join(modes)}"
             rows = []
             for i in range(a.repeats):
                 s = pool.set_weights(params2 if i % 2 == 0 else params, i + 1, rest)

@@ -1,6 +1,7 @@
 """VLLMEngine with vLLM's multiprocess executor: tensor parallel 2 with expert parallel 2 on
 CPU workers over gloo, the CPU patches applied in every worker through `worker_extension_cls`, and
-weight updates staged as safetensors under /dev/shm. Same tiny model and trainer reference as
+weight updates staged as safetensors under /dev/shm, which each worker writes into its loaded parameters
+in place (its rank's slice, one copy, then the oneDNN re-pack). Same tiny model and trainer reference as
 tests/test_vllm_engine.py.
 
 SLOW (~1 min on 2 busy cores): one TP=2 / EP=2 engine spawning two worker processes (~2.5 GB RSS each),
@@ -39,6 +40,8 @@ def engine(request, models):
                      expert_parallel=request.param)
     print(f"mp engine TP=2 EP={request.param} start {time.perf_counter() - t0:.1f} s "
           f"(LLM() {eng.start_seconds:.1f} s)")
+    # weight_apply auto: each worker writes its rank's slice in place (rl.generation.vllm_worker_weights)
+    assert (eng.apply_mode, eng.apply_fallback) == ("inplace", None)
     yield eng
     eng.shutdown()
     assert not eng.health()["ok"]

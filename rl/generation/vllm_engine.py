@@ -80,7 +80,8 @@ class VLLMEngine:
         expert_parallel: 1, or equal to tensor_parallel (vLLM's expert parallelism spans the TP ranks).
         executor: "uni", "mp" or "ray"; None picks "uni" for one rank and "mp" for more.
         weight_apply: how `load_weights` writes an update. "inplace": one copy into the loaded parameters
-        plus the oneDNN re-pack (`rl.generation.inplace`; in-process executor only); "reload": vLLM's
+        plus the oneDNN re-pack (`rl.generation.inplace`; in this process, or in each worker of the mp and
+        ray executors); "reload": vLLM's
         `reload_weights`; "auto": inplace when it covers every layer of the model, else reload
         (`apply_mode` / `apply_fallback` say which and why).
         return_routes: `generate` also returns each request's MoE routes (`rl.generation.vllm_results`); GPU only."""
@@ -150,12 +151,17 @@ class VLLMEngine:
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
 
     def _setup_apply(self, want: str) -> None:
-        """Pick the weight-apply path; an in-process engine whose every layer the in-place applier covers
-        gets it (see rl.generation.inplace), anything else keeps vLLM's reload_weights."""
+        """Pick the weight-apply path: an engine whose every layer (in every worker) the in-place applier
+        covers gets it (see rl.generation.inplace), anything else keeps vLLM's reload_weights."""
         if want == "reload":
             return
-        if self.executor != "uni":
-            why = f"worker processes (executor {self.executor!r}) hold the model out of this process"
+        if self.executor != "uni":  # each worker process applies its own rank's slice (vllm_worker_weights)
+            missing = [why for why in self.llm.collective_rpc("m3jax_setup_apply") if why]
+            if not missing:
+                self.apply_mode = "inplace"
+                return
+            self.llm.collective_rpc("m3jax_drop_apply")  # the ranks of one engine apply alike
+            why = "; ".join(missing)
         else:
             from rl.generation.inplace import InplaceApplier
             applier = self.llm.apply_model(InplaceApplier)[0]
@@ -216,7 +222,7 @@ class VLLMEngine:
         return self.llm.collective_rpc("m3jax_local_experts")
 
     def commit_in_workers(self, version: int, num_buckets: int) -> None:
-        """Phase 2 of a collective update the Ray executor's workers staged: each reloads its tensors."""
+        """Phase 2 of a collective update the Ray executor's workers staged: each writes its tensors."""
         self._check_alive()
         self._apply("m3jax_commit_weights", {"version": version, "num_buckets": num_buckets})
         self.llm.reset_prefix_cache()

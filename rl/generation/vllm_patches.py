@@ -341,17 +341,21 @@ class _WorkerExtension(WorkerWeights):
         return [p.name for p in selected_patches() if not isinstance(p, ImportPatch) and p.installed()]
 
     def m3jax_reload_weights(self, weights_path: str) -> None:
-        """`reload_weights` from a checkpoint directory that is deleted right after.
-
-        vLLM re-points `model_config.model` at `weights_path` for good; the worker must keep naming the
-        checkpoint it was started from, not a staging directory that no longer exists.
+        """Write the update staged in a checkpoint directory that is deleted right after: in place when set
+        up (`m3jax_write_weights`), else `reload_weights`, which re-points `model_config.model` at
+        `weights_path` for good: the worker must keep naming the checkpoint it was started from, not a
+        staging directory that no longer exists.
         """
+        if self._m3jax_applier is not None:
+            from rl.generation.vllm_staging import staged_tensors
+            return self.m3jax_write_weights(staged_tensors(weights_path))
         config = self.vllm_config.model_config
         served = config.model, config.model_weights, config.revision
         try:
             self.reload_weights(weights_path=weights_path, is_checkpoint_format=True)
         finally:
             config.model, config.model_weights, config.revision = served
+
 
 
 def worker_setup() -> None:

@@ -1,6 +1,6 @@
 """A weight update handed to vLLM's worker processes as files ("mp" and "ray" executors, rl.generation.vllm_engine):
 collective_rpc would pickle tensors into plain lists (stack-notes §8), so the engine writes the update once
-as a safetensors file under /dev/shm, which every worker on this host reloads from."""
+as a safetensors file under /dev/shm, which every worker on this host reads back (`staged_tensors`)."""
 
 from __future__ import annotations
 
@@ -42,3 +42,18 @@ def staged_checkpoint(items: list[tuple[str, np.ndarray]], root: str = STAGING_R
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(final, ignore_errors=True)
+
+
+def staged_tensors(path: str):
+    """(name, torch tensor) of every tensor in the safetensors files of a staged directory: views of the
+    files' pages (RAM-backed under /dev/shm), so a worker copies only the slice its rank keeps. Every header
+    is checked (offsets inside the file) before its first tensor is handed out."""
+    from m3jax.hf.safetensors_io import read_header
+    from rl.generation.vllm_worker_weights import to_torch
+
+    for f in sorted(n for n in os.listdir(path) if n.endswith(".safetensors")):
+        file = os.path.join(path, f)
+        infos = read_header(file)
+        pages = np.memmap(file, dtype=np.uint8, mode="c")  # copy on write: a loader writing into it cannot fault
+        for name, info in infos.items():
+            yield name, to_torch(pages[info.start:info.end].view(info.np_dtype).reshape(info.shape))

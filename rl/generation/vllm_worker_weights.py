@@ -6,8 +6,11 @@ reach them. On the `collective` transport each worker therefore joins the weight
 sender, each the group of its route (`rl.generation.weight_routes`: a worker of an expert-parallel engine
 receives only the routed experts it holds, and every other tensor). It verifies every bucket (XXH3, name /
 shape / dtype against the served checkpoint, the set it should hold complete) and keeps it staged; the
-commit reloads the staged tensors in each worker (`reload_weights`, vLLM's name mapping and TP slicing:
-each rank keeps its own slice; an expert of another rank would be skipped by vLLM's loader anyway).
+commit writes the staged tensors in each worker through vLLM's own name mapping and TP slicing (each rank
+keeps its own slice; an expert of another rank is skipped by vLLM's loader): in place, one copy into the
+loaded parameters plus the oneDNN re-pack (`rl.generation.inplace`), when the applier covers the worker's
+model (`m3jax_setup_apply`), else vLLM's `reload_weights`. An update staged under /dev/shm (executor mp,
+or ray on one host) is written the same way (`m3jax_write_weights`).
 Phase 1 and 2 are the same as for an in-process engine (rl.generation.collective): a rejected bucket on
 any worker aborts the update on every engine, before any worker has written a weight.
 
@@ -41,6 +44,31 @@ class WorkerWeights:
     """A vLLM worker's end of the collective weight group (mixed into `_WorkerExtension`)."""
 
     _m3jax_receiver = None
+    _m3jax_applier = None  # rl.generation.inplace.InplaceApplier once the engine chose the in-place apply
+
+    def m3jax_setup_apply(self) -> str | None:
+        """Build the in-place applier for this worker's model: None when it covers every layer (kept, and
+        used by every later write), else why not (this worker keeps `reload_weights`)."""
+        from rl.generation.inplace import InplaceApplier
+
+        applier = InplaceApplier(self.model_runner.model)
+        missing = applier.uncovered()
+        if missing:
+            return f"worker {self.rank}: layers not covered: {missing}"
+        self._m3jax_applier = applier
+        return None
+
+    def m3jax_drop_apply(self) -> None:
+        """Back to `reload_weights` (another rank is not covered: the engine's ranks apply alike)."""
+        self._m3jax_applier = None
+
+    def m3jax_write_weights(self, tensors) -> None:
+        """Write (HF name, torch tensor) pairs, the whole served set: in place when set up, else through vLLM's
+        `reload_weights` (names mapped, this rank's slice taken, the layers' post-load processing re-run)."""
+        if self._m3jax_applier is not None:
+            self._m3jax_applier.apply(tensors)
+        else:
+            self.reload_weights(weights_iterator=tensors, is_checkpoint_format=True)
 
     def m3jax_local_experts(self) -> list[int] | None:
         """The routed experts this worker holds (global ids), or None when it holds all of them (no expert
@@ -79,12 +107,10 @@ class WorkerWeights:
             return {"error": str(e)}
 
     def m3jax_commit_weights(self, version: int, num_buckets: int) -> None:
-        """Phase 2: reload the staged tensors (vLLM's checkpoint-format reload: names mapped, this rank's
-        slice taken, the layers' post-load processing re-run), then drop them."""
+        """Phase 2: write the staged tensors (`m3jax_write_weights`), then drop them."""
         receiver = self._m3jax_receiver
         try:
-            tensors = ((name, to_torch(a)) for name, a in receiver.tensors(version, num_buckets))
-            self.reload_weights(weights_iterator=tensors, is_checkpoint_format=True)
+            self.m3jax_write_weights((name, to_torch(a)) for name, a in receiver.tensors(version, num_buckets))
         finally:
             receiver.clear()
 
