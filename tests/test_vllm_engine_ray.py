@@ -96,6 +96,8 @@ def test_workers_span_two_nodes_and_logprobs_equal_the_trainer(pool):
         table = ray.util.placement_group_table(s.group)
         assert table["strategy"] == "STRICT_SPREAD" and table["state"] == "CREATED"
         assert len({w["node"] for w in workers}) == 2, workers  # rank 0 and rank 1 on two Ray nodes
+    # every worker writes updates into its own parameters in place (rl.generation.vllm_worker_weights)
+    assert ray.get([s.actor.apply_mode.remote() for s in pool.slots]) == [("inplace", None)] * 2
     ps = prompts([5, 11, 8])
     greedy = SamplingParams(max_new_tokens=12, temperature=0.0)
     r = pool.generate(ps, greedy, jax.random.key(0))
