@@ -49,9 +49,12 @@ class WorkerWeights:
     def m3jax_setup_apply(self) -> str | None:
         """Build the in-place applier for this worker's model: None when it covers every layer (kept, and
         used by every later write), else why not (this worker keeps `reload_weights`)."""
-        from rl.generation.inplace import InplaceApplier
+        try:  # vLLM internals it reads (the reload layout records) may be missing on another platform
+            from rl.generation.inplace import InplaceApplier
 
-        applier = InplaceApplier(self.model_runner.model)
+            applier = InplaceApplier(self.model_runner.model)
+        except Exception as e:
+            return f"worker {self.rank}: no in-place applier ({type(e).__name__}: {e})"
         missing = applier.uncovered()
         if missing:
             return f"worker {self.rank}: layers not covered: {missing}"
