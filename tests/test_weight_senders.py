@@ -138,3 +138,70 @@ def test_a_sender_never_opened_drains_and_reports_it():
     taken = []
     out = RoutedSender(64).send(((taken.append(i) or f"t{i}", np.zeros(2, np.float32)) for i in range(3)), 1)
     assert taken == [0, 1, 2] and out.broken and "not in a weight group" in out.error
+
+
+class _RecordingGroup:
+    """A weight group that keeps what is broadcast into it: (header, metadata JSON, payload bytes) per bucket."""
+
+    def __init__(self):
+        self.sent, self.closed = [], False
+
+    def broadcast(self, t):
+        self.sent.append(t.clone())
+        return self
+
+    def wait(self):
+        pass
+
+    def close(self):
+        self.closed = True
+
+    def buckets(self):
+        import json
+
+        out, i = [], 0
+        while i < len(self.sent):
+            head = self.sent[i].tolist()
+            if head[0] != 0:  # END / ABORT
+                out.append(("end", head))
+                i += 1
+                continue
+            meta = json.loads(bytes(self.sent[i + 1].tolist()))
+            out.append((head, meta, self.sent[i + 2].numpy().tobytes()))
+            i += 3
+        return out
+
+
+def test_routed_buckets_are_packed_once_and_each_group_gets_exactly_its_tensors(monkeypatch):
+    """Three routes (everything, expert 0, expert 1): a tensor every route wants is packed and hashed once and
+    broadcast into all three groups from the same buffer; each group numbers its own buckets from 0 and ends
+    with END and its count; the buffers stay at depth + open_buckets - 1, not depth per route."""
+    from rl.generation import bucket_sender
+
+    hashed = []
+    real = bucket_sender.checksum
+    monkeypatch.setattr(bucket_sender, "checksum", lambda a: hashed.append(1) or real(a))
+    expert = "language_model.model.layers.0.block_sparse_moe.experts.{}.w1.weight"
+    named = [("language_model.model.embed_tokens.weight", np.arange(40, dtype=np.float32)),
+             (expert.format(0), np.full(30, 1, np.float32)), (expert.format(1), np.full(30, 2, np.float32)),
+             ("language_model.model.norm.weight", np.ones(8, np.float32)),
+             (expert.format(0).replace("w1", "w2"), np.full(30, 3, np.float32))]
+    sender = bucket_sender.RoutedSender(256)
+    sender.routes = [None, frozenset({0}), frozenset({1})]
+    sender.senders = [bucket_sender.BucketSender(256) for _ in sender.routes]
+    for s in sender.senders:
+        s.group = _RecordingGroup()
+    out = sender.send(iter(named), 7)
+    assert out.error is None and out.tensors == len(named) == len(hashed)
+    assert out.bytes == sum(a.nbytes for _, a in named)
+    assert len(sender._buffers.slots) <= 2 + 2 - 1
+    for g, route in enumerate(sender.routes):
+        buckets = sender.senders[g].group.buckets()
+        *data, end = buckets
+        assert end == ("end", [bucket_sender.END, 0, 0, len(data)]) and out.route_buckets[g] == len(data)
+        assert [head[3] for head, _, _ in data] == list(range(len(data)))  # this group's own numbering
+        got = {r["name"]: np.frombuffer(payload[r["offset"]:r["offset"] + r["nbytes"]], np.float32)
+               for _, meta, payload in data for r in meta}
+        wanted = {n: a for n, a in named if route is None or ".experts." not in n or f".experts.{min(route)}." in n}
+        assert sorted(got) == sorted(wanted), g
+        assert all(np.array_equal(got[n], wanted[n]) for n in wanted)

@@ -205,10 +205,11 @@ def test_expert_parallel_workers_receive_only_their_experts(ray_local):
         (_, whole), = ray.get(handles[0].states.remote())
         workers = ray.get(handles[1].states.remote())
         want = dict(_named_moe(1))
-        assert list(whole) == list(want)
+        # buckets group the tensors by the routes that want them, so they arrive in another order
+        assert sorted(whole) == sorted(want)
         for r, (version, got) in enumerate(workers):
             mine = [n for n in want if ".experts." not in n or f".experts.{r}." in n]
-            assert version == 1 and list(got) == mine, r
+            assert version == 1 and sorted(got) == sorted(mine), r
             assert all(np.array_equal(got[n].view(np.uint8), want[n].view(np.uint8)) for n in mine)
         # worker 1 misses its expert: refused with the name, nothing applied anywhere
         missing = "language_model.model.layers.0.block_sparse_moe.experts.1.w2.weight"

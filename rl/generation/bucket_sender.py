@@ -10,6 +10,13 @@ Per bucket (fixed size `bucket_bytes`; a larger tensor travels alone) the sender
   3. the payload: the tensors packed at 64-byte-aligned offsets.
 A thread packs bucket n+1 (XXH3 of each source array) while bucket n is on the wire: `depth` buffers,
 kept between updates.
+
+With expert parallel engines a sender has one group per route (`RoutedSender`, rl.generation.weight_routes):
+a bucket holds tensors wanted by the same groups and is packed (and hashed) once, then broadcast into each
+of them in turn. So the buffers do not multiply with the routes: `depth` plus one for each further bucket
+being filled (`open_buckets` = 2: the tensors every route wants, and the current route's experts), 3 in all,
+where a stream per route held depth x routes (8 GB per sender in the 32-node recipe: 16 routes x 2 x 256 MB,
+now 768 MB), and a tensor every route wants is packed and hashed once instead of once per route.
 """
 
 from __future__ import annotations
@@ -61,27 +68,23 @@ class SendResult:
         return cls(int(a[0]), int(a[1]), int(a[2]), float(a[3]), float(a[4]), error, bool(a[6]),
                    tuple(int(x) for x in routes))
 
-    @classmethod
-    def combine(cls, parts: list["SendResult"], tensors: int, nbytes: int) -> "SendResult":
-        """One process's result over its routes' groups (the stages ran side by side); tensors / nbytes: the
-        model's, counted once (a tensor every route wants crossed the wire once per group)."""
-        error = next((p.error for p in parts if p.error), None)
-        return cls(sum(p.buckets for p in parts), nbytes, tensors, max(p.convert_s for p in parts),
-                   max(p.wire_s for p in parts), error, any(p.broken for p in parts), tuple(p.buckets for p in parts))
 
 
 class BucketSender:
     """Rank 0 of one weight group: `open` serves its rendezvous, `connect` waits for the engines, `send`
-    streams one update's tensors. `send` never raises: a failure is reported in its SendResult, after the
-    tensors were drained (on a multi-host trainer they may hold collectives every process must join)."""
+    streams one update's tensors (every one into this group). `send` never raises: a failure is reported in
+    its SendResult, after the tensors were drained (on a multi-host trainer they may hold collectives every
+    process must join)."""
 
     def __init__(self, bucket_bytes: int, depth: int = 2, timeout_s: float = 600.0, device: str = "cpu"):
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes={bucket_bytes}: expected >= 1")
+        if depth < 1:
+            raise ValueError(f"depth={depth}: expected >= 1")
         self.bucket_bytes, self.depth, self.timeout_s = bucket_bytes, depth, timeout_s
         self.device, self.backend = device, ("nccl" if device.startswith("cuda") else "gloo")
         self.group = None
-        self._slots: list = [None] * depth  # the double buffer, kept between updates
+        self._buffers = _Buffers(bucket_bytes, device)
 
     def open(self, host: str, world: int) -> int:
         """Serve a new group's rendezvous on `host`; returns its port (the engines join it there)."""
@@ -100,86 +103,127 @@ class BucketSender:
         if group is not None:
             group.close()
 
-    def _slot(self, i: int, nbytes: int):
-        import torch
-
-        if self._slots[i] is None or self._slots[i].numel() < nbytes:
-            self._slots[i] = torch.empty(max(nbytes, self.bucket_bytes), dtype=torch.uint8, device=self.device)
-        return self._slots[i]
-
     def send(self, named_arrays, version: int) -> SendResult:
+        return stream_buckets([self], lambda name: (0,), named_arrays, version, self._buffers, self.depth, 1)
+
+
+class _Buffers:
+    """Bucket buffers by slot, kept between updates; a slot grows only for a tensor that travels alone."""
+
+    def __init__(self, bucket_bytes: int, device: str):
+        self.bucket_bytes, self.device, self.slots = bucket_bytes, device, {}
+
+    def get(self, slot: int, nbytes: int):
         import torch
 
-        out = SendResult()
-        free: queue.Queue = queue.Queue()
-        for i in range(self.depth):
-            free.put(i)
-        ready: queue.Queue = queue.Queue()
-        conv = {"error": None}
+        buf = self.slots.get(slot)
+        if buf is None or buf.numel() < nbytes:
+            buf = self.slots[slot] = torch.empty(max(nbytes, self.bucket_bytes), dtype=torch.uint8,
+                                                 device=self.device)
+        return buf
 
-        it = iter(named_arrays)
 
-        def produce():
-            try:
-                slot, index, off, records = free.get(), 0, 0, []
+def stream_buckets(senders: list, targets, named_arrays, version: int, buffers: _Buffers, depth: int,
+                   open_buckets: int) -> SendResult:
+    """Pack `named_arrays` into buckets and broadcast each into the groups `targets(name)` (indices into
+    `senders`, each a BucketSender holding its group) that want its tensors.
+
+    A packing thread keeps at most `open_buckets` buckets being filled, one per target set (when a new set
+    needs one, the oldest is sent as it is), and hands full ones to this thread, which broadcasts each into
+    its groups in turn (header, metadata, payload; every group numbers its own buckets from 0) while the next
+    fill: depth + open_buckets - 1 buffers (`depth` = 2: the double buffer of one target set; one more per
+    further set being filled). Then END into every group, or ABORT after a packing failure. A
+    broadcast that fails leaves the groups out of step: every one is closed (its peers fail now, not at the
+    timeout) and the result says `broken`.
+    """
+    import torch
+
+    out = SendResult(route_buckets=tuple(0 for _ in senders))
+    free: queue.Queue = queue.Queue()
+    for i in range(depth + open_buckets - 1):
+        free.put(i)
+    ready: queue.Queue = queue.Queue()
+    conv = {"error": None}
+    it = iter(named_arrays)
+    limit = buffers.bucket_bytes
+
+    def produce():
+        filling: dict = {}  # target set -> [slot, records, end offset], oldest first
+
+        def hand_over(target):
+            slot, records, end = filling.pop(target)
+            ready.put((slot, target, records, end))
+
+        try:
+            while (item := next(it, None)) is not None:
+                name, a = item
+                target = tuple(targets(name))
+                a = np.ascontiguousarray(a)
+                bucket = filling.get(target)
+                start = 0 if bucket is None else -(-bucket[2] // ALIGN) * ALIGN
+                if bucket is not None and start + a.nbytes > limit:
+                    hand_over(target)
+                    bucket, start = None, 0
+                if bucket is None:
+                    if len(filling) >= open_buckets:
+                        hand_over(next(iter(filling)))
+                    bucket = filling[target] = [free.get(), [], 0]
                 s = time.perf_counter()
-                while (item := next(it, None)) is not None:
-                    name, a = item
-                    a = np.ascontiguousarray(a)
-                    start = -(-off // ALIGN) * ALIGN
-                    if records and start + a.nbytes > self.bucket_bytes:
-                        out.convert_s += time.perf_counter() - s
-                        ready.put((slot, index, records, off))
-                        slot, index, off, records, start = free.get(), index + 1, 0, [], 0
-                        s = time.perf_counter()
-                    buf = self._slot(slot, start + a.nbytes)  # grows only for a tensor that travels alone
-                    if a.nbytes:
-                        buf[start:start + a.nbytes].copy_(_as_bytes(a))
-                    records.append({"name": name, "shape": list(a.shape), "dtype": str(a.dtype),
-                                    "checksum": checksum(a), "offset": start, "nbytes": a.nbytes})
-                    off, out.tensors = start + a.nbytes, out.tensors + 1
+                buf = buffers.get(bucket[0], start + a.nbytes)
+                if a.nbytes:
+                    buf[start:start + a.nbytes].copy_(_as_bytes(a))
+                bucket[1].append({"name": name, "shape": list(a.shape), "dtype": str(a.dtype),
+                                  "checksum": checksum(a), "offset": start, "nbytes": a.nbytes})
+                bucket[2], out.tensors = start + a.nbytes, out.tensors + 1
                 out.convert_s += time.perf_counter() - s
-                if records:
-                    ready.put((slot, index, records, off))
-            except BaseException as e:  # reported below
-                conv["error"] = e
-                try:  # the rest is drained unsent: on a multi-host trainer it holds gathers the others wait in
-                    for _ in it:
-                        pass
-                except BaseException:  # noqa: BLE001 - the source itself failed: nothing more to drain
+            for target in list(filling):
+                hand_over(target)
+        except BaseException as e:  # reported below
+            conv["error"] = e
+            try:  # the rest is drained unsent: on a multi-host trainer it holds gathers the others wait in
+                for _ in it:
                     pass
-            ready.put(None)
+            except BaseException:  # noqa: BLE001 - the source itself failed: nothing more to drain
+                pass
+        ready.put(None)
 
-        threading.Thread(target=produce, daemon=True, name="weight-pack").start()
-        wire_ok = self.group is not None
-        if not wire_ok:
-            out.error, out.broken = f"trainer sender is not in a weight group (version {version})", True
-        while (item := ready.get()) is not None:  # after a wire failure: drained without sending
-            slot, index, records, nbytes = item
-            if wire_ok:
-                s = time.perf_counter()
-                try:
-                    meta = torch.frombuffer(bytearray(json.dumps(records).encode()), dtype=torch.uint8)
-                    head = torch.tensor([BUCKET, meta.numel(), nbytes, index], dtype=torch.int64)
-                    for t in (head.to(self.device), meta.to(self.device), self._slots[slot][:nbytes]):
-                        self.group.broadcast(t).wait()
-                    out.buckets, out.bytes = out.buckets + 1, out.bytes + sum(r["nbytes"] for r in records)
-                except Exception as e:  # noqa: BLE001 - a peer died: the group is out of step
-                    wire_ok, out.error, out.broken = False, f"weight group broadcast failed: {e}", True
-                out.wire_s += time.perf_counter() - s
-            free.put(slot)
-        if conv["error"] is not None and out.error is None:
-            out.error = f"converting the weights of version {version} failed: {conv['error']!r}"
+    threading.Thread(target=produce, daemon=True, name="weight-pack").start()
+    counts = [0] * len(senders)
+    wire_ok = all(s.group is not None for s in senders)
+    if not wire_ok:
+        out.error, out.broken = f"trainer sender is not in a weight group (version {version})", True
+    while (item := ready.get()) is not None:  # after a wire failure: drained without sending
+        slot, target, records, nbytes = item
         if wire_ok:
-            end = ABORT if out.error is not None else END
+            s = time.perf_counter()
             try:
-                self.group.broadcast(torch.tensor([end, 0, 0, out.buckets], dtype=torch.int64,
-                                                  device=self.device)).wait()
-            except Exception as e:  # noqa: BLE001
-                wire_ok, out.error, out.broken = False, out.error or f"weight group broadcast failed: {e}", True
-        if not wire_ok and self.group is not None:
-            self.close()  # peers blocked in this group fail now instead of at the timeout
-        return out
+                meta = torch.frombuffer(bytearray(json.dumps(records).encode()), dtype=torch.uint8)
+                meta = meta.to(buffers.device)
+                for g in target:
+                    head = torch.tensor([BUCKET, meta.numel(), nbytes, counts[g]], dtype=torch.int64)
+                    for t in (head.to(buffers.device), meta, buffers.slots[slot][:nbytes]):
+                        senders[g].group.broadcast(t).wait()
+                    counts[g] += 1
+                out.bytes += sum(r["nbytes"] for r in records)
+            except Exception as e:  # noqa: BLE001 - a peer died: the groups are out of step
+                wire_ok, out.error, out.broken = False, f"weight group broadcast failed: {e}", True
+            out.wire_s += time.perf_counter() - s
+        free.put(slot)
+    if conv["error"] is not None and out.error is None:
+        out.error = f"converting the weights of version {version} failed: {conv['error']!r}"
+    if wire_ok:
+        end = ABORT if out.error is not None else END
+        try:
+            for g, sender in enumerate(senders):
+                sender.group.broadcast(torch.tensor([end, 0, 0, counts[g]], dtype=torch.int64,
+                                                    device=buffers.device)).wait()
+        except Exception as e:  # noqa: BLE001
+            wire_ok, out.error, out.broken = False, out.error or f"weight group broadcast failed: {e}", True
+    if not wire_ok:
+        for sender in senders:
+            sender.close()
+    out.buckets, out.route_buckets = sum(counts), tuple(counts)
+    return out
 
 
 def _as_bytes(a: np.ndarray):
@@ -195,15 +239,20 @@ def _as_bytes(a: np.ndarray):
 
 
 class RoutedSender:
-    """One BucketSender per route (rl.generation.weight_routes): every tensor streams into each group whose
-    receivers want it, the groups side by side. With one route it is exactly one BucketSender."""
+    """One weight group per route (rl.generation.weight_routes), fed by one stream: a tensor goes into each
+    group whose receivers want it (`stream_buckets`). With one route it is exactly one BucketSender."""
 
-    def __init__(self, bucket_bytes: int, depth: int = 2, timeout_s: float = 600.0, device: str = "cpu"):
+    def __init__(self, bucket_bytes: int, depth: int = 2, timeout_s: float = 600.0, device: str = "cpu",
+                 open_buckets: int = 2):
         BucketSender(bucket_bytes, depth, timeout_s, device)  # the argument checks, before anything is built
+        if open_buckets < 1:
+            raise ValueError(f"open_buckets={open_buckets}: expected >= 1")
         self._args = (bucket_bytes, depth, timeout_s, device)
+        self.depth, self.open_buckets = depth, open_buckets
         self.backend = "nccl" if device.startswith("cuda") else "gloo"
         self.routes: list = []
         self.senders: list[BucketSender] = []
+        self._buffers = _Buffers(bucket_bytes, device)  # shared by the routes' groups, kept between updates
 
     def open(self, host: str, routes: list, worlds: list[int]) -> list[int]:
         """Serve one group per route (of `worlds[g]` ranks); returns their ports."""
@@ -230,38 +279,10 @@ class RoutedSender:
             for _ in named_arrays:
                 pass
             return SendResult(error=f"trainer sender is not in a weight group (version {version})", broken=True)
-        if len(self.senders) == 1:
-            r = self.senders[0].send(named_arrays, version)
-            r.route_buckets = (r.buckets,)
-            return r
-        done = object()
-        feeds = [queue.Queue(maxsize=2) for _ in self.senders]
-        results: list = [None] * len(self.senders)
+        routes = self.routes
 
-        def stream(q):
-            while (item := q.get()) is not done:
-                yield item
+        def targets(name):
+            return [g for g, route in enumerate(routes) if wants(route, name)]
 
-        def run(g):
-            results[g] = self.senders[g].send(stream(feeds[g]), version)
-
-        threads = [threading.Thread(target=run, args=(g,), daemon=True, name=f"weight-route-{g}")
-                   for g in range(len(self.senders))]
-        for t in threads:
-            t.start()
-        error, tensors, nbytes = None, 0, 0
-        try:
-            for name, a in named_arrays:  # drained whole: on a multi-host trainer it holds collectives
-                tensors, nbytes = tensors + 1, nbytes + a.nbytes
-                for g, route in enumerate(self.routes):
-                    if wants(route, name):
-                        feeds[g].put((name, a))
-        except BaseException as e:  # noqa: BLE001 - reported in the result
-            error = f"converting the weights of version {version} failed: {e!r}"
-        for q in feeds:
-            q.put(done)
-        for t in threads:
-            t.join()
-        out = SendResult.combine(results, tensors, nbytes)
-        out.error = error or out.error
-        return out
+        return stream_buckets(self.senders, targets, named_arrays, version, self._buffers, self.depth,
+                              min(self.open_buckets, len(routes)))
