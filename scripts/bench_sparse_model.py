@@ -124,7 +124,8 @@ def one_device_paths(seqs, iters: int):
         cfg = tiny.m3_config(full_attention_layers=0, **dims)
         g = cfg.num_attention_heads // len(head_units(cfg.num_attention_heads, cfg.num_key_value_heads,
                                                       cfg.index_n_heads)[0])
-        rows, pick = cfg.index_topk_blocks * cfg.index_block_size * g, real(cfg.index_topk_blocks, cfg.index_block_size, g)
+        rows = cfg.index_topk_blocks * cfg.index_block_size * g
+        pick = real(cfg.index_topk_blocks, cfg.index_block_size, g)
         for s in seqs:
             ids = jnp.asarray(tiny.random_ids(cfg, batch, s))
             runs = {}
