@@ -336,7 +336,7 @@ def vllm_long_context(timeout_s: int = 900):
     want = trainer_logprobs(model, prompt, response)
     effect = float(np.abs(want - trainer_logprobs(every, prompt, response)).mean())
     out = dict(base, vllm=got["vllm"], response_tokens=len(response), engine_start_s=got["start_s"],
-               selection_effect_on_response=effect)
+               selection_effect_on_response=effect, weight_apply=got.get("apply"))
     for path in ("generate", "score"):  # decode-path top-k, prefill-path top-k
         d = np.abs(np.asarray(got[path], np.float64) - want)
         out[path] = {"max_abs_diff": float(d.max()), "mean_abs_diff": float(d.mean()),
@@ -385,8 +385,10 @@ def vllm_child(work: str):
         (ids, lps, _, routes), = eng.generate([req["prompt"]], SamplingParams(max_new_tokens=req["max_new_tokens"],
                                                                               temperature=0.0), seeds=[0])
         scored = eng.score([req["prompt"]], [ids])[0]
+        # apply: whether this engine writes a weight update in place on CUDA, and if not why (which MoE kernel
+        # class vLLM picked: rl.generation.inplace._PLAIN_MOE_EXPERTS lists the ones cleared)
         done(response=ids, generate=lps, score=[float(x) for x in scored], start_s=eng.start_seconds,
-             vllm=vllm.__version__, routes=routes.tolist())
+             vllm=vllm.__version__, routes=routes.tolist(), apply=[eng.apply_mode, eng.apply_fallback])
         eng.shutdown()
     except Exception as e:  # noqa: BLE001 (reported as the check's result)
         done(error=f"{type(e).__name__}: {str(e)[:1500]}")
