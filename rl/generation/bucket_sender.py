@@ -69,7 +69,6 @@ class SendResult:
                    tuple(int(x) for x in routes))
 
 
-
 class BucketSender:
     """Rank 0 of one weight group: `open` serves its rendezvous, `connect` waits for the engines, `send`
     streams one update's tensors (every one into this group). `send` never raises: a failure is reported in
