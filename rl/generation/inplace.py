@@ -28,7 +28,9 @@ and says which layer (`VLLMEngine.apply_mode`).
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import os
 
 log = logging.getLogger(__name__)
 
@@ -110,8 +112,19 @@ class InplaceApplier:
             for name, w in removed.items():  # the packed handles still hold the old weights
                 self.gemm[name][0].weight = w
             raise
-        with torch.no_grad():
-            for name, (layer, buf, drop) in self.gemm.items():
-                # The one piece of post-processing that depends on the values: the oneDNN / sgl pack.
+        def pack(entry):  # the one piece of post-processing that depends on the values: the oneDNN / sgl pack
+            layer, _, drop = entry
+            with torch.no_grad():  # grad mode is per thread
                 dispatch_cpu_unquantized_gemm(layer, remove_weight=drop)
+
+        # Layers pack independently and the packing ops release the GIL: on this process's cores (vLLM binds
+        # a worker to its own), largest first (BENCHMARKS.md, issue 12 item 3, session 10).
+        layers = sorted(self.gemm.values(), key=lambda e: -e[1].numel())
+        workers = min(len(layers), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
+        if workers <= 1:
+            for entry in layers:
+                pack(entry)
+        else:
+            with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="m3jax-repack") as ex:
+                list(ex.map(pack, layers))
         return set(loaded or ())
