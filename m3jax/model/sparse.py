@@ -228,8 +228,8 @@ def slot_block_attention(q: jax.Array, k: jax.Array, v: jax.Array, keep: jax.Arr
     Each query is the batch element of its own [H/U, D] x [D, K bs] matmuls: a few batched ops however
     small the blocks, where the grouped path walks ~S / bs tiles. Work follows S x K x bs; the gathered
     keys and values (B U S K bs D each) are bounded by walking the queries in chunks of SLOT_ELEMENTS
-    under a rematerialised map. keep [B, U, S, K, bs], ids [B, U, S, K] clipped
-    block ids, kv_of [U]. -> [B, S, H, D] (a query that sees no key gets a uniform average: callers replace it).
+    under a rematerialised map. keep [B, U, S, K, bs], ids [B, U, S, K] clipped block ids, kv_of [U].
+    -> [B, S, H, D] (a query that sees no key gets a uniform average: callers replace it).
     """
     b, s, h, d = q.shape
     u, kk, bs = ids.shape[1], ids.shape[-1], block_size
@@ -292,6 +292,8 @@ def sparse_layer_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: 
     of v over all S_k slots, as the masked path's all-finfo.min softmax does.
     -> o [B, S, H, D] (and the ids used, [B, S, Hi, K] int32, -1 = none, with return_block_ids).
     """
+    if path not in PATHS:
+        raise ValueError(f"sparse attention path {path!r}: expected one of {PATHS}")
     b, s, h, _ = q.shape
     sk, kvh, bs = k.shape[1], k.shape[2], cfg.index_block_size
     if block_ids is None:
@@ -306,8 +308,6 @@ def sparse_layer_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: 
     nb = -(-sk // bs)
     kval_blocks = jnp.pad(kval, ((0, 0), (0, nb * bs - sk))).reshape(b, nb, bs)
     keep, safe = _kept_slots(st, kval_blocks, positions, ids)  # [B, U, S, K, bs], [B, U, S, K]
-    if path not in PATHS:
-        raise ValueError(f"sparse attention path {path!r}: expected one of {PATHS}")
     if path == "grouped":
         o = grouped_block_attention(q, k, v, keep, safe, kv_of, block_size=bs, scale=st[2], kernel="tiled")
     elif path == "slots":
