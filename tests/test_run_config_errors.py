@@ -1,0 +1,220 @@
+"""rl.config: one test per class of bad config file, base chain or override.
+
+Every bad config must fail at load with a message that names the full dotted key (or the file), the
+bad value and what is allowed. (Shipped configs, merging and overrides that load: tests/test_run_config.py.)
+"""
+
+import pytest
+
+from tests.test_run_config import TINY, delta, load_error, write
+
+
+# ============================================================================== bad configs: files
+BAD_FILES = {
+    # class: (delta over tiny.yaml, substrings the message must hold)
+    "unknown_top_level_key": ("trainer: {lr: 1}\n",
+                              ["trainer: unknown key", "allowed keys in the top level: run, model, mesh"]),
+    "unknown_nested_key": ("grpo: {group_sise: 4}\n",
+                           ["grpo.group_sise: unknown key (did you mean 'group_size'?)", "allowed keys in grpo:",
+                            "prompts_per_step"]),
+    "unknown_tiny_model_key": ("model: {tiny: {hidden_sise: 4}}\n",
+                               ["model.tiny.hidden_sise: unknown key (did you mean 'hidden_size'?)",
+                                "num_attention_heads"]),
+    "unknown_key_in_list_item": ("reward: [{name: copy_digits, wieght: 2}]\n",
+                                 ["reward[0].wieght: unknown key (did you mean 'weight'?)", "name, weight, timeout_s"]),
+    "bool_for_int": ("grpo: {group_size: true}\n",
+                     ["grpo.group_size = true: wrong type (a boolean); allowed: an integer >= 2"]),
+    "float_for_int": ("run: {total_steps: 1.5}\n",
+                      ["run.total_steps = 1.5: wrong type (a number); allowed: an integer >= 1"]),
+    "string_for_float": ("optim: {lr: fast}\n",
+                         ['optim.lr = "fast": wrong type (a string); allowed: a number > 0']),
+    "int_for_bool": ("logging: {plot: 1}\n",
+                     ["logging.plot = 1: wrong type (an integer); allowed: true or false"]),
+    "int_for_string": ("run: {name: 7}\n", ["run.name = 7: wrong type (an integer); allowed: letters, digits"]),
+    "scalar_for_list": ("mesh: {expert_axes: data}\n",
+                        ['mesh.expert_axes = "data": wrong type (a string); allowed: a list whose items are each '
+                         'one of "data", "context", "expert"']),
+    "scalar_for_section": ("grpo: 5\n", ["grpo = 5: wrong type (an integer); allowed: a mapping with keys "
+                                         "prompts_per_step"]),
+    "out_of_range_int": ("grpo: {group_size: 1}\n", ["grpo.group_size = 1: out of range; allowed: an integer >= 2"]),
+    "out_of_range_open_interval": ("optim: {b2: 1.0}\n",
+                                   ["optim.b2 = 1.0: out of range; allowed: a number in [0, 1)"]),
+    "out_of_range_exclusive_min": ("generation: {top_p: 0}\n",
+                                   ["generation.top_p = 0.0: out of range; allowed: a number in (0, 1]"]),
+    "out_of_range_optional": ("grpo: {dual_clip: 0.5}\n",
+                              ["grpo.dual_clip = 0.5: out of range; allowed: null or a number > 1"]),
+    "not_finite": ("optim: {lr: .nan}\n", ["optim.lr = NaN: not a finite number; allowed: a number > 0"]),
+    "bad_choice": ("grpo: {advantage: ppo}\n",
+                   ['grpo.advantage = "ppo": not an allowed value; allowed: one of "grpo", "dr_grpo", "rloo"']),
+    "bad_choice_close_match": ("precision: {master: fp23}\n",
+                               ['precision.master = "fp23": not an allowed value (did you mean "fp32"?); '
+                                'allowed: one of "none", "fp32", "compact"']),
+    "bad_list_item_choice": ("mesh: {expert_axes: [data, tensor]}\n",
+                             ['mesh.expert_axes[1] = "tensor": not an allowed value; allowed: one of "data", '
+                              '"context", "expert"']),
+    "repeated_list_item": ("mesh: {expert_axes: [data, data]}\n",
+                           ['mesh.expert_axes = ["data", "data"]: has repeated items', "without repeats"]),
+    "bad_clock_time": ("checkpoint: {must_save_by: '25:00'}\n",
+                       ['checkpoint.must_save_by = "25:00"', "a time 'HH:MM' (24-hour)"]),
+    "empty_reward_list": ("reward: []\n", ["reward = []: needs at least 1 item(s); allowed: a non-empty list"]),
+    "null_for_required": ("grpo: {group_size: null}\n",
+                          ["grpo.group_size = null: must not be null; allowed: an integer >= 2"]),
+    "tiny_model_rule": ("model: {tiny: {num_key_value_heads: 3}}\n",
+                        ["model.tiny.num_key_value_heads", "a divisor of num_attention_heads=4"]),
+    "tiny_token_id_outside_vocab": ("model: {tiny: {eos_token_id: 16}}\n",
+                                    ["model.tiny.eos_token_id = 16: not a token id of the model; allowed: null or "
+                                     "an integer in [0, vocab_size=16)"]),
+    # cross-field rules
+    "batch_not_divisible": ("grpo: {micro_batch_size: 3}\n",
+                            ["grpo.micro_batch_size = 3", "32 prompts x 8 samples = 256 sequences",
+                             "allowed: values with prompts_per_step x group_size divisible by updates_per_step x "
+                             "mesh.data x mesh.expert x micro_batch_size (here 3)"]),
+    "batch_not_divisible_over_mesh": ("grpo: {micro_batch_size: 256}\nmesh: {data: 2}\n",
+                                      ["grpo.micro_batch_size = 256", "mesh.data x mesh.expert = 2",
+                                       "micro_batch_size (here 512)"]),
+    "model_path_and_tiny": ("model: {path: /some/model}\n",
+                            ["model.path = \"/some/model\" and model.tiny = {...}: both are set; allowed: exactly "
+                             "one of model.path"]),
+    "model_neither": ("model: {tiny: null}\n", ["model.tiny = null: neither is set; allowed: exactly one"]),
+    "kl_coef_without_kl": ("grpo: {kl_coef: 0.1}\n",
+                           ['grpo.kl_coef = 0.1: has no effect with grpo.kl = "none"; allowed: 0, or set grpo.kl']),
+    "kl_without_coef": ("grpo: {kl: k3}\n", ['grpo.kl_coef = 0 with grpo.kl = "k3"', "allowed: a number > 0"]),
+    "file_data_without_path": ("data: {kind: file}\n",
+                               ['data.path = null: data.kind = "file" needs a prompt file; allowed: a path']),
+    "path_with_synthetic_data": ("data: {path: x.jsonl}\n",
+                                 ['data.path = "x.jsonl": data.kind = "synthetic" reads no file; allowed: null']),
+    "answer_longer_than_generation": ("data: {num_digits: 8}\n",
+                                      ["generation.max_new_tokens = 5", "answers need 9 tokens",
+                                       "allowed: an integer >= 9", "generation.max_prompt_tokens = 8"]),
+    "stop_token_outside_vocab": ("generation: {stop_token_ids: [12, 99]}\n",
+                                 ["generation.stop_token_ids[1] = 99: not a token of the model; allowed: an integer "
+                                  "in [0, model.tiny.vocab_size=16)"]),
+    "process_id_past_num_processes": ("mesh: {num_processes: 2, process_id: 2}\n",
+                                      ["mesh.process_id = 2: not below mesh.num_processes = 2; allowed: an integer "
+                                       "in [0, 2)"]),
+    "reward_twice": ("reward: [{name: copy_digits}, {name: copy_digits}]\n",
+                     ['reward[1].name = "copy_digits": listed twice; allowed: each reward once']),
+    "reward_not_registered": ("reward: [{name: reverse_digit}]\n",
+                              ['reward[0].name = "reverse_digit": no reward is registered under this name (did you '
+                               'mean "reverse_digits"?); allowed: one of', '"math_verify"', "register_reward"]),
+    "mask_band_empty": ("grpo: {is_correction: mask, is_mask_low: 2.0, is_mask_high: 1.5}\n",
+                        ["grpo.is_mask_high = 1.5: not above grpo.is_mask_low = 2.0; allowed: a number > "
+                         "is_mask_low"]),
+    "loss_unknown": ("grpo: {loss: gpso}\n", ['grpo.loss = "gpso": not an allowed value (did you mean "gspo"?)']),
+    "dual_clip_without_ppo_clip": ("grpo: {loss: cispo, dual_clip: 10.0}\n",
+                                   ['grpo.dual_clip = 10.0: has no effect with grpo.loss = "cispo"']),
+    "is_floor_without_truncate": ("grpo: {is_correction: mask, is_floor: 0.5}\n",
+                                  ['grpo.is_floor = 0.5: has no effect with grpo.is_correction = "mask"']),
+    "is_floor_above_cap": ("grpo: {is_floor: 3.0}\n", ["grpo.is_floor = 3.0: not below grpo.is_cap = 2.0"]),
+    "kl_on_policy_without_kl": ("grpo: {kl_on_policy: true}\n", ['grpo.kl_on_policy = true: there is no KL term']),
+    "indexer_replay_without_block_ids": ("grpo: {indexer_replay: rollout}\ngeneration: {backend: vllm}\n",
+                                         ['grpo.indexer_replay = "rollout" with generation.backend = "vllm": this '
+                                          "vLLM version does not return the indexer's block selection",
+                                          'allowed: "none", or generation.backend = "jax"']),
+    "indexer_loss_without_sparse_layers": ("model: {indexer_loss_coef: 0.1, tiny: {layer_types: [full_attention, "
+                                           "full_attention]}}\n",
+                                           ["model.indexer_loss_coef = 0.1: the model has no sparse (indexer) layers",
+                                            "allowed: 0"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_FILES))
+def test_bad_config_is_rejected_with_key_value_and_allowed(tmp_path, case):
+    body, expected = BAD_FILES[case]
+    msg = load_error(delta(tmp_path, body))
+    for s in expected:
+        assert s in msg, f"{case}: {s!r} not in\n{msg}"
+    assert "run.yaml" in msg  # names the file that set the value
+
+
+def test_every_problem_is_reported_at_once(tmp_path):
+    msg = load_error(delta(tmp_path, """\
+        grpo: {group_sise: 4, advantage: ppo}
+        optim: {lr: -1.0}
+        logging: {plot: yes please}
+        """))
+    assert "4 problems" in msg
+    for key in ("grpo.group_sise", "grpo.advantage", "optim.lr", "logging.plot"):
+        assert key in msg
+
+
+def test_error_names_the_file_or_override_that_set_the_value(tmp_path):
+    msg = load_error(delta(tmp_path, "grpo: {group_size: 1}\n"), ["optim.lr=0"])
+    assert "grpo.group_size = 1" in msg and "[set by" in msg and "run.yaml]" in msg
+    assert "optim.lr = 0.0: out of range" in msg and "[set by override 'optim.lr=0']" in msg
+
+
+def test_duplicate_key_in_a_file(tmp_path):
+    msg = load_error(delta(tmp_path, "optim:\n  lr: 1.0e-3\n  lr: 1.0e-4\n"))
+    assert "run.yaml:4:" in msg and "'lr' appears twice" in msg  # line 1 is the base
+
+
+# ============================================================================== bad configs: files and chains
+def test_base_cycle(tmp_path):
+    write(tmp_path, "a.yaml", "base: b.yaml\n")
+    write(tmp_path, "b.yaml", "base: sub/c.yaml\n")
+    write(tmp_path, "sub/c.yaml", "base: ../a.yaml\n")
+    msg = load_error(tmp_path / "a.yaml")
+    assert "base: cycle of config files" in msg
+    assert "a.yaml -> " in msg and "b.yaml -> " in msg and "c.yaml -> " in msg and msg.rstrip().count("a.yaml") >= 2
+    write(tmp_path, "self.yaml", "base: self.yaml\n")
+    assert "cycle" in load_error(tmp_path / "self.yaml")
+
+
+def test_missing_base_file(tmp_path):
+    p = write(tmp_path, "child.yaml", "base: nowhere/parent.yaml\n")
+    msg = load_error(p)
+    assert "base: " in msg and "parent.yaml" in msg and "(named by" in msg and "child.yaml" in msg
+    assert "does not exist" in msg and "allowed: a YAML file path relative to the file that names it" in msg
+    assert "config file" in load_error(tmp_path / "absent.yaml") and "does not exist" in load_error(
+        tmp_path / "absent.yaml")
+
+
+def test_base_of_wrong_type(tmp_path):
+    msg = load_error(write(tmp_path, "x.yaml", "base: [a.yaml]\n"))
+    assert "base = [\"a.yaml\"]" in msg and "wrong type (a list)" in msg and "relative to this one" in msg
+
+
+def test_malformed_yaml(tmp_path):
+    p = write(tmp_path, "bad.yaml", "run:\n  name: x\n  seed: [1, 2\ngrpo: {}\n")
+    msg = load_error(p)
+    assert "bad.yaml:" in msg and "malformed YAML" in msg
+    p = write(tmp_path, "indent.yaml", "run:\n  name: x\n seed: 1\n")
+    msg = load_error(p)
+    assert "indent.yaml:3:" in msg and "malformed YAML" in msg
+
+
+def test_top_level_not_a_mapping(tmp_path):
+    msg = load_error(write(tmp_path, "list.yaml", "- run\n- model\n"))
+    assert "list.yaml: the top level is a list; allowed: a mapping of sections (run, model" in msg
+
+
+# ============================================================================== bad overrides
+BAD_OVERRIDES = {
+    "unknown_key": ("grpo.group_sise=4", ["override 'grpo.group_sise=4'", "grpo.group_sise: unknown key "
+                                          "(did you mean 'group_size'?)", "allowed keys in grpo:"]),
+    "unknown_section": ("grop.group_size=4", ["grop: unknown key (did you mean 'grpo'?)",
+                                              "allowed keys in the top level: run, model"]),
+    "unknown_tiny_key": ("model.tiny.hidden=3", ["model.tiny.hidden: unknown key (did you mean 'hidden_size'?)"]),
+    "unparsable_value": ("grpo.group_size=[1,2", ["override 'grpo.group_size=[1,2'", "the value '[1,2' for "
+                                                  "grpo.group_size is not valid YAML",
+                                                  "allowed: an integer >= 2"]),
+    "unparsable_mapping": ("generation={temperature: 1", ["generation is not valid YAML",
+                                                         "allowed: a mapping with keys backend"]),
+    "no_equals_sign": ("grpo.group_size", ["override 'grpo.group_size': expected key.sub=value"]),
+    "empty_key_part": ("grpo..group_size=2", ["expected key.sub=value"]),
+    "sub_key_of_scalar": ("optim.lr.x=1", ["optim.lr is a number > 0, it has no sub-keys; allowed: optim.lr=<value>"]),
+    "sub_key_of_list": ("reward.name=x", ["reward is a list, so it has no sub-keys", "name, weight, timeout_s"]),
+    "wrong_type_value": ("grpo.group_size=four", ['grpo.group_size = "four": wrong type (a string); allowed: an '
+                                                  "integer >= 2 [set by override 'grpo.group_size=four']"]),
+    "bad_choice_value": ("generation.backend=sglang", ['generation.backend = "sglang": not an allowed value; '
+                                                       'allowed: one of "jax", "vllm"']),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_OVERRIDES))
+def test_bad_override_is_rejected(case):
+    override, expected = BAD_OVERRIDES[case]
+    msg = load_error(TINY, [override])
+    for s in expected:
+        assert s in msg, f"{case}: {s!r} not in\n{msg}"
