@@ -81,9 +81,8 @@ class VLLMEngine:
         executor: "uni", "mp" or "ray"; None picks "uni" for one rank and "mp" for more.
         weight_apply: how `load_weights` writes an update. "inplace": one copy into the loaded parameters
         plus the oneDNN re-pack (`rl.generation.inplace`; in this process, or in each worker of the mp and
-        ray executors); "reload": vLLM's
-        `reload_weights`; "auto": inplace when it covers every layer of the model, else reload
-        (`apply_mode` / `apply_fallback` say which and why).
+        ray executors); "reload": vLLM's `reload_weights`; "auto": inplace when it covers every layer of the
+        model, else reload (`apply_mode` / `apply_fallback` say which and why).
         return_routes: `generate` also returns each request's MoE routes (`rl.generation.vllm_results`); GPU only."""
         executor = executor or ("uni" if tensor_parallel == 1 else "mp")
         if executor not in ("uni", "mp", "ray"):
@@ -169,8 +168,8 @@ class VLLMEngine:
                 missing = applier.uncovered()
                 why = f"layers not covered: {missing}" if missing else None
             except Exception as e:
-                missing, why = True, f"no in-place applier ({type(e).__name__}: {e})"
-            if not missing:
+                why = f"no in-place applier ({type(e).__name__}: {e})"
+            if why is None:
                 self.apply_mode, self._applier = "inplace", applier
                 return
         if want == "inplace":

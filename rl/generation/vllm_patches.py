@@ -357,7 +357,6 @@ class _WorkerExtension(WorkerWeights):
             config.model, config.model_weights, config.revision = served
 
 
-
 def worker_setup() -> None:
     """Ray's worker-process setup hook (rl.generation.vllm_ray.SETUP_HOOK): this engine's patch set, the Ray
     patches among it (EXECUTOR_ENV is "ray" there), before vLLM code runs in a RayWorkerProc."""
