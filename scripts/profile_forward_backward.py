@@ -8,6 +8,7 @@ printed first; the split is what to read.
 
     .venv/bin/python scripts/profile_forward_backward.py --seq 256 --no-remat
     .venv/bin/python scripts/profile_forward_backward.py --seq 256 --inside while.212
+    .venv/bin/python scripts/profile_forward_backward.py --seq 256 --by-source     # ms per model source line
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 import collections
 import glob
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -53,6 +55,29 @@ def thunk_times(xplane: str, inside: str | None) -> tuple[collections.Counter, c
     return top, nested, runs
 
 
+def source_lines(hlo_text: str) -> dict[str, str]:
+    """{instruction name: "file.py:line function"} of the innermost frame of each instruction's stack in
+    the compiled HLO text (its FileNames / FunctionNames / FileLocations / StackFrames tables)."""
+    tables, section = collections.defaultdict(dict), None
+    for line in hlo_text.splitlines():
+        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            section = line
+        elif section and (m := re.match(r"(\d+) (.*)", line)):
+            tables[section][m.group(1)] = m.group(2)
+        else:
+            section = None
+    where = {}
+    for frame, text in tables["StackFrames"].items():
+        loc = tables["FileLocations"].get(re.search(r"file_location_id=(\d+)", text).group(1), "")
+        f, fn, ln = (re.search(pat, loc) for pat in (r"file_name_id=(\d+)", r"function_name_id=(\d+)", r"line=(\d+)"))
+        if f and fn and ln:
+            path = tables["FileNames"].get(f.group(1), "?").strip('"')
+            rel = os.path.relpath(path, ROOT) if path.startswith(ROOT) else os.path.basename(path)
+            where[frame] = f"{rel}:{ln.group(1)} {tables['FunctionNames'].get(fn.group(1), '?').strip(chr(34))}"
+    return {m.group(1): where.get(m.group(2), "?")
+            for m in re.finditer(r"%([\w.-]+) = .*?stack_frame_id=(\d+)", hlo_text)}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seq", type=int, default=256)
@@ -63,16 +88,20 @@ def main():
     ap.add_argument("--inside", help="also list the thunks inside this top-level thunk (e.g. while.212)")
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--hlo", help="write the compiled HLO text here (to look up what a thunk name computes)")
+    ap.add_argument("--by-source", action="store_true",
+                    help="also sum the top-level thunks per model source line (a while counts at its own line)")
     args = ap.parse_args()
 
     hf = tiny.hf_model(tiny.hf_config("release_like"), seed=0)
     model = tiny.m3_from_hf(hf, remat=not args.no_remat, attention_impl=args.attention_impl)
     ids = tiny.random_ids(hf.config, args.batch, args.seq, seed=args.seq)
     one, compile_s, _ = fb.prepare_flax(model, ids)
-    if args.hlo:
+    if args.hlo or args.by_source:
         step, params = fb.flax_step(model)
-        with open(args.hlo, "w") as f:
-            f.write(step.lower(params, jax.numpy.asarray(ids)).compile().as_text())
+        hlo_text = step.lower(params, jax.numpy.asarray(ids)).compile().as_text()
+        if args.hlo:
+            with open(args.hlo, "w") as f:
+                f.write(hlo_text)
     for _ in range(3):
         one()
     times = []
@@ -95,6 +124,13 @@ def main():
         print(f"  {ns / per:7.3f} ms  {name}")
     for name, ns in nested.most_common(args.top):
         print(f"  {ns / per:7.3f} ms  inside {args.inside}: {name}")
+    if args.by_source:
+        where, by_line = source_lines(hlo_text), collections.Counter()
+        for name, ns in top.items():
+            by_line[where.get(name, "?")] += ns
+        print("by source line (innermost frame of the thunk's HLO instruction):")
+        for line, ns in by_line.most_common(args.top):
+            print(f"  {ns / per:7.3f} ms  {line}")
 
 
 if __name__ == "__main__":
