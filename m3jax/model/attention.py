@@ -58,15 +58,20 @@ def gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, keep: jax.Array, sca
     Logits and softmax in fp32; probabilities cast to the value dtype before the value product.
     """
     b, s, h, d = q.shape
-    kv = k.shape[2]
-    qg = q.reshape(b, s, kv, h // kv, d)
-    logits = jnp.einsum("bskgd,btkd->bkgst", qg, k, preferred_element_type=jnp.float32) * scale
-    keep = keep.reshape(b, -1, 1, s, keep.shape[-1]) if keep.shape[1] == 1 else \
-        keep.reshape(b, kv, h // kv, s, keep.shape[-1])
+    kv, sk = k.shape[2], k.shape[1]
+    g = h // kv
+    # Leading batch dims (b, kv) and the query rows (s, g) merged, s major (a context-sharded s stays one
+    # contiguous range): XLA:CPU ran the einsum form with free dims (g, s) 1.4-2x slower, forward+backward.
+    qg = q.reshape(b, s, kv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, kv, s * g, d)
+    kt, vt = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, KV, S_k, D]
+    logits = jax.lax.dot_general(qg, kt, (((3,), (3,)), ((0, 1), (0, 1))),
+                                 preferred_element_type=jnp.float32).reshape(b, kv, s, g, sk) * scale
+    keep = keep.reshape(b, 1, s, 1, sk) if keep.shape[1] == 1 else \
+        keep.reshape(b, kv, g, s, sk).transpose(0, 1, 3, 2, 4)
     logits = jnp.where(keep, logits, _MASKED)
-    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgst,btkd->bskgd", probs, v)
-    return out.reshape(b, s, h, d)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype).reshape(b, kv, s * g, sk)
+    out = jax.lax.dot_general(probs, vt, (((3,), (2,)), ((0, 1), (0, 1))))  # [B, KV, S G, D]
+    return out.reshape(b, kv, s, g, d).transpose(0, 2, 1, 3, 4).reshape(b, s, h, d)
 
 
 def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, positions: jax.Array,
