@@ -120,12 +120,13 @@ def main():
     per = 1e6 * args.iters
     print(f"traced: {sum(top.values()) / per:.2f} ms of top-level thunks per step, {runs / args.iters:.0f} "
           f"thunks run per step")
+    where = source_lines(hlo_text) if args.by_source else {}
     for name, ns in top.most_common(args.top):
-        print(f"  {ns / per:7.3f} ms  {name}")
+        print(f"  {ns / per:7.3f} ms  {name}" + (f"  ({where.get(name, '?')})" if where else ""))
     for name, ns in nested.most_common(args.top):
         print(f"  {ns / per:7.3f} ms  inside {args.inside}: {name}")
     if args.by_source:
-        where, by_line = source_lines(hlo_text), collections.Counter()
+        by_line = collections.Counter()
         for name, ns in top.items():
             by_line[where.get(name, "?")] += ns
         print("by source line (innermost frame of the thunk's HLO instruction):")

@@ -21,7 +21,8 @@ def test_recomputed_params_hand_count():
     attn = (2 * 4 + 2 * 2) * 32 * d                      # q, o (4 heads) and k, v (2 kv heads) of 32
     full = recomputed_params(CFG, "full")
     assert full["layer"] == 3 * attn + 2 * 256 * d + 2 * (8 * d + 2 * 64 * d)  # dense and shared: gate/up only
-    assert full["indexer"] == 2 * (2 + 1) * 32 * d
+    assert full["indexer"] == 0  # the gather path keeps the block ids: its indexer never runs again
+    assert recomputed_params(CFG, "full", sparse_attention="masked")["indexer"] == 2 * (2 + 1) * 32 * d
     assert full["routed"] == 2 * 2 * 3 * 64 * d
     assert recomputed_params(CFG, "save_dots") == {"layer": 0, "indexer": 0, "routed": full["routed"]}
     # save_dots_experts: the kept expert rows spare the down projection (ragged_dot: gate/up run again for the
@@ -43,7 +44,9 @@ def test_step_flops_follow_the_policy():
     assert dots["model_total"] == full["model_total"]
     assert full["executed_total"] - dots["executed_total"] == 2 * n * (again["layer"] + again["indexer"])
     assert dots["attention_executed"] == full["attention_executed"]  # the attention core is recomputed under both
-    assert dots["indexer_proj_executed"] == dots["indexer_proj"] == full["indexer_proj_executed"] / 2
+    assert dots["indexer_proj_executed"] == dots["indexer_proj"] == full["indexer_proj_executed"]
+    masked = step_flops(CFG, seqs, s, True, remat_policy="full", sparse_attention="masked")
+    assert masked["indexer_proj_executed"] == 2 * masked["indexer_proj"]  # no kept ids: the projections again
     for f in (full, dots):
         assert f["matmul_executed"] + f["attention_executed"] + f["indexer_executed"] \
             + f["indexer_proj_executed"] == f["executed_total"]
@@ -63,12 +66,18 @@ def test_saved_residuals_term():
     mesh = MeshConfig(2, 1, 1, 1)
     batch = Batch(2, 64, remat=True, remat_policy="save_dots")
     t_l = 2 * 64
-    per_moe = 2 * ((4 + 2 * 2) * 32 + 128 + 3 * 32) + 4 * 8 + 2 * 2 * 64  # q, k, v, o, indexer, router, shared
+    ids = 4 * 2 * 2  # every policy: the block ids, int32 [Hi 2, K 2] per token of a gather sparse layer
+    per_moe = 2 * ((4 + 2 * 2) * 32 + 128) + 4 * 8 + 2 * 2 * 64 + ids  # q, k, v, o, router, shared, ids
     assert saved_bytes_per_token(CFG, SPARSE_ATTENTION, MOE_MLP, 1, 2, "save_dots") == per_moe
+    # the masked path keeps the indexer's q, k under save_dots instead (its backward runs the indexer again)
+    assert saved_bytes_per_token(CFG, SPARSE_ATTENTION, MOE_MLP, 1, 2, "save_dots", "masked") \
+        == per_moe - ids + 2 * 3 * 32
     per_dense = 2 * ((4 + 2 * 2) * 32 + 128) + 2 * 2 * 256
     got = activation_bytes(CFG, mesh, batch, 2)["saved_residuals"]
     assert got == t_l * (per_dense + 2 * per_moe)
-    assert "saved_residuals" not in activation_bytes(CFG, mesh, Batch(2, 64, remat=True), 2)
+    assert activation_bytes(CFG, mesh, Batch(2, 64, remat=True), 2)["saved_residuals"] == t_l * 2 * ids  # full
+    assert activation_bytes(CFG, mesh, Batch(2, 64, remat=True, sparse_attention="masked"), 2
+                            )["saved_residuals"] == 0
     assert Batch(2, 64, remat_policy="save_dots").model_options()["remat_policy"] == "save_dots"
     per_moe_experts = per_moe + 2 * 2 * 128  # + the experts' output rows: k rows of d per token
     assert saved_bytes_per_token(CFG, SPARSE_ATTENTION, MOE_MLP, 1, 2, "save_dots_experts") == per_moe_experts

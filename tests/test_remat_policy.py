@@ -8,6 +8,8 @@ side (m3jax.plan.remat) is checked against XLA's compiled FLOPs and temporaries 
 tests/test_plan_remat.py.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -70,36 +72,33 @@ def test_values_and_gradients_match_full_and_no_remat(options):
         jax.tree.map(_close, grads, ref_grads)
 
 
-def test_full_is_the_program_without_a_policy():
-    """remat_policy="full" passes no policy to jax.checkpoint: the lowered gradient is the default model's."""
-    def lowered(**kw):
-        model = M3ForCausalLM(CFG, rngs=nnx.Rngs(0), remat=True, **kw)
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-        ids = jnp.zeros((1, SEQ), jnp.int32)
-        f = lambda p: jnp.sum(nnx.merge(graphdef, p, rest)(ids).astype(jnp.float32))  # noqa: E731
-        return jax.jit(jax.grad(f)).lower(params).as_text()
-
-    default = lowered()
-    assert lowered(remat_policy="full") == default
-    assert lowered(remat_policy="save_dots") != default
-    assert lowered(remat_policy="save_dots_experts") not in (default, lowered(remat_policy="save_dots"))
+def _lowered_grad(**kw) -> str:
+    model = M3ForCausalLM(CFG, rngs=nnx.Rngs(0), remat=True, **kw)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    ids = jnp.zeros((1, SEQ), jnp.int32)
+    f = lambda p: jnp.sum(nnx.merge(graphdef, p, rest)(ids).astype(jnp.float32))  # noqa: E731
+    return jax.jit(jax.grad(f)).lower(params).as_text()
 
 
-def test_expert_rows_tag_is_an_identity_without_a_policy(monkeypatch):
+def test_every_policy_runs_the_indexer_once_and_the_policies_differ():
+    """The gather path's block ids are kept under every policy: the gradient's program holds one indexer top-k
+    per sparse-layer scan (its [B, Hi, S, nb] scores; the router's top-k is 2-D), not a second in the remat."""
+    programs = {pol: _lowered_grad(remat_policy=pol) for pol in REMAT_POLICIES}
+    for pol, text in programs.items():
+        indexer_topk = re.findall(r"chlo\.top_k\(%\w+, k = \d+\) : tensor<\d+x\d+x\d+x\d+xf32>", text)
+        assert len(indexer_topk) == 1, (pol, indexer_topk)
+    assert len(set(programs.values())) == len(REMAT_POLICIES)
+    assert programs["full"] == _lowered_grad()  # the default
+
+
+def test_expert_rows_tag_is_an_identity_without_a_policy_naming_it(monkeypatch):
     """combine's checkpoint_name(MOE_EXPERT_OUT) lowers to nothing: with the tag replaced by the identity, the
-    full-remat gradient's program is the same text (the program before the tag existed)."""
+    full-remat gradient's program (its policy names only the block ids) is the same text."""
     import sharding.expert as expert
 
-    def lowered():
-        model = M3ForCausalLM(CFG, rngs=nnx.Rngs(0), remat=True, remat_policy="full")
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-        ids = jnp.zeros((1, SEQ), jnp.int32)
-        f = lambda p: jnp.sum(nnx.merge(graphdef, p, rest)(ids).astype(jnp.float32))  # noqa: E731
-        return jax.jit(jax.grad(f)).lower(params).as_text()
-
-    tagged = lowered()
+    tagged = _lowered_grad(remat_policy="full")
     monkeypatch.setattr(expert, "checkpoint_name", lambda x, name: x)
-    assert lowered() == tagged
+    assert _lowered_grad(remat_policy="full") == tagged
 
 
 @pytest.mark.slow  # four gradient compiles of one expert-parallel MoE block (~30 s)

@@ -22,6 +22,7 @@ from m3jax.model.attention import attention_block
 from m3jax.model.mlp import dense_mlp
 from m3jax.model.moe import moe_block
 from m3jax.model.norms import rms_norm
+from m3jax.model.sparse import INDEX_BLOCK_IDS
 from m3jax.model.rope import rope_cos_sin
 from m3jax.model.specs import MOE_MLP, SPARSE_ATTENTION, ParamSpec, layer_param_specs, top_param_specs
 from sharding.expert import MOE_EXPERT_OUT
@@ -40,19 +41,23 @@ LOGITS = ("act_batch", "act_seq", "act_vocab")
 # keeps those and the routed experts' output rows too (`sharding.expert.MOE_EXPERT_OUT`, T * k rows of d per MoE
 # layer), which the router weights' gradient reads: the backward then does not re-run the experts' forward to
 # get them (the tiled kernel's backward recomputes its gate/up itself; under ragged_dot the gate/up run again).
+# Every policy also keeps the gather path's block ids (`m3jax.model.sparse.INDEX_BLOCK_IDS`, [B, S, Hi, K]
+# int32 per sparse layer): the indexer's scores and top-k run once per step, not again in the backward.
 REMAT_POLICIES = ("full", "save_dots", "save_dots_experts")
 
 
 def remat_policy_fn(name: str):
-    """The `jax.checkpoint` policy of a `REMAT_POLICIES` name (None = save nothing but the inputs)."""
+    """The `jax.checkpoint` policy of a `REMAT_POLICIES` name."""
     if name not in REMAT_POLICIES:
         raise ValueError(f"remat_policy={name!r}: expected one of {REMAT_POLICIES}")
     cp = jax.checkpoint_policies
+    ids = cp.save_only_these_names(INDEX_BLOCK_IDS)
     if name == "full":
-        return None
+        return ids
     if name == "save_dots":
-        return cp.dots_with_no_batch_dims_saveable
-    return cp.save_from_both_policies(cp.dots_with_no_batch_dims_saveable, cp.save_only_these_names(MOE_EXPERT_OUT))
+        return cp.save_from_both_policies(cp.dots_with_no_batch_dims_saveable, ids)
+    return cp.save_from_both_policies(cp.dots_with_no_batch_dims_saveable,
+                                      cp.save_only_these_names(MOE_EXPERT_OUT, INDEX_BLOCK_IDS))
 
 
 class Buffer(nnx.Variable):
@@ -160,9 +165,7 @@ class LayerStack(nnx.Module):
                                               + ((align,) if return_indexer_kl else ()))
 
         if self.remat and cache is None:
-            policy = remat_policy_fn(self.remat_policy)
-            # "full" passes no policy at all, so its program is the one built before the option existed
-            layer = jax.checkpoint(layer, prevent_cse=False, **({"policy": policy} if policy else {}))
+            layer = jax.checkpoint(layer, prevent_cse=False, policy=remat_policy_fn(self.remat_policy))
         xs = (params, cache, routes if moe else None)
         if sparse and (block_ids is not None or return_block_ids):  # else today's program
             xs += (block_ids,)

@@ -30,6 +30,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from m3jax.model.indexer import topk_key_blocks
 
@@ -39,6 +40,10 @@ INDEX_QUERY_TILE = 128  # local queries per step of the indexer: with 16-block k
 SLOT_ELEMENTS = 1 << 24  # gathered key + value elements per step of `slot_block_attention` (64 MB in fp32)
 GROUPED_TILE = 128  # rows per tile of the grouped path's matmuls
 PATHS = ("tiles", "grouped", "slots")
+# The name `select_blocks` gives its block ids: every remat policy keeps them (`m3jax.model.decoder.
+# remat_policy_fn`), so a rematerialised layer's backward reuses the forward's selection instead of running
+# the indexer's scores and top-k again ([B, S, Hi, K] int32, no gradient).
+INDEX_BLOCK_IDS = "index_block_ids"
 
 
 def head_units(h: int, kvh: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
@@ -267,7 +272,8 @@ def slot_block_attention(q: jax.Array, k: jax.Array, v: jax.Array, keep: jax.Arr
 def select_blocks(iq: jax.Array, ik: jax.Array, positions: jax.Array, cfg, *, to_chunks, from_chunks,
                   n_ctx: int = 1, tile: int = INDEX_QUERY_TILE) -> jax.Array:
     """`topk_key_blocks` a tile of `tile` local queries at a time (its [Hi, tile, S_k] scores are reduced
-    to block maxima key chunk by key chunk): iq [B, S, Hi, Di], ik [B, S_k, Di] -> ids [B, S, Hi, K] int32."""
+    to block maxima key chunk by key chunk): iq [B, S, Hi, Di], ik [B, S_k, Di] -> ids [B, S, Hi, K] int32,
+    named `INDEX_BLOCK_IDS`."""
     chunk = min(tile, iq.shape[1] // n_ctx)
 
     def select(xs):
@@ -275,7 +281,7 @@ def select_blocks(iq: jax.Array, ik: jax.Array, positions: jax.Array, cfg, *, to
                                             topk_blocks=cfg.index_topk_blocks, local_blocks=cfg.index_local_blocks), 1, 2)
 
     ids = jax.lax.map(select, (to_chunks(iq, n_ctx, chunk), to_chunks(positions, n_ctx, chunk)))
-    return from_chunks(ids, n_ctx, iq.shape[1])
+    return checkpoint_name(from_chunks(ids, n_ctx, iq.shape[1]), INDEX_BLOCK_IDS)
 
 
 def sparse_layer_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,

@@ -129,7 +129,8 @@ def step_flops(cfg: M3Config, seqs: int, seq_len: int, remat: bool = True, *, qu
     executed FLOPs (what m3jax runs): the routed experts' matmuls times `expert_rows` (`expert_rows_factor`:
         padding rows the grouped matmul multiplies too); with remat the projections the backward reads again,
         by `remat_policy` (`m3jax.plan.remat.recomputed_params`: 2 * those params * N, the routed ones x
-        expert_rows; full: every projection but the dense / shared down, save_dots: the routed experts only,
+        expert_rows; full: every projection but the dense / shared down (and the indexer's on the gather path, whose block
+        ids are kept), save_dots: the routed experts only,
         save_dots_experts: their gate/up under ragged_dot, nothing under the tiled kernel (`expert_matmul`))
         + the forward attention/indexer scores again; the routed experts' forward again x
         `expert_recompute` (`expert_recompute(batch)`: the tiled kernel's backward recomputes the gate/up
@@ -147,8 +148,9 @@ def step_flops(cfg: M3Config, seqs: int, seq_len: int, remat: bool = True, *, qu
         in tiles of 64, a rematerialised scan; per tile the indexer scores every key and the top-K blocks of
         keys and values are gathered: `gather_pairs` = S * min(S, K * bs) pairs per layer at 4 * H*D (forward)
         + 8 * H*D (backward) + 4 * H*D (the backward's tile recompute) [+ 4 * H*D with remat] = 16 (20) * H*D
-        per pair; the indexer 2 * Hi*Di * S^2 per forward, twice (forward + the tile recompute) [+ once with
-        remat]; query chunking does not apply.
+        per pair; the indexer 2 * Hi*Di * S^2, once: it runs before the attention's scan, and every remat policy
+        keeps its block ids (`m3jax.model.sparse.INDEX_BLOCK_IDS`), so neither the backward nor the remat
+        scores the keys again; query chunking does not apply.
     """
     if sparse_attention not in SPARSE_ATTENTION_IMPLS:
         raise ValueError(f"sparse_attention={sparse_attention!r}: expected one of {SPARSE_ATTENTION_IMPLS}")
@@ -180,24 +182,23 @@ def step_flops(cfg: M3Config, seqs: int, seq_len: int, remat: bool = True, *, qu
     else:
         full_attn = 12 * h * dd * seq_len * seq_len * n_other * seqs
         attn_exec, attn_again, attn_remat = full_attn, full_attn / 3, full_attn / 3
-    idx_exec, idx_again, idx_remat = idx_fwd, (0.0 if gather else idx_fwd), idx_fwd
+    idx_exec, idx_again, idx_remat = idx_fwd, (0.0 if gather else idx_fwd), (0.0 if gather else idx_fwd)
     if gather:
         gp = gather_pairs(cfg, seq_len) * seqs
         attn_exec += 16 * h * dd * gp  # forward 4, backward 8, the backward's tile recompute 4
         attn_remat += 4 * h * dd * gp
-        idx_exec += idx_fwd  # the tile recompute scores every key again
     out["attention_executed"] = attn_exec + (attn_remat if remat else 0.0) + (attn_again if query_chunked else 0.0)
     out["indexer_executed"] = idx_exec + (idx_remat if remat else 0.0) + (idx_again if query_chunked else 0.0)
     executed = 6 * (layer_exec + act["head"]) * n + out["indexer_proj"] + attn_exec + idx_exec
     executed += 2 * routed * expert_rows * expert_recompute * n
     if remat:
-        again = recomputed_params(cfg, remat_policy, expert_matmul)
+        again = recomputed_params(cfg, remat_policy, expert_matmul, sparse_attention)
         executed += 2 * (again["layer"] + again["routed"] * expert_rows + again["indexer"]) * n + attn_remat \
             + idx_remat
     if query_chunked:
         executed += attn_again + idx_again
-    out["indexer_proj_executed"] = out["indexer_proj"] + (2 * recomputed_params(cfg, remat_policy)["indexer"] * n
-                                                          if remat else 0.0)
+    again_idx = recomputed_params(cfg, remat_policy, sparse_attention=sparse_attention)["indexer"]
+    out["indexer_proj_executed"] = out["indexer_proj"] + (2 * again_idx * n if remat else 0.0)
     out["matmul_executed"] = executed - out["attention_executed"] - out["indexer_executed"] \
         - out["indexer_proj_executed"]
     out["executed_total"] = executed

@@ -213,8 +213,9 @@ def activation_bytes(cfg: M3Config, mesh: MeshConfig, batch: Batch, act_bytes: i
     binding phase, `m3jax.plan.activations`):
 
         checkpoints   = L * T_l * d * a       each layer's input, saved by the scan (remat)
-        saved_residuals   what each rematerialised layer keeps besides its input, all layers (remat_policy
-                      save_dots: `m3jax.plan.remat.saved_residuals`, the token-sized projection outputs;
+        saved_residuals   what each rematerialised layer keeps besides its input, all layers
+                      (`m3jax.plan.remat.saved_residuals`; every policy: the gather sparse layers' block ids;
+                      save_dots: the token-sized projection outputs;
                       save_dots_experts: and the routed experts' output rows, T_l * k * d * a per MoE layer)
         batch_inputs  = 3 arrays * num_micro * T_l * 4 B   (ids, targets, loss mask)
         + the larger of the worst layer's phases (`layer_phases`) and the head's (`head_terms`)
@@ -228,8 +229,9 @@ def activation_bytes(cfg: M3Config, mesh: MeshConfig, batch: Batch, act_bytes: i
     phases = {k: layer_phases(cfg, mesh, *k, batch, a, batch.exchange, dims) for k in kinds}
     out: dict[str, float] = {"checkpoints": cfg.num_hidden_layers * t_l * cfg.hidden_size * a if batch.remat else 0.0,
                              "batch_inputs": 3 * batch.num_micro * t_l * 4}
-    if batch.remat and batch.remat_policy != "full":
-        out["saved_residuals"] = saved_residuals(cfg, t_l, sz["tensor"], a, batch.remat_policy)
+    if batch.remat:
+        out["saved_residuals"] = saved_residuals(cfg, t_l, sz["tensor"], a, batch.remat_policy,
+                                                 batch.sparse_attention)
     candidates = [terms for ph in phases.values() for terms in ph.values()]
     candidates.append(head_terms(cfg, mesh, batch.micro_batch, batch.seq_len, a, dims, batch.logprob_chunk_tokens))
     worst = max(candidates, key=lambda t: sum(t.values()))

@@ -17,6 +17,9 @@ drops the rest), so even "full" does not recompute everything:
                all of the above but the routed experts, whose grouped matmuls run in the tiled kernel's loop
                (or as ragged_dot, not a dot_general), so their forward runs again. The attention core's and
                the indexer's scores are batched matmuls: recomputed under both policies.
+    Every policy keeps the gather sparse layers' block ids (`m3jax.model.sparse.INDEX_BLOCK_IDS`, [T, Hi, K]
+    int32): nothing of the indexer (q/k projections, scores, top-k) runs again, under any policy. The masked
+    sparse path (the oracle) keeps no ids: its indexer runs again as written below.
     save_dots_experts  save_dots and the routed experts' output rows (`sharding.expert.MOE_EXPERT_OUT`, named
                in `combine`: T * k rows of d per MoE layer), the values the router weights' gradient reads. The
                experts' forward then runs again only for what their own backward needs: nothing under the tiled
@@ -40,11 +43,13 @@ def _check(policy: str) -> None:
         raise ValueError(f"remat_policy={policy!r}: expected one of {REMAT_POLICIES}")
 
 
-def recomputed_params(cfg: M3Config, policy: str = "full", expert_matmul: str = "ragged_dot") -> dict[str, int]:
+def recomputed_params(cfg: M3Config, policy: str = "full", expert_matmul: str = "ragged_dot",
+                      sparse_attention: str = "gather") -> dict[str, int]:
     """Weights one token multiplies through again in the remat forward, summed over layers (2 FLOPs each):
 
         full       "layer": L * (2 H D d + 2 KV D d) + L_dense * 2 Id d + L_moe * (E d + 2 Is d)
-                   "indexer": L_sparse * (Hi + 1) Di d          "routed": L_moe * k * 3 I d
+                   "indexer": L_sparse * (Hi + 1) Di d under sparse_attention "masked" (gather keeps the
+                   block ids: 0)                          "routed": L_moe * k * 3 I d
         save_dots  "routed" only
         save_dots_experts  "routed": L_moe * k * 2 I d under ragged_dot (gate/up), 0 under the tiled kernel
     (expert_matmul: `Batch.expert_matmul`, "tiled" or "ragged_dot"; "routed" is scaled by the kernel's executed
@@ -60,24 +65,29 @@ def recomputed_params(cfg: M3Config, policy: str = "full", expert_matmul: str = 
         out["layer"] += (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim * d
         out["layer"] += (cfg.num_local_experts + 2 * cfg.shared_intermediate_size) * d if mlp == MOE_MLP \
             else 2 * cfg.dense_intermediate_size * d
-        out["indexer"] += (cfg.index_n_heads + 1) * cfg.index_head_dim * d if attn == SPARSE_ATTENTION else 0
+        if attn == SPARSE_ATTENTION and sparse_attention != "gather":
+            out["indexer"] += (cfg.index_n_heads + 1) * cfg.index_head_dim * d
     return out
 
 
 def saved_bytes_per_token(cfg: M3Config, attn: str, mlp: str, tensor: int = 1, a: int = 2,
-                          policy: str = "full") -> float:
-    """Bytes one layer keeps per local token for its backward beyond its input (0 under "full"); save_dots:
+                          policy: str = "full", sparse_attention: str = "gather") -> float:
+    """Bytes one layer keeps per local token for its backward beyond its input. Every policy, sparse layers
+    on the gather path: 4 Hi K [the indexer's block ids, int32]. save_dots adds
 
-        a * (H_l D [q] + 2 KV_l D [k, v] + d [o projection])  + sparse layers a * (Hi Di + Di) [indexer q, k]
-        + MoE layers 4 E [router logits, fp32] + a * 2 Is / n_t [shared gate/up];  dense layers a * 2 Id / n_t
+        a * (H_l D [q] + 2 KV_l D [k, v] + d [o projection])  + masked sparse layers a * (Hi Di + Di) [indexer
+        q, k: the gather path's backward never reads them] + MoE layers 4 E [router logits, fp32]
+        + a * 2 Is / n_t [shared gate/up];  dense layers a * 2 Id / n_t
     save_dots_experts: + MoE layers a * k * d [the experts' output rows, whole d on every tensor rank]
     (H_l = H / n_t, KV_l = max(KV / n_t, 1); XLA:CPU kept 0.95x this on the small model of `main`)."""
     _check(policy)
+    ids = attn == SPARSE_ATTENTION and sparse_attention == "gather"
+    out = 4.0 * cfg.index_n_heads * cfg.index_topk_blocks if ids else 0.0
     if policy == "full":
-        return 0.0
+        return out
     kv_l = max(cfg.num_key_value_heads / tensor, 1)
-    out = a * ((cfg.num_attention_heads / tensor + 2 * kv_l) * cfg.head_dim + cfg.hidden_size)
-    if attn == SPARSE_ATTENTION:
+    out += a * ((cfg.num_attention_heads / tensor + 2 * kv_l) * cfg.head_dim + cfg.hidden_size)
+    if attn == SPARSE_ATTENTION and not ids:
         out += a * (cfg.index_n_heads + 1) * cfg.index_head_dim
     if mlp == MOE_MLP:
         out += 4 * cfg.num_local_experts + a * 2 * cfg.shared_intermediate_size / tensor
@@ -88,10 +98,11 @@ def saved_bytes_per_token(cfg: M3Config, attn: str, mlp: str, tensor: int = 1, a
     return out
 
 
-def saved_residuals(cfg: M3Config, tokens_local: int, tensor: int = 1, a: int = 2, policy: str = "full") -> float:
+def saved_residuals(cfg: M3Config, tokens_local: int, tensor: int = 1, a: int = 2, policy: str = "full",
+                    sparse_attention: str = "gather") -> float:
     """Bytes every layer's kept values hold per device, live from the forward until that layer's backward (so
     all of them at the head's backward): tokens_local * sum over layers of `saved_bytes_per_token`."""
-    return tokens_local * sum(saved_bytes_per_token(cfg, t, m, tensor, a, policy)
+    return tokens_local * sum(saved_bytes_per_token(cfg, t, m, tensor, a, policy, sparse_attention)
                               for t, m in zip(cfg.layer_types, cfg.mlp_layer_types))
 
 
@@ -139,8 +150,9 @@ def check(seq: int = 64, options: dict | None = None) -> dict[str, float]:
     return {"xla_flops_saved": cost[2, "full"]["flops"] - cost[2, "save_dots"]["flops"],
             "plan_flops_saved": 2 * seq * sum(dropped.values()),
             "xla_saved_bytes_per_moe_layer": slope,
-            "plan_saved_bytes_per_moe_layer": seq * saved_bytes_per_token(cfg, SPARSE_ATTENTION, MOE_MLP, 1, 4,
-                                                                          "save_dots"),
+            "plan_saved_bytes_per_moe_layer": seq * (saved_bytes_per_token(cfg, SPARSE_ATTENTION, MOE_MLP, 1, 4,
+                                                                           "save_dots")
+                                                     - saved_bytes_per_token(cfg, SPARSE_ATTENTION, MOE_MLP, 1, 4)),
             **{f"xla_flops_{p}": cost[2, p]["flops"] for p in ("full", "save_dots")}}
 
 
