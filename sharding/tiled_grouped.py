@@ -1,12 +1,12 @@
 """Tiled grouped matmuls: a loop over (row tile, group) segments that stops after the filled rows.
 
 Rows [N, ...] are sorted by group; group e holds rows [start_e, end_e), start_e = sum_{e' < e} sizes,
-and rows from F = sum(sizes) to N are padding. A tile of `tile` rows lies inside one group or, at a group
-boundary, is shared by a few; each (tile, group) pair is a segment. A `jax.lax.while_loop` walks the
-live segments in row order, multiplies the whole tile by its group's weight and keeps only that group's
-rows of the result, so
+and rows from F = sum(sizes) to N are padding. Each group is cut into tiles of `tile` rows from its own
+first row (start_e, start_e + tile, ...), so a tile never straddles two groups and only a group's last
+tile is partial; each (group, tile) pair is a segment. A `jax.lax.while_loop` walks the live segments in
+row order, multiplies the tile's rows by its group's weight and keeps only that group's rows, so
 
-    executed rows = tile * #segments,   #segments <= ceil(F / tile) + E_nonempty - 1
+    executed rows = tile * #segments,   #segments = sum_e ceil(n_e / tile) <= ceil(F / tile) + E_nonempty - 1
 
 whatever N is. Rows no segment covers (the padding) are never read: zero output, zero gradient.
 Both ops have a custom VJP that walks the same segments (while_loop has no reverse-mode derivative).
@@ -24,21 +24,21 @@ import jax.numpy as jnp
 
 
 def segments(group_sizes: jax.Array, n_rows: int, tile: int):
-    """(tile of segment, group of segment, group starts, group ends, live segments).
+    """(first row of segment, group of segment, group starts, group ends, live segments).
 
-    Group e touches tiles floor(start_e / tile) .. floor((end_e - 1) / tile) (ends clipped to N);
-    segments are listed group-major, so they walk the rows in order. Static bound on their number:
-    ceil(N / tile) + E - 1 (each group boundary splits at most one tile)."""
+    Group e is cut into ceil(n_e / tile) tiles from its first row start_e (ends clipped to N); segments are
+    listed group-major, so they walk the rows in order. Tiles aligned to the group rather than to multiples
+    of `tile` multiply a group's rows through its weight once (the waste is the last tile's tail only).
+    Static bound on their number: ceil(N / tile) + E - 1 (sum_e ceil(n_e / t) <= ceil(F / t) + E - 1)."""
     e = group_sizes.shape[0]
     cum = jnp.cumsum(group_sizes)
     ends, starts = jnp.minimum(cum, n_rows), jnp.minimum(cum - group_sizes, n_rows)
-    first = starts // tile
-    count = jnp.where(ends > starts, (ends - 1) // tile - first + 1, 0)
+    count = (ends - starts + tile - 1) // tile
     bound = math.ceil(n_rows / tile) + e - 1
     group_of = jnp.repeat(jnp.arange(e, dtype=jnp.int32), count, total_repeat_length=bound)
     seg_start = jnp.cumsum(count) - count
-    tile_of = first[group_of] + jnp.arange(bound, dtype=jnp.int32) - seg_start[group_of]
-    return tile_of, group_of, starts, ends, jnp.sum(count)
+    first_row = starts[group_of] + (jnp.arange(bound, dtype=jnp.int32) - seg_start[group_of]) * tile
+    return first_row, group_of, starts, ends, jnp.sum(count)
 
 
 def _varying_axes(*xs) -> tuple[str, ...]:
@@ -72,18 +72,18 @@ def _zeros(shape, dtype, *like):
 
 
 def _walk(n: int, group_sizes, tile: int, body_fn, init):
-    """carry = body_fn(carry, row0, mask [tile], group) over the live segments. row0 = the tile's first row,
-    moved back to N - tile for a last partial tile (the rows before the tile start are masked off), so
-    every slice is `tile` rows long and N needs no padding."""
-    tile_of, group_of, starts, ends, live = segments(group_sizes, n, tile)
+    """carry = body_fn(carry, row0, mask [tile], group) over the live segments. row0 = the segment's first
+    row, moved back to N - tile where the tile would run past N (the rows before the segment are masked
+    off), so every slice is `tile` rows long and N needs no padding."""
+    first_row, group_of, starts, ends, live = segments(group_sizes, n, tile)
     local = jnp.arange(tile, dtype=jnp.int32)
 
     def body(state):
         s, carry = state
-        t, g = tile_of[s], group_of[s]
-        row0 = jnp.minimum(t * tile, n - tile)
+        first, g = first_row[s], group_of[s]
+        row0 = jnp.minimum(first, n - tile)
         r = row0 + local
-        mask = (r >= jnp.maximum(starts[g], t * tile)) & (r < jnp.minimum(ends[g], (t + 1) * tile))
+        mask = (r >= first) & (r < jnp.minimum(ends[g], first + tile))
         return s + 1, body_fn(carry, row0, mask, g)
 
     return jax.lax.while_loop(lambda state: state[0] < live, body, (jnp.int32(0), init))[1]

@@ -95,15 +95,18 @@ def test_clipped_sizes_match_ragged_dot_on_overflow():
 
 
 def test_segments_walk_only_filled_tiles():
-    """The loop's trip count: the tiles the filled rows touch, plus one per group boundary inside a tile;
+    """The loop's trip count: each group's rows in tiles from its own first row, ceil(n_e / tile) per group;
     never the buffer's tiles past the filled total."""
     sizes = jnp.array([5, 0, 13, 0, 9, 1], jnp.int32)  # 28 rows filled of 1024
-    tile_of, group_of, _, _, live = segments(sizes, 1024, 8)
+    first_row, group_of, _, _, live = segments(sizes, 1024, 8)
     live = int(live)
-    assert live == 7  # tiles 0..3 (28 rows), + boundaries at rows 5, 18, 27 inside tiles
-    assert int(tile_of[:live].max()) == 3
-    assert [int(g) for g in group_of[:live]] == [0, 2, 2, 2, 4, 4, 5]
+    assert live == 6  # 1 + 2 + 2 + 1 (tiles aligned to multiples of 8 would take 7: tiles 0..3 + 3 boundaries)
+    assert [int(r) for r in first_row[:live]] == [0, 5, 13, 18, 26, 27]
+    assert [int(g) for g in group_of[:live]] == [0, 2, 2, 4, 4, 5]
     assert live * 8 <= executed_rows(28, 6, "tiled", 1024, tile=8) == 8 * (4 + 5)
+    # a segment running past N is walked from N - tile: the last rows of a full buffer
+    first_row, _, _, _, live = segments(jnp.array([3, 6], jnp.int32), 9, 8)
+    assert int(live) == 2 and [int(r) for r in first_row[:2]] == [0, 3]
 
 
 def test_bf16_close_to_fp32():
