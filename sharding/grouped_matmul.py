@@ -86,8 +86,8 @@ def executed_rows(filled: float, groups: int, kernel: str, buffer_rows: float | 
     """Rows a grouped matmul multiplies (each through one group's weight) for `filled` real rows in a
     buffer of `buffer_rows` (default: filled) with `groups` groups:
 
-        tiled       tile * min(ceil(F / tile), ceil(N / tile)) + tile * (G - 1)   (an upper bound: every
-                    group boundary inside a tile)
+        tiled       tile * min(ceil(F / tile), ceil(N / tile)) + tile * (G - 1)   (an upper bound: each of
+                    the G groups cut into tiles from its first row ends in a partial tile)
         dense       G * N   a dense lowering of ragged_dot (every group against the whole zero-padded buffer)
         grouped     F       an ideal grouped-GEMM kernel
     """

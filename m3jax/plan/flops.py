@@ -68,7 +68,7 @@ def expert_rows_factor(cfg: M3Config, mesh: MeshConfig, batch, ragged_dot: str |
         dense lowering    G * W / (T_l * k)   every local expert multiplies every row of the receive buffer
                           (zero-padded per group: XLA's GPU default and the CPU reference rule)
         tiled kernel      tile * (ceil(T_l * k / tile) + G - 1) / (T_l * k)   the filled rows rounded up to
-                          row tiles, plus a tile per group boundary (`batch.expert_matmul` = "tiled")
+                          row tiles, plus a partial last tile per group (`batch.expert_matmul` = "tiled")
         grouped kernel    1                   only the real rows
     with W = `sharding.expert.receive_rows` for the batch's exchange and capacity, G = E / n_ep local experts.
     ragged_dot overrides the batch's way ("dense" | "grouped" | "tiled").
