@@ -57,7 +57,12 @@ def test_tiny_demo_learns_within_the_budget(tiny_run):
 @pytest.mark.slow
 def test_on_policy_diagnostics_and_logged_metrics(tiny_run):
     rows = tiny_run.rows
-    for r in rows:  # generator and trainer share the weights: no train/inference mismatch in fp32
+    # Generator and trainer share the weights: no train/inference mismatch in fp32 beyond 1-2 ulp. Not by
+    # construction: the engine's decode and the trainer's forward are not bitwise batch invariant on XLA:CPU, and
+    # where a sampled token sits on a top-k near-tie (router or indexer) 1 ulp flips a choice. Seen on 2026-12-02
+    # with an intermediate form of rms_norm: step 8, 2 of 1229 tokens 0.035 apart in logprob (token_mult_prob_error
+    # 1.0000453). A change of summation order anywhere can move the 200-step run onto or off such a tie.
+    for r in rows:
         assert abs(r["gen_kl_error"]) < 1e-6 and abs(r["token_mult_prob_error"] - 1) < 1e-5
     for key in ("reward/std", "response/length_mean", "response/truncated_frac", "clip_frac", "kl", "grad_norm",
                 "entropy_approx", "is_out_of_band_frac", "time/generate", "time/logprobs", "time/train",
