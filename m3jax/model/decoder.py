@@ -22,8 +22,8 @@ from m3jax.model.attention import attention_block
 from m3jax.model.mlp import dense_mlp
 from m3jax.model.moe import moe_block
 from m3jax.model.norms import rms_norm
-from m3jax.model.sparse import INDEX_BLOCK_IDS
 from m3jax.model.rope import rope_cos_sin
+from m3jax.model.sparse import INDEX_BLOCK_IDS
 from m3jax.model.specs import MOE_MLP, SPARSE_ATTENTION, ParamSpec, layer_param_specs, top_param_specs
 from sharding.expert import MOE_EXPERT_OUT
 from sharding.grouped_matmul import resolve_kernel
