@@ -129,8 +129,8 @@ def step_flops(cfg: M3Config, seqs: int, seq_len: int, remat: bool = True, *, qu
     executed FLOPs (what m3jax runs): the routed experts' matmuls times `expert_rows` (`expert_rows_factor`:
         padding rows the grouped matmul multiplies too); with remat the projections the backward reads again,
         by `remat_policy` (`m3jax.plan.remat.recomputed_params`: 2 * those params * N, the routed ones x
-        expert_rows; full: every projection but the dense / shared down (and the indexer's on the gather path, whose block
-        ids are kept), save_dots: the routed experts only,
+        expert_rows; full: every projection but the dense / shared down (and the indexer's on the gather path,
+        whose block ids are kept), save_dots: the routed experts only,
         save_dots_experts: their gate/up under ragged_dot, nothing under the tiled kernel (`expert_matmul`))
         + the forward attention/indexer scores again; the routed experts' forward again x
         `expert_recompute` (`expert_recompute(batch)`: the tiled kernel's backward recomputes the gate/up
@@ -191,14 +191,13 @@ def step_flops(cfg: M3Config, seqs: int, seq_len: int, remat: bool = True, *, qu
     out["indexer_executed"] = idx_exec + (idx_remat if remat else 0.0) + (idx_again if query_chunked else 0.0)
     executed = 6 * (layer_exec + act["head"]) * n + out["indexer_proj"] + attn_exec + idx_exec
     executed += 2 * routed * expert_rows * expert_recompute * n
+    again = recomputed_params(cfg, remat_policy, expert_matmul, sparse_attention)
     if remat:
-        again = recomputed_params(cfg, remat_policy, expert_matmul, sparse_attention)
         executed += 2 * (again["layer"] + again["routed"] * expert_rows + again["indexer"]) * n + attn_remat \
             + idx_remat
     if query_chunked:
         executed += attn_again + idx_again
-    again_idx = recomputed_params(cfg, remat_policy, sparse_attention=sparse_attention)["indexer"]
-    out["indexer_proj_executed"] = out["indexer_proj"] + (2 * again_idx * n if remat else 0.0)
+    out["indexer_proj_executed"] = out["indexer_proj"] + (2 * again["indexer"] * n if remat else 0.0)
     out["matmul_executed"] = executed - out["attention_executed"] - out["indexer_executed"] \
         - out["indexer_proj_executed"]
     out["executed_total"] = executed

@@ -128,3 +128,14 @@ class InplaceApplier:
             with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="m3jax-repack") as ex:
                 list(ex.map(pack, layers))
         return set(loaded or ())
+
+
+def covering_applier(model) -> tuple[InplaceApplier | None, str | None]:
+    """(the applier, None) when it covers every layer of `model`, else (None, why not): an uncovered layer,
+    or vLLM internals it reads (the reload layout records) missing on another platform."""
+    try:
+        applier = InplaceApplier(model)
+    except Exception as e:  # noqa: BLE001 - a reason to keep reload_weights, not a failed engine start
+        return None, f"no in-place applier ({type(e).__name__}: {e})"
+    missing = applier.uncovered()
+    return (None, f"layers not covered: {missing}") if missing else (applier, None)

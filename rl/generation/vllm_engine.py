@@ -162,13 +162,8 @@ class VLLMEngine:
             self.llm.collective_rpc("m3jax_drop_apply")  # the ranks of one engine apply alike
             why = "; ".join(missing)
         else:
-            from rl.generation.inplace import InplaceApplier
-            try:  # vLLM internals it reads (the reload layout records) may be missing on another platform
-                applier = self.llm.apply_model(InplaceApplier)[0]
-                missing = applier.uncovered()
-                why = f"layers not covered: {missing}" if missing else None
-            except Exception as e:
-                why = f"no in-place applier ({type(e).__name__}: {e})"
+            from rl.generation.inplace import covering_applier
+            applier, why = self.llm.apply_model(covering_applier)[0]
             if why is None:
                 self.apply_mode, self._applier = "inplace", applier
                 return

@@ -49,15 +49,11 @@ class WorkerWeights:
     def m3jax_setup_apply(self) -> str | None:
         """Build the in-place applier for this worker's model: None when it covers every layer (kept, and
         used by every later write), else why not (this worker keeps `reload_weights`)."""
-        try:  # vLLM internals it reads (the reload layout records) may be missing on another platform
-            from rl.generation.inplace import InplaceApplier
+        from rl.generation.inplace import covering_applier
 
-            applier = InplaceApplier(self.model_runner.model)
-        except Exception as e:
-            return f"worker {self.rank}: no in-place applier ({type(e).__name__}: {e})"
-        missing = applier.uncovered()
-        if missing:
-            return f"worker {self.rank}: layers not covered: {missing}"
+        applier, why = covering_applier(self.model_runner.model)
+        if why is not None:
+            return f"worker {self.rank}: {why}"
         self._m3jax_applier = applier
         return None
 
