@@ -24,8 +24,10 @@ from m3jax.model.flash import flash_attention
 from m3jax.model.indexer import block_ids_to_mask, block_mask_to_tokens, select_key_blocks, topk_key_blocks
 from m3jax.model.indexer_align import indexer_alignment_kl
 from m3jax.model.norms import rms_norm
+from m3jax.model.projections import project_in, project_out
 from m3jax.model.recall import indexer_recall
 from m3jax.model.rope import apply_rope
+from m3jax.model.softmax import softmax
 from m3jax.model.sparse import head_units, one_device_path, select_blocks, sparse_layer_attention
 from m3jax.model.tiles import _from_chunks, _to_chunks, causal_keep  # noqa: F401  (their home before tiles.py)
 from sharding.layout import Layout
@@ -69,7 +71,7 @@ def gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, keep: jax.Array, sca
     keep = keep.reshape(b, 1, s, 1, sk) if keep.shape[1] == 1 else \
         keep.reshape(b, kv, g, s, sk).transpose(0, 1, 3, 2, 4)
     logits = jnp.where(keep, logits, _MASKED)
-    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype).reshape(b, kv, s * g, sk)
+    probs = softmax(logits).astype(v.dtype).reshape(b, kv, s * g, sk)
     out = jax.lax.dot_general(probs, vt, (((3,), (2,)), ((0, 1), (0, 1))))  # [B, KV, S G, D]
     return out.reshape(b, kv, s, g, d).transpose(0, 2, 1, 3, 4).reshape(b, s, h, d)
 
@@ -104,13 +106,14 @@ def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
     [B, S] fp32 (`m3jax.model.indexer_align`); its gradient reaches only the indexer's parameters.
     """
     eps = cfg.rms_norm_eps
-    q = rms_norm(jnp.einsum("bse,hde->bshd", x, p["q_proj"]), p["q_norm"], eps)
-    k = rms_norm(jnp.einsum("bse,hde->bshd", x, p["k_proj"]), p["k_norm"], eps)
-    v = jnp.einsum("bse,hde->bshd", x, p["v_proj"])
+    merged = layout.num_devices == 1  # one device: projections on merged token rows (m3jax.model.projections)
+    q = rms_norm(project_out(x, p["q_proj"], merged), p["q_norm"], eps)
+    k = rms_norm(project_out(x, p["k_proj"], merged), p["k_norm"], eps)
+    v = project_out(x, p["v_proj"], merged)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     iq = ik = None
     if sparse:  # detached: the selection is discrete, and the alignment KL must not train the residual stream
-        iq, ik = indexer_qk(p, jax.lax.stop_gradient(x), cos, sin, eps)
+        iq, ik = indexer_qk(p, jax.lax.stop_gradient(x), cos, sin, eps, merged)
     if cache is not None:
         rows = jnp.arange(x.shape[0])[:, None]
         cache = {"k": cache["k"].at[rows, positions].set(k), "v": cache["v"].at[rows, positions].set(v),
@@ -153,7 +156,7 @@ def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
         o = masked_attention(q, k, v, positions, key_valid, iq, ik, cfg, block_ids=replay, return_block_ids=own)
     if own and sparse_impl != "gather":
         o, used = o
-    out = jnp.einsum("bshd,ehd->bse", o, p["o_proj"])
+    out = project_in(o, p["o_proj"], merged)
     result = (out,) if cache is None else (out, cache)
     if want_ids and used is None:  # replayed: the indexer's own choice, for the selection-mismatch metric
         _, _, ik = gather_keys(k, v, ik, layout)
@@ -263,14 +266,17 @@ def gather_keys(k, v, ik, layout: Layout):
     return k, v, ik
 
 
-def indexer_qk(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, eps: float):
+def indexer_qk(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, eps: float,
+               tokens_merged: bool = False):
     """Normalised, rotated indexer queries [B, S, Hi, Di] and its single key head [B, S, Di].
+
+    tokens_merged: project on merged token rows (one device; `m3jax.model.projections`).
 
     HF rotates the indexer with cos[..., :index_head_dim] of the attention's RoPE table.
     """
     di = p["index_k_proj"].shape[0]
-    iq = rms_norm(jnp.einsum("bse,hde->bshd", x, p["index_q_proj"]), p["index_q_norm"], eps)
-    ik = rms_norm(jnp.einsum("bse,de->bsd", x, p["index_k_proj"])[:, :, None, :], p["index_k_norm"], eps)
+    iq = rms_norm(project_out(x, p["index_q_proj"], tokens_merged), p["index_q_norm"], eps)
+    ik = rms_norm(project_out(x, p["index_k_proj"][None], tokens_merged), p["index_k_norm"], eps)
     iq = apply_rope(iq, cos[..., :di], sin[..., :di])
     ik = apply_rope(ik, cos[..., :di], sin[..., :di])
     return iq, ik[:, :, 0, :]

@@ -33,6 +33,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from m3jax.model.indexer import topk_key_blocks
+from m3jax.model.softmax import softmax
 
 _MASKED = jnp.finfo(jnp.float32).min
 QUERY_TILE = 64  # local queries per step of the per-tile gather scan (`_gathered`)
@@ -204,7 +205,7 @@ def grouped_block_attention(q: jax.Array, k: jax.Array, v: jax.Array, keep: jax.
     scores = scores.reshape(-1, g, bs)[inverse].reshape(b, u, s, kk, g, bs)
     scores = jnp.where(keep[:, :, :, :, None, :], scores, _MASKED)
     scores = jnp.moveaxis(scores, 4, 3).reshape(b, u, s, g, kk * bs)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).astype(jnp.float32)
+    probs = softmax(scores).astype(v.dtype).astype(jnp.float32)
     probs = jnp.moveaxis(probs.reshape(b, u, s, g, kk, bs), 3, 4).reshape(-1, g, bs)[order].reshape(-1, bs)
     out = grouped_matmul(probs, jnp.swapaxes(_head_blocks(v, kv_of, bs), 1, 2), sizes, kernel=kernel,
                          tile=GROUPED_TILE)
@@ -253,7 +254,7 @@ def slot_block_attention(q: jax.Array, k: jax.Array, v: jax.Array, keep: jax.Arr
         qu = qc.astype(jnp.float32).reshape(n, g, d)
         scores = jax.lax.dot_general(qu, kg, (((2,), (2,)), ((0,), (0,)))) * scale  # [N, G, K bs]
         scores = jnp.where(keep_t.reshape(n, 1, kk * bs), scores, _MASKED)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).astype(jnp.float32)
+        probs = softmax(scores).astype(v.dtype).astype(jnp.float32)
         return jax.lax.dot_general(probs, vg, (((2,), (1,)), ((0,), (0,)))).reshape(b, t, h, d)
 
     chunk = max(1, min(s, SLOT_ELEMENTS // (2 * b * u * kk * bs * d)))
