@@ -1,20 +1,26 @@
-"""The attention softmax, written so that autodiff's backward is one cheap elementwise pass."""
+"""The attention softmax, with a JVP that XLA:CPU turns into one cheap elementwise backward pass."""
 
 import jax
 import jax.numpy as jnp
 
 
-def softmax(x: jax.Array, axis: int = -1) -> jax.Array:
-    """p = exp(z - log(sum exp(z))),  z = x - m,  m = max(x) (held constant under autodiff).
+@jax.custom_jvp
+def softmax(x: jax.Array) -> jax.Array:
+    """p = exp(x - m) / sum(exp(x - m)) over the last axis, m = max(x);  JVP: dp = p * (dx - sum(p * dx)).
 
-    Equal to `jax.nn.softmax` up to an ulp (a row of equal values, e.g. all masked, gives the uniform
-    row). Why not `jax.nn.softmax`: its quotient exp(x - m) / sum differentiates into a product-and-
-    quotient expression that XLA:CPU fused into one slow YNNPACK reduction (54 ms for the gradient of a
-    [2, 4096, 4, 256] softmax on the 2-core CPU); through the log-sum-exp the gradient is
-    p * (g - sum(g * p)) with p recomputed by one exp, 13 ms (BENCHMARKS.md, issue 11, session 12).
+    Equal to `jax.nn.softmax(x, axis=-1)` up to an ulp (a row of equal values, e.g. all masked, gives the
+    uniform row). Why not `jax.nn.softmax`: XLA:CPU fused its gradient into one slow YNNPACK reduction, 54 ms
+    for a [2, 4096, 4, 256] softmax on the 2-core CPU against 12-14 ms from this JVP (whose transpose is
+    p * (g - sum(g * p)) on the saved p); at the tiny model's shapes both take the same time
+    (BENCHMARKS.md, issue 11, session 12). A JVP rather than a VJP rule, so that `jax.checkpoint` treats p
+    like any other intermediate.
     """
-    m = jax.lax.stop_gradient(jnp.max(x, axis=axis, keepdims=True))
-    # Shifted before the log is added back: with m = finfo.min (a row masked everywhere) m + log(n) would
-    # round back to m and give ones instead of the uniform 1 / n.
-    z = x - m
-    return jnp.exp(z - jnp.log(jnp.sum(jnp.exp(z), axis=axis, keepdims=True)))
+    z = jnp.exp(x - jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True)))
+    return z / jnp.sum(z, axis=-1, keepdims=True)
+
+
+@softmax.defjvp
+def _softmax_jvp(primals, tangents):
+    (x,), (dx,) = primals, tangents
+    p = softmax(x)
+    return p, p * (dx - jnp.sum(p * dx, axis=-1, keepdims=True))
