@@ -9,6 +9,10 @@ printed first; the split is what to read.
     .venv/bin/python scripts/profile_forward_backward.py --seq 256 --no-remat
     .venv/bin/python scripts/profile_forward_backward.py --seq 256 --inside while.212
     .venv/bin/python scripts/profile_forward_backward.py --seq 256 --by-source     # ms per model source line
+    .venv/bin/python scripts/profile_forward_backward.py --sparse-bench "sparse gather" --seq 4096 --iters 3 --by-source
+
+--sparse-bench NAME profiles a contestant of scripts/bench_sparse_model.py instead ("sparse gather", "full flash",
+...: the 2-layer hidden-512 model, batch 1, random ids) under the same next-token loss.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import jax  # noqa: E402
 
 import bench_forward_backward as fb  # noqa: E402
+import bench_sparse_model as bsm  # noqa: E402
 from m3jax import tiny  # noqa: E402
 
 
@@ -90,18 +95,31 @@ def main():
     ap.add_argument("--hlo", help="write the compiled HLO text here (to look up what a thunk name computes)")
     ap.add_argument("--by-source", action="store_true",
                     help="also sum the top-level thunks per model source line (a while counts at its own line)")
+    ap.add_argument("--sparse-bench", metavar="NAME", choices=("sparse gather", "sparse masked", "full flash",
+                                                               "full dense"),
+                    help="profile this contestant of scripts/bench_sparse_model.py (batch 1; its own remat and "
+                         "attention settings: --no-remat and --attention-impl do not apply)")
     args = ap.parse_args()
 
-    hf = tiny.hf_model(tiny.hf_config("release_like"), seed=0)
-    model = tiny.m3_from_hf(hf, remat=not args.no_remat, attention_impl=args.attention_impl)
-    ids = tiny.random_ids(hf.config, args.batch, args.seq, seed=args.seq)
-    one, compile_s, _ = fb.prepare_flax(model, ids)
-    if args.hlo or args.by_source:
-        step, params = fb.flax_step(model)
-        hlo_text = step.lower(params, jax.numpy.asarray(ids)).compile().as_text()
-        if args.hlo:
-            with open(args.hlo, "w") as f:
-                f.write(hlo_text)
+    if args.sparse_bench:
+        model, args.batch = bsm.build(args.sparse_bench), 1
+        ids = tiny.random_ids(tiny.m3_config(**bsm.DIMS), 1, args.seq)
+    else:
+        hf = tiny.hf_model(tiny.hf_config("release_like"), seed=0)
+        model = tiny.m3_from_hf(hf, remat=not args.no_remat, attention_impl=args.attention_impl)
+        ids = tiny.random_ids(hf.config, args.batch, args.seq, seed=args.seq)
+    step, params = fb.flax_step(model)
+    ids = jax.numpy.asarray(ids)
+    t0 = time.perf_counter()
+    compiled = step.lower(params, ids).compile()  # once: its HLO text is the one the trace runs
+    compile_s = time.perf_counter() - t0
+    hlo_text = compiled.as_text()
+    if args.hlo:
+        with open(args.hlo, "w") as f:
+            f.write(hlo_text)
+
+    def one():
+        return jax.block_until_ready(compiled(params, ids))
     for _ in range(3):
         one()
     times = []
@@ -109,7 +127,9 @@ def main():
         t = time.perf_counter()
         one()
         times.append(time.perf_counter() - t)
-    print(f"S {args.seq}, batch {args.batch}, remat {not args.no_remat}, attention {args.attention_impl}: "
+    what = (f"sparse bench {args.sparse_bench!r}" if args.sparse_bench else
+            f"remat {not args.no_remat}, attention {args.attention_impl}")
+    print(f"S {args.seq}, batch {args.batch}, {what}: "
           f"untraced median {statistics.median(times) * 1e3:.2f} ms (compile {compile_s:.1f} s)")
     with tempfile.TemporaryDirectory() as d:
         jax.profiler.start_trace(d)
