@@ -179,7 +179,7 @@ def _permute(x: jax.Array, perm: jax.Array, inverse: jax.Array) -> jax.Array:
     """x[perm] along the leading axis, perm a permutation and inverse its inverse (x[perm][inverse] = x).
 
     The gradient is the cotangent gathered by the inverse; autodiff's own transpose of the gather would be a
-    scatter-add into a zero buffer, which XLA:CPU runs as a serial loop."""
+    scatter-add into a zero buffer (on XLA:CPU at S = 4096: 4-9 ms per scatter plus the 33 MB zero fill)."""
     return x[perm]
 
 
@@ -222,7 +222,7 @@ def grouped_block_attention(q: jax.Array, k: jax.Array, v: jax.Array, keep: jax.
     sizes = jnp.bincount(group, length=b * u * nb) * g
     # Each query row once per selected block, in (b, u, t, k) order, then sorted: a broadcast and a permutation,
     # whose transposes are a sum over k and the inverse permutation (indexing by (b, t, u) transposed into a
-    # scatter-add into zeros, 8-9 ms each at S = 4096 on XLA:CPU).
+    # scatter-add into zeros).
     rows = jnp.broadcast_to(jnp.moveaxis(q.reshape(b, s, u, g, d), 2, 1).astype(jnp.float32)[:, :, :, None],
                             (b, u, s, kk, g, d))
     rows = _permute(rows.reshape(-1, g * d), order, inverse).reshape(-1, d)  # [P * G, D]
