@@ -119,15 +119,20 @@ def hf_result(model, loss):
 
 
 def time_interleaved(steps: dict, iters: int, warmup: int) -> tuple[dict, dict]:
-    """Round-robin the steps (one iteration of each per round) so that load from other processes on a
-    shared machine hits every contestant alike; returns ({name: [seconds]}, {name: last output})."""
+    """Round-robin the steps (one iteration of each per round, the order rotated each round) so that load
+    from other processes on a shared machine hits every contestant alike; returns ({name: [seconds]},
+    {name: last output})."""
     out = {}
     for _ in range(warmup):
         for name, fn in steps.items():
             out[name] = fn()
     times = {name: [] for name in steps}
-    for _ in range(iters):
-        for name, fn in steps.items():
+    names = list(steps)
+    for i in range(iters):
+        # The order rotates each round: a contestant that always ran right after HF would always start while
+        # torch's OpenMP workers still spin after HF's call (in a fixed order, Flax's first row did).
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            fn = steps[name]
             t0 = time.perf_counter()
             out[name] = fn()
             times[name].append(time.perf_counter() - t0)
