@@ -6,8 +6,9 @@ saved with transformers to a temporary directory and loaded with `m3jax.from_pre
 (`m3jax.tiny.m3_from_hf`), so both sides hold identical fp32 weights. The loss is the mean next-token cross entropy over B x (S-1) tokens.
 
 Timing: each Flax variant is compiled first (compile time reported separately, never in the median);
-then, after --warmup untimed rounds, --iters rounds run every contestant once each, round-robin (so
-that load from other processes on a shared machine hits all of them alike), each iteration timed to
+then, after --warmup untimed rounds, --iters rounds run every contestant once each, round-robin in an order
+rotated each round (so that load from other processes, and torch's spinning workers after HF's call, hit all
+of them alike), each iteration timed to
 `block_until_ready` (Flax) or the end of `loss.backward()` (HF). HF runs in eager mode with
 `torch.set_num_threads(cpu count)` and grads zeroed (set to None) before every iteration. Reported:
 median (and min) ms per iteration and HF/Flax of the medians (> 1 means Flax is faster); the loss of
