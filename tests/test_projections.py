@@ -1,5 +1,5 @@
 """The attention projections on merged token rows equal their einsums (values and gradients); the softmax
-through the log-sum-exp equals jax.nn.softmax, masked rows included."""
+with its own JVP equals jax.nn.softmax, masked rows included."""
 
 import jax
 import jax.numpy as jnp
