@@ -86,6 +86,54 @@ def test_reload_a_b_a_through_shm(engine, models, monkeypatch):
     assert len(staged) == 2 and engine.health()["ok"]
 
 
+def _write_only_the_boxes(worker, new, boxes):
+    """Run in each worker (collective_rpc): write `new` with every element outside the worker's own boxes NaN."""
+    from rl.generation.vllm_worker_weights import to_torch
+    from rl.generation.weight_slices import cut
+
+    mine = {n: tuple(tuple(ab) for ab in box) for n, box in boxes[worker.rank].items()}
+
+    def poisoned(name, a):
+        if name not in mine:
+            return a
+        out = np.full(a.shape, np.nan, a.dtype)
+        cut(out, mine[name])[...] = cut(a, mine[name])
+        return out
+
+    worker.m3jax_write_weights((n, to_torch(poisoned(n, a))) for n, a in new.items())
+
+
+def test_each_rank_reads_only_the_boxes_it_reports(engine, models):
+    """The tensor-parallel slices of the collective path (rl.generation.weight_slices), probed from vLLM's own
+    loaders in each worker: rank 0 and 1 read different rows of q / k / v / gate / up and the vocabulary,
+    different columns of o / down; an update that holds only each rank's boxes (NaN everywhere else) gives
+    the trainer's logprobs, so no loader reads outside the box it reported."""
+    a, b, _ = models
+    t0 = time.perf_counter()
+    routes = engine.llm.collective_rpc("m3jax_weight_route", args=(dict(engine.manifest),))
+    print(f"probing the boxes of {len(engine.manifest)} tensors in 2 workers: {time.perf_counter() - t0:.2f} s")
+    boxes = [r["slices"] for r in routes]
+    assert sorted(routes[0]["experts"] + routes[1]["experts"]) == list(range(a.cfg.num_local_experts))
+    for suffix in ("self_attn.q_proj.weight", "self_attn.o_proj.weight", "mlp.gate_proj.weight",
+                   "model.embed_tokens.weight", "lm_head.weight"):
+        named = [n for n in boxes[0] if n.endswith(suffix)]
+        assert named and all(boxes[0][n] != boxes[1][n] for n in named), suffix
+    assert not any(n.endswith("norm.weight") or ".experts." in n for n in boxes[0])  # norms whole, experts routed
+    sliced = sum(int(np.prod([e - s for s, e in box])) * 4 for box in boxes[0].values())
+    whole = sum(int(np.prod(engine.manifest[n][0])) * 4 for n in boxes[0])
+    print(f"rank 0 reads {sliced / 1e6:.2f} of those tensors' {whole / 1e6:.2f} MB")
+    assert sliced <= 0.55 * whole
+
+    new = {n: np.asarray(x) for n, x in hf_tensors(b, "released")}
+    engine.llm.collective_rpc(_write_only_the_boxes, args=(new, boxes))
+    engine.llm.reset_prefix_cache()
+    ps, greedy = prompts([5, 11, 8]), SamplingParams(max_new_tokens=12, temperature=0.0)
+    d = max_diff(b, ps, engine.generate(ps, greedy, seeds=[0, 1, 2]), greedy)
+    print(f"boxes only (NaN elsewhere): max |dlogprob| vs the trainer {d:.2e}")
+    assert d < ATOL
+    engine.load_weights(hf_tensors(a, "released"))  # back to the module's checkpoint
+
+
 def test_failed_reload_marks_engine_broken(engine, models, monkeypatch):
     """Last test per engine: it leaves the engine unusable. A reload that fails inside the workers
     leaves them half updated, so the engine must refuse work from then on."""

@@ -98,11 +98,17 @@ def test_routes_group_receivers_by_the_experts_they_hold():
 
     # an in-process engine (everything), then a 2-rank expert-parallel engine, then another like it
     receivers = [[None], [[0, 1], [2, 3]], [[2, 3], [1, 0]]]
-    routes, placement = wr.plan(receivers)
-    assert routes == [None, frozenset({0, 1}), frozenset({2, 3})]
+    routes, placement, slices = wr.plan(receivers)
+    assert routes == [None, frozenset({0, 1}), frozenset({2, 3})] and slices == [{}, {}, {}]
     # (route, rank in its group, group size): rank 0 of every group is its sender
     assert placement == [[(0, 1, 2)], [(1, 1, 3), (2, 1, 3)], [(2, 2, 3), (1, 2, 3)]]
-    assert wr.plan([[None, None]]) == ([None], [[(0, 1, 3), (0, 2, 3)]])  # no expert parallelism: one group
+    assert wr.plan([[None, None]]) == ([None], [[(0, 1, 3), (0, 2, 3)]], [{}])  # no expert parallelism: one group
+    # tensor-parallel ranks that read different slices (rl.generation.weight_slices) are in different groups,
+    # ranks of two engines that read the same share one; boxes arrive from Ray as lists
+    tp = [[{"experts": None, "slices": {"q": [[0, 4], [0, 6]]}}, {"experts": None, "slices": {"q": [[4, 8], [0, 6]]}}]]
+    tp_routes, tp_placement, tp_slices = wr.plan(tp + tp)
+    assert tp_routes == [None, None] and tp_slices == [{"q": ((0, 4), (0, 6))}, {"q": ((4, 8), (0, 6))}]
+    assert tp_placement == [[(0, 1, 3), (1, 1, 3)], [(0, 2, 3), (1, 2, 3)]]
     name = "language_model.model.layers.3.block_sparse_moe.experts.{}.w2.weight"
     assert wr.expert_of(name.format(12)) == 12
     assert wr.expert_of("language_model.model.layers.3.block_sparse_moe.shared_experts.down_proj.weight") is None

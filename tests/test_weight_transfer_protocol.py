@@ -60,21 +60,43 @@ class DictEngine:
         return [(self.version, self.applied)]
 
 
+def _numpy(weights):
+    import torch
+
+    return {n: (t.view(torch.int16).numpy().view(ml_dtypes.bfloat16) if t.dtype == torch.bfloat16
+                else t.numpy()).copy() for n, t in weights}
+
+
+class _SlicingApplier:
+    """The in-place applier's surface for a worker whose loaders read only `boxes` of some tensors (what
+    rl.generation.inplace.InplaceApplier.read_boxes probes from vLLM's loaders): apply keeps the boxes."""
+
+    def __init__(self, worker, boxes):
+        self.worker, self.boxes = worker, boxes
+
+    def read_boxes(self, manifest, names):
+        return {n: b for n, b in self.boxes.items() if n in names}
+
+    def apply(self, weights):
+        from rl.generation.weight_slices import cut
+
+        self.worker.applied = {n: cut(a, self.boxes.get(n)).copy() for n, a in _numpy(weights).items()}
+
+
 class _Worker(WorkerWeights):
     """A vLLM worker's weight methods over a dict: reload_weights keeps what it is given."""
 
-    def __init__(self, rank, experts=None):
+    def __init__(self, rank, experts=None, boxes=None):
         self.rank, self.applied, self.experts = rank, {}, experts
+        if boxes is not None:
+            self._m3jax_applier = _SlicingApplier(self, boxes)
 
     def m3jax_local_experts(self):  # vLLM's expert map, which the real method reads, is not here
         return self.experts
 
     def reload_weights(self, weights_iterator, is_checkpoint_format):
-        import torch
-
         assert is_checkpoint_format
-        self.applied = {n: (t.view(torch.int16).numpy().view(ml_dtypes.bfloat16) if t.dtype == torch.bfloat16
-                            else t.numpy()).copy() for n, t in weights_iterator}
+        self.applied = _numpy(weights_iterator)
 
 
 class _RayExecutorEngine:
@@ -83,12 +105,13 @@ class _RayExecutorEngine:
 
     executor, model_dir = "ray", "the served checkpoint"
 
-    def __init__(self, named, experts=(None, None)):
+    def __init__(self, named, experts=(None, None), boxes=(None, None)):
         self.manifest = {n: (a.shape, a.dtype) for n, a in named}
-        self.workers, self.version, self.llm = [_Worker(0, experts[0]), _Worker(1, experts[1])], 0, self
+        self.workers = [_Worker(r, experts[r], boxes[r]) for r in range(2)]
+        self.version, self.llm = 0, self
 
     def weight_receivers(self):
-        return self.collective_rpc("m3jax_local_experts")
+        return self.collective_rpc("m3jax_weight_route", args=(self.manifest,))
 
     def collective_rpc(self, method, args=(), kwargs=None):
         with concurrent.futures.ThreadPoolExecutor(len(self.workers)) as pool:
@@ -100,9 +123,9 @@ class _RayExecutorEngine:
 
 
 class RayExecutorEngine(EngineActor):
-    def __init__(self, named, experts=(None, None)):  # EngineActor's own __init__ would start vLLM
+    def __init__(self, named, experts=(None, None), boxes=(None, None)):  # EngineActor's own would start vLLM
         self.rank, self.staged, self.busy_since = 1, StagedUpdate(), None
-        self.engine = _RayExecutorEngine(named, experts)
+        self.engine = _RayExecutorEngine(named, experts, boxes)
 
     def states(self):
         return [(self.engine.version, w.applied) for w in self.engine.workers]
@@ -215,6 +238,62 @@ def test_expert_parallel_workers_receive_only_their_experts(ray_local):
         missing = "language_model.model.layers.0.block_sparse_moe.experts.1.w2.weight"
         with pytest.raises(TransferError, match=rf"tensor '{missing}' missing from version 2"):
             t.push(iter([(n, a) for n, a in _named_moe(2) if n != missing]), 2)
+        assert [v for v, _ in ray.get(handles[1].states.remote())] == [1, 1]
+        assert ray.get(handles[0].states.remote())[0][0] == 1
+    finally:
+        t.close()
+        for h in handles:
+            ray.kill(h)
+
+
+# Rank r of a TP 2 engine: q's rows, big's columns (a strided box), c whole; 'a' overlaps between the ranks.
+_BOXES = ({"a": ((0, 2), (0, 5)), "big": ((0, 64), (0, 20))},
+          {"a": ((1, 3), (0, 5)), "big": ((0, 64), (20, 40)), "c": ((1, 2), (0, 2), (0, 3))})
+
+
+def test_tensor_parallel_workers_receive_only_their_slices(ray_local, monkeypatch):
+    """Each worker of a TP engine is sent only the box of each tensor its loaders read (rl.generation.
+    weight_slices), through a group of its own; the in-process engine still gets every tensor whole. A slice
+    that is not the one a receiver reads is refused with the tensor's name, and nothing is applied."""
+    from rl.generation import bucket_sender
+    from rl.generation.weight_slices import cut
+
+    named = _named(0)
+    handles = [ray.remote(DictEngine).remote(named), ray.remote(RayExecutorEngine).remote(named, boxes=_BOXES)]
+    t = collective.CollectiveTransport(handles, bucket_bytes=256, timeout_s=60)
+    try:
+        stats = t.push(iter(_named(1)), 1)
+        assert t.sender.routes == [None, None, None]  # no experts: the three differ in their slices only
+        assert [s.group.world for s in t.sender.senders] == [2, 2, 2]
+        # every tensor once whole (the dict engine's group, and each worker reading it whole shares that
+        # piece), plus each worker's boxes: 'big' is half the bytes it was for each
+        whole_bytes = sum(a.nbytes for _, a in named)
+        pieces = sum(cut(a, b[n]).nbytes for b in _BOXES for n, a in named if n in b)
+        sliced_whole = sum(a.nbytes for b in _BOXES for n, a in named if n in b)
+        assert stats.tensors == len(named) and stats.bytes == whole_bytes + pieces
+        assert pieces < 0.6 * sliced_whole, (pieces, sliced_whole)
+        (_, whole), = ray.get(handles[0].states.remote())
+        want = dict(_named(1))
+        assert all(np.array_equal(whole[n].view(np.uint8), a.view(np.uint8)) for n, a in want.items())
+        for r, (version, got) in enumerate(ray.get(handles[1].states.remote())):
+            assert version == 1 and sorted(got) == sorted(want), r
+            for n, a in want.items():  # the boxes a rank reads hold exactly the sent values
+                assert np.array_equal(got[n].view(np.uint8), cut(a, _BOXES[r].get(n)).view(np.uint8)), (r, n)
+
+        # a sender that cuts rank 1's 'big' at another box: refused, version 1 stays everywhere
+        real = bucket_sender.RoutedSender.send
+
+        def shifted(self, named_arrays, version):
+            key = collective.weight_slices.name_key("big")
+            self.slices = [{k: (((0, 64), (19, 39)) if k == key and b == ((0, 64), (20, 40)) else b)
+                            for k, b in s.items()} for s in self.slices]
+            return real(self, named_arrays, version)
+
+        monkeypatch.setattr(bucket_sender.RoutedSender, "send", shifted)
+        with pytest.raises(TransferError, match=r"tensor 'big' \(bucket \d+, version 2\): rejected by the engine: "
+                                                r"got the slice \[\[0, 64\], \[19, 39\]\], this receiver reads "
+                                                r"\[\[0, 64\], \[20, 40\]\]"):
+            t.push(iter(_named(2)), 2)
         assert [v for v, _ in ray.get(handles[1].states.remote())] == [1, 1]
         assert ray.get(handles[0].states.remote())[0][0] == 1
     finally:

@@ -17,6 +17,10 @@ of them in turn. So the buffers do not multiply with the routes: `depth` plus on
 being filled (`open_buckets` = 2: the tensors every route wants, and the current route's experts), 3 in all,
 where a stream per route held depth x routes (8 GB per sender in the 32-node recipe: 16 routes x 2 x 256 MB,
 now 768 MB), and a tensor every route wants is packed and hashed once instead of once per route.
+When the receivers read tensor-parallel slices (rl.generation.weight_slices), each route's group is sent
+its box of every such tensor: every route then has pieces of its own in each layer, so one bucket per
+route is filled at once (depth + routes buffers: 4.6 GB per sender at 256 MB buckets with 16 routes,
+1.1 GB at 64 MB), where two would close a nearly empty bucket at every piece.
 """
 
 from __future__ import annotations
@@ -103,7 +107,8 @@ class BucketSender:
             group.close()
 
     def send(self, named_arrays, version: int) -> SendResult:
-        return stream_buckets([self], lambda name: (0,), named_arrays, version, self._buffers, self.depth, 1)
+        return stream_buckets([self], lambda name, a: [((0,), None, a)], named_arrays, version, self._buffers,
+                              self.depth, 1)
 
 
 class _Buffers:
@@ -122,10 +127,12 @@ class _Buffers:
         return buf
 
 
-def stream_buckets(senders: list, targets, named_arrays, version: int, buffers: _Buffers, depth: int,
+def stream_buckets(senders: list, pieces, named_arrays, version: int, buffers: _Buffers, depth: int,
                    open_buckets: int) -> SendResult:
-    """Pack `named_arrays` into buckets and broadcast each into the groups `targets(name)` (indices into
-    `senders`, each a BucketSender holding its group) that want its tensors.
+    """Pack `named_arrays` into buckets and broadcast each into the groups that want its tensors:
+    `pieces(name, array)` = [(target, box, part)]: the groups (a tuple of indices into `senders`, each a
+    BucketSender holding its group) that are sent `part`, which is the whole array (box None) or its box
+    (rl.generation.weight_slices; the record carries the box and the full shape).
 
     A packing thread keeps at most `open_buckets` buckets being filled, one per target set (when a new set
     needs one, the oldest is sent as it is), and hands full ones to this thread, which broadcasts each into
@@ -153,28 +160,40 @@ def stream_buckets(senders: list, targets, named_arrays, version: int, buffers: 
             slot, records, end = filling.pop(target)
             ready.put((slot, target, records, end))
 
+        def add(name, target, box, a, full_shape):
+            bucket = filling.get(target)
+            start = 0 if bucket is None else -(-bucket[2] // ALIGN) * ALIGN
+            if bucket is not None and start + a.nbytes > limit:
+                hand_over(target)
+                bucket, start = None, 0
+            if bucket is None:
+                if len(filling) >= open_buckets:
+                    hand_over(next(iter(filling)))
+                bucket = filling[target] = [free.get(), [], 0]
+            s = time.perf_counter()
+            buf = buffers.get(bucket[0], start + a.nbytes)
+            if a.nbytes:
+                buf[start:start + a.nbytes].copy_(_as_bytes(a))
+            record = {"name": name, "shape": list(a.shape), "dtype": str(a.dtype), "checksum": checksum(a),
+                      "offset": start, "nbytes": a.nbytes}
+            if box is not None:
+                record.update(box=[list(ab) for ab in box], full=list(full_shape))
+            bucket[1].append(record)
+            bucket[2] = start + a.nbytes
+            out.convert_s += time.perf_counter() - s
+
         try:
             while (item := next(it, None)) is not None:
-                name, a = item
-                target = tuple(targets(name))
-                a = np.ascontiguousarray(a)
-                bucket = filling.get(target)
-                start = 0 if bucket is None else -(-bucket[2] // ALIGN) * ALIGN
-                if bucket is not None and start + a.nbytes > limit:
-                    hand_over(target)
-                    bucket, start = None, 0
-                if bucket is None:
-                    if len(filling) >= open_buckets:
-                        hand_over(next(iter(filling)))
-                    bucket = filling[target] = [free.get(), [], 0]
+                name, whole = item
+                out.tensors += 1
                 s = time.perf_counter()
-                buf = buffers.get(bucket[0], start + a.nbytes)
-                if a.nbytes:
-                    buf[start:start + a.nbytes].copy_(_as_bytes(a))
-                bucket[1].append({"name": name, "shape": list(a.shape), "dtype": str(a.dtype),
-                                  "checksum": checksum(a), "offset": start, "nbytes": a.nbytes})
-                bucket[2], out.tensors = start + a.nbytes, out.tensors + 1
+                parts = pieces(name, whole)
                 out.convert_s += time.perf_counter() - s
+                for target, box, a in parts:
+                    s = time.perf_counter()
+                    a = np.ascontiguousarray(a)  # a box of a row-major tensor: its one copy
+                    out.convert_s += time.perf_counter() - s
+                    add(name, target, box, a, np.shape(whole))
             for target in list(filling):
                 hand_over(target)
         except BaseException as e:  # reported below
@@ -250,13 +269,17 @@ class RoutedSender:
         self.depth, self.open_buckets = depth, open_buckets
         self.backend = "nccl" if device.startswith("cuda") else "gloo"
         self.routes: list = []
+        self.slices: list[dict] = []  # per route: name key -> box (rl.generation.weight_slices)
+        self._keys: dict[str, int] = {}  # tensor name -> its key, kept between updates
         self.senders: list[BucketSender] = []
         self._buffers = _Buffers(bucket_bytes, device)  # shared by the routes' groups, kept between updates
 
-    def open(self, host: str, routes: list, worlds: list[int]) -> list[int]:
-        """Serve one group per route (of `worlds[g]` ranks); returns their ports."""
+    def open(self, host: str, routes: list, worlds: list[int], slices: list[dict] | None = None) -> list[int]:
+        """Serve one group per route (of `worlds[g]` ranks); returns their ports. slices[g]: the boxes route g's
+        receivers read (name key -> box, rl.generation.weight_slices); a tensor without one goes whole."""
         self.close()
         self.routes, self.senders = list(routes), [BucketSender(*self._args) for _ in routes]
+        self.slices = list(slices) if slices is not None else [{} for _ in routes]
         return [s.open(host, w) for s, w in zip(self.senders, worlds)]
 
     def connect(self) -> None:
@@ -273,15 +296,27 @@ class RoutedSender:
 
     def send(self, named_arrays, version: int) -> SendResult:
         from rl.generation.weight_routes import wants
+        from rl.generation.weight_slices import cut, name_key
 
         if not self.senders:  # never opened: drained all the same (collectives), reported as not in a group
             for _ in named_arrays:
                 pass
             return SendResult(error=f"trainer sender is not in a weight group (version {version})", broken=True)
-        routes = self.routes
+        routes, slices, keys = self.routes, self.slices, self._keys
+        sliced = any(slices)
 
-        def targets(name):
-            return [g for g, route in enumerate(routes) if wants(route, name)]
+        def pieces(name, a):
+            """Each group is sent its route's box of the tensor; groups that want the same box share the piece."""
+            targets = [g for g, route in enumerate(routes) if wants(route, name)]
+            if not sliced:
+                return [(tuple(targets), None, a)]
+            key = keys[name] if name in keys else keys.setdefault(name, name_key(name))
+            by_box: dict = {}
+            for g in targets:
+                by_box.setdefault(slices[g].get(key), []).append(g)
+            return [(tuple(gs), box, cut(np.asarray(a), box)) for box, gs in by_box.items()]
 
-        return stream_buckets(self.senders, targets, named_arrays, version, self._buffers, self.depth,
-                              min(self.open_buckets, len(routes)))
+        # Sliced, every route has pieces of its own in every layer: one bucket being filled per route (and
+        # one for what every route wants), else each piece would close the previous route's bucket.
+        open_buckets = len(routes) + 1 if sliced else min(self.open_buckets, len(routes))
+        return stream_buckets(self.senders, pieces, named_arrays, version, self._buffers, self.depth, open_buckets)

@@ -37,12 +37,13 @@ import time
 
 import numpy as np
 
-from rl.generation import weight_routes
+from rl.generation import weight_routes, weight_slices
 from rl.generation.bucket_sender import ABORT, END, RoutedSender, SendResult
 from rl.generation.transfer_base import (TransferError, TransferStats, abort_staged, as_transfer_error,
                                          checksum)
 from rl.generation.weight_group import WeightGroup
 from rl.generation.weight_routes import wants
+from rl.generation.weight_slices import expand
 
 
 def _dtype(name: str) -> np.dtype:
@@ -61,16 +62,18 @@ class Receiver:
         self.views: list[list[tuple[str, np.ndarray]]] = []
         self._buffers: dict = {}  # (sender, bucket) -> bytes, kept between updates: no page faults after the first
         self.verify_s = 0.0
-        self.route, self.route_index = None, 0
+        self.route, self.route_index, self.boxes = None, 0, {}
 
     def join(self, senders, rank: int, world: int, backend: str, timeout_s: float, route=None,
              route_index: int = 0) -> int:
         """Join the group of each sender ([host, port] each) as `rank`; blocks until each is complete. The
         groups are joined in order: every sender connects its own at the same time, so none waits on another.
-        `route`: the routed experts this receiver holds (None = all: rl.generation.weight_routes), whose
-        group is number `route_index` of every sender."""
+        `route`: what this receiver reads (rl.generation.weight_routes.reads: the routed experts it holds,
+        None = all, and the tensor-parallel box of each tensor it reads a slice of), whose group is number
+        `route_index` of every sender."""
         self.leave()
-        self.route, self.route_index = (None if route is None else frozenset(route)), route_index
+        self.route, boxes = weight_routes.reads(route)
+        self.boxes, self.route_index = dict(boxes), route_index
         for host, port in senders:
             self.groups.append(WeightGroup(host, int(port), rank, world, backend, timeout_s).connect())
         return rank
@@ -120,11 +123,15 @@ class Receiver:
                 if got != r["checksum"]:
                     raise TransferError(f"{where}: checksum mismatch (xxh3 {got:#018x}, expected "
                                         f"{r['checksum']:#018x}): the bytes were corrupted in transit")
+                box = None if r.get("box") is None else tuple(tuple(ab) for ab in r["box"])
                 try:
-                    check(r["name"], tuple(r["shape"]), _dtype(r["dtype"]))
+                    check(r["name"], tuple(r["full"] if box else r["shape"]), _dtype(r["dtype"]))
+                    if box is not None:
+                        self._check_box(r["name"], box, r["shape"])
                 except (KeyError, ValueError) as e:
                     raise TransferError(f"{where}: rejected by the engine: {e}") from None
-                out.append((r["name"], a.view(_dtype(r["dtype"])).reshape(r["shape"])))
+                piece = a.view(_dtype(r["dtype"])).reshape(r["shape"])
+                out.append((r["name"], piece) if box is None else (r["name"], piece, box, tuple(r["full"])))
             t_verify[0] += time.perf_counter() - s
             return out
 
@@ -165,10 +172,21 @@ class Receiver:
             raise error
         return len(self.views)
 
+    def _check_box(self, name: str, box, shape) -> None:
+        """A slice must be the one this receiver reads (rl.generation.weight_slices); a whole tensor always does."""
+        want = self.boxes.get(name)
+        if want is None:
+            raise ValueError(f"got the slice {[list(ab) for ab in box]} of a tensor this receiver reads whole")
+        if box != want:
+            raise ValueError(f"got the slice {[list(ab) for ab in box]}, this receiver reads "
+                             f"{[list(ab) for ab in want]}")
+        if tuple(shape) != tuple(b - a for a, b in box):
+            raise ValueError(f"a slice of shape {tuple(shape)} for the box {[list(ab) for ab in box]}")
+
     def _complete(self, version: int, manifest) -> TransferError | None:
         seen = set()
         for bucket in self.views:
-            for name, _ in bucket:
+            for name, *_ in bucket:
                 if name in seen:
                     return TransferError(f"tensor {name!r} sent twice in version {version}")
                 seen.add(name)
@@ -179,14 +197,17 @@ class Receiver:
         return None
 
     def tensors(self, version: int, num_buckets):
-        """The staged tensors; num_buckets: the update's bucket count, or one per route (into each group)."""
+        """The staged tensors, each whole: a slice comes as a full-shape array holding it at its box (the rest
+        never written: the loader reads only the box, rl.generation.weight_slices); num_buckets: the
+        update's bucket count, or one per route (into each group)."""
         if not isinstance(num_buckets, int):
             num_buckets = num_buckets[self.route_index]
         if self.version != version or len(self.views) != num_buckets:
             raise TransferError(f"commit of version {version} with {num_buckets} buckets, but version "
                                 f"{self.version} staged {len(self.views)}")
         for bucket in self.views:
-            yield from bucket
+            for name, piece, *sliced in bucket:
+                yield name, (expand(piece, *sliced) if sliced else piece)
 
     def clear(self) -> None:
         self.version, self.views = None, []
@@ -216,11 +237,27 @@ def decode_address(a) -> tuple[str, int]:
     return socket.inet_ntoa(bytes(a[:4])), a[4]
 
 
-def setup_message(status: int, ip=(0, 0, 0, 0), routes: int = 0, experts: int = 0) -> np.ndarray:
-    """The first step every sender takes in an update, process 0's value agreed by all (int64[7]): status
+def setup_message(status: int, ip=(0, 0, 0, 0), routes: int = 0, experts: int = 0, boxes: int = 0) -> np.ndarray:
+    """The first step every sender takes in an update, process 0's value agreed by all (int64[8]): status
     (1 = build the groups, 0 = keep them, -1 = no update), process 0's IPv4 address, the number of routes and
-    of experts (the shape of the routes table agreed next)."""
-    return np.array([status, *ip, routes, experts], np.int64)
+    of experts (the shape of the routes table agreed next) and of boxes (the rows of the slices table,
+    rl.generation.weight_slices, agreed after it when there are any)."""
+    return np.array([status, *ip, routes, experts, boxes], np.int64)
+
+
+def agree_routes(peers, message, table=None, boxes=None) -> tuple[list, list[int], list[dict]]:
+    """The routes table and the slices table (rl.generation.weight_slices) agreed by every sender, after
+    process 0's `setup_message`: process 0 passes its tables, the others None (the shapes are in the
+    message). Returns the routes, each group's size, and per route name key -> box."""
+    n_routes, n_experts, n_boxes = (int(x) for x in np.asarray(message)[5:8])
+    if table is None:
+        table = np.zeros((n_routes, 2 + n_experts), np.int64)
+    routes, worlds = weight_routes.decode(peers.agree(table))
+    if not n_boxes:
+        return routes, worlds, [{} for _ in routes]
+    if boxes is None:
+        boxes = np.zeros((n_boxes, 3 + 2 * weight_slices.MAX_DIMS), np.int64)
+    return routes, worlds, weight_slices.decode(peers.agree(boxes), n_routes)
 
 
 class CollectiveTransport:
@@ -252,20 +289,20 @@ class CollectiveTransport:
         ip = encode_address(ray.util.get_node_ip_address(), 0)[:4]
         try:  # one entry per receiving rank: the experts it holds (an engine on vLLM's Ray executor: per worker)
             receivers = ray.get([e.weight_receivers.remote() for e in self.engines], timeout=self.timeout_s)
-            routes, placement = weight_routes.plan(receivers)
+            routes, placement, slices = weight_routes.plan(receivers)
             worlds = [1 + sum(1 for p in placement for g, _, _ in p if g == r) for r in range(len(routes))]
             experts = 1 + max([e for r in routes for e in (r or ())], default=-1)
-            table = weight_routes.encode(routes, worlds, experts)
+            table, boxes = weight_routes.encode(routes, worlds, experts), weight_slices.encode(slices)
         except Exception as e:  # noqa: BLE001 - a dead engine: no update, fresh groups next time
             self.peers.agree(setup_message(-1, ip))
             self.broken = True
             raise TransferError(f"asking {len(self.engines)} engines for their weight receivers failed: {e}") from None
-        self.peers.agree(setup_message(1, ip, len(routes), experts))
-        self.peers.agree(table)
+        message = self.peers.agree(setup_message(1, ip, len(routes), experts, len(boxes)))
+        _, _, keyed = agree_routes(self.peers, message, table, boxes)
         host = decode_address([*ip, 0])[0]
         error = None
         try:
-            ports = self.sender.open(host, routes, worlds)
+            ports = self.sender.open(host, routes, worlds, keyed)
         except Exception as e:  # noqa: BLE001 - the peers still wait for these addresses
             ports, error = [0] * len(routes), e
         addresses = self.peers.gather(np.stack([encode_address(host, p) for p in ports]))  # [senders, routes, 5]
@@ -275,7 +312,9 @@ class CollectiveTransport:
                 raise error
             if any(port == 0 for group in by_route for _, port in group):
                 raise TransferError("a trainer process could not open its weight groups")
-            wire_routes = [None if r is None else sorted(r) for r in routes]
+            wire_routes = [{"experts": None if r is None else sorted(r),
+                            "slices": {n: [list(ab) for ab in box] for n, box in sl.items()}}
+                           for r, sl in zip(routes, slices)]
             joins = [e.join_weight_group.remote(by_route, p, wire_routes, self.sender.backend, self.timeout_s)
                      for e, p in zip(self.engines, placement)]
             self.sender.connect()

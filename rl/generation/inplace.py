@@ -29,6 +29,7 @@ and says which layer (`VLLMEngine.apply_mode`).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import os
 
@@ -89,6 +90,38 @@ class InplaceApplier:
         """Layers whose post-load processing an in-place write would not reproduce."""
         return list(self._uncovered)
 
+    def read_boxes(self, manifest: dict, names) -> dict:
+        """The box of each of `names` this rank's loaders read only part of (rl.generation.weight_slices),
+        probed on the loaded-layout buffers; nothing is written."""
+        from rl.generation.weight_slices import read_boxes
+
+        with self._loaded_layout():
+            return read_boxes(self.model.load_weights, manifest, names)
+
+    @contextlib.contextmanager
+    def _loaded_layout(self):
+        """The GEMM layers' loaded-layout buffers registered as their weights (vLLM's loaders write there),
+        the packed layers' empty weights back afterwards."""
+        removed = self._register_buffers()
+        try:
+            yield
+        finally:
+            self._restore(removed)
+
+    def _register_buffers(self) -> dict:
+        """Register each packed layer's loaded-layout buffer as its weight, so that load_weights finds it;
+        returns the weights it replaced."""
+        removed = {}
+        for name, (layer, buf, drop) in self.gemm.items():
+            if drop:
+                removed[name] = layer.weight
+                layer.weight = buf
+        return removed
+
+    def _restore(self, removed: dict) -> None:
+        for name, w in removed.items():
+            self.gemm[name][0].weight = w
+
     def apply(self, named_tensors) -> set[str]:
         """Write HF-named tensors into the model once; returns the parameter names vLLM loaded.
 
@@ -100,17 +133,12 @@ class InplaceApplier:
 
         if self._uncovered:
             raise RuntimeError(f"in-place apply does not cover {self._uncovered}")
-        removed = {}
-        for name, (layer, buf, drop) in self.gemm.items():
-            if drop:
-                removed[name] = layer.weight
-                layer.weight = buf  # register the loaded-layout buffer so load_weights finds it
+        removed = self._register_buffers()
         try:
             with torch.no_grad():
                 loaded = self.model.load_weights(named_tensors)
         except BaseException:
-            for name, w in removed.items():  # the packed handles still hold the old weights
-                self.gemm[name][0].weight = w
+            self._restore(removed)  # the packed handles still hold the old weights
             raise
         def pack(entry):  # the one piece of post-processing that depends on the values: the oneDNN / sgl pack
             layer, _, drop = entry

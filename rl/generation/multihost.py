@@ -16,10 +16,9 @@ from __future__ import annotations
 import numpy as np
 from jax.experimental import multihost_utils
 
-from rl.generation import weight_routes
 from rl.generation.base import Rollout
 from rl.generation.bucket_sender import RoutedSender
-from rl.generation.collective import decode_address, encode_address, setup_message
+from rl.generation.collective import agree_routes, decode_address, encode_address, setup_message
 from rl.generation.transfer import TransferError, TransferStats, _host_views, model_tensors
 
 
@@ -56,16 +55,16 @@ def follow_push(sender: RoutedSender, peers, named_arrays, version: int) -> None
     `CollectiveTransport.connect` / `push`: (re)build its groups (one per route) when process 0 says so,
     send this process's tensors, report how it went. Never raises: process 0 decides and broadcasts the
     outcome."""
-    status, *rest = (int(x) for x in peers.agree(setup_message(0)))
+    message = peers.agree(setup_message(0))
+    status, leader, n_routes = int(message[0]), [int(x) for x in message[1:5]], int(message[5])
     if status < 0:  # process 0 failed before the update began: nothing is iterated anywhere
         return
     if status > 0:
-        leader, (n_routes, n_experts) = rest[:4], rest[4:]
-        routes, worlds = weight_routes.decode(peers.agree(np.zeros((n_routes, 2 + n_experts), np.int64)))
+        routes, worlds, slices = agree_routes(peers, message)
         error = None
         try:
             host = routable_ip(decode_address([*leader, 0])[0])
-            ports = sender.open(host, routes, worlds)
+            ports = sender.open(host, routes, worlds, slices)
         except Exception as e:  # noqa: BLE001 - process 0 sees port 0 and fails the build
             host, ports, error = "0.0.0.0", [0] * n_routes, e
         addresses = peers.gather(np.stack([encode_address(host, p) for p in ports]))

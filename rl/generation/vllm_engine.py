@@ -210,13 +210,14 @@ class VLLMEngine:
             raise WeightUpdateError(str(e)) from None
 
     def weight_receivers(self) -> list:
-        """The ranks this engine takes on the collective weight path, each as the routed experts it holds
-        (None = all; rl.generation.weight_routes): on the Ray executor one per worker, in rank order (they
-        receive themselves: rl.generation.vllm_worker_weights), else one (this process receives)."""
+        """The ranks this engine takes on the collective weight path, each as what it reads
+        (rl.generation.weight_routes.reads: the routed experts it holds, None = all, and its tensor-parallel
+        slices): on the Ray executor one per worker, in rank order (they receive themselves:
+        rl.generation.vllm_worker_weights), else one that reads everything (this process receives)."""
         if self.executor != "ray":
             return [None]
         self._check_alive()
-        return self.llm.collective_rpc("m3jax_local_experts")
+        return self.llm.collective_rpc("m3jax_weight_route", args=(dict(self.manifest),))
 
     def commit_in_workers(self, version: int, num_buckets: int) -> None:
         """Phase 2 of a collective update the Ray executor's workers staged: each writes its tensors."""

@@ -4,7 +4,8 @@ An engine on vLLM's Ray executor (`generation.vllm_executor: ray`) holds its mod
 possibly on other machines than the engine's actor, so an update staged by the actor (/dev/shm) does not
 reach them. On the `collective` transport each worker therefore joins the weight groups itself, one per
 sender, each the group of its route (`rl.generation.weight_routes`: a worker of an expert-parallel engine
-receives only the routed experts it holds, and every other tensor). It verifies every bucket (XXH3, name /
+receives only the routed experts it holds, and of every other tensor the tensor-parallel slice its loaders
+read: rl.generation.weight_slices). It verifies every bucket (XXH3, name /
 shape / dtype against the served checkpoint, the set it should hold complete) and keeps it staged; the
 commit writes the staged tensors in each worker through vLLM's own name mapping and TP slicing (each rank
 keeps its own slice; an expert of another rank is skipped by vLLM's loader): in place, one copy into the
@@ -80,6 +81,20 @@ class WorkerWeights:
         total = {m.expert_map_manager.global_num_experts for m in self.model_runner.model.modules()
                  if getattr(m, "expert_map_manager", None) is not None}
         return None if {len(experts)} == total else experts
+
+    def m3jax_weight_route(self, manifest: dict) -> dict:
+        """What this worker reads of the served checkpoint (manifest: name -> (shape, dtype)): the routed
+        experts it holds (`m3jax_local_experts`) and the box of each other tensor its loaders read only a
+        slice of (its tensor-parallel rank's: rl.generation.weight_slices), probed through the in-place
+        applier's loaded-layout buffers; without that applier (reload_weights) it reads every tensor whole."""
+        from rl.generation.weight_routes import expert_of, wants
+
+        experts = self.m3jax_local_experts()
+        if self._m3jax_applier is None:
+            return {"experts": experts, "slices": {}}
+        names = [n for n in manifest if wants(None if experts is None else set(experts), n) and expert_of(n) is None]
+        boxes = self._m3jax_applier.read_boxes(manifest, names)
+        return {"experts": experts, "slices": {n: [list(ab) for ab in box] for n, box in boxes.items()}}
 
     def m3jax_join_weight_group(self, senders_by_route, placement, routes, backend: str, timeout_s: float) -> int:
         """Join this worker's route's group of every sender (placement is indexed by the worker's rank)."""

@@ -7,6 +7,9 @@ about 77 GB (docs/vllm.md, refit on paper). So the receivers are grouped by the 
 (a "route"; None = every expert: a worker without expert parallelism, or an engine in one process) and
 each sender opens one weight group per route: a routed expert goes to the groups whose route holds it,
 every other tensor to every group. Without expert parallelism there is one route and one group, as before.
+With tensor parallelism the receivers also say which slice of each other tensor they read
+(rl.generation.weight_slices): ranks that read different slices are in different groups, and each
+group is sent only its slices.
 """
 
 from __future__ import annotations
@@ -29,27 +32,38 @@ def wants(route: Route, name: str) -> bool:
     return route is None or expert is None or expert in route
 
 
-def plan(receivers: list[list]) -> tuple[list[Route], list[list[tuple[int, int, int]]]]:
-    """receivers[i][j]: the experts rank j of engine i holds (a list; None = all). Returns the routes (one
-    weight group each, per sender) and, for every engine, per rank (route index, rank in that group,
-    group size); rank 0 of each group is its sender."""
-    routes: list[Route] = []
+def reads(entry) -> tuple[Route, tuple]:
+    """A receiver's entry (the experts it holds, or {"experts": ..., "slices": {name: box}}) as a hashable
+    (route, slices) key; boxes come back from Ray as lists."""
+    experts, slices = (entry.get("experts"), entry.get("slices") or {}) if isinstance(entry, dict) else (entry, {})
+    route = None if experts is None else frozenset(int(e) for e in experts)
+    return route, tuple(sorted((n, tuple((int(a), int(b)) for a, b in box)) for n, box in slices.items()))
+
+
+def plan(receivers: list[list]) -> tuple[list[Route], list[list[tuple[int, int, int]]], list[dict]]:
+    """receivers[i][j]: what rank j of engine i reads: the experts it holds (a list; None = all), or a dict
+    {"experts": that, "slices": {name: box}} whose boxes are the tensor-parallel slices it reads
+    (rl.generation.weight_slices). Receivers that read the same share a group. Returns the routes (one
+    weight group each, per sender: its experts), for every engine per rank (route index, rank in that
+    group, group size; rank 0 of each group is its sender), and each route's slices (name -> box)."""
+    keys: list[tuple] = []
     for ranks in receivers:
-        for experts in ranks:
-            r = None if experts is None else frozenset(int(e) for e in experts)
-            if r not in routes:
-                routes.append(r)
-    routes.sort(key=lambda r: (r is not None, sorted(r or ())))
-    members = [0] * len(routes)
+        for entry in ranks:
+            k = reads(entry)
+            if k not in keys:
+                keys.append(k)
+    keys.sort(key=lambda k: (k[0] is not None, sorted(k[0] or ()), k[1]))
+    members = [0] * len(keys)
     placed = []
     for ranks in receivers:
         mine = []
-        for experts in ranks:
-            g = routes.index(None if experts is None else frozenset(int(e) for e in experts))
+        for entry in ranks:
+            g = keys.index(reads(entry))
             members[g] += 1
             mine.append((g, members[g], 0))
         placed.append(mine)
-    return routes, [[(g, rank, 1 + members[g]) for g, rank, _ in mine] for mine in placed]
+    return ([k[0] for k in keys], [[(g, rank, 1 + members[g]) for g, rank, _ in mine] for mine in placed],
+            [dict(k[1]) for k in keys])
 
 
 def encode(routes: list[Route], worlds: list[int], num_experts: int):

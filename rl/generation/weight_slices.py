@@ -1,0 +1,232 @@
+"""The part of each checkpoint tensor a vLLM worker reads: tensor-parallel slices cut on the sender.
+
+vLLM's loaders take each rank's slice of a whole checkpoint tensor: q/k/v and gate/up their rank's rows,
+o/down its columns, the embedding and lm_head its vocabulary range (k/v replicated where there are fewer
+kv heads than ranks). A worker sent the whole tensor discards (TP - 1) / TP of it. In the 32-node recipe
+the non-expert tensors are 3 % of 852 GB, ~26 GB that every one of an engine's 16 ranks would receive
+whole, a third of each rank's 77 GB (docs/vllm.md, refit on paper); sliced, 1.6 GB.
+
+The slice ("box": [start, stop) per dimension) is not taken from a table of vLLM's layer classes, which
+changes between versions and models, but from the loaders themselves: `read_boxes` runs the model's own
+`load_weights` over never-written full-shape tensors under a `TorchFunctionMode` that records the box of
+each view of them a loader copies into a parameter, and skips that copy, so the model is unchanged. A
+tensor whose loader does anything else with it (a conversion or a reshape that copies, reading a value)
+is opaque and travels whole. So a box holds every element the loader reads, by construction.
+
+On apply the receiver hands vLLM a full-shape tensor with the box written and the rest never touched
+(`expand`: np.empty, whose pages outside the box are never faulted in), which the loader slices exactly
+as it did under the probe. That costs one extra copy of the sliced bytes (1/TP of them).
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+
+Box = tuple[tuple[int, int], ...]  # [start, stop) per dimension
+
+# Tensor methods / properties that read metadata, not data: a loader may call them on a probe.
+_METADATA = frozenset({"size", "dim", "shape", "dtype", "device", "stride", "storage_offset", "is_contiguous",
+                       "numel", "ndim", "__len__", "element_size", "is_floating_point", "layout", "requires_grad",
+                       "is_cuda", "is_cpu", "untyped_storage", "data_ptr", "is_meta", "names", "nelement"})
+
+
+class _Opaque(Exception):
+    def __init__(self, name: str):
+        super().__init__(name)
+        self.name = name
+
+
+def box_of(view, full_shape) -> Box:
+    """The box of `full_shape` that `view` (a strided view of a C-contiguous tensor of that shape) covers;
+    _Opaque(None) when it is not one (other strides: a transpose or a reshape)."""
+    full_shape = tuple(int(n) for n in full_shape)
+    strides = [int(np.prod(full_shape[d + 1:], dtype=np.int64)) for d in range(len(full_shape))]
+    shape = tuple(int(n) for n in view.shape)
+    if len(shape) != len(full_shape) or any(st != s for st, s, n in zip(view.stride(), strides, shape) if n > 1):
+        raise _Opaque(None)
+    offset, starts = int(view.storage_offset()), []
+    for s in strides:
+        starts.append(offset // s)
+        offset %= s
+    box = tuple((a, a + n) for a, n in zip(starts, shape))
+    if any(stop > n for (_, stop), n in zip(box, full_shape)):
+        raise _Opaque(None)
+    return box
+
+
+def bounding(boxes: list[Box]) -> Box:
+    return tuple((min(b[d][0] for b in boxes), max(b[d][1] for b in boxes)) for d in range(len(boxes[0])))
+
+
+def _func_name(func) -> str:
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__"):  # a property of Tensor: the descriptor names it
+        name = getattr(getattr(func, "__self__", None), "__name__", name)
+    return name
+
+
+def _tensors(tree):
+    import torch
+
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, (list, tuple)):
+        for t in tree:
+            yield from _tensors(t)
+    elif isinstance(tree, dict):
+        for t in tree.values():
+            yield from _tensors(t)
+
+
+def _recorder():
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    class Recorder(TorchFunctionMode):
+        """Records the box of every probe view copied into something else, and skips the copy; a probe used
+        any other way than through views and metadata raises _Opaque(its name) before anything reads it."""
+
+        def __init__(self):
+            super().__init__()
+            self.live = collections.deque(maxlen=4)  # (storage address, name, full shape, tensor): kept alive
+            self.boxes: dict[str, list[Box]] = collections.defaultdict(list)
+
+        def add(self, name: str, probe) -> None:
+            self.live.append((probe.untyped_storage().data_ptr(), name, tuple(probe.shape), probe))
+
+        def _probe_of(self, t):
+            try:
+                ptr = t.untyped_storage().data_ptr()
+            except Exception:  # noqa: BLE001 - a tensor without storage is no probe
+                return None
+            for p, name, shape, _ in self.live:
+                if p == ptr:
+                    return name, shape
+            return None
+
+        def _record(self, src):
+            name, shape = self._probe_of(src)
+            try:
+                box = box_of(src, shape)
+            except _Opaque:
+                raise _Opaque(name) from None
+            if src.numel():
+                self.boxes[name].append(box)
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            mine = [(t, self._probe_of(t)) for t in _tensors((args, kwargs))]
+            mine = [(t, p) for t, p in mine if p is not None]
+            if not mine:
+                return func(*args, **kwargs)
+            name = mine[0][1][0]
+            if func in (torch.Tensor.copy_, torch.Tensor.__setitem__):  # dst.copy_(src), dst[key] = src
+                src = args[1] if func is torch.Tensor.copy_ else args[2]
+                if (self._probe_of(args[0]) is None and isinstance(src, torch.Tensor)
+                        and self._probe_of(src) is not None):
+                    self._record(src)  # a probe view into a parameter: what this rank reads
+                    return args[0] if func is torch.Tensor.copy_ else None
+                raise _Opaque(name)  # a write into a probe, or the key of an index
+            out = func(*args, **kwargs)
+            leaves = list(_tensors(out))
+            if any(self._probe_of(t) is None for t in leaves):  # a copy of probe data: unrecorded on its way
+                raise _Opaque(name)
+            if not leaves and out is not None and _func_name(func) not in _METADATA:
+                raise _Opaque(name)  # a value read out of the probe (.item(), .tolist(), ...)
+            return out
+
+    return Recorder()
+
+
+def torch_dtype(dtype):
+    import torch
+
+    dtype = np.dtype(dtype)
+    if dtype.name == "bfloat16":
+        return torch.bfloat16
+    return torch.from_numpy(np.zeros(0, dtype)).dtype
+
+
+def read_boxes(load_weights, manifest: dict, names) -> dict[str, Box]:
+    """The box of every tensor in `names` (of manifest: name -> (shape, dtype)) that `load_weights` (a vLLM
+    model's, whose parameters are in their loaded layout) reads only part of. A tensor it reads whole, not
+    at all, or opaquely (module docstring) is absent: it travels whole. The model is left unchanged."""
+    import torch
+
+    names = [n for n in names if int(np.prod(manifest[n][0], dtype=np.int64)) > 1]
+    rec, opaque, start = _recorder(), set(), 0
+    while start < len(names):
+        def probes(first=start):
+            for i in range(first, len(names)):
+                shape, dtype = manifest[names[i]]
+                probe = torch.empty(tuple(shape), dtype=torch_dtype(dtype))  # never written: pages never touched
+                rec.add(names[i], probe)
+                yield names[i], probe
+
+        try:
+            with rec, torch.no_grad():
+                load_weights(probes())
+            break
+        except _Opaque as e:
+            if e.name is None:
+                raise RuntimeError("a probe's box was used outside a recorded tensor") from None
+            opaque.add(e.name)
+            start = names.index(e.name) + 1  # the ones after it again: a loader may have read ahead
+    out = {}
+    for name, boxes in rec.boxes.items():
+        if name in opaque:
+            continue
+        box = bounding(boxes)
+        if box != tuple((0, int(n)) for n in manifest[name][0]):
+            out[name] = box
+    return out
+
+
+def cut(array: np.ndarray, box: Box | None) -> np.ndarray:
+    """The box of `array` (all of it for None)."""
+    return array if box is None else array[tuple(slice(a, b) for a, b in box)]
+
+
+def expand(piece: np.ndarray, box: Box, full_shape) -> np.ndarray:
+    """A full-shape array holding `piece` at `box`; the rest is never written (and never read by the loader
+    whose box this is)."""
+    out = np.empty(tuple(full_shape), piece.dtype)
+    out[tuple(slice(a, b) for a, b in box)] = piece
+    return out
+
+
+def name_key(name: str) -> int:
+    """A tensor name as the int64 the senders agree on (XXH3-64 of its UTF-8 bytes)."""
+    import xxhash
+
+    return int(np.uint64(xxhash.xxh3_64_intdigest(name.encode())).view(np.int64))
+
+
+MAX_DIMS = 4  # the slices table's width; a deeper tensor travels whole
+
+
+def encode(slices: list[dict[str, Box]]) -> np.ndarray:
+    """Per route, its boxes as int64 rows [route, name key, ndim, (start, stop) x MAX_DIMS]."""
+    rows = []
+    for g, boxes in enumerate(slices):
+        keys = {}
+        for name, box in sorted(boxes.items()):
+            if len(box) > MAX_DIMS:
+                continue
+            key = name_key(name)
+            if keys.setdefault(key, name) != name:
+                raise ValueError(f"tensor names {keys[key]!r} and {name!r} have the same XXH3-64")
+            flat = [x for ab in box for x in ab] + [0, 0] * (MAX_DIMS - len(box))
+            rows.append([g, key, len(box), *flat])
+    return np.array(rows, np.int64).reshape(-1, 3 + 2 * MAX_DIMS)
+
+
+def decode(table, routes: int) -> list[dict[int, Box]]:
+    """encode's rows back as, per route, name key -> box."""
+    out: list[dict[int, Box]] = [{} for _ in range(routes)]
+    for row in np.asarray(table, np.int64):
+        g, key, ndim = int(row[0]), int(row[1]), int(row[2])
+        out[g][key] = tuple((int(row[3 + 2 * d]), int(row[4 + 2 * d])) for d in range(ndim))
+    return out
