@@ -10,6 +10,7 @@ apply: `auto` (one copy in place, rl.generation.inplace) or `reload` (vLLM's rel
 
     .venv/bin/python scripts/bench_weight_transfer.py [--engines 1 2] [--transport ray collective]
         [--apply auto reload] [--large] [--bucket-mb 64] [--repeats 3] [--tensor-parallel 2]
+        [--executor ray] [--whole]
 """
 
 from __future__ import annotations
@@ -67,6 +68,11 @@ def main():
     ap.add_argument("--tensor-parallel", type=int, default=1,
                     help="ranks per engine: > 1 runs vLLM's mp executor (worker processes, each writes its slice; "
                          "expert parallel over the same ranks), staged under /dev/shm on the ray transport")
+    ap.add_argument("--executor", default="auto", choices=["auto", "mp", "ray"],
+                    help="generation.vllm_executor; ray: every worker is a rank of the collective path's groups")
+    ap.add_argument("--whole", action="store_true",
+                    help="collective into Ray-executor workers: send every tensor whole, as before the "
+                         "tensor-parallel slices (rl.generation.weight_slices), for an A/B")
     a = ap.parse_args()
 
     import jax
@@ -76,6 +82,15 @@ def main():
     import m3jax
     from m3jax.tiny import m3_model
     from rl.generation.vllm_pool import PoolConfig, VLLMPool
+
+    if a.whole:  # the receivers still report their slices; the plan drops them, so every group gets whole tensors
+        from rl.generation import collective, weight_routes
+
+        plan = weight_routes.plan
+        collective.weight_routes = type("WholeRoutes", (), {
+            "plan": staticmethod(lambda rs: plan([[e["experts"] if isinstance(e, dict) else e for e in r] for r in rs])),
+            "encode": staticmethod(weight_routes.encode), "decode": staticmethod(weight_routes.decode),
+            "reads": staticmethod(weight_routes.reads)})
 
     cfg = large_config() if a.large else config()
     model = m3_model(cfg, seed=0)
@@ -92,16 +107,19 @@ def main():
             pool = VLLMPool(PoolConfig(model_dir=path, servers=n, max_model_len=256, dtype="float32",
                                        bucket_bytes=a.bucket_mb << 20, request_timeout_s=600, transport=transport,
                                        weight_apply=apply, tensor_parallel=a.tensor_parallel,
-                                       expert_parallel=a.tensor_parallel), graphdef)
+                                       expert_parallel=a.tensor_parallel, executor=a.executor), graphdef)
             modes = sorted({m for m, _ in ray.get([s.actor.apply_mode.remote() for s in pool.slots])})
-            tag = f"{n} engine(s) of TP {a.tensor_parallel}, {transport}, apply {'/'.join(modes)}"
+            tag = (f"{n} engine(s) of TP {a.tensor_parallel} ({pool.cfg.executor}), {transport}"
+                   f"{' (whole tensors)' if a.whole else ''}, apply {'/'.join(modes)}")
             rows = []
             for i in range(a.repeats):
                 s = pool.set_weights(params2 if i % 2 == 0 else params, i + 1, rest)
                 rows.append(s)
                 print(f"  {tag} update {i + 1}: {s.total_s:.2f} s = {s.gb_per_s:.2f} GB/s of model bytes "
                       f"(sender {s.convert_s:.2f} s, wire {s.send_s:.2f} s, apply {s.apply_s:.2f} s, "
-                      f"group setup {s.setup_s:.2f} s; {s.buckets} buckets)", flush=True)
+                      f"group setup {s.setup_s:.2f} s; {s.buckets} buckets of {s.bytes / 1e6:.0f} MB"
+                      + (f"; into each group: {', '.join(f'{b / 1e6:.0f}' for b in s.route_bytes)} MB"
+                         if s.route_bytes else "") + ")", flush=True)
             best = max(rows, key=lambda s: s.gb_per_s)
             print(f"{tag}: best {best.gb_per_s:.2f} GB/s per update = {best.gb_per_s / copy:.3f} x memcpy; "
                   f"{best.gb_per_s * n:.2f} GB/s delivered in all = {best.gb_per_s * n / copy:.3f} x memcpy",

@@ -7,8 +7,8 @@ are re-sent (every sample exactly once) and which is replaced in a fresh placeme
 the next weight version.
 
 The collective transport reaches each worker itself (every worker is a rank of a weight group), and each
-worker receives only the routed experts it holds (rl.generation.weight_routes); a TP-only engine's workers
-(one route) are the stand-in workers of tests/test_weight_transfer_protocol.py.
+worker receives only the routed experts it holds (rl.generation.weight_routes) and its tensor-parallel slice
+of every other tensor (rl.generation.weight_slices); stand-in workers: tests/test_weight_transfer_protocol.py.
 
 SLOW and EXTENDED (~4-6 min on 2 shared cores): two engines start at once (~1-2 min), a replacement starts
 (~1 min); each vLLM process holds ~1-2 GB. The pool's bookkeeping alone: tests/test_vllm_ray_logic.py."""
@@ -185,6 +185,13 @@ def test_collective_weights_reach_every_worker_and_a_corrupted_push_changes_noth
         assert len(routes) == 2 and not routes[0] & routes[1], routes
         assert routes[0] | routes[1] == set(range(pool.model.cfg.num_local_experts))
         assert [s.group.world for s in pool._transport.sender.senders] == [3, 3] and pool.version == version + 2
+        # TP 2: each worker is also sent only its rank's slice of q/k/v/o, the MLPs and the vocabulary
+        # (rl.generation.weight_slices), not every non-expert tensor whole
+        total = sum(a.nbytes for _, a in named)
+        half_experts = sum(a.nbytes for n, a in named if ".experts." in n) // 2
+        print(f"into each worker's group: {[b / 1e6 for b in stats.route_bytes]} MB; whole tensors and its "
+              f"experts would be {(total - half_experts) / 1e6:.2f} MB")
+        assert all(pool._transport.sender.slices) and max(stats.route_bytes) < 0.8 * (total - half_experts)
         r = pool.generate(ps, greedy, jax.random.key(0))
         out = [(r.tokens[i, :r.lengths[i]].tolist(), r.logprobs[i, :r.lengths[i]].tolist(), False) for i in range(3)]
         d = max_diff(new, ps, out, greedy)

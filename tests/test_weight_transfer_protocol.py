@@ -272,6 +272,10 @@ def test_tensor_parallel_workers_receive_only_their_slices(ray_local, monkeypatc
         sliced_whole = sum(a.nbytes for b in _BOXES for n, a in named if n in b)
         assert stats.tensors == len(named) and stats.bytes == whole_bytes + pieces
         assert pieces < 0.6 * sliced_whole, (pieces, sliced_whole)
+        # into each worker's group: its boxes and the tensors it reads whole (each padded to 64 bytes)
+        for g, b in ((1, _BOXES[0]), (2, _BOXES[1])):
+            assert 0 <= stats.route_bytes[g] - sum(cut(a, b.get(n)).nbytes for n, a in named) < 64 * len(named)
+        assert stats.route_bytes[0] >= whole_bytes
         (_, whole), = ray.get(handles[0].states.remote())
         want = dict(_named(1))
         assert all(np.array_equal(whole[n].view(np.uint8), a.view(np.uint8)) for n, a in want.items())

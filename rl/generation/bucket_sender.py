@@ -51,6 +51,7 @@ class SendResult:
     error: str | None = None
     broken: bool = False
     route_buckets: tuple[int, ...] = ()  # buckets sent into each route's group (rl.generation.weight_routes)
+    route_bytes: tuple[int, ...] = ()  # payload bytes sent into each route's group
 
     ERROR_BYTES = 480  # the error text travels to process 0 in a fixed-size array
 
@@ -62,15 +63,17 @@ class SendResult:
             text[:raw.size] = raw
         head = [self.buckets, self.bytes, self.tensors, self.convert_s, self.wire_s, self.error is not None,
                 self.broken]
-        return np.concatenate([np.array(head, np.float64), text, np.array(self.route_buckets, np.float64)])
+        return np.concatenate([np.array(head, np.float64), text, np.array(self.route_buckets, np.float64),
+                               np.array(self.route_bytes, np.float64)])
 
     @classmethod
     def from_array(cls, a) -> "SendResult":
         a = np.asarray(a, np.float64)
         text, routes = a[7:7 + cls.ERROR_BYTES], a[7 + cls.ERROR_BYTES:]
         error = bytes(text.astype(np.uint8)).rstrip(b"\0").decode(errors="replace") if a[5] else None
+        n = len(routes) // 2  # buckets, then bytes, per route
         return cls(int(a[0]), int(a[1]), int(a[2]), float(a[3]), float(a[4]), error, bool(a[6]),
-                   tuple(int(x) for x in routes))
+                   tuple(int(x) for x in routes[:n]), tuple(int(x) for x in routes[n:]))
 
 
 class BucketSender:
@@ -144,7 +147,8 @@ def stream_buckets(senders: list, pieces, named_arrays, version: int, buffers: _
     """
     import torch
 
-    out = SendResult(route_buckets=tuple(0 for _ in senders))
+    out = SendResult(route_buckets=tuple(0 for _ in senders), route_bytes=tuple(0 for _ in senders))
+    group_bytes = [0] * len(senders)
     free: queue.Queue = queue.Queue()
     for i in range(depth + open_buckets - 1):
         free.put(i)
@@ -172,9 +176,14 @@ def stream_buckets(senders: list, pieces, named_arrays, version: int, buffers: _
                 bucket = filling[target] = [free.get(), [], 0]
             s = time.perf_counter()
             buf = buffers.get(bucket[0], start + a.nbytes)
-            if a.nbytes:
-                buf[start:start + a.nbytes].copy_(_as_bytes(a))
-            record = {"name": name, "shape": list(a.shape), "dtype": str(a.dtype), "checksum": checksum(a),
+            packed = a
+            if a.nbytes and buf.device.type == "cpu":  # one copy into the bucket, also out of a box's strides
+                packed = buf[start:start + a.nbytes].numpy().view(a.dtype).reshape(a.shape)
+                np.copyto(packed, a)
+            elif a.nbytes:
+                packed = np.ascontiguousarray(a)
+                buf[start:start + a.nbytes].copy_(_as_bytes(packed))
+            record = {"name": name, "shape": list(a.shape), "dtype": str(a.dtype), "checksum": checksum(packed),
                       "offset": start, "nbytes": a.nbytes}
             if box is not None:
                 record.update(box=[list(ab) for ab in box], full=list(full_shape))
@@ -190,10 +199,7 @@ def stream_buckets(senders: list, pieces, named_arrays, version: int, buffers: _
                 parts = pieces(name, whole)
                 out.convert_s += time.perf_counter() - s
                 for target, box, a in parts:
-                    s = time.perf_counter()
-                    a = np.ascontiguousarray(a)  # a box of a row-major tensor: its one copy
-                    out.convert_s += time.perf_counter() - s
-                    add(name, target, box, a, np.shape(whole))
+                    add(name, target, box, np.asarray(a), np.shape(whole))
             for target in list(filling):
                 hand_over(target)
         except BaseException as e:  # reported below
@@ -222,6 +228,7 @@ def stream_buckets(senders: list, pieces, named_arrays, version: int, buffers: _
                     for t in (head.to(buffers.device), meta, buffers.slots[slot][:nbytes]):
                         senders[g].group.broadcast(t).wait()
                     counts[g] += 1
+                    group_bytes[g] += nbytes
                 out.bytes += sum(r["nbytes"] for r in records)
             except Exception as e:  # noqa: BLE001 - a peer died: the groups are out of step
                 wire_ok, out.error, out.broken = False, f"weight group broadcast failed: {e}", True
@@ -240,7 +247,7 @@ def stream_buckets(senders: list, pieces, named_arrays, version: int, buffers: _
     if not wire_ok:
         for sender in senders:
             sender.close()
-    out.buckets, out.route_buckets = sum(counts), tuple(counts)
+    out.buckets, out.route_buckets, out.route_bytes = sum(counts), tuple(counts), tuple(group_bytes)
     return out
 
 

@@ -61,6 +61,7 @@ class Receiver:
         self.version: int | None = None
         self.views: list[list[tuple[str, np.ndarray]]] = []
         self._buffers: dict = {}  # (sender, bucket) -> bytes, kept between updates: no page faults after the first
+        self._expanded: dict = {}  # name -> the full-shape array a slice is handed to the apply in, kept likewise
         self.verify_s = 0.0
         self.route, self.route_index, self.boxes = None, 0, {}
 
@@ -207,7 +208,9 @@ class Receiver:
                                 f"{self.version} staged {len(self.views)}")
         for bucket in self.views:
             for name, piece, *sliced in bucket:
-                yield name, (expand(piece, *sliced) if sliced else piece)
+                if sliced:
+                    piece = self._expanded[name] = expand(piece, *sliced, out=self._expanded.get(name))
+                yield name, piece
 
     def clear(self) -> None:
         self.version, self.views = None, []
@@ -373,7 +376,8 @@ class CollectiveTransport:
         end_t = time.perf_counter()
         return TransferStats(version, sum(r.bytes for r in results), n_buckets, sum(r.tensors for r in results),
                              max(r.convert_s for r in results), wire_s, end_t - s, end_t - t0, setup_s=setup_s,
-                             senders=sum(r.bytes > 0 for r in results))
+                             senders=sum(r.bytes > 0 for r in results),
+                             route_bytes=tuple(sum(r.route_bytes[g] for r in results) for g in range(len(per_route))))
 
     def _collect(self, refs: dict, version: int, what: str, expect=None) -> None:
         """Every engine's answer; the first failure is raised (after all have answered or timed out)."""

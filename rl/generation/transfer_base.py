@@ -37,6 +37,9 @@ class TransferStats:
     lost: list[int] = dataclasses.field(default_factory=list)  # engines that died during the update
     setup_s: float = 0.0  # building the transport's group (collective, first update only), within total_s
     senders: int = 1  # trainer processes that sent bytes (each of a multi-host trainer on the collective path)
+    # collective: the bytes broadcast into each route's group, summed over the senders (every receiver of a
+    # group takes them all: rl.generation.weight_routes)
+    route_bytes: tuple[int, ...] = ()
 
     @property
     def gb_per_s(self) -> float:

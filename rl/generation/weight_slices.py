@@ -14,8 +14,9 @@ tensor whose loader does anything else with it (a conversion or a reshape that c
 is opaque and travels whole. So a box holds every element the loader reads, by construction.
 
 On apply the receiver hands vLLM a full-shape tensor with the box written and the rest never touched
-(`expand`: np.empty, whose pages outside the box are never faulted in), which the loader slices exactly
-as it did under the probe. That costs one extra copy of the sliced bytes (1/TP of them).
+(`expand`: np.empty, whose pages outside the box are never faulted in; kept between updates, so only the
+first faults even the box in), which the loader slices exactly as it did under the probe. That costs one
+extra copy of the sliced bytes (1/TP of them).
 """
 
 from __future__ import annotations
@@ -189,10 +190,12 @@ def cut(array: np.ndarray, box: Box | None) -> np.ndarray:
     return array if box is None else array[tuple(slice(a, b) for a, b in box)]
 
 
-def expand(piece: np.ndarray, box: Box, full_shape) -> np.ndarray:
+def expand(piece: np.ndarray, box: Box, full_shape, out: np.ndarray | None = None) -> np.ndarray:
     """A full-shape array holding `piece` at `box`; the rest is never written (and never read by the loader
-    whose box this is)."""
-    out = np.empty(tuple(full_shape), piece.dtype)
+    whose box this is). `out`: such an array to reuse (kept between updates, its box's pages already
+    faulted in)."""
+    if out is None or out.shape != tuple(full_shape) or out.dtype != piece.dtype:
+        out = np.empty(tuple(full_shape), piece.dtype)
     out[tuple(slice(a, b) for a, b in box)] = piece
     return out
 
