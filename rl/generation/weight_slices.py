@@ -33,7 +33,7 @@ _METADATA = frozenset({"size", "dim", "shape", "dtype", "device", "stride", "sto
                        "is_cuda", "is_cpu", "untyped_storage", "data_ptr", "is_meta", "names", "nelement"})
 
 
-class _Opaque(Exception):
+class _Opaque(BaseException):  # not an Exception: a loader's `except Exception` must not swallow it
     def __init__(self, name: str):
         super().__init__(name)
         self.name = name
@@ -91,28 +91,32 @@ def _recorder():
 
         def __init__(self):
             super().__init__()
-            self.live = collections.deque(maxlen=4)  # (storage address, name, full shape, tensor): kept alive
+            # storage address -> (name, full shape, the probe): every probe of a load_weights call stays alive
+            # until it returns, so no other tensor can take its address while a loader may still hold a view
+            self.live: dict = {}
             self.boxes: dict[str, list[Box]] = collections.defaultdict(list)
+            self.opaque: set[str] = set()  # also when a loader swallowed the _Opaque
 
         def add(self, name: str, probe) -> None:
-            self.live.append((probe.untyped_storage().data_ptr(), name, tuple(probe.shape), probe))
+            self.live[probe.untyped_storage().data_ptr()] = (name, tuple(probe.shape), probe)
 
         def _probe_of(self, t):
             try:
-                ptr = t.untyped_storage().data_ptr()
+                hit = self.live.get(t.untyped_storage().data_ptr())
             except Exception:  # noqa: BLE001 - a tensor without storage is no probe
                 return None
-            for p, name, shape, _ in self.live:
-                if p == ptr:
-                    return name, shape
-            return None
+            return None if hit is None else hit[:2]
+
+        def opaque_use(self, name: str) -> _Opaque:
+            self.opaque.add(name)
+            return _Opaque(name)
 
         def _record(self, src):
             name, shape = self._probe_of(src)
             try:
                 box = box_of(src, shape)
             except _Opaque:
-                raise _Opaque(name) from None
+                raise self.opaque_use(name) from None
             if src.numel():
                 self.boxes[name].append(box)
 
@@ -129,13 +133,13 @@ def _recorder():
                         and self._probe_of(src) is not None):
                     self._record(src)  # a probe view into a parameter: what this rank reads
                     return args[0] if func is torch.Tensor.copy_ else None
-                raise _Opaque(name)  # a write into a probe, or the key of an index
+                raise self.opaque_use(name)  # a write into a probe, or the key of an index
             out = func(*args, **kwargs)
             leaves = list(_tensors(out))
             if any(self._probe_of(t) is None for t in leaves):  # a copy of probe data: unrecorded on its way
-                raise _Opaque(name)
+                raise self.opaque_use(name)
             if not leaves and out is not None and _func_name(func) not in _METADATA:
-                raise _Opaque(name)  # a value read out of the probe (.item(), .tolist(), ...)
+                raise self.opaque_use(name)  # a value read out of the probe (.item(), .tolist(), ...)
             return out
 
     return Recorder()
@@ -157,7 +161,7 @@ def read_boxes(load_weights, manifest: dict, names) -> dict[str, Box]:
     import torch
 
     names = [n for n in names if int(np.prod(manifest[n][0], dtype=np.int64)) > 1]
-    rec, opaque, start = _recorder(), set(), 0
+    rec, start = _recorder(), 0
     while start < len(names):
         def probes(first=start):
             for i in range(first, len(names)):
@@ -171,13 +175,12 @@ def read_boxes(load_weights, manifest: dict, names) -> dict[str, Box]:
                 load_weights(probes())
             break
         except _Opaque as e:
-            if e.name is None:
-                raise RuntimeError("a probe's box was used outside a recorded tensor") from None
-            opaque.add(e.name)
             start = names.index(e.name) + 1  # the ones after it again: a loader may have read ahead
+        finally:
+            rec.live.clear()
     out = {}
     for name, boxes in rec.boxes.items():
-        if name in opaque:
+        if name in rec.opaque:
             continue
         box = bounding(boxes)
         if box != tuple((0, int(n)) for n in manifest[name][0]):
