@@ -15,8 +15,10 @@ median (and min) ms per iteration and HF/Flax of the medians (> 1 means Flax is 
 both and the relative difference of the global gradient norms. Flax is timed as loaded by default
 (remat=True: each layer's forward is recomputed in the backward pass; attention_impl="auto": the full layer
 runs flash attention from 512 keys on, dense below), with remat=False (like HF eager, which keeps every
-activation for its backward: the like-for-like row), and with attention_impl="dense" (the masked [S, S]
-scores path, the default before "auto").
+activation for its backward: the like-for-like row, and what `python -m m3jax.train` runs unless a config
+sets `model.remat`: configs/base.yaml has remat false), with attention_impl="dense" (the masked [S, S]
+scores path, the default before "auto"), and optionally with another `model.remat_policy`
+(--remat-policy-row save_dots_experts: the recipes' choice).
 The 1-minute load average is printed: on a machine shared with other jobs, torch's intra-op thread
 pool degrades far more than XLA's under contention, so only runs with a load average near or below
 the core count are a fair comparison.
@@ -155,6 +157,9 @@ def main():
                     help="skip the extra Flax row loaded with remat=False")
     ap.add_argument("--no-dense-row", action="store_true",
                     help="skip the extra Flax row loaded with attention_impl=dense (masked [S, S] scores)")
+    ap.add_argument("--remat-policy-row", default=None, metavar="POLICY",
+                    help="an extra Flax row with remat=True and this model.remat_policy (the recipes select "
+                         "save_dots_experts)")
     args = ap.parse_args()
 
     threads = n_cpus()
@@ -166,6 +171,8 @@ def main():
         flax_models["flax (remat=False)"] = tiny.m3_from_hf(hf, remat=False)
     if not args.no_dense_row:
         flax_models["flax (remat=True, dense)"] = tiny.m3_from_hf(hf, attention_impl="dense")
+    if args.remat_policy_row:
+        flax_models[f"flax (remat {args.remat_policy_row})"] = tiny.m3_from_hf(hf, remat_policy=args.remat_policy_row)
 
     n_params = sum(p.numel() for p in hf.parameters())
     print(f"jax {jax.__version__} ({jax.default_backend()}), torch {torch.__version__} "
