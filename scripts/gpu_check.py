@@ -30,6 +30,9 @@ Prints one JSON line per check; keep the output with BENCHMARKS.md. Checks:
    how far the logprobs move when every block is selected, the scale of a wrong block choice. The engine
    also returns its MoE routes (issue 14 item 1): `routes` gives moe/route_mismatch_frac of the trainer's own
    routes against vLLM's, and the generator-vs-trainer logprob gap without and with vLLM's routes replayed.
+   `push` (issue 12 item 3 on CUDA): a weight update of other weights (B: the same shapes, seed 1) written by the engine
+   (in place where `weight_apply` says so, else vLLM's reload_weights), then A again: B's scored logprobs
+   against the trainer's B, A's again bit for bit against the first score, and the seconds each apply took.
 """
 
 from __future__ import annotations
@@ -258,7 +261,7 @@ def logprob_head(small: bool, tokens: int, chunk: int):
 VLLM_PROMPT, VLLM_RESPONSE = 2304, 256  # > 2,048 tokens: 20 blocks of 128, of which the indexer keeps 4
 
 
-def m3_sparse_for_vllm():
+def m3_sparse_for_vllm(seed: int = 0):
     """M3's layer pattern at tiny width, at the shapes vLLM's sparse kernels take (head_dim, index head_dim and
     block size 128); random norms and router bias (m3jax initialises them to 0) so every piece shows."""
     from m3jax.tiny import m3_config, m3_model
@@ -266,8 +269,8 @@ def m3_sparse_for_vllm():
                     head_dim=128, intermediate_size=128, dense_intermediate_size=512, num_local_experts=8,
                     index_n_heads=2, index_head_dim=128, index_block_size=128, index_topk_blocks=4,
                     max_position_embeddings=8192)
-    model = m3_model(cfg, seed=0)
-    rng = np.random.default_rng(0)
+    model = m3_model(cfg, seed=seed)
+    rng = np.random.default_rng(seed)
     for path, var in nnx.to_flat_state(nnx.state(model)):
         v = np.asarray(var.get_value())
         if "norm" in path[-1] or path[-1] == "router_bias":
@@ -314,8 +317,10 @@ def vllm_long_context(timeout_s: int = 900):
     base = dict(check="vllm_long_context", tokens=VLLM_PROMPT + VLLM_RESPONSE, block_size=128, topk_blocks=4,
                 selection_effect={"max": float(effect.max()), "mean": float(effect.mean())},
                 reference_finite=bool(np.isfinite(sparse_lp).all()), reference_s=time.perf_counter() - t0)
+    _, other = m3_sparse_for_vllm(seed=1)  # the weights check 8 pushes into the running engine
     with tempfile.TemporaryDirectory() as work:
         m3jax.save_pretrained(model, os.path.join(work, "ckpt"), layout="released")
+        m3jax.save_pretrained(other, os.path.join(work, "ckpt_b"), layout="released")
         with open(os.path.join(work, "request.json"), "w") as f:
             json.dump({"prompt": prompt, "max_new_tokens": VLLM_RESPONSE}, f)
         env = dict(os.environ, JAX_PLATFORMS="cpu")  # the child never computes with JAX
@@ -358,7 +363,38 @@ def vllm_long_context(timeout_s: int = 900):
     # bf16 serving against an fp32 reference cannot match to 1e-4; what must hold is that the engine sits
     # nearer the trainer than another block choice would move it (a wrong or non-causal block, a NaN fail).
     out["ok"] = all(out[p]["finite"] and out[p]["mean_abs_diff"] < 0.5 * effect for p in ("generate", "score"))
+    if "push" in got:
+        push = got["push"]
+        if "error" not in push:
+            want_b = trainer_logprobs(other, prompt, response)
+            d = np.abs(np.asarray(push["score_b"], np.float64) - want_b)
+            moved = float(np.abs(want_b - want).mean())  # how far B's logprobs sit from A's: a stale apply's error
+            push = {"apply_s": push["apply_s"], "mode": push["mode"], "b_vs_trainer_mean_abs_diff": float(d.mean()),
+                    "b_vs_trainer_max_abs_diff": float(d.max()), "a_to_b_trainer_mean_move": moved,
+                    "a_again_bitwise": push["score_a_again"] == got["score"]}
+            push["ok"] = bool(np.isfinite(d).all() and d.mean() < 0.5 * moved and push["a_again_bitwise"])
+            out["ok"] = out["ok"] and push["ok"]
+        out["push"] = push
     emit(**out)
+
+
+def push_round_trip(eng, prompt, response, ckpt_a: str, ckpt_b: str) -> dict:
+    """Write the checkpoint at ckpt_b into the running engine, score `response`, write ckpt_a back, score again:
+    the engine's weight update path (in place or reload_weights, as `eng.apply_mode` says) on this platform."""
+    from safetensors.numpy import load_file
+
+    def tensors(path):
+        return [item for f in sorted(os.listdir(path)) if f.endswith(".safetensors")
+                for item in load_file(os.path.join(path, f)).items()]
+
+    out = {"mode": [eng.apply_mode, eng.apply_fallback], "apply_s": []}
+    for key, path in (("score_b", ckpt_b), ("score_a_again", ckpt_a)):
+        named = tensors(path)
+        t = time.perf_counter()
+        eng.load_weights(named)
+        out["apply_s"].append(time.perf_counter() - t)
+        out[key] = [float(x) for x in eng.score([prompt], [response])[0]]
+    return out
 
 
 def vllm_child(work: str):
@@ -387,8 +423,14 @@ def vllm_child(work: str):
         scored = eng.score([req["prompt"]], [ids])[0]
         # apply: whether this engine writes a weight update in place on CUDA, and if not why (which MoE kernel
         # class vLLM picked: rl.generation.inplace._PLAIN_MOE_EXPERTS lists the ones cleared)
-        done(response=ids, generate=lps, score=[float(x) for x in scored], start_s=eng.start_seconds,
-             vllm=vllm.__version__, routes=routes.tolist(), apply=[eng.apply_mode, eng.apply_fallback])
+        result = dict(response=ids, generate=lps, score=[float(x) for x in scored], start_s=eng.start_seconds,
+                      vllm=vllm.__version__, routes=routes.tolist(), apply=[eng.apply_mode, eng.apply_fallback])
+        try:  # after the logprobs: a failing update must not lose them
+            result["push"] = push_round_trip(eng, req["prompt"], ids, os.path.join(work, "ckpt"),
+                                             os.path.join(work, "ckpt_b"))
+        except Exception as e:  # noqa: BLE001 (reported as the push's result)
+            result["push"] = {"error": f"{type(e).__name__}: {str(e)[:1500]}"}
+        done(**result)
         eng.shutdown()
     except Exception as e:  # noqa: BLE001 (reported as the check's result)
         done(error=f"{type(e).__name__}: {str(e)[:1500]}")

@@ -9,6 +9,8 @@ import importlib.util
 import json
 import os
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -33,3 +35,39 @@ def test_attention_check_runs_every_kernel_but_cudnn_on_cpu(capsys):
         assert r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0
         if "rel_err_vs_dense" in r:
             assert r["rel_err_vs_dense"] < 1e-2, (name, r)  # bf16 against the dense path
+
+
+@pytest.mark.slow  # ~25 s: six trainer passes over 2,320 tokens
+def test_vllm_checks_verdict_on_a_stand_in_engine(capsys, monkeypatch):
+    """Check 8's parent side (the child needs CUDA): a stand-in child that answers with the trainer's own logprobs
+    for A, then B, then A again passes, push included; one whose update left A's weights in place fails."""
+    import subprocess
+
+    gc = _gpu_check()
+    cfg, a = gc.m3_sparse_for_vllm()
+    _, b = gc.m3_sparse_for_vllm(seed=1)
+    stale = [False]
+
+    def child(cmd, **kw):
+        work = cmd[-1]
+        with open(os.path.join(work, "request.json")) as f:
+            req = json.load(f)
+        assert sorted(os.listdir(work)) == ["ckpt", "ckpt_b", "request.json"]
+        prompt, response = req["prompt"], list(range(3, 3 + req["max_new_tokens"]))
+        lp_a = [float(x) for x in gc.trainer_logprobs(a, prompt, response)]
+        lp_b = lp_a if stale[0] else [float(x) for x in gc.trainer_logprobs(b, prompt, response)]
+        with open(os.path.join(work, "result.json"), "w") as f:
+            json.dump(dict(response=response, generate=lp_a, score=lp_a, start_s=1.0, vllm="stand-in",
+                           apply=["inplace", None], push=dict(mode=["inplace", None], apply_s=[0.1, 0.1],
+                                                              score_b=lp_b, score_a_again=lp_a)), f)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(gc.subprocess, "run", child)
+    monkeypatch.setattr(gc, "VLLM_RESPONSE", 16)  # a shorter response: two trainer passes less to wait for
+    for is_stale in (False, True):
+        stale[0] = is_stale
+        gc.vllm_long_context()
+        res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert res["push"]["a_again_bitwise"] and res["push"]["a_to_b_trainer_mean_move"] > 0.1, res["push"]
+        assert res["push"]["ok"] is (not is_stale) and res["ok"] is (not is_stale), res
+        assert res["generate"]["max_abs_diff"] == 0.0

@@ -189,6 +189,26 @@ def reload_a_b_a(engine, a, b, label="in-process"):
     assert engine.health()["ok"] and engine.health()["version"] == 2
 
 
+def test_the_gpu_checks_push_round_trip_on_this_engine(engine, models, tmp_path):
+    """scripts/gpu_check.py's `push_round_trip` (check 8 on CUDA: B written into the running engine, then A) runs
+    only where a GPU is lent; here on the CPU engine: B's scores are the trainer's B, A's come back bit for bit."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))), "scripts", "gpu_check.py"))
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    a, b, path = models
+    ckpt_b = m3jax.save_pretrained(b, tmp_path / "b", layout="released")
+    (p,) = prompts([7], seed=8)
+    (ids, _, _), = engine.generate([p], SamplingParams(max_new_tokens=8, temperature=0.0), [0])
+    first = [float(x) for x in engine.score([p], [ids])[0]]
+    got = gpu_check.push_round_trip(engine, p, ids, str(path), str(ckpt_b))
+    assert got["mode"] == [engine.apply_mode, engine.apply_fallback] and len(got["apply_s"]) == 2
+    np.testing.assert_allclose(got["score_b"], reference_logprobs(b, p, ids, 1.0)[1], atol=ATOL)
+    assert got["score_a_again"] == first
+
+
 @pytest.mark.slow
 def test_bad_updates_are_rejected_and_a_still_served(engine, models):
     a, _, _ = models
