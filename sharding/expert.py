@@ -31,12 +31,17 @@ from sharding.layout import Layout
 # that saves it (model.remat_policy save_dots_experts) spares the backward the experts' forward, which the router
 # weights' gradient would otherwise re-run to read these rows. An identity without such a policy.
 MOE_EXPERT_OUT = "moe_expert_out"
+# The name of the routing's integer decisions: each token's top-k expert ids (`m3jax.model.moe.route`) and the
+# rows' expert order (`sort_by_expert`'s argsort). They have no gradient and cost a few bytes per token, so every
+# remat policy keeps them (`m3jax.model.decoder.remat_policy_fn`): the backward does not run the top-k and the
+# sort again.
+MOE_ROUTING = "moe_routing"
 
 
 def sort_by_expert(idx: jax.Array, num_experts: int):
     """Assignments [T, k] -> (order, token_of_row, expert_of_row, rows per expert [E])."""
     flat = idx.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
+    order = checkpoint_name(jnp.argsort(flat, stable=True), MOE_ROUTING)
     return order, order // idx.shape[1], flat[order], jnp.bincount(flat, length=num_experts).astype(jnp.int32)
 
 

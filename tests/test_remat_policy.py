@@ -80,24 +80,39 @@ def _lowered_grad(**kw) -> str:
     return jax.jit(jax.grad(f)).lower(params).as_text()
 
 
-def test_every_policy_runs_the_indexer_once_and_the_policies_differ():
-    """The gather path's block ids are kept under every policy: the gradient's program holds one indexer top-k
-    per sparse-layer scan (its [B, Hi, S, nb] scores; the router's top-k is 2-D), not a second in the remat."""
+def test_every_policy_runs_the_indexer_and_the_routing_once_and_the_policies_differ():
+    """The integer decisions are kept under every policy: the gradient's program holds one indexer top-k per
+    sparse-layer scan (its [B, Hi, S, nb] scores), one router top-k ([T, E]) and one expert sort of the rows per
+    MoE-layer scan, not a second of each in the remat; without the routing's names kept, two of each."""
     programs = {pol: _lowered_grad(remat_policy=pol) for pol in REMAT_POLICIES}
     for pol, text in programs.items():
         indexer_topk = re.findall(r"chlo\.top_k\(%\w+, k = \d+\) : tensor<\d+x\d+x\d+x\d+xf32>", text)
-        assert len(indexer_topk) == 1, (pol, indexer_topk)
+        router_topk = re.findall(r"chlo\.top_k\(%\w+, k = \d+\) : tensor<\d+x\d+xf32>", text)
+        assert len(indexer_topk) == 1 and len(router_topk) == 1, (pol, indexer_topk, router_topk)
+        assert text.count("stablehlo.sort") == 1, pol
+    from m3jax.model import decoder
+    from m3jax.model.sparse import INDEX_BLOCK_IDS
+
+    real = decoder.remat_policy_fn
+    try:  # the policy of before: block ids only
+        decoder.remat_policy_fn = lambda name: jax.checkpoint_policies.save_only_these_names(INDEX_BLOCK_IDS)
+        before = _lowered_grad(remat_policy="full")
+    finally:
+        decoder.remat_policy_fn = real
+    assert len(re.findall(r"chlo\.top_k\(%\w+, k = \d+\) : tensor<\d+x\d+xf32>", before)) == 2
+    assert before.count("stablehlo.sort") == 2
     assert len(set(programs.values())) == len(REMAT_POLICIES)
     assert programs["full"] == _lowered_grad()  # the default
 
 
 def test_expert_rows_tag_is_an_identity_without_a_policy_naming_it(monkeypatch):
     """combine's checkpoint_name(MOE_EXPERT_OUT) lowers to nothing: with the tag replaced by the identity, the
-    full-remat gradient's program (its policy names only the block ids) is the same text."""
+    full-remat gradient's program (its policy names only the integer decisions) is the same text."""
     import sharding.expert as expert
 
     tagged = _lowered_grad(remat_policy="full")
-    monkeypatch.setattr(expert, "checkpoint_name", lambda x, name: x)
+    real = expert.checkpoint_name
+    monkeypatch.setattr(expert, "checkpoint_name", lambda x, name: x if name == expert.MOE_EXPERT_OUT else real(x, name))
     assert _lowered_grad(remat_policy="full") == tagged
 
 

@@ -25,7 +25,7 @@ from m3jax.model.norms import rms_norm
 from m3jax.model.rope import rope_cos_sin
 from m3jax.model.sparse import INDEX_BLOCK_IDS
 from m3jax.model.specs import MOE_MLP, SPARSE_ATTENTION, ParamSpec, layer_param_specs, top_param_specs
-from sharding.expert import MOE_EXPERT_OUT
+from sharding.expert import MOE_EXPERT_OUT, MOE_ROUTING
 from sharding.grouped_matmul import resolve_kernel
 from sharding.layout import Layout, as_layout
 from sharding.rules import mesh_axes_of
@@ -41,8 +41,10 @@ LOGITS = ("act_batch", "act_seq", "act_vocab")
 # keeps those and the routed experts' output rows too (`sharding.expert.MOE_EXPERT_OUT`, T * k rows of d per MoE
 # layer), which the router weights' gradient reads: the backward then does not re-run the experts' forward to
 # get them (the tiled kernel's backward recomputes its gate/up itself; under ragged_dot the gate/up run again).
-# Every policy also keeps the gather path's block ids (`m3jax.model.sparse.INDEX_BLOCK_IDS`, [B, S, Hi, K]
-# int32 per sparse layer): the indexer's scores and top-k run once per step, not again in the backward.
+# Every policy also keeps the integer decisions, which have no gradient and cost a few bytes per token: the
+# gather path's block ids (`m3jax.model.sparse.INDEX_BLOCK_IDS`, [B, S, Hi, K] int32 per sparse layer), so the
+# indexer's scores and top-k run once per step, not again in the backward, and the MoE routing's expert ids
+# and row order (`sharding.expert.MOE_ROUTING`, 2 x T k int32 per MoE layer), so its top-k and sort do not either.
 REMAT_POLICIES = ("full", "save_dots", "save_dots_experts")
 
 
@@ -51,13 +53,13 @@ def remat_policy_fn(name: str):
     if name not in REMAT_POLICIES:
         raise ValueError(f"remat_policy={name!r}: expected one of {REMAT_POLICIES}")
     cp = jax.checkpoint_policies
-    ids = cp.save_only_these_names(INDEX_BLOCK_IDS)
+    ids = cp.save_only_these_names(INDEX_BLOCK_IDS, MOE_ROUTING)
     if name == "full":
         return ids
     if name == "save_dots":
         return cp.save_from_both_policies(cp.dots_with_no_batch_dims_saveable, ids)
     return cp.save_from_both_policies(cp.dots_with_no_batch_dims_saveable,
-                                      cp.save_only_these_names(MOE_EXPERT_OUT, INDEX_BLOCK_IDS))
+                                      cp.save_only_these_names(MOE_EXPERT_OUT, INDEX_BLOCK_IDS, MOE_ROUTING))
 
 
 class Buffer(nnx.Variable):
@@ -194,8 +196,8 @@ class M3ForCausalLM(nnx.Module):
                  attention_query_chunk: int = 0, layout=None, moe_kernel: str = "auto",
                  attention_impl: str = "auto", sparse_attention: str = "gather", remat_policy: str = "full"):
         """remat: rematerialise each layer in the backward pass. remat_policy: what a rematerialised layer
-        keeps for its backward, "full" (its input only) | "save_dots" (also the token-sized projection
-        outputs) | "save_dots_experts" (and the routed experts' output rows; `REMAT_POLICIES`).
+        keeps for its backward, "full" (its input and the integer decisions) | "save_dots" (also the token-sized
+        projection outputs) | "save_dots_experts" (and the routed experts' output rows; `REMAT_POLICIES`).
         moe_capacity_factor: cap on the rows an
         expert-parallel device sends to one peer, x (tokens*top_k / n_ep); None = dropless.
         moe_exchange: "padded" | "ragged" | "ragged_emulated"; None = ragged on GPU/TPU, padded on CPU.

@@ -9,10 +9,11 @@ receive buffer are multiplied too (ragged_dot's dense lowerings) or skipped (til
 import functools
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
 from m3jax.model.mlp import dense_mlp, swiglu_oai
-from sharding.expert import routed_experts
+from sharding.expert import MOE_ROUTING, routed_experts
 from sharding.grouped_matmul import grouped_mlp
 from sharding.layout import Layout
 
@@ -28,6 +29,7 @@ def route(x: jax.Array, router: jax.Array, bias: jax.Array, *, top_k: int) -> tu
     logits = jnp.einsum("td,ed->te", x.astype(jnp.float32), router.astype(jnp.float32))
     p = jax.nn.sigmoid(logits)
     _, idx = jax.lax.top_k(jax.lax.stop_gradient(p) + bias, top_k)
+    idx = checkpoint_name(idx, MOE_ROUTING)  # kept by every remat policy: no top-k again in the backward
     w = jnp.take_along_axis(p, idx, axis=-1)
     return w / jnp.sum(w, axis=-1, keepdims=True), idx.astype(jnp.int32)
 

@@ -109,8 +109,9 @@ class ModelSection(_Section):
     init_seed: int = _f(0, "seed of the random initialisation of a tiny model", min=0)
     remat: bool = _f(False, "activation checkpointing (recompute each layer in the backward pass)")
     # m3jax.model.decoder.REMAT_POLICIES, listed here so that the schema needs no jax
-    remat_policy: str = _f("full", "with remat, what each layer keeps for its backward: full (its input only; "
-                                   "the whole forward runs again), save_dots (also the token-sized projection "
+    remat_policy: str = _f("full", "with remat, what each layer keeps for its backward: full (its input and "
+                                   "its integer decisions, the indexer's block ids and the expert routing; the rest "
+                                   "of the forward runs again), save_dots (also the token-sized projection "
                                    "outputs: q/k/v/o, indexer, router, shared-expert and dense-MLP gate/up; the "
                                    "backward then recomputes only norms, attention cores, dispatch and the "
                                    "routed experts) or save_dots_experts (also the routed experts' output rows, "
