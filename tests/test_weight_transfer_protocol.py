@@ -246,6 +246,23 @@ def test_expert_parallel_workers_receive_only_their_experts(ray_local):
             ray.kill(h)
 
 
+def row_halves(shapes: dict, suffixes=("embed_tokens.weight", "lm_head.weight", "self_attn.q_proj.weight",
+                                       "self_attn.o_proj.weight")) -> tuple[dict, dict]:
+    """Boxes of a TP 2 engine's two workers for the tensors named ...suffix (name -> shape): rank r the r-th half
+    of the rows (the columns for o_proj, as vLLM's row-parallel layers read). tests/workers/multihost_weights.py."""
+    out = ({}, {})
+    for name, shape in shapes.items():
+        if not name.endswith(suffixes):
+            continue
+        dim = 1 if name.endswith("o_proj.weight") else 0
+        half = shape[dim] // 2
+        for r in range(2):
+            box = [(0, n) for n in shape]
+            box[dim] = (r * half, (r + 1) * half if r == 0 else shape[dim])
+            out[r][name] = tuple(box)
+    return out
+
+
 # Rank r of a TP 2 engine: q's rows, big's columns (a strided box), c whole; 'a' overlaps between the ranks.
 _BOXES = ({"a": ((0, 2), (0, 5)), "big": ((0, 64), (0, 20))},
           {"a": ((1, 3), (0, 5)), "big": ((0, 64), (20, 40)), "c": ((1, 2), (0, 2), (0, 3))})

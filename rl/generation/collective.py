@@ -258,9 +258,13 @@ def agree_routes(peers, message, table=None, boxes=None) -> tuple[list, list[int
     routes, worlds = weight_routes.decode(peers.agree(table))
     if not n_boxes:
         return routes, worlds, [{} for _ in routes]
-    if boxes is None:
-        boxes = np.zeros((n_boxes, 3 + 2 * weight_slices.MAX_DIMS), np.int64)
-    return routes, worlds, weight_slices.decode(peers.agree(boxes), n_routes)
+    mine = boxes is not None
+    if not mine:
+        boxes = np.zeros((n_boxes, weight_slices.WIDTH), np.int64)
+    agreed = np.asarray(peers.agree(boxes), np.int64)
+    if mine and not np.array_equal(agreed, boxes):  # every process would cut other boxes than the receivers read
+        raise TransferError("the slices table changed on its way to the trainer processes")
+    return routes, worlds, weight_slices.decode(agreed, n_routes)
 
 
 class CollectiveTransport:

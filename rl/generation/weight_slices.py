@@ -204,17 +204,19 @@ def expand(piece: np.ndarray, box: Box, full_shape, out: np.ndarray | None = Non
 
 
 def name_key(name: str) -> int:
-    """A tensor name as the int64 the senders agree on (XXH3-64 of its UTF-8 bytes)."""
+    """A tensor name as the integer the senders agree on: the low 62 bits of XXH3-64 of its UTF-8 bytes."""
     import xxhash
 
-    return int(np.uint64(xxhash.xxh3_64_intdigest(name.encode())).view(np.int64))
+    return xxhash.xxh3_64_intdigest(name.encode()) & ((1 << 62) - 1)
 
 
 MAX_DIMS = 4  # the slices table's width; a deeper tensor travels whole
+WIDTH = 4 + 2 * MAX_DIMS  # the table's columns
+_HALF = 31  # every entry < 2^31: the trainer processes agree on the table through JAX, whose integers are int32
 
 
 def encode(slices: list[dict[str, Box]]) -> np.ndarray:
-    """Per route, its boxes as int64 rows [route, name key, ndim, (start, stop) x MAX_DIMS]."""
+    """Per route, its boxes as int64 rows [route, name key (high, low 31 bits), ndim, (start, stop) x MAX_DIMS]."""
     rows = []
     for g, boxes in enumerate(slices):
         keys = {}
@@ -223,16 +225,18 @@ def encode(slices: list[dict[str, Box]]) -> np.ndarray:
                 continue
             key = name_key(name)
             if keys.setdefault(key, name) != name:
-                raise ValueError(f"tensor names {keys[key]!r} and {name!r} have the same XXH3-64")
+                raise ValueError(f"tensor names {keys[key]!r} and {name!r} have the same key (XXH3-64, 62 bits)")
             flat = [x for ab in box for x in ab] + [0, 0] * (MAX_DIMS - len(box))
-            rows.append([g, key, len(box), *flat])
-    return np.array(rows, np.int64).reshape(-1, 3 + 2 * MAX_DIMS)
+            if any(x >= 1 << _HALF for x in flat):
+                continue  # a dimension of 2^31 or more: whole
+            rows.append([g, key >> _HALF, key & ((1 << _HALF) - 1), len(box), *flat])
+    return np.array(rows, np.int64).reshape(-1, WIDTH)
 
 
 def decode(table, routes: int) -> list[dict[int, Box]]:
     """encode's rows back as, per route, name key -> box."""
     out: list[dict[int, Box]] = [{} for _ in range(routes)]
     for row in np.asarray(table, np.int64):
-        g, key, ndim = int(row[0]), int(row[1]), int(row[2])
-        out[g][key] = tuple((int(row[3 + 2 * d]), int(row[4 + 2 * d])) for d in range(ndim))
+        g, key, ndim = int(row[0]), (int(row[1]) << _HALF) | int(row[2]), int(row[3])
+        out[g][key] = tuple((int(row[4 + 2 * d]), int(row[5 + 2 * d])) for d in range(ndim))
     return out

@@ -4,8 +4,9 @@ tensors its own devices hold (m3jax.hf.owned) through its own weight group:
     python multihost_weights.py CKPT PORT PROCESS_ID OUT
 
 Process 0 also runs Ray and two stand-in engines of tests/test_weight_transfer_protocol.py: the dict engine
-(receives everything) and an expert-parallel engine whose two workers hold half of the experts each (three
-routes, so three groups per sender). It pushes versions 1 and 2 (the second reuses the groups) and writes
+(receives everything) and an expert-parallel engine whose two workers hold half of the experts each and read
+half of the embedding, the lm_head and the attention projections (three routes, so three groups per sender; the
+boxes reach process 1 in the slices table process 0 agrees with it). It pushes versions 1 and 2 (the second reuses the groups) and writes
 what each receiver applied to OUT.engine<i>.npz; every process writes the names and bytes it sent to
 OUT.<process>.json.
 """
@@ -44,19 +45,27 @@ def main(ckpt, port, process_id, out):
         import ray
 
         from rl.generation.collective import CollectiveTransport
-        from tests.test_weight_transfer_protocol import DictEngine, RayExecutorEngine
+        from tests.test_weight_transfer_protocol import DictEngine, RayExecutorEngine, row_halves
 
         ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
         dtype = np.dtype(model.dtype)
         manifest = [(s.name, np.empty(s.shape, dtype)) for s in layouts.slots(model.cfg, "released")]
         half = model.cfg.num_local_experts // 2
         experts = (list(range(half)), list(range(half, model.cfg.num_local_experts)))
-        engines = [ray.remote(DictEngine).remote(manifest), ray.remote(RayExecutorEngine).remote(manifest, experts)]
+        boxes = row_halves({n: a.shape for n, a in manifest})  # and each worker its TP rank's half of some tensors
+        engines = [ray.remote(DictEngine).remote(manifest),
+                   ray.remote(RayExecutorEngine).remote(manifest, experts, boxes)]
         transport = CollectiveTransport(engines, BUCKET, timeout_s=120, peers=peers)
         stats = [transport.push(owned_hf_tensors(model, "released"), v) for v in (1, 2)]
         states = [s for e in engines for s in ray.get(e.states.remote())]  # the dict engine, then 2 workers
         assert [v for v, _ in states] == [2, 2, 2] and stats[1].setup_s == 0.0 and stats[1].senders == 2, stats
         assert len(transport.sender.routes) == 3  # everything, and each worker's half of the experts
+        # each worker's group is sent its boxes, not the whole tensors: fewer bytes than those it wants whole
+        from rl.generation.weight_routes import wants
+        for g, route in enumerate(transport.sender.routes[1:], 1):
+            whole = sum(a.nbytes for n, a in manifest if wants(route, n))
+            cut_off = sum(a.nbytes for n, a in manifest if n in boxes[g - 1]) // 2
+            assert stats[1].route_bytes[g] <= whole - cut_off + 64 * len(manifest), (g, stats[1].route_bytes, whole)
         for i, (_, applied) in enumerate(states):
             np.savez(f"{out}.engine{i}.npz", **applied)
         transport.close()
@@ -65,6 +74,7 @@ def main(ckpt, port, process_id, out):
         sender = RoutedSender(BUCKET, timeout_s=120)
         for v in (1, 2):
             follow_push(sender, peers, owned_hf_tensors(model, "released"), v)
+        assert sender.slices[0] == {} and sender.slices[1] and sender.slices[2]  # process 0's slices table arrived
         sender.close()
 
 
