@@ -109,9 +109,13 @@ def test_each_rank_reads_only_the_boxes_it_reports(engine, models):
     different columns of o / down; an update that holds only each rank's boxes (NaN everywhere else) gives
     the trainer's logprobs, so no loader reads outside the box it reported."""
     a, b, _ = models
+    ps, greedy = prompts([5, 11, 8]), SamplingParams(max_new_tokens=12, temperature=0.0)
+    before = engine.generate(ps, greedy, seeds=[0, 1, 2])
     t0 = time.perf_counter()
     routes = engine.llm.collective_rpc("m3jax_weight_route", args=(dict(engine.manifest),))
     print(f"probing the boxes of {len(engine.manifest)} tensors in 2 workers: {time.perf_counter() - t0:.2f} s")
+    engine.llm.reset_prefix_cache()
+    assert engine.generate(ps, greedy, seeds=[0, 1, 2]) == before  # the probe wrote nothing
     boxes = [r["slices"] for r in routes]
     assert sorted(routes[0]["experts"] + routes[1]["experts"]) == list(range(a.cfg.num_local_experts))
     for suffix in ("self_attn.q_proj.weight", "self_attn.o_proj.weight", "mlp.gate_proj.weight",
@@ -127,7 +131,6 @@ def test_each_rank_reads_only_the_boxes_it_reports(engine, models):
     new = {n: np.asarray(x) for n, x in hf_tensors(b, "released")}
     engine.llm.collective_rpc(_write_only_the_boxes, args=(new, boxes))
     engine.llm.reset_prefix_cache()
-    ps, greedy = prompts([5, 11, 8]), SamplingParams(max_new_tokens=12, temperature=0.0)
     d = max_diff(b, ps, engine.generate(ps, greedy, seeds=[0, 1, 2]), greedy)
     print(f"boxes only (NaN elsewhere): max |dlogprob| vs the trainer {d:.2e}")
     assert d < ATOL

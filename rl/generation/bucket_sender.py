@@ -20,7 +20,7 @@ now 768 MB), and a tensor every route wants is packed and hashed once instead of
 When the receivers read tensor-parallel slices (rl.generation.weight_slices), each route's group is sent
 its box of every such tensor: every route then has pieces of its own in each layer, so one bucket per
 route is filled at once (depth + routes buffers: 4.6 GB per sender at 256 MB buckets with 16 routes,
-1.1 GB at 64 MB), where two would close a nearly empty bucket at every piece.
+1.15 GB at 64 MB), where two would close a nearly empty bucket at every piece.
 """
 
 from __future__ import annotations

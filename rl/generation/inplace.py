@@ -96,7 +96,8 @@ class InplaceApplier:
         from rl.generation.weight_slices import read_boxes
 
         with self._loaded_layout():
-            return read_boxes(self.model.load_weights, manifest, names)
+            targets = [*self.model.parameters(), *self.model.buffers()]
+            return read_boxes(self.model.load_weights, manifest, names, targets)
 
     @contextlib.contextmanager
     def _loaded_layout(self):

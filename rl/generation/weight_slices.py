@@ -9,9 +9,10 @@ whole, a third of each rank's 77 GB (docs/vllm.md, refit on paper); sliced, 1.6 
 The slice ("box": [start, stop) per dimension) is not taken from a table of vLLM's layer classes, which
 changes between versions and models, but from the loaders themselves: `read_boxes` runs the model's own
 `load_weights` over never-written full-shape tensors under a `TorchFunctionMode` that records the box of
-each view of them a loader copies into a parameter, and skips that copy, so the model is unchanged. A
-tensor whose loader does anything else with it (a conversion or a reshape that copies, reading a value)
-is opaque and travels whole. So a box holds every element the loader reads, by construction.
+each view of them a loader copies into a parameter, and skips every in-place write to a parameter (that
+copy, and a loader's own fills), so the model is unchanged. A tensor whose loader does anything else with
+it (a conversion or a reshape that copies, a copy into a temporary, reading a value) is opaque and travels
+whole. So a box holds every element the loader reads, by construction.
 
 On apply the receiver hands vLLM a full-shape tensor with the box written and the rest never touched
 (`expand`: np.empty, whose pages outside the box are never faulted in; kept between updates, so only the
@@ -81,16 +82,30 @@ def _tensors(tree):
             yield from _tensors(t)
 
 
-def _recorder():
+def _in_place(func) -> bool:
+    name = _func_name(func)
+    return name == "__setitem__" or name.startswith("__i") or (name.endswith("_") and not name.startswith("__"))
+
+
+def _storage(t) -> int | None:
+    try:
+        return t.untyped_storage().data_ptr()
+    except Exception:  # noqa: BLE001 - a tensor without storage
+        return None
+
+
+def _recorder(targets):
     import torch
     from torch.overrides import TorchFunctionMode
 
     class Recorder(TorchFunctionMode):
-        """Records the box of every probe view copied into something else, and skips the copy; a probe used
-        any other way than through views and metadata raises _Opaque(its name) before anything reads it."""
+        """Records the box of every probe view copied into a parameter (`targets`), and skips the copy; no
+        in-place op writes a parameter while it records. A probe used any other way than through views and
+        metadata raises _Opaque(its name) before anything reads it."""
 
         def __init__(self):
             super().__init__()
+            self.targets = {p for p in map(_storage, targets) if p}
             # storage address -> (name, full shape, the probe): every probe of a load_weights call stays alive
             # until it returns, so no other tensor can take its address while a loader may still hold a view
             self.live: dict = {}
@@ -101,10 +116,7 @@ def _recorder():
             self.live[probe.untyped_storage().data_ptr()] = (name, tuple(probe.shape), probe)
 
         def _probe_of(self, t):
-            try:
-                hit = self.live.get(t.untyped_storage().data_ptr())
-            except Exception:  # noqa: BLE001 - a tensor without storage is no probe
-                return None
+            hit = self.live.get(_storage(t))
             return None if hit is None else hit[:2]
 
         def opaque_use(self, name: str) -> _Opaque:
@@ -124,16 +136,20 @@ def _recorder():
             kwargs = kwargs or {}
             mine = [(t, self._probe_of(t)) for t in _tensors((args, kwargs))]
             mine = [(t, p) for t, p in mine if p is not None]
+            writes = _in_place(func) and bool(args) and isinstance(args[0], torch.Tensor)
+            skipped = args[0] if writes and func is not torch.Tensor.__setitem__ else None
+            if writes and _storage(args[0]) in self.targets:  # a parameter: never written while recording
+                if mine:
+                    src = args[1] if func is torch.Tensor.copy_ else args[2] if func is torch.Tensor.__setitem__ else None
+                    if src is None or len(mine) > 1 or mine[0][0] is not src:  # e.g. param.add_(probe), a probe key
+                        raise self.opaque_use(mine[0][1][0])
+                    self._record(src)  # a probe view into a parameter: what this rank reads
+                return skipped
             if not mine:
                 return func(*args, **kwargs)
             name = mine[0][1][0]
-            if func in (torch.Tensor.copy_, torch.Tensor.__setitem__):  # dst.copy_(src), dst[key] = src
-                src = args[1] if func is torch.Tensor.copy_ else args[2]
-                if (self._probe_of(args[0]) is None and isinstance(src, torch.Tensor)
-                        and self._probe_of(src) is not None):
-                    self._record(src)  # a probe view into a parameter: what this rank reads
-                    return args[0] if func is torch.Tensor.copy_ else None
-                raise self.opaque_use(name)  # a write into a probe, or the key of an index
+            if writes:  # probe data into a temporary (it may reach a parameter unrecorded), or into a probe
+                raise self.opaque_use(name)
             out = func(*args, **kwargs)
             leaves = list(_tensors(out))
             if any(self._probe_of(t) is None for t in leaves):  # a copy of probe data: unrecorded on its way
@@ -154,14 +170,15 @@ def torch_dtype(dtype):
     return torch.from_numpy(np.zeros(0, dtype)).dtype
 
 
-def read_boxes(load_weights, manifest: dict, names) -> dict[str, Box]:
+def read_boxes(load_weights, manifest: dict, names, targets) -> dict[str, Box]:
     """The box of every tensor in `names` (of manifest: name -> (shape, dtype)) that `load_weights` (a vLLM
     model's, whose parameters are in their loaded layout) reads only part of. A tensor it reads whole, not
-    at all, or opaquely (module docstring) is absent: it travels whole. The model is left unchanged."""
+    at all, or opaquely (module docstring) is absent: it travels whole. `targets`: the model's parameters and
+    buffers, which no in-place op writes while this runs, so the model is left unchanged."""
     import torch
 
     names = [n for n in names if int(np.prod(manifest[n][0], dtype=np.int64)) > 1]
-    rec, start = _recorder(), 0
+    rec, start = _recorder(targets), 0
     while start < len(names):
         def probes(first=start):
             for i in range(first, len(names)):
