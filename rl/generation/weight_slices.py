@@ -161,13 +161,16 @@ def _recorder(targets):
     return Recorder()
 
 
-def torch_dtype(dtype):
+def unwritten(shape, dtype):
+    """A torch tensor of `shape` and the numpy `dtype` whose memory is never written: numpy's empty, which
+    (unlike torch.empty under `torch.use_deterministic_algorithms`) never fills it, so its pages are never
+    faulted in (an M3 worker probes ~26 GB of non-expert tensors)."""
     import torch
 
     dtype = np.dtype(dtype)
-    if dtype.name == "bfloat16":
-        return torch.bfloat16
-    return torch.from_numpy(np.zeros(0, dtype)).dtype
+    if dtype.name == "bfloat16":  # ml_dtypes: torch reads the same bits as int16
+        return torch.from_numpy(np.empty(tuple(shape), np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(np.empty(tuple(shape), dtype))
 
 
 def read_boxes(load_weights, manifest: dict, names, targets) -> dict[str, Box]:
@@ -183,7 +186,7 @@ def read_boxes(load_weights, manifest: dict, names, targets) -> dict[str, Box]:
         def probes(first=start):
             for i in range(first, len(names)):
                 shape, dtype = manifest[names[i]]
-                probe = torch.empty(tuple(shape), dtype=torch_dtype(dtype))  # never written: pages never touched
+                probe = unwritten(shape, dtype)
                 rec.add(names[i], probe)
                 yield names[i], probe
 
