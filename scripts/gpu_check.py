@@ -369,7 +369,8 @@ def vllm_long_context(timeout_s: int = 900):
             want_b = trainer_logprobs(other, prompt, response)
             d = np.abs(np.asarray(push["score_b"], np.float64) - want_b)
             moved = float(np.abs(want_b - want).mean())  # how far B's logprobs sit from A's: a stale apply's error
-            push = {"apply_s": push["apply_s"], "mode": push["mode"], "b_vs_trainer_mean_abs_diff": float(d.mean()),
+            push = {"apply_s": push["apply_s"], "bytes": push["bytes"], "mode": push["mode"],
+                    "b_vs_trainer_mean_abs_diff": float(d.mean()),
                     "b_vs_trainer_max_abs_diff": float(d.max()), "a_to_b_trainer_mean_move": moved,
                     "a_again_bitwise": push["score_a_again"] == got["score"]}
             push["ok"] = bool(np.isfinite(d).all() and d.mean() < 0.5 * moved and push["a_again_bitwise"])
@@ -390,6 +391,7 @@ def push_round_trip(eng, prompt, response, ckpt_a: str, ckpt_b: str) -> dict:
     out = {"mode": [eng.apply_mode, eng.apply_fallback], "apply_s": []}
     for key, path in (("score_b", ckpt_b), ("score_a_again", ckpt_a)):
         named = tensors(path)
+        out["bytes"] = sum(a.nbytes for _, a in named)
         t = time.perf_counter()
         eng.load_weights(named)
         out["apply_s"].append(time.perf_counter() - t)

@@ -58,7 +58,7 @@ def test_vllm_checks_verdict_on_a_stand_in_engine(capsys, monkeypatch):
         lp_b = lp_a if stale[0] else [float(x) for x in gc.trainer_logprobs(b, prompt, response)]
         with open(os.path.join(work, "result.json"), "w") as f:
             json.dump(dict(response=response, generate=lp_a, score=lp_a, start_s=1.0, vllm="stand-in",
-                           apply=["inplace", None], push=dict(mode=["inplace", None], apply_s=[0.1, 0.1],
+                           apply=["inplace", None], push=dict(mode=["inplace", None], apply_s=[0.1, 0.1], bytes=1,
                                                               score_b=lp_b, score_a_again=lp_a)), f)
         return subprocess.CompletedProcess(cmd, 0, "", "")
 

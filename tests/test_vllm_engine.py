@@ -205,6 +205,7 @@ def test_the_gpu_checks_push_round_trip_on_this_engine(engine, models, tmp_path)
     first = [float(x) for x in engine.score([p], [ids])[0]]
     got = gpu_check.push_round_trip(engine, p, ids, str(path), str(ckpt_b))
     assert got["mode"] == [engine.apply_mode, engine.apply_fallback] and len(got["apply_s"]) == 2
+    assert got["bytes"] == sum(a.nbytes for _, a in hf_tensors(a, "released"))
     np.testing.assert_allclose(got["score_b"], reference_logprobs(b, p, ids, 1.0)[1], atol=ATOL)
     assert got["score_a_again"] == first
 
