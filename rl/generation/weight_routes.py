@@ -1,9 +1,9 @@
 """Which receivers of the collective weight path need which tensors: expert-parallel workers need only theirs.
 
 A worker of an expert-parallel engine holds a fraction of the routed experts (vLLM places each expert
-whole on one rank); every other tensor it needs whole (vLLM's loader slices it). Sending every worker
+whole on one rank); of every other tensor its loaders read its tensor-parallel slice. Sending every worker
 every byte would make each receive the whole model: for the 32-node recipe 852 GB per GPU instead of
-about 77 GB (docs/vllm.md, refit on paper). So the receivers are grouped by the set of experts they hold
+53.3 GB (docs/vllm.md, refit on paper). So the receivers are grouped by the set of experts they hold
 (a "route"; None = every expert: a worker without expert parallelism, or an engine in one process) and
 each sender opens one weight group per route: a routed expert goes to the groups whose route holds it,
 every other tensor to every group. Without expert parallelism there is one route and one group, as before.
