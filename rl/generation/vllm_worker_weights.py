@@ -85,15 +85,23 @@ class WorkerWeights:
     def m3jax_weight_route(self, manifest: dict) -> dict:
         """What this worker reads of the served checkpoint (manifest: name -> (shape, dtype)): the routed
         experts it holds (`m3jax_local_experts`) and the box of each other tensor its loaders read only a
-        slice of (its tensor-parallel rank's: rl.generation.weight_slices), probed through the in-place
-        applier's loaded-layout buffers; without that applier (reload_weights) it reads every tensor whole."""
+        slice of (its tensor-parallel rank's: rl.generation.weight_slices), probed on the loaded layout: the
+        in-place applier's buffers, or, for a worker on reload_weights (e.g. a GPU MoE kernel the applier does
+        not cover), those of an applier built for the probe alone (on CUDA the live parameters themselves;
+        the same loaders read the same boxes under reload_weights). Where no applier can be built, whole."""
         from rl.generation.weight_routes import expert_of, wants
 
         experts = self.m3jax_local_experts()
-        if self._m3jax_applier is None:
-            return {"experts": experts, "slices": {}}
+        applier = self._m3jax_applier
+        if applier is None:
+            from rl.generation.inplace import InplaceApplier
+
+            try:
+                applier = InplaceApplier(self.model_runner.model)  # its loaded-layout buffers, dropped after
+            except Exception:  # noqa: BLE001 - vLLM internals it reads are missing: every tensor whole
+                return {"experts": experts, "slices": {}}
         names = [n for n in manifest if wants(None if experts is None else set(experts), n) and expert_of(n) is None]
-        boxes = self._m3jax_applier.read_boxes(manifest, names)
+        boxes = applier.read_boxes(manifest, names)
         return {"experts": experts, "slices": {n: [list(ab) for ab in box] for n, box in boxes.items()}}
 
     def m3jax_join_weight_group(self, senders_by_route, placement, routes, backend: str, timeout_s: float) -> int:
