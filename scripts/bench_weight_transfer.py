@@ -84,13 +84,10 @@ def main():
     from rl.generation.vllm_pool import PoolConfig, VLLMPool
 
     if a.whole:  # the receivers still report their slices; the plan drops them, so every group gets whole tensors
-        from rl.generation import collective, weight_routes
+        from rl.generation import weight_routes
 
         plan = weight_routes.plan
-        collective.weight_routes = type("WholeRoutes", (), {
-            "plan": staticmethod(lambda rs: plan([[e["experts"] if isinstance(e, dict) else e for e in r] for r in rs])),
-            "encode": staticmethod(weight_routes.encode), "decode": staticmethod(weight_routes.decode),
-            "reads": staticmethod(weight_routes.reads)})
+        weight_routes.plan = lambda rs: plan([[e["experts"] if isinstance(e, dict) else e for e in r] for r in rs])
 
     cfg = large_config() if a.large else config()
     model = m3_model(cfg, seed=0)

@@ -103,6 +103,15 @@ def _write_only_the_boxes(worker, new, boxes):
     worker.m3jax_write_weights((n, to_torch(poisoned(n, a))) for n, a in new.items())
 
 
+def _boxes_only_diff(engine, model, boxes, ps, sp) -> float:
+    """Write `model` into every worker with only that worker's boxes (NaN elsewhere); max |dlogprob| of a
+    generation against the trainer's `model`."""
+    named = {n: np.asarray(x) for n, x in hf_tensors(model, "released")}
+    engine.llm.collective_rpc(_write_only_the_boxes, args=(named, boxes))
+    engine.llm.reset_prefix_cache()
+    return max_diff(model, ps, engine.generate(ps, sp, seeds=[0, 1, 2]), sp)
+
+
 def test_each_rank_reads_only_the_boxes_it_reports(engine, models):
     """The tensor-parallel slices of the collective path (rl.generation.weight_slices), probed from vLLM's own
     loaders in each worker: rank 0 and 1 read different rows of q / k / v / gate / up and the vocabulary,
@@ -129,10 +138,7 @@ def test_each_rank_reads_only_the_boxes_it_reports(engine, models):
     print(f"rank 0 reads {sliced / 1e6:.2f} of those tensors' {whole / 1e6:.2f} MB")
     assert sliced <= 0.55 * whole
 
-    new = {n: np.asarray(x) for n, x in hf_tensors(b, "released")}
-    engine.llm.collective_rpc(_write_only_the_boxes, args=(new, boxes))
-    engine.llm.reset_prefix_cache()
-    d = max_diff(b, ps, engine.generate(ps, greedy, seeds=[0, 1, 2]), greedy)
+    d = _boxes_only_diff(engine, b, boxes, ps, greedy)
     print(f"boxes only (NaN elsewhere): max |dlogprob| vs the trainer {d:.2e}")
     assert d < ATOL
 
@@ -143,10 +149,7 @@ def test_each_rank_reads_only_the_boxes_it_reports(engine, models):
     try:
         again = engine.llm.collective_rpc("m3jax_weight_route", args=(dict(engine.manifest),))
         assert [r["slices"] for r in again] == boxes
-        old = {n: np.asarray(x) for n, x in hf_tensors(a, "released")}
-        engine.llm.collective_rpc(_write_only_the_boxes, args=(old, boxes))
-        engine.llm.reset_prefix_cache()
-        d = max_diff(a, ps, engine.generate(ps, greedy, seeds=[0, 1, 2]), greedy)
+        d = _boxes_only_diff(engine, a, boxes, ps, greedy)
         print(f"boxes only through reload_weights: max |dlogprob| vs the trainer {d:.2e}")
         assert d < ATOL
     finally:

@@ -8,6 +8,7 @@ that are ranks of the group themselves (`rl.generation.vllm_worker_weights.Worke
 vLLM's workers get), so the group has 1 + 1 + 2 ranks."""
 
 import concurrent.futures
+import contextlib
 
 import numpy as np
 import pytest
@@ -214,13 +215,29 @@ def _named_moe(seed):
     return _named(seed) + experts
 
 
+@contextlib.contextmanager
+def _dict_and_ray_executor_engines(named, **reads):
+    """The dict engine and a Ray-executor engine (its workers' `reads`: experts, boxes) behind one transport."""
+    handles = [ray.remote(DictEngine).remote(named), ray.remote(RayExecutorEngine).remote(named, **reads)]
+    t = collective.CollectiveTransport(handles, bucket_bytes=256, timeout_s=60)
+    try:
+        yield t, handles
+    finally:
+        t.close()
+        for h in handles:
+            ray.kill(h)
+
+
+def _versions(handles) -> list[int]:
+    """The version each receiver is on: the dict engine, then each worker of the Ray-executor engine."""
+    return [v for h in handles for v, _ in ray.get(h.states.remote())]
+
+
 def test_expert_parallel_workers_receive_only_their_experts(ray_local):
     """Worker r of an expert-parallel engine holds expert r: it gets every other tensor and its own experts,
     through its route's group (rl.generation.weight_routes); the in-process engine still gets everything."""
     named = _named_moe(0)
-    handles = [ray.remote(DictEngine).remote(named), ray.remote(RayExecutorEngine).remote(named, ([0], [1]))]
-    t = collective.CollectiveTransport(handles, bucket_bytes=256, timeout_s=60)
-    try:
+    with _dict_and_ray_executor_engines(named, experts=([0], [1])) as (t, handles):
         stats = t.push(iter(_named_moe(1)), 1)
         assert t.sender.routes == [None, frozenset({0}), frozenset({1})]
         assert [s.group.world for s in t.sender.senders] == [2, 2, 2]  # the trainer and one receiver each
@@ -238,12 +255,7 @@ def test_expert_parallel_workers_receive_only_their_experts(ray_local):
         missing = "language_model.model.layers.0.block_sparse_moe.experts.1.w2.weight"
         with pytest.raises(TransferError, match=rf"tensor '{missing}' missing from version 2"):
             t.push(iter([(n, a) for n, a in _named_moe(2) if n != missing]), 2)
-        assert [v for v, _ in ray.get(handles[1].states.remote())] == [1, 1]
-        assert ray.get(handles[0].states.remote())[0][0] == 1
-    finally:
-        t.close()
-        for h in handles:
-            ray.kill(h)
+        assert _versions(handles) == [1, 1, 1]
 
 
 def row_halves(shapes: dict, suffixes=("embed_tokens.weight", "lm_head.weight", "self_attn.q_proj.weight",
@@ -276,9 +288,7 @@ def test_tensor_parallel_workers_receive_only_their_slices(ray_local, monkeypatc
     from rl.generation.weight_slices import cut
 
     named = _named(0)
-    handles = [ray.remote(DictEngine).remote(named), ray.remote(RayExecutorEngine).remote(named, boxes=_BOXES)]
-    t = collective.CollectiveTransport(handles, bucket_bytes=256, timeout_s=60)
-    try:
+    with _dict_and_ray_executor_engines(named, boxes=_BOXES) as (t, handles):
         stats = t.push(iter(_named(1)), 1)
         assert t.sender.routes == [None, None, None]  # no experts: the three differ in their slices only
         assert [s.group.world for s in t.sender.senders] == [2, 2, 2]
@@ -315,9 +325,4 @@ def test_tensor_parallel_workers_receive_only_their_slices(ray_local, monkeypatc
                                                 r"got the slice \[\[0, 64\], \[19, 39\]\], this receiver reads "
                                                 r"\[\[0, 64\], \[20, 40\]\]"):
             t.push(iter(_named(2)), 2)
-        assert [v for v, _ in ray.get(handles[1].states.remote())] == [1, 1]
-        assert ray.get(handles[0].states.remote())[0][0] == 1
-    finally:
-        t.close()
-        for h in handles:
-            ray.kill(h)
+        assert _versions(handles) == [1, 1, 1]

@@ -165,12 +165,9 @@ def unwritten(shape, dtype):
     """A torch tensor of `shape` and the numpy `dtype` whose memory is never written: numpy's empty, which
     (unlike torch.empty under `torch.use_deterministic_algorithms`) never fills it, so its pages are never
     faulted in (an M3 worker probes ~26 GB of non-expert tensors)."""
-    import torch
+    from rl.generation.vllm_worker_weights import to_torch
 
-    dtype = np.dtype(dtype)
-    if dtype.name == "bfloat16":  # ml_dtypes: torch reads the same bits as int16
-        return torch.from_numpy(np.empty(tuple(shape), np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(np.empty(tuple(shape), dtype))
+    return to_torch(np.empty(tuple(shape), np.dtype(dtype)))
 
 
 def read_boxes(load_weights, manifest: dict, names, targets) -> dict[str, Box]:
