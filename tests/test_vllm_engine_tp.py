@@ -88,7 +88,7 @@ def test_reload_a_b_a_through_shm(engine, models, monkeypatch):
 
 def _write_only_the_boxes(worker, new, boxes):
     """Run in each worker (collective_rpc): write `new` with every element outside the worker's own boxes NaN."""
-    from rl.generation.vllm_worker_weights import to_torch
+    from rl.generation.torch_arrays import to_torch
     from rl.generation.weight_slices import cut
 
     mine = {n: tuple(tuple(ab) for ab in box) for n, box in boxes[worker.rank].items()}

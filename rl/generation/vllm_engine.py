@@ -31,11 +31,12 @@ import numpy as np
 from m3jax.hf.layouts import SKIPPED
 from m3jax.hf.safetensors_io import read_header
 from rl.generation.base import SamplingParams
+from rl.generation.torch_arrays import to_torch
 from rl.generation.vllm_patches import ImportPatch, apply_patches, selected_patches
 from rl.generation.vllm_ray import host_of
 from rl.generation.vllm_results import CPU_REASON, moe_layer_ids, routes_from_vllm
 from rl.generation.vllm_staging import staged_checkpoint
-from rl.generation.vllm_worker_weights import manifest_check, to_torch
+from rl.generation.vllm_worker_weights import manifest_check
 
 WORKER_EXTENSION = "rl.generation.vllm_patches.WorkerExtension"
 APPLY_MODES = ("auto", "inplace", "reload")

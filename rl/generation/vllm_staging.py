@@ -49,7 +49,7 @@ def staged_tensors(path: str):
     files' pages (RAM-backed under /dev/shm), so a worker copies only the slice its rank keeps. Every header
     is checked (offsets inside the file) before its first tensor is handed out."""
     from m3jax.hf.safetensors_io import read_header
-    from rl.generation.vllm_worker_weights import to_torch
+    from rl.generation.torch_arrays import to_torch
 
     for f in sorted(n for n in os.listdir(path) if n.endswith(".safetensors")):
         file = os.path.join(path, f)

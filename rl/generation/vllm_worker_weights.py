@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from rl.generation.torch_arrays import to_torch
+
 
 def manifest_check(manifest: dict, source: str):
     """check(name, shape, dtype): raise ValueError unless `name` is a tensor of the served checkpoint
@@ -139,17 +141,3 @@ class WorkerWeights:
     def m3jax_abort_weights(self, version: int) -> None:
         if self._m3jax_receiver is not None and self._m3jax_receiver.version == version:
             self._m3jax_receiver.clear()
-
-
-def to_torch(array):
-    """A numpy array as a torch tensor on the same memory (bfloat16 from ml_dtypes by its bits)."""
-    import warnings
-
-    import torch
-
-    a = np.asarray(array)
-    if a.dtype.name == "bfloat16":  # ml_dtypes: torch cannot read it, the bits are the same
-        return torch.from_numpy(np.ascontiguousarray(a).view(np.uint16)).view(torch.bfloat16)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # read-only arrays (from JAX): vLLM only copies out of them
-        return torch.from_numpy(a)

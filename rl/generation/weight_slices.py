@@ -165,7 +165,7 @@ def unwritten(shape, dtype):
     """A torch tensor of `shape` and the numpy `dtype` whose memory is never written: numpy's empty, which
     (unlike torch.empty under `torch.use_deterministic_algorithms`) never fills it, so its pages are never
     faulted in (an M3 worker probes ~26 GB of non-expert tensors)."""
-    from rl.generation.vllm_worker_weights import to_torch
+    from rl.generation.torch_arrays import to_torch
 
     return to_torch(np.empty(tuple(shape), np.dtype(dtype)))
 
