@@ -6,9 +6,10 @@ saved with transformers to a temporary directory and loaded with `m3jax.from_pre
 (`m3jax.tiny.m3_from_hf`), so both sides hold identical fp32 weights. The loss is the mean next-token cross entropy over B x (S-1) tokens.
 
 Timing: each Flax variant is compiled first (compile time reported separately, never in the median);
-then, after --warmup untimed rounds, --iters rounds run every contestant once each, round-robin in an order
-rotated each round (so that load from other processes, and torch's spinning workers after HF's call, hit all
-of them alike), each iteration timed to
+then, after --warmup untimed rounds, --iters rounds run every contestant, in an order shuffled each round (so
+that load from other processes hits all of them alike), --burst calls back to back of which the first is
+untimed (torch's OpenMP workers spin for a while after HF's call: the step after it is not a fair sample),
+each iteration timed to
 `block_until_ready` (Flax) or the end of `loss.backward()` (HF). HF runs in eager mode with
 `torch.set_num_threads(cpu count)` and grads zeroed (set to None) before every iteration. Reported:
 median (and min) ms per iteration and HF/Flax of the medians (> 1 means Flax is faster); the loss of
@@ -121,24 +122,32 @@ def hf_result(model, loss):
     return float(loss.detach()), float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads)))
 
 
-def time_interleaved(steps: dict, iters: int, warmup: int) -> tuple[dict, dict]:
-    """Round-robin the steps (one iteration of each per round, the order rotated each round) so that load
-    from other processes on a shared machine hits every contestant alike; returns ({name: [seconds]},
-    {name: last output})."""
+def time_interleaved(steps: dict, iters: int, warmup: int, burst: int) -> tuple[dict, dict]:
+    """Rounds in an order shuffled each round (seeded); in a round every contestant runs `burst` calls back to
+    back and only the calls after its first are timed. Returns ({name: [seconds]}, {name: last output}).
+
+    The untimed first call matters: after HF's call torch's OpenMP workers keep spinning on the cores for a
+    while, and whichever step starts next runs on what is left. An order merely rotated by one each round does
+    not spread that: HF's successor is the same contestant in all but one round of every cycle (in the
+    earlier runs the full-remat row, 2-3 ms slower at S = 256 than the same program timed alone). An idle gap
+    instead slows every call alike (threads asleep, caches cold), unlike a training loop's back-to-back steps.
+    """
+    import random
+
     out = {}
     for _ in range(warmup):
         for name, fn in steps.items():
             out[name] = fn()
     times = {name: [] for name in steps}
-    names = list(steps)
-    for i in range(iters):
-        # The order rotates each round: a contestant that always ran right after HF would always start while
-        # torch's OpenMP workers still spin after HF's call (in a fixed order, Flax's first row did).
-        for name in names[i % len(names):] + names[:i % len(names)]:
-            fn = steps[name]
-            t0 = time.perf_counter()
-            out[name] = fn()
-            times[name].append(time.perf_counter() - t0)
+    order, rng = list(steps), random.Random(0)
+    for _ in range(iters):
+        rng.shuffle(order)
+        for name in order:
+            out[name] = steps[name]()  # absorbs the previous contestant's busy threads
+            for _ in range(burst - 1):
+                t0 = time.perf_counter()
+                out[name] = steps[name]()
+                times[name].append(time.perf_counter() - t0)
     return times, out
 
 
@@ -149,8 +158,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seq", type=int, nargs="+", default=[64, 256], help="sequence lengths (default 64 256)")
     ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--iters", type=int, default=30, help="timed iterations per measurement")
+    ap.add_argument("--iters", type=int, default=30, help="rounds per measurement")
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--burst", type=int, default=3,
+                    help="calls per contestant per round, the first untimed (default 3: 2 timed per round)")
     ap.add_argument("--variant", default="release_like")
     ap.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads (default: cpu count)")
     ap.add_argument("--no-remat-row", action="store_true",
@@ -193,7 +204,7 @@ def main():
             steps[name], comp, flops = prepare_flax(fm, ids)
             info[name] = (comp, flops)
         steps["hf"] = prepare_hf(hf, ids)
-        times, out = time_interleaved(steps, args.iters, args.warmup)
+        times, out = time_interleaved(steps, args.iters, args.warmup, max(2, args.burst))
         hloss, hgn = hf_result(hf, out["hf"])
         hmed, hmin = statistics.median(times["hf"]) * 1e3, min(times["hf"]) * 1e3
         for name in flax_models:
@@ -215,7 +226,7 @@ def main():
               f"{hloss:10.6f} | {abs(floss - hloss):8.1e} | {abs(fgn - hgn) / hgn:18.1e} | {comp:9.2f} | {gf}")
     print("\nmedian ms per forward+backward iteration; HF/Flax > 1 means Flax is faster. "
           "HF ms is the same measurement repeated on each row of a seq;\n"
-          "Flax and HF iterations are interleaved round-robin; min = fastest single iteration.\n"
+          "Flax and HF iterations are interleaved (shuffled rounds of back-to-back calls, the first of each untimed); min = fastest single iteration.\n"
           f"load average (1 min) at start / end: {load0[0]:.2f} / {load1[0]:.2f} on {threads} cpus "
           "(> cpus means other processes competed for the cores)")
 
