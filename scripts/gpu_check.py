@@ -6,7 +6,9 @@
 Prints one JSON line per check; keep the output with BENCHMARKS.md. Checks:
 1. devices and versions;
 2. parity: the tiny model's logits on the accelerator vs on the CPU (same params), fp32;
-3. MFU: a jitted train step (bf16 + compact master + bf16 moments, remat) of an M3-shaped model at the
+3. model attention: the model's full layer on cuDNN (`attention_impl: cudnn`, what `auto` now runs on a GPU)
+   against dense and flash, bf16, logits and gradient, the fallback poisoned so the numbers prove cuDNN ran;
+   MFU: a jitted train step (bf16 + compact master + bf16 moments, remat) of an M3-shaped model at the
    real widths (d 6144, 64 heads x 128, 4 KV heads, experts of 3072) with few layers and experts so it
    fills one GPU; MFU = model FLOPs (m3jax.plan.flops.step_flops) / (step time x peak FLOP/s);
 4. MoE: grouped expert matmuls (ragged_dot) vs every expert on every token, same routing, timed;
@@ -98,9 +100,9 @@ def parity(small: bool):
     emit(check="parity_accelerator_vs_cpu", rel_err=float(np.abs(acc - ref).max() / np.abs(ref).max()))
 
 
-def mfu(small: bool, layers: int, experts: int, seq: int, batch: int, peak: float):
+def mfu(small: bool, layers: int, experts: int, seq: int, batch: int, peak: float, attention_impl: str = "auto"):
     cfg = m3_shaped(small, layers, experts)
-    model = M3ForCausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), remat=True)
+    model = M3ForCausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), remat=True, attention_impl=attention_impl)
     opt = optim_step.adamw(1e-5, moment_dtype=jnp.bfloat16, master="compact")
     graphdef, state = init_state(model, opt)
     del model
@@ -120,10 +122,52 @@ def mfu(small: bool, layers: int, experts: int, seq: int, batch: int, peak: floa
         times.append(time.perf_counter() - t0)
     f = step_flops(cfg, batch, seq, remat=True)
     t = float(np.median(times))
-    emit(check="train_step_mfu", layers=layers, experts=experts, seq=seq, batch=batch, step_s=t,
+    emit(check="train_step_mfu", attention_impl=attention_impl, layers=layers, experts=experts, seq=seq, batch=batch,
+         step_s=t,
          compile_s=compile_s, model_tflops=f["model_total"] / 1e12, executed_tflops=f["executed_total"] / 1e12,
          mfu=f["model_total"] / t / peak, hfu=f["executed_total"] / t / peak, loss=float(m["loss"]),
          params=sum(x.size for x in jax.tree.leaves(state.params)))
+
+
+def model_attention(small: bool, seq: int):
+    """The model's full layer on cuDNN (`attention_impl: cudnn`, m3jax.model.fused_attention) against the same
+    bf16 model on `dense` and `flash`: logits (right padding in one row) and the gradient of a loss, each timed.
+    The cudnn model's fallback is poisoned (NaN), so finite numbers prove the fused branch ran."""
+    from m3jax.model import attention, fused_attention
+    if fused_attention.implementation() is None:
+        return emit(check="model_attention", skipped=f"no GPU: backend {jax.default_backend()} has no cuDNN")
+    cfg = m3_shaped(True, 2, 8)  # head_dim 32: within cuDNN's constraints; one full layer, one sparse
+    ids = jnp.asarray(np.random.default_rng(2).integers(0, cfg.vocab_size, (2, seq)), jnp.int32)
+    mask = jnp.ones((2, seq), jnp.int32).at[1, seq * 3 // 4:].set(0)
+    real = np.asarray(mask, bool)
+    res, ref = {}, None
+    poisoned = lambda q, *args: jnp.full_like(q, jnp.nan)  # noqa: E731
+    for impl in ("dense", "flash", "cudnn"):
+        model = M3ForCausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), attention_impl=impl)
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+        def loss(params, graphdef=graphdef, rest=rest):
+            logits = nnx.merge(graphdef, params, rest)(ids, attention_mask=mask).astype(jnp.float32)
+            return jnp.sum(jnp.where(real[..., None], jax.nn.log_softmax(logits), 0.0)) / real.sum(), logits
+
+        real_unfused, attention._unfused = attention._unfused, (poisoned if impl == "cudnn" else attention._unfused)
+        try:
+            t, ((_, logits), grads) = timed(jax.jit(jax.value_and_grad(loss, has_aux=True)), params)
+        except Exception as e:  # noqa: BLE001 (a kernel cuDNN refuses: say so, keep going)
+            res[impl] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+            continue
+        finally:
+            attention._unfused = real_unfused
+        logits = np.asarray(logits)[real]
+        g = np.concatenate([np.asarray(x, np.float32).ravel() for x in jax.tree.leaves(grads)])
+        ref = (logits, g) if impl == "dense" else ref
+        res[impl] = {"fwd_bwd_ms": t * 1e3, "finite": bool(np.isfinite(logits).all() and np.isfinite(g).all())}
+        if impl != "dense" and ref is not None:
+            # max and mean: in bf16 a router near-tie that flips between two kernels moves a few positions a lot
+            res[impl]["logits_rel_err"] = float(np.abs(logits - ref[0]).max() / np.abs(ref[0]).max())
+            res[impl]["logits_mean_rel_err"] = float(np.abs(logits - ref[0]).mean() / np.abs(ref[0]).mean())
+            res[impl]["grad_rel_err"] = float(np.abs(g - ref[1]).max() / np.abs(ref[1]).max())
+    emit(check="model_attention", seq=seq, **res)
 
 
 def moe_cost(small: bool, experts: int, tokens: int):
@@ -454,6 +498,7 @@ def main():
     parity(args.small)
     peak = args.peak_tflops * 1e12
     if args.small:
+        model_attention(True, 128)
         mfu(True, 2, 8, 64, 2, peak)
         moe_cost(True, 8, 256)
         moe_kernels(True, 1, 32, 256)
@@ -461,7 +506,12 @@ def main():
         logprob_head(True, 256, 64)
         vllm_long_context()
     else:
-        mfu(False, 4, 16, 4096, 1, peak)
+        model_attention(False, 2048)
+        try:  # "auto" runs the full layer on cuDNN on a GPU; if that fails, the MFU on flash still comes back
+            mfu(False, 4, 16, 4096, 1, peak)
+        except Exception as e:  # noqa: BLE001
+            emit(check="train_step_mfu", attention_impl="auto", error=f"{type(e).__name__}: {str(e)[:500]}")
+            mfu(False, 4, 16, 4096, 1, peak, attention_impl="flash")
         for e in (16, 64):
             moe_cost(False, e, 8192)
         moe_kernels(False, 1, 32, 4096)

@@ -9,6 +9,7 @@ import importlib.util
 import json
 import os
 
+import jax.numpy as jnp
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,6 +36,23 @@ def test_attention_check_runs_every_kernel_but_cudnn_on_cpu(capsys):
         assert r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0
         if "rel_err_vs_dense" in r:
             assert r["rel_err_vs_dense"] < 1e-2, (name, r)  # bf16 against the dense path
+
+
+def test_model_attention_check_runs_and_proves_the_fused_branch(capsys, monkeypatch):
+    """The cudnn model check, on CPU through jax's XLA implementation of the same call: it runs, the cudnn
+    model equals dense, and a fallback that ran would show (the check poisons it)."""
+    from m3jax.model import fused_attention
+    gc = _gpu_check()
+    gc.model_attention(True, 64)  # off a GPU: says why it is skipped
+    assert "no GPU" in json.loads(capsys.readouterr().out)["skipped"]
+    monkeypatch.setattr(fused_attention, "implementation", lambda backend=None: "xla")
+    gc.model_attention(True, 64)
+    res = json.loads(capsys.readouterr().out)
+    assert set(res) >= {"dense", "flash", "cudnn"} and all(res[k]["finite"] for k in ("dense", "flash", "cudnn"))
+    assert res["cudnn"]["logits_rel_err"] < 1e-2
+    monkeypatch.setattr(fused_attention, "fused_form", lambda positions, key_valid: (jnp.asarray(False), None))
+    gc.model_attention(True, 64)  # every input on the (poisoned) fallback
+    assert not json.loads(capsys.readouterr().out)["cudnn"]["finite"]
 
 
 @pytest.mark.slow  # ~25 s: six trainer passes over 2,320 tokens

@@ -5,7 +5,9 @@ rematerialised body), so one chunk's [chunk, S_k] scores, masks and indexer scor
 whole [S_local, S_k] block; the maths per query is unchanged.
 
 With impl="flash" (`m3jax.model.flash`) no scores block is held at all: an online softmax walks key tiles,
-and query_chunk is unused. impl="auto" (the default) is flash from FLASH_MIN_KEYS keys on (`resolve_impl`).
+and query_chunk is unused. impl="cudnn" runs full layers on cuDNN's fused flash attention where it applies
+(`m3jax.model.fused_attention`), else what "auto" would run without it. impl="auto" (the default) is cudnn
+on a GPU, elsewhere flash from FLASH_MIN_KEYS keys on and dense below (`resolve_impl`).
 
 Sparse layers read only the key blocks the indexer kept (sparse_impl="gather", `m3jax.model.sparse`),
 whatever impl the full layers use; sparse_impl="masked" runs them as masks on impl's full attention
@@ -21,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from m3jax.model.flash import flash_attention
+from m3jax.model.fused_attention import applies as fused_applies, fused_attention, implementation as fused_impl
 from m3jax.model.indexer import block_ids_to_mask, block_mask_to_tokens, select_key_blocks, topk_key_blocks
 from m3jax.model.indexer_align import indexer_alignment_kl
 from m3jax.model.norms import rms_norm
@@ -33,7 +36,7 @@ from m3jax.model.tiles import _from_chunks, _to_chunks, causal_keep  # noqa: F40
 from sharding.layout import Layout
 
 _MASKED = jnp.finfo(jnp.float32).min
-IMPLS = ("auto", "dense", "flash")
+IMPLS = ("auto", "dense", "flash", "cudnn")
 # "auto" runs flash from this many keys on. Flash runs faster at every length measured on CPU (one M3-width
 # layer, scripts/bench_attention.py: 1.5x at 256 keys, 2.0x at 512, 2.7x at 1024, forward), but it compiles
 # slower (the tiny model's fwd+bwd: 24.7 s against 16.4 s at S = 64); below 512 keys a layer takes a few ms
@@ -43,13 +46,19 @@ SPARSE_IMPLS = ("gather", "masked")
 FLASH_TILE = 128  # queries and keys per flash tile on full layers (sparse layers: keys per indexer block)
 
 
-def resolve_impl(impl: str, key_len: int) -> str:
-    """The attention impl that runs for `impl` over key_len keys (cache slots when decoding): "auto" is
-    "flash" when key_len >= FLASH_MIN_KEYS, else "dense"; "dense" and "flash" are themselves."""
+def resolve_impl(impl: str, key_len: int, backend: str | None = None) -> str:
+    """The attention impl that runs for `impl` over key_len keys (cache slots when decoding) on `backend`
+    (default: jax's): "auto" is "cudnn" on a GPU, elsewhere "flash" when key_len >= FLASH_MIN_KEYS, else
+    "dense"; the others are themselves. A full layer where cuDNN does not apply runs `unfused_impl`."""
     if impl not in IMPLS:
         raise ValueError(f"attention impl {impl!r}: expected one of {IMPLS}")
     if impl != "auto":
         return impl
+    return "cudnn" if fused_impl(backend) is not None else unfused_impl(key_len)
+
+
+def unfused_impl(key_len: int) -> str:
+    """What "auto" runs off a GPU, and "cudnn" where cuDNN does not apply: flash from FLASH_MIN_KEYS keys."""
     return "flash" if key_len >= FLASH_MIN_KEYS else "dense"
 
 
@@ -91,8 +100,8 @@ def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
     hides them); key_valid then spans S_max.
     query_chunk: queries per scores block on each device (0 = all local queries at once).
     layout: where activations live (the context shards of the sequence decide the chunking).
-    impl: "dense" (masked [chunk, S_k] scores), "flash" (`flash_attention`, no scores block) or "auto"
-    (`resolve_impl` of the key length).
+    impl: "dense" (masked [chunk, S_k] scores), "flash" (`flash_attention`, no scores block), "cudnn" (full
+    layers on cuDNN where it applies, `m3jax.model.fused_attention`) or "auto" (`resolve_impl`).
     sparse_impl: sparse layers "gather" (only the kept blocks, `sparse_layer_attention`) or "masked".
     block_ids [B, S, Hi, K] (sparse layers; indexer selection replay): attend over these key blocks (-1 =
     none) instead of the indexer's. return_block_ids (sparse layers): also return, last, the indexer's own
@@ -122,6 +131,8 @@ def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
         ik = cache.get("index_k")
     n_ctx = layout.size("act_seq")
     impl = resolve_impl(impl, k.shape[1])
+    if impl == "cudnn" and (sparse or not fused_applies(q, k.shape[1], cache is not None, n_ctx)):
+        impl = unfused_impl(k.shape[1])
     replay, used = (block_ids if sparse else None), None
     want_ids = sparse and (return_block_ids or return_recall)
     own = want_ids and replay is None  # the ids the attention selects are the answer
@@ -146,6 +157,11 @@ def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
                                    path=path, block_ids=replay, return_block_ids=own)
         if own:
             o, used = o
+    elif impl == "cudnn":  # a full layer (sparse ones took another impl above)
+        def unfused(q, k, v):
+            return _unfused(q, k, v, positions, key_valid, cfg, query_chunk, layout)
+
+        o = fused_attention(q, k, v, positions, key_valid, cfg.head_dim ** -0.5, fallback=unfused)
     elif impl == "flash":
         o = flash_layer_attention(q, k, v, positions, key_valid, iq, ik, cfg, block_ids=replay,
                                   return_block_ids=own)
@@ -176,6 +192,15 @@ def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
         result += (indexer_alignment_kl(q, keys, iq, index_keys, positions, key_valid, cfg, n_ctx=n_ctx,
                                         constrain=layout.constrain),)
     return result if len(result) > 1 else result[0]
+
+
+def _unfused(q, k, v, positions, key_valid, cfg, query_chunk: int, layout: Layout):
+    """A full layer's attention as "auto" runs it without cuDNN (the fused path's fallback)."""
+    if unfused_impl(k.shape[1]) == "flash":
+        return flash_layer_attention(q, k, v, positions, key_valid, None, None, cfg)
+    if query_chunk and q.shape[1] // layout.size("act_seq") > query_chunk:
+        return chunked_attention(q, k, v, positions, key_valid, None, None, cfg, query_chunk, layout)
+    return masked_attention(q, k, v, positions, key_valid, None, None, cfg)
 
 
 def pad_block_ids(ids: jax.Array, k: int) -> jax.Array:

@@ -205,8 +205,10 @@ class M3ForCausalLM(nnx.Module):
         auto = tiled on CPU, ragged_dot elsewhere).
         attention_query_chunk: local queries per attention scores block (0 = all at once).
         attention_impl: "dense" (masked scores blocks) | "flash" (online softmax over key tiles, no
-        [queries, keys] block; `m3jax.model.flash`) on full layers, and on sparse ones with "masked";
-        "auto" (default): flash from `m3jax.model.attention.FLASH_MIN_KEYS` keys on, dense below.
+        [queries, keys] block; `m3jax.model.flash`) on full layers, and on sparse ones with "masked"; "cudnn"
+        (full layers on cuDNN's fused attention where it applies, `m3jax.model.fused_attention`, else as
+        "auto" off a GPU); "auto" (default): cudnn on a GPU, elsewhere flash from
+        `m3jax.model.attention.FLASH_MIN_KEYS` keys on, dense below.
         sparse_attention: "gather" (sparse layers read only the key blocks the indexer kept,
         `m3jax.model.sparse`) | "masked" (the indexer's selection as a mask on attention_impl's attention).
         layout: the `sharding.layout.Layout` (or a jax Mesh with the default rules) the model runs on;

@@ -100,7 +100,7 @@ def attention_terms(cfg: M3Config, mesh: MeshConfig, sparse: bool, b: int, s: in
         return phase, {"attention_residuals": (phase["attention_qkv"] + phase["gathered_kv"]) / 2}
     if sparse_impl not in ("gather", "masked"):
         raise ValueError(f"sparse_impl={sparse_impl!r}: expected 'gather' or 'masked'")
-    if impl == "flash":
+    if impl in ("flash", "cudnn"):  # cuDNN's fused attention: per-query statistics and tiles, as flash
         t = FLASH_TILE
         phase["attention_scores"] = b * h_l * (s_l * (8 + 4 * hd) + t * t * (12 + 2 * a + m))
         phase["gathered_kv"] = 2 * 2 * b * s * kv_l * hd * (a + 4)

@@ -156,6 +156,8 @@ def step_flops(cfg: M3Config, seqs: int, seq_len: int, remat: bool = True, *, qu
         raise ValueError(f"sparse_attention={sparse_attention!r}: expected one of {SPARSE_ATTENTION_IMPLS}")
     from m3jax.model.attention import resolve_impl
     attention = resolve_impl(attention, seq_len)  # "auto" -> what runs over seq_len keys
+    if attention == "cudnn":  # cuDNN's fused attention skips masked tiles and recomputes in its backward, as flash
+        attention = "flash"
     act = active_matmul_params(cfg)
     n = seqs * seq_len
     h, dd = cfg.num_attention_heads, cfg.head_dim

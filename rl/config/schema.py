@@ -122,8 +122,11 @@ class ModelSection(_Section):
     # m3jax.model.attention.IMPLS, listed here so that the schema needs no jax
     attention_impl: str = _f("auto", "attention computation: dense (masked [chunk, S] scores blocks), flash "
                                      "(online softmax over key tiles, no scores block; attention_query_chunk is "
-                                     "then unused) or auto (flash from 512 keys on, dense below)",
-                             choices=("auto", "dense", "flash"))
+                                     "then unused), cudnn (full layers on cuDNN's fused attention where it "
+                                     "applies: GPU, 16-bit, no decode cache or context sharding; else as auto "
+                                     "off a GPU) or auto (cudnn on a GPU; elsewhere flash from 512 keys on, "
+                                     "dense below)",
+                             choices=("auto", "dense", "flash", "cudnn"))
     # m3jax.model.attention.SPARSE_IMPLS
     sparse_attention: str = _f("gather", "sparse (indexer) layers: gather (each query multiplies only the key "
                                          "blocks the indexer kept, a scan over query tiles) or masked (the "
