@@ -16,13 +16,17 @@ Kernels (`kernel=`):
               grouped_mlp is fused: its hidden [N, H] is never materialised (one tile at a time) and
               the backward recomputes it per tile (+ one rows @ W_in^T: 11/9 of the three matmuls'
               6 x 3 units of FLOPs for a SwiGLU expert with H = 2A).
+  pallas      `sharding.pallas_grouped`: Pallas kernels on the Triton backend (forward, input and weight
+              gradients under a custom VJP), a program per (row tile, output tile) looping over its groups,
+              tiles past the filled rows multiplying nothing: executed rows as tiled's. For GPUs; off a GPU
+              Pallas's interpreter runs it (the tests). Never run on a GPU yet.
   auto        tiled on CPU (measured: scripts/bench_grouped_matmul.py, BENCHMARKS.md 2026-12-01);
-              ragged_dot on GPU/TPU: whether tiled, ragged_dot or a grouped-GEMM kernel is fastest there
-              awaits a measurement (scripts/gpu_check.py); none exists yet, so nothing else is claimed.
+              ragged_dot on GPU/TPU: whether tiled, pallas or ragged_dot is fastest there awaits
+              scripts/gpu_check.py (check 5), so nothing else is claimed.
 Not wired: jax 0.10.2's Mosaic GPU kernels (`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu` for the
 forward and input gradient, `transposed_ragged_dot_mgpu` for the weight gradient, under a custom VJP;
-Hopper only, bf16, dims multiples of their blocks) are the candidate GPU kernel; they cannot be compiled
-or tested without a Hopper GPU, so they are left for the session that has one.
+Hopper only, bf16, dims multiples of their blocks): they lower through Mosaic GPU, which neither runs in
+Pallas's interpreter nor can be checked here, so they are left for a session with a Hopper GPU.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import jax.numpy as jnp
 
 from sharding.tiled_grouped import same_varying, tiled_matmul, tiled_mlp
 
-KERNELS = ("auto", "ragged_dot", "tiled")
+KERNELS = ("auto", "ragged_dot", "tiled", "pallas")
 DEFAULT_TILE = 128
 
 # rows [N, in] against per-group weights [E, out, in]: contract `in` with the last weight axis.
@@ -65,6 +69,9 @@ def grouped_matmul(rows: jax.Array, weights: jax.Array, group_sizes: jax.Array, 
     if kernel == "ragged_dot" or rows.shape[0] == 0:
         return jax.lax.ragged_dot_general(rows, weights, group_sizes, ROWS_BY_GROUP)
     rows, weights, group_sizes = same_varying(rows, weights, group_sizes.astype(jnp.int32))
+    if kernel == "pallas":
+        from sharding.pallas_grouped import pallas_grouped_matmul
+        return pallas_grouped_matmul(rows, weights, group_sizes)
     return tiled_matmul(rows, weights, group_sizes, _tile(tile, rows.shape[0]))
 
 

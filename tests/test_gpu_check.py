@@ -89,3 +89,11 @@ def test_vllm_checks_verdict_on_a_stand_in_engine(capsys, monkeypatch):
         assert res["push"]["a_again_bitwise"] and res["push"]["a_to_b_trainer_mean_move"] > 0.1, res["push"]
         assert res["push"]["ok"] is (not is_stale) and res["ok"] is (not is_stale), res
         assert res["generate"]["max_abs_diff"] == 0.0
+
+
+def test_moe_kernels_check_runs_every_kernel_on_cpu(capsys):
+    """Check 5 at a small shape: ragged_dot, tiled and pallas (interpreted here) run and agree."""
+    _gpu_check().moe_kernels(True, 2, 4, 64)
+    res = json.loads(capsys.readouterr().out)
+    assert res["errors"] == {} and set(res["fwd_ms"]) == {"ragged_dot", "tiled", "pallas"}
+    assert all(err < 2e-2 for err in res["value_rel_err"].values()), res  # bf16 against ragged_dot

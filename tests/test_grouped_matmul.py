@@ -121,21 +121,21 @@ def test_bf16_close_to_fp32():
 
 def test_kernel_choice():
     assert resolve_kernel("auto", "cpu") == "tiled" and resolve_kernel("auto", "gpu") == "ragged_dot"
-    assert resolve_kernel("ragged_dot", "cpu") == "ragged_dot"
+    assert resolve_kernel("ragged_dot", "cpu") == "ragged_dot" and resolve_kernel("pallas", "cpu") == "pallas"
     with pytest.raises(ValueError, match="expected one of"):
         resolve_kernel("dense")
 
 
 @pytest.mark.slow  # two model compiles; in the fast loop the parity tests run the tiled kernel (auto on CPU)
-def test_moe_model_tiled_equals_ragged_dot():
-    """One-device model forward and gradients: kernel tiled == kernel ragged_dot (fp32)."""
+def test_moe_model_tiled_and_pallas_equal_ragged_dot():
+    """One-device model forward and gradients: kernels tiled and pallas (interpreted) == ragged_dot (fp32)."""
     from m3jax.tiny import m3_config, m3_model, random_ids
     cfg = m3_config(layers=1, dense_layers=0, full_attention_layers=1, vocab_size=64, hidden_size=32,
                     num_attention_heads=2, num_key_value_heads=1, head_dim=16, intermediate_size=16,
                     num_local_experts=4, num_experts_per_tok=2)
     ids = jnp.asarray(random_ids(cfg, 2, 24))
     out = {}
-    for kernel in ("ragged_dot", "tiled"):
+    for kernel in ("ragged_dot", "tiled", "pallas"):
         model = m3_model(cfg, seed=0, remat=False, moe_kernel=kernel)
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
@@ -144,10 +144,12 @@ def test_moe_model_tiled_equals_ragged_dot():
             return jnp.mean(jax.nn.logsumexp(logits, -1) - logits[..., 0]), logits
         out[kernel] = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
     (_, want), want_g = out["ragged_dot"]
-    (_, got), got_g = out["tiled"]
-    assert _rel(got, want) <= RTOL
-    for (path, g), (_, w) in zip(jax.tree_util.tree_leaves_with_path(got_g), jax.tree_util.tree_leaves_with_path(want_g)):
-        assert _rel(g, w) <= RTOL, jax.tree_util.keystr(path)
+    for kernel in ("tiled", "pallas"):
+        (_, got), got_g = out[kernel]
+        assert _rel(got, want) <= RTOL, kernel
+        for (path, g), (_, w) in zip(jax.tree_util.tree_leaves_with_path(got_g),
+                                     jax.tree_util.tree_leaves_with_path(want_g)):
+            assert _rel(g, w) <= RTOL, (kernel, jax.tree_util.keystr(path))
 
 
 def test_config_choices_are_the_kernels():

@@ -2,8 +2,8 @@
 
 Work is proportional to tokens x top-k: assignments are sorted by expert and each expert multiplies
 only its own rows (`sharding.grouped_matmul`), never every expert on every token. The grouped-matmul
-kernel (`moe_kernel`: auto | ragged_dot | tiled) decides whether padding rows of an expert-parallel
-receive buffer are multiplied too (ragged_dot's dense lowerings) or skipped (tiled).
+kernel (`moe_kernel`: auto | ragged_dot | tiled | pallas) decides whether padding rows of an expert-parallel
+receive buffer are multiplied too (ragged_dot's dense lowerings) or skipped (tiled, pallas).
 """
 
 import functools

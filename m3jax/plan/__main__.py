@@ -133,7 +133,7 @@ def print_plan(job: Job, p: dict, device_gb: float) -> None:
     print(f"attention {b.attention}, sparse layers {b.sparse_attention}, attention_query_chunk="
           f"{b.attention_query_chunk}, logprob_chunk_tokens={b.logprob_chunk_tokens}, expert exchange {b.exchange} "
           f"(capacity factor {b.moe_capacity_factor or 'none: dropless'}), expert matmuls "
-          f"{'tiled (moe_kernel)' if b.expert_matmul == 'tiled' else 'ragged_dot lowered ' + b.ragged_dot}")
+          f"{_expert_matmuls(b)}")
     binding = max(p["phases"], key=lambda k: p["phases"][k]["total"])
     other = next(k for k in p["phases"] if k != binding)
     print(f"{'per-device memory (' + binding + ' peak)':34s} {'GB':>9s}")
@@ -202,6 +202,14 @@ def sweep(job: Job, n: int, hw: Hardware, device_gb: float, png: str | None, mic
         fig.savefig(png, dpi=100); plt.close(fig)
         print(f"plot: {png}")
     return rows, excluded
+
+
+def _expert_matmuls(batch) -> str:
+    from sharding.grouped_matmul import resolve_kernel
+    kernel = resolve_kernel(batch.moe_kernel)
+    if kernel in ("tiled", "pallas"):
+        return f"{kernel} (moe_kernel)"
+    return f"ragged_dot lowered {batch.ragged_dot}"
 
 
 def main(argv=None) -> int:

@@ -183,9 +183,11 @@ class Batch:
     @property
     def expert_matmul(self) -> str:
         """How the grouped expert matmuls execute: "tiled" (the tiled kernel: filled rows rounded up to
-        tiles), else the ragged_dot lowering `ragged_dot` ("dense" or "grouped")."""
+        tiles), "grouped" for the Pallas kernel (real rows, the expert hidden held as under ragged_dot), else
+        the ragged_dot lowering `ragged_dot` ("dense" or "grouped")."""
         from sharding.grouped_matmul import resolve_kernel
-        return "tiled" if resolve_kernel(self.moe_kernel) == "tiled" else self.ragged_dot
+        kernel = resolve_kernel(self.moe_kernel)
+        return "tiled" if kernel == "tiled" else "grouped" if kernel == "pallas" else self.ragged_dot
 
     def model_options(self) -> dict:
         """M3ForCausalLM keywords of this batch's model options besides remat (sparse_attention only where the

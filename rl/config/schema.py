@@ -149,8 +149,10 @@ class ModelSection(_Section):
     # sharding.grouped_matmul.KERNELS, listed here so that the schema needs no jax
     moe_kernel: str = _f("auto", "grouped matmul of the routed experts: tiled (walks only the filled rows of the "
                                  "receive buffer), ragged_dot (jax.lax.ragged_dot: dense lowering on CPU and "
-                                 "jaxlib 0.10 CUDA), auto (tiled on CPU, ragged_dot on GPU/TPU)",
-                         choices=("auto", "ragged_dot", "tiled"))
+                                 "jaxlib 0.10 CUDA), pallas (a Pallas/Triton grouped GEMM for GPUs that stops at "
+                                 "the filled rows; interpreted, slowly, elsewhere), auto (tiled on CPU, "
+                                 "ragged_dot on GPU/TPU until scripts/gpu_check.py has measured the others)",
+                         choices=("auto", "ragged_dot", "tiled", "pallas"))
 
     def model_options(self) -> dict[str, Any]:
         """Keyword options of `M3ForCausalLM` / `m3jax.from_pretrained` this section sets."""
