@@ -13,8 +13,10 @@ whose tile starts at or after F stores zeros and does no matmul. So the executed
 bm * (ceil(F / bm) + G - 1), as for `sharding.tiled_grouped` (`sharding.grouped_matmul.executed_rows`), and
 never the buffer's N. A dW program loops over its group's row tiles only: a group without rows costs a store.
 
-Off a GPU the kernels run in Pallas's interpreter (`interpret`): exact, slow, for the tests. On CPU the
-Triton lowering itself is checked by exporting for CUDA (tests/test_pallas_grouped.py); the compiled kernel's
+Off a GPU the kernels run in Pallas's interpreter (`interpret`): exact, slow, for the tests, and not inside a
+shard_map (jax 0.10.2's interpreter mixes its unvarying program ids with the operands' varying mesh axes),
+so an expert-parallel model on CPU refuses it. On CPU the Triton lowering itself is checked by exporting
+for CUDA, also inside the expert-parallel shard_map (tests/test_pallas_grouped.py); the compiled kernel's
 speed and its figure against ragged_dot and the tiled kernel wait for `scripts/gpu_check.py` (check 5).
 """
 
@@ -50,6 +52,12 @@ def _pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
 
 def _compiler_params():
     return plt.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+
+
+def _out_shape(shape, dtype, like: jax.Array) -> jax.ShapeDtypeStruct:
+    """The kernel's output type, varying (inside `jax.shard_map`) over the mesh axes its operands vary over
+    (`sharding.grouped_matmul` makes them all vary alike first)."""
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=getattr(jax.typeof(like), "manual_axis_type", None))
 
 
 def _bounds(group_sizes: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -93,7 +101,7 @@ def _rows_kernel(x: jax.Array, w: jax.Array, starts, ends, transpose_w: bool, bm
         acc = jax.lax.fori_loop(first_ref[i], stop_ref[i], group, jnp.zeros((bm, bn), jnp.float32))
         o_ref[pl.ds(r0, bm), pl.ds(j * bn, bn)] = acc.astype(o_ref.dtype)
 
-    return pl.pallas_call(kernel, grid=(n // bm, o // bn), out_shape=jax.ShapeDtypeStruct((n, o), x.dtype),
+    return pl.pallas_call(kernel, grid=(n // bm, o // bn), out_shape=_out_shape((n, o), x.dtype, x),
                           interpret=interpret, compiler_params=None if interpret else _compiler_params(),
                           name="grouped_rows")(first, stop, starts, ends, x, w)
 
@@ -120,7 +128,7 @@ def _weights_kernel(d_out: jax.Array, x: jax.Array, starts, ends, groups: int, b
         w_ref[g, pl.ds(j * bn, bn), pl.ds(kk * bk, bk)] = acc.astype(w_ref.dtype)
 
     return pl.pallas_call(kernel, grid=(groups, o // bn, kdim // bk),
-                          out_shape=jax.ShapeDtypeStruct((groups, o, kdim), dtype),
+                          out_shape=_out_shape((groups, o, kdim), dtype, x),
                           interpret=interpret, compiler_params=None if interpret else _compiler_params(),
                           name="grouped_weights")(starts, ends, d_out, x)
 
@@ -169,4 +177,9 @@ def pallas_grouped_matmul(rows: jax.Array, weights: jax.Array, group_sizes: jax.
     interpret: run Pallas's interpreter (default: off a GPU)."""
     if interpret is None:
         interpret = jax.default_backend() not in ("gpu", "cuda")
+    varying = getattr(getattr(jax.typeof(rows), "manual_axis_type", None), "varying", None)
+    if interpret and varying:
+        raise ValueError(f"moe_kernel=pallas off a GPU runs Pallas's interpreter, which jax "
+                         f"{jax.__version__} cannot run inside a shard_map over mesh axes ({', '.join(sorted(varying))}: "
+                         f"the expert-parallel exchange); use moe_kernel=tiled (or auto) on {jax.default_backend()}")
     return _matmul(rows, weights, group_sizes.astype(jnp.int32), block, interpret)

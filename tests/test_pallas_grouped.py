@@ -106,3 +106,28 @@ def test_the_planner_plans_it_as_a_grouped_gemm():
     from m3jax.plan.memory import Batch
     assert Batch(micro_batch=1, seq_len=64, moe_kernel="pallas").expert_matmul == "grouped"
     assert Batch(micro_batch=1, seq_len=64, moe_kernel="tiled").expert_matmul == "tiled"
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 2, 1), (1, 2, 2, 2)])
+def test_inside_the_expert_parallel_shard_map_it_lowers_for_cuda_and_refuses_the_interpreter(shape, monkeypatch):
+    """Experts over 2 axes (and, with a tensor axis, width-sharded weights against replicated rows): the
+    model's MoE gradient exported for CUDA lowers every kernel to Triton; on CPU, where only the interpreter
+    could run it, the same program is refused with one clear error."""
+    from jax import export
+
+    import sharding.pallas_grouped as pg
+    from m3jax.model.moe import moe_block
+    from sharding.mesh import MeshConfig, build_mesh
+    from tests.test_expert_parallel import CFG, params
+
+    layout = build_mesh(MeshConfig(*shape), CFG)
+    p, x = params(), jnp.zeros((8, 16, CFG.hidden_size))
+    grad = jax.jit(jax.value_and_grad(lambda p, x: jnp.sum(moe_block(p, x, CFG, layout, None, "padded", "pallas") ** 2),
+                                      argnums=(0, 1)))
+    with pytest.raises(ValueError, match="moe_kernel=pallas off a GPU"):
+        grad(p, x)
+    real = pg.pallas_grouped_matmul
+    monkeypatch.setattr(pg, "pallas_grouped_matmul", lambda *a, **k: real(*a, **{**k, "interpret": False}))
+    exported = export.export(grad, platforms=("cuda",),
+                             disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(p, x)
+    assert exported.mlir_module().count("xla.gpu.triton") == 6  # gate_up and down: forward, d rows, d W
