@@ -231,7 +231,8 @@ def attention_kernels(small: bool, seq: int):
     from m3jax.model.attention import _from_chunks, _to_chunks, causal_keep, gqa_attention
     from m3jax.model.flash import flash_attention
     from m3jax.model.indexer import block_ids_to_mask, block_mask_to_tokens
-    from m3jax.model.sparse import sparse_layer_attention
+    from m3jax.model.paged_sparse import paged_sparse_attention
+    from m3jax.model.sparse import head_units, sparse_layer_attention
     b, h, kv, hd, bs, topk = (1, 4, 2, 32, 16, 2) if small else (1, 64, 4, 128, 128, 16)
     k = jax.random.split(jax.random.key(2), 4)
     q, kk, v = (jax.random.normal(k[i], (b, seq, n, hd), jnp.bfloat16) for i, n in ((0, h), (1, kv), (2, kv)))
@@ -263,6 +264,12 @@ def attention_kernels(small: bool, seq: int):
         "gathered_sparse": sparse("tiles"),
         "grouped_sparse": sparse("grouped"),
         "slots_sparse": sparse("slots"),
+        # the paged kernel's forward (`sparse_attention: paged`); its gradient is gather's by construction
+        "paged_sparse": lambda q, k, v: paged_sparse_attention(
+            q, k, v, pos, None, jnp.moveaxis(ids, 1, 2), sparse_cfg, *head_units(h, kv, kv),
+            gather=lambda q, k, v, block_ids, positions, key_valid: sparse_layer_attention(
+                q, k, v, positions, key_valid, None, None, sparse_cfg, to_chunks=_to_chunks, from_chunks=_from_chunks,
+                block_ids=block_ids, path="tiles")),
         "cudnn": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
                                                               implementation="cudnn"),
     }

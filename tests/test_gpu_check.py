@@ -28,7 +28,7 @@ def test_attention_check_runs_every_kernel_but_cudnn_on_cpu(capsys):
     res = json.loads(line)
     assert res["check"] == "attention_kernels"
     kernels = {k: v for k, v in res.items() if isinstance(v, dict)}
-    assert {"dense", "flash", "gathered_sparse", "grouped_sparse", "slots_sparse", "cudnn"} <= set(kernels)
+    assert {"dense", "flash", "gathered_sparse", "grouped_sparse", "slots_sparse", "paged_sparse", "cudnn"} <= set(kernels)
     for name, r in kernels.items():
         if name == "cudnn":
             continue

@@ -27,6 +27,7 @@ from m3jax.model.fused_attention import applies as fused_applies, fused_attentio
 from m3jax.model.indexer import block_ids_to_mask, block_mask_to_tokens, select_key_blocks, topk_key_blocks
 from m3jax.model.indexer_align import indexer_alignment_kl
 from m3jax.model.norms import rms_norm
+from m3jax.model.paged_sparse import applies as paged_applies, paged_sparse_attention
 from m3jax.model.projections import project_in, project_out
 from m3jax.model.recall import indexer_recall
 from m3jax.model.rope import apply_rope
@@ -42,7 +43,7 @@ IMPLS = ("auto", "dense", "flash", "cudnn")
 # slower (the tiny model's fwd+bwd: 24.7 s against 16.4 s at S = 64); below 512 keys a layer takes a few ms
 # either way, so short runs (tests, the CPU demo) keep the faster compile.
 FLASH_MIN_KEYS = 512
-SPARSE_IMPLS = ("gather", "masked")
+SPARSE_IMPLS = ("gather", "masked", "paged")
 FLASH_TILE = 128  # queries and keys per flash tile on full layers (sparse layers: keys per indexer block)
 
 
@@ -102,7 +103,9 @@ def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
     layout: where activations live (the context shards of the sequence decide the chunking).
     impl: "dense" (masked [chunk, S_k] scores), "flash" (`flash_attention`, no scores block), "cudnn" (full
     layers on cuDNN where it applies, `m3jax.model.fused_attention`) or "auto" (`resolve_impl`).
-    sparse_impl: sparse layers "gather" (only the kept blocks, `sparse_layer_attention`) or "masked".
+    sparse_impl: sparse layers "gather" (only the kept blocks, `sparse_layer_attention`), "paged" (gather, its
+    forward-only passes on a GPU through jax's Pallas paged-attention kernel, `m3jax.model.paged_sparse`)
+    or "masked".
     block_ids [B, S, Hi, K] (sparse layers; indexer selection replay): attend over these key blocks (-1 =
     none) instead of the indexer's. return_block_ids (sparse layers): also return, last, the indexer's own
     top-K block ids [B, S, Hi, index_topk_blocks] int32 (-1 = none; padded with -1 when the keys hold
@@ -142,7 +145,7 @@ def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
         if replay.ndim != 4 or replay.shape[:3] != want:
             raise ValueError(f"block_ids {replay.shape}: expected [B, S, Hi, K] = [{b}, {s}, {cfg.index_n_heads}, K]")
         replay = replay.astype(jnp.int32)
-    if sparse and sparse_impl == "gather":
+    if sparse and sparse_impl in ("gather", "paged"):
         k, v, ik = gather_keys(k, v, ik, layout)
         # One device: the grouped or the slot path, chosen by the config's shape alone (never by S), so that
         # the engine's decode steps and the trainer's full forward run the same arithmetic. Neither is bitwise
@@ -152,9 +155,13 @@ def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
         if layout.num_devices == 1:
             units = len(head_units(q.shape[2], k.shape[2], cfg.index_n_heads)[0])
             path = one_device_path(cfg.index_topk_blocks, cfg.index_block_size, q.shape[2] // units)
-        o = sparse_layer_attention(q, k, v, positions, key_valid, iq, ik, cfg, to_chunks=_to_chunks,
-                                   from_chunks=_from_chunks, n_ctx=n_ctx, constrain=layout.constrain,
-                                   path=path, block_ids=replay, return_block_ids=own)
+        if sparse_impl == "paged" and paged_applies(q, k.shape[1], cache is not None, n_ctx):
+            o, ids = _paged(q, k, v, positions, key_valid, iq, ik, replay, cfg, n_ctx, layout, path)
+            o = (o, ids) if own else o
+        else:
+            o = sparse_layer_attention(q, k, v, positions, key_valid, iq, ik, cfg, to_chunks=_to_chunks,
+                                       from_chunks=_from_chunks, n_ctx=n_ctx, constrain=layout.constrain,
+                                       path=path, block_ids=replay, return_block_ids=own)
         if own:
             o, used = o
     elif impl == "cudnn":  # a full layer (sparse ones took another impl above)
@@ -170,7 +177,7 @@ def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
                               return_block_ids=own)
     else:
         o = masked_attention(q, k, v, positions, key_valid, iq, ik, cfg, block_ids=replay, return_block_ids=own)
-    if own and sparse_impl != "gather":
+    if own and sparse_impl not in ("gather", "paged"):
         o, used = o
     out = project_in(o, p["o_proj"], merged)
     result = (out,) if cache is None else (out, cache)
@@ -192,6 +199,20 @@ def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
         result += (indexer_alignment_kl(q, keys, iq, index_keys, positions, key_valid, cfg, n_ctx=n_ctx,
                                         constrain=layout.constrain),)
     return result if len(result) > 1 else result[0]
+
+
+def _paged(q, k, v, positions, key_valid, iq, ik, replay, cfg, n_ctx: int, layout: Layout, path: str):
+    """A sparse layer under sparse_impl "paged" (`m3jax.model.paged_sparse`): (o, the block ids used)."""
+    ids = replay if replay is not None else select_blocks(iq, ik, positions, cfg, to_chunks=_to_chunks,
+                                                          from_chunks=_from_chunks, n_ctx=n_ctx)
+
+    def replayed(q, k, v, ids, positions, key_valid):  # captures no traced value: it is a custom VJP's rule
+        return sparse_layer_attention(q, k, v, positions, key_valid, None, None, cfg, to_chunks=_to_chunks,
+                                      from_chunks=_from_chunks, n_ctx=n_ctx, constrain=layout.constrain, path=path,
+                                      block_ids=ids)
+
+    kv_of, idx_of = head_units(q.shape[2], k.shape[2], cfg.index_n_heads)
+    return paged_sparse_attention(q, k, v, positions, key_valid, ids, cfg, kv_of, idx_of, gather=replayed), ids
 
 
 def _unfused(q, k, v, positions, key_valid, cfg, query_chunk: int, layout: Layout):

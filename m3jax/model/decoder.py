@@ -209,7 +209,8 @@ class M3ForCausalLM(nnx.Module):
         (full layers on cuDNN's fused attention where it applies, `m3jax.model.fused_attention`, else as
         "auto" off a GPU); "auto" (default): cudnn on a GPU, elsewhere flash from
         `m3jax.model.attention.FLASH_MIN_KEYS` keys on, dense below.
-        sparse_attention: "gather" (sparse layers read only the key blocks the indexer kept,
+        sparse_attention: "paged" (gather, with its passes that take no gradient on jax's Pallas paged-attention
+        kernel on a GPU, `m3jax.model.paged_sparse`) | "gather" (sparse layers read only the key blocks the indexer kept,
         `m3jax.model.sparse`) | "masked" (the indexer's selection as a mask on attention_impl's attention).
         layout: the `sharding.layout.Layout` (or a jax Mesh with the default rules) the model runs on;
         None = one device. Parameters are created where jax puts them; `from_pretrained` or the

@@ -23,6 +23,7 @@ from m3jax.model.indexer import KEY_CHUNK_BLOCKS
 from m3jax.model.sparse import INDEX_QUERY_TILE
 from m3jax.model.sparse import QUERY_TILE as GATHER_TILE
 from m3jax.model.specs import layer_param_specs, top_param_specs
+from m3jax.plan.remat import trains_as
 from sharding.expert import receive_rows
 from sharding.grouped_matmul import DEFAULT_TILE
 from sharding.mesh import MeshConfig
@@ -164,7 +165,7 @@ def layer_phases(cfg: M3Config, mesh: MeshConfig, attn: str, mlp: str, batch, a:
     b, s = batch.micro_batch, batch.seq_len
     t_l = b * (s // sz["context"])
     att, residual = attention_terms(cfg, mesh, attn == SPARSE_ATTENTION, b, s, a, batch.attention_query_chunk,
-                                    batch.attention, batch.sparse_attention)
+                                    batch.attention, trains_as(batch.sparse_attention))
     if mlp == MOE_MLP:
         part = moe_terms(cfg, mesh, t_l, a, batch.moe_capacity_factor, exchange, batch.expert_matmul)
     else:

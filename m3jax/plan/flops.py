@@ -15,7 +15,7 @@ from m3jax.model.specs import layer_param_specs
 from sharding.mesh import MeshConfig
 from m3jax.plan.activations import sparse_keys  # noqa: F401  (re-exported: the FLOPs model's name for it)
 from m3jax.plan.memory import Param, local_elems, mesh_sizes, param_table, shard_axes
-from m3jax.plan.remat import recomputed_params
+from m3jax.plan.remat import recomputed_params, trains_as
 from sharding.rules import MESH_AXES
 
 
@@ -91,7 +91,7 @@ def expert_recompute(batch) -> float:
     return 2 / 3 if batch.expert_matmul == "tiled" else 0.0
 
 
-SPARSE_ATTENTION_IMPLS = ("gather", "masked")  # model.sparse_attention (rl/config/schema.py)
+SPARSE_ATTENTION_IMPLS = ("gather", "masked", "paged")  # model.sparse_attention (rl/config/schema.py)
 
 
 def flash_pairs(cfg: M3Config, seq_len: int, tile: int = 128, sparse_layers: bool = True) -> int:
@@ -154,6 +154,7 @@ def step_flops(cfg: M3Config, seqs: int, seq_len: int, remat: bool = True, *, qu
     """
     if sparse_attention not in SPARSE_ATTENTION_IMPLS:
         raise ValueError(f"sparse_attention={sparse_attention!r}: expected one of {SPARSE_ATTENTION_IMPLS}")
+    sparse_attention = trains_as(sparse_attention)
     from m3jax.model.attention import resolve_impl
     attention = resolve_impl(attention, seq_len)  # "auto" -> what runs over seq_len keys
     if attention == "cudnn":  # cuDNN's fused attention skips masked tiles and recomputes in its backward, as flash

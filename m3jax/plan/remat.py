@@ -38,6 +38,12 @@ from m3jax.config import MOE_MLP, SPARSE_ATTENTION, M3Config
 REMAT_POLICIES = ("full", "save_dots", "save_dots_experts")
 
 
+def trains_as(sparse_attention: str) -> str:
+    """The sparse layers' path in a training step: "paged" runs its forward-only passes on the paged kernel
+    (`m3jax.model.paged_sparse`) and everything differentiated through "gather", so it plans as gather."""
+    return "gather" if sparse_attention == "paged" else sparse_attention
+
+
 def _check(policy: str) -> None:
     if policy not in REMAT_POLICIES:
         raise ValueError(f"remat_policy={policy!r}: expected one of {REMAT_POLICIES}")
@@ -65,7 +71,7 @@ def recomputed_params(cfg: M3Config, policy: str = "full", expert_matmul: str = 
         out["layer"] += (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim * d
         out["layer"] += (cfg.num_local_experts + 2 * cfg.shared_intermediate_size) * d if mlp == MOE_MLP \
             else 2 * cfg.dense_intermediate_size * d
-        if attn == SPARSE_ATTENTION and sparse_attention != "gather":
+        if attn == SPARSE_ATTENTION and trains_as(sparse_attention) != "gather":
             out["indexer"] += (cfg.index_n_heads + 1) * cfg.index_head_dim * d
     return out
 
@@ -81,7 +87,7 @@ def saved_bytes_per_token(cfg: M3Config, attn: str, mlp: str, tensor: int = 1, a
     save_dots_experts: + MoE layers a * k * d [the experts' output rows, whole d on every tensor rank]
     (H_l = H / n_t, KV_l = max(KV / n_t, 1); XLA:CPU kept 0.95x this on the small model of `main`)."""
     _check(policy)
-    ids = attn == SPARSE_ATTENTION and sparse_attention == "gather"
+    ids = attn == SPARSE_ATTENTION and trains_as(sparse_attention) == "gather"
     out = 4.0 * cfg.index_n_heads * cfg.index_topk_blocks if ids else 0.0
     if policy == "full":
         return out

@@ -129,9 +129,11 @@ class ModelSection(_Section):
                              choices=("auto", "dense", "flash", "cudnn"))
     # m3jax.model.attention.SPARSE_IMPLS
     sparse_attention: str = _f("gather", "sparse (indexer) layers: gather (each query multiplies only the key "
-                                         "blocks the indexer kept, a scan over query tiles) or masked (the "
-                                         "selection as a mask on attention_impl's full attention: the reference)",
-                               choices=("gather", "masked"))
+                                         "blocks the indexer kept, a scan over query tiles), paged (gather, "
+                                         "with passes that take no gradient on jax's Pallas paged-attention "
+                                         "kernel on a GPU; not yet run on one) or masked (the selection as a mask "
+                                         "on attention_impl's full attention: the reference)",
+                               choices=("gather", "masked", "paged"))
     # Not an M3ForCausalLM option (the model returns hidden states or logits): the logprob pass and the
     # loss read it (rl.policy), so it stays out of model_options.
     logprob_chunk_tokens: int = _f(1024, "positions of each row whose [.., vocab] logits are computed at once "
