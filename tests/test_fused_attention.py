@@ -164,3 +164,17 @@ def test_the_planner_plans_cudnn_as_flash():
     cfg = m3_config()
     assert step_flops(cfg, 2, 1024, attention="cudnn") == step_flops(cfg, 2, 1024, attention="flash") \
         != step_flops(cfg, 2, 1024, attention="dense")
+
+
+def test_a_call_cudnn_refuses_at_trace_time_runs_the_fallback(xla_fused, monkeypatch, caplog):
+    """jax checks cuDNN's own constraints (version, compute capability, shapes) when the call is traced: a
+    refusal there runs the model's own attention, with a warning, instead of failing the step."""
+    def refusing(*args, **kwargs):
+        raise NotImplementedError("The head dim must be <= 128 and a multiple of 8")
+
+    monkeypatch.setattr(fused_attention.jax.nn, "dot_product_attention", refusing)
+    q, k, v = _qkv()
+    pos, valid = _case("right_padding")
+    got = fused_attention.fused_attention(q, k, v, pos, valid, q.shape[-1] ** -0.5,
+                                          lambda q, k, v: -_dense(q, k, v, pos, valid))
+    assert rel_err(-got, _dense(q, k, v, pos, valid)) < 1e-6 and "does not apply" in caplog.text

@@ -10,7 +10,8 @@ model's own attention (`fallback`), and no input's result depends on having cuDN
 
 The rest of cuDNN's constraints are static (`applies`): a GPU, 16-bit q/k/v, a head dim that is a multiple
 of 8 and at most 128, self-attention over the layer's own tokens (not a decode step over cache slots), and
-the keys on the same device as the queries (no context sharding).
+the keys on the same device as the queries (no context sharding). Those jax itself checks when the call is
+traced (the cuDNN version, the device's compute capability, shapes) fall back too, with a warning.
 
 Off a GPU nothing here runs, except in the tests, which swap `implementation` for jax's "xla" one (the same
 call and mask, computed by XLA) to check the mapping of the mask and the fallback on CPU; cuDNN's own
@@ -18,6 +19,8 @@ numbers are `scripts/gpu_check.py`'s to measure.
 """
 
 from __future__ import annotations
+
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -63,4 +66,9 @@ def fused_attention(q, k, v, positions, key_valid, scale: float, fallback):
                                             key_value_seq_lengths=None if key_valid is None else lengths,
                                             implementation=impl).astype(v.dtype)
 
+    try:  # jax checks cuDNN's own constraints (version, compute capability, shapes) when the call is traced
+        jax.eval_shape(fused, q, k, v)
+    except (NotImplementedError, ValueError, RuntimeError) as e:
+        logging.getLogger(__name__).warning("cuDNN attention does not apply (%s): the model's own attention runs", e)
+        return fallback(q, k, v)
     return jax.lax.cond(ok, fused, fallback, q, k, v)
