@@ -140,7 +140,7 @@ def _matmul(rows, weights, group_sizes, block: int, interpret: bool):
 
 def _forward(rows, weights, group_sizes, block, interpret):
     n, kdim = rows.shape
-    g, o, _ = weights.shape
+    o = weights.shape[1]
     bm, bn, bk = _block(n, block), _block(o, block), _block(kdim, block)
     starts, ends = _bounds(group_sizes)
     x = _pad_to(_pad_to(rows, 0, bm), 1, bk)
