@@ -23,12 +23,14 @@ speed and its figure against ragged_dot and the tiled kernel wait for `scripts/g
 from __future__ import annotations
 
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+_INTERPRETED_WARN_MACS = 1 << 24  # an interpreted matmul this large takes seconds: say so
 BLOCK = 64  # rows, output columns and contracted elements per block (smaller for narrower operands)
 NUM_WARPS, NUM_STAGES = 4, 2
 
@@ -182,4 +184,9 @@ def pallas_grouped_matmul(rows: jax.Array, weights: jax.Array, group_sizes: jax.
         raise ValueError(f"moe_kernel=pallas off a GPU runs Pallas's interpreter, which jax "
                          f"{jax.__version__} cannot run inside a shard_map over mesh axes ({', '.join(sorted(varying))}: "
                          f"the expert-parallel exchange); use moe_kernel=tiled (or auto) on {jax.default_backend()}")
+    if interpret and rows.shape[0] * weights.shape[1] * weights.shape[2] > _INTERPRETED_WARN_MACS:
+        logging.getLogger(__name__).warning(
+            "moe_kernel=pallas on %s runs Pallas's interpreter (for tests): a [%d, %d] x [%d, %d, %d] grouped matmul "
+            "will be slow; moe_kernel=tiled (auto) is the fast kernel off a GPU", jax.default_backend(),
+            *rows.shape, *weights.shape)
     return _matmul(rows, weights, group_sizes.astype(jnp.int32), block, interpret)

@@ -144,3 +144,21 @@ def test_the_planner_plans_paged_as_gather():
     layer = ("minimax_m3_sparse", "sparse")
     assert saved_bytes_per_token(cfg, *layer, 1, 2, "save_dots", "paged") == \
         saved_bytes_per_token(cfg, *layer, 1, 2, "save_dots", "gather")
+
+
+def test_lowers_at_m3_shapes():
+    """One sparse layer of the release at 8k tokens (64 query heads, 4 kv and index heads of 128, blocks of 128,
+    top-16): the kernel lowers to Triton for CUDA (abstract shapes: nothing is allocated)."""
+    from jax import export
+    b, s, d = 1, 8192, 128
+    q = jax.ShapeDtypeStruct((b, s, 64, d), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((b, s, 4, d), jnp.bfloat16)
+    pos, valid = jax.ShapeDtypeStruct((b, s), jnp.int32), jax.ShapeDtypeStruct((b, s), jnp.bool_)
+    ids = jax.ShapeDtypeStruct((b, s, 4, 16), jnp.int32)
+    kv_of, idx_of = head_units(64, 4, 4)
+    f = lambda q, k, v, pos, valid, ids: paged_sparse.paged_attention_forward(  # noqa: E731
+        q, k, v, pos, valid, ids, 128, d ** -0.5, kv_of, idx_of, interpret_kernel=False)
+    text = export.export(jax.jit(f), platforms=("cuda",),
+                         disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+        q, kv, kv, pos, valid, ids).mlir_module()
+    assert text.count("xla.gpu.triton") == 1

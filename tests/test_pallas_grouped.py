@@ -131,3 +131,23 @@ def test_inside_the_expert_parallel_shard_map_it_lowers_for_cuda_and_refuses_the
     exported = export.export(grad, platforms=("cuda",),
                              disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(p, x)
     assert exported.mlir_module().count("xla.gpu.triton") == 6  # gate_up and down: forward, d rows, d W
+
+
+def test_lowers_at_m3_widths():
+    """The block choice at the release's widths (d 6144, expert intermediate 3072, 8 local experts, 4096 rows):
+    every dimension a multiple of its block, so no operand is padded (a copy of the weights per call)."""
+    from jax import export
+    rows = jax.ShapeDtypeStruct((4096, 6144), jnp.bfloat16)
+    up, down = jax.ShapeDtypeStruct((8, 3072, 6144), jnp.bfloat16), jax.ShapeDtypeStruct((8, 6144, 3072), jnp.bfloat16)
+    sizes = jax.ShapeDtypeStruct((8,), jnp.int32)
+
+    def f(rows, up, down, sizes):
+        def loss(r, u, dn):
+            h = pallas_grouped_matmul(r, u, sizes, interpret=False)
+            return jnp.sum(pallas_grouped_matmul(h, dn, sizes, interpret=False).astype(jnp.float32))
+        return jax.value_and_grad(loss, argnums=(0, 1, 2))(rows, up, down)
+
+    text = export.export(jax.jit(f), platforms=("cuda",),
+                         disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+        rows, up, down, sizes).mlir_module()
+    assert text.count("xla.gpu.triton") == 6 and "stablehlo.pad" not in text
