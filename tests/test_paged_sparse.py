@@ -62,11 +62,14 @@ def test_page_tables_hold_exactly_the_kept_slots():
         assert sorted(slots) == sorted(want), (bi, t, u)  # the first `seen` slots of the pages are the kept ones
 
 
-@pytest.mark.parametrize("name, paged", [("right_padding", True), ("left_padding", False)])
+@pytest.mark.parametrize("name, paged", [("right_padding", True), ("offset_positions", True),
+                                         ("left_padding", False)])
 def test_forward_equals_gather_where_the_form_holds_else_gather_runs(interpreted, name, paged):
     q, k, v, pos, valid, ids = _problem()
     if name == "left_padding":
         valid = valid.at[0, :4].set(False)
+    elif name == "offset_positions":  # queries later than their slots (a decode step's cache): the threshold holds
+        pos = pos + 5
     cfg = type("Cfg", (), {"index_block_size": BS, "head_dim": q.shape[-1]})
     kv_of, idx_of = head_units(q.shape[2], k.shape[2], ids.shape[2])
     scale = q.shape[-1] ** -0.5
@@ -109,12 +112,16 @@ def models(tmp_path_factory):
     return cfg, hf, ref.save(hf, str(tmp_path_factory.mktemp("paged") / "native"))
 
 
-def test_model_forward_matches_hf_on_the_kernel(models, interpreted, monkeypatch):
-    """The sparse layers' forward on the (interpreted) kernel, gather poisoned (NaN) so that finite logits
-    prove the kernel ran: HF's logits with right padding."""
+def _poison_gather(monkeypatch):
     real = paged_sparse.paged_sparse_attention
     monkeypatch.setattr(attention, "paged_sparse_attention", lambda *a, gather: real(
         *a, gather=lambda q, *_: jnp.full_like(q, jnp.nan)))
+
+
+def test_model_forward_matches_hf_on_the_kernel(models, interpreted, monkeypatch):
+    """The sparse layers' forward on the (interpreted) kernel, gather poisoned (NaN) so that finite logits
+    prove the kernel ran: HF's logits with right padding."""
+    _poison_gather(monkeypatch)
     cfg, hf, path = models
     model = m3jax.from_pretrained(path, sparse_attention="paged")
     ids = ref.random_ids(cfg, 2, 64, seed=1)
@@ -123,6 +130,27 @@ def test_model_forward_matches_hf_on_the_kernel(models, interpreted, monkeypatch
     got = np.asarray(jax.jit(lambda m, i, a: m(i, attention_mask=a))(model, jnp.asarray(ids), jnp.asarray(mask)))
     want = ref.hf_logits(hf, ids, mask)
     assert _rel(got[0], want[0]) < 1e-5 and _rel(got[1, :40], want[1, :40]) < 1e-5
+
+
+@pytest.mark.slow  # prefill + decode-step compiles, twice
+def test_cached_decoding_on_the_kernel_equals_gather(models, interpreted, monkeypatch):
+    """Prefill 40 tokens into the cache, then decode 4 one at a time: every step's sparse layers read their
+    selected cache blocks through the kernel (gather poisoned), with the logits of the gather model."""
+    cfg, _, path = models
+    ids = jnp.asarray(ref.random_ids(cfg, 2, 44, seed=4))
+
+    def decode(model):
+        step = jax.jit(lambda model, ids, positions, cache: model(ids, positions=positions, cache=cache))
+        logits, cache = step(model, ids[:, :40], jnp.broadcast_to(jnp.arange(40), (2, 40)), model.init_cache(2, 48))
+        out = [logits]
+        for t in range(40, 44):
+            logits, cache = step(model, ids[:, t:t + 1], jnp.full((2, 1), t), cache)
+            out.append(logits)
+        return np.concatenate([np.asarray(o) for o in out], axis=1)
+
+    want = decode(m3jax.from_pretrained(path, sparse_attention="gather"))
+    _poison_gather(monkeypatch)
+    assert _rel(decode(m3jax.from_pretrained(path, sparse_attention="paged")), want) < 1e-5
 
 
 @pytest.mark.slow  # two gradient compiles of the tiny model

@@ -155,7 +155,7 @@ def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
         if layout.num_devices == 1:
             units = len(head_units(q.shape[2], k.shape[2], cfg.index_n_heads)[0])
             path = one_device_path(cfg.index_topk_blocks, cfg.index_block_size, q.shape[2] // units)
-        if sparse_impl == "paged" and paged_applies(q, k.shape[1], cache is not None, n_ctx):
+        if sparse_impl == "paged" and paged_applies(q, n_ctx):
             o, ids = _paged(q, k, v, positions, key_valid, iq, ik, replay, cfg, n_ctx, layout, path)
             o = (o, ids) if own else o
         else:

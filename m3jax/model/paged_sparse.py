@@ -4,8 +4,8 @@ A sparse layer's query attends to the key blocks its index head selected. That i
 serves these layers: each (batch row, query, head unit) is one "sequence" whose pages are its selected blocks
 of its kv head, sorted ascending (the own block last, unselected entries past the end), and whose length is
 the number of slots it may see. The model's rule (`m3jax.model.sparse._kept_slots`: slot j of a selected block
-is kept iff key_valid[j], j < S_k and j <= position) is such a prefix of the sorted pages exactly when the
-row's positions are 0..S-1 and key_valid is a prefix (right padding): then a slot is kept iff
+is kept iff key_valid[j], j < S_k and j <= position) is such a prefix of the sorted pages whenever the row's
+key_valid is a prefix (right padding, and a decode step's written cache slots): then a slot is kept iff
 j < min(position + 1, length), a threshold on the key index, and in ascending blocks the kept slots come
 first. That form is checked at run time (`lax.cond`, else the `gather` path runs), so the output is the model's
 for every input. A query that sees no slot gets the mean of v over all S_k slots, as the other paths give.
@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from m3jax.model.fused_attention import FUSED_DTYPES, fused_form
+from m3jax.model.fused_attention import FUSED_DTYPES
 
 PAGE_HEADS = 16  # the kernel's block_h: query heads per program (it pads a unit's heads to a multiple)
 
@@ -37,11 +37,19 @@ def interpret() -> bool | None:
     return False if jax.default_backend() in ("gpu", "cuda") else None
 
 
-def applies(q: jax.Array, key_len: int, cached: bool, n_ctx: int) -> bool:
-    """Whether a sparse layer's forward can run paged (static): a GPU, 16-bit, the layer's own tokens as keys
-    (no decode cache), no context sharding."""
-    return (interpret() is not None and q.dtype in FUSED_DTYPES and not cached and n_ctx == 1
-            and key_len == q.shape[1])
+def applies(q: jax.Array, n_ctx: int) -> bool:
+    """Whether a sparse layer's forward can run paged (static): a GPU, 16-bit, no context sharding (a decode
+    step over cache slots included)."""
+    return interpret() is not None and q.dtype in FUSED_DTYPES and n_ctx == 1
+
+
+def paged_form(key_valid: jax.Array | None) -> jax.Array:
+    """Whether every row's key_valid [B, S_k] is a prefix (a scalar bool): the kept slots are then a prefix of
+    each query's sorted pages (module docstring)."""
+    if key_valid is None:
+        return jnp.asarray(True)
+    lengths = jnp.sum(key_valid, axis=-1, dtype=jnp.int32)
+    return jnp.all(key_valid == (jnp.arange(key_valid.shape[1])[None, :] < lengths[:, None]))
 
 
 def page_tables(ids: jax.Array, positions: jax.Array, lengths: jax.Array, block_size: int, n_blocks: int,
@@ -60,18 +68,18 @@ def page_tables(ids: jax.Array, positions: jax.Array, lengths: jax.Array, block_
 
 def paged_attention_forward(q, k, v, positions, key_valid, ids, block_size: int, scale: float, kv_of, idx_of,
                             interpret_kernel: bool):
-    """o [B, S, H, D] of queries q [B, S, H, D] over the pages their units selected; the form of the module
-    docstring assumed (the caller checks it)."""
+    """o [B, S, H, D] of queries q [B, S, H, D] at `positions` over the pages of k/v [B, S_k, KV, D] their units
+    selected; the form of the module docstring assumed (the caller checks it)."""
     from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
 
     b, s, h, d = q.shape
-    kvh, u = k.shape[2], len(kv_of)
-    n_blocks = -(-s // block_size)
-    lengths = jnp.full((b,), s, jnp.int32) if key_valid is None else jnp.sum(key_valid, -1, dtype=jnp.int32)
+    sk, kvh, u = k.shape[1], k.shape[2], len(kv_of)
+    n_blocks = -(-sk // block_size)
+    lengths = jnp.full((b,), sk, jnp.int32) if key_valid is None else jnp.sum(key_valid, -1, dtype=jnp.int32)
     pages, seen = page_tables(ids, positions, lengths, block_size, n_blocks, kv_of, idx_of)
 
-    def pool(a):  # [B, S, KV, D] -> [1, B * KV * nb, bs, D]
-        a = jnp.pad(a, ((0, 0), (0, n_blocks * block_size - s), (0, 0), (0, 0)))
+    def pool(a):  # [B, S_k, KV, D] -> [1, B * KV * nb, bs, D]
+        a = jnp.pad(a, ((0, 0), (0, n_blocks * block_size - sk), (0, 0), (0, 0)))
         return a.reshape(b, n_blocks, block_size, kvh, d).transpose(0, 3, 1, 2, 4).reshape(1, -1, block_size, d)
 
     heads = h // u
@@ -99,9 +107,10 @@ def paged_sparse_attention(q, k, v, positions, key_valid, ids, cfg, kv_of, idx_o
 
     @jax.custom_vjp
     def attend(q, k, v, ids, positions, key_valid):
-        ok, _ = fused_form(positions, key_valid)
-        return jax.lax.cond(ok, lambda *a: kernel(*a[:3], a[4], a[5], a[3]).astype(q.dtype), gather,
-                            q, k, v, ids, positions, key_valid)
+        def paged(q, k, v, ids, positions, key_valid):
+            return kernel(q, k, v, positions, key_valid, ids).astype(q.dtype)
+
+        return jax.lax.cond(paged_form(key_valid), paged, gather, q, k, v, ids, positions, key_valid)
 
     def fwd(q, k, v, ids, positions, key_valid):
         return jax.vjp(lambda q, k, v: gather(q, k, v, ids, positions, key_valid), q, k, v)
