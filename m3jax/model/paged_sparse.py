@@ -56,7 +56,7 @@ def page_tables(ids: jax.Array, positions: jax.Array, lengths: jax.Array, block_
                 kv_of: np.ndarray, idx_of: np.ndarray) -> tuple[jax.Array, jax.Array]:
     """(pages [B, S, U, K] int32 into the [B, KV, nb] page pool, ascending, unselected entries last; seen
     slots [B, S, U] int32) for ids [B, S, Hi, K] (-1 = none), positions [B, S], key lengths [B]."""
-    b, s, _, k = ids.shape
+    b = ids.shape[0]
     unit = jnp.asarray(ids)[:, :, idx_of]  # [B, S, U, K]
     blocks = jnp.sort(jnp.where(unit < 0, n_blocks, unit), axis=-1)
     threshold = jnp.minimum(positions + 1, lengths[:, None])[:, :, None, None]  # keys < it are seen
