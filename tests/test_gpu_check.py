@@ -39,17 +39,21 @@ def test_attention_check_runs_every_kernel_but_cudnn_on_cpu(capsys):
 
 
 def test_model_attention_check_runs_and_proves_the_fused_branch(capsys, monkeypatch):
-    """The cudnn model check, on CPU through jax's XLA implementation of the same call: it runs, the cudnn
-    model equals dense, and a fallback that ran would show (the check poisons it)."""
+    """The cudnn model check, on CPU through jax's XLA implementation of the same call (and the paged kernel
+    interpreted): it runs, the cudnn model equals dense, the paged forward gather's, and a fallback that ran
+    would show (the check poisons it)."""
     from m3jax.model import fused_attention
     gc = _gpu_check()
     gc.model_attention(True, 64)  # off a GPU: says why it is skipped
     assert "no GPU" in json.loads(capsys.readouterr().out)["skipped"]
+    from m3jax.model import paged_sparse
     monkeypatch.setattr(fused_attention, "implementation", lambda backend=None: "xla")
+    monkeypatch.setattr(paged_sparse, "interpret", lambda: True)
     gc.model_attention(True, 64)
     res = json.loads(capsys.readouterr().out)
-    assert set(res) >= {"dense", "flash", "cudnn"} and all(res[k]["finite"] for k in ("dense", "flash", "cudnn"))
+    assert set(res) >= {"dense", "flash", "cudnn", "paged"} and all(res[k]["finite"] for k in ("dense", "flash", "cudnn"))
     assert res["cudnn"]["logits_rel_err"] < 1e-2
+    assert res["paged"]["finite"] and res["paged"]["logits_mean_rel_err_vs_gather"] < 2e-2, res["paged"]  # bf16
     monkeypatch.setattr(fused_attention, "fused_form", lambda positions, key_valid: (jnp.asarray(False), None))
     gc.model_attention(True, 64)  # every input on the (poisoned) fallback
     assert not json.loads(capsys.readouterr().out)["cudnn"]["finite"]
