@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 
+from rl.generation import host_memory
 from rl.generation import transfer as tr
 from rl.generation import vllm_pool
 from rl.generation.base import SamplingParams
@@ -116,6 +117,12 @@ def test_rollout_rows_come_back_in_place_and_reproducible(pool):
     assert np.array_equal(a.tokens, b.tokens) and np.array_equal(a.lengths, b.lengths)
     c = pool.generate(ps, sp, jax.random.key(1))
     assert not np.array_equal(a.tokens, c.tokens)  # the key decides the per-row seeds
+
+
+def test_engine_processes_start_with_the_huge_page_tunable(pool):
+    # read from each actor's /proc/self/environ: what its glibc saw at start (rl.generation.host_memory)
+    want = host_memory.huge_page_env()["GLIBC_TUNABLES"]
+    assert "glibc.malloc.hugetlb=" in want and [h["glibc_tunables"] for h in pool.health()] == [want] * 2
 
 
 def test_update_commits_everywhere_or_nowhere(pool):

@@ -128,7 +128,9 @@ class EngineActor:
     def health(self) -> dict:
         """The engine's own report (ok is False once a weight update failed part-way) plus how long the
         current call has been running."""
-        return {**self.engine.health(), "rank": self.rank,
+        from rl.generation.host_memory import start_tunables
+
+        return {**self.engine.health(), "rank": self.rank, "glibc_tunables": start_tunables(),
                 "busy_s": None if self.busy_since is None else time.time() - self.busy_since}
 
 

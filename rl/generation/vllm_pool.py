@@ -34,7 +34,7 @@ import numpy as np
 
 from rl.generation.base import Rollout, SamplingParams
 from rl.generation.transfer import TRANSPORTS, TransferError, TransferStats, make_transport, model_tensors
-from rl.generation import vllm_ray
+from rl.generation import host_memory, vllm_ray
 from rl.generation.vllm_results import CPU_REASON, assemble_rollout
 from rl.generation.vllm_actor import EngineActor, actor_class
 from rl.schedule import ChunkQueue, Incomplete
@@ -68,6 +68,8 @@ class PoolConfig:
     executor: str = "auto"
     # engines return each row's MoE routes (grpo.routing_replay: rollout): GPU vLLM only (vllm_results.CPU_REASON)
     return_routes: bool = False
+    # engine processes start with glibc's huge-page tunable (rl.generation.host_memory; generation.vllm_huge_pages)
+    huge_pages: bool = True
 
 
 _ACTOR = None
@@ -145,9 +147,11 @@ class VLLMPool:
     # -------------------------------------------------------------------------------- lifecycle
     def _spawn(self, slot: _Slot) -> None:
         """Start slot's engine actor; a Ray-executor engine in a fresh placement group of its own."""
+        env = host_memory.huge_page_env() if self.cfg.huge_pages else {}
         if self.cfg.executor != "ray":
             gpus = self.cfg.tensor_parallel if _cluster_has_gpus() else 0
-            slot.actor = _actor_class().options(num_cpus=0, num_gpus=gpus).remote(self.cfg, slot.rank)
+            slot.actor = _actor_class().options(num_cpus=0, num_gpus=gpus, runtime_env={"env_vars": env}
+                                                ).remote(self.cfg, slot.rank)
             return
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -157,7 +161,7 @@ class VLLMPool:
         # The actor takes no resources of the group; its vLLM workers take one bundle each (the executor
         # finds the group because child tasks are captured). Until the group is placed the actor waits.
         slot.actor = _actor_class().options(
-            num_cpus=0, num_gpus=0, runtime_env=vllm_ray.actor_runtime_env(),
+            num_cpus=0, num_gpus=0, runtime_env=vllm_ray.actor_runtime_env(env),
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=slot.group, placement_group_capture_child_tasks=True),
         ).remote(self.cfg, slot.rank)
