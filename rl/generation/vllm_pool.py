@@ -34,7 +34,7 @@ import numpy as np
 
 from rl.generation.base import Rollout, SamplingParams
 from rl.generation.transfer import TRANSPORTS, TransferError, TransferStats, make_transport, model_tensors
-from rl.generation import host_memory, vllm_ray
+from rl.generation import host_memory, local_ray, vllm_ray
 from rl.generation.vllm_results import CPU_REASON, assemble_rollout
 from rl.generation.vllm_actor import EngineActor, actor_class
 from rl.schedule import ChunkQueue, Incomplete
@@ -123,7 +123,7 @@ class VLLMPool:
                 # that "auto" keeps every engine on this host's multiprocess executor.
                 slots = {vllm_ray.CPU_SLOT: ranks * cfg.servers} if cfg.executor == "ray" else {}
                 ray.init(num_cpus=max(os.cpu_count() or 1, 1), include_dashboard=False, log_to_driver=False,
-                         resources=slots)
+                         resources=slots, **local_ray.init_kwargs(cfg.model_dir, cfg.transport))
         self.key = vllm_ray.device_key(ray.cluster_resources())  # what one rank takes: GPU or the CPU slot
         self.per_host = vllm_ray.devices_per_host(ray.nodes(), self.key)
         if cfg.return_routes and self.key != "GPU":  # refused before any engine starts

@@ -1,0 +1,57 @@
+"""The pool's own local Ray (rl.generation.local_ray): a store sized to the staged update, pre-populated, for the
+`ray` transport only; this Ray version starts with those settings."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from rl.generation import local_ray
+
+GB = 10**9
+ROOT = str(Path(__file__).resolve().parents[1])
+
+
+def test_store_is_twice_the_update_plus_room_within_rays_default_and_dev_shm():
+    assert local_ray.object_store_bytes(1 * GB, 100 * GB, 50 * GB) == 2 * GB + local_ray.ROLLOUT_ROOM
+    assert local_ray.object_store_bytes(20 * GB, 100 * GB, 50 * GB) == 30 * GB  # Ray's 30 % of memory
+    assert local_ray.object_store_bytes(20 * GB, 100 * GB, 10 * GB) == 9 * GB  # 90 % of free /dev/shm
+    assert local_ray.object_store_bytes(900 * GB, 2000 * GB, 1000 * GB) == 200 * GB  # Ray's 200 GB cap
+    assert local_ray.object_store_bytes(0, 100 * GB, 10**6) == local_ray.RAY_MIN
+
+
+def test_init_kwargs_follow_the_checkpoint_and_the_transport(tmp_path):
+    save_file({"a": np.zeros((1000, 1000), np.float32)}, str(tmp_path / "model-00001.safetensors"))
+    assert 4_000_000 < local_ray.checkpoint_bytes(str(tmp_path)) < 4_001_000
+    kw = local_ray.init_kwargs(str(tmp_path), "ray")
+    assert kw["_system_config"] == {"preallocate_plasma_memory": True}
+    # 2 x 4 MB + the room, unless this machine's memory or /dev/shm caps it
+    assert local_ray.RAY_MIN <= kw["object_store_memory"] <= 2 * local_ray.checkpoint_bytes(str(tmp_path)) + \
+        local_ray.ROLLOUT_ROOM
+    assert local_ray.init_kwargs(str(tmp_path), "collective") == {}
+
+
+_START = """
+import json, sys
+import ray
+from rl.generation import local_ray
+kw = local_ray.init_kwargs(sys.argv[1], "ray")
+ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, **kw)
+print(json.dumps([kw["object_store_memory"], ray.cluster_resources()["object_store_memory"]]))
+ray.shutdown()
+"""
+
+
+def test_this_ray_starts_with_the_sized_prepopulated_store(tmp_path):
+    pytest.importorskip("ray", reason="ray is not installed (scripts/setup.sh installs it)")
+    save_file({"a": np.zeros((256, 1024), np.float32)}, str(tmp_path / "model.safetensors"))
+    out = subprocess.run([sys.executable, "-c", _START, str(tmp_path)], capture_output=True, text=True, timeout=300,
+                         cwd=ROOT, env={**os.environ, "RAY_ADDRESS": ""})  # a Ray of its own
+    assert out.returncode == 0, out.stderr[-2000:]
+    asked, got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == asked
