@@ -10,7 +10,7 @@ apply: `auto` (one copy in place, rl.generation.inplace) or `reload` (vLLM's rel
 
     .venv/bin/python scripts/bench_weight_transfer.py [--engines 1 2] [--transport ray collective]
         [--apply auto reload] [--large] [--bucket-mb 64] [--repeats 3] [--tensor-parallel 2]
-        [--executor ray] [--whole] [--huge-pages on off]
+        [--executor ray] [--whole] [--malloc-tuning on off]
 """
 
 from __future__ import annotations
@@ -64,8 +64,8 @@ def main():
     ap.add_argument("--transport", nargs="+", default=["ray", "collective"], help="generation.weight_transport values")
     ap.add_argument("--apply", nargs="+", default=["auto"], choices=["auto", "reload"],
                     help="engine weight apply: auto (in place where covered) or reload (vLLM reload_weights)")
-    ap.add_argument("--huge-pages", nargs="+", default=["on"], choices=["on", "off"],
-                    help="generation.vllm_huge_pages: engine processes start with glibc.malloc.hugetlb=1")
+    ap.add_argument("--malloc-tuning", nargs="+", default=["on"], choices=["on", "off"],
+                    help="generation.vllm_malloc_tuning: CPU engines start with rl.generation.host_memory's tunables")
     ap.add_argument("--large", action="store_true", help="a 1.03 GB model instead of 287 MB")
     ap.add_argument("--tensor-parallel", type=int, default=1,
                     help="ranks per engine: > 1 runs vLLM's mp executor (worker processes, each writes its slice; "
@@ -103,14 +103,14 @@ def main():
         path = os.path.join(d, "model")
         m3jax.save_pretrained(model, path, layout="released")
         for n, apply, transport, huge in ((n, ap_, t, h) for n in a.engines for ap_ in a.apply for t in a.transport
-                                          for h in a.huge_pages):
+                                          for h in a.malloc_tuning):
             pool = VLLMPool(PoolConfig(model_dir=path, servers=n, max_model_len=256, dtype="float32",
                                        bucket_bytes=a.bucket_mb << 20, request_timeout_s=600, transport=transport,
                                        weight_apply=apply, tensor_parallel=a.tensor_parallel,
                                        expert_parallel=a.tensor_parallel, executor=a.executor,
-                                       huge_pages=huge == "on"), graphdef)
+                                       malloc_tuning=huge == "on"), graphdef)
             modes = sorted({m for m, _ in ray.get([s.actor.apply_mode.remote() for s in pool.slots])})
-            tag = (f"{n} engine(s) of TP {a.tensor_parallel} ({pool.cfg.executor}), {transport}, huge pages {huge}"
+            tag = (f"{n} engine(s) of TP {a.tensor_parallel} ({pool.cfg.executor}), {transport}, malloc tuning {huge}"
                    f"{' (whole tensors)' if a.whole else ''}, apply {'/'.join(modes)}")
             rows = []
             for i in range(a.repeats):

@@ -119,10 +119,10 @@ def test_rollout_rows_come_back_in_place_and_reproducible(pool):
     assert not np.array_equal(a.tokens, c.tokens)  # the key decides the per-row seeds
 
 
-def test_engine_processes_start_with_the_huge_page_tunable(pool):
-    # read from each actor's /proc/self/environ: what its glibc saw at start (rl.generation.host_memory)
-    want = host_memory.huge_page_env()["GLIBC_TUNABLES"]
-    assert "glibc.malloc.hugetlb=" in want and [h["glibc_tunables"] for h in pool.health()] == [want] * 2
+def test_cpu_engine_processes_start_with_the_malloc_tunables(pool):
+    # each actor process was started with them (rl.generation.host_memory)
+    want = host_memory.engine_malloc_env()["GLIBC_TUNABLES"]
+    assert "glibc.malloc.mmap_max=" in want and [h["glibc_tunables"] for h in pool.health()] == [want] * 2
 
 
 def test_update_commits_everywhere_or_nowhere(pool):

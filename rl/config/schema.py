@@ -340,10 +340,10 @@ class GenerationSection(_Section):
     vllm_request_timeout_s: float = _f(600.0, "an engine that has not answered a rollout chunk for this long is "
                                               "killed and its rows re-sent", gt=0)
     vllm_max_restarts: int = _f(4, "dead or hung engines the pool replaces over a run before dropping them", min=0)
-    vllm_huge_pages: bool = _f(True, "start the engine processes with glibc's transparent-huge-page tunable "
-                                     "(GLIBC_TUNABLES glibc.malloc.hugetlb=1): on CPU each in-place weight update "
-                                     "re-packs every GEMM weight into fresh memory, which then faults in 2 MB "
-                                     "at a time instead of 4 kB (rl.generation.host_memory)")
+    vllm_malloc_tuning: bool = _f(True, "start CPU engine processes with glibc malloc tunables (huge pages, one "
+                                        "never-trimmed heap) so that each in-place weight update's re-pack reuses "
+                                        "the memory of the last instead of faulting in fresh pages "
+                                        "(rl.generation.host_memory)")
     weight_transport: str = _f("ray", "how new weights reach the vLLM engines (rl.generation.transfer.TRANSPORTS): "
                                       "ray = HF-named buckets through the Ray object store (CPU and GPU); "
                                       "collective = the same buckets broadcast over a torch.distributed group "

@@ -1,14 +1,24 @@
-"""Transparent huge pages for the vLLM engine processes' large host allocations (issue 12 item 3).
+"""glibc malloc settings for the CPU vLLM engine processes, so an in-place weight update reuses its memory
+(issue 12 item 3).
 
-Every in-place weight update on CPU re-packs each GEMM weight into a fresh oneDNN buffer and frees the old one
-(rl.generation.inplace). glibc serves allocations that large with mmap and returns them with munmap, so each
-update faults every page of the packed weights in again, 4 kB at a time: 140 k faults and 0.2-0.5 s of kernel
-time for the 1 GB bench model, more than the copy and the pack themselves (BENCHMARKS.md, issue 12,
-session 15). glibc's `glibc.malloc.hugetlb=1` tunable (glibc >= 2.35) marks those mappings MADV_HUGEPAGE, so
-they fault in 2 MB at a time where the kernel's THP mode is `madvise` or `always`. The tunable is read once,
-when the process starts, so it has to be in the environment an engine process is started with (its Ray
-actor's runtime_env); vLLM's worker processes inherit it. Elsewhere (an older glibc, musl, THP `never`) it
-changes nothing.
+Every in-place update on CPU re-packs each GEMM weight into a fresh oneDNN buffer (rl.generation.inplace).
+Under glibc's defaults an allocation that large is an mmap, given back with munmap when freed, so each update
+faults the whole packed copy in again, 4 kB at a time: 140 k faults and 0.2-0.5 s of kernel time for the 1 GB
+bench model, more than the copy and the pack themselves, and noisy (BENCHMARKS.md, issue 12, session 15).
+The engines therefore start with (GLIBC_TUNABLES, read once when a process starts, so it goes into the
+environment the pool starts an engine actor with; vLLM's worker processes inherit it):
+
+    glibc.malloc.hugetlb=1             what does come from the kernel is marked MADV_HUGEPAGE: 2 MB pages
+    glibc.malloc.mmap_max=0            large blocks come from the heap instead of their own mappings ...
+    glibc.malloc.arena_max=1           ... one heap for every thread (other arenas would map large blocks
+                                       anyway: a thread arena's heap is at most 64 MB) ...
+    glibc.malloc.trim_threshold=2**36  ... which is never trimmed, so memory freed stays for the next update
+
+and the applier frees the old packed copies before it makes the new ones, which then land in the same memory:
+after two updates an update faults almost nothing in (3-4 faults) (apply 0.13-0.14 s, from 0.2-1.2 s). The cost: an engine's
+heap keeps its peak size, and its threads share one malloc arena. GPU engines keep glibc's defaults (their
+update is a device copy, and their host threads allocate more). A tunable the caller already set wins.
+Elsewhere (an older glibc, musl) the variable changes nothing.
 """
 
 from __future__ import annotations
@@ -17,15 +27,20 @@ import os
 from collections.abc import Mapping
 
 TUNABLES = "GLIBC_TUNABLES"
-HUGETLB = "glibc.malloc.hugetlb"
+ENGINE_MALLOC = {
+    "glibc.malloc.hugetlb": "1",
+    "glibc.malloc.mmap_max": "0",
+    "glibc.malloc.arena_max": "1",
+    "glibc.malloc.trim_threshold": str(1 << 36),
+}
 
 
-def huge_page_env(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
-    """{GLIBC_TUNABLES: ...}: the caller's tunables (`environ`) with `glibc.malloc.hugetlb=1` added, unless
-    they already set hugetlb (theirs wins)."""
+def engine_malloc_env(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """{GLIBC_TUNABLES: ...}: the caller's tunables (`environ`) plus ENGINE_MALLOC's, the caller's winning
+    where both set one."""
     tunables = [t for t in environ.get(TUNABLES, "").split(":") if t]
-    if not any(t.split("=", 1)[0] == HUGETLB for t in tunables):
-        tunables.append(f"{HUGETLB}=1")
+    have = {t.split("=", 1)[0] for t in tunables}
+    tunables += [f"{k}={v}" for k, v in ENGINE_MALLOC.items() if k not in have]
     return {TUNABLES: ":".join(tunables)}
 
 
@@ -39,13 +54,8 @@ def thp_mode(path: str = "/sys/kernel/mm/transparent_hugepage/enabled") -> str |
     return next((w[1:-1] for w in text.split() if w.startswith("[")), None)
 
 
-def start_tunables(path: str = "/proc/self/environ") -> str | None:
-    """GLIBC_TUNABLES as this process was started with (what glibc read; os.environ may have changed since),
-    None where the process had none or the platform shows no start environment."""
-    try:
-        with open(path, "rb") as f:
-            entries = f.read().split(b"\0")
-    except OSError:
-        return None
-    prefix = TUNABLES.encode() + b"="
-    return next((e[len(prefix):].decode() for e in entries if e.startswith(prefix)), None)
+
+def start_tunables(environ: Mapping[str, str] = os.environ) -> str | None:
+    """GLIBC_TUNABLES of this process (an engine actor's is set when Ray starts it, before glibc reads it).
+    Not /proc/self/environ: glibc 2.36's loader cuts the variable there at its first ':' while parsing it."""
+    return environ.get(TUNABLES)

@@ -141,6 +141,13 @@ class InplaceApplier:
         except BaseException:
             self._restore(removed)  # the packed handles still hold the old weights
             raise
+        # The old packed copies go before the new ones are made: their memory is then free for the new
+        # (same-sized) ones, which with the engine's allocator settings (rl.generation.host_memory) means no
+        # fresh pages to fault in, and the packed weights are never held twice. Nothing serves in between:
+        # the engine applies while no generation runs (the actor's single work group).
+        for layer, _, _ in self.gemm.values():
+            layer.cpu_linear = None
+
         def pack(entry):  # the one piece of post-processing that depends on the values: the oneDNN / sgl pack
             layer, _, drop = entry
             with torch.no_grad():  # grad mode is per thread

@@ -68,8 +68,9 @@ class PoolConfig:
     executor: str = "auto"
     # engines return each row's MoE routes (grpo.routing_replay: rollout): GPU vLLM only (vllm_results.CPU_REASON)
     return_routes: bool = False
-    # engine processes start with glibc's huge-page tunable (rl.generation.host_memory; generation.vllm_huge_pages)
-    huge_pages: bool = True
+    # CPU engine processes start with glibc malloc settings that keep their memory between weight updates
+    # (rl.generation.host_memory; generation.vllm_malloc_tuning)
+    malloc_tuning: bool = True
 
 
 _ACTOR = None
@@ -147,9 +148,10 @@ class VLLMPool:
     # -------------------------------------------------------------------------------- lifecycle
     def _spawn(self, slot: _Slot) -> None:
         """Start slot's engine actor; a Ray-executor engine in a fresh placement group of its own."""
-        env = host_memory.huge_page_env() if self.cfg.huge_pages else {}
+        gpus = _cluster_has_gpus()
+        env = host_memory.engine_malloc_env() if self.cfg.malloc_tuning and not gpus else {}
         if self.cfg.executor != "ray":
-            gpus = self.cfg.tensor_parallel if _cluster_has_gpus() else 0
+            gpus = self.cfg.tensor_parallel if gpus else 0
             slot.actor = _actor_class().options(num_cpus=0, num_gpus=gpus, runtime_env={"env_vars": env}
                                                 ).remote(self.cfg, slot.rank)
             return
