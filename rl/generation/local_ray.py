@@ -23,7 +23,8 @@ RAY_MIN = 100 << 20  # Ray refuses a store under 75 MB
 
 
 def checkpoint_bytes(model_dir: str) -> int:
-    """Bytes of the safetensors files of `model_dir` (what one update moves, in the served dtype or wider)."""
+    """Bytes of the safetensors files of `model_dir`: what one update moves when the engines serve the file's
+    dtype (an fp32 update of a bf16 file is twice that, which object_store_bytes' 2x still holds)."""
     return sum(os.path.getsize(p) for p in glob.glob(os.path.join(model_dir, "*.safetensors")))
 
 
