@@ -44,15 +44,6 @@ def test_the_tunables_are_added_to_the_callers_and_theirs_win():
     assert theirs.split(":")[0] == "glibc.malloc.arena_max=4" and theirs.count("arena_max") == 1
 
 
-def test_start_tunables_reads_the_variable_not_the_start_environment_glibc_cut():
-    full = "glibc.malloc.hugetlb=1:glibc.malloc.mmap_max=0"
-    assert host_memory.start_tunables({"GLIBC_TUNABLES": full}) == full and host_memory.start_tunables({}) is None
-    out = subprocess.run([sys.executable, "-c", "from rl.generation.host_memory import start_tunables as s; print(s())"],
-                         env={**os.environ, "GLIBC_TUNABLES": full}, capture_output=True, text=True, check=True,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert out.stdout.strip() == full
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc tunables and minor-fault counts are Linux's")
 def test_a_process_started_with_the_tunables_reuses_freed_memory_for_the_next_large_block():
     plain, tuned = faults({}), faults(host_memory.engine_malloc_env({}))

@@ -15,9 +15,10 @@ environment the pool starts an engine actor with; vLLM's worker processes inheri
     glibc.malloc.trim_threshold=2**36  ... which is never trimmed, so memory freed stays for the next update
 
 and the applier frees the old packed copies before it makes the new ones, which then land in the same memory:
-after two updates an update faults almost nothing in (3-4 faults) (apply 0.13-0.14 s, from 0.2-1.2 s). The cost: an engine's
-heap keeps its peak size, and its threads share one malloc arena. GPU engines keep glibc's defaults (their
-update is a device copy, and their host threads allocate more). A tunable the caller already set wins.
+from the third update on, an update faults almost nothing in (3-4 faults; apply 0.13-0.14 s, from 0.2-1.2 s),
+apart from an occasional update whose blocks did not fit and grew the heap. The cost: an engine's heap keeps
+its peak size, and its threads share one malloc arena. GPU engines keep glibc's defaults (their
+update is a device copy with no re-pack; one shared arena was not measured there). A tunable the caller already set wins.
 Elsewhere (an older glibc, musl) the variable changes nothing.
 """
 
@@ -43,19 +44,3 @@ def engine_malloc_env(environ: Mapping[str, str] = os.environ) -> dict[str, str]
     tunables += [f"{k}={v}" for k, v in ENGINE_MALLOC.items() if k not in have]
     return {TUNABLES: ":".join(tunables)}
 
-
-def thp_mode(path: str = "/sys/kernel/mm/transparent_hugepage/enabled") -> str | None:
-    """The kernel's transparent-huge-page mode ("always", "madvise", "never"), None where it has none."""
-    try:
-        with open(path) as f:
-            text = f.read()
-    except OSError:
-        return None
-    return next((w[1:-1] for w in text.split() if w.startswith("[")), None)
-
-
-
-def start_tunables(environ: Mapping[str, str] = os.environ) -> str | None:
-    """GLIBC_TUNABLES of this process (an engine actor's is set when Ray starts it, before glibc reads it).
-    Not /proc/self/environ: glibc 2.36's loader cuts the variable there at its first ':' while parsing it."""
-    return environ.get(TUNABLES)

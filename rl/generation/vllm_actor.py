@@ -4,6 +4,7 @@ joined by `join_weight_group` and read by `receive_weights`), committed together
 
 from __future__ import annotations
 
+import os
 import time
 
 from rl.generation.base import SamplingParams
@@ -128,9 +129,9 @@ class EngineActor:
     def health(self) -> dict:
         """The engine's own report (ok is False once a weight update failed part-way) plus how long the
         current call has been running."""
-        from rl.generation.host_memory import start_tunables
-
-        return {**self.engine.health(), "rank": self.rank, "glibc_tunables": start_tunables(),
+        # the malloc settings this process started with (rl.generation.host_memory); not /proc/self/environ,
+        # where glibc 2.36's loader cuts the variable at its first ':' while parsing it
+        return {**self.engine.health(), "rank": self.rank, "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
                 "busy_s": None if self.busy_since is None else time.time() - self.busy_since}
 
 

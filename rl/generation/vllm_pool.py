@@ -148,10 +148,10 @@ class VLLMPool:
     # -------------------------------------------------------------------------------- lifecycle
     def _spawn(self, slot: _Slot) -> None:
         """Start slot's engine actor; a Ray-executor engine in a fresh placement group of its own."""
-        gpus = _cluster_has_gpus()
-        env = host_memory.engine_malloc_env() if self.cfg.malloc_tuning and not gpus else {}
+        on_gpus = _cluster_has_gpus()
+        env = host_memory.engine_malloc_env() if self.cfg.malloc_tuning and not on_gpus else {}
         if self.cfg.executor != "ray":
-            gpus = self.cfg.tensor_parallel if gpus else 0
+            gpus = self.cfg.tensor_parallel if on_gpus else 0
             slot.actor = _actor_class().options(num_cpus=0, num_gpus=gpus, runtime_env={"env_vars": env}
                                                 ).remote(self.cfg, slot.rank)
             return
