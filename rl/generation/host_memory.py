@@ -43,4 +43,3 @@ def engine_malloc_env(environ: Mapping[str, str] = os.environ) -> dict[str, str]
     have = {t.split("=", 1)[0] for t in tunables}
     tunables += [f"{k}={v}" for k, v in ENGINE_MALLOC.items() if k not in have]
     return {TUNABLES: ":".join(tunables)}
-
