@@ -102,15 +102,15 @@ def main():
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "model")
         m3jax.save_pretrained(model, path, layout="released")
-        for n, apply, transport, huge in ((n, ap_, t, h) for n in a.engines for ap_ in a.apply for t in a.transport
-                                          for h in a.malloc_tuning):
+        for n, apply, transport, tuning in ((n, ap_, t, m) for n in a.engines for ap_ in a.apply for t in a.transport
+                                          for m in a.malloc_tuning):
             pool = VLLMPool(PoolConfig(model_dir=path, servers=n, max_model_len=256, dtype="float32",
                                        bucket_bytes=a.bucket_mb << 20, request_timeout_s=600, transport=transport,
                                        weight_apply=apply, tensor_parallel=a.tensor_parallel,
                                        expert_parallel=a.tensor_parallel, executor=a.executor,
-                                       malloc_tuning=huge == "on"), graphdef)
+                                       malloc_tuning=tuning == "on"), graphdef)
             modes = sorted({m for m, _ in ray.get([s.actor.apply_mode.remote() for s in pool.slots])})
-            tag = (f"{n} engine(s) of TP {a.tensor_parallel} ({pool.cfg.executor}), {transport}, malloc tuning {huge}"
+            tag = (f"{n} engine(s) of TP {a.tensor_parallel} ({pool.cfg.executor}), {transport}, malloc tuning {tuning}"
                    f"{' (whole tensors)' if a.whole else ''}, apply {'/'.join(modes)}")
             rows = []
             for i in range(a.repeats):

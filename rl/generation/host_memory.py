@@ -17,8 +17,8 @@ environment the pool starts an engine actor with; vLLM's worker processes inheri
 and the applier frees the old packed copies before it makes the new ones, which then land in the same memory:
 from the third update on, an update faults almost nothing in (3-4 faults; apply 0.13-0.14 s, from 0.2-1.2 s),
 apart from an occasional update whose blocks did not fit and grew the heap. The cost: an engine's heap keeps
-its peak size, and its threads share one malloc arena. GPU engines keep glibc's defaults (their
-update is a device copy with no re-pack; one shared arena was not measured there). A tunable the caller already set wins.
+its peak size, and its threads share one malloc arena. GPU engines keep glibc's defaults (their update is a
+device copy with no re-pack; one shared arena was not measured there). A tunable the caller already set wins.
 Elsewhere (an older glibc, musl) the variable changes nothing.
 """
 

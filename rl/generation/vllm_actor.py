@@ -8,6 +8,7 @@ import os
 import time
 
 from rl.generation.base import SamplingParams
+from rl.generation.host_memory import TUNABLES
 from rl.generation.transfer import StagedUpdate, TransferError
 
 
@@ -131,7 +132,7 @@ class EngineActor:
         current call has been running."""
         # the malloc settings this process started with (rl.generation.host_memory); not /proc/self/environ,
         # where glibc 2.36's loader cuts the variable at its first ':' while parsing it
-        return {**self.engine.health(), "rank": self.rank, "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
+        return {**self.engine.health(), "rank": self.rank, "glibc_tunables": os.environ.get(TUNABLES),
                 "busy_s": None if self.busy_since is None else time.time() - self.busy_since}
 
 
