@@ -1,25 +1,40 @@
 """The local Ray a vLLM pool starts when it is given no cluster address (issue 12: weight push on one host).
 
-The `ray` weight transport stages a whole update in the object store until every engine has verified it. By
-default Ray's store is 30 % of memory, faulted in lazily, and memory it frees goes back to the kernel, so a
-later `ray.put` of a 64 MB bucket sometimes waits for fresh shared-memory pages: single puts of 0.2-0.6 s
-against 0.01 s, the wire of one update in three 3-5x slower, and the first update's 1 GB taking 3 s of puts
-(BENCHMARKS.md, issue 12, session 15). The pool's own Ray therefore gets a store sized to the update it
-stages (twice the checkpoint, plus room for rollouts), pre-populated when Ray starts (Ray's
-`preallocate_plasma_memory`), so every put lands on pages that already exist. A cluster the pool joins
-(`generation.vllm_ray_address`) keeps its own settings: docs/vllm.md says how to start one the same way.
+The `ray` weight transport stages a whole update in the object store until every engine has verified it. Ray's
+default store is 30 % of memory and its pages are faulted in only when an object first lands on them: on this
+machine single `ray.put`s of a 64 MB bucket took 0.2-0.6 s against 0.01 s whenever a bucket landed on pages
+not yet used, and the first update's 1 GB took 3 s of puts (BENCHMARKS.md, issue 12, session 15). Pages once
+used stay with the store (it is one shared-memory file) and later puts on them run at memcpy speed.
+
+So the pool's own Ray gets a store sized to the update it stages (twice the checkpoint, plus room for
+rollouts), and `warm_object_store` fills it once from the driver while the engines start, so that every later
+put lands on pages that already exist. Not Ray's `preallocate_plasma_memory`: that fills the store inside the
+raylet before it opens its socket, and the raylet gives up after ten 1 s connection attempts; on this VM (fresh
+guest memory at 0.2-0.4 GB/s) a 2.6 GB store took about 12 s and Ray did not start (2026-12-03).
+
+A cluster the pool joins (`generation.vllm_ray_address`) keeps its own settings: docs/vllm.md says how to
+start one the same way.
 """
 
 from __future__ import annotations
 
 import glob
+import logging
 import os
 import shutil
+import threading
+import time
+
+log = logging.getLogger(__name__)
 
 ROLLOUT_ROOM = 512 << 20  # rollouts, scores and probes pass through the store beside the staged update
 RAY_DEFAULT_SHARE = 0.3  # Ray's own default store: 30 % of memory, at most 200 GB
 RAY_DEFAULT_MAX = 200 * 10**9
 RAY_MIN = 100 << 20  # Ray refuses a store under 75 MB
+# Ray starts spilling primary copies to disk above 80 % of the store (object_spilling_threshold): the warm-up
+# stays under it, so it never writes to disk; the staged update (half the store) stays inside what it warmed.
+WARM_SHARE = 0.75
+WARM_CHUNK = 64 << 20  # one put; also the transport's default bucket
 
 
 def checkpoint_bytes(model_dir: str) -> int:
@@ -37,8 +52,8 @@ def object_store_bytes(update_bytes: int, memory_bytes: int, shm_free_bytes: int
 
 
 def init_kwargs(model_dir: str, transport: str) -> dict:
-    """Extra ray.init arguments for the pool's local Ray: a sized, pre-populated store for the `ray`
-    transport; none for `collective` (its buckets never enter the store)."""
+    """Extra ray.init arguments for the pool's local Ray: a store sized for the `ray` transport; none for
+    `collective` (its buckets never enter the store)."""
     if transport != "ray":
         return {}
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -46,5 +61,33 @@ def init_kwargs(model_dir: str, transport: str) -> dict:
         shm_free = shutil.disk_usage("/dev/shm").free
     except OSError:
         return {}  # no /dev/shm (not Linux): Ray's defaults
-    return {"object_store_memory": object_store_bytes(checkpoint_bytes(model_dir), memory, shm_free),
-            "_system_config": {"preallocate_plasma_memory": True}}
+    return {"object_store_memory": object_store_bytes(checkpoint_bytes(model_dir), memory, shm_free)}
+
+
+def warm_object_store(store_bytes: int, chunk_bytes: int = WARM_CHUNK) -> float:
+    """Put WARM_SHARE of `store_bytes` into the connected Ray's store in `chunk_bytes` objects and drop them, so
+    that the store's pages exist before the first update; returns the seconds it took. The source is one
+    zero-filled buffer, so the driver holds only `chunk_bytes` of its own."""
+    import numpy as np
+    import ray
+
+    t = time.perf_counter()
+    chunk = np.zeros(min(chunk_bytes, store_bytes), np.uint8)
+    refs = [ray.put(chunk) for _ in range(int(WARM_SHARE * store_bytes) // chunk.nbytes)]
+    del refs
+    return time.perf_counter() - t
+
+
+def warm_in_background(store_bytes: int) -> threading.Thread:
+    """`warm_object_store` in a daemon thread (the pool starts its engines meanwhile and joins it before the
+    first update); a failure is logged, not raised: a cold store is slower, not wrong."""
+    def run():
+        try:
+            s = warm_object_store(store_bytes)
+            log.info("object store: %.2f GB warmed in %.1f s", WARM_SHARE * store_bytes / 1e9, s)
+        except Exception as e:  # noqa: BLE001 - see the docstring
+            log.warning("object store warm-up failed (%r): the first updates fault its pages in", e)
+
+    thread = threading.Thread(target=run, daemon=True, name="m3jax-warm-object-store")
+    thread.start()
+    return thread

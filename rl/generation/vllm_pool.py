@@ -116,6 +116,7 @@ class VLLMPool:
         ranks = vllm_ray.engine_ranks(cfg.tensor_parallel, cfg.expert_parallel)
         if cfg.executor not in vllm_ray.EXECUTORS + ("uni",):
             raise PoolError(f"vllm executor {cfg.executor!r}: expected one of {vllm_ray.EXECUTORS}")
+        warming = None  # the store warm-up of a local Ray, joined before the first update can use the store
         if not ray.is_initialized():
             if cfg.ray_address:
                 ray.init(address=cfg.ray_address, log_to_driver=False)
@@ -123,8 +124,11 @@ class VLLMPool:
                 # A local CPU Ray advertises engine-rank slots only when the Ray executor was asked for, so
                 # that "auto" keeps every engine on this host's multiprocess executor.
                 slots = {vllm_ray.CPU_SLOT: ranks * cfg.servers} if cfg.executor == "ray" else {}
+                store = local_ray.init_kwargs(cfg.model_dir, cfg.transport)
                 ray.init(num_cpus=max(os.cpu_count() or 1, 1), include_dashboard=False, log_to_driver=False,
-                         resources=slots, **local_ray.init_kwargs(cfg.model_dir, cfg.transport))
+                         resources=slots, **store)
+                if store:
+                    warming = local_ray.warm_in_background(store["object_store_memory"])
         self.key = vllm_ray.device_key(ray.cluster_resources())  # what one rank takes: GPU or the CPU slot
         self.per_host = vllm_ray.devices_per_host(ray.nodes(), self.key)
         if cfg.return_routes and self.key != "GPU":  # refused before any engine starts
@@ -143,6 +147,8 @@ class VLLMPool:
         for s in self.slots:
             self._spawn(s)
         self._wait_ready(self.slots)
+        if warming is not None:
+            warming.join()
         self._check_weight_path()
 
     # -------------------------------------------------------------------------------- lifecycle
