@@ -20,7 +20,13 @@ What this module does instead, once per engine:
     tensor once into its final place, and re-runs only the post-processing that depends on the values:
     the GEMM dispatch (the oneDNN pack) of each linear / embedding layer;
   - everything else (norms, router bias, the MoE expert stacks of the torch experts kernel, which reads
-    `w13_weight` / `w2_weight` at every forward and never repacks) is written in place by its loader.
+    `w13_weight` / `w2_weight` at every forward and never repacks) is written in place by its loader;
+  - the input embedding's packed copy is dropped, not re-made: vLLM packs every embedding layer at load, but
+    runs an embedding's GEMM (`quant_method.apply`) only for the LM head (the logits processor), while the
+    input embedding's forward is a lookup of `weight` (`quant_method.embedding`). Tied embeddings do not
+    change that: `ParallelLMHead.tie_weights` shares the weight, and the head packs a copy of its own. In
+    its place a function that raises, so that a vLLM which did use it fails loudly rather than serving the
+    old weights. On the 1.03 GB bench model this was 201 MB of the 570 MB the apply re-packed.
 A layer whose post-processing this does not know (another quantisation method, a MoE kernel that
 repacks, a GPU platform's layouts) makes `uncovered()` non-empty: the engine then keeps `reload_weights`
 and says which layer (`VLLMEngine.apply_mode`).
@@ -44,7 +50,9 @@ class InplaceApplier:
         import torch
         from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
         from vllm.model_executor.layers.linear import UnquantizedLinearMethod
-        from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+        from vllm.model_executor.layers.vocab_parallel_embedding import (ParallelLMHead,
+                                                                         UnquantizedEmbeddingMethod,
+                                                                         VocabParallelEmbedding)
         from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
         from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
         from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
@@ -52,6 +60,7 @@ class InplaceApplier:
 
         self.model = model
         self.gemm: dict[str, tuple[torch.nn.Module, torch.nn.Parameter, bool]] = {}  # name -> (layer, buffer, drop)
+        self.lookup_only: list[torch.nn.Module] = []  # input embeddings: their packed GEMM copy is never read
         self._uncovered: list[str] = []
         cpu = current_platform.is_cpu()
         for name, layer in model.named_modules():
@@ -71,6 +80,9 @@ class InplaceApplier:
             if not cpu:
                 continue  # CUDA: unquantized linear / embedding weights are used as loaded
             if getattr(layer, "_cpu_skip_gemm_dispatch", False) or not hasattr(layer, "cpu_linear"):
+                continue
+            if isinstance(layer, VocabParallelEmbedding) and not isinstance(layer, ParallelLMHead):
+                self.lookup_only.append(layer)  # its loader writes the live weight; nothing to re-pack
                 continue
             drop = isinstance(qm, UnquantizedLinearMethod)  # linear layers drop their weight after packing
             if drop:
@@ -147,6 +159,8 @@ class InplaceApplier:
         # the engine applies while no generation runs (the actor's single work group).
         for layer, _, _ in self.gemm.values():
             layer.cpu_linear = None
+        for layer in self.lookup_only:
+            layer.cpu_linear = _stale_packed_copy
 
         def pack(entry):  # the one piece of post-processing that depends on the values: the oneDNN / sgl pack
             layer, _, drop = entry
@@ -164,6 +178,12 @@ class InplaceApplier:
             with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="m3jax-repack") as ex:
                 list(ex.map(pack, layers))
         return set(loaded or ())
+
+
+def _stale_packed_copy(x, weight, bias):
+    raise RuntimeError("m3jax's in-place weight apply does not re-pack an input embedding for a GEMM (vLLM used "
+                       "only the LM head's): this vLLM multiplies by the input embedding, so rl.generation.inplace "
+                       "must re-pack it again (add it to the applier's GEMM layers)")
 
 
 def covering_applier(model) -> tuple[InplaceApplier | None, str | None]:

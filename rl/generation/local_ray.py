@@ -6,11 +6,21 @@ machine single `ray.put`s of a 64 MB bucket took 0.2-0.6 s against 0.01 s whenev
 not yet used, and the first update's 1 GB took 3 s of puts (BENCHMARKS.md, issue 12, session 15). Pages once
 used stay with the store (it is one shared-memory file) and later puts on them run at memcpy speed.
 
-So the pool's own Ray gets a store sized to the update it stages (twice the checkpoint, plus room for
-rollouts), and `warm_object_store` fills it once from the driver while the engines start, so that every later
-put lands on pages that already exist. Not Ray's `preallocate_plasma_memory`: that fills the store inside the
-raylet before it opens its socket, and the raylet gives up after ten 1 s connection attempts; on this VM (fresh
-guest memory at 0.2-0.4 GB/s) a 2.6 GB store took about 12 s and Ray did not start (2026-12-03).
+So the pool's own Ray gets a store sized to what it holds at once, and `warm_object_store` fills nearly all of
+it once from the driver while the engines start, so that every later put lands on pages that already exist:
+- what it holds at once is twice the checkpoint plus room for rollouts: an engine's staged objects are freed
+  asynchronously, within a second of its commit, so an update that follows at once lands beside the previous
+  one (979 MiB of the 1.03 GB bench model still held right after its commit, 0 one second later; session 16);
+- plus a third for the allocator's fragmentation: the bench's bucket sizes (192, 57, 36, 61, 7 x 63, 192 MB),
+  two updates live, walked over 3.26-3.46 GB of a 3.46 GB store before they settled, and every put onto a page
+  not yet used faulted it in at ~0.3 GB/s (16 k faults and ~0.19 s of system time per 63 MB put);
+- warmed to WARM_SHARE, not three quarters: with 75 % warmed the same sequence still faulted in 0.4-0.9 s of
+  puts in two rounds of eight, with 98 % only in the first. Ray spills primary copies above 80 % of the store
+  (`object_spilling_threshold`), which the warm-up would trip (the raylet logged "Triggering object spilling"),
+  so this Ray's threshold is 1.0: it spills only when an object does not fit.
+Not Ray's `preallocate_plasma_memory`: that fills the store inside the raylet before it opens its socket, and
+the raylet gives up after ten 1 s connection attempts; on this VM (fresh guest memory at 0.2-0.4 GB/s) a 2.6 GB
+store took about 12 s and Ray did not start (2026-12-03).
 
 A cluster the pool joins (`generation.vllm_ray_address`) keeps its own settings: docs/vllm.md says how to
 start one the same way.
@@ -31,9 +41,9 @@ ROLLOUT_ROOM = 512 << 20  # rollouts, scores and probes pass through the store b
 RAY_DEFAULT_SHARE = 0.3  # Ray's own default store: 30 % of memory, at most 200 GB
 RAY_DEFAULT_MAX = 200 * 10**9
 RAY_MIN = 100 << 20  # Ray refuses a store under 75 MB
-# Ray starts spilling primary copies to disk above 80 % of the store (object_spilling_threshold): the warm-up
-# stays under it, so it never writes to disk; the staged update (half the store) stays inside what it warmed.
-WARM_SHARE = 0.75
+WARM_SHARE = 0.98  # of the store, filled once at start (the rest: rollouts that arrive during the warm-up)
+FRAGMENTATION = 4 / 3  # address space the allocator walks over, per byte held (measured above)
+SYSTEM_CONFIG = {"object_spilling_threshold": 1.0}  # spill only when an object does not fit (above)
 WARM_CHUNK = 64 << 20  # one put; also the transport's default bucket
 
 
@@ -44,16 +54,16 @@ def checkpoint_bytes(model_dir: str) -> int:
 
 
 def object_store_bytes(update_bytes: int, memory_bytes: int, shm_free_bytes: int) -> int:
-    """Store for the `ray` transport: 2 x the update + ROLLOUT_ROOM, at most Ray's default share of memory
-    (min(30 %, 200 GB)) and 90 % of what /dev/shm has free (Ray would otherwise put the store on disk), at
-    least RAY_MIN."""
-    want = 2 * update_bytes + ROLLOUT_ROOM
+    """Store for the `ray` transport: (2 x the update + ROLLOUT_ROOM) x FRAGMENTATION; at most Ray's default
+    share of memory (min(30 %, 200 GB)) and 90 % of what /dev/shm has free (Ray would otherwise put the store
+    on disk), at least RAY_MIN."""
+    want = (2 * update_bytes + ROLLOUT_ROOM) * FRAGMENTATION
     return int(max(RAY_MIN, min(want, RAY_DEFAULT_SHARE * memory_bytes, RAY_DEFAULT_MAX, 0.9 * shm_free_bytes)))
 
 
 def init_kwargs(model_dir: str, transport: str) -> dict:
-    """Extra ray.init arguments for the pool's local Ray: a store sized for the `ray` transport; none for
-    `collective` (its buckets never enter the store)."""
+    """Extra ray.init arguments for the pool's local Ray: a store sized for the `ray` transport that spills only
+    when full; none for `collective` (its buckets never enter the store)."""
     if transport != "ray":
         return {}
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -61,7 +71,8 @@ def init_kwargs(model_dir: str, transport: str) -> dict:
         shm_free = shutil.disk_usage("/dev/shm").free
     except OSError:
         return {}  # no /dev/shm (not Linux): Ray's defaults
-    return {"object_store_memory": object_store_bytes(checkpoint_bytes(model_dir), memory, shm_free)}
+    return {"object_store_memory": object_store_bytes(checkpoint_bytes(model_dir), memory, shm_free),
+            "_system_config": dict(SYSTEM_CONFIG)}
 
 
 def warm_object_store(store_bytes: int, chunk_bytes: int = WARM_CHUNK) -> float:
