@@ -190,12 +190,13 @@ def reload_a_b_a(engine, a, b, label="in-process"):
 
 
 def test_the_gpu_checks_push_round_trip_on_this_engine(engine, models, tmp_path):
-    """scripts/gpu_check.py's `push_round_trip` (check 8 on CUDA: B written into the running engine, then A) runs
-    only where a GPU is lent; here on the CPU engine: B's scores are the trainer's B, A's come back bit for bit."""
+    """scripts/gpu_check_vllm.py's `push_round_trip` (gpu_check's check 8 on CUDA: B written into the running
+    engine, then A) runs only where a GPU is lent; here on the CPU engine: B's scores are the trainer's B, A's
+    come back bit for bit."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(os.path.dirname(os.path.dirname(
-        os.path.abspath(__file__))), "scripts", "gpu_check.py"))
+    spec = importlib.util.spec_from_file_location("gpu_check_vllm", os.path.join(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))), "scripts", "gpu_check_vllm.py"))
     gpu_check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_check)
     a, b, path = models
