@@ -94,6 +94,11 @@ class InplaceApplier:
                 with info.restore_device:
                     buf = restore_layer_refs(materialize_meta_tensor(meta), layer)
                 buf.requires_grad_(False)
+                # Fault its pages in now, while the engine starts, not in the first update: on this VM a fresh
+                # page costs ~60x a used one (0.2-0.4 GB/s), and these buffers were most of the first update's
+                # extra 0.6 s (BENCHMARKS.md, issue 12, session 16).
+                with torch.no_grad():
+                    buf.zero_()
             else:
                 buf = layer.weight  # the embedding keeps its weight: the buffer is the live parameter
             self.gemm[name] = (layer, buf, drop)
