@@ -48,8 +48,8 @@ def test_probe_batch_and_diff_line_up_with_per_sequence_logprobs():
 
 
 def test_weight_transport_is_read_where_the_pool_is_built(monkeypatch):
-    """generation.weight_transport reaches the pool's config, and a transport that is not built stops the
-    pool before any engine (or Ray) starts."""
+    """generation.weight_transport (and the two host-memory switches) reach the pool's config, and a transport
+    that is not built stops the pool before any engine (or Ray) starts."""
     from rl.generation import vllm_pool
 
     built = []
@@ -57,6 +57,11 @@ def test_weight_transport_is_read_where_the_pool_is_built(monkeypatch):
     cfg = load_config(TINY_VLLM, ["model.tiny=null", "model.path=/nowhere"], check_paths=False)
     backends.make_generator(cfg, None, None, pad_id=0, run_dir="/nowhere")
     assert built[0].transport == cfg.generation.weight_transport == "ray"
+    assert built[0].malloc_tuning and built[0].warm_object_store  # the defaults (rl.generation.host_memory, local_ray)
+    off = load_config(TINY_VLLM, ["model.tiny=null", "model.path=/nowhere", "generation.vllm_malloc_tuning=false",
+                                  "generation.vllm_object_store_warmup=false"], check_paths=False)
+    backends.make_generator(off, None, None, pad_id=0, run_dir="/nowhere")
+    assert not built[1].malloc_tuning and not built[1].warm_object_store
     monkeypatch.undo()
     with pytest.raises(vllm_pool.PoolError, match=r"weight transport 'nccl' is not built; allowed: ray"):
         vllm_pool.VLLMPool(vllm_pool.PoolConfig(model_dir="/nowhere", transport="nccl"))

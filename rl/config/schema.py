@@ -344,6 +344,11 @@ class GenerationSection(_Section):
                                         "never-trimmed heap) so that each in-place weight update's re-pack reuses "
                                         "the memory of the last instead of faulting in fresh pages "
                                         "(rl.generation.host_memory)")
+    vllm_object_store_warmup: bool = _f(True, "a pool that starts its own Ray fills its object store (sized to two "
+                                              "updates, rl.generation.local_ray) once while the engines start, so "
+                                              "that no update's put waits for fresh shared-memory pages; that "
+                                              "memory (~2.6x the checkpoint) then stays in use. false: pages are "
+                                              "faulted in as updates first use them")
     weight_transport: str = _f("ray", "how new weights reach the vLLM engines (rl.generation.transfer.TRANSPORTS): "
                                       "ray = HF-named buckets through the Ray object store (CPU and GPU); "
                                       "collective = the same buckets broadcast over a torch.distributed group "

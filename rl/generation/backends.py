@@ -45,7 +45,7 @@ def make_generator(cfg, graphdef, state, *, pad_id: int, run_dir: str):
                           dtype=dtype, ray_address=g.vllm_ray_address, bucket_bytes=g.weight_bucket_mb << 20,
                           transport=g.weight_transport, request_timeout_s=g.vllm_request_timeout_s,
                           max_restarts=g.vllm_max_restarts, seed=cfg.run.seed, executor=g.vllm_executor,
-                          malloc_tuning=g.vllm_malloc_tuning,
+                          malloc_tuning=g.vllm_malloc_tuning, warm_object_store=g.vllm_object_store_warmup,
                           # routes cost the engines a capture buffer: asked for only when replayed (GPU only)
                           return_routes=cfg.grpo.routing_replay == "rollout")
     import jax

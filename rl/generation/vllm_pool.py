@@ -71,6 +71,9 @@ class PoolConfig:
     # CPU engine processes start with glibc malloc settings that keep their memory between weight updates
     # (rl.generation.host_memory; generation.vllm_malloc_tuning)
     malloc_tuning: bool = True
+    # a local Ray started by the pool gets its object store filled once while the engines start
+    # (rl.generation.local_ray; generation.vllm_object_store_warmup)
+    warm_object_store: bool = True
 
 
 _ACTOR = None
@@ -127,7 +130,7 @@ class VLLMPool:
                 store = local_ray.init_kwargs(cfg.model_dir, cfg.transport)
                 ray.init(num_cpus=max(os.cpu_count() or 1, 1), include_dashboard=False, log_to_driver=False,
                          resources=slots, **store)
-                if store:
+                if store and cfg.warm_object_store:
                     warming = local_ray.warm_in_background(store["object_store_memory"])
         self.key = vllm_ray.device_key(ray.cluster_resources())  # what one rank takes: GPU or the CPU slot
         self.per_host = vllm_ray.devices_per_host(ray.nodes(), self.key)
