@@ -49,7 +49,8 @@ WARM_CHUNK = 64 << 20  # one put; also the transport's default bucket
 
 def checkpoint_bytes(model_dir: str) -> int:
     """Bytes of the safetensors files of `model_dir`: what one update moves when the engines serve the file's
-    dtype (an fp32 update of a bf16 file is twice that, which object_store_bytes' 2x still holds)."""
+    dtype. An fp32 update of a bf16 file is twice that: the store then holds one update at a time, and the
+    next one's puts wait for (or spill) the last one's objects, which the engines free within a second."""
     return sum(os.path.getsize(p) for p in glob.glob(os.path.join(model_dir, "*.safetensors")))
 
 
