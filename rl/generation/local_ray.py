@@ -44,7 +44,7 @@ RAY_MIN = 100 << 20  # Ray refuses a store under 75 MB
 WARM_SHARE = 0.98  # of the store, filled once at start (the rest: rollouts that arrive during the warm-up)
 FRAGMENTATION = 4 / 3  # address space the allocator walks over, per byte held (measured above)
 SYSTEM_CONFIG = {"object_spilling_threshold": 1.0}  # spill only when an object does not fit (above)
-WARM_CHUNK = 64 << 20  # one put; also the transport's default bucket
+WARM_CHUNK = 64 << 20  # one put of the warm-up (warm_plan); the bench's bucket size
 
 
 def checkpoint_bytes(model_dir: str) -> int:
@@ -76,16 +76,25 @@ def init_kwargs(model_dir: str, transport: str) -> dict:
             "_system_config": dict(SYSTEM_CONFIG)}
 
 
-def warm_object_store(store_bytes: int, chunk_bytes: int = WARM_CHUNK) -> float:
-    """Put WARM_SHARE of `store_bytes` into the connected Ray's store in `chunk_bytes` objects and drop them, so
+def warm_plan(store_bytes: int) -> tuple[int, int]:
+    """(bytes per put, puts) that fill WARM_SHARE of a store of `store_bytes`: WARM_CHUNK puts, smaller ones
+    (at least 1 MB, above Ray's 100 KB inline limit) for a store too small for 32 of them, so that the
+    rounding leaves little of it cold."""
+    chunk = min(WARM_CHUNK, max(store_bytes // 32, 1 << 20))
+    return chunk, int(WARM_SHARE * store_bytes) // chunk
+
+
+def warm_object_store(store_bytes: int) -> float:
+    """Fill WARM_SHARE of the connected Ray's store of `store_bytes` with objects (`warm_plan`) and drop them, so
     that the store's pages exist before the first update; returns the seconds it took. The source is one
-    zero-filled buffer, so the driver holds only `chunk_bytes` of its own."""
+    zero-filled buffer, so the driver holds only one put's bytes of its own."""
     import numpy as np
     import ray
 
     t = time.perf_counter()
-    chunk = np.zeros(min(chunk_bytes, store_bytes), np.uint8)
-    refs = [ray.put(chunk) for _ in range(int(WARM_SHARE * store_bytes) // chunk.nbytes)]
+    chunk_bytes, puts = warm_plan(store_bytes)
+    chunk = np.zeros(chunk_bytes, np.uint8)
+    refs = [ray.put(chunk) for _ in range(puts)]
     del refs
     return time.perf_counter() - t
 
