@@ -160,6 +160,12 @@ def test_stop_token_ends_response_and_is_included(engine):
 @pytest.mark.slow
 def test_reload_a_b_a(engine, models):
     reload_a_b_a(engine, *models[:2])
+    # in place on CPU (rl.generation.inplace); the input embedding is served by lookup, so its packed GEMM copy
+    # is not re-made: what stands in its place refuses to run rather than multiply by the old weights
+    assert engine.apply_mode == "inplace", engine.apply_fallback
+    (embed,) = engine._applier.lookup_only
+    with pytest.raises(RuntimeError, match="rl.generation.inplace must re-pack it"):
+        embed.cpu_linear(None, None, None)
 
 
 def reload_a_b_a(engine, a, b, label="in-process"):
