@@ -132,10 +132,11 @@ def mfu(small: bool, layers: int, experts: int, seq: int, batch: int, peak: floa
          params=sum(x.size for x in jax.tree.leaves(state.params)))
 
 
-def model_attention(small: bool, seq: int):
+def model_attention(small: bool, seq: int, impls=("dense", "flash", "cudnn"), paged: bool = True):
     """The model's full layer on cuDNN (`attention_impl: cudnn`, m3jax.model.fused_attention) against the same
     bf16 model on `dense` and `flash`: logits (right padding in one row) and the gradient of a loss, each timed.
-    The cudnn model's fallback is poisoned (NaN), so finite numbers prove the fused branch ran."""
+    The cudnn model's fallback is poisoned (NaN), so finite numbers prove the fused branch ran. `impls` and
+    `paged` narrow it (its test's fallback case needs only cudnn: each model's compile is ~5 s on CPU)."""
     from m3jax.model import attention, fused_attention
     if fused_attention.implementation() is None:
         return emit(check="model_attention", skipped=f"no GPU: backend {jax.default_backend()} has no cuDNN")
@@ -145,7 +146,7 @@ def model_attention(small: bool, seq: int):
     real = np.asarray(mask, bool)
     res, ref = {}, None
     poisoned = lambda q, *args: jnp.full_like(q, jnp.nan)  # noqa: E731
-    for impl in ("dense", "flash", "cudnn"):
+    for impl in impls:
         model = M3ForCausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), attention_impl=impl)
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
@@ -170,7 +171,8 @@ def model_attention(small: bool, seq: int):
             res[impl]["logits_rel_err"] = float(np.abs(logits - ref[0]).max() / np.abs(ref[0]).max())
             res[impl]["logits_mean_rel_err"] = float(np.abs(logits - ref[0]).mean() / np.abs(ref[0]).mean())
             res[impl]["grad_rel_err"] = float(np.abs(g - ref[1]).max() / np.abs(ref[1]).max())
-    res["paged"] = _paged_model_forward(cfg, ids, mask, real, poisoned)
+    if paged:
+        res["paged"] = _paged_model_forward(cfg, ids, mask, real, poisoned)
     emit(check="model_attention", seq=seq, **res)
 
 

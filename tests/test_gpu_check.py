@@ -55,7 +55,7 @@ def test_model_attention_check_runs_and_proves_the_fused_branch(capsys, monkeypa
     assert res["cudnn"]["logits_rel_err"] < 1e-2
     assert res["paged"]["finite"] and res["paged"]["logits_mean_rel_err_vs_gather"] < 2e-2, res["paged"]  # bf16
     monkeypatch.setattr(fused_attention, "fused_form", lambda positions, key_valid: (jnp.asarray(False), None))
-    gc.model_attention(True, 64)  # every input on the (poisoned) fallback
+    gc.model_attention(True, 64, impls=("cudnn",), paged=False)  # every input on the (poisoned) fallback
     assert not json.loads(capsys.readouterr().out)["cudnn"]["finite"]
 
 
