@@ -48,8 +48,9 @@ def test_probe_batch_and_diff_line_up_with_per_sequence_logprobs():
 
 
 def test_weight_transport_is_read_where_the_pool_is_built(monkeypatch):
-    """generation.weight_transport (and the two host-memory switches) reach the pool's config, and a transport
-    that is not built stops the pool before any engine (or Ray) starts."""
+    """generation.weight_transport (and the two host-memory switches, and where the collective path's buckets
+    live) reach the pool's config, and a transport that is not built, or a CUDA group without CUDA, stops the
+    pool before any engine (or Ray) starts."""
     from rl.generation import vllm_pool
 
     built = []
@@ -62,6 +63,12 @@ def test_weight_transport_is_read_where_the_pool_is_built(monkeypatch):
                                   "generation.vllm_object_store_warmup=false"], check_paths=False)
     backends.make_generator(off, None, None, pad_id=0, run_dir="/nowhere")
     assert not built[1].malloc_tuning and not built[1].warm_object_store
+    assert built[0].group_device == "cpu"  # generation.weight_group_device auto, on a CPU trainer: gloo
+    cuda = load_config(TINY_VLLM, ["model.tiny=null", "model.path=/nowhere", "generation.weight_transport=collective",
+                                   "generation.weight_group_device=cuda"], check_paths=False)
+    with pytest.raises(ValueError, match="weight_group_device: cuda, but torch sees no CUDA device"):
+        backends.make_generator(cuda, None, None, pad_id=0, run_dir="/nowhere")
+    assert len(built) == 2  # refused before the pool was built
     monkeypatch.undo()
     with pytest.raises(vllm_pool.PoolError, match=r"weight transport 'nccl' is not built; allowed: ray"):
         vllm_pool.VLLMPool(vllm_pool.PoolConfig(model_dir="/nowhere", transport="nccl"))

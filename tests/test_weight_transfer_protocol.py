@@ -17,7 +17,8 @@ pytest.importorskip("ray", reason="ray is not installed (scripts/setup.sh instal
 import ml_dtypes  # noqa: E402
 import ray  # noqa: E402
 
-from rl.generation import collective  # noqa: E402
+from rl.generation import collective, word_checksum  # noqa: E402
+from rl.generation.torch_arrays import to_numpy  # noqa: E402
 from rl.generation.transfer import StagedUpdate, TransferError  # noqa: E402
 from rl.generation.vllm_actor import EngineActor  # noqa: E402
 from rl.generation.vllm_worker_weights import WorkerWeights  # noqa: E402
@@ -45,7 +46,7 @@ class DictEngine:
         return self.receiver.receive(version, self.check, self.manifest)
 
     def commit(self, version, num_buckets):
-        self.applied = {n: np.array(a) for n, a in self.receiver.tensors(version, num_buckets)}
+        self.applied = {n: to_numpy(a).copy() for n, a in self.receiver.tensors(version, num_buckets)}
         self.receiver.clear()
         self.version = version
         return version
@@ -140,10 +141,12 @@ def _named(seed):
             ("c", rng.standard_normal((2, 2, 3)).astype(np.float32))]
 
 
-@pytest.fixture(scope="module")
-def engines(ray_local):
+# xxh3: what the gloo path checks with; wordsum64: the NCCL path's check on the device where the buckets land
+# (rl.generation.word_checksum), here on host buffers: the engines are then handed torch views of the buckets
+@pytest.fixture(scope="module", params=["xxh3", word_checksum.KIND])
+def engines(ray_local, request):
     handles = [ray.remote(DictEngine).remote(_named(0)), ray.remote(RayExecutorEngine).remote(_named(0))]
-    t = collective.CollectiveTransport(handles, bucket_bytes=256, timeout_s=60)
+    t = collective.CollectiveTransport(handles, bucket_bytes=256, timeout_s=60, checksum_kind=request.param)
     yield t, handles
     t.close()
     for h in handles:

@@ -32,7 +32,7 @@ class RunConfig(_Section):
     generation  backend, max_new_tokens, max_prompt_tokens, temperature, top_p, top_k, stop_token_ids,
                 vllm_tensor_parallel, vllm_expert_parallel, vllm_executor, vllm_servers, vllm_gpu_memory_utilization,
                 vllm_dtype, vllm_ray_address, vllm_request_timeout_s, vllm_max_restarts, weight_transport,
-                weight_bucket_mb, verify_probes, verify_max_abs_diff
+                weight_group_device, weight_bucket_mb, verify_probes, verify_max_abs_diff
     data        kind, task, num_digits, path, format, layout, prompt_key, answer_key, chat_template, shuffle_seed
     reward      [{name, weight, timeout_s}, ...]
     eval        every_steps, at_start, kind, task, num_digits, path, format, layout, prompt_key, answer_key, seed,

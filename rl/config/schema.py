@@ -35,6 +35,7 @@ DATA_LAYOUTS = ("auto", "dapo", "gsm8k", "plain")              # rl.data.Layout
 DIGIT_VOCAB = 16                                               # rl.tasks.DigitTokenizer.vocab_size
 LOG_LEVELS = ("info", "debug")                                 # rl.logs.LEVELS
 WEIGHT_TRANSPORTS = ("ray", "collective")                     # rl.generation.transfer.TRANSPORTS
+WEIGHT_GROUP_DEVICES = ("auto", "cpu", "cuda")                # rl.generation.bucket_sender.GROUP_DEVICES
 VLLM_EXECUTORS = ("auto", "mp", "ray")                         # rl.generation.vllm_ray.EXECUTORS
 
 
@@ -354,6 +355,11 @@ class GenerationSection(_Section):
                                       "collective = the same buckets broadcast over a torch.distributed group "
                                       "of the trainer and the engines (gloo on CPU, NCCL on GPU)",
                                choices=WEIGHT_TRANSPORTS)
+    weight_group_device: str = _f("auto", "where the collective transport's buckets live on every rank: cuda = an "
+                                          "NCCL group, checksummed on the device (nothing goes through the "
+                                          "host); cpu = a gloo group of host buffers, XXH3; auto = cuda when the "
+                                          "trainer runs on GPUs and torch sees CUDA, else cpu",
+                                  choices=WEIGHT_GROUP_DEVICES)
     weight_bucket_mb: int = _f(256, "size of one weight-transfer bucket (MB); conversion of the next bucket "
                                     "overlaps sending this one", min=1)
     verify_probes: int = _f(0, "after each weight transfer, score this many fixed sequences on every engine and "

@@ -28,6 +28,7 @@ def make_generator(cfg, graphdef, state, *, pad_id: int, run_dir: str):
         return JaxEngine(graphdef, state.params, state.rest, pad_id=pad_id, return_routes=True,
                          return_block_ids=sparse, copy_weights=cfg.grpo.max_trajectory_age_steps > 0)
     import m3jax
+    from rl.generation.bucket_sender import resolve_group_device
     from rl.generation.vllm_pool import PoolConfig, VLLMPool
 
     g = cfg.generation
@@ -46,6 +47,7 @@ def make_generator(cfg, graphdef, state, *, pad_id: int, run_dir: str):
                           transport=g.weight_transport, request_timeout_s=g.vllm_request_timeout_s,
                           max_restarts=g.vllm_max_restarts, seed=cfg.run.seed, executor=g.vllm_executor,
                           malloc_tuning=g.vllm_malloc_tuning, warm_object_store=g.vllm_object_store_warmup,
+                          group_device=resolve_group_device(g.weight_group_device),
                           # routes cost the engines a capture buffer: asked for only when replayed (GPU only)
                           return_routes=cfg.grpo.routing_replay == "rollout")
     import jax
@@ -58,7 +60,7 @@ def make_generator(cfg, graphdef, state, *, pad_id: int, run_dir: str):
     zero = jax.process_index() == 0
     # On the collective transport every process sends the tensors it holds; on `ray`, process 0 sends all.
     peers = JaxPeers() if g.weight_transport == "collective" else None
-    sender = (RoutedSender(pool_cfg.bucket_bytes, timeout_s=pool_cfg.request_timeout_s)
+    sender = (RoutedSender(pool_cfg.bucket_bytes, timeout_s=pool_cfg.request_timeout_s, device=pool_cfg.group_device)
               if peers is not None and not zero else None)
     return ProcessZeroPool(VLLMPool(pool_cfg, graphdef, pad_id=pad_id, peers=peers) if zero else None, graphdef,
                            is_zero=zero, peers=peers, sender=sender)

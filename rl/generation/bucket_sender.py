@@ -6,10 +6,11 @@ its own tensors into it, so the senders run side by side and no process relays a
 
 Per bucket (fixed size `bucket_bytes`; a larger tensor travels alone) the sender broadcasts
   1. a header int64[4]: kind (BUCKET / END / ABORT), metadata bytes, payload bytes, bucket index;
-  2. the metadata (JSON: name, shape, dtype, XXH3, offset of every tensor);
+  2. the metadata (JSON: name, shape, dtype, checksum and its kind, offset of every tensor);
   3. the payload: the tensors packed at 64-byte-aligned offsets.
-A thread packs bucket n+1 (XXH3 of each source array) while bucket n is on the wire: `depth` buffers,
-kept between updates.
+A thread packs bucket n+1 while bucket n is on the wire: `depth` buffers, kept between updates. The checksum
+(`CHECKSUMS`) is XXH3 of each source array for host buffers (gloo), and for accelerator buffers (NCCL) the
+`word_checksum` of the packed bucket, computed on the device: no byte goes to the host to be hashed.
 
 With expert parallel engines a sender has one group per route (`RoutedSender`, rl.generation.weight_routes):
 a bucket holds tensors wanted by the same groups and is packed (and hashed) once, then broadcast into each
@@ -33,10 +34,43 @@ import time
 
 import numpy as np
 
+from rl.generation import word_checksum
 from rl.generation.transfer_base import checksum
 
 BUCKET, END, ABORT = 0, 1, 2
 ALIGN = 64
+CHECKSUMS = ("auto", "xxh3", word_checksum.KIND)
+
+
+GROUP_DEVICES = ("auto", "cpu", "cuda")
+
+
+def resolve_group_device(choice: str) -> str:
+    """generation.weight_group_device -> where the collective path's buckets live: "cuda" (an NCCL group) or
+    "cpu" (gloo). auto: cuda when this trainer runs on GPUs (JAX's backend) and torch sees CUDA."""
+    if choice not in GROUP_DEVICES:
+        raise ValueError(f"weight group device {choice!r}: expected one of {', '.join(GROUP_DEVICES)}")
+    if choice == "cpu":
+        return "cpu"
+    import torch
+
+    if choice == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("generation.weight_group_device: cuda, but torch sees no CUDA device here; use cpu "
+                             "(gloo) or auto")
+        return "cuda"
+    import jax
+
+    return "cuda" if torch.cuda.is_available() and jax.default_backend() == "gpu" else "cpu"
+
+
+def resolve_checksum(checksum_kind: str, device: str) -> str:
+    """"auto": XXH3 where the buckets are host memory, else the word checksum on their device."""
+    if checksum_kind not in CHECKSUMS:
+        raise ValueError(f"checksum {checksum_kind!r}: expected one of {', '.join(CHECKSUMS)}")
+    if checksum_kind == "auto":
+        return "xxh3" if device == "cpu" else word_checksum.KIND
+    return checksum_kind
 
 
 @dataclasses.dataclass
@@ -82,13 +116,15 @@ class BucketSender:
     its SendResult, after the tensors were drained (on a multi-host trainer they may hold collectives every
     process must join)."""
 
-    def __init__(self, bucket_bytes: int, depth: int = 2, timeout_s: float = 600.0, device: str = "cpu"):
+    def __init__(self, bucket_bytes: int, depth: int = 2, timeout_s: float = 600.0, device: str = "cpu",
+                 checksum_kind: str = "auto"):
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes={bucket_bytes}: expected >= 1")
         if depth < 1:
             raise ValueError(f"depth={depth}: expected >= 1")
         self.bucket_bytes, self.depth, self.timeout_s = bucket_bytes, depth, timeout_s
         self.device, self.backend = device, ("nccl" if device.startswith("cuda") else "gloo")
+        self.checksum_kind = resolve_checksum(checksum_kind, device)
         self.group = None
         self._buffers = _Buffers(bucket_bytes, device)
 
@@ -111,7 +147,7 @@ class BucketSender:
 
     def send(self, named_arrays, version: int) -> SendResult:
         return stream_buckets([self], lambda name, a: [((0,), None, a)], named_arrays, version, self._buffers,
-                              self.depth, 1)
+                              self.depth, 1, self.checksum_kind)
 
 
 class _Buffers:
@@ -131,7 +167,7 @@ class _Buffers:
 
 
 def stream_buckets(senders: list, pieces, named_arrays, version: int, buffers: _Buffers, depth: int,
-                   open_buckets: int) -> SendResult:
+                   open_buckets: int, checksum_kind: str = "xxh3") -> SendResult:
     """Pack `named_arrays` into buckets and broadcast each into the groups that want its tensors:
     `pieces(name, array)` = [(target, box, part)]: the groups (a tuple of indices into `senders`, each a
     BucketSender holding its group) that are sent `part`, which is the whole array (box None) or its box
@@ -143,7 +179,8 @@ def stream_buckets(senders: list, pieces, named_arrays, version: int, buffers: _
     fill: depth + open_buckets - 1 buffers (`depth` = 2: the double buffer of one target set; one more per
     further set being filled). Then END into every group, or ABORT after a packing failure. A
     broadcast that fails leaves the groups out of step: every one is closed (its peers fail now, not at the
-    timeout) and the result says `broken`.
+    timeout) and the result says `broken`. `checksum_kind`: "xxh3" of each source array as it is packed, or
+    `word_checksum.KIND` of the packed bytes, computed where the bucket lives when it is full.
     """
     import torch
 
@@ -162,6 +199,13 @@ def stream_buckets(senders: list, pieces, named_arrays, version: int, buffers: _
 
         def hand_over(target):
             slot, records, end = filling.pop(target)
+            if checksum_kind == word_checksum.KIND:
+                s = time.perf_counter()
+                sums = word_checksum.word_checksums(buffers.slots[slot][:end],
+                                                    [(r["offset"], r["nbytes"]) for r in records])
+                for r, v in zip(records, sums):
+                    r["checksum"] = v
+                out.convert_s += time.perf_counter() - s
             ready.put((slot, target, records, end))
 
         def add(name, target, box, a, full_shape):
@@ -183,7 +227,8 @@ def stream_buckets(senders: list, pieces, named_arrays, version: int, buffers: _
             elif a.nbytes:
                 packed = np.ascontiguousarray(a)
                 buf[start:start + a.nbytes].copy_(_as_bytes(packed))
-            record = {"name": name, "shape": list(a.shape), "dtype": str(a.dtype), "checksum": checksum(packed),
+            record = {"name": name, "shape": list(a.shape), "dtype": str(a.dtype), "hash": checksum_kind,
+                      "checksum": checksum(packed) if checksum_kind == "xxh3" else None,  # else: when full
                       "offset": start, "nbytes": a.nbytes}
             if box is not None:
                 record.update(box=[list(ab) for ab in box], full=list(full_shape))
@@ -268,11 +313,12 @@ class RoutedSender:
     group whose receivers want it (`stream_buckets`). With one route it is exactly one BucketSender."""
 
     def __init__(self, bucket_bytes: int, depth: int = 2, timeout_s: float = 600.0, device: str = "cpu",
-                 open_buckets: int = 2):
-        BucketSender(bucket_bytes, depth, timeout_s, device)  # the argument checks, before anything is built
+                 open_buckets: int = 2, checksum_kind: str = "auto"):
+        first = BucketSender(bucket_bytes, depth, timeout_s, device, checksum_kind)  # the argument checks first
         if open_buckets < 1:
             raise ValueError(f"open_buckets={open_buckets}: expected >= 1")
-        self._args = (bucket_bytes, depth, timeout_s, device)
+        self._args = (bucket_bytes, depth, timeout_s, device, checksum_kind)
+        self.checksum_kind = first.checksum_kind
         self.depth, self.open_buckets = depth, open_buckets
         self.backend = "nccl" if device.startswith("cuda") else "gloo"
         self.routes: list = []
@@ -326,4 +372,5 @@ class RoutedSender:
         # Sliced, every route has pieces of its own in every layer: one bucket being filled per route (and
         # one for what every route wants), else each piece would close the previous route's bucket.
         open_buckets = len(routes) + 1 if sliced else min(self.open_buckets, len(routes))
-        return stream_buckets(self.senders, pieces, named_arrays, version, self._buffers, self.depth, open_buckets)
+        return stream_buckets(self.senders, pieces, named_arrays, version, self._buffers, self.depth, open_buckets,
+                              self.checksum_kind)

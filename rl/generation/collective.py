@@ -37,13 +37,24 @@ import time
 
 import numpy as np
 
-from rl.generation import weight_routes, weight_slices
+from rl.generation import weight_routes, weight_slices, word_checksum
 from rl.generation.bucket_sender import ABORT, END, RoutedSender, SendResult
 from rl.generation.transfer_base import (TransferError, TransferStats, abort_staged, as_transfer_error,
                                          checksum)
+from rl.generation.torch_arrays import torch_dtype
 from rl.generation.weight_group import WeightGroup
 from rl.generation.weight_routes import wants
 from rl.generation.weight_slices import expand
+
+
+def receive_device(backend: str) -> str:
+    """Where a receiver of a group on `backend` takes its buckets: NCCL moves CUDA tensors only (this process's
+    current device: a vLLM worker's own GPU), gloo host ones."""
+    if backend == "nccl":
+        import torch
+
+        return f"cuda:{torch.cuda.current_device()}"
+    return "cpu"
 
 
 def _dtype(name: str) -> np.dtype:
@@ -64,6 +75,7 @@ class Receiver:
         self._expanded: dict = {}  # name -> the full-shape array a slice is handed to the apply in, kept likewise
         self.verify_s = 0.0
         self.route, self.route_index, self.boxes = None, 0, {}
+        self.device = "cpu"  # where the buckets are received: a CUDA device on an NCCL group
 
     def join(self, senders, rank: int, world: int, backend: str, timeout_s: float, route=None,
              route_index: int = 0) -> int:
@@ -75,6 +87,7 @@ class Receiver:
         self.leave()
         self.route, boxes = weight_routes.reads(route)
         self.boxes, self.route_index = dict(boxes), route_index
+        self.device = receive_device(backend)
         for host, port in senders:
             self.groups.append(WeightGroup(host, int(port), rank, world, backend, timeout_s).connect())
         return rank
@@ -99,12 +112,15 @@ class Receiver:
             b = self._buffers[key] = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
         return b[:nbytes]
 
-    def receive(self, version: int, check, manifest, device: str = "cpu") -> int:
+    def receive(self, version: int, check, manifest) -> int:
         """Phase 1 of `version`: take every bucket every sender broadcasts (one thread per group); returns the
         bucket count once every tensor arrived intact, or raises TransferError naming the first bad one (after
-        draining every stream, so the groups stay in step)."""
+        draining every stream, so the groups stay in step). A bucket checked with the word checksum is verified
+        where it was received and handed on as torch views of it (on the NCCL path: never copied to the host);
+        an XXH3 one as numpy views of its host bytes."""
         import torch
 
+        device = self.device
         if not self.groups:
             raise TransferError(f"engine is not in a weight group (version {version})")
         self.clear()
@@ -114,15 +130,27 @@ class Receiver:
 
         def verify(sender, index, records, payload):
             s = time.perf_counter()
-            host = payload.cpu().numpy() if payload.device.type != "cpu" else payload.numpy()
+            kinds = [r.get("hash", "xxh3") for r in records]
+            of = f" of sender {sender}" if len(self.groups) > 1 else ""
+            unknown = sorted(set(kinds) - {"xxh3", word_checksum.KIND})
+            if unknown:
+                raise TransferError(f"bucket {index}{of} of version {version}: checksum kind {unknown[0]!r}, "
+                                    f"expected xxh3 or {word_checksum.KIND}")
+            on_device = [(r["offset"], r["nbytes"]) for r, k in zip(records, kinds) if k != "xxh3"]
+            sums = iter(word_checksum.word_checksums(payload, on_device))
+            host = None
+            if "xxh3" in kinds:
+                host = payload.cpu().numpy() if payload.device.type != "cpu" else payload.numpy()
             out = []
-            for r in records:
-                of = f" of sender {sender}" if len(self.groups) > 1 else ""
+            for r, kind in zip(records, kinds):
                 where = f"tensor {r['name']!r} (bucket {index}{of}, version {version})"
-                a = host[r["offset"]:r["offset"] + r["nbytes"]]
-                got = checksum(a)
+                if kind == "xxh3":
+                    a = host[r["offset"]:r["offset"] + r["nbytes"]]
+                    got = checksum(a)
+                else:
+                    a, got = payload[r["offset"]:r["offset"] + r["nbytes"]], next(sums)
                 if got != r["checksum"]:
-                    raise TransferError(f"{where}: checksum mismatch (xxh3 {got:#018x}, expected "
+                    raise TransferError(f"{where}: checksum mismatch ({kind} {got:#018x}, expected "
                                         f"{r['checksum']:#018x}): the bytes were corrupted in transit")
                 box = None if r.get("box") is None else tuple(tuple(ab) for ab in r["box"])
                 try:
@@ -131,7 +159,10 @@ class Receiver:
                         self._check_box(r["name"], box, r["shape"])
                 except (KeyError, ValueError) as e:
                     raise TransferError(f"{where}: rejected by the engine: {e}") from None
-                piece = a.view(_dtype(r["dtype"])).reshape(r["shape"])
+                if kind == "xxh3":
+                    piece = a.view(_dtype(r["dtype"])).reshape(r["shape"])
+                else:
+                    piece = a.view(torch_dtype(_dtype(r["dtype"]))).reshape(r["shape"])
                 out.append((r["name"], piece) if box is None else (r["name"], piece, box, tuple(r["full"])))
             t_verify[0] += time.perf_counter() - s
             return out
@@ -275,9 +306,9 @@ class CollectiveTransport:
     `rl.generation.multihost.follow_push`, in the same collective steps), or none."""
 
     def __init__(self, engines, bucket_bytes: int, depth: int = 2, timeout_s: float = 600.0, device: str = "cpu",
-                 peers=None):
+                 peers=None, checksum_kind: str = "auto"):
         self.engines, self.timeout_s = list(engines), timeout_s
-        self.sender = RoutedSender(bucket_bytes, depth, timeout_s, device)
+        self.sender = RoutedSender(bucket_bytes, depth, timeout_s, device, checksum_kind=checksum_kind)
         self.peers = peers or Alone()
         self.connected = self.broken = False
 

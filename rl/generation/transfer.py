@@ -264,15 +264,17 @@ class RayObjectStoreTransport:
 TRANSPORTS: dict[str, type] = {"ray": RayObjectStoreTransport, "collective": CollectiveTransport}
 
 
-def make_transport(name: str, engines, bucket_bytes: int, timeout_s: float = 600.0, peers=None) -> Transport:
+def make_transport(name: str, engines, bucket_bytes: int, timeout_s: float = 600.0, peers=None,
+                   device: str = "cpu") -> Transport:
     """The transport `name` (a key of TRANSPORTS) to these engine actors; `peers`: the other trainer
-    processes that send their own tensors beside this one (collective only, rl.generation.multihost)."""
+    processes that send their own tensors beside this one (collective only, rl.generation.multihost);
+    `device`: where the collective transport's buckets live ("cpu": gloo, "cuda": NCCL)."""
     try:
         cls = TRANSPORTS[name]
     except KeyError:
         raise ValueError(f"weight transport {name!r} is not built; allowed: {', '.join(TRANSPORTS)}") from None
-    if peers is None:
-        return cls(engines, bucket_bytes, timeout_s=timeout_s)
     if cls is not CollectiveTransport:
-        raise ValueError(f"weight transport {name!r} sends from one process; several senders need 'collective'")
-    return cls(engines, bucket_bytes, timeout_s=timeout_s, peers=peers)
+        if peers is not None:
+            raise ValueError(f"weight transport {name!r} sends from one process; several senders need 'collective'")
+        return cls(engines, bucket_bytes, timeout_s=timeout_s)
+    return cls(engines, bucket_bytes, timeout_s=timeout_s, peers=peers, device=device)

@@ -31,7 +31,7 @@ import numpy as np
 from m3jax.hf.layouts import SKIPPED
 from m3jax.hf.safetensors_io import read_header
 from rl.generation.base import SamplingParams
-from rl.generation.torch_arrays import to_torch
+from rl.generation.torch_arrays import numpy_dtype, to_torch
 from rl.generation.vllm_patches import ImportPatch, apply_patches, selected_patches
 from rl.generation.vllm_ray import host_of
 from rl.generation.vllm_results import CPU_REASON, moe_layer_ids, routes_from_vllm
@@ -305,7 +305,7 @@ class VLLMEngine:
         items = list(named_arrays)
         seen = set()
         for name, array in items:
-            self.check(name, np.shape(array), np.asarray(array).dtype)
+            self.check(name, np.shape(array), numpy_dtype(array))
             if name in seen:
                 raise WeightUpdateError(f"tensor {name!r} appears twice in one update")
             seen.add(name)

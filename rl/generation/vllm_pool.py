@@ -58,6 +58,9 @@ class PoolConfig:
     ray_address: str | None = None  # None: start a local Ray
     bucket_bytes: int = 256 << 20
     transport: str = "ray"  # a key of rl.generation.transfer.TRANSPORTS (generation.weight_transport)
+    # the collective transport's buffers: "cpu" (gloo) or "cuda" (NCCL); generation.weight_group_device resolved
+    # by rl.generation.bucket_sender.resolve_group_device
+    group_device: str = "cpu"
     weight_apply: str = "auto"  # VLLMEngine's weight_apply: auto (in-place where it covers the model) / reload
     request_timeout_s: float = 600.0
     max_restarts: int = 4
@@ -392,7 +395,8 @@ class VLLMPool:
         if self._transport is None or self._transport.broken or key != self._transport_to:
             self._drop_transport()
             self._transport = make_transport(self.cfg.transport, actors, self.cfg.bucket_bytes,
-                                             timeout_s=self.cfg.request_timeout_s, peers=self.peers)
+                                             timeout_s=self.cfg.request_timeout_s, peers=self.peers,
+                                             device=self.cfg.group_device)
             self._transport_to = key
         return self._transport
 

@@ -12,6 +12,7 @@ import tempfile
 import numpy as np
 
 from m3jax.hf.safetensors_io import StreamingWriter
+from rl.generation.torch_arrays import to_numpy
 
 STAGING_ROOT = "/dev/shm"  # RAM-backed: the workers read the update without touching a disk
 
@@ -24,7 +25,7 @@ def staged_checkpoint(items: list[tuple[str, np.ndarray]], root: str = STAGING_R
     removed on exit whatever happened.
     """
     root = root if os.path.isdir(root) else tempfile.gettempdir()
-    arrays = [(name, np.asarray(a)) for name, a in items]
+    arrays = [(name, to_numpy(a)) for name, a in items]  # torch tensors too: buckets received on a device
     need, free = sum(a.nbytes for _, a in arrays), shutil.disk_usage(root).free
     if need > free:  # containers often mount a 64 MB /dev/shm: say so instead of failing mid-write
         raise OSError(f"weight update of {need / 2**20:.0f} MiB does not fit in {root} ({free / 2**20:.0f} MiB "

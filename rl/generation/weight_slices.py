@@ -210,11 +210,19 @@ def cut(array: np.ndarray, box: Box | None) -> np.ndarray:
     return array if box is None else array[tuple(slice(a, b) for a, b in box)]
 
 
-def expand(piece: np.ndarray, box: Box, full_shape, out: np.ndarray | None = None) -> np.ndarray:
+def expand(piece, box: Box, full_shape, out=None):
     """A full-shape array holding `piece` at `box`; the rest is never written (and never read by the loader
     whose box this is). `out`: such an array to reuse (kept between updates, its box's pages already
-    faulted in)."""
-    if out is None or out.shape != tuple(full_shape) or out.dtype != piece.dtype:
+    faulted in). A torch piece (received on a device) gets a torch tensor on its device."""
+    if not isinstance(piece, np.ndarray):
+        import torch
+
+        if (not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(full_shape) or out.dtype != piece.dtype
+                or out.device != piece.device):
+            out = torch.empty(tuple(full_shape), dtype=piece.dtype, device=piece.device)
+        out[tuple(slice(a, b) for a, b in box)] = piece
+        return out
+    if not isinstance(out, np.ndarray) or out.shape != tuple(full_shape) or out.dtype != piece.dtype:
         out = np.empty(tuple(full_shape), piece.dtype)
     out[tuple(slice(a, b) for a, b in box)] = piece
     return out
