@@ -37,6 +37,9 @@ Prints one JSON line per check; keep the output with BENCHMARKS.md. Checks:
    `push` (issue 12 item 3 on CUDA): a weight update of other weights (B: the same shapes, seed 1) written by the engine
    (in place where `weight_apply` says so, else vLLM's reload_weights), then A again: B's scored logprobs
    against the trainer's B, A's again bit for bit against the first score, and the seconds each apply took.
+9. the collective weight path's device checksum (rl.generation.word_checksum, what an NCCL group's buckets are
+   checked with): equal on the GPU and on the CPU for the same bytes (its sums wrap mod 2^64 on both), a flipped
+   byte caught on the GPU, and its GB/s over a 1 GiB bucket of spans (XXH3 on one host core beside it).
 """
 
 from __future__ import annotations
@@ -344,6 +347,34 @@ def logprob_head(small: bool, tokens: int, chunk: int):
          max_abs_diff=float(jnp.abs(out["full"][2] - out["chunked"][2]).max()))
 
 
+def device_checksum(small: bool):
+    """Check 9: word_checksums of the same bytes on CUDA and on the CPU, and their speed on CUDA."""
+    import torch
+    import xxhash
+
+    from rl.generation.word_checksum import word_checksums
+    if not torch.cuda.is_available():
+        return emit(check="device_checksum", skipped="no CUDA device visible to torch")
+    nbytes = (16 if small else 1024) << 20
+    host = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    spans = [(o, min(nbytes - o, (3 << 20) + 2)) for o in range(0, nbytes, 4 << 20)]  # 3 MB + a 2-byte tail each
+    dev = host.cuda()
+    want, got = word_checksums(host, spans), word_checksums(dev, spans)
+    dev[spans[-1][0] + 5] ^= 1
+    caught = word_checksums(dev, spans)[-1] != got[-1]
+    dev[spans[-1][0] + 5] ^= 1
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(5):
+        word_checksums(dev, spans)
+    dt = (time.perf_counter() - t) / 5
+    t = time.perf_counter()
+    xxhash.xxh3_64_intdigest(host.numpy())
+    dx = time.perf_counter() - t
+    emit(check="device_checksum", bytes=nbytes, spans=len(spans), equal_to_cpu=got == want, flip_caught=caught,
+         cuda_gb_s=sum(n for _, n in spans) / dt / 1e9, xxh3_host_gb_s=nbytes / dx / 1e9)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="tiny shapes: a CPU smoke test of this script")
@@ -364,6 +395,7 @@ def main():
         attention_kernels(True, 256)
         logprob_head(True, 256, 64)
         emit(**vllm_long_context())
+        device_checksum(True)
     else:
         model_attention(False, 2048)
         try:  # "auto" runs the full layer on cuDNN on a GPU; if that fails, the MFU on flash still comes back
@@ -379,6 +411,7 @@ def main():
             attention_kernels(False, seq)
         logprob_head(False, 8192, 1024)
         emit(**vllm_long_context())
+        device_checksum(False)
 
 
 if __name__ == "__main__":

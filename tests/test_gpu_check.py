@@ -100,3 +100,17 @@ def test_moe_kernels_check_runs_every_kernel_on_cpu(capsys):
     res = json.loads(capsys.readouterr().out)
     assert res["errors"] == {} and set(res["fwd_ms"]) == {"ragged_dot", "tiled", "pallas"}
     assert all(err < 2e-2 for err in res["value_rel_err"].values()), res  # bf16 against ragged_dot
+
+
+def test_device_checksum_check_compares_and_catches_a_flip(capsys, monkeypatch):
+    """Check 9 off a GPU says why; with a stand-in device (a copy on the CPU) it runs to its verdict."""
+    import torch
+    gc = _gpu_check()
+    gc.device_checksum(True)
+    assert "no CUDA device" in json.loads(capsys.readouterr().out)["skipped"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.Tensor, "cuda", lambda self: self.clone())
+    gc.device_checksum(True)
+    res = json.loads(capsys.readouterr().out)
+    assert res["equal_to_cpu"] and res["flip_caught"] and res["spans"] == 4 and res["cuda_gb_s"] > 0
