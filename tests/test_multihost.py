@@ -217,7 +217,7 @@ def test_a_collective_push_that_fails_before_the_transport_releases_the_other_pr
     other = ProcessZeroPool(None, graphdef, is_zero=False, peers=JaxPeers(), sender=RoutedSender(1 << 16))
     sent = []
 
-    def owned(*_):
+    def owned(*_, on_device=False):
         sent.append("iterated")
         yield "model.norm.weight", np.zeros(16, np.float32)
 

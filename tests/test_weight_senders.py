@@ -50,6 +50,40 @@ def test_one_process_owns_everything_in_hf_order():
     assert all(np.array_equal(a, b) for (_, a), (_, b) in zip(got, want))
 
 
+def _sharded_over_8(model):
+    """The model's parameters spread over the 8 (simulated) devices: each along its first axis that 8 divides
+    (so an expert stack puts its experts on different devices and a dense weight is cut in rows), else kept
+    whole on every device."""
+    import jax
+    from flax import nnx
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()[:8]), ("d",))
+
+    def place(x):
+        axis = next((i for i, n in enumerate(x.shape) if n % 8 == 0), None)
+        spec = PartitionSpec() if axis is None else PartitionSpec(*([None] * axis + ["d"]))
+        return jax.device_put(x, NamedSharding(mesh, spec))
+
+    nnx.update(model, jax.tree.map(place, nnx.state(model)))
+    return model
+
+
+def test_device_sources_equal_the_host_arrays_and_stay_on_the_devices():
+    """hf_tensors(on_host=False) and the owned path's device regions (`_local_region_on_device`: one shard's
+    slice, or pieces of several shards written into one array) hold exactly the host path's values."""
+    import jax
+
+    model = _sharded_over_8(tiny.m3_model(tiny.m3_config(num_local_experts=8), seed=2))
+    want = dict(hf_tensors(model, "released"))
+    for got in (list(hf_tensors(model, "released", on_host=False)),
+                list(owned_hf_tensors(model, "released", process=0, processes=2, on_host=False))):
+        assert [n for n, _ in got] == list(want)
+        assert all(isinstance(a, jax.Array) for _, a in got)
+        assert all(a.dtype == want[n].dtype and np.array_equal(np.asarray(a), want[n]) for n, a in got)
+    assert any(len(a.devices()) > 1 for _, a in hf_tensors(model, "released", on_host=False))  # sharded ones too
+
+
 def test_the_pieces_the_senders_exchange_round_trip():
     assert decode_address(encode_address("10.1.2.3", 29500)) == ("10.1.2.3", 29500)
     with pytest.raises(ValueError, match="IPv4"):

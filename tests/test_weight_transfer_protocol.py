@@ -197,6 +197,22 @@ def test_corrupted_or_partial_push_is_refused_everywhere_and_the_group_stays_usa
     _check_applied(handles, 7, _named(7))
 
 
+def test_device_arrays_are_packed_device_to_device(engines):
+    """JAX arrays (what hf_tensors(on_host=False) yields for buckets on an accelerator), one of them spread over
+    the 8 simulated devices, arrive bit for bit: copied into the buckets through DLPack, not via numpy."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    t, handles = engines
+    mesh = Mesh(np.array(jax.devices()[:8]), ("d",))
+    named = [(n, jax.device_put(jnp.asarray(a), NamedSharding(mesh, PartitionSpec("d"))) if n == "big"
+              else jnp.asarray(a)) for n, a in _named(8)]
+    assert len(named[2][1].devices()) == 8
+    t.push(iter(named), 8)
+    _check_applied(handles, 8, _named(8))
+
+
 def test_the_config_selects_the_collective_transport_and_refuses_unknown_ones():
     from pathlib import Path
 

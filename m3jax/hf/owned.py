@@ -80,14 +80,40 @@ def _local_region(value, region: Region) -> np.ndarray:
     return out
 
 
+def _local_region_on_device(value, region: Region):
+    """`region` of `value` from this process's shards, left on the accelerator: the one shard's slice when a
+    single shard holds it all (an expert on its GPU), else the pieces brought to the first one's device and
+    written into one array there."""
+    pieces = {}
+    for shard in value.addressable_shards:
+        block = tuple(s.indices(n)[:2] for s, n in zip(shard.index, value.shape))
+        lo = [max(a, c) for (a, _), (c, _) in zip(region, block)]
+        hi = [min(b, d) for (_, b), (_, d) in zip(region, block)]
+        if block in pieces or any(h <= l for l, h in zip(lo, hi)):
+            continue
+        dst = tuple(slice(l - a, h - a) for l, h, (a, _) in zip(lo, hi, region))
+        pieces[block] = (dst, shard.data[tuple(slice(l - c, h - c) for l, h, (c, _) in zip(lo, hi, block))])
+    (dst, first), *rest = pieces.values()
+    shape = tuple(b - a for a, b in region)
+    if not rest and tuple(first.shape) == shape:
+        return first
+    device = next(iter(first.devices()))
+    out = jax.device_put(jax.numpy.zeros(shape, value.dtype), device).at[dst].set(first)
+    for dst, piece in rest:
+        out = out.at[dst].set(jax.device_put(piece, device))
+    return out
+
+
 def owned_hf_tensors(model, layout: str, process: int | None = None,
-                     processes: int | None = None) -> Iterator[tuple[str, np.ndarray]]:
+                     processes: int | None = None, on_host: bool = True) -> Iterator[tuple[str, np.ndarray]]:
     """(HF name, host array) for the tensors of `layout` that this process sends (see the module doc).
-    Every process must drain it: tensors no process holds alone are gathered collectively, in order."""
+    Every process must drain it: tensors no process holds alone are gathered collectively, in order.
+    on_host=False: what this process holds stays on its accelerator (JAX arrays, `_local_region_on_device`);
+    only a tensor gathered from several hosts comes as a host array."""
     process = jax.process_index() if process is None else process
     processes = jax.process_count() if processes is None else processes
     if processes == 1:
-        yield from hf_tensors(model, layout)
+        yield from hf_tensors(model, layout, on_host)
         return
     flat = dict(nnx.to_flat_state(nnx.state(model)))
     slots = list(layouts.slots(model.cfg, layout))
@@ -108,6 +134,8 @@ def owned_hf_tensors(model, layout: str, process: int | None = None,
             if owner == process:
                 yield slot.name, whole.reshape(slot.shape)
         elif owner == process:
-            local = np.asarray(value[slot.index] if slot.index else value) if isinstance(value, np.ndarray) \
-                else _local_region(value, region)
+            if isinstance(value, np.ndarray):
+                local = np.asarray(value[slot.index] if slot.index else value)
+            else:
+                local = _local_region(value, region) if on_host else _local_region_on_device(value, region)
             yield slot.name, local.reshape(slot.shape)

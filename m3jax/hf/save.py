@@ -33,16 +33,18 @@ def parse_size(size: int | str) -> int:
     return int(s)
 
 
-def hf_tensors(model, layout: str = "native"):
+def hf_tensors(model, layout: str = "native", on_host: bool = True):
     """Yield (HF name, host numpy array) for every tensor of `layout`, fetching one slice at a time.
 
     The one conversion path from m3jax parameters to HF names and shapes: saving and weight transfer
-    both iterate this.
+    both iterate this. on_host=False: each is a JAX array where the parameter lives (sliced and reshaped
+    there; sharded like it), for a weight push whose buckets are on the accelerator (nothing via the host).
     """
     flat = dict(nnx.to_flat_state(nnx.state(model)))
     for slot in layouts.slots(model.cfg, layout):
         value = flat[slot.param].get_value()
-        yield slot.name, _on_host(value[slot.index] if slot.index else value).reshape(slot.shape)
+        value = value[slot.index] if slot.index else value
+        yield slot.name, (_on_host(value) if on_host else value).reshape(slot.shape)
 
 
 def _on_host(value) -> np.ndarray:

@@ -63,7 +63,7 @@ def make_generator(cfg, graphdef, state, *, pad_id: int, run_dir: str):
     sender = (RoutedSender(pool_cfg.bucket_bytes, timeout_s=pool_cfg.request_timeout_s, device=pool_cfg.group_device)
               if peers is not None and not zero else None)
     return ProcessZeroPool(VLLMPool(pool_cfg, graphdef, pad_id=pad_id, peers=peers) if zero else None, graphdef,
-                           is_zero=zero, peers=peers, sender=sender)
+                           is_zero=zero, peers=peers, sender=sender, group_device=pool_cfg.group_device)
 
 
 def probe_sequences(n: int, vocab: int, prompt_len: int, response_len: int, seed: int = 1234):

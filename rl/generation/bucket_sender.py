@@ -35,6 +35,7 @@ import time
 import numpy as np
 
 from rl.generation import word_checksum
+from rl.generation.torch_arrays import device_tensor, numpy_dtype, to_numpy, torch_dtype
 from rl.generation.transfer_base import checksum
 
 BUCKET, END, ABORT = 0, 1, 2
@@ -209,6 +210,7 @@ def stream_buckets(senders: list, pieces, named_arrays, version: int, buffers: _
             ready.put((slot, target, records, end))
 
         def add(name, target, box, a, full_shape):
+            dtype = numpy_dtype(a)
             bucket = filling.get(target)
             start = 0 if bucket is None else -(-bucket[2] // ALIGN) * ALIGN
             if bucket is not None and start + a.nbytes > limit:
@@ -221,13 +223,19 @@ def stream_buckets(senders: list, pieces, named_arrays, version: int, buffers: _
             s = time.perf_counter()
             buf = buffers.get(bucket[0], start + a.nbytes)
             packed = a
-            if a.nbytes and buf.device.type == "cpu":  # one copy into the bucket, also out of a box's strides
+            if not isinstance(a, np.ndarray):  # a device array (hf_tensors(on_host=False)): device to device
+                if a.nbytes:
+                    target = buf[start:start + a.nbytes].view(torch_dtype(dtype)).view(tuple(a.shape))
+                    target.copy_(device_tensor(a))
+                if checksum_kind == "xxh3":  # XXH3 reads host bytes: what "auto" never picks for device buckets
+                    packed = to_numpy(buf[start:start + a.nbytes].view(torch_dtype(dtype)).view(tuple(a.shape)))
+            elif a.nbytes and buf.device.type == "cpu":  # one copy into the bucket, also out of a box's strides
                 packed = buf[start:start + a.nbytes].numpy().view(a.dtype).reshape(a.shape)
                 np.copyto(packed, a)
             elif a.nbytes:
                 packed = np.ascontiguousarray(a)
                 buf[start:start + a.nbytes].copy_(_as_bytes(packed))
-            record = {"name": name, "shape": list(a.shape), "dtype": str(a.dtype), "hash": checksum_kind,
+            record = {"name": name, "shape": list(a.shape), "dtype": str(dtype), "hash": checksum_kind,
                       "checksum": checksum(packed) if checksum_kind == "xxh3" else None,  # else: when full
                       "offset": start, "nbytes": a.nbytes}
             if box is not None:
@@ -244,7 +252,7 @@ def stream_buckets(senders: list, pieces, named_arrays, version: int, buffers: _
                 parts = pieces(name, whole)
                 out.convert_s += time.perf_counter() - s
                 for target, box, a in parts:
-                    add(name, target, box, np.asarray(a), np.shape(whole))
+                    add(name, target, box, a if hasattr(a, "nbytes") else np.asarray(a), np.shape(whole))
             for target in list(filling):
                 hand_over(target)
         except BaseException as e:  # reported below
@@ -318,7 +326,7 @@ class RoutedSender:
         if open_buckets < 1:
             raise ValueError(f"open_buckets={open_buckets}: expected >= 1")
         self._args = (bucket_bytes, depth, timeout_s, device, checksum_kind)
-        self.checksum_kind = first.checksum_kind
+        self.device, self.checksum_kind = device, first.checksum_kind
         self.depth, self.open_buckets = depth, open_buckets
         self.backend = "nccl" if device.startswith("cuda") else "gloo"
         self.routes: list = []
@@ -367,7 +375,7 @@ class RoutedSender:
             by_box: dict = {}
             for g in targets:
                 by_box.setdefault(slices[g].get(key), []).append(g)
-            return [(tuple(gs), box, cut(np.asarray(a), box)) for box, gs in by_box.items()]
+            return [(tuple(gs), box, cut(a, box)) for box, gs in by_box.items()]
 
         # Sliced, every route has pieces of its own in every layer: one bucket being filled per route (and
         # one for what every route wants), else each piece would close the previous route's bucket.

@@ -81,25 +81,28 @@ def follow_push(sender: RoutedSender, peers, named_arrays, version: int) -> None
     peers.gather(sender.send(named_arrays, version).to_array())
 
 
-def owned_model_tensors(graphdef, params, rest=None, layout: str = "released"):
-    """The HF tensors this process sends on the collective path (`m3jax.hf.owned.owned_hf_tensors`)."""
+def owned_model_tensors(graphdef, params, rest=None, layout: str = "released", on_device: bool = False):
+    """The HF tensors this process sends on the collective path (`m3jax.hf.owned.owned_hf_tensors`); on_device:
+    left where they live, for buckets on the accelerator."""
     from flax import nnx
 
     from m3jax.hf.owned import owned_hf_tensors
 
-    params, rest = _host_views(params), _host_views(rest)
+    if not on_device:
+        params, rest = _host_views(params), _host_views(rest)
     model = nnx.merge(graphdef, params, rest) if rest is not None else nnx.merge(graphdef, params)
-    return owned_hf_tensors(model, layout)
+    return owned_hf_tensors(model, layout, on_host=not on_device)
 
 
 class ProcessZeroPool:
     """`peers` / `sender`: given on the collective transport, where every process sends its own tensors
-    (process 0's pool holds the same `peers`; the others send through `sender`)."""
+    (process 0's pool holds the same `peers`; the others send through `sender`); `group_device`: where
+    that transport's buckets live ("cuda": the tensors are handed over where they live, not via the host)."""
 
     def __init__(self, pool, graphdef, *, is_zero: bool, layout: str = "released", peers: JaxPeers | None = None,
-                 sender: RoutedSender | None = None):
+                 sender: RoutedSender | None = None, group_device: str = "cpu"):
         self.pool, self.graphdef, self.is_zero, self.layout = pool, graphdef, is_zero, layout
-        self.peers, self.sender = peers, sender
+        self.peers, self.sender, self.group_device = peers, sender, group_device
         self.resent_rows = self.restarts = 0
 
     def generate(self, prompts, params, key, prompt_width=None) -> Rollout:
@@ -139,7 +142,7 @@ class ProcessZeroPool:
     def _push_owned(self, params, version: int, rest) -> TransferStats:
         """Every process sends its own tensors; process 0 then broadcasts the figures, or the failure that
         every process raises."""
-        tensors = owned_model_tensors(self.graphdef, params, rest, self.layout)
+        tensors = owned_model_tensors(self.graphdef, params, rest, self.layout, on_device=self.group_device != "cpu")
         figures, error = np.zeros(9, np.float64), None
         if self.is_zero:
             self.peers.engaged = False

@@ -41,7 +41,8 @@ def numpy_dtype(array) -> np.dtype:
     import torch
 
     if not isinstance(array, torch.Tensor):
-        return np.asarray(array).dtype
+        dtype = getattr(array, "dtype", None)  # a JAX array's: read without fetching the array to the host
+        return np.dtype(dtype) if isinstance(dtype, np.dtype) else np.asarray(array).dtype
     if array.dtype == torch.bfloat16:
         import ml_dtypes
         return np.dtype(ml_dtypes.bfloat16)
@@ -59,3 +60,21 @@ def to_numpy(array) -> np.ndarray:
     if host.dtype == torch.bfloat16:
         return host.view(torch.int16).numpy().view(numpy_dtype(host))
     return host.numpy()
+
+
+def device_tensor(array):
+    """A JAX array as a torch tensor on the same device memory (DLPack, no copy); one spread over several
+    devices (a sharded parameter) is first brought to one of them by JAX. Torch tensors pass as they are,
+    numpy arrays as `to_torch`."""
+    import torch
+
+    if isinstance(array, torch.Tensor):
+        return array
+    if isinstance(array, np.ndarray):
+        return to_torch(array)
+    import jax
+
+    devices = array.devices()
+    if len(devices) > 1:
+        array = jax.device_put(array, min(devices, key=lambda d: d.id))
+    return torch.from_dlpack(array)

@@ -56,16 +56,19 @@ class Bucket:
         return sum(a.nbytes for a in self.arrays)
 
 
-def model_tensors(graphdef, params, rest=None, layout: str = "released") -> Iterator[tuple[str, np.ndarray]]:
+def model_tensors(graphdef, params, rest=None, layout: str = "released",
+                  on_device: bool = False) -> Iterator[tuple[str, np.ndarray]]:
     """The trainer's parameters as HF-named host arrays, through `hf_tensors` (what `save_pretrained`
-    writes). On a multi-host mesh iterating it is a collective: every process must drain it."""
+    writes). On a multi-host mesh iterating it is a collective: every process must drain it. on_device:
+    JAX arrays where the parameters live instead (for buckets on the accelerator: `hf_tensors(on_host=False)`)."""
     from flax import nnx
 
     from m3jax.hf.save import hf_tensors
 
-    params, rest = _host_views(params), _host_views(rest)
+    if not on_device:
+        params, rest = _host_views(params), _host_views(rest)
     model = nnx.merge(graphdef, params, rest) if rest is not None else nnx.merge(graphdef, params)
-    return hf_tensors(model, layout)
+    return hf_tensors(model, layout, on_host=not on_device)
 
 
 def _host_views(tree):

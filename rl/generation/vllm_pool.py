@@ -354,7 +354,8 @@ class VLLMPool:
         """Convert the trainer's params to HF-named tensors and commit them on every live engine."""
         if self.graphdef is None:
             raise PoolError("VLLMPool needs the model graphdef to convert parameters")
-        return self.push(model_tensors(self.graphdef, params, rest, self.layout), version)
+        on_device = self.cfg.transport == "collective" and self.cfg.group_device != "cpu"  # D2D into the buckets
+        return self.push(model_tensors(self.graphdef, params, rest, self.layout, on_device), version)
 
     def push(self, named_arrays, version: int) -> TransferStats:
         """Send HF-named tensors as weight `version`; on TransferError every engine keeps its version."""
