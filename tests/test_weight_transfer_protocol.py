@@ -27,16 +27,16 @@ from rl.generation.vllm_worker_weights import WorkerWeights  # noqa: E402
 class DictEngine:
     """The engine surface the collective path uses: a manifest, `check`, and commit into a dict."""
 
-    def __init__(self, named):
+    def __init__(self, named, staging="auto"):
         self.manifest = {n: (a.shape, a.dtype) for n, a in named}
-        self.receiver, self.applied, self.version = None, {}, 0
+        self.receiver, self.applied, self.version, self.staging = None, {}, 0, staging
 
     def check(self, name, shape, dtype):
         if name not in self.manifest or tuple(shape) != self.manifest[name][0]:
             raise KeyError(f"{name!r} {tuple(shape)} is not a tensor of this engine")
 
     def join_weight_group(self, senders_by_route, placement, routes, backend, timeout_s):
-        self.receiver = self.receiver or collective.Receiver()
+        self.receiver = self.receiver or collective.Receiver(self.staging)
         self.receiver.join_placed(senders_by_route, placement, routes, 0, backend, timeout_s)
 
     def leave_weight_group(self):
@@ -57,6 +57,9 @@ class DictEngine:
 
     def weight_receivers(self):
         return [None]
+
+    def ring_buffers(self):
+        return len(self.receiver._ring)
 
     def states(self):
         return [(self.version, self.applied)]
@@ -142,12 +145,16 @@ def _named(seed):
 
 
 # xxh3: what the gloo path checks with; wordsum64: the NCCL path's check on the device where the buckets land
-# (rl.generation.word_checksum), here on host buffers: the engines are then handed torch views of the buckets
-@pytest.fixture(scope="module", params=["xxh3", word_checksum.KIND])
+# (rl.generation.word_checksum), here on host buffers: the engines are then handed torch views of the buckets;
+# "+host staging": the dict engine receives into a ring of buffers and stages each verified bucket in memory of
+# its own (what an engine on a GPU whose weights fill it does, collective.Receiver)
+@pytest.fixture(scope="module", params=["xxh3", word_checksum.KIND, word_checksum.KIND + "+host staging"])
 def engines(ray_local, request):
-    handles = [ray.remote(DictEngine).remote(_named(0)), ray.remote(RayExecutorEngine).remote(_named(0))]
-    t = collective.CollectiveTransport(handles, bucket_bytes=256, timeout_s=60, checksum_kind=request.param)
-    yield t, handles
+    kind, _, staging = request.param.partition("+")
+    handles = [ray.remote(DictEngine).remote(_named(0), "host" if staging else "auto"),
+               ray.remote(RayExecutorEngine).remote(_named(0))]
+    t = collective.CollectiveTransport(handles, bucket_bytes=256, timeout_s=60, checksum_kind=kind)
+    yield t, handles, bool(staging)
     t.close()
     for h in handles:
         ray.kill(h)
@@ -163,18 +170,19 @@ def _check_applied(handles, version, named):
 
 
 def test_collective_push_arrives_bit_for_bit_on_every_engine(engines):
-    t, handles = engines
+    t, handles, host_staging = engines
     stats = t.push(iter(_named(1)), 1)
     assert [s.group.world for s in t.sender.senders] == [4]  # the trainer, the dict engine, the two workers
     assert stats.setup_s > 0 and stats.buckets == 3 and stats.tensors == 4  # [a b] [big] [c]
     assert stats.bytes == sum(a.nbytes for _, a in _named(1))
     _check_applied(handles, 1, _named(1))
+    assert ray.get(handles[0].ring_buffers.remote()) == (collective.RING if host_staging else 0)
     assert t.push(iter(_named(2)), 2).setup_s == 0  # the group is kept between updates
     _check_applied(handles, 2, _named(2))
 
 
 def test_corrupted_or_partial_push_is_refused_everywhere_and_the_group_stays_usable(engines, monkeypatch):
-    t, handles = engines
+    t, handles, host_staging = engines
     t.push(iter(_named(3)), 3)
     real = collective.WeightGroup.broadcast
 
@@ -204,7 +212,7 @@ def test_device_arrays_are_packed_device_to_device(engines):
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    t, handles = engines
+    t, handles, host_staging = engines
     mesh = Mesh(np.array(jax.devices()[:8]), ("d",))
     named = [(n, jax.device_put(jnp.asarray(a), NamedSharding(mesh, PartitionSpec("d"))) if n == "big"
               else jnp.asarray(a)) for n, a in _named(8)]

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import queue
 import socket
 import time
 
@@ -64,14 +65,30 @@ def _dtype(name: str) -> np.dtype:
     return np.dtype(name)
 
 
-class Receiver:
-    """Engine side: joins every sender's group, stages verified buckets, hands them to the apply at commit."""
+STAGINGS = ("auto", "device", "host")
+RING = 3  # device receive buffers when an update is staged in host memory: one arriving, one being verified, a spare
 
-    def __init__(self):
+
+class Receiver:
+    """Engine side: joins every sender's group, stages verified buckets, hands them to the apply at commit.
+
+    `staging`, for buckets received on an accelerator: "device" keeps every bucket of an update where it
+    arrived until the commit (an update's worth of device memory beside the weights); "host" receives into
+    `RING` device buffers, verifies each bucket there, then copies it to host memory kept between updates and
+    frees the buffer for the next, so the commit is a host-to-device copy (the design for engines whose
+    weights fill the GPU, docs/vllm.md); "auto": device when the update fits in the device's free memory
+    with 10 % and 1 GiB to spare, else host. Buckets received in host memory are staged where they are (unless
+    "host" is asked for: then through the ring all the same, which is how the tests run that path)."""
+
+    def __init__(self, staging: str = "auto"):
+        if staging not in STAGINGS:
+            raise ValueError(f"staging {staging!r}: expected one of {', '.join(STAGINGS)}")
+        self.staging = staging
         self.groups: list[WeightGroup] = []
         self.version: int | None = None
         self.views: list[list[tuple[str, np.ndarray]]] = []
         self._buffers: dict = {}  # (sender, bucket) -> bytes, kept between updates: no page faults after the first
+        self._ring: dict = {}  # slot -> a device receive buffer (host staging)
         self._expanded: dict = {}  # name -> the full-shape array a slice is handed to the apply in, kept likewise
         self.verify_s = 0.0
         self.route, self.route_index, self.boxes = None, 0, {}
@@ -104,13 +121,28 @@ class Receiver:
         for g in groups:
             g.close()
 
-    def _buffer(self, key, nbytes: int, device: str):
+    def _buffer(self, key, nbytes: int, device: str, kept: dict | None = None):
         import torch
 
-        b = self._buffers.get(key)
-        if b is None or b.numel() < nbytes:
-            b = self._buffers[key] = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+        kept = self._buffers if kept is None else kept
+        b = kept.get(key)
+        if b is None or b.numel() < nbytes or b.device != torch.device(device):
+            pin = device == "cpu" and torch.cuda.is_available()  # host staging of device buckets: fast copies
+            b = kept[key] = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device, pin_memory=pin)
         return b[:nbytes]
+
+    def _stage_on_host(self, manifest) -> bool:
+        """Whether this update's buckets go to host memory after verification (see the class doc)."""
+        if self.staging == "host":  # also on host buffers, where it only adds a copy: how the tests run it
+            return True
+        if self.device == "cpu" or self.staging == "device":
+            return False
+        import torch
+
+        wanted = sum(int(np.prod(shape)) * np.dtype(dtype).itemsize for name, (shape, dtype) in manifest.items()
+                     if wants(self.route, name))
+        free, _ = torch.cuda.mem_get_info(torch.device(self.device))
+        return wanted * 1.1 + (1 << 30) > free
 
     def receive(self, version: int, check, manifest) -> int:
         """Phase 1 of `version`: take every bucket every sender broadcasts (one thread per group); returns the
@@ -121,6 +153,10 @@ class Receiver:
         import torch
 
         device = self.device
+        on_host = self._stage_on_host(manifest)
+        ring: queue.Queue = queue.Queue()
+        for slot in range(RING if on_host else 0):
+            ring.put(slot)
         if not self.groups:
             raise TransferError(f"engine is not in a weight group (version {version})")
         self.clear()
@@ -128,7 +164,7 @@ class Receiver:
         verifier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weight-verify")
         pending = []  # (sender, bucket index, future)
 
-        def verify(sender, index, records, payload):
+        def verify(sender, index, records, payload, slot=None):
             s = time.perf_counter()
             kinds = [r.get("hash", "xxh3") for r in records]
             of = f" of sender {sender}" if len(self.groups) > 1 else ""
@@ -137,7 +173,13 @@ class Receiver:
                 raise TransferError(f"bucket {index}{of} of version {version}: checksum kind {unknown[0]!r}, "
                                     f"expected xxh3 or {word_checksum.KIND}")
             on_device = [(r["offset"], r["nbytes"]) for r, k in zip(records, kinds) if k != "xxh3"]
-            sums = iter(word_checksum.word_checksums(payload, on_device))
+            try:
+                sums = iter(word_checksum.word_checksums(payload, on_device))
+                if slot is not None:  # verified where it arrived; the apply reads the host copy
+                    payload = self._buffer((sender, index), payload.numel(), "cpu").copy_(payload)
+            finally:
+                if slot is not None:
+                    ring.put(slot)
             host = None
             if "xxh3" in kinds:
                 host = payload.cpu().numpy() if payload.device.type != "cpu" else payload.numpy()
@@ -178,10 +220,12 @@ class Receiver:
                     return None
                 meta = torch.empty(n_meta, dtype=torch.uint8, device=device)
                 group.broadcast(meta).wait()
-                payload = self._buffer((sender, index), n_payload, device)
+                slot = ring.get() if on_host else None
+                payload = (self._buffer(slot, n_payload, device, self._ring) if on_host
+                           else self._buffer((sender, index), n_payload, device))
                 group.broadcast(payload).wait()
                 records = json.loads(meta.cpu().numpy().tobytes())
-                pending.append((sender, index, verifier.submit(verify, sender, index, records, payload)))
+                pending.append((sender, index, verifier.submit(verify, sender, index, records, payload, slot)))
 
         error = None
         try:
