@@ -43,6 +43,11 @@ def main(argv=None) -> int:
 
 
 def _score(cfg, args) -> int:
+    from sharding.mesh import set_memory_fraction
+
+    note = set_memory_fraction(cfg.mesh.device_memory_fraction)  # before anything starts JAX's backend
+    if note:
+        print(f"warning: {note}", file=sys.stderr)
     # Heavy imports only once the config is known to be good.
     from rl import eval_checkpoint
     from rl.data import DatasetError

@@ -50,6 +50,11 @@ def main(argv=None) -> int:
 
 
 def _train(cfg, args) -> int:
+    from sharding.mesh import set_memory_fraction
+
+    note = set_memory_fraction(cfg.mesh.device_memory_fraction)  # before anything starts JAX's backend
+    if note:
+        logging.getLogger("m3jax.train").warning("%s", note)
     # Heavy imports only once the config is known to be good and the directory is ours.
     if args.export:
         from rl.policy import export_latest  # the model and its checkpoint only: no data, no engines

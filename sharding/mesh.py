@@ -160,6 +160,27 @@ def distributed_args(mesh: MeshConfig, environ=None) -> dict | None:
     return None
 
 
+JAX_DEFAULT_MEMORY_FRACTION = 0.75  # what XLA's GPU client preallocates of each device when told nothing
+MEMORY_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+
+
+def set_memory_fraction(fraction: float | None, environ=None) -> str | None:
+    """Have JAX take `fraction` of each accelerator's memory (XLA_PYTHON_CLIENT_MEM_FRACTION), before its
+    backend starts: the command-line entry points call this with mesh.device_memory_fraction. None leaves JAX's
+    default (0.75). A value already in the environment wins; the returned text says so when it differs."""
+    env = os.environ if environ is None else environ
+    if fraction is None:
+        return None
+    current = env.get(MEMORY_FRACTION_ENV)
+    if current not in (None, ""):
+        if float(current) != float(fraction):
+            return (f"{MEMORY_FRACTION_ENV}={current} from the environment is used, not mesh.device_memory_fraction "
+                    f"{fraction}")
+        return None
+    env[MEMORY_FRACTION_ENV] = f"{fraction:g}"
+    return None
+
+
 def _env_int(env, name: str, default: int | None = None) -> int | None:
     value = env.get(name)
     return default if value in (None, "") else int(value)

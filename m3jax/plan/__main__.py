@@ -17,7 +17,7 @@ import dataclasses
 import itertools
 import sys
 
-from sharding.mesh import MeshConfig, MeshError, validate
+from sharding.mesh import JAX_DEFAULT_MEMORY_FRACTION, MeshConfig, MeshError, validate
 from m3jax.plan.check import print_check
 from m3jax.plan.compile import compile_reduced, print_compile
 from sharding.expert import receive_rows
@@ -44,6 +44,7 @@ class Job:
     # model.sparse_attention where model_options does not carry it (m3jax.plan.memory.Batch); model_options wins
     sparse_attention: str = "gather"
     logprob_chunk_tokens: int = 0  # model.logprob_chunk_tokens: the loss's logits block (not a model option)
+    memory_fraction: float = JAX_DEFAULT_MEMORY_FRACTION  # mesh.device_memory_fraction: JAX's share of a device
 
     @property
     def num_micro(self) -> int:
@@ -78,7 +79,8 @@ def load_job(path: str, overrides: list[str], model: str | None) -> Job:
                g.updates_per_step, g.micro_batch_size, cfg.precision.master, cfg.precision.moment_dtype,
                cfg.model.remat, {k: v for k, v in cfg.model.model_options().items() if k != "remat"},
                sparse_attention=getattr(cfg.model, "sparse_attention", "gather"),
-               logprob_chunk_tokens=cfg.model.logprob_chunk_tokens)
+               logprob_chunk_tokens=cfg.model.logprob_chunk_tokens,
+               memory_fraction=cfg.mesh.device_memory_fraction or JAX_DEFAULT_MEMORY_FRACTION)
 
 
 def invalid_reason(job: Job) -> str | None:
@@ -238,16 +240,20 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     job = dataclasses.replace(load_job(a.config, a.overrides, a.model), ragged_dot=a.ragged_dot)
     hw = Hardware(a.peak_tflops * 1e12, a.mfu, a.nvlink_gbps * 1e9, a.ib_gbps * 1e9)
+    # What JAX may hold of each device: the plan must fit in that, not in the whole device.
+    device_gb = a.device_memory_gb * job.memory_fraction
+    print(f"JAX's share of each device: {job.memory_fraction:g} x {a.device_memory_gb:g} GB = {device_gb:.2f} GB "
+          f"(mesh.device_memory_fraction{'' if job.memory_fraction != JAX_DEFAULT_MEMORY_FRACTION else ', JAX default'})")
     if a.sweep is not None:
         if a.sweep < 1:
             ap.error(f"--sweep {a.sweep}: expected a positive device count")
-        sweep(job, a.sweep, hw, a.device_memory_gb, a.png, top=a.top)
+        sweep(job, a.sweep, hw, device_gb, a.png, top=a.top)
         return 0
     why = invalid_reason(job)
     if why:
         print(f"INVALID MESH: {why}")
         return 1
-    print_plan(job, plan(job, hw), a.device_memory_gb)
+    print_plan(job, plan(job, hw), device_gb)
     if a.check_shardings:
         return print_check(job)
     if a.compile:

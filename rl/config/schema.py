@@ -185,6 +185,12 @@ class MeshSection(_Section):
                                                "process or from the environment (JAX_*, SLURM)")
     num_processes: int | None = _f(None, "processes in a multi-host job; null = from the environment", min=1)
     process_id: int | None = _f(None, "this process's index; null = from the environment", min=0)
+    device_memory_fraction: float | None = _f(None, "share of each GPU's memory JAX takes for the trainer "
+                                                    "(XLA_PYTHON_CLIENT_MEM_FRACTION, set by the commands before "
+                                                    "JAX starts unless the environment has it); the rest is left to "
+                                                    "CUDA, NCCL and the weight push's buckets; null = JAX's 0.75. "
+                                                    "The planner checks the plan against this share",
+                                              gt=0, max=1)
 
     @property
     def num_devices(self) -> int:
