@@ -9,6 +9,7 @@ vLLM's workers get), so the group has 1 + 1 + 2 ranks."""
 
 import concurrent.futures
 import contextlib
+import json
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ pytest.importorskip("ray", reason="ray is not installed (scripts/setup.sh instal
 import ml_dtypes  # noqa: E402
 import ray  # noqa: E402
 
-from rl.generation import collective, word_checksum  # noqa: E402
+from rl.generation import bucket_sender, collective, word_checksum  # noqa: E402
 from rl.generation.torch_arrays import to_numpy  # noqa: E402
 from rl.generation.transfer import StagedUpdate, TransferError  # noqa: E402
 from rl.generation.vllm_actor import EngineActor  # noqa: E402
@@ -196,6 +197,16 @@ def test_corrupted_or_partial_push_is_refused_everywhere_and_the_group_stays_usa
     with pytest.raises(TransferError, match=r"tensor 'big' \(bucket 1, version 4\): checksum mismatch"):
         t.push(iter(_named(4)), 4)
     monkeypatch.setattr(collective.WeightGroup, "broadcast", real)
+
+    class UnknownKind:  # a sender of another version, say: a checksum no receiver computes
+        @staticmethod
+        def dumps(records):
+            return json.dumps([{**r, "hash": "crc32"} if r["name"] == "big" else r for r in records])
+
+    monkeypatch.setattr(bucket_sender, "json", UnknownKind)
+    with pytest.raises(TransferError, match=r"bucket 1 of version 4: checksum kind 'crc32', expected xxh3 or"):
+        t.push(iter(_named(4)), 4)
+    monkeypatch.undo()
     with pytest.raises(TransferError, match=r"tensor 'c' missing from version 5 \(partial update: 1 of 4"):
         t.push(iter(_named(5)[:3]), 5)
     with pytest.raises(TransferError, match=r"tensor 'a' sent twice in version 6"):

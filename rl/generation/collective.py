@@ -168,13 +168,16 @@ class Receiver:
             s = time.perf_counter()
             kinds = [r.get("hash", "xxh3") for r in records]
             of = f" of sender {sender}" if len(self.groups) > 1 else ""
-            unknown = sorted(set(kinds) - {"xxh3", word_checksum.KIND})
-            if unknown:
-                raise TransferError(f"bucket {index}{of} of version {version}: checksum kind {unknown[0]!r}, "
-                                    f"expected xxh3 or {word_checksum.KIND}")
-            on_device = [(r["offset"], r["nbytes"]) for r, k in zip(records, kinds) if k != "xxh3"]
-            try:
-                sums = iter(word_checksum.word_checksums(payload, on_device))
+            try:  # whatever happens, a ring buffer goes back: a stream waiting for one would hang
+                unknown = sorted(set(kinds) - {"xxh3", word_checksum.KIND})
+                if unknown:
+                    raise TransferError(f"bucket {index}{of} of version {version}: checksum kind {unknown[0]!r}, "
+                                        f"expected xxh3 or {word_checksum.KIND}")
+                on_device = [(r["offset"], r["nbytes"]) for r, k in zip(records, kinds) if k != "xxh3"]
+                try:
+                    sums = iter(word_checksum.word_checksums(payload, on_device))
+                except ValueError as e:  # a record pointing outside the payload or off a word boundary
+                    raise TransferError(f"bucket {index}{of} of version {version}: {e}") from None
                 if slot is not None:  # verified where it arrived; the apply reads the host copy
                     payload = self._buffer((sender, index), payload.numel(), "cpu").copy_(payload)
             finally:

@@ -77,4 +77,5 @@ def device_tensor(array):
     devices = array.devices()
     if len(devices) > 1:
         array = jax.device_put(array, min(devices, key=lambda d: d.id))
-    return torch.from_dlpack(array)
+    # JAX computes on streams of its own: the slice or transfer above may still be running
+    return torch.from_dlpack(jax.block_until_ready(array))
