@@ -39,7 +39,10 @@ Prints one JSON line per check; keep the output with BENCHMARKS.md. Checks:
    against the trainer's B, A's again bit for bit against the first score, and the seconds each apply took.
 9. the collective weight path's device checksum (rl.generation.word_checksum, what an NCCL group's buckets are
    checked with): equal on the GPU and on the CPU for the same bytes (its sums wrap mod 2^64 on both), a flipped
-   byte caught on the GPU, and its GB/s over a 1 GiB bucket of spans (XXH3 on one host core beside it).
+   byte caught on the GPU, and its GB/s over a 1 GiB bucket of spans (XXH3 on one host core beside it);
+10. a weight push on the device through a loopback wire (one GPU cannot hold an NCCL group): JAX arrays packed
+   into CUDA buckets by DLPack, checksummed, received, verified and staged on the device and through the host
+   ring, bit for bit against the source, with its seconds. Checks 9 and 10 are scripts/gpu_check_push.py.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ from m3jax.plan.flops import step_flops
 from sharding.train_step import init_state, make_train_step
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_check_push import device_checksum, weight_push_device  # noqa: E402 - checks 9 and 10
 from gpu_check_vllm import vllm_long_context  # noqa: E402 - check 8, a module of its own beside this script
 
 
@@ -347,34 +351,6 @@ def logprob_head(small: bool, tokens: int, chunk: int):
          max_abs_diff=float(jnp.abs(out["full"][2] - out["chunked"][2]).max()))
 
 
-def device_checksum(small: bool):
-    """Check 9: word_checksums of the same bytes on CUDA and on the CPU, and their speed on CUDA."""
-    import torch
-    import xxhash
-
-    from rl.generation.word_checksum import word_checksums
-    if not torch.cuda.is_available():
-        return emit(check="device_checksum", skipped="no CUDA device visible to torch")
-    nbytes = (16 if small else 1024) << 20
-    host = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
-    spans = [(o, min(nbytes - o, (3 << 20) + 2)) for o in range(0, nbytes, 4 << 20)]  # 3 MB + a 2-byte tail each
-    dev = host.cuda()
-    want, got = word_checksums(host, spans), word_checksums(dev, spans)
-    dev[spans[-1][0] + 5] ^= 1
-    caught = word_checksums(dev, spans)[-1] != got[-1]
-    dev[spans[-1][0] + 5] ^= 1
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(5):
-        word_checksums(dev, spans)
-    dt = (time.perf_counter() - t) / 5
-    t = time.perf_counter()
-    xxhash.xxh3_64_intdigest(host.numpy())
-    dx = time.perf_counter() - t
-    emit(check="device_checksum", bytes=nbytes, spans=len(spans), equal_to_cpu=got == want, flip_caught=caught,
-         cuda_gb_s=sum(n for _, n in spans) / dt / 1e9, xxh3_host_gb_s=nbytes / dx / 1e9)
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="tiny shapes: a CPU smoke test of this script")
@@ -395,7 +371,8 @@ def main():
         attention_kernels(True, 256)
         logprob_head(True, 256, 64)
         emit(**vllm_long_context())
-        device_checksum(True)
+        emit(**device_checksum(True))
+        emit(**weight_push_device(True))
     else:
         model_attention(False, 2048)
         try:  # "auto" runs the full layer on cuDNN on a GPU; if that fails, the MFU on flash still comes back
@@ -411,7 +388,8 @@ def main():
             attention_kernels(False, seq)
         logprob_head(False, 8192, 1024)
         emit(**vllm_long_context())
-        device_checksum(False)
+        emit(**device_checksum(False))
+        emit(**weight_push_device(False))
 
 
 if __name__ == "__main__":

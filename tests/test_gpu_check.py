@@ -102,15 +102,25 @@ def test_moe_kernels_check_runs_every_kernel_on_cpu(capsys):
     assert all(err < 2e-2 for err in res["value_rel_err"].values()), res  # bf16 against ragged_dot
 
 
-def test_device_checksum_check_compares_and_catches_a_flip(capsys, monkeypatch):
+def test_device_checksum_check_compares_and_catches_a_flip(monkeypatch):
     """Check 9 off a GPU says why; with a stand-in device (a copy on the CPU) it runs to its verdict."""
     import torch
-    gc = _gpu_check()
-    gc.device_checksum(True)
-    assert "no CUDA device" in json.loads(capsys.readouterr().out)["skipped"]
+    gc = _gpu_check("gpu_check_push")
+    assert "no CUDA device" in gc.device_checksum(True)["skipped"]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(torch.Tensor, "cuda", lambda self: self.clone())
-    gc.device_checksum(True)
-    res = json.loads(capsys.readouterr().out)
+    res = gc.device_checksum(True)
     assert res["equal_to_cpu"] and res["flip_caught"] and res["spans"] == 4 and res["cuda_gb_s"] > 0
+
+
+def test_weight_push_check_runs_both_stagings_bit_for_bit_on_host_buffers():
+    """Check 10 off a GPU says why; on host buffers (the device options forced) both stagings arrive bit for bit,
+    and a corrupted byte on the loopback wire would be refused (tests/test_weight_transfer_protocol.py)."""
+    gc = _gpu_check("gpu_check_push")
+    assert "no CUDA device" in gc.weight_push_device(True)["skipped"]
+    res = gc.weight_push_device(True, device="cpu")
+    for staging in ("device", "host"):
+        row = res[staging]
+        assert row["send_error"] is None and row["receive_error"] is None, row
+        assert row["bit_for_bit"] and row["on"] == ["cpu"] and row["gb_s"] > 0, row
