@@ -27,11 +27,12 @@ CHUNK_WORDS = 1 << 24  # 64 MB of payload per pass: bounds the int64 temporaries
 
 
 def _weighted(values, first_index: int):
-    """values (int64) * k(first_index + i), elementwise, mod 2^64."""
+    """values (int64) * k(first_index + i), elementwise, mod 2^64 (in place: `values` is a temporary)."""
     import torch
 
-    idx = torch.arange(first_index, first_index + values.numel(), dtype=torch.int64, device=values.device)
-    return values * ((idx * 2 + 1) * _GOLDEN)
+    odd = torch.arange(2 * first_index + 1, 2 * (first_index + values.numel()) + 1, 2, dtype=torch.int64,
+                       device=values.device)
+    return values.mul_(odd.mul_(_GOLDEN))
 
 
 def word_checksums(payload, spans, chunk_words: int = CHUNK_WORDS) -> list[int]:
@@ -61,7 +62,8 @@ def word_checksums(payload, spans, chunk_words: int = CHUNK_WORDS) -> list[int]:
         if not wanted:  # a chunk inside one span: only its sum is carried on
             carry = carry + weighted.sum()
             continue
-        cum = torch.cumsum(weighted, 0) + carry
+        weighted[0] += carry  # the prefix of the chunks before, without a pass over this one
+        cum = torch.cumsum(weighted, 0)
         at = torch.tensor([b - start - 1 for b in wanted], dtype=torch.int64, device=payload.device)
         for b, v in zip(wanted, cum[at].tolist()):
             prefix[b] = v
