@@ -85,6 +85,38 @@ def test_inplace_apply_and_collective_push_equal_a_fresh_engine_and_the_object_s
         assert _max_diff(a, b) == 0.0
 
 
+def test_word_checksummed_push_of_jax_arrays_applies_what_the_object_store_does(setup):
+    """The NCCL path's options on this gloo group: JAX arrays packed by DLPack, the word checksum, and the engines'
+    in-place apply from torch views of the buckets leave them computing exactly what the object store's push does."""
+    import jax.numpy as jnp
+
+    from rl.generation.word_checksum import KIND
+
+    pool, _, named = setup
+    actors = [s.actor for s in pool.slots]
+    pool._drop_transport()
+    pool._transport = collective.CollectiveTransport(actors, pool.cfg.bucket_bytes, timeout_s=pool.cfg.request_timeout_s,
+                                                     checksum_kind=KIND)
+    pool._transport_to = tuple(id(a) for a in actors)
+    try:
+        pool.push(named[0], 20)
+        before = _scores(pool)
+        pool.push([(n, jnp.asarray(a)) for n, a in named[1]], 21)
+        assert pool._transport.sender.checksum_kind == KIND
+        by_words = _scores(pool)
+    finally:
+        _use_transport(pool, "ray")
+    try:
+        pool.push(named[0], 22)
+        pool.push(named[1], 23)
+        via_store = _scores(pool)
+    finally:
+        _use_transport(pool, "collective")
+    assert _max_diff(before[0], by_words[0]) > 1e-2  # the push changed the weights
+    for a, b in zip(by_words, via_store):
+        assert _max_diff(a, b) == 0.0
+
+
 def _use_transport(pool, name):
     pool._drop_transport()
     pool.cfg = dataclasses.replace(pool.cfg, transport=name)
