@@ -61,9 +61,9 @@ def _blocks_by_process(value) -> dict[int, list[Region]]:
     return out
 
 
-def _local_region(value, region: Region) -> np.ndarray:
-    """`region` of `value` assembled from this process's shards (one copy of each distinct block)."""
-    out = np.empty([b - a for a, b in region], dtype=value.dtype)
+def _overlaps(value, region: Region):
+    """(where in `region`, the shard's data, which part of the shard) for each distinct block of this process's
+    shards of `value` that overlaps `region` (a replica's block once)."""
     done = set()
     for shard in value.addressable_shards:
         block = tuple(s.indices(n)[:2] for s, n in zip(shard.index, value.shape))
@@ -74,9 +74,15 @@ def _local_region(value, region: Region) -> np.ndarray:
         hi = [min(b, d) for (_, b), (_, d) in zip(region, block)]
         if any(h <= l for l, h in zip(lo, hi)):
             continue
-        data = np.asarray(shard.data)
-        out[tuple(slice(l - a, h - a) for l, h, (a, _) in zip(lo, hi, region))] = \
-            data[tuple(slice(l - c, h - c) for l, h, (c, _) in zip(lo, hi, block))]
+        yield (tuple(slice(l - a, h - a) for l, h, (a, _) in zip(lo, hi, region)), shard.data,
+               tuple(slice(l - c, h - c) for l, h, (c, _) in zip(lo, hi, block)))
+
+
+def _local_region(value, region: Region) -> np.ndarray:
+    """`region` of `value` assembled from this process's shards (one copy of each distinct block)."""
+    out = np.empty([b - a for a, b in region], dtype=value.dtype)
+    for dst, data, src in _overlaps(value, region):
+        out[dst] = np.asarray(data)[src]
     return out
 
 
@@ -84,16 +90,7 @@ def _local_region_on_device(value, region: Region):
     """`region` of `value` from this process's shards, left on the accelerator: the one shard's slice when a
     single shard holds it all (an expert on its GPU), else the pieces brought to the first one's device and
     written into one array there."""
-    pieces = {}
-    for shard in value.addressable_shards:
-        block = tuple(s.indices(n)[:2] for s, n in zip(shard.index, value.shape))
-        lo = [max(a, c) for (a, _), (c, _) in zip(region, block)]
-        hi = [min(b, d) for (_, b), (_, d) in zip(region, block)]
-        if block in pieces or any(h <= l for l, h in zip(lo, hi)):
-            continue
-        dst = tuple(slice(l - a, h - a) for l, h, (a, _) in zip(lo, hi, region))
-        pieces[block] = (dst, shard.data[tuple(slice(l - c, h - c) for l, h, (c, _) in zip(lo, hi, block))])
-    (dst, first), *rest = pieces.values()
+    (dst, first), *rest = [(dst, data[src]) for dst, data, src in _overlaps(value, region)]
     shape = tuple(b - a for a, b in region)
     if not rest and tuple(first.shape) == shape:
         return first

@@ -224,11 +224,11 @@ def stream_buckets(senders: list, pieces, named_arrays, version: int, buffers: _
             buf = buffers.get(bucket[0], start + a.nbytes)
             packed = a
             if not isinstance(a, np.ndarray):  # a device array (hf_tensors(on_host=False)): device to device
+                target = buf[start:start + a.nbytes].view(torch_dtype(dtype)).view(tuple(a.shape))
                 if a.nbytes:
-                    target = buf[start:start + a.nbytes].view(torch_dtype(dtype)).view(tuple(a.shape))
                     target.copy_(device_tensor(a))
                 if checksum_kind == "xxh3":  # XXH3 reads host bytes: what "auto" never picks for device buckets
-                    packed = to_numpy(buf[start:start + a.nbytes].view(torch_dtype(dtype)).view(tuple(a.shape)))
+                    packed = to_numpy(target)
             elif a.nbytes and buf.device.type == "cpu":  # one copy into the bucket, also out of a box's strides
                 packed = buf[start:start + a.nbytes].numpy().view(a.dtype).reshape(a.shape)
                 np.copyto(packed, a)
