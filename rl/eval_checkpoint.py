@@ -67,13 +67,14 @@ def from_hf(cfg: RunConfig, path: str) -> LoadedPolicy:
     from flax import nnx
 
     import m3jax
-    from rl.policy import sequence_width
+    from rl.policy import training_positions
     from sharding.layout import Layout
     from sharding.mesh import build_mesh
 
     m = cfg.mesh
-    layout = Layout() if m.num_devices == 1 else build_mesh(m.to_mesh_config(), m3jax.M3Config.from_pretrained(path),
-                                                            seq_len=sequence_width(cfg) - 1)
+    m3_cfg = m3jax.M3Config.from_pretrained(path)
+    layout = Layout() if m.num_devices == 1 else build_mesh(m.to_mesh_config(), m3_cfg,
+                                                            seq_len=training_positions(cfg, m3_cfg))
     model = m3jax.from_pretrained(path, dtype=jnp.dtype(cfg.precision.param_dtype), mesh=layout,
                                   **cfg.model.model_options())
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)

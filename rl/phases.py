@@ -169,14 +169,19 @@ def train_batch(samples: Samples, adv: Advantages, *, width: int, pad_id: int, n
     """[micro-batches, rows, width - 1] arrays of the step (see `rl.grpo.batch.build_train_batch`); with
     the generator's routes also "routes" [micro-batches, rows, width - 1, n_moe_layers, k] int16, the
     expert ids of each input token (the rollout lays them out as prompt + response, like input_ids), and
-    with its key blocks "block_ids" [micro-batches, rows, width - 1, n_sparse_layers, Hi, K] int16 likewise."""
+    with its key blocks "block_ids" [micro-batches, rows, width - 1, n_sparse_layers, Hi, K] int16 likewise
+    (zeros where the width runs past what the rollout covers: only padding sits there)."""
     batch = build_train_batch(samples.rollout, adv.advantages, adv.weight, width=width, pad_id=pad_id)
     for field in ("routes", "block_ids"):
         ids = getattr(samples.rollout, field)
         if ids is not None:
-            if ids.shape[1] < width - 1:
-                raise ValueError(f"rollout {field} cover {ids.shape[1]} positions < {width - 1} training positions")
-            batch[field] = np.asarray(ids[:, :width - 1])
+            covered = ids.shape[1]
+            if covered < width - 1 and batch["attention_mask"][:, covered:].any():
+                raise ValueError(f"rollout {field} cover {covered} positions, but tokens sit at up to "
+                                 f"{int(batch['attention_mask'].sum(1).max())} of the {width - 1} training positions")
+            # past every row's tokens (the tail a context-parallel width is rounded up by) nothing reads them
+            ids = np.asarray(ids[:, :width - 1])
+            batch[field] = np.pad(ids, [(0, 0), (0, width - 1 - ids.shape[1])] + [(0, 0)] * (ids.ndim - 2))
     return split_micro(batch, num_micro)
 
 

@@ -49,9 +49,21 @@ def learning_rate(cfg: RunConfig):
     return optax.join_schedules([optax.linear_schedule(0.0, o.lr, o.warmup_steps), after], [o.warmup_steps])
 
 
-def sequence_width(cfg: RunConfig) -> int:
-    """Prompt + response slots of every training row."""
-    return cfg.generation.max_prompt_tokens + cfg.generation.max_new_tokens
+def sequence_width(cfg: RunConfig, model_cfg: m3jax.M3Config) -> int:
+    """Token slots of every training row: its positions (`training_positions`) + 1 for the last target."""
+    return training_positions(cfg, model_cfg) + 1
+
+
+def training_positions(cfg: RunConfig, model_cfg: m3jax.M3Config) -> int:
+    """Input positions of every training row, P = ceil((max_prompt_tokens + max_new_tokens - 1) / m) x m.
+
+    Position t predicts token t + 1, so prompt + response need one position fewer than their slots. With
+    context parallelism (mesh.context = c > 1) each shard must hold whole indexer blocks, m = c x
+    `model_cfg.context_block_size()` (else m = 1): 4096 slots on context 2 with blocks of 128 give P = 4096,
+    not 4095, which no such mesh could split. The rounded-up tail is padding (attention and loss masks 0)."""
+    positions = cfg.generation.max_prompt_tokens + cfg.generation.max_new_tokens - 1
+    multiple = cfg.mesh.context * model_cfg.context_block_size() if cfg.mesh.context > 1 else 1
+    return -(-positions // multiple) * multiple
 
 
 @dataclasses.dataclass
@@ -84,7 +96,7 @@ def build_policy(cfg: RunConfig) -> Policy:
     m = cfg.mesh
     m3_cfg = cfg.model.m3_config()
     layout = Layout() if m.num_devices == 1 else build_mesh(m.to_mesh_config(), m3_cfg,
-                                                            seq_len=sequence_width(cfg) - 1)
+                                                            seq_len=training_positions(cfg, m3_cfg))
     if cfg.model.path:
         model = m3jax.from_pretrained(cfg.model.path, dtype=dtype, mesh=layout, **cfg.model.model_options())
     else:

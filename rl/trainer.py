@@ -56,10 +56,10 @@ class GRPOTrainer:
         self.cfg = cfg
         self.run_dir = cfg.run.out_dir
         os.makedirs(self.run_dir, exist_ok=True)
-        self.width = sequence_width(cfg)
         self.loss_cfg = cfg.grpo.loss_config(cfg.generation.max_new_tokens)
         self.tokenizer, self.loader, self.pad_id = build_data(cfg)
         self.policy = policy or build_policy(cfg)
+        self.width = sequence_width(cfg, self.policy.model_cfg)
         self.ref_params = (jax.tree.map(jnp.copy, self.policy.state.params) if self.loss_cfg.kl != "none" else None)
         self.train_step = make_update(self.policy, self.loss_cfg)
         self.logprobs = make_logprobs(self.policy)

@@ -62,6 +62,19 @@ class Job:
 
 
 def load_job(path: str, overrides: list[str], model: str | None) -> Job:
+    cfg, m3 = load_run_config(path, overrides, model)
+    g = cfg.grpo
+    return Job(m3, cfg.mesh.to_mesh_config(), cfg.generation.max_seq_len, g.sequences_per_step // g.updates_per_step,
+               g.updates_per_step, g.micro_batch_size, cfg.precision.master, cfg.precision.moment_dtype,
+               cfg.model.remat, {k: v for k, v in cfg.model.model_options().items() if k != "remat"},
+               sparse_attention=getattr(cfg.model, "sparse_attention", "gather"),
+               logprob_chunk_tokens=cfg.model.logprob_chunk_tokens,
+               memory_fraction=cfg.mesh.device_memory_fraction or JAX_DEFAULT_MEMORY_FRACTION)
+
+
+def load_run_config(path: str, overrides: list[str], model: str | None):
+    """(the run config, the M3Config to plan): files the planner never reads may be left required (???), and
+    model "release" (or a recipe whose model.path is left required) plans the released model."""
     from rl.config.build import from_dict
     from rl.config.yaml_io import apply_overrides, load_tree
     sources: dict = {}
@@ -74,13 +87,7 @@ def load_job(path: str, overrides: list[str], model: str | None) -> Job:
             tree[section]["path"] = "unused-by-the-planner"
     cfg = from_dict(tree, sources=sources)
     m3 = m3_release() if model == "release" or cfg.model.path == "unused-by-the-planner" else cfg.model.m3_config()
-    g = cfg.grpo
-    return Job(m3, cfg.mesh.to_mesh_config(), cfg.generation.max_seq_len, g.sequences_per_step // g.updates_per_step,
-               g.updates_per_step, g.micro_batch_size, cfg.precision.master, cfg.precision.moment_dtype,
-               cfg.model.remat, {k: v for k, v in cfg.model.model_options().items() if k != "remat"},
-               sparse_attention=getattr(cfg.model, "sparse_attention", "gather"),
-               logprob_chunk_tokens=cfg.model.logprob_chunk_tokens,
-               memory_fraction=cfg.mesh.device_memory_fraction or JAX_DEFAULT_MEMORY_FRACTION)
+    return cfg, m3
 
 
 def invalid_reason(job: Job) -> str | None:
