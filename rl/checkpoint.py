@@ -196,8 +196,11 @@ def _rebuild(like: TrainState, saved: dict) -> TrainState:
     if like.opt_state.master == ():  # mode "none"
         store = ()
     else:  # "fp32": the master itself; "compact": int16 remainders where the layout has them
-        store = jax.tree.map(lambda m, p, s: precision.remainder(m, p) if s.dtype == jnp.int16 else m,
-                             master, params, like.opt_state.master)
+        # An fp32 param (the router) is its own master, the same array: the train step donates the whole
+        # state, and a buffer donated twice fails it (PJRT "donate the same buffer twice", then a segfault),
+        # so such a leaf's master is a copy, as `precision.with_master_weights` makes it at init.
+        store = jax.tree.map(lambda m, p, s: precision.remainder(m, p) if s.dtype == jnp.int16
+                             else jnp.array(m, copy=True) if p is m else m, master, params, like.opt_state.master)
     rest = jax.tree.map(lambda x: x, like.rest)
     nnx.replace_by_pure_dict(rest, saved["rest"])
     inner = jax.tree.map(lambda s, ref: s.astype(ref.dtype), saved["inner"], like.opt_state.inner)

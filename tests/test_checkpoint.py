@@ -91,6 +91,13 @@ def bits(x) -> np.ndarray:
     return np.atleast_1d(np.asarray(x)).view(np.uint8)
 
 
+def assert_donatable(state):
+    """No buffer appears twice among the leaves: the train step donates the whole state, and PJRT refuses a
+    buffer donated twice (a resumed compact-master run with an fp32 router then crashed at its first step)."""
+    buffers = [x.unsafe_buffer_pointer() for x in jax.tree.leaves(state) if x.size]
+    assert len(set(buffers)) == len(buffers)
+
+
 def assert_bitwise(a, b):
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
     assert jax.tree.structure(a) == jax.tree.structure(b)
@@ -203,6 +210,7 @@ def test_restore_into_another_precision_mode(runs, batches, src, dst):
     saved, target = runs[src], runs[dst]
     got, meta = restore(saved.dir, target.fresh)
     assert meta == meta_of(2)
+    assert_donatable(got)
 
     # the layout of the restoring run (dtypes; remainder, master or nothing), filled from the saved master
     assert jax.tree.structure(got) == jax.tree.structure(target.fresh)
