@@ -63,9 +63,21 @@ def test_every_shipped_config_loads(recipe_paths):
         assert isinstance(cfg, RunConfig)
     assert tiny_vllm.generation.backend == "vllm" and tiny_vllm.generation.vllm_servers == 2
     assert set(tiny_vllm.model.tiny["layer_types"]) == {"full_attention"}  # vLLM's CPU path has no sparse layers
+    # the miniature (tests/test_recipe_miniature.py runs it) keeps every choice of the recipe that is not about
+    # size, data or the GPU engine
+    mini = load_config(CONFIGS / "recipes/m3-32node-miniature.yaml")
+    assert mini.precision == recipe.precision and mini.optim == recipe.optim
+    assert (mini.checkpoint.async_save, mini.checkpoint.export_layout) == (True, recipe.checkpoint.export_layout)
+    assert mini.mesh.expert_axes == recipe.mesh.expert_axes == ("data", "context") and mini.mesh.context > 1
+    for f in ("remat", "remat_policy", "attention_impl", "moe_kernel", "sparse_attention", "moe_capacity_factor"):
+        assert getattr(mini.model, f) == getattr(recipe.model, f), f
+    sized = {"prompts_per_step", "group_size"}
+    assert {f.name: getattr(mini.grpo, f.name) for f in dataclasses.fields(mini.grpo) if f.name not in sized} == \
+        {f.name: getattr(recipe.grpo, f.name) for f in dataclasses.fields(recipe.grpo) if f.name not in sized}
     shipped = {p.relative_to(CONFIGS).as_posix() for p in CONFIGS.rglob("*.yaml")}
     assert shipped == {"base.yaml", "tiny.yaml", "tiny-vllm.yaml", "recipes/m3-1node-h200.yaml",
-                       "recipes/m3-1node-h200-128e.yaml", "recipes/m3-32node.yaml"}, \
+                       "recipes/m3-1node-h200-128e.yaml", "recipes/m3-32node.yaml",
+                       "recipes/m3-32node-miniature.yaml"}, \
         "a new shipped config needs a load test"
     # base.yaml is a template: it asks for a model and a reward, and nothing else
     msg = load_error(CONFIGS / "base.yaml")
