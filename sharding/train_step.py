@@ -9,7 +9,8 @@ number of valid tokens of the whole step (`batch["loss_mask"].sum()`), never a m
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+import contextlib
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 from sharding import precision
 from sharding.optim_step import group_norms
 from sharding.layout import Layout, as_layout
+from sharding.widths import cut_micro_batch, micro_widths
 
 
 class TrainState(NamedTuple):
@@ -77,36 +79,35 @@ def valid_tokens(batch: dict) -> jax.Array:
 
 def make_train_step(graphdef, optimizer: optax.GradientTransformation,
                     loss_fn: Callable = token_cross_entropy, *, normalizer: Callable = valid_tokens, mesh=None,
-                    shardings: TrainState | None = None, donate: bool = True) -> Callable:
+                    shardings: TrainState | None = None, donate: bool = True,
+                    widths: Sequence[int] = ()) -> Callable:
     """step(state, batch) -> (state, metrics); batch arrays are [num_micro_batches, micro_batch, ...].
 
     normalizer(batch) is the whole step's denominator (default: its valid-token count). The loss's
     metrics must be sums; they are summed over micro-batches and returned under metrics["sums"].
     mesh: the run's layout (`sharding.mesh.build_mesh`; a bare Mesh takes the default rules) or None for
     one device; the step is traced and run under its mesh.
+    widths: token positions a micro-batch may be cut to (`sharding.widths`); each micro-batch then runs at the
+    smallest that holds its rows' real tokens (batch["attention_mask"]), one jitted micro-step per width and
+    one jitted optimizer update; () = one program that scans every micro-batch at the batch's width.
     """
     layout = as_layout(mesh)
     mesh = layout.mesh
 
-    def step(state: TrainState, batch: dict):
-        total = jnp.maximum(normalizer(batch), 1.0)
+    def grads_of(params, rest, mb):
+        def f(p):
+            return loss_fn(nnx.merge(graphdef, p, rest), mb)
 
-        def micro(carry, mb):
-            grad_acc, loss_acc, sums_acc = carry
+        (loss_sum, sums), grads = jax.value_and_grad(f, has_aux=True)(params)
+        return (jax.tree.map(lambda g: g.astype(jnp.float32), grads), loss_sum.astype(jnp.float32),
+                jax.tree.map(lambda x: x.astype(jnp.float32), sums))
 
-            def f(params):
-                return loss_fn(nnx.merge(graphdef, params, state.rest), mb)
+    def add(carry, mb_out):
+        return jax.tree.map(jnp.add, carry, mb_out)
 
-            (loss_sum, sums), grads = jax.value_and_grad(f, has_aux=True)(state.params)
-            grad_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grad_acc, grads)
-            sums_acc = jax.tree.map(lambda a, x: a + x.astype(jnp.float32), sums_acc, sums)
-            return (grad_acc, loss_acc + loss_sum.astype(jnp.float32), sums_acc), None
-
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
-        first = jax.tree.map(lambda x: x[0], batch)
-        sums_shape = jax.eval_shape(lambda: loss_fn(nnx.merge(graphdef, state.params, state.rest), first)[1])
-        sums0 = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), sums_shape)
-        (grads, loss_sum, sums), _ = jax.lax.scan(micro, (zeros, jnp.zeros([], jnp.float32), sums0), batch)
+    def finish(state: TrainState, carry, total, tokens):
+        """The optimizer update from the summed gradients, loss and metric sums of the step's micro-batches."""
+        grads, loss_sum, sums = carry
         loss = loss_sum / total
         # grad_norm: the norm the optimizer clips the policy by; the parameters it clips apart (no LM
         # gradient: the indexer's alignment loss) report theirs as grad_norm_apart
@@ -124,13 +125,29 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation,
             new = TrainState(params, state.rest, opt_state, state.step + 1, state.skipped)
             skipped = TrainState(state.params, state.rest, state.opt_state, state.step + 1, state.skipped + 1)
             out = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, skipped)
-        return out, {"loss": loss, "grad_norm": grad_norm, "skipped": ~finite, "tokens": valid_tokens(batch),
+        return out, {"loss": loss, "grad_norm": grad_norm, "skipped": ~finite, "tokens": tokens,
                      "sums": sums, **({} if apart is None else {"grad_norm_apart": apart})}
 
+    def step(state: TrainState, batch: dict):
+        total = jnp.maximum(normalizer(batch), 1.0)
+
+        def micro(carry, mb):
+            return add(carry, grads_of(state.params, state.rest, mb)), None
+
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+        first = jax.tree.map(lambda x: x[0], batch)
+        sums_shape = jax.eval_shape(lambda: loss_fn(nnx.merge(graphdef, state.params, state.rest), first)[1])
+        sums0 = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), sums_shape)
+        carry, _ = jax.lax.scan(micro, (zeros, jnp.zeros([], jnp.float32), sums0), batch)
+        return finish(state, carry, total, valid_tokens(batch))
+
+    donated = (0,) if donate else ()
+    if widths:
+        return _cut_step(grads_of, add, finish, normalizer, layout, shardings, tuple(widths), donated)
     if mesh is None:
-        return jax.jit(step, donate_argnums=(0,) if donate else ())
+        return jax.jit(step, donate_argnums=donated)
     jitted = jax.jit(step, in_shardings=(shardings, None),
-                     out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=(0,) if donate else ())
+                     out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=donated)
     per_rank = batch_sharding(layout).spec
 
     def run(state, batch):
@@ -142,3 +159,44 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation,
     run.jitted = jitted
     return run
 
+
+def _cut_step(grads_of, add, finish, normalizer, layout: Layout, shardings, widths, donated) -> Callable:
+    """The step with each micro-batch cut to its width (`make_train_step(widths=...)`): a jitted micro-step per
+    width adds the micro-batch's gradient to the carry (the first one starts it), then one jitted update. The
+    micro-steps run one micro-batch at a time, so a step's mix of widths never makes a new program."""
+    mesh = layout.mesh
+    if mesh is None:
+        first = jax.jit(grads_of)
+        more = jax.jit(lambda params, rest, carry, mb: add(carry, grads_of(params, rest, mb)), donate_argnums=(2,))
+        update = jax.jit(finish, donate_argnums=donated)
+    else:
+        replicated = NamedSharding(mesh, P())
+        carry_sh = (jax.tree.map(lambda sh: sh, shardings.params), replicated, replicated)
+        first = jax.jit(grads_of, out_shardings=carry_sh)
+        more = jax.jit(lambda params, rest, carry, mb: add(carry, grads_of(params, rest, mb)),
+                       out_shardings=carry_sh, donate_argnums=(2,))
+        update = jax.jit(finish, in_shardings=(shardings, carry_sh, None, None),
+                         out_shardings=(shardings, replicated), donate_argnums=donated)
+    per_rank = batch_sharding(layout).spec[1:] if mesh is not None else None
+
+    def place(mb):
+        if mesh is None:
+            return mb
+        return {k: jax.device_put(v, NamedSharding(mesh, P(*per_rank[:np.ndim(v)]))) for k, v in mb.items()}
+
+    def run(state, batch):
+        total = jnp.maximum(normalizer(batch), 1.0)
+        tokens = valid_tokens(batch)
+        cut = micro_widths(np.asarray(batch["attention_mask"]), widths)
+        with contextlib.ExitStack() as stack:
+            if mesh is not None:
+                stack.enter_context(jax.set_mesh(mesh))
+            carry = None
+            for m, width in enumerate(cut):
+                mb = place(cut_micro_batch(batch, m, width))
+                carry = (first(state.params, state.rest, mb) if carry is None
+                         else more(state.params, state.rest, carry, mb))
+            return update(state, carry, total, tokens)
+
+    run.widths = widths
+    return run

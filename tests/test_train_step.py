@@ -256,3 +256,62 @@ def test_sliced_in_place_step_equals_the_whole_tree_update(mode, moments, groups
     assert_within_ulps(s1.inner, s2.inner, 4)
     assert_within_ulps(p1, p2, 1)
     np.testing.assert_array_equal(np.asarray(s1.inner[1].count), 3)  # three kept steps
+
+
+def ragged_batch(cfg, seq: int = 64, seed: int = 3):
+    """2 micro-batches x 4 rows of real lengths 12..64 (right padding): attention_mask marks each row's real
+    inputs, the loss its last three quarters."""
+    batch = make_batch(cfg, 2, 4, seq=seq, seed=seed)
+    lengths = np.array([[12, 16, 9, 14], [64, 30, 20, 41]])
+    real = (np.arange(seq) < lengths[..., None]).astype(np.int32)
+    loss = real * (np.arange(seq) >= lengths[..., None] // 4)
+    return {**batch, "attention_mask": jnp.asarray(real), "loss_mask": jnp.asarray(loss, jnp.float32)}
+
+
+def test_cut_micro_batches_make_the_full_width_step(ckpt):
+    """widths=(16, 32, 48): micro-batch 0 (rows <= 16 positions) runs at 16, micro-batch 1 (one row of 64) at the
+    full 64; the update equals the full-width scan's up to the sums' order (SGD: the update is the gradient)."""
+    from sharding.widths import micro_widths
+
+    model = m3jax.from_pretrained(ckpt, dtype=jnp.float32)
+    opt = precision.with_master_weights(optax.sgd(1.0), "none")
+    batch = ragged_batch(model.cfg)
+    assert micro_widths(np.asarray(batch["attention_mask"]), (16, 32, 48)) == [16, 64]
+    half = {k: v[:1] for k, v in batch.items()}  # and one micro-batch alone, cut to 16 of its 64 positions
+    for b in (batch, half):
+        out = []
+        for widths in ((), (16, 32, 48)):
+            graphdef, state = init_state(model, opt)
+            before = jax.tree.map(np.asarray, state.params)
+            state, metrics = make_train_step(graphdef, opt, donate=False, widths=widths)(state, b)
+            out.append((jax.tree.map(lambda new, old: np.asarray(new) - old, state.params, before), metrics))
+        (want, want_m), (got, got_m) = out
+        assert float(got_m["tokens"]) == float(want_m["tokens"]) == float(np.sum(b["loss_mask"]))
+        assert abs(float(got_m["loss"]) - float(want_m["loss"])) <= 1e-6 * abs(float(want_m["loss"]))
+        assert abs(float(got_m["grad_norm"]) - float(want_m["grad_norm"])) <= 1e-6 * float(want_m["grad_norm"])
+        for a, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            assert np.max(np.abs(a - w)) <= 1e-5 * max(np.max(np.abs(w)), 1e-30)
+
+
+@pytest.mark.slow  # the cut step compiled on a (2,2,2,1) mesh
+def test_cut_micro_batches_on_a_mesh_make_the_single_device_step(ckpt):
+    """Context 2 x blocks of 8: widths are multiples of 16; micro-batch 0 runs at 16 positions, 1 at 64."""
+    opt = precision.with_master_weights(optax.sgd(1.0), "none")
+    ref_model = m3jax.from_pretrained(ckpt, dtype=jnp.float32)
+    batch = ragged_batch(ref_model.cfg)
+    before = jax.tree.map(np.asarray, nnx.state(ref_model, nnx.Param))
+    graphdef, state = init_state(ref_model, opt)
+    want, want_metrics = make_train_step(graphdef, opt, donate=False)(state, batch)
+
+    layout = build_mesh(MeshConfig(2, 2, 2, 1), ref_model.cfg, seq_len=64, batch=4)
+    model = m3jax.from_pretrained(ckpt, dtype=jnp.float32, mesh=layout)
+    graphdef, state = init_state(model, opt)
+    shardings = state_shardings(layout, state)
+    step = make_train_step(graphdef, opt, mesh=layout, shardings=shardings, widths=(16, 32))
+    got, metrics = step(jax.device_put(state, shardings), batch)
+    assert abs(float(metrics["loss"]) - float(want_metrics["loss"])) < 1e-6 * abs(float(want_metrics["loss"]))
+    for a, b, p in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params), jax.tree.leaves(before)):
+        da, db = np.asarray(a) - p, np.asarray(b) - p
+        assert np.max(np.abs(da - db)) <= 1e-5 * max(np.max(np.abs(db)), 1e-30)
+    experts = got.params["stacks"][1]["experts_gate_up"][...]
+    assert all(s.data.shape[1] == experts.shape[1] // 8 for s in experts.addressable_shards)
