@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +27,7 @@ from m3jax.model.decoder import ACT, lm_head_logits
 from rl.generation.base import SamplingParams, token_logprobs
 from sharding.layout import Layout
 from sharding.train_step import batch_sharding
+from sharding.widths import cut_micro_batch, micro_widths, padded_to
 
 _INPUTS = ("input_ids", "attention_mask", "targets")
 
@@ -168,7 +170,7 @@ def policy_logprobs(model, mb: dict, sampling: SamplingParams, chunk_tokens: int
 
 
 def make_logprob_pass(graphdef, sampling: SamplingParams, layout: Layout = Layout(), chunk_tokens: int = 0,
-                      replay: bool = False, indexer_replay: bool = False):
+                      replay: bool = False, indexer_replay: bool = False, widths: Sequence[int] = ()):
     """pass_(params, rest, batch) -> logp [micro-batches, batch, seq] for batch arrays
     [micro-batches, batch, seq] with input_ids, attention_mask and targets (micro-batches run in turn).
     chunk_tokens: positions per logits block (`policy_logprobs`; 0 = full logits).
@@ -177,7 +179,9 @@ def make_logprob_pass(graphdef, sampling: SamplingParams, layout: Layout = Layou
     (logp, {"routes": the trainer's own top-k ids, "block_ids": its indexer's own top-K blocks}, each the
     shape of the generator's, int32, present when the batch has them): the routes are replayed when
     `replay` (routing replay) and the blocks when `indexer_replay` (indexer selection replay), else only
-    compared with (`rl.grpo.mismatch.route_mismatch_frac`, `selection_mismatch_frac`)."""
+    compared with (`rl.grpo.mismatch.route_mismatch_frac`, `selection_mismatch_frac`).
+    widths: as `sharding.train_step.make_train_step`'s: each micro-batch runs cut to the smallest that holds
+    its rows, and its outputs come back zero-padded at the positions past them."""
 
     @functools.partial(jax.jit, static_argnames=("with_routes", "with_blocks"))
     def run(params, rest, batch, with_routes=False, with_blocks=False):
@@ -212,4 +216,17 @@ def make_logprob_pass(graphdef, sampling: SamplingParams, layout: Layout = Layou
         return jax.tree.map(lambda a: a[:, :rows], out) if extra else out
 
     pass_.jitted = run
-    return pass_
+    if not widths:
+        return pass_
+
+    def cut_pass(params, rest, batch):
+        """Each micro-batch at its width (`sharding.widths`, one call each, so a step's mix of widths compiles
+        one program per width), the outputs zero-padded back to the batch's positions."""
+        full = np.shape(batch["input_ids"])[2]
+        keys = [k for k in _INPUTS + ("routes", "block_ids") if k in batch]
+        outs = [pass_(params, rest, {k: v[None] for k, v in cut_micro_batch({k: batch[k] for k in keys}, m, w).items()})
+                for m, w in enumerate(micro_widths(np.asarray(batch["attention_mask"]), widths))]
+        return jax.tree.map(lambda *xs: jnp.concatenate([padded_to(x, full) for x in xs]), *outs)
+
+    cut_pass.jitted = run
+    return cut_pass

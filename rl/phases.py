@@ -26,6 +26,7 @@ from rl.grpo.batch import build_train_batch, split_micro
 from rl.grpo.loss import generation_mismatch_metrics
 from rl.grpo.mismatch import route_mismatch_frac, selection_mismatch_frac
 from rl.rewards.registry import score_batch
+from sharding.widths import micro_widths
 
 
 @dataclasses.dataclass
@@ -165,12 +166,15 @@ def advantages(reward: np.ndarray, truncated: np.ndarray, gcfg) -> Advantages:
     return Advantages(adv, weight, dropped)
 
 
-def train_batch(samples: Samples, adv: Advantages, *, width: int, pad_id: int, num_micro: int) -> dict:
+def train_batch(samples: Samples, adv: Advantages, *, width: int, pad_id: int, num_micro: int,
+                updates: int = 1, by_length: bool = False) -> dict:
     """[micro-batches, rows, width - 1] arrays of the step (see `rl.grpo.batch.build_train_batch`); with
     the generator's routes also "routes" [micro-batches, rows, width - 1, n_moe_layers, k] int16, the
     expert ids of each input token (the rollout lays them out as prompt + response, like input_ids), and
     with its key blocks "block_ids" [micro-batches, rows, width - 1, n_sparse_layers, Hi, K] int16 likewise
-    (zeros where the width runs past what the rollout covers: only padding sits there)."""
+    (zeros where the width runs past what the rollout covers: only padding sits there).
+    by_length: the rows of each of the `updates` mini-batches sorted longest first (`sorted_by_length`), so that
+    micro-batches cut to their rows' width (grpo.micro_batch_widths) hold rows of similar lengths."""
     batch = build_train_batch(samples.rollout, adv.advantages, adv.weight, width=width, pad_id=pad_id)
     for field in ("routes", "block_ids"):
         ids = getattr(samples.rollout, field)
@@ -182,7 +186,28 @@ def train_batch(samples: Samples, adv: Advantages, *, width: int, pad_id: int, n
             # past every row's tokens (the tail a context-parallel width is rounded up by) nothing reads them
             ids = np.asarray(ids[:, :width - 1])
             batch[field] = np.pad(ids, [(0, 0), (0, width - 1 - ids.shape[1])] + [(0, 0)] * (ids.ndim - 2))
+    if by_length:
+        batch = sorted_by_length(batch, updates)
     return split_micro(batch, num_micro)
+
+
+def width_metrics(micro: dict, widths) -> dict:
+    """batch/real_frac: the share of the step's row positions that hold real tokens; batch/computed_frac: the
+    share the passes compute, with micro-batches cut to `widths` (grpo.micro_batch_widths; 1 without)."""
+    mask = np.asarray(micro["attention_mask"])
+    computed = sum(micro_widths(mask, widths)) / (mask.shape[0] * mask.shape[-1]) if widths else 1.0
+    return {"batch/real_frac": float(mask.sum() / mask.size), "batch/computed_frac": float(computed)}
+
+
+def sorted_by_length(batch: dict, updates: int) -> dict:
+    """Rows [N, ...] reordered longest first (real positions: attention_mask) within each of `updates` equal
+    consecutive slices, which stay the updates' mini-batches. Which rows share a micro-batch changes only the
+    order of the step's sums: the loss and its normaliser are sums over rows and tokens."""
+    lengths = np.asarray(batch["attention_mask"]).sum(-1)
+    per = len(lengths) // updates
+    order = np.concatenate([u * per + np.argsort(-lengths[u * per:(u + 1) * per], kind="stable")
+                            for u in range(updates)])
+    return {k: np.asarray(v)[order] for k, v in batch.items()}
 
 
 def logprobs(logprob_pass: Callable, state, micro: dict, ref_params=None) -> dict:

@@ -30,6 +30,7 @@ from sharding import optim_step
 from sharding.layout import Layout
 from sharding.mesh import build_mesh
 from sharding.train_step import TrainState, batch_sharding, init_state, make_train_step, state_shardings
+from sharding.widths import check_widths
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +63,14 @@ def training_positions(cfg: RunConfig, model_cfg: m3jax.M3Config) -> int:
     `model_cfg.context_block_size()` (else m = 1): 4096 slots on context 2 with blocks of 128 give P = 4096,
     not 4095, which no such mesh could split. The rounded-up tail is padding (attention and loss masks 0)."""
     positions = cfg.generation.max_prompt_tokens + cfg.generation.max_new_tokens - 1
-    multiple = cfg.mesh.context * model_cfg.context_block_size() if cfg.mesh.context > 1 else 1
+    multiple = position_multiple(cfg, model_cfg)
     return -(-positions // multiple) * multiple
+
+
+def position_multiple(cfg: RunConfig, model_cfg: m3jax.M3Config) -> int:
+    """What every row width must be a multiple of: mesh.context x the model's block size under context
+    parallelism (each shard holds whole indexer blocks), else 1."""
+    return cfg.mesh.context * model_cfg.context_block_size() if cfg.mesh.context > 1 else 1
 
 
 @dataclasses.dataclass
@@ -95,6 +102,7 @@ def build_policy(cfg: RunConfig) -> Policy:
     dtype = jnp.dtype(cfg.precision.param_dtype)
     m = cfg.mesh
     m3_cfg = cfg.model.m3_config()
+    check_widths(cfg.grpo.micro_batch_widths, position_multiple(cfg, m3_cfg), "grpo.micro_batch_widths")
     layout = Layout() if m.num_devices == 1 else build_mesh(m.to_mesh_config(), m3_cfg,
                                                             seq_len=training_positions(cfg, m3_cfg))
     if cfg.model.path:
@@ -155,6 +163,7 @@ def make_update(policy: Policy, loss_cfg: LossConfig) -> Callable:
                      policy.cfg.model.indexer_loss_coef),
         mesh=policy.layout,
         shardings=policy.shardings,
+        widths=policy.cfg.grpo.micro_batch_widths,
         normalizer=lambda b: normalizer(b["loss_mask"].reshape(-1, b["loss_mask"].shape[-1]), loss_cfg))
 
 
@@ -162,7 +171,8 @@ def make_logprobs(policy: Policy) -> Callable:
     """logprobs(params, rest, micro_batches) -> logp: the same forward and sampling transform as the loss."""
     return make_logprob_pass(policy.graphdef, policy.sampling, policy.layout, policy.cfg.model.logprob_chunk_tokens,
                              replay=policy.cfg.grpo.routing_replay == "rollout",
-                             indexer_replay=policy.cfg.grpo.indexer_replay == "rollout")
+                             indexer_replay=policy.cfg.grpo.indexer_replay == "rollout",
+                             widths=policy.cfg.grpo.micro_batch_widths)
 
 
 def make_indexer_recall(policy: Policy) -> Callable:

@@ -143,7 +143,8 @@ class GRPOTrainer:
         adv = phases.advantages(reward, samples.rollout.truncated, gcfg)
         rows = len(samples.completions)
         num_micro = rows // (gcfg.micro_batch_size * cfg.mesh.data * cfg.mesh.expert)
-        micro = phases.train_batch(samples, adv, width=self.width, pad_id=self.pad_id, num_micro=num_micro)
+        micro = phases.train_batch(samples, adv, width=self.width, pad_id=self.pad_id, num_micro=num_micro,
+                                   updates=gcfg.updates_per_step, by_length=bool(gcfg.micro_batch_widths))
         t["reward"] = time.perf_counter()
 
         micro = phases.logprobs(self.logprobs, policy.state, micro, self.ref_params)
@@ -167,6 +168,7 @@ class GRPOTrainer:
         metrics = phases.step_metrics(samples, reward, failures, adv, micro, stats,
                                       float(learning_rate(cfg)(step)), timing, elapsed)
         metrics.update(transfer)
+        metrics.update(phases.width_metrics(micro, gcfg.micro_batch_widths))
         metrics.update(drawn.metrics)
         metrics.update(route_metrics)
         metrics.update(ahead_metrics)

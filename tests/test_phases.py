@@ -136,3 +136,36 @@ def test_the_rollout_key_derives_from_seed_and_step():
     for step in (0, 1, 0):
         phases.rollout(Recorder(task.tokenizer), task.dataset(2), task.tokenizer, CFG, sp, step)
     assert np.array_equal(keys[0], keys[2]) and not np.array_equal(keys[0], keys[1])
+
+
+def test_rows_sort_longest_first_within_each_update_and_the_widths_are_reported():
+    lengths = np.array([3, 9, 5, 12, 2, 7, 12, 4])
+    mask = (np.arange(12) < lengths[:, None]).astype(np.int32)
+    batch = {"attention_mask": mask, "advantages": np.arange(8, dtype=np.float32),
+             "input_ids": np.arange(8)[:, None] * 100 + np.arange(12)}
+    got = phases.sorted_by_length(batch, updates=2)
+    # each update keeps its own rows (0-3, then 4-7): only their order changes, every field alike
+    assert got["advantages"].tolist() == [3, 1, 2, 0, 6, 5, 7, 4]
+    assert np.array_equal(got["input_ids"][:, 0], got["advantages"] * 100)
+    assert got["attention_mask"].sum(-1).tolist() == [12, 9, 5, 3, 12, 7, 4, 2]
+
+    micro = {"attention_mask": got["attention_mask"].reshape(4, 2, 12)}  # 4 micro-batches of 2 rows
+    m = phases.width_metrics(micro, (4, 8))
+    assert m["batch/real_frac"] == lengths.sum() / 96
+    assert m["batch/computed_frac"] == (12 + 8 + 12 + 4) / 48  # widths 12 (none fits), 8, 12, 4
+    assert phases.width_metrics(micro, ())["batch/computed_frac"] == 1.0
+
+
+def test_widths_must_split_into_the_context_shards_blocks():
+    from sharding.widths import check_widths
+
+    check_widths((256, 512), multiple=256)
+    for widths, match in (((256, 300), r"\[300\] not a multiple of 256"), ((512, 256), "strictly increasing"),
+                          ((0,), "positive integer")):
+        with pytest.raises(ValueError, match=match):
+            check_widths(widths, multiple=256, what="grpo.micro_batch_widths")
+    cfg = load_config("configs/tiny.yaml", ["mesh.data=4", "mesh.context=2", "mesh.expert_axes=[data]",
+                                            "grpo.micro_batch_size=1", "grpo.micro_batch_widths=[4]"])
+    from rl.policy import build_policy
+    with pytest.raises(ValueError, match=r"grpo.micro_batch_widths = \[4\]: \[4\] not a multiple of 8"):
+        build_policy(cfg)  # context 2 x 4-token blocks

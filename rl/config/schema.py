@@ -242,6 +242,13 @@ class GrpoSection(_Section):
                                   "forward/backward; gradients accumulate over micro-batches", min=1)
     updates_per_step: int = _f(1, "optimizer updates per step: the step's sequences are split into this "
                                   "many mini-batches (1 = on-policy)", min=1)
+    micro_batch_widths: tuple[int, ...] = _f([], "token positions a micro-batch may be cut to: each update's "
+                                                 "sequences are sorted by length and a micro-batch runs at the "
+                                                 "smallest of these that holds its longest sequence (else the full "
+                                                 "width), in the logprob passes and the train step, one compiled "
+                                                 "program per width; multiples of mesh.context x the model's "
+                                                 "index_block_size; [] = every micro-batch at the full width",
+                                             items={"min": 1}, distinct=True)
     advantage: str = _f("grpo", "grpo: (r - group mean) / group std; dr_grpo: no std; rloo: leave-one-out "
                                 "baseline; grpo_loo: leave-one-out baseline and std (NeMo-RL's default)",
                         choices=ADVANTAGES)
