@@ -29,8 +29,13 @@ from sharding.train_step import TrainState
 log = logging.getLogger(__name__)
 
 
+# One program for the whole tree: run eagerly, each leaf's ops compiled one by one (about 20 s of every run's
+# first checkpoint on the 32-node recipe in miniature, 2026-12-03)
+_master_of = jax.jit(precision.master_of)
+
+
 def _portable(state: TrainState) -> dict:
-    master = precision.master_of(state.params, state.opt_state)
+    master = _master_of(state.params, state.opt_state)
     return {"master": nnx.to_pure_dict(master), "rest": nnx.to_pure_dict(state.rest),
             "inner": state.opt_state.inner, "step": state.step, "skipped": state.skipped}
 

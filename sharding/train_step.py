@@ -162,22 +162,19 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation,
 
 def _cut_step(grads_of, add, finish, normalizer, layout: Layout, shardings, widths, donated) -> Callable:
     """The step with each micro-batch cut to its width (`make_train_step(widths=...)`): a jitted micro-step per
-    width adds the micro-batch's gradient to the carry (the first one starts it), then one jitted update. The
-    micro-steps run one micro-batch at a time, so a step's mix of widths never makes a new program."""
+    width adds the micro-batch's gradient to the carry, then one jitted update. The micro-steps run one
+    micro-batch at a time, so a step's mix of widths never makes a new program; the carry starts from zeros
+    (shapes from one trace of the first micro-batch, kept), so each width is one program."""
     mesh = layout.mesh
-    if mesh is None:
-        first = jax.jit(grads_of)
-        more = jax.jit(lambda params, rest, carry, mb: add(carry, grads_of(params, rest, mb)), donate_argnums=(2,))
-        update = jax.jit(finish, donate_argnums=donated)
-    else:
-        replicated = NamedSharding(mesh, P())
-        carry_sh = (jax.tree.map(lambda sh: sh, shardings.params), replicated, replicated)
-        first = jax.jit(grads_of, out_shardings=carry_sh)
-        more = jax.jit(lambda params, rest, carry, mb: add(carry, grads_of(params, rest, mb)),
-                       out_shardings=carry_sh, donate_argnums=(2,))
-        update = jax.jit(finish, in_shardings=(shardings, carry_sh, None, None),
-                         out_shardings=(shardings, replicated), donate_argnums=donated)
+    replicated = None if mesh is None else NamedSharding(mesh, P())
+    carry_sh = None if mesh is None else (shardings.params, replicated, replicated)
+    more = jax.jit(lambda params, rest, carry, mb: add(carry, grads_of(params, rest, mb)),
+                   out_shardings=carry_sh, donate_argnums=(2,))
+    update = jax.jit(finish, donate_argnums=donated) if mesh is None else jax.jit(
+        finish, in_shardings=(shardings, carry_sh, None, None), out_shardings=(shardings, replicated),
+        donate_argnums=donated)
     per_rank = batch_sharding(layout).spec[1:] if mesh is not None else None
+    zeros = {}  # "fn": the jitted zero carry, made at the first call
 
     def place(mb):
         if mesh is None:
@@ -191,11 +188,14 @@ def _cut_step(grads_of, add, finish, normalizer, layout: Layout, shardings, widt
         with contextlib.ExitStack() as stack:
             if mesh is not None:
                 stack.enter_context(jax.set_mesh(mesh))
-            carry = None
-            for m, width in enumerate(cut):
-                mb = place(cut_micro_batch(batch, m, width))
-                carry = (first(state.params, state.rest, mb) if carry is None
-                         else more(state.params, state.rest, carry, mb))
+            mbs = [place(cut_micro_batch(batch, m, width)) for m, width in enumerate(cut)]
+            if "fn" not in zeros:
+                shapes = jax.eval_shape(grads_of, state.params, state.rest, mbs[0])
+                zeros["fn"] = jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
+                                      out_shardings=carry_sh)
+            carry = zeros["fn"]()
+            for mb in mbs:
+                carry = more(state.params, state.rest, carry, mb)
             return update(state, carry, total, tokens)
 
     run.widths = widths

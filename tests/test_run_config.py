@@ -71,7 +71,7 @@ def test_every_shipped_config_loads(recipe_paths):
     assert mini.mesh.expert_axes == recipe.mesh.expert_axes == ("data", "context") and mini.mesh.context > 1
     for f in ("remat", "remat_policy", "attention_impl", "moe_kernel", "sparse_attention", "moe_capacity_factor"):
         assert getattr(mini.model, f) == getattr(recipe.model, f), f
-    sized = {"prompts_per_step", "group_size"}
+    sized = {"prompts_per_step", "group_size", "micro_batch_widths"}
     assert {f.name: getattr(mini.grpo, f.name) for f in dataclasses.fields(mini.grpo) if f.name not in sized} == \
         {f.name: getattr(recipe.grpo, f.name) for f in dataclasses.fields(recipe.grpo) if f.name not in sized}
     shipped = {p.relative_to(CONFIGS).as_posix() for p in CONFIGS.rglob("*.yaml")}
