@@ -29,13 +29,15 @@ from sharding.train_step import TrainState
 log = logging.getLogger(__name__)
 
 
-# One program for the whole tree: run eagerly, each leaf's ops compiled one by one (about 20 s of every run's
-# first checkpoint on the 32-node recipe in miniature, 2026-12-03)
-_master_of = jax.jit(precision.master_of)
+_joined_master = jax.jit(precision.master_of)
 
 
 def _portable(state: TrainState) -> dict:
-    master = _master_of(state.params, state.opt_state)
+    # A compact master is computed (params joined with their remainders): one program for the whole tree, since
+    # eagerly each leaf's ops compile one by one (~20 s of the 32-node miniature's first checkpoint, 2026-12-03).
+    # Otherwise the master is the arrays themselves, which a jitted copy would hold twice.
+    compact = any(x.dtype == jnp.int16 for x in jax.tree.leaves(state.opt_state.master))
+    master = (_joined_master if compact else precision.master_of)(state.params, state.opt_state)
     return {"master": nnx.to_pure_dict(master), "rest": nnx.to_pure_dict(state.rest),
             "inner": state.opt_state.inner, "step": state.step, "skipped": state.skipped}
 

@@ -156,6 +156,21 @@ def test_rows_sort_longest_first_within_each_update_and_the_widths_are_reported(
     assert phases.width_metrics(micro, ())["batch/computed_frac"] == 1.0
 
 
+def test_a_micro_batch_is_cut_to_its_width_and_its_outputs_padded_back():
+    from sharding.widths import cut_micro_batch, micro_widths, padded_to
+
+    lengths = np.array([[3, 5], [9, 12]])  # 2 micro-batches of 2 rows, 12 positions
+    batch = {"attention_mask": (np.arange(12) < lengths[..., None]).astype(np.int32),
+             "routes": np.arange(2 * 2 * 12 * 3).reshape(2, 2, 12, 3), "advantages": np.array([[1.0, 2.0], [3.0, 4.0]])}
+    assert micro_widths(batch["attention_mask"], (4, 8)) == [8, 12]  # 5 needs 8; 12 fits no listed width
+    assert micro_widths(batch["attention_mask"], (16,)) == [12, 12]  # wider than the batch: the batch's width
+    mb = cut_micro_batch(batch, 0, 8)
+    assert mb["routes"].shape == (2, 8, 3) and mb["advantages"].tolist() == [1.0, 2.0]
+    assert np.array_equal(mb["routes"], batch["routes"][0, :, :8])
+    back = padded_to(mb["routes"][None], 12)
+    assert back.shape == (1, 2, 12, 3) and np.array_equal(back[0, :, :8], mb["routes"]) and not back[0, :, 8:].any()
+
+
 def test_widths_must_split_into_the_context_shards_blocks():
     from sharding.widths import check_widths
 

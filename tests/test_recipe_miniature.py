@@ -9,6 +9,7 @@ Before this test, neither held for the recipe: its rows had a position count no 
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -30,18 +31,20 @@ def train(out_dir, steps: int) -> str:
     return r.stderr
 
 
-@pytest.mark.slow  # three runs of the trainer on 8 devices (~75 s)
+@pytest.mark.slow  # two runs of the trainer on 8 devices (~100 s, the second from the first one's compiled programs)
 def test_the_recipe_in_miniature_trains_and_resumes_bitwise(tmp_path):
-    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
-    train(straight, 3)
-    train(stopped, 2)  # checkpoint.every_steps 2: the last checkpoint is step 2
-    assert "resumed from step 2" in train(stopped, 3)
+    run = tmp_path / "run"
+    train(run, 3)  # checkpoints at steps 2 and 3 (checkpoint.every_steps 2, and the last step)
+    want = load_file(os.path.join(run, "export", "model.safetensors"))
+    metrics = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+    # as if the run had been killed after step 2's checkpoint: the same command resumes from it
+    shutil.rmtree(run / "checkpoints" / "3")
+    shutil.rmtree(run / "export")
+    assert "resumed from step 2" in train(run, 3)
 
-    want = load_file(os.path.join(straight, "export", "model.safetensors"))
-    got = load_file(os.path.join(stopped, "export", "model.safetensors"))
+    got = load_file(os.path.join(run, "export", "model.safetensors"))
     assert sorted(got) == sorted(want) and any(".block_sparse_moe.experts.0.w1." in k for k in want)  # released layout
     for name in want:
         np.testing.assert_array_equal(got[name].view(np.uint8), want[name].view(np.uint8), err_msg=name)
-    metrics = [json.loads(line) for line in open(os.path.join(straight, "metrics.jsonl"))]
     computed = [m["batch/computed_frac"] for m in metrics if "batch/computed_frac" in m]
     assert len(computed) == 3 and min(computed) < 1.0  # grpo.micro_batch_widths cut micro-batches

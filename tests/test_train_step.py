@@ -268,6 +268,7 @@ def ragged_batch(cfg, seq: int = 64, seed: int = 3):
     return {**batch, "attention_mask": jnp.asarray(real), "loss_mask": jnp.asarray(loss, jnp.float32)}
 
 
+@pytest.mark.slow  # two step compiles per width (the fast loop checks the cutting itself: tests/test_phases.py)
 def test_cut_micro_batches_make_the_full_width_step(ckpt):
     """widths=(16, 32, 48): micro-batch 0 (rows <= 16 positions) runs at 16, micro-batch 1 (one row of 64) at the
     full 64; the update equals the full-width scan's up to the sums' order (SGD: the update is the gradient)."""
@@ -277,20 +278,18 @@ def test_cut_micro_batches_make_the_full_width_step(ckpt):
     opt = precision.with_master_weights(optax.sgd(1.0), "none")
     batch = ragged_batch(model.cfg)
     assert micro_widths(np.asarray(batch["attention_mask"]), (16, 32, 48)) == [16, 64]
-    half = {k: v[:1] for k, v in batch.items()}  # and one micro-batch alone, cut to 16 of its 64 positions
-    for b in (batch, half):
-        out = []
-        for widths in ((), (16, 32, 48)):
-            graphdef, state = init_state(model, opt)
-            before = jax.tree.map(np.asarray, state.params)
-            state, metrics = make_train_step(graphdef, opt, donate=False, widths=widths)(state, b)
-            out.append((jax.tree.map(lambda new, old: np.asarray(new) - old, state.params, before), metrics))
-        (want, want_m), (got, got_m) = out
-        assert float(got_m["tokens"]) == float(want_m["tokens"]) == float(np.sum(b["loss_mask"]))
-        assert abs(float(got_m["loss"]) - float(want_m["loss"])) <= 1e-6 * abs(float(want_m["loss"]))
-        assert abs(float(got_m["grad_norm"]) - float(want_m["grad_norm"])) <= 1e-6 * float(want_m["grad_norm"])
-        for a, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-            assert np.max(np.abs(a - w)) <= 1e-5 * max(np.max(np.abs(w)), 1e-30)
+    out = []
+    for widths in ((), (16, 32, 48)):
+        graphdef, state = init_state(model, opt)
+        before = jax.tree.map(np.asarray, state.params)
+        state, metrics = make_train_step(graphdef, opt, donate=False, widths=widths)(state, batch)
+        out.append((jax.tree.map(lambda new, old: np.asarray(new) - old, state.params, before), metrics))
+    (want, want_m), (got, got_m) = out
+    assert float(got_m["tokens"]) == float(want_m["tokens"]) == float(np.sum(batch["loss_mask"]))
+    assert abs(float(got_m["loss"]) - float(want_m["loss"])) <= 1e-6 * abs(float(want_m["loss"]))
+    assert abs(float(got_m["grad_norm"]) - float(want_m["grad_norm"])) <= 1e-6 * float(want_m["grad_norm"])
+    for a, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert np.max(np.abs(a - w)) <= 1e-5 * max(np.max(np.abs(w)), 1e-30)
 
 
 @pytest.mark.slow  # the cut step compiled on a (2,2,2,1) mesh
