@@ -27,7 +27,7 @@ from m3jax.model.decoder import ACT, lm_head_logits
 from rl.generation.base import SamplingParams, token_logprobs
 from sharding.layout import Layout
 from sharding.train_step import batch_sharding
-from sharding.widths import cut_micro_batch, micro_widths, padded_to
+from sharding.widths import cut_micro_batch, micro_widths, on_host, padded_to
 
 _INPUTS = ("input_ids", "attention_mask", "targets")
 
@@ -223,10 +223,15 @@ def make_logprob_pass(graphdef, sampling: SamplingParams, layout: Layout = Layou
         """Each micro-batch at its width (`sharding.widths`, one call each, so a step's mix of widths compiles
         one program per width), the outputs zero-padded back to the batch's positions."""
         full = np.shape(batch["input_ids"])[2]
-        keys = [k for k in _INPUTS + ("routes", "block_ids") if k in batch]
-        outs = [pass_(params, rest, {k: v[None] for k, v in cut_micro_batch({k: batch[k] for k in keys}, m, w).items()})
+        inputs = {k: on_host(batch[k]) for k in _INPUTS + ("routes", "block_ids") if k in batch}
+        outs = [pass_(params, rest, {k: v[None] for k, v in cut_micro_batch(inputs, m, w).items()})
                 for m, w in enumerate(micro_widths(np.asarray(batch["attention_mask"]), widths))]
-        return jax.tree.map(lambda *xs: jnp.concatenate([padded_to(x, full) for x in xs]), *outs)
+
+        def stitch(*xs):  # on the host where this process holds the outputs (see `sharding.widths.on_host`)
+            xs = [padded_to(on_host(x), full) for x in xs]
+            return np.concatenate(xs) if all(isinstance(x, np.ndarray) for x in xs) else jnp.concatenate(xs)
+
+        return jax.tree.map(stitch, *outs)
 
     cut_pass.jitted = run
     return cut_pass

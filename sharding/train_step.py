@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from sharding import precision
 from sharding.optim_step import group_norms
 from sharding.layout import Layout, as_layout
-from sharding.widths import cut_micro_batch, micro_widths
+from sharding.widths import cut_micro_batch, micro_widths, on_host
 
 
 class TrainState(NamedTuple):
@@ -184,6 +184,7 @@ def _cut_step(grads_of, add, finish, normalizer, layout: Layout, shardings, widt
     def run(state, batch):
         total = jnp.maximum(normalizer(batch), 1.0)
         tokens = valid_tokens(batch)
+        batch = {k: on_host(v) for k, v in batch.items()}
         cut = micro_widths(np.asarray(batch["attention_mask"]), widths)
         with contextlib.ExitStack() as stack:
             if mesh is not None:

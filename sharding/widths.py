@@ -30,6 +30,17 @@ def cut_micro_batch(batch: dict, m: int, width: int) -> dict:
     return {k: v[m, :, :width] if np.ndim(v) >= 3 else v[m] for k, v in batch.items()}
 
 
+def on_host(x):
+    """x as a numpy array when this process holds all of it, else x (a multi-host global array). Cutting and
+    padding then run on the host: eagerly on a sharded jax array, each cut or pad reshards its position axis
+    across the context shards (collective programs of their own, dispatched between the step's)."""
+    import jax
+
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return x
+    return np.asarray(x)
+
+
 def padded_to(x, full: int):
     """x [..., rows, w, ...] (positions on axis 2 of a [micro, rows, S, ...] layout) zero-padded back to `full`."""
     import jax.numpy as jnp
