@@ -292,7 +292,8 @@ def test_cut_micro_batches_make_the_full_width_step(ckpt):
         assert np.max(np.abs(a - w)) <= 1e-5 * max(np.max(np.abs(w)), 1e-30)
 
 
-@pytest.mark.slow  # the cut step compiled on a (2,2,2,1) mesh
+@pytest.mark.extended  # the default run's mesh check of the cut path: tests/test_context_parallel_run.py (a trainer
+@pytest.mark.slow  # run on data 4 x context 2 against one device); this one compiles the cut step on (2,2,2,1)
 def test_cut_micro_batches_on_a_mesh_make_the_single_device_step(ckpt):
     """Context 2 x blocks of 8: widths are multiples of 16; micro-batch 0 runs at 16 positions, 1 at 64."""
     opt = precision.with_master_weights(optax.sgd(1.0), "none")
