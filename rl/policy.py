@@ -28,7 +28,7 @@ from rl.grpo.loss import LossConfig, aggregate, grpo_loss, normalizer
 from rl.logprobs import make_logprob_pass, policy_logprobs
 from sharding import optim_step
 from sharding.layout import Layout
-from sharding.mesh import build_mesh
+from sharding.mesh import build_mesh, sequence_multiple
 from sharding.train_step import TrainState, batch_sharding, init_state, make_train_step, state_shardings
 from sharding.widths import check_widths
 
@@ -63,14 +63,8 @@ def training_positions(cfg: RunConfig, model_cfg: m3jax.M3Config) -> int:
     `model_cfg.context_block_size()` (else m = 1): 4096 slots on context 2 with blocks of 128 give P = 4096,
     not 4095, which no such mesh could split. The rounded-up tail is padding (attention and loss masks 0)."""
     positions = cfg.generation.max_prompt_tokens + cfg.generation.max_new_tokens - 1
-    multiple = position_multiple(cfg, model_cfg)
+    multiple = sequence_multiple(cfg.mesh, model_cfg)
     return -(-positions // multiple) * multiple
-
-
-def position_multiple(cfg: RunConfig, model_cfg: m3jax.M3Config) -> int:
-    """What every row width must be a multiple of: mesh.context x the model's block size under context
-    parallelism (each shard holds whole indexer blocks), else 1."""
-    return cfg.mesh.context * model_cfg.context_block_size() if cfg.mesh.context > 1 else 1
 
 
 @dataclasses.dataclass
@@ -102,7 +96,7 @@ def build_policy(cfg: RunConfig) -> Policy:
     dtype = jnp.dtype(cfg.precision.param_dtype)
     m = cfg.mesh
     m3_cfg = cfg.model.m3_config()
-    check_widths(cfg.grpo.micro_batch_widths, position_multiple(cfg, m3_cfg), "grpo.micro_batch_widths")
+    check_widths(cfg.grpo.micro_batch_widths, sequence_multiple(m, m3_cfg), "grpo.micro_batch_widths")
     layout = Layout() if m.num_devices == 1 else build_mesh(m.to_mesh_config(), m3_cfg,
                                                             seq_len=training_positions(cfg, m3_cfg))
     if cfg.model.path:

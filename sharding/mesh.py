@@ -58,6 +58,13 @@ class MeshConfig:
         return self.axis_size(self.expert_axes)
 
 
+def sequence_multiple(mesh, model=None) -> int:
+    """What a sequence length must be a multiple of on `mesh` (anything with `.context`): mesh.context, times
+    the model's `context_block_size()` when the sequence is split (each context shard holds whole blocks)."""
+    block_size = getattr(model, "context_block_size", None)
+    return mesh.context * (block_size() if block_size is not None and mesh.context > 1 else 1)
+
+
 def validate(mesh: MeshConfig, model=None, *, num_devices: int | None = None, seq_len: int | None = None,
              batch: int | None = None) -> None:
     """Raise MeshError for the first violated rule (each rule has its own message).
@@ -81,9 +88,9 @@ def validate(mesh: MeshConfig, model=None, *, num_devices: int | None = None, se
         if problem:
             raise MeshError(problem)
     if seq_len is not None:
-        block_size = getattr(model, "context_block_size", None)
-        block = block_size() if block_size is not None and mesh.context > 1 else 1
-        if seq_len % (mesh.context * block):
+        multiple = sequence_multiple(mesh, model)
+        block = multiple // mesh.context
+        if seq_len % multiple:
             raise MeshError(f"sequence length {seq_len} is not divisible by mesh.context={mesh.context}"
                             + (f" x {block} (the model's block size)" if block != 1 else ""))
     if batch is not None and batch % (mesh.data * mesh.expert):
