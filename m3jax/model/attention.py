@@ -34,6 +34,7 @@ from m3jax.model.rope import apply_rope
 from m3jax.model.softmax import softmax
 from m3jax.model.sparse import head_units, one_device_path, select_blocks, sparse_layer_attention
 from m3jax.model.tiles import _from_chunks, _to_chunks, causal_keep  # noqa: F401  (their home before tiles.py)
+from sharding.context import KV_AXES, ROW_AXES, context_parallel, context_parallel_attention
 from sharding.layout import Layout
 
 _MASKED = jnp.finfo(jnp.float32).min
@@ -145,7 +146,11 @@ def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
         if replay.ndim != 4 or replay.shape[:3] != want:
             raise ValueError(f"block_ids {replay.shape}: expected [B, S, Hi, K] = [{b}, {s}, {cfg.index_n_heads}, K]")
         replay = replay.astype(jnp.int32)
-    if sparse and sparse_impl in ("gather", "paged"):
+    if sparse and sparse_impl in ("gather", "paged") and _context_sparse_applies(q, k, cfg, layout):
+        o = _context_sparse(q, k, v, positions, key_valid, iq, ik, replay, cfg, layout, own)
+        if own:
+            o, used = o
+    elif sparse and sparse_impl in ("gather", "paged"):
         k, v, ik = gather_keys(k, v, ik, layout)
         # One device: the grouped or the slot path, chosen by the config's shape alone (never by S), so that
         # the engine's decode steps and the trainer's full forward run the same arithmetic. Neither is bitwise
@@ -171,7 +176,7 @@ def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
         o = fused_attention(q, k, v, positions, key_valid, cfg.head_dim ** -0.5, fallback=unfused)
     elif impl == "flash":
         o = flash_layer_attention(q, k, v, positions, key_valid, iq, ik, cfg, block_ids=replay,
-                                  return_block_ids=own)
+                                  return_block_ids=own, layout=layout)
     elif query_chunk and x.shape[1] // n_ctx > query_chunk:
         o = chunked_attention(q, k, v, positions, key_valid, iq, ik, cfg, query_chunk, layout, block_ids=replay,
                               return_block_ids=own)
@@ -201,6 +206,37 @@ def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
     return result if len(result) > 1 else result[0]
 
 
+def _context_sparse_applies(q, k, cfg, layout: Layout) -> bool:
+    """A sparse layer runs shard by shard (`_context_sparse`): a context-sharded layout, keys of the queries'
+    own slots (no decode cache), and index heads that split like the query heads over tensor parallelism."""
+    return (layout.size("act_seq") > 1 and k.shape[1] == q.shape[1]
+            and cfg.index_n_heads % layout.size("act_heads") == 0)
+
+
+def _context_sparse(q, k, v, positions, key_valid, iq, ik, replay, cfg, layout: Layout, own: bool):
+    """A sparse layer's gathered attention on each context shard's queries over the gathered keys
+    (`sharding.context.context_parallel`): o, and with `own` (o, the ids used). The index heads are cut
+    like the query heads, so each device's units pair the same kv and index heads as one device's."""
+    b, s = q.shape[:2]
+    positions = jnp.broadcast_to(positions, (b, s))
+    key_valid = jnp.ones((b, s), bool) if key_valid is None else jnp.broadcast_to(key_valid, (b, s))
+    heads = ("act_batch", "act_seq", "act_heads", None)  # q, the indexer's queries and block ids
+    local = [(q, heads), (positions, ROW_AXES), (iq, heads)] + ([] if replay is None else [(replay, heads)])
+
+    def attend(q, positions, iq, *rest):
+        replayed, (k, v, key_valid, ik) = (rest[0], rest[1:]) if replay is not None else (None, rest)
+        # Each device computes as one device does: the one-device path for the shape (local heads: with
+        # tensor parallelism the units split with the heads).
+        units = len(head_units(q.shape[2], k.shape[2], iq.shape[2])[0])
+        path = one_device_path(cfg.index_topk_blocks, cfg.index_block_size, q.shape[2] // units)
+        return sparse_layer_attention(q, k, v, positions, key_valid, iq, ik, cfg, to_chunks=_to_chunks,
+                                      from_chunks=_from_chunks, n_ctx=1, path=path, block_ids=replayed,
+                                      return_block_ids=own)
+
+    gathered = [(k, KV_AXES), (v, KV_AXES), (key_valid, ROW_AXES), (ik, ("act_batch", "act_seq", None))]
+    return context_parallel(attend, layout, local, gathered, (heads, heads) if own else heads)
+
+
 def _paged(q, k, v, positions, key_valid, iq, ik, replay, cfg, n_ctx: int, layout: Layout, path: str):
     """A sparse layer under sparse_impl "paged" (`m3jax.model.paged_sparse`): (o, the block ids used)."""
     ids = replay if replay is not None else select_blocks(iq, ik, positions, cfg, to_chunks=_to_chunks,
@@ -218,7 +254,7 @@ def _paged(q, k, v, positions, key_valid, iq, ik, replay, cfg, n_ctx: int, layou
 def _unfused(q, k, v, positions, key_valid, cfg, query_chunk: int, layout: Layout):
     """A full layer's attention as "auto" runs it without cuDNN (the fused path's fallback)."""
     if unfused_impl(k.shape[1]) == "flash":
-        return flash_layer_attention(q, k, v, positions, key_valid, None, None, cfg)
+        return flash_layer_attention(q, k, v, positions, key_valid, None, None, cfg, layout=layout)
     if query_chunk and q.shape[1] // layout.size("act_seq") > query_chunk:
         return chunked_attention(q, k, v, positions, key_valid, None, None, cfg, query_chunk, layout)
     return masked_attention(q, k, v, positions, key_valid, None, None, cfg)
@@ -256,9 +292,19 @@ def masked_attention(q, k, v, positions, key_valid, iq, ik, cfg, block_ids=None,
     return (o, ids) if return_block_ids else o
 
 
-def flash_layer_attention(q, k, v, positions, key_valid, iq, ik, cfg, block_ids=None, return_block_ids=False):
+def flash_layer_attention(q, k, v, positions, key_valid, iq, ik, cfg, block_ids=None, return_block_ids=False,
+                          layout: Layout = Layout()):
     """`masked_attention` with `flash_attention`: the same keep-mask, never materialised. Sparse layers
-    walk key tiles of one indexer block and skip blocks no query of a tile selected."""
+    walk key tiles of one indexer block and skip blocks no query of a tile selected.
+    layout: a context-sharded one runs full layers over keys of the queries' own slots shard by shard
+    (`sharding.context.context_parallel_attention`); sparse layers on flash (sparse_impl "masked", the
+    reference) are left to the partitioner, which computes every query tile on every context shard."""
+    if iq is None and block_ids is None and layout.size("act_seq") > 1 and k.shape[1] == q.shape[1]:
+        def attend(q, k, v, positions, key_valid):
+            return flash_attention(q, k, v, scale=cfg.head_dim ** -0.5, positions=positions, key_valid=key_valid,
+                                   q_tile=FLASH_TILE, k_tile=FLASH_TILE)
+
+        return context_parallel_attention(attend, layout, q, k, v, positions, key_valid)
     blocks, tile, ids = None, FLASH_TILE, None
     if iq is not None:
         blocks, ids = _sparse_blocks(iq, ik, positions, cfg, block_ids, return_block_ids)

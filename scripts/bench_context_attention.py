@@ -1,0 +1,98 @@
+"""Flash attention under a context-parallel mesh: the partitioner's placement vs `sharding.context`'s shard_map,
+side by side, with one device as the reference.
+
+One full-attention layer's flash attention (`m3jax.model.flash.flash_attention`, tiles of 128, causal), q
+[B, S, H, D] and k / v [B, S, KV, D], fp32, on --devices simulated CPU devices:
+  one device      jit(flash) on one device (what the mesh should divide)
+  partitioner     jit(flash) with q, k, v sharded over the context axis and nothing else said (before: the
+                  partitioner cannot split the scan over query tiles, so it gathers every tile everywhere)
+  shard_map       `context_parallel_attention(flash)`: each device its own queries over the gathered keys
+fwd = the output; f+b = value_and_grad of the sum over q, k, v. Median wall ms over --iters round-robin
+calls after one warm-up call. The simulated devices share this machine's cores, so a perfect split of the
+work shows as the one-device time (not 1/N of it), and a partitioner that computes every query tile on every
+device as ~N x the one-device time divided by the cores' parallelism.
+
+    .venv/bin/python scripts/bench_context_attention.py                       # S = 2048 4096, 4 devices
+    .venv/bin/python scripts/bench_context_attention.py --seq 8192 --devices 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seq", type=int, nargs="+", default=[2048, 4096])
+    ap.add_argument("--devices", type=int, default=4, help="simulated CPU devices = the context axis")
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--iters", type=int, default=3)
+    args = ap.parse_args()
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
+
+    import jax
+    import jax.numpy as jnp
+
+    from m3jax.model.flash import flash_attention
+    from sharding.context import context_parallel_attention
+    from sharding.mesh import MeshConfig, build_mesh
+
+    b, h, kvh, d = 1, args.heads, args.kv_heads, args.head_dim
+
+    def flash(q, k, v, positions=None, key_valid=None):
+        return flash_attention(q, k, v, scale=d ** -0.5, positions=positions, key_valid=key_valid,
+                               q_tile=128, k_tile=128)
+
+    def timed(f, *a) -> float:
+        t = time.perf_counter()
+        jax.block_until_ready(f(*a))
+        return (time.perf_counter() - t) * 1e3
+
+    print(f"flash attention, B={b} H={h} KV={kvh} D={d}, fp32, {args.devices} simulated devices "
+          f"({os.cpu_count()} cores)\n")
+    print("| S | one device fwd | partitioner fwd | shard_map fwd | one device f+b | partitioner f+b | "
+          "shard_map f+b | shard_map vs partitioner (fwd / f+b) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for s in args.seq:
+        layout = build_mesh(MeshConfig(1, args.devices, 1, 1), seq_len=s, batch=b)
+        r = jax.random.split(jax.random.key(s), 3)
+        q = jax.random.normal(r[0], (b, s, h, d))
+        k, v = (jax.random.normal(x, (b, s, kvh, d)) for x in r[1:])
+        positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+
+        def cp(q, k, v):
+            return context_parallel_attention(flash, layout, q, k, v, positions, None)
+
+        def fb(f):
+            return jax.jit(jax.value_and_grad(lambda q, k, v: f(q, k, v).sum(), argnums=(0, 1, 2)))
+
+        seq_sharded = layout.sharding(("act_batch", "act_seq", None, None))
+        placed = [jax.device_put(x, seq_sharded) for x in (q, k, v)]
+        runs = {"one device": ((q, k, v), jax.jit(flash), fb(flash)),
+                "partitioner": (placed, jax.jit(flash), fb(flash)),
+                "shard_map": (placed, jax.jit(cp), fb(cp))}
+        times = {name: ([], []) for name in runs}
+        with jax.set_mesh(layout.mesh):
+            for a, fwd, grad in runs.values():
+                timed(fwd, *a), timed(grad, *a)
+            for _ in range(args.iters):
+                for name, (a, fwd, grad) in runs.items():
+                    times[name][0].append(timed(fwd, *a))
+                    times[name][1].append(timed(grad, *a))
+        med = {name: tuple(statistics.median(t) for t in ts) for name, ts in times.items()}
+        cells = [f"{med[n][i]:.0f}" for i in (0, 1) for n in runs]
+        ratio = " / ".join(f"{med['partitioner'][i] / med['shard_map'][i]:.2f}x" for i in (0, 1))
+        print(f"| {s} | " + " | ".join(cells) + f" | {ratio} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

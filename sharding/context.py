@@ -1,0 +1,84 @@
+"""Context-parallel attention: each device attends its own query shard over the keys of every shard.
+
+Under a mesh whose context axis cuts the sequence, a query-tiled attention (a scan over query tiles, a
+loop over key tiles) cannot be split well by the partitioner. A scan's iteration axis is never sharded, so
+for flash attention it gathered every query tile onto every context device and computed all of them there
+(4 context devices ran its forward and backward 3-5x slower than this module's path,
+`scripts/bench_context_attention.py`); for the sparse layers' per-tile gathers it kept the split but
+all-reduced the whole dK / dV buffers over the context axis at every query tile of the backward. Here the
+attention runs inside `jax.shard_map` instead: device c holds queries [c S_l, (c+1) S_l) and all-gathers the
+key-side arrays (keys, values, key padding, indexer keys) over the context axes, so it computes only its
+own queries against the keys they can see, with its own loop bounds. The gather's transpose is a
+reduce-scatter: in the backward each device sums its queries' contributions to dK / dV once.
+
+Shard c's queries see keys [0, (c+1) S_l): under causal attention the last shard does the most work
+(contiguous shards, no zigzag reordering).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from sharding.layout import Layout
+
+Q_AXES = ("act_batch", "act_seq", "act_heads", None)
+KV_AXES = ("act_batch", "act_seq", "act_kv_heads", None)
+ROW_AXES = ("act_batch", "act_seq")
+
+Axes = tuple  # logical axis names of one array, one per dimension (None = not cut)
+
+
+def context_parallel(fn: Callable, layout: Layout, local: Sequence[tuple[jax.Array, Axes]],
+                     gathered: Sequence[tuple[jax.Array, Axes]], out_axes: Axes | tuple[Axes, ...]):
+    """fn(*local shards, *gathered arrays) on every device of `layout`'s mesh (inside `jax.shard_map`).
+
+    local: (array, logical axes) pairs each device gets its own shard of (the queries' side);
+    gathered: (array, logical axes) pairs each device gets whole along their "act_seq" axis (gathered over
+    the context axes inside the map; its other axes stay cut); out_axes: the logical axes of fn's output,
+    or a tuple of them for a tuple of outputs. Every array's dimensions must divide into their shards.
+    """
+    ctx = layout.axes("act_seq")
+    n_local = len(local)
+    seq_dims = [axes.index("act_seq") for _, axes in gathered]
+
+    def body(*arrays):
+        whole = [jax.lax.all_gather(a, ctx, axis=dim, tiled=True) for a, dim in zip(arrays[n_local:], seq_dims)]
+        return fn(*arrays[:n_local], *whole)
+
+    spec = lambda axes: layout.spec(axes, drop_trivial=True)  # noqa: E731
+    in_specs = tuple(spec(axes) for _, axes in (*local, *gathered))
+    several = bool(out_axes) and isinstance(out_axes[0], tuple)
+    out_specs = tuple(spec(a) for a in out_axes) if several else spec(out_axes)
+    # check_vma off: fn's loops start from constant carries (zeros), which the varying-axes check rejects.
+    # Nothing is lost by it: the callers cut every input over every mesh axis of size > 1 that its dimensions
+    # map to, so no cotangent needs a psum over an axis its input is replicated on.
+    return jax.shard_map(body, mesh=layout.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(
+        *(a for a, _ in local), *(a for a, _ in gathered))
+
+
+def context_parallel_attention(attend: Callable, layout: Layout, q: jax.Array, k: jax.Array, v: jax.Array,
+                               positions: jax.Array, key_valid: jax.Array | None) -> jax.Array:
+    """attend(q, k, v, positions, key_valid) on each device's query shard over the gathered keys.
+
+    q [B, S, H, D], k / v [B, S, KV, D] (the keys of the same S slots, sharded like the queries),
+    positions [B, S] int, key_valid [B, S] bool or None (all valid) -> [B, S, H, D], laid out like q.
+    attend gets q [B_l, S_l, H_l, D], k / v [B_l, S, KV_l, D], positions [B_l, S_l], key_valid [B_l, S]:
+    local batch rows and heads (tensor parallelism), local queries, every key slot.
+    """
+    if layout.mesh is None or layout.size("act_seq") == 1:
+        return attend(q, k, v, positions, key_valid)
+    b, s = q.shape[:2]
+    if k.shape[1] != s:
+        raise ValueError(f"context-parallel attention needs the keys of the queries' own slots: {s} queries, "
+                         f"{k.shape[1]} key slots")
+    positions = jnp.broadcast_to(positions, (b, s))
+    key_valid = jnp.ones((b, s), bool) if key_valid is None else jnp.broadcast_to(key_valid, (b, s))
+
+    def local_attend(q, positions, k, v, key_valid):
+        return attend(q, k, v, positions, key_valid)
+
+    return context_parallel(local_attend, layout, [(q, Q_AXES), (positions, ROW_AXES)],
+                            [(k, KV_AXES), (v, KV_AXES), (key_valid, ROW_AXES)], Q_AXES)
