@@ -1,12 +1,18 @@
-"""Flash attention under a context-parallel mesh: the partitioner's placement vs `sharding.context`'s shard_map,
-side by side, with one device as the reference.
+"""Attention under a context-parallel mesh: the partitioner's placement vs `sharding.context`'s shard_map, side
+by side, with one device as the reference.
 
-One full-attention layer's flash attention (`m3jax.model.flash.flash_attention`, tiles of 128, causal), q
-[B, S, H, D] and k / v [B, S, KV, D], fp32, on --devices simulated CPU devices:
+--layer full: one full-attention layer's flash attention (`m3jax.model.flash.flash_attention`, tiles of 128,
+causal), q [B, S, H, D] and k / v [B, S, KV, D], fp32, on --devices simulated CPU devices:
   one device      jit(flash) on one device (what the mesh should divide)
   partitioner     jit(flash) with q, k, v sharded over the context axis and nothing else said (before: the
                   partitioner cannot split the scan over query tiles, so it gathers every tile everywhere)
   shard_map       `context_parallel_attention(flash)`: each device its own queries over the gathered keys
+--layer sparse: one sparse layer's gathered attention (`m3jax.model.sparse.sparse_layer_attention`, the indexer's
+top-4 of blocks of 64, 2 index heads of 64, one local block) on the same q, k, v:
+  one device      the one-device path (`one_device_path`) on one device
+  partitioner     what a mesh ran before: keys gathered by sharding constraints, the per-tile gather scan
+                  over every context shard's tiles at once (its backward all-reduced dK / dV at every tile)
+  shard_map       `m3jax.model.attention.context_sparse_attention`: the one-device path on each shard
 fwd = the output; f+b = value_and_grad of the sum over q, k, v. Median wall ms over --iters round-robin
 calls after one warm-up call. The simulated devices share this machine's cores, so a perfect split of the
 work shows as the one-device time (not 1/N of it), and a partitioner that computes every query tile on every
@@ -14,6 +20,7 @@ device as ~N x the one-device time divided by the cores' parallelism.
 
     .venv/bin/python scripts/bench_context_attention.py                       # S = 2048 4096, 4 devices
     .venv/bin/python scripts/bench_context_attention.py --seq 8192 --devices 8
+    .venv/bin/python scripts/bench_context_attention.py --layer sparse
 """
 
 from __future__ import annotations
@@ -36,28 +43,53 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--layer", choices=("full", "sparse"), default="full")
     args = ap.parse_args()
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
 
     import jax
     import jax.numpy as jnp
 
+    from m3jax import tiny
+    from m3jax.model import attention as att
     from m3jax.model.flash import flash_attention
+    from m3jax.model.sparse import head_units, one_device_path, sparse_layer_attention
     from sharding.context import context_parallel_attention
     from sharding.mesh import MeshConfig, build_mesh
 
     b, h, kvh, d = 1, args.heads, args.kv_heads, args.head_dim
+    cfg = tiny.m3_config(num_attention_heads=h, num_key_value_heads=kvh, head_dim=d, index_n_heads=2,
+                         index_head_dim=64, index_block_size=64, index_topk_blocks=4, index_local_blocks=1)
 
     def flash(q, k, v, positions=None, key_valid=None):
         return flash_attention(q, k, v, scale=d ** -0.5, positions=positions, key_valid=key_valid,
                                q_tile=128, k_tile=128)
+
+    def sparse_programs(layout, positions, iq, ik):
+        """(one device, partitioner, shard_map) sparse layers of q, k, v."""
+        units = len(head_units(h, kvh, cfg.index_n_heads)[0])
+        one_path = one_device_path(cfg.index_topk_blocks, cfg.index_block_size, h // units)
+        kw = dict(to_chunks=att._to_chunks, from_chunks=att._from_chunks)
+
+        def one(q, k, v):
+            return sparse_layer_attention(q, k, v, positions, None, iq, ik, cfg, path=one_path, **kw)
+
+        def partitioner(q, k, v):
+            k, v, ik_ = att.gather_keys(k, v, ik, layout)
+            return sparse_layer_attention(q, k, v, positions, None, iq, ik_, cfg, path="tiles",
+                                          n_ctx=layout.size("act_seq"), constrain=layout.constrain, **kw)
+
+        def shard_map(q, k, v):
+            return att.context_sparse_attention(q, k, v, positions, None, iq, ik, None, cfg, layout, False)
+
+        return one, partitioner, shard_map
 
     def timed(f, *a) -> float:
         t = time.perf_counter()
         jax.block_until_ready(f(*a))
         return (time.perf_counter() - t) * 1e3
 
-    print(f"flash attention, B={b} H={h} KV={kvh} D={d}, fp32, {args.devices} simulated devices "
+    print(f"{args.layer} layer, B={b} H={h} KV={kvh} D={d}, fp32, {args.devices} simulated devices "
           f"({os.cpu_count()} cores)\n")
     print("| S | one device fwd | partitioner fwd | shard_map fwd | one device f+b | partitioner f+b | "
           "shard_map f+b | shard_map vs partitioner (fwd / f+b) |")
@@ -68,18 +100,25 @@ def main() -> None:
         q = jax.random.normal(r[0], (b, s, h, d))
         k, v = (jax.random.normal(x, (b, s, kvh, d)) for x in r[1:])
         positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        if args.layer == "full":
+            def cp(q, k, v):
+                return context_parallel_attention(flash, layout, q, k, v, positions, None)
 
-        def cp(q, k, v):
-            return context_parallel_attention(flash, layout, q, k, v, positions, None)
+            one, partitioner, shard_map = flash, flash, cp
+        else:
+            ri = jax.random.split(jax.random.key(s + 1), 2)
+            iq = jax.random.normal(ri[0], (b, s, cfg.index_n_heads, cfg.index_head_dim))
+            ik = jax.random.normal(ri[1], (b, s, cfg.index_head_dim))
+            one, partitioner, shard_map = sparse_programs(layout, positions, iq, ik)
 
         def fb(f):
             return jax.jit(jax.value_and_grad(lambda q, k, v: f(q, k, v).sum(), argnums=(0, 1, 2)))
 
         seq_sharded = layout.sharding(("act_batch", "act_seq", None, None))
         placed = [jax.device_put(x, seq_sharded) for x in (q, k, v)]
-        runs = {"one device": ((q, k, v), jax.jit(flash), fb(flash)),
-                "partitioner": (placed, jax.jit(flash), fb(flash)),
-                "shard_map": (placed, jax.jit(cp), fb(cp))}
+        runs = {"one device": ((q, k, v), jax.jit(one), fb(one)),
+                "partitioner": (placed, jax.jit(partitioner), fb(partitioner)),
+                "shard_map": (placed, jax.jit(shard_map), fb(shard_map))}
         times = {name: ([], []) for name in runs}
         with jax.set_mesh(layout.mesh):
             for a, fwd, grad in runs.values():

@@ -60,25 +60,33 @@ def context_parallel(fn: Callable, layout: Layout, local: Sequence[tuple[jax.Arr
 
 
 def context_parallel_attention(attend: Callable, layout: Layout, q: jax.Array, k: jax.Array, v: jax.Array,
-                               positions: jax.Array, key_valid: jax.Array | None) -> jax.Array:
-    """attend(q, k, v, positions, key_valid) on each device's query shard over the gathered keys.
+                               positions: jax.Array, key_valid: jax.Array | None, *,
+                               local: Sequence[tuple[jax.Array, Axes]] = (),
+                               gathered: Sequence[tuple[jax.Array, Axes]] = (),
+                               out_axes: Axes | tuple[Axes, ...] = Q_AXES):
+    """attend(q, k, v, positions, key_valid, *local, *gathered) on each device's query shard over the
+    gathered keys.
 
     q [B, S, H, D], k / v [B, S, KV, D] (the keys of the same S slots, sharded like the queries),
     positions [B, S] int, key_valid [B, S] bool or None (all valid) -> [B, S, H, D], laid out like q.
     attend gets q [B_l, S_l, H_l, D], k / v [B_l, S, KV_l, D], positions [B_l, S_l], key_valid [B_l, S]:
-    local batch rows and heads (tensor parallelism), local queries, every key slot.
+    local batch rows and heads (tensor parallelism), local queries, every key slot; then the shards of the
+    `local` (array, logical axes) pairs and the `gathered` ones whole along "act_seq" (`context_parallel`).
+    out_axes: the logical axes of attend's output (a tuple of them for several outputs).
     """
-    if layout.mesh is None or layout.size("act_seq") == 1:
-        return attend(q, k, v, positions, key_valid)
     b, s = q.shape[:2]
     if k.shape[1] != s:
         raise ValueError(f"context-parallel attention needs the keys of the queries' own slots: {s} queries, "
                          f"{k.shape[1]} key slots")
     positions = jnp.broadcast_to(positions, (b, s))
     key_valid = jnp.ones((b, s), bool) if key_valid is None else jnp.broadcast_to(key_valid, (b, s))
+    if layout.mesh is None or layout.size("act_seq") == 1:
+        return attend(q, k, v, positions, key_valid, *(a for a, _ in local), *(a for a, _ in gathered))
+    n_local = 2 + len(local)
 
-    def local_attend(q, positions, k, v, key_valid):
-        return attend(q, k, v, positions, key_valid)
+    def local_attend(q, positions, *rest):
+        extra_local, (k, v, key_valid, *extra_gathered) = rest[:n_local - 2], rest[n_local - 2:]
+        return attend(q, k, v, positions, key_valid, *extra_local, *extra_gathered)
 
-    return context_parallel(local_attend, layout, [(q, Q_AXES), (positions, ROW_AXES)],
-                            [(k, KV_AXES), (v, KV_AXES), (key_valid, ROW_AXES)], Q_AXES)
+    return context_parallel(local_attend, layout, [(q, Q_AXES), (positions, ROW_AXES), *local],
+                            [(k, KV_AXES), (v, KV_AXES), (key_valid, ROW_AXES), *gathered], out_axes)

@@ -87,3 +87,68 @@ def test_without_context_shards_attend_runs_as_is():
 
     context_parallel_attention(attend, layout, *inputs())
     assert calls == [(B, S, H, D)]  # the whole arrays: the partitioner places them
+
+
+# The model's layer paths under a context-sharded layout (`m3jax.model.context_shards`), against the same
+# function on one device: query-chunked dense and flash, on full layers and on sparse layers as masks (with
+# the ids they select), and the gathered sparse path with replayed block ids.
+LAYER_PATHS = ["chunked_full", "chunked_sparse", "flash_sparse", "gather_replay"]
+
+
+def layer_inputs():
+    from m3jax import tiny
+    cfg = tiny.m3_config(num_attention_heads=H, num_key_value_heads=KV, head_dim=D, index_n_heads=2,
+                         index_head_dim=D, index_block_size=8, index_topk_blocks=2)
+    r = np.random.default_rng(2)
+    s = 64
+    q, k, v = (jnp.asarray(r.normal(size=(B, s, n, D)), jnp.float32) for n in (H, KV, KV))
+    iq = jnp.asarray(r.normal(size=(B, s, 2, D)), jnp.float32)
+    ik = jnp.asarray(r.normal(size=(B, s, D)), jnp.float32)
+    positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (B, s))
+    key_valid = jnp.asarray(np.arange(s)[None] < np.array([[s], [s - 5], [s - 30], [s]]))
+    replay = jnp.asarray(r.integers(-1, 8, size=(B, s, 2, 2)), jnp.int32)
+    return cfg, (q, k, v), dict(positions=positions, key_valid=key_valid, iq=iq, ik=ik, replay=replay)
+
+
+def layer_path(name, cfg, kw, layout):
+    from m3jax.model import attention as att
+    pos, kval, iq, ik = kw["positions"], kw["key_valid"], kw["iq"], kw["ik"]
+    if name == "chunked_full":
+        return lambda q, k, v: att.chunked_attention(q, k, v, pos, kval, None, None, cfg, 5, layout)
+    if name == "chunked_sparse":
+        return lambda q, k, v: att.chunked_attention(q, k, v, pos, kval, iq, ik, cfg, 5, layout,
+                                                     return_block_ids=True)
+    if name == "flash_sparse":
+        return lambda q, k, v: att.flash_layer_attention(q, k, v, pos, kval, iq, ik, cfg, return_block_ids=True,
+                                                         layout=layout)
+
+    def gathered(q, k, v):  # what attention() runs for a sparse layer on "gather"
+        from m3jax.model import context_shards
+        return context_shards.per_context_shard(
+            lambda *a: att._one_device_sparse(cfg, False, *a), layout, q, k, v, pos, kval, iq, ik, kw["replay"])
+
+    return gathered
+
+
+@pytest.mark.parametrize("mesh", ["context8", "data2_context2_tensor2"])
+@pytest.mark.parametrize("name", LAYER_PATHS)
+def test_layer_paths_per_context_shard_equal_one_device(name, mesh):
+    from sharding.layout import Layout
+    cfg, (q, k, v), kw = layer_inputs()
+    layout = build_mesh(MeshConfig(*MESHES[mesh]), seq_len=q.shape[1], batch=B)
+    w = jnp.asarray(np.random.default_rng(3).normal(size=q.shape), jnp.float32)
+
+    def run(f):
+        def value(q, k, v):
+            out = f(q, k, v)
+            return out if isinstance(out, tuple) else (out, jnp.zeros((), jnp.int32))
+
+        (o, ids), vjp = jax.vjp(value, q, k, v)
+        return o, ids, vjp((w, np.zeros(ids.shape, jax.dtypes.float0)))
+
+    want = jax.jit(lambda: run(layer_path(name, cfg, kw, Layout())))()
+    with jax.set_mesh(layout.mesh):
+        got = jax.jit(lambda: run(layer_path(name, cfg, kw, layout)))()
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))  # the block ids selected
+    for label, g, h in zip(("o", "dq", "dk", "dv"), (want[0], *want[2]), (got[0], *got[2])):
+        np.testing.assert_allclose(np.asarray(h), np.asarray(g), rtol=1e-5, atol=1e-6, err_msg=label)

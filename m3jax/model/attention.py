@@ -19,9 +19,12 @@ turn them into the block mask); return_block_ids gives the indexer's own ids, pa
 K = index_topk_blocks (without replay: the blocks used).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
+from m3jax.model import context_shards
 from m3jax.model.flash import flash_attention
 from m3jax.model.fused_attention import applies as fused_applies, fused_attention, implementation as fused_impl
 from m3jax.model.indexer import block_ids_to_mask, block_mask_to_tokens, select_key_blocks, topk_key_blocks
@@ -34,7 +37,6 @@ from m3jax.model.rope import apply_rope
 from m3jax.model.softmax import softmax
 from m3jax.model.sparse import head_units, one_device_path, select_blocks, sparse_layer_attention
 from m3jax.model.tiles import _from_chunks, _to_chunks, causal_keep  # noqa: F401  (their home before tiles.py)
-from sharding.context import KV_AXES, ROW_AXES, context_parallel, context_parallel_attention
 from sharding.layout import Layout
 
 _MASKED = jnp.finfo(jnp.float32).min
@@ -146,8 +148,9 @@ def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
         if replay.ndim != 4 or replay.shape[:3] != want:
             raise ValueError(f"block_ids {replay.shape}: expected [B, S, Hi, K] = [{b}, {s}, {cfg.index_n_heads}, K]")
         replay = replay.astype(jnp.int32)
-    if sparse and sparse_impl in ("gather", "paged") and _context_sparse_applies(q, k, cfg, layout):
-        o = _context_sparse(q, k, v, positions, key_valid, iq, ik, replay, cfg, layout, own)
+    if sparse and sparse_impl in ("gather", "paged") and context_shards.applies(q, k, cfg.index_n_heads, layout):
+        o = context_shards.per_context_shard(functools.partial(_one_device_sparse, cfg, own), layout, q, k, v,
+                                             positions, key_valid, iq, ik, replay, return_block_ids=own)
         if own:
             o, used = o
     elif sparse and sparse_impl in ("gather", "paged"):
@@ -206,35 +209,14 @@ def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
     return result if len(result) > 1 else result[0]
 
 
-def _context_sparse_applies(q, k, cfg, layout: Layout) -> bool:
-    """A sparse layer runs shard by shard (`_context_sparse`): a context-sharded layout, keys of the queries'
-    own slots (no decode cache), and index heads that split like the query heads over tensor parallelism."""
-    return (layout.size("act_seq") > 1 and k.shape[1] == q.shape[1]
-            and cfg.index_n_heads % layout.size("act_heads") == 0)
-
-
-def _context_sparse(q, k, v, positions, key_valid, iq, ik, replay, cfg, layout: Layout, own: bool):
-    """A sparse layer's gathered attention on each context shard's queries over the gathered keys
-    (`sharding.context.context_parallel`): o, and with `own` (o, the ids used). The index heads are cut
-    like the query heads, so each device's units pair the same kv and index heads as one device's."""
-    b, s = q.shape[:2]
-    positions = jnp.broadcast_to(positions, (b, s))
-    key_valid = jnp.ones((b, s), bool) if key_valid is None else jnp.broadcast_to(key_valid, (b, s))
-    heads = ("act_batch", "act_seq", "act_heads", None)  # q, the indexer's queries and block ids
-    local = [(q, heads), (positions, ROW_AXES), (iq, heads)] + ([] if replay is None else [(replay, heads)])
-
-    def attend(q, positions, iq, *rest):
-        replayed, (k, v, key_valid, ik) = (rest[0], rest[1:]) if replay is not None else (None, rest)
-        # Each device computes as one device does: the one-device path for the shape (local heads: with
-        # tensor parallelism the units split with the heads).
-        units = len(head_units(q.shape[2], k.shape[2], iq.shape[2])[0])
-        path = one_device_path(cfg.index_topk_blocks, cfg.index_block_size, q.shape[2] // units)
-        return sparse_layer_attention(q, k, v, positions, key_valid, iq, ik, cfg, to_chunks=_to_chunks,
-                                      from_chunks=_from_chunks, n_ctx=1, path=path, block_ids=replayed,
-                                      return_block_ids=own)
-
-    gathered = [(k, KV_AXES), (v, KV_AXES), (key_valid, ROW_AXES), (ik, ("act_batch", "act_seq", None))]
-    return context_parallel(attend, layout, local, gathered, (heads, heads) if own else heads)
+def _one_device_sparse(cfg, own: bool, q, k, v, positions, key_valid, iq, ik, block_ids):
+    """A sparse layer's gathered attention as one device runs it (the path `one_device_path` picks for the
+    shape): each context shard's (`m3jax.model.context_shards`). Local heads: with tensor parallelism the
+    units split with the heads."""
+    units = len(head_units(q.shape[2], k.shape[2], iq.shape[2])[0])
+    path = one_device_path(cfg.index_topk_blocks, cfg.index_block_size, q.shape[2] // units)
+    return sparse_layer_attention(q, k, v, positions, key_valid, iq, ik, cfg, to_chunks=_to_chunks,
+                                  from_chunks=_from_chunks, path=path, block_ids=block_ids, return_block_ids=own)
 
 
 def _paged(q, k, v, positions, key_valid, iq, ik, replay, cfg, n_ctx: int, layout: Layout, path: str):
@@ -287,7 +269,7 @@ def masked_attention(q, k, v, positions, key_valid, iq, ik, cfg, block_ids=None,
     ids = None
     if iq is not None:
         blocks, ids = _sparse_blocks(iq, ik, positions, cfg, block_ids, return_block_ids)
-        keep = keep & block_mask_to_tokens(blocks, cfg.index_block_size, k.shape[1], cfg.num_attention_heads)
+        keep = keep & block_mask_to_tokens(blocks, cfg.index_block_size, k.shape[1], q.shape[2])  # local heads
     o = gqa_attention(q, k, v, keep, cfg.head_dim ** -0.5)
     return (o, ids) if return_block_ids else o
 
@@ -296,15 +278,13 @@ def flash_layer_attention(q, k, v, positions, key_valid, iq, ik, cfg, block_ids=
                           layout: Layout = Layout()):
     """`masked_attention` with `flash_attention`: the same keep-mask, never materialised. Sparse layers
     walk key tiles of one indexer block and skip blocks no query of a tile selected.
-    layout: a context-sharded one runs full layers over keys of the queries' own slots shard by shard
-    (`sharding.context.context_parallel_attention`); sparse layers on flash (sparse_impl "masked", the
-    reference) are left to the partitioner, which computes every query tile on every context shard."""
-    if iq is None and block_ids is None and layout.size("act_seq") > 1 and k.shape[1] == q.shape[1]:
-        def attend(q, k, v, positions, key_valid):
-            return flash_attention(q, k, v, scale=cfg.head_dim ** -0.5, positions=positions, key_valid=key_valid,
-                                   q_tile=FLASH_TILE, k_tile=FLASH_TILE)
+    layout: a context-sharded one runs the layer shard by shard (`m3jax.model.context_shards`)."""
+    if context_shards.applies(q, k, None if iq is None else cfg.index_n_heads, layout):
+        def attend(q, k, v, positions, key_valid, iq, ik, block_ids):
+            return flash_layer_attention(q, k, v, positions, key_valid, iq, ik, cfg, block_ids, return_block_ids)
 
-        return context_parallel_attention(attend, layout, q, k, v, positions, key_valid)
+        return context_shards.per_context_shard(attend, layout, q, k, v, positions, key_valid, iq, ik, block_ids,
+                                                return_block_ids)
     blocks, tile, ids = None, FLASH_TILE, None
     if iq is not None:
         blocks, ids = _sparse_blocks(iq, ik, positions, cfg, block_ids, return_block_ids)
@@ -317,11 +297,18 @@ def flash_layer_attention(q, k, v, positions, key_valid, iq, ik, cfg, block_ids=
 def chunked_attention(q, k, v, positions, key_valid, iq, ik, cfg, chunk: int, layout: Layout, block_ids=None,
                       return_block_ids: bool = False):
     """`masked_attention` over blocks of `chunk` local queries (a scan; each block is rematerialised in
-    the backward pass, so only one block's scores are ever live). Keys are gathered over the context
-    axis once, before the scan. K and V enter the scan in fp32 and are cast back per block: the
+    the backward pass, so only one block's scores are ever live). A context-sharded layout runs it shard by
+    shard (`m3jax.model.context_shards`: every key slot gathered once, before the scan). K and V enter the scan in fp32 and are cast back per block: the
     cotangents of scan constants accumulate in their dtype, so dK and dV sum over blocks in fp32.
     Padded query rows (S_l not a multiple of chunk) sit at position 0 and are dropped from the output.
     block_ids [B, S, Hi, K]: replayed selection, chunked like the queries; return_block_ids: (o, ids used)."""
+    if context_shards.applies(q, k, None if iq is None else cfg.index_n_heads, layout):
+        def attend(q, k, v, positions, key_valid, iq, ik, block_ids):
+            return chunked_attention(q, k, v, positions, key_valid, iq, ik, cfg, chunk, Layout(), block_ids,
+                                     return_block_ids)
+
+        return context_shards.per_context_shard(attend, layout, q, k, v, positions, key_valid, iq, ik, block_ids,
+                                                return_block_ids)
     s, n_ctx, constrain = q.shape[1], layout.size("act_seq"), layout.constrain
     k, v, ik = gather_keys(k, v, ik, layout)
     dtype = k.dtype
