@@ -12,7 +12,7 @@ top-4 of blocks of 64, 2 index heads of 64, one local block) on the same q, k, v
   one device      the one-device path (`one_device_path`) on one device
   partitioner     what a mesh ran before: keys gathered by sharding constraints, the per-tile gather scan
                   over every context shard's tiles at once (its backward all-reduced dK / dV at every tile)
-  shard_map       `m3jax.model.attention.context_sparse_attention`: the one-device path on each shard
+  shard_map       `m3jax.model.context_shards.per_context_shard`: the one-device path on each shard
 fwd = the output; f+b = value_and_grad of the sum over q, k, v. Median wall ms over --iters round-robin
 calls after one warm-up call. The simulated devices share this machine's cores, so a perfect split of the
 work shows as the one-device time (not 1/N of it), and a partitioner that computes every query tile on every
@@ -26,6 +26,7 @@ device as ~N x the one-device time divided by the cores' parallelism.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -51,6 +52,7 @@ def main() -> None:
     import jax.numpy as jnp
 
     from m3jax import tiny
+    from m3jax.model import context_shards
     from m3jax.model import attention as att
     from m3jax.model.flash import flash_attention
     from m3jax.model.sparse import head_units, one_device_path, sparse_layer_attention
@@ -79,8 +81,9 @@ def main() -> None:
             return sparse_layer_attention(q, k, v, positions, None, iq, ik_, cfg, path="tiles",
                                           n_ctx=layout.size("act_seq"), constrain=layout.constrain, **kw)
 
-        def shard_map(q, k, v):
-            return att.context_sparse_attention(q, k, v, positions, None, iq, ik, None, cfg, layout, False)
+        def shard_map(q, k, v):  # what attention() runs for a sparse layer on "gather" under a context mesh
+            return context_shards.per_context_shard(functools.partial(att._one_device_sparse, cfg, False), layout,
+                                                    q, k, v, positions, None, iq, ik)
 
         return one, partitioner, shard_map
 
