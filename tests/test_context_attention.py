@@ -125,7 +125,7 @@ def layer_path(name, cfg, kw, layout):
     def gathered(q, k, v):  # what attention() runs for a sparse layer on "gather"
         from m3jax.model import context_shards
         return context_shards.per_context_shard(
-            lambda *a: att._one_device_sparse(cfg, False, *a), layout, q, k, v, pos, kval, iq, ik, kw["replay"])
+            lambda *a: att.one_device_sparse_attention(cfg, False, *a), layout, q, k, v, pos, kval, iq, ik, kw["replay"])
 
     return gathered
 

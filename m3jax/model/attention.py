@@ -149,7 +149,7 @@ def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
             raise ValueError(f"block_ids {replay.shape}: expected [B, S, Hi, K] = [{b}, {s}, {cfg.index_n_heads}, K]")
         replay = replay.astype(jnp.int32)
     if sparse and sparse_impl in ("gather", "paged") and context_shards.applies(q, k, cfg.index_n_heads, layout):
-        o = context_shards.per_context_shard(functools.partial(_one_device_sparse, cfg, own), layout, q, k, v,
+        o = context_shards.per_context_shard(functools.partial(one_device_sparse_attention, cfg, own), layout, q, k, v,
                                              positions, key_valid, iq, ik, replay, return_block_ids=own)
         if own:
             o, used = o
@@ -209,7 +209,7 @@ def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
     return result if len(result) > 1 else result[0]
 
 
-def _one_device_sparse(cfg, own: bool, q, k, v, positions, key_valid, iq, ik, block_ids):
+def one_device_sparse_attention(cfg, own: bool, q, k, v, positions, key_valid, iq, ik, block_ids):
     """A sparse layer's gathered attention as one device runs it (the path `one_device_path` picks for the
     shape): each context shard's (`m3jax.model.context_shards`). Local heads: with tensor parallelism the
     units split with the heads."""
