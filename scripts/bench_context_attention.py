@@ -82,8 +82,8 @@ def main() -> None:
                                           n_ctx=layout.size("act_seq"), constrain=layout.constrain, **kw)
 
         def shard_map(q, k, v):  # what attention() runs for a sparse layer on "gather" under a context mesh
-            return context_shards.per_context_shard(functools.partial(att.one_device_sparse_attention, cfg, False), layout,
-                                                    q, k, v, positions, None, iq, ik)
+            attend = functools.partial(att.one_device_sparse_attention, cfg, False)
+            return context_shards.per_context_shard(attend, layout, q, k, v, positions, None, iq, ik)
 
         return one, partitioner, shard_map
 

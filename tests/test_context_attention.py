@@ -124,8 +124,8 @@ def layer_path(name, cfg, kw, layout):
 
     def gathered(q, k, v):  # what attention() runs for a sparse layer on "gather"
         from m3jax.model import context_shards
-        return context_shards.per_context_shard(
-            lambda *a: att.one_device_sparse_attention(cfg, False, *a), layout, q, k, v, pos, kval, iq, ik, kw["replay"])
+        attend = lambda *a: att.one_device_sparse_attention(cfg, False, *a)  # noqa: E731
+        return context_shards.per_context_shard(attend, layout, q, k, v, pos, kval, iq, ik, kw["replay"])
 
     return gathered
 

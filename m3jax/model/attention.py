@@ -149,8 +149,9 @@ def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
             raise ValueError(f"block_ids {replay.shape}: expected [B, S, Hi, K] = [{b}, {s}, {cfg.index_n_heads}, K]")
         replay = replay.astype(jnp.int32)
     if sparse and sparse_impl in ("gather", "paged") and context_shards.applies(q, k, cfg.index_n_heads, layout):
-        o = context_shards.per_context_shard(functools.partial(one_device_sparse_attention, cfg, own), layout, q, k, v,
-                                             positions, key_valid, iq, ik, replay, return_block_ids=own)
+        attend = functools.partial(one_device_sparse_attention, cfg, own)
+        o = context_shards.per_context_shard(attend, layout, q, k, v, positions, key_valid, iq, ik, replay,
+                                             return_block_ids=own)
         if own:
             o, used = o
     elif sparse and sparse_impl in ("gather", "paged"):
@@ -298,8 +299,9 @@ def chunked_attention(q, k, v, positions, key_valid, iq, ik, cfg, chunk: int, la
                       return_block_ids: bool = False):
     """`masked_attention` over blocks of `chunk` local queries (a scan; each block is rematerialised in
     the backward pass, so only one block's scores are ever live). A context-sharded layout runs it shard by
-    shard (`m3jax.model.context_shards`: every key slot gathered once, before the scan). K and V enter the scan in fp32 and are cast back per block: the
-    cotangents of scan constants accumulate in their dtype, so dK and dV sum over blocks in fp32.
+    shard (`m3jax.model.context_shards`: every key slot gathered once, before the scan). K and V enter the
+    scan in fp32 and are cast back per block: the cotangents of scan constants accumulate in their dtype,
+    so dK and dV sum over blocks in fp32.
     Padded query rows (S_l not a multiple of chunk) sit at position 0 and are dropped from the output.
     block_ids [B, S, Hi, K]: replayed selection, chunked like the queries; return_block_ids: (o, ids used)."""
     if context_shards.applies(q, k, None if iq is None else cfg.index_n_heads, layout):
