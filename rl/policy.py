@@ -28,7 +28,7 @@ from rl.grpo.loss import LossConfig, aggregate, grpo_loss, normalizer
 from rl.logprobs import make_logprob_pass, policy_logprobs
 from sharding import optim_step
 from sharding.layout import Layout
-from sharding.mesh import build_mesh, sequence_multiple
+from sharding.mesh import build_mesh, row_positions, sequence_multiple
 from sharding.train_step import TrainState, batch_sharding, init_state, make_train_step, state_shardings
 from sharding.widths import check_widths
 
@@ -62,9 +62,7 @@ def training_positions(cfg: RunConfig, model_cfg: m3jax.M3Config) -> int:
     context parallelism (mesh.context = c > 1) each shard must hold whole indexer blocks, m = c x
     `model_cfg.context_block_size()` (else m = 1): 4096 slots on context 2 with blocks of 128 give P = 4096,
     not 4095, which no such mesh could split. The rounded-up tail is padding (attention and loss masks 0)."""
-    positions = cfg.generation.max_prompt_tokens + cfg.generation.max_new_tokens - 1
-    multiple = sequence_multiple(cfg.mesh, model_cfg)
-    return -(-positions // multiple) * multiple
+    return row_positions(cfg.generation.max_seq_len, cfg.mesh, model_cfg)
 
 
 @dataclasses.dataclass

@@ -65,6 +65,14 @@ def sequence_multiple(mesh, model=None) -> int:
     return mesh.context * (block_size() if block_size is not None and mesh.context > 1 else 1)
 
 
+def row_positions(slots: int, mesh, model=None) -> int:
+    """Input positions of a training row of `slots` prompt + response slots on `mesh`:
+    P = ceil((slots - 1) / m) x m with m = `sequence_multiple(mesh, model)`. Position t predicts token t + 1,
+    so the slots need one position fewer; the rounded-up tail is padding (attention and loss masks 0)."""
+    multiple = sequence_multiple(mesh, model)
+    return -(-(slots - 1) // multiple) * multiple
+
+
 def validate(mesh: MeshConfig, model=None, *, num_devices: int | None = None, seq_len: int | None = None,
              batch: int | None = None) -> None:
     """Raise MeshError for the first violated rule (each rule has its own message).

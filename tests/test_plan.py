@@ -164,6 +164,21 @@ def test_sweep_excludes_every_invalid_mesh_with_a_reason(tmp_path, capsys):
         assert rule in reasons
 
 
+def test_sweep_plans_each_mesh_at_the_trainers_positions(tmp_path):
+    """A row of 61 slots trains on 60 positions, rounded up to whole context shards of indexer blocks: the
+    sweep must validate and plan each mesh at those, not reject every context-parallel mesh because 61 slots
+    do not divide (as it did before it asked `row_positions`)."""
+    from sharding.mesh import row_positions
+    job = Job(TINY, MeshConfig(), row_positions(61, MeshConfig(), TINY), 16, 1, 1, "fp32", "float32", True, slots=61)
+    assert job.seq_len == 60
+    rows, excluded = sweep(job, 8, Hardware(), 80.0, str(tmp_path / "s.png"))
+    assert any(shape[1] > 1 for shape, *_ in rows)
+    assert not any("sequence length" in why for *_, why in excluded)
+    on_ctx2 = job.on_mesh(MeshConfig(2, 2, 2, 1), 1)
+    assert on_ctx2.seq_len == row_positions(61, MeshConfig(2, 2, 2, 1), TINY) and on_ctx2.seq_len % 2 == 0
+    assert plan(on_ctx2, Hardware())["memory"]["total"] > 0
+
+
 def test_rules_table_drives_the_plan():
     from sharding.rules import RULES
     mesh, batch = MeshConfig(4, 1, 2, 1), Batch(1, 64)
@@ -277,7 +292,7 @@ def test_every_mesh_the_sweep_keeps_passes_jax_sharding_checks(n, capsys):
                                  {"moe_exchange": "ragged", **job.model_options})
     for i, (shape, mb, *_) in enumerate(rows):
         mesh = dataclasses.replace(job.mesh, data=shape[0], context=shape[1], expert=shape[2], tensor=shape[3])
-        j = dataclasses.replace(job, mesh=mesh, micro_batch=mb)
+        j = job.on_mesh(mesh, mb)  # at the positions the sweep planned it with
         r = check_shardings(j.model, j.mesh, j.batch, j.master, j.moment_dtype, lower=i == 0, state=state)
         assert r["problems"] == [], (shape, mb, r["problems"])
     tried = {(s, mb) for s, mb, *_ in rows} | {(s, mb) for s, mb, _ in excluded}

@@ -17,7 +17,7 @@ import dataclasses
 import itertools
 import sys
 
-from sharding.mesh import JAX_DEFAULT_MEMORY_FRACTION, MeshConfig, MeshError, validate
+from sharding.mesh import JAX_DEFAULT_MEMORY_FRACTION, MeshConfig, MeshError, row_positions, validate
 from m3jax.plan.check import print_check
 from m3jax.plan.compile import compile_reduced, print_compile
 from sharding.expert import receive_rows
@@ -45,6 +45,14 @@ class Job:
     sparse_attention: str = "gather"
     logprob_chunk_tokens: int = 0  # model.logprob_chunk_tokens: the loss's logits block (not a model option)
     memory_fraction: float = JAX_DEFAULT_MEMORY_FRACTION  # mesh.device_memory_fraction: JAX's share of a device
+    # prompt + response slots of a row (generation.max_seq_len); seq_len is then the trainer's positions on the
+    # mesh (`sharding.mesh.row_positions`), recomputed for every mesh the sweep tries. None: seq_len as given.
+    slots: int | None = None
+
+    def on_mesh(self, mesh: MeshConfig, micro_batch: int) -> "Job":
+        """This job on another mesh and micro-batch, with the positions the trainer would run there."""
+        seq_len = self.seq_len if self.slots is None else row_positions(self.slots, mesh, self.model)
+        return dataclasses.replace(self, mesh=mesh, micro_batch=micro_batch, seq_len=seq_len)
 
     @property
     def num_micro(self) -> int:
@@ -64,12 +72,14 @@ class Job:
 def load_job(path: str, overrides: list[str], model: str | None) -> Job:
     cfg, m3 = load_run_config(path, overrides, model)
     g = cfg.grpo
-    return Job(m3, cfg.mesh.to_mesh_config(), cfg.generation.max_seq_len, g.sequences_per_step // g.updates_per_step,
+    mesh = cfg.mesh.to_mesh_config()
+    slots = cfg.generation.max_seq_len
+    return Job(m3, mesh, row_positions(slots, mesh, m3), g.sequences_per_step // g.updates_per_step,
                g.updates_per_step, g.micro_batch_size, cfg.precision.master, cfg.precision.moment_dtype,
                cfg.model.remat, {k: v for k, v in cfg.model.model_options().items() if k != "remat"},
                sparse_attention=getattr(cfg.model, "sparse_attention", "gather"),
                logprob_chunk_tokens=cfg.model.logprob_chunk_tokens,
-               memory_fraction=cfg.mesh.device_memory_fraction or JAX_DEFAULT_MEMORY_FRACTION)
+               memory_fraction=cfg.mesh.device_memory_fraction or JAX_DEFAULT_MEMORY_FRACTION, slots=slots)
 
 
 def load_run_config(path: str, overrides: list[str], model: str | None):
@@ -136,7 +146,8 @@ def print_plan(job: Job, p: dict, device_gb: float) -> None:
     m = job.mesh
     print(f"mesh data={m.data} context={m.context} expert={m.expert} tensor={m.tensor} (EP {m.expert_parallel} over "
           f"{','.join(m.expert_axes)}), micro-batch {job.micro_batch} x {job.batch.num_micro} micro-batches, "
-          f"seq {job.seq_len}, master={job.master}, moments={job.moment_dtype}, remat={job.remat}"
+          f"seq {job.seq_len}" + (f" ({job.slots} slots)" if job.slots is not None else "")
+          + f", master={job.master}, moments={job.moment_dtype}, remat={job.remat}"
           + (f" ({job.batch.remat_policy})" if job.remat else ""))
     b = job.batch
     print(f"attention {b.attention}, sparse layers {b.sparse_attention}, attention_query_chunk="
@@ -174,7 +185,7 @@ def sweep(job: Job, n: int, hw: Hardware, device_gb: float, png: str | None, mic
         tp = n // (dp * cp * ep)
         for mb in micro:
             mesh = dataclasses.replace(job.mesh, data=dp, context=cp, expert=ep, tensor=tp)
-            j = dataclasses.replace(job, mesh=mesh, micro_batch=mb)
+            j = job.on_mesh(mesh, mb)
             why = invalid_reason(j)
             if why:
                 excluded.append((mesh.shape, mb, why))
