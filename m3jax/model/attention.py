@@ -204,9 +204,17 @@ def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
     if return_indexer_kl and sparse:
         if cache is not None:
             raise ValueError("return_indexer_kl needs the whole sequence (no decode cache)")
-        keys, _, index_keys = gather_keys(k, v, ik, layout)
-        result += (indexer_alignment_kl(q, keys, iq, index_keys, positions, key_valid, cfg, n_ctx=n_ctx,
-                                        constrain=layout.constrain),)
+        if context_shards.applies(q, k, cfg.index_n_heads, layout):  # else its backward all-reduced d(ik) per tile
+            def align(q, k, v, positions, key_valid, iq, ik, block_ids):
+                return indexer_alignment_kl(q, k, iq, ik, positions, key_valid, cfg)
+
+            kl = context_shards.per_context_shard(align, layout, q, k, v, positions, key_valid, iq, ik,
+                                                  out_axes=context_shards.ROW_AXES)
+        else:
+            keys, _, index_keys = gather_keys(k, v, ik, layout)
+            kl = indexer_alignment_kl(q, keys, iq, index_keys, positions, key_valid, cfg, n_ctx=n_ctx,
+                                      constrain=layout.constrain)
+        result += (kl,)
     return result if len(result) > 1 else result[0]
 
 

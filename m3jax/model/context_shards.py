@@ -19,7 +19,7 @@ from typing import Callable
 
 import jax
 
-from sharding.context import Q_AXES, context_parallel_attention
+from sharding.context import Q_AXES, ROW_AXES, context_parallel_attention  # noqa: F401  (ROW_AXES: callers' out_axes)
 from sharding.layout import Layout
 
 HEAD_ROWS = ("act_batch", "act_seq", "act_heads", None)  # [B, S, heads, .]: queries, indexer queries, block ids
@@ -35,11 +35,13 @@ def applies(q: jax.Array, k: jax.Array, index_heads: int | None, layout: Layout)
 
 
 def per_context_shard(attend: Callable, layout: Layout, q, k, v, positions, key_valid, iq=None, ik=None,
-                      block_ids=None, return_block_ids: bool = False):
+                      block_ids=None, return_block_ids: bool = False, out_axes=None):
     """attend(q, k, v, positions, key_valid, iq, ik, block_ids) -> o (or (o, block ids) with return_block_ids)
     on each context shard's queries over every key slot; iq / ik / block_ids may be None (full layers, no
     replay). Shapes as `m3jax.model.attention.attention`: q [B, S, H, D], k / v [B, S, KV, D], iq [B, S, Hi, Di],
-    ik [B, S, Di], block_ids [B, S, Hi, K]."""
+    ik [B, S, Di], block_ids [B, S, Hi, K]. out_axes: the logical axes of attend's output when it is not o
+    (e.g. ROW_AXES for a per-query [B, S] value); an input attend does not read is not gathered (the
+    unused gather is dead code)."""
     local = [(a, HEAD_ROWS) for a in (iq, block_ids) if a is not None]
     gathered = [] if ik is None else [(ik, INDEX_KEYS)]
 
@@ -50,6 +52,7 @@ def per_context_shard(attend: Callable, layout: Layout, q, k, v, positions, key_
         ik_l = rest.pop(0) if ik is not None else None
         return attend(q, k, v, positions, key_valid, iq_l, ik_l, ids_l)
 
-    out_axes = (Q_AXES, HEAD_ROWS) if return_block_ids else Q_AXES
+    if out_axes is None:
+        out_axes = (Q_AXES, HEAD_ROWS) if return_block_ids else Q_AXES
     return context_parallel_attention(local_attend, layout, q, k, v, positions, key_valid, local=local,
                                       gathered=gathered, out_axes=out_axes)
