@@ -50,11 +50,14 @@ def main(argv=None) -> int:
 
 
 def _train(cfg, args) -> int:
+    from sharding.compile_cache import use_compilation_cache
     from sharding.mesh import set_memory_fraction
 
-    note = set_memory_fraction(cfg.mesh.device_memory_fraction)  # before anything starts JAX's backend
-    if note:
-        logging.getLogger("m3jax.train").warning("%s", note)
+    # Both before anything starts JAX's backend or compiles.
+    for note in (set_memory_fraction(cfg.mesh.device_memory_fraction),
+                 use_compilation_cache(cfg.run.compilation_cache, cfg.run.out_dir)):
+        if note:
+            logging.getLogger("m3jax.train").warning("%s", note)
     # Heavy imports only once the config is known to be good and the directory is ours.
     if args.export:
         from rl.policy import export_latest  # the model and its checkpoint only: no data, no engines

@@ -94,6 +94,12 @@ class RunSection(_Section):
     total_steps: int = _f(200, "GRPO steps (one batch of prompts each)", min=1)
     max_wall_minutes: float | None = _f(None, "stop (after saving) once this much wall time has passed; "
                                               "null = no limit", gt=0)
+    compilation_cache: str | None = _f(None, "directory of JAX's persistent compilation cache (a relative path is "
+                                             "under out_dir): a restart or resume loads each compiled program "
+                                             "instead of compiling it again; null = JAX's default (the "
+                                             "JAX_COMPILATION_CACHE_DIR environment variable, else none)",
+                                       check=lambda v: None if v.strip() else "must not be empty",
+                                       allowed="a directory path, or null")
 
     def __post_init__(self):
         super().__post_init__()
