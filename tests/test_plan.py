@@ -179,6 +179,21 @@ def test_sweep_plans_each_mesh_at_the_trainers_positions(tmp_path):
     assert plan(on_ctx2, Hardware())["memory"]["total"] > 0
 
 
+def test_fsdp_traffic_follows_the_axes_that_shard_the_weights():
+    """A rules table that shards the non-expert weights over context (not data) moves their gathers to the
+    context axis: the same bytes as the default's over data when both axes have the same size, and none over data."""
+    from m3jax.plan.flops import comm_bytes
+    from sharding.rules import RULES
+    mesh = MeshConfig(2, 2, 2, 1)
+    default = comm_bytes(TINY, mesh, 1, 64, 4)
+    on_context = comm_bytes(TINY, mesh, 1, 64, 4, rules=tuple((k, "context" if k == "embed" else v) for k, v in RULES))
+    assert default["fsdp_all_gather"][1] == ("data",) and default["fsdp_all_gather"][0] > 0
+    # the embedding table stays sharded over data x tensor: two groups, named by their axes
+    assert on_context["fsdp_all_gather[context]"][1] == ("context",)
+    assert on_context["fsdp_all_gather[context]"][0] + on_context["fsdp_all_gather[data]"][0] == \
+        default["fsdp_all_gather"][0]
+
+
 def test_rules_table_drives_the_plan():
     from sharding.rules import RULES
     mesh, batch = MeshConfig(4, 1, 2, 1), Batch(1, 64)

@@ -226,9 +226,11 @@ def comm_bytes(cfg: M3Config, mesh: MeshConfig, micro_batch: int, seq_len: int, 
     """Bytes one device sends per step, by collective -> (bytes, mesh axes it runs over).
 
     Per micro-batch (x num_micro), p = param bytes, a = activation bytes, f(n) = (n-1)/n:
-      fsdp_all_gather     (1 + 1) * f(n_d) * sum of data-sharded (non-expert-dim) weights with the data shard undone * p
-                          (forward, and again in the backward / remat recompute)
-      fsdp_reduce_scatter f(n_d) * the same bytes (gradients, param dtype)
+      fsdp_all_gather     (1 + 1) * f(n_g) * sum of the weights a token axis shards on a non-expert dimension, with
+                          that shard undone, * p (forward, and again in the backward / remat recompute); g = those
+                          token axes (data with the default rules; "[axes]" is appended when tables shard
+                          weights over several different groups)
+      fsdp_reduce_scatter f(n_g) * the same bytes (gradients, param dtype)
       grad_all_reduce     2 f(n) * local gradient bytes, over the token axes (data, context, expert) a
                           weight is replicated on (its gradient sums over the tokens those devices hold)
       expert_all_to_all   L_moe * (2 fwd + 2 bwd [+ 2 remat]) * f(n_ep) * R * d * a, R = sent_rows: T_l * k for
@@ -240,9 +242,9 @@ def comm_bytes(cfg: M3Config, mesh: MeshConfig, micro_batch: int, seq_len: int, 
     sz = mesh_sizes(mesh)
     f = lambda n: (n - 1) / n if n > 1 else 0.0  # noqa: E731
     a = 4 if master == "none" else 2
-    nd, nc, nt = sz["data"], sz["context"], sz["tensor"]
+    nc, nt = sz["context"], sz["tensor"]
     t_l = micro_batch * seq_len // nc
-    fsdp = 0.0
+    fsdp: dict[tuple, float] = {}
     allreduce: dict[tuple, float] = {}
     for p in param_table(cfg):
         if p.buffer:
@@ -250,14 +252,22 @@ def comm_bytes(cfg: M3Config, mesh: MeshConfig, micro_batch: int, seq_len: int, 
         dims = shard_axes(p, mesh, rules)
         pb = 4 if (master == "none" or p.fp32) else 2
         used = {x for axes in dims for x in axes}
-        # FSDP = data shards a weight dimension other than the experts one (tokens travel to experts)
-        if any("data" in axes and name != "experts" for name, axes in zip(p.axes, dims)):
-            fsdp += local_elems(p, mesh, rules) * nd * pb
+        # FSDP = a token axis shards a weight dimension other than the experts one (tokens travel to experts,
+        # but every device needs the whole of any other weight)
+        gathered = tuple(x for x in ("data", "context", "expert") if sz[x] > 1
+                         and any(x in axes for name, axes in zip(p.axes, dims) if name != "experts"))
+        if gathered:
+            fsdp[gathered] = fsdp.get(gathered, 0.0) + local_elems(p, mesh, rules) * math.prod(
+                sz[x] for x in gathered) * pb
         red = tuple(x for x in ("data", "context", "expert") if sz[x] > 1 and x not in used)
         if red:
             allreduce[red] = allreduce.get(red, 0.0) + local_elems(p, mesh, rules) * pb
-    out = {"fsdp_all_gather": (2 * f(nd) * fsdp * num_micro, ("data",)),
-           "fsdp_reduce_scatter": (f(nd) * fsdp * num_micro, ("data",))}
+    out = {}
+    for g, v in (fsdp or {("data",): 0.0}).items():
+        n = math.prod(sz[x] for x in g)
+        key = "" if len(fsdp) <= 1 else f"[{','.join(g)}]"
+        out["fsdp_all_gather" + key] = (2 * f(n) * v * num_micro, g)
+        out["fsdp_reduce_scatter" + key] = (f(n) * v * num_micro, g)
     for red, v in allreduce.items():
         n = math.prod(sz[x] for x in red)
         key = "grad_all_reduce" + ("" if len(allreduce) == 1 else f"[{','.join(red)}]")
