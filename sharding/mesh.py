@@ -21,7 +21,7 @@ import jax
 from jax.sharding import AxisType, Mesh
 
 from sharding.layout import Layout
-from sharding.rules import MESH_AXES, TOKEN_AXES, expert_axes_of, logical_to_spec, mesh_axes_of, rules_for
+from sharding.rules import MESH_AXES, TOKEN_AXES, expert_axes_of, fsdp_axes_of, logical_to_spec, mesh_axes_of, rules_for
 
 
 class MeshError(ValueError):
@@ -41,6 +41,9 @@ class MeshConfig:
     coordinator_address: str | None = None
     num_processes: int | None = None
     process_id: int | None = None
+    # FSDP: the token axes that shard the non-expert weights (gathered per layer, gradients reduce-scattered);
+    # () = replicated (pure data parallelism)
+    fsdp_axes: tuple[str, ...] = ("data",)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -56,6 +59,11 @@ class MeshConfig:
     @property
     def expert_parallel(self) -> int:
         return self.axis_size(self.expert_axes)
+
+    @property
+    def rules(self) -> tuple:
+        """The rules table of this mesh: experts on `expert_axes`, FSDP over `fsdp_axes`."""
+        return rules_for(self.expert_axes, self.fsdp_axes)
 
 
 def sequence_multiple(mesh, model=None) -> int:
@@ -88,6 +96,10 @@ def validate(mesh: MeshConfig, model=None, *, num_devices: int | None = None, se
     if bad or len(set(mesh.expert_axes)) != len(mesh.expert_axes):
         raise MeshError(f"mesh.expert_axes = {mesh.expert_axes}: expected distinct axes from {TOKEN_AXES} "
                         "(experts exchange tokens over axes that hold distinct tokens)")
+    bad = [a for a in mesh.fsdp_axes if a not in TOKEN_AXES]
+    if bad or len(set(mesh.fsdp_axes)) != len(mesh.fsdp_axes):
+        raise MeshError(f"mesh.fsdp_axes = {tuple(mesh.fsdp_axes)}: expected distinct axes from {TOKEN_AXES}, or "
+                        "none (tensor shards the same weights' other dimensions)")
     if num_devices is not None and mesh.num_devices != num_devices:
         raise MeshError(f"mesh data x context x expert x tensor = {' x '.join(map(str, mesh.shape))} = "
                         f"{mesh.num_devices} devices, but {num_devices} are available")
@@ -122,7 +134,7 @@ class ShardedModel(Protocol):
 
 def _shards(mesh: MeshConfig, logical: str) -> tuple[tuple[str, ...], int]:
     sizes = dict(zip(MESH_AXES, mesh.shape))
-    axes = tuple(a for a in mesh_axes_of(logical, rules_for(mesh.expert_axes)) if sizes[a] > 1)
+    axes = tuple(a for a in mesh_axes_of(logical, mesh.rules) if sizes[a] > 1)
     return axes, math.prod(sizes[a] for a in axes)
 
 
@@ -145,7 +157,7 @@ def undivided_parameter(mesh: MeshConfig, model: ShardedModel) -> str | None:
     (the embedding's rows lie on data x tensor), so every parameter is checked.
     """
     sizes = dict(zip(MESH_AXES, mesh.shape))
-    rules = rules_for(mesh.expert_axes)
+    rules = mesh.rules
     for name, spec in model.param_specs().items():
         for dim, logical, axes in zip(spec.shape, spec.axes, logical_to_spec(spec.axes, rules, sizes)):
             axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
@@ -217,20 +229,21 @@ def init_distributed(mesh: MeshConfig) -> None:
 def build_mesh(mesh: MeshConfig, model: ShardedModel | None = None, *, seq_len: int | None = None,
                batch: int | None = None, devices=None) -> Layout:
     """Validate and build the layout: the Mesh (Auto axis types: the partitioner places what the rules
-    leave open) with the rules table that puts the experts on `mesh.expert_axes`."""
+    leave open) with the rules table that puts the experts on `mesh.expert_axes` and FSDP on `mesh.fsdp_axes`."""
     init_distributed(mesh)
     devices = list(devices) if devices is not None else jax.devices()
     validate(mesh, model, num_devices=len(devices), seq_len=seq_len, batch=batch)
     return Layout(jax.make_mesh(mesh.shape, MESH_AXES, axis_types=(AxisType.Auto,) * 4, devices=devices),
-                  rules_for(mesh.expert_axes))
+                  mesh.rules)
 
 
 def mesh_config_of(mesh) -> MeshConfig:
     """The MeshConfig describing a Layout (or a Mesh with m3jax's axis names and the default rules)."""
     layout = mesh if isinstance(mesh, Layout) else Layout(mesh)
     if layout.mesh is None:
-        return MeshConfig(expert_axes=expert_axes_of(layout.rules))
+        return MeshConfig(expert_axes=expert_axes_of(layout.rules), fsdp_axes=fsdp_axes_of(layout.rules))
     missing = [a for a in MESH_AXES if a not in layout.mesh.shape]
     if missing:
         raise MeshError(f"mesh axes {tuple(layout.mesh.axis_names)} lack {missing}: expected {MESH_AXES}")
-    return MeshConfig(*(layout.mesh.shape[a] for a in MESH_AXES), expert_axes=expert_axes_of(layout.rules))
+    return MeshConfig(*(layout.mesh.shape[a] for a in MESH_AXES), expert_axes=expert_axes_of(layout.rules),
+                      fsdp_axes=fsdp_axes_of(layout.rules))

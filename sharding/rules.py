@@ -2,8 +2,9 @@
 
 Model code only ever names logical axes (`("layers", "experts", None, "expert_mlp", "embed")`); this
 table decides where each lands on the ("data", "context", "expert", "tensor") mesh. Changing a
-layout means changing a row here, nowhere else. The only row a run may change is where the experts
-live (`MeshConfig.expert_axes`), through `rules_for`. The table travels with its mesh as a
+layout means changing a row here, nowhere else. The rows a run may change are where the experts
+live (`MeshConfig.expert_axes`) and which axes shard the other weights (FSDP, `MeshConfig.fsdp_axes`), through
+`rules_for`. The table travels with its mesh as a
 `sharding.layout.Layout`; nothing here is process-wide state.
 """
 
@@ -28,7 +29,7 @@ RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     # The embedding table is sharded on rows only: sharding both of its dims made the partitioner
     # replicate it around the lookup (stack-notes §2).
     ("table_vocab", ("data", "tensor")),
-    ("embed", "data"),  # FSDP: weights sharded over data, gathered per layer by the partitioner
+    ("embed", "data"),  # FSDP: weights sharded over data (`MeshConfig.fsdp_axes`), gathered per layer
     ("q_heads", "tensor"),
     ("kv_heads", "tensor"),
     ("head_dim", None),
@@ -41,14 +42,22 @@ RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 )
 
 
-def rules_for(expert_axes: tuple[str, ...]) -> tuple:
-    """RULES with the experts placed on `expert_axes`."""
-    return tuple((k, tuple(expert_axes) if k == "experts" else v) for k, v in RULES)
+def rules_for(expert_axes: tuple[str, ...], fsdp_axes: tuple[str, ...] = ("data",)) -> tuple:
+    """RULES with the experts placed on `expert_axes` and the non-expert weights' `embed` dimension sharded
+    over `fsdp_axes` (FSDP; () = replicated)."""
+    fsdp = tuple(fsdp_axes)
+    rows = {"experts": tuple(expert_axes), "embed": fsdp[0] if len(fsdp) == 1 else (fsdp or None)}
+    return tuple((k, rows.get(k, v)) for k, v in RULES)
 
 
 def expert_axes_of(rules) -> tuple[str, ...]:
     """The mesh axes a rules table puts the experts on (the inverse of `rules_for`)."""
     return mesh_axes_of("experts", rules)
+
+
+def fsdp_axes_of(rules) -> tuple[str, ...]:
+    """The mesh axes a rules table shards the non-expert weights over (the inverse of `rules_for`)."""
+    return mesh_axes_of("embed", rules)
 
 
 def mesh_axes_of(name: str, rules=RULES) -> tuple[str, ...]:

@@ -74,3 +74,17 @@ def test_rules_table_decides_placement():
     # experts on the expert axis only: embed is FSDP again
     assert logical_to_spec(("experts", None, "expert_mlp", "embed"), rules_for(("expert",))) == \
         jax.sharding.PartitionSpec("expert", None, "tensor", "data")
+
+
+def test_fsdp_axes_place_the_non_expert_weights():
+    """mesh.fsdp_axes is the rules table's `embed` row: data by default (the table as written), any distinct token
+    axes, or none (replicated); tensor is refused, and the layout gives the axes back."""
+    assert MeshConfig().rules == rules_for(MeshConfig().expert_axes)
+    both = build_mesh(MeshConfig(2, 2, 2, 1, fsdp_axes=("data", "context")), CFG)
+    assert both.spec(("q_heads", None, "embed")) == jax.sharding.PartitionSpec("tensor", None, ("data", "context"))
+    assert mesh_config_of(both).fsdp_axes == ("data", "context")
+    none = build_mesh(MeshConfig(2, 2, 2, 1, fsdp_axes=()), CFG)
+    assert none.spec(("q_heads", None, "embed")) == jax.sharding.PartitionSpec("tensor", None, None)
+    for bad in (("tensor",), ("data", "data")):
+        with pytest.raises(MeshError, match=r"mesh.fsdp_axes = .*expected distinct axes from"):
+            validate(MeshConfig(2, 2, 2, 1, fsdp_axes=bad))

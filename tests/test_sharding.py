@@ -99,3 +99,23 @@ def test_from_pretrained_places_experts_on_their_shards(ckpt):
     assert len(shards) == 8 and all(s.data.shape[1] == 1 for s in shards)
     embed = model.embed[...]  # rows over data (x tensor = 1)
     assert all(s.data.shape == (embed.shape[0] // 2, embed.shape[1]) for s in embed.addressable_shards)
+
+
+def test_fsdp_over_data_and_context_equals_single_device(ckpt, single):
+    """mesh.fsdp_axes = (data, context): the non-expert weights are cut over both axes (their `embed` dimension),
+    and the logits, loss and gradients stay the single device's."""
+    _, ids, want_logits, want_loss, want_grads = single
+    layout = build_mesh(MeshConfig(2, 2, 2, 1, fsdp_axes=("data", "context")), single[0].cfg, seq_len=SEQ,
+                        batch=BATCH)
+    model = m3jax.from_pretrained(ckpt, mesh=layout)
+    q_proj = model.stacks[0].q_proj[...]
+    assert q_proj.sharding.spec[-1] == ("data", "context"), q_proj.sharding.spec  # [layers, H, D, embed]
+    with jax.set_mesh(layout.mesh):
+        logits, loss, grads = logits_loss_and_grads(model, ids)
+    assert np.max(np.abs(logits - want_logits)) / np.max(np.abs(want_logits)) < 1e-5
+    assert abs(float(loss) - float(want_loss)) < 1e-5 * abs(float(want_loss))
+    got = dict(nnx.to_flat_state(grads))
+    for path, g in nnx.to_flat_state(want_grads):
+        g, h = np.asarray(g.get_value()), np.asarray(got[path].get_value())
+        scale = np.max(np.abs(g))
+        assert (not np.any(h)) if scale == 0 else np.max(np.abs(h - g)) / scale < 1e-5, path

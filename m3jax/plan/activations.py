@@ -145,7 +145,7 @@ def moe_terms(cfg: M3Config, mesh: MeshConfig, t_l: int, a: int, capacity_factor
 
 
 def gathered_weights(cfg: M3Config, mesh: MeshConfig, attn: str, mlp: str, a: int, shard_dims) -> float:
-    """2 * (this layer's non-expert weights with the data (FSDP) shard undone) * p: the weights gathered
+    """2 * (this layer's non-expert weights with the FSDP shard (`mesh.fsdp_axes`) undone) * p: the weights gathered
     for the layer and their gradient before the reduce-scatter. shard_dims(param) -> mesh axes per dim."""
     sz = dict(zip(_SIZES, mesh.shape))
     total = 0.0
@@ -153,7 +153,8 @@ def gathered_weights(cfg: M3Config, mesh: MeshConfig, attn: str, mlp: str, a: in
         if name.startswith("experts_"):
             continue
         dims = shard_dims(name, spec)
-        n = math.prod(-(-dim // math.prod(sz[x] for x in axes if x != "data")) for dim, axes in zip(spec.shape, dims))
+        n = math.prod(-(-dim // math.prod(sz[x] for x in axes if x not in mesh.fsdp_axes))
+                      for dim, axes in zip(spec.shape, dims))
         total += n * (4 if spec.fp32 else a)
     return 2 * total
 
@@ -200,7 +201,7 @@ def head_terms(cfg: M3Config, mesh: MeshConfig, b: int, s: int, a: int, shard_di
     sz = dict(zip(_SIZES, mesh.shape))
     spec = top_param_specs(cfg)["lm_head"]
     dims = shard_dims("lm_head", spec)
-    fsdp = any("data" in axes for axes in dims)
+    fsdp = any(x in axes for axes in dims for x in mesh.fsdp_axes)
     c = logprob_block_rows(s, chunk_tokens)
     rows = b * -(-c // sz["context"])
     head = cfg.vocab_size / sz["tensor"] * cfg.hidden_size

@@ -61,7 +61,7 @@ def abstract_layout(mesh_cfg: MeshConfig):
     from sharding.layout import Layout
     from sharding.rules import MESH_AXES, rules_for
     mesh = jax.sharding.AbstractMesh(mesh_cfg.shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
-    return Layout(mesh, rules_for(mesh_cfg.expert_axes))
+    return Layout(mesh, rules_for(mesh_cfg.expert_axes, mesh_cfg.fsdp_axes))
 
 
 def indivisible(state, shardings) -> list[str]:

@@ -53,8 +53,8 @@ def mesh_sizes(mesh: MeshConfig) -> dict[str, int]:
 
 
 def default_rules(mesh: MeshConfig):
-    """The rules table with the experts on `mesh.expert_axes` (`sharding.rules.rules_for`)."""
-    return rules_for(mesh.expert_axes)
+    """The rules table with the experts on `mesh.expert_axes`, FSDP on `mesh.fsdp_axes` (`sharding.rules.rules_for`)."""
+    return rules_for(mesh.expert_axes, mesh.fsdp_axes)
 
 
 def shard_axes(p: Param, mesh: MeshConfig, rules=None) -> list[tuple[str, ...]]:

@@ -181,12 +181,15 @@ class ModelSection(_Section):
 
 @dataclasses.dataclass(frozen=True)
 class MeshSection(_Section):
-    data: int = _f(1, "batch and FSDP axis", min=1)
+    data: int = _f(1, "batch axis (and FSDP's, with the default fsdp_axes)", min=1)
     context: int = _f(1, "sequence (context-parallel) axis", min=1)
-    expert: int = _f(1, "extra batch axis that never shards weights (expert parallelism only)", min=1)
+    expert: int = _f(1, "extra batch axis (expert parallelism; it shards weights only if in fsdp_axes)", min=1)
     tensor: int = _f(1, "attention heads / MLP width axis", min=1)
     expert_axes: tuple[str, ...] = _f(list(TOKEN_AXES), "mesh axes the experts are spread over",
                                       items={"choices": TOKEN_AXES}, distinct=True)
+    fsdp_axes: tuple[str, ...] = _f(["data"], "mesh axes that shard the non-expert weights (FSDP: gathered per "
+                                              "layer, gradients reduce-scattered); [] = replicated",
+                                    items={"choices": TOKEN_AXES}, distinct=True)
     coordinator_address: str | None = _f(None, "host:port of process 0 for jax.distributed; null = single "
                                                "process or from the environment (JAX_*, SLURM)")
     num_processes: int | None = _f(None, "processes in a multi-host job; null = from the environment", min=1)
@@ -210,7 +213,8 @@ class MeshSection(_Section):
     def to_mesh_config(self):
         from sharding.mesh import MeshConfig
         return MeshConfig(self.data, self.context, self.expert, self.tensor, tuple(self.expert_axes),
-                          self.coordinator_address, self.num_processes, self.process_id)
+                          self.coordinator_address, self.num_processes, self.process_id,
+                          fsdp_axes=tuple(self.fsdp_axes))
 
 
 @dataclasses.dataclass(frozen=True)
