@@ -53,8 +53,10 @@ def context_parallel(fn: Callable, layout: Layout, local: Sequence[tuple[jax.Arr
     several = bool(out_axes) and isinstance(out_axes[0], tuple)
     out_specs = tuple(spec(a) for a in out_axes) if several else spec(out_axes)
     # check_vma off: fn's loops start from constant carries (zeros), which the varying-axes check rejects.
-    # Nothing is lost by it: the callers cut every input over every mesh axis of size > 1 that its dimensions
-    # map to, so no cotangent needs a psum over an axis its input is replicated on.
+    # Without it, jax's transpose of the map sums an input's cotangent over the mesh axes the input is not cut
+    # over (e.g. the indexer keys under tensor parallelism), as a replicated input needs; in exchange fn must
+    # return the same value on every device of an axis an output is not cut over (the callers' outputs are
+    # cut over every axis their dimensions map to, or computed from whole heads).
     return jax.shard_map(body, mesh=layout.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(
         *(a for a, _ in local), *(a for a, _ in gathered))
 

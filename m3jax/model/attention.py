@@ -204,7 +204,9 @@ def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
     if return_indexer_kl and sparse:
         if cache is not None:
             raise ValueError("return_indexer_kl needs the whole sequence (no decode cache)")
-        if context_shards.applies(q, k, cfg.index_n_heads, layout):  # else its backward all-reduced d(ik) per tile
+        # Per shard (else its backward all-reduced d(ik) per tile) when the heads are whole: each shard's KL is a
+        # mean over its own index heads, which a tensor-parallel shard holds only some of.
+        if context_shards.applies(q, k, cfg.index_n_heads, layout) and layout.size("act_heads") == 1:
             def align(q, k, v, positions, key_valid, iq, ik, block_ids):
                 return indexer_alignment_kl(q, k, iq, ik, positions, key_valid, cfg)
 
