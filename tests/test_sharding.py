@@ -60,6 +60,21 @@ def single(ckpt):
     return (model, ids, *logits_loss_and_grads(model, ids))
 
 
+def assert_equals_single_device(single, logits, loss, grads):
+    """Logits, loss and every gradient within 1e-5 (relative to their scale) of the single device's."""
+    _, _, want_logits, want_loss, want_grads = single
+    assert np.max(np.abs(logits - want_logits)) / np.max(np.abs(want_logits)) < 1e-5
+    assert abs(float(loss) - float(want_loss)) < 1e-5 * abs(float(want_loss))
+    got = dict(nnx.to_flat_state(grads))
+    for path, g in nnx.to_flat_state(want_grads):
+        g, h = np.asarray(g.get_value()), np.asarray(got[path].get_value())
+        scale = np.max(np.abs(g))
+        if scale == 0:
+            assert not np.any(h), path  # indexer: no gradient, sharded or not
+        else:
+            assert np.max(np.abs(h - g)) / scale < 1e-5, path
+
+
 def test_routing_is_unbalanced_and_sparse_layers_select(single):
     model, ids, _, _, _ = single
     from m3jax.model.moe import route
@@ -74,21 +89,10 @@ def test_routing_is_unbalanced_and_sparse_layers_select(single):
 @pytest.mark.parametrize("shape,chunk", [c if c in FAST else pytest.param(*c, marks=(pytest.mark.slow,) + ((pytest.mark.extended,) if c in EXTENDED else ())) for c in CASES],
                          ids=lambda c: "x".join(map(str, c)) if isinstance(c, tuple) else f"chunk{c}")
 def test_sharded_logits_and_grads_equal_single_device(ckpt, single, shape, chunk):
-    _, ids, want_logits, want_loss, want_grads = single
     layout = build_mesh(MeshConfig(*shape), single[0].cfg, seq_len=SEQ, batch=BATCH)
     model = m3jax.from_pretrained(ckpt, mesh=layout, attention_query_chunk=chunk)
     with jax.set_mesh(layout.mesh):
-        logits, loss, grads = logits_loss_and_grads(model, ids)
-    assert np.max(np.abs(logits - want_logits)) / np.max(np.abs(want_logits)) < 1e-5
-    assert abs(float(loss) - float(want_loss)) < 1e-5 * abs(float(want_loss))
-    got = dict(nnx.to_flat_state(grads))
-    for path, g in nnx.to_flat_state(want_grads):
-        g, h = np.asarray(g.get_value()), np.asarray(got[path].get_value())
-        scale = np.max(np.abs(g))
-        if scale == 0:
-            assert not np.any(h), path  # indexer: no gradient, sharded or not
-        else:
-            assert np.max(np.abs(h - g)) / scale < 1e-5, path
+        assert_equals_single_device(single, *logits_loss_and_grads(model, single[1]))
 
 
 def test_from_pretrained_places_experts_on_their_shards(ckpt):
@@ -104,18 +108,10 @@ def test_from_pretrained_places_experts_on_their_shards(ckpt):
 def test_fsdp_over_data_and_context_equals_single_device(ckpt, single):
     """mesh.fsdp_axes = (data, context): the non-expert weights are cut over both axes (their `embed` dimension),
     and the logits, loss and gradients stay the single device's."""
-    _, ids, want_logits, want_loss, want_grads = single
     layout = build_mesh(MeshConfig(2, 2, 2, 1, fsdp_axes=("data", "context")), single[0].cfg, seq_len=SEQ,
                         batch=BATCH)
     model = m3jax.from_pretrained(ckpt, mesh=layout)
     q_proj = model.stacks[0].q_proj[...]
     assert q_proj.sharding.spec[-1] == ("data", "context"), q_proj.sharding.spec  # [layers, H, D, embed]
     with jax.set_mesh(layout.mesh):
-        logits, loss, grads = logits_loss_and_grads(model, ids)
-    assert np.max(np.abs(logits - want_logits)) / np.max(np.abs(want_logits)) < 1e-5
-    assert abs(float(loss) - float(want_loss)) < 1e-5 * abs(float(want_loss))
-    got = dict(nnx.to_flat_state(grads))
-    for path, g in nnx.to_flat_state(want_grads):
-        g, h = np.asarray(g.get_value()), np.asarray(got[path].get_value())
-        scale = np.max(np.abs(g))
-        assert (not np.any(h)) if scale == 0 else np.max(np.abs(h - g)) / scale < 1e-5, path
+        assert_equals_single_device(single, *logits_loss_and_grads(model, single[1]))
