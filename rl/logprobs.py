@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 from m3jax.model.decoder import ACT, lm_head_logits
 from rl.generation.base import SamplingParams, token_logprobs
 from sharding.layout import Layout
-from sharding.train_step import batch_sharding
+from sharding.train_step import batch_sharding, step_copier, step_copy_shardings
 from sharding.widths import cut_micro_batch, micro_widths, on_host, padded_to
 
 _INPUTS = ("input_ids", "attention_mask", "targets")
@@ -198,7 +198,18 @@ def make_logprob_pass(graphdef, sampling: SamplingParams, layout: Layout = Layou
 
         return jax.lax.map(one, batch)
 
+    copiers = {}  # the step copy's gather (`sharding.train_step.step_copier`), made at the first call
+
+    def copy(params):
+        """The weights every micro-batch of one pass reads: gathered once over the layout's `fsdp_step_axes`."""
+        if "fn" not in copiers:
+            copiers["fn"] = step_copier(None if layout.mesh is None else step_copy_shardings(layout, params))
+        return copiers["fn"](params)
+
     def pass_(params, rest, batch):
+        return one_pass(copy(params), rest, batch)
+
+    def one_pass(params, rest, batch):
         with_routes, with_blocks = "routes" in batch, "block_ids" in batch
         batch = {k: batch[k] for k in _INPUTS + ("routes",) * with_routes + ("block_ids",) * with_blocks}
         flags = dict(with_routes=with_routes, with_blocks=with_blocks)
@@ -224,7 +235,8 @@ def make_logprob_pass(graphdef, sampling: SamplingParams, layout: Layout = Layou
         one program per width), the outputs zero-padded back to the batch's positions."""
         full = np.shape(batch["input_ids"])[2]
         inputs = {k: on_host(batch[k]) for k in _INPUTS + ("routes", "block_ids") if k in batch}
-        outs = [pass_(params, rest, {k: v[None] for k, v in cut_micro_batch(inputs, m, w).items()})
+        params = copy(params)
+        outs = [one_pass(params, rest, {k: v[None] for k, v in cut_micro_batch(inputs, m, w).items()})
                 for m, w in enumerate(micro_widths(np.asarray(batch["attention_mask"]), widths))]
 
         def stitch(*xs):  # on the host where this process holds the outputs (see `sharding.widths.on_host`)

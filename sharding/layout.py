@@ -15,13 +15,16 @@ import math
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from sharding.rules import RULES, logical_to_spec, mesh_axes_of
+from sharding.rules import RULES, logical_to_spec, mesh_axes_of, without_axes
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
     mesh: Mesh | None = None
     rules: tuple = RULES
+    # FSDP axes whose gather a step does once, into a copy of the weights that all its micro-batches read
+    # (`MeshConfig.fsdp_step_axes`); () = every micro-batch gathers over every FSDP axis
+    fsdp_step_axes: tuple[str, ...] = ()
 
     @property
     def shape(self) -> dict[str, int]:
@@ -57,6 +60,13 @@ class Layout:
         if self.mesh is None:
             return x
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, self.spec(logical_axes)))
+
+    def step_copy(self) -> "Layout | None":
+        """The layout of a step's copy of the weights: this one with `fsdp_step_axes` out of the parameter rows
+        (`sharding.rules.without_axes`); None when there is no such copy (no step axes of size > 1, or no mesh)."""
+        if self.mesh is None or not any(self.mesh.shape[a] > 1 for a in self.fsdp_step_axes):
+            return None
+        return Layout(self.mesh, without_axes(self.rules, self.fsdp_step_axes))
 
     def with_rule(self, logical: str, mesh_axes) -> "Layout":
         """This layout with one row of the rules table changed (e.g. `("act_seq", None)` for decoding)."""

@@ -44,6 +44,12 @@ class MeshConfig:
     # FSDP: the token axes that shard the non-expert weights (gathered per layer, gradients reduce-scattered);
     # () = replicated (pure data parallelism)
     fsdp_axes: tuple[str, ...] = ("data",)
+    # Of fsdp_axes, those a step gathers once, into a copy of the weights cut over the other fsdp axes only, which
+    # every micro-batch (of the train step and of the logprob pass) then reads: ZeRO++'s hierarchical partitioning,
+    # FSDP2's reshard_after_forward to a node. With the nodes on these axes, the per-micro-batch gathers stay on
+    # NVLink. They must be the last entries of fsdp_axes (the shards of one copy are then whole runs of the full
+    # cut); () = every micro-batch gathers over all of fsdp_axes.
+    fsdp_step_axes: tuple[str, ...] = ()
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -100,6 +106,12 @@ def validate(mesh: MeshConfig, model=None, *, num_devices: int | None = None, se
     if bad or len(set(mesh.fsdp_axes)) != len(mesh.fsdp_axes):
         raise MeshError(f"mesh.fsdp_axes = {tuple(mesh.fsdp_axes)}: expected distinct axes from {TOKEN_AXES}, or "
                         "none (tensor shards the same weights' other dimensions)")
+    step = tuple(mesh.fsdp_step_axes)
+    if step and (len(set(step)) != len(step) or tuple(mesh.fsdp_axes)[len(mesh.fsdp_axes) - len(step):] != step
+                 or len(step) == len(mesh.fsdp_axes)):
+        raise MeshError(f"mesh.fsdp_step_axes = {step}: expected a proper tail of mesh.fsdp_axes = "
+                        f"{tuple(mesh.fsdp_axes)} (the copy a step gathers over them stays cut over the fsdp axes "
+                        "before them; list the axes gathered once per step last)")
     if num_devices is not None and mesh.num_devices != num_devices:
         raise MeshError(f"mesh data x context x expert x tensor = {' x '.join(map(str, mesh.shape))} = "
                         f"{mesh.num_devices} devices, but {num_devices} are available")
@@ -234,16 +246,17 @@ def build_mesh(mesh: MeshConfig, model: ShardedModel | None = None, *, seq_len: 
     devices = list(devices) if devices is not None else jax.devices()
     validate(mesh, model, num_devices=len(devices), seq_len=seq_len, batch=batch)
     return Layout(jax.make_mesh(mesh.shape, MESH_AXES, axis_types=(AxisType.Auto,) * 4, devices=devices),
-                  mesh.rules)
+                  mesh.rules, tuple(mesh.fsdp_step_axes))
 
 
 def mesh_config_of(mesh) -> MeshConfig:
     """The MeshConfig describing a Layout (or a Mesh with m3jax's axis names and the default rules)."""
     layout = mesh if isinstance(mesh, Layout) else Layout(mesh)
     if layout.mesh is None:
-        return MeshConfig(expert_axes=expert_axes_of(layout.rules), fsdp_axes=fsdp_axes_of(layout.rules))
+        return MeshConfig(expert_axes=expert_axes_of(layout.rules), fsdp_axes=fsdp_axes_of(layout.rules),
+                          fsdp_step_axes=layout.fsdp_step_axes)
     missing = [a for a in MESH_AXES if a not in layout.mesh.shape]
     if missing:
         raise MeshError(f"mesh axes {tuple(layout.mesh.axis_names)} lack {missing}: expected {MESH_AXES}")
     return MeshConfig(*(layout.mesh.shape[a] for a in MESH_AXES), expert_axes=expert_axes_of(layout.rules),
-                      fsdp_axes=fsdp_axes_of(layout.rules))
+                      fsdp_axes=fsdp_axes_of(layout.rules), fsdp_step_axes=layout.fsdp_step_axes)

@@ -50,6 +50,20 @@ def rules_for(expert_axes: tuple[str, ...], fsdp_axes: tuple[str, ...] = ("data"
     return tuple((k, rows.get(k, v)) for k, v in RULES)
 
 
+def without_axes(rules, axes) -> tuple:
+    """The rules table with the mesh axes `axes` taken out of every parameter row but the experts' (activation rows,
+    `act_*`, stay): the layout of a step's copy of the weights (`MeshConfig.fsdp_step_axes`), gathered once over
+    `axes` and then read by every micro-batch. The experts stay where they are: tokens travel to them."""
+    drop = set(axes)
+    out = []
+    for name, target in rules:
+        if not name.startswith("act_") and name != "experts":
+            kept = tuple(a for a in mesh_axes_of(name, rules) if a not in drop)
+            target = kept[0] if len(kept) == 1 else (kept or None)
+        out.append((name, target))
+    return tuple(out)
+
+
 def expert_axes_of(rules) -> tuple[str, ...]:
     """The mesh axes a rules table puts the experts on (the inverse of `rules_for`)."""
     return mesh_axes_of("experts", rules)

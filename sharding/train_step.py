@@ -67,6 +67,22 @@ def state_shardings(layout, state: TrainState) -> TrainState:
     return TrainState(param_sh, _logical_shardings(layout, state.rest), opt_sh, replicated, replicated)
 
 
+def step_copy_shardings(layout, params):
+    """Shardings of a step's copy of `params` (an nnx.State, or its tree of shardings): each weight as
+    `Layout.step_copy` places it, i.e. still cut over the FSDP axes a micro-batch gathers over, whole over
+    `fsdp_step_axes`; None when the layout makes no copy."""
+    copy = as_layout(layout).step_copy()
+    return None if copy is None else _logical_shardings(copy, params)
+
+
+def step_copier(copy_shardings) -> Callable:
+    """copy(params) -> the step's copy of `params` (`step_copy_shardings`), gathered by one jitted program (made
+    here, once); the identity when there is no copy. Traced inside a step, use a sharding constraint instead."""
+    if copy_shardings is None:
+        return lambda params: params
+    return jax.jit(lambda params: params, out_shardings=copy_shardings)
+
+
 def batch_sharding(layout) -> NamedSharding:
     """[micro-batches, batch, seq] with batch on the token-batch axes and seq on context."""
     layout = as_layout(layout)
@@ -93,6 +109,9 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation,
     """
     layout = as_layout(mesh)
     mesh = layout.mesh
+    # a layout with `fsdp_step_axes`: every micro-batch reads one copy of the weights gathered over those axes at
+    # the start of the step, and its gradient is reduced back onto the state's shards (`step_copy_shardings`)
+    copy_sh = None if shardings is None else step_copy_shardings(layout, shardings.params)
 
     def grads_of(params, rest, mb):
         def f(p):
@@ -130,11 +149,17 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation,
 
     def step(state: TrainState, batch: dict):
         total = jnp.maximum(normalizer(batch), 1.0)
+        params = state.params if copy_sh is None else jax.lax.with_sharding_constraint(state.params, copy_sh)
 
         def micro(carry, mb):
-            return add(carry, grads_of(state.params, state.rest, mb)), None
+            carry = add(carry, grads_of(params, state.rest, mb))
+            if copy_sh is not None:  # the sum stays on the state's shards, not the copy's
+                carry = (jax.lax.with_sharding_constraint(carry[0], shardings.params), *carry[1:])
+            return carry, None
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+        if copy_sh is not None:
+            zeros = jax.lax.with_sharding_constraint(zeros, shardings.params)
         first = jax.tree.map(lambda x: x[0], batch)
         sums_shape = jax.eval_shape(lambda: loss_fn(nnx.merge(graphdef, state.params, state.rest), first)[1])
         sums0 = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), sums_shape)
@@ -143,7 +168,8 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation,
 
     donated = (0,) if donate else ()
     if widths:
-        return _cut_step(grads_of, add, finish, normalizer, layout, shardings, tuple(widths), donated)
+        return _cut_step(grads_of, add, finish, normalizer, layout, shardings, tuple(widths), donated,
+                         step_copier(copy_sh))
     if mesh is None:
         return jax.jit(step, donate_argnums=donated)
     jitted = jax.jit(step, in_shardings=(shardings, None),
@@ -160,11 +186,13 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation,
     return run
 
 
-def _cut_step(grads_of, add, finish, normalizer, layout: Layout, shardings, widths, donated) -> Callable:
+def _cut_step(grads_of, add, finish, normalizer, layout: Layout, shardings, widths, donated,
+              copy: Callable = lambda params: params) -> Callable:
     """The step with each micro-batch cut to its width (`make_train_step(widths=...)`): a jitted micro-step per
     width adds the micro-batch's gradient to the carry, then one jitted update. The micro-steps run one
     micro-batch at a time, so a step's mix of widths never makes a new program; the carry starts from zeros
-    (shapes from one trace of the first micro-batch, kept), so each width is one program."""
+    (shapes from one trace of the first micro-batch, kept), so each width is one program. `copy` makes the step's
+    copy of the weights that the micro-steps read (`step_copier`)."""
     mesh = layout.mesh
     replicated = None if mesh is None else NamedSharding(mesh, P())
     carry_sh = None if mesh is None else (shardings.params, replicated, replicated)
@@ -195,8 +223,10 @@ def _cut_step(grads_of, add, finish, normalizer, layout: Layout, shardings, widt
                 zeros["fn"] = jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
                                       out_shardings=carry_sh)
             carry = zeros["fn"]()
+            params = copy(state.params)  # the step's copy (`step_copier`): state.params when there is none
             for mb in mbs:
-                carry = more(state.params, state.rest, carry, mb)
+                carry = more(params, state.rest, carry, mb)
+            del params  # freed before the update, whose peak it would raise
             return update(state, carry, total, tokens)
 
     run.widths = widths

@@ -92,6 +92,11 @@ BAD_FILES = {
     "process_id_past_num_processes": ("mesh: {num_processes: 2, process_id: 2}\n",
                                       ["mesh.process_id = 2: not below mesh.num_processes = 2; allowed: an integer "
                                        "in [0, 2)"]),
+    "fsdp_step_axes_not_a_tail": ("mesh: {fsdp_axes: [data, context], fsdp_step_axes: [data]}\n",
+                                  ['mesh.fsdp_step_axes = ["data"]: not the last entries of mesh.fsdp_axes = '
+                                   '["data", "context"]; allowed: [] or a proper tail of fsdp_axes']),
+    "fsdp_step_axes_all_of_them": ("mesh: {fsdp_step_axes: [data]}\n",
+                                   ['mesh.fsdp_step_axes = ["data"]: all of mesh.fsdp_axes = ["data"]']),
     "reward_twice": ("reward: [{name: copy_digits}, {name: copy_digits}]\n",
                      ['reward[1].name = "copy_digits": listed twice; allowed: each reward once']),
     "reward_not_registered": ("reward: [{name: reverse_digit}]\n",

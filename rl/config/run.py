@@ -21,7 +21,8 @@ class RunConfig(_Section):
     model       path | tiny (M3Config fields), init_seed, remat, remat_policy, attention_query_chunk,
                 attention_impl, sparse_attention, logprob_chunk_tokens, indexer_loss_coef, moe_capacity_factor,
                 moe_kernel
-    mesh        data, context, expert, tensor, expert_axes, coordinator_address, num_processes, process_id,
+    mesh        data, context, expert, tensor, expert_axes, fsdp_axes, fsdp_step_axes, coordinator_address,
+                num_processes, process_id,
                 device_memory_fraction
     precision   master, moment_dtype
     optim       lr, schedule, warmup_steps, weight_decay, b1, b2, eps, clip_norm

@@ -190,6 +190,11 @@ class MeshSection(_Section):
     fsdp_axes: tuple[str, ...] = _f(["data"], "mesh axes that shard the non-expert weights (FSDP: gathered per "
                                               "layer, gradients reduce-scattered); [] = replicated",
                                     items={"choices": TOKEN_AXES}, distinct=True)
+    fsdp_step_axes: tuple[str, ...] = _f([], "the last entries of fsdp_axes that a step gathers once, into a copy "
+                                             "of the weights every micro-batch reads (then each micro-batch "
+                                             "gathers over the other fsdp_axes only: on NVLink when those stay "
+                                             "inside a node); [] = every micro-batch gathers over all fsdp_axes",
+                                         items={"choices": TOKEN_AXES}, distinct=True)
     coordinator_address: str | None = _f(None, "host:port of process 0 for jax.distributed; null = single "
                                                "process or from the environment (JAX_*, SLURM)")
     num_processes: int | None = _f(None, "processes in a multi-host job; null = from the environment", min=1)
@@ -214,7 +219,7 @@ class MeshSection(_Section):
         from sharding.mesh import MeshConfig
         return MeshConfig(self.data, self.context, self.expert, self.tensor, tuple(self.expert_axes),
                           self.coordinator_address, self.num_processes, self.process_id,
-                          fsdp_axes=tuple(self.fsdp_axes))
+                          fsdp_axes=tuple(self.fsdp_axes), fsdp_step_axes=tuple(self.fsdp_step_axes))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -270,6 +270,13 @@ def _cross_checks(cfg: RunConfig) -> list[_Problem]:
                                                      "each reward once (combine weights)"))
 
     mp = cfg.mesh
+    step, fsdp = tuple(mp.fsdp_step_axes), tuple(mp.fsdp_axes)
+    if step and (fsdp[len(fsdp) - len(step):] != step or len(step) == len(fsdp)):
+        out.append(_Problem("mesh.fsdp_step_axes", (
+            f"mesh.fsdp_step_axes = {_show(list(step))}: "
+            + ("all of" if step == fsdp else "not the last entries of") + f" mesh.fsdp_axes = {_show(list(fsdp))}; "
+            "allowed: [] or a proper tail of fsdp_axes (the axes gathered once per step listed last, e.g. fsdp_axes "
+            "[context, data] with fsdp_step_axes [data])"), ("mesh.fsdp_axes",)))
     if mp.process_id is not None and mp.num_processes is not None and mp.process_id >= mp.num_processes:
         out.append(_Problem("mesh.process_id", f"mesh.process_id = {mp.process_id}: not below mesh.num_processes "
                                                f"= {mp.num_processes}; allowed: an integer in [0, {mp.num_processes})",
