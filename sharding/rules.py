@@ -51,17 +51,14 @@ def rules_for(expert_axes: tuple[str, ...], fsdp_axes: tuple[str, ...] = ("data"
 
 
 def without_axes(rules, axes) -> tuple:
-    """The rules table with the mesh axes `axes` taken out of every parameter row but the experts' (activation rows,
-    `act_*`, stay): the layout of a step's copy of the weights (`MeshConfig.fsdp_step_axes`), gathered once over
-    `axes` and then read by every micro-batch. The experts stay where they are: tokens travel to them."""
+    """The rules table with the mesh axes `axes` taken out of the FSDP row (`embed`, the dimension `fsdp_axes`
+    shards): the layout of a step's copy of the weights (`MeshConfig.fsdp_step_axes`), gathered once over `axes`
+    and then read by every micro-batch. Every other row stays: the experts (tokens travel to them), the
+    embedding table's rows (a lookup reads its own rows; it never gathers the table) and the activations."""
     drop = set(axes)
-    out = []
-    for name, target in rules:
-        if not name.startswith("act_") and name != "experts":
-            kept = tuple(a for a in mesh_axes_of(name, rules) if a not in drop)
-            target = kept[0] if len(kept) == 1 else (kept or None)
-        out.append((name, target))
-    return tuple(out)
+    kept = tuple(a for a in mesh_axes_of("embed", rules) if a not in drop)
+    return tuple((name, (kept[0] if len(kept) == 1 else (kept or None)) if name == "embed" else target)
+                 for name, target in rules)
 
 
 def expert_axes_of(rules) -> tuple[str, ...]:

@@ -40,9 +40,10 @@ def ckpt(tmp_path_factory):
 def test_the_copy_drops_the_step_axes_from_the_weights_only():
     rules = rules_for(("data", "context"), ("context", "data"))
     copy = dict(without_axes(rules, ("data",)))
-    assert copy["embed"] == "context" and copy["table_vocab"] == "tensor"
-    assert copy["experts"] == ("data", "context")  # experts stay put: tokens travel to them
-    assert copy["act_batch"] == dict(RULES)["act_batch"]  # activations are not weights
+    assert copy["embed"] == "context"  # the FSDP row loses data, every other row stays:
+    assert copy["experts"] == ("data", "context")  # tokens travel to the experts,
+    assert copy["table_vocab"] == ("data", "tensor")  # a lookup reads its own rows of the table,
+    assert copy["act_batch"] == dict(RULES)["act_batch"]  # and activations are not weights
     layout = build_mesh(HPZ)
     assert layout.fsdp_step_axes == ("data",) and mesh_config_of(layout) == HPZ
     assert dict(layout.step_copy().rules)["embed"] == "context"

@@ -48,6 +48,7 @@ class Job:
     # prompt + response slots of a row (generation.max_seq_len); seq_len is then the trainer's positions on the
     # mesh (`sharding.mesh.row_positions`), recomputed for every mesh the sweep tries. None: seq_len as given.
     slots: int | None = None
+    logprob_passes: int = 1  # forwards before the update: logp_old, and logp_ref when the loss has a KL term
 
     def on_mesh(self, mesh: MeshConfig, micro_batch: int) -> "Job":
         """This job on another mesh and micro-batch, with the positions the trainer would run there."""
@@ -79,7 +80,8 @@ def load_job(path: str, overrides: list[str], model: str | None) -> Job:
                cfg.model.remat, {k: v for k, v in cfg.model.model_options().items() if k != "remat"},
                sparse_attention=getattr(cfg.model, "sparse_attention", "gather"),
                logprob_chunk_tokens=cfg.model.logprob_chunk_tokens,
-               memory_fraction=cfg.mesh.device_memory_fraction or JAX_DEFAULT_MEMORY_FRACTION, slots=slots)
+               memory_fraction=cfg.mesh.device_memory_fraction or JAX_DEFAULT_MEMORY_FRACTION, slots=slots,
+               logprob_passes=1 + (g.kl != "none"))
 
 
 def load_run_config(path: str, overrides: list[str], model: str | None):
@@ -129,8 +131,13 @@ def plan(job: Job, hw: Hardware) -> dict:
     comm = comm_bytes(job.model, job.mesh, job.micro_batch, job.seq_len, job.batch.num_micro * job.updates,
                       job.master, job.remat, sent_rows=sent)
     st = step_time(fl["executed_total"] / job.mesh.num_devices, comm, job.mesh, hw)
+    # the logprob pass(es) before the update: a forward over the step's sequences, micro-batch by micro-batch
+    fwd_comm = comm_bytes(job.model, job.mesh, job.micro_batch, job.seq_len, job.batch.num_micro * job.updates,
+                          job.master, job.remat, sent_rows=sent, backward=False)
+    fwd = step_time(fl["forward_executed"] / job.mesh.num_devices, fwd_comm, job.mesh, hw)
+    fwd = {k: v * job.logprob_passes for k, v in fwd.items() if k != "comm_share"}
     return {"memory": max(phases.values(), key=lambda t: t["total"]), "phases": phases, "flops": fl, "comm": comm,
-            "time": st}
+            "time": st, "logprob_pass": {"comm": fwd_comm, "time": fwd}}
 
 
 def verdict(mem: dict, device_gb: float) -> str:
@@ -172,6 +179,11 @@ def print_plan(job: Job, p: dict, device_gb: float) -> None:
     t = p["time"]
     print(f"step time estimate: {t['total_s']:.1f} s (compute {t['compute_s']:.1f} s, communication {t['comm_s']:.1f} s, "
           f"comm share {t['comm_share']:.0%})")
+    lp = p["logprob_pass"]["time"]
+    gathers = sum(v for k, v in lp.items() if k.startswith("fsdp_"))
+    print(f"  + logprob pass{'es' if job.logprob_passes > 1 else ''} before the update ({job.logprob_passes} x a "
+          f"forward over the step's sequences): {lp['total_s']:.1f} s (compute {lp['compute_s']:.1f} s, communication "
+          f"{lp['comm_s']:.1f} s, of it FSDP gathers {gathers:.1f} s) -> {t['total_s'] + lp['total_s']:.1f} s per step")
     print(verdict(p["memory"], device_gb))
 
 

@@ -14,7 +14,7 @@ from m3jax.config import MOE_MLP, SPARSE_ATTENTION, M3Config
 from m3jax.model.specs import layer_param_specs
 from sharding.mesh import MeshConfig
 from m3jax.plan.activations import sparse_keys  # noqa: F401  (re-exported: the FLOPs model's name for it)
-from m3jax.plan.memory import Param, local_elems, mesh_sizes, param_table, shard_axes
+from m3jax.plan.memory import Param, local_elems, mesh_sizes, param_table, shard_axes, step_copy_rules
 from m3jax.plan.remat import recomputed_params, trains_as
 from sharding.rules import MESH_AXES
 
@@ -126,6 +126,9 @@ def step_flops(cfg: M3Config, seqs: int, seq_len: int, remat: bool = True, *, qu
                      pairs = causal_pairs(S) on full layers,
                      causal_pairs(S, index_topk_blocks * index_block_size) on sparse layers
         indexer_scores = 2 * Hi*Di * causal_pairs(S) * seqs per sparse layer     (forward only, every causal key)
+    forward_executed: the executed FLOPs of a forward pass alone over the same tokens (the logprob pass):
+        2 * (layer + head params, the routed experts x expert_rows) * N + indexer projections + the attention's and
+        indexer's forward.
     executed FLOPs (what m3jax runs): the routed experts' matmuls times `expert_rows` (`expert_rows_factor`:
         padding rows the grouped matmul multiplies too); with remat the projections the backward reads again,
         by `remat_policy` (`m3jax.plan.remat.recomputed_params`: 2 * those params * N, the routed ones x
@@ -192,6 +195,10 @@ def step_flops(cfg: M3Config, seqs: int, seq_len: int, remat: bool = True, *, qu
         attn_remat += 4 * h * dd * gp
     out["attention_executed"] = attn_exec + (attn_remat if remat else 0.0) + (attn_again if query_chunked else 0.0)
     out["indexer_executed"] = idx_exec + (idx_remat if remat else 0.0) + (idx_again if query_chunked else 0.0)
+    attn_forward = (4 * h * dd * fp if attention == "flash" else full_attn / 3) \
+        + (4 * h * dd * gp if gather else 0.0)
+    # the logprob pass (logp_old, logp_ref): the forward alone, no remat, no backward recompute
+    out["forward_executed"] = 2 * (layer_exec + act["head"]) * n + out["indexer_proj"] + attn_forward + idx_fwd
     executed = 6 * (layer_exec + act["head"]) * n + out["indexer_proj"] + attn_exec + idx_exec
     executed += 2 * routed * expert_rows * expert_recompute * n
     again = recomputed_params(cfg, remat_policy, expert_matmul, sparse_attention)
@@ -221,16 +228,19 @@ def axis_link(mesh: MeshConfig, axes: tuple[str, ...], hw: Hardware) -> float:
 
 
 def comm_bytes(cfg: M3Config, mesh: MeshConfig, micro_batch: int, seq_len: int, num_micro: int,
-               master: str = "fp32", remat: bool = True, rules=None, sent_rows: float | None = None
-               ) -> dict[str, tuple[float, tuple]]:
+               master: str = "fp32", remat: bool = True, rules=None, sent_rows: float | None = None,
+               backward: bool = True) -> dict[str, tuple[float, tuple]]:
     """Bytes one device sends per step, by collective -> (bytes, mesh axes it runs over).
 
-    Per micro-batch (x num_micro), p = param bytes, a = activation bytes, f(n) = (n-1)/n:
-      fsdp_all_gather     (1 + 1) * f(n_g) * sum of the weights a token axis shards on a non-expert dimension, with
-                          that shard undone, * p (forward, and again in the backward / remat recompute); g = those
-                          token axes (data with the default rules; "[axes]" is appended when tables shard
-                          weights over several different groups)
-      fsdp_reduce_scatter f(n_g) * the same bytes (gradients, param dtype)
+    Per micro-batch (x num_micro), p = param bytes, a = activation bytes, f(n) = (n-1)/n; W = the full bytes of the
+    weights a token axis shards on a non-expert dimension (FSDP), g = those token axes, of which s =
+    `mesh.fsdp_step_axes` are gathered once per step into a copy cut over r = g - s only (the FSDP row's weights,
+    `m3jax.plan.memory.step_copy_rules`; s = () for the others, e.g. the embedding table's rows):
+      fsdp_all_gather     (1 + 1) * f(n_r) * W (forward, and again in the backward / remat recompute), over r
+                          ("[axes]" is appended when tables shard weights over several different groups)
+      fsdp_reduce_scatter f(n_r) * W (gradients, param dtype), over r
+      fsdp_step_reduce_scatter  f(n_s) * W / n_r: the copy's gradient onto the state's shards, over s
+      fsdp_step_all_gather      f(n_s) * W / n_r, once per step (not x num_micro), over s
       grad_all_reduce     2 f(n) * local gradient bytes, over the token axes (data, context, expert) a
                           weight is replicated on (its gradient sums over the tokens those devices hold)
       expert_all_to_all   L_moe * (2 fwd + 2 bwd [+ 2 remat]) * f(n_ep) * R * d * a, R = sent_rows: T_l * k for
@@ -238,52 +248,69 @@ def comm_bytes(cfg: M3Config, mesh: MeshConfig, micro_batch: int, seq_len: int, 
       context_all_gather  L * (1 fwd [+ 1 remat] + 1 bwd reduce-scatter) * f(n_c) * b * S *
                           (2 * KV/n_t * D + Di [sparse]) * a        (keys, values and indexer keys)
       tensor_all_reduce   L * 4 * 2 f(n_t) * T_l * d * a           (attention and MLP outputs, fwd + bwd)
+    backward=False: a forward-only pass (the logprob pass): one gather per micro-batch, no gradient terms, the
+    experts' and context's forward trips only, tensor all-reduces halved.
     """
     sz = mesh_sizes(mesh)
     f = lambda n: (n - 1) / n if n > 1 else 0.0  # noqa: E731
     a = 4 if master == "none" else 2
     nc, nt = sz["context"], sz["tensor"]
     t_l = micro_batch * seq_len // nc
-    fsdp: dict[tuple, float] = {}
+    copy_rules = step_copy_rules(mesh, rules)
+    fsdp: dict[tuple, float] = {}  # (axes gathered, of them those gathered once per step) -> bytes W
     allreduce: dict[tuple, float] = {}
+
+    def gathered_over(p, table):
+        # FSDP = a token axis shards a weight dimension other than the experts one (tokens travel to experts,
+        # but every device needs the whole of any other weight)
+        dims = shard_axes(p, mesh, table)
+        return tuple(x for x in ("data", "context", "expert") if sz[x] > 1
+                     and any(x in axes for name, axes in zip(p.axes, dims) if name != "experts"))
+
     for p in param_table(cfg):
         if p.buffer:
             continue
         dims = shard_axes(p, mesh, rules)
         pb = 4 if (master == "none" or p.fp32) else 2
         used = {x for axes in dims for x in axes}
-        # FSDP = a token axis shards a weight dimension other than the experts one (tokens travel to experts,
-        # but every device needs the whole of any other weight)
-        gathered = tuple(x for x in ("data", "context", "expert") if sz[x] > 1
-                         and any(x in axes for name, axes in zip(p.axes, dims) if name != "experts"))
+        gathered = gathered_over(p, rules)
         if gathered:
-            fsdp[gathered] = fsdp.get(gathered, 0.0) + local_elems(p, mesh, rules) * math.prod(
-                sz[x] for x in gathered) * pb
+            per_micro = gathered if copy_rules is None else gathered_over(p, copy_rules)
+            key = (gathered, tuple(x for x in gathered if x not in per_micro))
+            fsdp[key] = fsdp.get(key, 0.0) + local_elems(p, mesh, rules) * math.prod(sz[x] for x in gathered) * pb
         red = tuple(x for x in ("data", "context", "expert") if sz[x] > 1 and x not in used)
         if red:
             allreduce[red] = allreduce.get(red, 0.0) + local_elems(p, mesh, rules) * pb
     out = {}
-    for g, v in (fsdp or {("data",): 0.0}).items():
-        n = math.prod(sz[x] for x in g)
+    passes = 2 if backward else 1
+    for (g, s), v in (fsdp or {(("data",), ()): 0.0}).items():
+        r = tuple(x for x in g if x not in s)
+        n_r, n_s = math.prod(sz[x] for x in r), math.prod(sz[x] for x in s)
         key = "" if len(fsdp) <= 1 else f"[{','.join(g)}]"
-        out["fsdp_all_gather" + key] = (2 * f(n) * v * num_micro, g)
-        out["fsdp_reduce_scatter" + key] = (f(n) * v * num_micro, g)
-    for red, v in allreduce.items():
-        n = math.prod(sz[x] for x in red)
-        key = "grad_all_reduce" + ("" if len(allreduce) == 1 else f"[{','.join(red)}]")
-        out[key] = (2 * f(n) * v * num_micro, red)
+        out["fsdp_all_gather" + key] = (passes * f(n_r) * v * num_micro, r)
+        if s:
+            out["fsdp_step_all_gather" + key] = (f(n_s) * v / n_r, s)
+        if backward:
+            out["fsdp_reduce_scatter" + key] = (f(n_r) * v * num_micro, r)
+            if s:
+                out["fsdp_step_reduce_scatter" + key] = (f(n_s) * v / n_r * num_micro, s)
+    if backward:
+        for red, v in allreduce.items():
+            n = math.prod(sz[x] for x in red)
+            key = "grad_all_reduce" + ("" if len(allreduce) == 1 else f"[{','.join(red)}]")
+            out[key] = (2 * f(n) * v * num_micro, red)
     n_moe = sum(m == MOE_MLP for m in cfg.mlp_layer_types)
     n_ep = mesh.expert_parallel
-    trips = 4 + (2 if remat else 0)
+    trips = (4 + (2 if remat else 0)) if backward else 2
     ep_axes = tuple(x for x in mesh.expert_axes if sz[x] > 1)
     rows = t_l * cfg.num_experts_per_tok if sent_rows is None else sent_rows
     out["expert_all_to_all"] = (n_moe * trips * f(n_ep) * rows * cfg.hidden_size * a * num_micro, ep_axes)
     kvw = 0.0
     for t in cfg.layer_types:
         kvw += 2 * cfg.num_key_value_heads / nt * cfg.head_dim + (cfg.index_head_dim if t == SPARSE_ATTENTION else 0)
-    out["context_all_gather"] = ((3 if remat else 2) * f(nc) * micro_batch * seq_len * kvw * a * num_micro,
-                                 ("context",))
-    out["tensor_all_reduce"] = (cfg.num_hidden_layers * 4 * 2 * f(nt) * t_l * cfg.hidden_size * a * num_micro,
+    context_trips = (3 if remat else 2) if backward else 1
+    out["context_all_gather"] = (context_trips * f(nc) * micro_batch * seq_len * kvw * a * num_micro, ("context",))
+    out["tensor_all_reduce"] = (cfg.num_hidden_layers * 4 * passes * f(nt) * t_l * cfg.hidden_size * a * num_micro,
                                 ("tensor",))
     return {k: v for k, v in out.items() if v[0] > 0}
 

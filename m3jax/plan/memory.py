@@ -21,7 +21,7 @@ from m3jax.model.specs import layer_param_specs, top_param_specs
 from sharding.mesh import MeshConfig
 from m3jax.plan.activations import head_terms, layer_phases
 from m3jax.plan.remat import saved_residuals
-from sharding.rules import MESH_AXES, logical_to_spec, rules_for
+from sharding.rules import MESH_AXES, logical_to_spec, rules_for, without_axes
 
 GB = 1e9
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -85,10 +85,16 @@ def state_bytes(cfg: M3Config, mesh: MeshConfig, master: str = "fp32", moment_dt
         grad_accumulator  = n_loc * 4        fp32, carried over the micro-batches
         micro_gradient    = n_loc * p        one micro-batch's gradient (param dtype), during the backward
         buffers           = n_loc * 4        non-trainable (router correction bias), fp32
+    With `mesh.fsdp_step_axes` the micro-batches read the step's copy (`step_copy_rules`) of n_copy elements:
+        step_copy         = (n_copy - n_loc) * p    the copy, beside the state's own shards (backward peak only)
+        micro_gradient    = n_copy * p        the gradient comes out on the copy's shards
     (BENCHMARKS.md issue 3 measured params+master+moments: 12 / 14 / 10 / 12 / 8 / 6 B per param.)
     """
     m = _DTYPE_BYTES[moment_dtype]
+    copy_rules = step_copy_rules(mesh, rules)
     out = dict.fromkeys(("params", "master", "moments", "grad_accumulator", "micro_gradient", "buffers"), 0.0)
+    if copy_rules is not None:
+        out["step_copy"] = 0.0
     for p in param_table(cfg):
         n = local_elems(p, mesh, rules)
         if p.buffer:
@@ -99,8 +105,19 @@ def state_bytes(cfg: M3Config, mesh: MeshConfig, master: str = "fp32", moment_dt
         out["master"] += 0 if master == "none" else n * (4 if master == "fp32" or pb == 4 else 2)
         out["moments"] += n * 2 * m
         out["grad_accumulator"] += n * 4
-        out["micro_gradient"] += n * pb
+        n_read = n if copy_rules is None else local_elems(p, mesh, copy_rules)
+        out["micro_gradient"] += n_read * pb
+        if copy_rules is not None:
+            out["step_copy"] += (n_read - n) * pb
     return out
+
+
+def step_copy_rules(mesh: MeshConfig, rules=None):
+    """The rules of the step's copy of the weights (`sharding.layout.Layout.step_copy`), or None without one."""
+    sizes = mesh_sizes(mesh)
+    if not any(sizes[a] > 1 for a in getattr(mesh, "fsdp_step_axes", ())):
+        return None
+    return without_axes(rules or default_rules(mesh), mesh.fsdp_step_axes)
 
 
 # XLA:CPU's temporaries of the optimizer step (`sharding.optim_step`), bytes per element, the largest of
@@ -257,7 +274,7 @@ def memory_phases(cfg: M3Config, mesh: MeshConfig, batch: Batch, master: str = "
     a = act_bytes or (4 if master == "none" else 2)
     state = state_bytes(cfg, mesh, master, moment_dtype, rules)
     backward = {**state, **{f"act:{k}": v for k, v in activation_bytes(cfg, mesh, batch, a, rules).items()}}
-    update = {**{k: v for k, v in state.items() if k != "micro_gradient"},
+    update = {**{k: v for k, v in state.items() if k not in ("micro_gradient", "step_copy")},
               "update_temporaries": update_temporaries(cfg, mesh, rules)}
     for terms in (backward, update):
         terms["total"] = sum(terms.values())
