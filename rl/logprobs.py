@@ -118,17 +118,17 @@ def _blocks(sampling: tuple, layout: Layout, head_axes):
             # the block's logits and their cotangent exactly as autodiff of the full path makes them
             logits, head_vjp = jax.vjp(lambda x: lm_head_logits(x, w_blk, layout), h_blk)
             dz = jax.vjp(lambda z: token_logprobs(z, y_blk, *sampling), logits)[1](ct_blk)[0]
-            if shards is not None:  # each device adds its own tokens' share, summed over devices after the scan
-                dw = dw + jnp.einsum("arbcv,arbcd->abvd", _by_shard(dz, shards), _by_shard(h_blk, shards),
+            if shards is not None:  # each batch shard adds its own tokens' share, summed over them after the scan
+                dw = dw + jnp.einsum("arcv,arcd->avd", _by_shard(dz, shards), _by_shard(h_blk, shards),
                                      preferred_element_type=acc)
                 return layout.constrain(dw, HEAD_PARTIALS), head_vjp(dz)[0]
             dw = dw + jnp.einsum("bsv,bsd->vd", dz, h_blk, preferred_element_type=acc)
             return (dw if head_axes is None else layout.constrain(dw, head_axes)), head_vjp(dz)[0]
 
         if shards is not None:
-            dw0 = layout.constrain(jnp.zeros((*shards, *w.shape), acc), HEAD_PARTIALS)
+            dw0 = layout.constrain(jnp.zeros((shards, *w.shape), acc), HEAD_PARTIALS)
             dw, dh = jax.lax.scan(step, dw0, (h, y, ct))
-            dw = layout.constrain(jnp.sum(dw, axis=(0, 1)), head_axes)  # the one reduction over the token axes
+            dw = layout.constrain(jnp.sum(dw, axis=0), head_axes)  # the one reduction over the batch shards
         else:
             dw0 = jnp.zeros(w.shape, acc)
             dw, dh = jax.lax.scan(step, dw0 if head_axes is None else layout.constrain(dw0, head_axes), (h, y, ct))
@@ -138,29 +138,28 @@ def _blocks(sampling: tuple, layout: Layout, head_axes):
     return blocks
 
 
-# The head gradient's per-device partial sums [batch shards, sequence shards, V, d], one slot per device holding
-# tokens: each block's contribution is added where its tokens are, with no collective inside the backward's scan.
-# Constraining a [V, d] sum to the head's layout instead made the partitioner reduce it over the token axes at
-# every block (an all-reduce or reduce-scatter of the whole fp32 head per block: at M3's shapes 8 blocks x 4.9 GB
-# over the data axis per micro-batch).
-HEAD_PARTIALS = ("act_batch", "act_seq", "act_vocab", None)
+# The head gradient's partial sums, one per batch shard [batch shards, V, d], each cut over the sequence's devices on
+# d: a block's contribution is summed over the sequence shards where it is made (a reduce-scatter over `act_seq`:
+# context parallelism, inside a node) and over the batch shards (data, across nodes) once, after the backward's
+# scan. Constraining a [V, d] sum to the head's layout instead made the partitioner reduce the whole fp32 head over
+# data at every block (at M3's shapes 8 blocks x 4.6 GB over the inter-node axis per micro-batch); keeping a whole
+# [V, d] sum per device would cost 4.9 GB of fp32 where this keeps 1 / context of it.
+HEAD_PARTIALS = ("act_batch", "act_vocab", "act_seq")
 
 
-def _token_shards(layout: Layout, rows: int, c: int) -> tuple[int, int] | None:
-    """(batch shards, sequence shards) of a [rows, c] block of positions when the layout cuts tokens and both
-    divide evenly; None otherwise (the head gradient is then summed in its own layout, block by block)."""
-    nb, ns = layout.size("act_batch"), layout.size("act_seq")
-    if nb * ns == 1 or rows % nb or c % ns:
+def _token_shards(layout: Layout, rows: int, c: int) -> int | None:
+    """Batch shards of a [rows, c] block of positions when the layout cuts the batch and they divide its rows;
+    None otherwise (the head gradient is then summed in its own layout, block by block)."""
+    nb = layout.size("act_batch")
+    if nb == 1 or rows % nb:
         return None
-    return nb, ns
+    return nb
 
 
-def _by_shard(x: jax.Array, shards: tuple[int, int]) -> jax.Array:
-    """[rows, c, ...] -> [nb, rows / nb, ns, c / ns, ...]: the batch and sequence shards as leading dimensions
-    (a reshape of the layout's own cut: no data moves)."""
-    nb, ns = shards
-    rows, c = x.shape[:2]
-    return x.reshape(nb, rows // nb, ns, c // ns, *x.shape[2:])
+def _by_shard(x: jax.Array, nb: int) -> jax.Array:
+    """[rows, c, ...] -> [nb, rows / nb, c, ...]: the batch shards as the leading dimension (a reshape of the
+    layout's own cut: no data moves)."""
+    return x.reshape(nb, x.shape[0] // nb, *x.shape[1:])
 
 
 def _platform(layout: Layout) -> str:

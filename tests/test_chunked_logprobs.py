@@ -124,11 +124,11 @@ def test_sharded_blocks_equal_one_device():
     _assert_same(got, want, rtol=1e-6)
 
 
-def test_the_head_gradient_is_reduced_over_the_token_axes_once_not_per_block():
-    """Each device sums its own tokens' share of the head gradient over the blocks; the one reduction over data and
-    context comes after the backward's scan. Constraining the running sum to the head's layout made the partitioner
-    reduce the whole fp32 head over data (and context) at every block: 8 x 4.9 GB over the data axis per
-    micro-batch at the 32-node recipe's shapes."""
+def test_the_head_gradient_crosses_the_batch_axes_once_not_per_block():
+    """The head gradient's partial sums are kept per batch shard over the blocks (cut over the sequence's devices);
+    the reduction over data comes once, after the backward's scan. Constraining the running sum to the head's layout
+    made the partitioner reduce the whole fp32 head over data at every block: 8 x 4.6 GB over the inter-node axis
+    per micro-batch at the 32-node recipe's shapes."""
     from sharding.hlo_collectives import collectives
     layout = build_mesh(MeshConfig(2, 2, 1, 2))
     h, w, y, ct = _inputs(lead=(4,), t=32)
@@ -143,9 +143,8 @@ def test_the_head_gradient_is_reduced_over_the_token_axes_once_not_per_block():
     with jax.set_mesh(layout.mesh):
         hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(h_s, w_s).compile().as_text()
     reductions = [c for c in collectives(hlo, layout.mesh) if c.op in ("all-reduce", "reduce-scatter")]
-    in_loops = [c for c in reductions if c.in_loop and {"data", "context"} & set(c.axes)]
-    assert not in_loops, in_loops
-    assert any({"data", "context"} & set(c.axes) for c in reductions)  # the one reduction, after the scan
+    assert not [c for c in reductions if c.in_loop and "data" in c.axes]
+    assert [c for c in reductions if not c.in_loop and "data" in c.axes]  # the one reduction, after the scan
 
 
 # ------------------------------------------------------------------ the logprob pass and the loss on a model

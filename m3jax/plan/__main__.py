@@ -128,8 +128,10 @@ def plan(job: Job, hw: Hardware) -> dict:
     sent = None if b.exchange == "ragged" else receive_rows(
         job.micro_batch * s_l, job.model.num_experts_per_tok, n_ep, job.model.num_local_experts // n_ep,
         b.moe_capacity_factor, b.exchange)
+    chunk = job.logprob_chunk_tokens
+    head_blocks = -(-job.seq_len // chunk) if chunk else 1
     comm = comm_bytes(job.model, job.mesh, job.micro_batch, job.seq_len, job.batch.num_micro * job.updates,
-                      job.master, job.remat, sent_rows=sent)
+                      job.master, job.remat, sent_rows=sent, head_blocks=head_blocks)
     st = step_time(fl["executed_total"] / job.mesh.num_devices, comm, job.mesh, hw)
     # the logprob pass(es) before the update: a forward over the step's sequences, micro-batch by micro-batch
     fwd_comm = comm_bytes(job.model, job.mesh, job.micro_batch, job.seq_len, job.batch.num_micro * job.updates,

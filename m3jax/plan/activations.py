@@ -195,10 +195,10 @@ def head_terms(cfg: M3Config, mesh: MeshConfig, b: int, s: int, a: int, shard_di
     backward scans the blocks and sums the head's gradient in fp32):
         gathered_head     V / n_t * d * (p [the gathered weight, FSDP only] + 4 [one block's fp32 gradient
                           of the whole local head, before it is reduced into the sum])
-        head_grad_fp32    V / n_t * d * 4   each device's fp32 partial sum of the head gradient over the blocks,
-                          when tokens are cut over devices (n_b * n_c > 1, c divisible by n_c: reduced once after the
-                          scan, `rl.logprobs.HEAD_PARTIALS`); else the head's local elements * 4 (the sum placed as
-                          the head is)
+        head_grad_fp32    V / n_t * d / n_c * 4   the fp32 partial sum of the head gradient that each batch shard
+                          keeps over the blocks, cut over the sequence's devices, when the batch is cut (n_b > 1:
+                          reduced over the batch shards once after the scan, `rl.logprobs.HEAD_PARTIALS`); else the
+                          head's local elements * 4 (the sum placed as the head is)
     (one block only when S <= chunk_tokens: then the full-logits program, as unchunked).
     """
     sz = dict(zip(_SIZES, mesh.shape))
@@ -213,6 +213,6 @@ def head_terms(cfg: M3Config, mesh: MeshConfig, b: int, s: int, a: int, shard_di
     if c < s:
         local = math.prod(-(-dim // math.prod(sz[x] for x in axes)) for dim, axes in zip(spec.shape, dims))
         out["gathered_head"] = head * ((a if fsdp else 0) + 4)
-        token_shards = sz["data"] * sz["expert"] * sz["context"]
-        out["head_grad_fp32"] = (head if token_shards > 1 and c % sz["context"] == 0 else local) * 4
+        per_batch_shard = sz["data"] * sz["expert"] > 1
+        out["head_grad_fp32"] = (head / sz["context"] if per_batch_shard else local) * 4
     return out

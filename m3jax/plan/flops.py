@@ -229,7 +229,7 @@ def axis_link(mesh: MeshConfig, axes: tuple[str, ...], hw: Hardware) -> float:
 
 def comm_bytes(cfg: M3Config, mesh: MeshConfig, micro_batch: int, seq_len: int, num_micro: int,
                master: str = "fp32", remat: bool = True, rules=None, sent_rows: float | None = None,
-               backward: bool = True) -> dict[str, tuple[float, tuple]]:
+               backward: bool = True, head_blocks: int = 1) -> dict[str, tuple[float, tuple]]:
     """Bytes one device sends per step, by collective -> (bytes, mesh axes it runs over).
 
     Per micro-batch (x num_micro), p = param bytes, a = activation bytes, f(n) = (n-1)/n; W = the full bytes of the
@@ -248,6 +248,9 @@ def comm_bytes(cfg: M3Config, mesh: MeshConfig, micro_batch: int, seq_len: int, 
       context_all_gather  L * (1 fwd [+ 1 remat] + 1 bwd reduce-scatter) * f(n_c) * b * S *
                           (2 * KV/n_t * D + Di [sparse]) * a        (keys, values and indexer keys)
       tensor_all_reduce   L * 4 * 2 f(n_t) * T_l * d * a           (attention and MLP outputs, fwd + bwd)
+      head_grad_reduce_scatter  (head_blocks > 1: the loss's logits in blocks, `model.logprob_chunk_tokens`)
+                          head_blocks * f(n_c) * V / n_t * d * 4 per micro-batch, over context: each block's fp32 head
+                          gradient summed over the sequence's devices (`rl.logprobs.HEAD_PARTIALS`)
     backward=False: a forward-only pass (the logprob pass): one gather per micro-batch, no gradient terms, the
     experts' and context's forward trips only, tensor all-reduces halved.
     """
@@ -312,6 +315,9 @@ def comm_bytes(cfg: M3Config, mesh: MeshConfig, micro_batch: int, seq_len: int, 
     out["context_all_gather"] = (context_trips * f(nc) * micro_batch * seq_len * kvw * a * num_micro, ("context",))
     out["tensor_all_reduce"] = (cfg.num_hidden_layers * 4 * passes * f(nt) * t_l * cfg.hidden_size * a * num_micro,
                                 ("tensor",))
+    if backward and head_blocks > 1:
+        out["head_grad_reduce_scatter"] = (head_blocks * f(nc) * cfg.vocab_size / nt * cfg.hidden_size * 4 * num_micro,
+                                           ("context",))
     return {k: v for k, v in out.items() if v[0] > 0}
 
 
