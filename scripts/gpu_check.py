@@ -43,6 +43,10 @@ Prints one JSON line per check; keep the output with BENCHMARKS.md. Checks:
 10. a weight push on the device through a loopback wire (one GPU cannot hold an NCCL group): JAX arrays packed
    into CUDA buckets by DLPack, checksummed, received, verified and staged on the device and through the host
    ring, bit for bit against the source, with its seconds. Checks 9 and 10 are scripts/gpu_check_push.py.
+11. the 32-node recipe's weight layouts compiled by the GPU compiler for 2 nodes x 8 GPUs (JAX's mock GPU topology;
+   nothing runs): XLA's memory beside the planner's, and where the step's collectives run, with and without the
+   step copy of the weights (`mesh.fsdp_step_axes`); scripts/gpu_check_mesh.py, last (minutes of compiling).
+   `--only mesh` runs it alone.
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ from m3jax.plan.flops import step_flops
 from sharding.train_step import init_state, make_train_step
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_check_mesh import mesh_compile  # noqa: E402 - check 11
 from gpu_check_push import device_checksum, weight_push_device  # noqa: E402 - checks 9 and 10
 from gpu_check_vllm import vllm_long_context  # noqa: E402 - check 8, a module of its own beside this script
 
@@ -355,12 +360,14 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="tiny shapes: a CPU smoke test of this script")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the device (H100/H200)")
-    ap.add_argument("--only", choices=("vllm",), help="run only this check")
+    ap.add_argument("--only", choices=("vllm", "mesh"), help="run only this check")
     args = ap.parse_args()
     emit(check="devices", backend=jax.default_backend(), devices=[str(d) for d in jax.devices()],
          jax=jax.__version__)
     if args.only == "vllm":
         return emit(**vllm_long_context())
+    if args.only == "mesh":
+        return emit(**mesh_compile(args.small))
     parity(args.small)
     peak = args.peak_tflops * 1e12
     if args.small:
@@ -373,6 +380,7 @@ def main():
         emit(**vllm_long_context())
         emit(**device_checksum(True))
         emit(**weight_push_device(True))
+        emit(**mesh_compile(True))
     else:
         model_attention(False, 2048)
         try:  # "auto" runs the full layer on cuDNN on a GPU; if that fails, the MFU on flash still comes back
@@ -390,6 +398,7 @@ def main():
         emit(**vllm_long_context())
         emit(**device_checksum(False))
         emit(**weight_push_device(False))
+        emit(**mesh_compile(False, timeout=420))
 
 
 if __name__ == "__main__":

@@ -124,3 +124,19 @@ def test_weight_push_check_runs_both_stagings_bit_for_bit_on_host_buffers():
         row = res[staging]
         assert row["send_error"] is None and row["receive_error"] is None, row
         assert row["bit_for_bit"] and row["on"] == ["cpu"] and row["gb_s"] > 0, row
+
+
+@pytest.mark.slow  # compiles two sharded train steps on 16 simulated devices in a child process
+def test_mesh_compile_check_reads_both_layouts_on_16_simulated_devices():
+    """Check 11 compiles the recipe's two weight layouts on 16 devices; on the CPU (--small) every figure comes
+    back, and the collectives show the step copy's micro-batch loop gathering nothing over data."""
+    res = _gpu_check("gpu_check_mesh").mesh_compile(True, timeout=600)
+    assert "error" not in res, res
+    for name in ("plain", "step copy"):
+        row = res[name]
+        assert "error" not in row, row
+        assert row["xla_peak_gb"] > 0 and row["plan_gb"] > 0 and row["collectives_mb"], row
+    over_data = {name: res[name]["collectives_mb"].get("all-gather over data in a loop", 0.0)
+                 for name in ("plain", "step copy")}
+    # the plain layout gathers weights over data in its loops; the copy only the embedding lookup's token rows
+    assert over_data["step copy"] < 0.1 * over_data["plain"], over_data

@@ -126,7 +126,8 @@ def test_micro_batches_read_one_copy_gathered_once_and_make_the_single_device_up
     assert any("data" in c.axes for c in got[2] if c.op in ("all-reduce", "reduce-scatter"))
 
 
-@pytest.mark.slow  # one compile per width on the mesh
+@pytest.mark.extended  # the default run's cut-width check with the copy: tests/test_recipe_miniature.py (the recipe's
+@pytest.mark.slow  # widths and step copy on data 2 x context 4, resumed bit for bit); one compile per width here
 def test_cut_micro_batches_read_the_copy_and_make_the_single_device_update(ckpt):
     cfg = m3jax.from_pretrained(ckpt).cfg
     batch = ragged_batch(cfg)

@@ -268,6 +268,7 @@ def ragged_batch(cfg, seq: int = 64, seed: int = 3):
     return {**batch, "attention_mask": jnp.asarray(real), "loss_mask": jnp.asarray(loss, jnp.float32)}
 
 
+@pytest.mark.extended  # the default run's check of cut widths against one device: tests/test_context_parallel_run.py
 @pytest.mark.slow  # two step compiles per width (the fast loop checks the cutting itself: tests/test_phases.py)
 def test_cut_micro_batches_make_the_full_width_step(ckpt):
     """widths=(16, 32, 48): micro-batch 0 (rows <= 16 positions) runs at 16, micro-batch 1 (one row of 64) at the

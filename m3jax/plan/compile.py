@@ -27,10 +27,12 @@ from m3jax.plan.memory import GB, Batch
 
 
 def compile_step(cfg: M3Config, mesh_cfg: MeshConfig, batch: Batch, master: str = "fp32",
-                 moment_dtype: str = "float32", model_options: dict | None = None) -> dict:
+                 moment_dtype: str = "float32", model_options: dict | None = None,
+                 collectives: bool = False) -> dict:
     """Lower and compile `make_train_step` (token cross-entropy loss) on a mesh of the first devices;
     returns XLA's per-device memory_analysis (bytes), the trace+lower and compile times and the size
-    of the partitioned (per-device) HLO.
+    of the partitioned (per-device) HLO; with `collectives`, also the compiled program's collectives' result
+    bytes summed by "op over axes, in a loop or once" (`sharding.hlo_collectives`).
 
         peak = argument + output - alias + temp   (donated state: outputs alias the arguments)
     """
@@ -57,7 +59,15 @@ def compile_step(cfg: M3Config, mesh_cfg: MeshConfig, batch: Batch, master: str 
     out["peak"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
     out.update(lower_s=t1 - t0, compile_s=t2 - t0, devices=n)
     # Instructions of the partitioned module: what XLA optimises, one program for every device.
-    out["hlo_instructions"] = len(re.findall(r"^\s+(?:ROOT )?%?[\w.-]+ = ", compiled.as_text(), re.M))
+    text = compiled.as_text()
+    out["hlo_instructions"] = len(re.findall(r"^\s+(?:ROOT )?%?[\w.-]+ = ", text, re.M))
+    if collectives:
+        from sharding.hlo_collectives import collectives as read
+        sums: dict = {}
+        for c in read(text, layout.mesh):
+            key = f"{c.op} over {','.join(c.axes) or '-'} {'in a loop' if c.in_loop else 'once'}"
+            sums[key] = sums.get(key, 0) + c.bytes
+        out["collectives"] = sums
     return out
 
 
