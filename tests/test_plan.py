@@ -234,6 +234,20 @@ def test_the_loss_head_gradient_crosses_context_at_every_logits_block():
     assert "head_grad_reduce_scatter" not in comm_bytes(TINY, mesh, 1, 64, 3, head_blocks=8, backward=False)
 
 
+def test_a_kl_reference_is_planned_as_a_second_copy_of_the_params_and_a_second_logprob_pass():
+    """grpo.kl keeps the reference policy (rl.trainer: a copy of the params, placed as they are) and scores every
+    step under it too: both peaks hold the copy, and the logprob pass runs twice."""
+    base = plan(load_job("configs/recipes/m3-32node.yaml", [], "release"), Hardware())
+    job = load_job("configs/recipes/m3-32node.yaml", ["grpo.kl=k3", "grpo.kl_coef=0.001"], "release")
+    kl = plan(job, Hardware())
+    assert job.logprob_passes == 2 and "reference_params" not in base["memory"]
+    for phase in ("backward", "update"):
+        assert kl["phases"][phase]["reference_params"] == kl["phases"][phase]["params"] > 0
+        assert kl["phases"][phase]["total"] == pytest.approx(base["phases"][phase]["total"]
+                                                           + base["phases"][phase]["params"])
+    assert kl["logprob_pass"]["time"]["total_s"] == pytest.approx(2 * base["logprob_pass"]["time"]["total_s"])
+
+
 def test_rules_table_drives_the_plan():
     from sharding.rules import RULES
     mesh, batch = MeshConfig(4, 1, 2, 1), Batch(1, 64)

@@ -117,7 +117,8 @@ def invalid_reason(job: Job) -> str | None:
 
 def plan(job: Job, hw: Hardware) -> dict:
     b = job.batch
-    phases = memory_phases(job.model, job.mesh, b, job.master, job.moment_dtype)
+    phases = memory_phases(job.model, job.mesh, b, job.master, job.moment_dtype,
+                           reference=job.logprob_passes > 1)
     s_l = job.seq_len // job.mesh.context
     fl = step_flops(job.model, job.seqs_per_update * job.updates, job.seq_len, job.remat,
                     query_chunked=0 < b.attention_query_chunk < s_l,

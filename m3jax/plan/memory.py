@@ -263,19 +263,22 @@ def activation_bytes(cfg: M3Config, mesh: MeshConfig, batch: Batch, act_bytes: i
 
 
 def memory_phases(cfg: M3Config, mesh: MeshConfig, batch: Batch, master: str = "fp32",
-                  moment_dtype: str = "float32", rules=None, act_bytes: int | None = None
-                  ) -> dict[str, dict[str, float]]:
+                  moment_dtype: str = "float32", rules=None, act_bytes: int | None = None,
+                  reference: bool = False) -> dict[str, dict[str, float]]:
     """Per-device terms (bytes) of the two peaks of a step, each with its 'total':
 
         backward  the train state with one micro-batch's gradient + `activation_bytes`
         update    the train state without it + `update_temporaries` (the optimizer step)
     Activations are in the param dtype (bf16 unless master='none'); act_bytes overrides that (4 for
-    XLA:CPU, which computes bf16 arithmetic in fp32 and so holds fp32-sized activations)."""
+    XLA:CPU, which computes bf16 arithmetic in fp32 and so holds fp32-sized activations). `reference`: the run
+    keeps the KL's reference policy (`grpo.kl` set): a copy of the params, placed as they are, in both peaks."""
     a = act_bytes or (4 if master == "none" else 2)
     state = state_bytes(cfg, mesh, master, moment_dtype, rules)
     backward = {**state, **{f"act:{k}": v for k, v in activation_bytes(cfg, mesh, batch, a, rules).items()}}
     update = {**{k: v for k, v in state.items() if k not in ("micro_gradient", "step_copy")},
               "update_temporaries": update_temporaries(cfg, mesh, rules)}
+    if reference:
+        backward["reference_params"] = update["reference_params"] = state["params"]
     for terms in (backward, update):
         terms["total"] = sum(terms.values())
     return {"backward": backward, "update": update}
