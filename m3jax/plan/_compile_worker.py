@@ -26,7 +26,9 @@ def main():
     m = spec["model"]
     cfg = M3Config(**{**m, "eos_token_id": tuple(m["eos_token_id"]) if isinstance(m["eos_token_id"], list)
                       else m["eos_token_id"]})
-    mesh = MeshConfig(**{**spec["mesh"], "expert_axes": tuple(spec["mesh"]["expert_axes"])})
+    mesh = MeshConfig(**{**spec["mesh"], **{k: tuple(spec["mesh"][k]) for k in ("expert_axes", "fsdp_axes",
+                                                                                 "fsdp_step_axes")
+                                              if k in spec["mesh"]}})
     # The analytic side as XLA:CPU runs the model: the exchange the CPU picks (padded) unless the options
     # name one, and fp32-sized activations (XLA:CPU computes bf16 arithmetic in fp32).
     batch = Batch(spec["micro_batch"], spec["seq_len"], 1, spec["remat"], **(spec.get("model_options") or {}))
