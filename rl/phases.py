@@ -24,7 +24,7 @@ from rl.grpo import advantages as adv_lib
 from rl.grpo import dapo
 from rl.grpo.batch import build_train_batch, split_micro
 from rl.grpo.loss import generation_mismatch_metrics
-from rl.grpo.mismatch import route_mismatch_frac, selection_mismatch_frac
+from rl.grpo.mismatch import mismatch_from_sums, route_mismatch_frac, selection_mismatch_frac
 from rl.rewards.registry import score_batch
 from sharding.widths import micro_widths
 
@@ -210,20 +210,22 @@ def sorted_by_length(batch: dict, updates: int) -> dict:
     return {k: np.asarray(v)[order] for k, v in batch.items()}
 
 
-def logprobs(logprob_pass: Callable, state, micro: dict, ref_params=None) -> dict:
+def logprobs(logprob_pass: Callable, state, micro: dict, ref_params=None, old: bool = True) -> dict:
     """`micro` with logp_old under the current weights (and logp_ref under the reference, for a KL).
     When `micro` has the generator's "routes" / "block_ids", the pass also gives the trainer's own top-k
-    expert ids / key blocks, kept under "trainer_routes" / "trainer_block_ids" for `route_metrics`."""
-    out = logprob_pass(state.params, state.rest, micro)
+    expert ids / key blocks, kept under "trainer_routes" / "trainer_block_ids" for `route_metrics`.
+    old=False (grpo.old_logprobs: update): no logp_old pass; the update is its own logp_old."""
     micro = dict(micro)
-    if isinstance(out, tuple):
-        out, own = out
-        micro.update({f"trainer_{k}": v for k, v in own.items()})
-    micro["logp_old"] = out
+    if old:
+        out = logprob_pass(state.params, state.rest, micro)
+        if isinstance(out, tuple):
+            out, own = out
+            micro.update({f"trainer_{k}": v for k, v in own.items()})
+        micro["logp_old"] = out
     if ref_params is not None:
         ref = logprob_pass(ref_params, state.rest, micro)
         micro["logp_ref"] = ref[0] if isinstance(ref, tuple) else ref
-    jax.block_until_ready(micro["logp_old"])
+    jax.block_until_ready([micro[k] for k in ("logp_old", "logp_ref") if k in micro])
     return micro
 
 
@@ -338,9 +340,12 @@ def step_metrics(samples: Samples, reward: np.ndarray, failures: int, adv: Advan
     """What one step logs: reward, groups, lengths, loss diagnostics, generator mismatch, throughput."""
     n = len(samples.completions)
     out = samples.rollout
-    mism = generation_mismatch_metrics(micro["logp_gen"].reshape(n, -1), micro["logp_old"].reshape(n, -1),
-                                       micro["loss_mask"].reshape(n, -1) > 0)
     sums = stats.sums
+    if "logp_old" in micro:
+        mism = generation_mismatch_metrics(micro["logp_gen"].reshape(n, -1), micro["logp_old"].reshape(n, -1),
+                                           micro["loss_mask"].reshape(n, -1) > 0)
+    else:  # the update was its own logp_old (grpo.old_logprobs: update) and summed the mismatch itself
+        mism = mismatch_from_sums(sums)
     tokens = max(sums.get("tokens", 0.0), 1.0)
     return {
         "reward/mean": float(reward.mean()), "reward/std": float(reward.std()), "reward/failures": failures,

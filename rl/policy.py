@@ -25,6 +25,7 @@ from rl.config import RunConfig, checkpoint_dir
 from rl.generation.backends import sampling_of
 from rl.generation.base import SamplingParams
 from rl.grpo.loss import LossConfig, aggregate, grpo_loss, normalizer
+from rl.grpo.mismatch import MISMATCH_SUMS, generation_mismatch_metrics
 from rl.logprobs import make_logprob_pass, policy_logprobs
 from sharding import optim_step
 from sharding.layout import Layout
@@ -134,8 +135,14 @@ def grpo_loss_fn(sampling: SamplingParams, loss_cfg: LossConfig, chunk_tokens: i
         out = policy_logprobs(model, mb, sampling, chunk_tokens, replay=replay and "routes" in mb,
                               replay_blocks=indexer_replay and "block_ids" in mb, return_indexer_kl=align)
         logp, indexer_kl = out if align else (out, None)
-        loss_sum, stats = grpo_loss(logp, mb["logp_old"], mb["logp_gen"], mb["advantages"], mb["loss_mask"],
+        # without a logprob pass (grpo.old_logprobs: update) logp_old is this update's own log-probs
+        own = "logp_old" not in mb
+        logp_old = jax.lax.stop_gradient(logp) if own else mb["logp_old"]
+        loss_sum, stats = grpo_loss(logp, logp_old, mb["logp_gen"], mb["advantages"], mb["loss_mask"],
                                     loss_cfg, mb.get("logp_ref"))
+        if own:  # the generator-mismatch sums the step's metrics would have read from the pass's logp_old
+            mism = generation_mismatch_metrics(mb["logp_gen"], logp_old, mb["loss_mask"] > 0)
+            stats = {**stats, **{f"mismatch/{k}": mism[k] for k in MISMATCH_SUMS}}
         if align:
             m = mb["loss_mask"].astype(jnp.float32)
             loss_sum = loss_sum + indexer_loss_coef * aggregate(indexer_kl, m, loss_cfg.aggregation)

@@ -147,7 +147,8 @@ class GRPOTrainer:
                                    updates=gcfg.updates_per_step, by_length=bool(gcfg.micro_batch_widths))
         t["reward"] = time.perf_counter()
 
-        micro = phases.logprobs(self.logprobs, policy.state, micro, self.ref_params)
+        micro = phases.logprobs(self.logprobs, policy.state, micro, self.ref_params,
+                                old=gcfg.old_logprobs == "pass")
         micro, route_metrics = phases.route_metrics(micro, replay=gcfg.routing_replay == "rollout",
                                                     indexer_replay=gcfg.indexer_replay == "rollout")
         if self.recall is not None and step % cfg.logging.indexer_recall_every == 0:  # steps 1, 1 + N, ... as logged

@@ -95,7 +95,8 @@ def main() -> None:
     for name in layouts:
         over_data = sum(v for (op, axes, where), v in sums[name].items()
                         if op == "all-gather" and where == "loop" and "data" in axes.split(","))
-        print(f"{name:10s}: all-gathers over data inside loops {over_data / 1e3:.1f} KB; step {times[name] * 1e3:.1f} ms")
+        print(f"{name:10s}: all-gathers over data inside loops {over_data / 1e3:.1f} KB; "
+              f"step {times[name] * 1e3:.1f} ms")
     diff = max(float(np.max(np.abs(a - b))) / max(float(np.max(np.abs(b))), 1e-30)
                for a, b in zip(updates["step copy"], updates["plain"]))
     print(f"step copy / plain wall time: {times['step copy'] / times['plain']:.2f}; largest update difference "

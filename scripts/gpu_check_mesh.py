@@ -64,7 +64,9 @@ def _child(small: bool) -> dict:
     devices = jax.devices()
     if len(devices) < 16:
         return {"check": "mesh_compile", "error": f"{len(devices)} devices ({jax.default_backend()}), 16 needed"}
-    per_kind = 2  # a layer scan of one trip is no loop (XLA removes it, and hoists its gathers out of the micro-batches')
+    # two layers of each kind: a layer scan of one trip is no loop (XLA removes it and hoists its gathers out of
+    # the micro-batches' loop), which would hide what this check looks for
+    per_kind = 2
     cfg = m3_shaped(small, layers=2 * per_kind, experts=16 if small else 128)
     cfg = dataclasses.replace(cfg, layer_types=("full_attention",) * per_kind + ("minimax_m3_sparse",) * per_kind,
                               mlp_layer_types=("dense",) * per_kind + ("sparse",) * per_kind)

@@ -48,7 +48,8 @@ class Job:
     # prompt + response slots of a row (generation.max_seq_len); seq_len is then the trainer's positions on the
     # mesh (`sharding.mesh.row_positions`), recomputed for every mesh the sweep tries. None: seq_len as given.
     slots: int | None = None
-    logprob_passes: int = 1  # forwards before the update: logp_old, and logp_ref when the loss has a KL term
+    # forwards before the update: logp_old (grpo.old_logprobs: pass), and logp_ref when the loss has a KL term
+    logprob_passes: int = 1
 
     def on_mesh(self, mesh: MeshConfig, micro_batch: int) -> "Job":
         """This job on another mesh and micro-batch, with the positions the trainer would run there."""
@@ -81,7 +82,7 @@ def load_job(path: str, overrides: list[str], model: str | None) -> Job:
                sparse_attention=getattr(cfg.model, "sparse_attention", "gather"),
                logprob_chunk_tokens=cfg.model.logprob_chunk_tokens,
                memory_fraction=cfg.mesh.device_memory_fraction or JAX_DEFAULT_MEMORY_FRACTION, slots=slots,
-               logprob_passes=1 + (g.kl != "none"))
+               logprob_passes=(g.old_logprobs == "pass") + (g.kl != "none"))
 
 
 def load_run_config(path: str, overrides: list[str], model: str | None):
@@ -184,9 +185,13 @@ def print_plan(job: Job, p: dict, device_gb: float) -> None:
           f"comm share {t['comm_share']:.0%})")
     lp = p["logprob_pass"]["time"]
     gathers = sum(v for k, v in lp.items() if k.startswith("fsdp_"))
-    print(f"  + logprob pass{'es' if job.logprob_passes > 1 else ''} before the update ({job.logprob_passes} x a "
-          f"forward over the step's sequences): {lp['total_s']:.1f} s (compute {lp['compute_s']:.1f} s, communication "
-          f"{lp['comm_s']:.1f} s, of it FSDP gathers {gathers:.1f} s) -> {t['total_s'] + lp['total_s']:.1f} s per step")
+    if not job.logprob_passes:
+        print("  no logprob pass before the update (grpo.old_logprobs: update, no KL reference)")
+    else:
+        print(f"  + logprob pass{'es' if job.logprob_passes > 1 else ''} before the update ({job.logprob_passes} x a "
+              f"forward over the step's sequences): {lp['total_s']:.1f} s (compute {lp['compute_s']:.1f} s, "
+              f"communication {lp['comm_s']:.1f} s, of it FSDP gathers {gathers:.1f} s) -> "
+              f"{t['total_s'] + lp['total_s']:.1f} s per step")
     print(verdict(p["memory"], device_gb))
 
 

@@ -26,10 +26,10 @@ class RunConfig(_Section):
                 device_memory_fraction
     precision   master, moment_dtype
     optim       lr, schedule, warmup_steps, weight_decay, b1, b2, eps, clip_norm
-    grpo        prompts_per_step, group_size, micro_batch_size, updates_per_step, advantage, loss, eps_low,
-                eps_high, dual_clip, gspo_eps_low, gspo_eps_high, cispo_eps_low, cispo_eps_high, is_correction,
-                is_level, is_cap, is_floor, is_mask_low, is_mask_high, kl, kl_coef, kl_log_ratio_clamp, kl_clamp,
-                kl_on_policy, aggregation, sequence_sum_len, dynamic_sampling,
+    grpo        prompts_per_step, group_size, micro_batch_size, updates_per_step, old_logprobs, advantage, loss,
+                eps_low, eps_high, dual_clip, gspo_eps_low, gspo_eps_high, cispo_eps_low, cispo_eps_high,
+                is_correction, is_level, is_cap, is_floor, is_mask_low, is_mask_high, kl, kl_coef,
+                kl_log_ratio_clamp, kl_clamp, kl_on_policy, aggregation, sequence_sum_len, dynamic_sampling,
                 dynamic_sampling_max_rounds, overlong_filter, overlong_buffer, overlong_penalty
     generation  backend, max_new_tokens, max_prompt_tokens, temperature, top_p, top_k, stop_token_ids,
                 vllm_tensor_parallel, vllm_expert_parallel, vllm_executor, vllm_servers, vllm_gpu_memory_utilization,

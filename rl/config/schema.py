@@ -257,6 +257,12 @@ class GrpoSection(_Section):
                                   "forward/backward; gradients accumulate over micro-batches", min=1)
     updates_per_step: int = _f(1, "optimizer updates per step: the step's sequences are split into this "
                                   "many mini-batches (1 = on-policy)", min=1)
+    old_logprobs: str = _f("pass", "where logp_old (the trainer's log-probs before the update: the ratio's "
+                                   "denominator and the importance weight's numerator) comes from: pass = a forward "
+                                   "over the step's sequences before the update; update = the update's own log-probs, "
+                                   "gradient stopped (the same numbers when the step makes one update from the weights "
+                                   "it scores under: needs updates_per_step 1; saves that forward, about a quarter of "
+                                   "a step's compute)", choices=("pass", "update"))
     micro_batch_widths: tuple[int, ...] = _f([], "token positions a micro-batch may be cut to: each update's "
                                                  "sequences are sorted by length and a micro-batch runs at the "
                                                  "smallest of these that holds its longest sequence (else the full "

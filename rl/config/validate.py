@@ -269,6 +269,11 @@ def _cross_checks(cfg: RunConfig) -> list[_Problem]:
             out.append(_Problem(f"reward[{i}].name", f"reward[{i}].name = {_show(n)}: listed twice; allowed: "
                                                      "each reward once (combine weights)"))
 
+    if g.old_logprobs == "update" and g.updates_per_step != 1:
+        out.append(_Problem("grpo.old_logprobs", (
+            f"grpo.old_logprobs = \"update\" with grpo.updates_per_step = {g.updates_per_step}: the second and later "
+            "updates would take logp_old from weights the first already changed; allowed: \"pass\", or "
+            "updates_per_step 1"), ("grpo.updates_per_step",)))
     mp = cfg.mesh
     step, fsdp = tuple(mp.fsdp_step_axes), tuple(mp.fsdp_axes)
     if step and (fsdp[len(fsdp) - len(step):] != step or len(step) == len(fsdp)):

@@ -75,6 +75,23 @@ def generation_mismatch_metrics(logp_gen, logp_old, mask, kl_type: str = "k3"):
     }
 
 
+# The sums of `generation_mismatch_metrics` that add up over micro-batches: what a train step returns when it is its
+# own logp_old (grpo.old_logprobs: update), under "mismatch/<name>".
+MISMATCH_SUMS = ("tokens", "mult_prob_error_sum", "gen_kl_sum", "policy_kl_sum")
+
+
+def mismatch_from_sums(sums: dict, prefix: str = "mismatch/") -> dict:
+    """token_mult_prob_error, gen_kl_error and policy_kl_error from the summed `MISMATCH_SUMS` (NaN over no token):
+    the step's values of `generation_mismatch_metrics`, whichever micro-batches the sums came from."""
+    tokens = float(sums[prefix + "tokens"])
+
+    def mean(name):
+        return float(sums[prefix + name]) / tokens if tokens > 0 else math.nan
+
+    return {"token_mult_prob_error": mean("mult_prob_error_sum"), "gen_kl_error": mean("gen_kl_sum"),
+            "policy_kl_error": mean("policy_kl_sum")}
+
+
 def _set_mismatch(trainer_ids, generator_ids, mask, ndim: int, what: str):
     """Share of the mask's (token, ...) entries whose last-axis id sets differ; NaN when none is counted."""
     t = jnp.sort(jnp.asarray(trainer_ids).astype(jnp.int32), axis=-1)
