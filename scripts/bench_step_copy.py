@@ -45,7 +45,7 @@ def main() -> None:
 
     from m3jax import tiny
     from sharding import precision
-    from sharding.hlo_collectives import collectives
+    from sharding.hlo_collectives import bytes_by_kind, collectives
     from sharding.mesh import MeshConfig, build_mesh
     from sharding.train_step import init_state, make_train_step, state_shardings
 
@@ -72,10 +72,9 @@ def main() -> None:
                   for k, v in batch.items()}
         with jax.set_mesh(layout.mesh):
             hlo = step.jitted.lower(state, placed).compile().as_text()
-        total = collections.Counter()
-        for c in collectives(hlo, layout.mesh):
-            total[(c.op, ",".join(c.axes) or "-", "loop" if c.in_loop else "once")] += c.bytes
-        sums[name] = total
+        sums[name] = collections.Counter({(op, ",".join(axes) or "-", "loop" if in_loop else "once"): n
+                                          for (op, axes, in_loop), n in bytes_by_kind(
+                                              collectives(hlo, layout.mesh)).items()})
         new, _ = step(state, batch)  # warm-up (compiles)
         jax.block_until_ready(new)
         walls = []

@@ -11,6 +11,7 @@ Replica groups come in three spellings, all read here: explicit lists (`{{0,1},{
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import re
 
@@ -104,4 +105,12 @@ def collectives(hlo_text: str, mesh) -> list[Collective]:
             if m[2] == "collective-permute":
                 axes = ("pairs",)
             out.append(Collective(m[2], axes, n in in_loop, _result_bytes(m[1])))
+    return out
+
+
+def bytes_by_kind(found: list[Collective]) -> collections.Counter:
+    """Result bytes summed by (op, axes, in_loop): where a program's collectives put their bytes."""
+    out: collections.Counter = collections.Counter()
+    for c in found:
+        out[(c.op, c.axes, c.in_loop)] += c.bytes
     return out

@@ -15,7 +15,7 @@ import math
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from sharding.rules import RULES, logical_to_spec, mesh_axes_of, without_axes
+from sharding.rules import RULES, logical_to_spec, mesh_axes_of, step_copy_rules
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,9 +64,8 @@ class Layout:
     def step_copy(self) -> "Layout | None":
         """The layout of a step's copy of the weights: this one with `fsdp_step_axes` out of the parameter rows
         (`sharding.rules.without_axes`); None when there is no such copy (no step axes of size > 1, or no mesh)."""
-        if self.mesh is None or not any(self.mesh.shape[a] > 1 for a in self.fsdp_step_axes):
-            return None
-        return Layout(self.mesh, without_axes(self.rules, self.fsdp_step_axes))
+        rules = None if self.mesh is None else step_copy_rules(self.rules, self.fsdp_step_axes, self.mesh.shape)
+        return None if rules is None else Layout(self.mesh, rules)
 
     def with_rule(self, logical: str, mesh_axes) -> "Layout":
         """This layout with one row of the rules table changed (e.g. `("act_seq", None)` for decoding)."""

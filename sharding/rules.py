@@ -45,9 +45,14 @@ RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 def rules_for(expert_axes: tuple[str, ...], fsdp_axes: tuple[str, ...] = ("data",)) -> tuple:
     """RULES with the experts placed on `expert_axes` and the non-expert weights' `embed` dimension sharded
     over `fsdp_axes` (FSDP; () = replicated)."""
-    fsdp = tuple(fsdp_axes)
-    rows = {"experts": tuple(expert_axes), "embed": fsdp[0] if len(fsdp) == 1 else (fsdp or None)}
+    rows = {"experts": tuple(expert_axes), "embed": _target(fsdp_axes)}
     return tuple((k, rows.get(k, v)) for k, v in RULES)
+
+
+def _target(axes) -> str | tuple[str, ...] | None:
+    """A row's mesh axes as the table spells them: one name, a tuple of several, or None for none."""
+    axes = tuple(axes)
+    return axes[0] if len(axes) == 1 else (axes or None)
 
 
 def without_axes(rules, axes) -> tuple:
@@ -55,10 +60,16 @@ def without_axes(rules, axes) -> tuple:
     shards): the layout of a step's copy of the weights (`MeshConfig.fsdp_step_axes`), gathered once over `axes`
     and then read by every micro-batch. Every other row stays: the experts (tokens travel to them), the
     embedding table's rows (a lookup reads its own rows; it never gathers the table) and the activations."""
-    drop = set(axes)
-    kept = tuple(a for a in mesh_axes_of("embed", rules) if a not in drop)
-    return tuple((name, (kept[0] if len(kept) == 1 else (kept or None)) if name == "embed" else target)
-                 for name, target in rules)
+    kept = _target(a for a in mesh_axes_of("embed", rules) if a not in set(axes))
+    return tuple((name, kept if name == "embed" else target) for name, target in rules)
+
+
+def step_copy_rules(rules, step_axes, sizes: dict) -> tuple | None:
+    """The rules of a step's copy of the weights (`without_axes`) on a mesh of `sizes`; None when no step axis
+    has more than one device (there is nothing to gather once)."""
+    if not any(sizes[a] > 1 for a in step_axes):
+        return None
+    return without_axes(rules, step_axes)
 
 
 def expert_axes_of(rules) -> tuple[str, ...]:

@@ -62,12 +62,10 @@ def compile_step(cfg: M3Config, mesh_cfg: MeshConfig, batch: Batch, master: str 
     text = compiled.as_text()
     out["hlo_instructions"] = len(re.findall(r"^\s+(?:ROOT )?%?[\w.-]+ = ", text, re.M))
     if collectives:
+        from sharding.hlo_collectives import bytes_by_kind
         from sharding.hlo_collectives import collectives as read
-        sums: dict = {}
-        for c in read(text, layout.mesh):
-            key = f"{c.op} over {','.join(c.axes) or '-'} {'in a loop' if c.in_loop else 'once'}"
-            sums[key] = sums.get(key, 0) + c.bytes
-        out["collectives"] = sums
+        out["collectives"] = {f"{op} over {','.join(axes) or '-'} {'in a loop' if in_loop else 'once'}": n
+                              for (op, axes, in_loop), n in bytes_by_kind(read(text, layout.mesh)).items()}
     return out
 
 

@@ -263,10 +263,9 @@ def comm_bytes(cfg: M3Config, mesh: MeshConfig, micro_batch: int, seq_len: int, 
     fsdp: dict[tuple, float] = {}  # (axes gathered, of them those gathered once per step) -> bytes W
     allreduce: dict[tuple, float] = {}
 
-    def gathered_over(p, table):
+    def gathered_over(p, dims):
         # FSDP = a token axis shards a weight dimension other than the experts one (tokens travel to experts,
         # but every device needs the whole of any other weight)
-        dims = shard_axes(p, mesh, table)
         return tuple(x for x in ("data", "context", "expert") if sz[x] > 1
                      and any(x in axes for name, axes in zip(p.axes, dims) if name != "experts"))
 
@@ -276,9 +275,9 @@ def comm_bytes(cfg: M3Config, mesh: MeshConfig, micro_batch: int, seq_len: int, 
         dims = shard_axes(p, mesh, rules)
         pb = 4 if (master == "none" or p.fp32) else 2
         used = {x for axes in dims for x in axes}
-        gathered = gathered_over(p, rules)
+        gathered = gathered_over(p, dims)
         if gathered:
-            per_micro = gathered if copy_rules is None else gathered_over(p, copy_rules)
+            per_micro = gathered if copy_rules is None else gathered_over(p, shard_axes(p, mesh, copy_rules))
             key = (gathered, tuple(x for x in gathered if x not in per_micro))
             fsdp[key] = fsdp.get(key, 0.0) + local_elems(p, mesh, rules) * math.prod(sz[x] for x in gathered) * pb
         red = tuple(x for x in ("data", "context", "expert") if sz[x] > 1 and x not in used)

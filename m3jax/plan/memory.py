@@ -21,7 +21,8 @@ from m3jax.model.specs import layer_param_specs, top_param_specs
 from sharding.mesh import MeshConfig
 from m3jax.plan.activations import head_terms, layer_phases
 from m3jax.plan.remat import saved_residuals
-from sharding.rules import MESH_AXES, logical_to_spec, rules_for, without_axes
+from sharding import rules as rules_table
+from sharding.rules import MESH_AXES, logical_to_spec, rules_for
 
 GB = 1e9
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -114,10 +115,7 @@ def state_bytes(cfg: M3Config, mesh: MeshConfig, master: str = "fp32", moment_dt
 
 def step_copy_rules(mesh: MeshConfig, rules=None):
     """The rules of the step's copy of the weights (`sharding.layout.Layout.step_copy`), or None without one."""
-    sizes = mesh_sizes(mesh)
-    if not any(sizes[a] > 1 for a in getattr(mesh, "fsdp_step_axes", ())):
-        return None
-    return without_axes(rules or default_rules(mesh), mesh.fsdp_step_axes)
+    return rules_table.step_copy_rules(rules or default_rules(mesh), mesh.fsdp_step_axes, mesh_sizes(mesh))
 
 
 # XLA:CPU's temporaries of the optimizer step (`sharding.optim_step`), bytes per element, the largest of
