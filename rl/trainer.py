@@ -14,8 +14,6 @@ import logging
 import os
 import time
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from rl import evaluate as held_out
@@ -27,6 +25,7 @@ from rl.generation import backends
 from rl.observe import RunLogger, plot_run
 from rl.policy import (Policy, build_policy, checkpointer_for, learning_rate, make_indexer_recall, make_logprobs,
                        make_update, sequence_width)
+from rl.reference import ReferenceWeights
 from rl.tasks import make_task
 
 log = logging.getLogger(__name__)
@@ -60,7 +59,9 @@ class GRPOTrainer:
         self.tokenizer, self.loader, self.pad_id = build_data(cfg)
         self.policy = policy or build_policy(cfg)
         self.width = sequence_width(cfg, self.policy.model_cfg)
-        self.ref_params = (jax.tree.map(jnp.copy, self.policy.state.params) if self.loss_cfg.kl != "none" else None)
+        # the KL's reference policy: the weights the run starts from (a resume restores the policy, not these)
+        self.reference = (ReferenceWeights(self.policy.state.params, cfg.grpo.reference_memory)
+                          if self.loss_cfg.kl != "none" else None)
         self.train_step = make_update(self.policy, self.loss_cfg)
         self.logprobs = make_logprobs(self.policy)
         # logging.indexer_recall_every: a forward of its own on a sample every N steps (models with sparse layers)
@@ -147,7 +148,8 @@ class GRPOTrainer:
                                    updates=gcfg.updates_per_step, by_length=bool(gcfg.micro_batch_widths))
         t["reward"] = time.perf_counter()
 
-        micro = phases.logprobs(self.logprobs, policy.state, micro, self.ref_params,
+        micro = phases.logprobs(self.logprobs, policy.state, micro,
+                                self.reference.for_pass() if self.reference is not None else None,
                                 old=gcfg.old_logprobs == "pass")
         micro, route_metrics = phases.route_metrics(micro, replay=gcfg.routing_replay == "rollout",
                                                     indexer_replay=gcfg.indexer_replay == "rollout")

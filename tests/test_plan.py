@@ -235,11 +235,11 @@ def test_the_loss_head_gradient_crosses_context_at_every_logits_block():
 
 
 def test_a_kl_reference_is_planned_as_a_second_copy_of_the_params_and_a_second_logprob_pass():
-    """grpo.kl keeps the reference policy (rl.trainer: a copy of the params, placed as they are) and scores every
-    step under it too: both peaks hold the copy, and the logprob pass runs twice."""
+    """grpo.kl keeps the reference policy (rl.reference: a copy of the params, placed as they are) and scores every
+    step under it too: on the devices both peaks hold the copy, and the logprob pass runs twice."""
     base = plan(load_job("configs/recipes/m3-32node.yaml", ["grpo.old_logprobs=pass"], "release"), Hardware())
-    job = load_job("configs/recipes/m3-32node.yaml", ["grpo.old_logprobs=pass", "grpo.kl=k3", "grpo.kl_coef=0.001"],
-                   "release")
+    job = load_job("configs/recipes/m3-32node.yaml", ["grpo.old_logprobs=pass", "grpo.kl=k3", "grpo.kl_coef=0.001",
+                                                      "grpo.reference_memory=device"], "release")
     kl = plan(job, Hardware())
     assert job.logprob_passes == 2 and "reference_params" not in base["memory"]
     for phase in ("backward", "update"):
@@ -247,6 +247,41 @@ def test_a_kl_reference_is_planned_as_a_second_copy_of_the_params_and_a_second_l
         assert kl["phases"][phase]["total"] == pytest.approx(base["phases"][phase]["total"]
                                                            + base["phases"][phase]["params"])
     assert kl["logprob_pass"]["time"]["total_s"] == pytest.approx(2 * base["logprob_pass"]["time"]["total_s"])
+
+
+def test_a_kl_reference_is_planned_without_a_logp_old_pass_too():
+    """With grpo.old_logprobs: update the reference's pass is the only one, and the copy still takes its memory
+    (the planner once read "a second pass" as "a reference" and planned this run 6.8 GB short)."""
+    kl = ["grpo.kl=k3", "grpo.kl_coef=0.001"]
+    base = plan(load_job("configs/recipes/m3-32node.yaml", ["grpo.reference_memory=device"], "release"), Hardware())
+    job = load_job("configs/recipes/m3-32node.yaml", [*kl, "grpo.reference_memory=device"], "release")
+    assert job.logprob_passes == 1 and job.reference == "device"
+    got = plan(job, Hardware())
+    assert got["memory"]["reference_params"] == got["memory"]["params"] > 0
+    assert got["memory"]["total"] == pytest.approx(base["memory"]["total"] + base["memory"]["params"])
+
+
+def test_a_reference_in_host_memory_leaves_the_step_peaks_and_pays_its_transfer_once_per_step():
+    """grpo.reference_memory: host (rl.reference): the copy is in neither step peak; a third peak, the reference
+    pass's, holds it with the state (no gradients) and the pass's activations; the pass pays bytes / PCIe."""
+    kl = ["grpo.kl=k3", "grpo.kl_coef=0.001"]
+    on_device = plan(load_job("configs/recipes/m3-32node.yaml", [*kl, "grpo.reference_memory=device"], "release"),
+                     Hardware())
+    hw = Hardware(pcie_bw=25e9)
+    job = load_job("configs/recipes/m3-32node.yaml", [*kl, "grpo.reference_memory=host"], "release")
+    host = plan(job, hw)
+    for phase in ("backward", "update"):
+        assert "reference_params" not in host["phases"][phase]
+        assert host["phases"][phase]["total"] == pytest.approx(on_device["phases"][phase]["total"]
+                                                             - on_device["phases"][phase]["params"])
+    ref_pass = host["phases"]["reference_pass"]
+    assert ref_pass["reference_params"] == ref_pass["params"]
+    assert "grad_accumulator" not in ref_pass and "micro_gradient" not in ref_pass
+    assert ref_pass["total"] < host["phases"]["backward"]["total"]
+    to_device = ref_pass["reference_params"] / 25e9
+    assert host["logprob_pass"]["time"]["reference_to_device_s"] == pytest.approx(to_device)
+    assert host["logprob_pass"]["time"]["total_s"] == pytest.approx(on_device["logprob_pass"]["time"]["total_s"]
+                                                                    + to_device)
 
 
 def test_rules_table_drives_the_plan():

@@ -50,6 +50,8 @@ class Job:
     slots: int | None = None
     # forwards before the update: logp_old (grpo.old_logprobs: pass), and logp_ref when the loss has a KL term
     logprob_passes: int = 1
+    # where the KL's reference policy lives between its passes (grpo.reference_memory); None: no KL term
+    reference: str | None = None
 
     def on_mesh(self, mesh: MeshConfig, micro_batch: int) -> "Job":
         """This job on another mesh and micro-batch, with the positions the trainer would run there."""
@@ -82,7 +84,8 @@ def load_job(path: str, overrides: list[str], model: str | None) -> Job:
                sparse_attention=getattr(cfg.model, "sparse_attention", "gather"),
                logprob_chunk_tokens=cfg.model.logprob_chunk_tokens,
                memory_fraction=cfg.mesh.device_memory_fraction or JAX_DEFAULT_MEMORY_FRACTION, slots=slots,
-               logprob_passes=(g.old_logprobs == "pass") + (g.kl != "none"))
+               logprob_passes=(g.old_logprobs == "pass") + (g.kl != "none"),
+               reference=None if g.kl == "none" else g.reference_memory)
 
 
 def load_run_config(path: str, overrides: list[str], model: str | None):
@@ -118,8 +121,7 @@ def invalid_reason(job: Job) -> str | None:
 
 def plan(job: Job, hw: Hardware) -> dict:
     b = job.batch
-    phases = memory_phases(job.model, job.mesh, b, job.master, job.moment_dtype,
-                           reference=job.logprob_passes > 1)
+    phases = memory_phases(job.model, job.mesh, b, job.master, job.moment_dtype, reference=job.reference)
     s_l = job.seq_len // job.mesh.context
     fl = step_flops(job.model, job.seqs_per_update * job.updates, job.seq_len, job.remat,
                     query_chunked=0 < b.attention_query_chunk < s_l,
@@ -140,6 +142,9 @@ def plan(job: Job, hw: Hardware) -> dict:
                           job.master, job.remat, sent_rows=sent, backward=False)
     fwd = step_time(fl["forward_executed"] / job.mesh.num_devices, fwd_comm, job.mesh, hw)
     fwd = {k: v * job.logprob_passes for k, v in fwd.items() if k != "comm_share"}
+    if job.reference == "host":  # the reference comes onto the devices for its pass, over each GPU's PCIe link
+        fwd["reference_to_device_s"] = phases["reference_pass"]["reference_params"] / hw.pcie_bw
+        fwd["total_s"] += fwd["reference_to_device_s"]
     return {"memory": max(phases.values(), key=lambda t: t["total"]), "phases": phases, "flops": fl, "comm": comm,
             "time": st, "logprob_pass": {"comm": fwd_comm, "time": fwd}}
 
@@ -153,7 +158,7 @@ def verdict(mem: dict, device_gb: float) -> str:
             f"largest term {term} is {mem[term] / GB:.2f} GB")
 
 
-def print_plan(job: Job, p: dict, device_gb: float) -> None:
+def print_plan(job: Job, p: dict, device_gb: float, hw: Hardware = Hardware()) -> None:
     m = job.mesh
     print(f"mesh data={m.data} context={m.context} expert={m.expert} tensor={m.tensor} (EP {m.expert_parallel} over "
           f"{','.join(m.expert_axes)}), micro-batch {job.micro_batch} x {job.batch.num_micro} micro-batches, "
@@ -166,11 +171,15 @@ def print_plan(job: Job, p: dict, device_gb: float) -> None:
           f"(capacity factor {b.moe_capacity_factor or 'none: dropless'}), expert matmuls "
           f"{_expert_matmuls(b)}")
     binding = max(p["phases"], key=lambda k: p["phases"][k]["total"])
-    other = next(k for k in p["phases"] if k != binding)
     print(f"{'per-device memory (' + binding + ' peak)':34s} {'GB':>9s}")
     for k, v in p["memory"].items():
         print(f"  {k:32s} {v / GB:9.3f}")
-    print(f"  ({other} peak: {p['phases'][other]['total'] / GB:.3f} GB)")
+    others = [f"{k.replace('_', ' ')} peak: {v['total'] / GB:.3f} GB" for k, v in p["phases"].items() if k != binding]
+    print(f"  ({', '.join(others)})")
+    if job.reference == "host":
+        ref = p["phases"]["reference_pass"]["reference_params"]
+        print(f"  KL reference in pinned host memory (grpo.reference_memory: host): {ref / GB:.3f} GB per GPU, "
+              f"{ref * hw.gpus_per_node / GB:.1f} GB per node")
     f = p["flops"]
     print(f"FLOPs per step: model {f['model_total']:.3e} (matmul {f['matmul']:.3e}, attention {f['attention']:.3e}, "
           f"indexer {f['indexer_scores'] + f['indexer_proj']:.3e}); executed {f['executed_total']:.3e} "
@@ -188,9 +197,11 @@ def print_plan(job: Job, p: dict, device_gb: float) -> None:
     if not job.logprob_passes:
         print("  no logprob pass before the update (grpo.old_logprobs: update, no KL reference)")
     else:
+        h2d = (f", the reference onto the devices {lp['reference_to_device_s']:.2f} s"
+               if "reference_to_device_s" in lp else "")
         print(f"  + logprob pass{'es' if job.logprob_passes > 1 else ''} before the update ({job.logprob_passes} x a "
               f"forward over the step's sequences): {lp['total_s']:.1f} s (compute {lp['compute_s']:.1f} s, "
-              f"communication {lp['comm_s']:.1f} s, of it FSDP gathers {gathers:.1f} s) -> "
+              f"communication {lp['comm_s']:.1f} s, of it FSDP gathers {gathers:.1f} s{h2d}) -> "
               f"{t['total_s'] + lp['total_s']:.1f} s per step")
     print(verdict(p["memory"], device_gb))
 
@@ -262,6 +273,7 @@ def main(argv=None) -> int:
     ap.add_argument("--mfu", type=float, default=0.4)
     ap.add_argument("--nvlink-gbps", type=float, default=450.0)
     ap.add_argument("--ib-gbps", type=float, default=50.0)
+    ap.add_argument("--pcie-gbps", type=float, default=50.0, help="each GPU's link to pinned host memory (GB/s)")
     ap.add_argument("--sweep", type=int, default=None, metavar="N_DEVICES")
     ap.add_argument("--png", default="mesh_sweep.png")
     ap.add_argument("--compile", action="store_true")
@@ -277,7 +289,7 @@ def main(argv=None) -> int:
                          "model.moe_kernel=tiled plans the tiled kernel instead")
     a = ap.parse_args(argv)
     job = dataclasses.replace(load_job(a.config, a.overrides, a.model), ragged_dot=a.ragged_dot)
-    hw = Hardware(a.peak_tflops * 1e12, a.mfu, a.nvlink_gbps * 1e9, a.ib_gbps * 1e9)
+    hw = Hardware(a.peak_tflops * 1e12, a.mfu, a.nvlink_gbps * 1e9, a.ib_gbps * 1e9, pcie_bw=a.pcie_gbps * 1e9)
     # What JAX may hold of each device: the plan must fit in that, not in the whole device.
     device_gb = a.device_memory_gb * job.memory_fraction
     print(f"JAX's share of each device: {job.memory_fraction:g} x {a.device_memory_gb:g} GB = {device_gb:.2f} GB "
@@ -291,7 +303,7 @@ def main(argv=None) -> int:
     if why:
         print(f"INVALID MESH: {why}")
         return 1
-    print_plan(job, plan(job, hw), device_gb)
+    print_plan(job, plan(job, hw), device_gb, hw)
     if a.check_shardings:
         return print_check(job)
     if a.compile:

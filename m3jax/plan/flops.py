@@ -22,11 +22,13 @@ from sharding.rules import MESH_AXES
 @dataclasses.dataclass(frozen=True)
 class Hardware:
     """Device and links (defaults: H100/H200 SXM): dense bf16 FLOP/s, the MFU assumed for compute,
-    NVLink bandwidth per GPU inside a node, InfiniBand bandwidth per GPU between nodes (bytes/s)."""
+    NVLink bandwidth per GPU inside a node, InfiniBand bandwidth per GPU between nodes, and each GPU's PCIe link
+    to pinned host memory (Gen5 x16: 64 GB/s a direction, ~50 reached; bytes/s)."""
     peak_flops: float = 989e12
     mfu: float = 0.4
     nvlink_bw: float = 450e9
     ib_bw: float = 50e9
+    pcie_bw: float = 50e9
     gpus_per_node: int = 8
 
 

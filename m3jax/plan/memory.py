@@ -262,28 +262,40 @@ def activation_bytes(cfg: M3Config, mesh: MeshConfig, batch: Batch, act_bytes: i
 
 def memory_phases(cfg: M3Config, mesh: MeshConfig, batch: Batch, master: str = "fp32",
                   moment_dtype: str = "float32", rules=None, act_bytes: int | None = None,
-                  reference: bool = False) -> dict[str, dict[str, float]]:
-    """Per-device terms (bytes) of the two peaks of a step, each with its 'total':
+                  reference: str | None = None) -> dict[str, dict[str, float]]:
+    """Per-device terms (bytes) of the peaks of a step, each with its 'total':
 
         backward  the train state with one micro-batch's gradient + `activation_bytes`
         update    the train state without it + `update_temporaries` (the optimizer step)
     Activations are in the param dtype (bf16 unless master='none'); act_bytes overrides that (4 for
-    XLA:CPU, which computes bf16 arithmetic in fp32 and so holds fp32-sized activations). `reference`: the run
-    keeps the KL's reference policy (`grpo.kl` set): a copy of the params, placed as they are, in both peaks."""
+    XLA:CPU, which computes bf16 arithmetic in fp32 and so holds fp32-sized activations).
+    `reference`: where the KL's reference policy (`grpo.kl` set; a copy of the params, cut as they are) lives
+    between its passes (`grpo.reference_memory`): "device" puts the copy in both peaks; "host" (pinned host
+    memory, `rl.reference`) in neither, but adds the reference pass's peak:
+        reference_pass  the train state without gradients + the copy on the devices + its step copy
+                        + `activation_bytes` (an upper bound: a forward keeps no checkpoints or residuals)"""
     a = act_bytes or (4 if master == "none" else 2)
     state = state_bytes(cfg, mesh, master, moment_dtype, rules)
-    backward = {**state, **{f"act:{k}": v for k, v in activation_bytes(cfg, mesh, batch, a, rules).items()}}
+    acts = {f"act:{k}": v for k, v in activation_bytes(cfg, mesh, batch, a, rules).items()}
+    backward = {**state, **acts}
     update = {**{k: v for k, v in state.items() if k not in ("micro_gradient", "step_copy")},
               "update_temporaries": update_temporaries(cfg, mesh, rules)}
-    if reference:
+    phases = {"backward": backward, "update": update}
+    if reference == "device":
         backward["reference_params"] = update["reference_params"] = state["params"]
-    for terms in (backward, update):
+    elif reference == "host":
+        phases["reference_pass"] = {**{k: v for k, v in state.items()
+                                       if k not in ("micro_gradient", "grad_accumulator")},
+                                    "reference_params": state["params"], **acts}
+    elif reference is not None:
+        raise ValueError(f"reference = {reference!r}: expected None, 'device' or 'host'")
+    for terms in phases.values():
         terms["total"] = sum(terms.values())
-    return {"backward": backward, "update": update}
+    return phases
 
 
 def memory_plan(cfg: M3Config, mesh: MeshConfig, batch: Batch, master: str = "fp32",
                 moment_dtype: str = "float32", rules=None, act_bytes: int | None = None) -> dict[str, float]:
-    """The terms of the larger of the step's two peaks (`memory_phases`); they sum to 'total'."""
+    """The terms of the largest of the step's peaks (`memory_phases`); they sum to 'total'."""
     phases = memory_phases(cfg, mesh, batch, master, moment_dtype, rules, act_bytes)
     return max(phases.values(), key=lambda t: t["total"])

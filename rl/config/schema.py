@@ -302,6 +302,10 @@ class GrpoSection(_Section):
     kl_clamp: float | None = _f(10.0, "clamp of the per-token KL estimate; null = off", gt=0)
     kl_on_policy: bool = _f(False, "weight the KL term by pi/pi_gen, for tokens the generator sampled (NeMo-RL's "
                                    "use_on_policy_kl_approximation)")
+    reference_memory: str = _f("device", "where the KL's reference weights (a copy of the initial params) live between "
+                                         "the reference logprob passes: device, or host (the devices' pinned host "
+                                         "memory, brought onto them for each pass: the train step's peak holds no "
+                                         "reference)", choices=("device", "host"))
     aggregation: str = _f("token", "token: sum of token losses / valid tokens in the whole step; sequence_mean: "
                                    "mean over sequences of their token mean; sequence_sum: sum / (sequences x L)",
                           choices=AGGREGATIONS)
