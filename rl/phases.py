@@ -24,7 +24,8 @@ from rl.grpo import advantages as adv_lib
 from rl.grpo import dapo
 from rl.grpo.batch import build_train_batch, split_micro
 from rl.grpo.loss import generation_mismatch_metrics
-from rl.grpo.mismatch import mismatch_from_sums, route_mismatch_frac, selection_mismatch_frac
+from rl.grpo.mismatch import (ID_MISMATCH_METRICS, id_mismatch_from_sums, mismatch_from_sums, route_mismatch_frac,
+                              selection_mismatch_frac)
 from rl.rewards.registry import score_batch
 from sharding.widths import micro_widths
 
@@ -238,12 +239,17 @@ def _on_host(x):
     return np.asarray(x)
 
 
-def route_metrics(micro: dict, replay: bool, indexer_replay: bool = False) -> tuple[dict, dict]:
+def route_metrics(micro: dict, replay: bool, indexer_replay: bool = False, in_update: bool = False
+                  ) -> tuple[dict, dict]:
     """(micro-batches for the update, metrics): moe/route_mismatch_frac (`rl.grpo.mismatch`) of the
     trainer's own top-k vs the generator's routes, and indexer/selection_mismatch_frac of the trainer's
     indexer's own top-K key blocks vs the generator's, over the real input tokens, each when both are
     there. The update keeps "routes" / "block_ids" only when it replays them (`replay` / `indexer_replay`),
-    so without replay it is today's program."""
+    so without replay it is today's program. in_update (grpo.old_logprobs: update, no pass gave the trainer's
+    own ids): the update keeps them all and compares them itself (`rl.policy.grpo_loss_fn`; metrics from its sums,
+    `step_metrics`)."""
+    if in_update:
+        return dict(micro), {}
     micro, metrics = dict(micro), {}
     for field, keep, name, frac_of in (("routes", replay, "moe/route_mismatch_frac", route_mismatch_frac),
                                        ("block_ids", indexer_replay, "indexer/selection_mismatch_frac",
@@ -345,7 +351,7 @@ def step_metrics(samples: Samples, reward: np.ndarray, failures: int, adv: Advan
         mism = generation_mismatch_metrics(micro["logp_gen"].reshape(n, -1), micro["logp_old"].reshape(n, -1),
                                            micro["loss_mask"].reshape(n, -1) > 0)
     else:  # the update was its own logp_old (grpo.old_logprobs: update) and summed the mismatch itself
-        mism = mismatch_from_sums(sums)
+        mism = {**mismatch_from_sums(sums), **id_mismatch_from_sums(sums)}
     tokens = max(sums.get("tokens", 0.0), 1.0)
     return {
         "reward/mean": float(reward.mean()), "reward/std": float(reward.std()), "reward/failures": failures,
@@ -361,6 +367,7 @@ def step_metrics(samples: Samples, reward: np.ndarray, failures: int, adv: Advan
         # the indexer's gradient (alignment loss only), clipped by its own norm (sharding.optim_step.clip_by_group_norms)
         **({"indexer/grad_norm": stats.grad_norm_apart} if stats.grad_norm_apart is not None else {}),
         "gen_kl_error": float(mism["gen_kl_error"]), "token_mult_prob_error": float(mism["token_mult_prob_error"]),
+        **{k: v for k, v in mism.items() if k in ID_MISMATCH_METRICS.values()},
         "lr": lr,
         "throughput/tokens_per_s": int(out.lengths.sum()) / max(elapsed, 1e-9),
         **{f"time/{p}": v for p, v in phases.items()},

@@ -25,7 +25,7 @@ from rl.config import RunConfig, checkpoint_dir
 from rl.generation.backends import sampling_of
 from rl.generation.base import SamplingParams
 from rl.grpo.loss import LossConfig, aggregate, grpo_loss, normalizer
-from rl.grpo.mismatch import MISMATCH_SUMS, generation_mismatch_metrics
+from rl.grpo.mismatch import ID_MISMATCH_METRICS, MISMATCH_SUMS, generation_mismatch_metrics, id_mismatch_sums
 from rl.logprobs import make_logprob_pass, policy_logprobs
 from sharding import optim_step
 from sharding.layout import Layout
@@ -132,17 +132,25 @@ def grpo_loss_fn(sampling: SamplingParams, loss_cfg: LossConfig, chunk_tokens: i
     align = indexer_loss_coef > 0
 
     def loss_fn(model, mb):
-        out = policy_logprobs(model, mb, sampling, chunk_tokens, replay=replay and "routes" in mb,
-                              replay_blocks=indexer_replay and "block_ids" in mb, return_indexer_kl=align)
-        logp, indexer_kl = out if align else (out, None)
-        # without a logprob pass (grpo.old_logprobs: update) logp_old is this update's own log-probs
+        # without a logprob pass (grpo.old_logprobs: update) logp_old is this update's own log-probs, and the update
+        # compares its own expert / key-block choices with the generator's, where the batch carries them
         own = "logp_old" not in mb
+        compared = [f for f in ID_MISMATCH_METRICS if own and f in mb]
+        out = policy_logprobs(model, mb, sampling, chunk_tokens, replay=replay and "routes" in mb,
+                              return_routes="routes" in compared, replay_blocks=indexer_replay and "block_ids" in mb,
+                              return_block_ids="block_ids" in compared, return_indexer_kl=align)
+        logp, *extra = out if isinstance(out, tuple) else (out,)
+        indexer_kl = extra.pop() if align else None
         logp_old = jax.lax.stop_gradient(logp) if own else mb["logp_old"]
         loss_sum, stats = grpo_loss(logp, logp_old, mb["logp_gen"], mb["advantages"], mb["loss_mask"],
                                     loss_cfg, mb.get("logp_ref"))
         if own:  # the generator-mismatch sums the step's metrics would have read from the pass's logp_old
             mism = generation_mismatch_metrics(mb["logp_gen"], logp_old, mb["loss_mask"] > 0)
             stats = {**stats, **{f"mismatch/{k}": mism[k] for k in MISMATCH_SUMS}}
+        for field, trainer_ids in zip(compared, extra):  # over the real input tokens, as `phases.route_metrics`
+            differ, entries = id_mismatch_sums(trainer_ids, mb[field], mb["attention_mask"])
+            name = ID_MISMATCH_METRICS[field]
+            stats = {**stats, f"{name}/differ": differ, f"{name}/entries": entries}
         if align:
             m = mb["loss_mask"].astype(jnp.float32)
             loss_sum = loss_sum + indexer_loss_coef * aggregate(indexer_kl, m, loss_cfg.aggregation)

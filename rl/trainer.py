@@ -152,7 +152,8 @@ class GRPOTrainer:
                                 self.reference.for_pass() if self.reference is not None else None,
                                 old=gcfg.old_logprobs == "pass")
         micro, route_metrics = phases.route_metrics(micro, replay=gcfg.routing_replay == "rollout",
-                                                    indexer_replay=gcfg.indexer_replay == "rollout")
+                                                    indexer_replay=gcfg.indexer_replay == "rollout",
+                                                    in_update=gcfg.old_logprobs == "update")
         if self.recall is not None and step % cfg.logging.indexer_recall_every == 0:  # steps 1, 1 + N, ... as logged
             t0 = time.perf_counter()
             route_metrics.update(phases.indexer_recall(self.recall, policy.state, micro))

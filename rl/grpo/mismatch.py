@@ -80,6 +80,18 @@ def generation_mismatch_metrics(logp_gen, logp_old, mask, kl_type: str = "k3"):
 MISMATCH_SUMS = ("tokens", "mult_prob_error_sum", "gen_kl_sum", "policy_kl_sum")
 
 
+# The generator's id arrays a batch may carry, and the metric comparing the trainer's own choice with each: the MoE
+# routes [B, S, n_moe_layers, k] and the indexer's key blocks [B, S, n_sparse_layers, Hi, K].
+ID_MISMATCH_METRICS = {"routes": "moe/route_mismatch_frac", "block_ids": "indexer/selection_mismatch_frac"}
+
+
+def id_mismatch_from_sums(sums: dict) -> dict:
+    """Each `ID_MISMATCH_METRICS` metric whose `id_mismatch_sums` a train step summed as "<metric>/differ" and
+    "<metric>/entries" (grpo.old_logprobs: update, where the update compares its own choices)."""
+    return {name: float(mismatch_fraction(sums[f"{name}/differ"], sums[f"{name}/entries"]))
+            for name in ID_MISMATCH_METRICS.values() if f"{name}/differ" in sums}
+
+
 def mismatch_from_sums(sums: dict, prefix: str = "mismatch/") -> dict:
     """token_mult_prob_error, gen_kl_error and policy_kl_error from the summed `MISMATCH_SUMS` (NaN over no token):
     the step's values of `generation_mismatch_metrics`, whichever micro-batches the sums came from."""
@@ -92,20 +104,34 @@ def mismatch_from_sums(sums: dict, prefix: str = "mismatch/") -> dict:
             "policy_kl_error": mean("policy_kl_sum")}
 
 
-def _set_mismatch(trainer_ids, generator_ids, mask, ndim: int, what: str):
-    """Share of the mask's (token, ...) entries whose last-axis id sets differ; NaN when none is counted."""
+def id_mismatch_sums(trainer_ids, generator_ids, mask, what: str = "[B, S, ..., ids]"):
+    """(differ, entries) over the mask's tokens, for id arrays [B, S, ..., n] (the last axis a set of ids):
+
+        differ  = sum_{b,s,...} mask[b,s] * [set(trainer[b,s,...]) != set(gen[b,s,...])]
+        entries = sum_{b,s} mask[b,s] * (the count of the axes between S and the ids)
+    Sums, so that micro-batches and devices add them before the one division (`mismatch_fraction`)."""
     t = jnp.sort(jnp.asarray(trainer_ids).astype(jnp.int32), axis=-1)
     g = jnp.sort(jnp.asarray(generator_ids).astype(jnp.int32), axis=-1)
-    if t.shape != g.shape or t.ndim != ndim:
+    if t.shape != g.shape or t.ndim < 3:
         raise ValueError(f"trainer_ids {t.shape} and generator_ids {g.shape}: expected the same {what}")
     m = jnp.asarray(mask).astype(jnp.float32)
     if m.shape != t.shape[:2]:
         raise ValueError(f"mask has shape {m.shape}, expected {t.shape[:2]}")
     differ = jnp.any(t != g, axis=-1).astype(jnp.float32)  # [B, S, ...]
-    per_token = math.prod(t.shape[2:-1])
-    pairs = jnp.sum(m) * per_token
-    total = jnp.sum(differ.reshape(*m.shape, -1).sum(-1) * m)
-    return jnp.where(pairs > 0, total / jnp.where(pairs > 0, pairs, 1.0), jnp.nan)
+    return jnp.sum(differ.reshape(*m.shape, -1).sum(-1) * m), jnp.sum(m) * math.prod(t.shape[2:-1])
+
+
+def mismatch_fraction(differ, entries):
+    """differ / entries of `id_mismatch_sums`; NaN when no entry is counted."""
+    return jnp.where(entries > 0, differ / jnp.where(entries > 0, entries, 1.0), jnp.nan)
+
+
+def _set_mismatch(trainer_ids, generator_ids, mask, ndim: int, what: str):
+    """Share of the mask's (token, ...) entries whose last-axis id sets differ; NaN when none is counted."""
+    if jnp.ndim(trainer_ids) != ndim:
+        raise ValueError(f"trainer_ids {jnp.shape(trainer_ids)} and generator_ids {jnp.shape(generator_ids)}: "
+                         f"expected the same {what}")
+    return mismatch_fraction(*id_mismatch_sums(trainer_ids, generator_ids, mask, what))
 
 
 def selection_mismatch_frac(trainer_ids, generator_ids, mask):
@@ -132,13 +158,4 @@ def route_mismatch_frac(trainer_ids, generator_ids, mask):
     0 under routing replay of the generator's routes; any numeric difference that flips a near-tie
     of the router shows here (a flipped choice moves the token's logprob by far more than rounding).
     """
-    t = jnp.sort(jnp.asarray(trainer_ids).astype(jnp.int32), axis=-1)
-    g = jnp.sort(jnp.asarray(generator_ids).astype(jnp.int32), axis=-1)
-    if t.shape != g.shape or t.ndim != 4:
-        raise ValueError(f"trainer_ids {t.shape} and generator_ids {g.shape}: expected the same [B, S, L, k]")
-    m = jnp.asarray(mask).astype(jnp.float32)
-    if m.shape != t.shape[:2]:
-        raise ValueError(f"mask has shape {m.shape}, expected {t.shape[:2]}")
-    differ = jnp.any(t != g, axis=-1).astype(jnp.float32)  # [B, S, L]
-    pairs = jnp.sum(m) * t.shape[2]
-    return jnp.where(pairs > 0, jnp.sum(differ * m[..., None]) / jnp.where(pairs > 0, pairs, 1.0), jnp.nan)
+    return _set_mismatch(trainer_ids, generator_ids, mask, 4, "[B, S, L, k]")
