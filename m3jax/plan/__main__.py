@@ -135,7 +135,7 @@ def plan(job: Job, hw: Hardware) -> dict:
     chunk = job.logprob_chunk_tokens
     head_blocks = -(-job.seq_len // chunk) if chunk else 1
     comm = comm_bytes(job.model, job.mesh, job.micro_batch, job.seq_len, job.batch.num_micro * job.updates,
-                      job.master, job.remat, sent_rows=sent, head_blocks=head_blocks)
+                      job.master, job.remat, sent_rows=sent, head_blocks=head_blocks, remat_policy=b.remat_policy)
     st = step_time(fl["executed_total"] / job.mesh.num_devices, comm, job.mesh, hw)
     # the logprob pass(es) before the update: a forward over the step's sequences, micro-batch by micro-batch
     fwd_comm = comm_bytes(job.model, job.mesh, job.micro_batch, job.seq_len, job.batch.num_micro * job.updates,

@@ -231,7 +231,8 @@ def axis_link(mesh: MeshConfig, axes: tuple[str, ...], hw: Hardware) -> float:
 
 def comm_bytes(cfg: M3Config, mesh: MeshConfig, micro_batch: int, seq_len: int, num_micro: int,
                master: str = "fp32", remat: bool = True, rules=None, sent_rows: float | None = None,
-               backward: bool = True, head_blocks: int = 1) -> dict[str, tuple[float, tuple]]:
+               backward: bool = True, head_blocks: int = 1, remat_policy: str = "full"
+               ) -> dict[str, tuple[float, tuple]]:
     """Bytes one device sends per step, by collective -> (bytes, mesh axes it runs over).
 
     Per micro-batch (x num_micro), p = param bytes, a = activation bytes, f(n) = (n-1)/n; W = the full bytes of the
@@ -246,7 +247,9 @@ def comm_bytes(cfg: M3Config, mesh: MeshConfig, micro_batch: int, seq_len: int, 
       grad_all_reduce     2 f(n) * local gradient bytes, over the token axes (data, context, expert) a
                           weight is replicated on (its gradient sums over the tokens those devices hold)
       expert_all_to_all   L_moe * (2 fwd + 2 bwd [+ 2 remat]) * f(n_ep) * R * d * a, R = sent_rows: T_l * k for
-                          the ragged exchange (the rows really routed), W (`receive_rows`) for the padded one
+                          the ragged exchange (the rows really routed), W (`receive_rows`) for the padded one;
+                          remat_policy save_dots_experts keeps the rows that came back (`MOE_EXPERT_OUT`), so its
+                          recompute sends the rows out again but does not bring them back: + 1 remat
       context_all_gather  L * (1 fwd [+ 1 remat] + 1 bwd reduce-scatter) * f(n_c) * b * S *
                           (2 * KV/n_t * D + Di [sparse]) * a        (keys, values and indexer keys)
       tensor_all_reduce   L * 4 * 2 f(n_t) * T_l * d * a           (attention and MLP outputs, fwd + bwd)
@@ -305,7 +308,8 @@ def comm_bytes(cfg: M3Config, mesh: MeshConfig, micro_batch: int, seq_len: int, 
             out[key] = (2 * f(n) * v * num_micro, red)
     n_moe = sum(m == MOE_MLP for m in cfg.mlp_layer_types)
     n_ep = mesh.expert_parallel
-    trips = (4 + (2 if remat else 0)) if backward else 2
+    remat_trips = 0 if not remat else 1 if remat_policy == "save_dots_experts" else 2
+    trips = 4 + remat_trips if backward else 2
     ep_axes = tuple(x for x in mesh.expert_axes if sz[x] > 1)
     rows = t_l * cfg.num_experts_per_tok if sent_rows is None else sent_rows
     out["expert_all_to_all"] = (n_moe * trips * f(n_ep) * rows * cfg.hidden_size * a * num_micro, ep_axes)
