@@ -28,6 +28,7 @@ class Collective:
     axes: tuple[str, ...]  # mesh axes along which the devices of one group differ; () = each device alone
     in_loop: bool  # in a while loop's body (or in what such a body calls)
     bytes: int  # size of the result (all of a tuple-shaped result)
+    source: str = ""  # the jax operation it partitions (the op_name metadata), e.g. ".../jvp(jit(_take))/gather"
 
 
 def _iota(text: str) -> np.ndarray:
@@ -104,7 +105,8 @@ def collectives(hlo_text: str, mesh) -> list[Collective]:
             axes = () if group is None else group_axes(group, mesh)
             if m[2] == "collective-permute":
                 axes = ("pairs",)
-            out.append(Collective(m[2], axes, n in in_loop, _result_bytes(m[1])))
+            source = re.search(r'op_name="([^"]*)"', line)
+            out.append(Collective(m[2], axes, n in in_loop, _result_bytes(m[1]), source[1] if source else ""))
     return out
 
 

@@ -18,6 +18,8 @@ from m3jax.plan.memory import Param, local_elems, mesh_sizes, param_table, shard
 from m3jax.plan.remat import recomputed_params, trains_as
 from sharding.rules import MESH_AXES
 
+LOOKUP_ROWS = "table_vocab"  # the logical axis of the embedding table's rows (`m3jax.model.specs`): read by a lookup
+
 
 @dataclasses.dataclass(frozen=True)
 class Hardware:
@@ -244,6 +246,11 @@ def comm_bytes(cfg: M3Config, mesh: MeshConfig, micro_batch: int, seq_len: int, 
       fsdp_reduce_scatter f(n_r) * W (gradients, param dtype), over r
       fsdp_step_reduce_scatter  f(n_s) * W / n_r: the copy's gradient onto the state's shards, over s
       fsdp_step_all_gather      f(n_s) * W / n_r, once per step (not x num_micro), over s
+      embedding_lookup    (2 + 1) * f(n) * n * T_l * d * a over the n devices that cut the table's rows, where the
+                          n devices' tokens are fewer bytes than the table (n * T_l * a < V * p; else the table is
+                          gathered as FSDP weights are): each device looks its rows up for the tokens of all n, summed
+                          by an all-reduce (forward), and the backward all-gathers their cotangents for its rows'
+                          scatter-add. XLA's partitioner picks between the two so (tests/test_plan.py)
       grad_all_reduce     2 f(n) * local gradient bytes, over the token axes (data, context, expert) a
                           weight is replicated on (its gradient sums over the tokens those devices hold)
       expert_all_to_all   L_moe * (2 fwd + 2 bwd [+ 2 remat]) * f(n_ep) * R * d * a, R = sent_rows: T_l * k for
@@ -274,6 +281,7 @@ def comm_bytes(cfg: M3Config, mesh: MeshConfig, micro_batch: int, seq_len: int, 
         return tuple(x for x in ("data", "context", "expert") if sz[x] > 1
                      and any(x in axes for name, axes in zip(p.axes, dims) if name != "experts"))
 
+    lookup: tuple[str, ...] = ()  # the token axes that cut the embedding table's rows
     for p in param_table(cfg):
         if p.buffer:
             continue
@@ -281,6 +289,9 @@ def comm_bytes(cfg: M3Config, mesh: MeshConfig, micro_batch: int, seq_len: int, 
         pb = 4 if (master == "none" or p.fp32) else 2
         used = {x for axes in dims for x in axes}
         gathered = gathered_over(p, dims)
+        if gathered and LOOKUP_ROWS in p.axes and (math.prod(sz[x] for x in gathered) * t_l * a
+                                                   < p.shape[p.axes.index(LOOKUP_ROWS)] * pb):
+            lookup, gathered = gathered, ()  # the tokens' rows are fewer bytes than the table's: exchange those
         if gathered:
             per_micro = gathered if copy_rules is None else gathered_over(p, shard_axes(p, mesh, copy_rules))
             key = (gathered, tuple(x for x in gathered if x not in per_micro))
@@ -306,6 +317,10 @@ def comm_bytes(cfg: M3Config, mesh: MeshConfig, micro_batch: int, seq_len: int, 
             n = math.prod(sz[x] for x in red)
             key = "grad_all_reduce" + ("" if len(allreduce) == 1 else f"[{','.join(red)}]")
             out[key] = (2 * f(n) * v * num_micro, red)
+    if lookup:
+        n = math.prod(sz[x] for x in lookup)
+        rows = n * t_l * cfg.hidden_size * a  # the tokens of the devices that hold the other rows
+        out["embedding_lookup"] = (((2 + 1) if backward else 2) * f(n) * rows * num_micro, lookup)
     n_moe = sum(m == MOE_MLP for m in cfg.mlp_layer_types)
     n_ep = mesh.expert_parallel
     remat_trips = 0 if not remat else 1 if remat_policy == "save_dots_experts" else 2
