@@ -36,11 +36,12 @@ def pytest_configure(config):
     jax.config.update("jax_enable_compilation_cache", False)
 
 
-# The modules that take longest (end-to-end trainer runs, many compiles; `--durations`, 2026-12-01) run
+# The modules that take longest (end-to-end trainer runs, many compiles; `--durations`, 2026-12-01 and -03) run
 # first, so that in scripts/test.sh's two-worker phase neither worker is left with one of them at the end.
 # Only the order changes: no test depends on it.
-FIRST = ("test_trainer.py", "test_recipe_miniature.py", "test_resume.py", "test_ahead.py", "test_train_step.py", "test_jax_engine.py",
-         "test_indexer_align.py", "test_routing_replay.py", "test_remat_policy.py")
+FIRST = ("test_trainer.py", "test_recipe_miniature.py", "test_gpu_check.py", "test_resume.py", "test_ahead.py",
+         "test_train_step.py", "test_plan.py", "test_jax_engine.py", "test_indexer_align.py", "test_routing_replay.py",
+         "test_context_parallel_run.py", "test_remat_policy.py", "test_weight_senders.py", "test_step_copy.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from rl import reference
 from rl.reference import ReferenceWeights
-from tests.tiny_runs import numbers, tiny_trainer, two_steps
+from tests.tiny_runs import tiny_trainer, two_steps
 
 
 def _params():
@@ -53,13 +53,19 @@ def test_host_memory_the_devices_do_not_offer_is_refused_by_name(monkeypatch):
         ReferenceWeights(_params(), "host")
 
 
-@pytest.mark.slow  # two short trainer runs
-def test_a_kl_run_with_the_reference_in_host_memory_trains_as_with_it_on_the_device(tmp_path):
-    kl = ["grpo.kl=k3", "grpo.kl_coef=0.05"]
-    want = two_steps(tiny_trainer(tmp_path, "device", *kl))
-    trainer = tiny_trainer(tmp_path, "host", *kl, "grpo.reference_memory=host")
+@pytest.mark.slow  # a short trainer run
+def test_a_kl_run_keeps_its_initial_weights_in_host_memory_and_scores_under_them(tmp_path):
+    """Two steps of a tiny KL run with the reference in host memory: the train step donates and replaces the params
+    twice, the reference stays the initial weights bit for bit, and the KL of the second step is the moved policy's
+    distance from them. (With the reference on the device the same two steps log the same KL: the CPU demo's
+    60-step pair in BENCHMARKS.md, session 21, is bitwise the same run.)"""
+    from rl.policy import build_policy
+    trainer = tiny_trainer(tmp_path, "host", "grpo.kl=k3", "grpo.kl_coef=0.05", "grpo.reference_memory=host")
     assert {x.sharding.memory_kind for x in jax.tree.leaves(trainer.reference.held)} == {"pinned_host"}
     got = two_steps(trainer)
-    assert want[0]["kl"] == 0 < want[1]["kl"]  # the first step starts from the reference itself
-    for w, g in zip(want, got):
-        assert numbers(g) == numbers(w)  # the same reference bits, the same programs: bitwise the same run
+    assert got[0]["kl"] == 0 < got[1]["kl"]  # the first step starts from the reference itself
+    initial = build_policy(trainer.cfg).state.params
+    for ref, want in zip(jax.tree.leaves(trainer.reference.for_pass()), jax.tree.leaves(initial)):
+        assert np.array_equal(np.asarray(ref), np.asarray(want))
+    assert any(not np.array_equal(np.asarray(a), np.asarray(b))
+               for a, b in zip(jax.tree.leaves(initial), jax.tree.leaves(trainer.state.params)))
