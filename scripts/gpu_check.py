@@ -47,6 +47,8 @@ Prints one JSON line per check; keep the output with BENCHMARKS.md. Checks:
    nothing runs): XLA's memory beside the planner's, and where the step's collectives run, with and without the
    step copy of the weights (`mesh.fsdp_step_axes`); scripts/gpu_check_mesh.py, last (minutes of compiling).
    `--only mesh` runs it alone.
+12. the KL reference's weights brought from pinned host memory (`grpo.reference_memory: host`, rl.reference): the
+   GB/s the planner assumes for PCIe (50), measured on a 4 GB bf16 tree, bit for bit; scripts/gpu_check_reference.py.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ from sharding.train_step import init_state, make_train_step
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_check_mesh import mesh_compile  # noqa: E402 - check 11
 from gpu_check_push import device_checksum, weight_push_device  # noqa: E402 - checks 9 and 10
+from gpu_check_reference import host_reference  # noqa: E402 - check 12
 from gpu_check_vllm import vllm_long_context  # noqa: E402 - check 8, a module of its own beside this script
 
 
@@ -380,6 +383,7 @@ def main():
         emit(**vllm_long_context())
         emit(**device_checksum(True))
         emit(**weight_push_device(True))
+        emit(**host_reference(True))
         emit(**mesh_compile(True))
     else:
         model_attention(False, 2048)
@@ -398,6 +402,7 @@ def main():
         emit(**vllm_long_context())
         emit(**device_checksum(False))
         emit(**weight_push_device(False))
+        emit(**host_reference(False))
         emit(**mesh_compile(False, timeout=420))
 
 

@@ -126,6 +126,13 @@ def test_weight_push_check_runs_both_stagings_bit_for_bit_on_host_buffers():
         assert row["bit_for_bit"] and row["on"] == ["cpu"] and row["gb_s"] > 0, row
 
 
+def test_host_reference_check_brings_the_tree_back_bit_for_bit():
+    """Check 12 on the CPU: the tree is held in pinned host memory and comes back bit for bit, with its timings."""
+    res = _gpu_check("gpu_check_reference").host_reference(True)
+    assert "skipped" not in res and res["held_in"] == ["pinned_host"] and res["bit_for_bit"], res
+    assert res["to_device_gb_s"] > 0 and res["to_host_s"] > 0 and "pinned_host" in res["memory_kinds"]
+
+
 @pytest.mark.slow  # compiles two sharded train steps on 16 simulated devices in a child process
 def test_mesh_compile_check_reads_both_layouts_on_16_simulated_devices():
     """Check 11 compiles the recipe's two weight layouts on 16 devices; on the CPU (--small) every figure comes
