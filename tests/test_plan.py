@@ -411,6 +411,19 @@ def test_the_verdict_is_against_jax_share_of_the_device(capsys):
     assert "JAX default" in out and "DOES NOT FIT: needs 67.43 GB of 60 GB" in out
 
 
+def test_the_verdict_is_against_the_gpu_the_config_names(capsys):
+    """mesh.device_memory_gb (an H200's 141 in the one-node recipes) is the planner's device unless
+    --device-memory-gb says otherwise; a config that names none is planned for 80 GB."""
+    from m3jax.plan.__main__ import main
+    assert main(["--config", "configs/recipes/m3-1node-h200-128e.yaml"]) == 0
+    out = capsys.readouterr().out
+    assert "0.75 x 141 GB = 105.75 GB" in out and "FITS with 13.90 GB margin (91.85 of 105.75 GB)" in out
+    main(["--config", "configs/recipes/m3-1node-h200-128e.yaml", "--device-memory-gb", "80"])
+    assert "DOES NOT FIT: needs 91.85 GB of 60 GB" in capsys.readouterr().out
+    main(["--config", "configs/tiny.yaml"])
+    assert "0.75 x 80 GB = 60.00 GB" in capsys.readouterr().out
+
+
 def test_the_memory_fraction_reaches_jax_unless_the_environment_has_one():
     from sharding.mesh import MEMORY_FRACTION_ENV, set_memory_fraction
 

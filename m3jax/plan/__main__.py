@@ -25,6 +25,8 @@ from m3jax.plan.flops import Hardware, comm_bytes, expert_recompute, expert_rows
 from m3jax.plan.memory import GB, Batch, memory_phases, memory_plan
 from m3jax.plan.models import m3_release
 
+DEFAULT_DEVICE_GB = 80.0  # an H100's memory: the planner's device when neither the config nor --device-memory-gb names one
+
 
 @dataclasses.dataclass(frozen=True)
 class Job:
@@ -45,6 +47,7 @@ class Job:
     sparse_attention: str = "gather"
     logprob_chunk_tokens: int = 0  # model.logprob_chunk_tokens: the loss's logits block (not a model option)
     memory_fraction: float = JAX_DEFAULT_MEMORY_FRACTION  # mesh.device_memory_fraction: JAX's share of a device
+    device_memory_gb: float = DEFAULT_DEVICE_GB  # mesh.device_memory_gb: each GPU's memory
     # prompt + response slots of a row (generation.max_seq_len); seq_len is then the trainer's positions on the
     # mesh (`sharding.mesh.row_positions`), recomputed for every mesh the sweep tries. None: seq_len as given.
     slots: int | None = None
@@ -84,6 +87,7 @@ def load_job(path: str, overrides: list[str], model: str | None) -> Job:
                sparse_attention=getattr(cfg.model, "sparse_attention", "gather"),
                logprob_chunk_tokens=cfg.model.logprob_chunk_tokens,
                memory_fraction=cfg.mesh.device_memory_fraction or JAX_DEFAULT_MEMORY_FRACTION, slots=slots,
+               device_memory_gb=cfg.mesh.device_memory_gb or DEFAULT_DEVICE_GB,
                logprob_passes=(g.old_logprobs == "pass") + (g.kl != "none"),
                reference=None if g.kl == "none" else g.reference_memory)
 
@@ -268,7 +272,8 @@ def main(argv=None) -> int:
     ap.add_argument("--config", required=True)
     ap.add_argument("overrides", nargs="*")
     ap.add_argument("--model", choices=("config", "release"), default=None)
-    ap.add_argument("--device-memory-gb", type=float, default=80.0)
+    ap.add_argument("--device-memory-gb", type=float, default=None,
+                    help=f"each GPU's memory (GB); default: the config's mesh.device_memory_gb, else {DEFAULT_DEVICE_GB:g}")
     ap.add_argument("--peak-tflops", type=float, default=989.0)
     ap.add_argument("--mfu", type=float, default=0.4)
     ap.add_argument("--nvlink-gbps", type=float, default=450.0)
@@ -291,8 +296,9 @@ def main(argv=None) -> int:
     job = dataclasses.replace(load_job(a.config, a.overrides, a.model), ragged_dot=a.ragged_dot)
     hw = Hardware(a.peak_tflops * 1e12, a.mfu, a.nvlink_gbps * 1e9, a.ib_gbps * 1e9, pcie_bw=a.pcie_gbps * 1e9)
     # What JAX may hold of each device: the plan must fit in that, not in the whole device.
-    device_gb = a.device_memory_gb * job.memory_fraction
-    print(f"JAX's share of each device: {job.memory_fraction:g} x {a.device_memory_gb:g} GB = {device_gb:.2f} GB "
+    gpu_gb = a.device_memory_gb or job.device_memory_gb
+    device_gb = gpu_gb * job.memory_fraction
+    print(f"JAX's share of each device: {job.memory_fraction:g} x {gpu_gb:g} GB = {device_gb:.2f} GB "
           f"(mesh.device_memory_fraction{'' if job.memory_fraction != JAX_DEFAULT_MEMORY_FRACTION else ', JAX default'})")
     if a.sweep is not None:
         if a.sweep < 1:

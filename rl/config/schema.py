@@ -205,6 +205,10 @@ class MeshSection(_Section):
                                                     "CUDA, NCCL and the weight push's buckets; null = JAX's 0.75. "
                                                     "The planner checks the plan against this share",
                                               gt=0, max=1)
+    device_memory_gb: float | None = _f(None, "memory of each GPU the run is planned for, in GB (80: H100, 141: "
+                                              "H200): what `python -m m3jax.plan` checks the plan against, times "
+                                              "device_memory_fraction (its --device-memory-gb overrides); null = 80",
+                                        gt=0)
 
     @property
     def num_devices(self) -> int:
