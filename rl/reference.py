@@ -40,7 +40,7 @@ class ReferenceWeights:
             return
         offered = host_kinds(params)
         if HOST_KIND not in offered:
-            platform = jax.tree.leaves(params)[0].sharding._device_assignment[0].platform
+            platform = next(iter(jax.tree.leaves(params)[0].sharding.device_set)).platform
             raise ValueError(f"grpo.reference_memory = host keeps the KL reference in the devices' {HOST_KIND} "
                              f"memory; the {platform} devices here offer {sorted(offered)}: use "
                              f"grpo.reference_memory = device")

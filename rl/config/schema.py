@@ -145,7 +145,10 @@ class ModelSection(_Section):
     # loss read it (rl.policy), so it stays out of model_options.
     logprob_chunk_tokens: int = _f(1024, "positions of each row whose [.., vocab] logits are computed at once "
                                          "by the logprob pass and the loss (a rematerialised loop over blocks; "
-                                         "same values and gradients); 0 = the whole sequence's logits at once",
+                                         "same values and gradients); 0 = the whole sequence's logits at once. "
+                                         "A row's positions, spread over mesh.context: each block costs a device "
+                                         "its whole [V, d] head gradient in fp32, so on a context mesh one block "
+                                         "per row is often cheaper (python -m m3jax.plan shows both)",
                                    min=0)
     # Read by the loss (rl.policy), not an M3ForCausalLM option.
     indexer_loss_coef: float = _f(0.0, "weight of the indexer alignment KL (the full attention's block distribution "
