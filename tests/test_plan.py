@@ -411,6 +411,21 @@ def test_the_verdict_is_against_jax_share_of_the_device(capsys):
     assert "JAX default" in out and "DOES NOT FIT: needs 67.43 GB of 60 GB" in out
 
 
+def test_the_planner_points_to_one_logits_block_where_blocks_cost_more():
+    """On the 32-node mesh (context 8) blocks of 1024 positions are 128 per GPU, each paying a whole fp32 head
+    gradient: the planner says one block per row plans less of both. Without context parallelism it does not."""
+    from m3jax.plan.__main__ import one_block_hint
+    blocks = load_job("configs/recipes/m3-32node.yaml", ["model.logprob_chunk_tokens=1024"], "release")
+    hint = one_block_hint(blocks, plan(blocks, Hardware()), Hardware())
+    assert hint.startswith("hint: model.logprob_chunk_tokens=8192 (one logits block per row: 1024 positions per "
+                           "device) plans 67.43 GB and 31.4 s") and "(0.37 GB and 2.4 s less than blocks of 1024)" in hint
+    recipe = load_job("configs/recipes/m3-32node.yaml", [], "release")
+    assert one_block_hint(recipe, plan(recipe, Hardware()), Hardware()) is None  # one block already
+    flat = load_job("configs/recipes/m3-1node-h200.yaml", ["model.logprob_chunk_tokens=1024", "mesh.context=1",
+                                                           "mesh.data=8"], None)
+    assert one_block_hint(flat, plan(flat, Hardware()), Hardware()) is None  # no per-block reduction to save
+
+
 def test_the_verdict_is_against_the_gpu_the_config_names(capsys):
     """mesh.device_memory_gb (an H200's 141 in the one-node recipes) is the planner's device unless
     --device-memory-gb says otherwise; a config that names none is planned for 80 GB."""

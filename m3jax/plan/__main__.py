@@ -210,6 +210,22 @@ def print_plan(job: Job, p: dict, device_gb: float, hw: Hardware = Hardware()) -
     print(verdict(p["memory"], device_gb))
 
 
+def one_block_hint(job: Job, p: dict, hw: Hardware) -> str | None:
+    """A line for runs whose loss splits a row's logits into blocks (`model.logprob_chunk_tokens` < the row's
+    positions) when one block per row plans no more memory and less time: on a context-parallel mesh every block
+    costs each device its head's whole fp32 gradient, reduce-scattered over context (`rl.logprobs`)."""
+    chunk = job.logprob_chunk_tokens
+    if not chunk or chunk >= job.seq_len:
+        return None
+    one = plan(dataclasses.replace(job, logprob_chunk_tokens=0), hw)
+    gb, s = (p["memory"]["total"] - one["memory"]["total"]) / GB, p["time"]["total_s"] - one["time"]["total_s"]
+    if gb < 0 or s <= 0:
+        return None
+    return (f"hint: model.logprob_chunk_tokens={job.seq_len} (one logits block per row: {job.seq_len // job.mesh.context}"
+            f" positions per device) plans {one['memory']['total'] / GB:.2f} GB and {one['time']['total_s']:.1f} s "
+            f"per train step ({gb:.2f} GB and {s:.1f} s less than blocks of {chunk})")
+
+
 def sweep(job: Job, n: int, hw: Hardware, device_gb: float, png: str | None, micro=(1, 2, 4, 8), top: int = 20
           ) -> tuple[list, list]:
     divs = [d for d in range(1, n + 1) if n % d == 0]
@@ -309,7 +325,11 @@ def main(argv=None) -> int:
     if why:
         print(f"INVALID MESH: {why}")
         return 1
-    print_plan(job, plan(job, hw), device_gb, hw)
+    planned = plan(job, hw)
+    print_plan(job, planned, device_gb, hw)
+    hint = one_block_hint(job, planned, hw)
+    if hint:
+        print(hint)
     if a.check_shardings:
         return print_check(job)
     if a.compile:
