@@ -76,6 +76,7 @@ def _train(cfg, args) -> int:
     except NotImplementedError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    _warn_if_the_plan_does_not_fit(cfg, trainer.policy.model_cfg)
     last = trainer.run()
     held = ""
     if "val/pass@1" in last:  # the evaluation after the last step, and the best of the run
@@ -85,6 +86,23 @@ def _train(cfg, args) -> int:
     print(f"done: {cfg.run.total_steps} steps, last reward {last.get('reward/mean', float('nan')):.3f}{held}; "
           f"run directory {cfg.run.out_dir} (log: run.log)")
     return 0
+
+
+def _warn_if_the_plan_does_not_fit(cfg, model_cfg) -> None:
+    """On a device that reports its memory limit (a GPU), the planner's verdict before the first compile."""
+    import jax
+
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats:  # XLA:CPU reports none
+        return
+    from m3jax.plan.__main__ import fit_warning
+    try:
+        warning = fit_warning(cfg, model_cfg, stats["bytes_limit"])
+    except Exception as e:  # noqa: BLE001 - the plan is advice; a config it cannot model must still train
+        logging.getLogger("m3jax.train").debug("no memory plan for this run: %s", e)
+        return
+    if warning:
+        logging.getLogger("m3jax.train").warning("%s", warning)
 
 
 if __name__ == "__main__":

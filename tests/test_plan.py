@@ -426,6 +426,39 @@ def test_the_planner_points_to_one_logits_block_where_blocks_cost_more():
     assert one_block_hint(flat, plan(flat, Hardware()), Hardware()) is None  # no per-block reduction to save
 
 
+def test_a_run_that_its_plan_says_will_not_fit_is_warned_before_it_compiles():
+    """python -m m3jax.train asks the planner where a device reports its memory limit (a GPU): the 32-node recipe
+    (67.43 GB) is warned on 60 GB, with the binding peak and its largest terms, and not on 73.6 GB."""
+    from m3jax.plan.__main__ import fit_warning, load_run_config
+    cfg, m3 = load_run_config("configs/recipes/m3-32node.yaml", [], "release")
+    warning = fit_warning(cfg, m3, 60 * GB)
+    assert warning.startswith("the plan of this run needs 67.43 GB per device at its backward peak, more than the "
+                              "60.00 GB JAX may use of it (largest terms: moments 13.59 GB, grad_accumulator 13.59 GB")
+    assert fit_warning(cfg, m3, 73.6 * GB) is None
+
+
+def test_the_train_command_asks_the_plan_only_where_a_device_reports_its_limit(monkeypatch, caplog):
+    import logging
+
+    from m3jax import train
+    from m3jax.plan.__main__ import load_run_config
+    cfg, m3 = load_run_config("configs/tiny.yaml", [], None)
+
+    class Device:
+        def __init__(self, stats):
+            self.stats = stats
+
+        def memory_stats(self):
+            return self.stats
+
+    for stats, warned in ((None, False), ({"bytes_limit": 10 * GB}, False), ({"bytes_limit": 1000}, True)):
+        monkeypatch.setattr(jax, "local_devices", lambda stats=stats: [Device(stats)])
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="m3jax.train"):
+            train._warn_if_the_plan_does_not_fit(cfg, m3)
+        assert any("the plan of this run needs" in r.message for r in caplog.records) == warned, stats
+
+
 def test_the_verdict_is_against_the_gpu_the_config_names(capsys):
     """mesh.device_memory_gb (an H200's 141 in the one-node recipes) is the planner's device unless
     --device-memory-gb says otherwise; a config that names none is planned for 80 GB."""

@@ -77,7 +77,11 @@ class Job:
 
 
 def load_job(path: str, overrides: list[str], model: str | None) -> Job:
-    cfg, m3 = load_run_config(path, overrides, model)
+    return job_of(*load_run_config(path, overrides, model))
+
+
+def job_of(cfg, m3) -> Job:
+    """The planner's job for a run config (`rl.config.RunConfig`) and the model it trains (an M3Config)."""
     g = cfg.grpo
     mesh = cfg.mesh.to_mesh_config()
     slots = cfg.generation.max_seq_len
@@ -208,6 +212,23 @@ def print_plan(job: Job, p: dict, device_gb: float, hw: Hardware = Hardware()) -
               f"communication {lp['comm_s']:.1f} s, of it FSDP gathers {gathers:.1f} s{h2d}) -> "
               f"{t['total_s'] + lp['total_s']:.1f} s per step")
     print(verdict(p["memory"], device_gb))
+
+
+def fit_warning(cfg, m3, limit_bytes: float, hw: Hardware = Hardware()) -> str | None:
+    """A warning when the plan of this run (`job_of`) needs more per device than `limit_bytes` (what JAX may use of
+    a device: its `memory_stats()["bytes_limit"]`), or None: said before the first compile, where an OOM would
+    otherwise come after minutes of it. The plan is analytic (within 30 % of XLA's on CPU), so a warning only."""
+    p = plan(job_of(cfg, m3), hw)
+    need = p["memory"]["total"]
+    if need <= limit_bytes:
+        return None
+    binding = max(p["phases"], key=lambda k: p["phases"][k]["total"])
+    largest = sorted(((v, k) for k, v in p["memory"].items() if k != "total"), reverse=True)[:3]
+    return (f"the plan of this run needs {need / GB:.2f} GB per device at its {binding.replace('_', ' ')} peak, more "
+            f"than the {limit_bytes / GB:.2f} GB JAX may use of it (largest terms: "
+            + ", ".join(f"{k} {v / GB:.2f} GB" for v, k in largest)
+            + "); it may run out of device memory. `python -m m3jax.plan --config <this config>` shows the plan "
+            "(analytic), mesh.device_memory_fraction what JAX takes")
 
 
 def one_block_hint(job: Job, p: dict, hw: Hardware) -> str | None:
