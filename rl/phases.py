@@ -251,9 +251,9 @@ def route_metrics(micro: dict, replay: bool, indexer_replay: bool = False, in_up
     if in_update:
         return dict(micro), {}
     micro, metrics = dict(micro), {}
-    for field, keep, name, frac_of in (("routes", replay, "moe/route_mismatch_frac", route_mismatch_frac),
-                                       ("block_ids", indexer_replay, "indexer/selection_mismatch_frac",
-                                        selection_mismatch_frac)):
+    for field, keep, frac_of in (("routes", replay, route_mismatch_frac),
+                                 ("block_ids", indexer_replay, selection_mismatch_frac)):
+        name = ID_MISMATCH_METRICS[field]
         trainer = micro.pop(f"trainer_{field}", None)
         generator = micro[field] if keep and field in micro else micro.pop(field, None)
         if trainer is None or generator is None:
@@ -347,11 +347,12 @@ def step_metrics(samples: Samples, reward: np.ndarray, failures: int, adv: Advan
     n = len(samples.completions)
     out = samples.rollout
     sums = stats.sums
+    ids = {}  # the route / selection mismatch, here only when the update compared them (else `route_metrics`)
     if "logp_old" in micro:
         mism = generation_mismatch_metrics(micro["logp_gen"].reshape(n, -1), micro["logp_old"].reshape(n, -1),
                                            micro["loss_mask"].reshape(n, -1) > 0)
     else:  # the update was its own logp_old (grpo.old_logprobs: update) and summed the mismatch itself
-        mism = {**mismatch_from_sums(sums), **id_mismatch_from_sums(sums)}
+        mism, ids = mismatch_from_sums(sums), id_mismatch_from_sums(sums)
     tokens = max(sums.get("tokens", 0.0), 1.0)
     return {
         "reward/mean": float(reward.mean()), "reward/std": float(reward.std()), "reward/failures": failures,
@@ -367,7 +368,7 @@ def step_metrics(samples: Samples, reward: np.ndarray, failures: int, adv: Advan
         # the indexer's gradient (alignment loss only), clipped by its own norm (sharding.optim_step.clip_by_group_norms)
         **({"indexer/grad_norm": stats.grad_norm_apart} if stats.grad_norm_apart is not None else {}),
         "gen_kl_error": float(mism["gen_kl_error"]), "token_mult_prob_error": float(mism["token_mult_prob_error"]),
-        **{k: v for k, v in mism.items() if k in ID_MISMATCH_METRICS.values()},
+        **ids,
         "lr": lr,
         "throughput/tokens_per_s": int(out.lengths.sum()) / max(elapsed, 1e-9),
         **{f"time/{p}": v for p, v in phases.items()},

@@ -22,6 +22,7 @@ from m3jax.plan.check import print_check
 from m3jax.plan.compile import compile_reduced, print_compile
 from sharding.expert import receive_rows
 from m3jax.plan.flops import Hardware, comm_bytes, expert_recompute, expert_rows_factor, step_flops, step_time
+from m3jax.plan.activations import logprob_blocks
 from m3jax.plan.memory import GB, Batch, memory_phases, memory_plan
 from m3jax.plan.models import m3_release
 
@@ -140,8 +141,7 @@ def plan(job: Job, hw: Hardware) -> dict:
     sent = None if b.exchange == "ragged" else receive_rows(
         job.micro_batch * s_l, job.model.num_experts_per_tok, n_ep, job.model.num_local_experts // n_ep,
         b.moe_capacity_factor, b.exchange)
-    chunk = job.logprob_chunk_tokens
-    head_blocks = -(-job.seq_len // chunk) if chunk else 1
+    head_blocks = logprob_blocks(job.seq_len, job.logprob_chunk_tokens)
     comm = comm_bytes(job.model, job.mesh, job.micro_batch, job.seq_len, job.batch.num_micro * job.updates,
                       job.master, job.remat, sent_rows=sent, head_blocks=head_blocks, remat_policy=b.remat_policy)
     st = step_time(fl["executed_total"] / job.mesh.num_devices, comm, job.mesh, hw)
@@ -153,7 +153,8 @@ def plan(job: Job, hw: Hardware) -> dict:
     if job.reference == "host":  # the reference comes onto the devices for its pass, over each GPU's PCIe link
         fwd["reference_to_device_s"] = phases["reference_pass"]["reference_params"] / hw.pcie_bw
         fwd["total_s"] += fwd["reference_to_device_s"]
-    return {"memory": max(phases.values(), key=lambda t: t["total"]), "phases": phases, "flops": fl, "comm": comm,
+    binding = max(phases, key=lambda k: phases[k]["total"])
+    return {"memory": phases[binding], "binding": binding, "phases": phases, "flops": fl, "comm": comm,
             "time": st, "logprob_pass": {"comm": fwd_comm, "time": fwd}}
 
 
@@ -178,7 +179,7 @@ def print_plan(job: Job, p: dict, device_gb: float, hw: Hardware = Hardware()) -
           f"{b.attention_query_chunk}, logprob_chunk_tokens={b.logprob_chunk_tokens}, expert exchange {b.exchange} "
           f"(capacity factor {b.moe_capacity_factor or 'none: dropless'}), expert matmuls "
           f"{_expert_matmuls(b)}")
-    binding = max(p["phases"], key=lambda k: p["phases"][k]["total"])
+    binding = p["binding"]
     print(f"{'per-device memory (' + binding + ' peak)':34s} {'GB':>9s}")
     for k, v in p["memory"].items():
         print(f"  {k:32s} {v / GB:9.3f}")
@@ -222,9 +223,8 @@ def fit_warning(cfg, m3, limit_bytes: float, hw: Hardware = Hardware()) -> str |
     need = p["memory"]["total"]
     if need <= limit_bytes:
         return None
-    binding = max(p["phases"], key=lambda k: p["phases"][k]["total"])
     largest = sorted(((v, k) for k, v in p["memory"].items() if k != "total"), reverse=True)[:3]
-    return (f"the plan of this run needs {need / GB:.2f} GB per device at its {binding.replace('_', ' ')} peak, more "
+    return (f"the plan of this run needs {need / GB:.2f} GB per device at its {p['binding'].replace('_', ' ')} peak, more "
             f"than the {limit_bytes / GB:.2f} GB JAX may use of it (largest terms: "
             + ", ".join(f"{k} {v / GB:.2f} GB" for v, k in largest)
             + "); it may run out of device memory. `python -m m3jax.plan --config <this config>` shows the plan "

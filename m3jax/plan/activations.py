@@ -175,13 +175,16 @@ def layer_phases(cfg: M3Config, mesh: MeshConfig, attn: str, mlp: str, batch, a:
     return {"mlp": {**weights, **residual, **part}, "attention": {**weights, **att}}
 
 
+def logprob_blocks(s: int, chunk_tokens: int) -> int:
+    """Blocks of `rl.logprobs.chunked_token_logprobs` over a row of S positions: n = ceil(S / chunk); 1 when
+    chunking is off (chunk_tokens = 0)."""
+    return -(-s // chunk_tokens) if chunk_tokens else 1
+
+
 def logprob_block_rows(s: int, chunk_tokens: int) -> int:
-    """Positions of a row in one block of `rl.logprobs.chunked_token_logprobs`: n = ceil(S / chunk) blocks of
-    ceil(S / n) strided positions; S when chunking is off (chunk_tokens = 0)."""
-    if not chunk_tokens:
-        return s
-    n = -(-s // chunk_tokens)
-    return -(-s // n)
+    """Positions of a row in one block of `rl.logprobs.chunked_token_logprobs`: ceil(S / n) strided positions of
+    n = `logprob_blocks`; S when chunking is off (chunk_tokens = 0)."""
+    return -(-s // logprob_blocks(s, chunk_tokens))
 
 
 def head_terms(cfg: M3Config, mesh: MeshConfig, b: int, s: int, a: int, shard_dims, chunk_tokens: int = 0) -> dict:

@@ -15,7 +15,7 @@ from m3jax.model.specs import layer_param_specs
 from sharding.mesh import MeshConfig
 from m3jax.plan.activations import sparse_keys  # noqa: F401  (re-exported: the FLOPs model's name for it)
 from m3jax.plan.memory import Param, local_elems, mesh_sizes, param_table, shard_axes, step_copy_rules
-from m3jax.plan.remat import recomputed_params, trains_as
+from m3jax.plan.remat import exchange_recompute_trips, recomputed_params, trains_as
 from sharding.rules import MESH_AXES
 
 LOOKUP_ROWS = "table_vocab"  # the logical axis of the embedding table's rows (`m3jax.model.specs`): read by a lookup
@@ -255,8 +255,8 @@ def comm_bytes(cfg: M3Config, mesh: MeshConfig, micro_batch: int, seq_len: int, 
                           weight is replicated on (its gradient sums over the tokens those devices hold)
       expert_all_to_all   L_moe * (2 fwd + 2 bwd [+ 2 remat]) * f(n_ep) * R * d * a, R = sent_rows: T_l * k for
                           the ragged exchange (the rows really routed), W (`receive_rows`) for the padded one;
-                          remat_policy save_dots_experts keeps the rows that came back (`MOE_EXPERT_OUT`), so its
-                          recompute sends the rows out again but does not bring them back: + 1 remat
+                          the remat's trips by policy (`m3jax.plan.remat.exchange_recompute_trips`: 1 under
+                          save_dots_experts, which keeps the rows that came back)
       context_all_gather  L * (1 fwd [+ 1 remat] + 1 bwd reduce-scatter) * f(n_c) * b * S *
                           (2 * KV/n_t * D + Di [sparse]) * a        (keys, values and indexer keys)
       tensor_all_reduce   L * 4 * 2 f(n_t) * T_l * d * a           (attention and MLP outputs, fwd + bwd)
@@ -323,8 +323,7 @@ def comm_bytes(cfg: M3Config, mesh: MeshConfig, micro_batch: int, seq_len: int, 
         out["embedding_lookup"] = (((2 + 1) if backward else 2) * f(n) * rows * num_micro, lookup)
     n_moe = sum(m == MOE_MLP for m in cfg.mlp_layer_types)
     n_ep = mesh.expert_parallel
-    remat_trips = 0 if not remat else 1 if remat_policy == "save_dots_experts" else 2
-    trips = 4 + remat_trips if backward else 2
+    trips = 4 + (exchange_recompute_trips(remat_policy) if remat else 0) if backward else 2
     ep_axes = tuple(x for x in mesh.expert_axes if sz[x] > 1)
     rows = t_l * cfg.num_experts_per_tok if sent_rows is None else sent_rows
     out["expert_all_to_all"] = (n_moe * trips * f(n_ep) * rows * cfg.hidden_size * a * num_micro, ep_axes)

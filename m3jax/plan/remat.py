@@ -76,6 +76,15 @@ def recomputed_params(cfg: M3Config, policy: str = "full", expert_matmul: str = 
     return out
 
 
+def exchange_recompute_trips(policy: str = "full") -> int:
+    """Expert all-to-all trips a rematerialised MoE layer's backward makes again, per micro-batch: 2 (the rows out to
+    the experts and back) under full and save_dots; 1 under save_dots_experts, which keeps the rows that came back
+    and sends the rows out again only for the experts' own backward (the compiled step: 5 trips to full's 6,
+    tests/test_plan.py)."""
+    _check(policy)
+    return 1 if policy == "save_dots_experts" else 2
+
+
 def saved_bytes_per_token(cfg: M3Config, attn: str, mlp: str, tensor: int = 1, a: int = 2,
                           policy: str = "full", sparse_attention: str = "gather") -> float:
     """Bytes one layer keeps per local token for its backward beyond its input. Every policy, sparse layers
