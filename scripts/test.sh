@@ -18,6 +18,8 @@ fi
 status=0
 # --no-loadscope-reorder: xdist would otherwise hand out the modules with the most tests first, undoing
 # tests/conftest.py's FIRST (the longest modules first, so no worker is left with one of them at the end).
-.venv/bin/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder -m "not extended and not serial" || status=$?
-.venv/bin/python -m pytest -m "serial and not extended" || status=$((status ? status : $?))
+# The `xla_defaults` tests (bit-for-bit comparisons of two programs) join phase 2, so that phase 1 compiles with
+# the faster flags of tests/conftest.py and they with XLA's defaults.
+.venv/bin/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder -m "not extended and not serial and not xla_defaults" || status=$?
+.venv/bin/python -m pytest -m "(serial or xla_defaults) and not extended" || status=$((status ? status : $?))
 exit "$status"

@@ -8,7 +8,16 @@ import pytest
 # Tests run on the CPU; 8 simulated devices let sharding tests build real meshes. Must be set before jax loads.
 # Compiling dominates the suite (tiny programs, run once or twice): LLVM's -O0 backend compiles ~30% faster;
 # XLA's own graph optimisations (fusion, layout, simplification) still run.
+_XLA_FLAGS_OURS = "XLA_FLAGS" not in os.environ
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
+# XLA:CPU's fusion emitters (its MLIR codegen of fused loops) off halves the compile time that is left: six
+# compile-heavy modules took 2 min 53 s with them and 1 min 27 s without (102 tests, two workers, 2026-12-03).
+# Their code sums in other orders, so a test that compares two different programs bit for bit (a chunked loss
+# against the full one, a restored precision mode against a fresh one) holds under XLA's defaults and not
+# there; those are marked `xla_defaults`, and a process that runs one keeps the emitters
+# (pytest_collection_modifyitems below). Programs a user runs (`python -m m3jax.train`, the benchmarks) keep
+# XLA's defaults.
+FAST_COMPILE_FLAG = "--xla_cpu_use_fusion_emitters=false"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -44,9 +53,20 @@ FIRST = ("test_trainer.py", "test_recipe_miniature.py", "test_gpu_check.py", "te
          "test_context_parallel_run.py", "test_remat_policy.py", "test_weight_senders.py", "test_step_copy.py")
 
 
+@pytest.hookimpl(trylast=True)  # after `-m` has deselected: `items` is what this process runs
 def pytest_collection_modifyitems(config, items):
+    """FIRST first; then compile with FAST_COMPILE_FLAG unless a selected test is `xla_defaults` or the caller
+    set XLA_FLAGS. XLA reads its flags when jax starts its CPU backend, which no test module does at import
+    (checked here)."""
     rank = {name: i for i, name in enumerate(FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))  # stable: the rest keep their order
+    if not _XLA_FLAGS_OURS or any(item.get_closest_marker("xla_defaults") for item in items):
+        return
+    from jax._src import xla_bridge
+    if xla_bridge.backends_are_initialized():
+        raise pytest.UsageError("jax's backend started while the tests were collected (a module-level array?), "
+                                f"before tests/conftest.py could add {FAST_COMPILE_FLAG} to XLA_FLAGS")
+    os.environ["XLA_FLAGS"] += " " + FAST_COMPILE_FLAG
 
 
 @pytest.fixture(scope="session")

@@ -204,8 +204,17 @@ TOLERANCE = {"same": (1e-5, 1e-3), "cast": (1e-2, 5e-2)}
 FAST_PAIRS = {("fp32", "bf16_compact")}
 
 
-@pytest.mark.parametrize("src, dst", [p if p in FAST_PAIRS else pytest.param(*p, marks=pytest.mark.slow)
-                                      for p in PAIRS], ids=[f"{a}-to-{b}" for a, b in PAIRS])
+# An fp32 master and the compact one restore into each other's step bit for bit: two programs, whose model part
+# XLA:CPU compiles alike under its default fusion emitters (tests/conftest.py).
+ACROSS_PROGRAMS = {("bf16_master", "bf16_compact"), ("bf16_compact", "bf16_master")}
+
+
+def _pair_marks(pair) -> list:
+    return ([] if pair in FAST_PAIRS else [pytest.mark.slow]) + ([pytest.mark.xla_defaults] if pair in ACROSS_PROGRAMS else [])
+
+
+@pytest.mark.parametrize("src, dst", [pytest.param(*p, marks=_pair_marks(p)) for p in PAIRS],
+                         ids=[f"{a}-to-{b}" for a, b in PAIRS])
 def test_restore_into_another_precision_mode(runs, batches, src, dst):
     saved, target = runs[src], runs[dst]
     got, meta = restore(saved.dir, target.fresh)

@@ -87,6 +87,7 @@ def test_any_leading_shape_and_one_block(lead):
         _assert_same(got, want, rtol=1e-6)
 
 
+@pytest.mark.xla_defaults  # chunked and full logits, bit for bit
 def test_a_bf16_head_gives_the_same_logits_and_its_gradient_within_one_rounding():
     h, w, y, ct = _inputs(dtype=jnp.bfloat16)
     s = (0.7, 1.0, 0)

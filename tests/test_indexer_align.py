@@ -137,6 +137,7 @@ def test_descending_the_kl_raises_recall():
     assert float(after_recall.mean()) > float(before_recall.mean()) + 0.02, (before_recall, after_recall)
 
 
+@pytest.mark.xla_defaults  # the policy's gradients with and without the KL, bit for bit
 def test_grpo_loss_adds_the_kl_and_trains_only_the_indexer():
     """rl.policy.grpo_loss_fn with indexer_loss_coef: the loss grows by coef x the masked KL sum, the gradient
     of every non-indexer parameter is the coef-0 one, and only the indexer's gradient appears."""
@@ -174,6 +175,7 @@ def test_grpo_loss_adds_the_kl_and_trains_only_the_indexer():
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
 
 
+@pytest.mark.xla_defaults  # two train-step programs, bit for bit
 @pytest.mark.slow  # two train-step compiles of the tiny model (~20 s)
 def test_alignment_loss_leaves_the_policy_step_bitwise_unchanged():
     """Through the train step as rl.policy builds it (AdamW with weight decay and the model's decay mask, a clip

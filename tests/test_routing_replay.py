@@ -75,6 +75,7 @@ def test_replay_route_formula():
     assert np.any(np.asarray(g[0])) and np.any(np.asarray(g[7])) and not np.any(np.asarray(g[1:7]))
 
 
+@pytest.mark.xla_defaults  # programs with and without the routes returned, bit for bit
 def test_routes_returned_and_replay_off_unchanged(single):
     _, _, (loss, logits, none, grads), (loss_r, logits_r, routes, grads_r) = single
     assert none is None

@@ -3,7 +3,7 @@
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0"  # -O0: see conftest.py
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"  # -O0: see conftest.py
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402
