@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from m3jax.model.decoder import ACT, lm_head_logits
-from rl.generation.base import SamplingParams, token_logprobs
+from rl.generation.base import SamplingParams, token_logprobs, token_logprobs_and_entropy
 from sharding.layout import Layout
 from sharding.train_step import batch_sharding, step_copier, step_copy_shardings
 from sharding.widths import cut_micro_batch, micro_widths, on_host, padded_to
@@ -34,7 +34,7 @@ _INPUTS = ("input_ids", "attention_mask", "targets")
 
 def chunked_token_logprobs(hidden: jax.Array, lm_head: jax.Array, targets: jax.Array, temperature: float,
                            top_p: float = 1.0, top_k: int = 0, *, chunk_tokens: int, layout: Layout = Layout(),
-                           head_axes: tuple | None = None) -> jax.Array:
+                           head_axes: tuple | None = None, with_entropy: bool = False):
     """log p(target) [..., T] (fp32) from final hidden states [..., T, d] and the LM head [V, d]:
 
         logp[..., t] = log_softmax(sampling_logits(hidden[..., t, :] @ lm_head.T, temperature, top_p,
@@ -58,6 +58,8 @@ def chunked_token_logprobs(hidden: jax.Array, lm_head: jax.Array, targets: jax.A
     T <= chunk_tokens there is one block: exactly the full-logits program, autodiff included.
     layout: where the block's logits live (the model's `layout`; logical axes only). head_axes: the head's
     logical axes (the model's parameter metadata): the fp32 gradient sum is placed as the head is.
+    with_entropy: return (logp, H) [..., T] each, H the entropy of the sampling distribution at each position
+    (`token_logprobs_and_entropy`), from the same block's logits and with its gradient.
     """
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise ValueError(f"chunk_tokens={chunk_tokens!r}: expected an integer >= 1")
@@ -69,9 +71,11 @@ def chunked_token_logprobs(hidden: jax.Array, lm_head: jax.Array, targets: jax.A
     y = targets.reshape(rows, t)
 
     sampling = (temperature, top_p, top_k)
+    per_token = token_logprobs_and_entropy if with_entropy else token_logprobs
     n = -(-t // chunk_tokens)
     if n == 1:
-        return token_logprobs(lm_head_logits(h, lm_head, layout), y, *sampling).reshape(*lead, t)
+        out = per_token(lm_head_logits(h, lm_head, layout), y, *sampling)
+        return jax.tree.map(lambda a: a.reshape(*lead, t), out)
     c = -(-t // n)  # positions per block; n * c - t < n padded positions
     pad = n * c - t
     if pad:
@@ -80,13 +84,13 @@ def chunked_token_logprobs(hidden: jax.Array, lm_head: jax.Array, targets: jax.A
     # [rows, c * n] -> [n, rows, c]: block j holds positions j, n + j, 2n + j, ...
     h = layout.constrain(h.reshape(rows, c, n, d).transpose(2, 0, 1, 3), (None, *ACT))
     y = y.reshape(rows, c, n).transpose(2, 0, 1)
-    out = _blocks(sampling, layout, head_axes)(h, lm_head, y)  # [n, rows, c]
-    return out.transpose(1, 2, 0).reshape(rows, n * c)[:, :t].reshape(*lead, t)
+    out = _blocks(sampling, layout, head_axes, per_token)(h, lm_head, y)  # [n, rows, c] (each)
+    return jax.tree.map(lambda a: a.transpose(1, 2, 0).reshape(rows, n * c)[:, :t].reshape(*lead, t), out)
 
 
-def _blocks(sampling: tuple, layout: Layout, head_axes):
-    """blocks(h [n, rows, c, d], w [V, d], y [n, rows, c]) -> logp [n, rows, c], block by block over the
-    leading axis, with the backward of `chunked_token_logprobs`."""
+def _blocks(sampling: tuple, layout: Layout, head_axes, per_token=token_logprobs):
+    """blocks(h [n, rows, c, d], w [V, d], y [n, rows, c]) -> per_token's output (logp, or (logp, H)), each
+    [n, rows, c], block by block over the leading axis, with the backward of `chunked_token_logprobs`."""
 
     # XLA:CPU has no bf16 matmul: it upcasts the head, and loop-invariant code motion then hoists an fp32
     # copy of it out of the loop (at M3's 200,064 x 6144 head, 4.7 GB per copy, two in the forward: more
@@ -97,7 +101,7 @@ def _blocks(sampling: tuple, layout: Layout, head_axes):
 
     def block(h_blk, w, y_blk):
         h_blk, w = tie((h_blk, w))
-        return token_logprobs(lm_head_logits(h_blk, w, layout), y_blk, *sampling)
+        return per_token(lm_head_logits(h_blk, w, layout), y_blk, *sampling)
 
     @jax.custom_vjp
     def blocks(h, w, y):
@@ -117,7 +121,7 @@ def _blocks(sampling: tuple, layout: Layout, head_axes):
             h_blk, w_blk = tie((h_blk, w))
             # the block's logits and their cotangent exactly as autodiff of the full path makes them
             logits, head_vjp = jax.vjp(lambda x: lm_head_logits(x, w_blk, layout), h_blk)
-            dz = jax.vjp(lambda z: token_logprobs(z, y_blk, *sampling), logits)[1](ct_blk)[0]
+            dz = jax.vjp(lambda z: per_token(z, y_blk, *sampling), logits)[1](ct_blk)[0]
             if shards is not None:  # each batch shard adds its own tokens' share, summed over them after the scan
                 dw = dw + jnp.einsum("arcv,arcd->avd", _by_shard(dz, shards), _by_shard(h_blk, shards),
                                      preferred_element_type=acc)
@@ -168,7 +172,7 @@ def _platform(layout: Layout) -> str:
 
 def policy_logprobs(model, mb: dict, sampling: SamplingParams, chunk_tokens: int = 0, replay: bool = False,
                     return_routes: bool = False, replay_blocks: bool = False, return_block_ids: bool = False,
-                    return_indexer_kl: bool = False):
+                    return_indexer_kl: bool = False, return_entropy: bool = False):
     """log p(mb["targets"]) [B, S] under `sampling`'s transform for one micro-batch (input_ids,
     attention_mask, targets [B, S]): the logprob pass and the GRPO loss both call this.
     chunk_tokens: 0 = full [B, S, V] logits; else `chunked_token_logprobs` with that many positions per
@@ -178,7 +182,8 @@ def policy_logprobs(model, mb: dict, sampling: SamplingParams, chunk_tokens: int
     generator's key blocks; indexer selection replay). return_block_ids: also return the indexer's own
     top-K block ids [B, S, n_sparse_layers, Hi, K] (last: (logp, [routes,] block ids)). return_indexer_kl:
     also return, last, the indexer alignment KL per position [B, S] (`m3jax.model.indexer_align`, averaged
-    over the sparse layers)."""
+    over the sparse layers). return_entropy: also return, second (right after logp), the entropy of the
+    sampling distribution at each position [B, S] (`token_logprobs_and_entropy`, with its gradient)."""
     sp = sampling
     moe = {}
     if replay:
@@ -196,12 +201,15 @@ def policy_logprobs(model, mb: dict, sampling: SamplingParams, chunk_tokens: int
     if return_routes or return_block_ids or return_indexer_kl:
         out, *extra = out
     if not chunk_tokens:
-        logp = token_logprobs(out, mb["targets"], sp.temperature, sp.top_p, sp.top_k)
+        per_token = token_logprobs_and_entropy if return_entropy else token_logprobs
+        logp = per_token(out, mb["targets"], sp.temperature, sp.top_p, sp.top_k)
     else:
         logp = chunked_token_logprobs(out, model.lm_head[...], mb["targets"], sp.temperature, sp.top_p, sp.top_k,
                                       chunk_tokens=chunk_tokens, layout=model.layout,
-                                      head_axes=model.lm_head.get_metadata()["logical_axes"])
-    return (logp, *extra) if extra else logp
+                                      head_axes=model.lm_head.get_metadata()["logical_axes"],
+                                      with_entropy=return_entropy)
+    logp = logp if return_entropy else (logp,)  # (logp[, entropy])
+    return (*logp, *extra) if len(logp) + len(extra) > 1 else logp[0]
 
 
 def make_logprob_pass(graphdef, sampling: SamplingParams, layout: Layout = Layout(), chunk_tokens: int = 0,

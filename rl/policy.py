@@ -121,15 +121,19 @@ def build_policy(cfg: RunConfig) -> Policy:
 
 
 def grpo_loss_fn(sampling: SamplingParams, loss_cfg: LossConfig, chunk_tokens: int = 0,
-                 replay: bool = False, indexer_replay: bool = False, indexer_loss_coef: float = 0.0) -> Callable:
+                 replay: bool = False, indexer_replay: bool = False, indexer_loss_coef: float = 0.0,
+                 log_entropy: bool = False) -> Callable:
     """loss_fn(model, micro_batch) -> (summed GRPO loss, metric sums) for `sharding.train_step`.
     chunk_tokens: positions per logits block (`rl.logprobs.policy_logprobs`; 0 = full logits).
     replay: routing replay of the micro-batch's "routes" (the generator's MoE expert ids), when it has them.
     indexer_replay: indexer selection replay of its "block_ids" (the generator's key blocks), when it has them.
     indexer_loss_coef > 0: adds coef x the indexer alignment KL of each response position (`aggregate`d as
     the GRPO loss is, so the step's normaliser applies to both) and its sum as "indexer_kl_sum"; its
-    gradient reaches only the indexer (`m3jax.model.indexer_align`)."""
+    gradient reaches only the indexer (`m3jax.model.indexer_align`). The exact entropy of the sampling
+    distribution at each position comes with logp when `loss_cfg.entropy_coef` > 0 (the bonus) or
+    log_entropy; its sum is "entropy_sum"."""
     align = indexer_loss_coef > 0
+    with_entropy = loss_cfg.entropy_coef > 0 or log_entropy
 
     def loss_fn(model, mb):
         # without a logprob pass (grpo.old_logprobs: update) logp_old is this update's own log-probs, and the update
@@ -138,12 +142,14 @@ def grpo_loss_fn(sampling: SamplingParams, loss_cfg: LossConfig, chunk_tokens: i
         compared = [f for f in ID_MISMATCH_METRICS if own and f in mb]
         out = policy_logprobs(model, mb, sampling, chunk_tokens, replay=replay and "routes" in mb,
                               return_routes="routes" in compared, replay_blocks=indexer_replay and "block_ids" in mb,
-                              return_block_ids="block_ids" in compared, return_indexer_kl=align)
+                              return_block_ids="block_ids" in compared, return_indexer_kl=align,
+                              return_entropy=with_entropy)
         logp, *extra = out if isinstance(out, tuple) else (out,)
+        entropy = extra.pop(0) if with_entropy else None
         indexer_kl = extra.pop() if align else None
         logp_old = jax.lax.stop_gradient(logp) if own else mb["logp_old"]
         loss_sum, stats = grpo_loss(logp, logp_old, mb["logp_gen"], mb["advantages"], mb["loss_mask"],
-                                    loss_cfg, mb.get("logp_ref"))
+                                    loss_cfg, mb.get("logp_ref"), entropy)
         if own:  # the generator-mismatch sums the step's metrics would have read from the pass's logp_old
             mism = generation_mismatch_metrics(mb["logp_gen"], logp_old, mb["loss_mask"] > 0)
             stats = {**stats, **{f"mismatch/{k}": mism[k] for k in MISMATCH_SUMS}}
@@ -167,7 +173,7 @@ def make_update(policy: Policy, loss_cfg: LossConfig) -> Callable:
         policy.graphdef, policy.optimizer,
         grpo_loss_fn(policy.sampling, loss_cfg, policy.cfg.model.logprob_chunk_tokens,
                      policy.cfg.grpo.routing_replay == "rollout", policy.cfg.grpo.indexer_replay == "rollout",
-                     policy.cfg.model.indexer_loss_coef),
+                     policy.cfg.model.indexer_loss_coef, policy.cfg.logging.entropy),
         mesh=policy.layout,
         shardings=policy.shardings,
         widths=policy.cfg.grpo.micro_batch_widths,

@@ -313,6 +313,10 @@ class GrpoSection(_Section):
                                          "the reference logprob passes: device, or host (the devices' pinned host "
                                          "memory, brought onto them for each pass: the train step's peak holds no "
                                          "reference)", choices=("device", "host"))
+    entropy_coef: float = _f(0.0, "entropy bonus: each response token's loss minus entropy_coef x the exact entropy "
+                                  "of the sampling distribution there (after temperature, top-k, top-p; computed "
+                                  "from the loss's own logits blocks, with its gradient); > 0 also logs `entropy`",
+                             min=0)
     aggregation: str = _f("token", "token: sum of token losses / valid tokens in the whole step; sequence_mean: "
                                    "mean over sequences of their token mean; sequence_sum: sum / (sequences x L)",
                           choices=AGGREGATIONS)
@@ -356,7 +360,7 @@ class GrpoSection(_Section):
                           is_floor=self.is_floor, is_mask_low=self.is_mask_low, is_mask_high=self.is_mask_high,
                           kl=self.kl, kl_coef=self.kl_coef, kl_log_ratio_clamp=self.kl_log_ratio_clamp,
                           kl_clamp=self.kl_clamp, kl_on_policy=self.kl_on_policy, aggregation=self.aggregation,
-                          sequence_sum_len=self.sequence_sum_len or max_new_tokens)
+                          sequence_sum_len=self.sequence_sum_len or max_new_tokens, entropy_coef=self.entropy_coef)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -477,6 +481,10 @@ class LoggingSection(_Section):
     tensorboard: bool = _f(True, "write TensorBoard events to run.out_dir/tensorboard")
     progress_bar: bool = _f(True, "show a progress bar on the terminal")
     plot: bool = _f(True, "write the metric curves to run.out_dir/curves.png at the end")
+    entropy: bool = _f(False, "log `entropy`: the exact mean entropy of the sampling distribution over the step's "
+                              "response tokens, computed in the train step from the loss's own logits (on with "
+                              "grpo.entropy_coef > 0; `entropy_approx`, the mean -log p of the sampled tokens, is "
+                              "logged always)")
     indexer_recall_every: int = _f(0, "log indexer/recall (and indexer/recall/layer_j per sparse layer) at steps 1, "
                                       "1 + N, 1 + 2N, ...: the share of each sparse layer's full-attention "
                                       "probability mass (no indexer mask) in the key blocks its indexer selects, on "

@@ -106,3 +106,19 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array, temperature: float, top
     """log p(token) under `sampling_logits`: [..., V] logits, [...] tokens -> [...] fp32."""
     logp = jax.nn.log_softmax(sampling_logits(logits, temperature, top_p, top_k), axis=-1)
     return jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
+
+
+def token_logprobs_and_entropy(logits: jax.Array, tokens: jax.Array, temperature: float, top_p: float = 1.0,
+                               top_k: int = 0) -> tuple[jax.Array, jax.Array]:
+    """(log p(token), H) under `sampling_logits`: [..., V] logits, [...] tokens -> two [...] fp32 arrays, H the
+    entropy of the distribution tokens are sampled from (after temperature, top-k and top-p):
+
+        H = -sum_v p_v log p_v   over the tokens the transform keeps (p_v = 0 elsewhere, and adds 0)
+
+    log p(token) is `token_logprobs`'s, from the same log-softmax. Differentiable: dH/dz_v = -p_v (log p_v + H)
+    on the kept tokens, 0 on the others (their log p, -inf, is replaced by 0 before the product: e^0 * 0 adds 0,
+    and no gradient reaches them through the replacement)."""
+    logp = jax.nn.log_softmax(sampling_logits(logits, temperature, top_p, top_k), axis=-1)
+    safe = jnp.where(jnp.isfinite(logp), logp, 0.0)
+    entropy = -jnp.sum(jnp.exp(safe) * safe, axis=-1)
+    return jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0], entropy

@@ -13,10 +13,12 @@ Three log-probabilities of each sampled token (all [B, T], gathered at the sampl
 
 Per valid token t of sequence i (mask[i, t] > 0), with advantage A_i:
 
-  loss_t = w_eff * pg_t + kl_coef * kl_t
+  loss_t = w_eff * pg_t + kl_coef * kl_t - entropy_coef * H_t
     pg_t  = the objective's per-token loss (ppo_clip: -max(min(r A, clip(r) A), c A) ...)
     w_eff = the importance weight (no gradient)
     kl_t  = rl.grpo.kl.kl_penalty (value: the estimate; gradient: the KL's, in expectation)
+    H_t   = the exact entropy of the sampling distribution at t (an entropy bonus; its gradient is the
+            entropy's own, rl.generation.base.token_logprobs_and_entropy)
 
 The importance weight multiplies the policy term only, not the KL term (as in NeMo-RL's
 ClippedPGLossFn); with `kl_on_policy` the KL term has its own weight pi/pi_gen (rl.grpo.kl). A
@@ -104,6 +106,7 @@ class LossConfig:
       kl_on_policy: weight the KL term by pi/pi_gen (NeMo-RL's use_on_policy_kl_approximation).
       aggregation: "token", "sequence_mean" or "sequence_sum" (see the module docstring).
       sequence_sum_len: the constant length L of "sequence_sum"; None = the mask's padded T.
+      entropy_coef: >= 0, the entropy bonus's weight; > 0 needs the per-token entropy.
     """
 
     loss: str = "ppo_clip"
@@ -127,6 +130,7 @@ class LossConfig:
     kl_on_policy: bool = False
     aggregation: str = "token"
     sequence_sum_len: Optional[int] = None
+    entropy_coef: float = 0.0
 
     def __post_init__(self):
         if self.loss not in LOSSES:
@@ -172,6 +176,8 @@ class LossConfig:
         v = self.sequence_sum_len
         if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and v > 0):
             raise _bad("sequence_sum_len", v, "None (use the padded length) or a positive int")
+        if not (_is_real(self.entropy_coef) and self.entropy_coef >= 0.0):
+            raise _bad("entropy_coef", self.entropy_coef, "a float >= 0")
 
 
 def _mask_f32(mask, shape):
@@ -228,11 +234,11 @@ def aggregate(per_token, m, aggregation: str):
 
 
 @functools.partial(jax.jit, static_argnames="cfg")
-def grpo_loss(logp, logp_old, logp_gen, advantages, mask, cfg: LossConfig, logp_ref=None):
+def grpo_loss(logp, logp_old, logp_gen, advantages, mask, cfg: LossConfig, logp_ref=None, entropy=None):
     """Masked SUM of the per-token GRPO loss, and a dict of summed statistics.
 
-    loss_t = w_eff * pg_t + kl_coef * kl_t (module docstring; pg_t from rl.grpo.objectives[cfg.loss],
-    w_eff from rl.grpo.importance, kl_t from rl.grpo.kl.kl_penalty).
+    loss_t = w_eff * pg_t + kl_coef * kl_t - entropy_coef * H_t (module docstring; pg_t from
+    rl.grpo.objectives[cfg.loss], w_eff from rl.grpo.importance, kl_t from rl.grpo.kl.kl_penalty).
     Returned loss_sum: sum_{i,t} m*loss_t ("token", "sequence_sum") or
     sum_i sum_t m*loss_t / sum_t m ("sequence_mean"); divide by `normalizer(full_step_mask, cfg)`.
 
@@ -243,6 +249,8 @@ def grpo_loss(logp, logp_old, logp_gen, advantages, mask, cfg: LossConfig, logp_
       mask: [B, T], 1 (or a weight) for response tokens that get loss, 0 for prompt and padding.
       cfg: LossConfig (static).
       logp_ref: [B, T] reference-policy log-probs; required when cfg.kl != "none".
+      entropy: [B, T] entropy of the sampling distribution at each token (carries the gradient); required when
+        cfg.entropy_coef > 0. Given, its sum is returned as "entropy_sum".
 
     Returns (loss_sum, stats). Every stat is a float32 scalar SUM over this batch, so micro-batch
     values add up; divide by `tokens` (or `sequences`) for fractions and means:
@@ -252,7 +260,7 @@ def grpo_loss(logp, logp_old, logp_gen, advantages, mask, cfg: LossConfig, logp_
       "truncate"), is_floored_tokens (w < is_floor), is_masked_tokens ("mask"), is_inf_tokens (valid
       tokens whose logp_gen is not finite), kl_sum (the penalty's value, unscaled), neg_logp_sum
       (-logp: approximate entropy), ratio_sum (the objective's ratio), is_weight_sum (w_eff),
-      pg_loss_sum (the policy term alone, token-summed).
+      pg_loss_sum (the policy term alone, token-summed); entropy_sum (the exact entropy, when given).
     """
     if not isinstance(cfg, LossConfig):
         raise TypeError(f"cfg must be a LossConfig, got {type(cfg).__name__}")
@@ -292,6 +300,12 @@ def grpo_loss(logp, logp_old, logp_gen, advantages, mask, cfg: LossConfig, logp_
         kl = jnp.zeros(shape, jnp.float32)
         per_token = pg
 
+    if cfg.entropy_coef > 0 and entropy is None:
+        raise ValueError(f"LossConfig.entropy_coef={cfg.entropy_coef!r} needs the per-token entropy")
+    ent = None if entropy is None else _clean(entropy, valid, "entropy", shape)
+    if cfg.entropy_coef > 0:
+        per_token = per_token - cfg.entropy_coef * ent
+
     loss_sum = aggregate(per_token, m, cfg.aggregation)
 
     count = lambda b: jnp.sum(m * b.astype(jnp.float32))  # noqa: E731
@@ -311,4 +325,6 @@ def grpo_loss(logp, logp_old, logp_gen, advantages, mask, cfg: LossConfig, logp_
         "is_weight_sum": jnp.sum(m * iw.w_eff),
         "pg_loss_sum": jnp.sum(m * sg(pg)),
     }
+    if ent is not None:
+        stats["entropy_sum"] = jnp.sum(m * sg(ent))
     return loss_sum, stats
