@@ -8,8 +8,8 @@ import pytest
 # Tests run on the CPU; 8 simulated devices let sharding tests build real meshes. Must be set before jax loads.
 # Compiling dominates the suite (tiny programs, run once or twice): LLVM's -O0 backend compiles ~30% faster;
 # XLA's own graph optimisations (fusion, layout, simplification) still run.
-_XLA_FLAGS_OURS = "XLA_FLAGS" not in os.environ
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
+_XLA_FLAGS = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+os.environ.setdefault("XLA_FLAGS", _XLA_FLAGS)
 # XLA:CPU's fusion emitters (its MLIR codegen of fused loops) off halves the compile time that is left: six
 # compile-heavy modules took 2 min 53 s with them and 1 min 27 s without (102 tests, two workers, 2026-12-03).
 # Their code sums in other orders, so a test that compares two different programs bit for bit (a chunked loss
@@ -60,7 +60,9 @@ def pytest_collection_modifyitems(config, items):
     (checked here)."""
     rank = {name: i for i, name in enumerate(FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))  # stable: the rest keep their order
-    if not _XLA_FLAGS_OURS or any(item.get_closest_marker("xla_defaults") for item in items):
+    # pytest-xdist's workers inherit the XLA_FLAGS the controller set above (the controller collects nothing):
+    # ours are the ones that still equal _XLA_FLAGS here
+    if os.environ["XLA_FLAGS"] != _XLA_FLAGS or any(item.get_closest_marker("xla_defaults") for item in items):
         return
     from jax._src import xla_bridge
     if xla_bridge.backends_are_initialized():
