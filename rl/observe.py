@@ -12,6 +12,7 @@ PLOTS = {  # panel title -> metrics drawn in it
     "response length": ("response/length_mean", "response/truncated_frac"),
     "train/inference mismatch and clipping": ("gen_kl_error", "token_mult_prob_error", "clip_frac",
                                               "is_out_of_band_frac"),
+    "policy entropy": ("entropy_approx", "entropy"),  # entropy: exact, with logging.entropy or grpo.entropy_coef
     "seconds per phase": ("time/generate", "time/logprobs", "time/train", "time/reward", "time/other",
                           "time/eval"),
 }

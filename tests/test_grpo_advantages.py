@@ -67,7 +67,7 @@ def test_zero_variance_group():
 
 def test_overlong_mask_and_registry_errors():
     close(overlong_mask(np.array([True, False, True])), [0, 1, 0])
-    assert set(ADVANTAGE_ESTIMATORS) == {"grpo", "dr_grpo", "rloo", "grpo_loo"}
+    assert set(ADVANTAGE_ESTIMATORS) == {"grpo", "dr_grpo", "rloo", "grpo_loo", "reinforce_pp"}
     with pytest.raises(ValueError, match=r"'ppo'.*dr_grpo.*grpo.*grpo_loo.*rloo"):
         get_advantage_estimator("ppo")
     with pytest.raises(ValueError, match="multiple of group_size"):
@@ -88,3 +88,18 @@ def test_grpo_loo_hand_values():
     want = [-(2 / 3) / s12, 0, (2 / 3) / s12, 0,   (2 / 3) / s3, -(2 / 3) / s3, -(2 / 3) / s3, (2 / 3) / s3]
     close(get_advantage_estimator("grpo_loo")(r, 4), want)
     close(want[:4], [-2.3094, 0, 2.3094, 0], tol=1e-4)
+
+
+def test_reinforce_pp_divides_the_group_centred_rewards_by_the_batchs_std():
+    """REINFORCE++-baseline: r - group mean, over the Bessel std of all 12 centred rewards."""
+    # centred: [.75, -.25, -.25, -.25,  0, 0, 0, 0,  -.5, 0, .5, 0]; squares sum 0.75 + 0.5 = 1.25 -> var 1.25 / 11
+    s = math.sqrt(1.25 / 11) + 1e-6
+    want = [0.75 / s, -0.25 / s, -0.25 / s, -0.25 / s, 0, 0, 0, 0, -0.5 / s, 0, 0.5 / s, 0]
+    close(get_advantage_estimator("reinforce_pp")(REWARDS, 4), want)
+    close(want[0], 2.2249, tol=1e-4)
+    # a small-spread group keeps small advantages (GRPO would scale it up to its own std)
+    r = np.array([0.0, 1.0, 0.0, 1.0, 0.50, 0.52, 0.50, 0.52], np.float32)
+    a = np.asarray(get_advantage_estimator("reinforce_pp")(r, 4))
+    assert np.max(np.abs(a[4:])) < 0.05 * np.max(np.abs(a[:4]))
+    # no signal anywhere: zeros, not 0 / eps
+    close(get_advantage_estimator("reinforce_pp")(np.full(8, 0.3, np.float32), 4), np.zeros(8))

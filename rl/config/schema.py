@@ -23,7 +23,7 @@ MISSING = "???"  # a value the user must supply (e.g. the recipe's model.path); 
 # tests/test_run_config.py checks they stay equal to the originals.
 TOKEN_AXES = ("data", "context", "expert")                     # sharding.rules.TOKEN_AXES
 PRECISION_MODES = ("none", "fp32", "compact")                  # sharding.precision.MODES
-ADVANTAGES = ("grpo", "dr_grpo", "rloo", "grpo_loo")           # rl.grpo.advantages.ADVANTAGE_ESTIMATORS
+ADVANTAGES = ("grpo", "dr_grpo", "rloo", "grpo_loo", "reinforce_pp")           # rl.grpo.advantages.ADVANTAGE_ESTIMATORS
 LOSSES = ("ppo_clip", "gspo", "cispo", "reinforce")            # rl.grpo.loss.LOSSES (rl.grpo.objectives)
 IS_CORRECTIONS = ("truncate", "mask", "none")                  # rl.grpo.loss.IS_CORRECTIONS
 IS_LEVELS = ("token", "sequence", "geometric")                 # rl.grpo.loss.IS_LEVELS
@@ -278,7 +278,8 @@ class GrpoSection(_Section):
                                                  "index_block_size; [] = every micro-batch at the full width",
                                              items={"min": 1}, distinct=True)
     advantage: str = _f("grpo", "grpo: (r - group mean) / group std; dr_grpo: no std; rloo: leave-one-out "
-                                "baseline; grpo_loo: leave-one-out baseline and std (NeMo-RL's default)",
+                                "baseline; grpo_loo: leave-one-out baseline and std (NeMo-RL's default); reinforce_pp: group "
+                                "mean baseline / the whole step's std (REINFORCE++-baseline)",
                         choices=ADVANTAGES)
     loss: str = _f("ppo_clip", "policy objective (rl.grpo.objectives): ppo_clip (clipped ratio), gspo (sequence "
                                "ratio clipped per sequence), cispo (clipped stop-gradient weight x REINFORCE), "

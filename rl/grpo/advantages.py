@@ -1,4 +1,4 @@
-"""Group-relative advantages for GRPO and its variants (Dr.GRPO, RLOO, GRPO-LOO, DAPO filters).
+"""Group-relative advantages for GRPO and its variants (Dr.GRPO, RLOO, GRPO-LOO, REINFORCE++, DAPO filters).
 
 Layout: `rewards` is a flat array [N] of N = num_prompts * group_size samples, grouped consecutively:
 samples [g*G, (g+1)*G) answer prompt g. One scalar advantage per sample; the loss broadcasts it over
@@ -97,6 +97,24 @@ def group_advantages(rewards, group_size: int, *, scale: str = "std", leave_one_
     return adv.reshape(-1)
 
 
+@functools.partial(jax.jit, static_argnames=("group_size", "eps"))
+def batch_normalized_advantages(rewards, group_size: int, *, eps: float = 1e-6):
+    """REINFORCE++-baseline (Hu et al. 2025): the group mean as baseline, the whole batch's std as scale, [N] fp32.
+
+        c_i = r_i - mean_g(r)                     (the group baseline, as GRPO's)
+        A_i = c_i / (std_batch(c) + eps)          std over all N samples of the step, Bessel-corrected
+        A_i = c_i (= 0)                           when every c is equal (no signal anywhere in the batch)
+
+    The batch mean of c is 0 by construction (each group's sums to 0), so this is the batch whitening of c with
+    each sample counted once; verl whitens over response tokens instead, which weighs samples by their length.
+    Unlike GRPO's per-group std, a group with a small spread keeps small advantages."""
+    r = _grouped(rewards, group_size)
+    c = (r - jnp.mean(r, axis=1, keepdims=True)).reshape(-1)
+    n = c.shape[0]
+    std = jnp.sqrt(jnp.sum(c * c) / max(n - 1, 1))
+    return jnp.where(jnp.max(c) == jnp.min(c), c, c / (std + eps))
+
+
 ADVANTAGE_ESTIMATORS: dict[str, Callable] = {
     # GRPO (and the M3 recipe): mean baseline, divide by the group std.
     "grpo": functools.partial(group_advantages, scale="std", leave_one_out=False),
@@ -107,6 +125,8 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable] = {
     # NeMo-RL's default (use_leave_one_out_baseline + normalize_rewards): leave-one-out baseline, divided by
     # the std of the same other G-1 samples.
     "grpo_loo": functools.partial(group_advantages, scale="std", leave_one_out=True),
+    # REINFORCE++-baseline: group mean baseline, divided by the std of the whole batch's centred rewards.
+    "reinforce_pp": batch_normalized_advantages,
 }
 
 
