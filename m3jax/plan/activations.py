@@ -187,11 +187,14 @@ def logprob_block_rows(s: int, chunk_tokens: int) -> int:
     return -(-s // logprob_blocks(s, chunk_tokens))
 
 
-def head_terms(cfg: M3Config, mesh: MeshConfig, b: int, s: int, a: int, shard_dims, chunk_tokens: int = 0) -> dict:
+def head_terms(cfg: M3Config, mesh: MeshConfig, b: int, s: int, a: int, shard_dims, chunk_tokens: int = 0,
+               entropy: bool = False) -> dict:
     """The head's backward, bytes per device (c_l = ceil(c / n_c) local positions of a logits block of c =
     `logprob_block_rows(S, chunk_tokens)` positions per row; c = S, so b * c_l = T_l, unchunked):
 
-        head_logits       b * c_l * V / n_t * (a + 8)   one block's logits, fp32 log-softmax and its gradient
+        head_logits       b * c_l * V / n_t * (a + 8)   one block's logits, fp32 log-softmax and its gradient;
+                          + 4 with `entropy` (the loss's entropy, `grpo.entropy_coef` / `logging.entropy`: one
+                          more fp32 buffer of the block, measured on XLA:CPU's one-block path)
         gathered_head     2 * V / n_t * d * p           lm_head gathered over data for the matmul (FSDP shards its
                           embed dim) and its full gradient before the reduce-scatter; 0 without FSDP
     With chunk_tokens (`model.logprob_chunk_tokens`: `rl.logprobs.chunked_token_logprobs`, a custom VJP whose
@@ -211,7 +214,7 @@ def head_terms(cfg: M3Config, mesh: MeshConfig, b: int, s: int, a: int, shard_di
     c = logprob_block_rows(s, chunk_tokens)
     rows = b * -(-c // sz["context"])
     head = cfg.vocab_size / sz["tensor"] * cfg.hidden_size
-    out = {"head_logits": rows * cfg.vocab_size / sz["tensor"] * (a + 8),
+    out = {"head_logits": rows * cfg.vocab_size / sz["tensor"] * (a + 8 + (4 if entropy else 0)),
            "gathered_head": 2 * head * a if fsdp else 0.0}
     if c < s:
         local = math.prod(-(-dim // math.prod(sz[x] for x in axes)) for dim, axes in zip(spec.shape, dims))

@@ -168,7 +168,8 @@ class Batch:
     logprob_chunk_tokens: positions per row of one logits block of the loss (`model.logprob_chunk_tokens`,
     `rl.logprobs.chunked_token_logprobs`), 0 = the whole sequence's logits at once (what `--compile`'s
     token cross-entropy step builds). remat_policy: what a rematerialised layer keeps for its backward
-    (`model.remat_policy`, `m3jax.plan.remat`).
+    (`model.remat_policy`, `m3jax.plan.remat`). logprob_entropy: the loss also computes the sampling
+    distribution's entropy from its logits (`grpo.entropy_coef` > 0 or `logging.entropy`).
     """
     micro_batch: int
     seq_len: int
@@ -183,6 +184,7 @@ class Batch:
     sparse_attention: str = "gather"
     logprob_chunk_tokens: int = 0
     remat_policy: str = "full"
+    logprob_entropy: bool = False
 
     @property
     def exchange(self) -> str:
@@ -250,7 +252,8 @@ def activation_bytes(cfg: M3Config, mesh: MeshConfig, batch: Batch, act_bytes: i
         out["saved_residuals"] = saved_residuals(cfg, t_l, sz["tensor"], a, batch.remat_policy,
                                                  batch.sparse_attention)
     candidates = [terms for ph in phases.values() for terms in ph.values()]
-    candidates.append(head_terms(cfg, mesh, batch.micro_batch, batch.seq_len, a, dims, batch.logprob_chunk_tokens))
+    candidates.append(head_terms(cfg, mesh, batch.micro_batch, batch.seq_len, a, dims, batch.logprob_chunk_tokens,
+                                 batch.logprob_entropy))
     worst = max(candidates, key=lambda t: sum(t.values()))
     if not batch.remat:
         for k, n in kinds.items():
