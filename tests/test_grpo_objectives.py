@@ -26,7 +26,7 @@ def _value_and_grad(lp, lo, adv, mask, **cfg):
 
 
 def test_registry():
-    assert tuple(POLICY_LOSSES) == ("ppo_clip", "gspo", "cispo", "reinforce")
+    assert tuple(POLICY_LOSSES) == ("ppo_clip", "gspo", "cispo", "reinforce", "kl_cov")
     with pytest.raises(ValueError, match=r"'ppo'.*ppo_clip.*gspo.*cispo.*reinforce"):
         get_policy_loss("ppo")
 
@@ -121,6 +121,42 @@ def test_reinforce_value_and_gradient():
     assert float(st["clipped_tokens"]) == 0
 
 
+# ---------------------------------------------------------------- KL-Cov
+# Six valid tokens, A = +1 (row 0) and -1 (row 1); lp row 0 [-1, -2, -3], row 1 [-0.5, -1.5, -2.5] (+ a padding
+# slot each, holding garbage). mean lp = -10.5 / 6 = -1.75, mean A = 0, so cov = (lp + 1.75) A:
+#   row 0: 0.75, -0.25, -1.25    row 1: -1.25, -0.25, 0.75
+# k = floor(ratio * 6): ratio 0.2 -> 1 token, the tie at 0.75 going to the earlier position (0, 0); ratio 0.34 -> 2.
+# log-ratios lp - lo: (0, 0) 0.1, (1, 2) -0.2, the rest 0.
+KC_LP = np.array([[-1.0, -2.0, -3.0, np.nan], [-0.5, -1.5, -2.5, 7.0]], np.float32)
+KC_LO = KC_LP - np.array([[0.1, 0, 0, 0], [0, 0, -0.2, 0]], np.float32)
+KC_MASK = np.array([[1, 1, 1, 0], [1, 1, 1, 0]], np.float32)
+KC_ADV = np.array([1.0, -1.0], np.float32)
+
+
+@pytest.mark.parametrize("ratio, selected", [(0.2, [(0, 0)]), (0.34, [(0, 0), (1, 2)])])
+def test_kl_cov_penalises_the_tokens_of_largest_covariance(ratio, selected):
+    loss, st, g = _value_and_grad(KC_LP, np.nan_to_num(KC_LO), KC_ADV, KC_MASK, loss="kl_cov", kl_cov_ratio=ratio,
+                                  kl_cov_coef=0.5)
+    r = np.exp(np.nan_to_num(KC_LP - KC_LO))
+    pg = -r * KC_ADV[:, None]
+    want_g = pg.copy()  # d(-r A)/d lp = -r A
+    pen = np.zeros_like(pg)
+    for i, j in selected:  # + 0.5 |lp - lo|, gradient 0.5 sign(lp - lo)
+        pen[i, j] = 0.5 * abs(float(KC_LP[i, j] - KC_LO[i, j]))
+        want_g[i, j] += 0.5 * np.sign(KC_LP[i, j] - KC_LO[i, j])
+    close(loss, float(np.sum(KC_MASK * (pg + pen))))
+    close(g, KC_MASK * want_g)
+    assert float(st["clipped_tokens"]) == len(selected)
+    close(want_g[0, 0], -math.exp(0.1) + 0.5)  # the hand number: -1.10517 + 0.5
+
+
+def test_kl_cov_selects_nothing_without_valid_tokens():
+    loss, st, g = _value_and_grad(KC_LP, np.nan_to_num(KC_LO), KC_ADV, np.zeros_like(KC_MASK), loss="kl_cov")
+    assert loss == 0.0 and float(st["clipped_tokens"]) == 0 and not np.any(g)
+    with pytest.raises(ValueError, match="kl_cov_ratio"):
+        LossConfig(kl_cov_ratio=0.0)
+
+
 # ---------------------------------------------------------------- all of them
 
 @pytest.mark.parametrize("name", list(POLICY_LOSSES))
@@ -139,8 +175,9 @@ def test_on_policy_gradient_is_the_same_and_importance_weight_applies(name):
 def test_config_section_reaches_the_loss():
     from rl.config import GrpoSection
     g = GrpoSection(loss="cispo", cispo_eps_low=0.1, cispo_eps_high=4.0, is_floor=0.5, kl="k2", kl_coef=0.1,
-                    kl_on_policy=True, gspo_eps_high=1e-3)
+                    kl_on_policy=True, gspo_eps_high=1e-3, kl_cov_ratio=0.01, kl_cov_coef=0.5)
     c = g.loss_config(5)
+    assert (c.kl_cov_ratio, c.kl_cov_coef) == (0.01, 0.5)
     assert (c.loss, c.cispo_eps_low, c.cispo_eps_high, c.is_floor, c.kl, c.kl_on_policy, c.gspo_eps_high) == \
         ("cispo", 0.1, 4.0, 0.5, "k2", True, 1e-3)
     assert GrpoSection().loss_config().loss == "ppo_clip"

@@ -24,7 +24,7 @@ MISSING = "???"  # a value the user must supply (e.g. the recipe's model.path); 
 TOKEN_AXES = ("data", "context", "expert")                     # sharding.rules.TOKEN_AXES
 PRECISION_MODES = ("none", "fp32", "compact")                  # sharding.precision.MODES
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "grpo_loo", "reinforce_pp")           # rl.grpo.advantages.ADVANTAGE_ESTIMATORS
-LOSSES = ("ppo_clip", "gspo", "cispo", "reinforce")            # rl.grpo.loss.LOSSES (rl.grpo.objectives)
+LOSSES = ("ppo_clip", "gspo", "cispo", "reinforce", "kl_cov")            # rl.grpo.loss.LOSSES (rl.grpo.objectives)
 IS_CORRECTIONS = ("truncate", "mask", "none")                  # rl.grpo.loss.IS_CORRECTIONS
 IS_LEVELS = ("token", "sequence", "geometric")                 # rl.grpo.loss.IS_LEVELS
 KL_TYPES = ("none", "k1", "k2", "k3")                          # rl.grpo.loss.KL_TYPES
@@ -283,7 +283,8 @@ class GrpoSection(_Section):
                         choices=ADVANTAGES)
     loss: str = _f("ppo_clip", "policy objective (rl.grpo.objectives): ppo_clip (clipped ratio), gspo (sequence "
                                "ratio clipped per sequence), cispo (clipped stop-gradient weight x REINFORCE), "
-                               "reinforce (-A logp)", choices=LOSSES)
+                               "reinforce (-A logp), kl_cov (the unclipped surrogate with a KL penalty on the "
+                               "tokens whose logp and advantage covary most: Cui et al. 2025)", choices=LOSSES)
     eps_low: float = _f(0.2, "ppo_clip: ratio clipped below at 1 - eps_low", min=0, lt=1)
     eps_high: float = _f(0.28, "ppo_clip: ratio clipped above at 1 + eps_high (clip-higher when > eps_low)", min=0)
     dual_clip: float | None = _f(None, "ppo_clip's dual clip c: for A < 0 the objective is bounded by c*A; null = "
@@ -293,6 +294,9 @@ class GrpoSection(_Section):
     cispo_eps_low: float | None = _f(None, "cispo: weight clipped below at 1 - cispo_eps_low; null = no lower "
                                            "bound (MiniMax-M1)", min=0, lt=1)
     cispo_eps_high: float = _f(0.28, "cispo: weight clipped above at 1 + cispo_eps_high", min=0)
+    kl_cov_ratio: float = _f(0.002, "kl_cov: share of a micro-batch's valid tokens, those of largest covariance of "
+                                    "logp and advantage, that get the penalty", gt=0, max=1)
+    kl_cov_coef: float = _f(1.0, "kl_cov: weight of the penalty |logp - logp_old| on those tokens", min=0)
     is_correction: str = _f("truncate", "trainer-vs-generator importance weight w = exp(logp_old - logp_gen): "
                                         "truncate (min(w, is_cap)), mask (0 outside [is_mask_low, is_mask_high]) "
                                         "or none; a non-finite logp_gen gets weight 0", choices=IS_CORRECTIONS)
@@ -357,6 +361,7 @@ class GrpoSection(_Section):
         return LossConfig(loss=self.loss, eps_low=self.eps_low, eps_high=self.eps_high, dual_clip=self.dual_clip,
                           gspo_eps_low=self.gspo_eps_low, gspo_eps_high=self.gspo_eps_high,
                           cispo_eps_low=self.cispo_eps_low, cispo_eps_high=self.cispo_eps_high,
+                          kl_cov_ratio=self.kl_cov_ratio, kl_cov_coef=self.kl_cov_coef,
                           is_correction=self.is_correction, is_level=self.is_level, is_cap=self.is_cap,
                           is_floor=self.is_floor, is_mask_low=self.is_mask_low, is_mask_high=self.is_mask_high,
                           kl=self.kl, kl_coef=self.kl_coef, kl_log_ratio_clamp=self.kl_log_ratio_clamp,

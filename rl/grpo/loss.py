@@ -91,6 +91,8 @@ class LossConfig:
       gspo_eps_low, gspo_eps_high: gspo's clip of the sequence ratio (paper: 3e-4 / 4e-4).
       cispo_eps_low, cispo_eps_high: cispo's clip of its weight [1 - low, 1 + high]; low None = no lower
         bound (MiniMax-M1's setting).
+      kl_cov_ratio, kl_cov_coef: kl_cov's share of a batch's valid tokens that get the penalty (in (0, 1]) and
+        the penalty's weight (>= 0).
       is_correction: "truncate" (w = min(w, is_cap), raised to is_floor when set), "mask" (w = 0 outside
         [is_mask_low, is_mask_high]) or "none" (w = 1). The band is also used for the out-of-band
         diagnostic.
@@ -117,6 +119,8 @@ class LossConfig:
     gspo_eps_high: float = 4e-4
     cispo_eps_low: Optional[float] = None
     cispo_eps_high: float = 0.28
+    kl_cov_ratio: float = 0.002
+    kl_cov_coef: float = 1.0
     is_correction: str = "truncate"
     is_level: str = "token"
     is_cap: float = 2.0
@@ -143,6 +147,10 @@ class LossConfig:
         for name in ("eps_high", "gspo_eps_high", "cispo_eps_high"):
             if not _eps_ok(getattr(self, name), below_one=False):
                 raise _bad(name, getattr(self, name), "a float >= 0")
+        if not (_is_real(self.kl_cov_ratio) and 0.0 < self.kl_cov_ratio <= 1.0):
+            raise _bad("kl_cov_ratio", self.kl_cov_ratio, "a float in (0, 1]")
+        if not (_is_real(self.kl_cov_coef) and self.kl_cov_coef >= 0.0):
+            raise _bad("kl_cov_coef", self.kl_cov_coef, "a float >= 0")
         if self.dual_clip is not None and not (_is_real(self.dual_clip) and self.dual_clip > 1.0):
             raise _bad("dual_clip", self.dual_clip, "None (off) or a float > 1")
         if self.is_correction not in IS_CORRECTIONS:

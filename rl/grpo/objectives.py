@@ -1,4 +1,4 @@
-"""Policy-gradient objectives, by name (`grpo.loss`): ppo_clip, gspo, cispo, reinforce.
+"""Policy-gradient objectives, by name (`grpo.loss`): ppo_clip, gspo, cispo, reinforce, kl_cov.
 
 Each is a pure function of [B, T] arrays (float32, already zero at padding) that returns a
 `PolicyTerm`: the per-token loss (to be minimised) before the train/inference importance weight and the
@@ -6,7 +6,7 @@ aggregation that `rl.grpo.loss.grpo_loss` applies to every objective alike, plus
 count. Notation: lp = logp (carries the gradient), lo = logp_old, A = the advantage (no gradient),
 m = the mask (a weight), r = exp(lp - lo) the token ratio, sg = stop-gradient.
 
-On-policy with one update per batch (lp == lo, r = 1) all four have the same gradient, -A grad lp per
+On-policy with one update per batch (lp == lo, r = 1) all five have the same gradient, -A grad lp per
 token; they differ once the policy has moved from the one that sampled the batch
 (`grpo.updates_per_step` > 1), which is where their clipping rules act.
 """
@@ -101,6 +101,33 @@ def reinforce(lp, lo, a) -> PolicyTerm:
     return PolicyTerm(-a * lp, _sg(jnp.exp(lp - lo)), jnp.zeros(lp.shape, bool), jnp.zeros(lp.shape, bool))
 
 
+def kl_cov(lp, lo, a, m, *, ratio: float, coef: float) -> PolicyTerm:
+    """KL-Cov (Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning Language Models"):
+    the unclipped surrogate, and a KL penalty on the few tokens whose log-prob and advantage covary most, the
+    ones whose updates drive the policy's entropy down.
+
+      cov_t  = (sg(lp_t) - mean(sg(lp))) * (A_t - mean(A))     means over the valid tokens (m > 0) of the batch
+      S      = the k = max(1, floor(ratio * n)) valid tokens of largest cov_t (n valid tokens; ties: the earlier
+               position in row-major order)
+      loss_t = -r_t A_t + coef * |lp_t - lo_t| * [t in S]      (the penalty's gradient coef sign(lp - lo): 0 on policy)
+    "The batch" is what the loss sees: one micro-batch. `clipped` marks S (its share is `clip_frac`).
+    """
+    valid = m > 0
+    n = jnp.sum(valid)
+    mean = lambda x: jnp.sum(jnp.where(valid, x, 0.0)) / jnp.maximum(n, 1)  # noqa: E731
+    lps = _sg(lp)
+    cov = jnp.where(valid, (lps - mean(lps)) * (a - mean(a)), -jnp.inf).reshape(-1)
+    k = jnp.maximum(1, jnp.floor(ratio * n).astype(jnp.int32))
+    order = jnp.argsort(-cov, stable=True)  # largest first; equal values keep their positions' order
+    rank = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    selected = valid & (rank < k).reshape(lp.shape)
+    d = lp - lo
+    r = jnp.exp(d)
+    # |d| written as sg(sign(d)) d: the gradient is coef sign(d), 0 on policy (jnp.abs's is 1 at d = 0)
+    loss = -r * a + jnp.where(selected, coef * _sg(jnp.sign(d)) * d, 0.0)
+    return PolicyTerm(loss, _sg(r), selected, jnp.zeros(lp.shape, bool))
+
+
 # name -> fn(lp, lo, a, m, cfg) with cfg a rl.grpo.loss.LossConfig (read by attribute, not imported here).
 POLICY_LOSSES: dict[str, Callable[..., PolicyTerm]] = {
     "ppo_clip": lambda lp, lo, a, m, cfg: ppo_clip(lp, lo, a, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
@@ -108,6 +135,7 @@ POLICY_LOSSES: dict[str, Callable[..., PolicyTerm]] = {
     "gspo": lambda lp, lo, a, m, cfg: gspo(lp, lo, a, m, eps_low=cfg.gspo_eps_low, eps_high=cfg.gspo_eps_high),
     "cispo": lambda lp, lo, a, m, cfg: cispo(lp, lo, a, eps_low=cfg.cispo_eps_low, eps_high=cfg.cispo_eps_high),
     "reinforce": lambda lp, lo, a, m, cfg: reinforce(lp, lo, a),
+    "kl_cov": lambda lp, lo, a, m, cfg: kl_cov(lp, lo, a, m, ratio=cfg.kl_cov_ratio, coef=cfg.kl_cov_coef),
 }
 
 
