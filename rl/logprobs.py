@@ -208,8 +208,8 @@ def policy_logprobs(model, mb: dict, sampling: SamplingParams, chunk_tokens: int
                                       chunk_tokens=chunk_tokens, layout=model.layout,
                                       head_axes=model.lm_head.get_metadata()["logical_axes"],
                                       with_entropy=return_entropy)
-    logp = logp if return_entropy else (logp,)  # (logp[, entropy])
-    return (*logp, *extra) if len(logp) + len(extra) > 1 else logp[0]
+    out = (*logp, *extra) if return_entropy else (logp, *extra)  # logp, [entropy,] extras
+    return out if len(out) > 1 else out[0]
 
 
 def make_logprob_pass(graphdef, sampling: SamplingParams, layout: Layout = Layout(), chunk_tokens: int = 0,

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 
@@ -39,9 +38,8 @@ def mesh_compile(small: bool, timeout: int = 900) -> dict:
     """Run the check in a child process (the topology must be set before JAX starts its backend); its result."""
     env = dict(os.environ, PYTHONPATH=ROOT)
     if small:
-        # the caller's other XLA flags stay (the tests' faster compile settings, tests/conftest.py)
-        flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))
-        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count=16".strip())
+        from m3jax.plan.compile import xla_flags_with_devices
+        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags_with_devices(16))
     else:
         env.update(JAX_MOCK_GPU_TOPOLOGY=TOPOLOGY)
     try:

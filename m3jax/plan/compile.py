@@ -69,13 +69,18 @@ def compile_step(cfg: M3Config, mesh_cfg: MeshConfig, batch: Batch, master: str 
     return out
 
 
+def xla_flags_with_devices(n: int) -> str:
+    """XLA_FLAGS for a child process with n simulated CPU devices, the caller's other flags kept (e.g. the tests'
+    faster compile settings, tests/conftest.py)."""
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))
+    return f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
 def compile_reduced(job, layer_sets, extra_env: dict | None = None) -> list:
     """Re-execute Python with N simulated devices (XLA_FLAGS must be set before jax loads) and compile
     `job`'s model at each (dense, moe) reduced depth of `layer_sets`. The child's progress goes to stderr."""
     n = job.mesh.num_devices
-    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))
-    env = dict(os.environ, XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={n}".strip(),
-               JAX_PLATFORMS="cpu", **(extra_env or {}))
+    env = dict(os.environ, XLA_FLAGS=xla_flags_with_devices(n), JAX_PLATFORMS="cpu", **(extra_env or {}))
     spec = {"model": dataclasses.asdict(job.model), "mesh": dataclasses.asdict(job.mesh), "seq_len": job.seq_len,
             "micro_batch": job.micro_batch, "master": job.master, "moment_dtype": job.moment_dtype,
             "remat": job.remat, "model_options": job.model_options, "layer_sets": [list(s) for s in layer_sets]}
