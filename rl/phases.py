@@ -365,6 +365,7 @@ def step_metrics(samples: Samples, reward: np.ndarray, failures: int, adv: Advan
         "is/inf_frac": sums.get("is_inf_tokens", 0.0) / tokens,  # non-finite logp_gen: weight 0 (rl.grpo.importance)
         "kl": sums.get("kl_sum", 0.0) / tokens, "entropy_approx": sums.get("neg_logp_sum", 0.0) / tokens,
         **({"entropy": sums["entropy_sum"] / tokens} if "entropy_sum" in sums else {}),  # exact (logging.entropy)
+        **({"low_entropy_frac": sums["low_entropy_tokens"] / tokens} if "low_entropy_tokens" in sums else {}),
         **({"indexer/align_kl": sums["indexer_kl_sum"] / tokens} if "indexer_kl_sum" in sums else {}),
         # the indexer's gradient (alignment loss only), clipped by its own norm (sharding.optim_step.clip_by_group_norms)
         **({"indexer/grad_norm": stats.grad_norm_apart} if stats.grad_norm_apart is not None else {}),

@@ -130,10 +130,10 @@ def grpo_loss_fn(sampling: SamplingParams, loss_cfg: LossConfig, chunk_tokens: i
     indexer_loss_coef > 0: adds coef x the indexer alignment KL of each response position (`aggregate`d as
     the GRPO loss is, so the step's normaliser applies to both) and its sum as "indexer_kl_sum"; its
     gradient reaches only the indexer (`m3jax.model.indexer_align`). The exact entropy of the sampling
-    distribution at each position comes with logp when `loss_cfg.entropy_coef` > 0 (the bonus) or
-    log_entropy; its sum is "entropy_sum"."""
+    distribution at each position comes with logp when the loss reads it (`LossConfig.needs_entropy`: the
+    bonus, the high-entropy token selection) or log_entropy; its sum is "entropy_sum"."""
     align = indexer_loss_coef > 0
-    with_entropy = loss_cfg.entropy_coef > 0 or log_entropy
+    with_entropy = loss_cfg.needs_entropy or log_entropy
 
     def loss_fn(model, mb):
         # without a logprob pass (grpo.old_logprobs: update) logp_old is this update's own log-probs, and the update

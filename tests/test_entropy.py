@@ -152,18 +152,11 @@ def test_config_fields():
 
 @pytest.mark.slow  # three one-step runs of the tiny trainer
 def test_a_run_logs_the_entropy_and_the_bonus_moves_the_loss_by_it(tmp_path):
-    from tests.tiny_runs import numbers, tiny_trainer
+    from tests.tiny_runs import first_step
 
-    def first_step(name, *overrides):
-        trainer = tiny_trainer(tmp_path, name, *overrides)
-        try:
-            return numbers(trainer.step(0))
-        finally:
-            trainer.engine.shutdown()
-
-    plain = first_step("plain")
-    logged = first_step("logged", "logging.entropy=true")
-    bonus = first_step("bonus", "grpo.entropy_coef=0.05")
+    plain = first_step(tmp_path, "plain")
+    logged = first_step(tmp_path, "logged", "logging.entropy=true")
+    bonus = first_step(tmp_path, "bonus", "grpo.entropy_coef=0.05")
     assert "entropy" not in plain and "entropy" in logged and "entropy" in bonus
     # the metric changes nothing the step computes; on policy, mean -log p of the sampled tokens estimates it
     for k in ("loss", "grad_norm", "entropy_approx", "reward/mean"):

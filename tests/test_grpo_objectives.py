@@ -1,4 +1,4 @@
-"""GSPO, CISPO and REINFORCE (rl/grpo/objectives.py) through the loss, against values and gradients worked
+"""GSPO, CISPO, REINFORCE, KL-Cov and Clip-Cov (rl/grpo/objectives.py) through the loss, against values and gradients worked
 out by hand in the comments (never with the functions under test). ppo_clip has its own cases in
 tests/test_grpo_loss.py.
 """
@@ -26,7 +26,7 @@ def _value_and_grad(lp, lo, adv, mask, **cfg):
 
 
 def test_registry():
-    assert tuple(POLICY_LOSSES) == ("ppo_clip", "gspo", "cispo", "reinforce", "kl_cov")
+    assert tuple(POLICY_LOSSES) == ("ppo_clip", "gspo", "cispo", "reinforce", "kl_cov", "clip_cov")
     with pytest.raises(ValueError, match=r"'ppo'.*ppo_clip.*gspo.*cispo.*reinforce"):
         get_policy_loss("ppo")
 
@@ -157,12 +157,86 @@ def test_kl_cov_selects_nothing_without_valid_tokens():
         LossConfig(kl_cov_ratio=0.0)
 
 
+# ---------------------------------------------------------------- Clip-Cov
+# The KL-Cov batch above (cov row 0: 0.75, -0.25, -1.25; row 1: -1.25, -0.25, 0.75), drawn from the band (0.5, 1):
+# candidates (0, 0) and (1, 2). Their ratios exp(0.1) = 1.105171 (A = +1) and exp(-0.2) = 0.818731 (A = -1) lie
+# inside ppo_clip's [0.8, 1.28]; every other token has r = 1. Unclipped, loss_t = -r A and d/dlp_t = -r A.
+CC = dict(loss="clip_cov", clip_cov_lb=0.5, clip_cov_ub=1.0)
+R00, R12 = math.exp(0.1), math.exp(-0.2)
+CC_FULL_GRAD = np.array([[-R00, -1.0, -1.0, 0.0], [1.0, 1.0, R12, 0.0]])
+
+
+def _zeroed(g):
+    return {tuple(int(i) for i in ix) for ix in np.argwhere((g == 0) & (KC_MASK > 0))}
+
+
+def test_clip_cov_draws_k_tokens_of_the_band_and_stops_their_gradient():
+    # ratio 0.2: k = floor(1.2) = 1 of the two candidates; ratio 0.34: k = 2, both
+    loss, st, g = _value_and_grad(KC_LP, np.nan_to_num(KC_LO), KC_ADV, KC_MASK, clip_cov_ratio=0.2, **CC)
+    (drawn,) = _zeroed(g)
+    assert drawn in {(0, 0), (1, 2)}
+    want = CC_FULL_GRAD.copy()
+    want[drawn] = 0.0
+    close(g, want)
+    close(loss, np.sum(want))  # loss_t = -r A = the gradient's value here; the drawn token's loss is 0
+    assert float(st["clipped_tokens"]) == 1
+    loss, st, g = _value_and_grad(KC_LP, np.nan_to_num(KC_LO), KC_ADV, KC_MASK, clip_cov_ratio=0.34, **CC)
+    assert _zeroed(g) == {(0, 0), (1, 2)} and float(st["clipped_tokens"]) == 2
+    # a band no token's covariance reaches: at least one is still asked for, none is drawn
+    _, st, g = _value_and_grad(KC_LP, np.nan_to_num(KC_LO), KC_ADV, KC_MASK, **{**CC, "clip_cov_lb": 2.0,
+                                                                              "clip_cov_ub": 3.0})
+    close(g, CC_FULL_GRAD)
+    assert float(st["clipped_tokens"]) == 0
+
+
+def test_clip_cov_leaves_ppo_clipped_tokens_out_of_the_draw():
+    # eps_high 0.05: (0, 0)'s ratio 1.105 > 1.05 with A > 0 is clipped (gradient 0, loss -1.05), so the draw's one
+    # token is (1, 2), the only candidate left
+    loss, st, g = _value_and_grad(KC_LP, np.nan_to_num(KC_LO), KC_ADV, KC_MASK, eps_high=0.05, **CC)
+    want = CC_FULL_GRAD.copy()
+    want[0, 0] = want[1, 2] = 0.0
+    close(g, want)
+    close(loss, -1.05 + np.sum(want))
+    assert float(st["clipped_tokens"]) == 2
+
+
+def test_clip_cov_draw_is_the_batchs_and_uniform_over_batches():
+    """The same batch draws the same token; shifting lp and lo together (the ratios and covariances unchanged, the
+    seed not) draws each of the two candidates about half the time."""
+    draws = []
+    for shift in range(64):
+        lp, lo = KC_LP - 0.01 * shift, np.nan_to_num(KC_LO) - 0.01 * shift
+        g = _value_and_grad(lp, lo, KC_ADV, KC_MASK, clip_cov_ratio=0.2, **CC)[2]
+        assert _zeroed(g) == _zeroed(_value_and_grad(lp, lo, KC_ADV, KC_MASK, clip_cov_ratio=0.2, **CC)[2])
+        draws.append(_zeroed(g) == {(0, 0)})
+    assert 16 <= sum(draws) <= 48, sum(draws)  # binomial(64, 1/2): 4 standard deviations either side
+
+
+def test_clip_cov_acts_on_policy():
+    # lp == lo: unlike the other objectives the drawn token has no gradient (the others -A)
+    lo = np.nan_to_num(KC_LO)
+    _, _, g = _value_and_grad(lo, lo, KC_ADV, KC_MASK, **{**CC, "clip_cov_lb": -1.3, "clip_cov_ub": -1.2})
+    (drawn,) = _zeroed(g)  # at lp = lo (mean -1.7333) cov of (0, 2) is -1.2667, of (1, 0) -1.2333
+    assert drawn in {(0, 2), (1, 0)}
+    want = np.array([[-1.0, -1.0, -1.0, 0.0], [1.0, 1.0, 1.0, 0.0]])
+    want[drawn] = 0.0
+    close(g, want)
+
+
+def test_clip_cov_config_errors():
+    with pytest.raises(ValueError, match="clip_cov_ratio"):
+        LossConfig(clip_cov_ratio=0.0)
+    with pytest.raises(ValueError, match="clip_cov_ub"):
+        LossConfig(clip_cov_lb=2.0, clip_cov_ub=2.0)
+
+
 # ---------------------------------------------------------------- all of them
 
 @pytest.mark.parametrize("name", list(POLICY_LOSSES))
 def test_on_policy_gradient_is_the_same_and_importance_weight_applies(name):
     """lp == lo: every objective's gradient is -w_eff * A per token; the truncated weight (w = 3 -> 2, 0.5) and a
-    -inf generator log-prob (weight 0) act on each of them as on ppo_clip."""
+    -inf generator log-prob (weight 0) act on each of them as on ppo_clip. (No token's covariance here, at most
+    0.375, lies in clip_cov's default band (1, 5): its on-policy draw is tested above.)"""
     lo = np.array([[-1.0, -2.0], [-0.5, -1.5]], np.float32)
     lg = lo - np.log(np.array([[3.0, 0.5], [1.0, 1.0]], np.float32))
     lg[1, 1] = -np.inf
@@ -175,9 +249,35 @@ def test_on_policy_gradient_is_the_same_and_importance_weight_applies(name):
 def test_config_section_reaches_the_loss():
     from rl.config import GrpoSection
     g = GrpoSection(loss="cispo", cispo_eps_low=0.1, cispo_eps_high=4.0, is_floor=0.5, kl="k2", kl_coef=0.1,
-                    kl_on_policy=True, gspo_eps_high=1e-3, kl_cov_ratio=0.01, kl_cov_coef=0.5)
+                    kl_on_policy=True, gspo_eps_high=1e-3, kl_cov_ratio=0.01, kl_cov_coef=0.5, clip_cov_ratio=0.01,
+                    clip_cov_lb=0.5, clip_cov_ub=2.0, high_entropy_fraction=0.2)
     c = g.loss_config(5)
     assert (c.kl_cov_ratio, c.kl_cov_coef) == (0.01, 0.5)
+    assert (c.clip_cov_ratio, c.clip_cov_lb, c.clip_cov_ub, c.high_entropy_fraction) == (0.01, 0.5, 2.0, 0.2)
     assert (c.loss, c.cispo_eps_low, c.cispo_eps_high, c.is_floor, c.kl, c.kl_on_policy, c.gspo_eps_high) == \
         ("cispo", 0.1, 4.0, 0.5, "k2", True, 1e-3)
     assert GrpoSection().loss_config().loss == "ppo_clip"
+
+
+def test_clip_cov_and_the_entropy_selection_draw_the_same_tokens_on_a_mesh():
+    """A micro-batch cut over 8 devices (rows x positions) draws the same Clip-Cov tokens and keeps the same
+    high-entropy tokens as on one device: the seed is an integer sum, the draw and the quantile are global."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    rng = np.random.default_rng(7)
+    lo = -rng.random((4, 16)).astype(np.float32) * 3
+    lp = lo + 0.05 * rng.standard_normal((4, 16)).astype(np.float32)
+    mask = (rng.random((4, 16)) < 0.8).astype(np.float32)
+    adv, ent = rng.standard_normal(4).astype(np.float32), rng.random((4, 16)).astype(np.float32)
+    cfg = LossConfig(**{**PLAIN, **CC, "clip_cov_lb": 0.05, "clip_cov_ub": 5.0, "clip_cov_ratio": 0.1,
+                        "high_entropy_fraction": 0.5})
+
+    def grads(lp, lo, mask, ent):
+        return jax.grad(lambda x: grpo_loss(x, lo, lo, adv, mask, cfg, entropy=ent)[0])(lp)
+
+    want = np.asarray(jax.jit(grads)(lp, lo, mask, ent))
+    mesh = jax.make_mesh((2, 4), ("rows", "positions"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    put = lambda x: jax.device_put(x, NamedSharding(mesh, P("rows", "positions")))  # noqa: E731
+    got = np.asarray(jax.jit(grads)(put(lp), put(lo), put(mask), put(ent)))
+    assert 0 < int(np.sum((want == 0) & (mask > 0))) < int(np.sum(mask)) // 2 + 4  # something was dropped, not all
+    np.testing.assert_array_equal(got == 0, want == 0)
+    close(got, want)

@@ -484,13 +484,14 @@ def test_the_memory_fraction_reaches_jax_unless_the_environment_has_one():
 
 
 def test_the_losss_entropy_adds_one_fp32_logits_block_to_the_heads_phase():
-    """grpo.entropy_coef (or logging.entropy) makes the loss hold one more fp32 buffer of its logits block
+    """grpo.entropy_coef (or logging.entropy, or grpo.high_entropy_fraction) makes the loss hold one more fp32 buffer of its logits block
     (XLA:CPU, one block: 1,024 -> 1,536 MiB of temp for 512 MiB of fp32 logits, BENCHMARKS.md session 22)."""
     from m3jax.plan.activations import head_terms
     from m3jax.plan.memory import _shard_dims
     job = load_job("configs/recipes/m3-32node.yaml", ["grpo.entropy_coef=0.001"], "release")
     assert job.entropy and job.batch.logprob_entropy
     assert load_job("configs/recipes/m3-32node.yaml", ["logging.entropy=true"], "release").entropy
+    assert load_job("configs/recipes/m3-32node.yaml", ["grpo.high_entropy_fraction=0.2"], "release").entropy
     assert not load_job("configs/recipes/m3-32node.yaml", [], "release").entropy
     dims = _shard_dims(job.mesh, None)
     with_h, without = (head_terms(job.model, job.mesh, 1, 8192, 2, dims, 8192, entropy=e) for e in (True, False))

@@ -22,6 +22,15 @@ def two_steps(trainer):
         trainer.engine.shutdown()
 
 
+def first_step(tmp_path, name, *overrides):
+    """The timing-free metrics of the first step of `tiny_trainer(tmp_path, name, *overrides)`."""
+    trainer = tiny_trainer(tmp_path, name, *overrides)
+    try:
+        return numbers(trainer.step(0))
+    finally:
+        trainer.engine.shutdown()
+
+
 def numbers(metrics):
     """The metrics that do not depend on timing."""
     return {k: v for k, v in metrics.items() if not k.startswith(("time/", "throughput/"))}

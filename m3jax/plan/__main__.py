@@ -47,7 +47,7 @@ class Job:
     # model.sparse_attention where model_options does not carry it (m3jax.plan.memory.Batch); model_options wins
     sparse_attention: str = "gather"
     logprob_chunk_tokens: int = 0  # model.logprob_chunk_tokens: the loss's logits block (not a model option)
-    entropy: bool = False  # the loss computes the sampling entropy (grpo.entropy_coef > 0 or logging.entropy)
+    entropy: bool = False  # the loss computes the sampling entropy (LossConfig.needs_entropy or logging.entropy)
     memory_fraction: float = JAX_DEFAULT_MEMORY_FRACTION  # mesh.device_memory_fraction: JAX's share of a device
     device_memory_gb: float = DEFAULT_DEVICE_GB  # mesh.device_memory_gb: each GPU's memory
     # prompt + response slots of a row (generation.max_seq_len); seq_len is then the trainer's positions on the
@@ -93,7 +93,7 @@ def job_of(cfg, m3) -> Job:
                cfg.model.remat, {k: v for k, v in cfg.model.model_options().items() if k != "remat"},
                sparse_attention=getattr(cfg.model, "sparse_attention", "gather"),
                logprob_chunk_tokens=cfg.model.logprob_chunk_tokens,
-               entropy=g.entropy_coef > 0 or cfg.logging.entropy,
+               entropy=g.loss_config().needs_entropy or cfg.logging.entropy,
                memory_fraction=cfg.mesh.device_memory_fraction or JAX_DEFAULT_MEMORY_FRACTION, slots=slots,
                device_memory_gb=cfg.mesh.device_memory_gb or DEFAULT_DEVICE_GB,
                logprob_passes=(g.old_logprobs == "pass") + (g.kl != "none"),

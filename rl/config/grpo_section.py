@@ -13,7 +13,7 @@ from rl.config.schema import _f, _Section
 # The choices below mirror their originals (named beside each; tests/test_run_config.py checks them), so that
 # loading a config imports no jax.
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "grpo_loo", "reinforce_pp")  # rl.grpo.advantages.ADVANTAGE_ESTIMATORS
-LOSSES = ("ppo_clip", "gspo", "cispo", "reinforce", "kl_cov")    # rl.grpo.loss.LOSSES (rl.grpo.objectives)
+LOSSES = ("ppo_clip", "gspo", "cispo", "reinforce", "kl_cov", "clip_cov")  # rl.grpo.loss.LOSSES (rl.grpo.objectives)
 IS_CORRECTIONS = ("truncate", "mask", "none")                  # rl.grpo.loss.IS_CORRECTIONS
 IS_LEVELS = ("token", "sequence", "geometric")                 # rl.grpo.loss.IS_LEVELS
 KL_TYPES = ("none", "k1", "k2", "k3")                          # rl.grpo.loss.KL_TYPES
@@ -48,7 +48,9 @@ class GrpoSection(_Section):
     loss: str = _f("ppo_clip", "policy objective (rl.grpo.objectives): ppo_clip (clipped ratio), gspo (sequence "
                                "ratio clipped per sequence), cispo (clipped stop-gradient weight x REINFORCE), "
                                "reinforce (-A logp), kl_cov (the unclipped surrogate with a KL penalty on the "
-                               "tokens whose logp and advantage covary most: Cui et al. 2025)", choices=LOSSES)
+                               "tokens whose logp and advantage covary most: Cui et al. 2025), clip_cov (ppo_clip, and no gradient on a few "
+                               "tokens drawn among those whose logp and advantage covary strongly: the same paper)",
+                   choices=LOSSES)
     eps_low: float = _f(0.2, "ppo_clip: ratio clipped below at 1 - eps_low", min=0, lt=1)
     eps_high: float = _f(0.28, "ppo_clip: ratio clipped above at 1 + eps_high (clip-higher when > eps_low)", min=0)
     dual_clip: float | None = _f(None, "ppo_clip's dual clip c: for A < 0 the objective is bounded by c*A; null = "
@@ -61,6 +63,16 @@ class GrpoSection(_Section):
     kl_cov_ratio: float = _f(0.002, "kl_cov: share of a micro-batch's valid tokens, those of largest covariance of "
                                     "logp and advantage, that get the penalty", gt=0, max=1)
     kl_cov_coef: float = _f(1.0, "kl_cov: weight of the penalty |logp - logp_old| on those tokens", min=0)
+    clip_cov_ratio: float = _f(2e-4, "clip_cov: share of a micro-batch's valid tokens drawn to lose their gradient "
+                                     "(verl's default)", gt=0, max=1)
+    clip_cov_lb: float = _f(1.0, "clip_cov: the tokens are drawn among those with covariance of logp and advantage "
+                                 "above this (verl's default) ...")
+    clip_cov_ub: float = _f(5.0, "... and below this (verl's default)")
+    high_entropy_fraction: float = _f(1.0, "the share of each micro-batch's valid tokens, those of highest entropy of "
+                                           "the sampling distribution, whose policy term counts (Wang et al. 2025, "
+                                           "'Beyond the 80/20 rule': 0.2; TRL's top_entropy_quantile); the KL and "
+                                           "entropy terms keep every token, the normaliser counts every token; "
+                                           "1 = all tokens (off)", gt=0, max=1)
     is_correction: str = _f("truncate", "trainer-vs-generator importance weight w = exp(logp_old - logp_gen): "
                                         "truncate (min(w, is_cap)), mask (0 outside [is_mask_low, is_mask_high]) "
                                         "or none; a non-finite logp_gen gets weight 0", choices=IS_CORRECTIONS)
@@ -126,6 +138,8 @@ class GrpoSection(_Section):
                           gspo_eps_low=self.gspo_eps_low, gspo_eps_high=self.gspo_eps_high,
                           cispo_eps_low=self.cispo_eps_low, cispo_eps_high=self.cispo_eps_high,
                           kl_cov_ratio=self.kl_cov_ratio, kl_cov_coef=self.kl_cov_coef,
+                          clip_cov_ratio=self.clip_cov_ratio, clip_cov_lb=self.clip_cov_lb,
+                          clip_cov_ub=self.clip_cov_ub, high_entropy_fraction=self.high_entropy_fraction,
                           is_correction=self.is_correction, is_level=self.is_level, is_cap=self.is_cap,
                           is_floor=self.is_floor, is_mask_low=self.is_mask_low, is_mask_high=self.is_mask_high,
                           kl=self.kl, kl_coef=self.kl_coef, kl_log_ratio_clamp=self.kl_log_ratio_clamp,

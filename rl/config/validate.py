@@ -296,6 +296,11 @@ def _loss_checks(g) -> list[_Problem]:
         out.append(_Problem("grpo.dual_clip", f"grpo.dual_clip = {_show(g.dual_clip)}: has no effect with grpo.loss "
                                               f"= {_show(g.loss)} (only ppo_clip has a dual clip); allowed: null, or "
                                               "grpo.loss = \"ppo_clip\"", ("grpo.loss",)))
+    if g.clip_cov_ub <= g.clip_cov_lb:
+        out.append(_Problem("grpo.clip_cov_ub", f"grpo.clip_cov_ub = {_show(g.clip_cov_ub)}: not above "
+                                                f"grpo.clip_cov_lb = {_show(g.clip_cov_lb)}; allowed: a number > "
+                                                "clip_cov_lb (the band of covariance clip_cov draws from)",
+                            ("grpo.clip_cov_lb",)))
     if g.is_floor is not None and g.is_correction != "truncate":
         out.append(_Problem("grpo.is_floor", f"grpo.is_floor = {_show(g.is_floor)}: has no effect with "
                                              f"grpo.is_correction = {_show(g.is_correction)}; allowed: null, or "

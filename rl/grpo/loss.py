@@ -1,7 +1,7 @@
 """The GRPO loss: a policy-gradient objective by name, the train/inference importance correction, an
 optional KL penalty, and the step's aggregation. Each piece is its own module:
 
-  rl.grpo.objectives   ppo_clip (default: the M3 recipe), gspo, cispo, reinforce
+  rl.grpo.objectives   ppo_clip (default: the M3 recipe), gspo, cispo, reinforce, kl_cov, clip_cov
   rl.grpo.importance   w = exp(logp_old - logp_gen): truncate (with an optional floor) / mask / none
   rl.grpo.kl           k1 / k2 / k3 estimates of KL(pi || pi_ref) with the KL's gradient
   rl.grpo.mismatch     generator-vs-trainer diagnostics
@@ -13,9 +13,12 @@ Three log-probabilities of each sampled token (all [B, T], gathered at the sampl
 
 Per valid token t of sequence i (mask[i, t] > 0), with advantage A_i:
 
-  loss_t = w_eff * pg_t + kl_coef * kl_t - entropy_coef * H_t
+  loss_t = w_eff * pg_t * h_t + kl_coef * kl_t - entropy_coef * H_t
     pg_t  = the objective's per-token loss (ppo_clip: -max(min(r A, clip(r) A), c A) ...)
     w_eff = the importance weight (no gradient)
+    h_t   = 1, or with high_entropy_fraction rho < 1: [sg(H_t) >= the (1 - rho) quantile of sg(H) over the
+            batch's valid tokens] (Wang et al. 2025, "Beyond the 80/20 rule": the policy gradient of the
+            high-entropy "forking" tokens only; the normaliser still counts every token)
     kl_t  = rl.grpo.kl.kl_penalty (value: the estimate; gradient: the KL's, in expectation)
     H_t   = the exact entropy of the sampling distribution at t (an entropy bonus; its gradient is the
             entropy's own, rl.generation.base.token_logprobs_and_entropy)
@@ -59,6 +62,7 @@ from rl.grpo.importance import IS_CORRECTIONS, IS_LEVELS, importance_weight
 from rl.grpo.kl import KL_TYPES, kl_estimate, kl_penalty
 from rl.grpo.mismatch import generation_mismatch_metrics
 from rl.grpo.objectives import POLICY_LOSSES, get_policy_loss
+from rl.grpo.token_selection import high_entropy_tokens
 
 LOSSES = tuple(POLICY_LOSSES)
 AGGREGATIONS = ("token", "sequence_mean", "sequence_sum")
@@ -93,6 +97,10 @@ class LossConfig:
         bound (MiniMax-M1's setting).
       kl_cov_ratio, kl_cov_coef: kl_cov's share of a batch's valid tokens that get the penalty (in (0, 1]) and
         the penalty's weight (>= 0).
+      clip_cov_ratio, clip_cov_lb, clip_cov_ub: clip_cov's share of a batch's valid tokens drawn to lose their
+        gradient (in (0, 1]) and the open band (lb, ub) of covariance they are drawn from (verl's defaults).
+      high_entropy_fraction: rho in (0, 1], the share of a batch's valid tokens, those of highest entropy, whose
+        policy term counts; 1 = all (off); the paper's 0.2. < 1 needs the per-token entropy.
       is_correction: "truncate" (w = min(w, is_cap), raised to is_floor when set), "mask" (w = 0 outside
         [is_mask_low, is_mask_high]) or "none" (w = 1). The band is also used for the out-of-band
         diagnostic.
@@ -121,6 +129,10 @@ class LossConfig:
     cispo_eps_high: float = 0.28
     kl_cov_ratio: float = 0.002
     kl_cov_coef: float = 1.0
+    clip_cov_ratio: float = 2e-4
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    high_entropy_fraction: float = 1.0
     is_correction: str = "truncate"
     is_level: str = "token"
     is_cap: float = 2.0
@@ -151,6 +163,13 @@ class LossConfig:
             raise _bad("kl_cov_ratio", self.kl_cov_ratio, "a float in (0, 1]")
         if not (_is_real(self.kl_cov_coef) and self.kl_cov_coef >= 0.0):
             raise _bad("kl_cov_coef", self.kl_cov_coef, "a float >= 0")
+        for name in ("clip_cov_ratio", "high_entropy_fraction"):
+            if not (_is_real(getattr(self, name)) and 0.0 < getattr(self, name) <= 1.0):
+                raise _bad(name, getattr(self, name), "a float in (0, 1]")
+        if not _is_real(self.clip_cov_lb):
+            raise _bad("clip_cov_lb", self.clip_cov_lb, "a float")
+        if not (_is_real(self.clip_cov_ub) and self.clip_cov_ub > self.clip_cov_lb):
+            raise _bad("clip_cov_ub", self.clip_cov_ub, f"a float > clip_cov_lb={self.clip_cov_lb!r}")
         if self.dual_clip is not None and not (_is_real(self.dual_clip) and self.dual_clip > 1.0):
             raise _bad("dual_clip", self.dual_clip, "None (off) or a float > 1")
         if self.is_correction not in IS_CORRECTIONS:
@@ -186,6 +205,11 @@ class LossConfig:
             raise _bad("sequence_sum_len", v, "None (use the padded length) or a positive int")
         if not (_is_real(self.entropy_coef) and self.entropy_coef >= 0.0):
             raise _bad("entropy_coef", self.entropy_coef, "a float >= 0")
+
+    @property
+    def needs_entropy(self) -> bool:
+        """Whether the loss reads the per-token entropy: the bonus, or the high-entropy token selection."""
+        return self.entropy_coef > 0 or self.high_entropy_fraction < 1.0
 
 
 def _mask_f32(mask, shape):
@@ -245,7 +269,7 @@ def aggregate(per_token, m, aggregation: str):
 def grpo_loss(logp, logp_old, logp_gen, advantages, mask, cfg: LossConfig, logp_ref=None, entropy=None):
     """Masked SUM of the per-token GRPO loss, and a dict of summed statistics.
 
-    loss_t = w_eff * pg_t + kl_coef * kl_t - entropy_coef * H_t (module docstring; pg_t from
+    loss_t = w_eff * pg_t * h_t + kl_coef * kl_t - entropy_coef * H_t (module docstring; pg_t from
     rl.grpo.objectives[cfg.loss], w_eff from rl.grpo.importance, kl_t from rl.grpo.kl.kl_penalty).
     Returned loss_sum: sum_{i,t} m*loss_t ("token", "sequence_sum") or
     sum_i sum_t m*loss_t / sum_t m ("sequence_mean"); divide by `normalizer(full_step_mask, cfg)`.
@@ -258,7 +282,7 @@ def grpo_loss(logp, logp_old, logp_gen, advantages, mask, cfg: LossConfig, logp_
       cfg: LossConfig (static).
       logp_ref: [B, T] reference-policy log-probs; required when cfg.kl != "none".
       entropy: [B, T] entropy of the sampling distribution at each token (carries the gradient); required when
-        cfg.entropy_coef > 0. Given, its sum is returned as "entropy_sum".
+        cfg.entropy_coef > 0 or cfg.high_entropy_fraction < 1. Given, its sum is returned as "entropy_sum".
 
     Returns (loss_sum, stats). Every stat is a float32 scalar SUM over this batch, so micro-batch
     values add up; divide by `tokens` (or `sequences`) for fractions and means:
@@ -268,7 +292,8 @@ def grpo_loss(logp, logp_old, logp_gen, advantages, mask, cfg: LossConfig, logp_
       "truncate"), is_floored_tokens (w < is_floor), is_masked_tokens ("mask"), is_inf_tokens (valid
       tokens whose logp_gen is not finite), kl_sum (the penalty's value, unscaled), neg_logp_sum
       (-logp: approximate entropy), ratio_sum (the objective's ratio), is_weight_sum (w_eff),
-      pg_loss_sum (the policy term alone, token-summed); entropy_sum (the exact entropy, when given).
+      pg_loss_sum (the policy term alone, token-summed), entropy_sum (the exact entropy, when given);
+      low_entropy_tokens (valid tokens whose policy term high_entropy_fraction dropped, when it is < 1).
     """
     if not isinstance(cfg, LossConfig):
         raise TypeError(f"cfg must be a LossConfig, got {type(cfg).__name__}")
@@ -292,10 +317,20 @@ def grpo_loss(logp, logp_old, logp_gen, advantages, mask, cfg: LossConfig, logp_
         raise ValueError(f"advantages has shape {adv.shape}, expected ({shape[0]},) or {shape}")
     a = sg(jnp.broadcast_to(adv, shape))
 
+    if cfg.needs_entropy and entropy is None:
+        users = [f"{k}={getattr(cfg, k)!r}" for k, on in (("entropy_coef", cfg.entropy_coef > 0),
+                                                         ("high_entropy_fraction", cfg.high_entropy_fraction < 1))
+                 if on]
+        raise ValueError(f"LossConfig.{' and '.join(users)} needs the per-token entropy")
+    ent = None if entropy is None else _clean(entropy, valid, "entropy", shape)
+
     term = get_policy_loss(cfg.loss)(lp, lo, a, m, cfg)
     iw = importance_weight(lo, lg, m, bad_gen, correction=cfg.is_correction, level=cfg.is_level, cap=cfg.is_cap,
                            floor=cfg.is_floor, mask_low=cfg.is_mask_low, mask_high=cfg.is_mask_high)
     pg = iw.w_eff * term.loss
+    if cfg.high_entropy_fraction < 1.0:
+        forking = high_entropy_tokens(ent, valid, cfg.high_entropy_fraction)
+        pg = jnp.where(forking, pg, 0.0)
     if cfg.kl != "none":
         if logp_ref is None:
             raise ValueError(f"LossConfig.kl={cfg.kl!r} needs logp_ref")
@@ -308,9 +343,6 @@ def grpo_loss(logp, logp_old, logp_gen, advantages, mask, cfg: LossConfig, logp_
         kl = jnp.zeros(shape, jnp.float32)
         per_token = pg
 
-    if cfg.entropy_coef > 0 and entropy is None:
-        raise ValueError(f"LossConfig.entropy_coef={cfg.entropy_coef!r} needs the per-token entropy")
-    ent = None if entropy is None else _clean(entropy, valid, "entropy", shape)
     if cfg.entropy_coef > 0:
         per_token = per_token - cfg.entropy_coef * ent
 
@@ -333,6 +365,8 @@ def grpo_loss(logp, logp_old, logp_gen, advantages, mask, cfg: LossConfig, logp_
         "is_weight_sum": jnp.sum(m * iw.w_eff),
         "pg_loss_sum": jnp.sum(m * sg(pg)),
     }
+    if cfg.high_entropy_fraction < 1.0:
+        stats["low_entropy_tokens"] = count(~forking)
     if ent is not None:
         stats["entropy_sum"] = jnp.sum(m * sg(ent))
     return loss_sum, stats

@@ -1,4 +1,4 @@
-"""Policy-gradient objectives, by name (`grpo.loss`): ppo_clip, gspo, cispo, reinforce, kl_cov.
+"""Policy-gradient objectives, by name (`grpo.loss`): ppo_clip, gspo, cispo, reinforce, kl_cov, clip_cov.
 
 Each is a pure function of [B, T] arrays (float32, already zero at padding) that returns a
 `PolicyTerm`: the per-token loss (to be minimised) before the train/inference importance weight and the
@@ -6,9 +6,10 @@ aggregation that `rl.grpo.loss.grpo_loss` applies to every objective alike, plus
 count. Notation: lp = logp (carries the gradient), lo = logp_old, A = the advantage (no gradient),
 m = the mask (a weight), r = exp(lp - lo) the token ratio, sg = stop-gradient.
 
-On-policy with one update per batch (lp == lo, r = 1) all five have the same gradient, -A grad lp per
+On-policy with one update per batch (lp == lo, r = 1) the first five have the same gradient, -A grad lp per
 token; they differ once the policy has moved from the one that sampled the batch
-(`grpo.updates_per_step` > 1), which is where their clipping rules act.
+(`grpo.updates_per_step` > 1), which is where their clipping rules act. clip_cov also acts on policy: it stops
+the gradient of a few tokens drawn by their covariance.
 """
 
 from __future__ import annotations
@@ -101,6 +102,32 @@ def reinforce(lp, lo, a) -> PolicyTerm:
     return PolicyTerm(-a * lp, _sg(jnp.exp(lp - lo)), jnp.zeros(lp.shape, bool), jnp.zeros(lp.shape, bool))
 
 
+def _covariance(lp, a, valid):
+    """cov_t = (sg(lp_t) - mean(sg(lp))) * (A_t - mean(A)), means over the valid tokens; 0 elsewhere."""
+    n = jnp.maximum(jnp.sum(valid), 1)
+    mean = lambda x: jnp.sum(jnp.where(valid, x, 0.0)) / n  # noqa: E731
+    lps = _sg(lp)
+    return jnp.where(valid, (lps - mean(lps)) * (a - mean(a)), 0.0)
+
+
+def _first_k(score, chosen, k):
+    """Bool mask of the k entries of `chosen` with the smallest `score` (ties: the earlier position in row-major
+    order); fewer when fewer are chosen."""
+    flat = jnp.where(chosen, score, jnp.inf).reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    rank = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    return chosen & (rank < k).reshape(chosen.shape)
+
+
+def _batch_key(lo, valid):
+    """A PRNG key drawn from the batch itself: the wrapping integer sum of logp_old's float32 bits over the valid
+    tokens. Integer addition does not depend on the order of the sum, so every mesh, rerun and resume that sees
+    this batch draws the same tokens, and no key has to thread through the train step."""
+    bits = jax.lax.bitcast_convert_type(lo.astype(jnp.float32), jnp.uint32)
+    seed = jnp.sum(jnp.where(valid, bits, jnp.uint32(0)), dtype=jnp.uint32)
+    return jax.random.fold_in(jax.random.key(0x436C6970), seed)
+
+
 def kl_cov(lp, lo, a, m, *, ratio: float, coef: float) -> PolicyTerm:
     """KL-Cov (Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning Language Models"):
     the unclipped surrogate, and a KL penalty on the few tokens whose log-prob and advantage covary most, the
@@ -113,19 +140,39 @@ def kl_cov(lp, lo, a, m, *, ratio: float, coef: float) -> PolicyTerm:
     "The batch" is what the loss sees: one micro-batch. `clipped` marks S (its share is `clip_frac`).
     """
     valid = m > 0
-    n = jnp.sum(valid)
-    mean = lambda x: jnp.sum(jnp.where(valid, x, 0.0)) / jnp.maximum(n, 1)  # noqa: E731
-    lps = _sg(lp)
-    cov = jnp.where(valid, (lps - mean(lps)) * (a - mean(a)), -jnp.inf).reshape(-1)
-    k = jnp.maximum(1, jnp.floor(ratio * n).astype(jnp.int32))
-    order = jnp.argsort(-cov, stable=True)  # largest first; equal values keep their positions' order
-    rank = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
-    selected = valid & (rank < k).reshape(lp.shape)
+    cov = _covariance(lp, a, valid)
+    k = jnp.maximum(1, jnp.floor(ratio * jnp.sum(valid)).astype(jnp.int32))
+    selected = _first_k(-cov, valid, k)  # largest first
     d = lp - lo
     r = jnp.exp(d)
     # |d| written as sg(sign(d)) d: the gradient is coef sign(d), 0 on policy (jnp.abs's is 1 at d = 0)
     loss = -r * a + jnp.where(selected, coef * _sg(jnp.sign(d)) * d, 0.0)
     return PolicyTerm(loss, _sg(r), selected, jnp.zeros(lp.shape, bool))
+
+
+def clip_cov(lp, lo, a, m, *, eps_low: float, eps_high: float, ratio: float, cov_low: float,
+             cov_high: float) -> PolicyTerm:
+    """Clip-Cov (Cui et al. 2025, the KL-Cov paper's other fix; verl's `clip_cov`): ppo_clip's surrogate without
+    its dual clip, and no gradient on a few tokens drawn among those whose log-prob and advantage covary strongly.
+
+      cov_t  = (sg(lp_t) - mean(sg(lp))) * (A_t - mean(A))       means over the valid tokens (m > 0) of the batch
+      C      = the valid tokens with cov_low < cov_t < cov_high that ppo_clip's clip leaves alone
+      D      = min(|C|, max(1, floor(ratio * n))) tokens of C drawn uniformly without replacement (n valid tokens)
+      loss_t = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) * [t not in D]
+    Unlike the other objectives it acts on policy: D loses its gradient also when r = 1. The draw is seeded by
+    the batch (`_batch_key`). `clipped` marks the tokens without gradient: ppo_clip's clip, or D.
+    """
+    valid = m > 0
+    r = jnp.exp(lp - lo)
+    unclipped = r * a
+    clipped = jnp.clip(r, 1.0 - eps_low, 1.0 + eps_high) * a
+    clip_active = valid & (clipped < unclipped)
+    cov = _covariance(lp, a, valid)
+    candidates = valid & ~clip_active & (cov > cov_low) & (cov < cov_high)
+    k = jnp.maximum(1, jnp.floor(ratio * jnp.sum(valid)).astype(jnp.int32))
+    drawn = _first_k(jax.random.uniform(_batch_key(lo, valid), lp.shape), candidates, k)
+    loss = jnp.where(drawn, 0.0, -jnp.minimum(unclipped, clipped))
+    return PolicyTerm(loss, _sg(r), clip_active | drawn, jnp.zeros(lp.shape, bool))
 
 
 # name -> fn(lp, lo, a, m, cfg) with cfg a rl.grpo.loss.LossConfig (read by attribute, not imported here).
@@ -136,6 +183,9 @@ POLICY_LOSSES: dict[str, Callable[..., PolicyTerm]] = {
     "cispo": lambda lp, lo, a, m, cfg: cispo(lp, lo, a, eps_low=cfg.cispo_eps_low, eps_high=cfg.cispo_eps_high),
     "reinforce": lambda lp, lo, a, m, cfg: reinforce(lp, lo, a),
     "kl_cov": lambda lp, lo, a, m, cfg: kl_cov(lp, lo, a, m, ratio=cfg.kl_cov_ratio, coef=cfg.kl_cov_coef),
+    "clip_cov": lambda lp, lo, a, m, cfg: clip_cov(lp, lo, a, m, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
+                                                   ratio=cfg.clip_cov_ratio, cov_low=cfg.clip_cov_lb,
+                                                   cov_high=cfg.clip_cov_ub),
 }
 
 
