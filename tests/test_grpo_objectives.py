@@ -1,6 +1,6 @@
-"""GSPO, CISPO, REINFORCE, KL-Cov and Clip-Cov (rl/grpo/objectives.py) through the loss, against values and gradients worked
-out by hand in the comments (never with the functions under test). ppo_clip has its own cases in
-tests/test_grpo_loss.py.
+"""GSPO, GMPO, CISPO, REINFORCE, KL-Cov and Clip-Cov (rl/grpo/objectives.py) through the loss, against values
+and gradients worked out by hand in the comments (never with the functions under test). ppo_clip has its own
+cases in tests/test_grpo_loss.py.
 """
 
 import math
@@ -26,7 +26,7 @@ def _value_and_grad(lp, lo, adv, mask, **cfg):
 
 
 def test_registry():
-    assert tuple(POLICY_LOSSES) == ("ppo_clip", "gspo", "cispo", "reinforce", "kl_cov", "clip_cov")
+    assert tuple(POLICY_LOSSES) == ("ppo_clip", "gspo", "gmpo", "cispo", "reinforce", "kl_cov", "clip_cov")
     with pytest.raises(ValueError, match=r"'ppo'.*ppo_clip.*gspo.*cispo.*reinforce"):
         get_policy_loss("ppo")
 
@@ -77,6 +77,43 @@ def test_gspo_clips_whole_sequences():
                                   gspo_eps_low=0.05, gspo_eps_high=0.04)
     close(loss, 2 * S0 - 3 * 2 * S1)
     close(g[0], [S0, S0, 0.0])
+
+
+# ---------------------------------------------------------------- GMPO
+# eps 0.4 / 0.4 on the log-ratio d. Sequence 0, A = +1, d = 0.2, 0.5 (+ a padding slot): c = 0.2, 0.4 (the second
+#   capped: no gradient), s0 = exp(0.3) = 1.349859.
+# Sequence 1, A = -2, d = -0.6, 0.1, 0.3: for A < 0 only the floor binds: c = -0.4 (no gradient), 0.1, 0.3,
+#   s1 = exp(0) = 1 (its 0.3 would be capped for A > 0, not here).
+# Per token loss -A s_i; gradient -A s_i on the unclipped tokens.
+GMPO_LO = np.array([[-1.0, -2.0, -np.inf], [-0.5, -1.5, -1.0]], np.float32)
+GMPO_LP = GMPO_LO + np.array([[0.2, 0.5, 0.0], [-0.6, 0.1, 0.3]], np.float32)
+GMPO_LP[0, 2] = np.nan
+S_G0 = math.exp(0.3)
+
+
+@pytest.mark.parametrize("aggregation", ["token", "sequence_mean"])
+def test_gmpo_value_and_gradient(aggregation):
+    adv = np.array([1.0, -2.0], np.float32)
+    loss, st, g = _value_and_grad(GMPO_LP, GMPO_LO, adv, GSPO_MASK, loss="gmpo", aggregation=aggregation)
+    if aggregation == "token":
+        close(loss, 2 * -S_G0 + 3 * 2.0)
+        close(g, [[-S_G0, 0.0, 0.0], [0.0, 2.0, 2.0]])
+    else:  # the paper's objective: -A_i s_i per sequence, gradient -A_i s_i / |y_i| per unclipped token
+        close(loss, -S_G0 + 2.0)
+        close(g, [[-S_G0 / 2, 0.0, 0.0], [0.0, 2.0 / 3, 2.0 / 3]])
+    close(st["ratio_sum"], 2 * S_G0 + 3 * 1.0)
+    assert float(st["clipped_tokens"]) == 2
+
+
+def test_gmpo_clip_is_per_token_where_gspos_is_per_sequence():
+    # the same batch under gspo with a range as wide in ratio (e^0.4 - 1 = 0.49): sequence 0's ratio exp(0.35) =
+    # 1.419 is inside it, so gspo keeps both tokens' gradients (the 0.5 token's too), gmpo drops the 0.5 one
+    adv = np.array([1.0, -2.0], np.float32)
+    _, _, g_gspo = _value_and_grad(GMPO_LP, GMPO_LO, adv, GSPO_MASK, loss="gspo", gspo_eps_low=0.33,
+                                   gspo_eps_high=0.49)
+    assert g_gspo[0, 1] != 0.0
+    _, _, g = _value_and_grad(GMPO_LP, GMPO_LO, adv, GSPO_MASK, loss="gmpo")
+    assert g[0, 1] == 0.0 and g[0, 0] != 0.0
 
 
 # ---------------------------------------------------------------- CISPO
@@ -248,6 +285,7 @@ def test_on_policy_gradient_is_the_same_and_importance_weight_applies(name):
 
 def test_config_section_reaches_the_loss():
     from rl.config import GrpoSection
+    assert GrpoSection(loss="gmpo", gmpo_eps_low=0.3).loss_config().gmpo_eps_low == 0.3
     g = GrpoSection(loss="cispo", cispo_eps_low=0.1, cispo_eps_high=4.0, is_floor=0.5, kl="k2", kl_coef=0.1,
                     kl_on_policy=True, gspo_eps_high=1e-3, kl_cov_ratio=0.01, kl_cov_coef=0.5, clip_cov_ratio=0.01,
                     clip_cov_lb=0.5, clip_cov_ub=2.0, high_entropy_fraction=0.2)

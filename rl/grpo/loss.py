@@ -1,7 +1,7 @@
 """The GRPO loss: a policy-gradient objective by name, the train/inference importance correction, an
 optional KL penalty, and the step's aggregation. Each piece is its own module:
 
-  rl.grpo.objectives   ppo_clip (default: the M3 recipe), gspo, cispo, reinforce, kl_cov, clip_cov
+  rl.grpo.objectives   ppo_clip (default: the M3 recipe), gspo, gmpo, cispo, reinforce, kl_cov, clip_cov
   rl.grpo.importance   w = exp(logp_old - logp_gen): truncate (with an optional floor) / mask / none
   rl.grpo.kl           k1 / k2 / k3 estimates of KL(pi || pi_ref) with the KL's gradient
   rl.grpo.mismatch     generator-vs-trainer diagnostics
@@ -93,6 +93,7 @@ class LossConfig:
       eps_low, eps_high: ppo_clip's ratio clip [1 - eps_low, 1 + eps_high] (DAPO clip-higher).
       dual_clip: ppo_clip's c > 1: for A < 0 the objective is bounded below by c*A; None turns it off.
       gspo_eps_low, gspo_eps_high: gspo's clip of the sequence ratio (paper: 3e-4 / 4e-4).
+      gmpo_eps_low, gmpo_eps_high: gmpo's clip of each token's log-ratio to [-low, high] (paper: 0.4 / 0.4).
       cispo_eps_low, cispo_eps_high: cispo's clip of its weight [1 - low, 1 + high]; low None = no lower
         bound (MiniMax-M1's setting).
       kl_cov_ratio, kl_cov_coef: kl_cov's share of a batch's valid tokens that get the penalty (in (0, 1]) and
@@ -125,6 +126,8 @@ class LossConfig:
     dual_clip: Optional[float] = 10.0
     gspo_eps_low: float = 3e-4
     gspo_eps_high: float = 4e-4
+    gmpo_eps_low: float = 0.4
+    gmpo_eps_high: float = 0.4
     cispo_eps_low: Optional[float] = None
     cispo_eps_high: float = 0.28
     kl_cov_ratio: float = 0.002
@@ -156,6 +159,9 @@ class LossConfig:
                 raise _bad(name, getattr(self, name), "a float in [0, 1)")
         if self.cispo_eps_low is not None and not _eps_ok(self.cispo_eps_low, below_one=True):
             raise _bad("cispo_eps_low", self.cispo_eps_low, "None (no lower bound) or a float in [0, 1)")
+        for name in ("gmpo_eps_low", "gmpo_eps_high"):
+            if not (_is_real(getattr(self, name)) and getattr(self, name) >= 0.0):
+                raise _bad(name, getattr(self, name), "a float >= 0 (a bound of the log-ratio)")
         for name in ("eps_high", "gspo_eps_high", "cispo_eps_high"):
             if not _eps_ok(getattr(self, name), below_one=False):
                 raise _bad(name, getattr(self, name), "a float >= 0")
@@ -286,7 +292,7 @@ def grpo_loss(logp, logp_old, logp_gen, advantages, mask, cfg: LossConfig, logp_
 
     Returns (loss_sum, stats). Every stat is a float32 scalar SUM over this batch, so micro-batch
     values add up; divide by `tokens` (or `sequences`) for fractions and means:
-      tokens, sequences, clipped_tokens (the objective's clip is active; ppo_clip/gspo: on the side that
+      tokens, sequences, clipped_tokens (the objective's clip is active; ppo_clip/gspo/gmpo: on the side that
       zeroes the gradient, cispo: its weight was clipped), dual_clipped_tokens, is_out_of_band_tokens
       (w outside [is_mask_low, is_mask_high], whatever the mode), is_truncated_tokens (w > is_cap,
       "truncate"), is_floored_tokens (w < is_floor), is_masked_tokens ("mask"), is_inf_tokens (valid

@@ -1,4 +1,4 @@
-"""Policy-gradient objectives, by name (`grpo.loss`): ppo_clip, gspo, cispo, reinforce, kl_cov, clip_cov.
+"""Policy-gradient objectives, by name (`grpo.loss`): ppo_clip, gspo, gmpo, cispo, reinforce, kl_cov, clip_cov.
 
 Each is a pure function of [B, T] arrays (float32, already zero at padding) that returns a
 `PolicyTerm`: the per-token loss (to be minimised) before the train/inference importance weight and the
@@ -6,7 +6,7 @@ aggregation that `rl.grpo.loss.grpo_loss` applies to every objective alike, plus
 count. Notation: lp = logp (carries the gradient), lo = logp_old, A = the advantage (no gradient),
 m = the mask (a weight), r = exp(lp - lo) the token ratio, sg = stop-gradient.
 
-On-policy with one update per batch (lp == lo, r = 1) the first five have the same gradient, -A grad lp per
+On-policy with one update per batch (lp == lo, r = 1) all but clip_cov have the same gradient, -A grad lp per
 token; they differ once the policy has moved from the one that sampled the batch
 (`grpo.updates_per_step` > 1), which is where their clipping rules act. clip_cov also acts on policy: it stops
 the gradient of a few tokens drawn by their covariance.
@@ -77,6 +77,29 @@ def gspo(lp, lo, a, m, *, eps_low: float, eps_high: float) -> PolicyTerm:
     clipped = jnp.clip(s_tok, 1.0 - eps_low, 1.0 + eps_high) * a
     obj = jnp.minimum(unclipped, clipped)
     return PolicyTerm(-obj, s, clipped < unclipped, jnp.zeros(lp.shape, bool))
+
+
+def gmpo(lp, lo, a, m, *, eps_low: float, eps_high: float) -> PolicyTerm:
+    """GMPO (Zhao et al. 2025, "Geometric-Mean Policy Optimization"; verl's `geo_mean`), token form: the
+    geometric mean of the token ratios, each clipped in log space on the pessimistic side first.
+
+      d_t    = lp_t - lo_t,   c_t = sign(A) * min(sign(A) d_t, sign(A) clip(d_t, -eps_low, eps_high))
+      s_i    = exp( sum_t m c_t / sum_t m )                 (a sequence's geometric mean of clipped ratios)
+      s_i,t  = sg(s_i) * exp(c_t - sg(c_t))                 value s_i, gradient s_i * grad c_t
+      loss_t = -A * s_i,t
+    With aggregation "sequence_mean" this is the paper's objective -A_i s_i, mean over sequences, with gradient
+    -A_i s_i (1/|y_i|) sum_t grad c_t; a token whose log-ratio is clipped (c_t constant: `clipped`) drops out of
+    it, the others keep theirs. Unlike GSPO the clip is per token, so one extreme token cannot stop a whole
+    sequence's gradient, and the range is in log space: the paper's (e^-0.4, e^0.4) is eps 0.4 / 0.4.
+    """
+    d = lp - lo
+    sign = jnp.sign(a)
+    c = sign * jnp.minimum(sign * d, sign * jnp.clip(d, -eps_low, eps_high))
+    n = jnp.sum(m, axis=-1, keepdims=True)
+    mean_log = jnp.sum(m * c, axis=-1, keepdims=True) / jnp.where(n > 0, n, 1.0)
+    s = jnp.broadcast_to(jnp.exp(_sg(mean_log)), lp.shape)
+    clip_active = sign * jnp.clip(d, -eps_low, eps_high) < sign * d
+    return PolicyTerm(-a * s * jnp.exp(c - _sg(c)), s, clip_active, jnp.zeros(lp.shape, bool))
 
 
 def cispo(lp, lo, a, *, eps_low: Optional[float], eps_high: float) -> PolicyTerm:
@@ -180,6 +203,7 @@ POLICY_LOSSES: dict[str, Callable[..., PolicyTerm]] = {
     "ppo_clip": lambda lp, lo, a, m, cfg: ppo_clip(lp, lo, a, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
                                                    dual_clip=cfg.dual_clip),
     "gspo": lambda lp, lo, a, m, cfg: gspo(lp, lo, a, m, eps_low=cfg.gspo_eps_low, eps_high=cfg.gspo_eps_high),
+    "gmpo": lambda lp, lo, a, m, cfg: gmpo(lp, lo, a, m, eps_low=cfg.gmpo_eps_low, eps_high=cfg.gmpo_eps_high),
     "cispo": lambda lp, lo, a, m, cfg: cispo(lp, lo, a, eps_low=cfg.cispo_eps_low, eps_high=cfg.cispo_eps_high),
     "reinforce": lambda lp, lo, a, m, cfg: reinforce(lp, lo, a),
     "kl_cov": lambda lp, lo, a, m, cfg: kl_cov(lp, lo, a, m, ratio=cfg.kl_cov_ratio, coef=cfg.kl_cov_coef),

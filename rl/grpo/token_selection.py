@@ -15,7 +15,7 @@ def masked_quantile(x, valid, q: float):
     """The q-quantile of x over its valid entries, numpy's default ("linear") method:
 
       s = the valid values sorted ascending, n of them;  p = q (n - 1),  j = floor(p),  g = p - j
-      quantile = s_j + g (s_{j+1} - s_j)        (written as numpy writes it: s_{j+1} - (1 - g)(s_{j+1} - s_j) for g >= 0.5)
+      quantile = s_j + g (s_{j+1} - s_j)      (for g >= 0.5 written as numpy does: s_{j+1} - (1 - g)(s_{j+1} - s_j))
     0 when nothing is valid. x, valid: arrays of one shape (any rank); the result is a float32 scalar.
     """
     flat = jnp.where(valid, x.astype(jnp.float32), jnp.inf).reshape(-1)  # invalid entries sort last
