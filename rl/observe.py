@@ -1,4 +1,5 @@
-"""What people see: a progress bar, metrics.jsonl and TensorBoard in the run directory, PNG curves."""
+"""What people see: a progress bar, metrics.jsonl and TensorBoard in the run directory (and W&B, `rl.wandb_run`),
+PNG curves."""
 
 from __future__ import annotations
 
@@ -52,10 +53,12 @@ def _summary_writer():
 
 class RunLogger:
     def __init__(self, run_dir: str, *, tensorboard: bool = True, progress_bar: bool = True, total_steps: int = 0,
-                 first_step: int = 0):
+                 first_step: int = 0, open_wandb=None):
+        """open_wandb: a callable returning a started W&B run (`rl.wandb_run.open_run`) to mirror every row to;
+        called on the process that writes (process 0) only."""
         import jax
         self.run_dir = run_dir
-        self._jsonl = self._tb = self._bar = None
+        self._jsonl = self._tb = self._bar = self._wandb = None
         self._val = None  # the last held-out pass@1, shown on the progress bar
         # Every host of a multi-host job runs the same loop with the same metrics; one of them writes.
         if jax.process_index() != 0:
@@ -64,6 +67,8 @@ class RunLogger:
         self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
         if tensorboard:
             self._tb = _summary_writer()(os.path.join(run_dir, "tensorboard"))
+        if open_wandb is not None:
+            self._wandb = open_wandb()
         if progress_bar:
             from tqdm import tqdm
             self._bar = tqdm(total=total_steps, initial=first_step, unit="step", dynamic_ncols=True)
@@ -80,6 +85,9 @@ class RunLogger:
             for k, v in clean.items():
                 if isinstance(v, float) and math.isfinite(v):
                     self._tb.add_scalar(k, v, step)
+        if self._wandb is not None:
+            from rl.wandb_run import scalars
+            self._wandb.log(scalars(clean), step=step)
         self._val = clean.get("val/pass@1", self._val)
         if self._bar is not None and advance:
             self._bar.update(1)
@@ -94,6 +102,8 @@ class RunLogger:
             self._tb.close()
         if self._bar is not None:
             self._bar.close()
+        if self._wandb is not None:
+            self._wandb.finish()
 
 
 def read_metrics(run_dir: str) -> list[dict]:

@@ -27,6 +27,7 @@ from rl.policy import (Policy, build_policy, checkpointer_for, learning_rate, ma
                        make_update, sequence_width)
 from rl.reference import ReferenceWeights
 from rl.tasks import make_task
+from rl.wandb_run import open_run as open_wandb_run
 
 log = logging.getLogger(__name__)
 
@@ -213,7 +214,9 @@ class GRPOTrainer:
         first = self.resume()
         deadline = cfg.checkpoint.deadline_seconds(datetime.datetime.now())
         logger = RunLogger(self.run_dir, tensorboard=cfg.logging.tensorboard, progress_bar=cfg.logging.progress_bar,
-                           total_steps=cfg.run.total_steps, first_step=first)
+                           total_steps=cfg.run.total_steps, first_step=first,
+                           open_wandb=functools.partial(open_wandb_run, self.run_dir, cfg) if cfg.logging.wandb_project
+                           else None)
         last = {}
         saved_for_deadline = False
         try:

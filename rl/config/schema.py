@@ -377,6 +377,13 @@ class LoggingSection(_Section):
                                       "probability mass (no indexer mask) in the key blocks its indexer selects, on "
                                       "the step's first micro-batch (real tokens), by a forward of its own outside "
                                       "the train step; 0 = off", min=0)
+    wandb_project: str | None = _f(None, "mirror every metrics row to Weights & Biases under this project (null = "
+                                         "off; needs the wandb package): one W&B run named run.name, configured with "
+                                         "the resolved config; a resumed run (same run.out_dir) continues it")
+    wandb_entity: str | None = _f(None, "the W&B entity (user or team); null = the account's default")
+    wandb_mode: str = _f("online", "online, or offline: the W&B run is written under run.out_dir/wandb without a "
+                                   "network, for `wandb sync` later (compute nodes without internet)",
+                         choices=("online", "offline"))
     level: str = _f("info", "info: the terminal shows the progress bar, the project's INFO lines and anyone's "
                             "warnings, while third-party INFO (absl/orbax, jax, Ray, vLLM) goes to run.out_dir/run.log "
                             "only; debug: the terminal shows everything, and DEBUG records are logged too",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import math
 import re
 from typing import Any, Callable
@@ -164,6 +165,10 @@ def _cross_checks(cfg: RunConfig) -> list[_Problem]:
     out: list[_Problem] = []
     m, g, gen, d = cfg.model, cfg.grpo, cfg.generation, cfg.data
 
+    if cfg.logging.wandb_project is not None and importlib.util.find_spec("wandb") is None:
+        out.append(_Problem("logging.wandb_project", f"logging.wandb_project = {_show(cfg.logging.wandb_project)}: "
+                                                     "the wandb package is not installed (pip install wandb); "
+                                                     "allowed: null, or install it"))
     if (m.path is None) == (m.tiny is None):
         both = "both are set" if m.path is not None else "neither is set"
         out.append(_Problem("model.path", f"model.path = {_show(m.path)} and model.tiny = "
