@@ -14,6 +14,7 @@ import logging
 import os
 import time
 
+import jax
 import numpy as np
 
 from rl import evaluate as held_out
@@ -26,6 +27,7 @@ from rl.observe import RunLogger, plot_run
 from rl.policy import (Policy, build_policy, checkpointer_for, learning_rate, make_indexer_recall, make_logprobs,
                        make_update, sequence_width)
 from rl.reference import ReferenceWeights
+from rl import rollout_log
 from rl.tasks import make_task
 from rl.wandb_run import open_run as open_wandb_run
 
@@ -143,6 +145,9 @@ class GRPOTrainer:
                 step + 1, drawn.metrics["dapo/kept_groups"], gcfg.prompts_per_step, drawn.metrics["dapo/rounds"],
                 drawn.metrics["dapo/filled_groups"])
         adv = phases.advantages(reward, samples.rollout.truncated, gcfg)
+        if rollout_log.due(done, cfg.logging.rollouts_every) and jax.process_index() == 0:
+            rollout_log.append(self.run_dir, rollout_log.rollout_rows(samples, reward, adv, self.tokenizer, done,
+                                                                      gcfg.group_size, cfg.logging.rollouts_groups))
         rows = len(samples.completions)
         num_micro = rows // (gcfg.micro_batch_size * cfg.mesh.data * cfg.mesh.expert)
         micro = phases.train_batch(samples, adv, width=self.width, pad_id=self.pad_id, num_micro=num_micro,

@@ -1,0 +1,36 @@
+"""The rollouts as text (`logging.rollouts_every`, rl/rollout_log.py)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from rl.rollout_log import FILE, due
+
+
+def test_due_follows_the_metrics_step_numbers():
+    assert [s for s in range(1, 12) if due(s, 5)] == [1, 6, 11]
+    assert not any(due(s, 0) for s in range(1, 12))
+
+
+@pytest.mark.slow  # one step of the tiny trainer
+def test_a_step_writes_its_first_groups_as_text(tmp_path):
+    from tests.tiny_runs import tiny_trainer
+    trainer = tiny_trainer(tmp_path, "r", "logging.rollouts_every=2", "logging.rollouts_groups=2")
+    try:
+        metrics = trainer.step(0)  # metrics.jsonl's step 1: written
+        trainer.step(1)            # step 2: not written
+    finally:
+        trainer.engine.shutdown()
+    rows = [json.loads(line) for line in open(tmp_path / "r" / FILE)]
+    assert [(r["step"], r["group"], r["sample"]) for r in rows] == [(1, g, j) for g in range(2) for j in range(4)]
+    for r in rows:  # the tiny task: <bos> d d d d <sep>, answered by the digits (copy_digits scores their places)
+        assert r["prompt"].startswith("<bos>") and r["prompt"].endswith("<sep>") and len(r["answer"]) == 4
+        assert 0.0 <= r["reward"] <= 1.0 and 1 <= r["length"] <= 5 and r["loss_weight"] == 1.0
+        assert r["mean_logp_gen"] < 0 and r["weight_version"] == 0
+    for g in range(2):  # GRPO's advantages: each group's rewards centred
+        adv = [r["advantage"] for r in rows if r["group"] == g]
+        rew = [r["reward"] for r in rows if r["group"] == g]
+        assert np.sum(adv) == pytest.approx(0.0, abs=1e-4)
+        assert np.argsort(adv, kind="stable").tolist() == np.argsort(rew, kind="stable").tolist() or np.ptp(rew) == 0
+    assert metrics["reward/mean"] >= 0
