@@ -22,7 +22,8 @@ so AIME's ``Problem`` / ``Answer`` columns work) and then every row must have th
 
 The whole file is read and validated inside ``load_prompts``: a bad file raises one ``DatasetError``
 naming the file, the 1-based row (for JSONL: the line number) and what was expected, before a trainer
-has touched any state. Numeric answers are converted to strings.
+has touched any state. Numeric answers are converted to strings, lists and dicts (a code task's test cases,
+`rl.rewards.code`) to JSON text.
 
 Prompts
 -------
@@ -265,8 +266,16 @@ def _check_prompt(path: Path, row: int, key: str, value: Any) -> Prompt:
 
 
 def _check_answer(path: Path, row: int, key: str, value: Any, layout: str) -> str:
+    if isinstance(value, np.ndarray):  # a parquet list column
+        value = value.tolist()
+    if isinstance(value, (list, tuple, dict)):  # structured answers (a code task's tests) travel as JSON text
+        try:
+            return json.dumps(value)
+        except (TypeError, ValueError) as e:
+            raise DatasetError(path, f"field {key!r}: a structured answer that is not JSON ({e})", row=row) from None
     if isinstance(value, bool) or not isinstance(value, (str, int, float, np.integer, np.floating)):
-        raise DatasetError(path, f"field {key!r}: expected a string or a number, got {_short(value)}", row=row)
+        raise DatasetError(path, f"field {key!r}: expected a string, a number, or JSON-like lists / dicts (test "
+                                 f"cases), got {_short(value)}", row=row)
     text = str(value).strip()
     if layout == "gsm8k":
         final = _gsm8k_final(text)

@@ -137,10 +137,16 @@ def test_bad_message_and_wrong_types(tmp_path):
         load_prompts(path)
     assert "'content'" in check_error(e, path, 2)
 
-    path = write_jsonl(tmp_path / "types.jsonl", [{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": [1, 2]}])
+    path = write_jsonl(tmp_path / "types.jsonl", [{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": True}])
     with pytest.raises(DatasetError) as e:
         load_prompts(path)
-    assert "expected a string or a number" in check_error(e, path, 2)
+    assert "expected a string, a number, or JSON-like lists / dicts" in check_error(e, path, 2)
+
+    # structured answers (a code task's test cases) travel as JSON text
+    tests = {"inputs": ["1 2\n"], "outputs": ["3\n"]}
+    path = write_jsonl(tmp_path / "code.jsonl", [{"prompt": "add", "tests": tests}, {"prompt": "b", "tests": ["x"]}])
+    got = load_prompts(path, answer_key="tests")
+    assert [json.loads(r.answer) for r in got] == [tests, ["x"]]
 
     path = write_jsonl(tmp_path / "notobj.jsonl", [{"prompt": "a", "answer": "1"}, ["b", "2"]])
     with pytest.raises(DatasetError) as e:

@@ -1,0 +1,68 @@
+"""The code-execution rewards (rl/rewards/code.py): programs run against stdin/stdout, call-based and assert tests,
+with the failures that must score 0 (wrong output, crash, endless loop, memory bomb, no code) and specs that must be
+refused."""
+
+import json
+import time
+
+import pytest
+
+from rl.rewards import get_reward, score_batch
+from rl.rewards.code import extract_program, parse_tests, run_tests
+
+ADD = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
+IO = json.dumps({"inputs": ["1 2\n", "10 -3\n", "0 0\n"], "outputs": ["3\n", "7", ["0"]]})
+
+
+def test_the_last_python_block_is_the_program():
+    text = "first\n```python\nprint(1)\n```\nthen\n```\nprint(2)\n```\n```bash\nls\n```"
+    assert extract_program(text) == "print(2)\n"
+    assert extract_program("no code here") is None
+
+
+def test_stdin_stdout_tests():
+    tests = parse_tests(IO)
+    assert run_tests(extract_program(ADD), tests) == (3, 3)
+    assert get_reward("code_tests")(ADD, IO) == 1.0
+    off_by_one = ADD.replace("a + b", "a + b + (a == 10)")
+    assert run_tests(extract_program(off_by_one), tests) == (2, 3)
+    assert get_reward("code_tests")(off_by_one, IO) == 0.0
+    assert get_reward("code_tests_frac")(off_by_one, IO) == pytest.approx(2 / 3)
+    as_list = [{"input": "4 5", "output": "9"}]
+    assert get_reward("code_tests")(ADD, as_list) == 1.0
+
+
+def test_call_based_and_assert_tests():
+    prog = "```python\ndef f(xs, k):\n    return sorted(xs)[:k]\n```"
+    # f returns [1, 2] and [5]; APPS wraps an expected value in a list ([[1, 2]]), plain values match too ([5])
+    spec = {"fn_name": "f", "inputs": [[[3, 1, 2], 2], [[5], 1]], "outputs": [[[1, 2]], [5]]}
+    assert get_reward("code_tests")(prog, json.dumps(spec)) == 1.0
+    spec["outputs"] = [[[1, 2]], [[6]]]
+    assert get_reward("code_tests_frac")(prog, spec) == pytest.approx(0.5)
+    asserts = ["assert f([2, 1], 1) == [1]", "assert f([], 3) == []", "assert f([1], 1) == [2]"]
+    assert get_reward("code_tests_frac")(prog, asserts) == pytest.approx(2 / 3)
+    assert get_reward("code_tests")(prog, "assert f([2, 1], 1) == [1]\nassert f([3], 1) == [3]") == 1.0
+
+
+def test_what_must_fail_fails_in_time():
+    tests = parse_tests(IO)
+    t0 = time.monotonic()
+    assert run_tests("while True:\n    pass\n", tests, timeout_s=3.0) == (0, 3)  # the budget, not 3 x 4 s
+    assert time.monotonic() - t0 < 6.0
+    assert run_tests("x = bytearray(8 << 30)\nprint(3)\n", tests[:1]) == (0, 1)  # over the address-space limit
+    assert run_tests("raise SystemExit(1)\n", tests[:1]) == (0, 1)
+    assert get_reward("code_tests")("the answer is 3", IO) == 0.0
+
+
+def test_specs_it_cannot_read_are_refused():
+    with pytest.raises(ValueError, match="2 inputs for 1 outputs"):
+        parse_tests({"inputs": ["1", "2"], "outputs": ["1"]})
+    with pytest.raises(ValueError, match="expected"):
+        parse_tests({"tests": []})
+
+
+def test_through_the_process_pool():
+    """The registered mode (a worker process per chunk): scores and a bad spec counted as a failure."""
+    total, failures = score_batch([("code_tests", 1.0)], [ADD, "no code", ADD], [IO, IO, json.dumps({"tests": 1})],
+                                  timeout_s=30.0)
+    assert list(total) == [1.0, 0.0, 0.0] and failures == 1
