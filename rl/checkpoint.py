@@ -2,7 +2,8 @@
 
 What a step's checkpoint holds (grpo-reference §4): the exact fp32 master of the params, the inner
 optimizer state (moments, counters), the non-trainable state, step and skip counters, and in a JSON
-item the data-loader position, the PRNG seed and the weight version. Saving the master rather than
+item the data-loader position, the PRNG seed and the weight version; after a KL reference reset, the reference's
+params too (`reference`, and its step in the JSON). Saving the master rather than
 (params, remainder) makes a checkpoint independent of the precision mode and of the mesh: restoring
 builds the current run's layout from it (fp32 params <-> bf16 + fp32 master <-> bf16 + remainder),
 onto the current run's shardings (orbax restores against an abstract target).
@@ -63,7 +64,7 @@ class Checkpointer:
         logging.getLogger("absl").addFilter(notice)
         try:
             self.manager = ocp.CheckpointManager(
-                self.directory, item_names=("state", "meta"),
+                self.directory, item_names=("state", "meta", "reference"),
                 options=ocp.CheckpointManagerOptions(max_to_keep=None if read_only else keep,
                                                      save_interval_steps=0 if read_only else 1,
                                                      enable_async_checkpointing=async_save and not read_only,
@@ -81,12 +82,23 @@ class Checkpointer:
                                                                  meta=ocp.args.JsonRestore()))
         return _rebuild(like, got["state"]), dict(got["meta"])
 
-    def save(self, step: int, state: TrainState, meta: dict) -> float:
-        """Start saving (returns at once when async); the seconds spent blocking are returned."""
+    def save(self, step: int, state: TrainState, meta: dict, reference=None) -> float:
+        """Start saving (returns at once when async); the seconds spent blocking are returned. reference: the KL
+        reference's params when they are not the starting weights (after a `grpo.reference_reset_every_steps`
+        reset), saved beside the state as they are (the policy's dtype)."""
         t0 = time.perf_counter()
+        extra = {} if reference is None else {"reference": ocp.args.StandardSave(nnx.to_pure_dict(reference))}
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(_portable(state)),
-                                                        meta=ocp.args.JsonSave(meta)), force=True)
+                                                        meta=ocp.args.JsonSave(meta), **extra), force=True)
         return time.perf_counter() - t0
+
+    def restore_reference(self, step: int, like_params):
+        """The KL reference saved with checkpoint `step`, as a tree like `like_params` placed as they are."""
+        got = self.manager.restore(step, args=ocp.args.Composite(
+            reference=ocp.args.StandardRestore(nnx.to_pure_dict(_abstract(like_params)))))
+        params = jax.tree.map(lambda x: x, like_params)  # a fresh State to fill
+        nnx.replace_by_pure_dict(params, got["reference"])
+        return params
 
     def restore_latest(self, like: TrainState) -> tuple[TrainState, dict] | None:
         """The newest readable checkpoint rebuilt into the layout of `like` (the freshly built state)."""

@@ -1,4 +1,5 @@
-"""The KL's reference policy: a frozen copy of the weights the run started from (`grpo.kl` set).
+"""The KL's reference policy: a frozen copy of the weights the run started from (`grpo.kl` set), or of the policy at
+its last reset (`grpo.reference_reset_every_steps`).
 
 Its only reader is the reference logprob pass before each update, so between passes it need not take device
 memory. With `grpo.reference_memory: host` the copy lives in the devices' pinned host memory (JAX's memory
@@ -31,9 +32,16 @@ class ReferenceWeights:
     devices, placed as the params were when the copy was made."""
 
     def __init__(self, params, memory: str = "device"):
+        self.reset(params, memory)
+
+    def reset(self, params, memory: str | None = None) -> None:
+        """Hold a copy of `params` as the reference from now on (`grpo.reference_reset_every_steps`: ProRL's
+        reference reset to the current policy); the previous copy is dropped."""
+        memory = self.memory if memory is None else memory
         if memory not in REFERENCE_MEMORY:
             raise ValueError(f"grpo.reference_memory = {memory!r}: expected one of {REFERENCE_MEMORY}")
         self.memory = memory
+        self.held = None  # the old copy goes before the new one is made: never two references at once
         self._on_device = jax.tree.map(lambda x: x.sharding, params)
         if memory == "device":
             self.held = jax.tree.map(jnp.copy, params)  # its own buffers: the train step donates the params'

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from rl import evaluate as held_out
-from rl import phases
+from rl import phases, rollout_log
 from rl.ahead import AheadDraw, draws_ahead
 from rl.config import RunConfig
 from rl.data import PromptLoader, load_prompts
@@ -27,9 +27,9 @@ from rl.observe import RunLogger, plot_run
 from rl.policy import (Policy, build_policy, checkpointer_for, learning_rate, make_indexer_recall, make_logprobs,
                        make_update, sequence_width)
 from rl.reference import ReferenceWeights
-from rl import rollout_log
 from rl.tasks import make_task
 from rl.wandb_run import open_run as open_wandb_run
+from sharding.precision import restart_adam
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,7 @@ class GRPOTrainer:
         # the KL's reference policy: the weights the run starts from (a resume restores the policy, not these)
         self.reference = (ReferenceWeights(self.policy.state.params, cfg.grpo.reference_memory)
                           if self.loss_cfg.kl != "none" else None)
+        self.reference_step = 0  # the step whose policy the reference is (grpo.reference_reset_every_steps)
         self.train_step = make_update(self.policy, self.loss_cfg)
         self.logprobs = make_logprobs(self.policy)
         # logging.indexer_recall_every: a forward of its own on a sample every N steps (models with sparse layers)
@@ -167,6 +168,7 @@ class GRPOTrainer:
         t["logprobs"] = time.perf_counter()
 
         policy.state, stats = phases.update(self.train_step, policy.state, micro, gcfg.updates_per_step)
+        reset = self._reset_reference(done)
         t["train"] = time.perf_counter()
 
         if ahead is not None:  # the engine keeps the old weights until the draw in flight is done
@@ -182,8 +184,24 @@ class GRPOTrainer:
         metrics.update(drawn.metrics)
         metrics.update(route_metrics)
         metrics.update(ahead_metrics)
+        metrics.update(reset)
         metrics["time/step"] = elapsed
         return metrics
+
+    def _reset_reference(self, done: int) -> dict:
+        """ProRL's reset after the update of step `done` when it is due: the KL reference becomes the policy
+        (and Adam restarts, `grpo.reference_reset_optimizer`); the metric `reference/age_steps` (0 on a reset)."""
+        every = self.cfg.grpo.reference_reset_every_steps
+        if not every or self.reference is None:
+            return {}
+        if done % every == 0:
+            state = self.policy.state
+            self.reference.reset(state.params)
+            self.reference_step = done
+            if self.cfg.grpo.reference_reset_optimizer:
+                opt = state.opt_state._replace(inner=restart_adam(state.opt_state.inner))
+                self.policy.state = state._replace(opt_state=opt)
+        return {"reference/age_steps": float(done - self.reference_step)}
 
     # -------------------------------------------------------------------------------------- loop
     def _evaluates_after(self, done: int) -> bool:
@@ -193,7 +211,8 @@ class GRPOTrainer:
         # with a draw in flight (a save the schedule did not foresee), the position before it: those
         # prompts are drawn again after a resume (rl.ahead)
         data = self.ahead.loader_state if self.ahead is not None and self.ahead.pending else self.loader.state_dict()
-        return {"step": step, "data": data, "seed": self.cfg.run.seed, "weight_version": step, "best": self.best}
+        return {"step": step, "data": data, "seed": self.cfg.run.seed, "weight_version": step, "best": self.best,
+                "reference_step": self.reference_step}
 
     def resume(self) -> int:
         got = self.checkpointer.restore_latest(self.state)
@@ -203,12 +222,16 @@ class GRPOTrainer:
         self.policy.state = self.policy.place(state)
         self.loader.load_state_dict(meta["data"])
         self.best = meta.get("best")
+        self.reference_step = int(meta.get("reference_step", 0))
+        if self.reference_step:  # the reference is a reset's policy, not the starting weights: saved with the state
+            self.reference.reset(self.checkpointer.restore_reference(int(meta["step"]), self.state.params))
         self.engine.set_weights(self.state.params, meta["weight_version"], self.state.rest)
         log.info("resumed from step %d in %s", meta["step"], self.checkpointer.directory)
         return int(meta["step"])
 
     def save(self, step: int) -> None:
-        self.checkpointer.save(step, self.state, self._meta(step))
+        reference = self.reference.held if self.reference_step else None
+        self.checkpointer.save(step, self.state, self._meta(step), reference=reference)
 
     def export(self, path: str | None = None) -> str:
         return self.policy.export(path or os.path.join(self.run_dir, "export"))

@@ -126,6 +126,16 @@ class ScaleByAdamState(NamedTuple):
     nu: Any
 
 
+def restart_adam(inner):
+    """`inner` (an optimizer state) with every `ScaleByAdamState` back to its init: count 0, both moments 0, each a
+    new buffer placed as the old one (ProRL's optimizer reset). Everything else (the schedule's count, the
+    master weights' store outside `inner`) is kept, so the learning-rate schedule goes on where it was."""
+    fresh = lambda t: jax.tree.map(jnp.zeros_like, t)  # noqa: E731  (zeros_like keeps the array's sharding)
+    return jax.tree.map(lambda s: ScaleByAdamState(fresh(s.count), fresh(s.mu), fresh(s.nu))
+                        if isinstance(s, ScaleByAdamState) else s, inner,
+                        is_leaf=lambda s: isinstance(s, ScaleByAdamState))
+
+
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
                   moment_dtype=jnp.float32) -> optax.GradientTransformation:
     """Adam's direction with both moments stored in `moment_dtype` (optax keeps nu in fp32 always).

@@ -100,6 +100,12 @@ class GrpoSection(_Section):
                                          "the reference logprob passes: device, or host (the devices' pinned host "
                                          "memory, brought onto them for each pass: the train step's peak holds no "
                                          "reference)", choices=("device", "host"))
+    reference_reset_every_steps: int = _f(0, "ProRL's reference reset: after the update of steps N, 2N, ... the KL "
+                                             "reference becomes the current policy (kept in checkpoints from then "
+                                             "on); 0 = never: the reference is the starting weights", min=0)
+    reference_reset_optimizer: bool = _f(True, "with each reference reset also restart Adam (moments and its bias-"
+                                               "correction count at 0; the learning-rate schedule goes on), as "
+                                               "ProRL does")
     entropy_coef: float = _f(0.0, "entropy bonus: each response token's loss minus entropy_coef x the exact entropy "
                                   "of the sampling distribution there (after temperature, top-k, top-p; computed "
                                   "from the loss's own logits blocks, with its gradient); > 0 also logs `entropy`",

@@ -314,6 +314,11 @@ def _loss_checks(g) -> list[_Problem]:
         out.append(_Problem("grpo.is_floor", f"grpo.is_floor = {_show(g.is_floor)}: not below grpo.is_cap = "
                                              f"{_show(g.is_cap)}; allowed: null or a number in [0, is_cap)",
                             ("grpo.is_cap",)))
+    if g.reference_reset_every_steps and g.kl == "none":
+        out.append(_Problem("grpo.reference_reset_every_steps", f"grpo.reference_reset_every_steps = "
+                                                                f"{g.reference_reset_every_steps}: there is no KL "
+                                                                "reference to reset (grpo.kl = \"none\"); allowed: 0, "
+                                                                "or a KL estimator", ("grpo.kl",)))
     if g.kl_on_policy and g.kl == "none":
         out.append(_Problem("grpo.kl_on_policy", "grpo.kl_on_policy = true: there is no KL term to weight "
                                                  "(grpo.kl = \"none\"); allowed: false, or a KL estimator",
