@@ -6,6 +6,7 @@ summed reward is >= eval.correct_threshold (the digit rewards give partial credi
     val/pass@1                 mean over prompts of c / n (c = correct samples of the prompt)
     val/pass@k                 mean over prompts of the unbiased pass@k of Chen et al. (2021) with k = n
                                (= the fraction of prompts with at least one correct sample)
+    val/pass@<k>               the same for each further k of eval.pass_k (a pass@k curve)
     val/reward_mean            mean summed reward over every sample
     val/response_length_mean   mean response tokens (stop token included); val/truncated_frac
     val/reward_failures        reward evaluations that failed or timed out (scored 0)
@@ -70,6 +71,7 @@ class EvalSet:
     rewards: tuple  # rl.config.schema.RewardSpec
     correct_threshold: float
     seed: int
+    pass_k: tuple[int, ...] = ()  # further k of val/pass@<k>
 
 
 def eval_records(cfg, train: list[PromptRecord] = ()) -> list[PromptRecord]:
@@ -103,7 +105,7 @@ def build_eval_set(cfg, tokenizer, stop_token_ids, train: list[PromptRecord] = (
                               stop_token_ids=tuple(stop_token_ids))
     prompt_ids = [render_prompt(r, tokenizer, chat_template=cfg.data.chat_template) for r in records]
     return EvalSet(records, prompt_ids, sampling, e.samples_per_prompt, width, e.prompts_per_batch or len(records),
-                   tuple(e.reward or cfg.reward), e.correct_threshold, e.seed)
+                   tuple(e.reward or cfg.reward), e.correct_threshold, e.seed, tuple(e.pass_k))
 
 
 def evaluate(engine: Generator, es: EvalSet, tokenizer) -> dict:
@@ -122,7 +124,8 @@ def evaluate(engine: Generator, es: EvalSet, tokenizer) -> dict:
         truncated.append(np.asarray(out.truncated))
     answers = [r.answer for r in es.records for _ in range(n)]
     reward, failures = score(es.rewards, completions, answers, np.concatenate(truncated))
-    return summarize(reward, np.concatenate(lengths), np.concatenate(truncated), n, es.correct_threshold, failures)
+    return summarize(reward, np.concatenate(lengths), np.concatenate(truncated), n, es.correct_threshold, failures,
+                     es.pass_k)
 
 
 def score(specs, completions: list[str], answers: list[str], truncated: np.ndarray) -> tuple[np.ndarray, int]:
@@ -139,10 +142,12 @@ def score(specs, completions: list[str], answers: list[str], truncated: np.ndarr
 
 
 def summarize(reward: np.ndarray, lengths: np.ndarray, truncated: np.ndarray, n: int, threshold: float,
-              failures: int = 0) -> dict:
-    """The val/* metrics of rows grouped n per prompt (row i is a sample of prompt i // n)."""
+              failures: int = 0, pass_k=()) -> dict:
+    """The val/* metrics of rows grouped n per prompt (row i is a sample of prompt i // n); `pass_k`: further k
+    of val/pass@<k>."""
     correct = (np.asarray(reward) >= threshold).reshape(-1, n)
     return {"val/pass@1": mean_pass_at_k(correct, 1), "val/pass@k": mean_pass_at_k(correct, n),
+            **{f"val/pass@{k}": mean_pass_at_k(correct, k) for k in pass_k if k != 1},
             "val/reward_mean": float(np.mean(reward)), "val/response_length_mean": float(np.mean(lengths)),
             "val/truncated_frac": float(np.mean(truncated)), "val/reward_failures": int(failures),
             "val/prompts": correct.shape[0], "val/samples_per_prompt": n}

@@ -53,6 +53,17 @@ def test_summarize_counts_only_full_rewards_as_correct():
     assert m["val/response_length_mean"] == 5.0 and math.isclose(m["val/truncated_frac"], 1 / 6)
     assert (m["val/reward_failures"], m["val/prompts"], m["val/samples_per_prompt"]) == (2, 2, 3)
     assert ev.summarize(reward, np.full(6, 5), np.zeros(6, bool), 3, 0.7)["val/pass@1"] == 1.0
+    # eval.pass_k: prompt 0 has c = 1 of 3 (pass@2 = 1 - C(2,2)/C(3,2) = 2/3), prompt 1 c = 2 (pass@2 = 1)
+    m = ev.summarize(reward, np.full(6, 5), np.zeros(6, bool), 3, 1.0, pass_k=(1, 2))
+    assert math.isclose(m["val/pass@2"], (2 / 3 + 1) / 2) and "val/pass@1" in m
+
+
+def test_pass_k_values_are_checked_against_the_samples():
+    from rl.config import ConfigError, load_config
+    cfg = load_config("configs/tiny.yaml", ["eval.pass_k=[2, 4]"])
+    assert cfg.eval.pass_k == (2, 4)
+    with pytest.raises(ConfigError, match=r"eval.pass_k.*\[8\] above eval.samples_per_prompt = 4"):
+        load_config("configs/tiny.yaml", ["eval.pass_k=[2, 8]"])
 
 
 # ------------------------------------------------------------------------------------- the split
@@ -221,7 +232,8 @@ def test_checkpoints_remember_the_best_and_resume_keeps_it():
     class Checkpointer:
         directory = "ckpt"
 
-        def save(self, step, state, meta):
+        def save(self, step, state, meta, reference=None):
+            assert reference is None  # no KL reference reset in this run
             saved[step] = meta
 
         def restore_latest(self, like):
@@ -253,6 +265,7 @@ def test_checkpoints_remember_the_best_and_resume_keeps_it():
         t.cfg = load_config(TINY)
         t.checkpointer, t.loader, t.engine, t.policy, t.best = Checkpointer(), Loader(), Engine(), Policy(), None
         t.ahead = None  # on-policy: no draw in flight (rl.ahead)
+        t.reference, t.reference_step = None, 0  # no KL reference
         return t
 
     first = trainer()

@@ -38,6 +38,9 @@ class EvalSection(_Section):
     max_prompts: int | None = _f(64, "prompts evaluated (a seeded subset of a larger file); null = all of the "
                                      "file", min=1)
     samples_per_prompt: int = _f(1, "samples per prompt: n of the pass@k estimator and the k of val/pass@k", min=1)
+    pass_k: tuple[int, ...] = _f([], "further k of the unbiased pass@k, each logged as val/pass@<k> (a pass@k "
+                                     "curve: e.g. [2, 4, 8] with 16 samples); each in [1, samples_per_prompt]",
+                                 items={"min": 1}, distinct=True)
     prompts_per_batch: int | None = _f(None, "prompts per generate call (bounds the JAX engine's batch); "
                                              "null = all at once", min=1)
     temperature: float = _f(0.0, "sampling temperature; 0 = greedy (with samples_per_prompt 1)", min=0)

@@ -73,6 +73,12 @@ def eval_problems(cfg, enabled: bool | None = None) -> list[_Problem]:
         out.append(_Problem("eval.samples_per_prompt", (
             f"eval.samples_per_prompt = {e.samples_per_prompt} with eval.temperature = 0: greedy decoding gives "
             "the same sample every time; allowed: 1, or eval.temperature > 0"), ("eval.temperature",)))
+    over = [k for k in e.pass_k if k > e.samples_per_prompt]
+    if over:
+        out.append(_Problem("eval.pass_k", f"eval.pass_k = {_show(list(e.pass_k))}: {_show(over)} above "
+                                           f"eval.samples_per_prompt = {e.samples_per_prompt} (pass@k needs k of the "
+                                           "n samples); allowed: values in [1, samples_per_prompt]",
+                            ("eval.samples_per_prompt",)))
     if cfg.generation.backend == "vllm":
         width, new = eval_lengths(cfg)
         if width + new > cfg.generation.max_seq_len:  # the engines are built for the run's longest sequence
