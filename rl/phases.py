@@ -26,7 +26,7 @@ from rl.grpo.batch import build_train_batch, split_micro
 from rl.grpo.loss import generation_mismatch_metrics
 from rl.grpo.mismatch import (ID_MISMATCH_METRICS, id_mismatch_from_sums, mismatch_from_sums, route_mismatch_frac,
                               selection_mismatch_frac)
-from rl.rewards.registry import score_batch
+from rl.rewards.registry import score_components
 from sharding.widths import micro_widths
 
 
@@ -55,20 +55,22 @@ def rollout(engine: Generator, records, tokenizer, cfg: RunConfig, sampling: Sam
 
 
 def rewards(reward_specs, samples: Samples, *, max_new_tokens: int = 0, overlong_buffer: int = 0,
-            overlong_penalty: float = 1.0) -> tuple[np.ndarray, int]:
-    """Sum of each configured reward times its weight, per row, and how many scorings failed (scored 0).
-    One call per reward: each has its own time limit. With `overlong_buffer` > 0, DAPO's soft overlong
-    punishment (`rl.grpo.dapo.overlong_penalty`) is added, before advantages see the reward."""
-    total, failures = np.zeros(len(samples.completions), np.float32), 0
+            overlong_penalty: float = 1.0) -> tuple[np.ndarray, int, dict]:
+    """Sum of each configured reward times its weight, per row, how many scorings failed (scored 0), and each
+    reward's own values per row (unweighted, by name). One call per reward: each has its own time limit. With
+    `overlong_buffer` > 0, DAPO's soft overlong punishment (`rl.grpo.dapo.overlong_penalty`) is added, before
+    advantages see the reward."""
+    total, failures, parts = np.zeros(len(samples.completions), np.float32), 0, {}
     extra = [{"truncated": bool(x)} for x in samples.rollout.truncated]
     for spec in reward_specs:
-        r, f = score_batch([(spec.name, spec.weight)], samples.completions, samples.answers,
-                           timeout_s=spec.timeout_s, sample_kwargs=extra)
-        total += r
-        failures += f
+        s = score_components([(spec.name, spec.weight)], samples.completions, samples.answers,
+                             timeout_s=spec.timeout_s, sample_kwargs=extra)
+        total += s.total
+        failures += s.num_failures
+        parts[spec.name] = s.components[spec.name]
     if overlong_buffer:
         total += dapo.overlong_penalty(samples.rollout.lengths, max_new_tokens, overlong_buffer, overlong_penalty)
-    return total, failures
+    return total, failures, parts
 
 
 @dataclasses.dataclass
@@ -114,25 +116,30 @@ def draw(engine: Generator, loader, tokenizer, cfg: RunConfig, sampling: Samplin
     g = cfg.grpo
     shaping = dict(max_new_tokens=cfg.generation.max_new_tokens, overlong_buffer=g.overlong_buffer,
                    overlong_penalty=g.overlong_penalty)
-    drawn, rewards_, zero, failures, informative, generate_s = [], [], [], 0, 0, 0.0
+    drawn, rewards_, parts, zero, failures, informative, generate_s = [], [], [], [], 0, 0, 0.0
     for r in range(g.dynamic_sampling_max_rounds if g.dynamic_sampling else 1):
         t0 = time.perf_counter()
         drawn.append(rollout(engine, loader.next_batch(), tokenizer, cfg, sampling, step, round=r))
         generate_s += time.perf_counter() - t0
-        reward, f = rewards(cfg.reward, drawn[-1], **shaping)
+        reward, f, part = rewards(cfg.reward, drawn[-1], **shaping)
         rewards_.append(reward)
+        parts.append(part)
         failures += f
         zero.append(np.asarray(adv_lib.zero_variance_groups(jnp.asarray(reward), g.group_size)))
         informative += int((~zero[-1]).sum())
         if informative >= g.prompts_per_step:
             break
-    metrics = {}
     if len(drawn) == 1:  # every group of the one batch, as drawn
-        samples, reward, kept = drawn[0], rewards_[0], int((~zero[0]).sum())
+        samples, reward, part, kept = drawn[0], rewards_[0], parts[0], int((~zero[0]).sum())
     else:
         picked, kept = dapo.select_groups(zero, g.prompts_per_step)
         samples = _take(drawn, picked, g.group_size)
-        reward = np.concatenate([rewards_[r][i * g.group_size:(i + 1) * g.group_size] for r, i in picked])
+        rows = lambda per_round: np.concatenate([per_round[r][i * g.group_size:(i + 1) * g.group_size]  # noqa: E731
+                                                 for r, i in picked])
+        reward = rows(rewards_)
+        part = {name: rows([p[name] for p in parts]) for name in parts[0]}
+    # each reward's own mean over the step's samples (unweighted; TRL's rewards/<name>/mean)
+    metrics = {f"reward/{name}/mean": float(values.mean()) for name, values in part.items()}
     if g.dynamic_sampling:
         every = np.concatenate(rewards_)
         metrics.update({"dapo/rounds": len(drawn), "dapo/prompts_drawn": len(drawn) * g.prompts_per_step,

@@ -133,7 +133,7 @@ def test_without_dynamic_sampling_one_batch_is_trained_as_drawn():
     off = dataclasses.replace(CFG, grpo=dataclasses.replace(CFG.grpo, dynamic_sampling=False))
     engine, data = FakeEngine(all_alike=True), loader()
     got = phases.draw(engine, data, TASK.tokenizer, off, SAMPLING, 0)
-    assert len(engine.calls) == 1 and data.index == P and got.metrics == {}
+    assert len(engine.calls) == 1 and data.index == P and got.metrics == {"reward/copy_digits/mean": 1.0}
     assert np.all(got.reward == 1.0) and len(got.reward) == P * G
 
 
@@ -143,6 +143,8 @@ def test_a_resumed_loader_replays_the_same_steps():
     def run(data, steps):
         engine = FakeEngine()
         out = [phases.draw(engine, data, TASK.tokenizer, CFG, SAMPLING, s) for s in steps]
+        for d in out:  # the reward's own values follow the rows the refills kept (one reward, weight 1)
+            assert d.metrics["reward/copy_digits/mean"] == pytest.approx(float(d.reward.mean()))
         return [([tuple(p) for p in d.samples.rollout.prompt_ids], d.samples.completions, d.reward.tolist(),
                  d.metrics["dapo/rounds"]) for d in out], engine.calls
 
@@ -168,7 +170,8 @@ def test_overlong_punishment_is_in_the_reward_the_advantages_see():
     rows = np.arange(P * G)
     right = np.array([hard(p) or i % 2 == 0 for i, p in zip(rows, got.samples.rollout.prompt_ids)])
     np.testing.assert_allclose(got.reward, np.where(right, 1.0, 0.75) - 0.25)
-    assert got.metrics == {"reward/overlong_penalty_mean": -0.25}
+    assert got.metrics == {"reward/overlong_penalty_mean": -0.25,  # the copy reward's own mean: before the penalty
+                           "reward/copy_digits/mean": pytest.approx(float(np.where(right, 1.0, 0.75).mean()))}
 
 
 def test_config_rules():

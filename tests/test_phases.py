@@ -71,7 +71,7 @@ def test_rollout_repeats_prompts_and_decodes_without_stop_tokens(samples):
 
 
 def test_rewards_and_advantages(samples):
-    reward, failures = phases.rewards(CFG.reward, samples)
+    reward, failures, _ = phases.rewards(CFG.reward, samples)
     assert failures == 0 and np.all(reward[0::2] == 1.0) and np.all(reward[1::2] < 1.0)
     adv = phases.advantages(reward, samples.rollout.truncated, CFG.grpo)
     assert adv.advantages.shape == (8,) and np.all(adv.advantages[0::2] > 0) and np.all(adv.advantages[1::2] < 0)
@@ -81,8 +81,17 @@ def test_rewards_and_advantages(samples):
     assert flat.zero_variance.all() and not flat.weight.any()  # equal rewards: both groups dropped
 
 
+def test_each_rewards_own_values_come_back_unweighted(samples):
+    from rl.config.schema import RewardSpec
+    specs = (RewardSpec("copy_digits", 1.0, 5.0), RewardSpec("exact_digits", 0.5, 5.0))
+    total, failures, parts = phases.rewards(specs, samples)
+    assert sorted(parts) == ["copy_digits", "exact_digits"] and failures == 0
+    np.testing.assert_allclose(total, parts["copy_digits"] + 0.5 * parts["exact_digits"], rtol=1e-6)
+    assert np.all(parts["exact_digits"][0::2] == 1.0)  # the rows answered right: 1 before the weight
+
+
 def test_train_batch_logprobs_update_and_metrics(samples):
-    reward, failures = phases.rewards(CFG.reward, samples)
+    reward, failures, _ = phases.rewards(CFG.reward, samples)
     adv = phases.advantages(reward, samples.rollout.truncated, CFG.grpo)
     micro = phases.train_batch(samples, adv, width=16, pad_id=13, num_micro=2)
     assert micro["input_ids"].shape == (2, 4, 15) and micro["loss_mask"].sum() == samples.rollout.lengths.sum()
