@@ -92,7 +92,7 @@ def weight_push_device(small: bool, device: str | None = None) -> dict:
     """Check 10 (see the module doc), for each staging of the receiver."""
     import torch
 
-    from rl.generation import collective, word_checksum
+    from rl.generation import collective_receiver, word_checksum
     from rl.generation.bucket_sender import BucketSender, RoutedSender
     from rl.generation.torch_arrays import numpy_dtype, to_numpy
 
@@ -111,7 +111,7 @@ def weight_push_device(small: bool, device: str | None = None) -> dict:
         sender.routes, sender.slices, sender.senders = [None], [{}], [BucketSender(bucket, device=device,
                                                                                    checksum_kind=word_checksum.KIND)]
         sender.senders[0].group = wire.sender
-        receiver = collective.Receiver(staging)
+        receiver = collective_receiver.Receiver(staging)
         receiver.groups, receiver.device = [wire.receiver], ("cuda:0" if device == "cuda" else device)
         got: dict = {}
 

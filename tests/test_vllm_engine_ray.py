@@ -146,8 +146,8 @@ def test_collective_weights_reach_every_worker_and_a_corrupted_push_changes_noth
     import dataclasses
 
     from m3jax.hf.save import hf_tensors
-    from rl.generation import collective
     from rl.generation.transfer import TransferError
+    from rl.generation.weight_group import WeightGroup
 
     pool._drop_transport()
     pool.cfg = dataclasses.replace(pool.cfg, transport="collective", bucket_bytes=64 << 10)
@@ -157,7 +157,7 @@ def test_collective_weights_reach_every_worker_and_a_corrupted_push_changes_noth
         ps, greedy = prompts([5, 11, 8]), SamplingParams(max_new_tokens=12, temperature=0.0)
         before, version = pool.generate(ps, greedy, jax.random.key(0)), pool.version
 
-        real, payloads = collective.WeightGroup.broadcast, [0]
+        real, payloads = WeightGroup.broadcast, [0]
 
         def flip_a_byte_in_the_second_bucket(self, tensor, root=0):
             if not tensor.dtype.is_floating_point and tensor.numel() > 4096:  # a payload, not a header
@@ -167,11 +167,11 @@ def test_collective_weights_reach_every_worker_and_a_corrupted_push_changes_noth
                     tensor[0] ^= 1  # after the sender's checksum
             return real(self, tensor, root)
 
-        monkeypatch.setattr(collective.WeightGroup, "broadcast", flip_a_byte_in_the_second_bucket)
+        monkeypatch.setattr(WeightGroup, "broadcast", flip_a_byte_in_the_second_bucket)
         # the groups of the two routes run side by side: which bucket carries the second payload varies
         with pytest.raises(TransferError, match=rf"tensor '[^']+' \(bucket \d+, version {version + 1}\): checksum"):
             pool.push(named, version + 1)
-        monkeypatch.setattr(collective.WeightGroup, "broadcast", real)
+        monkeypatch.setattr(WeightGroup, "broadcast", real)
         assert pool.version == version and len(pool.serving()) == 2
         same = pool.generate(ps, greedy, jax.random.key(0))
         assert np.array_equal(same.tokens, before.tokens) and np.abs(same.logprobs - before.logprobs).max() < 1e-6

@@ -21,6 +21,7 @@ from rl.generation import collective  # noqa: E402
 from rl.generation.base import SamplingParams  # noqa: E402
 from rl.generation.transfer import TransferError  # noqa: E402
 from rl.generation.vllm_pool import PoolConfig, VLLMPool, _actor_class  # noqa: E402
+from rl.generation.weight_group import WeightGroup  # noqa: E402
 from tests.test_vllm_engine import random_model  # noqa: E402  (random norms and router bias: every piece shows)
 
 MAX_LEN = 64
@@ -128,7 +129,7 @@ def test_corrupted_refused_or_partial_collective_push_names_the_tensor_and_keeps
     pool.push(named[1], 10)
     before, version = _scores(pool), pool.version
 
-    real = collective.WeightGroup.broadcast
+    real = WeightGroup.broadcast
     sent = {"payloads": 0}
 
     def flip_a_byte_in_the_second_bucket(self, tensor, root=0):
@@ -139,10 +140,10 @@ def test_corrupted_refused_or_partial_collective_push_names_the_tensor_and_keeps
                 tensor[0] ^= 1  # in transit, after the sender's checksum
         return real(self, tensor, root)
 
-    monkeypatch.setattr(collective.WeightGroup, "broadcast", flip_a_byte_in_the_second_bucket)
+    monkeypatch.setattr(WeightGroup, "broadcast", flip_a_byte_in_the_second_bucket)
     with pytest.raises(TransferError, match=r"tensor '[^']+' \(bucket 1, version 11\): checksum mismatch"):
         pool.push(named[0], 11)
-    monkeypatch.setattr(collective.WeightGroup, "broadcast", real)
+    monkeypatch.setattr(WeightGroup, "broadcast", real)
 
     bad_shape = [(n, a[:-1] if i == 5 else a) for i, (n, a) in enumerate(named[0])]
     with pytest.raises(TransferError, match=rf"tensor '{named[0][5][0]}' .*rejected by the engine"):

@@ -18,9 +18,10 @@ pytest.importorskip("ray", reason="ray is not installed (scripts/setup.sh instal
 import ml_dtypes  # noqa: E402
 import ray  # noqa: E402
 
-from rl.generation import bucket_sender, collective, word_checksum  # noqa: E402
+from rl.generation import bucket_sender, collective, collective_receiver, word_checksum  # noqa: E402
 from rl.generation.torch_arrays import to_numpy  # noqa: E402
 from rl.generation.transfer import StagedUpdate, TransferError  # noqa: E402
+from rl.generation.weight_group import WeightGroup  # noqa: E402
 from rl.generation.vllm_actor import EngineActor  # noqa: E402
 from rl.generation.vllm_worker_weights import WorkerWeights  # noqa: E402
 
@@ -37,7 +38,7 @@ class DictEngine:
             raise KeyError(f"{name!r} {tuple(shape)} is not a tensor of this engine")
 
     def join_weight_group(self, senders_by_route, placement, routes, backend, timeout_s):
-        self.receiver = self.receiver or collective.Receiver(self.staging)
+        self.receiver = self.receiver or collective_receiver.Receiver(self.staging)
         self.receiver.join_placed(senders_by_route, placement, routes, 0, backend, timeout_s)
 
     def leave_weight_group(self):
@@ -148,7 +149,7 @@ def _named(seed):
 # xxh3: what the gloo path checks with; wordsum64: the NCCL path's check on the device where the buckets land
 # (rl.generation.word_checksum), here on host buffers: the engines are then handed torch views of the buckets;
 # "+host staging": the dict engine receives into a ring of buffers and stages each verified bucket in memory of
-# its own (what an engine on a GPU whose weights fill it does, collective.Receiver)
+# its own (what an engine on a GPU whose weights fill it does, collective_receiver.Receiver)
 @pytest.fixture(scope="module", params=["xxh3", word_checksum.KIND, word_checksum.KIND + "+host staging"])
 def engines(ray_local, request):
     kind, _, staging = request.param.partition("+")
@@ -177,7 +178,7 @@ def test_collective_push_arrives_bit_for_bit_on_every_engine(engines):
     assert stats.setup_s > 0 and stats.buckets == 3 and stats.tensors == 4  # [a b] [big] [c]
     assert stats.bytes == sum(a.nbytes for _, a in _named(1))
     _check_applied(handles, 1, _named(1))
-    assert ray.get(handles[0].ring_buffers.remote()) == (collective.RING if host_staging else 0)
+    assert ray.get(handles[0].ring_buffers.remote()) == (collective_receiver.RING if host_staging else 0)
     assert t.push(iter(_named(2)), 2).setup_s == 0  # the group is kept between updates
     _check_applied(handles, 2, _named(2))
 
@@ -185,7 +186,7 @@ def test_collective_push_arrives_bit_for_bit_on_every_engine(engines):
 def test_corrupted_or_partial_push_is_refused_everywhere_and_the_group_stays_usable(engines, monkeypatch):
     t, handles, host_staging = engines
     t.push(iter(_named(3)), 3)
-    real = collective.WeightGroup.broadcast
+    real = WeightGroup.broadcast
 
     def corrupt_big(self, tensor, root=0):
         if tensor.numel() == 64 * 40 * 4:  # the payload of the bucket holding 'big'
@@ -193,10 +194,10 @@ def test_corrupted_or_partial_push_is_refused_everywhere_and_the_group_stays_usa
             tensor[17] ^= 4
         return real(self, tensor, root)
 
-    monkeypatch.setattr(collective.WeightGroup, "broadcast", corrupt_big)
+    monkeypatch.setattr(WeightGroup, "broadcast", corrupt_big)
     with pytest.raises(TransferError, match=r"tensor 'big' \(bucket 1, version 4\): checksum mismatch"):
         t.push(iter(_named(4)), 4)
-    monkeypatch.setattr(collective.WeightGroup, "broadcast", real)
+    monkeypatch.setattr(WeightGroup, "broadcast", real)
 
     class UnknownKind:  # a sender of another version, say: a checksum no receiver computes
         @staticmethod

@@ -84,7 +84,7 @@ def test_a_torch_slice_is_expanded_into_a_torch_tensor_and_reused():
 
 
 def test_the_group_device_picks_the_backend_and_the_checksum():
-    from rl.generation.collective import receive_device
+    from rl.generation.collective_receiver import receive_device
     from rl.generation.transfer import make_transport
 
     gpu = make_transport("collective", [], 1 << 20, device="cuda")  # nothing is allocated before a push

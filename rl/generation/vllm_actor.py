@@ -19,7 +19,7 @@ class EngineActor:
     time: generation, scoring, weight staging/commit) and `probe` (health answers while work runs).
     """
 
-    receiver = None  # rl.generation.collective.Receiver, once the collective transport has joined
+    receiver = None  # rl.generation.collective_receiver.Receiver, once the collective transport has joined
     workers_staged: int | None = None  # the version a Ray-executor engine's workers hold staged
 
     def __init__(self, cfg, rank: int):  # cfg: rl.generation.vllm_pool.PoolConfig
@@ -66,7 +66,7 @@ class EngineActor:
         if self._in_workers():
             self.engine.llm.collective_rpc("m3jax_join_weight_group", args=args)
             return
-        from rl.generation.collective import Receiver  # the engine end of the collective transport
+        from rl.generation.collective_receiver import Receiver  # the engine end of the collective transport
 
         self.receiver = self.receiver or Receiver()
         self.receiver.join_placed(senders_by_route, placement, routes, 0, backend, timeout_s)

@@ -108,7 +108,7 @@ class WorkerWeights:
 
     def m3jax_join_weight_group(self, senders_by_route, placement, routes, backend: str, timeout_s: float) -> int:
         """Join this worker's route's group of every sender (placement is indexed by the worker's rank)."""
-        from rl.generation.collective import Receiver
+        from rl.generation.collective_receiver import Receiver
 
         if self._m3jax_receiver is None:
             self._m3jax_receiver = Receiver()
