@@ -42,6 +42,7 @@ def test_call_based_and_assert_tests():
     asserts = ["assert f([2, 1], 1) == [1]", "assert f([], 3) == []", "assert f([1], 1) == [2]"]
     assert get_reward("code_tests_frac")(prog, asserts) == pytest.approx(2 / 3)
     assert get_reward("code_tests")(prog, "assert f([2, 1], 1) == [1]\nassert f([3], 1) == [3]") == 1.0
+    assert get_reward("code_tests")(prog, json.dumps("assert f([3], 1) == [4]")) == 0.0  # test code as JSON text
 
 
 def test_what_must_fail_fails_in_time():

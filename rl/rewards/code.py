@@ -69,6 +69,8 @@ def parse_tests(answer) -> list[tuple[str, object, object]]:
             spec = json.loads(answer)
         except json.JSONDecodeError:
             return [("assert", answer, None)]  # test code
+    if isinstance(spec, str):  # test code stored as a JSON string
+        return [("assert", spec, None)]
     if isinstance(spec, dict) and "asserts" in spec:
         spec = spec["asserts"]
     if isinstance(spec, list) and all(isinstance(t, str) for t in spec):
