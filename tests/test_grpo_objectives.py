@@ -1,4 +1,4 @@
-"""GSPO, GMPO, CISPO, REINFORCE, KL-Cov and Clip-Cov (rl/grpo/objectives.py) through the loss, against values
+"""GSPO, GMPO, SAPO, CISPO, REINFORCE, KL-Cov and Clip-Cov (rl/grpo/objectives.py) through the loss, against values
 and gradients worked out by hand in the comments (never with the functions under test). ppo_clip has its own
 cases in tests/test_grpo_loss.py.
 """
@@ -26,7 +26,7 @@ def _value_and_grad(lp, lo, adv, mask, **cfg):
 
 
 def test_registry():
-    assert tuple(POLICY_LOSSES) == ("ppo_clip", "gspo", "gmpo", "cispo", "reinforce", "kl_cov", "clip_cov")
+    assert tuple(POLICY_LOSSES) == ("ppo_clip", "gspo", "gmpo", "sapo", "cispo", "reinforce", "kl_cov", "clip_cov")
     with pytest.raises(ValueError, match=r"'ppo'.*ppo_clip.*gspo.*cispo.*reinforce"):
         get_policy_loss("ppo")
 
@@ -143,6 +143,23 @@ def test_cispo_lower_bound():
     close(loss, 0.761005 + 1.015888 - 1.990318)
     close(g[:, 0], [-1.28, -0.6, 2.2])
     assert float(st["clipped_tokens"]) == 2
+
+
+# ---------------------------------------------------------------- SAPO
+def test_sapo_value_and_gradient():
+    # the CISPO rows: r = 1.5 (A = +1, tau 1), 0.5 (A = +1), 1.1 (A = -2, tau 2): loss -sigmoid(tau (r - 1)) 4 / tau A,
+    # gradient -4 sigmoid'(tau (r - 1)) r A with sigmoid' = s (1 - s)
+    sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
+    cases = [(1.5, 1.0, 1.0), (0.5, 1.0, 1.0), (1.1, -2.0, 2.0)]
+    loss, st, g = _value_and_grad(CISPO_LP, CISPO_LO, np.array([1.0, 1.0, -2.0], np.float32),
+                                  np.ones((3, 1), np.float32), loss="sapo", sapo_tau_pos=1.0, sapo_tau_neg=2.0)
+    close(loss, sum(-sig(t * (r - 1)) * 4 / t * a for r, a, t in cases))
+    close(g[:, 0], [-4 * sig(t * (r - 1)) * (1 - sig(t * (r - 1))) * r * a for r, a, t in cases])
+    assert float(st["clipped_tokens"]) == 0
+    # a sharper gate (tau 20) keeps less of row 0's gradient than a soft one (tau 1), where ppo_clip keeps none
+    _, _, sharp = _value_and_grad(CISPO_LP, CISPO_LO, np.array([1.0, 1.0, -2.0], np.float32),
+                                  np.ones((3, 1), np.float32), loss="sapo", sapo_tau_pos=20.0)
+    assert 0 < -sharp[0, 0] < -g[0, 0]
 
 
 # ---------------------------------------------------------------- REINFORCE

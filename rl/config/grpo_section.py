@@ -14,7 +14,7 @@ from rl.config.schema import _f, _Section
 # loading a config imports no jax.
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "grpo_loo", "reinforce_pp")  # rl.grpo.advantages.ADVANTAGE_ESTIMATORS
 # rl.grpo.loss.LOSSES (rl.grpo.objectives)
-LOSSES = ("ppo_clip", "gspo", "gmpo", "cispo", "reinforce", "kl_cov", "clip_cov")
+LOSSES = ("ppo_clip", "gspo", "gmpo", "sapo", "cispo", "reinforce", "kl_cov", "clip_cov")
 IS_CORRECTIONS = ("truncate", "mask", "none")                  # rl.grpo.loss.IS_CORRECTIONS
 IS_LEVELS = ("token", "sequence", "geometric")                 # rl.grpo.loss.IS_LEVELS
 KL_TYPES = ("none", "k1", "k2", "k3")                          # rl.grpo.loss.KL_TYPES
@@ -48,8 +48,8 @@ class GrpoSection(_Section):
                         choices=ADVANTAGES)
     loss: str = _f("ppo_clip", "policy objective (rl.grpo.objectives): ppo_clip (clipped ratio), gspo (sequence "
                                "ratio clipped per sequence), gmpo (geometric mean of token ratios clipped in log "
-                               "space), cispo (clipped stop-gradient weight x REINFORCE), "
-                               "reinforce (-A logp), kl_cov (the unclipped surrogate with a KL penalty on the "
+                               "space), sapo (a soft sigmoid gate instead of the clip), cispo (clipped "
+                               "stop-gradient weight x REINFORCE), reinforce (-A logp), kl_cov (the unclipped surrogate with a KL penalty on the "
                                "tokens whose logp and advantage covary most: Cui et al. 2025), clip_cov (ppo_clip, "
                                "and no gradient on a few tokens drawn among those whose logp and advantage covary "
                                "strongly: the same paper)",
@@ -63,6 +63,8 @@ class GrpoSection(_Section):
     gmpo_eps_low: float = _f(0.4, "gmpo: each token's log-ratio clipped below at -gmpo_eps_low (the paper's "
                                    "e^-0.4)", min=0)
     gmpo_eps_high: float = _f(0.4, "gmpo: ... and above at gmpo_eps_high (e^0.4)", min=0)
+    sapo_tau_pos: float = _f(1.0, "sapo: gate temperature for A >= 0 (TRL's default)", gt=0)
+    sapo_tau_neg: float = _f(1.05, "sapo: gate temperature for A < 0 (TRL's default)", gt=0)
     cispo_eps_low: float | None = _f(None, "cispo: weight clipped below at 1 - cispo_eps_low; null = no lower "
                                            "bound (MiniMax-M1)", min=0, lt=1)
     cispo_eps_high: float = _f(0.28, "cispo: weight clipped above at 1 + cispo_eps_high", min=0)
@@ -149,6 +151,7 @@ class GrpoSection(_Section):
         return LossConfig(loss=self.loss, eps_low=self.eps_low, eps_high=self.eps_high, dual_clip=self.dual_clip,
                           gspo_eps_low=self.gspo_eps_low, gspo_eps_high=self.gspo_eps_high,
                           gmpo_eps_low=self.gmpo_eps_low, gmpo_eps_high=self.gmpo_eps_high,
+                          sapo_tau_pos=self.sapo_tau_pos, sapo_tau_neg=self.sapo_tau_neg,
                           cispo_eps_low=self.cispo_eps_low, cispo_eps_high=self.cispo_eps_high,
                           kl_cov_ratio=self.kl_cov_ratio, kl_cov_coef=self.kl_cov_coef,
                           clip_cov_ratio=self.clip_cov_ratio, clip_cov_lb=self.clip_cov_lb,

@@ -1,7 +1,7 @@
 """The GRPO loss: a policy-gradient objective by name, the train/inference importance correction, an
 optional KL penalty, and the step's aggregation. Each piece is its own module:
 
-  rl.grpo.objectives   ppo_clip (default: the M3 recipe), gspo, gmpo, cispo, reinforce, kl_cov, clip_cov
+  rl.grpo.objectives   ppo_clip (default: the M3 recipe), gspo, gmpo, sapo, cispo, reinforce, kl_cov, clip_cov
   rl.grpo.importance   w = exp(logp_old - logp_gen): truncate (with an optional floor) / mask / none
   rl.grpo.kl           k1 / k2 / k3 estimates of KL(pi || pi_ref) with the KL's gradient
   rl.grpo.mismatch     generator-vs-trainer diagnostics
@@ -94,6 +94,7 @@ class LossConfig:
       dual_clip: ppo_clip's c > 1: for A < 0 the objective is bounded below by c*A; None turns it off.
       gspo_eps_low, gspo_eps_high: gspo's clip of the sequence ratio (paper: 3e-4 / 4e-4).
       gmpo_eps_low, gmpo_eps_high: gmpo's clip of each token's log-ratio to [-low, high] (paper: 0.4 / 0.4).
+      sapo_tau_pos, sapo_tau_neg: sapo's gate temperatures for A >= 0 and A < 0 (TRL's defaults 1.0 / 1.05).
       cispo_eps_low, cispo_eps_high: cispo's clip of its weight [1 - low, 1 + high]; low None = no lower
         bound (MiniMax-M1's setting).
       kl_cov_ratio, kl_cov_coef: kl_cov's share of a batch's valid tokens that get the penalty (in (0, 1]) and
@@ -128,6 +129,8 @@ class LossConfig:
     gspo_eps_high: float = 4e-4
     gmpo_eps_low: float = 0.4
     gmpo_eps_high: float = 0.4
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
     cispo_eps_low: Optional[float] = None
     cispo_eps_high: float = 0.28
     kl_cov_ratio: float = 0.002
@@ -159,6 +162,9 @@ class LossConfig:
                 raise _bad(name, getattr(self, name), "a float in [0, 1)")
         if self.cispo_eps_low is not None and not _eps_ok(self.cispo_eps_low, below_one=True):
             raise _bad("cispo_eps_low", self.cispo_eps_low, "None (no lower bound) or a float in [0, 1)")
+        for name in ("sapo_tau_pos", "sapo_tau_neg"):
+            if not (_is_real(getattr(self, name)) and getattr(self, name) > 0.0):
+                raise _bad(name, getattr(self, name), "a float > 0")
         for name in ("gmpo_eps_low", "gmpo_eps_high"):
             if not (_is_real(getattr(self, name)) and getattr(self, name) >= 0.0):
                 raise _bad(name, getattr(self, name), "a float >= 0 (a bound of the log-ratio)")

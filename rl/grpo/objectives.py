@@ -1,4 +1,5 @@
-"""Policy-gradient objectives, by name (`grpo.loss`): ppo_clip, gspo, gmpo, cispo, reinforce, kl_cov, clip_cov.
+"""Policy-gradient objectives, by name (`grpo.loss`): ppo_clip, gspo, gmpo, sapo, cispo, reinforce, kl_cov,
+clip_cov.
 
 Each is a pure function of [B, T] arrays (float32, already zero at padding) that returns a
 `PolicyTerm`: the per-token loss (to be minimised) before the train/inference importance weight and the
@@ -100,6 +101,23 @@ def gmpo(lp, lo, a, m, *, eps_low: float, eps_high: float) -> PolicyTerm:
     s = jnp.broadcast_to(jnp.exp(_sg(mean_log)), lp.shape)
     clip_active = sign * jnp.clip(d, -eps_low, eps_high) < sign * d
     return PolicyTerm(-a * s * jnp.exp(c - _sg(c)), s, clip_active, jnp.zeros(lp.shape, bool))
+
+
+def sapo(lp, lo, a, *, tau_pos: float, tau_neg: float) -> PolicyTerm:
+    """SAPO (Gao et al. 2025, "Soft Adaptive Policy Optimization"; TRL's `sapo`): a smooth gate in place of the
+    clip, with a sharper one for negative advantages.
+
+      r      = exp(lp - lo),   tau = tau_pos where A >= 0, tau_neg where A < 0
+      loss_t = -sigmoid(tau (r - 1)) * (4 / tau) * A
+    d loss / d lp = -4 sigmoid'(tau (r - 1)) r A: -A on policy (r = 1, sigmoid' = 1/4) like every objective here,
+    falling smoothly to 0 as r leaves 1 (faster for larger tau) instead of dropping to 0 at a clip edge. Nothing is
+    clipped (`clipped` is empty).
+    """
+    r = jnp.exp(lp - lo)
+    tau = jnp.where(a >= 0, tau_pos, tau_neg)
+    loss = -jax.nn.sigmoid(tau * (r - 1.0)) * (4.0 / tau) * a
+    none = jnp.zeros(lp.shape, bool)
+    return PolicyTerm(loss, _sg(r), none, none)
 
 
 def cispo(lp, lo, a, *, eps_low: Optional[float], eps_high: float) -> PolicyTerm:
@@ -204,6 +222,7 @@ POLICY_LOSSES: dict[str, Callable[..., PolicyTerm]] = {
                                                    dual_clip=cfg.dual_clip),
     "gspo": lambda lp, lo, a, m, cfg: gspo(lp, lo, a, m, eps_low=cfg.gspo_eps_low, eps_high=cfg.gspo_eps_high),
     "gmpo": lambda lp, lo, a, m, cfg: gmpo(lp, lo, a, m, eps_low=cfg.gmpo_eps_low, eps_high=cfg.gmpo_eps_high),
+    "sapo": lambda lp, lo, a, m, cfg: sapo(lp, lo, a, tau_pos=cfg.sapo_tau_pos, tau_neg=cfg.sapo_tau_neg),
     "cispo": lambda lp, lo, a, m, cfg: cispo(lp, lo, a, eps_low=cfg.cispo_eps_low, eps_high=cfg.cispo_eps_high),
     "reinforce": lambda lp, lo, a, m, cfg: reinforce(lp, lo, a),
     "kl_cov": lambda lp, lo, a, m, cfg: kl_cov(lp, lo, a, m, ratio=cfg.kl_cov_ratio, coef=cfg.kl_cov_coef),
