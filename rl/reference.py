@@ -10,6 +10,8 @@ same reason). `device` keeps it on the devices, as the params are.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -34,17 +36,22 @@ class ReferenceWeights:
     def __init__(self, params, memory: str = "device"):
         self.reset(params, memory)
 
-    def reset(self, params, memory: str | None = None) -> None:
+    def reset(self, params, memory: str | None = None, mix: float = 1.0) -> None:
         """Hold a copy of `params` as the reference from now on (`grpo.reference_reset_every_steps`: ProRL's
-        reference reset to the current policy); the previous copy is dropped."""
+        reference reset to the current policy); the previous copy is dropped. mix < 1 (`grpo.reference_reset_mix`,
+        TRL's ref_model_mixup_alpha): the reference becomes mix * params + (1 - mix) * reference instead, computed
+        in fp32 and rounded to the params' dtype, in the old reference's buffers."""
+        owned = mix != 1.0
+        if owned:  # the old reference's buffers (or the pass's copy of them) are donated to the mix
+            params = _mixed(params, self.for_pass(), mix)
         memory = self.memory if memory is None else memory
         if memory not in REFERENCE_MEMORY:
             raise ValueError(f"grpo.reference_memory = {memory!r}: expected one of {REFERENCE_MEMORY}")
         self.memory = memory
         self.held = None  # the old copy goes before the new one is made: never two references at once
         self._on_device = jax.tree.map(lambda x: x.sharding, params)
-        if memory == "device":
-            self.held = jax.tree.map(jnp.copy, params)  # its own buffers: the train step donates the params'
+        if memory == "device":  # its own buffers: the train step donates the params'
+            self.held = params if owned else jax.tree.map(jnp.copy, params)
             return
         offered = host_kinds(params)
         if HOST_KIND not in offered:
@@ -70,3 +77,9 @@ class ReferenceWeights:
             for shard in leaf.addressable_shards:
                 per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
         return max(per_device.values(), default=0)
+
+
+@functools.partial(jax.jit, static_argnums=2, donate_argnums=1)
+def _mixed(params, reference, mix: float):
+    return jax.tree.map(lambda p, r: (mix * p.astype(jnp.float32) + (1 - mix) * r.astype(jnp.float32)).astype(p.dtype),
+                        params, reference)

@@ -196,7 +196,7 @@ class GRPOTrainer:
             return {}
         if done % every == 0:
             state = self.policy.state
-            self.reference.reset(state.params)
+            self.reference.reset(state.params, mix=self.cfg.grpo.reference_reset_mix)
             self.reference_step = done
             if self.cfg.grpo.reference_reset_optimizer:
                 opt = state.opt_state._replace(inner=restart_adam(state.opt_state.inner))

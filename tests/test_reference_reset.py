@@ -34,6 +34,21 @@ def test_restart_adam_zeroes_the_moments_and_count_and_keeps_the_schedule_and_pl
     assert sorted(counts) == [0, 2]  # Adam's restarted, the schedule's goes on
 
 
+@pytest.mark.parametrize("memory", ["device", "host"])
+def test_a_mixing_reset_moves_the_reference_part_way(memory):
+    from rl.reference import ReferenceWeights
+    start = {"w": jnp.asarray([0.0, 1.0, -2.0]), "h": jnp.asarray([1.0, 3.0], jnp.bfloat16)}
+    policy = {"w": jnp.asarray([1.0, 1.0, 2.0]), "h": jnp.asarray([2.0, 0.0], jnp.bfloat16)}
+    ref = ReferenceWeights(start, memory)
+    ref.reset(policy, mix=0.25)  # 0.25 x policy + 0.75 x reference
+    got = ref.for_pass()
+    np.testing.assert_array_equal(np.asarray(got["w"]), [0.25, 1.0, -1.0])
+    assert got["h"].dtype == jnp.bfloat16 and np.asarray(got["h"], np.float32).tolist() == [1.25, 2.25]
+    np.testing.assert_array_equal(np.asarray(policy["w"]), [1.0, 1.0, 2.0])  # the policy is untouched
+    ref.reset(policy)  # mix 1: the policy itself
+    np.testing.assert_array_equal(np.asarray(ref.for_pass()["w"]), [1.0, 1.0, 2.0])
+
+
 def _cfg(tmp_path, name, *overrides):
     from rl.config import load_config
     return load_config("configs/tiny.yaml", [f"run.out_dir={tmp_path / name}", "grpo.prompts_per_step=4",

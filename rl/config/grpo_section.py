@@ -105,6 +105,9 @@ class GrpoSection(_Section):
     reference_reset_every_steps: int = _f(0, "ProRL's reference reset: after the update of steps N, 2N, ... the KL "
                                              "reference becomes the current policy (kept in checkpoints from then "
                                              "on); 0 = never: the reference is the starting weights", min=0)
+    reference_reset_mix: float = _f(1.0, "a reset sets the reference to mix x policy + (1 - mix) x reference: 1 = "
+                                         "the policy itself (ProRL's hard reset); TRL's sync_ref_model uses 0.6 "
+                                         "(ref_model_mixup_alpha, with reference_reset_optimizer false)", gt=0, max=1)
     reference_reset_optimizer: bool = _f(True, "with each reference reset also restart Adam (moments and its bias-"
                                                "correction count at 0; the learning-rate schedule goes on), as "
                                                "ProRL does")
