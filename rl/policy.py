@@ -233,3 +233,30 @@ def export_latest(cfg: RunConfig, path: str | None = None) -> tuple[int, str]:
     state, meta = got
     policy.state = policy.place(state)
     return int(meta["step"]), policy.export(path or os.path.join(cfg.run.out_dir, "export"))
+
+
+def reference_params(cfg: RunConfig, policy: Policy):
+    """The KL reference's params: the starting weights (the policy's own, before any update), or the HF checkpoint
+    `grpo.reference_path` (a teacher: on-policy distillation with grpo.kl k2 and the task reward at weight 0),
+    loaded on the policy's layout in its dtype. A checkpoint whose params differ from the policy's in names, shapes
+    or dtypes is refused, naming the first difference."""
+    path = cfg.grpo.reference_path
+    if not path:
+        return policy.state.params
+    model = m3jax.from_pretrained(path, dtype=jnp.dtype(cfg.precision.param_dtype), mesh=policy.layout,
+                                  **cfg.model.model_options())
+    teacher = nnx.state(model, nnx.Param)
+    want = dict(nnx.to_flat_state(policy.state.params))
+    got = dict(nnx.to_flat_state(teacher))
+    for key in sorted(set(want) | set(got), key=str):
+        a, b = want.get(key), got.get(key)
+        name = "/".join(map(str, key))
+        if a is None or b is None:
+            raise ValueError(f"grpo.reference_path = {path!r}: parameter {name} is "
+                             f"{'only in the reference' if a is None else 'missing from it'}; the reference must "
+                             "have the policy's architecture (model config)")
+        a, b = a.get_value(), b.get_value()
+        if a.shape != b.shape or a.dtype != b.dtype:
+            raise ValueError(f"grpo.reference_path = {path!r}: parameter {name} is {b.dtype}{list(b.shape)}, the "
+                             f"policy's {a.dtype}{list(a.shape)}; the reference must have the policy's shapes")
+    return teacher if policy.shardings is None else jax.device_put(teacher, policy.shardings.params)

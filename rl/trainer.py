@@ -25,7 +25,7 @@ from rl.data import PromptLoader, load_prompts
 from rl.generation import backends
 from rl.observe import RunLogger, plot_run
 from rl.policy import (Policy, build_policy, checkpointer_for, learning_rate, make_indexer_recall, make_logprobs,
-                       make_update, sequence_width)
+                       make_update, reference_params, sequence_width)
 from rl.reference import ReferenceWeights
 from rl.tasks import make_task
 from rl.wandb_run import open_run as open_wandb_run
@@ -62,8 +62,9 @@ class GRPOTrainer:
         self.tokenizer, self.loader, self.pad_id = build_data(cfg)
         self.policy = policy or build_policy(cfg)
         self.width = sequence_width(cfg, self.policy.model_cfg)
-        # the KL's reference policy: the weights the run starts from (a resume restores the policy, not these)
-        self.reference = (ReferenceWeights(self.policy.state.params, cfg.grpo.reference_memory)
+        # the KL's reference policy: the weights the run starts from (a resume restores the policy, not these), or
+        # grpo.reference_path's
+        self.reference = (ReferenceWeights(reference_params(cfg, self.policy), cfg.grpo.reference_memory)
                           if self.loss_cfg.kl != "none" else None)
         self.reference_step = 0  # the step whose policy the reference is (grpo.reference_reset_every_steps)
         self.train_step = make_update(self.policy, self.loss_cfg)

@@ -102,6 +102,10 @@ class GrpoSection(_Section):
                                          "the reference logprob passes: device, or host (the devices' pinned host "
                                          "memory, brought onto them for each pass: the train step's peak holds no "
                                          "reference)", choices=("device", "host"))
+    reference_path: str | None = _f(None, "the KL reference: this HF checkpoint (the policy's architecture and "
+                                          "shapes) instead of the starting weights; a teacher for on-policy "
+                                          "distillation (grpo.kl k2: the reverse KL per sampled token; the task "
+                                          "reward may have weight 0); null = the starting weights")
     reference_reset_every_steps: int = _f(0, "ProRL's reference reset: after the update of steps N, 2N, ... the KL "
                                              "reference becomes the current policy (kept in checkpoints from then "
                                              "on); 0 = never: the reference is the starting weights", min=0)

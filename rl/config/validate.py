@@ -319,6 +319,15 @@ def _loss_checks(g) -> list[_Problem]:
                                                                 f"{g.reference_reset_every_steps}: there is no KL "
                                                                 "reference to reset (grpo.kl = \"none\"); allowed: 0, "
                                                                 "or a KL estimator", ("grpo.kl",)))
+    if g.reference_path is not None and g.kl == "none":
+        out.append(_Problem("grpo.reference_path", f"grpo.reference_path = {_show(g.reference_path)}: there is no KL "
+                                                   "term to use it (grpo.kl = \"none\"); allowed: null, or a KL "
+                                                   "estimator (k2 for on-policy distillation)", ("grpo.kl",)))
+    elif g.reference_path is not None and g.reference_reset_every_steps:
+        out.append(_Problem("grpo.reference_reset_every_steps", (
+            f"grpo.reference_reset_every_steps = {g.reference_reset_every_steps} with grpo.reference_path set: a "
+            "reset would replace the reference checkpoint by the policy; allowed: 0, or grpo.reference_path null"),
+            ("grpo.reference_path",)))
     if g.kl_on_policy and g.kl == "none":
         out.append(_Problem("grpo.kl_on_policy", "grpo.kl_on_policy = true: there is no KL term to weight "
                                                  "(grpo.kl = \"none\"); allowed: false, or a KL estimator",
