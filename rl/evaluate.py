@@ -10,6 +10,7 @@ summed reward is >= eval.correct_threshold (the digit rewards give partial credi
     val/reward_mean            mean summed reward over every sample
     val/response_length_mean   mean response tokens (stop token included); val/truncated_frac
     val/reward_failures        reward evaluations that failed or timed out (scored 0)
+    val/reward/<name>/mean     each reward's own mean (unweighted)
 
 The prompts (`eval_records`) are a synthetic task's prompts that are not among the run's training
 records (`rl.tasks.DigitTask.held_out`: never trained on) or a seeded subset of a prompt file (which
@@ -30,7 +31,7 @@ import numpy as np
 from rl.config.validate_eval import eval_lengths
 from rl.data import PromptRecord, load_prompts, render_prompt
 from rl.generation.base import Generator, SamplingParams
-from rl.rewards.registry import score_batch
+from rl.rewards.registry import score_specs
 from rl.tasks import make_task
 
 METRICS = ("pass@1", "pass@k", "reward_mean")  # what eval.best_metric may name (rl.config.eval_section.EVAL_METRICS)
@@ -123,22 +124,10 @@ def evaluate(engine: Generator, es: EvalSet, tokenizer) -> dict:
         lengths.append(np.asarray(out.lengths))
         truncated.append(np.asarray(out.truncated))
     answers = [r.answer for r in es.records for _ in range(n)]
-    reward, failures = score(es.rewards, completions, answers, np.concatenate(truncated))
-    return summarize(reward, np.concatenate(lengths), np.concatenate(truncated), n, es.correct_threshold, failures,
-                     es.pass_k)
-
-
-def score(specs, completions: list[str], answers: list[str], truncated: np.ndarray) -> tuple[np.ndarray, int]:
-    """Sum over the reward specs of weight x reward per sample (each spec with its own time limit), and
-    the number of failed evaluations (scored 0), as the training step scores."""
-    total, failures = np.zeros(len(completions), np.float32), 0
-    extra = [{"truncated": bool(t)} for t in truncated]
-    for spec in specs:
-        r, f = score_batch([(spec.name, spec.weight)], completions, answers, timeout_s=spec.timeout_s,
-                           sample_kwargs=extra)
-        total += r
-        failures += f
-    return total, failures
+    reward, failures, parts = score_specs(es.rewards, completions, answers, np.concatenate(truncated))
+    return {**summarize(reward, np.concatenate(lengths), np.concatenate(truncated), n, es.correct_threshold, failures,
+                        es.pass_k),
+            **{f"val/reward/{name}/mean": float(v.mean()) for name, v in parts.items()}}
 
 
 def summarize(reward: np.ndarray, lengths: np.ndarray, truncated: np.ndarray, n: int, threshold: float,

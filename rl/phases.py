@@ -26,7 +26,7 @@ from rl.grpo.batch import build_train_batch, split_micro
 from rl.grpo.loss import generation_mismatch_metrics
 from rl.grpo.mismatch import (ID_MISMATCH_METRICS, id_mismatch_from_sums, mismatch_from_sums, route_mismatch_frac,
                               selection_mismatch_frac)
-from rl.rewards.registry import score_components
+from rl.rewards.registry import score_specs
 from sharding.widths import micro_widths
 
 
@@ -60,14 +60,7 @@ def rewards(reward_specs, samples: Samples, *, max_new_tokens: int = 0, overlong
     reward's own values per row (unweighted, by name). One call per reward: each has its own time limit. With
     `overlong_buffer` > 0, DAPO's soft overlong punishment (`rl.grpo.dapo.overlong_penalty`) is added, before
     advantages see the reward."""
-    total, failures, parts = np.zeros(len(samples.completions), np.float32), 0, {}
-    extra = [{"truncated": bool(x)} for x in samples.rollout.truncated]
-    for spec in reward_specs:
-        s = score_components([(spec.name, spec.weight)], samples.completions, samples.answers,
-                             timeout_s=spec.timeout_s, sample_kwargs=extra)
-        total += s.total
-        failures += s.num_failures
-        parts[spec.name] = s.components[spec.name]
+    total, failures, parts = score_specs(reward_specs, samples.completions, samples.answers, samples.rollout.truncated)
     if overlong_buffer:
         total += dapo.overlong_penalty(samples.rollout.lengths, max_new_tokens, overlong_buffer, overlong_penalty)
     return total, failures, parts

@@ -72,6 +72,7 @@ __all__ = [
     "UnknownRewardError",
     "MODES",
     "register_reward",
+    "score_specs",
     "get_reward",
     "list_rewards",
     "reward_mode",
@@ -287,6 +288,22 @@ def score_batch(reward_fns_with_weights, completions, answers, **options: Any) -
     """
     s = score_components(reward_fns_with_weights, completions, answers, **options)
     return s.total, s.num_failures
+
+
+def score_specs(specs, completions, answers, truncated) -> tuple[np.ndarray, int, dict[str, np.ndarray]]:
+    """A run's configured rewards (`specs`: objects with name, weight, timeout_s, as `reward:` in a run config) over
+    a batch: the weighted sum per sample (float32), the failed evaluations (scored 0), and each reward's own values
+    by name (unweighted). One call per reward: each has its own time limit. Each sample gets `truncated` (it hit
+    the length limit) as a keyword, for rewards that read it."""
+    total, failures, parts = np.zeros(len(completions), np.float32), 0, {}
+    extra = [{"truncated": bool(t)} for t in truncated]
+    for spec in specs:
+        s = score_components([(spec.name, spec.weight)], completions, answers, timeout_s=spec.timeout_s,
+                             sample_kwargs=extra)
+        total += s.total
+        failures += s.num_failures
+        parts[spec.name] = s.components[spec.name]
+    return total, failures, parts
 
 
 # score_batch takes exactly score_components' arguments; show them in help() and signature checks.
