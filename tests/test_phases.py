@@ -193,3 +193,11 @@ def test_widths_must_split_into_the_context_shards_blocks():
     from rl.policy import build_policy
     with pytest.raises(ValueError, match=r"grpo.micro_batch_widths = \[4\]: \[4\] not a multiple of 8"):
         build_policy(cfg)  # context 2 x 4-token blocks
+
+
+def test_the_reward_panel_draws_each_reward_when_there_are_several():
+    from rl.observe import PLOTS, panels
+    one = [{"step": 1, "reward/mean": 0.5, "reward/copy_digits/mean": 0.5}]
+    assert panels(one)["reward"] == PLOTS["reward"]  # one reward: its mean is the panel's reward/mean already
+    two = [{"step": 1, "reward/mean": 0.5, "reward/b/mean": 0.2, "reward/a/mean": 0.9, "val/reward/a/mean": 1.0}]
+    assert panels(two)["reward"] == (*PLOTS["reward"], "reward/a/mean", "reward/b/mean")
