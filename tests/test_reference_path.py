@@ -47,10 +47,21 @@ def test_the_reference_is_the_checkpoint_and_the_kl_measures_the_distance_to_it(
     assert taught["reward/mean"] == alone["reward/mean"]  # the same samples: only the loss's KL term differs
 
 
-def test_a_reference_of_other_shapes_is_refused_by_name(tmp_path):
+def test_a_reference_of_another_architecture_is_refused_by_name(tmp_path):
+    from rl.config import ConfigError, load_config
     other = _save_tiny(tmp_path / "wide", seed=0, hidden_size=32, head_dim=8, index_head_dim=8)
+    kl = ["grpo.kl=k2", "grpo.kl_coef=0.1"]
+    with pytest.raises(ConfigError, match=r"grpo.reference_path = .*differs from the policy's in hidden_size 32 "
+                                          r"\(policy 64\)"):
+        load_config("configs/tiny.yaml", [f"grpo.reference_path={other}", *kl])
+    with pytest.raises(ConfigError, match=r"grpo.reference_path = .*no config.json there"):
+        load_config("configs/tiny.yaml", [f"grpo.reference_path={tmp_path / 'none'}", *kl])
+    # a config loaded without the path checks: the trainer still refuses the weights, by parameter
+    from rl.trainer import GRPOTrainer
+    cfg = load_config("configs/tiny.yaml", [f"run.out_dir={tmp_path / 'run'}", f"grpo.reference_path={other}", *kl],
+                      check_paths=False)
     with pytest.raises(ValueError, match=r"grpo.reference_path = .*parameter .* is float32\[.*the policy's"):
-        _trainer(tmp_path, f"grpo.reference_path={other}")
+        GRPOTrainer(cfg)
 
 
 def test_config_rules():

@@ -68,6 +68,7 @@ here       load_config and the command line (add_arguments, from_args, main; `py
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -98,6 +99,7 @@ def _check_paths(cfg: RunConfig) -> None:
     if p is not None and not os.path.isfile(os.path.join(p, "config.json")):
         problems.append(f"model.path = {_show(p)}: no config.json there; allowed: a local Hugging Face model "
                         "directory")
+    problems += _reference_path_problems(cfg)
     if cfg.data.kind == "file" and not os.path.isfile(cfg.data.path):
         problems.append(f"data.path = {_show(cfg.data.path)}: no such file; allowed: an existing .jsonl, .json or "
                         ".parquet file")
@@ -115,6 +117,31 @@ def _check_paths(cfg: RunConfig) -> None:
                             "directory first)")
     if problems:
         raise ConfigError(problems)
+
+
+def _reference_path_problems(cfg: RunConfig) -> list[str]:
+    """grpo.reference_path: a HF directory whose model config is the policy's (the reference's logprobs are computed
+    by the policy's model with the reference's weights, so every field counts, not only the shapes)."""
+    r = cfg.grpo.reference_path
+    if r is None:
+        return []
+    where = f"grpo.reference_path = {_show(r)}"
+    if not os.path.isfile(os.path.join(r, "config.json")):
+        return [f"{where}: no config.json there; allowed: a local Hugging Face model directory of the policy's "
+                "architecture"]
+    try:
+        from m3jax.config import M3Config
+        teacher, policy = M3Config.from_pretrained(r), cfg.model.m3_config()
+    except Exception as e:  # noqa: BLE001  (an unreadable model.path / model.tiny has its own error)
+        return [f"{where}: its config.json cannot be compared with the policy's ({type(e).__name__}: {e})"]
+    differ = [f.name for f in dataclasses.fields(teacher)
+              if f.name != "vl_passthrough" and getattr(teacher, f.name) != getattr(policy, f.name)]
+    if differ:
+        shown = ", ".join(f"{k} {getattr(teacher, k)!r} (policy {getattr(policy, k)!r})" for k in differ[:4])
+        return [f"{where}: its model config differs from the policy's in {shown}"
+                + (f" and {len(differ) - 4} more" if len(differ) > 4 else "")
+                + "; allowed: a checkpoint of the policy's architecture"]
+    return []
 
 
 def checkpoint_dir(cfg: RunConfig) -> str:
