@@ -74,6 +74,7 @@ class Drawn:
     failures: int  # failed scorings over every drawn row
     metrics: dict  # dapo/* (with dynamic sampling), reward/overlong_penalty_mean (with overlong_buffer)
     generate_s: float  # time in the generator over all rounds (the rest of the call was scoring)
+    parts: dict = dataclasses.field(default_factory=dict)  # each reward's own values per row [N], by name
 
 
 def _take(samples: list[Samples], picked: np.ndarray, group: int) -> Samples:
@@ -143,7 +144,7 @@ def draw(engine: Generator, loader, tokenizer, cfg: RunConfig, sampling: Samplin
     if g.overlong_buffer:
         metrics["reward/overlong_penalty_mean"] = float(dapo.overlong_penalty(
             samples.rollout.lengths, cfg.generation.max_new_tokens, g.overlong_buffer, g.overlong_penalty).mean())
-    return Drawn(samples, reward, failures, metrics, generate_s)
+    return Drawn(samples, reward, failures, metrics, generate_s, part)
 
 
 @dataclasses.dataclass

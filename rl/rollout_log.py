@@ -20,11 +20,12 @@ def due(step: int, every: int) -> bool:
     return every > 0 and (step - 1) % every == 0
 
 
-def rollout_rows(samples, reward: np.ndarray, adv, tokenizer, step: int, group_size: int, groups: int) -> list[dict]:
+def rollout_rows(samples, reward: np.ndarray, adv, tokenizer, step: int, group_size: int, groups: int,
+                 parts: dict | None = None) -> list[dict]:
     """One dict per response of the step's first `groups` groups (prompts): the prompt and response as text
-    (special tokens kept), the reference answer, the summed reward, the advantage and loss weight, the response
-    length, whether it was cut at max_new_tokens, its mean generator log-prob and the weight version that
-    generated it."""
+    (special tokens kept), the reference answer, the summed reward and each reward's own value (`parts`: name ->
+    values per row), the advantage and loss weight, the response length, whether it was cut at max_new_tokens,
+    its mean generator log-prob and the weight version that generated it."""
     ro = samples.rollout
     rows = []
     for i in range(min(groups * group_size, len(samples.completions))):
@@ -33,7 +34,8 @@ def rollout_rows(samples, reward: np.ndarray, adv, tokenizer, step: int, group_s
             "step": step, "group": i // group_size, "sample": i % group_size,
             "prompt": tokenizer.decode([int(t) for t in ro.prompt_ids[i]], skip_special_tokens=False),
             "response": samples.completions[i], "answer": _plain(samples.answers[i]),
-            "reward": float(reward[i]), "advantage": float(adv.advantages[i]), "loss_weight": float(adv.weight[i]),
+            "reward": float(reward[i]), "rewards": {k: float(v[i]) for k, v in (parts or {}).items()},
+            "advantage": float(adv.advantages[i]), "loss_weight": float(adv.weight[i]),
             "length": n, "truncated": bool(ro.truncated[i]),
             "mean_logp_gen": float(np.mean(ro.logprobs[i, :n])) if n else None,
             "weight_version": int(ro.weight_version),

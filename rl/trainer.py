@@ -149,7 +149,8 @@ class GRPOTrainer:
         adv = phases.advantages(reward, samples.rollout.truncated, gcfg)
         if rollout_log.due(done, cfg.logging.rollouts_every) and jax.process_index() == 0:
             rollout_log.append(self.run_dir, rollout_log.rollout_rows(samples, reward, adv, self.tokenizer, done,
-                                                                      gcfg.group_size, cfg.logging.rollouts_groups))
+                                                                      gcfg.group_size, cfg.logging.rollouts_groups,
+                                                                      drawn.parts))
         rows = len(samples.completions)
         num_micro = rows // (gcfg.micro_batch_size * cfg.mesh.data * cfg.mesh.expert)
         micro = phases.train_batch(samples, adv, width=self.width, pad_id=self.pad_id, num_micro=num_micro,

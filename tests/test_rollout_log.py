@@ -28,6 +28,7 @@ def test_a_step_writes_its_first_groups_as_text(tmp_path):
         assert r["prompt"].startswith("<bos>") and r["prompt"].endswith("<sep>") and len(r["answer"]) == 4
         assert 0.0 <= r["reward"] <= 1.0 and 1 <= r["length"] <= 5 and r["loss_weight"] == 1.0
         assert r["mean_logp_gen"] < 0 and r["weight_version"] == 0
+        assert r["rewards"] == {"copy_digits": r["reward"]}  # the one reward, weight 1: its own value is the sum
     for g in range(2):  # GRPO's advantages: each group's rewards centred
         adv = [r["advantage"] for r in rows if r["group"] == g]
         rew = [r["reward"] for r in rows if r["group"] == g]
