@@ -109,8 +109,11 @@ def build_eval_set(cfg, tokenizer, stop_token_ids, train: list[PromptRecord] = (
                    tuple(e.reward or cfg.reward), e.correct_threshold, e.seed, tuple(e.pass_k))
 
 
-def evaluate(engine: Generator, es: EvalSet, tokenizer) -> dict:
-    """Sample, score and summarise (the val/* metrics of the module docstring)."""
+def evaluate(engine: Generator, es: EvalSet, tokenizer, samples_of: int = 0) -> dict | tuple[dict, list[dict]]:
+    """Sample, score and summarise (the val/* metrics of the module docstring). samples_of > 0: also the samples
+    of the first that many prompts as text (`logging.eval_rollouts`), returned as (metrics, rows): one dict per
+    sample with the prompt and response, the answer, the summed reward and each reward's own, whether it counts
+    as correct, its length and truncation."""
     n = es.samples_per_prompt
     stops = set(es.sampling.stop_token_ids)
     base = jax.random.fold_in(jax.random.key(es.seed), _STREAM)
@@ -124,10 +127,18 @@ def evaluate(engine: Generator, es: EvalSet, tokenizer) -> dict:
         lengths.append(np.asarray(out.lengths))
         truncated.append(np.asarray(out.truncated))
     answers = [r.answer for r in es.records for _ in range(n)]
-    reward, failures, parts = score_specs(es.rewards, completions, answers, np.concatenate(truncated))
-    return {**summarize(reward, np.concatenate(lengths), np.concatenate(truncated), n, es.correct_threshold, failures,
-                        es.pass_k),
-            **{f"val/reward/{name}/mean": float(v.mean()) for name, v in parts.items()}}
+    lengths, truncated = np.concatenate(lengths), np.concatenate(truncated)
+    reward, failures, parts = score_specs(es.rewards, completions, answers, truncated)
+    metrics = {**summarize(reward, lengths, truncated, n, es.correct_threshold, failures, es.pass_k),
+               **{f"val/reward/{name}/mean": float(v.mean()) for name, v in parts.items()}}
+    if not samples_of:
+        return metrics
+    rows = [{"prompt": tokenizer.decode(es.prompt_ids[i // n], skip_special_tokens=False), "sample": i % n,
+             "response": completions[i], "answer": answers[i], "reward": float(reward[i]),
+             "rewards": {k: float(v[i]) for k, v in parts.items()}, "correct": bool(reward[i] >= es.correct_threshold),
+             "length": int(lengths[i]), "truncated": bool(truncated[i])}
+            for i in range(min(samples_of, len(es.prompt_ids)) * n)]
+    return metrics, rows
 
 
 def summarize(reward: np.ndarray, lengths: np.ndarray, truncated: np.ndarray, n: int, threshold: float,

@@ -1,4 +1,5 @@
-"""The step's rollouts as text (`logging.rollouts_every`): run.out_dir/rollouts.jsonl, one line per response.
+"""The step's rollouts as text (`logging.rollouts_every`): run.out_dir/rollouts.jsonl, one line per response; and
+the held-out samples of each evaluation (`logging.eval_rollouts`): run.out_dir/eval_rollouts.jsonl.
 
 What RL users read first when a curve looks wrong: the prompts, what the policy answered, and what the rewards
 made of it. A resumed run repeats the steps after its checkpoint, so a step can appear twice; the later lines are
@@ -13,6 +14,7 @@ import os
 import numpy as np
 
 FILE = "rollouts.jsonl"
+EVAL_FILE = "eval_rollouts.jsonl"  # the held-out samples of each evaluation (`logging.eval_rollouts`)
 
 
 def due(step: int, every: int) -> bool:
@@ -43,8 +45,8 @@ def rollout_rows(samples, reward: np.ndarray, adv, tokenizer, step: int, group_s
     return rows
 
 
-def append(run_dir: str, rows: list[dict]) -> None:
-    with open(os.path.join(run_dir, FILE), "a") as f:
+def append(run_dir: str, rows: list[dict], name: str = FILE) -> None:
+    with open(os.path.join(run_dir, name), "a") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
 
 

@@ -96,7 +96,12 @@ class GRPOTrainer:
     def _evaluate(self, step: int) -> dict:
         """The held-out metrics of the generator's current weights (rl.evaluate); updates the best value."""
         t0 = time.perf_counter()
-        metrics = held_out.evaluate(self.engine, self.eval_set, self.tokenizer)
+        keep = self.cfg.logging.eval_rollouts
+        metrics = held_out.evaluate(self.engine, self.eval_set, self.tokenizer, samples_of=keep)
+        if keep:
+            metrics, rows = metrics
+            if jax.process_index() == 0:
+                rollout_log.append(self.run_dir, [{"step": step, **r} for r in rows], rollout_log.EVAL_FILE)
         metrics["time/eval"] = time.perf_counter() - t0
         self.best = held_out.update_best(self.best, metrics, self.cfg.eval.best_metric, step)
         log.debug("step %d held out: %s", step, {k: v for k, v in metrics.items() if k.startswith("val/")})

@@ -35,3 +35,20 @@ def test_a_step_writes_its_first_groups_as_text(tmp_path):
         assert np.sum(adv) == pytest.approx(0.0, abs=1e-4)
         assert np.argsort(adv, kind="stable").tolist() == np.argsort(rew, kind="stable").tolist() or np.ptp(rew) == 0
     assert metrics["reward/mean"] >= 0
+
+
+@pytest.mark.slow  # one evaluation of the tiny trainer
+def test_an_evaluation_writes_its_first_prompts_samples(tmp_path):
+    from rl.rollout_log import EVAL_FILE
+    from tests.tiny_runs import tiny_trainer
+    trainer = tiny_trainer(tmp_path, "e", "logging.eval_rollouts=2", "eval.max_prompts=8")
+    try:
+        metrics = trainer._evaluate(0)
+    finally:
+        trainer.engine.shutdown()
+    rows = [json.loads(line) for line in open(tmp_path / "e" / EVAL_FILE)]
+    n = trainer.cfg.eval.samples_per_prompt
+    assert len(rows) == 2 * n and [r["sample"] for r in rows] == list(range(n)) * 2
+    assert all(r["step"] == 0 and r["prompt"].startswith("<bos>") and len(r["answer"]) == 4 for r in rows)
+    assert all(r["correct"] == (r["reward"] >= 1.0) and set(r["rewards"]) == {"copy_digits"} for r in rows)
+    assert "val/pass@1" in metrics and "val/reward/copy_digits/mean" in metrics

@@ -383,6 +383,9 @@ class LoggingSection(_Section):
                                 "generator log-prob, weight version (rl.rollout_log); 0 = off", min=0)
     rollouts_groups: int = _f(2, "groups (prompts, each with its grpo.group_size responses) written per such step",
                               min=1)
+    eval_rollouts: int = _f(0, "at each evaluation, write the samples of the first N held-out prompts as text to "
+                               "run.out_dir/eval_rollouts.jsonl (prompt, response, answer, rewards, correct); 0 = off",
+                            min=0)
     wandb_project: str | None = _f(None, "mirror every metrics row to Weights & Biases under this project (null = "
                                          "off; needs the wandb package): one W&B run named run.name, configured with "
                                          "the resolved config; a resumed run (same run.out_dir) continues it")
