@@ -229,8 +229,9 @@ class GRPOTrainer:
         self.policy.state = self.policy.place(state)
         self.loader.load_state_dict(meta["data"])
         self.best = meta.get("best")
-        self.reference_step = int(meta.get("reference_step", 0))
-        if self.reference_step:  # the reference is a reset's policy, not the starting weights: saved with the state
+        # a reset's reference (not the starting weights) was saved with the state; a run resumed without a KL drops it
+        self.reference_step = int(meta.get("reference_step", 0)) if self.reference is not None else 0
+        if self.reference_step:
             self.reference.reset(self.checkpointer.restore_reference(int(meta["step"]), self.state.params))
         self.engine.set_weights(self.state.params, meta["weight_version"], self.state.rest)
         log.info("resumed from step %d in %s", meta["step"], self.checkpointer.directory)
