@@ -11,6 +11,7 @@ summed reward is >= eval.correct_threshold (the digit rewards give partial credi
     val/response_length_mean   mean response tokens (stop token included); val/truncated_frac
     val/reward_failures        reward evaluations that failed or timed out (scored 0)
     val/reward/<name>/mean     each reward's own mean (unweighted)
+    val/maj@k                  with eval.majority_answer: the share of prompts whose most frequent answer is correct
 
 The prompts (`eval_records`) are a synthetic task's prompts that are not among the run's training
 records (`rl.tasks.DigitTask.held_out`: never trained on) or a seeded subset of a prompt file (which
@@ -34,7 +35,7 @@ from rl.generation.base import Generator, SamplingParams
 from rl.rewards.registry import score_specs
 from rl.tasks import make_task
 
-METRICS = ("pass@1", "pass@k", "reward_mean")  # what eval.best_metric may name (rl.config.eval_section.EVAL_METRICS)
+METRICS = ("pass@1", "pass@k", "maj@k", "reward_mean")  # eval.best_metric's choices (rl.config.eval_section.EVAL_METRICS)
 _STREAM = 0x6576616C  # "eval": folded into the key so that eval.seed = run.seed does not replay rollout keys
 
 
@@ -73,6 +74,7 @@ class EvalSet:
     correct_threshold: float
     seed: int
     pass_k: tuple[int, ...] = ()  # further k of val/pass@<k>
+    majority_answer: str = "none"  # how val/maj@k reads a sample's answer (`majority_key`)
 
 
 def eval_records(cfg, train: list[PromptRecord] = ()) -> list[PromptRecord]:
@@ -106,7 +108,7 @@ def build_eval_set(cfg, tokenizer, stop_token_ids, train: list[PromptRecord] = (
                               stop_token_ids=tuple(stop_token_ids))
     prompt_ids = [render_prompt(r, tokenizer, chat_template=cfg.data.chat_template) for r in records]
     return EvalSet(records, prompt_ids, sampling, e.samples_per_prompt, width, e.prompts_per_batch or len(records),
-                   tuple(e.reward or cfg.reward), e.correct_threshold, e.seed, tuple(e.pass_k))
+                   tuple(e.reward or cfg.reward), e.correct_threshold, e.seed, tuple(e.pass_k), e.majority_answer)
 
 
 def evaluate(engine: Generator, es: EvalSet, tokenizer, samples_of: int = 0) -> dict | tuple[dict, list[dict]]:
@@ -131,6 +133,9 @@ def evaluate(engine: Generator, es: EvalSet, tokenizer, samples_of: int = 0) -> 
     reward, failures, parts = score_specs(es.rewards, completions, answers, truncated)
     metrics = {**summarize(reward, lengths, truncated, n, es.correct_threshold, failures, es.pass_k),
                **{f"val/reward/{name}/mean": float(v.mean()) for name, v in parts.items()}}
+    if es.majority_answer != "none":
+        keys = [majority_key(c, es.majority_answer) for c in completions]
+        metrics["val/maj@k"] = majority_accuracy(keys, reward >= es.correct_threshold, n)
     if not samples_of:
         return metrics
     rows = [{"prompt": tokenizer.decode(es.prompt_ids[i // n], skip_special_tokens=False), "sample": i % n,
@@ -156,6 +161,36 @@ def summarize(reward: np.ndarray, lengths: np.ndarray, truncated: np.ndarray, n:
 def due(step: int, total_steps: int, every_steps: int) -> bool:
     """Whether training evaluates after `step` steps: every `every_steps` and after the last step."""
     return every_steps > 0 and (step % every_steps == 0 or step == total_steps)
+
+
+def majority_key(completion: str, how: str) -> str | None:
+    """The answer a sample votes for: the last \\boxed{} or 'Answer:' line's content ("boxed"; None without one),
+    or the whole response stripped ("response")."""
+    if how == "boxed":
+        from rl.rewards.math import extract_final_answer
+        return extract_final_answer(completion)
+    return completion.strip()
+
+
+def majority_accuracy(keys: list, correct: np.ndarray, n: int) -> float:
+    """maj@n: mean over prompts (rows grouped n per prompt) of whether the answer most of the prompt's samples give
+    is correct. Samples without an answer (None) do not vote; a tie goes to the answer given first; a prompt with no
+    vote counts as wrong. The answer's correctness is that of its first sample."""
+    correct = np.asarray(correct, bool).reshape(-1, n)
+    hits = []
+    for p in range(correct.shape[0]):
+        votes: dict = {}
+        for j in range(n):
+            k = keys[p * n + j]
+            if k is not None:
+                count, first = votes.get(k, (0, j))
+                votes[k] = (count + 1, first)
+        if not votes:
+            hits.append(False)
+            continue
+        _, first = max(votes.values(), key=lambda v: (v[0], -v[1]))
+        hits.append(bool(correct[p, first]))
+    return float(np.mean(hits)) if hits else 0.0
 
 
 def update_best(best: dict | None, metrics: dict, metric: str, step: int) -> dict | None:

@@ -274,3 +274,23 @@ def test_checkpoints_remember_the_best_and_resume_keeps_it():
     assert saved[40]["best"] == {"metric": "val/pass@1", "value": 0.75, "step": 20}
     second = trainer()
     assert second.resume() == 40 and second.best == saved[40]["best"]
+
+
+def test_majority_voting():
+    # 2 prompts x 4 samples. Prompt 0: answers 7, 7, 3, None -> 7 (right on sample 0); prompt 1: 5, 6, 6, 5 -> a tie
+    # of 5 and 6 goes to 5, given first (wrong)
+    keys = ["7", "7", "3", None, "5", "6", "6", "5"]
+    correct = np.array([1, 1, 0, 0, 0, 1, 1, 0], bool)
+    assert ev.majority_accuracy(keys, correct, 4) == 0.5
+    assert ev.majority_accuracy([None] * 4, np.ones(4, bool), 4) == 0.0  # no vote: wrong
+    assert ev.majority_key("so \\boxed{42}. Answer: 41", "boxed") == "42"
+    assert ev.majority_key("no final answer", "boxed") is None and ev.majority_key(" 12 \n", "response") == "12"
+
+
+def test_majority_config_rules():
+    cfg = load_config(TINY, ["eval.majority_answer=response", "eval.best_metric=maj@k"])
+    assert cfg.eval.majority_answer == "response"
+    with pytest.raises(ConfigError, match="eval.majority_answer.*a vote of one sample"):
+        load_config(TINY, ["eval.majority_answer=boxed", "eval.samples_per_prompt=1", "eval.temperature=0"])
+    with pytest.raises(ConfigError, match='eval.best_metric = "maj@k" with eval.majority_answer = "none"'):
+        load_config(TINY, ["eval.best_metric=maj@k"])

@@ -41,7 +41,8 @@ def test_a_step_writes_its_first_groups_as_text(tmp_path):
 def test_an_evaluation_writes_its_first_prompts_samples(tmp_path):
     from rl.rollout_log import EVAL_FILE
     from tests.tiny_runs import tiny_trainer
-    trainer = tiny_trainer(tmp_path, "e", "logging.eval_rollouts=2", "eval.max_prompts=8")
+    trainer = tiny_trainer(tmp_path, "e", "logging.eval_rollouts=2", "eval.max_prompts=8",
+                           "eval.majority_answer=response")
     try:
         metrics = trainer._evaluate(0)
     finally:
@@ -52,3 +53,4 @@ def test_an_evaluation_writes_its_first_prompts_samples(tmp_path):
     assert all(r["step"] == 0 and r["prompt"].startswith("<bos>") and len(r["answer"]) == 4 for r in rows)
     assert all(r["correct"] == (r["reward"] >= 1.0) and set(r["rewards"]) == {"copy_digits"} for r in rows)
     assert "val/pass@1" in metrics and "val/reward/copy_digits/mean" in metrics
+    assert 0.0 <= metrics["val/maj@k"] <= metrics["val/pass@k"]  # a correct majority answer is a correct sample

@@ -11,7 +11,7 @@ import dataclasses
 from rl.config.schema import DATA_FORMATS, DATA_LAYOUTS, DATA_TASKS, RewardSpec, _f, _Section
 
 
-EVAL_METRICS = ("pass@1", "pass@k", "reward_mean")            # rl.evaluate.METRICS (without the val/ prefix)
+EVAL_METRICS = ("pass@1", "pass@k", "maj@k", "reward_mean")   # rl.evaluate.METRICS (without the val/ prefix)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +41,10 @@ class EvalSection(_Section):
     pass_k: tuple[int, ...] = _f([], "further k of the unbiased pass@k, each logged as val/pass@<k> (a pass@k "
                                      "curve: e.g. [2, 4, 8] with 16 samples); each in [1, samples_per_prompt]",
                                  items={"min": 1}, distinct=True)
+    majority_answer: str = _f("none", "also log val/maj@k (k = samples_per_prompt): a prompt counts when its most "
+                                      "frequent answer is correct; the answer is the last \\boxed{} or 'Answer:' "
+                                      "line (boxed: math), or the whole response stripped (response); none = off",
+                              choices=("none", "boxed", "response"))
     prompts_per_batch: int | None = _f(None, "prompts per generate call (bounds the JAX engine's batch); "
                                              "null = all at once", min=1)
     temperature: float = _f(0.0, "sampling temperature; 0 = greedy (with samples_per_prompt 1)", min=0)

@@ -73,6 +73,15 @@ def eval_problems(cfg, enabled: bool | None = None) -> list[_Problem]:
         out.append(_Problem("eval.samples_per_prompt", (
             f"eval.samples_per_prompt = {e.samples_per_prompt} with eval.temperature = 0: greedy decoding gives "
             "the same sample every time; allowed: 1, or eval.temperature > 0"), ("eval.temperature",)))
+    if e.majority_answer != "none" and e.samples_per_prompt < 2:
+        out.append(_Problem("eval.majority_answer", f"eval.majority_answer = {_show(e.majority_answer)} with "
+                                                    "eval.samples_per_prompt = 1: a vote of one sample is pass@1; "
+                                                    "allowed: \"none\", or samples_per_prompt >= 2",
+                            ("eval.samples_per_prompt",)))
+    if e.best_metric == "maj@k" and e.majority_answer == "none":
+        out.append(_Problem("eval.best_metric", "eval.best_metric = \"maj@k\" with eval.majority_answer = \"none\": "
+                                                "maj@k is not logged; allowed: another metric, or a majority_answer",
+                            ("eval.majority_answer",)))
     over = [k for k in e.pass_k if k > e.samples_per_prompt]
     if over:
         out.append(_Problem("eval.pass_k", f"eval.pass_k = {_show(list(e.pass_k))}: {_show(over)} above "
