@@ -33,12 +33,7 @@ with plain ``encode`` (messages are then joined by blank lines). Synthetic tasks
 records whose prompt is a plain string that their own tokenizer encodes, so the loader and the trainer
 need no special case for them.
 
-Order
------
-``PromptLoader`` shuffles with a fresh ``numpy.random.Generator`` seeded by ``(seed, epoch)`` each epoch
-and keeps its position as ``{seed, epoch, index}``. A batch that runs past the end of an epoch is
-completed from the start of the next epoch's order, so nothing is skipped; restoring ``state_dict()``
-continues with exactly the batches an uninterrupted run would have produced.
+The order in which a run takes the records is `rl.prompt_loader.PromptLoader`'s.
 """
 
 from __future__ import annotations
@@ -58,7 +53,6 @@ __all__ = [
     "load_prompts",
     "records_from_rows",
     "render_prompt",
-    "PromptLoader",
 ]
 
 Message = dict  # {"role": str, "content": str}
@@ -369,82 +363,3 @@ def render_prompt(record: PromptRecord | Prompt, tokenizer, *, chat_template: bo
         return _as_id_list(out)
     text = prompt if isinstance(prompt, str) else "\n\n".join(m["content"] for m in prompt)
     return _as_id_list(tokenizer.encode(text))
-
-
-# --------------------------------------------------------------------------------------------------
-# Loader
-
-class PromptLoader:
-    """Endless batches of prompts in a reshuffled order each epoch, with a checkpointable position.
-
-    Epoch ``e``'s order is ``np.random.default_rng([seed, e]).permutation(len(records))``; ``index`` is
-    the next position in that order. ``next_batch()`` returns ``batch_size`` records, continuing into
-    the next epoch's order when the current one runs out (nothing is dropped or repeated).
-    """
-
-    def __init__(self, records: Sequence[PromptRecord], batch_size: int, seed: int = 0):
-        if len(records) == 0:
-            raise ValueError("PromptLoader needs at least one record")
-        if int(batch_size) < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        self.records = list(records)
-        self.batch_size = int(batch_size)
-        self.seed = int(seed)
-        self.epoch = 0
-        self.index = 0
-        self._order: np.ndarray | None = None
-        self._order_epoch = -1
-
-    def __len__(self) -> int:
-        return len(self.records)
-
-    @property
-    def batches_per_epoch(self) -> float:
-        return len(self.records) / self.batch_size
-
-    def _epoch_order(self) -> np.ndarray:
-        if self._order_epoch != self.epoch:
-            rng = np.random.default_rng([self.seed, self.epoch])
-            self._order = rng.permutation(len(self.records))
-            self._order_epoch = self.epoch
-        return self._order
-
-    def next_indices(self) -> list[int]:
-        """Dataset indices of the next batch (advances the position)."""
-        out: list[int] = []
-        n = len(self.records)
-        while len(out) < self.batch_size:
-            order = self._epoch_order()
-            take = min(self.batch_size - len(out), n - self.index)
-            out.extend(int(i) for i in order[self.index:self.index + take])
-            self.index += take
-            if self.index == n:
-                self.epoch += 1
-                self.index = 0
-        return out
-
-    def next_batch(self) -> list[PromptRecord]:
-        return [self.records[i] for i in self.next_indices()]
-
-    def __iter__(self):
-        while True:
-            yield self.next_batch()
-
-    def state_dict(self) -> dict[str, int]:
-        """``{seed, epoch, index, num_records}`` (plain ints): the position after the last batch taken."""
-        return {"seed": self.seed, "epoch": self.epoch, "index": self.index, "num_records": len(self.records)}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        missing = [k for k in ("seed", "epoch", "index") if k not in state]
-        if missing:
-            raise ValueError(f"loader state is missing {missing}; expected keys seed, epoch, index")
-        n = state.get("num_records")
-        if n is not None and int(n) != len(self.records):
-            raise ValueError(
-                f"loader state was saved with {int(n)} records but this dataset has {len(self.records)}; "
-                "resuming would not continue the same order")
-        epoch, index = int(state["epoch"]), int(state["index"])
-        if epoch < 0 or not 0 <= index < len(self.records):
-            raise ValueError(f"loader state out of range: epoch={epoch}, index={index} for {len(self.records)} records")
-        self.seed, self.epoch, self.index = int(state["seed"]), epoch, index
-        self._order_epoch = -1

@@ -21,11 +21,12 @@ from rl import evaluate as held_out
 from rl import phases, rollout_log
 from rl.ahead import AheadDraw, draws_ahead
 from rl.config import RunConfig
-from rl.data import PromptLoader, load_prompts
+from rl.data import load_prompts
 from rl.generation import backends
 from rl.observe import RunLogger, plot_run
 from rl.policy import (Policy, build_policy, checkpointer_for, learning_rate, make_indexer_recall, make_logprobs,
                        make_update, reference_params, sequence_width)
+from rl.prompt_loader import PromptLoader
 from rl.reference import ReferenceWeights
 from rl.tasks import make_task
 from rl.wandb_run import open_run as open_wandb_run

@@ -9,7 +9,7 @@ import pytest
 
 from rl import phases
 from rl.config import ConfigError, load_config
-from rl.data import PromptLoader
+from rl.prompt_loader import PromptLoader
 from rl.generation.base import Rollout, SamplingParams
 from rl.grpo import dapo
 from rl.grpo.advantages import zero_variance_groups

@@ -6,7 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from rl.data import DatasetError, PromptLoader, PromptRecord, load_prompts, render_prompt
+from rl.data import DatasetError, PromptRecord, load_prompts, render_prompt
+from rl.prompt_loader import PromptLoader
 from rl.tasks import DigitTokenizer, ReverseDigitsTask
 
 
