@@ -35,7 +35,7 @@ from rl.generation.base import Generator, SamplingParams
 from rl.rewards.registry import score_specs
 from rl.tasks import make_task
 
-METRICS = ("pass@1", "pass@k", "maj@k", "reward_mean")  # eval.best_metric's choices (rl.config.eval_section.EVAL_METRICS)
+METRICS = ("pass@1", "pass@k", "maj@k", "reward_mean")  # eval.best_metric's (rl.config.eval_section.EVAL_METRICS)
 _STREAM = 0x6576616C  # "eval": folded into the key so that eval.seed = run.seed does not replay rollout keys
 
 

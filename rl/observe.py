@@ -26,7 +26,8 @@ def panels(rows: list[dict]) -> dict:
     panel (indexer/recall and its indexer/recall/layer_j curves) when the run logged it
     (logging.indexer_recall_every), and the alignment KL's when the run trained the indexer."""
     out = dict(PLOTS)
-    parts = sorted({k for r in rows for k in r if k.startswith("reward/") and k.endswith("/mean") and k.count("/") == 2})
+    parts = sorted({k for r in rows for k in r
+                    if k.startswith("reward/") and k.endswith("/mean") and k.count("/") == 2})
     if len(parts) > 1:  # several rewards: each one's own mean beside the weighted sum
         out["reward"] = (*PLOTS["reward"], *parts)
     if any("indexer/recall" in r for r in rows):

@@ -49,8 +49,9 @@ class GrpoSection(_Section):
     loss: str = _f("ppo_clip", "policy objective (rl.grpo.objectives): ppo_clip (clipped ratio), gspo (sequence "
                                "ratio clipped per sequence), gmpo (geometric mean of token ratios clipped in log "
                                "space), sapo (a soft sigmoid gate instead of the clip), cispo (clipped "
-                               "stop-gradient weight x REINFORCE), reinforce (-A logp), kl_cov (the unclipped surrogate with a KL penalty on the "
-                               "tokens whose logp and advantage covary most: Cui et al. 2025), clip_cov (ppo_clip, "
+                               "stop-gradient weight x REINFORCE), reinforce (-A logp), kl_cov (the unclipped "
+                               "surrogate with a KL penalty on the tokens whose logp and advantage covary most: Cui "
+                               "et al. 2025), clip_cov (ppo_clip, "
                                "and no gradient on a few tokens drawn among those whose logp and advantage covary "
                                "strongly: the same paper)",
                    choices=LOSSES)

@@ -379,8 +379,8 @@ class LoggingSection(_Section):
                                       "the train step; 0 = off", min=0)
     rollouts_every: int = _f(0, "write the rollouts of steps 1, 1 + N, 1 + 2N, ... to run.out_dir/rollouts.jsonl: "
                                 "prompt and response text, answer, reward (and each reward's own), advantage, "
-                                "length, truncation, mean "
-                                "generator log-prob, weight version (rl.rollout_log); 0 = off", min=0)
+                                "length, truncation, mean generator log-prob, weight version (rl.rollout_log); "
+                                "0 = off", min=0)
     rollouts_groups: int = _f(2, "groups (prompts, each with its grpo.group_size responses) written per such step",
                               min=1)
     eval_rollouts: int = _f(0, "at each evaluation, write the samples of the first N held-out prompts as text to "

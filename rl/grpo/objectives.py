@@ -151,6 +151,11 @@ def _covariance(lp, a, valid):
     return jnp.where(valid, (lps - mean(lps)) * (a - mean(a)), 0.0)
 
 
+def _share(ratio: float, valid):
+    """max(1, floor(ratio * n)): how many of the n valid tokens a share picks (at least one)."""
+    return jnp.maximum(1, jnp.floor(ratio * jnp.sum(valid)).astype(jnp.int32))
+
+
 def _first_k(score, chosen, k):
     """Bool mask of the k entries of `chosen` with the smallest `score` (ties: the earlier position in row-major
     order); fewer when fewer are chosen."""
@@ -181,9 +186,7 @@ def kl_cov(lp, lo, a, m, *, ratio: float, coef: float) -> PolicyTerm:
     "The batch" is what the loss sees: one micro-batch. `clipped` marks S (its share is `clip_frac`).
     """
     valid = m > 0
-    cov = _covariance(lp, a, valid)
-    k = jnp.maximum(1, jnp.floor(ratio * jnp.sum(valid)).astype(jnp.int32))
-    selected = _first_k(-cov, valid, k)  # largest first
+    selected = _first_k(-_covariance(lp, a, valid), valid, _share(ratio, valid))  # largest first
     d = lp - lo
     r = jnp.exp(d)
     # |d| written as sg(sign(d)) d: the gradient is coef sign(d), 0 on policy (jnp.abs's is 1 at d = 0)
@@ -204,16 +207,12 @@ def clip_cov(lp, lo, a, m, *, eps_low: float, eps_high: float, ratio: float, cov
     the batch (`_batch_key`). `clipped` marks the tokens without gradient: ppo_clip's clip, or D.
     """
     valid = m > 0
-    r = jnp.exp(lp - lo)
-    unclipped = r * a
-    clipped = jnp.clip(r, 1.0 - eps_low, 1.0 + eps_high) * a
-    clip_active = valid & (clipped < unclipped)
+    term = ppo_clip(lp, lo, a, eps_low=eps_low, eps_high=eps_high, dual_clip=None)
+    clip_active = valid & term.clipped
     cov = _covariance(lp, a, valid)
     candidates = valid & ~clip_active & (cov > cov_low) & (cov < cov_high)
-    k = jnp.maximum(1, jnp.floor(ratio * jnp.sum(valid)).astype(jnp.int32))
-    drawn = _first_k(jax.random.uniform(_batch_key(lo, valid), lp.shape), candidates, k)
-    loss = jnp.where(drawn, 0.0, -jnp.minimum(unclipped, clipped))
-    return PolicyTerm(loss, _sg(r), clip_active | drawn, jnp.zeros(lp.shape, bool))
+    drawn = _first_k(jax.random.uniform(_batch_key(lo, valid), lp.shape), candidates, _share(ratio, valid))
+    return PolicyTerm(jnp.where(drawn, 0.0, term.loss), term.ratio, clip_active | drawn, term.dual_clipped)
 
 
 # name -> fn(lp, lo, a, m, cfg) with cfg a rl.grpo.loss.LossConfig (read by attribute, not imported here).
