@@ -13,6 +13,8 @@ environment the pool starts an engine actor with; vLLM's worker processes inheri
     glibc.malloc.arena_max=1           ... one heap for every thread (other arenas would map large blocks
                                        anyway: a thread arena's heap is at most 64 MB) ...
     glibc.malloc.trim_threshold=2**36  ... which is never trimmed, so memory freed stays for the next update
+    glibc.cpu.x86_non_temporal_threshold=2**20
+                                       memcpy of 1 MB or more stores around the cache (see below)
 
 and the applier frees the old packed copies before it makes the new ones, which then land in the same memory:
 from the third update on, an update faults almost nothing in (3-4 faults; apply 0.13-0.14 s, from 0.2-1.2 s),
@@ -20,6 +22,14 @@ apart from an occasional update whose blocks did not fit and grew the heap. The 
 its peak size, and its threads share one malloc arena. GPU engines keep glibc's defaults (their update is a
 device copy with no re-pack; one shared arena was not measured there). A tunable the caller already set wins.
 Elsewhere (an older glibc, musl) the variable changes nothing.
+
+The non-temporal threshold: glibc's memcpy switches to non-temporal stores only above 3/4 of the shared cache
+per thread, and this VM reports a 480 MB L3, so every copy of a weight update (1-64 MB each) wrote through the
+cache, reading each destination line before overwriting it: 7.2-7.3 GB/s in chunks of 1-64 MB against 12.7-13.8
+GB/s with the threshold at 1 MB (np.copyto of 1 GB in chunks, 2026-12-04). The loaders' copies go through
+memcpy under `rl.generation.host_copies.memcpy_copies`, so this is what makes the engine's apply copy run at
+memcpy speed. The cost: a large copy whose destination is read again at once misses the cache (the engine's
+generation speed with the setting was not measured apart).
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ ENGINE_MALLOC = {
     "glibc.malloc.mmap_max": "0",
     "glibc.malloc.arena_max": "1",
     "glibc.malloc.trim_threshold": str(1 << 36),
+    "glibc.cpu.x86_non_temporal_threshold": str(1 << 20),  # ignored off x86
 }
 
 

@@ -39,6 +39,8 @@ import contextlib
 import logging
 import os
 
+from rl.generation.host_copies import memcpy_copies
+
 log = logging.getLogger(__name__)
 
 # MoE experts kernels that read the loaded w13/w2 storage directly at every forward (no repack).
@@ -153,7 +155,7 @@ class InplaceApplier:
             raise RuntimeError(f"in-place apply does not cover {self._uncovered}")
         removed = self._register_buffers()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), memcpy_copies():  # the loaders' copies at memcpy speed (host_copies says why)
                 loaded = self.model.load_weights(named_tensors)
         except BaseException:
             self._restore(removed)  # the packed handles still hold the old weights
