@@ -5,6 +5,7 @@ tested in tests/test_vllm_pool.py); what is under test here is the protocol: not
 every engine verified every bucket, and a rejected update leaves every engine on its old version.
 """
 
+import dataclasses
 import os
 
 import numpy as np
@@ -197,3 +198,94 @@ def test_transport_drops_an_engine_that_dies_mid_update(ray_local):
     assert stats.lost == [1]
     version, weights = ray.get(engines[0].get.remote())
     assert version == 5 and all(np.array_equal(weights[n], a) for n, a in named)
+
+
+# ------------------------------------------------------------------------------------ shm transport
+def test_shm_transport_commits_everywhere_or_nowhere_and_names_a_corrupted_tensor(ray_local):
+    """Buckets written once into /dev/shm files (rl.generation.shared_segments): the same two-phase commit and
+    checks as the object store; a byte changed in the file after the sender's checksum is caught by every engine."""
+    ray = ray_local
+    named = _arrays(6)
+    manifest = {n: (a.shape, a.dtype) for n, a in named}
+    engines = [ray.remote(DictEngine).remote(manifest) for _ in range(2)]
+    t = tr.make_transport("shm", engines, bucket_bytes=64, timeout_s=60)
+    assert isinstance(t, tr.SharedMemoryTransport)
+    try:
+        stats = t.push(iter(named), version=1)
+        assert stats.buckets > 2 and stats.tensors == 6 and stats.bytes == sum(a.nbytes for _, a in named)
+        for version, weights in ray.get([e.get.remote() for e in engines]):
+            assert version == 1 and all(np.array_equal(weights[n], a) for n, a in named)
+
+        real = t.segments.buckets
+
+        def corrupting(named_arrays, version):
+            for b in real(named_arrays, version):
+                if "w4" in [r.name for r in b.records]:
+                    off = b.offsets[[r.name for r in b.records].index("w4")]
+                    t.segments.slots[b.index][1][off] ^= 1  # in the shared file, after the checksum
+                yield b
+
+        t.segments.buckets = corrupting
+        new = [(n, a * 2) for n, a in named]
+        with pytest.raises(tr.TransferError, match=r"tensor 'w4'.*checksum mismatch"):
+            t.push(iter(new), version=2)
+        for version, weights in ray.get([e.get.remote() for e in engines]):
+            assert version == 1 and all(np.array_equal(weights[n], a) for n, a in named)
+        t.segments.buckets = real
+        t.push(iter(new), version=3)  # the same files serve the next update
+        for version, weights in ray.get([e.get.remote() for e in engines]):
+            assert version == 3 and all(np.array_equal(weights[n], a) for n, a in new)
+    finally:
+        t.close()
+    assert not os.path.exists(t.segments.dir)
+
+
+def test_segments_are_reused_grown_for_a_big_tensor_and_remapped_by_the_receiver(tmp_path):
+    from rl.generation.shared_segments import SegmentWriter
+
+    w = SegmentWriter(bucket_bytes=64, root=str(tmp_path))
+    try:
+        st = tr.StagedUpdate()
+        first = list(w.buckets(iter(_arrays(4)), version=1))
+        paths = {b.index: b.path for b in first}
+        for b in first:
+            st.stage(b)
+        assert [n for n, _ in st.tensors(1, len(first))] == ["w0", "w1", "w2", "w3"]
+        big = np.arange(100, dtype=np.float32)  # 400 bytes: travels alone in a larger file of slot 0
+        second = list(w.buckets(iter([("big", big)] + _arrays(2)), version=2))
+        assert second[0].path != paths[0] and not os.path.exists(paths[0]) and second[1].path == paths[1]
+        for b in second:
+            st.stage(b)  # the receiver maps the new file and forgets the removed one
+        assert paths[0] not in st.mappings and second[0].path in st.mappings
+        got = dict(st.tensors(2, len(second)))
+        assert np.array_equal(got["big"], big) and np.array_equal(got["w1"], _arrays(2)[1][1])
+        assert not got["big"].flags.writeable  # a loader writing into it would fault, not change the next update
+    finally:
+        w.close()
+
+
+def test_shm_bucket_on_another_machine_is_refused_and_dead_trainers_segments_are_swept(tmp_path):
+    import subprocess
+
+    from rl.generation import shared_segments as ss
+
+    w = ss.SegmentWriter(bucket_bytes=1 << 10, root=str(tmp_path))
+    (b,) = w.buckets(iter(_arrays(2)), version=4)
+    w.close()
+    gone = dataclasses.replace(b, path=str(tmp_path / "elsewhere" / "bucket-0"))
+    with pytest.raises(tr.TransferError, match=r"bucket 0 of version 4: cannot map .*every engine on the trainer's "
+                                               r"machine"):
+        tr.StagedUpdate().stage(gone)
+    outside = dataclasses.replace(b, offsets=[0, b.capacity])
+    with pytest.raises(tr.TransferError, match=r"tensor 'w1' .* lie outside segment"):
+        tr.StagedUpdate().stage(outside)
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (tmp_path / f"{ss.PREFIX}{dead.pid}-x").mkdir()
+    alive = ss.SegmentWriter(bucket_bytes=64, root=str(tmp_path))  # sweeps on start
+    try:
+        left = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(ss.PREFIX))
+        assert f"{ss.PREFIX}{dead.pid}-x" not in left and os.path.basename(alive.dir) in left
+    finally:
+        alive.close()

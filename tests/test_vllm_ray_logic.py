@@ -137,3 +137,27 @@ def test_workers_on_another_machine_need_the_collective_transport(ray_local, tmp
                                         r"weight_transport: collective"):
         VLLMPool(cfg, pad_id=99)
     VLLMPool(dataclasses.replace(cfg, transport="collective"), pad_id=99).shutdown()
+
+
+def test_the_shm_transport_needs_every_engine_on_the_trainers_machine(ray_local, tmp_path, monkeypatch):
+    """The shm transport's files lie in this process's /dev/shm: an engine (or a worker) on another machine is
+    refused at start; engines here get a pool that owns the files and removes them at shutdown."""
+    import dataclasses
+
+    class HereActor(FakeActor):
+        def health(self):
+            return {**super().health(), "machine": vllm_ray.host_of(None)[0]}
+
+    monkeypatch.setattr(vllm_pool, "_ACTOR", actor_class(AwayWorkersActor, "AwayWorkersActor"))
+    monkeypatch.setattr(vllm_ray, "CPU_SLOT", "CPU")
+    monkeypatch.setattr(vllm_ray, "actor_runtime_env", lambda base=None: {})
+    cfg = PoolConfig(model_dir=str(tmp_path), servers=1, executor="ray", request_timeout_s=60, transport="shm")
+    with pytest.raises(PoolError, match=r"engine 0 runs on other machines \(\['here', 'there'\]\) than the trainer "
+                                        r".*weight_transport: collective"):
+        VLLMPool(cfg, pad_id=99)
+    monkeypatch.setattr(vllm_pool, "_ACTOR", actor_class(HereActor, "HereActor"))
+    pool = VLLMPool(dataclasses.replace(cfg, executor="uni"), pad_id=99)
+    where = pool._segments.dir
+    assert os.path.isdir(where)
+    pool.shutdown()
+    assert not os.path.exists(where)

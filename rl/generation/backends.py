@@ -58,7 +58,7 @@ def make_generator(cfg, graphdef, state, *, pad_id: int, run_dir: str):
     from rl.generation.multihost import JaxPeers, ProcessZeroPool
 
     zero = jax.process_index() == 0
-    # On the collective transport every process sends the tensors it holds; on `ray`, process 0 sends all.
+    # On the collective transport every process sends the tensors it holds; on `ray` and `shm`, process 0 sends all.
     peers = JaxPeers() if g.weight_transport == "collective" else None
     sender = (RoutedSender(pool_cfg.bucket_bytes, timeout_s=pool_cfg.request_timeout_s, device=pool_cfg.group_device)
               if peers is not None and not zero else None)

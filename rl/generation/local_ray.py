@@ -64,7 +64,7 @@ def object_store_bytes(update_bytes: int, memory_bytes: int, shm_free_bytes: int
 
 def init_kwargs(model_dir: str, transport: str) -> dict:
     """Extra ray.init arguments for the pool's local Ray: a store sized for the `ray` transport that spills only
-    when full; none for `collective` (its buckets never enter the store)."""
+    when full; none for `shm` and `collective` (their buckets never enter the store)."""
     if transport != "ray":
         return {}
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -17,13 +17,14 @@ Conversion of bucket n+1 runs in a thread while bucket n is being put into the o
 
 `generation.weight_transport` names the entry of `TRANSPORTS` that `make_transport` builds:
 `RayObjectStoreTransport` ("ray") moves host buffers through Ray's object store;
+`SharedMemoryTransport` ("shm") writes them once into shared-memory files that the engines of the trainer's
+machine map (rl.generation.shared_segments);
 `rl.generation.collective.CollectiveTransport` ("collective") broadcasts the buckets over a
 torch.distributed group (gloo on CPU, NCCL on GPU) joined by the trainer process and the engines.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import queue
 import threading
 import time
@@ -32,28 +33,9 @@ from typing import Iterable, Iterator, Protocol
 import numpy as np
 
 from rl.generation.collective import CollectiveTransport
-from rl.generation.transfer_base import (TransferError, TransferStats, abort_staged, as_transfer_error,
-                                         checksum)
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorRecord:
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    checksum: int  # transfer_base.checksum of its bytes
-
-
-@dataclasses.dataclass
-class Bucket:
-    version: int
-    index: int
-    records: list[TensorRecord]
-    arrays: list[np.ndarray]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.arrays)
+from rl.generation.shared_segments import SegmentWriter, SharedBucket
+from rl.generation.transfer_base import (Bucket, TensorRecord, TransferError, TransferStats,  # noqa: F401 - re-exported
+                                         abort_staged, as_transfer_error, checksum)
 
 
 def model_tensors(graphdef, params, rest=None, layout: str = "released",
@@ -132,10 +114,13 @@ class StagedUpdate:
     def __init__(self):
         self.version: int | None = None
         self.buckets: dict[int, Bucket] = {}
+        self.mappings: dict = {}  # shared_segments: the sender's segment files, mapped once and kept
 
-    def stage(self, bucket: Bucket, check=None) -> None:
+    def stage(self, bucket: Bucket | SharedBucket, check=None) -> None:
         if self.version != bucket.version:  # a new update replaces any abandoned one
             self.version, self.buckets = bucket.version, {}
+        if isinstance(bucket, SharedBucket):
+            bucket = bucket.open(self.mappings)
         verify_bucket(bucket, check)
         self.buckets[bucket.index] = bucket
 
@@ -179,8 +164,6 @@ class RayObjectStoreTransport:
         pass
 
     def push(self, named_arrays, version: int) -> TransferStats:
-        import ray
-
         t0 = time.perf_counter()
         ready: queue.Queue = queue.Queue(maxsize=self.depth)
         convert = {"s": 0.0, "error": None}
@@ -195,7 +178,7 @@ class RayObjectStoreTransport:
 
         def produce():
             try:
-                it = make_buckets(named_arrays, self.bucket_bytes, version)
+                it = self._buckets(named_arrays, version)
                 while not stop.is_set():
                     s = time.perf_counter()
                     b = next(it, None)
@@ -215,10 +198,9 @@ class RayObjectStoreTransport:
         try:
             while (bucket := ready.get()) is not None:
                 s = time.perf_counter()
-                ref = ray.put(bucket)
-                inflight.append({i: e.stage.remote(ref) for i, e in live.items()})
-                n_buckets, n_bytes, n_tensors = n_buckets + 1, n_bytes + bucket.nbytes, n_tensors + len(bucket.arrays)
-                del bucket, ref  # the object store keeps it until every engine has staged it
+                inflight.append(self._send(bucket, live))
+                n_buckets, n_bytes, n_tensors = n_buckets + 1, n_bytes + bucket.nbytes, n_tensors + len(bucket.records)
+                del bucket  # the object store keeps it until every engine has staged it
                 while len(inflight) >= self.depth:
                     self._collect(inflight.pop(0), live)
                 send_s += time.perf_counter() - s
@@ -244,6 +226,17 @@ class RayObjectStoreTransport:
         return TransferStats(version, n_bytes, n_buckets, n_tensors, convert["s"], send_s, end - s, end - t0,
                              lost=sorted(set(range(len(self.engines))) - set(live)))
 
+    def _buckets(self, named_arrays, version: int):
+        """The update's buckets, built in the converter thread."""
+        return make_buckets(named_arrays, self.bucket_bytes, version)
+
+    def _send(self, bucket, live: dict) -> dict:
+        """Hand one bucket to every live engine's `stage`: {engine: its answer's ref}."""
+        import ray
+
+        ref = ray.put(bucket)  # one copy in the store, read by every engine
+        return {i: e.stage.remote(ref) for i, e in live.items()}
+
     def _collect(self, acks: dict, live: dict, expect=None) -> None:
         """Wait for one round of engine answers; drop engines that died, re-raise anything else."""
         import ray
@@ -264,14 +257,39 @@ class RayObjectStoreTransport:
         abort_staged(self.engines, version, self.timeout_s)
 
 
-TRANSPORTS: dict[str, type] = {"ray": RayObjectStoreTransport, "collective": CollectiveTransport}
+class SharedMemoryTransport(RayObjectStoreTransport):
+    """Buckets written once into shared-memory files that every engine of this machine maps
+    (rl.generation.shared_segments); only the buckets' descriptions travel through Ray. Same two-phase commit,
+    checks and failure handling as the object-store path."""
+
+    def __init__(self, engines, bucket_bytes: int, depth: int = 2, timeout_s: float = 600.0, segments=None):
+        """segments: a `SegmentWriter` that outlives this transport (the pool's, kept while engines are
+        replaced); by default one of its own, removed on close."""
+        super().__init__(engines, bucket_bytes, depth, timeout_s)
+        self.own_segments = segments is None
+        self.segments = SegmentWriter(bucket_bytes) if segments is None else segments
+
+    def close(self) -> None:
+        if self.own_segments:
+            self.segments.close()
+
+    def _buckets(self, named_arrays, version: int):
+        return self.segments.buckets(named_arrays, version)
+
+    def _send(self, bucket, live: dict) -> dict:
+        return {i: e.stage.remote(bucket) for i, e in live.items()}
+
+
+TRANSPORTS: dict[str, type] = {"ray": RayObjectStoreTransport, "shm": SharedMemoryTransport,
+                               "collective": CollectiveTransport}
 
 
 def make_transport(name: str, engines, bucket_bytes: int, timeout_s: float = 600.0, peers=None,
-                   device: str = "cpu") -> Transport:
+                   device: str = "cpu", segments=None) -> Transport:
     """The transport `name` (a key of TRANSPORTS) to these engine actors; `peers`: the other trainer
     processes that send their own tensors beside this one (collective only, rl.generation.multihost);
-    `device`: where the collective transport's buckets live ("cpu": gloo, "cuda": NCCL)."""
+    `device`: where the collective transport's buckets live ("cpu": gloo, "cuda": NCCL); `segments`: the
+    `shm` transport's files, kept by the caller across transports (shm only)."""
     try:
         cls = TRANSPORTS[name]
     except KeyError:
@@ -279,5 +297,7 @@ def make_transport(name: str, engines, bucket_bytes: int, timeout_s: float = 600
     if cls is not CollectiveTransport:
         if peers is not None:
             raise ValueError(f"weight transport {name!r} sends from one process; several senders need 'collective'")
+        if cls is SharedMemoryTransport:
+            return cls(engines, bucket_bytes, timeout_s=timeout_s, segments=segments)
         return cls(engines, bucket_bytes, timeout_s=timeout_s)
     return cls(engines, bucket_bytes, timeout_s=timeout_s, peers=peers, device=device)

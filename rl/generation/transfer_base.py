@@ -1,5 +1,6 @@
-"""What both weight transports share (rl.generation.transfer, rl.generation.collective): the error an
-update is rejected with, the per-tensor checksum, the per-update statistics and the abort of a staged update."""
+"""What the weight transports share (rl.generation.transfer, rl.generation.collective,
+rl.generation.shared_segments): a bucket and its records, the error an update is rejected with, the per-tensor
+checksum, the per-update statistics and the abort of a staged update."""
 
 from __future__ import annotations
 
@@ -7,6 +8,26 @@ import dataclasses
 
 import numpy as np
 import xxhash
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorRecord:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    checksum: int  # `checksum` of its bytes
+
+
+@dataclasses.dataclass
+class Bucket:
+    version: int
+    index: int
+    records: list[TensorRecord]
+    arrays: list[np.ndarray]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays)
 
 
 class TransferError(RuntimeError):

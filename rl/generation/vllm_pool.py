@@ -27,12 +27,12 @@ import dataclasses
 import logging
 import os
 import threading
-import time
 
 import jax
 import numpy as np
 
 from rl.generation.base import Rollout, SamplingParams
+from rl.generation.shared_segments import SegmentWriter
 from rl.generation.transfer import TRANSPORTS, TransferError, TransferStats, make_transport, model_tensors
 from rl.generation import host_memory, local_ray, vllm_ray
 from rl.generation.vllm_results import CPU_REASON, assemble_rollout
@@ -118,6 +118,8 @@ class VLLMPool:
         self.resent_rows = 0
         self.last_transfer: TransferStats | None = None
         self._transport, self._transport_to = None, ()  # kept across updates while the engines stay the same
+        # the `shm` transport's files: this process's memory, kept while engines come and go
+        self._segments = SegmentWriter(cfg.bucket_bytes) if cfg.transport == "shm" else None
         self._lock = threading.Lock()
         ranks = vllm_ray.engine_ranks(cfg.tensor_parallel, cfg.expert_parallel)
         if cfg.executor not in vllm_ray.EXECUTORS + ("uni",):
@@ -135,6 +137,10 @@ class VLLMPool:
                          resources=slots, **store)
                 if store and cfg.warm_object_store:
                     warming = local_ray.warm_in_background(store["object_store_memory"])
+        if self._segments is not None and cfg.warm_object_store:  # the same warm-up, for the shm transport's files
+            warming = threading.Thread(target=self._segments.reserve, name="m3jax-warm-segments", daemon=True,
+                                       args=(local_ray.checkpoint_bytes(cfg.model_dir),))
+            warming.start()
         self.key = vllm_ray.device_key(ray.cluster_resources())  # what one rank takes: GPU or the CPU slot
         self.per_host = vllm_ray.devices_per_host(ray.nodes(), self.key)
         if cfg.return_routes and self.key != "GPU":  # refused before any engine starts
@@ -201,7 +207,18 @@ class VLLMPool:
 
     def _check_weight_path(self) -> None:
         """Refuse at start what every push would refuse: the `ray` transport stages an update under the engine
-        actor's /dev/shm, which a Ray-executor worker on another machine cannot read."""
+        actor's /dev/shm, which a Ray-executor worker on another machine cannot read; the `shm` transport's
+        segments lie under this process's /dev/shm, which only engines on this machine can map."""
+        if self.cfg.transport == "shm":
+            here = vllm_ray.host_of(None)[0]
+            for h in (h for h in self.health() if h["state"] == "up"):
+                away = sorted({h.get("machine"), *(w.get("machine") for w in h.get("workers", []))} - {here})
+                if away:
+                    self.shutdown()
+                    raise PoolError(f"vLLM engine {h.get('rank')} runs on other machines ({away}) than the trainer "
+                                    f"({here}): generation.weight_transport \"shm\" hands updates over in this "
+                                    "machine's /dev/shm; use generation.weight_transport: collective")
+            return
         if self.cfg.transport != "ray" or self.cfg.executor != "ray":
             return
         for h in self.health():
@@ -272,6 +289,8 @@ class VLLMPool:
         import ray
 
         self._drop_transport()
+        if self._segments is not None:
+            self._segments.close()
         live = [s.actor.shutdown.remote() for s in self.slots if s.actor is not None and s.ready]
         if live:  # the orderly stop first (shared memory released), bounded: a hung engine is killed below
             ray.wait(live, num_returns=len(live), timeout=60)
@@ -397,7 +416,7 @@ class VLLMPool:
             self._drop_transport()
             self._transport = make_transport(self.cfg.transport, actors, self.cfg.bucket_bytes,
                                              timeout_s=self.cfg.request_timeout_s, peers=self.peers,
-                                             device=self.cfg.group_device)
+                                             device=self.cfg.group_device, segments=self._segments)
             self._transport_to = key
         return self._transport
 

@@ -1,0 +1,213 @@
+"""Buckets written once into shared-memory files that the engines of this machine map
+(`generation.weight_transport: shm`, issue 12 item 2 on one host).
+
+On the `ray` transport every byte is copied twice on the sender: `hf_tensors`' layout change (most weights are
+transposed from JAX's [in, out] to HF's [out, in]) writes a fresh array, and `ray.put` copies it into the object
+store. Here the layout change writes straight into a file under /dev/shm, and the engine maps that file: one
+copy on the sender, none on the wire. Both ends keep their mappings between updates, so neither faults the pages
+in again (a fresh 4 kB page costs ~60x a used one on this VM: BENCHMARKS.md, issue 12, session 16). This is the
+CPU counterpart of NeMo-RL's and vLLM's IPC refit for engines colocated with the trainer; engines on other
+machines need the `collective` transport, and the pool refuses `shm` for them at start.
+
+What the other paths guarantee holds: each tensor's XXH3 is taken from the bytes in the file and checked by every
+engine against what it maps, with name, shape and dtype; the commit is the same two-phase commit. A segment is
+only rewritten by the next update, which starts after every engine has committed or dropped this one.
+
+Files live in a directory named after the trainer's pid; a transport removes it on close, and a new one removes
+the directories of processes that no longer run (a trainer killed with SIGKILL leaves its segments behind until
+then).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import mmap
+import os
+import shutil
+import tempfile
+from typing import Iterable, Iterator
+
+import numpy as np
+
+from rl.generation.transfer_base import Bucket, TensorRecord, TransferError, checksum
+
+SEGMENT_ROOT = "/dev/shm"  # RAM-backed; containers often mount only 64 MB there (checked per segment)
+PREFIX = "m3jax-weights-"
+ALIGN = 64  # every tensor starts on a cache line
+CHUNK_BYTES = 4 << 20  # the sender's copies are split in row blocks of about this size across its threads
+
+
+def _map(path: str, size: int, writable: bool) -> np.ndarray:
+    """The file as a uint8 array on a shared mapping whose pages are mapped at once (MAP_POPULATE): one call
+    instead of a fault per 4 kB page at first touch (8.65 s for the first 1 GB update without it)."""
+    fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+    try:
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        m = mmap.mmap(fd, size, flags=flags, prot=prot)
+    finally:
+        os.close(fd)  # the mapping keeps the file
+    return np.frombuffer(m, dtype=np.uint8)
+
+
+def _np_dtype(name: str) -> np.dtype:
+    if name == "bfloat16":
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedBucket:
+    """What travels to the engines: where a bucket's tensors lie in a segment file, not the bytes."""
+
+    version: int
+    index: int
+    records: list[TensorRecord]
+    offsets: list[int]  # byte offset of each tensor in the file
+    path: str
+    capacity: int  # the file's size in bytes
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(np.prod(r.shape, dtype=np.int64)) * _np_dtype(r.dtype).itemsize for r in self.records)
+
+    def open(self, mappings: dict) -> Bucket:
+        """The bucket as arrays on the engine's mapping of its file (mapped once per file and kept in
+        `mappings`); read-only, so a loader that tried to write into a received tensor would fault, not
+        change the next update's bytes. Verification (`transfer.verify_bucket`) follows."""
+        m = mappings.get(self.path)
+        if m is None:
+            try:
+                m = _map(self.path, self.capacity, writable=False)
+            except (OSError, ValueError) as e:
+                raise TransferError(f"bucket {self.index} of version {self.version}: cannot map {self.path} ({e}); "
+                                    "weight_transport 'shm' needs every engine on the trainer's machine") from None
+            for stale in [p for p in mappings if not os.path.exists(p)]:  # segments the sender replaced
+                del mappings[stale]
+            mappings[self.path] = m
+        arrays = []
+        for rec, off in zip(self.records, self.offsets):
+            dtype = _np_dtype(rec.dtype)
+            n = int(np.prod(rec.shape, dtype=np.int64)) * dtype.itemsize
+            if off < 0 or off + n > m.size:
+                raise TransferError(f"tensor {rec.name!r} (bucket {self.index}, version {self.version}): bytes "
+                                    f"[{off}, {off + n}) lie outside segment {self.path} of {m.size} bytes")
+            arrays.append(m[off:off + n].view(dtype).reshape(rec.shape))
+        return Bucket(self.version, self.index, list(self.records), arrays)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep(root: str) -> list[str]:
+    """Remove the segment directories of trainer processes that no longer run; returns what it removed."""
+    gone = []
+    for d in os.listdir(root) if os.path.isdir(root) else ():
+        if not d.startswith(PREFIX):
+            continue
+        try:
+            pid = int(d[len(PREFIX):].split("-", 1)[0])
+        except ValueError:
+            continue
+        if not _pid_alive(pid):
+            shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+            gone.append(d)
+    return gone
+
+
+class SegmentWriter:
+    """The sender's segment files, one per bucket slot, kept (and mapped) between updates; a slot's file is
+    replaced by a larger one only for a tensor that travels alone.
+
+    A bucket's copies and hashes run on `threads` threads (numpy's copy and XXH3 release the GIL): one thread
+    copies megabyte-sized tensors at 7.2 GB/s here (memcpy below glibc's non-temporal threshold reads every
+    destination line first) and two at about twice that (BENCHMARKS.md, issue 12, session 24)."""
+
+    def __init__(self, bucket_bytes: int, root: str = SEGMENT_ROOT, threads: int | None = None):
+        if bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes={bucket_bytes}: expected >= 1")
+        root = root if os.path.isdir(root) else tempfile.gettempdir()
+        sweep(root)
+        self.bucket_bytes, self.root = bucket_bytes, root
+        self.dir = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=root)
+        self.slots: dict[int, tuple[str, np.ndarray]] = {}
+        if threads is None:
+            threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        self.pool = concurrent.futures.ThreadPoolExecutor(max(1, min(threads, 8)), thread_name_prefix="m3jax-segment")
+
+    def close(self) -> None:
+        self.slots = {}
+        self.pool.shutdown(wait=True)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def reserve(self, nbytes: int) -> None:
+        """Create (and fault in) the slots an update of `nbytes` fills, before the first one: on this VM a fresh
+        page costs so much that the first 1 GB update took 8-9 s in its sender without this. The pool runs it
+        in a thread while its engines start."""
+        for index in range(-(-nbytes // self.bucket_bytes) + 1):  # +1: buckets are rarely full to the byte
+            self._slot(index, self.bucket_bytes)
+
+    def _slot(self, index: int, need: int) -> tuple[str, np.ndarray]:
+        have = self.slots.get(index)
+        if have is not None and have[1].size >= need:
+            return have
+        size = max(need, self.bucket_bytes)
+        free = shutil.disk_usage(self.root).free
+        if size > free:  # say so instead of a SIGBUS when a page cannot be allocated mid-write
+            raise OSError(f"a weight bucket of {size / 2**20:.0f} MiB does not fit in {self.root} ({free / 2**20:.0f} "
+                          "MiB free); enlarge it (docker --shm-size) or use weight_transport 'ray'")
+        path = os.path.join(self.dir, f"bucket-{index}-{size}")
+        with open(path, "wb") as f:
+            f.truncate(size)
+        if have is not None:
+            os.unlink(have[0])  # an engine's mapping of the old file stays valid until it lets go of it
+        self.slots[index] = (path, _map(path, size, writable=True))
+        return self.slots[index]
+
+    def buckets(self, named_arrays: Iterable[tuple[str, np.ndarray]], version: int) -> Iterator[SharedBucket]:
+        """Write the tensors, in order, into buckets of at most `bucket_bytes` (a larger tensor travels alone),
+        each tensor's layout change done by the one copy into the file."""
+        index, used, pending = 0, 0, []  # pending: (name, source array, offset) of the open bucket
+        path, seg = self._slot(0, 0)
+        for name, array in named_arrays:
+            array = np.asarray(array)
+            if pending and used + array.nbytes > self.bucket_bytes:
+                yield self._fill(version, index, pending, path, seg)
+                index, used, pending = index + 1, 0, []
+                path, seg = self._slot(index, array.nbytes)
+            elif not pending:
+                path, seg = self._slot(index, array.nbytes)
+            pending.append((name, array, used))
+            used = -(-(used + array.nbytes) // ALIGN) * ALIGN
+        if pending:
+            yield self._fill(version, index, pending, path, seg)
+
+    def _fill(self, version: int, index: int, pending: list, path: str, seg: np.ndarray) -> SharedBucket:
+        """Copy a bucket's tensors into its segment in row blocks, then hash each from the segment."""
+        dsts = [seg[off:off + a.nbytes].view(a.dtype).reshape(a.shape) for _, a, off in pending]
+        blocks = []
+        for (_, a, _), dst in zip(pending, dsts):
+            rows = a.shape[0] if a.ndim else 1
+            step = max(1, rows * CHUNK_BYTES // max(a.nbytes, 1))
+            blocks += [(dst, a, r, r + step) for r in range(0, rows, step)] if a.ndim else [(dst, a, None, None)]
+
+        def copy(block):
+            dst, src, lo, hi = block
+            if lo is None:
+                np.copyto(dst, src, casting="no")
+            else:
+                np.copyto(dst[lo:hi], src[lo:hi], casting="no")
+
+        list(self.pool.map(copy, blocks))
+        sums = list(self.pool.map(checksum, dsts))
+        records = [TensorRecord(name, tuple(a.shape), str(a.dtype), c) for (name, a, _), c in zip(pending, sums)]
+        return SharedBucket(version, index, records, [off for _, _, off in pending], path, seg.size)
