@@ -222,7 +222,7 @@ def test_shm_transport_commits_everywhere_or_nowhere_and_names_a_corrupted_tenso
             for b in real(named_arrays, version):
                 if "w4" in [r.name for r in b.records]:
                     off = b.offsets[[r.name for r in b.records].index("w4")]
-                    t.segments.slots[b.index][1][off] ^= 1  # in the shared file, after the checksum
+                    dict(t.segments.files)[b.path][off] ^= 1  # in the shared file, after the checksum
                 yield b
 
         t.segments.buckets = corrupting
@@ -240,26 +240,29 @@ def test_shm_transport_commits_everywhere_or_nowhere_and_names_a_corrupted_tenso
     assert not os.path.exists(t.segments.dir)
 
 
-def test_segments_are_reused_grown_for_a_big_tensor_and_remapped_by_the_receiver(tmp_path):
-    from rl.generation.shared_segments import SegmentWriter
+def test_segment_files_are_reserved_reused_and_taken_by_size(tmp_path):
+    from rl.generation import shared_segments as ss
 
-    w = SegmentWriter(bucket_bytes=64, root=str(tmp_path))
+    arrays = _arrays(4)  # 12, 24, 36, 48 bytes, each starting on a 64-byte line: 128-byte buckets [w0 w1] [w2 w3]
+    big = np.arange(100, dtype=np.float32)  # 400 bytes: travels alone
+    order = [("big", big)] + arrays
+    sizes = ss.bucket_sizes([a.nbytes for _, a in order], bucket_bytes=128)
+    assert sizes == [448, 128, 128]
+    w = ss.SegmentWriter(bucket_bytes=128, root=str(tmp_path))
     try:
+        w.reserve(sizes)
+        made = [p for p, _ in w.files]
         st = tr.StagedUpdate()
-        first = list(w.buckets(iter(_arrays(4)), version=1))
-        paths = {b.index: b.path for b in first}
-        for b in first:
-            st.stage(b)
-        assert [n for n, _ in st.tensors(1, len(first))] == ["w0", "w1", "w2", "w3"]
-        big = np.arange(100, dtype=np.float32)  # 400 bytes: travels alone in a larger file of slot 0
-        second = list(w.buckets(iter([("big", big)] + _arrays(2)), version=2))
-        assert second[0].path != paths[0] and not os.path.exists(paths[0]) and second[1].path == paths[1]
-        for b in second:
-            st.stage(b)  # the receiver maps the new file and forgets the removed one
-        assert paths[0] not in st.mappings and second[0].path in st.mappings
-        got = dict(st.tensors(2, len(second)))
-        assert np.array_equal(got["big"], big) and np.array_equal(got["w1"], _arrays(2)[1][1])
-        assert not got["big"].flags.writeable  # a loader writing into it would fault, not change the next update
+        for version in (1, 2):
+            got = list(w.buckets(iter(order), version=version))
+            assert [p for p, _ in w.files] == made  # every bucket found a reserved file: nothing new was made
+            assert len({b.path for b in got}) == len(got)  # one bucket per file in an update
+            for b in got:
+                st.stage(b)
+            out = dict(st.tensors(version, len(got)))
+            assert np.array_equal(out["big"], big) and all(np.array_equal(out[n], a) for n, a in arrays)
+        assert not out["big"].flags.writeable  # a loader writing into it would fault, not change the next update
+        assert len(st.mappings) == len(made)  # the receiver mapped each file once
     finally:
         w.close()
 
@@ -270,15 +273,17 @@ def test_shm_bucket_on_another_machine_is_refused_and_dead_trainers_segments_are
     from rl.generation import shared_segments as ss
 
     w = ss.SegmentWriter(bucket_bytes=1 << 10, root=str(tmp_path))
-    (b,) = w.buckets(iter(_arrays(2)), version=4)
-    w.close()
-    gone = dataclasses.replace(b, path=str(tmp_path / "elsewhere" / "bucket-0"))
-    with pytest.raises(tr.TransferError, match=r"bucket 0 of version 4: cannot map .*every engine on the trainer's "
-                                               r"machine"):
-        tr.StagedUpdate().stage(gone)
-    outside = dataclasses.replace(b, offsets=[0, b.capacity])
-    with pytest.raises(tr.TransferError, match=r"tensor 'w1' .* lie outside segment"):
-        tr.StagedUpdate().stage(outside)
+    try:
+        (b,) = w.buckets(iter(_arrays(2)), version=4)
+        gone = dataclasses.replace(b, path=str(tmp_path / "elsewhere" / "bucket-0"))
+        with pytest.raises(tr.TransferError, match=r"bucket 0 of version 4: cannot map .*every engine on the "
+                                                   r"trainer's machine"):
+            tr.StagedUpdate().stage(gone)
+        outside = dataclasses.replace(b, offsets=[0, b.capacity])
+        with pytest.raises(tr.TransferError, match=r"tensor 'w1' .* lie outside segment"):
+            tr.StagedUpdate().stage(outside)
+    finally:
+        w.close()
 
     dead = subprocess.Popen(["true"])
     dead.wait()

@@ -124,9 +124,32 @@ def sweep(root: str) -> list[str]:
     return gone
 
 
+def bucket_sizes(tensor_bytes: Iterable[int], bucket_bytes: int) -> list[int]:
+    """The byte sizes of the buckets `SegmentWriter.buckets` makes of tensors of these sizes, in this order
+    (what `reserve` creates before the first update)."""
+    sizes, used = [], 0
+    for n in tensor_bytes:
+        if used and used + n > bucket_bytes:
+            sizes.append(used)
+            used = 0
+        used = -(-(used + n) // ALIGN) * ALIGN
+    return sizes + [used] if used else sizes
+
+
+def checkpoint_tensor_bytes(model_dir: str) -> list[int]:
+    """Byte size of every tensor of a checkpoint directory, in file and header order (which is `hf_tensors`'
+    order for a checkpoint m3jax wrote)."""
+    import glob
+
+    from m3jax.hf.safetensors_io import read_header
+
+    return [info.end - info.start for f in sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+            for info in read_header(f).values()]
+
+
 class SegmentWriter:
-    """The sender's segment files, one per bucket slot, kept (and mapped) between updates; a slot's file is
-    replaced by a larger one only for a tensor that travels alone.
+    """The sender's segment files, kept (and mapped) between updates: each bucket takes the smallest free file
+    that holds it, and a new file is made only when none does (the first update, or a larger tensor).
 
     A bucket's copies and hashes run on `threads` threads (numpy's copy and XXH3 release the GIL): one thread
     copies megabyte-sized tensors at 7.2 GB/s here (memcpy below glibc's non-temporal threshold reads every
@@ -139,58 +162,59 @@ class SegmentWriter:
         sweep(root)
         self.bucket_bytes, self.root = bucket_bytes, root
         self.dir = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=root)
-        self.slots: dict[int, tuple[str, np.ndarray]] = {}
+        self.files: list[tuple[str, np.ndarray]] = []  # (path, mapping), every file this writer made
+        self._free: list[tuple[str, np.ndarray]] = []  # the files the update being written has not taken
         if threads is None:
             threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         self.pool = concurrent.futures.ThreadPoolExecutor(max(1, min(threads, 8)), thread_name_prefix="m3jax-segment")
 
     def close(self) -> None:
-        self.slots = {}
+        self.files, self._free = [], []
         self.pool.shutdown(wait=True)
         shutil.rmtree(self.dir, ignore_errors=True)
 
-    def reserve(self, nbytes: int) -> None:
-        """Create (and fault in) the slots an update of `nbytes` fills, before the first one: on this VM a fresh
-        page costs so much that the first 1 GB update took 8-9 s in its sender without this. The pool runs it
-        in a thread while its engines start."""
-        for index in range(-(-nbytes // self.bucket_bytes) + 1):  # +1: buckets are rarely full to the byte
-            self._slot(index, self.bucket_bytes)
+    def reserve(self, sizes: Iterable[int]) -> None:
+        """Make (and fault in) files of these sizes before the first update (`bucket_sizes` of the checkpoint's
+        tensors): a fresh page costs so much on this VM that the first 1 GB update's sender took 8-9 s without
+        this. The pool runs it in a thread while its engines start."""
+        for size in sizes:
+            _, seg = self._new(max(size, self.bucket_bytes))
+            seg[::mmap.PAGESIZE] = 0  # a write per page: MAP_POPULATE alone left the first update 3x slower
 
-    def _slot(self, index: int, need: int) -> tuple[str, np.ndarray]:
-        have = self.slots.get(index)
-        if have is not None and have[1].size >= need:
-            return have
-        size = max(need, self.bucket_bytes)
+    def _new(self, size: int) -> tuple[str, np.ndarray]:
         free = shutil.disk_usage(self.root).free
         if size > free:  # say so instead of a SIGBUS when a page cannot be allocated mid-write
             raise OSError(f"a weight bucket of {size / 2**20:.0f} MiB does not fit in {self.root} ({free / 2**20:.0f} "
                           "MiB free); enlarge it (docker --shm-size) or use weight_transport 'ray'")
-        path = os.path.join(self.dir, f"bucket-{index}-{size}")
+        path = os.path.join(self.dir, f"segment-{len(self.files)}-{size}")
         with open(path, "wb") as f:
             f.truncate(size)
-        if have is not None:
-            os.unlink(have[0])  # an engine's mapping of the old file stays valid until it lets go of it
-        self.slots[index] = (path, _map(path, size, writable=True))
-        return self.slots[index]
+        self.files.append((path, _map(path, size, writable=True)))
+        return self.files[-1]
+
+    def _take(self, need: int) -> tuple[str, np.ndarray]:
+        fits = [f for f in self._free if f[1].size >= need]
+        if not fits:
+            return self._new(max(need, self.bucket_bytes))
+        best = min(fits, key=lambda f: f[1].size)
+        self._free.remove(best)
+        return best
 
     def buckets(self, named_arrays: Iterable[tuple[str, np.ndarray]], version: int) -> Iterator[SharedBucket]:
         """Write the tensors, in order, into buckets of at most `bucket_bytes` (a larger tensor travels alone),
-        each tensor's layout change done by the one copy into the file."""
+        each tensor's layout change done by the one copy into the file. A file is taken by one bucket per
+        update: the engines read it until this update is committed or dropped, before the next one starts."""
+        self._free = list(self.files)
         index, used, pending = 0, 0, []  # pending: (name, source array, offset) of the open bucket
-        path, seg = self._slot(0, 0)
         for name, array in named_arrays:
             array = np.asarray(array)
             if pending and used + array.nbytes > self.bucket_bytes:
-                yield self._fill(version, index, pending, path, seg)
+                yield self._fill(version, index, pending, *self._take(used))
                 index, used, pending = index + 1, 0, []
-                path, seg = self._slot(index, array.nbytes)
-            elif not pending:
-                path, seg = self._slot(index, array.nbytes)
             pending.append((name, array, used))
             used = -(-(used + array.nbytes) // ALIGN) * ALIGN
         if pending:
-            yield self._fill(version, index, pending, path, seg)
-
+            yield self._fill(version, index, pending, *self._take(used))
     def _fill(self, version: int, index: int, pending: list, path: str, seg: np.ndarray) -> SharedBucket:
         """Copy a bucket's tensors into its segment in row blocks, then hash each from the segment."""
         dsts = [seg[off:off + a.nbytes].view(a.dtype).reshape(a.shape) for _, a, off in pending]

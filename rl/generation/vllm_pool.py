@@ -32,9 +32,8 @@ import jax
 import numpy as np
 
 from rl.generation.base import Rollout, SamplingParams
-from rl.generation.shared_segments import SegmentWriter
 from rl.generation.transfer import TRANSPORTS, TransferError, TransferStats, make_transport, model_tensors
-from rl.generation import host_memory, local_ray, vllm_ray
+from rl.generation import host_memory, local_ray, shared_segments, vllm_ray
 from rl.generation.vllm_results import CPU_REASON, assemble_rollout
 from rl.generation.vllm_actor import EngineActor, actor_class
 from rl.schedule import ChunkQueue, Incomplete
@@ -119,7 +118,7 @@ class VLLMPool:
         self.last_transfer: TransferStats | None = None
         self._transport, self._transport_to = None, ()  # kept across updates while the engines stay the same
         # the `shm` transport's files: this process's memory, kept while engines come and go
-        self._segments = SegmentWriter(cfg.bucket_bytes) if cfg.transport == "shm" else None
+        self._segments = shared_segments.SegmentWriter(cfg.bucket_bytes) if cfg.transport == "shm" else None
         self._lock = threading.Lock()
         ranks = vllm_ray.engine_ranks(cfg.tensor_parallel, cfg.expert_parallel)
         if cfg.executor not in vllm_ray.EXECUTORS + ("uni",):
@@ -138,8 +137,9 @@ class VLLMPool:
                 if store and cfg.warm_object_store:
                     warming = local_ray.warm_in_background(store["object_store_memory"])
         if self._segments is not None and cfg.warm_object_store:  # the same warm-up, for the shm transport's files
-            warming = threading.Thread(target=self._segments.reserve, name="m3jax-warm-segments", daemon=True,
-                                       args=(local_ray.checkpoint_bytes(cfg.model_dir),))
+            sizes = shared_segments.bucket_sizes(shared_segments.checkpoint_tensor_bytes(cfg.model_dir), cfg.bucket_bytes)
+            warming = threading.Thread(target=self._segments.reserve, args=(sizes,), name="m3jax-warm-segments",
+                                       daemon=True)
             warming.start()
         self.key = vllm_ray.device_key(ray.cluster_resources())  # what one rank takes: GPU or the CPU slot
         self.per_host = vllm_ray.devices_per_host(ray.nodes(), self.key)
