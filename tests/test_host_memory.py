@@ -50,3 +50,11 @@ def test_a_process_started_with_the_tunables_reuses_freed_memory_for_the_next_la
     # 256 MB: 65 536 faults of 4 kB under the defaults (munmap'd, mapped afresh), 128 even as 2 MB pages
     assert plain > 60_000, plain
     assert tuned < 100, (plain, tuned)
+
+
+def test_a_trainer_without_the_non_temporal_threshold_is_told_how_to_start():
+    advice = host_memory.sender_copy_advice({}, machine="x86_64")
+    assert advice is not None and "GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold=0x100000" in advice
+    set_ = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1:glibc.cpu.x86_non_temporal_threshold=1048576"}
+    assert host_memory.sender_copy_advice(set_, machine="x86_64") is None
+    assert host_memory.sender_copy_advice({}, machine="aarch64") is None  # the tunable is x86's

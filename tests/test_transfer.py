@@ -287,10 +287,11 @@ def test_shm_bucket_on_another_machine_is_refused_and_dead_trainers_segments_are
 
     dead = subprocess.Popen(["true"])
     dead.wait()
-    (tmp_path / f"{ss.PREFIX}{dead.pid}-x").mkdir()
+    (tmp_path / f"{ss._owner_prefix(dead.pid)}x").mkdir()
+    (tmp_path / f"{ss.PREFIX}another-host-{dead.pid}-x").mkdir()  # another container's: not ours to judge
     alive = ss.SegmentWriter(bucket_bytes=64, root=str(tmp_path))  # sweeps on start
     try:
         left = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(ss.PREFIX))
-        assert f"{ss.PREFIX}{dead.pid}-x" not in left and os.path.basename(alive.dir) in left
+        assert left == sorted([f"{ss.PREFIX}another-host-{dead.pid}-x", os.path.basename(alive.dir)])
     finally:
         alive.close()

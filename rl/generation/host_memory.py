@@ -38,13 +38,29 @@ import os
 from collections.abc import Mapping
 
 TUNABLES = "GLIBC_TUNABLES"
+NON_TEMPORAL = "glibc.cpu.x86_non_temporal_threshold"
 ENGINE_MALLOC = {
     "glibc.malloc.hugetlb": "1",
     "glibc.malloc.mmap_max": "0",
     "glibc.malloc.arena_max": "1",
     "glibc.malloc.trim_threshold": str(1 << 36),
-    "glibc.cpu.x86_non_temporal_threshold": str(1 << 20),  # ignored off x86
+    NON_TEMPORAL: str(1 << 20),  # ignored off x86
 }
+
+
+def sender_copy_advice(environ: Mapping[str, str] = os.environ, machine: str | None = None) -> str | None:
+    """What to tell a trainer process that was started without the non-temporal threshold (its sender copies
+    each update into the `shm` files, or the object store, through the cache), or None when it has it or is
+    not on x86. The trainer cannot set it for itself: glibc reads it once, when the process starts, and it
+    changes every large memcpy of the process (JAX's included: no change seen on the forward-backward bench,
+    BENCHMARKS.md, session 24)."""
+    import platform
+
+    if (machine or platform.machine()) not in ("x86_64", "AMD64") or NON_TEMPORAL in environ.get(TUNABLES, ""):
+        return None
+    return (f"this trainer process copies weight updates through the cache; started with "
+            f"{TUNABLES}={NON_TEMPORAL}=0x100000 its pushes to CPU engines on this machine are faster (1 GB, one "
+            "engine, shm: 0.30-0.33 s instead of 0.36-0.39 s per update; docs/vllm.md)")
 
 
 def engine_malloc_env(environ: Mapping[str, str] = os.environ) -> dict[str, str]:

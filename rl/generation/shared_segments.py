@@ -13,9 +13,9 @@ What the other paths guarantee holds: each tensor's XXH3 is taken from the bytes
 engine against what it maps, with name, shape and dtype; the commit is the same two-phase commit. A segment is
 only rewritten by the next update, which starts after every engine has committed or dropped this one.
 
-Files live in a directory named after the trainer's pid; a transport removes it on close, and a new one removes
-the directories of processes that no longer run (a trainer killed with SIGKILL leaves its segments behind until
-then).
+Files live in a directory named after the trainer's host and pid; the pool removes it at shutdown, and a new
+writer removes the directories of this host's processes that no longer run (a trainer killed with SIGKILL leaves
+its files behind until then).
 """
 
 from __future__ import annotations
@@ -108,14 +108,24 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _owner_prefix(pid: int) -> str:
+    """The directory prefix of a trainer process of this host: the hostname, so that a container sharing
+    /dev/shm with another (another pid namespace, another hostname) never takes a live trainer's files for
+    a dead one's."""
+    import socket
+
+    return f"{PREFIX}{socket.gethostname()}-{pid}-"
+
+
 def sweep(root: str) -> list[str]:
-    """Remove the segment directories of trainer processes that no longer run; returns what it removed."""
-    gone = []
+    """Remove the segment directories of this host's trainer processes that no longer run; returns what it
+    removed."""
+    gone, mine = [], _owner_prefix(0)[:-2]  # "m3jax-weights-<host>-"
     for d in os.listdir(root) if os.path.isdir(root) else ():
-        if not d.startswith(PREFIX):
+        if not d.startswith(mine):
             continue
         try:
-            pid = int(d[len(PREFIX):].split("-", 1)[0])
+            pid = int(d[len(mine):].split("-", 1)[0])
         except ValueError:
             continue
         if not _pid_alive(pid):
@@ -161,7 +171,7 @@ class SegmentWriter:
         root = root if os.path.isdir(root) else tempfile.gettempdir()
         sweep(root)
         self.bucket_bytes, self.root = bucket_bytes, root
-        self.dir = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=root)
+        self.dir = tempfile.mkdtemp(prefix=_owner_prefix(os.getpid()), dir=root)
         self.files: list[tuple[str, np.ndarray]] = []  # (path, mapping), every file this writer made
         self._free: list[tuple[str, np.ndarray]] = []  # the files the update being written has not taken
         if threads is None:

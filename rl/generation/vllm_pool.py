@@ -162,6 +162,9 @@ class VLLMPool:
         if warming is not None:
             warming.join()
         self._check_weight_path()
+        advice = None if _cluster_has_gpus() or cfg.transport == "collective" else host_memory.sender_copy_advice()
+        if advice:
+            log.info(advice)
 
     # -------------------------------------------------------------------------------- lifecycle
     def _spawn(self, slot: _Slot) -> None:
