@@ -39,7 +39,13 @@ def test_strided_slices_are_copied_right_and_other_copies_stay_torchs(monkeypatc
     assert taken == [(1024, 512)]
     assert torch.equal(cast, torch.ones(BIG, dtype=torch.bfloat16)) and torch.equal(row[5], torch.arange(1024.0))
     assert torch.equal(small, torch.ones(8))
+    buf = torch.arange(2 * BIG, dtype=torch.float32)  # overlapping source and destination: numpy's, in one piece
+    want = buf.clone()
+    want[1:BIG + 1] = want[0:BIG].clone()
+    with torch.no_grad(), host_copies.memcpy_copies():
+        buf[1:BIG + 1].copy_(buf[0:BIG])
+    assert torch.equal(buf, want)
     x = torch.zeros(BIG, requires_grad=True)  # autograd sees torch's copy, with grad mode on
     with host_copies.memcpy_copies():
         y = x.clone().copy_(torch.ones(BIG))
-    assert taken == [(1024, 512)] and y.grad_fn is not None
+    assert taken == [(1024, 512), (BIG,)] and y.grad_fn is not None

@@ -33,12 +33,21 @@ def _int_view(t):
     return t.view(as_int).numpy()
 
 
-def _copy(dst: np.ndarray, src: np.ndarray, pool) -> None:
-    if pool is None or not (dst.flags.c_contiguous and src.flags.c_contiguous):
+class _Threads(concurrent.futures.ThreadPoolExecutor):
+    def __init__(self, workers: int):
+        super().__init__(workers, thread_name_prefix="m3jax-copy")
+        self.workers = workers
+
+
+def _copy(dst: np.ndarray, src: np.ndarray, pool: _Threads | None) -> None:
+    """dst[...] = src; contiguous arrays in one piece per thread of `pool` (None: this thread). Arrays that
+    may overlap are copied whole by numpy, which copies overlapping memory as if through a temporary."""
+    if (pool is None or not (dst.flags.c_contiguous and src.flags.c_contiguous)
+            or np.may_share_memory(dst, src)):
         np.copyto(dst, src, casting="no")
         return
     d, s = dst.reshape(-1), src.reshape(-1)
-    step = -(-d.size // pool._max_workers)
+    step = -(-d.size // pool.workers)
     list(pool.map(lambda i: np.copyto(d[i:i + step], s[i:i + step], casting="no"), range(0, d.size, step)))
 
 
@@ -66,7 +75,7 @@ def memcpy_copies():
     from torch.overrides import TorchFunctionMode
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
-    pool = concurrent.futures.ThreadPoolExecutor(min(cores, 8), "m3jax-copy") if cores > 1 else None
+    pool = _Threads(min(cores, 8)) if cores > 1 else None
 
     class _MemcpyCopies(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):

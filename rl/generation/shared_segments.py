@@ -225,6 +225,7 @@ class SegmentWriter:
             used = -(-(used + array.nbytes) // ALIGN) * ALIGN
         if pending:
             yield self._fill(version, index, pending, *self._take(used))
+
     def _fill(self, version: int, index: int, pending: list, path: str, seg: np.ndarray) -> SharedBucket:
         """Copy a bucket's tensors into its segment in row blocks, then hash each from the segment."""
         dsts = [seg[off:off + a.nbytes].view(a.dtype).reshape(a.shape) for _, a, off in pending]
