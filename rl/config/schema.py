@@ -284,8 +284,9 @@ class GenerationSection(_Section):
     vllm_object_store_warmup: bool = _f(True, "a pool that starts its own Ray fills its object store (sized to two "
                                               "updates, rl.generation.local_ray) once while the engines start, so "
                                               "that no update's put waits for fresh shared-memory pages; that "
-                                              "memory (~2.6x the checkpoint) then stays in use. false: pages are "
-                                              "faulted in as updates first use them")
+                                              "memory (~2.6x the checkpoint) then stays in use; on the shm "
+                                              "transport the pool makes its files (one update's bytes) the same "
+                                              "way. false: pages are faulted in as updates first use them")
     weight_transport: str = _f("ray", "how new weights reach the vLLM engines (rl.generation.transfer.TRANSPORTS): "
                                       "ray = HF-named buckets through the Ray object store (CPU and GPU); "
                                       "shm = the buckets written once into /dev/shm files that engines on the "
