@@ -161,3 +161,19 @@ def test_the_shm_transport_needs_every_engine_on_the_trainers_machine(ray_local,
     assert os.path.isdir(where)
     pool.shutdown()
     assert not os.path.exists(where)
+
+    from rl.generation import shared_segments
+
+    def ours():
+        mine = shared_segments._owner_prefix(os.getpid())
+        return [d for d in os.listdir(shared_segments.SEGMENT_ROOT) if d.startswith(mine)]
+
+    before = ours()
+
+    def no_engine(self, slots):
+        raise PoolError("vLLM engine 0 failed to start")
+
+    monkeypatch.setattr(VLLMPool, "_wait_ready", no_engine)
+    with pytest.raises(PoolError, match="failed to start"):
+        VLLMPool(dataclasses.replace(cfg, executor="uni"), pad_id=99)
+    assert ours() == before  # a pool that never started leaves no files behind

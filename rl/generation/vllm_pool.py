@@ -117,8 +117,7 @@ class VLLMPool:
         self.resent_rows = 0
         self.last_transfer: TransferStats | None = None
         self._transport, self._transport_to = None, ()  # kept across updates while the engines stay the same
-        # the `shm` transport's files: this process's memory, kept while engines come and go
-        self._segments = shared_segments.SegmentWriter(cfg.bucket_bytes) if cfg.transport == "shm" else None
+        self._segments = None  # the `shm` transport's files (made below, once the config is accepted)
         self._lock = threading.Lock()
         ranks = vllm_ray.engine_ranks(cfg.tensor_parallel, cfg.expert_parallel)
         if cfg.executor not in vllm_ray.EXECUTORS + ("uni",):
@@ -136,11 +135,6 @@ class VLLMPool:
                          resources=slots, **store)
                 if store and cfg.warm_object_store:
                     warming = local_ray.warm_in_background(store["object_store_memory"])
-        if self._segments is not None and cfg.warm_object_store:  # the same warm-up, for the shm transport's files
-            sizes = shared_segments.bucket_sizes(shared_segments.checkpoint_tensor_bytes(cfg.model_dir), cfg.bucket_bytes)
-            warming = threading.Thread(target=self._segments.reserve, args=(sizes,), name="m3jax-warm-segments",
-                                       daemon=True)
-            warming.start()
         self.key = vllm_ray.device_key(ray.cluster_resources())  # what one rank takes: GPU or the CPU slot
         self.per_host = vllm_ray.devices_per_host(ray.nodes(), self.key)
         if cfg.return_routes and self.key != "GPU":  # refused before any engine starts
@@ -156,11 +150,19 @@ class VLLMPool:
                             f"advertises {vllm_ray.CPU_SLOT!r} per engine rank it may host (docs/vllm.md)")
         self.cfg = dataclasses.replace(cfg, executor=executor)
         self.slots = [_Slot(r, None) for r in range(cfg.servers)]
-        for s in self.slots:
-            self._spawn(s)
-        self._wait_ready(self.slots)
-        if warming is not None:
-            warming.join()
+        if cfg.transport == "shm":  # this process's memory, kept while engines come and go
+            self._segments = shared_segments.SegmentWriter(cfg.bucket_bytes)
+            if cfg.warm_object_store:  # the store warm-up's counterpart: the files made while the engines start
+                warming = _reserve_in_background(self._segments, cfg.model_dir, cfg.bucket_bytes)
+        try:
+            for s in self.slots:
+                self._spawn(s)
+            self._wait_ready(self.slots)
+        finally:
+            if warming is not None:
+                warming.join()
+            if self._segments is not None and not all(s.ready for s in self.slots):
+                self._segments.close()  # an engine failed to start: the files go with the pool that never was
         self._check_weight_path()
         advice = None if _cluster_has_gpus() or cfg.transport == "collective" else host_memory.sender_copy_advice()
         if advice:
@@ -444,6 +446,21 @@ class VLLMPool:
                 s.version = h["version"]
             else:  # half-applied weights: only a fresh engine is trustworthy
                 self._replace(s, f"unusable after a failed update: {h.get('error')}")
+
+
+def _reserve_in_background(segments, model_dir: str, bucket_bytes: int) -> threading.Thread:
+    """`segments.reserve` for the checkpoint's buckets in a daemon thread; a failure (a small /dev/shm) is logged,
+    not raised: the first push then makes the files itself and says what does not fit."""
+    def run():
+        try:
+            segments.reserve(shared_segments.bucket_sizes(shared_segments.checkpoint_tensor_bytes(model_dir),
+                                                          bucket_bytes))
+        except Exception as e:  # noqa: BLE001 - see the docstring
+            log.warning("shm transport: making its files in advance failed (%r); the first push makes them", e)
+
+    thread = threading.Thread(target=run, daemon=True, name="m3jax-warm-segments")
+    thread.start()
+    return thread
 
 
 def _cluster_has_gpus() -> bool:
