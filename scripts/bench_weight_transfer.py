@@ -5,10 +5,11 @@ from its export, then pushes new weights several times (trainer params -> HF ten
 buckets -> the transport -> every engine's verify + stage -> commit = apply) and prints GB/s of model
 bytes per update, the split sender (convert + pack + CRC, overlapping the wire) / wire (send + every
 engine's verify) / apply (commit), and the ratio to np.copyto of a buffer of the same size measured in
-this run. Transports: `ray` (Ray object store) and `collective` (a gloo group, rl.generation.collective);
+this run. Transports: `ray` (Ray object store), `shm` (files under /dev/shm that the engines map,
+rl.generation.shared_segments) and `collective` (a gloo group, rl.generation.collective);
 apply: `auto` (one copy in place, rl.generation.inplace) or `reload` (vLLM's reload_weights).
 
-    .venv/bin/python scripts/bench_weight_transfer.py [--engines 1 2] [--transport ray collective]
+    .venv/bin/python scripts/bench_weight_transfer.py [--engines 1 2] [--transport ray shm collective]
         [--apply auto reload] [--large] [--bucket-mb 64] [--repeats 3] [--tensor-parallel 2]
         [--executor ray] [--whole] [--malloc-tuning on off] [--object-store-warmup on off]
 
