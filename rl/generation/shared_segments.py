@@ -161,9 +161,10 @@ class SegmentWriter:
     """The sender's segment files, kept (and mapped) between updates: each bucket takes the smallest free file
     that holds it, and a new file is made only when none does (the first update, or a larger tensor).
 
-    A bucket's copies and hashes run on `threads` threads (numpy's copy and XXH3 release the GIL): one thread
-    copies megabyte-sized tensors at 7.2 GB/s here (memcpy below glibc's non-temporal threshold reads every
-    destination line first) and two at about twice that (BENCHMARKS.md, issue 12, session 24)."""
+    A bucket's copies and hashes run on `threads` threads (numpy's copy and XXH3 release the GIL): one copy
+    thread is not bound by memory here (1 GB into a mapped file: 11.5 GB/s on one thread, 22.3 on two; XXH3 14.2
+    and 24.9), and below glibc's non-temporal threshold one thread copies megabyte-sized tensors at 7.2 GB/s
+    (BENCHMARKS.md, issue 12, session 24)."""
 
     def __init__(self, bucket_bytes: int, root: str = SEGMENT_ROOT, threads: int | None = None):
         if bucket_bytes < 1:
