@@ -63,7 +63,8 @@ def _describe(holder: dict) -> str:
     return f"host {holder.get('host', '?')} pid {holder.get('pid', '?')}{started}"
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this pid namespace runs under `pid`."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -139,7 +140,7 @@ class RunLock:
                 raise RunLockHeld(
                     f"run directory {self.directory} is locked by {_describe(old)}, which cannot be checked "
                     f"from host {me}; if that run is over, delete {self.path} and start again")
-            why = ("is no longer running" if not isinstance(pid, int) or not _pid_alive(pid)
+            why = ("is no longer running" if not isinstance(pid, int) or not pid_alive(pid)
                    else "no longer holds it (its pid now names another process)")
             self.took_over = f"took over the lock on {self.directory}: its holder ({_describe(old)}) {why}"
         info = {"host": me, "pid": os.getpid(),

@@ -19,7 +19,7 @@ import numpy as np
 from rl.generation import weight_routes, word_checksum
 from rl.generation.bucket_sender import ABORT, END
 from rl.generation.torch_arrays import torch_dtype
-from rl.generation.transfer_base import TransferError, checksum
+from rl.generation.transfer_base import TransferError, checksum, record_dtype
 from rl.generation.weight_group import WeightGroup
 from rl.generation.weight_routes import wants
 from rl.generation.weight_slices import expand
@@ -33,13 +33,6 @@ def receive_device(backend: str) -> str:
 
         return f"cuda:{torch.cuda.current_device()}"
     return "cpu"
-
-
-def _dtype(name: str) -> np.dtype:
-    if name == "bfloat16":
-        import ml_dtypes
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
 
 
 STAGINGS = ("auto", "device", "host")
@@ -176,15 +169,15 @@ class Receiver:
                                         f"{r['checksum']:#018x}): the bytes were corrupted in transit")
                 box = None if r.get("box") is None else tuple(tuple(ab) for ab in r["box"])
                 try:
-                    check(r["name"], tuple(r["full"] if box else r["shape"]), _dtype(r["dtype"]))
+                    check(r["name"], tuple(r["full"] if box else r["shape"]), record_dtype(r["dtype"]))
                     if box is not None:
                         self._check_box(r["name"], box, r["shape"])
                 except (KeyError, ValueError) as e:
                     raise TransferError(f"{where}: rejected by the engine: {e}") from None
                 if kind == "xxh3":
-                    piece = a.view(_dtype(r["dtype"])).reshape(r["shape"])
+                    piece = a.view(record_dtype(r["dtype"])).reshape(r["shape"])
                 else:
-                    piece = a.view(torch_dtype(_dtype(r["dtype"]))).reshape(r["shape"])
+                    piece = a.view(torch_dtype(record_dtype(r["dtype"]))).reshape(r["shape"])
                 out.append((r["name"], piece) if box is None else (r["name"], piece, box, tuple(r["full"])))
             t_verify[0] += time.perf_counter() - s
             return out

@@ -30,7 +30,8 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from rl.generation.transfer_base import Bucket, TensorRecord, TransferError, checksum
+from rl.generation.transfer_base import Bucket, TensorRecord, TransferError, checksum, record_dtype
+from rl.run_lock import pid_alive
 
 SEGMENT_ROOT = "/dev/shm"  # RAM-backed; containers often mount only 64 MB there (checked per segment)
 PREFIX = "m3jax-weights-"
@@ -51,13 +52,6 @@ def _map(path: str, size: int, writable: bool) -> np.ndarray:
     return np.frombuffer(m, dtype=np.uint8)
 
 
-def _np_dtype(name: str) -> np.dtype:
-    if name == "bfloat16":
-        import ml_dtypes
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
-
-
 @dataclasses.dataclass(frozen=True)
 class SharedBucket:
     """What travels to the engines: where a bucket's tensors lie in a segment file, not the bytes."""
@@ -71,7 +65,7 @@ class SharedBucket:
 
     @property
     def nbytes(self) -> int:
-        return sum(int(np.prod(r.shape, dtype=np.int64)) * _np_dtype(r.dtype).itemsize for r in self.records)
+        return sum(int(np.prod(r.shape, dtype=np.int64)) * record_dtype(r.dtype).itemsize for r in self.records)
 
     def open(self, mappings: dict) -> Bucket:
         """The bucket as arrays on the engine's mapping of its file (mapped once per file and kept in
@@ -89,23 +83,13 @@ class SharedBucket:
             mappings[self.path] = m
         arrays = []
         for rec, off in zip(self.records, self.offsets):
-            dtype = _np_dtype(rec.dtype)
+            dtype = record_dtype(rec.dtype)
             n = int(np.prod(rec.shape, dtype=np.int64)) * dtype.itemsize
             if off < 0 or off + n > m.size:
                 raise TransferError(f"tensor {rec.name!r} (bucket {self.index}, version {self.version}): bytes "
                                     f"[{off}, {off + n}) lie outside segment {self.path} of {m.size} bytes")
             arrays.append(m[off:off + n].view(dtype).reshape(rec.shape))
         return Bucket(self.version, self.index, list(self.records), arrays)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _owner_prefix(pid: int) -> str:
@@ -128,7 +112,7 @@ def sweep(root: str) -> list[str]:
             pid = int(d[len(mine):].split("-", 1)[0])
         except ValueError:
             continue
-        if not _pid_alive(pid):
+        if not pid_alive(pid):
             shutil.rmtree(os.path.join(root, d), ignore_errors=True)
             gone.append(d)
     return gone

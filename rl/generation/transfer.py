@@ -200,7 +200,7 @@ class RayObjectStoreTransport:
                 s = time.perf_counter()
                 inflight.append(self._send(bucket, live))
                 n_buckets, n_bytes, n_tensors = n_buckets + 1, n_bytes + bucket.nbytes, n_tensors + len(bucket.records)
-                del bucket  # the object store keeps it until every engine has staged it
+                del bucket  # the store (or the shm file) keeps the bytes until every engine has staged them
                 while len(inflight) >= self.depth:
                     self._collect(inflight.pop(0), live)
                 send_s += time.perf_counter() - s

@@ -30,6 +30,14 @@ class Bucket:
         return sum(a.nbytes for a in self.arrays)
 
 
+def record_dtype(name: str) -> np.dtype:
+    """The numpy dtype a `TensorRecord.dtype` names (bfloat16 as ml_dtypes')."""
+    if name == "bfloat16":
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
 class TransferError(RuntimeError):
     """A weight update was rejected; the engines still serve the previous version."""
 
