@@ -3,6 +3,11 @@
 
     python scripts/gpu_check.py                 # on the GPU machine (about 3-6 minutes)
     python scripts/gpu_check.py --small         # CPU smoke test of the script itself
+    python scripts/gpu_check.py --skip mesh & python scripts/gpu_check.py --only mesh   # check 11 beside the rest
+
+The checks run in the order of need (the kernel choices first, the figures already taken last), each guarded: one
+that fails prints its error and the next runs. On the GPU machine the image's own jax runs it (0.11.2 in session 25)
+with PYTHONPATH at the repository root.
 
 Prints one JSON line per check; keep the output with BENCHMARKS.md. Checks:
 1. devices and versions;
@@ -13,6 +18,9 @@ Prints one JSON line per check; keep the output with BENCHMARKS.md. Checks:
    MFU: a jitted train step (bf16 + compact master + bf16 moments, remat) of an M3-shaped model at the
    real widths (d 6144, 64 heads x 128, 4 KV heads, experts of 3072) with few layers and experts so it
    fills one GPU; MFU = model FLOPs (m3jax.plan.flops.step_flops) / (step time x peak FLOP/s);
+3b. layer costs: one decoder layer of each kind (full / flash / sparse attention, dense MLP / MoE on ragged_dot / on
+   tiled) at the MFU check's widths, forward and forward+backward, to split the step's time by layer kind (the
+   first GPU run's step took 18 s, 0.18 s at the plan's 40 % MFU: BENCHMARKS.md, session 25);
 4. MoE: grouped expert matmuls (ragged_dot) vs every expert on every token, same routing, timed;
 5. MoE kernels: `model.moe_kernel` ragged_dot vs tiled vs pallas (sharding.pallas_grouped) on an expert-parallel receive pool mostly padding
    (1 local expert with a 32x pool, M3's 32-node layout; 4 local experts with a 16x pool), bf16, forward and
@@ -61,6 +69,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import flax
 import numpy as np
 from flax import nnx
 
@@ -118,9 +127,16 @@ def parity(small: bool):
     emit(check="parity_accelerator_vs_cpu", rel_err=float(np.abs(acc - ref).max() / np.abs(ref).max()))
 
 
-def mfu(small: bool, layers: int, experts: int, seq: int, batch: int, peak: float, attention_impl: str = "auto"):
+RECIPE_OPTIONS = {"attention_impl": "flash", "sparse_attention": "gather", "moe_kernel": "tiled",
+                  "remat_policy": "save_dots_experts"}  # configs/recipes/m3-32node.yaml's model options
+
+
+def mfu(small: bool, layers: int, experts: int, seq: int, batch: int, peak: float, options: dict | None = None,
+        steps: int = 3):
+    """The train step's MFU with the model `options` (None: every option at its default, "auto")."""
+    options = dict(options or {})
     cfg = m3_shaped(small, layers, experts)
-    model = M3ForCausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), remat=True, attention_impl=attention_impl)
+    model = M3ForCausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), remat=True, **options)
     opt = optim_step.adamw(1e-5, moment_dtype=jnp.bfloat16, master="compact")
     graphdef, state = init_state(model, opt)
     del model
@@ -133,15 +149,18 @@ def mfu(small: bool, layers: int, experts: int, seq: int, batch: int, peak: floa
     jax.block_until_ready(m["loss"])
     compile_s = time.perf_counter() - t0
     times = []
-    for _ in range(3):
+    for _ in range(steps):
         t0 = time.perf_counter()
         state, m = step(state, data)
         jax.block_until_ready(m["loss"])
         times.append(time.perf_counter() - t0)
-    f = step_flops(cfg, batch, seq, remat=True)
+    f = step_flops(cfg, batch, seq, remat=True, attention=options.get("attention_impl", "auto"),
+                   sparse_attention=options.get("sparse_attention", "gather"),
+                   remat_policy=options.get("remat_policy", "full"),
+                   expert_matmul="tiled" if options.get("moe_kernel") == "tiled" else "ragged_dot")
     t = float(np.median(times))
-    emit(check="train_step_mfu", attention_impl=attention_impl, layers=layers, experts=experts, seq=seq, batch=batch,
-         step_s=t,
+    emit(check="train_step_mfu", options=options or "auto", layers=layers, experts=experts, seq=seq, batch=batch,
+         step_s=t, steps_s=times,
          compile_s=compile_s, model_tflops=f["model_total"] / 1e12, executed_tflops=f["executed_total"] / 1e12,
          mfu=f["model_total"] / t / peak, hfu=f["executed_total"] / t / peak, loss=float(m["loss"]),
          params=sum(x.size for x in jax.tree.leaves(state.params)))
@@ -215,6 +234,42 @@ def _paged_model_forward(cfg, ids, mask, real, poisoned) -> dict:
             "logits_mean_rel_err_vs_gather": float(np.abs(got - want).mean() / np.abs(want).mean())}
 
 
+LAYER_VARIANTS = (  # (name, attention kind, MLP kind, model options): one layer each, to split the step's time
+    ("full+dense", "full_attention", "dense", {}),
+    ("full_flash+dense", "full_attention", "dense", {"attention_impl": "flash"}),
+    ("sparse+dense", "minimax_m3_sparse", "dense", {}),
+    ("full+moe_ragged_dot", "full_attention", "sparse", {"moe_kernel": "ragged_dot"}),
+    ("full+moe_tiled", "full_attention", "sparse", {"moe_kernel": "tiled"}),
+)
+
+
+def layer_costs(small: bool, seq: int, experts: int, variants=LAYER_VARIANTS):
+    """Check 3b: one decoder layer of each kind at the MFU check's widths, forward and forward+backward of its
+    hidden states (no LM head; bf16, no remat), so the train step's time can be split by layer kind: subtract
+    full+dense from a variant for the cost of its sparse attention (indexer included) or its MoE (router, dispatch
+    and the expert kernel named)."""
+    import dataclasses
+    res = {}
+    for name, attn, mlp, options in variants:
+        cfg = dataclasses.replace(m3_shaped(small, 1, experts), vocab_size=1024, layer_types=(attn,),
+                                  mlp_layer_types=(mlp,))
+        try:
+            model = M3ForCausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), remat=False, **options)
+            graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+            ids = jnp.asarray(np.random.default_rng(5).integers(0, cfg.vocab_size, (1, seq)), jnp.int32)
+            cot = jax.random.normal(jax.random.key(5), (1, seq, cfg.hidden_size), jnp.bfloat16)
+
+            def hidden(params, graphdef=graphdef, rest=rest):
+                return nnx.merge(graphdef, params, rest)(ids, hidden=True)
+
+            tf, h = timed(jax.jit(hidden), params)
+            tb, _ = timed(jax.jit(jax.grad(lambda p: jnp.sum((hidden(p) * cot).astype(jnp.float32)))), params)
+            res[name] = {"fwd_ms": tf * 1e3, "fwd_bwd_ms": tb * 1e3, "finite": bool(jnp.isfinite(h).all())}
+        except Exception as e:  # noqa: BLE001 - one variant's failure must not hide the others' figures
+            res[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+    emit(check="layer_costs", seq=seq, experts=experts, **res)
+
+
 def moe_cost(small: bool, experts: int, tokens: int):
     d, i = (128, 64) if small else (6144, 3072)
     k = jax.random.split(jax.random.key(0), 4)
@@ -223,19 +278,21 @@ def moe_cost(small: bool, experts: int, tokens: int):
     gate_up = (jax.random.normal(k[2], (experts, 2, i, d), jnp.bfloat16) / d ** 0.5)
     down = (jax.random.normal(k[3], (experts, d, i), jnp.bfloat16) / i ** 0.5)
     w, idx = route(x, router, jnp.zeros(experts), top_k=4)
-    fn = lambda rows, sizes: grouped_experts(rows, sizes, gate_up, down, alpha=1.702, limit=7.0)  # noqa: E731
-    grouped = jax.jit(lambda x, w, idx: local_experts(x, w, idx, fn, experts))
+    # the weights are arguments: closed over, XLA would fold them into the program as constants (7.25 GB at 64
+    # experts: minutes of compiling)
+    grouped = jax.jit(lambda x, w, idx, gate_up, down: local_experts(
+        x, w, idx, lambda rows, sizes: grouped_experts(rows, sizes, gate_up, down, alpha=1.702, limit=7.0), experts))
 
     @jax.jit
-    def dense(x, w, idx):
+    def dense(x, w, idx, gate_up, down):
         gu = jnp.einsum("td,ecid->teci", x, gate_up)
         act = swiglu_oai(gu[:, :, 0], gu[:, :, 1], 1.702, 7.0)
         out = jnp.einsum("tei,edi->ted", act, down)
         weight = jnp.zeros((x.shape[0], experts), jnp.float32).at[jnp.arange(x.shape[0])[:, None], idx].set(w)
         return jnp.einsum("ted,te->td", out.astype(jnp.float32), weight).astype(x.dtype)
 
-    tg, a = timed(grouped, x, w, idx)
-    td, b = timed(dense, x, w, idx)
+    tg, a = timed(grouped, x, w, idx, gate_up, down)
+    td, b = timed(dense, x, w, idx, gate_up, down)
     err = float(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)).max() / jnp.abs(b.astype(jnp.float32)).max())
     emit(check="moe_grouped_vs_dense", experts=experts, tokens=tokens, grouped_ms=tg * 1e3, dense_ms=td * 1e3,
          dense_over_grouped=td / tg, rel_err=err)
@@ -359,51 +416,57 @@ def logprob_head(small: bool, tokens: int, chunk: int):
          max_abs_diff=float(jnp.abs(out["full"][2] - out["chunked"][2]).max()))
 
 
+def guarded(check: str, fn, *args, **kw):
+    """Run one check; a failure (a kernel this jax or device refuses) is reported and the next check still runs:
+    a lent GPU's minutes are too few to lose the other figures to one check's error."""
+    try:
+        out = fn(*args, **kw)
+    except Exception as e:  # noqa: BLE001
+        return emit(check=check, error=f"{type(e).__name__}: {str(e)[:800]}")
+    if isinstance(out, dict):
+        emit(**out)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="tiny shapes: a CPU smoke test of this script")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the device (H100/H200)")
     ap.add_argument("--only", choices=("vllm", "mesh"), help="run only this check")
+    ap.add_argument("--skip", choices=("mesh",), action="append", default=[],
+                    help="leave this check out (e.g. to run `--only mesh` beside the rest in another process)")
     args = ap.parse_args()
     emit(check="devices", backend=jax.default_backend(), devices=[str(d) for d in jax.devices()],
-         jax=jax.__version__)
+         jax=jax.__version__, flax=flax.__version__)
     if args.only == "vllm":
-        return emit(**vllm_long_context())
+        return guarded("vllm_long_context", vllm_long_context)
     if args.only == "mesh":
-        return emit(**mesh_compile(args.small))
-    parity(args.small)
+        return guarded("mesh_compile", mesh_compile, args.small)
+    small = args.small
     peak = args.peak_tflops * 1e12
-    if args.small:
-        model_attention(True, 128)
-        mfu(True, 2, 8, 64, 2, peak)
-        moe_cost(True, 8, 256)
-        moe_kernels(True, 1, 32, 256)
-        attention_kernels(True, 256)
-        logprob_head(True, 256, 64)
-        emit(**vllm_long_context())
-        emit(**device_checksum(True))
-        emit(**weight_push_device(True))
-        emit(**host_reference(True))
-        emit(**mesh_compile(True))
+    guarded("parity_accelerator_vs_cpu", parity, small)
+    # the order is the order of need: a lent GPU's minutes may end (or the machine be taken back) mid-run
+    if small:
+        checks = [("moe_kernels", moe_kernels, True, 1, 32, 256), ("layer_costs", layer_costs, True, 128, 8),
+                  ("attention_kernels", attention_kernels, True, 256), ("logprob_head", logprob_head, True, 256, 64),
+                  ("train_step_mfu", mfu, True, 2, 8, 64, 2, peak, RECIPE_OPTIONS),
+                  ("model_attention", model_attention, True, 128), ("moe_grouped_vs_dense", moe_cost, True, 8, 256)]
     else:
-        model_attention(False, 2048)
-        try:  # "auto" runs the full layer on cuDNN on a GPU; if that fails, the MFU on flash still comes back
-            mfu(False, 4, 16, 4096, 1, peak)
-        except Exception as e:  # noqa: BLE001
-            emit(check="train_step_mfu", attention_impl="auto", error=f"{type(e).__name__}: {str(e)[:500]}")
-            mfu(False, 4, 16, 4096, 1, peak, attention_impl="flash")
-        for e in (16, 64):
-            moe_cost(False, e, 8192)
-        moe_kernels(False, 1, 32, 4096)
-        moe_kernels(False, 4, 16, 4096)
-        for seq in (1024, 8192):  # 1024: near `attention_impl: auto`'s CPU-measured switch to flash (512 keys)
-            attention_kernels(False, seq)
-        logprob_head(False, 8192, 1024)
-        emit(**vllm_long_context())
-        emit(**device_checksum(False))
-        emit(**weight_push_device(False))
-        emit(**host_reference(False))
-        emit(**mesh_compile(False, timeout=420))
+        checks = [("moe_kernels", moe_kernels, False, 1, 32, 4096), ("moe_kernels", moe_kernels, False, 4, 16, 4096),
+                  ("layer_costs", layer_costs, False, 4096, 16)]
+        # 1024: near `attention_impl: auto`'s CPU-measured switch to flash (512 keys)
+        checks += [("attention_kernels", attention_kernels, False, seq) for seq in (1024, 8192)]
+        checks += [("logprob_head", logprob_head, False, 8192, 1024),
+                   ("train_step_mfu", mfu, False, 4, 16, 4096, 1, peak, RECIPE_OPTIONS, 2)]
+    checks += [("device_checksum", device_checksum, small), ("host_reference", host_reference, small),
+               ("weight_push_device", weight_push_device, small), ("vllm_long_context", vllm_long_context)]
+    if not small:  # measured in session 25 (BENCHMARKS.md): last, for a longer lease
+        checks += [("train_step_mfu", mfu, False, 4, 16, 4096, 1, peak, None, 2),
+                   ("model_attention", model_attention, False, 2048)]
+        checks += [("moe_grouped_vs_dense", moe_cost, False, e, 8192) for e in (16, 64)]
+    if "mesh" not in args.skip:
+        checks += [("mesh_compile", mesh_compile, small) if small else ("mesh_compile", mesh_compile, False, 420)]
+    for name, fn, *fn_args in checks:
+        guarded(name, fn, *fn_args)
 
 
 if __name__ == "__main__":

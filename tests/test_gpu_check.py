@@ -102,6 +102,35 @@ def test_moe_kernels_check_runs_every_kernel_on_cpu(capsys):
     assert all(err < 2e-2 for err in res["value_rel_err"].values()), res  # bf16 against ragged_dot
 
 
+def test_layer_costs_check_runs_every_variant_on_cpu(capsys):
+    """Check 3b at a small shape: each layer kind builds, runs forward and backward, and gives finite states."""
+    gc = _gpu_check()
+    gc.layer_costs(True, 64, 4)
+    res = json.loads(capsys.readouterr().out)
+    names = [name for name, *_ in gc.LAYER_VARIANTS]
+    assert [n for n in names if "error" in res[n]] == [], res
+    assert all(res[n]["finite"] and res[n]["fwd_bwd_ms"] > 0 for n in names), res
+
+
+def test_moe_cost_check_runs_and_agrees(capsys):
+    """Check 4 (its weights now jit arguments): grouped and every expert on every token agree."""
+    _gpu_check().moe_cost(True, 4, 64)
+    res = json.loads(capsys.readouterr().out)
+    assert res["rel_err"] < 2e-2, res
+
+
+def test_a_failing_check_is_reported_and_the_next_one_runs(capsys):
+    gc = _gpu_check()
+
+    def broken():
+        raise RuntimeError("kernel refused")
+
+    gc.guarded("broken", broken)
+    gc.guarded("fine", lambda: {"check": "fine", "ok": True})
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert lines == [{"check": "broken", "error": "RuntimeError: kernel refused"}, {"check": "fine", "ok": True}]
+
+
 def test_device_checksum_check_compares_and_catches_a_flip(monkeypatch):
     """Check 9 off a GPU says why; with a stand-in device (a copy on the CPU) it runs to its verdict."""
     import torch
