@@ -51,9 +51,10 @@ Prints one JSON line per check; keep the output with BENCHMARKS.md. Checks:
 10. a weight push on the device through a loopback wire (one GPU cannot hold an NCCL group): JAX arrays packed
    into CUDA buckets by DLPack, checksummed, received, verified and staged on the device and through the host
    ring, bit for bit against the source, with its seconds. Checks 9 and 10 are scripts/gpu_check_push.py.
-11. the 32-node recipe's weight layouts compiled by the GPU compiler for 2 nodes x 8 GPUs (JAX's mock GPU topology;
-   nothing runs): XLA's memory beside the planner's, and where the step's collectives run, with and without the
-   step copy of the weights (`mesh.fsdp_step_axes`); scripts/gpu_check_mesh.py, last (minutes of compiling).
+11. the 32-node recipe's weight layouts compiled by the GPU compiler for 2 nodes x 8 GPUs (compile-only devices of
+   `jax.experimental.topologies`; nothing runs): XLA's memory beside the planner's, and where the step's
+   collectives run, with and without the step copy of the weights (`mesh.fsdp_step_axes`);
+   scripts/gpu_check_mesh.py, last (minutes of compiling).
    `--only mesh` runs it alone.
 12. the KL reference's weights brought from pinned host memory (`grpo.reference_memory: host`, rl.reference): the
    GB/s the planner assumes for PCIe (50), measured on a 4 GB bf16 tree, bit for bit; scripts/gpu_check_reference.py.

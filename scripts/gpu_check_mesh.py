@@ -1,6 +1,8 @@
 """Check 11 of scripts/gpu_check.py: the 32-node recipe's weight layouts as XLA's GPU compiler builds them for 2
-nodes x 8 GPUs, on one GPU (JAX's mock GPU topology, `JAX_MOCK_GPU_TOPOLOGY=2x1x8`: 16 devices, NCCL mocked;
-nothing runs, every program is only compiled).
+nodes x 8 GPUs, on one GPU (16 compile-only devices of `jax.experimental.topologies.get_topology_desc(platform=
+"cuda", topology="2x1x8")`, the attached GPU giving the target; nothing runs, every program is only compiled).
+Session 25 tried JAX's mock GPU topology (`JAX_MOCK_GPU_TOPOLOGY=2x1x8`) instead: under jax 0.11.2 it left one
+device.
 
 The model: the release's widths (d 6144, 64 heads, 200,064 vocabulary), 2 dense + 2 MoE layers with the release's
 128 experts (8 per device), the recipe's model options (flash, gather, tiled experts, save_dots_experts, chunked
@@ -35,13 +37,11 @@ LAYOUTS = {"plain": {"fsdp_axes": ("data",), "fsdp_step_axes": ()},
 
 
 def mesh_compile(small: bool, timeout: int = 900) -> dict:
-    """Run the check in a child process (the topology must be set before JAX starts its backend); its result."""
+    """Run the check in a child process (--small: its 16 CPU devices must be set before JAX starts); its result."""
     env = dict(os.environ, PYTHONPATH=ROOT)
     if small:
         from m3jax.plan.compile import xla_flags_with_devices
         env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags_with_devices(16))
-    else:
-        env.update(JAX_MOCK_GPU_TOPOLOGY=TOPOLOGY)
     try:
         r = subprocess.run([sys.executable, os.path.abspath(__file__), "--child"] + ["--small"] * small, env=env,
                            capture_output=True, text=True, timeout=timeout)
@@ -63,6 +63,9 @@ def _child(small: bool) -> dict:
     from gpu_check import m3_shaped
 
     devices = jax.devices()
+    if not small and len(devices) < 16:  # compile-only GPUs, the attached one describing the target
+        from jax.experimental import topologies
+        devices = topologies.get_topology_desc(platform="cuda", topology=TOPOLOGY).devices
     if len(devices) < 16:
         return {"check": "mesh_compile", "error": f"{len(devices)} devices ({jax.default_backend()}), 16 needed"}
     # two layers of each kind: a layer scan of one trip is no loop (XLA removes it and hoists its gathers out of
@@ -82,7 +85,7 @@ def _child(small: bool) -> dict:
     for name, fsdp in LAYOUTS.items():
         mesh = MeshConfig(2, 8, 1, 1, expert_axes=("data", "context"), **fsdp)
         try:
-            r = compile_step(cfg, mesh, batch, "compact", "bfloat16", options, collectives=True)
+            r = compile_step(cfg, mesh, batch, "compact", "bfloat16", options, collectives=True, devices=devices)
         except Exception as e:  # noqa: BLE001 - one layout's failure must not hide the other's figures
             out[name] = {"error": f"{type(e).__name__}: {str(e)[:1500]}"}
             continue

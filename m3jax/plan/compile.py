@@ -28,11 +28,12 @@ from m3jax.plan.memory import GB, Batch
 
 def compile_step(cfg: M3Config, mesh_cfg: MeshConfig, batch: Batch, master: str = "fp32",
                  moment_dtype: str = "float32", model_options: dict | None = None,
-                 collectives: bool = False) -> dict:
+                 collectives: bool = False, devices=None) -> dict:
     """Lower and compile `make_train_step` (token cross-entropy loss) on a mesh of the first devices;
     returns XLA's per-device memory_analysis (bytes), the trace+lower and compile times and the size
     of the partitioned (per-device) HLO; with `collectives`, also the compiled program's collectives' result
-    bytes summed by "op over axes, in a loop or once" (`sharding.hlo_collectives`).
+    bytes summed by "op over axes, in a loop or once" (`sharding.hlo_collectives`). devices: the devices to
+    compile for (default jax.devices()), e.g. compile-only ones of `jax.experimental.topologies`.
 
         peak = argument + output - alias + temp   (donated state: outputs alias the arguments)
     """
@@ -44,7 +45,7 @@ def compile_step(cfg: M3Config, mesh_cfg: MeshConfig, batch: Batch, master: str 
 
     n = mesh_cfg.num_devices
     t0 = time.perf_counter()
-    layout = build_mesh(mesh_cfg, cfg, seq_len=batch.seq_len, devices=jax.devices()[:n])
+    layout = build_mesh(mesh_cfg, cfg, seq_len=batch.seq_len, devices=list(devices or jax.devices())[:n])
     graphdef, opt, state = abstract_train_state(cfg, master, moment_dtype, batch.remat, model_options, layout)
     shardings = state_shardings(layout, state)
     step = make_train_step(graphdef, opt, mesh=layout, shardings=shardings)
