@@ -196,6 +196,8 @@ def test_one_device_path_follows_the_rows_a_block_brings_and_unknown_paths_are_r
     assert one_device_path(2, 8, 2) == "slots"  # the tiny release-like model: 32 rows a block
     assert one_device_path(4, 64, 4) == "grouped"  # the sparse bench model: 1,024
     assert one_device_path(2, 32, 2) == "grouped"  # exactly one 128-row tile
+    # on a GPU the per-tile gathers: the grouped walk is a loop of ~S H K / 128 launch-bound steps
+    assert one_device_path(16, 128, 16, backend="gpu") == one_device_path(2, 8, 2, backend="cuda") == "tiles"
     q, k, v, iq, ik = _inputs(1, 16, 2, 1, 1)
     cfg = SimpleNamespace(index_block_size=8, index_topk_blocks=1, index_local_blocks=1, head_dim=16)
     with pytest.raises(ValueError, match="sparse attention path 'dense'"):
