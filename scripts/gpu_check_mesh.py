@@ -36,14 +36,20 @@ LAYOUTS = {"plain": {"fsdp_axes": ("data",), "fsdp_step_axes": ()},
            "step copy": {"fsdp_axes": ("context", "data"), "fsdp_step_axes": ("data",)}}
 
 
-def mesh_compile(small: bool, timeout: int = 900) -> dict:
-    """Run the check in a child process (--small: its 16 CPU devices must be set before JAX starts); its result."""
+def mesh_compile(small: bool, timeout: int = 900, target_config: str | None = None) -> dict:
+    """Run the check in a child process (--small: its 16 CPU devices must be set before JAX starts); its result.
+    target_config: a GPU target spec (text GpuTargetConfigProto, e.g. scripts/gpu_specs/h200.txtpb) to compile for
+    without a GPU (a jax with the CUDA plugin and libraries; the plugin's driver checks skipped)."""
     env = dict(os.environ, PYTHONPATH=ROOT)
+    args = ["--small"] * small
     if small:
         from m3jax.plan.compile import xla_flags_with_devices
         env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags_with_devices(16))
+    elif target_config:
+        env.update(JAX_PLATFORMS="cpu", JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1")
+        args += ["--target-config", os.path.abspath(target_config)]
     try:
-        r = subprocess.run([sys.executable, os.path.abspath(__file__), "--child"] + ["--small"] * small, env=env,
+        r = subprocess.run([sys.executable, os.path.abspath(__file__), "--child"] + args, env=env,
                            capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"check": "mesh_compile", "error": f"no result within {timeout} s"}
@@ -52,7 +58,7 @@ def mesh_compile(small: bool, timeout: int = 900) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def _child(small: bool) -> dict:
+def _child(small: bool, target_config: str | None = None) -> dict:
     import dataclasses
 
     import jax
@@ -63,9 +69,12 @@ def _child(small: bool) -> dict:
     from gpu_check import m3_shaped
 
     devices = jax.devices()
-    if not small and len(devices) < 16:  # compile-only GPUs, the attached one describing the target
+    if not small and (target_config or len(devices) < 16):  # compile-only GPUs: the spec's, or the attached one's
         from jax.experimental import topologies
-        devices = topologies.get_topology_desc(platform="cuda", topology=TOPOLOGY).devices
+        spec = {"target_config": open(target_config).read()} if target_config else {}
+        devices = topologies.get_topology_desc(platform="cuda", topology=TOPOLOGY, **spec).devices
+        if target_config:  # no GPU here: the model's platform-dependent choices ("auto", the sparse path) as on one
+            jax.default_backend = lambda: "gpu"
     if len(devices) < 16:
         return {"check": "mesh_compile", "error": f"{len(devices)} devices ({jax.default_backend()}), 16 needed"}
     # two layers of each kind: a layer scan of one trip is no loop (XLA removes it and hoists its gathers out of
@@ -78,7 +87,8 @@ def _child(small: bool) -> dict:
     options = {"attention_impl": "flash", "sparse_attention": "gather", "moe_kernel": "tiled",
                "remat_policy": "save_dots_experts"}
     batch = Batch(1, seq, 4, True, **options)
-    out = {"check": "mesh_compile", "backend": jax.default_backend(), "devices": len(devices),
+    out = {"check": "mesh_compile", "devices": len(devices),
+           "backend": f"cuda, compile-only for {os.path.basename(target_config)}" if target_config else jax.default_backend(),
            "topology": None if small else TOPOLOGY, "layers": f"{per_kind} dense + {per_kind} MoE",
            "experts": cfg.num_local_experts,
            "seq": seq, "micro_batches": 4}
@@ -100,13 +110,15 @@ def _child(small: bool) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="16 simulated CPU devices, a tiny model")
+    ap.add_argument("--target-config", help="compile for this GPU target spec, without a GPU "
+                    "(e.g. scripts/gpu_specs/h200.txtpb; needs a jax with the CUDA plugin and libraries)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         sys.path.insert(0, HERE)
-        print(json.dumps(_child(args.small)), flush=True)
+        print(json.dumps(_child(args.small, args.target_config)), flush=True)
         return
-    print(json.dumps(mesh_compile(args.small)), flush=True)
+    print(json.dumps(mesh_compile(args.small, target_config=args.target_config)), flush=True)
 
 
 if __name__ == "__main__":
