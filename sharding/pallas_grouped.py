@@ -98,7 +98,10 @@ def _rows_kernel(x: jax.Array, w: jax.Array, starts, ends, transpose_w: bool, bm
                     return acc + plt.dot(xb, w_ref[g, pl.ds(j * bn, bn), pl.ds(kb * bk, bk)], trans_b=True)
                 return acc + plt.dot(xb, w_ref[g, pl.ds(kb * bk, bk), pl.ds(j * bn, bn)])
 
-            return jax.lax.fori_loop(0, jnp.where(ends_ref[g] > starts_ref[g], kdim // bk, 0), contract, acc)
+            # int32 bounds, explicitly: with a Python 0 and a jnp.where of Python ints, Triton's scf.for got two
+            # integer types and refused the kernel (compiled for an H200 without a GPU, session 25)
+            steps = jnp.where(ends_ref[g] > starts_ref[g], jnp.int32(kdim // bk), jnp.int32(0))
+            return jax.lax.fori_loop(jnp.int32(0), steps, contract, acc)
 
         acc = jax.lax.fori_loop(first_ref[i], stop_ref[i], group, jnp.zeros((bm, bn), jnp.float32))
         o_ref[pl.ds(r0, bm), pl.ds(j * bn, bn)] = acc.astype(o_ref.dtype)

@@ -80,10 +80,24 @@ def test_work_follows_the_filled_rows():
         assert len(pairs) * bm <= executed_rows(filled, len(sizes), "tiled", n, tile=bm)
 
 
-def test_the_kernels_lower_to_triton_for_cuda():
+def test_the_kernels_lower_to_triton_for_cuda(monkeypatch):
     """Exported for CUDA (no device needed): forward, input gradient and weight gradient each become a Triton
-    kernel; a lowering rule Pallas's Triton backend lacks would fail here."""
+    kernel; a lowering rule Pallas's Triton backend lacks would fail here. Each Triton module is also run through
+    MLIR's verifier, which XLA's GPU compiler runs when it parses the kernel: an scf.for with bounds of two integer
+    types passed the export and failed only there (compiled for an H200 without a GPU, session 25)."""
     from jax import export
+    from jax._src.pallas.triton import pallas_call_registration as registration
+
+    lower = registration.lowering.lower_jaxpr_to_triton_module
+    verified = []
+
+    def lower_and_verify(*args, **kwargs):
+        result = lower(*args, **kwargs)
+        result.module.operation.verify()  # raises MLIRError, naming the op, on an invalid kernel
+        verified.append(True)
+        return result
+
+    monkeypatch.setattr(registration.lowering, "lower_jaxpr_to_triton_module", lower_and_verify)
     n, k, o = 512, 256, 192
     rows, weights = jnp.zeros((n, k), jnp.bfloat16), jnp.zeros((4, o, k), jnp.bfloat16)
     sizes, cot = jnp.asarray([100, 0, 200, 50], jnp.int32), jnp.zeros((n, o), jnp.bfloat16)
@@ -99,6 +113,7 @@ def test_the_kernels_lower_to_triton_for_cuda():
     names = sorted(line.split('name = "')[1].split('"')[0] for line in text.splitlines()
                    if "xla.gpu.triton" in line and 'name = "' in line)
     assert names == ["grouped_rows", "grouped_rows", "grouped_weights"], names
+    assert len(verified) == 3
 
 
 def test_the_planner_plans_it_as_a_grouped_gemm():
