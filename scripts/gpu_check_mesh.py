@@ -69,12 +69,12 @@ def _child(small: bool, target_config: str | None = None) -> dict:
     from gpu_check import m3_shaped
 
     devices = jax.devices()
-    if not small and (target_config or len(devices) < 16):  # compile-only GPUs: the spec's, or the attached one's
+    if not small and target_config:  # no GPU: compile-only ones of the spec
+        from gpu_compile import compile_only_devices
+        devices = compile_only_devices(target_config, TOPOLOGY)
+    elif not small and len(devices) < 16:  # compile-only GPUs, the attached one describing the target
         from jax.experimental import topologies
-        spec = {"target_config": open(target_config).read()} if target_config else {}
-        devices = topologies.get_topology_desc(platform="cuda", topology=TOPOLOGY, **spec).devices
-        if target_config:  # no GPU here: the model's platform-dependent choices ("auto", the sparse path) as on one
-            jax.default_backend = lambda: "gpu"
+        devices = topologies.get_topology_desc(platform="cuda", topology=TOPOLOGY).devices
     if len(devices) < 16:
         return {"check": "mesh_compile", "error": f"{len(devices)} devices ({jax.default_backend()}), 16 needed"}
     # two layers of each kind: a layer scan of one trip is no loop (XLA removes it and hoists its gathers out of

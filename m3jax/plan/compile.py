@@ -28,12 +28,13 @@ from m3jax.plan.memory import GB, Batch
 
 def compile_step(cfg: M3Config, mesh_cfg: MeshConfig, batch: Batch, master: str = "fp32",
                  moment_dtype: str = "float32", model_options: dict | None = None,
-                 collectives: bool = False, devices=None) -> dict:
+                 collectives: bool = False, devices=None, return_compiled: bool = False) -> dict:
     """Lower and compile `make_train_step` (token cross-entropy loss) on a mesh of the first devices;
     returns XLA's per-device memory_analysis (bytes), the trace+lower and compile times and the size
     of the partitioned (per-device) HLO; with `collectives`, also the compiled program's collectives' result
     bytes summed by "op over axes, in a loop or once" (`sharding.hlo_collectives`). devices: the devices to
-    compile for (default jax.devices()), e.g. compile-only ones of `jax.experimental.topologies`.
+    compile for (default jax.devices()), e.g. compile-only ones of `jax.experimental.topologies`. return_compiled:
+    also return the compiled program (`out["compiled"]`).
 
         peak = argument + output - alias + temp   (donated state: outputs alias the arguments)
     """
@@ -67,6 +68,8 @@ def compile_step(cfg: M3Config, mesh_cfg: MeshConfig, batch: Batch, master: str 
         from sharding.hlo_collectives import collectives as read
         out["collectives"] = {f"{op} over {','.join(axes) or '-'} {'in a loop' if in_loop else 'once'}": n
                               for (op, axes, in_loop), n in bytes_by_kind(read(text, layout.mesh)).items()}
+    if return_compiled:
+        out["compiled"] = compiled
     return out
 
 

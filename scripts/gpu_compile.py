@@ -1,0 +1,152 @@
+"""Compile, never run, the GPU programs that scripts/gpu_check.py times, for a GPU described by a target spec: on a
+machine without a GPU, before a lent one's minutes are spent.
+
+jax compiles for GPUs it does not have: `jax.experimental.topologies.get_topology_desc(platform="cuda", topology=...,
+target_config=<a text GpuTargetConfigProto>)` gives compile-only devices, and a program lowered with shardings on
+them goes through XLA's whole GPU pipeline (Triton kernels and PTX included). Needs a jax with the CUDA plugin and
+libraries (the project's CPU environment has neither; session 25 used Python 3.12 with `pip install
+"jax[cuda13]==0.11.2" flax optax orbax-checkpoint pyyaml safetensors xxhash tqdm`), run with the plugin's driver
+checks skipped:
+
+    JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 JAX_PLATFORMS=cpu PYTHONPATH=$PWD <that env>/bin/python \\
+        scripts/gpu_compile.py --target-config scripts/gpu_specs/h200.txtpb
+
+One JSON line per program: whether XLA's GPU compiler took it (else its error), XLA's memory analysis (temporaries,
+arguments), its while loops (how many, how many with no trip count known at compile time, the largest array a loop
+carries) and its custom calls (cuDNN attention, Triton kernels). What this found in session 25: the one-device
+sparse path's 32,895-step loops (the 18 s step), a Triton kernel XLA refused. Nothing here times anything: a
+program's speed needs the GPU (gpu_check.py). The model's platform-dependent choices ("auto", the sparse path)
+resolve as on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
+                "f64": 8, "s64": 8, "u64": 8}
+
+
+def compile_only_devices(target_config: str, topology: str = "1x1x1") -> list:
+    """Compile-only CUDA devices for `topology` ("slices x hosts x devices per host") of the GPU the text spec at
+    `target_config` describes; the model's backend-dependent choices then resolve as on that GPU."""
+    import jax
+    from jax.experimental import topologies
+    with open(target_config) as f:
+        devices = topologies.get_topology_desc(platform="cuda", topology=topology, target_config=f.read()).devices
+    # the process has no GPU backend: "auto" options and the sparse path read jax.default_backend() at trace time
+    jax.default_backend = lambda: "gpu"
+    return list(devices)
+
+
+def program_facts(compiled) -> dict:
+    """What a compiled program holds: memory (GB), loops and custom calls, from XLA's analysis and its HLO text."""
+    text = compiled.as_text()
+    ma = compiled.memory_analysis()
+    loops = re.findall(r"= \(([^\n]*?)\) while\(([^\n]*)", text)
+    carry = 0
+    for shapes, _ in loops:
+        for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", shapes):
+            n = 1
+            for d in filter(None, dims.split(",")):
+                n *= int(d)
+            carry = max(carry, n * _DTYPE_BYTES.get(dtype, 4))
+    trips = [int(t) for t in re.findall(r'"known_trip_count":\{"n":"(\d+)"', text)]
+    return {"temp_gb": round(ma.temp_size_in_bytes / 1e9, 3), "argument_gb": round(ma.argument_size_in_bytes / 1e9, 3),
+            "while_loops": len(loops), "loops_without_known_trips": sum('known_trip_count' not in rest
+                                                                     for _, rest in loops),
+            "longest_known_trips": max(trips, default=0), "largest_loop_carry_gb": round(carry / 1e9, 3),
+            "custom_calls": sorted(set(re.findall(r'custom_call_target="([^"]*)"', text)))}
+
+
+def _compiled(name: str, build) -> None:
+    t0 = time.perf_counter()
+    try:
+        facts = program_facts(build())
+    except Exception as e:  # noqa: BLE001 - one program's failure must not hide the others'
+        return print(json.dumps({"program": name, "error": f"{type(e).__name__}: {str(e)[:1500]}"}), flush=True)
+    print(json.dumps({"program": name, "compile_s": round(time.perf_counter() - t0, 1), **facts}), flush=True)
+
+
+def train_step(devices, options: dict, layers: int = 4, experts: int = 16, seq: int = 4096):
+    """gpu_check's MFU slice (M3 widths, `layers` layers, `experts` experts, one `seq`-token row), one device."""
+    from gpu_check import m3_shaped
+    from m3jax.plan.compile import compile_step
+    from m3jax.plan.memory import Batch
+    from sharding.mesh import MeshConfig
+    return compile_step(m3_shaped(False, layers, experts), MeshConfig(1, 1, 1, 1), Batch(1, seq, 1, True, **options),
+                        "compact", "bfloat16", options, devices=devices, return_compiled=True)["compiled"]
+
+
+def forward(devices, options: dict, layers: int = 4, experts: int = 16, seq: int = 4096):
+    """The same slice's logits alone (the passes that take no gradient: `sparse_attention: paged` runs there)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from gpu_check import m3_shaped
+    from m3jax import M3ForCausalLM
+    from sharding.mesh import MeshConfig, build_mesh
+    cfg = m3_shaped(False, layers, experts)
+    layout = build_mesh(MeshConfig(1, 1, 1, 1), cfg, seq_len=seq, devices=devices[:1])
+    model = nnx.eval_shape(lambda: M3ForCausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), layout=layout, **options))
+    graphdef, state = nnx.split(model)
+    replicated = jax.sharding.NamedSharding(layout.mesh, jax.sharding.PartitionSpec())
+    state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), state)
+    ids = jax.ShapeDtypeStruct((1, seq), jnp.int32, sharding=replicated)
+    with jax.set_mesh(layout.mesh):
+        return jax.jit(lambda s, ids: nnx.merge(graphdef, s)(ids)).lower(state, ids).compile()
+
+
+def moe_kernel(devices, kernel: str, experts: int, pool: int, real_rows: int, d: int = 6144, i: int = 3072):
+    """gpu_check's check 5: an expert MLP over a receive pool `pool` x its real rows, forward and backward."""
+    import jax
+    import jax.numpy as jnp
+
+    from m3jax.model.moe import grouped_experts
+    mesh = jax.sharding.Mesh(devices[:1], ("x",))
+    on = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    n = pool * real_rows
+
+    def loss(rows, gate_up, down, sizes, cot):
+        out = grouped_experts(rows, sizes, gate_up, down, alpha=1.702, limit=7.0, kernel=kernel)
+        return jnp.sum((out * cot).astype(jnp.float32))
+
+    args = [jax.ShapeDtypeStruct(s, t, sharding=on) for s, t in (((n, d), jnp.bfloat16), ((experts, 2, i, d), jnp.bfloat16),
+                                                                ((experts, d, i), jnp.bfloat16), ((experts,), jnp.int32),
+                                                                ((n, d), jnp.bfloat16))]
+    with jax.set_mesh(mesh):  # Pallas's Triton lowering reads the target GPU off the mesh's devices
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target-config", required=True, help="a text GpuTargetConfigProto, e.g. scripts/gpu_specs/h200.txtpb")
+    ap.add_argument("--only", choices=("step", "forward", "moe"), action="append", help="these programs only")
+    args = ap.parse_args()
+    devices = compile_only_devices(args.target_config)
+    from gpu_check import RECIPE_OPTIONS
+    only = set(args.only or ("step", "forward", "moe"))
+    if "moe" in only:
+        for kernel in ("ragged_dot", "tiled", "pallas"):
+            for experts, pool in ((1, 32), (4, 16)):
+                _compiled(f"moe {kernel}, {experts} expert(s), pool {pool}x", lambda: moe_kernel(
+                    devices, kernel, experts, pool, 4096))
+    if "step" in only:
+        for name, options in (("auto", {}), ("recipe", RECIPE_OPTIONS), ("pallas", {"moe_kernel": "pallas"})):
+            _compiled(f"train step, {name} options", lambda: train_step(devices, options))
+    if "forward" in only:
+        _compiled("forward, sparse_attention paged", lambda: forward(devices, {"sparse_attention": "paged"}))
+
+
+if __name__ == "__main__":
+    main()
