@@ -7,7 +7,14 @@
 
 The checks run in the order of need (the kernel choices first, the figures already taken last), each guarded: one
 that fails prints its error and the next runs. On the GPU machine the image's own jax runs it (0.11.2 in session 25)
-with PYTHONPATH at the repository root.
+with PYTHONPATH at the repository root; check 11 needs no GPU (`gpu_check_mesh.py --target-config`), so a lent
+machine's call can be
+
+    export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD XLA_PYTHON_CLIENT_MEM_FRACTION=0.8
+    timeout 480 python3 scripts/gpu_check.py --skip mesh 2>&1 | tee $OUT/gpu_check.log
+
+Before one is lent, `scripts/gpu_compile.py` compiles these programs for an H200 on the CPU machine: a program XLA's
+GPU compiler refuses shows there.
 
 Prints one JSON line per check; keep the output with BENCHMARKS.md. Checks:
 1. devices and versions;
