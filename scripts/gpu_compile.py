@@ -36,16 +36,17 @@ _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16
                 "f64": 8, "s64": 8, "u64": 8}
 
 
-def compile_only_devices(target_config: str, topology: str = "1x1x1") -> list:
-    """Compile-only CUDA devices for `topology` ("slices x hosts x devices per host") of the GPU the text spec at
-    `target_config` describes; the model's backend-dependent choices then resolve as on that GPU."""
+def compile_only_devices(target_config: str, n: int = 1) -> list:
+    """n compile-only GPUs of the spec (`m3jax.plan.compile.compile_only_gpus`, hosts of 8); the model's
+    backend-dependent choices then resolve as on that GPU."""
     import jax
-    from jax.experimental import topologies
-    with open(target_config) as f:
-        devices = topologies.get_topology_desc(platform="cuda", topology=topology, target_config=f.read()).devices
-    # the process has no GPU backend: "auto" options and the sparse path read jax.default_backend() at trace time
+
+    from m3jax.plan.compile import compile_only_gpus
+    devices = compile_only_gpus(target_config, n)
+    # this script's process has no GPU backend, and "auto" options and the sparse path read jax.default_backend()
+    # at trace time: answer as the GPU would
     jax.default_backend = lambda: "gpu"
-    return list(devices)
+    return devices
 
 
 def program_facts(compiled) -> dict:

@@ -1,12 +1,14 @@
 """python -m m3jax.plan --config <run config> [a.b=value ...] [--model release] [--device-memory-gb 80]
-                          [--sweep N_DEVICES [--top 20] [--png out.png]] [--compile [--compile-layers 2:2,3:2,2:4]]
-                          [--check-shardings]
+                          [--sweep N_DEVICES [--top 20] [--png out.png]]
+                          [--compile [--compile-layers 2:2,3:2,2:4] [--target-config spec.txtpb]] [--check-shardings]
 
 Prints the per-device plan (memory by term, FLOPs, communication, step time) and a verdict
 ("FITS with X GB margin" / "DOES NOT FIT: <term> is Y GB"). --model release plans the released
 MiniMax-M3 shapes (m3jax.plan.models) when the config's model.path is unset (`???`).
 --sweep N enumerates (data, context, expert, tensor) with product N and micro-batch 1, 2, 4, 8.
---compile re-executes itself with N simulated CPU devices and compiles the real train step at reduced depth.
+--compile re-executes itself with N simulated CPU devices and compiles the real train step at reduced depth;
+with --target-config, for N compile-only GPUs of that spec (XLA's GPU compiler, no GPU needed: a jax with the
+CUDA plugin and libraries, `m3jax.plan.compile.compile_only_gpus`).
 --check-shardings checks the full-depth model's shardings on an AbstractMesh of any size (no devices).
 """
 
@@ -322,6 +324,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", type=int, default=None, metavar="N_DEVICES")
     ap.add_argument("--png", default="mesh_sweep.png")
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--target-config", help="with --compile: compile for compile-only GPUs of this target spec "
+                    "(e.g. scripts/gpu_specs/h200.txtpb), no GPU needed; needs a jax with the CUDA plugin")
     ap.add_argument("--compile-layers", default="2:2,3:2,2:4",
                     help="reduced depths to compile, first-kind:last-kind layers; three of >= 2 per kind pin down "
                          "the per-layer scaling")
@@ -361,10 +365,15 @@ def main(argv=None) -> int:
             sets = [tuple(int(x) for x in s.split(":", 1)) for s in a.compile_layers.split(",")]
         except ValueError:
             ap.error(f"--compile-layers {a.compile_layers!r}: expected dense:moe pairs such as 2:2,3:2,2:4")
-        print(f"compiling on {job.mesh.num_devices} simulated CPU devices, real widths, reduced depth "
-              f"(XLA:CPU estimate, not the GPU OOM line):")
-        print_compile(job, compile_reduced(job, sets), memory_plan(job.model, job.mesh, job.batch, job.master,
-                                                                   job.moment_dtype)["total"])
+        if a.target_config:
+            print(f"compiling for {job.mesh.num_devices} compile-only GPUs of {a.target_config}, real widths, reduced "
+                  f"depth (XLA's GPU compiler; no CUDA/NCCL workspaces):")
+        else:
+            print(f"compiling on {job.mesh.num_devices} simulated CPU devices, real widths, reduced depth "
+                  f"(XLA:CPU estimate, not the GPU OOM line):")
+        print_compile(job, compile_reduced(job, sets, target_config=a.target_config),
+                      memory_plan(job.model, job.mesh, job.batch, job.master, job.moment_dtype)["total"],
+                      compiler="XLA:GPU" if a.target_config else "XLA:CPU")
     return 0
 
 

@@ -7,7 +7,7 @@ import sys
 
 from m3jax.config import M3Config
 from sharding.mesh import MeshConfig
-from m3jax.plan.compile import compile_step
+from m3jax.plan.compile import compile_only_gpus, compile_step
 from m3jax.plan.memory import Batch, memory_plan
 
 STATE_TERMS = ("params", "master", "moments", "buffers")  # what XLA counts as arguments (besides the batch)
@@ -29,14 +29,23 @@ def main():
     mesh = MeshConfig(**{**spec["mesh"], **{k: tuple(spec["mesh"][k]) for k in ("expert_axes", "fsdp_axes",
                                                                                  "fsdp_step_axes")
                                               if k in spec["mesh"]}})
-    # The analytic side as XLA:CPU runs the model: the exchange the CPU picks (padded) unless the options
-    # name one, and fp32-sized activations (XLA:CPU computes bf16 arithmetic in fp32).
+    devices, act_bytes = None, 4
+    if spec.get("target_config"):
+        import jax
+        devices, act_bytes = compile_only_gpus(spec["target_config"], mesh.num_devices), 2
+        # This process has no GPU backend, and the model's platform-dependent choices ("auto" options, the sparse
+        # path, the expert exchange) read jax.default_backend() at trace time: answer as the GPU would. Only this
+        # child process, which compiles and exits, sees it.
+        jax.default_backend = lambda: "gpu"
+    # The analytic side as the compiler runs the model: the exchange its platform picks (padded on CPU, ragged on a
+    # GPU) unless the options name one, and on CPU fp32-sized activations (XLA:CPU computes bf16 arithmetic in fp32).
     batch = Batch(spec["micro_batch"], spec["seq_len"], 1, spec["remat"], **(spec.get("model_options") or {}))
     out = []
     for n_dense, n_moe in spec["layer_sets"]:
         c = reduced(cfg, n_dense, n_moe)
-        r = compile_step(c, mesh, batch, spec["master"], spec["moment_dtype"], spec.get("model_options"))
-        plan = memory_plan(c, mesh, batch, spec["master"], spec["moment_dtype"], act_bytes=4)
+        r = compile_step(c, mesh, batch, spec["master"], spec["moment_dtype"], spec.get("model_options"),
+                         devices=devices)
+        plan = memory_plan(c, mesh, batch, spec["master"], spec["moment_dtype"], act_bytes=act_bytes)
         r.update(dense=n_dense, moe=n_moe, analytic=plan["total"], exchange=batch.exchange,
                  analytic_state=sum(plan.get(k, 0.0) for k in STATE_TERMS))
         out.append(r)

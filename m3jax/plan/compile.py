@@ -80,14 +80,30 @@ def xla_flags_with_devices(n: int) -> str:
     return f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
 
-def compile_reduced(job, layer_sets, extra_env: dict | None = None) -> list:
+def compile_only_gpus(target_config: str, n: int, per_host: int = 8) -> list:
+    """n compile-only CUDA devices (`jax.experimental.topologies`), hosts of `per_host`, of the GPU that the text
+    GpuTargetConfigProto at `target_config` describes (e.g. scripts/gpu_specs/h200.txtpb): XLA's GPU compiler
+    builds programs for them without a GPU. Needs a jax with the CUDA plugin and its libraries, started with
+    JAX_PLATFORMS=cpu and JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 (the plugin's version checks call the driver)."""
+    from jax.experimental import topologies
+    hosts, local = (1, n) if n <= per_host else (-(-n // per_host), per_host)
+    with open(target_config) as f:
+        spec = f.read()
+    return list(topologies.get_topology_desc(platform="cuda", topology=f"{hosts}x1x{local}", target_config=spec).devices)[:n]
+
+
+def compile_reduced(job, layer_sets, extra_env: dict | None = None, target_config: str | None = None) -> list:
     """Re-execute Python with N simulated devices (XLA_FLAGS must be set before jax loads) and compile
-    `job`'s model at each (dense, moe) reduced depth of `layer_sets`. The child's progress goes to stderr."""
+    `job`'s model at each (dense, moe) reduced depth of `layer_sets`. The child's progress goes to stderr.
+    target_config: compile for N compile-only GPUs of that spec instead (`compile_only_gpus`)."""
     n = job.mesh.num_devices
     env = dict(os.environ, XLA_FLAGS=xla_flags_with_devices(n), JAX_PLATFORMS="cpu", **(extra_env or {}))
+    if target_config:
+        env["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
     spec = {"model": dataclasses.asdict(job.model), "mesh": dataclasses.asdict(job.mesh), "seq_len": job.seq_len,
             "micro_batch": job.micro_batch, "master": job.master, "moment_dtype": job.moment_dtype,
-            "remat": job.remat, "model_options": job.model_options, "layer_sets": [list(s) for s in layer_sets]}
+            "remat": job.remat, "model_options": job.model_options, "layer_sets": [list(s) for s in layer_sets],
+            "target_config": os.path.abspath(target_config) if target_config else None}
     out = subprocess.run([sys.executable, "-m", "m3jax.plan._compile_worker"], input=json.dumps(spec), env=env,
                          stdout=subprocess.PIPE, text=True, check=False)
     if out.returncode:
@@ -116,8 +132,8 @@ def depth_fit(results: list, key: str, full: tuple[int, int]) -> dict | None:
             "full": coef[0] + coef[1] * full[0] + coef[2] * full[1]}
 
 
-def print_compile(job, results: list, gpu_plan_full: float) -> None:
-    """XLA's per-device figures next to the analytic plan of the same model as XLA:CPU runs it, at each
+def print_compile(job, results: list, gpu_plan_full: float, compiler: str = "XLA:CPU") -> None:
+    """XLA's per-device figures next to the analytic plan of the same model as `compiler` runs it, at each
     reduced depth, then both scaled per layer to the full depth; `gpu_plan_full` is the plan of the full
     model on the GPU (ragged exchange, bf16 activations), for reference."""
     print(f"  {'dense+moe':>9s} {'XLA peak':>9s} {'args':>7s} {'temp':>7s} {'analytic':>9s} {'state':>7s} "
@@ -134,7 +150,8 @@ def print_compile(job, results: list, gpu_plan_full: float) -> None:
         return
     print(f"  per layer: first kind XLA {xla['per_dense'] / GB:.4g} GB vs analytic {ana['per_dense'] / GB:.4g} GB; "
           f"second kind XLA {xla['per_moe'] / GB:.4g} GB vs analytic {ana['per_moe'] / GB:.4g} GB")
-    print(f"  full depth ({full[0]}+{full[1]} layers), scaled per layer: XLA:CPU {xla['full'] / GB:.4g} GB vs analytic "
-          f"{ana['full'] / GB:.4g} GB (analytic/XLA {ana['full'] / xla['full']:.2f})")
-    print(f"  (analytic as XLA:CPU runs it: {results[0]['exchange']} expert exchange, fp32-sized activations; "
+    print(f"  full depth ({full[0]}+{full[1]} layers), scaled per layer: {compiler} {xla['full'] / GB:.4g} GB vs "
+          f"analytic {ana['full'] / GB:.4g} GB (analytic/XLA {ana['full'] / xla['full']:.2f})")
+    sizes = "bf16 activations" if compiler != "XLA:CPU" else "fp32-sized activations"
+    print(f"  (analytic as {compiler} runs it: {results[0]['exchange']} expert exchange, {sizes}; "
           f"the GPU plan of the full model: {gpu_plan_full / GB:.4g} GB)")
