@@ -247,11 +247,11 @@ def one_device_path(topk_blocks: int, block_size: int, heads_per_unit: int, back
     "grouped". Below a tile, the grouped path's walk multiplies a whole tile for every (tile, block) segment,
     about S / bs loop steps of mostly wasted rows, where the slot path runs a few batched matmuls (BENCHMARKS.md,
     issue 11: the tiny release-like model, 32 rows a block, and the sparse bench model, 1,024).
-    Elsewhere (a GPU; TPUs too, unmeasured): "tiles", S / QUERY_TILE steps of batched gathers. The grouped walk is a while loop of
-    S x H x K / GROUPED_TILE steps, each a few small kernels: 32,895 steps for gpu_check's M3 slice at S 4,096
-    (64 heads, top-16), a loop whose cost on a GPU is its steps' launches, not its FLOPs. That slice's step
-    took 18 s on an H200 (BENCHMARKS.md, session 25); compiled for that GPU it held 8 such loops, and 26 GB of
-    temporaries instead of 37 on tiles. The slot path's steps there: S / 8.
+    Elsewhere (a GPU; TPUs too, unmeasured): "tiles", S / QUERY_TILE steps of batched gathers. The grouped walk
+    is a while loop of S x H x K / GROUPED_TILE steps, each a few small kernels: 32,895 steps for gpu_check's M3
+    slice at S 4,096 (64 heads, top-16), a loop whose cost on a GPU is its steps' launches, not its FLOPs. That
+    slice's step took 18 s on an H200 (BENCHMARKS.md, session 25); compiled for that GPU it held 8 such loops,
+    and 37 GB of temporaries against 26 on tiles. The slot path's steps there: S / 8.
     The choice depends on the config and the platform alone, never on S, so a model's decode steps and its full
     forward run the same path."""
     if (backend or jax.default_backend()) != "cpu":

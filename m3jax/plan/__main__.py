@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import os
 import sys
 
 from sharding.mesh import JAX_DEFAULT_MEMORY_FRACTION, MeshConfig, MeshError, row_positions, validate
@@ -337,6 +338,11 @@ def main(argv=None) -> int:
                          "over the whole receive buffer (XLA's default), grouped = a grouped-GEMM kernel; "
                          "model.moe_kernel=tiled plans the tiled kernel instead")
     a = ap.parse_args(argv)
+    if a.target_config and not a.compile:
+        ap.error("--target-config names the GPU to compile for: it needs --compile")
+    if a.target_config and not os.path.isfile(a.target_config):
+        ap.error(f"--target-config {a.target_config!r}: no such file (expected a text GpuTargetConfigProto, such as "
+                 "scripts/gpu_specs/h200.txtpb)")
     job = dataclasses.replace(load_job(a.config, a.overrides, a.model), ragged_dot=a.ragged_dot)
     hw = Hardware(a.peak_tflops * 1e12, a.mfu, a.nvlink_gbps * 1e9, a.ib_gbps * 1e9, pcie_bw=a.pcie_gbps * 1e9)
     # What JAX may hold of each device: the plan must fit in that, not in the whole device.
