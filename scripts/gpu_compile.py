@@ -108,6 +108,32 @@ def forward(devices, options: dict, layers: int = 4, experts: int = 16, seq: int
         return jax.jit(lambda s, ids: nnx.merge(graphdef, s)(ids)).lower(state, ids).compile()
 
 
+def decode_step(devices, options: dict, batch: int = 8, max_len: int = 4096, layers: int = 4, experts: int = 16):
+    """One cached decode step of the JAX engine (`generation.backend: jax`): a token per row over `max_len` slots."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from gpu_check import m3_shaped
+    from m3jax import M3ForCausalLM
+    cfg = m3_shaped(False, layers, experts)
+    mesh = jax.sharding.Mesh(devices[:1], ("x",))
+    on = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    model = nnx.eval_shape(lambda: M3ForCausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), **options))
+    graphdef, state = nnx.split(model)
+    cache = jax.eval_shape(lambda: model.init_cache(batch, max_len))
+    place = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on)  # noqa: E731
+    state, cache = jax.tree.map(place, state), jax.tree.map(place, cache)
+    ids, pos = (jax.ShapeDtypeStruct((batch, 1), jnp.int32, sharding=on) for _ in range(2))
+    mask = jax.ShapeDtypeStruct((batch, max_len), jnp.int32, sharding=on)
+
+    def step(state, cache, ids, pos, mask):
+        return nnx.merge(graphdef, state)(ids, positions=pos, attention_mask=mask, cache=cache)
+
+    with jax.set_mesh(mesh):
+        return jax.jit(step).lower(state, cache, ids, pos, mask).compile()
+
+
 def moe_kernel(devices, kernel: str, experts: int, pool: int, real_rows: int, d: int = 6144, i: int = 3072):
     """gpu_check's check 5: an expert MLP over a receive pool `pool` x its real rows, forward and backward."""
     import jax
@@ -132,11 +158,11 @@ def moe_kernel(devices, kernel: str, experts: int, pool: int, real_rows: int, d:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target-config", required=True, help="a text GpuTargetConfigProto, e.g. scripts/gpu_specs/h200.txtpb")
-    ap.add_argument("--only", choices=("step", "forward", "moe"), action="append", help="these programs only")
+    ap.add_argument("--only", choices=("step", "forward", "decode", "moe"), action="append", help="these programs only")
     args = ap.parse_args()
     devices = compile_only_devices(args.target_config)
     from gpu_check import RECIPE_OPTIONS
-    only = set(args.only or ("step", "forward", "moe"))
+    only = set(args.only or ("step", "forward", "decode", "moe"))
     if "moe" in only:
         for kernel in ("ragged_dot", "tiled", "pallas"):
             for experts, pool in ((1, 32), (4, 16)):
@@ -147,6 +173,9 @@ def main() -> None:
             _compiled(f"train step, {name} options", lambda: train_step(devices, options))
     if "forward" in only:
         _compiled("forward, sparse_attention paged", lambda: forward(devices, {"sparse_attention": "paged"}))
+    if "decode" in only:
+        for impl in ("gather", "paged"):
+            _compiled(f"decode step, sparse_attention {impl}", lambda: decode_step(devices, {"sparse_attention": impl}))
 
 
 if __name__ == "__main__":
