@@ -46,7 +46,8 @@ def compile_step(cfg: M3Config, mesh_cfg: MeshConfig, batch: Batch, master: str 
 
     n = mesh_cfg.num_devices
     t0 = time.perf_counter()
-    layout = build_mesh(mesh_cfg, cfg, seq_len=batch.seq_len, devices=list(devices or jax.devices())[:n])
+    devices = list(jax.devices() if devices is None else devices)[:n]
+    layout = build_mesh(mesh_cfg, cfg, seq_len=batch.seq_len, devices=devices)
     graphdef, opt, state = abstract_train_state(cfg, master, moment_dtype, batch.remat, model_options, layout)
     shardings = state_shardings(layout, state)
     step = make_train_step(graphdef, opt, mesh=layout, shardings=shardings)
