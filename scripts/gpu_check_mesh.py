@@ -87,8 +87,8 @@ def _child(small: bool, target_config: str | None = None) -> dict:
     options = {"attention_impl": "flash", "sparse_attention": "gather", "moe_kernel": "tiled",
                "remat_policy": "save_dots_experts"}
     batch = Batch(1, seq, 4, True, **options)
-    out = {"check": "mesh_compile", "devices": len(devices),
-           "backend": f"cuda, compile-only for {os.path.basename(target_config)}" if target_config else jax.default_backend(),
+    backend = f"cuda, compile-only for {os.path.basename(target_config)}" if target_config else jax.default_backend()
+    out = {"check": "mesh_compile", "devices": len(devices), "backend": backend,
            "topology": None if small else TOPOLOGY, "layers": f"{per_kind} dense + {per_kind} MoE",
            "experts": cfg.num_local_experts,
            "seq": seq, "micro_batches": 4}
