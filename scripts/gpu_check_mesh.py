@@ -70,8 +70,8 @@ def _child(small: bool, target_config: str | None = None) -> dict:
 
     devices = jax.devices()
     if not small and target_config:  # no GPU: compile-only ones of the spec
-        from gpu_compile import compile_only_devices
-        devices = compile_only_devices(target_config, 16)  # 2 hosts of 8, as TOPOLOGY
+        from m3jax.plan.compile import compile_only_gpus
+        devices = compile_only_gpus(target_config, 16)  # 2 hosts of 8, as TOPOLOGY
     elif not small and len(devices) < 16:  # compile-only GPUs, the attached one describing the target
         from jax.experimental import topologies
         devices = topologies.get_topology_desc(platform="cuda", topology=TOPOLOGY).devices

@@ -32,35 +32,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
-                "f64": 8, "s64": 8, "u64": 8}
-
-
-def compile_only_devices(target_config: str, n: int = 1) -> list:
-    """n compile-only GPUs of the spec (`m3jax.plan.compile.compile_only_gpus`, hosts of 8); the model's
-    backend-dependent choices then resolve as on that GPU."""
-    import jax
-
-    from m3jax.plan.compile import compile_only_gpus
-    devices = compile_only_gpus(target_config, n)
-    # this script's process has no GPU backend, and "auto" options and the sparse path read jax.default_backend()
-    # at trace time: answer as the GPU would
-    jax.default_backend = lambda: "gpu"
-    return devices
-
-
 def program_facts(compiled) -> dict:
     """What a compiled program holds: memory (GB), loops and custom calls, from XLA's analysis and its HLO text."""
+    from sharding.hlo_collectives import array_bytes
     text = compiled.as_text()
     ma = compiled.memory_analysis()
     loops = re.findall(r"= \(([^\n]*?)\) while\(([^\n]*)", text)
-    carry = 0
-    for shapes, _ in loops:
-        for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", shapes):
-            n = 1
-            for d in filter(None, dims.split(",")):
-                n *= int(d)
-            carry = max(carry, n * _DTYPE_BYTES.get(dtype, 4))
+    carry = max((b for shapes, _ in loops for b in array_bytes(shapes)), default=0)
     trips = [int(t) for t in re.findall(r'"known_trip_count":\{"n":"(\d+)"', text)]
     return {"temp_gb": round(ma.temp_size_in_bytes / 1e9, 3), "argument_gb": round(ma.argument_size_in_bytes / 1e9, 3),
             "while_loops": len(loops), "loops_without_known_trips": sum('known_trip_count' not in rest
@@ -160,7 +138,8 @@ def main() -> None:
     ap.add_argument("--target-config", required=True, help="a text GpuTargetConfigProto, e.g. scripts/gpu_specs/h200.txtpb")
     ap.add_argument("--only", choices=("step", "forward", "decode", "moe"), action="append", help="these programs only")
     args = ap.parse_args()
-    devices = compile_only_devices(args.target_config)
+    from m3jax.plan.compile import compile_only_gpus
+    devices = compile_only_gpus(args.target_config, 1)
     from gpu_check import RECIPE_OPTIONS
     only = set(args.only or ("step", "forward", "decode", "moe"))
     if "moe" in only:

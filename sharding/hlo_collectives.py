@@ -67,13 +67,16 @@ def group_axes(group: list[int], mesh) -> tuple[str, ...]:
     return tuple(name for k, name in enumerate(mesh.axis_names) if len({c[k] for c in coords}) > 1)
 
 
-def _result_bytes(shape_text: str) -> int:
+def array_bytes(shape_text: str) -> list[int]:
+    """The bytes of each array an HLO shape text names ("(bf16[4,128]{1,0}, s32[])" -> [1024, 4])."""
     size = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
             "s8": 1, "u8": 1, "pred": 1}
-    total = 0
-    for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", shape_text):
-        total += size.get(dtype, 4) * int(np.prod([int(x) for x in dims.split(",") if x] or [1]))
-    return total
+    return [size.get(dtype, 4) * int(np.prod([int(x) for x in dims.split(",") if x] or [1]))
+            for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", shape_text)]
+
+
+def _result_bytes(shape_text: str) -> int:
+    return sum(array_bytes(shape_text))
 
 
 def collectives(hlo_text: str, mesh) -> list[Collective]:

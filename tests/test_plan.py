@@ -499,14 +499,3 @@ def test_the_losss_entropy_adds_one_fp32_logits_block_to_the_heads_phase():
     assert with_h["head_logits"] - without["head_logits"] == positions * job.model.vocab_size * 4
     assert plan(job, Hardware())["memory"]["total"] / GB == pytest.approx(67.43, abs=0.01)  # an MoE layer still binds
 
-
-def test_target_config_is_refused_without_compile_or_a_spec_file(capsys):
-    """`--target-config` (compile for compile-only GPUs of a spec) is checked before anything is planned."""
-    from m3jax.plan.__main__ import main
-    recipe = ["--config", "configs/recipes/m3-32node.yaml", "--model", "release"]
-    with pytest.raises(SystemExit):
-        main(recipe + ["--target-config", "scripts/gpu_specs/h100.txtpb"])
-    assert "it needs --compile" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(recipe + ["--compile", "--target-config", "scripts/gpu_specs/missing.txtpb"])
-    assert "'scripts/gpu_specs/missing.txtpb': no such file" in capsys.readouterr().err

@@ -30,13 +30,8 @@ def main():
                                                                                  "fsdp_step_axes")
                                               if k in spec["mesh"]}})
     devices, act_bytes = None, 4
-    if spec.get("target_config"):
-        import jax
+    if spec.get("target_config"):  # from here on this process resolves the model's choices as on a GPU
         devices, act_bytes = compile_only_gpus(spec["target_config"], mesh.num_devices), 2
-        # This process has no GPU backend, and the model's platform-dependent choices ("auto" options, the sparse
-        # path, the expert exchange) read jax.default_backend() at trace time: answer as the GPU would. Only this
-        # child process, which compiles and exits, sees it.
-        jax.default_backend = lambda: "gpu"
     # The analytic side as the compiler runs the model: the exchange its platform picks (padded on CPU, ragged on a
     # GPU) unless the options name one, and on CPU fp32-sized activations (XLA:CPU computes bf16 arithmetic in fp32).
     batch = Batch(spec["micro_batch"], spec["seq_len"], 1, spec["remat"], **(spec.get("model_options") or {}))
