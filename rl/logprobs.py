@@ -97,7 +97,7 @@ def _blocks(sampling: tuple, layout: Layout, head_axes, per_token=token_logprobs
     # than the logits saved). Tying the head to the block in an optimization barrier keeps the upcast
     # inside the matmul. CPU only: elsewhere bf16 matmuls are native, and the barrier would also keep an
     # FSDP all-gather of the head from being hoisted out of the loop.
-    tie = jax.lax.optimization_barrier if _platform(layout) == "cpu" else (lambda xw: xw)
+    tie = jax.lax.optimization_barrier if layout.backend == "cpu" else (lambda xw: xw)
 
     def block(h_blk, w, y_blk):
         h_blk, w = tie((h_blk, w))
@@ -164,10 +164,6 @@ def _by_shard(x: jax.Array, nb: int) -> jax.Array:
     """[rows, c, ...] -> [nb, rows / nb, c, ...]: the batch shards as the leading dimension (a reshape of the
     layout's own cut: no data moves)."""
     return x.reshape(nb, x.shape[0] // nb, *x.shape[1:])
-
-
-def _platform(layout: Layout) -> str:
-    return layout.mesh.devices.flat[0].platform if layout.mesh is not None else jax.default_backend()
 
 
 def policy_logprobs(model, mb: dict, sampling: SamplingParams, chunk_tokens: int = 0, replay: bool = False,

@@ -82,7 +82,7 @@ def main() -> None:
                                           n_ctx=layout.size("act_seq"), constrain=layout.constrain, **kw)
 
         def shard_map(q, k, v):  # what attention() runs for a sparse layer on "gather" under a context mesh
-            attend = functools.partial(att.one_device_sparse_attention, cfg, False)
+            attend = functools.partial(att.one_device_sparse_attention, cfg, False, layout.backend)
             return context_shards.per_context_shard(attend, layout, q, k, v, positions, None, iq, ik)
 
         return one, partitioner, shard_map

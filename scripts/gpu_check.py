@@ -199,7 +199,7 @@ def _paged_model_forward(cfg, ids, mask, real, poisoned) -> dict:
         model = M3ForCausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), attention_impl="flash", sparse_attention=impl)
         real_paged = attention.paged_sparse_attention
         if impl == "paged":
-            attention.paged_sparse_attention = lambda *a, gather: real_paged(*a, gather=poisoned)
+            attention.paged_sparse_attention = lambda *a, gather, **kw: real_paged(*a, gather=poisoned, **kw)
         try:
             t, logits = timed(jax.jit(lambda m: m(ids, attention_mask=mask)), model)
             out[impl] = (t, np.asarray(logits.astype(jnp.float32))[real])

@@ -86,7 +86,7 @@ def _child(small: bool, target_config: str | None = None) -> dict:
     seq = 256 if small else 8192
     options = {"attention_impl": "flash", "sparse_attention": "gather", "moe_kernel": "tiled",
                "remat_policy": "save_dots_experts"}
-    batch = Batch(1, seq, 4, True, **options)
+    batch = Batch(1, seq, 4, True, platform=devices[0].platform, **options)  # the plan of the devices compiled for
     backend = f"cuda, compile-only for {os.path.basename(target_config)}" if target_config else jax.default_backend()
     out = {"check": "mesh_compile", "devices": len(devices), "backend": backend,
            "topology": None if small else TOPOLOGY, "layers": f"{per_kind} dense + {per_kind} MoE",

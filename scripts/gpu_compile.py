@@ -16,7 +16,8 @@ arguments), its while loops (how many, how many with no trip count known at comp
 carries) and its custom calls (cuDNN attention, Triton kernels). What this found in session 25: the one-device
 sparse path's 32,895-step loops (the 18 s step), a Triton kernel XLA refused. Nothing here times anything: a
 program's speed needs the GPU (gpu_check.py). The model's platform-dependent choices ("auto", the sparse path)
-resolve as on a GPU.
+resolve as on a GPU: the programs' layouts are on the compile-only GPUs (or name the platform), while the process's
+default backend stays the CPU.
 """
 
 from __future__ import annotations
@@ -62,8 +63,9 @@ def train_step(devices, options: dict, layers: int = 4, experts: int = 16, seq: 
     from m3jax.plan.compile import compile_step
     from m3jax.plan.memory import Batch
     from sharding.mesh import MeshConfig
-    return compile_step(m3_shaped(False, layers, experts), MeshConfig(1, 1, 1, 1), Batch(1, seq, 1, True, **options),
-                        "compact", "bfloat16", options, devices=devices, return_compiled=True)["compiled"]
+    batch = Batch(1, seq, 1, True, platform="gpu", **options)
+    return compile_step(m3_shaped(False, layers, experts), MeshConfig(1, 1, 1, 1), batch, "compact", "bfloat16", options,
+                        devices=devices, return_compiled=True)["compiled"]
 
 
 def forward(devices, options: dict, layers: int = 4, experts: int = 16, seq: int = 4096):
@@ -94,10 +96,13 @@ def decode_step(devices, options: dict, batch: int = 8, max_len: int = 4096, lay
 
     from gpu_check import m3_shaped
     from m3jax import M3ForCausalLM
+    from sharding.layout import Layout
     cfg = m3_shaped(False, layers, experts)
     mesh = jax.sharding.Mesh(devices[:1], ("x",))
     on = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    model = nnx.eval_shape(lambda: M3ForCausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), **options))
+    # the engine's model has no mesh of its own: its layout names the platform it is built for
+    model = nnx.eval_shape(lambda: M3ForCausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0),
+                                                 layout=Layout(platform="gpu"), **options))
     graphdef, state = nnx.split(model)
     cache = jax.eval_shape(lambda: model.init_cache(batch, max_len))
     place = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on)  # noqa: E731
@@ -123,7 +128,7 @@ def moe_kernel(devices, kernel: str, experts: int, pool: int, real_rows: int, d:
     n = pool * real_rows
 
     def loss(rows, gate_up, down, sizes, cot):
-        out = grouped_experts(rows, sizes, gate_up, down, alpha=1.702, limit=7.0, kernel=kernel)
+        out = grouped_experts(rows, sizes, gate_up, down, alpha=1.702, limit=7.0, kernel=kernel, backend="gpu")
         return jnp.sum((out * cot).astype(jnp.float32))
 
     args = [jax.ShapeDtypeStruct(s, t, sharding=on) for s, t in (((n, d), jnp.bfloat16), ((experts, 2, i, d), jnp.bfloat16),

@@ -190,9 +190,10 @@ def _ragged_exchange(rows, per_expert, expert_fn, ep_axes, n_ep, t, k, capacity_
                       accepted[me], axis_name=ep_axes)
 
 
-def default_exchange() -> str:
-    """The real ragged collective where XLA compiles it, the padded all_to_all elsewhere."""
-    return "ragged" if jax.default_backend() in ("gpu", "cuda", "rocm", "tpu") else "padded"
+def default_exchange(backend: str | None = None) -> str:
+    """The real ragged collective where XLA compiles it, the padded all_to_all elsewhere; backend: the
+    platform the program is built for (`Layout.backend`; default jax's)."""
+    return "ragged" if (backend or jax.default_backend()) in ("gpu", "cuda", "rocm", "tpu") else "padded"
 
 
 def routed_experts(x: jax.Array, route_fn: Callable, router: tuple, expert_fn: Callable, gate_up: jax.Array,
@@ -222,7 +223,7 @@ def routed_experts(x: jax.Array, route_fn: Callable, router: tuple, expert_fn: C
         else:
             n_ep = layout.size("experts")
             out = exchanged_experts(t, w, idx, fn, num_experts, ep_axes, n_ep, capacity_factor,
-                                    exchange or default_exchange())
+                                    exchange or default_exchange(layout.backend))
             if width_axes:
                 out = jax.lax.psum(out, width_axes)  # partial sums over the sharded width
             out = out.reshape(b, s, d)

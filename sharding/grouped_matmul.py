@@ -48,7 +48,8 @@ ROWS_BY_GROUP = jax.lax.RaggedDotDimensionNumbers(
 
 
 def resolve_kernel(kernel: str = "auto", backend: str | None = None) -> str:
-    """The concrete kernel for `kernel` on `backend` (default: jax's default backend)."""
+    """The concrete kernel for `kernel` on `backend` (the platform the program is built for, a layout's
+    `backend`; default: jax's default backend)."""
     if kernel not in KERNELS:
         raise ValueError(f"grouped matmul kernel {kernel!r}: expected one of {', '.join(KERNELS)}")
     if kernel != "auto":
@@ -63,27 +64,30 @@ def _tile(tile: int, n: int) -> int:
 
 
 def grouped_matmul(rows: jax.Array, weights: jax.Array, group_sizes: jax.Array, *, kernel: str = "auto",
-                   tile: int = DEFAULT_TILE) -> jax.Array:
-    """rows [N, in] (sorted by group) x weights [E, out, in] -> [N, out]; see the module docstring."""
-    kernel = resolve_kernel(kernel)
+                   tile: int = DEFAULT_TILE, backend: str | None = None) -> jax.Array:
+    """rows [N, in] (sorted by group) x weights [E, out, in] -> [N, out]; see the module docstring.
+    backend: the platform the program is built for (`Layout.backend`; default jax's): resolves "auto", and
+    whether the Pallas kernel is compiled for a GPU or interpreted."""
+    kernel = resolve_kernel(kernel, backend)
     if kernel == "ragged_dot" or rows.shape[0] == 0:
         return jax.lax.ragged_dot_general(rows, weights, group_sizes, ROWS_BY_GROUP)
     rows, weights, group_sizes = same_varying(rows, weights, group_sizes.astype(jnp.int32))
     if kernel == "pallas":
         from sharding.pallas_grouped import pallas_grouped_matmul
-        return pallas_grouped_matmul(rows, weights, group_sizes)
+        return pallas_grouped_matmul(rows, weights, group_sizes, backend=backend)
     return tiled_matmul(rows, weights, group_sizes, _tile(tile, rows.shape[0]))
 
 
 def grouped_mlp(rows: jax.Array, w_in: jax.Array, w_out: jax.Array, group_sizes: jax.Array,
-                act: Callable[[jax.Array], jax.Array], *, kernel: str = "auto", tile: int = DEFAULT_TILE
-                ) -> jax.Array:
+                act: Callable[[jax.Array], jax.Array], *, kernel: str = "auto", tile: int = DEFAULT_TILE,
+                backend: str | None = None) -> jax.Array:
     """act(rows @ W_in_e^T) @ W_out_e^T per group: rows [N, in], w_in [E, H, in], w_out [E, out, A],
-    act [.., H] -> [.., A] row-wise (a row's output depends on that row alone). -> [N, out]."""
-    kernel = resolve_kernel(kernel)
+    act [.., H] -> [.., A] row-wise (a row's output depends on that row alone). -> [N, out].
+    backend: as `grouped_matmul`'s."""
+    kernel = resolve_kernel(kernel, backend)
     if kernel != "tiled" or rows.shape[0] == 0:
-        h = grouped_matmul(rows, w_in, group_sizes, kernel=kernel, tile=tile)
-        return grouped_matmul(act(h), w_out, group_sizes, kernel=kernel, tile=tile)
+        h = grouped_matmul(rows, w_in, group_sizes, kernel=kernel, tile=tile, backend=backend)
+        return grouped_matmul(act(h), w_out, group_sizes, kernel=kernel, tile=tile, backend=backend)
     rows, w_in, w_out, group_sizes = same_varying(rows, w_in, w_out, group_sizes.astype(jnp.int32))
     return tiled_mlp(rows, w_in, w_out, group_sizes, act, _tile(tile, rows.shape[0]))
 

@@ -25,6 +25,22 @@ class Layout:
     # FSDP axes whose gather a step does once, into a copy of the weights that all its micro-batches read
     # (`MeshConfig.fsdp_step_axes`); () = every micro-batch gathers over every FSDP axis
     fsdp_step_axes: tuple[str, ...] = ()
+    # The platform the model's programs are built for ("cpu", "gpu", "tpu"); None = the mesh's devices', or
+    # jax's default backend without a mesh. Set it to build for devices jax does not run on here (XLA's GPU
+    # compiler on compile-only devices, `m3jax.plan.compile.compile_only_gpus`, for a layout without a mesh).
+    platform: str | None = None
+
+    @property
+    def backend(self) -> str:
+        """Where this layout's programs run, which decides the model's platform-dependent choices ("auto"
+        kernels, the sparse path, the expert exchange): `platform`, else the mesh's devices' platform, else
+        jax's default backend. Read from the layout, not from the process, so that a program built for other
+        devices than the process's default (compile-only GPUs) makes their choices."""
+        if self.platform is not None:
+            return self.platform
+        if isinstance(self.mesh, Mesh):
+            return self.mesh.devices.flat[0].platform
+        return jax.default_backend()
 
     @property
     def shape(self) -> dict[str, int]:
@@ -65,7 +81,7 @@ class Layout:
         """The layout of a step's copy of the weights: this one with `fsdp_step_axes` out of the parameter rows
         (`sharding.rules.without_axes`); None when there is no such copy (no step axes of size > 1, or no mesh)."""
         rules = None if self.mesh is None else step_copy_rules(self.rules, self.fsdp_step_axes, self.mesh.shape)
-        return None if rules is None else Layout(self.mesh, rules)
+        return None if rules is None else dataclasses.replace(self, rules=rules, fsdp_step_axes=())
 
     def with_rule(self, logical: str, mesh_axes) -> "Layout":
         """This layout with one row of the rules table changed (e.g. `("act_seq", None)` for decoding)."""

@@ -176,20 +176,22 @@ _matmul.defvjp(_fwd, _bwd)
 
 
 def pallas_grouped_matmul(rows: jax.Array, weights: jax.Array, group_sizes: jax.Array, *, block: int = BLOCK,
-                          interpret: bool | None = None) -> jax.Array:
+                          interpret: bool | None = None, backend: str | None = None) -> jax.Array:
     """rows [N, K] (sorted by group) x weights [G, O, K] -> [N, O], rows past sum(group_sizes) zero; equal to
     `jax.lax.ragged_dot_general` with `sharding.grouped_matmul.ROWS_BY_GROUP` up to the summation order.
-    interpret: run Pallas's interpreter (default: off a GPU)."""
+    interpret: run Pallas's interpreter (default: when `backend`, the platform the program is built for,
+    default jax's, is not a GPU)."""
+    backend = backend or jax.default_backend()
     if interpret is None:
-        interpret = jax.default_backend() not in ("gpu", "cuda")
+        interpret = backend not in ("gpu", "cuda")
     varying = getattr(getattr(jax.typeof(rows), "manual_axis_type", None), "varying", None)
     if interpret and varying:
         raise ValueError(f"moe_kernel=pallas off a GPU runs Pallas's interpreter, which jax "
                          f"{jax.__version__} cannot run inside a shard_map over mesh axes ({', '.join(sorted(varying))}: "
-                         f"the expert-parallel exchange); use moe_kernel=tiled (or auto) on {jax.default_backend()}")
+                         f"the expert-parallel exchange); use moe_kernel=tiled (or auto) on {backend}")
     if interpret and rows.shape[0] * weights.shape[1] * weights.shape[2] > _INTERPRETED_WARN_MACS:
         logging.getLogger(__name__).warning(
             "moe_kernel=pallas on %s runs Pallas's interpreter (for tests): a [%d, %d] x [%d, %d, %d] grouped matmul "
-            "will be slow; moe_kernel=tiled (auto) is the fast kernel off a GPU", jax.default_backend(),
+            "will be slow; moe_kernel=tiled (auto) is the fast kernel off a GPU", backend,
             *rows.shape, *weights.shape)
     return _matmul(rows, weights, group_sizes.astype(jnp.int32), block, interpret)

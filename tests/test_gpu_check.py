@@ -48,7 +48,7 @@ def test_model_attention_check_runs_and_proves_the_fused_branch(capsys, monkeypa
     assert "no GPU" in json.loads(capsys.readouterr().out)["skipped"]
     from m3jax.model import paged_sparse
     monkeypatch.setattr(fused_attention, "implementation", lambda backend=None: "xla")
-    monkeypatch.setattr(paged_sparse, "interpret", lambda: True)
+    monkeypatch.setattr(paged_sparse, "interpret", lambda backend=None: True)
     gc.model_attention(True, 64)
     res = json.loads(capsys.readouterr().out)
     assert set(res) >= {"dense", "flash", "cudnn", "paged"} and all(res[k]["finite"] for k in ("dense", "flash", "cudnn"))

@@ -1,6 +1,8 @@
 """The layout is a value: a model loaded onto `build_mesh(...)` keeps its mesh and rules for every call,
 and each jitted pass of a run lowers to the expert-parallel program of the run's layout."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -99,3 +101,46 @@ def test_logprob_pass_and_train_step_lower_to_the_expert_parallel_program():
     assert _exchanges(text) > 0
     out = np.asarray(logprobs(state.params, state.rest, batch))
     assert out.shape == (1, 4, SEQ) and np.all(np.isfinite(out))
+
+
+def test_the_layout_not_the_process_decides_the_platform_choices(monkeypatch):
+    """A model built for GPUs in a CPU process (what the compile-only GPU checks do) makes a GPU's "auto" choices
+    from its layout: the experts on ragged_dot, the sparse layers on per-tile gathers; the same model on the
+    process's own CPU layout runs the tiled kernel and the slot path. Nothing patches jax.default_backend."""
+    from m3jax.model import attention
+    from m3jax.tiny import m3_config
+
+    assert jax.default_backend() == "cpu" and Layout().backend == "cpu"
+    cpu_mesh = build_mesh(MeshConfig(), None, devices=jax.devices()[:1])
+    assert cpu_mesh.backend == "cpu" and Layout(platform="gpu").backend == "gpu"
+    assert dataclasses.replace(cpu_mesh, platform="gpu", fsdp_step_axes=("data",)).backend == "gpu"
+
+    paths = []
+    real = attention.one_device_path
+    monkeypatch.setattr(attention, "one_device_path", lambda *a: paths.append(real(*a)) or paths[-1])
+    cfg = m3_config()
+    ids = jnp.zeros((1, 32), jnp.int32)
+
+    def program(layout):
+        model = m3jax.M3ForCausalLM(cfg, rngs=nnx.Rngs(0), layout=layout)
+        paths.clear()
+        text = str(jax.make_jaxpr(lambda m, i: m(i))(model, ids))
+        return text, set(paths)
+
+    gpu_text, gpu_paths = program(Layout(platform="gpu"))
+    cpu_text, cpu_paths = program(Layout())
+    assert "ragged_dot_general" in gpu_text and gpu_paths == {"tiles"}
+    assert "ragged_dot_general" not in cpu_text and cpu_paths == {"slots"}
+
+    # The full layer of a bf16 model asks for cuDNN for the GPU it is built for (the call itself needs a GPU's
+    # cuDNN to trace, so here it is recorded and answered by the fallback).
+    asked = []
+
+    def fused(q, k, v, positions, key_valid, scale, fallback, backend=None):
+        asked.append(backend)
+        return fallback(q, k, v)
+
+    monkeypatch.setattr(attention, "fused_attention", fused)
+    model = m3jax.M3ForCausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), layout=Layout(platform="gpu"))
+    jax.make_jaxpr(lambda m, i: m(i))(model, ids)
+    assert asked == ["gpu"] * cfg.layer_types.count("full_attention")

@@ -26,7 +26,7 @@ def _rel(a, b):
 
 @pytest.fixture
 def interpreted(monkeypatch):
-    monkeypatch.setattr(paged_sparse, "interpret", lambda: True)
+    monkeypatch.setattr(paged_sparse, "interpret", lambda backend=None: True)
     monkeypatch.setattr(paged_sparse, "FUSED_DTYPES", (jnp.bfloat16, jnp.float16, jnp.float32))
 
 
@@ -114,8 +114,8 @@ def models(tmp_path_factory):
 
 def _poison_gather(monkeypatch):
     real = paged_sparse.paged_sparse_attention
-    monkeypatch.setattr(attention, "paged_sparse_attention", lambda *a, gather: real(
-        *a, gather=lambda q, *_: jnp.full_like(q, jnp.nan)))
+    monkeypatch.setattr(attention, "paged_sparse_attention", lambda *a, gather, **kw: real(
+        *a, gather=lambda q, *_: jnp.full_like(q, jnp.nan), **kw))
 
 
 def test_model_forward_matches_hf_on_the_kernel(models, interpreted, monkeypatch):

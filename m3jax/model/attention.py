@@ -136,8 +136,9 @@ def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
         k, v = cache["k"], cache["v"]
         ik = cache.get("index_k")
     n_ctx = layout.size("act_seq")
-    impl = resolve_impl(impl, k.shape[1])
-    if impl == "cudnn" and (sparse or not fused_applies(q, k.shape[1], cache is not None, n_ctx)):
+    backend = layout.backend  # the platform the program is built for decides the "auto" choices
+    impl = resolve_impl(impl, k.shape[1], backend)
+    if impl == "cudnn" and (sparse or not fused_applies(q, k.shape[1], cache is not None, n_ctx, backend)):
         impl = unfused_impl(k.shape[1])
     replay, used = (block_ids if sparse else None), None
     want_ids = sparse and (return_block_ids or return_recall)
@@ -149,7 +150,7 @@ def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
             raise ValueError(f"block_ids {replay.shape}: expected [B, S, Hi, K] = [{b}, {s}, {cfg.index_n_heads}, K]")
         replay = replay.astype(jnp.int32)
     if sparse and sparse_impl in ("gather", "paged") and context_shards.applies(q, k, cfg.index_n_heads, layout):
-        attend = functools.partial(one_device_sparse_attention, cfg, own)
+        attend = functools.partial(one_device_sparse_attention, cfg, own, backend)
         o = context_shards.per_context_shard(attend, layout, q, k, v, positions, key_valid, iq, ik, replay,
                                              return_block_ids=own)
         if own:
@@ -163,8 +164,8 @@ def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
         path = "tiles"
         if layout.num_devices == 1:
             units = len(head_units(q.shape[2], k.shape[2], cfg.index_n_heads)[0])
-            path = one_device_path(cfg.index_topk_blocks, cfg.index_block_size, q.shape[2] // units)
-        if sparse_impl == "paged" and paged_applies(q, n_ctx):
+            path = one_device_path(cfg.index_topk_blocks, cfg.index_block_size, q.shape[2] // units, backend)
+        if sparse_impl == "paged" and paged_applies(q, n_ctx, backend):
             o, ids = _paged(q, k, v, positions, key_valid, iq, ik, replay, cfg, n_ctx, layout, path)
             o = (o, ids) if own else o
         else:
@@ -177,7 +178,7 @@ def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
         def unfused(q, k, v):
             return _unfused(q, k, v, positions, key_valid, cfg, query_chunk, layout)
 
-        o = fused_attention(q, k, v, positions, key_valid, cfg.head_dim ** -0.5, fallback=unfused)
+        o = fused_attention(q, k, v, positions, key_valid, cfg.head_dim ** -0.5, fallback=unfused, backend=backend)
     elif impl == "flash":
         o = flash_layer_attention(q, k, v, positions, key_valid, iq, ik, cfg, block_ids=replay,
                                   return_block_ids=own, layout=layout)
@@ -220,12 +221,12 @@ def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
     return result if len(result) > 1 else result[0]
 
 
-def one_device_sparse_attention(cfg, own: bool, q, k, v, positions, key_valid, iq, ik, block_ids):
+def one_device_sparse_attention(cfg, own: bool, backend: str, q, k, v, positions, key_valid, iq, ik, block_ids):
     """A sparse layer's gathered attention as one device runs it (the path `one_device_path` picks for the
-    shape): each context shard's (`m3jax.model.context_shards`). Local heads: with tensor parallelism the
-    units split with the heads."""
+    shape on `backend`): each context shard's (`m3jax.model.context_shards`). Local heads: with tensor
+    parallelism the units split with the heads."""
     units = len(head_units(q.shape[2], k.shape[2], iq.shape[2])[0])
-    path = one_device_path(cfg.index_topk_blocks, cfg.index_block_size, q.shape[2] // units)
+    path = one_device_path(cfg.index_topk_blocks, cfg.index_block_size, q.shape[2] // units, backend)
     return sparse_layer_attention(q, k, v, positions, key_valid, iq, ik, cfg, to_chunks=_to_chunks,
                                   from_chunks=_from_chunks, path=path, block_ids=block_ids, return_block_ids=own)
 
@@ -241,7 +242,8 @@ def _paged(q, k, v, positions, key_valid, iq, ik, replay, cfg, n_ctx: int, layou
                                       block_ids=ids)
 
     kv_of, idx_of = head_units(q.shape[2], k.shape[2], cfg.index_n_heads)
-    return paged_sparse_attention(q, k, v, positions, key_valid, ids, cfg, kv_of, idx_of, gather=replayed), ids
+    return paged_sparse_attention(q, k, v, positions, key_valid, ids, cfg, kv_of, idx_of, gather=replayed,
+                                  backend=layout.backend), ids
 
 
 def _unfused(q, k, v, positions, key_valid, cfg, query_chunk: int, layout: Layout):

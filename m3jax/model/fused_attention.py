@@ -35,10 +35,11 @@ def implementation(backend: str | None = None) -> str | None:
     return "cudnn" if (backend or jax.default_backend()) in ("gpu", "cuda") else None
 
 
-def applies(q: jax.Array, key_len: int, cached: bool, n_ctx: int) -> bool:
-    """Whether a full layer's attention of queries q [B, S, H, D] over key_len keys can run fused (static)."""
+def applies(q: jax.Array, key_len: int, cached: bool, n_ctx: int, backend: str | None = None) -> bool:
+    """Whether a full layer's attention of queries q [B, S, H, D] over key_len keys can run fused (static) on
+    `backend` (the platform the program is built for; default jax's)."""
     d = q.shape[-1]
-    return (implementation() is not None and q.dtype in FUSED_DTYPES and d % 8 == 0 and d <= MAX_HEAD_DIM
+    return (implementation(backend) is not None and q.dtype in FUSED_DTYPES and d % 8 == 0 and d <= MAX_HEAD_DIM
             and not cached and n_ctx == 1 and key_len == q.shape[1])
 
 
@@ -54,12 +55,13 @@ def fused_form(positions: jax.Array, key_valid: jax.Array | None) -> tuple[jax.A
     return ok & jnp.all(prefix) & jnp.all(lengths > 0), lengths
 
 
-def fused_attention(q, k, v, positions, key_valid, scale: float, fallback):
+def fused_attention(q, k, v, positions, key_valid, scale: float, fallback, backend: str | None = None):
     """softmax(q k^T * scale, causal_keep(positions, key_valid)) v for q [B, S, H, D], k/v [B, S, KV, D]
     (GQA: query head h reads kv head h // (H / KV)), through `jax.nn.dot_product_attention` where the mask
-    has cuDNN's form (module docstring), else fallback(q, k, v)."""
+    has cuDNN's form (module docstring), else fallback(q, k, v). backend: the platform the program is built
+    for (default jax's), whose implementation the call names."""
     ok, lengths = fused_form(positions, key_valid)
-    impl = implementation()
+    impl = implementation(backend)
 
     def fused(q, k, v):
         return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,

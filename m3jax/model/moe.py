@@ -58,17 +58,18 @@ def route_or_replay(x: jax.Array, router: jax.Array, bias: jax.Array, ids: jax.A
 
 
 def grouped_experts(rows: jax.Array, group_sizes: jax.Array, gate_up: jax.Array, down: jax.Array, *,
-                    alpha: float, limit: float, kernel: str = "auto") -> jax.Array:
+                    alpha: float, limit: float, kernel: str = "auto", backend: str | None = None) -> jax.Array:
     """SwiGLU-OAI experts on expert-sorted rows [N, d]: rows of group e go through expert e.
 
         out[r] = down_e @ swiglu_oai(gate_e @ rows[r], up_e @ rows[r])     e = the group of row r
     gate_up [E, 2, I, d] (HF [out, in] layout, gate half then up half), down [E, d, I].
     Rows past sum(group_sizes) (padding) come back as zeros. kernel: `sharding.grouped_matmul.KERNELS`
-    (tiled fuses the two matmuls per row tile and skips the padding).
+    (tiled fuses the two matmuls per row tile and skips the padding). backend: the platform the program is
+    built for (`Layout.backend`), which resolves "auto".
     """
     e, _, i, d = gate_up.shape
     act = lambda gu: swiglu_oai(gu[..., :i], gu[..., i:], alpha, limit)  # noqa: E731
-    return grouped_mlp(rows, gate_up.reshape(e, 2 * i, d), down, group_sizes, act, kernel=kernel)
+    return grouped_mlp(rows, gate_up.reshape(e, 2 * i, d), down, group_sizes, act, kernel=kernel, backend=backend)
 
 
 def moe_block(p: dict, x: jax.Array, cfg, layout: Layout = Layout(), capacity_factor: float | None = None,
@@ -77,7 +78,7 @@ def moe_block(p: dict, x: jax.Array, cfg, layout: Layout = Layout(), capacity_fa
     """y = routed_scaling_factor * sum_k w_k Expert_k(x) + SharedExpert(x), x [B, S, d].
 
     Where the experts run (locally, or expert-parallel over the layout's mesh) is `sharding.expert`'s business;
-    kernel: the grouped-matmul kernel of the experts (None = "auto").
+    kernel: the grouped-matmul kernel of the experts (None = "auto", resolved for the layout's platform).
     routes [B, S, k]: replay these expert ids (`replay_route`: weights from the live router) instead of
     choosing them; they drive the expert-parallel exchange. return_routes: return (y, ids [B, S, k] int32),
     the router's own top-k choice: the ids used without replay; with replay, the ids it would have chosen
@@ -86,7 +87,8 @@ def moe_block(p: dict, x: jax.Array, cfg, layout: Layout = Layout(), capacity_fa
     alpha, limit = cfg.swiglu_alpha, cfg.swiglu_limit
     routed = routed_experts(
         x, functools.partial(route_or_replay, top_k=cfg.num_experts_per_tok), (p["router"], p["router_bias"]),
-        functools.partial(grouped_experts, alpha=alpha, limit=limit, kernel=kernel or "auto"), p["experts_gate_up"], p["experts_down"],
+        functools.partial(grouped_experts, alpha=alpha, limit=limit, kernel=kernel or "auto", backend=layout.backend),
+        p["experts_gate_up"], p["experts_down"],
         layout=layout, capacity_factor=capacity_factor, exchange=exchange, ids=routes,
         return_ids=return_routes and routes is None)
     if return_routes and routes is None:

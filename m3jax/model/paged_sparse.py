@@ -32,15 +32,16 @@ from m3jax.model.fused_attention import FUSED_DTYPES
 PAGE_HEADS = 16  # the kernel's block_h: query heads per program (it pads a unit's heads to a multiple)
 
 
-def interpret() -> bool | None:
-    """Pallas's interpreter (True), the GPU kernel (False), or None where this path does not run."""
-    return False if jax.default_backend() in ("gpu", "cuda") else None
+def interpret(backend: str | None = None) -> bool | None:
+    """Pallas's interpreter (True), the GPU kernel (False), or None where this path does not run, on `backend`
+    (the platform the program is built for; default jax's)."""
+    return False if (backend or jax.default_backend()) in ("gpu", "cuda") else None
 
 
-def applies(q: jax.Array, n_ctx: int) -> bool:
+def applies(q: jax.Array, n_ctx: int, backend: str | None = None) -> bool:
     """Whether a sparse layer's forward can run paged (static): a GPU, 16-bit, no context sharding (a decode
     step over cache slots included)."""
-    return interpret() is not None and q.dtype in FUSED_DTYPES and n_ctx == 1
+    return interpret(backend) is not None and q.dtype in FUSED_DTYPES and n_ctx == 1
 
 
 def paged_form(key_valid: jax.Array | None) -> jax.Array:
@@ -97,13 +98,14 @@ def paged_attention_forward(q, k, v, positions, key_valid, ids, block_size: int,
     return o.reshape(b, s, h, d)
 
 
-def paged_sparse_attention(q, k, v, positions, key_valid, ids, cfg, kv_of, idx_of, gather):
+def paged_sparse_attention(q, k, v, positions, key_valid, ids, cfg, kv_of, idx_of, gather, backend: str | None = None):
     """The sparse layer's attention over the blocks `ids` [B, S, Hi, K] selected: the paged kernel where the
     mask has its form, else gather(q, k, v, ids, positions, key_valid) (the `gather` path replaying ids, a
-    function of its arguments alone), which also gives the VJP."""
+    function of its arguments alone), which also gives the VJP. backend: the platform the program is built
+    for (default jax's): the kernel is compiled for a GPU there, interpreted elsewhere."""
     kernel = functools.partial(paged_attention_forward, block_size=cfg.index_block_size,
                                scale=cfg.head_dim ** -0.5, kv_of=kv_of, idx_of=idx_of,
-                               interpret_kernel=interpret() is not False)  # called directly off a GPU: interpreted
+                               interpret_kernel=interpret(backend) is not False)  # called directly off a GPU: interpreted
 
     @jax.custom_vjp
     def attend(q, k, v, ids, positions, key_valid):

@@ -73,13 +73,10 @@ class Job:
     @property
     def batch(self) -> Batch:
         """The micro-batch as a GPU runs it: the ragged expert exchange unless the options say otherwise."""
-        from sharding.grouped_matmul import resolve_kernel
-        kernel = resolve_kernel(self.model_options.get("moe_kernel", "auto"), backend="gpu")
         return Batch(self.micro_batch, self.seq_len, max(self.num_micro, 1), self.remat,
                      ragged_dot=self.ragged_dot, logprob_chunk_tokens=self.logprob_chunk_tokens,
-                     logprob_entropy=self.entropy,
-                     **{"moe_exchange": "ragged", "sparse_attention": self.sparse_attention, **self.model_options,
-                        "moe_kernel": kernel})
+                     logprob_entropy=self.entropy, platform="gpu",
+                     **{"moe_exchange": "ragged", "sparse_attention": self.sparse_attention, **self.model_options})
 
 
 def load_job(path: str, overrides: list[str], model: str | None) -> Job:
@@ -304,7 +301,7 @@ def sweep(job: Job, n: int, hw: Hardware, device_gb: float, png: str | None, mic
 
 def _expert_matmuls(batch) -> str:
     from sharding.grouped_matmul import resolve_kernel
-    kernel = resolve_kernel(batch.moe_kernel)
+    kernel = resolve_kernel(batch.moe_kernel, batch.platform)
     if kernel in ("tiled", "pallas"):
         return f"{kernel} (moe_kernel)"
     return f"ragged_dot lowered {batch.ragged_dot}"

@@ -29,12 +29,13 @@ def main():
     mesh = MeshConfig(**{**spec["mesh"], **{k: tuple(spec["mesh"][k]) for k in ("expert_axes", "fsdp_axes",
                                                                                  "fsdp_step_axes")
                                               if k in spec["mesh"]}})
-    devices, act_bytes = None, 4
-    if spec.get("target_config"):  # from here on this process resolves the model's choices as on a GPU
-        devices, act_bytes = compile_only_gpus(spec["target_config"], mesh.num_devices), 2
+    devices, act_bytes, platform = None, 4, None
+    if spec.get("target_config"):  # the model's layout is on these devices: its choices are a GPU's
+        devices, act_bytes, platform = compile_only_gpus(spec["target_config"], mesh.num_devices), 2, "gpu"
     # The analytic side as the compiler runs the model: the exchange its platform picks (padded on CPU, ragged on a
     # GPU) unless the options name one, and on CPU fp32-sized activations (XLA:CPU computes bf16 arithmetic in fp32).
-    batch = Batch(spec["micro_batch"], spec["seq_len"], 1, spec["remat"], **(spec.get("model_options") or {}))
+    batch = Batch(spec["micro_batch"], spec["seq_len"], 1, spec["remat"], platform=platform,
+                  **(spec.get("model_options") or {}))
     out = []
     for n_dense, n_moe in spec["layer_sets"]:
         c = reduced(cfg, n_dense, n_moe)

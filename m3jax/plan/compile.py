@@ -86,16 +86,14 @@ def compile_only_gpus(target_config: str, n: int, per_host: int = 8) -> list:
     GpuTargetConfigProto at `target_config` describes (e.g. scripts/gpu_specs/h200.txtpb): XLA's GPU compiler
     builds programs for them without a GPU. Needs a jax with the CUDA plugin and its libraries, started with
     JAX_PLATFORMS=cpu and JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 (the plugin's version checks call the driver).
-    The process has no GPU backend, and the model's platform-dependent choices ("auto" options, the sparse path, the
-    expert exchange) read jax.default_backend() at trace time: from this call on, it answers "gpu". Call it only in
-    a process that compiles for these devices and exits (the planner's worker, scripts/gpu_compile.py)."""
-    import jax
+    The process's default backend stays the CPU: a model makes its platform-dependent choices ("auto" options, the
+    sparse path, the expert exchange) for its layout's `backend`, which a mesh of these devices gives ("gpu"); a
+    program without such a mesh passes `Layout(platform="gpu")` (or `backend="gpu"`) itself."""
     from jax.experimental import topologies
     hosts, local = (1, n) if n <= per_host else (-(-n // per_host), per_host)
     with open(target_config) as f:
         spec = f.read()
     devices = topologies.get_topology_desc(platform="cuda", topology=f"{hosts}x1x{local}", target_config=spec).devices
-    jax.default_backend = lambda: "gpu"
     return list(devices)[:n]
 
 

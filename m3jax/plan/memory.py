@@ -157,10 +157,11 @@ class Batch:
 
     micro_batch: sequences per data-parallel rank (data x expert); num_micro: micro-batches per optimizer
     update; seq_len: tokens per sequence; remat, attention_query_chunk, attention_impl, moe_capacity_factor: the model
-    options (`M3ForCausalLM`); moe_exchange: "padded" | "ragged", None = the planning process's backend
-    default (`sharding.expert.default_exchange`: padded on CPU, ragged on GPU); moe_kernel: the experts'
-    grouped-matmul kernel (`sharding.grouped_matmul`), "auto" resolved for the planning process's backend
-    like the exchange (`m3jax.plan.__main__.Job.batch` resolves it for the GPU); ragged_dot: how XLA lowers
+    options (`M3ForCausalLM`); moe_exchange: "padded" | "ragged", None = `platform`'s default
+    (`sharding.expert.default_exchange`: padded on CPU, ragged on GPU); moe_kernel: the experts'
+    grouped-matmul kernel (`sharding.grouped_matmul`), "auto" resolved for `platform` like the exchange and
+    attention_impl; platform: where the batch runs ("gpu" for `m3jax.plan.__main__.Job.batch` and the compile
+    check on compile-only GPUs), None = the planning process's default backend; ragged_dot: how XLA lowers
     the ragged_dot kernel: "dense" (rows zero-padded per local expert into one batched matmul: XLA's
     GPU default and the CPU reference) or "grouped" (a grouped-GEMM kernel that touches real rows only);
     sparse_attention: the sparse layers' attention, "gather" (the model's default: query tiles over the
@@ -185,17 +186,19 @@ class Batch:
     logprob_chunk_tokens: int = 0
     remat_policy: str = "full"
     logprob_entropy: bool = False
+    platform: str | None = None
 
     @property
     def exchange(self) -> str:
         from sharding.expert import default_exchange
-        return self.moe_exchange or default_exchange()
+        return self.moe_exchange or default_exchange(self.platform)
 
     @property
     def attention(self) -> str:
-        """The full layers' attention as it runs over seq_len keys ("auto" resolved: dense or flash)."""
+        """The full layers' attention as it runs over seq_len keys ("auto" resolved: cudnn on a GPU, else dense
+        or flash)."""
         from m3jax.model.attention import resolve_impl
-        return resolve_impl(self.attention_impl, self.seq_len)
+        return resolve_impl(self.attention_impl, self.seq_len, self.platform)
 
     @property
     def expert_matmul(self) -> str:
@@ -203,7 +206,7 @@ class Batch:
         tiles), "grouped" for the Pallas kernel (real rows, the expert hidden held as under ragged_dot), else
         the ragged_dot lowering `ragged_dot` ("dense" or "grouped")."""
         from sharding.grouped_matmul import resolve_kernel
-        kernel = resolve_kernel(self.moe_kernel)
+        kernel = resolve_kernel(self.moe_kernel, self.platform)
         return "tiled" if kernel == "tiled" else "grouped" if kernel == "pallas" else self.ragged_dot
 
     def model_options(self) -> dict:
