@@ -124,7 +124,7 @@ def layer_path(name, cfg, kw, layout):
 
     def gathered(q, k, v):  # what attention() runs for a sparse layer on "gather"
         from m3jax.model import context_shards
-        attend = lambda *a: att.one_device_sparse_attention(cfg, False, *a)  # noqa: E731
+        attend = lambda *a: att.one_device_sparse_attention(cfg, False, layout.backend, *a)  # noqa: E731
         return context_shards.per_context_shard(attend, layout, q, k, v, pos, kval, iq, ik, kw["replay"])
 
     return gathered
