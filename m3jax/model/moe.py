@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from m3jax.model.mlp import dense_mlp, swiglu_oai
 from sharding.expert import MOE_ROUTING, routed_experts
-from sharding.grouped_matmul import grouped_mlp
+from sharding.grouped_matmul import DEFAULT_TILE, grouped_mlp
 from sharding.layout import Layout
 
 
@@ -58,18 +58,20 @@ def route_or_replay(x: jax.Array, router: jax.Array, bias: jax.Array, ids: jax.A
 
 
 def grouped_experts(rows: jax.Array, group_sizes: jax.Array, gate_up: jax.Array, down: jax.Array, *,
-                    alpha: float, limit: float, kernel: str = "auto", backend: str | None = None) -> jax.Array:
+                    alpha: float, limit: float, kernel: str = "auto", backend: str | None = None,
+                    tile: int = DEFAULT_TILE) -> jax.Array:
     """SwiGLU-OAI experts on expert-sorted rows [N, d]: rows of group e go through expert e.
 
         out[r] = down_e @ swiglu_oai(gate_e @ rows[r], up_e @ rows[r])     e = the group of row r
     gate_up [E, 2, I, d] (HF [out, in] layout, gate half then up half), down [E, d, I].
     Rows past sum(group_sizes) (padding) come back as zeros. kernel: `sharding.grouped_matmul.KERNELS`
     (tiled fuses the two matmuls per row tile and skips the padding). backend: the platform the program is
-    built for (`Layout.backend`), which resolves "auto".
+    built for (`Layout.backend`), which resolves "auto". tile: the tiled kernel's rows per step.
     """
     e, _, i, d = gate_up.shape
     act = lambda gu: swiglu_oai(gu[..., :i], gu[..., i:], alpha, limit)  # noqa: E731
-    return grouped_mlp(rows, gate_up.reshape(e, 2 * i, d), down, group_sizes, act, kernel=kernel, backend=backend)
+    return grouped_mlp(rows, gate_up.reshape(e, 2 * i, d), down, group_sizes, act, kernel=kernel, backend=backend,
+                       tile=tile)
 
 
 def moe_block(p: dict, x: jax.Array, cfg, layout: Layout = Layout(), capacity_factor: float | None = None,
