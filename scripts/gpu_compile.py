@@ -117,7 +117,8 @@ def decode_step(devices, options: dict, batch: int = 8, max_len: int = 4096, lay
         return jax.jit(step).lower(state, cache, ids, pos, mask).compile()
 
 
-def moe_kernel(devices, kernel: str, experts: int, pool: int, real_rows: int, d: int = 6144, i: int = 3072):
+def moe_kernel(devices, kernel: str, experts: int, pool: int, real_rows: int, d: int = 6144, i: int = 3072,
+               tile: int = 128):  # the tiled kernel's rows per step (sharding.grouped_matmul.DEFAULT_TILE)
     """gpu_check's check 5: an expert MLP over a receive pool `pool` x its real rows, forward and backward."""
     import jax
     import jax.numpy as jnp
@@ -128,7 +129,8 @@ def moe_kernel(devices, kernel: str, experts: int, pool: int, real_rows: int, d:
     n = pool * real_rows
 
     def loss(rows, gate_up, down, sizes, cot):
-        out = grouped_experts(rows, sizes, gate_up, down, alpha=1.702, limit=7.0, kernel=kernel, backend="gpu")
+        out = grouped_experts(rows, sizes, gate_up, down, alpha=1.702, limit=7.0, kernel=kernel, backend="gpu",
+                              tile=tile)
         return jnp.sum((out * cot).astype(jnp.float32))
 
     args = [jax.ShapeDtypeStruct(s, t, sharding=on) for s, t in (((n, d), jnp.bfloat16), ((experts, 2, i, d), jnp.bfloat16),
@@ -148,10 +150,11 @@ def main() -> None:
     from gpu_check import RECIPE_OPTIONS
     only = set(args.only or ("step", "forward", "decode", "moe"))
     if "moe" in only:
-        for kernel in ("ragged_dot", "tiled", "pallas"):
+        for name, kernel, tile in (("ragged_dot", "ragged_dot", 128), ("tiled", "tiled", 128),
+                                   ("tiled_512", "tiled", 512), ("pallas", "pallas", 128)):  # as check 5
             for experts, pool in ((1, 32), (4, 16)):
-                _compiled(f"moe {kernel}, {experts} expert(s), pool {pool}x", lambda: moe_kernel(
-                    devices, kernel, experts, pool, 4096))
+                _compiled(f"moe {name}, {experts} expert(s), pool {pool}x", lambda: moe_kernel(
+                    devices, kernel, experts, pool, 4096, tile=tile))
     if "step" in only:
         for name, options in (("auto", {}), ("recipe", RECIPE_OPTIONS), ("pallas", {"moe_kernel": "pallas"})):
             _compiled(f"train step, {name} options", lambda: train_step(devices, options))
