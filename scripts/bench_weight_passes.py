@@ -53,13 +53,11 @@ def main() -> None:
     _with_engine_tunables()
 
     import jax
-    import torch
     from flax import nnx
 
     import m3jax
     from bench_weight_transfer import config, large_config, memcpy_gb_per_s
     from m3jax.tiny import m3_model
-    from rl.generation.host_copies import memcpy_copies
     from rl.generation.shared_segments import SegmentWriter
     from rl.generation.torch_arrays import to_torch
     from rl.generation.transfer import StagedUpdate, model_tensors
@@ -93,12 +91,10 @@ def main() -> None:
                     staged.stage(b, engine.check)
                 t.append(time.perf_counter())
                 items = list(staged.tensors(version, len(buckets)))
-                removed = applier._register_buffers()  # the loaders' copy alone, as the apply runs it
-                s = time.perf_counter()
-                with torch.no_grad(), memcpy_copies():
-                    applier.model.load_weights((n, to_torch(x)) for n, x in items)
+                s = time.perf_counter()  # the loaders' copy alone, as the apply runs it
+                _, replaced = applier.write((n, to_torch(x)) for n, x in items)
                 loaders_s = time.perf_counter() - s
-                applier._restore(removed)
+                applier._restore(replaced)
                 t.append(time.perf_counter())
                 engine.load_weights(items)  # the whole apply (it copies again, and re-packs)
                 t.append(time.perf_counter())

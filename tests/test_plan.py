@@ -498,4 +498,3 @@ def test_the_losss_entropy_adds_one_fp32_logits_block_to_the_heads_phase():
     positions = 8192 // job.mesh.context  # one block per row, cut over context
     assert with_h["head_logits"] - without["head_logits"] == positions * job.model.vocab_size * 4
     assert plan(job, Hardware())["memory"]["total"] / GB == pytest.approx(67.43, abs=0.01)  # an MoE layer still binds
-

@@ -142,6 +142,22 @@ class InplaceApplier:
         for name, w in removed.items():
             self.gemm[name][0].weight = w
 
+    def write(self, named_tensors) -> tuple:
+        """The loaders' one copy of each tensor into place (the GEMM layers' loaded-layout buffers registered as
+        their weights): (what vLLM loaded, the weights the buffers replaced). Nothing is re-packed: until
+        `apply` re-packs, or `_restore(replaced)` puts the packed layers' weights back, the GEMM layers serve
+        the old packed copies. On failure the weights are put back."""
+        import torch
+
+        removed = self._register_buffers()
+        try:
+            with torch.no_grad(), memcpy_copies():  # the loaders' copies at memcpy speed (host_copies says why)
+                loaded = self.model.load_weights(named_tensors)
+        except BaseException:
+            self._restore(removed)  # the packed handles still hold the old weights
+            raise
+        return loaded, removed
+
     def apply(self, named_tensors) -> set[str]:
         """Write HF-named tensors into the model once; returns the parameter names vLLM loaded.
 
@@ -153,13 +169,7 @@ class InplaceApplier:
 
         if self._uncovered:
             raise RuntimeError(f"in-place apply does not cover {self._uncovered}")
-        removed = self._register_buffers()
-        try:
-            with torch.no_grad(), memcpy_copies():  # the loaders' copies at memcpy speed (host_copies says why)
-                loaded = self.model.load_weights(named_tensors)
-        except BaseException:
-            self._restore(removed)  # the packed handles still hold the old weights
-            raise
+        loaded, _ = self.write(named_tensors)
         # The old packed copies go before the new ones are made: their memory is then free for the new
         # (same-sized) ones, which with the engine's allocator settings (rl.generation.host_memory) means no
         # fresh pages to fault in, and the packed weights are never held twice. Nothing serves in between:
