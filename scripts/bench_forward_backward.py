@@ -19,7 +19,9 @@ runs flash attention from 512 keys on, dense below), with remat=False (like HF e
 activation for its backward: the like-for-like row, and what `python -m m3jax.train` runs unless a config
 sets `model.remat`: configs/base.yaml has remat false), with attention_impl="dense" (the masked [S, S]
 scores path, the default before "auto"), and optionally with another `model.remat_policy`
-(--remat-policy-row save_dots_experts: the recipes' choice).
+(--remat-policy-row save_dots_experts: the recipes' choice), and with other expert kernels
+(--moe-kernel-row tiled: the default before the bucketed kernel), and with another attention_impl
+(--attention-impl-row flash).
 The 1-minute load average is printed: on a machine shared with other jobs, torch's intra-op thread
 pool degrades far more than XLA's under contention, so only runs with a load average near or below
 the core count are a fair comparison.
@@ -171,6 +173,10 @@ def main():
     ap.add_argument("--remat-policy-row", default=None, metavar="POLICY",
                     help="an extra Flax row with remat=True and this model.remat_policy (the recipes select "
                          "save_dots_experts)")
+    ap.add_argument("--moe-kernel-row", nargs="*", default=[], metavar="KERNEL",
+                    help="extra Flax rows (remat=True) with these model.moe_kernel choices")
+    ap.add_argument("--attention-impl-row", nargs="*", default=[], metavar="IMPL",
+                    help="extra Flax rows (remat=True) with these model.attention_impl choices")
     args = ap.parse_args()
 
     threads = n_cpus()
@@ -184,6 +190,10 @@ def main():
         flax_models["flax (remat=True, dense)"] = tiny.m3_from_hf(hf, attention_impl="dense")
     if args.remat_policy_row:
         flax_models[f"flax (remat {args.remat_policy_row})"] = tiny.m3_from_hf(hf, remat_policy=args.remat_policy_row)
+    for kernel in args.moe_kernel_row:
+        flax_models[f"flax (remat, moe {kernel})"] = tiny.m3_from_hf(hf, moe_kernel=kernel)
+    for impl in args.attention_impl_row:
+        flax_models[f"flax (remat, attention {impl})"] = tiny.m3_from_hf(hf, attention_impl=impl)
 
     n_params = sum(p.numel() for p in hf.parameters())
     print(f"jax {jax.__version__} ({jax.default_backend()}), torch {torch.__version__} "

@@ -29,7 +29,7 @@ Prints one JSON line per check; keep the output with BENCHMARKS.md. Checks:
    tiled) at the MFU check's widths, forward and forward+backward, to split the step's time by layer kind (the
    first GPU run's step took 18 s, 0.18 s at the plan's 40 % MFU: BENCHMARKS.md, session 25);
 4. MoE: grouped expert matmuls (ragged_dot) vs every expert on every token, same routing, timed;
-5. MoE kernels: `model.moe_kernel` ragged_dot vs tiled (its default 128-row tile, and 512) vs pallas
+5. MoE kernels: `model.moe_kernel` ragged_dot vs tiled (its default 128-row tile, and 512) vs bucketed vs pallas
    (sharding.pallas_grouped) on an expert-parallel receive pool mostly padding
    (1 local expert with a 32x pool, M3's 32-node layout; 4 local experts with a 16x pool), bf16, forward and
    forward+backward: the figure `auto`'s GPU choice (ragged_dot until measured) waits for;

@@ -130,7 +130,7 @@ def moe_kernel(devices, kernel: str, experts: int, pool: int, real_rows: int, d:
 
     def loss(rows, gate_up, down, sizes, cot):
         out = grouped_experts(rows, sizes, gate_up, down, alpha=1.702, limit=7.0, kernel=kernel, backend="gpu",
-                              tile=tile)
+                              tile=tile, expected_rows=real_rows / experts)
         return jnp.sum((out * cot).astype(jnp.float32))
 
     args = [jax.ShapeDtypeStruct(s, t, sharding=on) for s, t in (((n, d), jnp.bfloat16), ((experts, 2, i, d), jnp.bfloat16),
@@ -151,7 +151,8 @@ def main() -> None:
     only = set(args.only or ("step", "forward", "decode", "moe"))
     if "moe" in only:
         for name, kernel, tile in (("ragged_dot", "ragged_dot", 128), ("tiled", "tiled", 128),
-                                   ("tiled_512", "tiled", 512), ("pallas", "pallas", 128)):  # as check 5
+                                   ("tiled_512", "tiled", 512), ("bucketed", "bucketed", 128),
+                                   ("pallas", "pallas", 128)):  # as check 5
             for experts, pool in ((1, 32), (4, 16)):
                 _compiled(f"moe {name}, {experts} expert(s), pool {pool}x", lambda: moe_kernel(
                     devices, kernel, experts, pool, 4096, tile=tile))

@@ -202,7 +202,10 @@ def routed_experts(x: jax.Array, route_fn: Callable, router: tuple, expert_fn: C
     """Routed output for hidden x [B, S, d].
 
     route_fn(tokens [T, d], *router) -> (weights [T, k], expert ids [T, k]); router arrays are replicated;
-    expert_fn(rows [N, d], group_sizes [E_here], gate_up [E_here, 2, I, d], down [E_here, d, I]) -> [N, d].
+    expert_fn(rows [N, d], group_sizes [E_here], gate_up [E_here, 2, I, d], down [E_here, d, I], *, expected_rows)
+    -> [N, d], expected_rows = the rows each expert receives under a balanced load (n_ep * T * k / E for T
+    tokens per device): a kernel that sizes work by it (the bucketed one) must not read it off N, which an
+    expert-parallel receive buffer sizes for the worst case.
     Without a mesh in `layout` every expert runs locally; with one, the same math runs in shard_map
     with experts sharded per the layout's rules and tokens exchanged over those axes.
     ids [B, S, k] (routing replay): given expert ids, sharded like x's tokens, passed on as
@@ -217,11 +220,12 @@ def routed_experts(x: jax.Array, route_fn: Callable, router: tuple, expert_fn: C
         b, s, d = x.shape
         t = x.reshape(b * s, d)
         w, idx = route_fn(t, *router) if ids is None else route_fn(t, *router, ids.reshape(b * s, -1))
-        fn = lambda rows, sizes: expert_fn(rows, sizes, gate_up, down)  # noqa: E731
+        n_ep = 1 if mesh is None else layout.size("experts")
+        balanced = n_ep * t.shape[0] * idx.shape[1] / num_experts
+        fn = lambda rows, sizes: expert_fn(rows, sizes, gate_up, down, expected_rows=balanced)  # noqa: E731
         if mesh is None:
             out = local_experts(t, w, idx, fn, num_experts).reshape(b, s, d)
         else:
-            n_ep = layout.size("experts")
             out = exchanged_experts(t, w, idx, fn, num_experts, ep_axes, n_ep, capacity_factor,
                                     exchange or default_exchange(layout.backend))
             if width_axes:

@@ -16,12 +16,17 @@ Kernels (`kernel=`):
               grouped_mlp is fused: its hidden [N, H] is never materialised (one tile at a time) and
               the backward recomputes it per tile (+ one rows @ W_in^T: 11/9 of the three matmuls'
               6 x 3 units of FLOPs for a SwiGLU expert with H = 2A).
+  bucketed    `sharding.bucketed_grouped`: each group's first C rows (`bucket`: the rows a group holds under a
+              balanced load) in one batched matmul over [E, C] buckets, the rest through the tiled walk
+              (skipping the buckets' rows, a quarter-bucket tile):
+                  executed rows = E * C + tile' * sum_e ceil(max(n_e - C, 0) / tile')
+              ~F under a balanced load, where the tiled walk's group-aligned tiles multiply ~2F at C ~ tile.
   pallas      `sharding.pallas_grouped`: Pallas kernels on the Triton backend (forward, input and weight
               gradients under a custom VJP), a program per (row tile, output tile) looping over its groups,
               tiles past the filled rows multiplying nothing: executed rows as tiled's. For GPUs; off a GPU
               Pallas's interpreter runs it (the tests). Never run on a GPU yet.
-  auto        tiled on CPU (measured: scripts/bench_grouped_matmul.py, BENCHMARKS.md 2026-12-01);
-              ragged_dot on GPU/TPU: whether tiled, pallas or ragged_dot is fastest there awaits
+  auto        bucketed on CPU (measured: scripts/bench_grouped_matmul.py, BENCHMARKS.md sessions 11 and 27);
+              ragged_dot on GPU/TPU: whether tiled, bucketed, pallas or ragged_dot is fastest there awaits
               scripts/gpu_check.py (check 5), so nothing else is claimed.
 Not wired: jax 0.10.2's Mosaic GPU kernels (`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu` for the
 forward and input gradient, `transposed_ragged_dot_mgpu` for the weight gradient, under a custom VJP;
@@ -37,9 +42,10 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from sharding.bucketed_grouped import bucket_rows, bucketed_matmul, bucketed_mlp, overflow_tile
 from sharding.tiled_grouped import same_varying, tiled_matmul, tiled_mlp
 
-KERNELS = ("auto", "ragged_dot", "tiled", "pallas")
+KERNELS = ("auto", "ragged_dot", "tiled", "bucketed", "pallas")
 DEFAULT_TILE = 128
 
 # rows [N, in] against per-group weights [E, out, in]: contract `in` with the last weight axis.
@@ -54,7 +60,7 @@ def resolve_kernel(kernel: str = "auto", backend: str | None = None) -> str:
         raise ValueError(f"grouped matmul kernel {kernel!r}: expected one of {', '.join(KERNELS)}")
     if kernel != "auto":
         return kernel
-    return "tiled" if (backend or jax.default_backend()) == "cpu" else "ragged_dot"
+    return "bucketed" if (backend or jax.default_backend()) == "cpu" else "ragged_dot"
 
 
 def _tile(tile: int, n: int) -> int:
@@ -63,11 +69,20 @@ def _tile(tile: int, n: int) -> int:
     return min(tile, n)
 
 
+def _bucket(expected_rows: float | None, n: int, groups: int) -> int:
+    """The bucketed kernel's C: the rows each group is expected to hold (default: the buffer split evenly,
+    right where every row of the buffer is real, as on one device)."""
+    return bucket_rows(n / groups if expected_rows is None else expected_rows)
+
+
 def grouped_matmul(rows: jax.Array, weights: jax.Array, group_sizes: jax.Array, *, kernel: str = "auto",
-                   tile: int = DEFAULT_TILE, backend: str | None = None) -> jax.Array:
+                   tile: int = DEFAULT_TILE, backend: str | None = None,
+                   expected_rows: float | None = None) -> jax.Array:
     """rows [N, in] (sorted by group) x weights [E, out, in] -> [N, out]; see the module docstring.
     backend: the platform the program is built for (`Layout.backend`; default jax's): resolves "auto", and
-    whether the Pallas kernel is compiled for a GPU or interpreted."""
+    whether the Pallas kernel is compiled for a GPU or interpreted.
+    expected_rows: the rows each group holds under a balanced load (the bucketed kernel's bucket; default
+    N / E, right when the buffer has no padding; an expert-parallel receive pool must pass it)."""
     kernel = resolve_kernel(kernel, backend)
     if kernel == "ragged_dot" or rows.shape[0] == 0:
         return jax.lax.ragged_dot_general(rows, weights, group_sizes, ROWS_BY_GROUP)
@@ -75,38 +90,52 @@ def grouped_matmul(rows: jax.Array, weights: jax.Array, group_sizes: jax.Array, 
     if kernel == "pallas":
         from sharding.pallas_grouped import pallas_grouped_matmul
         return pallas_grouped_matmul(rows, weights, group_sizes, backend=backend)
+    if kernel == "bucketed":
+        bucket = _bucket(expected_rows, rows.shape[0], weights.shape[0])
+        return bucketed_matmul(rows, weights, group_sizes, bucket, _tile(overflow_tile(bucket, tile), rows.shape[0]))
     return tiled_matmul(rows, weights, group_sizes, _tile(tile, rows.shape[0]))
 
 
 def grouped_mlp(rows: jax.Array, w_in: jax.Array, w_out: jax.Array, group_sizes: jax.Array,
                 act: Callable[[jax.Array], jax.Array], *, kernel: str = "auto", tile: int = DEFAULT_TILE,
-                backend: str | None = None) -> jax.Array:
+                backend: str | None = None, expected_rows: float | None = None) -> jax.Array:
     """act(rows @ W_in_e^T) @ W_out_e^T per group: rows [N, in], w_in [E, H, in], w_out [E, out, A],
     act [.., H] -> [.., A] row-wise (a row's output depends on that row alone). -> [N, out].
-    backend: as `grouped_matmul`'s."""
+    backend, expected_rows: as `grouped_matmul`'s."""
     kernel = resolve_kernel(kernel, backend)
-    if kernel != "tiled" or rows.shape[0] == 0:
+    if kernel not in ("tiled", "bucketed") or rows.shape[0] == 0:
         h = grouped_matmul(rows, w_in, group_sizes, kernel=kernel, tile=tile, backend=backend)
         return grouped_matmul(act(h), w_out, group_sizes, kernel=kernel, tile=tile, backend=backend)
     rows, w_in, w_out, group_sizes = same_varying(rows, w_in, w_out, group_sizes.astype(jnp.int32))
+    if kernel == "bucketed":
+        bucket = _bucket(expected_rows, rows.shape[0], w_in.shape[0])
+        return bucketed_mlp(rows, w_in, w_out, group_sizes, act, bucket,
+                            _tile(overflow_tile(bucket, tile), rows.shape[0]))
     return tiled_mlp(rows, w_in, w_out, group_sizes, act, _tile(tile, rows.shape[0]))
 
 
 def executed_rows(filled: float, groups: int, kernel: str, buffer_rows: float | None = None,
-                  tile: int = DEFAULT_TILE) -> float:
+                  tile: int = DEFAULT_TILE, bucket: float | None = None) -> float:
     """Rows a grouped matmul multiplies (each through one group's weight) for `filled` real rows in a
     buffer of `buffer_rows` (default: filled) with `groups` groups:
 
         tiled       tile * min(ceil(F / tile), ceil(N / tile)) + tile * (G - 1)   (an upper bound: each of
                     the G groups cut into tiles from its first row ends in a partial tile)
+        bucketed    G * C + the tiled bound of the overflow's max(F - G * C, 0) rows on the overflow tile
+                    (C = `bucket`, default the balanced bucket of F / G rows): a balanced load, F <= G * C;
+                    a skewed one adds up to the tiled walk's rows
         dense       G * N   a dense lowering of ragged_dot (every group against the whole zero-padded buffer)
         grouped     F       an ideal grouped-GEMM kernel
     """
     n = filled if buffer_rows is None else buffer_rows
     if kernel == "tiled":
         return float(tile * (min(math.ceil(filled / tile), math.ceil(n / tile)) + groups - 1))
+    if kernel == "bucketed":
+        c = bucket_rows(filled / groups) if bucket is None else bucket
+        over = max(filled - groups * c, 0)
+        return float(groups * c + (executed_rows(over, groups, "tiled", tile=overflow_tile(c, tile)) if over else 0))
     if kernel == "dense":
         return float(groups * n)
     if kernel == "grouped":
         return float(filled)
-    raise ValueError(f"kernel {kernel!r}: expected tiled, dense or grouped")
+    raise ValueError(f"kernel {kernel!r}: expected tiled, bucketed, dense or grouped")

@@ -8,7 +8,8 @@ row order, multiplies the tile's rows by its group's weight and keeps only that 
 
     executed rows = tile * #segments,   #segments = sum_e ceil(n_e / tile) <= ceil(F / tile) + E_nonempty - 1
 
-whatever N is. Rows no segment covers (the padding) are never read: zero output, zero gradient.
+whatever N is. Rows no segment covers (the padding; with `skip`, each group's first skip rows, which the
+bucketed kernel multiplies instead) are never read: zero output, zero gradient.
 Both ops have a custom VJP that walks the same segments (while_loop has no reverse-mode derivative).
 Matmuls accumulate in fp32 and round to the operands' dtype, as `jax.lax.ragged_dot` does.
 """
@@ -23,16 +24,18 @@ import jax
 import jax.numpy as jnp
 
 
-def segments(group_sizes: jax.Array, n_rows: int, tile: int):
+def segments(group_sizes: jax.Array, n_rows: int, tile: int, skip: int = 0):
     """(first row of segment, group of segment, group starts, group ends, live segments).
 
+    skip: each group's first `skip` rows are left out (another kernel multiplies them: `sharding.bucketed_grouped`),
+    so group e's walked rows start at start_e + min(n_e, skip).
     Group e is cut into ceil(n_e / tile) tiles from its first row start_e (ends clipped to N); segments are
     listed group-major, so they walk the rows in order. Tiles aligned to the group rather than to multiples
     of `tile` multiply a group's rows through its weight once (the waste is the last tile's tail only).
     Static bound on their number: ceil(N / tile) + E - 1 (sum_e ceil(n_e / t) <= ceil(F / t) + E - 1)."""
     e = group_sizes.shape[0]
     cum = jnp.cumsum(group_sizes)
-    ends, starts = jnp.minimum(cum, n_rows), jnp.minimum(cum - group_sizes, n_rows)
+    ends, starts = jnp.minimum(cum, n_rows), jnp.minimum(cum - group_sizes + jnp.minimum(group_sizes, skip), n_rows)
     count = (ends - starts + tile - 1) // tile
     bound = math.ceil(n_rows / tile) + e - 1
     group_of = jnp.repeat(jnp.arange(e, dtype=jnp.int32), count, total_repeat_length=bound)
@@ -71,11 +74,11 @@ def _zeros(shape, dtype, *like):
     return jax.lax.pcast(z, axes, to="varying") if axes else z
 
 
-def _walk(n: int, group_sizes, tile: int, body_fn, init):
-    """carry = body_fn(carry, row0, mask [tile], group) over the live segments. row0 = the segment's first
-    row, moved back to N - tile where the tile would run past N (the rows before the segment are masked
-    off), so every slice is `tile` rows long and N needs no padding."""
-    first_row, group_of, starts, ends, live = segments(group_sizes, n, tile)
+def _walk(n: int, group_sizes, tile: int, skip: int, body_fn, init):
+    """carry = body_fn(carry, row0, mask [tile], group) over the live segments (each group's rows after its
+    first `skip`). row0 = the segment's first row, moved back to N - tile where the tile would run past N (the
+    rows before the segment are masked off), so every slice is `tile` rows long and N needs no padding."""
+    first_row, group_of, starts, ends, live = segments(group_sizes, n, tile, skip)
     local = jnp.arange(tile, dtype=jnp.int32)
 
     def body(state):
@@ -119,7 +122,7 @@ def _weight(w, g):
     return jax.lax.dynamic_index_in_dim(w, g, keepdims=False)
 
 
-def _rows_by_weight(lhs, weights, group_sizes, tile, contract: int):
+def _rows_by_weight(lhs, weights, group_sizes, tile, skip, contract: int):
     """out[r] = lhs[r] . W_e over W_e's axis `contract`: 1 (weights [E, out, in], lhs [N, in]: rows @ W_e^T)
     or 0 (lhs [N, out]: the input gradient cot @ W_e)."""
     dtype = jnp.result_type(lhs.dtype, weights.dtype)
@@ -128,32 +131,33 @@ def _rows_by_weight(lhs, weights, group_sizes, tile, contract: int):
         return _put(out, row0, mask, _dot(_slice(lhs, row0, tile), _weight(weights, g), contract, dtype))
 
     init = _zeros((lhs.shape[0], weights.shape[2 - contract]), dtype, lhs, weights, group_sizes)
-    return _walk(lhs.shape[0], group_sizes, tile, body, init)
+    return _walk(lhs.shape[0], group_sizes, tile, skip, body, init)
 
 
 # ------------------------------------------------------------------------------------------- grouped matmul
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def tiled_matmul(rows, weights, group_sizes, tile: int):
-    """out[r] = rows[r] @ W_e^T for rows [N, in], weights [E, out, in]; zeros past the filled rows.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def tiled_matmul(rows, weights, group_sizes, tile: int, skip: int = 0):
+    """out[r] = rows[r] @ W_e^T for rows [N, in], weights [E, out, in]; zeros past the filled rows, and on
+    each group's first `skip` rows (left to another kernel).
 
     VJP over the same segments: d rows[r] = cot[r] @ W_e;  d W_e = sum_{r in e} cot[r]^T rows[r]."""
-    return _rows_by_weight(rows, weights, group_sizes, tile, 1)
+    return _rows_by_weight(rows, weights, group_sizes, tile, skip, 1)
 
 
-def _matmul_fwd(rows, weights, group_sizes, tile):
-    return tiled_matmul(rows, weights, group_sizes, tile), (rows, weights, group_sizes)
+def _matmul_fwd(rows, weights, group_sizes, tile, skip):
+    return tiled_matmul(rows, weights, group_sizes, tile, skip), (rows, weights, group_sizes)
 
 
-def _matmul_bwd(tile, res, cot):
+def _matmul_bwd(tile, skip, res, cot):
     rows, weights, group_sizes = res
-    d_rows = _rows_by_weight(cot, weights, group_sizes, tile, 0).astype(rows.dtype)
+    d_rows = _rows_by_weight(cot, weights, group_sizes, tile, skip, 0).astype(rows.dtype)
 
     def body(dw, row0, mask, g):
         c = jnp.where(mask[:, None], _slice(cot, row0, tile), 0)
         return _accumulate(dw, g, _outer(c, _slice(rows, row0, tile)))
 
-    dw = _walk(rows.shape[0], group_sizes, tile, body, _zeros(weights.shape, jnp.float32, rows, cot, weights))
+    dw = _walk(rows.shape[0], group_sizes, tile, skip, body, _zeros(weights.shape, jnp.float32, rows, cot, weights))
     return d_rows, dw.astype(weights.dtype), None
 
 
@@ -162,10 +166,11 @@ tiled_matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 # ---------------------------------------------------------------------------------------- fused grouped MLP
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def tiled_mlp(rows, w_in, w_out, group_sizes, act: Callable, tile: int):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def tiled_mlp(rows, w_in, w_out, group_sizes, act: Callable, tile: int, skip: int = 0):
     """out[r] = act(rows[r] @ W_in_e^T) @ W_out_e^T, rows [N, in], w_in [E, H, in], w_out [E, out, A];
-    act: [tile, H] -> [tile, A], row-wise (a row's output depends on that row only).
+    act: [tile, H] -> [tile, A], row-wise (a row's output depends on that row only). Zeros (and zero
+    gradients) on each group's first `skip` rows, as on the padding.
 
     Fused per segment: the hidden [tile, H] lives one tile at a time, so nothing of size N x H is
     written, and the backward recomputes it (one more rows @ W_in^T per segment) instead of saving it:
@@ -179,14 +184,14 @@ def tiled_mlp(rows, w_in, w_out, group_sizes, act: Callable, tile: int):
         return _put(out, row0, mask, _dot(a, _weight(w_out, g), 1, dtype))
 
     init = _zeros((rows.shape[0], w_out.shape[1]), dtype, rows, w_in, w_out, group_sizes)
-    return _walk(rows.shape[0], group_sizes, tile, body, init)
+    return _walk(rows.shape[0], group_sizes, tile, skip, body, init)
 
 
-def _mlp_fwd(rows, w_in, w_out, group_sizes, act, tile):
-    return tiled_mlp(rows, w_in, w_out, group_sizes, act, tile), (rows, w_in, w_out, group_sizes)
+def _mlp_fwd(rows, w_in, w_out, group_sizes, act, tile, skip):
+    return tiled_mlp(rows, w_in, w_out, group_sizes, act, tile, skip), (rows, w_in, w_out, group_sizes)
 
 
-def _mlp_bwd(act, tile, res, cot):
+def _mlp_bwd(act, tile, skip, res, cot):
     rows, w_in, w_out, group_sizes = res
     dtype = jnp.result_type(rows.dtype, w_in.dtype, w_out.dtype)
 
@@ -203,7 +208,7 @@ def _mlp_bwd(act, tile, res, cot):
     like = (rows, cot, w_in, w_out)
     init = (_zeros(rows.shape, rows.dtype, *like), _zeros(w_in.shape, jnp.float32, *like),
             _zeros(w_out.shape, jnp.float32, *like))
-    d_rows, dw_in, dw_out = _walk(rows.shape[0], group_sizes, tile, body, init)
+    d_rows, dw_in, dw_out = _walk(rows.shape[0], group_sizes, tile, skip, body, init)
     return d_rows, dw_in.astype(w_in.dtype), dw_out.astype(w_out.dtype), None
 
 

@@ -6,8 +6,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from m3jax import M3Config
 from m3jax.model.mlp import dense_mlp
@@ -121,3 +119,29 @@ def test_ragged_capacity_pools_the_receive_buffer(n_ep):
                                                                   CFG.swiglu_alpha, CFG.swiglu_limit))
     assert taken.max() > pool  # the hot expert's device really overflows
     np.testing.assert_allclose(np.asarray(got), np.stack(want), atol=1e-5 * float(np.abs(want).max()))
+
+
+@pytest.mark.parametrize("shape", [None, (1, 1, 8, 1)], ids=["local", "ep8"])
+def test_experts_are_told_the_balanced_load_not_the_buffer(shape):
+    """The bucketed kernel sizes its buckets by `expected_rows`: the rows an expert gets under a balanced load
+    (n_ep * T * k / E), never the receive buffer's N / E_loc, which a dropless exchange sizes for the worst
+    case (8 devices of one expert each: N = 8 * T * min(k, E_loc) = 128 rows, 4x the balanced 32)."""
+    from sharding.expert import routed_experts
+    p = params()
+    x = jax.random.normal(jax.random.key(1), (8, 16, D))
+    seen = []
+
+    def expert_fn(rows, sizes, gate_up, down, *, expected_rows):
+        seen.append((rows.shape[0], sizes.shape[0], expected_rows))
+        return grouped_experts(rows, sizes, gate_up, down, alpha=1.702, limit=7.0, expected_rows=expected_rows)
+
+    layout = Layout() if shape is None else build_mesh(MeshConfig(*shape), CFG)
+    route_fn = functools.partial(route, top_k=K)
+    jax.jit(lambda p, x: routed_experts(x, route_fn, (p["router"], p["router_bias"]), expert_fn,
+                                        p["experts_gate_up"], p["experts_down"], layout=layout,
+                                        exchange="padded"))(p, x)
+    n_ep = 1 if shape is None else 8
+    tokens = 8 * 16 // n_ep  # per device (the data axis is 1: the expert axis shards the tokens)
+    (n, e_here, expected), = seen
+    assert e_here == E // n_ep and expected == n_ep * tokens * K / E == 32
+    assert n == (tokens * K if n_ep == 1 else n_ep * tokens * min(K, E // n_ep))

@@ -1,8 +1,8 @@
-"""sharding.grouped_matmul: the tiled kernel equals jax.lax.ragged_dot_general (the oracle), values and
-gradients (rows and weights), for the grouped matmul and the fused grouped MLP, on the layouts an
+"""sharding.grouped_matmul: the tiled and bucketed kernels equal jax.lax.ragged_dot_general (the oracle),
+values and gradients (rows and weights), for the grouped matmul and the fused grouped MLP, on the layouts an
 expert-parallel receive buffer produces: empty experts, one hot expert, padding rows past the filled
-total, groups not multiples of the tile; and the MoE model gives the same logits and gradients with
-either kernel."""
+total, groups not multiples of the tile, buckets overflowing or never filled; and the MoE model gives the
+same logits and gradients with every kernel."""
 
 import functools
 
@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from sharding.bucketed_grouped import bucket_rows, overflow_tile
 from sharding.grouped_matmul import ROWS_BY_GROUP, executed_rows, grouped_matmul, grouped_mlp, resolve_kernel
 from sharding.tiled_grouped import segments
 
@@ -29,16 +30,21 @@ def _act(h):  # row-wise, like SwiGLU: [.., 2A] -> [.., A]
 
 
 # group sizes are an argument: cases with the same shapes share one compiled program
-@functools.partial(jax.jit, static_argnames=("op", "kernel", "tile"))
-def _value_and_grads(op, kernel, tile, sizes, args, cot):
+@functools.partial(jax.jit, static_argnames=("op", "kernel", "tile", "expected"))
+def _value_and_grads(op, kernel, tile, sizes, args, cot, expected=None):
     def loss(args):
         if op == "matmul":
-            out = grouped_matmul(*args, sizes, kernel=kernel, tile=tile)
+            out = grouped_matmul(*args, sizes, kernel=kernel, tile=tile, expected_rows=expected)
         else:
-            out = grouped_mlp(*args, sizes, _act, kernel=kernel, tile=tile)
+            out = grouped_mlp(*args, sizes, _act, kernel=kernel, tile=tile, expected_rows=expected)
         return jnp.sum(out * cot), out
     (_, out), grads = jax.value_and_grad(loss, has_aux=True)(args)
     return out, grads
+
+
+# the tiled kernel; the bucketed one with buckets of the buffer's even share, and with 8-row buckets (every
+# larger group overflows into the walk)
+KERNEL_CASES = (("tiled", None), ("bucketed", None), ("bucketed", 3))
 
 
 def _check(sizes, n, tile, d_in=24, d_out=40, seed=0):
@@ -51,14 +57,16 @@ def _check(sizes, n, tile, d_in=24, d_out=40, seed=0):
              "mlp": (rows, normal(e, 2 * 16, d_in) / 4, normal(e, d_out, 16) / 4)}
     for op, args in cases.items():
         want, want_g = _value_and_grads(op, "ragged_dot", tile, sizes, args, cot)
-        got, got_g = _value_and_grads(op, "tiled", tile, sizes, args, cot)
-        assert _rel(got, want) <= RTOL, op
-        for i, (g, w) in enumerate(zip(got_g, want_g)):
-            assert _rel(g, w) <= RTOL, (op, i)
-        # padding rows: zero value and zero gradient (exactly, not just close)
-        assert not np.asarray(got[filled:]).any() and not np.asarray(got_g[0][filled:]).any(), op
-        # empty experts get exactly zero weight gradients
-        assert all(not np.asarray(g[np.asarray(sizes) == 0]).any() for g in got_g[1:]), op
+        for kernel, expected in KERNEL_CASES:
+            case = (op, kernel, expected)
+            got, got_g = _value_and_grads(op, kernel, tile, sizes, args, cot, expected)
+            assert _rel(got, want) <= RTOL, case
+            for i, (g, w) in enumerate(zip(got_g, want_g)):
+                assert _rel(g, w) <= RTOL, (case, i)
+            # padding rows: zero value and zero gradient (exactly, not just close)
+            assert not np.asarray(got[filled:]).any() and not np.asarray(got_g[0][filled:]).any(), case
+            # empty experts get exactly zero weight gradients
+            assert all(not np.asarray(g[np.asarray(sizes) == 0]).any() for g in got_g[1:]), case
 
 
 @pytest.mark.parametrize("sizes, n, tile", [
@@ -71,7 +79,7 @@ def _check(sizes, n, tile, d_in=24, d_out=40, seed=0):
     pytest.param([4, 6], 7, 128, marks=pytest.mark.slow),  # buffer shorter than the tile; sizes sum past N
 ], ids=["empty-experts", "no-padding", "hot-expert-padded", "hot-expert-full", "tiny-groups", "none-filled",
         "short-buffer"])
-def test_tiled_equals_ragged_dot(sizes, n, tile):
+def test_tiled_and_bucketed_equal_ragged_dot(sizes, n, tile):
     if sum(sizes) > n:  # ragged_dot's groups may not run past the buffer: compare on the clipped sizes
         sizes = list(np.diff(np.minimum(np.cumsum([0] + sizes), n)))
     _check(sizes, n, tile)
@@ -86,12 +94,13 @@ def test_random_group_sizes():
 
 
 def test_clipped_sizes_match_ragged_dot_on_overflow():
-    """Group sizes summing past N (never produced by sharding.expert, but cheap to define): the tiled
-    kernel clips at N like the oracle does on the clipped sizes."""
+    """Group sizes summing past N (never produced by sharding.expert, but cheap to define): the tiled and
+    bucketed kernels clip at N like the oracle does on the clipped sizes."""
     rows, w = jnp.ones((10, 4)), jnp.arange(2 * 3 * 4, dtype=jnp.float32).reshape(2, 3, 4)
-    got = grouped_matmul(rows, w, jnp.array([6, 9]), kernel="tiled", tile=4)
     want = jax.lax.ragged_dot_general(rows, w, jnp.array([6, 4]), ROWS_BY_GROUP)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    for kernel, expected in KERNEL_CASES:
+        got = grouped_matmul(rows, w, jnp.array([6, 9]), kernel=kernel, tile=4, expected_rows=expected)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"{kernel} {expected}")
 
 
 def test_segments_walk_only_filled_tiles():
@@ -107,6 +116,22 @@ def test_segments_walk_only_filled_tiles():
     # a segment running past N is walked from N - tile: the last rows of a full buffer
     first_row, _, _, _, live = segments(jnp.array([3, 6], jnp.int32), 9, 8)
     assert int(live) == 2 and [int(r) for r in first_row[:2]] == [0, 3]
+    # the bucketed kernel's overflow walk: each group's first `skip` rows are left out
+    first_row, group_of, _, _, live = segments(sizes, 1024, 4, skip=8)
+    assert int(live) == 3 and [int(r) for r in first_row[:3]] == [13, 17, 26]  # 5 rows of group 2, 1 of group 4
+    assert [int(g) for g in group_of[:3]] == [2, 2, 4]
+
+
+def test_bucketed_rows_follow_the_balanced_load():
+    """The bucketed kernel's executed rows: G buckets of C rows plus the overflow's tiles on a quarter-bucket
+    tile; a balanced load (F <= G C) executes G C rows, ~F, where the tiled walk's bound nearly doubles it."""
+    assert bucket_rows(128) == 128 and bucket_rows(129) == 136 and bucket_rows(1.5) == 8
+    assert overflow_tile(128, 128) == 32 and overflow_tile(8, 128) == 8 and overflow_tile(4096, 128) == 128
+    assert executed_rows(1024, 8, "bucketed") == 1024 < executed_rows(1024, 8, "tiled") == 1920
+    # a pool 16x the real rows changes nothing: the buckets are sized by the balanced load, not the buffer
+    assert executed_rows(1024, 8, "bucketed", buffer_rows=16384) == 1024
+    # 8-row buckets for 1,000 rows: 64 bucket rows, the 936 others through 8-row tiles
+    assert executed_rows(1000, 8, "bucketed", bucket=8) == 64 + 8 * (117 + 7)
 
 
 def test_bf16_close_to_fp32():
@@ -120,22 +145,23 @@ def test_bf16_close_to_fp32():
 
 
 def test_kernel_choice():
-    assert resolve_kernel("auto", "cpu") == "tiled" and resolve_kernel("auto", "gpu") == "ragged_dot"
+    assert resolve_kernel("auto", "cpu") == "bucketed" and resolve_kernel("auto", "gpu") == "ragged_dot"
     assert resolve_kernel("ragged_dot", "cpu") == "ragged_dot" and resolve_kernel("pallas", "cpu") == "pallas"
     with pytest.raises(ValueError, match="expected one of"):
         resolve_kernel("dense")
 
 
-@pytest.mark.slow  # two model compiles; in the fast loop the parity tests run the tiled kernel (auto on CPU)
-def test_moe_model_tiled_and_pallas_equal_ragged_dot():
-    """One-device model forward and gradients: kernels tiled and pallas (interpreted) == ragged_dot (fp32)."""
+@pytest.mark.slow  # four model compiles; in the fast loop the parity tests run the bucketed kernel (auto on CPU)
+def test_moe_model_kernels_equal_ragged_dot():
+    """One-device model forward and gradients: kernels tiled, bucketed and pallas (interpreted) == ragged_dot
+    (fp32)."""
     from m3jax.tiny import m3_config, m3_model, random_ids
     cfg = m3_config(layers=1, dense_layers=0, full_attention_layers=1, vocab_size=64, hidden_size=32,
                     num_attention_heads=2, num_key_value_heads=1, head_dim=16, intermediate_size=16,
                     num_local_experts=4, num_experts_per_tok=2)
     ids = jnp.asarray(random_ids(cfg, 2, 24))
     out = {}
-    for kernel in ("ragged_dot", "tiled", "pallas"):
+    for kernel in ("ragged_dot", "tiled", "bucketed", "pallas"):
         model = m3_model(cfg, seed=0, remat=False, moe_kernel=kernel)
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
@@ -144,7 +170,7 @@ def test_moe_model_tiled_and_pallas_equal_ragged_dot():
             return jnp.mean(jax.nn.logsumexp(logits, -1) - logits[..., 0]), logits
         out[kernel] = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
     (_, want), want_g = out["ragged_dot"]
-    for kernel in ("tiled", "pallas"):
+    for kernel in ("tiled", "bucketed", "pallas"):
         (_, got), got_g = out[kernel]
         assert _rel(got, want) <= RTOL, kernel
         for (path, g), (_, w) in zip(jax.tree_util.tree_leaves_with_path(got_g),
@@ -188,3 +214,8 @@ def test_planner_follows_the_kernel():
         return sum(terms.values())
 
     assert fast["memory"]["total"] <= dense["memory"]["total"] and moe_phase(tiled) < moe_phase(job)
+    # the bucketed kernel plans balanced buckets: its executed rows are the real rows rounded up to 8 per expert
+    bucketed = dataclasses.replace(recipe, model_options={**recipe.model_options, "moe_kernel": "bucketed"})
+    assert bucketed.batch.expert_matmul == "bucketed"
+    assert 1.0 <= expert_rows_factor(bucketed.model, bucketed.mesh, bucketed.batch) < 1.01
+    assert moe_phase(bucketed) < moe_phase(job)

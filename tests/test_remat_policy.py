@@ -2,7 +2,7 @@
 
 Logits and gradients of the tiny two-kind model (a full-attention dense layer, then two sparse MoE layers in one
 scan) under no remat, full remat, save_dots and save_dots_experts agree to <= 1e-6 relative, on the default path
-(dense attention on the full layer, the gather sparse path, the CPU's auto = tiled experts) and on the recipes'
+(dense attention on the full layer, the gather sparse path, the CPU's auto = bucketed experts) and on the recipes'
 (flash); save_dots_experts also on one expert-parallel MoE block. The planner
 side (m3jax.plan.remat) is checked against XLA's compiled FLOPs and temporaries of the same model in
 tests/test_plan_remat.py.

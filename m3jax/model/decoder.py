@@ -201,8 +201,8 @@ class M3ForCausalLM(nnx.Module):
         moe_capacity_factor: cap on the rows an
         expert-parallel device sends to one peer, x (tokens*top_k / n_ep); None = dropless.
         moe_exchange: "padded" | "ragged" | "ragged_emulated"; None = ragged on GPU/TPU, padded on CPU.
-        moe_kernel: the experts' grouped matmul, "auto" | "ragged_dot" | "tiled" | "pallas" (`sharding.grouped_matmul`;
-        auto = tiled on CPU, ragged_dot elsewhere).
+        moe_kernel: the experts' grouped matmul, "auto" | "ragged_dot" | "tiled" | "bucketed" | "pallas"
+        (`sharding.grouped_matmul`; auto = bucketed on CPU, ragged_dot elsewhere).
         attention_query_chunk: local queries per attention scores block (0 = all at once).
         attention_impl: "dense" (masked scores blocks) | "flash" (online softmax over key tiles, no
         [queries, keys] block; `m3jax.model.flash`) on full layers, and on sparse ones with "masked"; "cudnn"

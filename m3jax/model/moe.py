@@ -2,8 +2,8 @@
 
 Work is proportional to tokens x top-k: assignments are sorted by expert and each expert multiplies
 only its own rows (`sharding.grouped_matmul`), never every expert on every token. The grouped-matmul
-kernel (`moe_kernel`: auto | ragged_dot | tiled | pallas) decides whether padding rows of an expert-parallel
-receive buffer are multiplied too (ragged_dot's dense lowerings) or skipped (tiled, pallas).
+kernel (`moe_kernel`: auto | ragged_dot | tiled | bucketed | pallas) decides whether padding rows of an
+expert-parallel receive buffer are multiplied too (ragged_dot's dense lowerings) or skipped (the others).
 """
 
 import functools
@@ -59,7 +59,7 @@ def route_or_replay(x: jax.Array, router: jax.Array, bias: jax.Array, ids: jax.A
 
 def grouped_experts(rows: jax.Array, group_sizes: jax.Array, gate_up: jax.Array, down: jax.Array, *,
                     alpha: float, limit: float, kernel: str = "auto", backend: str | None = None,
-                    tile: int = DEFAULT_TILE) -> jax.Array:
+                    tile: int = DEFAULT_TILE, expected_rows: float | None = None) -> jax.Array:
     """SwiGLU-OAI experts on expert-sorted rows [N, d]: rows of group e go through expert e.
 
         out[r] = down_e @ swiglu_oai(gate_e @ rows[r], up_e @ rows[r])     e = the group of row r
@@ -67,11 +67,13 @@ def grouped_experts(rows: jax.Array, group_sizes: jax.Array, gate_up: jax.Array,
     Rows past sum(group_sizes) (padding) come back as zeros. kernel: `sharding.grouped_matmul.KERNELS`
     (tiled fuses the two matmuls per row tile and skips the padding). backend: the platform the program is
     built for (`Layout.backend`), which resolves "auto". tile: the tiled kernel's rows per step.
+    expected_rows: the rows each expert holds under a balanced load (the bucketed kernel's bucket; default
+    N / E, right for a buffer without padding).
     """
     e, _, i, d = gate_up.shape
     act = lambda gu: swiglu_oai(gu[..., :i], gu[..., i:], alpha, limit)  # noqa: E731
     return grouped_mlp(rows, gate_up.reshape(e, 2 * i, d), down, group_sizes, act, kernel=kernel, backend=backend,
-                       tile=tile)
+                       tile=tile, expected_rows=expected_rows)
 
 
 def moe_block(p: dict, x: jax.Array, cfg, layout: Layout = Layout(), capacity_factor: float | None = None,

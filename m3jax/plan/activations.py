@@ -25,6 +25,7 @@ from m3jax.model.sparse import QUERY_TILE as GATHER_TILE
 from m3jax.model.specs import layer_param_specs, top_param_specs
 from m3jax.plan.remat import trains_as
 from sharding.expert import receive_rows
+from sharding.bucketed_grouped import bucket_rows
 from sharding.grouped_matmul import DEFAULT_TILE
 from sharding.mesh import MeshConfig
 
@@ -121,8 +122,11 @@ def moe_terms(cfg: M3Config, mesh: MeshConfig, t_l: int, a: int, capacity_factor
         expert_hidden     2 * W * 3 * I / n_t * a   gate_up output and activation of the received rows;
                           2 * tile * 3 * I / n_t * a with the tiled kernel (ragged_dot = "tiled": its fused
                           MLP holds one tile's hidden at a time and recomputes it in the backward)
-        expert_grad_fp32  G * 3 * I / n_t * d * 4   with the tiled kernel: its fp32 accumulators of the local
-                          experts' weight gradients (cast to the param dtype when its backward ends)
+                          2 * G * C * 3 * I / n_t * a with the bucketed kernel (its buckets' hidden, C =
+                          `sharding.bucketed_grouped.bucket_rows` of the balanced T_l * k / G rows)
+        expert_grad_fp32  G * 3 * I / n_t * d * 4   with the tiled kernel (and the bucketed one's overflow walk):
+                          its fp32 accumulators of the local experts' weight gradients (cast to the param dtype
+                          when its backward ends)
         ragged_dot_expansion  G * W * (d + 2 I / n_t) * a   when G > 1 and the grouped matmul is lowered
                           densely (XLA's GPU default and the CPU): rows zero-padded per group, [G, W, in] and
                           [G, W, out] (the transient of one matmul)
@@ -136,9 +140,10 @@ def moe_terms(cfg: M3Config, mesh: MeshConfig, t_l: int, a: int, capacity_factor
     w = receive_rows(t_l, k, n_ep, g, capacity_factor, exchange)
     n_buf = 6 if exchange == "padded" or n_ep == 1 else 2 + (2 if g > 1 else 0)
     i_l = cfg.intermediate_size / nt
+    hidden_rows = {"tiled": min(tile, w), "bucketed": g * bucket_rows(t_l * k / g)}.get(ragged_dot, w)
     return {"moe_dispatch": 2 * n_buf * w * d * a,
-            "expert_hidden": 2 * (min(tile, w) if ragged_dot == "tiled" else w) * 3 * i_l * a,
-            "expert_grad_fp32": g * 3 * i_l * d * 4 if ragged_dot == "tiled" else 0.0,
+            "expert_hidden": 2 * hidden_rows * 3 * i_l * a,
+            "expert_grad_fp32": g * 3 * i_l * d * 4 if ragged_dot in ("tiled", "bucketed") else 0.0,
             "ragged_dot_expansion": g * w * (d + 2 * i_l) * a if g > 1 and ragged_dot == "dense" else 0.0,
             "token_rows": 2 * t_l * k * d * (2 * a + 4),
             "mlp_hidden": 2 * t_l * 3 * cfg.shared_intermediate_size / nt * a}

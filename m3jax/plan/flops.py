@@ -11,10 +11,9 @@ import dataclasses
 import math
 
 from m3jax.config import MOE_MLP, SPARSE_ATTENTION, M3Config
-from m3jax.model.specs import layer_param_specs
 from sharding.mesh import MeshConfig
 from m3jax.plan.activations import sparse_keys  # noqa: F401  (re-exported: the FLOPs model's name for it)
-from m3jax.plan.memory import Param, local_elems, mesh_sizes, param_table, shard_axes, step_copy_rules
+from m3jax.plan.memory import local_elems, mesh_sizes, param_table, shard_axes, step_copy_rules
 from m3jax.plan.remat import exchange_recompute_trips, recomputed_params, trains_as
 from sharding.rules import MESH_AXES
 
@@ -73,6 +72,9 @@ def expert_rows_factor(cfg: M3Config, mesh: MeshConfig, batch, ragged_dot: str |
                           (zero-padded per group: XLA's GPU default and the CPU reference rule)
         tiled kernel      tile * (ceil(T_l * k / tile) + G - 1) / (T_l * k)   the filled rows rounded up to
                           row tiles, plus a partial last tile per group (`batch.expert_matmul` = "tiled")
+        bucketed kernel   G * C / (T_l * k)   balanced buckets of C = T_l * k / G rows rounded up to 8 (the
+                          overflow walk adds nothing under the balanced load planned; `batch.expert_matmul`
+                          = "bucketed")
         grouped kernel    1                   only the real rows
     with W = `sharding.expert.receive_rows` for the batch's exchange and capacity, G = E / n_ep local experts.
     ragged_dot overrides the batch's way ("dense" | "grouped" | "tiled").
@@ -91,7 +93,9 @@ def expert_rows_factor(cfg: M3Config, mesh: MeshConfig, batch, ragged_dot: str |
 
 def expert_recompute(batch) -> float:
     """Extra forward work of the routed experts' matmuls, as a fraction of their forward: the tiled
-    kernel's fused MLP recomputes rows @ W_gate_up^T (2 of the 3 I x d matrices) in its backward: 2/3."""
+    kernel's fused MLP recomputes rows @ W_gate_up^T (2 of the 3 I x d matrices) in its backward: 2/3. The
+    bucketed kernel's buckets keep their hidden for the backward (its overflow walk, empty under the balanced
+    load planned, would recompute): 0."""
     return 2 / 3 if batch.expert_matmul == "tiled" else 0.0
 
 

@@ -30,8 +30,6 @@ drops the rest), so even "full" does not recompute everything:
 
 from __future__ import annotations
 
-import math
-
 from m3jax.config import MOE_MLP, SPARSE_ATTENTION, M3Config
 
 # m3jax.model.decoder.REMAT_POLICIES (tests check they agree)
@@ -57,9 +55,13 @@ def recomputed_params(cfg: M3Config, policy: str = "full", expert_matmul: str = 
                    "indexer": L_sparse * (Hi + 1) Di d under sparse_attention "masked" (gather keeps the
                    block ids: 0)                          "routed": L_moe * k * 3 I d
         save_dots  "routed" only
-        save_dots_experts  "routed": L_moe * k * 2 I d under ragged_dot (gate/up), 0 under the tiled kernel
-    (expert_matmul: `Batch.expert_matmul`, "tiled" or "ragged_dot"; "routed" is scaled by the kernel's executed
-    rows in `m3jax.plan.flops.step_flops`.)"""
+        save_dots_experts  "routed": L_moe * k * 2 I d under ragged_dot (gate/up) and the bucketed kernel (its
+                   buckets' einsums are dots like ragged_dot's: small_config, seq 64, XLA saves 2.46e6 FLOPs against
+                   this count's 2.10e6 plus one 8-row trip of its overflow walk, 0.39e6; XLA also keeps the buckets'
+                   activation, G C I per MoE layer, which `saved_bytes_per_token` does not count), 0 under the
+                   tiled kernel
+    (expert_matmul: `Batch.expert_matmul`, "tiled", "bucketed" or "ragged_dot"; "routed" is scaled by the
+    kernel's executed rows in `m3jax.plan.flops.step_flops`.)"""
     _check(policy)
     d = cfg.hidden_size
     routed_mats = 3 if policy != "save_dots_experts" else (0 if expert_matmul == "tiled" else 2)

@@ -154,11 +154,13 @@ class ModelSection(_Section):
                                                  "dropless (worst-case buffers)", gt=0)
     # sharding.grouped_matmul.KERNELS, listed here so that the schema needs no jax
     moe_kernel: str = _f("auto", "grouped matmul of the routed experts: tiled (walks only the filled rows of the "
-                                 "receive buffer), ragged_dot (jax.lax.ragged_dot: dense lowering on CPU and "
-                                 "jaxlib 0.10 CUDA), pallas (a Pallas/Triton grouped GEMM for GPUs that stops at "
-                                 "the filled rows; interpreted, slowly, elsewhere), auto (tiled on CPU, "
-                                 "ragged_dot on GPU/TPU until scripts/gpu_check.py has measured the others)",
-                         choices=("auto", "ragged_dot", "tiled", "pallas"))
+                                 "receive buffer), bucketed (each expert's balanced share of rows in one batched "
+                                 "matmul, the rest through the tiled walk), ragged_dot (jax.lax.ragged_dot: dense "
+                                 "lowering on CPU and jaxlib 0.10 CUDA), pallas (a Pallas/Triton grouped GEMM for "
+                                 "GPUs that stops at the filled rows; interpreted, slowly, elsewhere), auto "
+                                 "(bucketed on CPU, ragged_dot on GPU/TPU until scripts/gpu_check.py has measured "
+                                 "the others)",
+                         choices=("auto", "ragged_dot", "tiled", "bucketed", "pallas"))
 
     def model_options(self) -> dict[str, Any]:
         """Keyword options of `M3ForCausalLM` / `m3jax.from_pretrained` this section sets."""
