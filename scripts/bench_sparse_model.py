@@ -20,12 +20,19 @@ after one warm-up call; temp = `jit(f).lower(..).compile().memory_analysis().tem
     .venv/bin/python scripts/bench_sparse_model.py --seq 1024 --iters 2
     .venv/bin/python scripts/bench_sparse_model.py --selection --seq 4096 16384   # the indexer alone, per tiling
     .venv/bin/python scripts/bench_sparse_model.py --one-device-paths --seq 256 1024 4096
+    .venv/bin/python scripts/bench_sparse_model.py --short --seq 128 256 --iters 10
 
 --one-device-paths times the sparse model's gather paths forced on one device side by side: `grouped_block_attention`
 (sorted (query, block) pairs through the tiled grouped matmul), `slot_block_attention` (each query's blocks gathered,
 batched matmuls; `one_device_path` picks one of these two by the shape) and the per-tile gathers of any mesh, for this
 model's shape and for the tiny release_like shape (hidden 64, 4 heads of 16, 2 kv heads, 2 index heads, blocks of 8,
 top-2, batch 2).
+
+--short: sequences of at most index_topk_blocks * index_block_size = 256 keys, where the indexer keeps every block a
+query can see and the sparse layers run as full layers (`m3jax.model.attention.sees_every_block`), against the same
+model made to select: the indexer's own ids replayed (`block_ids`: every visible block), so that the layers take the
+gather path. The replayed run skips the indexer's scoring and top-k, which the model ran here before: the ratio is a
+lower bound on what running them as full layers saves. Values are checked equal.
 
 --selection times only one sparse layer's block selection (`m3jax.model.sparse.select_blocks`, 2 index heads of
 64, the model's block size and top-K) for key chunks of (8, 16, 32) blocks x query tiles of (64, 128, 256).
@@ -146,6 +153,37 @@ def one_device_paths(seqs, iters: int):
                   + " | ".join(f"{med[p][1]:.1f}" for p in paths) + " |", flush=True)
 
 
+def short(seqs, iters: int):
+    """The sparse model over <= K * bs keys as it runs (full layers) vs made to select (replayed ids: gathers)."""
+    cfg = tiny.m3_config(full_attention_layers=0, **DIMS)
+    model = build("sparse gather")
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    run = lambda p, ids, block_ids=None: nnx.merge(graphdef, p, rest)(ids, block_ids=block_ids)  # noqa: E731
+    loss = lambda p, ids, block_ids=None: run(p, ids, block_ids).astype(jnp.float32).mean()  # noqa: E731
+    fwd, fb = jax.jit(run), jax.jit(jax.value_and_grad(loss))
+    print(f"jax {jax.__version__}, {jax.devices()[0].platform}, load {os.getloadavg()[0]:.1f}; "
+          f"K * bs = {cfg.index_topk_blocks * cfg.index_block_size} keys")
+    print("| S | as full layers fwd ms | selecting fwd ms | ratio | as full f+b ms | selecting f+b ms | ratio |")
+    print("|---|---|---|---|---|---|---|")
+    for s in seqs:
+        ids = jnp.asarray(tiny.random_ids(cfg, 1, s))
+        _, block_ids = jax.jit(lambda p, ids: nnx.merge(graphdef, p, rest)(ids, return_block_ids=True))(params, ids)
+        a, b = fwd(params, ids), fwd(params, ids, block_ids)
+        err = float(jnp.abs(a - b).max() / jnp.abs(b).max())
+        assert err < 1e-5, err
+        timed(fb, params, ids), timed(fb, params, ids, block_ids)  # compile + warm
+        t = {k: [] for k in ("full fwd", "sel fwd", "full fb", "sel fb")}
+        for _ in range(iters):
+            t["full fwd"].append(timed(fwd, params, ids))
+            t["sel fwd"].append(timed(fwd, params, ids, block_ids))
+            t["full fb"].append(timed(fb, params, ids))
+            t["sel fb"].append(timed(fb, params, ids, block_ids))
+        m = {k: statistics.median(v) for k, v in t.items()}
+        print(f"| {s} | {m['full fwd']:.1f} | {m['sel fwd']:.1f} | {m['sel fwd'] / m['full fwd']:.2f}x | "
+              f"{m['full fb']:.1f} | {m['sel fb']:.1f} | {m['sel fb'] / m['full fb']:.2f}x |  (max rel diff {err:.1e})",
+              flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seq", type=int, nargs="+", default=[4096, 16384])
@@ -153,7 +191,10 @@ def main():
     ap.add_argument("--dense-max", type=int, default=4096, help="longest S at which the dense paths run")
     ap.add_argument("--selection", action="store_true", help="time the indexer's block selection per tiling")
     ap.add_argument("--one-device-paths", action="store_true", help="time the grouped and per-tile gather paths")
+    ap.add_argument("--short", action="store_true", help="sequences the indexer keeps whole: full layers vs selecting")
     args = ap.parse_args()
+    if args.short:
+        return short(args.seq, args.iters)
     if args.selection:
         return selection(args.seq, args.iters)
     if args.one_device_paths:

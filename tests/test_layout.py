@@ -106,7 +106,7 @@ def test_logprob_pass_and_train_step_lower_to_the_expert_parallel_program():
 def test_the_layout_not_the_process_decides_the_platform_choices(monkeypatch):
     """A model built for GPUs in a CPU process (what the compile-only GPU checks do) makes a GPU's "auto" choices
     from its layout: the experts on ragged_dot, the sparse layers on per-tile gathers; the same model on the
-    process's own CPU layout runs the tiled kernel and the slot path. Nothing patches jax.default_backend."""
+    process's own CPU layout runs the bucketed kernel and the slot path. Nothing patches jax.default_backend."""
     from m3jax.model import attention
     from m3jax.tiny import m3_config
 
@@ -119,7 +119,7 @@ def test_the_layout_not_the_process_decides_the_platform_choices(monkeypatch):
     real = attention.one_device_path
     monkeypatch.setattr(attention, "one_device_path", lambda *a: paths.append(real(*a)) or paths[-1])
     cfg = m3_config()
-    ids = jnp.zeros((1, 32), jnp.int32)
+    ids = jnp.zeros((1, 64), jnp.int32)  # 4 key blocks of 16, top-2: the sparse layers select (sees_every_block)
 
     def program(layout):
         model = m3jax.M3ForCausalLM(cfg, rngs=nnx.Rngs(0), layout=layout)

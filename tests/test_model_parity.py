@@ -208,3 +208,24 @@ def test_explicit_positions_equal_default(case):
     ids = jnp.asarray(ref.random_ids(case.cfg, 2, 24, seed=5))
     pos = jnp.broadcast_to(jnp.arange(24), (2, 24))
     np.testing.assert_array_equal(np.asarray(forward(model, ids)), np.asarray(forward(model, ids, positions=pos)))
+
+
+@variants(suite=("release_like",))  # the other variants: -m extended
+def test_short_sequences_attend_as_full_layers_and_match_hf(case):
+    """Over no more key blocks than index_topk_blocks, the indexer keeps every block a query can see (HF: the top
+    min(K, nb) blocks, fully-future ones dropped): the sparse layers run as full layers and the indexer's top-k
+    never runs, and the logits are still HF's, whose sparse layers select and mask (rows right-padded too). One
+    key more and the layers select again."""
+    cfg, model = case.cfg, case.model()
+    span = cfg.index_topk_blocks * cfg.index_block_size
+    top_ks = {}
+    for s in (span, span + 1):
+        ids = ref.random_ids(cfg, 2, s, seed=6)
+        mask = np.ones_like(ids)
+        mask[1, s - 5:] = 0
+        got = np.asarray(forward(model, jnp.asarray(ids), attention_mask=jnp.asarray(mask)))
+        want = ref.hf_logits(case.hf, ids, mask)
+        assert rel_err(got[0], want[0]) < 1e-5 and rel_err(got[1, :s - 5], want[1, :s - 5]) < 1e-5, s
+        top_ks[s] = str(jax.make_jaxpr(lambda m, i: m(i))(model, jnp.asarray(ids))).count("top_k")
+    # the routers' top-k in both programs; the indexer's in the longer one only
+    assert top_ks[span] < top_ks[span + 1], top_ks

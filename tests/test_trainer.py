@@ -61,9 +61,18 @@ def test_on_policy_diagnostics_and_logged_metrics(tiny_run):
     # construction: the engine's decode and the trainer's forward are not bitwise batch invariant on XLA:CPU, and
     # where a sampled token sits on a top-k near-tie (router or indexer) 1 ulp flips a choice. Seen on 2026-12-02
     # with an intermediate form of rms_norm: step 8, 2 of 1229 tokens 0.035 apart in logprob (token_mult_prob_error
-    # 1.0000453). A change of summation order anywhere can move the 200-step run onto or off such a tie.
+    # 1.0000453). A change of summation order anywhere can move the 200-step run onto or off such a tie: the bucketed
+    # expert kernel (2026-12-04) moved it onto one at step 66, where the indexer chose differently for 0.04 % of the
+    # (token, index head) selections (gen_kl_error 4.5e-4). The run reports such flips itself (the routing and the
+    # block-selection mismatch), so: within 1-2 ulp wherever no discrete choice flipped, and flips rare and small.
+    flipped = [r for r in rows if r["moe/route_mismatch_frac"] > 0 or r["indexer/selection_mismatch_frac"] > 0]
     for r in rows:
-        assert abs(r["gen_kl_error"]) < 1e-6 and abs(r["token_mult_prob_error"] - 1) < 1e-5
+        if r in flipped:
+            assert r["moe/route_mismatch_frac"] + r["indexer/selection_mismatch_frac"] < 1e-2, r["step"]
+            assert abs(r["gen_kl_error"]) < 1e-2 and abs(r["token_mult_prob_error"] - 1) < 1e-2, r["step"]
+        else:
+            assert abs(r["gen_kl_error"]) < 1e-6 and abs(r["token_mult_prob_error"] - 1) < 1e-5, r["step"]
+    assert len(flipped) <= 5, [r["step"] for r in flipped]
     for key in ("reward/std", "response/length_mean", "response/truncated_frac", "clip_frac", "kl", "grad_norm",
                 "entropy_approx", "is_out_of_band_frac", "time/generate", "time/logprobs", "time/train",
                 "time/other", "throughput/tokens_per_s", "lr"):

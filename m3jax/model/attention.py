@@ -137,25 +137,30 @@ def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
         ik = cache.get("index_k")
     n_ctx = layout.size("act_seq")
     backend = layout.backend  # the platform the program is built for decides the "auto" choices
-    impl = resolve_impl(impl, k.shape[1], backend)
-    if impl == "cudnn" and (sparse or not fused_applies(q, k.shape[1], cache is not None, n_ctx, backend)):
-        impl = unfused_impl(k.shape[1])
     replay, used = (block_ids if sparse else None), None
+    # A sparse layer attends as a full one when its keys hold no more blocks than the indexer keeps: every block a
+    # query can see is then selected (`sees_every_block`), so the full layer's kernels (cuDNN on a GPU) run it and
+    # the indexer runs only where its block ids are asked for. A replayed selection is data: it keeps the sparse path.
+    selects = sparse and not (replay is None and sees_every_block(k.shape[1], cfg))
+    sel_iq, sel_ik = (iq, ik) if selects else (None, None)
+    impl = resolve_impl(impl, k.shape[1], backend)
+    if impl == "cudnn" and (selects or not fused_applies(q, k.shape[1], cache is not None, n_ctx, backend)):
+        impl = unfused_impl(k.shape[1])
     want_ids = sparse and (return_block_ids or return_recall)
-    own = want_ids and replay is None  # the ids the attention selects are the answer
+    own = want_ids and replay is None and selects  # the ids the attention selects are the answer
     if replay is not None:
         b, s = x.shape[:2]
         want = (b, s, cfg.index_n_heads)
         if replay.ndim != 4 or replay.shape[:3] != want:
             raise ValueError(f"block_ids {replay.shape}: expected [B, S, Hi, K] = [{b}, {s}, {cfg.index_n_heads}, K]")
         replay = replay.astype(jnp.int32)
-    if sparse and sparse_impl in ("gather", "paged") and context_shards.applies(q, k, cfg.index_n_heads, layout):
+    if selects and sparse_impl in ("gather", "paged") and context_shards.applies(q, k, cfg.index_n_heads, layout):
         attend = functools.partial(one_device_sparse_attention, cfg, own, backend)
         o = context_shards.per_context_shard(attend, layout, q, k, v, positions, key_valid, iq, ik, replay,
                                              return_block_ids=own)
         if own:
             o, used = o
-    elif sparse and sparse_impl in ("gather", "paged"):
+    elif selects and sparse_impl in ("gather", "paged"):
         k, v, ik = gather_keys(k, v, ik, layout)
         # One device: the grouped or the slot path, chosen by the config's shape alone (never by S), so that
         # the engine's decode steps and the trainer's full forward run the same arithmetic. Neither is bitwise
@@ -174,19 +179,20 @@ def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
                                        path=path, block_ids=replay, return_block_ids=own)
         if own:
             o, used = o
-    elif impl == "cudnn":  # a full layer (sparse ones took another impl above)
+    elif impl == "cudnn":  # a full layer, or a sparse one that sees every block (others took another impl above)
         def unfused(q, k, v):
             return _unfused(q, k, v, positions, key_valid, cfg, query_chunk, layout)
 
         o = fused_attention(q, k, v, positions, key_valid, cfg.head_dim ** -0.5, fallback=unfused, backend=backend)
     elif impl == "flash":
-        o = flash_layer_attention(q, k, v, positions, key_valid, iq, ik, cfg, block_ids=replay,
+        o = flash_layer_attention(q, k, v, positions, key_valid, sel_iq, sel_ik, cfg, block_ids=replay,
                                   return_block_ids=own, layout=layout)
     elif query_chunk and x.shape[1] // n_ctx > query_chunk:
-        o = chunked_attention(q, k, v, positions, key_valid, iq, ik, cfg, query_chunk, layout, block_ids=replay,
-                              return_block_ids=own)
+        o = chunked_attention(q, k, v, positions, key_valid, sel_iq, sel_ik, cfg, query_chunk, layout,
+                              block_ids=replay, return_block_ids=own)
     else:
-        o = masked_attention(q, k, v, positions, key_valid, iq, ik, cfg, block_ids=replay, return_block_ids=own)
+        o = masked_attention(q, k, v, positions, key_valid, sel_iq, sel_ik, cfg, block_ids=replay,
+                             return_block_ids=own)
     if own and sparse_impl not in ("gather", "paged"):
         o, used = o
     out = project_in(o, p["o_proj"], merged)
@@ -219,6 +225,14 @@ def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
                                       constrain=layout.constrain)
         result += (kl,)
     return result if len(result) > 1 else result[0]
+
+
+def sees_every_block(key_len: int, cfg) -> bool:
+    """Whether the indexer keeps every key block a query can see over key_len keys (cache slots when decoding):
+    HF selects the top min(K, nb) of the nb = ceil(key_len / bs) blocks and drops those with a -inf score (the
+    fully-future ones), so with nb <= K = index_topk_blocks each query keeps every block at or before its own
+    and the sparse layer is exactly causal attention with the padding mask."""
+    return -(-key_len // cfg.index_block_size) <= cfg.index_topk_blocks
 
 
 def one_device_sparse_attention(cfg, own: bool, backend: str, q, k, v, positions, key_valid, iq, ik, block_ids):
