@@ -31,7 +31,8 @@ Prints one JSON line per check; keep the output with BENCHMARKS.md. Checks:
 4. MoE: grouped expert matmuls (ragged_dot) vs every expert on every token, same routing, timed;
 5. MoE kernels: `model.moe_kernel` ragged_dot vs tiled (its default 128-row tile, and 512) vs bucketed vs pallas
    (sharding.pallas_grouped) on an expert-parallel receive pool mostly padding
-   (1 local expert with a 32x pool, M3's 32-node layout; 4 local experts with a 16x pool), bf16, forward and
+   (1 local expert with a 32x pool, M3's 32-node layout; 4 local experts with a 16x pool, a multinomial load around
+   the balanced one), bf16, forward and
    forward+backward: the figure `auto`'s GPU choice (ragged_dot until measured) waits for;
 6. attention kernels at one M3 layer's shapes (64 query heads, 4 KV heads x 128, bf16, causal): the dense
    path (`attention_impl: dense`), `flash` (m3jax.model.flash), cuDNN through `jax.nn.dot_product_attention`

@@ -115,7 +115,9 @@ def moe_kernels(small: bool, experts: int, pool: int, real_rows: int):
     k = jax.random.split(jax.random.key(1), 4)
     n = pool * real_rows
     rows = jnp.zeros((n, d), jnp.bfloat16).at[:real_rows].set(jax.random.normal(k[0], (real_rows, d), jnp.bfloat16))
-    sizes = jnp.full((experts,), real_rows // experts, jnp.int32).at[0].add(real_rows % experts)
+    # a multinomial load around the balanced one (an even split would fill every tile and bucket exactly,
+    # hiding the partial tiles and overflow a real router's load brings)
+    sizes = jnp.asarray(np.random.default_rng(0).multinomial(real_rows, np.full(experts, 1 / experts)), jnp.int32)
     gate_up = jax.random.normal(k[1], (experts, 2, i, d), jnp.bfloat16) / d ** 0.5
     down = jax.random.normal(k[2], (experts, d, i), jnp.bfloat16) / i ** 0.5
     cot = jax.random.normal(k[3], (n, d), jnp.bfloat16)
@@ -138,6 +140,7 @@ def moe_kernels(small: bool, experts: int, pool: int, real_rows: int):
                              / jnp.abs(b.astype(jnp.float32)).max())
     _, y_r, _, g_r = out["ragged_dot"]
     emit(check="moe_kernels", experts=experts, pool_x=pool, real_rows=real_rows, rows=n,
+         rows_per_expert=[int(x) for x in sizes],
          fwd_ms={k: v[0] * 1e3 for k, v in out.items()}, fwd_bwd_ms={k: v[2] * 1e3 for k, v in out.items()},
          value_rel_err={k: rel(v[1], y_r) for k, v in out.items() if k != "ragged_dot"},
          grad_rel_err={k: [rel(a, b) for a, b in zip(v[3], g_r)] for k, v in out.items() if k != "ragged_dot"},
