@@ -170,7 +170,9 @@ def layer_phases(cfg: M3Config, mesh: MeshConfig, attn: str, mlp: str, batch, a:
     sz = dict(zip(_SIZES, mesh.shape))
     b, s = batch.micro_batch, batch.seq_len
     t_l = b * (s // sz["context"])
-    att, residual = attention_terms(cfg, mesh, attn == SPARSE_ATTENTION, b, s, a, batch.attention_query_chunk,
+    from m3jax.model.attention import sees_every_block
+    selects = attn == SPARSE_ATTENTION and not sees_every_block(s, cfg)  # else the model runs it as a full layer
+    att, residual = attention_terms(cfg, mesh, selects, b, s, a, batch.attention_query_chunk,
                                     batch.attention, trains_as(batch.sparse_attention))
     if mlp == MOE_MLP:
         part = moe_terms(cfg, mesh, t_l, a, batch.moe_capacity_factor, exchange, batch.expert_matmul)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from m3jax.config import MOE_MLP, SPARSE_ATTENTION, M3Config
+from m3jax.config import FULL_ATTENTION, MOE_MLP, SPARSE_ATTENTION, M3Config
 from sharding.mesh import MeshConfig
 from m3jax.plan.activations import sparse_keys  # noqa: F401  (re-exported: the FLOPs model's name for it)
 from m3jax.plan.memory import local_elems, mesh_sizes, param_table, shard_axes, step_copy_rules
@@ -162,6 +162,9 @@ def step_flops(cfg: M3Config, seqs: int, seq_len: int, remat: bool = True, *, qu
         per pair; the indexer 2 * Hi*Di * S^2, once: it runs before the attention's scan, and every remat policy
         keeps its block ids (`m3jax.model.sparse.INDEX_BLOCK_IDS`), so neither the backward nor the remat
         scores the keys again; query chunking does not apply.
+      over at most K bs keys (`m3jax.model.attention.sees_every_block`) the sparse layers run as full layers and
+        the indexer not at all: executed as a model of full layers, without the indexer's projections or scores
+        (the model FLOPs, what the maths needs, stay the sparse model's).
     """
     if sparse_attention not in SPARSE_ATTENTION_IMPLS:
         raise ValueError(f"sparse_attention={sparse_attention!r}: expected one of {SPARSE_ATTENTION_IMPLS}")
@@ -187,6 +190,12 @@ def step_flops(cfg: M3Config, seqs: int, seq_len: int, remat: bool = True, *, qu
     routed = sum(m == MOE_MLP for m in cfg.mlp_layer_types) * cfg.num_experts_per_tok * 3 * cfg.intermediate_size \
         * cfg.hidden_size
     layer_exec = layer_params + routed * (expert_rows - 1)
+    from m3jax.model.attention import sees_every_block
+    selects = not sees_every_block(seq_len, cfg)
+    if not selects:  # executed as the model runs it: every layer a full one, the indexer never
+        cfg = dataclasses.replace(cfg, layer_types=(FULL_ATTENTION,) * cfg.num_hidden_layers)
+        n_sparse = 0
+    idx_proj = out["indexer_proj"] if selects else 0.0
     gather = sparse_attention == "gather"
     n_other = cfg.num_hidden_layers - (n_sparse if gather else 0)  # layers that follow `attention`
     idx_fwd = 2 * cfg.index_n_heads * cfg.index_head_dim * seq_len * seq_len * n_sparse * seqs
@@ -206,8 +215,8 @@ def step_flops(cfg: M3Config, seqs: int, seq_len: int, remat: bool = True, *, qu
     attn_forward = (4 * h * dd * fp if attention == "flash" else full_attn / 3) \
         + (4 * h * dd * gp if gather else 0.0)
     # the logprob pass (logp_old, logp_ref): the forward alone, no remat, no backward recompute
-    out["forward_executed"] = 2 * (layer_exec + act["head"]) * n + out["indexer_proj"] + attn_forward + idx_fwd
-    executed = 6 * (layer_exec + act["head"]) * n + out["indexer_proj"] + attn_exec + idx_exec
+    out["forward_executed"] = 2 * (layer_exec + act["head"]) * n + idx_proj + attn_forward + idx_fwd
+    executed = 6 * (layer_exec + act["head"]) * n + idx_proj + attn_exec + idx_exec
     executed += 2 * routed * expert_rows * expert_recompute * n
     again = recomputed_params(cfg, remat_policy, expert_matmul, sparse_attention)
     if remat:
@@ -215,7 +224,7 @@ def step_flops(cfg: M3Config, seqs: int, seq_len: int, remat: bool = True, *, qu
             + idx_remat
     if query_chunked:
         executed += attn_again + idx_again
-    out["indexer_proj_executed"] = out["indexer_proj"] + (2 * again["indexer"] * n if remat else 0.0)
+    out["indexer_proj_executed"] = idx_proj + (2 * again["indexer"] * n if remat else 0.0)
     out["matmul_executed"] = executed - out["attention_executed"] - out["indexer_executed"] \
         - out["indexer_proj_executed"]
     out["executed_total"] = executed
