@@ -69,10 +69,11 @@ def _tile(tile: int, n: int) -> int:
     return min(tile, n)
 
 
-def _bucket(expected_rows: float | None, n: int, groups: int) -> int:
-    """The bucketed kernel's C: the rows each group is expected to hold (default: the buffer split evenly,
-    right where every row of the buffer is real, as on one device)."""
-    return bucket_rows(n / groups if expected_rows is None else expected_rows)
+def _bucket(expected_rows: float | None, n: int, groups: int, tile: int) -> tuple[int, int]:
+    """The bucketed kernel's (C, overflow walk tile): C the rows each group is expected to hold (default: the
+    buffer split evenly, right where every row of the buffer is real, as on one device)."""
+    bucket = bucket_rows(n / groups if expected_rows is None else expected_rows)
+    return bucket, _tile(overflow_tile(bucket, tile), n)
 
 
 def grouped_matmul(rows: jax.Array, weights: jax.Array, group_sizes: jax.Array, *, kernel: str = "auto",
@@ -91,8 +92,8 @@ def grouped_matmul(rows: jax.Array, weights: jax.Array, group_sizes: jax.Array, 
         from sharding.pallas_grouped import pallas_grouped_matmul
         return pallas_grouped_matmul(rows, weights, group_sizes, backend=backend)
     if kernel == "bucketed":
-        bucket = _bucket(expected_rows, rows.shape[0], weights.shape[0])
-        return bucketed_matmul(rows, weights, group_sizes, bucket, _tile(overflow_tile(bucket, tile), rows.shape[0]))
+        bucket, walk_tile = _bucket(expected_rows, rows.shape[0], weights.shape[0], tile)
+        return bucketed_matmul(rows, weights, group_sizes, bucket, walk_tile)
     return tiled_matmul(rows, weights, group_sizes, _tile(tile, rows.shape[0]))
 
 
@@ -108,9 +109,8 @@ def grouped_mlp(rows: jax.Array, w_in: jax.Array, w_out: jax.Array, group_sizes:
         return grouped_matmul(act(h), w_out, group_sizes, kernel=kernel, tile=tile, backend=backend)
     rows, w_in, w_out, group_sizes = same_varying(rows, w_in, w_out, group_sizes.astype(jnp.int32))
     if kernel == "bucketed":
-        bucket = _bucket(expected_rows, rows.shape[0], w_in.shape[0])
-        return bucketed_mlp(rows, w_in, w_out, group_sizes, act, bucket,
-                            _tile(overflow_tile(bucket, tile), rows.shape[0]))
+        bucket, walk_tile = _bucket(expected_rows, rows.shape[0], w_in.shape[0], tile)
+        return bucketed_mlp(rows, w_in, w_out, group_sizes, act, bucket, walk_tile)
     return tiled_mlp(rows, w_in, w_out, group_sizes, act, _tile(tile, rows.shape[0]))
 
 
