@@ -292,6 +292,11 @@ def slot_block_attention(q: jax.Array, k: jax.Array, v: jax.Array, keep: jax.Arr
         probs = softmax(scores).astype(v.dtype).astype(jnp.float32)
         return jax.lax.dot_general(probs, vg, (((2,), (1,)), ((0,), (0,)))).reshape(b, t, h, d)
 
+    # The backward gathers the keys and values again rather than keeping them: they are K bs times k's and
+    # v's size (16x in the tiny release-like model), and under the layer scan of a
+    # model without remat XLA:CPU stacked and copied them per layer: 29.7 -> 18.9 ms for that model's fwd+bwd
+    # at S 256 (BENCHMARKS.md, session 28).
+    attend = jax.checkpoint(attend)
     chunk = max(1, min(s, SLOT_ELEMENTS // (2 * b * u * kk * bs * d)))
     if chunk == s:
         return attend(q, keep, ids).astype(v.dtype)
@@ -301,7 +306,7 @@ def slot_block_attention(q: jax.Array, k: jax.Array, v: jax.Array, keep: jax.Arr
         a = jnp.pad(a, [(0, n * chunk - s if i == axis else 0) for i in range(a.ndim)])
         return jnp.moveaxis(a.reshape(*a.shape[:axis], n, chunk, *a.shape[axis + 1:]), axis, 0)
 
-    out = jax.lax.map(jax.checkpoint(lambda xs: attend(*xs)), (split(q, 1), split(keep, 2), split(ids, 2)))
+    out = jax.lax.map(lambda xs: attend(*xs), (split(q, 1), split(keep, 2), split(ids, 2)))
     return jnp.moveaxis(out, 0, 1).reshape(b, n * chunk, h, d)[:, :s].astype(v.dtype)
 
 
