@@ -20,8 +20,9 @@ activation for its backward: the like-for-like row, and what `python -m m3jax.tr
 sets `model.remat`: configs/base.yaml has remat false), with attention_impl="dense" (the masked [S, S]
 scores path, the default before "auto"), and optionally with another `model.remat_policy`
 (--remat-policy-row save_dots_experts: the recipes' choice), and with other expert kernels
-(--moe-kernel-row tiled: the default before the bucketed kernel), and with another attention_impl
-(--attention-impl-row flash).
+(--moe-kernel-row tiled: the default before the bucketed kernel), with another attention_impl
+(--attention-impl-row flash), and with the layers unrolled (--unrolled-rows: model.scan_layers=false, with and
+without remat).
 The 1-minute load average is printed: on a machine shared with other jobs, torch's intra-op thread
 pool degrades far more than XLA's under contention, so only runs with a load average near or below
 the core count are a fair comparison.
@@ -177,6 +178,9 @@ def main():
                     help="extra Flax rows (remat=True) with these model.moe_kernel choices")
     ap.add_argument("--attention-impl-row", nargs="*", default=[], metavar="IMPL",
                     help="extra Flax rows (remat=True) with these model.attention_impl choices")
+    ap.add_argument("--unrolled-rows", action="store_true",
+                    help="two extra Flax rows, remat=True and remat=False, with model.scan_layers=false (each "
+                         "stack's layers unrolled instead of one loop over the stacked weights)")
     args = ap.parse_args()
 
     threads = n_cpus()
@@ -194,6 +198,9 @@ def main():
         flax_models[f"flax (remat, moe {kernel})"] = tiny.m3_from_hf(hf, moe_kernel=kernel)
     for impl in args.attention_impl_row:
         flax_models[f"flax (remat, attention {impl})"] = tiny.m3_from_hf(hf, attention_impl=impl)
+    if args.unrolled_rows:
+        flax_models["flax (remat=True, unrolled)"] = tiny.m3_from_hf(hf, scan_layers=False)
+        flax_models["flax (remat=False, unrolled)"] = tiny.m3_from_hf(hf, remat=False, scan_layers=False)
 
     n_params = sum(p.numel() for p in hf.parameters())
     print(f"jax {jax.__version__} ({jax.default_backend()}), torch {torch.__version__} "
@@ -223,7 +230,7 @@ def main():
             rows.append((seq, name, fmed, fmin, hmed, hmin, floss, hloss, fgn, hgn, *info[name]))
     load1 = os.getloadavg()
 
-    hdr = (f"{'seq':>4} | {'flax variant':<27} | {'flax ms':>8} | {'HF ms':>8} | {'HF/Flax':>7} | "
+    hdr = (f"{'seq':>4} | {'flax variant':<28} | {'flax ms':>8} | {'HF ms':>8} | {'HF/Flax':>7} | "
            f"{'flax min':>8} | {'HF min':>8} | "
            f"{'flax loss':>10} | {'HF loss':>10} | {'|dloss|':>8} | {'grad-norm rel diff':>18} | "
            f"{'compile s':>9} | {'XLA GFLOP':>9}")
@@ -231,7 +238,7 @@ def main():
     print("-" * len(hdr))
     for seq, name, fmed, fmin, hmed, hmin, floss, hloss, fgn, hgn, comp, flops in rows:
         gf = f"{flops / 1e9:9.3f}" if flops else f"{'n/a':>9}"
-        print(f"{seq:>4} | {name:<27} | {fmed:8.2f} | {hmed:8.2f} | {hmed / fmed:7.2f} | {fmin:8.2f} | "
+        print(f"{seq:>4} | {name:<28} | {fmed:8.2f} | {hmed:8.2f} | {hmed / fmed:7.2f} | {fmin:8.2f} | "
               f"{hmin:8.2f} | {floss:10.6f} | "
               f"{hloss:10.6f} | {abs(floss - hloss):8.1e} | {abs(fgn - hgn) / hgn:18.1e} | {comp:9.2f} | {gf}")
     print("\nmedian ms per forward+backward iteration; HF/Flax > 1 means Flax is faster. "

@@ -98,9 +98,10 @@ class LayerStack(nnx.Module):
     def __init__(self, cfg: M3Config, attn_kind: str, mlp_kind: str, layer_ids, *, dtype, rngs: nnx.Rngs,
                  remat: bool = True, moe_capacity_factor: float | None = None, moe_exchange: str | None = None,
                  attention_query_chunk: int = 0, layout: Layout = Layout(), moe_kernel: str = "auto",
-                 attention_impl: str = "auto", sparse_attention: str = "gather", remat_policy: str = "full"):
+                 attention_impl: str = "auto", sparse_attention: str = "gather", remat_policy: str = "full",
+                 scan_layers: bool = True):
         self.cfg, self.attn_kind, self.mlp_kind, self.layout = cfg, attn_kind, mlp_kind, layout
-        self.remat_policy = remat_policy
+        self.remat_policy, self.scan_layers = remat_policy, scan_layers
         self.attention_impl, self.sparse_attention = attention_impl, sparse_attention
         self.layer_ids = tuple(layer_ids)
         self.remat, self.attention_query_chunk = remat, attention_query_chunk
@@ -167,11 +168,14 @@ class LayerStack(nnx.Module):
                                               + ((align,) if return_indexer_kl else ()))
 
         if self.remat and cache is None:
-            layer = jax.checkpoint(layer, prevent_cse=False, policy=remat_policy_fn(self.remat_policy))
+            # Inside a loop XLA cannot merge the recomputation with the forward; unrolled, it could (jax's
+            # checkpoint docs), so an unrolled stack keeps jax's barrier against that.
+            layer = jax.checkpoint(layer, prevent_cse=not self.scan_layers,
+                                   policy=remat_policy_fn(self.remat_policy))
         xs = (params, cache, routes if moe else None)
         if sparse and (block_ids is not None or return_block_ids):  # else today's program
             xs += (block_ids,)
-        x, (cache, used, *blocks_used) = jax.lax.scan(layer, x, xs)
+        x, (cache, used, *blocks_used) = jax.lax.scan(layer, x, xs, unroll=not self.scan_layers)
         aligns = (blocks_used.pop(),) if return_indexer_kl else ()
         recalls = (blocks_used.pop(),) if return_recall else ()
         out = (x,) if cache is None else (x, cache)
@@ -194,7 +198,8 @@ class M3ForCausalLM(nnx.Module):
     def __init__(self, cfg: M3Config, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None, remat: bool = True,
                  moe_capacity_factor: float | None = None, moe_exchange: str | None = None,
                  attention_query_chunk: int = 0, layout=None, moe_kernel: str = "auto",
-                 attention_impl: str = "auto", sparse_attention: str = "gather", remat_policy: str = "full"):
+                 attention_impl: str = "auto", sparse_attention: str = "gather", remat_policy: str = "full",
+                 scan_layers: bool = True):
         """remat: rematerialise each layer in the backward pass. remat_policy: what a rematerialised layer
         keeps for its backward, "full" (its input and the integer decisions) | "save_dots" (also the token-sized
         projection outputs) | "save_dots_experts" (and the routed experts' output rows; `REMAT_POLICIES`).
@@ -212,12 +217,18 @@ class M3ForCausalLM(nnx.Module):
         sparse_attention: "paged" (gather, with its passes that take no gradient on jax's Pallas paged-attention
         kernel on a GPU, `m3jax.model.paged_sparse`) | "gather" (sparse layers read only the key blocks the indexer kept,
         `m3jax.model.sparse`) | "masked" (the indexer's selection as a mask on attention_impl's attention).
+        scan_layers: run each stack of same-kind layers as one loop over its stacked weights (the program and
+        its compile time do not grow with depth) or, False, unrolled: one copy of the layer per layer, with no
+        per-layer slicing of the stacked weights and no stacked residuals (faster for shallow models on CPU:
+        BENCHMARKS.md, session 28; same values).
         layout: the `sharding.layout.Layout` (or a jax Mesh with the default rules) the model runs on;
         None = one device. Parameters are created where jax puts them; `from_pretrained` or the
         trainer places them on the layout."""
         if isinstance(attention_query_chunk, bool) or not isinstance(attention_query_chunk, int) \
                 or attention_query_chunk < 0:
             raise ValueError(f"attention_query_chunk={attention_query_chunk!r}: expected an integer >= 0")
+        if not isinstance(scan_layers, bool):
+            raise ValueError(f"scan_layers={scan_layers!r}: expected true or false")
         resolve_kernel(moe_kernel)  # fail at construction on an unknown kernel name
         if attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"attention_impl={attention_impl!r}: expected one of {ATTENTION_IMPLS}")
@@ -233,7 +244,7 @@ class M3ForCausalLM(nnx.Module):
                        moe_capacity_factor=moe_capacity_factor, moe_exchange=moe_exchange,
                        attention_query_chunk=attention_query_chunk, layout=self.layout, moe_kernel=moe_kernel,
                        attention_impl=attention_impl, sparse_attention=sparse_attention,
-                       remat_policy=remat_policy)
+                       remat_policy=remat_policy, scan_layers=scan_layers)
             for attn, mlp, ids in cfg.segments()
         ])
 

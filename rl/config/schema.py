@@ -118,6 +118,9 @@ class ModelSection(_Section):
                                    "routed experts) or save_dots_experts (also the routed experts' output rows, "
                                    "T * k * d per MoE layer, so their forward does not run again)",
                         choices=("full", "save_dots", "save_dots_experts"))
+    scan_layers: bool = _f(True, "run each stack of same-kind layers as one loop over its stacked weights (compile "
+                                 "time independent of depth); false = unrolled, one copy per layer (faster for "
+                                 "shallow models on CPU, compile time grows with depth; same values)")
     attention_query_chunk: int = _f(0, "local queries per attention-scores block (a rematerialised scan): "
                                        "[chunk, S] scores live instead of [S_local, S]; 0 = all at once", min=0)
     # m3jax.model.attention.IMPLS, listed here so that the schema needs no jax
@@ -164,7 +167,7 @@ class ModelSection(_Section):
 
     def model_options(self) -> dict[str, Any]:
         """Keyword options of `M3ForCausalLM` / `m3jax.from_pretrained` this section sets."""
-        return {"remat": self.remat, "remat_policy": self.remat_policy,
+        return {"remat": self.remat, "remat_policy": self.remat_policy, "scan_layers": self.scan_layers,
                 "attention_query_chunk": self.attention_query_chunk,
                 "attention_impl": self.attention_impl, "sparse_attention": self.sparse_attention,
                 "moe_capacity_factor": self.moe_capacity_factor,
