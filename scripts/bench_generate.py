@@ -324,6 +324,8 @@ def main():
     ap.add_argument("--breakdown", action="store_true", help="also time prefill vs decode and one decode step")
     ap.add_argument("--ablate", action="store_true",
                     help="also time one decode step with MoE -> dense MLP and/or sparse -> full attention")
+    ap.add_argument("--unrolled", action="store_true",
+                    help="the JAX model with model.scan_layers=false (each stack's layers unrolled)")
     ap.add_argument("--skip-compare", action="store_true", help="skip the JAX vs HF table")
     ap.add_argument("--profile", action="store_true",
                     help="also trace JAX generate with jax.profiler and list XLA op time by instruction")
@@ -332,14 +334,15 @@ def main():
     threads = n_cpus()
     cfg = tiny.hf_config(args.variant)
     hf = tiny.hf_model(cfg, seed=0, attn="eager")
-    model = tiny.m3_from_hf(hf)
+    model = tiny.m3_from_hf(hf, scan_layers=not args.unrolled)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     engine = JaxEngine(graphdef, params, rest, pad_id=0)
 
     mc = model.cfg
     sel = mc.index_topk_blocks * mc.index_block_size
     n_params = sum(p.numel() for p in hf.parameters())
-    print(f"jax {jax.__version__} ({jax.default_backend()}), torch {torch.__version__}, cpus={threads}")
+    print(f"jax {jax.__version__} ({jax.default_backend()}), torch {torch.__version__}, cpus={threads}, "
+          f"scan_layers={not args.unrolled}")
     print(f"config {args.variant}: hidden {cfg.hidden_size}, layers {cfg.num_hidden_layers}, "
           f"attn {list(cfg.layer_types)}, mlp {list(cfg.mlp_layer_types)}, "
           f"experts {cfg.num_local_experts} top-{cfg.num_experts_per_tok}, vocab {cfg.vocab_size}, "

@@ -89,6 +89,7 @@ def main():
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--no-remat", action="store_true")
+    ap.add_argument("--unrolled", action="store_true", help="model.scan_layers=false: each stack's layers unrolled")
     ap.add_argument("--attention-impl", default="auto")
     ap.add_argument("--inside", help="also list the thunks inside this top-level thunk (e.g. while.212)")
     ap.add_argument("--top", type=int, default=20)
@@ -106,7 +107,8 @@ def main():
         ids = tiny.random_ids(tiny.m3_config(**bsm.DIMS), 1, args.seq)
     else:
         hf = tiny.hf_model(tiny.hf_config("release_like"), seed=0)
-        model = tiny.m3_from_hf(hf, remat=not args.no_remat, attention_impl=args.attention_impl)
+        model = tiny.m3_from_hf(hf, remat=not args.no_remat, attention_impl=args.attention_impl,
+                                scan_layers=not args.unrolled)
         ids = tiny.random_ids(hf.config, args.batch, args.seq, seed=args.seq)
     step, params = fb.flax_step(model)
     ids = jax.numpy.asarray(ids)
@@ -128,7 +130,7 @@ def main():
         one()
         times.append(time.perf_counter() - t)
     what = (f"sparse bench {args.sparse_bench!r}" if args.sparse_bench else
-            f"remat {not args.no_remat}, attention {args.attention_impl}")
+            f"remat {not args.no_remat}, attention {args.attention_impl}, scan_layers {not args.unrolled}")
     print(f"S {args.seq}, batch {args.batch}, {what}: "
           f"untraced median {statistics.median(times) * 1e3:.2f} ms (compile {compile_s:.1f} s)")
     with tempfile.TemporaryDirectory() as d:

@@ -219,8 +219,9 @@ class M3ForCausalLM(nnx.Module):
         `m3jax.model.sparse`) | "masked" (the indexer's selection as a mask on attention_impl's attention).
         scan_layers: run each stack of same-kind layers as one loop over its stacked weights (the program and
         its compile time do not grow with depth) or, False, unrolled: one copy of the layer per layer, with no
-        per-layer slicing of the stacked weights and no stacked residuals (faster for shallow models on CPU:
-        BENCHMARKS.md, session 28; same values).
+        per-layer slicing of the stacked weights and no stacked residuals. Same values. On CPU, for the tiny
+        release-like model, unrolled runs fwd+bwd without remat 6 % faster and the JAX engine's decode 10-24 %
+        faster, fwd+bwd with remat 0-13 % slower (BENCHMARKS.md, session 28).
         layout: the `sharding.layout.Layout` (or a jax Mesh with the default rules) the model runs on;
         None = one device. Parameters are created where jax puts them; `from_pretrained` or the
         trainer places them on the layout."""
