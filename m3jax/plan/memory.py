@@ -170,7 +170,8 @@ class Batch:
     `rl.logprobs.chunked_token_logprobs`), 0 = the whole sequence's logits at once (what `--compile`'s
     token cross-entropy step builds). remat_policy: what a rematerialised layer keeps for its backward
     (`model.remat_policy`, `m3jax.plan.remat`). logprob_entropy: the loss also computes the sampling
-    distribution's entropy from its logits (`grpo.entropy_coef` > 0 or `logging.entropy`).
+    distribution's entropy from its logits (`grpo.entropy_coef` > 0 or `logging.entropy`). scan_layers:
+    `model.scan_layers`, passed to the model `--compile` builds; not modelled (unrolled layers do the same work).
     """
     micro_batch: int
     seq_len: int
@@ -187,6 +188,7 @@ class Batch:
     remat_policy: str = "full"
     logprob_entropy: bool = False
     platform: str | None = None
+    scan_layers: bool = True
 
     @property
     def exchange(self) -> str:
@@ -214,7 +216,7 @@ class Batch:
         """M3ForCausalLM keywords of this batch's model options besides remat (sparse_attention only where the
         model takes that keyword)."""
         out = {"attention_query_chunk": self.attention_query_chunk, "attention_impl": self.attention_impl,
-               "remat_policy": self.remat_policy,
+               "remat_policy": self.remat_policy, "scan_layers": self.scan_layers,
                "moe_capacity_factor": self.moe_capacity_factor, "moe_exchange": self.moe_exchange,
                "moe_kernel": self.moe_kernel}
         import inspect
