@@ -29,6 +29,7 @@ from m3jax.model.flash import flash_attention
 from m3jax.model.fused_attention import applies as fused_applies, fused_attention, implementation as fused_impl
 from m3jax.model.indexer import block_ids_to_mask, block_mask_to_tokens, select_key_blocks, topk_key_blocks
 from m3jax.model.indexer_align import indexer_alignment_kl
+from m3jax.model.kv_cache import LayerCache
 from m3jax.model.norms import rms_norm
 from m3jax.model.paged_sparse import applies as paged_applies, paged_sparse_attention
 from m3jax.model.projections import project_in, project_out
@@ -90,7 +91,7 @@ def gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, keep: jax.Array, sca
 
 
 def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, positions: jax.Array,
-                    key_valid: jax.Array | None, cfg, sparse: bool, cache: dict | None = None,
+                    key_valid: jax.Array | None, cfg, sparse: bool, cache: LayerCache | None = None,
                     query_chunk: int = 0, layout: Layout = Layout(), impl: str = "auto",
                     sparse_impl: str = "gather", block_ids: jax.Array | None = None, return_block_ids: bool = False,
                     return_recall: bool = False, return_indexer_kl: bool = False):
@@ -98,8 +99,9 @@ def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
 
     p holds this layer's q/k/v/o projections ([heads, D, d] / [d, H, D]), q/k norms, and for sparse
     layers the indexer's index_q_proj [Hi, Di, d], index_k_proj [Di, d] and their norms.
-    cache (decoding): {"k", "v": [B, S_max, KV, D], "index_k": [B, S_max, Di] for sparse layers}, the
-    post-norm, post-RoPE keys by slot. The new tokens' keys are written at slots = positions, and
+    cache (decoding): this layer's `m3jax.model.kv_cache.LayerCache` ({"k", "v": [B, S_max, KV, D],
+    "index_k": [B, S_max, Di] for sparse layers} in its stack's cache), the post-norm, post-RoPE keys by slot;
+    returned updated. The new tokens' keys are written at slots = positions, and
     attention reads every slot (slots not yet written lie beyond each query's position, so causality
     hides them); key_valid then spans S_max.
     query_chunk: queries per scores block on each device (0 = all local queries at once).
@@ -131,10 +133,8 @@ def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
         iq, ik = indexer_qk(p, jax.lax.stop_gradient(x), cos, sin, eps, merged)
     if cache is not None:
         rows = jnp.arange(x.shape[0])[:, None]
-        cache = {"k": cache["k"].at[rows, positions].set(k), "v": cache["v"].at[rows, positions].set(v),
-                 **({"index_k": cache["index_k"].at[rows, positions].set(ik)} if sparse else {})}
-        k, v = cache["k"], cache["v"]
-        ik = cache.get("index_k")
+        cache = cache.write(rows, positions, k=k, v=v, **({"index_k": ik} if sparse else {}))
+        k, v, ik = cache.read("k"), cache.read("v"), cache.read("index_k")
     n_ctx = layout.size("act_seq")
     backend = layout.backend  # the platform the program is built for decides the "auto" choices
     replay, used = (block_ids if sparse else None), None

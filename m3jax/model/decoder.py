@@ -21,6 +21,7 @@ from m3jax.model.attention import IMPLS as ATTENTION_IMPLS, SPARSE_IMPLS
 from m3jax.model.attention import attention_block
 from m3jax.model.mlp import dense_mlp
 from m3jax.model.moe import moe_block
+from m3jax.model.kv_cache import LayerCache
 from m3jax.model.norms import rms_norm
 from m3jax.model.rope import rope_cos_sin
 from m3jax.model.sparse import INDEX_BLOCK_IDS
@@ -133,8 +134,10 @@ class LayerStack(nnx.Module):
         return_indexer_kl = return_indexer_kl and sparse
         params = {name: getattr(self, name)[...] for name in self.param_names}
 
-        def layer(x, p_cache_routes):
-            p, layer_cache, layer_routes, *layer_blocks = p_cache_routes
+        def layer(x_cache, p_index_routes):
+            x, stacked = x_cache
+            p, index, layer_routes, *layer_blocks = p_index_routes
+            layer_cache = None if stacked is None else LayerCache(stacked, index)
             h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps)
             blocks = dict(block_ids=layer_blocks[0], return_block_ids=return_block_ids) if layer_blocks else {}
             if return_recall:
@@ -151,7 +154,7 @@ class LayerStack(nnx.Module):
             attn = attn[:-1] if return_recall else attn
             block_used = attn[-1] if return_block_ids else None
             if layer_cache is not None:
-                layer_cache = attn[1]
+                stacked = attn[1].stacked
             x = x + attn[0]
             h = rms_norm(x, p["post_norm"], cfg.rms_norm_eps)
             ids = None
@@ -163,19 +166,21 @@ class LayerStack(nnx.Module):
                 x = x + y
             else:
                 x = x + dense_mlp(h, p["mlp_gate_up"], p["mlp_down"], cfg.swiglu_alpha, cfg.swiglu_limit)
-            return layout.constrain(x, ACT), ((layer_cache, ids) + ((block_used,) if layer_blocks else ())
-                                              + ((recall,) if return_recall else ())
-                                              + ((align,) if return_indexer_kl else ()))
+            return (layout.constrain(x, ACT), stacked), ((ids,) + ((block_used,) if layer_blocks else ())
+                                                         + ((recall,) if return_recall else ())
+                                                         + ((align,) if return_indexer_kl else ()))
 
         if self.remat and cache is None:
             # Inside a loop XLA cannot merge the recomputation with the forward; unrolled, it could (jax's
             # checkpoint docs), so an unrolled stack keeps jax's barrier against that.
             layer = jax.checkpoint(layer, prevent_cse=not self.scan_layers,
                                    policy=remat_policy_fn(self.remat_policy))
-        xs = (params, cache, routes if moe else None)
+        # The decode cache is carried, not scanned over: each layer writes its new slots into it in place
+        # (`m3jax.model.kv_cache`).
+        xs = (params, jnp.arange(len(self.layer_ids)), routes if moe else None)
         if sparse and (block_ids is not None or return_block_ids):  # else today's program
             xs += (block_ids,)
-        x, (cache, used, *blocks_used) = jax.lax.scan(layer, x, xs, unroll=not self.scan_layers)
+        (x, cache), (used, *blocks_used) = jax.lax.scan(layer, (x, cache), xs, unroll=not self.scan_layers)
         aligns = (blocks_used.pop(),) if return_indexer_kl else ()
         recalls = (blocks_used.pop(),) if return_recall else ()
         out = (x,) if cache is None else (x, cache)
@@ -220,8 +225,8 @@ class M3ForCausalLM(nnx.Module):
         scan_layers: run each stack of same-kind layers as one loop over its stacked weights (the program and
         its compile time do not grow with depth) or, False, unrolled: one copy of the layer per layer, with no
         per-layer slicing of the stacked weights and no stacked residuals. Same values. On CPU, for the tiny
-        release-like model, unrolled runs fwd+bwd without remat 6 % faster and the JAX engine's decode 10-24 %
-        faster, fwd+bwd with remat 0-13 % slower (BENCHMARKS.md, session 28).
+        release-like model, unrolled runs fwd+bwd without remat 4-6 % faster and with remat 0-13 % slower; the
+        JAX engine's decode runs as fast either way (BENCHMARKS.md, session 28).
         layout: the `sharding.layout.Layout` (or a jax Mesh with the default rules) the model runs on;
         None = one device. Parameters are created where jax puts them; `from_pretrained` or the
         trainer places them on the layout."""

@@ -120,7 +120,7 @@ class ModelSection(_Section):
                         choices=("full", "save_dots", "save_dots_experts"))
     scan_layers: bool = _f(True, "run each stack of same-kind layers as one loop over its stacked weights (compile "
                                  "time independent of depth); false = unrolled, one copy per layer (for "
-                                 "shallow models on CPU: faster decode, and a faster step without remat; compile "
+                                 "shallow models on CPU a faster step without remat, a slower one with it; compile "
                                  "time grows with depth; same values)")
     attention_query_chunk: int = _f(0, "local queries per attention-scores block (a rematerialised scan): "
                                        "[chunk, S] scores live instead of [S_local, S]; 0 = all at once", min=0)
