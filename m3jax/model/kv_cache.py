@@ -5,7 +5,7 @@ A stack of n same-kind layers keeps its decode cache stacked: {"k", "v": [n, B, 
 tokens' slots of each layer. The stack carries the stacked cache through its layer loop and each layer scatters
 its tokens at [layer, row, position] into it: XLA updates the loop-carried buffer in place. Handed to the layer
 as that layer's slice and returned as a new slice, the whole cache was copied out of the stack, written back and
-its stacked output zero-filled at every step: 42 % of the tiny model's decode time on CPU (BENCHMARKS.md,
+its stacked output zero-filled at every step: 43 % of the tiny model's decode op time on CPU (BENCHMARKS.md,
 session 28).
 """
 
