@@ -19,9 +19,9 @@ from flax import nnx
 from m3jax.config import M3Config
 from m3jax.model.attention import IMPLS as ATTENTION_IMPLS, SPARSE_IMPLS
 from m3jax.model.attention import attention_block
+from m3jax.model.kv_cache import LayerCache
 from m3jax.model.mlp import dense_mlp
 from m3jax.model.moe import moe_block
-from m3jax.model.kv_cache import LayerCache
 from m3jax.model.norms import rms_norm
 from m3jax.model.rope import rope_cos_sin
 from m3jax.model.sparse import INDEX_BLOCK_IDS

@@ -293,9 +293,9 @@ def slot_block_attention(q: jax.Array, k: jax.Array, v: jax.Array, keep: jax.Arr
         return jax.lax.dot_general(probs, vg, (((2,), (1,)), ((0,), (0,)))).reshape(b, t, h, d)
 
     # The backward gathers the keys and values again rather than keeping them: they are K bs times k's and
-    # v's size (16x in the tiny release-like model), and under the layer scan of a
-    # model without remat XLA:CPU stacked and copied them per layer: 29.7 -> 18.9 ms for that model's fwd+bwd
-    # at S 256 (BENCHMARKS.md, session 28).
+    # v's size (16x in the tiny release-like model), and under the layer scan of a model without remat
+    # XLA:CPU stacked and copied them per layer: 29.7 -> 18.9 ms for that model's fwd+bwd at S 256
+    # (BENCHMARKS.md, session 28).
     attend = jax.checkpoint(attend)
     chunk = max(1, min(s, SLOT_ELEMENTS // (2 * b * u * kk * bs * d)))
     if chunk == s:
