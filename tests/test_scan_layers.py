@@ -7,6 +7,7 @@ MoE layers in one stack), at 64 tokens: 8 key blocks of 8 against top-2, so the 
 """
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -85,3 +86,25 @@ def test_unrolled_stacks_have_no_layer_loop():
         text = jax.jit(lambda s: nnx.merge(graphdef, s)(ids)).lower(state).as_text()
         whiles[scan_layers] = text.count("stablehlo.while")
     assert whiles == {True: 1, False: 0}
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_a_decode_step_writes_its_cache_slots_in_place(scan_layers):
+    """The stacks carry their stacked decode cache and scatter each layer's new slots into it
+    (`m3jax.model.kv_cache`). When the cache was the layer loop's scanned input and output, the compiled step
+    zero-filled a fresh stacked buffer for it (a broadcast of the stacked shape) and wrote every layer back
+    whole: checked to fail on that code (session 28)."""
+    model = M3ForCausalLM(CFG, rngs=nnx.Rngs(0), scan_layers=scan_layers)
+    graphdef, state = nnx.split(model)
+    cache = model.init_cache(2, 48)
+    stacked = {f"f32[{','.join(map(str, a.shape))}]" for c in cache for a in c.values() if a.shape[0] > 1}
+
+    def step(state, cache):
+        return nnx.merge(graphdef, state)(jnp.ones((2, 1), jnp.int32), positions=jnp.full((2, 1), 5),
+                                          attention_mask=jnp.ones((2, 48), jnp.int32), cache=cache)
+
+    text = jax.jit(step, donate_argnums=1).lower(state, cache).compile().as_text()
+    producers = [(m.group(1), m.group(3)) for m in
+                 re.finditer(r"%([\w.-]+) = (f32\[[\d,]+\])\{[^}]*\} ([\w-]+)\(", text) if m.group(2) in stacked]
+    assert producers  # the cache's buffers are found in the program
+    assert not [name for name, op in producers if op == "broadcast" or "broadcast" in name]
