@@ -1,6 +1,7 @@
 """model.scan_layers: a stack of same-kind layers as one loop over its stacked weights, or unrolled (a copy of
 the layer per layer). The program changes, never the numbers: logits, gradients (with and without remat), the
-returned routes and block ids, and a decode step with its cache agree between the two.
+returned routes and block ids, and a decode step with its cache agree between the two. Either way a decode step
+writes its new cache slots in place (`m3jax.model.kv_cache`).
 
 The model is the tiny two-kind one of tests/test_remat_policy.py (a full-attention dense layer, then two sparse
 MoE layers in one stack), at 64 tokens: 8 key blocks of 8 against top-2, so the sparse layers really select.
