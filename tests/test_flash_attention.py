@@ -212,6 +212,9 @@ def test_auto_is_dense_below_flash_min_keys_and_flash_from_it(models, monkeypatc
     assert [attention.resolve_impl("auto", n) for n in (attention.FLASH_MIN_KEYS - 1, attention.FLASH_MIN_KEYS)] \
         == ["dense", "flash"]
     assert attention.resolve_impl("dense", 10 ** 6) == "dense" and attention.resolve_impl("flash", 1) == "flash"
+    # A decode step's one query a row holds no scores block worth tiling: dense over any cache it can hold.
+    assert attention.resolve_impl("auto", 4096, "cpu", 1) == "dense"
+    assert attention.resolve_impl("auto", 4096, "cpu", 64) == "flash"  # a 64-token prefill chunk: 64 x 4096
     with pytest.raises(ValueError, match="sdpa"):
         attention.resolve_impl("sdpa", 8)
     # The model under "auto" runs exactly the resolved impl: bitwise its logits (a lower threshold keeps it small).

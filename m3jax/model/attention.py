@@ -7,7 +7,8 @@ whole [S_local, S_k] block; the maths per query is unchanged.
 With impl="flash" (`m3jax.model.flash`) no scores block is held at all: an online softmax walks key tiles,
 and query_chunk is unused. impl="cudnn" runs full layers on cuDNN's fused flash attention where it applies
 (`m3jax.model.fused_attention`), else what "auto" would run without it. impl="auto" (the default) is cudnn
-on a GPU, elsewhere flash from FLASH_MIN_KEYS keys on and dense below (`resolve_impl`).
+on a GPU, elsewhere flash from FLASH_MIN_KEYS keys on and dense below, and dense for a decode step's few
+queries (`resolve_impl`).
 
 Sparse layers read only the key blocks the indexer kept (sparse_impl="gather", `m3jax.model.sparse`),
 whatever impl the full layers use; sparse_impl="masked" runs them as masks on impl's full attention
@@ -45,26 +46,33 @@ IMPLS = ("auto", "dense", "flash", "cudnn")
 # "auto" runs flash from this many keys on. Flash runs faster at every length measured on CPU (one M3-width
 # layer, scripts/bench_attention.py: 1.5x at 256 keys, 2.0x at 512, 2.7x at 1024, forward), but it compiles
 # slower (the tiny model's fwd+bwd: 24.7 s against 16.4 s at S = 64); below 512 keys a layer takes a few ms
-# either way, so short runs (tests, the CPU demo) keep the faster compile.
+# either way, so short runs (tests, the CPU demo) keep the faster compile. The rule is on the scores block
+# [queries, keys] flash avoids: a decode step's one query a row holds no block worth tiling, and flash's key-tile
+# walk made the sparse bench model's two full layers decode 1.55x slower than dense at 4,096 slots
+# (BENCHMARKS.md, session 29).
 FLASH_MIN_KEYS = 512
 SPARSE_IMPLS = ("gather", "masked", "paged")
 FLASH_TILE = 128  # queries and keys per flash tile on full layers (sparse layers: keys per indexer block)
 
 
-def resolve_impl(impl: str, key_len: int, backend: str | None = None) -> str:
+def resolve_impl(impl: str, key_len: int, backend: str | None = None, query_len: int | None = None) -> str:
     """The attention impl that runs for `impl` over key_len keys (cache slots when decoding) on `backend`
-    (default: jax's): "auto" is "cudnn" on a GPU, elsewhere "flash" when key_len >= FLASH_MIN_KEYS, else
-    "dense"; the others are themselves. A full layer where cuDNN does not apply runs `unfused_impl`."""
+    (default: jax's), for query_len queries (default key_len, a whole sequence): "auto" is "cudnn" on a GPU,
+    elsewhere `unfused_impl`; the others are themselves. A full layer where cuDNN does not apply runs
+    `unfused_impl`."""
     if impl not in IMPLS:
         raise ValueError(f"attention impl {impl!r}: expected one of {IMPLS}")
     if impl != "auto":
         return impl
-    return "cudnn" if fused_impl(backend) is not None else unfused_impl(key_len)
+    return "cudnn" if fused_impl(backend) is not None else unfused_impl(key_len, query_len)
 
 
-def unfused_impl(key_len: int) -> str:
-    """What "auto" runs off a GPU, and "cudnn" where cuDNN does not apply: flash from FLASH_MIN_KEYS keys."""
-    return "flash" if key_len >= FLASH_MIN_KEYS else "dense"
+def unfused_impl(key_len: int, query_len: int | None = None) -> str:
+    """What "auto" runs off a GPU, and "cudnn" where cuDNN does not apply: flash where the dense scores block
+    [query_len (default key_len), key_len] holds FLASH_MIN_KEYS^2 elements or more (a whole sequence: from
+    FLASH_MIN_KEYS keys), else dense."""
+    queries = key_len if query_len is None else query_len
+    return "flash" if queries * key_len >= FLASH_MIN_KEYS ** 2 else "dense"
 
 
 def gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, keep: jax.Array, scale: float) -> jax.Array:
@@ -143,9 +151,9 @@ def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
     # the indexer runs only where its block ids are asked for. A replayed selection is data: it keeps the sparse path.
     selects = sparse and not (replay is None and sees_every_block(k.shape[1], cfg))
     sel_iq, sel_ik = (iq, ik) if selects else (None, None)
-    impl = resolve_impl(impl, k.shape[1], backend)
+    impl = resolve_impl(impl, k.shape[1], backend, q.shape[1])
     if impl == "cudnn" and (selects or not fused_applies(q, k.shape[1], cache is not None, n_ctx, backend)):
-        impl = unfused_impl(k.shape[1])
+        impl = unfused_impl(k.shape[1], q.shape[1])
     want_ids = sparse and (return_block_ids or return_recall)
     own = want_ids and replay is None and selects  # the ids the attention selects are the answer
     if replay is not None:
@@ -162,14 +170,16 @@ def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
             o, used = o
     elif selects and sparse_impl in ("gather", "paged"):
         k, v, ik = gather_keys(k, v, ik, layout)
-        # One device: the grouped or the slot path, chosen by the config's shape alone (never by S), so that
-        # the engine's decode steps and the trainer's full forward run the same arithmetic. Neither is bitwise
-        # batch invariant on XLA:CPU (a query alone and among S others differ by 1-2 ulp: the softmax's exp
-        # and sums vectorise by shape), as the per-tile gathers are not either.
+        # One device: the grouped or the slot path, chosen by the config's shape and the step's queries per
+        # key slot (`one_device_path`): over a whole sequence never by S; a decode step, where a block brings
+        # a fraction of a row, runs the slots. They agree to float rounding; neither is bitwise batch
+        # invariant on XLA:CPU (a query alone and among S others differ by 1-2 ulp: the softmax's exp and sums
+        # vectorise by shape), as the per-tile gathers are not either.
         path = "tiles"
         if layout.num_devices == 1:
             units = len(head_units(q.shape[2], k.shape[2], cfg.index_n_heads)[0])
-            path = one_device_path(cfg.index_topk_blocks, cfg.index_block_size, q.shape[2] // units, backend)
+            path = one_device_path(cfg.index_topk_blocks, cfg.index_block_size, q.shape[2] // units, backend,
+                                   q.shape[1] / k.shape[1])
         if sparse_impl == "paged" and paged_applies(q, n_ctx, backend):
             o, ids = _paged(q, k, v, positions, key_valid, iq, ik, replay, cfg, n_ctx, layout, path)
             o = (o, ids) if own else o
@@ -240,7 +250,8 @@ def one_device_sparse_attention(cfg, own: bool, backend: str, q, k, v, positions
     shape on `backend`): each context shard's (`m3jax.model.context_shards`). Local heads: with tensor
     parallelism the units split with the heads."""
     units = len(head_units(q.shape[2], k.shape[2], iq.shape[2])[0])
-    path = one_device_path(cfg.index_topk_blocks, cfg.index_block_size, q.shape[2] // units, backend)
+    path = one_device_path(cfg.index_topk_blocks, cfg.index_block_size, q.shape[2] // units, backend,
+                           q.shape[1] / k.shape[1])
     return sparse_layer_attention(q, k, v, positions, key_valid, iq, ik, cfg, to_chunks=_to_chunks,
                                   from_chunks=_from_chunks, path=path, block_ids=block_ids, return_block_ids=own)
 
@@ -262,7 +273,7 @@ def _paged(q, k, v, positions, key_valid, iq, ik, replay, cfg, n_ctx: int, layou
 
 def _unfused(q, k, v, positions, key_valid, cfg, query_chunk: int, layout: Layout):
     """A full layer's attention as "auto" runs it without cuDNN (the fused path's fallback)."""
-    if unfused_impl(k.shape[1]) == "flash":
+    if unfused_impl(k.shape[1], q.shape[1]) == "flash":
         return flash_layer_attention(q, k, v, positions, key_valid, None, None, cfg, layout=layout)
     if query_chunk and q.shape[1] // layout.size("act_seq") > query_chunk:
         return chunked_attention(q, k, v, positions, key_valid, None, None, cfg, query_chunk, layout)

@@ -10,6 +10,15 @@ import jax.numpy as jnp
 
 
 KEY_CHUNK_BLOCKS = 16  # key blocks scored per step of `key_block_scores`' loop (16 x 64 keys: fastest on CPU)
+# Up to this many fp32 scores (4 MB) the indexer scores its queries against every key at once, with no loop: a
+# decode step's few queries, whose loop over key chunks copied the layer's index keys once more and paid a
+# thread hand-off per chunk on a CPU (BENCHMARKS.md, session 29). A constant: no O(S^2) term at scale.
+WHOLE_SCORES_ELEMENTS = 1 << 20
+
+
+def scores_fit_whole(batch: int, index_heads: int, queries: int, keys: int) -> bool:
+    """Whether the indexer's [B, Hi, queries, keys] fp32 scores are small enough to form in one step."""
+    return batch * index_heads * queries * keys <= WHOLE_SCORES_ELEMENTS
 
 
 def key_block_scores(index_q: jax.Array, index_k: jax.Array, positions: jax.Array, *, block_size: int,
@@ -22,12 +31,13 @@ def key_block_scores(index_q: jax.Array, index_k: jax.Array, positions: jax.Arra
         blk[..., max(pos_i // bs - l, 0)] = +inf  for l < local_blocks   (the query's own block, forced)
     The token scores are reduced to block maxima KEY_CHUNK_BLOCKS blocks at a time, and the loop stops
     after the last chunk any of the S queries can see (max position), so no [S, S_k] buffer is formed
-    and wholly-future key chunks cost nothing. No gradient flows (the selection is discrete).
+    and wholly-future key chunks cost nothing; scores that `scores_fit_whole` are formed at once.
+    No gradient flows (the selection is discrete).
     """
     b, s, hi, di = index_q.shape
     sk = index_k.shape[1]
     nb = -(-sk // block_size)
-    cb = min(KEY_CHUNK_BLOCKS, nb)
+    cb = nb if scores_fit_whole(b, hi, s, nb * block_size) else min(KEY_CHUNK_BLOCKS, nb)
     n_chunks = -(-nb // cb)
     width = cb * block_size
     iq = jax.lax.stop_gradient(index_q).astype(jnp.float32)
@@ -42,7 +52,8 @@ def key_block_scores(index_q: jax.Array, index_k: jax.Array, positions: jax.Arra
         scores = jnp.where(hidden[:, None], -jnp.inf, scores)
         return jax.lax.dynamic_update_slice_in_dim(out, scores.reshape(b, hi, s, cb, block_size).max(-1), c * cb, 3)
 
-    block_scores = jax.lax.fori_loop(0, live, chunk, jnp.full((b, hi, s, n_chunks * cb), -jnp.inf))[..., :nb]
+    empty = jnp.full((b, hi, s, n_chunks * cb), -jnp.inf)
+    block_scores = (chunk(0, empty) if n_chunks == 1 else jax.lax.fori_loop(0, live, chunk, empty))[..., :nb]
     block_ids = jnp.arange(nb)
     query_block = positions // block_size  # [B, S]
     forced = jnp.zeros((b, s, nb), bool)

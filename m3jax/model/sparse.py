@@ -16,7 +16,7 @@ units of H / U heads), so a gathered block of keys serves every query head of it
 second scan attends (custom VJP): per tile the gathered [U, tile, K * bs, D] keys and values and the
 [H, tile, K * bs] probabilities are live, linear in S. Only the output's log-sum-exp is saved; the
 backward recomputes each tile's probabilities and scatter-adds its key and value gradients into fp32
-[B, KV, nb, bs, D] accumulators block by block (FlashAttention-2's backward, on gathered keys):
+[B, nb, bs, KV, D] accumulators block by block (FlashAttention-2's backward, on gathered keys):
     dv_j += sum_i p_ij do_i ,  dp_ij = <do_i, v_j> ,  ds_ij = p_ij (dp_ij - sum_j' p_ij' dp_ij') ,
     dq_i = scale sum_j ds_ij k_j ,  dk_j += scale sum_i ds_ij q_i
 (the row sum of p dp rather than <do, o>, so that a bf16 run differentiates exactly what it computed).
@@ -55,12 +55,24 @@ def head_units(h: int, kvh: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
     return np.arange(u) // (u // kvh), np.arange(u) // (u // hi)
 
 
-def to_blocks(a: jax.Array, block_size: int) -> jax.Array:
-    """[B, S_k, KV, D] -> [B, KV, nb, bs, D], the slots past S_k zero (they are masked by slot < S_k)."""
-    b, sk, kvh, d = a.shape
+def block_view(a: jax.Array, block_size: int) -> jax.Array:
+    """[B, S_k, KV, D] -> [B, nb, bs, KV, D] in a's dtype, the slots past S_k zero (masked by slot < S_k).
+
+    A reshape, free when bs divides S_k: the key blocks are gathered from it as they lie (`gather_blocks`), so a
+    decode step reads only the blocks it selected, straight from the stacked cache. Transposed to [B, KV, nb,
+    bs, D] and cast to fp32 first, every step copied the layer's whole cache (BENCHMARKS.md, session 29)."""
+    b, sk = a.shape[:2]
     nb = -(-sk // block_size)
-    a = jnp.pad(a, ((0, 0), (0, nb * block_size - sk), (0, 0), (0, 0)))
-    return a.reshape(b, nb, block_size, kvh, d).transpose(0, 3, 1, 2, 4)
+    if nb * block_size != sk:
+        a = jnp.pad(a, ((0, 0), (0, nb * block_size - sk)) + ((0, 0),) * (a.ndim - 2))
+    return a.reshape(b, nb, block_size, *a.shape[2:])
+
+
+def gather_blocks(blocks: jax.Array, heads: jax.Array, ids: jax.Array) -> jax.Array:
+    """blocks [B, nb, bs, KV, D] (`block_view`), heads (kv head of each id, broadcastable to ids) and ids [B, ...]
+    (block ids in range) -> [B, ..., bs, D]: block ids[b, ...] of kv head heads[...], its bs slots in order."""
+    rows = jnp.arange(blocks.shape[0]).reshape(-1, *(1,) * (ids.ndim - 1))
+    return blocks[rows, ids, :, heads]
 
 
 class _Static(tuple):
@@ -91,9 +103,9 @@ def _gather_tile(st, kb, vb, kval_blocks, pos, ids):
     d = kb.shape[-1]
     keep, safe = _kept_slots(st, kval_blocks, pos, ids)
     u, kk = safe.shape[1], safe.shape[-1]
-    rows, heads = jnp.arange(b)[:, None, None, None], jnp.asarray(kv_of)[None, :, None, None]
-    kg = kb[rows, heads, safe].astype(dtype).reshape(b, u, t, kk * bs, d)
-    vg = vb[rows, heads, safe].astype(dtype).reshape(b, u, t, kk * bs, d)
+    heads = jnp.asarray(kv_of)[None, :, None, None]
+    kg = gather_blocks(kb, heads, safe).astype(dtype).reshape(b, u, t, kk * bs, d)
+    vg = gather_blocks(vb, heads, safe).astype(dtype).reshape(b, u, t, kk * bs, d)
     return kg, vg, keep.reshape(b, u, 1, t, kk * bs), safe
 
 
@@ -135,7 +147,7 @@ def _gathered_fwd(st, q, kb, vb, aux):
 def _gathered_bwd(st, res, do):
     q, kb, vb, lse, aux = res
     kval_blocks, pos, ids = aux
-    b, kvh, nb, bs, d = kb.shape
+    b, nb, bs, kvh, d = kb.shape
     kv_of = np.asarray(st[4])
 
     def step(carry, xs):
@@ -153,11 +165,11 @@ def _gathered_bwd(st, res, do):
         dq = jnp.einsum("bugtj,butjd->btugd", ds, kg.astype(jnp.float32)).reshape(qi.shape)
         dk = jnp.einsum("bugtj,btugd->butjd", ds, qi.reshape(dou.shape).astype(jnp.float32))
         rows, heads = jnp.arange(b)[:, None, None, None], jnp.asarray(kv_of)[None, :, None, None]
-        dkb = dkb.at[rows, heads, safe].add(dk.reshape(b, u, t, kk, bs, d))
-        dvb = dvb.at[rows, heads, safe].add(dv.reshape(b, u, t, kk, bs, d))
+        dkb = dkb.at[rows, safe, :, heads].add(dk.reshape(b, u, t, kk, bs, d))
+        dvb = dvb.at[rows, safe, :, heads].add(dv.reshape(b, u, t, kk, bs, d))
         return (dkb, dvb), dq.astype(qi.dtype)
 
-    zeros = jnp.zeros((b, kvh, nb, bs, d), jnp.float32)
+    zeros = jnp.zeros((b, nb, bs, kvh, d), jnp.float32)
     (dkb, dvb), dq = jax.lax.scan(step, (zeros, zeros), (q, do, lse, pos, ids))
     return dq, dkb.astype(kb.dtype), dvb.astype(vb.dtype), None
 
@@ -239,12 +251,14 @@ def grouped_block_attention(q: jax.Array, k: jax.Array, v: jax.Array, keep: jax.
     return jnp.moveaxis(out, 1, 2).reshape(b, s, h, d).astype(v.dtype)
 
 
-def one_device_path(topk_blocks: int, block_size: int, heads_per_unit: int, backend: str | None = None) -> str:
-    """The faster one-device sparse path for a model's shape on `backend` (default: jax's).
+def one_device_path(topk_blocks: int, block_size: int, heads_per_unit: int, backend: str | None = None,
+                    queries_per_key: float = 1.0) -> str:
+    """The faster one-device sparse path for a model's shape on `backend` (default: jax's), for a step whose
+    queries are `queries_per_key` times its key slots (1 for a whole sequence; 1 / S_max for a decode step).
 
-    On CPU: "slots" when a key block's mean number of rows in the grouped matmul, K x bs x H/U (each block is
-    picked by K x bs queries on average, each bringing its unit's H/U heads), is below one of its row tiles, else
-    "grouped". Below a tile, the grouped path's walk multiplies a whole tile for every (tile, block) segment,
+    On CPU: "slots" when a key block's mean number of rows in the grouped matmul, K x bs x H/U x queries_per_key
+    (over a whole sequence each block is picked by K x bs queries on average, each bringing its unit's H/U heads),
+    is below one of its row tiles, else "grouped". Below a tile, the grouped path's walk multiplies a whole tile for every (tile, block) segment,
     about S / bs loop steps of mostly wasted rows, where the slot path runs a few batched matmuls (BENCHMARKS.md,
     issue 11: the tiny release-like model, 32 rows a block, and the sparse bench model, 1,024).
     Elsewhere (a GPU; TPUs too, unmeasured): "tiles", S / QUERY_TILE steps of batched gathers. The grouped walk
@@ -252,11 +266,14 @@ def one_device_path(topk_blocks: int, block_size: int, heads_per_unit: int, back
     slice at S 4,096 (64 heads, top-16), a loop whose cost on a GPU is its steps' launches, not its FLOPs. That
     slice's step took 18 s on an H200 (BENCHMARKS.md, session 25); compiled for that GPU it held 8 such loops,
     and 37 GB of temporaries against 26 on tiles. The slot path's steps there: S / 8.
-    The choice depends on the config and the platform alone, never on S, so a model's decode steps and its full
-    forward run the same path."""
+    Over a whole sequence the choice depends on the config and the platform alone, never on S. A decode step
+    (one query a row) brings a block a fraction of a row: the grouped walk then read the layer's whole cache to
+    multiply a few rows, 2-3x slower than the slots on the sparse bench model at 4,096 slots (BENCHMARKS.md,
+    session 29). The two paths agree to float rounding (tests/test_sparse_attention.py)."""
     if (backend or jax.default_backend()) != "cpu":
         return "tiles"
-    return "slots" if topk_blocks * block_size * heads_per_unit < GROUPED_TILE else "grouped"
+    rows = topk_blocks * block_size * heads_per_unit * queries_per_key
+    return "slots" if rows < GROUPED_TILE else "grouped"
 
 
 def slot_block_attention(q: jax.Array, k: jax.Array, v: jax.Array, keep: jax.Array, ids: jax.Array,
@@ -275,8 +292,8 @@ def slot_block_attention(q: jax.Array, k: jax.Array, v: jax.Array, keep: jax.Arr
     b, s, h, d = q.shape
     u, kk, bs = ids.shape[1], ids.shape[-1], block_size
     g = h // u
-    kb, vb = to_blocks(k.astype(jnp.float32), bs), to_blocks(v.astype(jnp.float32), bs)
-    rows, heads_t = jnp.arange(b)[:, None, None, None], jnp.asarray(kv_of)[None, None, :, None]
+    kb, vb = block_view(k, bs), block_view(v, bs)
+    heads_t = jnp.asarray(kv_of)[None, None, :, None]
 
     def attend(qc, keep_c, ids_c):  # [B, T, H, D], [B, U, T, K, bs], [B, U, T, K]
         # Query-major (b, t, u) order flattened into one batch dimension: XLA:CPU ran the same matmuls with
@@ -284,8 +301,8 @@ def slot_block_attention(q: jax.Array, k: jax.Array, v: jax.Array, keep: jax.Arr
         t = qc.shape[1]
         n = b * t * u
         ids_t, keep_t = jnp.moveaxis(ids_c, 1, 2), jnp.moveaxis(keep_c, 1, 2)  # [B, T, U, K(, bs)]
-        kg = kb[rows, heads_t, ids_t].reshape(n, kk * bs, d)  # each query's gathered keys
-        vg = vb[rows, heads_t, ids_t].reshape(n, kk * bs, d)
+        kg = gather_blocks(kb, heads_t, ids_t).astype(jnp.float32).reshape(n, kk * bs, d)  # each query's keys
+        vg = gather_blocks(vb, heads_t, ids_t).astype(jnp.float32).reshape(n, kk * bs, d)
         qu = qc.astype(jnp.float32).reshape(n, g, d)
         scores = jax.lax.dot_general(qu, kg, (((2,), (2,)), ((0,), (0,)))) * scale  # [N, G, K bs]
         scores = jnp.where(keep_t.reshape(n, 1, kk * bs), scores, _MASKED)
@@ -369,12 +386,15 @@ def sparse_layer_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: 
         chunked = (None, "act_batch", "act_seq", "act_heads", None)
         chunk = min(tile, s // n_ctx)
         pos_c, ids_c = to_chunks(positions, n_ctx, chunk), to_chunks(ids, n_ctx, chunk)
-        kb32, vb32 = to_blocks(k.astype(jnp.float32), bs), to_blocks(v.astype(jnp.float32), bs)
-        o = _gathered(st, constrain(to_chunks(q, n_ctx, chunk), chunked), kb32, vb32, (kval_blocks, pos_c, ids_c))
+        kb, vb = block_view(k, bs), block_view(v, bs)
+        o = _gathered(st, constrain(to_chunks(q, n_ctx, chunk), chunked), kb, vb, (kval_blocks, pos_c, ids_c))
         o = from_chunks(constrain(o, chunked), n_ctx, s)
-    # A query that sees no key: the mean of v over all S_k slots, as the masked path.
-    seen = jnp.moveaxis(keep.any(axis=(3, 4)), 1, 2)[..., None, None]  # [B, S, U, 1, 1]
-    blind = v.astype(jnp.float32).mean(axis=1).astype(o.dtype)[:, kv_of]  # [B, U, D]
-    o = jnp.where(seen, o.reshape(b, s, len(kv_of), h // len(kv_of), -1), blind[:, None, :, None, :])
+    # A query that sees no key: the mean of v over all S_k slots, as the masked path. That mean reads every slot.
+    # Without a padding mask no query of the indexer's own selection is blind (a selected block with a finite
+    # score holds a visible slot, and the query's own block has one), so a decode step skips it.
+    if key_valid is not None or block_ids is not None:
+        seen = jnp.moveaxis(keep.any(axis=(3, 4)), 1, 2)[..., None, None]  # [B, S, U, 1, 1]
+        blind = v.astype(jnp.float32).mean(axis=1).astype(o.dtype)[:, kv_of]  # [B, U, D]
+        o = jnp.where(seen, o.reshape(b, s, len(kv_of), h // len(kv_of), -1), blind[:, None, :, None, :])
     o = o.reshape(b, s, h, -1)
     return (o, ids) if return_block_ids else o
