@@ -165,7 +165,8 @@ class LayerStack(nnx.Module):
                     y, ids = y
                 x = x + y
             else:
-                x = x + dense_mlp(h, p["mlp_gate_up"], p["mlp_down"], cfg.swiglu_alpha, cfg.swiglu_limit)
+                x = x + dense_mlp(h, p["mlp_gate_up"], p["mlp_down"], cfg.swiglu_alpha, cfg.swiglu_limit,
+                                  layout.num_devices == 1)
             return (layout.constrain(x, ACT), stacked), ((ids,) + ((block_used,) if layer_blocks else ())
                                                          + ((recall,) if return_recall else ())
                                                          + ((align,) if return_indexer_kl else ()))

@@ -101,6 +101,6 @@ def moe_block(p: dict, x: jax.Array, cfg, layout: Layout = Layout(), capacity_fa
         b, s, d = x.shape
         h = jax.lax.stop_gradient(x).reshape(b * s, d)
         ids = route(h, p["router"], p["router_bias"], top_k=cfg.num_experts_per_tok)[1].reshape(b, s, -1)
-    shared = dense_mlp(x, p["shared_gate_up"], p["shared_down"], alpha, limit)
+    shared = dense_mlp(x, p["shared_gate_up"], p["shared_down"], alpha, limit, layout.num_devices == 1)
     y = routed * cfg.routed_scaling_factor + shared
     return (y, ids) if return_routes else y
