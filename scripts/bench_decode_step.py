@@ -12,8 +12,8 @@ step sees nearly the whole cache; no attention mask, as the engine's decode step
                   session 29 (`m3jax.model.attention.unfused_impl`)
 
 Models: the tiny release-like model (m3jax.tiny's HF reference config: a full layer then 3 sparse MoE layers,
-blocks of 8, top-2; up to its 1,024 positions), and scripts/bench_sparse_model.py's 2-layer hidden-512 model (8 heads of 128, blocks of 64,
-top-4) all-sparse and all-full.
+blocks of 8, top-2; up to its 1,024 positions), and scripts/bench_sparse_model.py's 2-layer hidden-512 model
+(8 heads of 128, blocks of 64, top-4) all-sparse and all-full.
 
     .venv/bin/python scripts/bench_decode_step.py
     .venv/bin/python scripts/bench_decode_step.py --slots 1024 4096 --iters 9

@@ -257,10 +257,11 @@ def one_device_path(topk_blocks: int, block_size: int, heads_per_unit: int, back
     queries are `queries_per_key` times its key slots (1 for a whole sequence; 1 / S_max for a decode step).
 
     On CPU: "slots" when a key block's mean number of rows in the grouped matmul, K x bs x H/U x queries_per_key
-    (over a whole sequence each block is picked by K x bs queries on average, each bringing its unit's H/U heads),
-    is below one of its row tiles, else "grouped". Below a tile, the grouped path's walk multiplies a whole tile for every (tile, block) segment,
-    about S / bs loop steps of mostly wasted rows, where the slot path runs a few batched matmuls (BENCHMARKS.md,
-    issue 11: the tiny release-like model, 32 rows a block, and the sparse bench model, 1,024).
+    (over a whole sequence each block is picked by K x bs queries on average, each bringing its unit's H/U
+    heads), is below one of its row tiles, else "grouped". Below a tile, the grouped path's walk multiplies a
+    whole tile for every (tile, block) segment, about S / bs loop steps of mostly wasted rows, where the slot
+    path runs a few batched matmuls (BENCHMARKS.md, issue 11: the tiny release-like model, 32 rows a block, and
+    the sparse bench model, 1,024).
     Elsewhere (a GPU; TPUs too, unmeasured): "tiles", S / QUERY_TILE steps of batched gathers. The grouped walk
     is a while loop of S x H x K / GROUPED_TILE steps, each a few small kernels: 32,895 steps for gpu_check's M3
     slice at S 4,096 (64 heads, top-16), a loop whose cost on a GPU is its steps' launches, not its FLOPs. That
@@ -268,8 +269,9 @@ def one_device_path(topk_blocks: int, block_size: int, heads_per_unit: int, back
     and 37 GB of temporaries against 26 on tiles. The slot path's steps there: S / 8.
     Over a whole sequence the choice depends on the config and the platform alone, never on S. A decode step
     (one query a row) brings a block a fraction of a row: the grouped walk then read the layer's whole cache to
-    multiply a few rows, 2-3x slower than the slots on the sparse bench model at 4,096 slots (BENCHMARKS.md,
-    session 29). The two paths agree to float rounding (tests/test_sparse_attention.py)."""
+    multiply a few rows, 3.2-4.5x slower than the slots on the sparse bench model at 1,024-4,096 slots
+    (scripts/bench_decode_step.py, BENCHMARKS.md session 29). The paths agree to float rounding
+    (tests/test_sparse_attention.py; a decode step against the full forward: tests/test_decode_reads.py)."""
     if (backend or jax.default_backend()) != "cpu":
         return "tiles"
     rows = topk_blocks * block_size * heads_per_unit * queries_per_key
