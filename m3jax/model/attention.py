@@ -175,11 +175,7 @@ def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
         # a fraction of a row, runs the slots. They agree to float rounding; neither is bitwise batch
         # invariant on XLA:CPU (a query alone and among S others differ by 1-2 ulp: the softmax's exp and sums
         # vectorise by shape), as the per-tile gathers are not either.
-        path = "tiles"
-        if layout.num_devices == 1:
-            units = len(head_units(q.shape[2], k.shape[2], cfg.index_n_heads)[0])
-            path = one_device_path(cfg.index_topk_blocks, cfg.index_block_size, q.shape[2] // units, backend,
-                                   q.shape[1] / k.shape[1])
+        path = _one_device_path(cfg, q, k, cfg.index_n_heads, backend) if layout.num_devices == 1 else "tiles"
         if sparse_impl == "paged" and paged_applies(q, n_ctx, backend):
             o, ids = _paged(q, k, v, positions, key_valid, iq, ik, replay, cfg, n_ctx, layout, path)
             o = (o, ids) if own else o
@@ -249,11 +245,17 @@ def one_device_sparse_attention(cfg, own: bool, backend: str, q, k, v, positions
     """A sparse layer's gathered attention as one device runs it (the path `one_device_path` picks for the
     shape on `backend`): each context shard's (`m3jax.model.context_shards`). Local heads: with tensor
     parallelism the units split with the heads."""
-    units = len(head_units(q.shape[2], k.shape[2], iq.shape[2])[0])
-    path = one_device_path(cfg.index_topk_blocks, cfg.index_block_size, q.shape[2] // units, backend,
-                           q.shape[1] / k.shape[1])
     return sparse_layer_attention(q, k, v, positions, key_valid, iq, ik, cfg, to_chunks=_to_chunks,
-                                  from_chunks=_from_chunks, path=path, block_ids=block_ids, return_block_ids=own)
+                                  from_chunks=_from_chunks, path=_one_device_path(cfg, q, k, iq.shape[2], backend),
+                                  block_ids=block_ids, return_block_ids=own)
+
+
+def _one_device_path(cfg, q, k, index_heads: int, backend: str) -> str:
+    """`one_device_path` for queries q [B, S, H, D] over keys k [B, S_k, KV, D] and `index_heads` index heads
+    (the heads as this program holds them: local ones inside a shard_map)."""
+    units = len(head_units(q.shape[2], k.shape[2], index_heads)[0])
+    return one_device_path(cfg.index_topk_blocks, cfg.index_block_size, q.shape[2] // units, backend,
+                           q.shape[1] / k.shape[1])
 
 
 def _paged(q, k, v, positions, key_valid, iq, ik, replay, cfg, n_ctx: int, layout: Layout, path: str):
