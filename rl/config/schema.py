@@ -130,7 +130,7 @@ class ModelSection(_Section):
                                      "then unused), cudnn (full layers on cuDNN's fused attention where it "
                                      "applies: GPU, 16-bit, no decode cache or context sharding; else as auto "
                                      "off a GPU) or auto (cudnn on a GPU; elsewhere flash from 512 keys on, "
-                                     "dense below)",
+                                     "dense below and for decode steps)",
                              choices=("auto", "dense", "flash", "cudnn"))
     # m3jax.model.attention.SPARSE_IMPLS
     sparse_attention: str = _f("gather", "sparse (indexer) layers: gather (each query multiplies only the key "
