@@ -132,3 +132,49 @@ def test_sharded_generation_pads_rows_to_the_batch_shards(model, tmp_path):
     got = engine_for(sharded).generate(ps, sp, jax.random.key(0))
     np.testing.assert_array_equal(got.tokens, want.tokens)
     np.testing.assert_allclose(got.logprobs, want.logprobs, atol=2e-5)
+
+
+
+def bad_requests(v: int, p: int) -> dict:
+    """{case: (prompts, responses (None: a generate request), max_new_tokens, message)} for a model of
+    vocab_size v and max_position_embeddings p."""
+    return {
+        "token id past the vocabulary": ([[3, 4], [5, v]], None, 4, f"prompt 1 holds token id {v}: expected ids in "
+                                                                    f"[0, {v}) (the model's vocab_size)"),
+        "negative token id": ([[3, -1]], None, 4, "prompt 0 holds token id -1"),
+        "empty prompt": ([[3], []], None, 4, "prompt 1 is empty: expected at least one token id"),
+        "no prompts": ([], None, 4, "no prompts: expected a non-empty list"),
+        "past the positions": ([[3] * 8], None, p - 7, f"row 0: 8 prompt tokens + max_new_tokens {p - 7} = {p + 1} "
+                                                       f"positions: expected at most the model's "
+                                                       f"max_position_embeddings = {p}"),
+        "score: response id past the vocabulary": ([[3]], [[v]], 1, f"response 0 holds token id {v}"),
+        "score: past the positions": ([[3] * 8], [[4] * p], 1, f"row 0: 8 prompt + {p} response tokens = {p + 8} "
+                                                               "positions"),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(bad_requests(1, 1)))
+def test_bad_request_is_refused_before_anything_runs(model, case, monkeypatch):
+    """Every bad request raises one ValueError naming the row and what was expected, before the engine runs
+    anything: the model's gather would clamp an id past the vocabulary to a real token, and RoPE would run
+    past the trained positions, both silently."""
+    prompts_, responses, new, message = bad_requests(model.cfg.vocab_size, model.cfg.max_position_embeddings)[case]
+    engine = engine_for(model)
+    import rl.generation.jax_engine as je
+
+    def must_not_run(*a, **k):
+        raise AssertionError("the engine ran a program for a bad request")
+    monkeypatch.setattr(je, "_generate", must_not_run)
+    monkeypatch.setattr(je, "_score", must_not_run)
+    with pytest.raises(ValueError) as err:
+        if responses is None:
+            engine.generate(prompts_, SamplingParams(max_new_tokens=new), jax.random.key(0))
+        else:
+            engine.score(prompts_, responses, SamplingParams(max_new_tokens=new))
+    assert message in str(err.value), str(err.value)
+
+
+def test_prompt_width_past_the_positions_is_refused(model):
+    p = model.cfg.max_position_embeddings
+    with pytest.raises(ValueError, match=f"prompt_width {p - 3} \\+ max_new_tokens 4: expected at most"):
+        engine_for(model).generate([[3, 4]], SamplingParams(max_new_tokens=4), jax.random.key(0), prompt_width=p - 3)

@@ -86,6 +86,14 @@ BAD_FILES = {
     "answer_longer_than_generation": ("data: {num_digits: 8}\n",
                                       ["generation.max_new_tokens = 5", "answers need 9 tokens",
                                        "allowed: an integer >= 9", "generation.max_prompt_tokens = 8"]),
+    "sequence_past_the_positions": ("generation: {max_new_tokens: 100}\n",
+                                    ["generation.max_prompt_tokens + generation.max_new_tokens = 8 + 100 = 108: more "
+                                     "positions than the model has (max_position_embeddings = 64, from "
+                                     "model.tiny.max_position_embeddings); allowed: prompt + response limits of at "
+                                     "most 64 tokens"]),
+    "eval_sequence_past_the_positions": ("eval: {max_new_tokens: 57}\n",
+                                         ["eval.max_prompt_tokens + eval.max_new_tokens = 8 + 57 = 65: more "
+                                          "positions than the model has (max_position_embeddings = 64"]),
     "stop_token_outside_vocab": ("generation: {stop_token_ids: [12, 99]}\n",
                                  ["generation.stop_token_ids[1] = 99: not a token of the model; allowed: an integer "
                                   "in [0, model.tiny.vocab_size=16)"]),

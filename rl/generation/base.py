@@ -30,6 +30,39 @@ class SamplingParams:
             raise ValueError(f"top_k={self.top_k}: expected >= 0 (0 = off)")
 
 
+def check_request(prompts: list[list[int]], vocab_size: int, max_positions: int, new_tokens: int = 0,
+                  responses: list[list[int]] | None = None) -> None:
+    """Raise one ValueError naming the first bad row of a generate (`new_tokens` per row) or score (`responses`)
+    request, and what was expected, before any work: the model's gather would clamp an id outside
+    [0, vocab_size) to a real token, and RoPE would run past the positions the model was trained on, both
+    silently. Also refused: no prompts, and an empty prompt (generation starts from its last token)."""
+    if not prompts:
+        raise ValueError("no prompts: expected a non-empty list of token-id lists")
+    if responses is not None and len(responses) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses: expected one response per prompt")
+    rows = [("prompt", prompts)] + ([("response", responses)] if responses is not None else [])
+    for what, seqs in rows:
+        lengths = np.array([len(q) for q in seqs])
+        if what == "prompt" and not lengths.all():
+            raise ValueError(f"prompt {int(np.argmin(lengths))} is empty: expected at least one token id")
+        if not lengths.sum():
+            continue
+        flat = np.concatenate([np.asarray(q, np.int64).reshape(-1) for q in seqs])
+        bad = (flat < 0) | (flat >= vocab_size)
+        if bad.any():
+            at = int(np.argmax(bad))
+            raise ValueError(f"{what} {int(np.searchsorted(np.cumsum(lengths), at, side='right'))} holds token id "
+                             f"{flat[at]}: expected ids in [0, {vocab_size}) (the model's vocab_size)")
+    total = np.array([len(q) for q in prompts]) + (np.array([len(r) for r in responses]) if responses is not None
+                                                   else new_tokens)
+    if (total > max_positions).any():
+        i = int(np.argmax(total > max_positions))
+        parts = (f"{len(prompts[i])} prompt + {len(responses[i])} response tokens" if responses is not None else
+                 f"{len(prompts[i])} prompt tokens + max_new_tokens {new_tokens}")
+        raise ValueError(f"row {i}: {parts} = {total[i]} positions: expected at most the model's "
+                         f"max_position_embeddings = {max_positions}")
+
+
 @dataclasses.dataclass
 class Rollout:
     """G samples per prompt, flattened: row i is a sample of prompt i // G."""

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rl.generation.base import Rollout, SamplingParams, sampling_logits, token_logprobs
+from rl.generation.base import Rollout, SamplingParams, check_request, sampling_logits, token_logprobs
 
 
 class JaxEngine:
@@ -51,7 +51,8 @@ class JaxEngine:
         self.return_block_ids = return_block_ids
         self.copy_weights = copy_weights
         self.params, self.rest = self._own(params), self._own(rest)
-        self.layout = nnx.merge(graphdef, params, rest).layout  # a view: no parameter is copied
+        model = nnx.merge(graphdef, params, rest)  # a view: no parameter is copied
+        self.layout, self.cfg = model.layout, model.cfg
         self.version = 0
 
     def _own(self, tree):
@@ -65,8 +66,13 @@ class JaxEngine:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, key: jax.Array,
                  prompt_width: int | None = None) -> Rollout:
-        """prompt_width: pad prompts to this many slots (a fixed width compiles once for every batch)."""
+        """prompt_width: pad prompts to this many slots (a fixed width compiles once for every batch).
+        A bad request (`check_request`) raises ValueError before anything runs."""
+        check_request(prompts, self.cfg.vocab_size, self.cfg.max_position_embeddings, params.max_new_tokens)
         width = max(max(map(len, prompts)), prompt_width or 0)
+        if width + params.max_new_tokens > self.cfg.max_position_embeddings:
+            raise ValueError(f"prompt_width {width} + max_new_tokens {params.max_new_tokens}: expected at most the "
+                             f"model's max_position_embeddings = {self.cfg.max_position_embeddings}")
         n = len(prompts)
         rows = n + (-n % self.layout.size("act_batch"))
         ids = np.full((rows, width), self.pad_id, np.int32)
@@ -86,7 +92,9 @@ class JaxEngine:
 
     def score(self, prompts: list[list[int]], responses: list[list[int]], params: SamplingParams
               ) -> list[list[np.ndarray]]:
-        """One engine's logprobs of each response token (the `Generator.score` contract)."""
+        """One engine's logprobs of each response token (the `Generator.score` contract); a bad request
+        (`check_request`) raises ValueError before anything runs."""
+        check_request(prompts, self.cfg.vocab_size, self.cfg.max_position_embeddings, responses=responses)
         lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
         width = max(lengths)
         rows = len(prompts) + (-len(prompts) % self.layout.size("act_batch"))
