@@ -30,7 +30,7 @@ import jax
 import numpy as np
 
 from rl.config.validate_eval import eval_lengths
-from rl.data import PromptRecord, load_prompts, render_prompt
+from rl.data import PromptRecord, fit_prompt_lengths, load_prompts
 from rl.generation.base import Generator, SamplingParams
 from rl.rewards.registry import score_specs
 from rl.tasks import make_task
@@ -106,7 +106,9 @@ def build_eval_set(cfg, tokenizer, stop_token_ids, train: list[PromptRecord] = (
     width, new_tokens = eval_lengths(cfg)
     sampling = SamplingParams(max_new_tokens=new_tokens, temperature=e.temperature, top_p=e.top_p,
                               stop_token_ids=tuple(stop_token_ids))
-    prompt_ids = [render_prompt(r, tokenizer, chat_template=cfg.data.chat_template) for r in records]
+    limit_key = "eval.max_prompt_tokens" if e.max_prompt_tokens else "generation.max_prompt_tokens"
+    records, prompt_ids = fit_prompt_lengths(records, tokenizer, width, chat_template=cfg.data.chat_template,
+                                             overlong=cfg.data.overlong_prompts, limit_key=limit_key)
     return EvalSet(records, prompt_ids, sampling, e.samples_per_prompt, width, e.prompts_per_batch or len(records),
                    tuple(e.reward or cfg.reward), e.correct_threshold, e.seed, tuple(e.pass_k), e.majority_answer)
 

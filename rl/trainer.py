@@ -21,7 +21,7 @@ from rl import evaluate as held_out
 from rl import phases, rollout_log
 from rl.ahead import AheadDraw, draws_ahead
 from rl.config import RunConfig
-from rl.data import load_prompts
+from rl.data import fit_prompt_lengths, load_prompts
 from rl.generation import backends
 from rl.observe import RunLogger, plot_run
 from rl.policy import (Policy, build_policy, checkpointer_for, learning_rate, make_indexer_recall, make_logprobs,
@@ -47,6 +47,8 @@ def build_data(cfg: RunConfig):
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         records = load_prompts(d.path, format=d.format, prompt_key=d.prompt_key, answer_key=d.answer_key,
                                layout=d.layout)
+        records, _ = fit_prompt_lengths(records, tokenizer, cfg.generation.max_prompt_tokens,
+                                        chat_template=d.chat_template, overlong=d.overlong_prompts)
     loader = PromptLoader(records, cfg.grpo.prompts_per_step, seed=d.shuffle_seed)
     return tokenizer, loader, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from rl.data import DatasetError, PromptRecord, load_prompts, render_prompt
+from rl.data import DatasetError, PromptRecord, fit_prompt_lengths, load_prompts, render_prompt
 from rl.prompt_loader import PromptLoader
 from rl.tasks import DigitTokenizer, ReverseDigitsTask
 
@@ -283,3 +283,61 @@ def test_loader_state_validation():
         loader.load_state_dict({"seed": 0})
     with pytest.raises(ValueError):
         PromptLoader([], batch_size=2, seed=0)
+
+
+# ---------------------------------------------------------------------------- prompts longer than the width
+
+def digit_file(tmp_path, digits):
+    """A plain prompt file of digit strings (DigitTokenizer renders each as <bos> digits <sep>)."""
+    return load_prompts(write_jsonl(tmp_path / "digits.jsonl", [{"prompt": d, "answer": d} for d in digits]))
+
+
+def test_prompts_that_fit_are_kept_with_their_rendered_ids(tmp_path):
+    recs, tok = digit_file(tmp_path, ["12", "3456", "7"]), DigitTokenizer()
+    kept, ids = fit_prompt_lengths(recs, tok, 6, chat_template=False)
+    assert kept == recs and ids == [render_prompt(r, tok, chat_template=False) for r in recs]
+    assert [len(x) for x in ids] == [4, 6, 3]
+
+
+def test_an_overlong_prompt_is_refused_at_load_naming_its_row(tmp_path):
+    recs = digit_file(tmp_path, ["12", "34567", "7", "123456789"])
+    with pytest.raises(DatasetError) as err:
+        fit_prompt_lengths(recs, DigitTokenizer(), 6, chat_template=False)
+    msg = str(err.value)
+    assert msg.startswith(f"{tmp_path / 'digits.jsonl'}, row 2: the prompt renders to 7 tokens, over "
+                          "generation.max_prompt_tokens = 6 (2 of 4 prompts are, the longest 11 tokens)"), msg
+    assert "data.overlong_prompts: drop" in msg
+
+
+def test_drop_leaves_overlong_prompts_out_in_order(tmp_path, caplog):
+    recs = digit_file(tmp_path, ["12", "34567", "7", "123456789"])
+    with caplog.at_level("WARNING", logger="rl.data"):
+        kept, ids = fit_prompt_lengths(recs, DigitTokenizer(), 6, chat_template=False, overlong="drop",
+                                       limit_key="eval.max_prompt_tokens")
+    assert [r.prompt for r in kept] == ["12", "7"] and [len(x) for x in ids] == [4, 3]
+    assert "dropped 2 of 4 prompts longer than eval.max_prompt_tokens = 6 tokens" in caplog.text
+
+
+def test_drop_with_nothing_left_is_an_error(tmp_path):
+    with pytest.raises(DatasetError, match="every one of the 2 prompts renders to more than generation"):
+        fit_prompt_lengths(digit_file(tmp_path, ["12345", "123456"]), DigitTokenizer(), 4, chat_template=False,
+                           overlong="drop")
+
+
+def test_the_trainer_checks_every_file_prompt_at_load(tmp_path, monkeypatch):
+    """`rl.trainer.build_data` refuses a prompt file with an overlong prompt before the run builds anything
+    else, and with data.overlong_prompts: drop trains on the rest."""
+    import transformers
+
+    from rl.config import load_config
+    from rl.trainer import build_data
+    from tests.test_run_config import TINY
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda path: DigitTokenizer())
+    (tmp_path / "config.json").write_text(json.dumps(load_config(TINY).model.m3_config().to_hf_dict()))
+    path = write_jsonl(tmp_path / "train.jsonl", [{"prompt": d, "answer": d} for d in ["1234", "1234567", "4321"]])
+    args = ["data.kind=file", f"data.path={path}", "model.tiny=null", f"model.path={tmp_path}", "eval.every_steps=0",
+            "eval.at_start=false", "grpo.prompts_per_step=2", "grpo.micro_batch_size=16"]
+    with pytest.raises(DatasetError, match="row 2: the prompt renders to 9 tokens, over generation.max_prompt_tokens"):
+        build_data(load_config(TINY, args))
+    _, loader, _ = build_data(load_config(TINY, args + ["data.overlong_prompts=drop"]))
+    assert sorted(r.prompt for r in loader.records) == ["1234", "4321"]

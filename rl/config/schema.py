@@ -26,6 +26,7 @@ PRECISION_MODES = ("none", "fp32", "compact")                  # sharding.precis
 DATA_TASKS = ("reverse", "copy", "sort", "addmod")             # rl.tasks.TASKS
 DATA_FORMATS = ("auto", "jsonl", "json", "parquet")            # rl.data.FileFormat
 DATA_LAYOUTS = ("auto", "dapo", "gsm8k", "plain")              # rl.data.Layout
+OVERLONG_PROMPTS = ("error", "drop")                           # rl.data.OVERLONG_PROMPTS
 DIGIT_VOCAB = 16                                               # rl.tasks.DigitTokenizer.vocab_size
 LOG_LEVELS = ("info", "debug")                                 # rl.logs.LEVELS
 WEIGHT_TRANSPORTS = ("ray", "shm", "collective")                 # rl.generation.transfer.TRANSPORTS
@@ -334,6 +335,9 @@ class DataSection(_Section):
     answer_key: str | None = _f(None, "record field holding the reference answer; null = from the layout")
     chat_template: bool = _f(False, "render prompts with the tokenizer's chat template")
     shuffle_seed: int = _f(0, "seed of the per-epoch shuffle of the prompts", min=0)
+    overlong_prompts: str = _f("error", "a file prompt that renders to more than generation.max_prompt_tokens "
+                                        "tokens (checked at load, every prompt): error = refuse the file, naming "
+                                        "the row; drop = leave such prompts out (logged)", choices=OVERLONG_PROMPTS)
 
 
 @dataclasses.dataclass(frozen=True)
