@@ -53,21 +53,31 @@ def test_weight_transport_is_read_where_the_pool_is_built(monkeypatch):
     pool before any engine (or Ray) starts."""
     from rl.generation import vllm_pool
 
+    import types
+
+    from flax import nnx
+
+    from m3jax import tiny
+
     built = []
     monkeypatch.setattr(vllm_pool, "VLLMPool", lambda pool_cfg, graphdef, pad_id: built.append(pool_cfg))
     cfg = load_config(TINY_VLLM, ["model.tiny=null", "model.path=/nowhere"], check_paths=False)
-    backends.make_generator(cfg, None, None, pad_id=0, run_dir="/nowhere")
+    model = tiny.m3_model(load_config(TINY_VLLM).model.m3_config(), seed=0)  # the trainer's model
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    state = types.SimpleNamespace(params=params, rest=rest)
+    backends.make_generator(cfg, graphdef, state, pad_id=0, run_dir="/nowhere")
     assert built[0].transport == cfg.generation.weight_transport == "ray"
+    assert built[0].vocab_size == model.cfg.vocab_size  # the pool refuses ids past it (test_vllm_pool_logic.py)
     assert built[0].malloc_tuning and built[0].warm_object_store  # the defaults (rl.generation.host_memory, local_ray)
     off = load_config(TINY_VLLM, ["model.tiny=null", "model.path=/nowhere", "generation.vllm_malloc_tuning=false",
                                   "generation.vllm_object_store_warmup=false"], check_paths=False)
-    backends.make_generator(off, None, None, pad_id=0, run_dir="/nowhere")
+    backends.make_generator(off, graphdef, state, pad_id=0, run_dir="/nowhere")
     assert not built[1].malloc_tuning and not built[1].warm_object_store
     assert built[0].group_device == "cpu"  # generation.weight_group_device auto, on a CPU trainer: gloo
     cuda = load_config(TINY_VLLM, ["model.tiny=null", "model.path=/nowhere", "generation.weight_transport=collective",
                                    "generation.weight_group_device=cuda"], check_paths=False)
     with pytest.raises(ValueError, match="weight_group_device: cuda, but torch sees no CUDA device"):
-        backends.make_generator(cuda, None, None, pad_id=0, run_dir="/nowhere")
+        backends.make_generator(cuda, graphdef, state, pad_id=0, run_dir="/nowhere")
     assert len(built) == 2  # refused before the pool was built
     monkeypatch.undo()
     with pytest.raises(vllm_pool.PoolError, match=r"weight transport 'nccl' is not built; allowed: ray"):

@@ -3,7 +3,9 @@ row back in its place, a re-sent row samples the same tokens, an engine that die
 and loses or duplicates nothing, the replacement serves only once a weight update reaches it, a rejected
 update leaves every engine on its old version. The real engines: tests/test_vllm_pool.py (slow)."""
 
+import dataclasses
 import os
+import re
 import time
 
 import jax
@@ -171,6 +173,30 @@ def test_no_engine_left_is_a_clear_error(pool):
             pool.push(iter(weights(1)), version=9)
     finally:
         pool.slots = saved
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("id", "prompt 1 holds token id 90: expected ids in [0, 90)"),
+    ("length", "row 0: 5 prompt tokens + max_new_tokens 2044 = 2049 positions: expected at most the engines' "
+               "max_model_len = 2048"),
+    ("score length", "row 0: 5 prompt + 2044 response tokens = 2049 positions: expected at most the engines' "
+                     "max_model_len - 1 = 2047"),
+])
+def test_a_bad_request_is_refused_before_any_engine_sees_it(pool, monkeypatch, bad, message):
+    """vLLM raises on such a request; inside the pool that error looked like a dead engine, which it replaced
+    (and re-sent the same rows to the replacement). Now the request is refused first: no engine is called or
+    replaced."""
+    monkeypatch.setattr(pool, "cfg", dataclasses.replace(pool.cfg, vocab_size=90))
+    calls, restarts = sum(h["calls"] for h in pool.health() if "calls" in h), pool.restarts
+    ps = prompts(3)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        if bad == "id":
+            pool.generate([ps[0], ps[1][:4] + [90], ps[2]], SamplingParams(max_new_tokens=4), jax.random.key(0))
+        elif bad == "length":
+            pool.generate(ps, SamplingParams(max_new_tokens=2044), jax.random.key(0))
+        else:
+            pool.score(ps, [[3] * 2044] * 3, SamplingParams(max_new_tokens=1))
+    assert sum(h["calls"] for h in pool.health() if "calls" in h) == calls and pool.restarts == restarts
 
 
 class _SlowEngine:

@@ -43,6 +43,7 @@ def make_generator(cfg, graphdef, state, *, pad_id: int, run_dir: str):
                           expert_parallel=g.vllm_expert_parallel,
                           gpu_memory_utilization=g.vllm_gpu_memory_utilization,
                           max_model_len=g.max_seq_len + 1,  # scoring a full-length sequence asks for 1 more token
+                          vocab_size=nnx.merge(graphdef, state.params, state.rest).cfg.vocab_size,
                           dtype=dtype, ray_address=g.vllm_ray_address, bucket_bytes=g.weight_bucket_mb << 20,
                           transport=g.weight_transport, request_timeout_s=g.vllm_request_timeout_s,
                           max_restarts=g.vllm_max_restarts, seed=cfg.run.seed, executor=g.vllm_executor,

@@ -30,12 +30,15 @@ class SamplingParams:
             raise ValueError(f"top_k={self.top_k}: expected >= 0 (0 = off)")
 
 
-def check_request(prompts: list[list[int]], vocab_size: int, max_positions: int, new_tokens: int = 0,
-                  responses: list[list[int]] | None = None) -> None:
+def check_request(prompts: list[list[int]], vocab_size: int | None, max_positions: int, new_tokens: int = 0,
+                  responses: list[list[int]] | None = None,
+                  limit_name: str = "the model's max_position_embeddings") -> None:
     """Raise one ValueError naming the first bad row of a generate (`new_tokens` per row) or score (`responses`)
-    request, and what was expected, before any work: the model's gather would clamp an id outside
+    request, and what was expected, before any work: the JAX model's gather would clamp an id outside
     [0, vocab_size) to a real token, and RoPE would run past the positions the model was trained on, both
-    silently. Also refused: no prompts, and an empty prompt (generation starts from its last token)."""
+    silently; a vLLM engine would raise, and the pool would take that for a dead engine and replace it. Also
+    refused: no prompts, and an empty prompt (generation starts from its last token). vocab_size None: ids
+    not checked. max_positions / limit_name: the most positions a row may take, and what sets them."""
     if not prompts:
         raise ValueError("no prompts: expected a non-empty list of token-id lists")
     if responses is not None and len(responses) != len(prompts):
@@ -48,7 +51,7 @@ def check_request(prompts: list[list[int]], vocab_size: int, max_positions: int,
         if not lengths.sum():
             continue
         flat = np.concatenate([np.asarray(q, np.int64).reshape(-1) for q in seqs])
-        bad = (flat < 0) | (flat >= vocab_size)
+        bad = (flat < 0) | (flat >= (vocab_size if vocab_size is not None else np.iinfo(np.int64).max))
         if bad.any():
             at = int(np.argmax(bad))
             raise ValueError(f"{what} {int(np.searchsorted(np.cumsum(lengths), at, side='right'))} holds token id "
@@ -59,8 +62,7 @@ def check_request(prompts: list[list[int]], vocab_size: int, max_positions: int,
         i = int(np.argmax(total > max_positions))
         parts = (f"{len(prompts[i])} prompt + {len(responses[i])} response tokens" if responses is not None else
                  f"{len(prompts[i])} prompt tokens + max_new_tokens {new_tokens}")
-        raise ValueError(f"row {i}: {parts} = {total[i]} positions: expected at most the model's "
-                         f"max_position_embeddings = {max_positions}")
+        raise ValueError(f"row {i}: {parts} = {total[i]} positions: expected at most {limit_name} = {max_positions}")
 
 
 @dataclasses.dataclass

@@ -31,7 +31,7 @@ import threading
 import jax
 import numpy as np
 
-from rl.generation.base import Rollout, SamplingParams
+from rl.generation.base import Rollout, SamplingParams, check_request
 from rl.generation.transfer import TRANSPORTS, TransferError, TransferStats, make_transport, model_tensors
 from rl.generation import host_memory, local_ray, shared_segments, vllm_ray
 from rl.generation.vllm_results import CPU_REASON, assemble_rollout
@@ -53,6 +53,9 @@ class PoolConfig:
     expert_parallel: int = 1
     gpu_memory_utilization: float = 0.8
     max_model_len: int = 2048
+    # refuse a request with a token id outside [0, vocab_size) before an engine sees it (vLLM would raise, and
+    # the pool take the error for a dead engine); None: not checked here
+    vocab_size: int | None = None
     dtype: str = "float32"
     ray_address: str | None = None  # None: start a local Ray
     bucket_bytes: int = 256 << 20
@@ -314,6 +317,10 @@ class VLLMPool:
         """prompt_width: vLLM needs no padding; it sets the width of `Rollout.routes` as for the JAX engine."""
         import ray
 
+        # vLLM refuses a prompt + max_tokens over max_model_len (and any id past the vocabulary): here, before
+        # any engine is asked, rather than as an engine failure that would replace it
+        check_request(prompts, self.cfg.vocab_size, self.cfg.max_model_len, params.max_new_tokens,
+                      limit_name="the engines' max_model_len")
         n = len(prompts)
         seeds = np.asarray(jax.random.randint(key, (n,), 0, 2**31 - 1)).tolist()
         with self._lock:
@@ -368,6 +375,9 @@ class VLLMPool:
         """Per-token logprobs of fixed sequences on every serving engine (one list per engine)."""
         import ray
 
+        # a scored sequence asks its engine for one more token (prompt logprobs come with a generation)
+        check_request(prompts, self.cfg.vocab_size, self.cfg.max_model_len - 1, responses=responses,
+                      limit_name="the engines' max_model_len - 1")
         with self._lock:
             refs = [s.actor.score.remote(prompts, responses, params.temperature, params.top_p, params.top_k)
                     for s in self.serving()]
