@@ -49,15 +49,15 @@ def _score(cfg, args) -> int:
     if note:
         print(f"warning: {note}", file=sys.stderr)
     # Heavy imports only once the config is known to be good.
+    from m3jax.input_errors import input_errors
     from rl import eval_checkpoint
-    from rl.data import DatasetError
 
     try:
         policy = (eval_checkpoint.from_hf(cfg, args.hf) if args.hf
                   else eval_checkpoint.from_checkpoint(cfg, args.step))
         tokenizer = eval_checkpoint.tokenizer_for(cfg, args.hf)
         metrics = eval_checkpoint.score(cfg, policy, tokenizer)
-    except (FileNotFoundError, DatasetError) as e:
+    except input_errors() as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     what = f"--hf {args.hf}" if args.hf else f"step {policy.step} of {cfg.run.out_dir}"

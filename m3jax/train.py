@@ -50,6 +50,7 @@ def main(argv=None) -> int:
 
 
 def _train(cfg, args) -> int:
+    from m3jax.input_errors import input_errors
     from sharding.compile_cache import use_compilation_cache
     from sharding.mesh import set_memory_fraction
 
@@ -64,7 +65,7 @@ def _train(cfg, args) -> int:
 
         try:
             step, path = export_latest(cfg, args.export)
-        except FileNotFoundError as e:
+        except input_errors() as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
         print(f"exported step {step} to {path}")
@@ -76,6 +77,9 @@ def _train(cfg, args) -> int:
     except NotImplementedError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    except input_errors() as e:  # the model, checkpoint, prompt file or mesh: refused before the first step
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     _warn_if_the_plan_does_not_fit(cfg, trainer.policy.model_cfg)
     last = trainer.run()
     held = ""

@@ -161,3 +161,24 @@ def test_bad_config_fails_before_any_work(tmp_path):
     r = train(f"run.out_dir={tmp_path / 'x'}", "grpo.group_sise=4")
     assert r.returncode == 2 and "grpo.group_sise" in r.stderr
     assert not os.path.exists(tmp_path / "x")
+
+
+def test_bad_model_or_mesh_is_one_error_line(tmp_path):
+    """A checkpoint that does not match its config (eval --hf) and a mesh larger than the machine (train) are
+    printed as one `error:` line naming what was wrong, with no traceback."""
+    from safetensors.numpy import load_file, save_file
+
+    from m3jax import tiny
+    hf_dir = tiny.save_hf(tiny.hf_model(tiny.hf_config("release_like"), seed=0), str(tmp_path / "hf"))
+    path = os.path.join(hf_dir, "model.safetensors")
+    tensors = load_file(path)
+    name = next(n for n in sorted(tensors) if "q_proj" in n)
+    tensors[name] = tensors[name][:-1]
+    save_file(tensors, path, metadata={"format": "pt"})
+    r, _ = evaluate(tmp_path / "run", "--hf", hf_dir)
+    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].startswith(
+        f"error: checkpoint (native layout) does not match its config: tensor {name} has shape"), r.stderr
+    assert "Traceback" not in r.stderr
+    r = train(f"run.out_dir={tmp_path / 'x'}", "mesh.data=2", "grpo.micro_batch_size=128")
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "error: mesh data x context x expert x tensor = 2 x 1 x 1 x 1 = 2 devices, but 1 are available" in r.stderr
