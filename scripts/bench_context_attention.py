@@ -13,6 +13,11 @@ top-4 of blocks of 64, 2 index heads of 64, one local block) on the same q, k, v
   partitioner     what a mesh ran before: keys gathered by sharding constraints, the per-tile gather scan
                   over every context shard's tiles at once (its backward all-reduced dK / dV at every tile)
   shard_map       `m3jax.model.context_shards.per_context_shard`: the one-device path on each shard
+Both layers also run the shard_map path with contiguous shards (`context_balance` false: shard c attends for
+slots [c S_l, (c+1) S_l)) next to the default, where mirror shards swap their queries' second halves so that
+each does the same causal work (`sharding.context.mirror_second_halves`). That difference shows only where the
+simulated devices run side by side: with --devices at most the core count (2 here), the step waits for the
+busiest shard.
 fwd = the output; f+b = value_and_grad of the sum over q, k, v. Median wall ms over --iters round-robin
 calls after one warm-up call. The simulated devices share this machine's cores, so a perfect split of the
 work shows as the one-device time (not 1/N of it), and a partitioner that computes every query tile on every
@@ -21,6 +26,7 @@ device as ~N x the one-device time divided by the cores' parallelism.
     .venv/bin/python scripts/bench_context_attention.py                       # S = 2048 4096, 4 devices
     .venv/bin/python scripts/bench_context_attention.py --seq 8192 --devices 8
     .venv/bin/python scripts/bench_context_attention.py --layer sparse
+    .venv/bin/python scripts/bench_context_attention.py --devices 2 --seq 4096 8192    # balanced vs contiguous
 """
 
 from __future__ import annotations
@@ -47,6 +53,8 @@ def main() -> None:
     ap.add_argument("--layer", choices=("full", "sparse"), default="full")
     args = ap.parse_args()
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
+
+    import dataclasses
 
     import jax
     import jax.numpy as jnp
@@ -94,25 +102,30 @@ def main() -> None:
 
     print(f"{args.layer} layer, B={b} H={h} KV={kvh} D={d}, fp32, {args.devices} simulated devices "
           f"({os.cpu_count()} cores)\n")
-    print("| S | one device fwd | partitioner fwd | shard_map fwd | one device f+b | partitioner f+b | "
-          "shard_map f+b | shard_map vs partitioner (fwd / f+b) |")
-    print("|---|---|---|---|---|---|---|---|")
+    names = ("one device", "partitioner", "shard_map", "contiguous")
+    print("| S | " + " | ".join(f"{n} {p}" for p in ("fwd", "f+b") for n in names)
+          + " | shard_map vs partitioner (fwd / f+b) | balanced vs contiguous (fwd / f+b) |")
+    print("|---" * (2 * len(names) + 3) + "|")
     for s in args.seq:
-        layout = build_mesh(MeshConfig(1, args.devices, 1, 1), seq_len=s, batch=b)
+        balanced = build_mesh(MeshConfig(1, args.devices, 1, 1), seq_len=s, batch=b)
+        contiguous = dataclasses.replace(balanced, context_balance=False)
+        layout = balanced
         r = jax.random.split(jax.random.key(s), 3)
         q = jax.random.normal(r[0], (b, s, h, d))
         k, v = (jax.random.normal(x, (b, s, kvh, d)) for x in r[1:])
         positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
         if args.layer == "full":
-            def cp(q, k, v):
+            def cp(q, k, v, layout=balanced):
                 return context_parallel_attention(flash, layout, q, k, v, positions, None)
 
             one, partitioner, shard_map = flash, flash, cp
+            unbalanced = functools.partial(cp, layout=contiguous)
         else:
             ri = jax.random.split(jax.random.key(s + 1), 2)
             iq = jax.random.normal(ri[0], (b, s, cfg.index_n_heads, cfg.index_head_dim))
             ik = jax.random.normal(ri[1], (b, s, cfg.index_head_dim))
-            one, partitioner, shard_map = sparse_programs(layout, positions, iq, ik)
+            one, partitioner, shard_map = sparse_programs(balanced, positions, iq, ik)
+            unbalanced = sparse_programs(contiguous, positions, iq, ik)[2]
 
         def fb(f):
             return jax.jit(jax.value_and_grad(lambda q, k, v: f(q, k, v).sum(), argnums=(0, 1, 2)))
@@ -121,7 +134,8 @@ def main() -> None:
         placed = [jax.device_put(x, seq_sharded) for x in (q, k, v)]
         runs = {"one device": ((q, k, v), jax.jit(one), fb(one)),
                 "partitioner": (placed, jax.jit(partitioner), fb(partitioner)),
-                "shard_map": (placed, jax.jit(shard_map), fb(shard_map))}
+                "shard_map": (placed, jax.jit(shard_map), fb(shard_map)),
+                "contiguous": (placed, jax.jit(unbalanced), fb(unbalanced))}
         times = {name: ([], []) for name in runs}
         with jax.set_mesh(layout.mesh):
             for a, fwd, grad in runs.values():
@@ -133,7 +147,8 @@ def main() -> None:
         med = {name: tuple(statistics.median(t) for t in ts) for name, ts in times.items()}
         cells = [f"{med[n][i]:.0f}" for i in (0, 1) for n in runs]
         ratio = " / ".join(f"{med['partitioner'][i] / med['shard_map'][i]:.2f}x" for i in (0, 1))
-        print(f"| {s} | " + " | ".join(cells) + f" | {ratio} |", flush=True)
+        balance = " / ".join(f"{med['contiguous'][i] / med['shard_map'][i]:.2f}x" for i in (0, 1))
+        print(f"| {s} | " + " | ".join(cells) + f" | {ratio} | {balance} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,13 @@ key-side arrays (keys, values, key padding, indexer keys) over the context axes,
 own queries against the keys they can see, with its own loop bounds. The gather's transpose is a
 reduce-scatter: in the backward each device sums its queries' contributions to dK / dV once.
 
-Shard c's queries see keys [0, (c+1) S_l): under causal attention the last shard does the most work
-(contiguous shards, no zigzag reordering).
+Shard c's queries see keys [0, (c+1) S_l): under causal attention the last of n contiguous shards would do
+2n - 1 times the first's work. With `Layout.context_balance` (the default) the shards' second halves are
+swapped between mirror shards c and n - 1 - c inside the map (`mirror_second_halves`, one collective permute
+of the query side each way), so shard c attends for query halves 2c and 2n - 1 - 2c: every shard sees the same
+number of causal (query, key) pairs, 2n in units of half-shard squares / 2, as MaxText's load-balanced context
+parallelism. The attention paths are position-based (causality, the indexer's local blocks, the visited key
+tiles), so the swapped queries carry their positions and nothing else changes.
 """
 
 from __future__ import annotations
@@ -31,6 +36,19 @@ ROW_AXES = ("act_batch", "act_seq")
 Axes = tuple  # logical axis names of one array, one per dimension (None = not cut)
 
 
+def mirror_second_halves(a: jax.Array, dim: int, axes: tuple[str, ...], n: int) -> jax.Array:
+    """Inside `jax.shard_map` over `axes` (n shards of a sequence, in order): [first half; second half] of this
+    shard's `a` along `dim` -> [first half; the second half of shard n - 1 - shard]. Its own inverse.
+
+    With causal attention, half h of 2n sees (h + 1/2) half-shards of keys on average; shard c then holds
+    halves 2c and 2(n - 1 - c) + 1: 2n in all, the same on every shard."""
+    half = a.shape[dim] // 2
+    first = jax.lax.slice_in_dim(a, 0, half, axis=dim)
+    second = jax.lax.slice_in_dim(a, half, 2 * half, axis=dim)
+    second = jax.lax.ppermute(second, axes, perm=[(c, n - 1 - c) for c in range(n)])
+    return jnp.concatenate([first, second], axis=dim)
+
+
 def context_parallel(fn: Callable, layout: Layout, local: Sequence[tuple[jax.Array, Axes]],
                      gathered: Sequence[tuple[jax.Array, Axes]], out_axes: Axes | tuple[Axes, ...]):
     """fn(*local shards, *gathered arrays) on every device of `layout`'s mesh (inside `jax.shard_map`).
@@ -40,17 +58,28 @@ def context_parallel(fn: Callable, layout: Layout, local: Sequence[tuple[jax.Arr
     the context axes inside the map; its other axes stay cut); out_axes: the logical axes of fn's output,
     or a tuple of them for a tuple of outputs. Every array's dimensions must divide into their shards.
     """
-    ctx = layout.axes("act_seq")
+    ctx, n = layout.axes("act_seq"), layout.size("act_seq")
     n_local = len(local)
     seq_dims = [axes.index("act_seq") for _, axes in gathered]
+    several = bool(out_axes) and isinstance(out_axes[0], tuple)
+    outs = out_axes if several else (out_axes,)
+    local_dims = [axes.index("act_seq") for _, axes in local]
+    # Balanced when every local array and output is cut along the sequence in shards of an even length.
+    balance = (layout.context_balance and n > 1 and all("act_seq" in axes for axes in outs)
+               and all(a.shape[d] // n % 2 == 0 for (a, _), d in zip(local, local_dims)))
 
     def body(*arrays):
         whole = [jax.lax.all_gather(a, ctx, axis=dim, tiled=True) for a, dim in zip(arrays[n_local:], seq_dims)]
-        return fn(*arrays[:n_local], *whole)
+        mine = arrays[:n_local]
+        if not balance:
+            return fn(*mine, *whole)
+        out = fn(*(mirror_second_halves(a, d, ctx, n) for a, d in zip(mine, local_dims)), *whole)
+        out = tuple(mirror_second_halves(o, axes.index("act_seq"), ctx, n)
+                    for o, axes in zip(out if several else (out,), outs))
+        return out if several else out[0]
 
     spec = lambda axes: layout.spec(axes, drop_trivial=True)  # noqa: E731
     in_specs = tuple(spec(axes) for _, axes in (*local, *gathered))
-    several = bool(out_axes) and isinstance(out_axes[0], tuple)
     out_specs = tuple(spec(a) for a in out_axes) if several else spec(out_axes)
     # check_vma off: fn's loops start from constant carries (zeros), which the varying-axes check rejects.
     # Without it, jax's transpose of the map sums an input's cotangent over the mesh axes the input is not cut

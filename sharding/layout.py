@@ -29,6 +29,10 @@ class Layout:
     # jax's default backend without a mesh. Set it to build for devices jax does not run on here (XLA's GPU
     # compiler on compile-only devices, `m3jax.plan.compile.compile_only_gpus`, for a layout without a mesh).
     platform: str | None = None
+    # Context-parallel attention swaps the shards' second halves of queries between mirror shards, so that
+    # every shard does the same causal work (`sharding.context.mirror_second_halves`); False = contiguous
+    # shards, the last doing 2n - 1 times the first's work (`MeshConfig.context_balance`)
+    context_balance: bool = True
 
     @property
     def backend(self) -> str:

@@ -50,6 +50,9 @@ class MeshConfig:
     # NVLink. They must be the last entries of fsdp_axes (the shards of one copy are then whole runs of the full
     # cut); () = every micro-batch gathers over all of fsdp_axes.
     fsdp_step_axes: tuple[str, ...] = ()
+    # Causal load balance of context-parallel attention: mirror shards swap their queries' second halves
+    # (`sharding.context.mirror_second_halves`); False = contiguous shards, the last doing the most work
+    context_balance: bool = True
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -246,7 +249,7 @@ def build_mesh(mesh: MeshConfig, model: ShardedModel | None = None, *, seq_len: 
     devices = list(devices) if devices is not None else jax.devices()
     validate(mesh, model, num_devices=len(devices), seq_len=seq_len, batch=batch)
     return Layout(jax.make_mesh(mesh.shape, MESH_AXES, axis_types=(AxisType.Auto,) * 4, devices=devices),
-                  mesh.rules, tuple(mesh.fsdp_step_axes))
+                  mesh.rules, tuple(mesh.fsdp_step_axes), context_balance=mesh.context_balance)
 
 
 def mesh_config_of(mesh) -> MeshConfig:
@@ -254,9 +257,10 @@ def mesh_config_of(mesh) -> MeshConfig:
     layout = mesh if isinstance(mesh, Layout) else Layout(mesh)
     if layout.mesh is None:
         return MeshConfig(expert_axes=expert_axes_of(layout.rules), fsdp_axes=fsdp_axes_of(layout.rules),
-                          fsdp_step_axes=layout.fsdp_step_axes)
+                          fsdp_step_axes=layout.fsdp_step_axes, context_balance=layout.context_balance)
     missing = [a for a in MESH_AXES if a not in layout.mesh.shape]
     if missing:
         raise MeshError(f"mesh axes {tuple(layout.mesh.axis_names)} lack {missing}: expected {MESH_AXES}")
     return MeshConfig(*(layout.mesh.shape[a] for a in MESH_AXES), expert_axes=expert_axes_of(layout.rules),
-                      fsdp_axes=fsdp_axes_of(layout.rules), fsdp_step_axes=layout.fsdp_step_axes)
+                      fsdp_axes=fsdp_axes_of(layout.rules), fsdp_step_axes=layout.fsdp_step_axes,
+                      context_balance=layout.context_balance)

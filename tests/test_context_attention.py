@@ -49,9 +49,10 @@ def test_attend_sees_local_queries_and_every_key(mesh):
                         key_valid=(rows, S))
 
 
+@pytest.mark.parametrize("balance", [True, False], ids=["balanced", "contiguous"])
 @pytest.mark.parametrize("mesh", list(MESHES))
-def test_flash_values_and_gradients_equal_one_device(mesh):
-    layout = build_mesh(MeshConfig(*MESHES[mesh]), seq_len=S, batch=B)
+def test_flash_values_and_gradients_equal_one_device(mesh, balance):
+    layout = build_mesh(MeshConfig(*MESHES[mesh], context_balance=balance), seq_len=S, batch=B)
     q, k, v, positions, key_valid = inputs()
     w = jnp.asarray(np.random.default_rng(1).normal(size=q.shape), jnp.float32)
 
@@ -68,6 +69,37 @@ def test_flash_values_and_gradients_equal_one_device(mesh):
             lambda *a: context_parallel_attention(flash, layout, *a)))()
     for name, g, h in zip(("o", "dq", "dk", "dv"), (want[0], *want[1]), (got[0], *got[1])):
         np.testing.assert_allclose(np.asarray(h), np.asarray(g), rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def shard_of_each_query(layout, s):
+    """[S]: the context shard that computed each query's output (attend returns its shard's index)."""
+    ctx = layout.axes("act_seq")
+
+    def attend(q, k, v, positions, key_valid):
+        return jnp.zeros_like(q) + jax.lax.axis_index(ctx).astype(q.dtype)
+
+    q, k, v = jnp.zeros((B, s, H, D)), jnp.zeros((B, s, KV, D)), jnp.zeros((B, s, KV, D))
+    positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (B, s))
+    with jax.set_mesh(layout.mesh):
+        o = jax.jit(lambda *a: context_parallel_attention(attend, layout, *a))(q, k, v, positions, None)
+    return np.asarray(o[0, :, 0, 0]).astype(int)
+
+
+def test_balanced_shards_attend_for_mirrored_second_halves():
+    """With context_balance, shard c computes the first half of its own slots and the second half of shard
+    n - 1 - c's: the same causal work on every shard (halves 2c and 2n - 1 - 2c of 2n). Without it each shard
+    computes its own contiguous slots. An odd number of local slots cannot halve: contiguous."""
+    n, s = 4, 32
+    half = s // n // 2
+    balanced = build_mesh(MeshConfig(2, n, 1, 1), seq_len=s, batch=B)
+    want = [c if h % 2 == 0 else n - 1 - c for c in range(n) for h in range(2) for _ in range(half)]
+    assert shard_of_each_query(balanced, s).tolist() == want
+    contiguous = build_mesh(MeshConfig(2, n, 1, 1, context_balance=False), seq_len=s, batch=B)
+    assert shard_of_each_query(contiguous, s).tolist() == np.repeat(np.arange(n), s // n).tolist()
+    assert shard_of_each_query(balanced, 4 * 3).tolist() == np.repeat(np.arange(n), 3).tolist()
+    causal = np.arange(s) + 1  # keys each query sees
+    work = np.bincount(shard_of_each_query(balanced, s), weights=causal)
+    assert len(set(work.tolist())) == 1  # every shard the same number of (query, key) pairs
 
 
 def test_keys_of_other_slots_are_refused():
@@ -130,12 +162,14 @@ def layer_path(name, cfg, kw, layout):
     return gathered
 
 
-@pytest.mark.parametrize("mesh", ["context8", "data2_context2_tensor2"])
+@pytest.mark.parametrize("mesh", ["context8", "data2_context2_tensor2", "data2_context2_tensor2-contiguous"])
 @pytest.mark.parametrize("name", LAYER_PATHS)
 def test_layer_paths_per_context_shard_equal_one_device(name, mesh):
     from sharding.layout import Layout
     cfg, (q, k, v), kw = layer_inputs()
-    layout = build_mesh(MeshConfig(*MESHES[mesh]), seq_len=q.shape[1], batch=B)
+    shape = MESHES[mesh.removesuffix("-contiguous")]
+    layout = build_mesh(MeshConfig(*shape, context_balance=not mesh.endswith("-contiguous")), seq_len=q.shape[1],
+                        batch=B)
     w = jnp.asarray(np.random.default_rng(3).normal(size=q.shape), jnp.float32)
 
     def run(f):

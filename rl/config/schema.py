@@ -199,6 +199,9 @@ class MeshSection(_Section):
                                              "gathers over the other fsdp_axes only: on NVLink when those stay "
                                              "inside a node); [] = every micro-batch gathers over all fsdp_axes",
                                          items={"choices": TOKEN_AXES}, distinct=True)
+    context_balance: bool = _f(True, "context-parallel attention: mirror context shards swap their queries' second "
+                                     "halves, so every shard does the same causal work (false = contiguous "
+                                     "shards, the last doing 2 x context - 1 times the first's)")
     coordinator_address: str | None = _f(None, "host:port of process 0 for jax.distributed; null = single "
                                                "process or from the environment (JAX_*, SLURM)")
     num_processes: int | None = _f(None, "processes in a multi-host job; null = from the environment", min=1)
@@ -227,7 +230,8 @@ class MeshSection(_Section):
         from sharding.mesh import MeshConfig
         return MeshConfig(self.data, self.context, self.expert, self.tensor, tuple(self.expert_axes),
                           self.coordinator_address, self.num_processes, self.process_id,
-                          fsdp_axes=tuple(self.fsdp_axes), fsdp_step_axes=tuple(self.fsdp_step_axes))
+                          fsdp_axes=tuple(self.fsdp_axes), fsdp_step_axes=tuple(self.fsdp_step_axes),
+                          context_balance=self.context_balance)
 
 
 @dataclasses.dataclass(frozen=True)
