@@ -11,13 +11,16 @@ key-side arrays (keys, values, key padding, indexer keys) over the context axes,
 own queries against the keys they can see, with its own loop bounds. The gather's transpose is a
 reduce-scatter: in the backward each device sums its queries' contributions to dK / dV once.
 
-Shard c's queries see keys [0, (c+1) S_l): under causal attention the last of n contiguous shards would do
-2n - 1 times the first's work. With `Layout.context_balance` (the default) the shards' second halves are
-swapped between mirror shards c and n - 1 - c inside the map (`mirror_second_halves`, one collective permute
-of the query side each way), so shard c attends for query halves 2c and 2n - 1 - 2c: every shard sees the same
-number of causal (query, key) pairs, 2n in units of half-shard squares / 2, as MaxText's load-balanced context
-parallelism. The attention paths are position-based (causality, the indexer's local blocks, the visited key
-tiles), so the swapped queries carry their positions and nothing else changes.
+Shard c's queries see keys [0, (c+1) S_l): where a query's work grows with its position (causal attention that
+walks only the key tiles it can see: flash on full layers), the last of n contiguous shards does 2n - 1 times
+the first's work. A caller that says so (`balance`) with `Layout.context_balance` on (the default) has the
+shards' second halves swapped between mirror shards c and n - 1 - c inside the map (`mirror_second_halves`,
+one collective permute of the query side in, one of the output back), so shard c attends for query halves 2c
+and 2n - 1 - 2c: every shard sees the same number of causal (query, key) pairs, as MaxText's load-balanced
+context parallelism. The attention paths are position-based (causality, the visited key tiles), so the swapped
+queries carry their positions and nothing else changes. Paths whose work per query does not grow with its
+position (a sparse layer's K selected blocks, masked scores over every key) gain nothing from it and pay the
+permutes (a sparse layer's gathers, 2 shards: 0.88-0.92x fwd+bwd, BENCHMARKS.md session 30): they stay contiguous.
 """
 
 from __future__ import annotations
@@ -50,13 +53,17 @@ def mirror_second_halves(a: jax.Array, dim: int, axes: tuple[str, ...], n: int) 
 
 
 def context_parallel(fn: Callable, layout: Layout, local: Sequence[tuple[jax.Array, Axes]],
-                     gathered: Sequence[tuple[jax.Array, Axes]], out_axes: Axes | tuple[Axes, ...]):
+                     gathered: Sequence[tuple[jax.Array, Axes]], out_axes: Axes | tuple[Axes, ...],
+                     balance: bool = False):
     """fn(*local shards, *gathered arrays) on every device of `layout`'s mesh (inside `jax.shard_map`).
 
     local: (array, logical axes) pairs each device gets its own shard of (the queries' side);
     gathered: (array, logical axes) pairs each device gets whole along their "act_seq" axis (gathered over
     the context axes inside the map; its other axes stay cut); out_axes: the logical axes of fn's output,
     or a tuple of them for a tuple of outputs. Every array's dimensions must divide into their shards.
+    balance: fn's work per query grows with its position; with `layout.context_balance`, mirror shards swap the
+    second halves of the local arrays and of the outputs (`mirror_second_halves`; not when a shard's length is
+    odd).
     """
     ctx, n = layout.axes("act_seq"), layout.size("act_seq")
     n_local = len(local)
@@ -65,7 +72,7 @@ def context_parallel(fn: Callable, layout: Layout, local: Sequence[tuple[jax.Arr
     outs = out_axes if several else (out_axes,)
     local_dims = [axes.index("act_seq") for _, axes in local]
     # Balanced when every local array and output is cut along the sequence in shards of an even length.
-    balance = (layout.context_balance and n > 1 and all("act_seq" in axes for axes in outs)
+    balance = (balance and layout.context_balance and n > 1 and all("act_seq" in axes for axes in outs)
                and all(a.shape[d] // n % 2 == 0 for (a, _), d in zip(local, local_dims)))
 
     def body(*arrays):
@@ -94,7 +101,7 @@ def context_parallel_attention(attend: Callable, layout: Layout, q: jax.Array, k
                                positions: jax.Array, key_valid: jax.Array | None, *,
                                local: Sequence[tuple[jax.Array, Axes]] = (),
                                gathered: Sequence[tuple[jax.Array, Axes]] = (),
-                               out_axes: Axes | tuple[Axes, ...] = Q_AXES):
+                               out_axes: Axes | tuple[Axes, ...] = Q_AXES, balance: bool = False):
     """attend(q, k, v, positions, key_valid, *local, *gathered) on each device's query shard over the
     gathered keys.
 
@@ -103,7 +110,8 @@ def context_parallel_attention(attend: Callable, layout: Layout, q: jax.Array, k
     attend gets q [B_l, S_l, H_l, D], k / v [B_l, S, KV_l, D], positions [B_l, S_l], key_valid [B_l, S]:
     local batch rows and heads (tensor parallelism), local queries, every key slot; then the shards of the
     `local` (array, logical axes) pairs and the `gathered` ones whole along "act_seq" (`context_parallel`).
-    out_axes: the logical axes of attend's output (a tuple of them for several outputs).
+    out_axes: the logical axes of attend's output (a tuple of them for several outputs). balance: attend's work
+    per query grows with its position (causal flash), so mirror shards share it (`context_parallel`).
     """
     b, s = q.shape[:2]
     if k.shape[1] != s:
@@ -120,4 +128,4 @@ def context_parallel_attention(attend: Callable, layout: Layout, q: jax.Array, k
         return attend(q, k, v, positions, key_valid, *extra_local, *extra_gathered)
 
     return context_parallel(local_attend, layout, [(q, Q_AXES), (positions, ROW_AXES), *local],
-                            [(k, KV_AXES), (v, KV_AXES), (key_valid, ROW_AXES), *gathered], out_axes)
+                            [(k, KV_AXES), (v, KV_AXES), (key_valid, ROW_AXES), *gathered], out_axes, balance)

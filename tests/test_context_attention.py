@@ -66,12 +66,12 @@ def test_flash_values_and_gradients_equal_one_device(mesh, balance):
     want = jax.jit(lambda: value_and_grads(flash))()
     with jax.set_mesh(layout.mesh):
         got = jax.jit(lambda: value_and_grads(
-            lambda *a: context_parallel_attention(flash, layout, *a)))()
+            lambda *a: context_parallel_attention(flash, layout, *a, balance=True)))()
     for name, g, h in zip(("o", "dq", "dk", "dv"), (want[0], *want[1]), (got[0], *got[1])):
         np.testing.assert_allclose(np.asarray(h), np.asarray(g), rtol=1e-5, atol=1e-6, err_msg=name)
 
 
-def shard_of_each_query(layout, s):
+def shard_of_each_query(layout, s, balance=True):
     """[S]: the context shard that computed each query's output (attend returns its shard's index)."""
     ctx = layout.axes("act_seq")
 
@@ -81,12 +81,13 @@ def shard_of_each_query(layout, s):
     q, k, v = jnp.zeros((B, s, H, D)), jnp.zeros((B, s, KV, D)), jnp.zeros((B, s, KV, D))
     positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (B, s))
     with jax.set_mesh(layout.mesh):
-        o = jax.jit(lambda *a: context_parallel_attention(attend, layout, *a))(q, k, v, positions, None)
+        o = jax.jit(lambda *a: context_parallel_attention(attend, layout, *a, balance=balance))(q, k, v, positions,
+                                                                                               None)
     return np.asarray(o[0, :, 0, 0]).astype(int)
 
 
 def test_balanced_shards_attend_for_mirrored_second_halves():
-    """With context_balance, shard c computes the first half of its own slots and the second half of shard
+    """With context_balance, for a caller whose work grows with the query's position, shard c computes the first half of its own slots and the second half of shard
     n - 1 - c's: the same causal work on every shard (halves 2c and 2n - 1 - 2c of 2n). Without it each shard
     computes its own contiguous slots. An odd number of local slots cannot halve: contiguous."""
     n, s = 4, 32
@@ -97,6 +98,8 @@ def test_balanced_shards_attend_for_mirrored_second_halves():
     contiguous = build_mesh(MeshConfig(2, n, 1, 1, context_balance=False), seq_len=s, batch=B)
     assert shard_of_each_query(contiguous, s).tolist() == np.repeat(np.arange(n), s // n).tolist()
     assert shard_of_each_query(balanced, 4 * 3).tolist() == np.repeat(np.arange(n), 3).tolist()
+    # a caller whose work per query does not grow with its position (balance=False) keeps contiguous shards
+    assert shard_of_each_query(balanced, s, balance=False).tolist() == np.repeat(np.arange(n), s // n).tolist()
     causal = np.arange(s) + 1  # keys each query sees
     work = np.bincount(shard_of_each_query(balanced, s), weights=causal)
     assert len(set(work.tolist())) == 1  # every shard the same number of (query, key) pairs
@@ -124,7 +127,7 @@ def test_without_context_shards_attend_runs_as_is():
 # The model's layer paths under a context-sharded layout (`m3jax.model.context_shards`), against the same
 # function on one device: query-chunked dense and flash, on full layers and on sparse layers as masks (with
 # the ids they select), and the gathered sparse path with replayed block ids.
-LAYER_PATHS = ["chunked_full", "chunked_sparse", "flash_sparse", "gather_replay"]
+LAYER_PATHS = ["chunked_full", "chunked_sparse", "flash_full", "flash_sparse", "gather_replay"]
 
 
 def layer_inputs():
@@ -150,6 +153,8 @@ def layer_path(name, cfg, kw, layout):
     if name == "chunked_sparse":
         return lambda q, k, v: att.chunked_attention(q, k, v, pos, kval, iq, ik, cfg, 5, layout,
                                                      return_block_ids=True)
+    if name == "flash_full":  # the balanced one: its causal walk grows with the query's position
+        return lambda q, k, v: att.flash_layer_attention(q, k, v, pos, kval, None, None, cfg, layout=layout)
     if name == "flash_sparse":
         return lambda q, k, v: att.flash_layer_attention(q, k, v, pos, kval, iq, ik, cfg, return_block_ids=True,
                                                          layout=layout)

@@ -324,7 +324,7 @@ def flash_layer_attention(q, k, v, positions, key_valid, iq, ik, cfg, block_ids=
             return flash_layer_attention(q, k, v, positions, key_valid, iq, ik, cfg, block_ids, return_block_ids)
 
         return context_shards.per_context_shard(attend, layout, q, k, v, positions, key_valid, iq, ik, block_ids,
-                                                return_block_ids)
+                                                return_block_ids, balance=iq is None)
     blocks, tile, ids = None, FLASH_TILE, None
     if iq is not None:
         blocks, ids = _sparse_blocks(iq, ik, positions, cfg, block_ids, return_block_ids)

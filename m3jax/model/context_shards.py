@@ -35,13 +35,14 @@ def applies(q: jax.Array, k: jax.Array, index_heads: int | None, layout: Layout)
 
 
 def per_context_shard(attend: Callable, layout: Layout, q, k, v, positions, key_valid, iq=None, ik=None,
-                      block_ids=None, return_block_ids: bool = False, out_axes=None):
+                      block_ids=None, return_block_ids: bool = False, out_axes=None, balance: bool = False):
     """attend(q, k, v, positions, key_valid, iq, ik, block_ids) -> o (or (o, block ids) with return_block_ids)
     on each context shard's queries over every key slot; iq / ik / block_ids may be None (full layers, no
     replay). Shapes as `m3jax.model.attention.attention`: q [B, S, H, D], k / v [B, S, KV, D], iq [B, S, Hi, Di],
     ik [B, S, Di], block_ids [B, S, Hi, K]. out_axes: the logical axes of attend's output when it is not o
     (e.g. ROW_AXES for a per-query [B, S] value); an input attend does not read is not gathered (the
-    unused gather is dead code)."""
+    unused gather is dead code). balance: attend's work per query grows with its position (a full layer's causal
+    flash), so mirror shards share it (`sharding.context`)."""
     local = [(a, HEAD_ROWS) for a in (iq, block_ids) if a is not None]
     gathered = [] if ik is None else [(ik, INDEX_KEYS)]
 
@@ -55,4 +56,4 @@ def per_context_shard(attend: Callable, layout: Layout, q, k, v, positions, key_
     if out_axes is None:
         out_axes = (Q_AXES, HEAD_ROWS) if return_block_ids else Q_AXES
     return context_parallel_attention(local_attend, layout, q, k, v, positions, key_valid, local=local,
-                                      gathered=gathered, out_axes=out_axes)
+                                      gathered=gathered, out_axes=out_axes, balance=balance)
