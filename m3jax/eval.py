@@ -49,7 +49,7 @@ def _score(cfg, args) -> int:
     if note:
         print(f"warning: {note}", file=sys.stderr)
     # Heavy imports only once the config is known to be good.
-    from m3jax.input_errors import input_errors
+    from rl.input_errors import input_errors
     from rl import eval_checkpoint
 
     try:

@@ -50,7 +50,7 @@ def main(argv=None) -> int:
 
 
 def _train(cfg, args) -> int:
-    from m3jax.input_errors import input_errors
+    from rl.input_errors import input_errors
     from sharding.compile_cache import use_compilation_cache
     from sharding.mesh import set_memory_fraction
 
