@@ -30,9 +30,11 @@ token positions equal, and the mean first position of divergence among rows that
 jax op it came from and whether it only moves the KV cache). --ablate times one decode step with the MoE
 layers made dense and/or the sparse layers made full attention (same active MLP width).
 --breakdown adds measurements that explain the JAX figure (all jitted, compile excluded): the same
-generate call with 1 new token (prefill + program overhead), the per-token decode cost derived from it,
-the same per-token cost with a 4x longer KV cache (prompt_width pads the slots), and one jitted decode
-step of the model alone with XLA's cost_analysis FLOPs.
+generate call with 1 new token (prefill + program overhead), the decode loop's cost per token measured
+directly (`scripts/bench_decode_step.py`'s loop of --new decode steps that carries the cache, at the cache
+length of the generate call and at 4x it), and one jitted decode step of the model alone with XLA's
+cost_analysis FLOPs. (Before session 30 the per-token figure was the difference of two generate calls,
+whose prefills differ in shape: 26 ms per token at a 1,000-token prompt where the loop took about 2.3.)
 
     .venv/bin/python scripts/bench_generate.py                      # batch 64 and 256
     .venv/bin/python scripts/bench_generate.py --batch 64 --iters 3 --breakdown
@@ -53,12 +55,14 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import torch  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from bench_decode_step import decode_loop  # noqa: E402
 from m3jax import tiny  # noqa: E402
 from rl.generation.base import SamplingParams  # noqa: E402
 from rl.generation.jax_engine import JaxEngine, generate_program  # noqa: E402
@@ -145,16 +149,16 @@ def breakdown(model, engine, cfg, batch, prompt_len, new, iters):
     prompts = [list(map(int, r)) for r in ids]
     key = jax.random.key(0)
     res = {}
-    wide = prompt_len + 3 * new  # same prompts and new tokens, a 4x longer cache (prompt_width pads the slots)
-    for width in (None, wide):
-        for n in (1, new):
-            sp = SamplingParams(max_new_tokens=n, temperature=0.0)
-            engine.generate(prompts, sp, key, prompt_width=width)  # compile
-            res[(width, n)] = statistics.median(
-                time_call(lambda: engine.generate(prompts, sp, key, prompt_width=width))[0] for _ in range(iters))
-    res[1], res[new] = res[(None, 1)], res[(None, new)]
-    res["per_token_wide"] = (res[(wide, new)] - res[(wide, 1)]) / (new - 1)
-    res["wide_slots"] = wide + new
+    for n in (1, new):
+        sp = SamplingParams(max_new_tokens=n, temperature=0.0)
+        engine.generate(prompts, sp, key)  # compile
+        res[n] = statistics.median(time_call(lambda: engine.generate(prompts, sp, key))[0] for _ in range(iters))
+    # the decode loop alone, per token: at the generate call's cache length, and at a 4x longer cache
+    for name, slots in (("per_token", prompt_len + new), ("per_token_wide", 4 * (prompt_len + new))):
+        compiled, call_args = decode_loop(model, batch, slots, new)
+        jax.block_until_ready(compiled(*call_args))
+        res[name] = statistics.median(time_call(lambda: jax.block_until_ready(compiled(*call_args)))[0]
+                                      for _ in range(iters)) / new
 
     # one decode step of the model alone (what the while-loop body runs), at the middle of the sequence
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -186,7 +190,6 @@ def breakdown(model, engine, cfg, batch, prompt_len, new, iters):
         ts.append(time.perf_counter() - t0)
     res["step"] = statistics.median(ts)
     res["step_flops"] = flops
-    res["per_token"] = (res[new] - res[1]) / (new - 1)
     return res
 
 
@@ -394,7 +397,7 @@ def main():
 
     if args.breakdown:
         print("\nJAX breakdown (median s):")
-        wide_slots = args.prompt_len + 4 * args.new
+        wide_slots = 4 * (args.prompt_len + args.new)
         print(f"{'batch':>5} | {'gen new=1':>9} | {f'gen new={args.new}':>10} | {'per token':>9} | "
               f"{f'per token, {wide_slots} slots':>21} | {'1 decode step':>13} | {'step GFLOP (XLA)':>16}")
         for b in args.batch:
@@ -402,10 +405,9 @@ def main():
             gf = f"{r['step_flops'] / 1e9:16.4f}" if r["step_flops"] else f"{'n/a':>16}"
             print(f"{b:>5} | {r[1]:9.4f} | {r[args.new]:10.4f} | {r['per_token']:9.5f} | "
                   f"{r['per_token_wide']:21.5f} | {r['step']:13.5f} | {gf}")
-        print("per token = (gen new=N - gen new=1) / (N - 1): the while-loop's cost per decode iteration (cache of "
-              f"{args.prompt_len + args.new} slots);\nper token, {wide_slots} slots = the same with prompt_width="
-              f"{args.prompt_len + 3 * args.new} (same prompts and tokens, a 4x longer KV cache);\n"
-              "1 decode step = the model's single-token forward with the cache, jitted alone.")
+        print(f"per token = one of {args.new} decode steps in a loop that carries a cache of {args.prompt_len + args.new} "
+              f"slots (scripts/bench_decode_step.py's loop);\nper token, {wide_slots} slots = the same with a 4x longer "
+              "cache;\n1 decode step = the model's single-token forward with the cache, jitted alone.")
 
     if args.profile:
         for b in args.batch:
