@@ -24,7 +24,8 @@ from sharding.mesh import JAX_DEFAULT_MEMORY_FRACTION, MeshConfig, MeshError, ro
 from m3jax.plan.check import print_check
 from m3jax.plan.compile import compile_reduced, print_compile
 from sharding.expert import receive_rows
-from m3jax.plan.flops import Hardware, comm_bytes, expert_recompute, expert_rows_factor, step_flops, step_time
+from m3jax.plan.flops import Hardware, comm_bytes, context_imbalance, expert_recompute, expert_rows_factor, \
+    step_flops, step_time
 from m3jax.plan.activations import logprob_blocks
 from m3jax.plan.memory import GB, Batch, memory_phases, memory_plan
 from m3jax.plan.models import m3_release
@@ -147,11 +148,15 @@ def plan(job: Job, hw: Hardware) -> dict:
     head_blocks = logprob_blocks(job.seq_len, job.logprob_chunk_tokens)
     comm = comm_bytes(job.model, job.mesh, job.micro_batch, job.seq_len, job.batch.num_micro * job.updates,
                       job.master, job.remat, sent_rows=sent, head_blocks=head_blocks, remat_policy=b.remat_policy)
-    st = step_time(fl["executed_total"] / job.mesh.num_devices, comm, job.mesh, hw)
+    # the step waits for the busiest context shard: with contiguous shards it holds more of the full layers' flash
+    skew = context_imbalance(job.mesh) - 1.0
+    st = step_time((fl["executed_total"] + skew * fl["full_flash_executed"]) / job.mesh.num_devices, comm, job.mesh,
+                   hw)
     # the logprob pass(es) before the update: a forward over the step's sequences, micro-batch by micro-batch
     fwd_comm = comm_bytes(job.model, job.mesh, job.micro_batch, job.seq_len, job.batch.num_micro * job.updates,
                           job.master, job.remat, sent_rows=sent, backward=False)
-    fwd = step_time(fl["forward_executed"] / job.mesh.num_devices, fwd_comm, job.mesh, hw)
+    fwd = step_time((fl["forward_executed"] + skew * fl["full_flash_forward"]) / job.mesh.num_devices, fwd_comm,
+                    job.mesh, hw)
     fwd = {k: v * job.logprob_passes for k, v in fwd.items() if k != "comm_share"}
     if job.reference == "host":  # the reference comes onto the devices for its pass, over each GPU's PCIe link
         fwd["reference_to_device_s"] = phases["reference_pass"]["reference_params"] / hw.pcie_bw
@@ -204,6 +209,10 @@ def print_plan(job: Job, p: dict, device_gb: float, hw: Hardware = Hardware()) -
     t = p["time"]
     print(f"step time estimate: {t['total_s']:.1f} s (compute {t['compute_s']:.1f} s, communication {t['comm_s']:.1f} s, "
           f"comm share {t['comm_share']:.0%})")
+    if context_imbalance(m) > 1 and f["full_flash_executed"]:
+        print(f"  contiguous context shards (mesh.context_balance: false): the busiest does "
+              f"{context_imbalance(m):.2f}x the average of the full layers' flash, "
+              f"{(context_imbalance(m) - 1) * f['full_flash_executed'] / m.num_devices:.3e} FLOPs more per device")
     lp = p["logprob_pass"]["time"]
     gathers = sum(v for k, v in lp.items() if k.startswith("fsdp_"))
     if not job.logprob_passes:

@@ -211,6 +211,13 @@ def step_flops(cfg: M3Config, seqs: int, seq_len: int, remat: bool = True, *, qu
         attn_exec += 16 * h * dd * gp  # forward 4, backward 8, the backward's tile recompute 4
         attn_remat += 4 * h * dd * gp
     out["attention_executed"] = attn_exec + (attn_remat if remat else 0.0) + (attn_again if query_chunked else 0.0)
+    # full layers' flash alone (forward, and forward + backward [+ remat]): the work that grows with a query's
+    # position, which contiguous context shards split unevenly (`context_imbalance`)
+    n_full = sum(t != SPARSE_ATTENTION for t in cfg.layer_types)
+    full_pairs = (n_full * (causal_pairs(seq_len) + seq_len * min(128, seq_len) // 2) * seqs  # as `flash_pairs`
+                  if attention == "flash" else 0)
+    out["full_flash_forward"] = 4 * h * dd * full_pairs
+    out["full_flash_executed"] = (14 + (4 if remat else 0)) * h * dd * full_pairs
     out["indexer_executed"] = idx_exec + (idx_remat if remat else 0.0) + (idx_again if query_chunked else 0.0)
     attn_forward = (4 * h * dd * fp if attention == "flash" else full_attn / 3) \
         + (4 * h * dd * gp if gather else 0.0)
@@ -229,6 +236,14 @@ def step_flops(cfg: M3Config, seqs: int, seq_len: int, remat: bool = True, *, qu
         - out["indexer_proj_executed"]
     out["executed_total"] = executed
     return out
+
+
+def context_imbalance(mesh: MeshConfig) -> float:
+    """How many times the average share of the full layers' causal flash work the busiest context shard does:
+    (2n - 1) / n for n contiguous shards (shard c's queries see (c + 1/2) shards of keys), 1 with
+    `mesh.context_balance` (mirror shards swap their second halves, `sharding.context`) or one shard."""
+    n = mesh.context
+    return 1.0 if n == 1 or mesh.context_balance else (2 * n - 1) / n
 
 
 def axis_link(mesh: MeshConfig, axes: tuple[str, ...], hw: Hardware) -> float:
