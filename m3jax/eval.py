@@ -49,8 +49,8 @@ def _score(cfg, args) -> int:
     if note:
         print(f"warning: {note}", file=sys.stderr)
     # Heavy imports only once the config is known to be good.
-    from rl.input_errors import input_errors
     from rl import eval_checkpoint
+    from rl.input_errors import input_errors
 
     try:
         policy = (eval_checkpoint.from_hf(cfg, args.hf) if args.hf

@@ -31,7 +31,8 @@ Prompts
 token ids with the tokenizer's chat template when it has one (``add_generation_prompt=True``), else
 with plain ``encode`` (messages are then joined by blank lines). Synthetic tasks (``rl.tasks``) produce
 records whose prompt is a plain string that their own tokenizer encodes, so the loader and the trainer
-need no special case for them.
+need no special case for them. ``fit_prompt_lengths`` renders every record once at load and refuses (or
+drops, ``data.overlong_prompts``) the prompts longer than the generation width.
 
 The order in which a run takes the records is `rl.prompt_loader.PromptLoader`'s.
 """
@@ -52,7 +53,9 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "DatasetError",
+    "OVERLONG_PROMPTS",
     "PromptRecord",
+    "fit_prompt_lengths",
     "load_prompts",
     "records_from_rows",
     "render_prompt",
