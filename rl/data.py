@@ -31,8 +31,8 @@ Prompts
 token ids with the tokenizer's chat template when it has one (``add_generation_prompt=True``), else
 with plain ``encode`` (messages are then joined by blank lines). Synthetic tasks (``rl.tasks``) produce
 records whose prompt is a plain string that their own tokenizer encodes, so the loader and the trainer
-need no special case for them. ``fit_prompt_lengths`` renders every record once at load and refuses (or
-drops, ``data.overlong_prompts``) the prompts longer than the generation width.
+need no special case for them. `rl.prompt_lengths.fit_prompt_lengths` renders every record once at load and
+refuses (or drops, ``data.overlong_prompts``) the prompts longer than the generation width.
 
 The order in which a run takes the records is `rl.prompt_loader.PromptLoader`'s.
 """
@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -49,13 +48,9 @@ from typing import Any, Literal, Union
 
 import numpy as np
 
-log = logging.getLogger(__name__)
-
 __all__ = [
     "DatasetError",
-    "OVERLONG_PROMPTS",
     "PromptRecord",
-    "fit_prompt_lengths",
     "load_prompts",
     "records_from_rows",
     "render_prompt",
@@ -370,40 +365,3 @@ def render_prompt(record: PromptRecord | Prompt, tokenizer, *, chat_template: bo
     text = prompt if isinstance(prompt, str) else "\n\n".join(m["content"] for m in prompt)
     return _as_id_list(tokenizer.encode(text))
 
-
-OVERLONG_PROMPTS = ("error", "drop")
-
-
-def fit_prompt_lengths(records: Sequence[PromptRecord], tokenizer, limit: int, *, chat_template: bool,
-                       overlong: str = "error", limit_key: str = "generation.max_prompt_tokens"
-                       ) -> tuple[list[PromptRecord], list[list[int]]]:
-    """(records, their rendered prompt ids) that fit in `limit` tokens, rendered as `render_prompt` renders
-    them for generation, checked once at load rather than at the step that draws an overlong prompt (which
-    then fails after its generation, or runs past the training row's width).
-
-    overlong "error": raise one DatasetError naming the first overlong row (its file and row), its length, how
-    many rows are overlong and the longest; "drop": leave them out (an error if none is left), as verl's
-    filter_overlong_prompts does. Returns the kept records and ids, in order.
-    """
-    if overlong not in OVERLONG_PROMPTS:
-        raise ValueError(f"overlong={overlong!r}: expected one of {OVERLONG_PROMPTS}")
-    ids = [render_prompt(r, tokenizer, chat_template=chat_template) for r in records]
-    over = [i for i, x in enumerate(ids) if len(x) > limit]
-    if not over:
-        return list(records), ids
-    first = records[over[0]]
-    source, row = first.meta.get("source", "<records>"), first.meta.get("row")
-    longest = max(len(ids[i]) for i in over)
-    if overlong == "error":
-        raise DatasetError(source, (
-            f"the prompt renders to {len(ids[over[0]])} tokens, over {limit_key} = {limit} ({len(over)} of "
-            f"{len(records)} prompts are, the longest {longest} tokens); expected prompts of at most {limit} "
-            f"tokens: raise {limit_key}, shorten them, or set data.overlong_prompts: drop"), row=row)
-    keep = sorted(set(range(len(records))) - set(over))
-    if not keep:
-        raise DatasetError(source, f"every one of the {len(records)} prompts renders to more than {limit_key} = "
-                                   f"{limit} tokens (the shortest {min(map(len, ids))}); expected at least one "
-                                   "prompt that fits")
-    log.warning("%s: dropped %d of %d prompts longer than %s = %d tokens (data.overlong_prompts: drop; the "
-                "longest %d)", source, len(over), len(records), limit_key, limit, longest)
-    return [records[i] for i in keep], [ids[i] for i in keep]

@@ -30,7 +30,8 @@ import jax
 import numpy as np
 
 from rl.config.validate_eval import eval_lengths
-from rl.data import PromptRecord, fit_prompt_lengths, load_prompts
+from rl.data import PromptRecord, load_prompts
+from rl.prompt_lengths import fit_prompt_lengths
 from rl.generation.base import Generator, SamplingParams
 from rl.rewards.registry import score_specs
 from rl.tasks import make_task

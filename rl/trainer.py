@@ -21,7 +21,8 @@ from rl import evaluate as held_out
 from rl import phases, rollout_log
 from rl.ahead import AheadDraw, draws_ahead
 from rl.config import RunConfig
-from rl.data import fit_prompt_lengths, load_prompts
+from rl.data import load_prompts
+from rl.prompt_lengths import fit_prompt_lengths
 from rl.generation import backends
 from rl.observe import RunLogger, plot_run
 from rl.policy import (Policy, build_policy, checkpointer_for, learning_rate, make_indexer_recall, make_logprobs,

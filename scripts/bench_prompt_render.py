@@ -1,4 +1,4 @@
-"""What checking a prompt file's lengths at load costs: `rl.data.fit_prompt_lengths` over N chat prompts.
+"""What checking a prompt file's lengths at load costs: `rl.prompt_lengths.fit_prompt_lengths` over N chat prompts.
 
 The trainer renders every prompt of a file once at load (`data.overlong_prompts`) to refuse or drop the ones
 longer than `generation.max_prompt_tokens`. No model's tokenizer can be downloaded here, so this builds one
@@ -23,7 +23,8 @@ sys.path.insert(0, ROOT)
 
 import numpy as np  # noqa: E402
 
-from rl.data import PromptRecord, fit_prompt_lengths  # noqa: E402
+from rl.data import PromptRecord  # noqa: E402
+from rl.prompt_lengths import fit_prompt_lengths  # noqa: E402
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

@@ -6,7 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from rl.data import DatasetError, PromptRecord, fit_prompt_lengths, load_prompts, render_prompt
+from rl.data import DatasetError, PromptRecord, load_prompts, render_prompt
+from rl.prompt_lengths import fit_prompt_lengths
 from rl.prompt_loader import PromptLoader
 from rl.tasks import DigitTokenizer, ReverseDigitsTask
 
@@ -311,7 +312,7 @@ def test_an_overlong_prompt_is_refused_at_load_naming_its_row(tmp_path):
 
 def test_drop_leaves_overlong_prompts_out_in_order(tmp_path, caplog):
     recs = digit_file(tmp_path, ["12", "34567", "7", "123456789"])
-    with caplog.at_level("WARNING", logger="rl.data"):
+    with caplog.at_level("WARNING", logger="rl.prompt_lengths"):
         kept, ids = fit_prompt_lengths(recs, DigitTokenizer(), 6, chat_template=False, overlong="drop",
                                        limit_key="eval.max_prompt_tokens")
     assert [r.prompt for r in kept] == ["12", "7"] and [len(x) for x in ids] == [4, 3]

@@ -393,7 +393,8 @@ def test_names_mirrored_from_jax_modules_stay_equal():
     from rl.config import schema
     from rl.generation import vllm_ray  # no vLLM / Ray import: always there
     assert schema.VLLM_EXECUTORS == vllm_ray.EXECUTORS
-    assert schema.OVERLONG_PROMPTS == data.OVERLONG_PROMPTS
+    from rl import prompt_lengths
+    assert schema.OVERLONG_PROMPTS == prompt_lengths.OVERLONG_PROMPTS
 
 
 def test_sections_map_onto_their_consumers(recipe_paths):

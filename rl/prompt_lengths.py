@@ -1,0 +1,48 @@
+"""Prompts that fit the generation width: every record of a prompt file rendered once at load, and the ones
+longer than `generation.max_prompt_tokens` refused by row or dropped (`data.overlong_prompts`)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from rl.data import DatasetError, PromptRecord, render_prompt
+
+log = logging.getLogger(__name__)
+
+OVERLONG_PROMPTS = ("error", "drop")
+
+
+def fit_prompt_lengths(records: Sequence[PromptRecord], tokenizer, limit: int, *, chat_template: bool,
+                       overlong: str = "error", limit_key: str = "generation.max_prompt_tokens"
+                       ) -> tuple[list[PromptRecord], list[list[int]]]:
+    """(records, their rendered prompt ids) that fit in `limit` tokens, rendered as `render_prompt` renders
+    them for generation, checked once at load rather than at the step that draws an overlong prompt (which
+    then fails after its generation, or runs past the training row's width).
+
+    overlong "error": raise one DatasetError naming the first overlong row (its file and row), its length, how
+    many rows are overlong and the longest; "drop": leave them out (an error if none is left), as verl's
+    filter_overlong_prompts does. Returns the kept records and ids, in order.
+    """
+    if overlong not in OVERLONG_PROMPTS:
+        raise ValueError(f"overlong={overlong!r}: expected one of {OVERLONG_PROMPTS}")
+    ids = [render_prompt(r, tokenizer, chat_template=chat_template) for r in records]
+    over = [i for i, x in enumerate(ids) if len(x) > limit]
+    if not over:
+        return list(records), ids
+    first = records[over[0]]
+    source, row = first.meta.get("source", "<records>"), first.meta.get("row")
+    longest = max(len(ids[i]) for i in over)
+    if overlong == "error":
+        raise DatasetError(source, (
+            f"the prompt renders to {len(ids[over[0]])} tokens, over {limit_key} = {limit} ({len(over)} of "
+            f"{len(records)} prompts are, the longest {longest} tokens); expected prompts of at most {limit} "
+            f"tokens: raise {limit_key}, shorten them, or set data.overlong_prompts: drop"), row=row)
+    keep = sorted(set(range(len(records))) - set(over))
+    if not keep:
+        raise DatasetError(source, f"every one of the {len(records)} prompts renders to more than {limit_key} = "
+                                   f"{limit} tokens (the shortest {min(map(len, ids))}); expected at least one "
+                                   "prompt that fits")
+    log.warning("%s: dropped %d of %d prompts longer than %s = %d tokens (data.overlong_prompts: drop; the "
+                "longest %d)", source, len(over), len(records), limit_key, limit, longest)
+    return [records[i] for i in keep], [ids[i] for i in keep]
