@@ -70,6 +70,7 @@ def _train(cfg, args) -> int:
             return 1
         print(f"exported step {step} to {path}")
         return 0
+    from rl.checkpoint import CheckpointMismatch
     from rl.trainer import GRPOTrainer
 
     try:
@@ -81,7 +82,11 @@ def _train(cfg, args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     _warn_if_the_plan_does_not_fit(cfg, trainer.policy.model_cfg)
-    last = trainer.run()
+    try:
+        last = trainer.run()
+    except CheckpointMismatch as e:  # raised by the resume, before the first step
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     held = ""
     if "val/pass@1" in last:  # the evaluation after the last step, and the best of the run
         held = f", held-out pass@1 {last['val/pass@1']:.3f}"

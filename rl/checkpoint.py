@@ -22,6 +22,7 @@ import time
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from etils import epath
 from flax import nnx
 
 from sharding import precision
@@ -55,6 +56,48 @@ def _restore_target(like: TrainState) -> dict:
             "step": _abstract(like.step), "skipped": _abstract(like.skipped)}
 
 
+class CheckpointMismatch(ValueError):
+    """A checkpoint that reads, but holds another model's or optimizer's state than this run's config builds."""
+
+
+def _empty(x) -> bool:
+    """An empty node: None, or an optimizer's empty state (a namedtuple without fields), which a checkpoint's
+    metadata holds as None."""
+    return x is None or (isinstance(x, tuple) and hasattr(x, "_fields") and not x._fields)
+
+
+def _leaves(tree) -> dict[tuple[str, ...], object]:
+    """{path as plain names: shape, or "empty"} of a state, read alike from this run's abstract state and from a
+    checkpoint's metadata (a Variable's or a namedtuple's field and a saved dict's key give the same name)."""
+    def name(entry):
+        for attr in ("key", "name", "idx"):
+            if hasattr(entry, attr):
+                return str(getattr(entry, attr))
+        return str(entry)
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_empty)[0]
+    return {tuple(name(e) for e in path): "empty" if _empty(leaf) else tuple(leaf.shape) for path, leaf in flat}
+
+
+def state_mismatch(path: str, target: dict) -> str | None:
+    """How the state saved at `path` (a step's `state` item: its metadata, the tree and every array's shape)
+    differs from `target` (`_restore_target` of this run's state); None when they match, or when the metadata
+    cannot be read (a damaged checkpoint: the restore decides)."""
+    try:
+        saved = _leaves(ocp.StandardCheckpointHandler().metadata(epath.Path(path)))
+    except Exception:  # noqa: BLE001 - unreadable metadata is the restore's to report
+        return None
+    want = _leaves(target)
+    for key in sorted(set(saved) | set(want)):
+        where = "/".join(key)
+        if key not in saved:
+            return f"it has no {where} {want[key]} (this run's state has)"
+        if key not in want:
+            return f"it holds {where} {saved[key]}, which this run's state has not"
+        if saved[key] != want[key]:
+            return f"{where} is {saved[key]} there, {want[key]} in this run's state"
+    return None
+
+
 class Checkpointer:
     def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True, read_only: bool = False):
         """read_only: a reader (python -m m3jax.eval) that creates, saves and deletes nothing."""
@@ -76,8 +119,21 @@ class Checkpointer:
         """The finished checkpoints' steps, oldest first."""
         return sorted(self.manager.all_steps())
 
+    def _check_state(self, step: int, target: dict) -> None:
+        """Raise CheckpointMismatch when checkpoint `step` holds another state than `target`: a config changed
+        between the run that saved it and this one. Such a checkpoint is not damaged, so it must not be set
+        aside for an older one or for a fresh start, which would then save new steps beside it."""
+        why = state_mismatch(os.path.join(self.directory, str(step), "state"), target)
+        if why:
+            raise CheckpointMismatch(
+                f"checkpoint step {step} in {self.directory} holds another state than this run's config builds: "
+                f"{why}; expected the model, precision and optimizer config that wrote it: resume with that config, "
+                "or start this one in another run.out_dir (or run.name)")
+
     def restore_step(self, step: int, like: TrainState) -> tuple[TrainState, dict]:
-        """Checkpoint `step` rebuilt into the layout of `like`; no fallback (an unreadable one raises)."""
+        """Checkpoint `step` rebuilt into the layout of `like`; no fallback (an unreadable one raises, one of
+        another state raises CheckpointMismatch)."""
+        self._check_state(step, _restore_target(like))
         got = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(_restore_target(like)),
                                                                  meta=ocp.args.JsonRestore()))
         return _rebuild(like, got["state"]), dict(got["meta"])
@@ -101,11 +157,13 @@ class Checkpointer:
         return params
 
     def restore_latest(self, like: TrainState) -> tuple[TrainState, dict] | None:
-        """The newest readable checkpoint rebuilt into the layout of `like` (the freshly built state)."""
+        """The newest readable checkpoint rebuilt into the layout of `like` (the freshly built state). One that
+        reads but holds another state (a changed config) raises CheckpointMismatch rather than being skipped."""
         steps = sorted(self.manager.all_steps(), reverse=True)
         target = _restore_target(like)
         unreadable = []
         for step in steps:
+            self._check_state(step, target)
             try:
                 got = self.manager.restore(step, args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))

@@ -1,7 +1,8 @@
 """The exceptions that mean the user's input is wrong, so that the commands (`python -m m3jax.train`,
 `python -m m3jax.eval`) print them as one `error:` line, which names what was wrong and what was expected,
-instead of a traceback: a model config the model cannot take, a checkpoint that does not match its config,
-a prompt file, a mesh larger than the machine, a missing file."""
+instead of a traceback: a model config the model cannot take, a checkpoint that does not match its config (an
+HF one, or a run's checkpoint saved under another config), a prompt file, a mesh larger than the machine, a
+missing file."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ def input_errors() -> tuple[type[Exception], ...]:
     """The exception classes, imported when asked (the commands import the heavy modules late)."""
     from m3jax.config import ConfigError
     from m3jax.hf.safetensors_io import CheckpointError
+    from rl.checkpoint import CheckpointMismatch
     from rl.data import DatasetError
     from sharding.mesh import MeshError
-    return ConfigError, CheckpointError, DatasetError, MeshError, FileNotFoundError
+    return ConfigError, CheckpointError, CheckpointMismatch, DatasetError, MeshError, FileNotFoundError

@@ -182,3 +182,18 @@ def test_bad_model_or_mesh_is_one_error_line(tmp_path):
     r = train(f"run.out_dir={tmp_path / 'x'}", "mesh.data=2", "grpo.micro_batch_size=128")
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert "error: mesh data x context x expert x tensor = 2 x 1 x 1 x 1 = 2 devices, but 1 are available" in r.stderr
+
+
+def test_resuming_under_another_model_config_is_refused(tmp_path):
+    """A run directory's checkpoint saved under one model and resumed under another: one error line naming the
+    tensor; the run does not start over beside the old checkpoints (it used to: the checkpoint counted as
+    unreadable, and no older one fit)."""
+    out = tmp_path / "run"
+    assert train(f"run.out_dir={out}", "run.total_steps=1", "logging.progress_bar=false",
+                 "eval.at_start=false", "eval.every_steps=0").returncode == 0
+    r = train(f"run.out_dir={out}", "run.total_steps=2", "logging.progress_bar=false", "eval.at_start=false",
+              "eval.every_steps=0", "model.tiny.intermediate_size=32")
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert (f"error: checkpoint step 1 in {out}/checkpoints holds another state than this run's config builds: "
+            "inner/1/mu/stacks/1/experts_down/value is (1, 4, 64, 64) there, (1, 4, 64, 32)") in r.stderr, r.stderr
+    assert sorted(os.listdir(out / "checkpoints")) == ["1"]
