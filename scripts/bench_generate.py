@@ -405,9 +405,10 @@ def main():
             gf = f"{r['step_flops'] / 1e9:16.4f}" if r["step_flops"] else f"{'n/a':>16}"
             print(f"{b:>5} | {r[1]:9.4f} | {r[args.new]:10.4f} | {r['per_token']:9.5f} | "
                   f"{r['per_token_wide']:21.5f} | {r['step']:13.5f} | {gf}")
-        print(f"per token = one of {args.new} decode steps in a loop that carries a cache of {args.prompt_len + args.new} "
-              f"slots (scripts/bench_decode_step.py's loop);\nper token, {wide_slots} slots = the same with a 4x longer "
-              "cache;\n1 decode step = the model's single-token forward with the cache, jitted alone.")
+        print(f"per token = one of {args.new} decode steps in a loop that carries a cache of "
+              f"{args.prompt_len + args.new} slots (scripts/bench_decode_step.py's loop);\nper token, {wide_slots} "
+              "slots = the same with a 4x longer cache;\n1 decode step = the model's single-token forward with the "
+              "cache, jitted alone.")
 
     if args.profile:
         for b in args.batch:

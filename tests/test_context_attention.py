@@ -87,9 +87,10 @@ def shard_of_each_query(layout, s, balance=True):
 
 
 def test_balanced_shards_attend_for_mirrored_second_halves():
-    """With context_balance, for a caller whose work grows with the query's position, shard c computes the first half of its own slots and the second half of shard
-    n - 1 - c's: the same causal work on every shard (halves 2c and 2n - 1 - 2c of 2n). Without it each shard
-    computes its own contiguous slots. An odd number of local slots cannot halve: contiguous."""
+    """With context_balance, for a caller whose work grows with the query's position, shard c computes the first
+    half of its own slots and the second half of shard n - 1 - c's: the same causal work on every shard (halves
+    2c and 2n - 1 - 2c of 2n). Without it each shard computes its own contiguous slots. An odd number of local
+    slots cannot halve: contiguous."""
     n, s = 4, 32
     half = s // n // 2
     balanced = build_mesh(MeshConfig(2, n, 1, 1), seq_len=s, batch=B)
