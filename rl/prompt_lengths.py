@@ -14,8 +14,8 @@ OVERLONG_PROMPTS = ("error", "drop")
 
 
 def fit_prompt_lengths(records: Sequence[PromptRecord], tokenizer, limit: int, *, chat_template: bool,
-                       overlong: str = "error", limit_key: str = "generation.max_prompt_tokens"
-                       ) -> tuple[list[PromptRecord], list[list[int]]]:
+                       overlong: str = "error", limit_key: str = "generation.max_prompt_tokens",
+                       vocab_size: int | None = None) -> tuple[list[PromptRecord], list[list[int]]]:
     """(records, their rendered prompt ids) that fit in `limit` tokens, rendered as `render_prompt` renders
     them for generation, checked once at load rather than at the step that draws an overlong prompt (which
     then fails after its generation, or runs past the training row's width).
@@ -23,10 +23,19 @@ def fit_prompt_lengths(records: Sequence[PromptRecord], tokenizer, limit: int, *
     overlong "error": raise one DatasetError naming the first overlong row (its file and row), its length, how
     many rows are overlong and the longest; "drop": leave them out (an error if none is left), as verl's
     filter_overlong_prompts does. Returns the kept records and ids, in order.
+    vocab_size (the model's): a prompt rendering to an id past it raises DatasetError naming the row: the tokenizer
+    is not the model's (the engine would refuse that request at the step that drew it).
     """
     if overlong not in OVERLONG_PROMPTS:
         raise ValueError(f"overlong={overlong!r}: expected one of {OVERLONG_PROMPTS}")
     ids = [render_prompt(r, tokenizer, chat_template=chat_template) for r in records]
+    if vocab_size is not None:
+        for r, x in zip(records, ids):
+            if x and max(x) >= vocab_size:
+                raise DatasetError(r.meta.get("source", "<records>"), (
+                    f"the prompt renders to token id {max(x)}, past the model's vocab_size {vocab_size}; expected "
+                    "the model's own tokenizer (its directory's tokenizer files), which this one is not"),
+                    row=r.meta.get("row"))
     over = [i for i, x in enumerate(ids) if len(x) > limit]
     if not over:
         return list(records), ids

@@ -49,7 +49,8 @@ def build_data(cfg: RunConfig):
         records = load_prompts(d.path, format=d.format, prompt_key=d.prompt_key, answer_key=d.answer_key,
                                layout=d.layout)
         records, _ = fit_prompt_lengths(records, tokenizer, cfg.generation.max_prompt_tokens,
-                                        chat_template=d.chat_template, overlong=d.overlong_prompts)
+                                        chat_template=d.chat_template, overlong=d.overlong_prompts,
+                                        vocab_size=cfg.model.m3_config().vocab_size)
     loader = PromptLoader(records, cfg.grpo.prompts_per_step, seed=d.shuffle_seed)
     return tokenizer, loader, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 

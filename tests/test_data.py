@@ -325,6 +325,15 @@ def test_drop_with_nothing_left_is_an_error(tmp_path):
                            overlong="drop")
 
 
+def test_an_id_past_the_model_vocabulary_names_the_tokenizer(tmp_path):
+    """A tokenizer that is not the model's renders ids the model does not have: refused at load, by row."""
+    recs = digit_file(tmp_path, ["12", "3+4"])  # "+" is id 14 of the DigitTokenizer
+    assert len(fit_prompt_lengths(recs, DigitTokenizer(), 8, chat_template=False, vocab_size=16)[0]) == 2
+    with pytest.raises(DatasetError, match="row 2: the prompt renders to token id 14, past the model's vocab_size 12; "
+                                           "expected the model's own tokenizer"):
+        fit_prompt_lengths(recs, DigitTokenizer(), 8, chat_template=False, vocab_size=12)
+
+
 def test_the_trainer_checks_every_file_prompt_at_load(tmp_path, monkeypatch):
     """`rl.trainer.build_data` refuses a prompt file with an overlong prompt before the run builds anything
     else, and with data.overlong_prompts: drop trains on the rest."""
