@@ -133,8 +133,9 @@ class Checkpointer:
     def restore_step(self, step: int, like: TrainState) -> tuple[TrainState, dict]:
         """Checkpoint `step` rebuilt into the layout of `like`; no fallback (an unreadable one raises, one of
         another state raises CheckpointMismatch)."""
-        self._check_state(step, _restore_target(like))
-        got = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(_restore_target(like)),
+        target = _restore_target(like)
+        self._check_state(step, target)
+        got = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
                                                                  meta=ocp.args.JsonRestore()))
         return _rebuild(like, got["state"]), dict(got["meta"])
 

@@ -213,9 +213,7 @@ def step_flops(cfg: M3Config, seqs: int, seq_len: int, remat: bool = True, *, qu
     out["attention_executed"] = attn_exec + (attn_remat if remat else 0.0) + (attn_again if query_chunked else 0.0)
     # full layers' flash alone (forward, and forward + backward [+ remat]): the work that grows with a query's
     # position, which contiguous context shards split unevenly (`context_imbalance`)
-    n_full = sum(t != SPARSE_ATTENTION for t in cfg.layer_types)
-    full_pairs = (n_full * (causal_pairs(seq_len) + seq_len * min(128, seq_len) // 2) * seqs  # as `flash_pairs`
-                  if attention == "flash" else 0)
+    full_pairs = flash_pairs(cfg, seq_len, sparse_layers=False) * seqs if attention == "flash" else 0
     out["full_flash_forward"] = 4 * h * dd * full_pairs
     out["full_flash_executed"] = (14 + (4 if remat else 0)) * h * dd * full_pairs
     out["indexer_executed"] = idx_exec + (idx_remat if remat else 0.0) + (idx_again if query_chunked else 0.0)

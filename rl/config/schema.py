@@ -199,9 +199,10 @@ class MeshSection(_Section):
                                              "gathers over the other fsdp_axes only: on NVLink when those stay "
                                              "inside a node); [] = every micro-batch gathers over all fsdp_axes",
                                          items={"choices": TOKEN_AXES}, distinct=True)
-    context_balance: bool = _f(True, "context-parallel attention: mirror context shards swap their queries' second "
-                                     "halves, so every shard does the same causal work (false = contiguous "
-                                     "shards, the last doing 2 x context - 1 times the first's)")
+    context_balance: bool = _f(True, "context-parallel flash on full layers: mirror context shards swap their "
+                                     "queries' second halves, so every shard does the same causal work (false = "
+                                     "contiguous shards, the last doing 2 x context - 1 times the first's); sparse "
+                                     "layers stay contiguous either way")
     coordinator_address: str | None = _f(None, "host:port of process 0 for jax.distributed; null = single "
                                                "process or from the environment (JAX_*, SLURM)")
     num_processes: int | None = _f(None, "processes in a multi-host job; null = from the environment", min=1)

@@ -51,7 +51,7 @@ def check_request(prompts: list[list[int]], vocab_size: int | None, max_position
         if not lengths.sum():
             continue
         flat = np.concatenate([np.asarray(q, np.int64).reshape(-1) for q in seqs])
-        bad = (flat < 0) | (flat >= (vocab_size if vocab_size is not None else np.iinfo(np.int64).max))
+        bad = (flat < 0) if vocab_size is None else (flat < 0) | (flat >= vocab_size)
         if bad.any():
             at = int(np.argmax(bad))
             raise ValueError(f"{what} {int(np.searchsorted(np.cumsum(lengths), at, side='right'))} holds token id "
