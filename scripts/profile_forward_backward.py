@@ -38,10 +38,10 @@ import bench_sparse_model as bsm  # noqa: E402
 from m3jax import tiny  # noqa: E402
 
 
-def thunk_times(xplane: str, inside: str | None) -> tuple[collections.Counter, collections.Counter, int]:
-    """({top-level thunk: ns}, {thunk inside `inside`: ns}, top-level thunks run) over the XLA:CPU worker
-    threads of a trace."""
-    top, nested, runs = collections.Counter(), collections.Counter(), 0
+def thunk_times(xplane: str, inside: str | None) -> tuple[collections.Counter, collections.Counter, collections.Counter]:
+    """({top-level thunk: ns}, {thunk inside `inside`: ns}, {top-level thunk: times run}) over the XLA:CPU
+    worker threads of a trace."""
+    top, nested, runs = collections.Counter(), collections.Counter(), collections.Counter()
     for plane in jax.profiler.ProfileData.from_file(xplane).planes:
         for line in plane.lines:
             if "Eigen" not in line.name:  # XLA:CPU's worker threads
@@ -52,7 +52,7 @@ def thunk_times(xplane: str, inside: str | None) -> tuple[collections.Counter, c
                     ends.pop()
                 if len(ends) == 1 and not ev.name.startswith("ThunkExecutor"):
                     top[ev.name] += ev.duration_ns
-                    runs += 1
+                    runs[ev.name] += 1
                     window = (ev.start_ns, ev.start_ns + ev.duration_ns) if ev.name == inside else window
                 elif window and window[0] < ev.start_ns < window[1] and not ev.name.startswith(("Thunk", "while")):
                     nested[ev.name] += ev.duration_ns
@@ -140,7 +140,7 @@ def main():
         jax.profiler.stop_trace()
         top, nested, runs = thunk_times(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0], args.inside)
     per = 1e6 * args.iters
-    print(f"traced: {sum(top.values()) / per:.2f} ms of top-level thunks per step, {runs / args.iters:.0f} "
+    print(f"traced: {sum(top.values()) / per:.2f} ms of top-level thunks per step, {runs.total() / args.iters:.0f} "
           f"thunks run per step")
     where = source_lines(hlo_text) if args.by_source else {}
     for name, ns in top.most_common(args.top):
@@ -148,12 +148,13 @@ def main():
     for name, ns in nested.most_common(args.top):
         print(f"  {ns / per:7.3f} ms  inside {args.inside}: {name}")
     if args.by_source:
-        by_line = collections.Counter()
+        by_line, line_runs = collections.Counter(), collections.Counter()
         for name, ns in top.items():
             by_line[where.get(name, "?")] += ns
-        print("by source line (innermost frame of the thunk's HLO instruction):")
-        for line, ns in by_line.most_common(args.top):
-            print(f"  {ns / per:7.3f} ms  {line}")
+            line_runs[where.get(name, "?")] += runs[name]
+        print("by source line (innermost frame of the thunk's HLO instruction; thunks run per step):")
+        for line, ns in by_line.most_common(args.top or None):
+            print(f"  {ns / per:7.3f} ms  {line_runs[line] / args.iters:5.0f}  {line}")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 Everything that can be wrong with the checkpoint is found from the headers before any parameter is
 allocated: missing, unexpected, mis-shaped or non-float tensors, truncated or corrupt files, an index
-pointing at a file that lacks the tensor. Then the model is created abstractly (`nnx.eval_shape`),
+pointing at a file that lacks the tensor. Values that are not finite (NaN, Inf) can only be seen as each
+tensor is read, and are refused there. Then the model is created abstractly (`nnx.eval_shape`),
 each parameter is allocated once on its final devices, and every HF tensor is read from disk into a
 host buffer of its own size and written into its slice with a donated in-place update. Peak host
 memory is the model plus the largest single HF tensor.
@@ -22,7 +23,7 @@ from flax import nnx
 
 from m3jax.config import M3Config
 from m3jax.hf import layouts
-from m3jax.hf.safetensors_io import CheckpointError, TensorInfo, read_header, read_into
+from m3jax.hf.safetensors_io import CheckpointError, TensorInfo, count_nonfinite, read_header, read_into
 from m3jax.model.decoder import M3ForCausalLM
 from sharding.layout import as_layout
 from sharding.mesh import mesh_config_of, validate
@@ -117,7 +118,8 @@ def _zeros(shape, dtype, sharding) -> jax.Array:
     return _zeros_fn(tuple(shape), jnp.dtype(dtype), sharding)()
 
 
-def from_pretrained(path: str | os.PathLike, dtype=None, *, mesh=None, **model_options) -> M3ForCausalLM:
+def from_pretrained(path: str | os.PathLike, dtype=None, *, mesh=None, check_finite: bool = True,
+                    **model_options) -> M3ForCausalLM:
     """Load a local HF MiniMax-M3 directory (native or released layout, single file or sharded).
 
     dtype: parameter dtype (router and its bias stay fp32); default: the checkpoint's embedding dtype.
@@ -125,6 +127,10 @@ def from_pretrained(path: str | os.PathLike, dtype=None, *, mesh=None, **model_o
     "tensor") and the default rules): each parameter is placed on its shards per the layout's rules, and
     the model keeps the layout for every later call. A mesh that cannot hold this model raises
     `MeshError` naming the field before anything is read. Default: the default device.
+    check_finite: refuse a tensor holding NaN or Inf (`CheckpointError` naming it and its file), checked as it
+    is read, at about the speed of a read from the page cache (`count_nonfinite`, scripts/bench_finite_check.py):
+    such weights (a diverged run's, a broken export) would otherwise load silently and turn every logit they
+    touch into NaN.
     model_options: passed to M3ForCausalLM (remat, moe_capacity_factor, moe_exchange, moe_kernel).
     """
     path = os.fspath(path)
@@ -146,6 +152,10 @@ def from_pretrained(path: str | os.PathLike, dtype=None, *, mesh=None, **model_o
         var = flat[slot.param]
         shape, pdtype = var.get_value().shape, var.get_value().dtype
         host = read_into(tensors[slot.name])
+        if check_finite and (bad := count_nonfinite(host)):
+            raise CheckpointError(f"tensor {slot.name} ({tensors[slot.name].file}) holds {bad} NaN or Inf value(s) of "
+                                  f"{host.size}: the checkpoint's weights are not finite (a diverged run or a broken "
+                                  "export); pass check_finite=False to load it anyway")
         if not slot.index:  # the tensor is the whole parameter
             arrays[slot.param] = jax.device_put(host.reshape(shape).astype(pdtype, copy=False), target[slot.param])
         else:

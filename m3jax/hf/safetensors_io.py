@@ -95,6 +95,30 @@ def read_into(info: TensorInfo, out: np.ndarray | None = None) -> np.ndarray:
     return out.reshape(info.shape)
 
 
+# The exponent field of each float format: a value is NaN or +-Inf exactly when every exponent bit is set.
+_EXPONENT = {np.dtype(np.float64): (np.uint64, 0x7FF0000000000000), np.dtype(np.float32): (np.uint32, 0x7F800000),
+             np.dtype(np.float16): (np.uint16, 0x7C00), np.dtype(ml_dtypes.bfloat16): (np.uint16, 0x7F80)}
+_SCAN_ELEMENTS = 1 << 18  # a cache-resident scratch buffer: 15-17 GB/s on this VM, 12 GB/s at 4M elements
+
+
+def count_nonfinite(array: np.ndarray) -> int:
+    """The number of NaN / +-Inf values in a float array (0 for other dtypes): the exponent bits, read as
+    integers, all set. A finite array is one masked max per chunk, at memory speed (`np.isfinite` on bfloat16
+    converts element by element: 3 GB/s); the count is taken only from the first chunk that holds one."""
+    if array.dtype not in _EXPONENT:
+        return 0
+    uint, mask = _EXPONENT[array.dtype]
+    bits = np.ascontiguousarray(array).reshape(-1).view(uint)
+    mask = uint(mask)
+    scratch = np.empty(min(_SCAN_ELEMENTS, bits.size), uint)
+    for i in range(0, bits.size, _SCAN_ELEMENTS):
+        chunk = scratch[:min(_SCAN_ELEMENTS, bits.size - i)]
+        np.bitwise_and(bits[i:i + _SCAN_ELEMENTS], mask, out=chunk)
+        if chunk.max() == mask:
+            return int(np.count_nonzero((bits[i:] & mask) == mask))
+    return 0
+
+
 class StreamingWriter:
     """Write a safetensors file whose tensor list is known up front, one tensor at a time.
 
