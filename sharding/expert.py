@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from sharding.layout import Layout
+from sharding.layout import Layout, on_gpu, platform
 
 # The name `combine` gives the routed experts' output rows (`jax.ad_checkpoint.checkpoint_name`): a remat policy
 # that saves it (model.remat_policy save_dots_experts) spares the backward the experts' forward, which the router
@@ -193,7 +193,7 @@ def _ragged_exchange(rows, per_expert, expert_fn, ep_axes, n_ep, t, k, capacity_
 def default_exchange(backend: str | None = None) -> str:
     """The real ragged collective where XLA compiles it, the padded all_to_all elsewhere; backend: the
     platform the program is built for (`Layout.backend`; default jax's)."""
-    return "ragged" if (backend or jax.default_backend()) in ("gpu", "cuda", "rocm", "tpu") else "padded"
+    return "ragged" if on_gpu(backend) or platform(backend) in ("rocm", "tpu") else "padded"
 
 
 def routed_experts(x: jax.Array, route_fn: Callable, router: tuple, expert_fn: Callable, gate_up: jax.Array,

@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 
 from sharding.bucketed_grouped import bucket_rows, bucketed_matmul, bucketed_mlp, overflow_tile
+from sharding.layout import platform
 from sharding.tiled_grouped import same_varying, tiled_matmul, tiled_mlp
 
 KERNELS = ("auto", "ragged_dot", "tiled", "bucketed", "pallas")
@@ -60,7 +61,7 @@ def resolve_kernel(kernel: str = "auto", backend: str | None = None) -> str:
         raise ValueError(f"grouped matmul kernel {kernel!r}: expected one of {', '.join(KERNELS)}")
     if kernel != "auto":
         return kernel
-    return "bucketed" if (backend or jax.default_backend()) == "cpu" else "ragged_dot"
+    return "bucketed" if platform(backend) == "cpu" else "ragged_dot"
 
 
 def _tile(tile: int, n: int) -> int:

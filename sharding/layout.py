@@ -17,6 +17,18 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sharding.rules import RULES, logical_to_spec, mesh_axes_of, step_copy_rules
 
+GPU_PLATFORMS = ("gpu", "cuda")  # jax names a CUDA device's platform "gpu"; a caller may name it "cuda"
+
+
+def platform(backend: str | None = None) -> str:
+    """The platform a program is built for: `backend` (a layout's `backend`), else jax's default backend."""
+    return backend or jax.default_backend()
+
+
+def on_gpu(backend: str | None = None) -> bool:
+    """Whether `platform(backend)` is a GPU."""
+    return platform(backend) in GPU_PLATFORMS
+
 
 @dataclasses.dataclass(frozen=True)
 class Layout:

@@ -18,7 +18,7 @@ import os
 from typing import Protocol
 
 import jax
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AxisType
 
 from sharding.layout import Layout
 from sharding.rules import MESH_AXES, TOKEN_AXES, expert_axes_of, fsdp_axes_of, logical_to_spec, mesh_axes_of, rules_for

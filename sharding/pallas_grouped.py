@@ -30,6 +30,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from sharding.layout import on_gpu, platform
+
 _INTERPRETED_WARN_MACS = 1 << 24  # an interpreted matmul this large takes seconds: say so
 BLOCK = 64  # rows, output columns and contracted elements per block (smaller for narrower operands)
 NUM_WARPS, NUM_STAGES = 4, 2
@@ -181,9 +183,9 @@ def pallas_grouped_matmul(rows: jax.Array, weights: jax.Array, group_sizes: jax.
     `jax.lax.ragged_dot_general` with `sharding.grouped_matmul.ROWS_BY_GROUP` up to the summation order.
     interpret: run Pallas's interpreter (default: when `backend`, the platform the program is built for,
     default jax's, is not a GPU)."""
-    backend = backend or jax.default_backend()
+    backend = platform(backend)
     if interpret is None:
-        interpret = backend not in ("gpu", "cuda")
+        interpret = not on_gpu(backend)
     varying = getattr(getattr(jax.typeof(rows), "manual_axis_type", None), "varying", None)
     if interpret and varying:
         raise ValueError(f"moe_kernel=pallas off a GPU runs Pallas's interpreter, which jax "

@@ -25,6 +25,8 @@ import logging
 import jax
 import jax.numpy as jnp
 
+from sharding.layout import on_gpu
+
 FUSED_DTYPES = (jnp.bfloat16, jnp.float16)
 MAX_HEAD_DIM = 128  # cuDNN's limit before Hopper (256 from sm90 on): the model's choice holds on every GPU
 
@@ -32,7 +34,7 @@ MAX_HEAD_DIM = 128  # cuDNN's limit before Hopper (256 from sm90 on): the model'
 def implementation(backend: str | None = None) -> str | None:
     """`jax.nn.dot_product_attention`'s implementation on `backend` (default: jax's): "cudnn" on a GPU, else
     None (nothing fused)."""
-    return "cudnn" if (backend or jax.default_backend()) in ("gpu", "cuda") else None
+    return "cudnn" if on_gpu(backend) else None
 
 
 def applies(q: jax.Array, key_len: int, cached: bool, n_ctx: int, backend: str | None = None) -> bool:

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from m3jax.model.fused_attention import FUSED_DTYPES
+from sharding.layout import on_gpu
 
 PAGE_HEADS = 16  # the kernel's block_h: query heads per program (it pads a unit's heads to a multiple)
 
@@ -35,7 +36,7 @@ PAGE_HEADS = 16  # the kernel's block_h: query heads per program (it pads a unit
 def interpret(backend: str | None = None) -> bool | None:
     """Pallas's interpreter (True), the GPU kernel (False), or None where this path does not run, on `backend`
     (the platform the program is built for; default jax's)."""
-    return False if (backend or jax.default_backend()) in ("gpu", "cuda") else None
+    return False if on_gpu(backend) else None
 
 
 def applies(q: jax.Array, n_ctx: int, backend: str | None = None) -> bool:

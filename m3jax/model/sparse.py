@@ -34,6 +34,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from m3jax.model.indexer import topk_key_blocks
 from m3jax.model.softmax import softmax
+from sharding.layout import platform
 
 _MASKED = jnp.finfo(jnp.float32).min
 QUERY_TILE = 64  # local queries per step of the per-tile gather scan (`_gathered`)
@@ -272,7 +273,7 @@ def one_device_path(topk_blocks: int, block_size: int, heads_per_unit: int, back
     multiply a few rows, 3.2-4.5x slower than the slots on the sparse bench model at 1,024-4,096 slots
     (scripts/bench_decode_step.py, BENCHMARKS.md session 29). The paths agree to float rounding
     (tests/test_sparse_attention.py; a decode step against the full forward: tests/test_decode_reads.py)."""
-    if (backend or jax.default_backend()) != "cpu":
+    if platform(backend) != "cpu":
         return "tiles"
     rows = topk_blocks * block_size * heads_per_unit * queries_per_key
     return "slots" if rows < GROUPED_TILE else "grouped"
