@@ -194,6 +194,6 @@ def pallas_grouped_matmul(rows: jax.Array, weights: jax.Array, group_sizes: jax.
     if interpret and rows.shape[0] * weights.shape[1] * weights.shape[2] > _INTERPRETED_WARN_MACS:
         logging.getLogger(__name__).warning(
             "moe_kernel=pallas on %s runs Pallas's interpreter (for tests): a [%d, %d] x [%d, %d, %d] grouped matmul "
-            "will be slow; moe_kernel=tiled (auto) is the fast kernel off a GPU", backend,
+            "will be slow; moe_kernel=bucketed (what auto runs on a CPU) is the fast kernel off a GPU", backend,
             *rows.shape, *weights.shape)
     return _matmul(rows, weights, group_sizes.astype(jnp.int32), block, interpret)

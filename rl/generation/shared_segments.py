@@ -22,16 +22,20 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import logging
 import mmap
 import os
 import shutil
 import tempfile
+import threading
 from typing import Iterable, Iterator
 
 import numpy as np
 
 from rl.generation.transfer_base import Bucket, TensorRecord, TransferError, checksum, record_dtype
 from rl.run_lock import pid_alive
+
+log = logging.getLogger(__name__)
 
 SEGMENT_ROOT = "/dev/shm"  # RAM-backed; containers often mount only 64 MB there (checked per segment)
 PREFIX = "m3jax-weights-"
@@ -231,3 +235,18 @@ class SegmentWriter:
         sums = list(self.pool.map(checksum, dsts))
         records = [TensorRecord(name, tuple(a.shape), str(a.dtype), c) for (name, a, _), c in zip(pending, sums)]
         return SharedBucket(version, index, records, [off for _, _, off in pending], path, seg.size)
+
+
+def reserve_in_background(segments: "SegmentWriter", model_dir: str, bucket_bytes: int) -> threading.Thread:
+    """`segments.reserve` for the checkpoint's buckets in a daemon thread (while the engines start); a failure
+    (a small /dev/shm) is logged, not raised: the first push then makes the files itself and says what does not
+    fit."""
+    def run():
+        try:
+            segments.reserve(bucket_sizes(checkpoint_tensor_bytes(model_dir), bucket_bytes))
+        except Exception as e:  # noqa: BLE001 - see the docstring
+            log.warning("shm transport: making its files in advance failed (%r); the first push makes them", e)
+
+    thread = threading.Thread(target=run, daemon=True, name="m3jax-warm-segments")
+    thread.start()
+    return thread

@@ -32,6 +32,7 @@ import jax
 import numpy as np
 
 from rl.generation.base import Rollout, SamplingParams, check_request
+from rl.generation.pool_config import PoolConfig, PoolError
 from rl.generation.transfer import TRANSPORTS, TransferError, TransferStats, make_transport, model_tensors
 from rl.generation import host_memory, local_ray, shared_segments, vllm_ray
 from rl.generation.vllm_results import CPU_REASON, assemble_rollout
@@ -39,46 +40,6 @@ from rl.generation.vllm_actor import EngineActor, actor_class
 from rl.schedule import ChunkQueue, Incomplete
 
 log = logging.getLogger(__name__)
-
-
-class PoolError(RuntimeError):
-    """The pool cannot serve a request (e.g. no healthy engine is left)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class PoolConfig:
-    model_dir: str  # the checkpoint every engine starts from (released HF layout)
-    servers: int = 2
-    tensor_parallel: int = 1
-    expert_parallel: int = 1
-    gpu_memory_utilization: float = 0.8
-    max_model_len: int = 2048
-    # refuse a request with a token id outside [0, vocab_size) before an engine sees it (vLLM would raise, and
-    # the pool take the error for a dead engine); None: not checked here
-    vocab_size: int | None = None
-    dtype: str = "float32"
-    ray_address: str | None = None  # None: start a local Ray
-    bucket_bytes: int = 256 << 20
-    transport: str = "ray"  # a key of rl.generation.transfer.TRANSPORTS (generation.weight_transport)
-    # the collective transport's buffers: "cpu" (gloo) or "cuda" (NCCL); generation.weight_group_device resolved
-    # by rl.generation.bucket_sender.resolve_group_device
-    group_device: str = "cpu"
-    weight_apply: str = "auto"  # VLLMEngine's weight_apply: auto (in-place where it covers the model) / reload
-    request_timeout_s: float = 600.0
-    max_restarts: int = 4
-    chunks_per_engine: int = 2
-    seed: int = 0
-    # generation.vllm_executor: auto | mp | ray (rl.generation.vllm_ray.EXECUTORS); the pool's own copy of
-    # the config holds what "auto" resolved to (uni / mp / ray), which each engine actor uses
-    executor: str = "auto"
-    # engines return each row's MoE routes (grpo.routing_replay: rollout): GPU vLLM only (vllm_results.CPU_REASON)
-    return_routes: bool = False
-    # CPU engine processes start with glibc malloc settings that keep their memory between weight updates
-    # (rl.generation.host_memory; generation.vllm_malloc_tuning)
-    malloc_tuning: bool = True
-    # a local Ray started by the pool gets its object store filled once while the engines start
-    # (rl.generation.local_ray; generation.vllm_object_store_warmup)
-    warm_object_store: bool = True
 
 
 _ACTOR = None
@@ -156,7 +117,7 @@ class VLLMPool:
         if cfg.transport == "shm":  # this process's memory, kept while engines come and go
             self._segments = shared_segments.SegmentWriter(cfg.bucket_bytes)
             if cfg.warm_object_store:  # the store warm-up's counterpart: the files made while the engines start
-                warming = _reserve_in_background(self._segments, cfg.model_dir, cfg.bucket_bytes)
+                warming = shared_segments.reserve_in_background(self._segments, cfg.model_dir, cfg.bucket_bytes)
         try:
             for s in self.slots:
                 self._spawn(s)
@@ -214,28 +175,13 @@ class VLLMPool:
             s.ready, s.version = True, h["version"]
 
     def _check_weight_path(self) -> None:
-        """Refuse at start what every push would refuse: the `ray` transport stages an update under the engine
-        actor's /dev/shm, which a Ray-executor worker on another machine cannot read; the `shm` transport's
-        segments lie under this process's /dev/shm, which only engines on this machine can map."""
-        if self.cfg.transport == "shm":
-            here = vllm_ray.host_of(None)[0]
-            for h in (h for h in self.health() if h["state"] == "up"):
-                away = sorted({h.get("machine"), *(w.get("machine") for w in h.get("workers", []))} - {here})
-                if away:
-                    self.shutdown()
-                    raise PoolError(f"vLLM engine {h.get('rank')} runs on other machines ({away}) than the trainer "
-                                    f"({here}): generation.weight_transport \"shm\" hands updates over in this "
-                                    "machine's /dev/shm; use generation.weight_transport: collective")
-            return
-        if self.cfg.transport != "ray" or self.cfg.executor != "ray":
-            return
-        for h in self.health():
-            away = sorted({w.get("machine") for w in h.get("workers", [])} - {h.get("machine")})
-            if away:
+        """Refuse at start what every push would refuse (`vllm_ray.weight_path_problem`)."""
+        if self.cfg.transport in ("shm", "ray"):
+            problem = vllm_ray.weight_path_problem(self.cfg.transport, self.cfg.executor, self.health(),
+                                                   vllm_ray.host_of(None)[0])
+            if problem:
                 self.shutdown()
-                raise PoolError(f"vLLM engine {h.get('rank')} has workers on other machines ({away}) than its actor "
-                                f"({h.get('machine')}): generation.weight_transport \"ray\" stages updates under "
-                                "the actor's /dev/shm; use generation.weight_transport: collective")
+                raise PoolError(problem)
 
     def _replace(self, slot: _Slot, why: str) -> None:
         """Kill a dead or hung engine; start a fresh one unless the pool's restart budget is spent."""
@@ -456,21 +402,6 @@ class VLLMPool:
                 s.version = h["version"]
             else:  # half-applied weights: only a fresh engine is trustworthy
                 self._replace(s, f"unusable after a failed update: {h.get('error')}")
-
-
-def _reserve_in_background(segments, model_dir: str, bucket_bytes: int) -> threading.Thread:
-    """`segments.reserve` for the checkpoint's buckets in a daemon thread; a failure (a small /dev/shm) is logged,
-    not raised: the first push then makes the files itself and says what does not fit."""
-    def run():
-        try:
-            segments.reserve(shared_segments.bucket_sizes(shared_segments.checkpoint_tensor_bytes(model_dir),
-                                                          bucket_bytes))
-        except Exception as e:  # noqa: BLE001 - see the docstring
-            log.warning("shm transport: making its files in advance failed (%r); the first push makes them", e)
-
-    thread = threading.Thread(target=run, daemon=True, name="m3jax-warm-segments")
-    thread.start()
-    return thread
 
 
 def _cluster_has_gpus() -> bool:

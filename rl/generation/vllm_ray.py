@@ -129,3 +129,25 @@ def host_of(_worker) -> tuple[str, str, int]:
     except ImportError:
         node = ""
     return f"{socket.gethostname()}/{boot}", node, os.getpid()
+
+
+def weight_path_problem(transport: str, executor: str, health: list[dict], here: str) -> str | None:
+    """What every push over `transport` would refuse, from the engines' `health()` (their machines and their
+    workers'), said at start; None when the path works. The `shm` transport's segments lie under the trainer's
+    /dev/shm (machine `here`), which only engines on that machine can map; the `ray` transport stages an update
+    under the engine actor's /dev/shm, which a Ray-executor worker on another machine cannot read."""
+    if transport == "shm":
+        for h in (h for h in health if h["state"] == "up"):
+            away = sorted({h.get("machine"), *(w.get("machine") for w in h.get("workers", []))} - {here})
+            if away:
+                return (f"vLLM engine {h.get('rank')} runs on other machines ({away}) than the trainer ({here}): "
+                        "generation.weight_transport \"shm\" hands updates over in this machine's /dev/shm; use "
+                        "generation.weight_transport: collective")
+    if transport == "ray" and executor == "ray":
+        for h in health:
+            away = sorted({w.get("machine") for w in h.get("workers", [])} - {h.get("machine")})
+            if away:
+                return (f"vLLM engine {h.get('rank')} has workers on other machines ({away}) than its actor "
+                        f"({h.get('machine')}): generation.weight_transport \"ray\" stages updates under the actor's "
+                        "/dev/shm; use generation.weight_transport: collective")
+    return None
