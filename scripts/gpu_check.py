@@ -30,7 +30,8 @@ Prints one JSON line per check; keep the output with BENCHMARKS.md. Checks:
    first GPU run's step took 18 s, 0.18 s at the plan's 40 % MFU: BENCHMARKS.md, session 25);
 4. MoE: grouped expert matmuls (ragged_dot) vs every expert on every token, same routing, timed;
 5. MoE kernels: `model.moe_kernel` ragged_dot vs tiled (its default 128-row tile, and 512) vs bucketed vs pallas
-   (sharding.pallas_grouped) on an expert-parallel receive pool mostly padding
+   (sharding.pallas_grouped) vs mosaic (jax's Mosaic GPU kernels, sharding.mosaic_grouped: Hopper only) on an
+   expert-parallel receive pool mostly padding
    (1 local expert with a 32x pool, M3's 32-node layout; 4 local experts with a 16x pool, a multinomial load around
    the balanced one), bf16, forward and
    forward+backward: the figure `auto`'s GPU choice (ragged_dot until measured) waits for;

@@ -126,13 +126,14 @@ def moe_kernels(small: bool, experts: int, pool: int, real_rows: int):
     # a 4x larger tile takes 4x fewer of them for at most E x 384 more padding rows. bucketed: the balanced load
     # fills its buckets exactly (one batched matmul, an empty overflow walk), told it as routed_experts tells it.
     variants = {"ragged_dot": ("ragged_dot", DEFAULT_TILE), "tiled": ("tiled", DEFAULT_TILE), "tiled_512": ("tiled", 512),
-                "bucketed": ("bucketed", DEFAULT_TILE), "pallas": ("pallas", DEFAULT_TILE)}
+                "bucketed": ("bucketed", DEFAULT_TILE), "pallas": ("pallas", DEFAULT_TILE),
+                "mosaic": ("mosaic", DEFAULT_TILE)}
     for name, (kernel, tile) in variants.items():
         f = lambda r, gu, dn, kernel=kernel, tile=tile: grouped_experts(  # noqa: E731
             r, sizes, gu, dn, alpha=1.702, limit=7.0, kernel=kernel, tile=tile, expected_rows=real_rows / experts)
         fwd = jax.jit(f)
         bwd = jax.jit(jax.grad(lambda r, gu, dn: jnp.sum((f(r, gu, dn) * cot).astype(jnp.float32)), argnums=(0, 1, 2)))
-        try:  # pallas: its first run on a GPU; a failure must not lose the other kernels' figures
+        try:  # pallas, mosaic: their first runs on a GPU; a failure must not lose the other kernels' figures
             out[name] = (*timed(fwd, rows, gate_up, down), *timed(bwd, rows, gate_up, down))
         except Exception as e:  # noqa: BLE001
             errors[name] = f"{type(e).__name__}: {str(e)[:300]}"

@@ -25,13 +25,13 @@ Kernels (`kernel=`):
               gradients under a custom VJP), a program per (row tile, output tile) looping over its groups,
               tiles past the filled rows multiplying nothing: executed rows as tiled's. For GPUs; off a GPU
               Pallas's interpreter runs it (the tests). Never run on a GPU yet.
+  mosaic      `sharding.mosaic_grouped`: jax's Mosaic GPU kernels (`ragged_dot_mgpu` for the forward and the input
+              gradient, `transposed_ragged_dot_mgpu` for the weight gradient) under a custom VJP; Hopper only,
+              bf16 / fp16, widths multiples of 128; executed rows as tiled's at a 128-row tile. Refused off a
+              GPU: Mosaic GPU neither lowers there nor runs in Pallas's interpreter. Never run on a GPU yet.
   auto        bucketed on CPU (measured: scripts/bench_grouped_matmul.py, BENCHMARKS.md sessions 11 and 27);
               ragged_dot on GPU/TPU: whether tiled, bucketed, pallas or ragged_dot is fastest there awaits
               scripts/gpu_check.py (check 5), so nothing else is claimed.
-Not wired: jax 0.10.2's Mosaic GPU kernels (`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu` for the
-forward and input gradient, `transposed_ragged_dot_mgpu` for the weight gradient, under a custom VJP;
-Hopper only, bf16, dims multiples of their blocks): they lower through Mosaic GPU, which neither runs in
-Pallas's interpreter nor can be checked here, so they are left for a session with a Hopper GPU.
 """
 
 from __future__ import annotations
@@ -43,10 +43,10 @@ import jax
 import jax.numpy as jnp
 
 from sharding.bucketed_grouped import bucket_rows, bucketed_matmul, bucketed_mlp, overflow_tile
-from sharding.layout import platform
+from sharding.layout import on_gpu, platform
 from sharding.tiled_grouped import same_varying, tiled_matmul, tiled_mlp
 
-KERNELS = ("auto", "ragged_dot", "tiled", "bucketed", "pallas")
+KERNELS = ("auto", "ragged_dot", "tiled", "bucketed", "pallas", "mosaic")
 DEFAULT_TILE = 128
 
 # rows [N, in] against per-group weights [E, out, in]: contract `in` with the last weight axis.
@@ -59,6 +59,9 @@ def resolve_kernel(kernel: str = "auto", backend: str | None = None) -> str:
     `backend`; default: jax's default backend)."""
     if kernel not in KERNELS:
         raise ValueError(f"grouped matmul kernel {kernel!r}: expected one of {', '.join(KERNELS)}")
+    if kernel == "mosaic" and not on_gpu(backend):
+        raise ValueError(f"grouped matmul kernel 'mosaic' (jax's Mosaic GPU kernels, Hopper only) cannot run on "
+                         f"{platform(backend)!r}: Mosaic GPU lowers for GPUs alone; use bucketed or tiled there")
     if kernel != "auto":
         return kernel
     return "bucketed" if platform(backend) == "cpu" else "ragged_dot"
@@ -92,6 +95,9 @@ def grouped_matmul(rows: jax.Array, weights: jax.Array, group_sizes: jax.Array, 
     if kernel == "pallas":
         from sharding.pallas_grouped import pallas_grouped_matmul
         return pallas_grouped_matmul(rows, weights, group_sizes, backend=backend)
+    if kernel == "mosaic":
+        from sharding.mosaic_grouped import mosaic_grouped_matmul
+        return mosaic_grouped_matmul(rows, weights, group_sizes)
     if kernel == "bucketed":
         bucket, walk_tile = _bucket(expected_rows, rows.shape[0], weights.shape[0], tile)
         return bucketed_matmul(rows, weights, group_sizes, bucket, walk_tile)

@@ -212,8 +212,9 @@ class M3ForCausalLM(nnx.Module):
         moe_capacity_factor: cap on the rows an
         expert-parallel device sends to one peer, x (tokens*top_k / n_ep); None = dropless.
         moe_exchange: "padded" | "ragged" | "ragged_emulated"; None = ragged on GPU/TPU, padded on CPU.
-        moe_kernel: the experts' grouped matmul, "auto" | "ragged_dot" | "tiled" | "bucketed" | "pallas"
-        (`sharding.grouped_matmul`; auto = bucketed on CPU, ragged_dot elsewhere).
+        moe_kernel: the experts' grouped matmul, "auto" | "ragged_dot" | "tiled" | "bucketed" | "pallas" |
+        "mosaic" (`sharding.grouped_matmul`; auto = bucketed on CPU, ragged_dot elsewhere; mosaic: Hopper GPUs,
+        bf16 / fp16, expert widths multiples of 128, refused here otherwise).
         attention_query_chunk: local queries per attention scores block (0 = all at once).
         attention_impl: "dense" (masked scores blocks) | "flash" (online softmax over key tiles, no
         [queries, keys] block; `m3jax.model.flash`) on full layers, and on sparse ones with "masked"; "cudnn"
@@ -236,7 +237,13 @@ class M3ForCausalLM(nnx.Module):
             raise ValueError(f"attention_query_chunk={attention_query_chunk!r}: expected an integer >= 0")
         if not isinstance(scan_layers, bool):
             raise ValueError(f"scan_layers={scan_layers!r}: expected true or false")
-        resolve_kernel(moe_kernel)  # fail at construction on an unknown kernel name
+        if resolve_kernel(moe_kernel, as_layout(layout).backend) == "mosaic" and cfg.num_local_experts:
+            # what the Mosaic GPU kernels cannot take, said before any weight exists (an unknown name and a
+            # platform they do not run on are refused by resolve_kernel)
+            from sharding.mosaic_grouped import check_shapes
+            i, d = cfg.intermediate_size, cfg.hidden_size
+            for w in ((cfg.num_local_experts, 2 * i, d), (cfg.num_local_experts, d, i)):
+                check_shapes(jax.ShapeDtypeStruct((1, w[2]), dtype), jax.ShapeDtypeStruct(w, dtype))
         if attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"attention_impl={attention_impl!r}: expected one of {ATTENTION_IMPLS}")
         if sparse_attention not in SPARSE_IMPLS:

@@ -205,12 +205,13 @@ class Batch:
     @property
     def expert_matmul(self) -> str:
         """How the grouped expert matmuls execute: "tiled" (the tiled kernel: filled rows rounded up to
-        tiles), "bucketed" (balanced buckets in one batched matmul), "grouped" for the Pallas kernel (real rows,
-        the expert hidden held as under ragged_dot), else the ragged_dot lowering `ragged_dot` ("dense" or
-        "grouped")."""
+        tiles), "bucketed" (balanced buckets in one batched matmul), "grouped" for the Pallas and Mosaic kernels
+        (real rows, the expert hidden held as under ragged_dot), else the ragged_dot lowering `ragged_dot` ("dense"
+        or "grouped")."""
         from sharding.grouped_matmul import resolve_kernel
         kernel = resolve_kernel(self.moe_kernel, self.platform)
-        return kernel if kernel in ("tiled", "bucketed") else "grouped" if kernel == "pallas" else self.ragged_dot
+        return kernel if kernel in ("tiled", "bucketed") else "grouped" if kernel in ("pallas", "mosaic") \
+            else self.ragged_dot
 
     def model_options(self) -> dict:
         """M3ForCausalLM keywords of this batch's model options besides remat (sparse_attention only where the

@@ -162,10 +162,12 @@ class ModelSection(_Section):
                                  "receive buffer), bucketed (each expert's balanced share of rows in one batched "
                                  "matmul, the rest through the tiled walk), ragged_dot (jax.lax.ragged_dot: dense "
                                  "lowering on CPU and jaxlib 0.10 CUDA), pallas (a Pallas/Triton grouped GEMM for "
-                                 "GPUs that stops at the filled rows; interpreted, slowly, elsewhere), auto "
+                                 "GPUs that stops at the filled rows; interpreted, slowly, elsewhere), mosaic "
+                                 "(jax's Mosaic GPU ragged-dot kernels: Hopper GPUs, bf16 / fp16, widths multiples "
+                                 "of 128; refused elsewhere), auto "
                                  "(bucketed on CPU, ragged_dot on GPU/TPU until scripts/gpu_check.py has measured "
                                  "the others)",
-                         choices=("auto", "ragged_dot", "tiled", "bucketed", "pallas"))
+                         choices=("auto", "ragged_dot", "tiled", "bucketed", "pallas", "mosaic"))
 
     def model_options(self) -> dict[str, Any]:
         """Keyword options of `M3ForCausalLM` / `m3jax.from_pretrained` this section sets."""
