@@ -140,24 +140,6 @@ def moe_kernel(devices, kernel: str, experts: int, pool: int, real_rows: int, d:
         return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
 
 
-def _mosaic_grid_on(devices) -> None:
-    """jax's `transposed_ragged_dot_mgpu` sizes its grid from `jax.devices()[0].core_count`, the process's default
-    device: here a CPU, which has no core_count. Its module's `jax.devices` answers with the compile-only GPUs
-    instead (this script only; on a GPU the default device is the GPU)."""
-    import jax
-    import jax.experimental.pallas.ops.gpu.transposed_ragged_dot_mgpu as kernel_module
-
-    class _Jax:
-        def __getattr__(self, name):
-            return getattr(jax, name)
-
-        @staticmethod
-        def devices(*_):
-            return devices
-
-    kernel_module.jax = _Jax()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target-config", required=True, help="a text GpuTargetConfigProto, e.g. scripts/gpu_specs/h200.txtpb")
@@ -165,7 +147,6 @@ def main() -> None:
     args = ap.parse_args()
     from m3jax.plan.compile import compile_only_gpus
     devices = compile_only_gpus(args.target_config, 1)
-    _mosaic_grid_on(devices)
     from gpu_check import RECIPE_OPTIONS
     only = set(args.only or ("step", "forward", "decode", "moe"))
     if "moe" in only:

@@ -88,13 +88,35 @@ def compile_only_gpus(target_config: str, n: int, per_host: int = 8) -> list:
     JAX_PLATFORMS=cpu and JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 (the plugin's version checks call the driver).
     The process's default backend stays the CPU: a model makes its platform-dependent choices ("auto" options, the
     sparse path, the expert exchange) for its layout's `backend`, which a mesh of these devices gives ("gpu"); a
-    program without such a mesh passes `Layout(platform="gpu")` (or `backend="gpu"`) itself."""
+    program without such a mesh passes `Layout(platform="gpu")` (or `backend="gpu"`) itself. `moe_kernel: mosaic`
+    compiles on them too (`_mosaic_grid_on`)."""
     from jax.experimental import topologies
     hosts, local = (1, n) if n <= per_host else (-(-n // per_host), per_host)
     with open(target_config) as f:
         spec = f.read()
     devices = topologies.get_topology_desc(platform="cuda", topology=f"{hosts}x1x{local}", target_config=spec).devices
-    return list(devices)[:n]
+    devices = list(devices)[:n]
+    _mosaic_grid_on(devices)
+    return devices
+
+
+def _mosaic_grid_on(devices: list) -> None:
+    """jax's `transposed_ragged_dot_mgpu` (`moe_kernel: mosaic`'s weight gradient) sizes its grid from
+    `jax.devices()[0].core_count`, the process's default device: in a process that compiles for compile-only GPUs,
+    a CPU without a core_count. There that kernel module's `jax.devices` answers with the GPUs compiled for; only
+    such a process calls this (on a GPU the default device is the GPU)."""
+    import jax
+    import jax.experimental.pallas.ops.gpu.transposed_ragged_dot_mgpu as kernel_module
+
+    class _JaxOnTheseDevices:
+        def __getattr__(self, name):
+            return getattr(jax, name)
+
+        @staticmethod
+        def devices(*_):
+            return devices
+
+    kernel_module.jax = _JaxOnTheseDevices()
 
 
 def compile_reduced(job, layer_sets, extra_env: dict | None = None, target_config: str | None = None) -> list:
