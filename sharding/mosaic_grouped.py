@@ -28,6 +28,8 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from sharding.tiled_grouped import vary_like
+
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, 64  # rows, output columns, contracted elements per WGMMA block
 MAX_CONCURRENT_STEPS = 4  # the kernels' pipeline depth over the contracted dimension
 GRID_BLOCK_N = 1  # output tiles a program walks together
@@ -115,7 +117,10 @@ def _block_after_filled_zeroed(x: jax.Array, group_sizes: jax.Array) -> jax.Arra
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _grouped(rows, weights, group_sizes, kernels: Kernels):
-    return _padding_zeroed(kernels.ragged_dot(rows, weights, group_sizes, True), group_sizes)
+    # inside the expert-parallel shard_map the kernels' outputs are typed unvarying: each is made to vary as its
+    # operands do (`grouped_matmul` made those vary alike), which the custom VJP's types require
+    out = vary_like(kernels.ragged_dot(rows, weights, group_sizes, True), rows, weights)
+    return _padding_zeroed(out, group_sizes)
 
 
 def _grouped_fwd(rows, weights, group_sizes, kernels):
@@ -127,9 +132,9 @@ def _grouped_bwd(kernels, res, d_out):
     # d_out's padding rows need no zeroing: the input gradient's rows are independent (those past F are zeroed
     # after), and the weight-gradient kernel masks its lhs to each group's rows
     d_out = d_out.astype(rows.dtype)
-    d_rows = _padding_zeroed(kernels.ragged_dot(d_out, weights, group_sizes, False), group_sizes)
+    d_rows = vary_like(kernels.ragged_dot(d_out, weights, group_sizes, False), rows)
     d_weights = kernels.transposed(d_out, _block_after_filled_zeroed(rows, group_sizes), group_sizes)
-    return d_rows, d_weights.astype(weights.dtype), None
+    return _padding_zeroed(d_rows, group_sizes), vary_like(d_weights.astype(weights.dtype), weights), None
 
 
 _grouped.defvjp(_grouped_fwd, _grouped_bwd)

@@ -67,6 +67,13 @@ def same_varying(*xs):
     return tuple(out)
 
 
+def vary_like(x: jax.Array, *like) -> jax.Array:
+    """x marked varying over the mesh axes `like` vary over (inside `jax.shard_map`): a kernel whose output type
+    names no mesh axes (jax's Mosaic GPU kernels) computes a per-shard value all the same."""
+    missing = tuple(a for a in _varying_axes(*like) if a not in _varying_axes(x))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
 def _zeros(shape, dtype, *like):
     """Zeros varying over the mesh axes of `like` (a loop carry inside `jax.shard_map` must have the
     varying axes of what the loop body writes into it)."""

@@ -106,3 +106,39 @@ def test_the_config_offers_every_kernel_the_model_takes():
     from rl.config.schema import ModelSection
     from sharding.grouped_matmul import KERNELS
     assert tuple(ModelSection.__dataclass_fields__["moe_kernel"].metadata["choices"]) == KERNELS
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 2, 1), (1, 2, 2, 2)])
+def test_inside_the_expert_parallel_shard_map_it_lowers_for_cuda(shape, monkeypatch):
+    """Experts over 2 axes (and, with a tensor axis, width-sharded weights against replicated rows): the MoE
+    gradient of a layout built for GPUs, exported for CUDA, lowers its six matmuls (gate_up and down: forward,
+    input and weight gradients) to Mosaic GPU kernels. Inside the map the kernels' outputs are typed unvarying
+    and the gradients must vary as the weights do: the first 1-node recipe compile for H200s failed there."""
+    import dataclasses
+    import types
+
+    import jax.experimental.pallas.ops.gpu.transposed_ragged_dot_mgpu as weight_kernel
+    from jax import export
+
+    from m3jax.model.moe import moe_block
+    from sharding.mesh import MeshConfig, build_mesh
+    from tests.test_expert_parallel import CFG, E, params
+
+    # the weight-gradient kernel sizes its grid from jax.devices()[0].core_count: a GPU's (an H100 / H200 has 132)
+    monkeypatch.setattr(weight_kernel, "jax", types.SimpleNamespace(
+        **{n: getattr(jax, n) for n in dir(jax) if not n.startswith("__") and n != "devices"},
+        devices=lambda *_: [types.SimpleNamespace(core_count=132)]))
+    # widths of 128 per shard: a tensor axis of 2 splits the experts' intermediate width
+    cfg = dataclasses.replace(CFG, hidden_size=128, intermediate_size=256, shared_intermediate_size=16)
+    layout = dataclasses.replace(build_mesh(MeshConfig(*shape), cfg), platform="gpu")
+    ks = jax.random.split(jax.random.key(1), 3)
+    p = {**params(), "router": jax.random.normal(ks[0], (E, 128)), "shared_gate_up": jnp.zeros((2, 16, 128)),
+         "shared_down": jnp.zeros((128, 16)), "experts_gate_up": jax.random.normal(ks[1], (E, 2, 256, 128)),
+         "experts_down": jax.random.normal(ks[2], (E, 128, 256))}
+    p = jax.tree.map(lambda a: a.astype(jnp.bfloat16), p)
+    x = jnp.zeros((8, 16, 128), jnp.bfloat16)
+    grad = jax.jit(jax.value_and_grad(
+        lambda p, x: jnp.sum(moe_block(p, x, cfg, layout, None, "padded", "mosaic").astype(jnp.float32) ** 2),
+        argnums=(0, 1)))
+    text = export.export(grad, platforms=("cuda",))(p, x).mlir_module()
+    assert text.count("mosaic_gpu") >= 6, text.count("mosaic_gpu")
