@@ -142,3 +142,9 @@ def test_inside_the_expert_parallel_shard_map_it_lowers_for_cuda(shape, monkeypa
         argnums=(0, 1)))
     text = export.export(grad, platforms=("cuda",))(p, x).mlir_module()
     assert text.count("mosaic_gpu") >= 6, text.count("mosaic_gpu")
+
+
+def test_the_planner_plans_it_as_a_grouped_gemm():
+    """As the Pallas kernel: real rows (tiles past the filled ones multiply nothing), the expert hidden held."""
+    from m3jax.plan.memory import Batch
+    assert Batch(micro_batch=1, seq_len=64, moe_kernel="mosaic", platform="gpu").expert_matmul == "grouped"
