@@ -16,6 +16,7 @@ from m3jax.model.mlp import swiglu_oai
 from m3jax.model.moe import grouped_experts, route
 from sharding.expert import local_experts
 from sharding.grouped_matmul import DEFAULT_TILE
+from sharding.layout import on_gpu
 
 
 def emit(**kw):
@@ -126,8 +127,12 @@ def moe_kernels(small: bool, experts: int, pool: int, real_rows: int):
     # a 4x larger tile takes 4x fewer of them for at most E x 384 more padding rows. bucketed: the balanced load
     # fills its buckets exactly (one batched matmul, an empty overflow walk), told it as routed_experts tells it.
     variants = {"ragged_dot": ("ragged_dot", DEFAULT_TILE), "tiled": ("tiled", DEFAULT_TILE), "tiled_512": ("tiled", 512),
-                "bucketed": ("bucketed", DEFAULT_TILE), "pallas": ("pallas", DEFAULT_TILE),
-                "mosaic": ("mosaic", DEFAULT_TILE)}
+                "bucketed": ("bucketed", DEFAULT_TILE), "pallas": ("pallas", DEFAULT_TILE)}
+    skipped = {}
+    if on_gpu():  # jax's Mosaic GPU kernels (Hopper): lowered nowhere else, refused by name off a GPU
+        variants["mosaic"] = ("mosaic", DEFAULT_TILE)
+    else:
+        skipped["mosaic"] = "Mosaic GPU kernels lower only for a GPU (Hopper)"
     for name, (kernel, tile) in variants.items():
         f = lambda r, gu, dn, kernel=kernel, tile=tile: grouped_experts(  # noqa: E731
             r, sizes, gu, dn, alpha=1.702, limit=7.0, kernel=kernel, tile=tile, expected_rows=real_rows / experts)
@@ -145,7 +150,7 @@ def moe_kernels(small: bool, experts: int, pool: int, real_rows: int):
          fwd_ms={k: v[0] * 1e3 for k, v in out.items()}, fwd_bwd_ms={k: v[2] * 1e3 for k, v in out.items()},
          value_rel_err={k: rel(v[1], y_r) for k, v in out.items() if k != "ragged_dot"},
          grad_rel_err={k: [rel(a, b) for a, b in zip(v[3], g_r)] for k, v in out.items() if k != "ragged_dot"},
-         errors=errors)
+         errors=errors, skipped=skipped)
 
 
 def attention_kernels(small: bool, seq: int, skip: tuple = ()):

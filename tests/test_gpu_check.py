@@ -113,10 +113,12 @@ def test_vllm_checks_verdict_on_a_stand_in_engine(monkeypatch):
 
 
 def test_moe_kernels_check_runs_every_kernel_on_cpu(capsys):
-    """Check 5 at a small shape: ragged_dot, tiled, bucketed and pallas (interpreted here) run and agree."""
+    """Check 5 at a small shape: ragged_dot, tiled, bucketed and pallas (interpreted here) run and agree; mosaic,
+    which lowers only for a GPU, is said to be skipped."""
     _gpu_check().moe_kernels(True, 2, 4, 64)
     res = json.loads(capsys.readouterr().out)
     assert res["errors"] == {} and set(res["fwd_ms"]) == {"ragged_dot", "tiled", "tiled_512", "bucketed", "pallas"}
+    assert list(res["skipped"]) == ["mosaic"]
     assert all(err < 2e-2 for err in res["value_rel_err"].values()), res  # bf16 against ragged_dot
 
 
