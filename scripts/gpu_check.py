@@ -68,6 +68,10 @@ Prints one JSON line per check; keep the output with BENCHMARKS.md. Checks:
    `--only mesh` runs it alone.
 12. the KL reference's weights brought from pinned host memory (`grpo.reference_memory: host`, rl.reference): the
    GB/s the planner assumes for PCIe (50), measured on a 4 GB bf16 tree, bit for bit; scripts/gpu_check_reference.py.
+13. the JAX engine's decode step (M3-width slice: 4 layers, 16 experts, batch 8, 4,096 cache slots, bf16) with the
+   layer stacks scanned (the default) and unrolled, same weights: step times, temporaries, logits against each
+   other. Compiled for an H200 without one, the scanned step copies every layer's weights out of the stacks each
+   step (2.14 GB of temporaries against 0.055 GB unrolled, BENCHMARKS.md session 31); scripts/gpu_check_decode.py.
 Checks 3b to 7 live in scripts/gpu_check_kernels.py (with the helpers every check shares), 2, 3 and the driver here.
 """
 
@@ -90,6 +94,7 @@ from m3jax.plan.flops import step_flops
 from sharding.train_step import init_state, make_train_step
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_check_decode import decode_layers  # noqa: E402 - check 13
 from gpu_check_mesh import mesh_compile  # noqa: E402 - check 11
 from gpu_check_push import device_checksum, weight_push_device  # noqa: E402 - checks 9 and 10
 from gpu_check_reference import host_reference  # noqa: E402 - check 12
@@ -250,6 +255,7 @@ def main():
         checks = [("moe_kernels", moe_kernels, True, 1, 32, 256), ("layer_costs", layer_costs, True, 128, 8),
                   ("attention_kernels", attention_kernels, True, 256), ("logprob_head", logprob_head, True, 256, 64),
                   ("train_step_mfu", mfu, True, 2, 8, 64, 2, peak, RECIPE_OPTIONS),
+                  ("decode_layers", decode_layers, True, 4, 8, 4, 256),
                   ("model_attention", model_attention, True, 128), ("moe_grouped_vs_dense", moe_cost, True, 8, 256)]
     else:
         checks = [("moe_kernels", moe_kernels, False, 1, 32, 4096), ("moe_kernels", moe_kernels, False, 4, 16, 4096),
@@ -259,7 +265,8 @@ def main():
         checks += [("attention_kernels", attention_kernels, False, 1024),
                    ("attention_kernels", attention_kernels, False, 8192, ("grouped_sparse",))]
         checks += [("logprob_head", logprob_head, False, 8192, 1024),
-                   ("train_step_mfu", mfu, False, 4, 16, 4096, 1, peak, RECIPE_OPTIONS, 2)]
+                   ("train_step_mfu", mfu, False, 4, 16, 4096, 1, peak, RECIPE_OPTIONS, 2),
+                   ("decode_layers", decode_layers, False, 4, 16, 8, 4096)]
     checks += [("device_checksum", device_checksum, small), ("host_reference", host_reference, small),
                ("weight_push_device", weight_push_device, small), ("vllm_long_context", vllm_long_context)]
     if not small:  # measured in session 25 (BENCHMARKS.md): last, for a longer lease

@@ -132,6 +132,14 @@ def test_layer_costs_check_runs_every_variant_on_cpu(capsys):
     assert all(res[n]["finite"] and res[n]["fwd_bwd_ms"] > 0 for n in names), res
 
 
+def test_decode_layers_check_runs_both_stacks_on_cpu(capsys):
+    """Check 13 at a small shape: the scanned and the unrolled decode step run on the same weights and agree."""
+    _gpu_check().decode_layers(True, 4, 8, 2, 64)
+    res = json.loads(capsys.readouterr().out)
+    assert res["scanned"]["step_ms"] > 0 and res["unrolled"]["step_ms"] > 0, res
+    assert res["logits_rel_diff"] < 1e-2, res  # bf16
+
+
 def test_moe_cost_check_runs_and_agrees(capsys):
     """Check 4 (its weights now jit arguments): grouped and every expert on every token agree."""
     _gpu_check().moe_cost(True, 4, 64)
