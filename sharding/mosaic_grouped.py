@@ -10,14 +10,18 @@ zero gradient), weights [G, O, K] (HF's [out, in]):
 `jax.experimental.pallas.ops.gpu.ragged_dot_mgpu` walks (row tile, output tile) blocks over the groups' rows
 only (G - 1 + ceil(F / block_m) row tiles, as `sharding.tiled_grouped`), one persistent program per SM, WGMMA
 with fp32 accumulation; it writes no row past F, so the padding rows' output (and input gradient) are set to
-zero here. `transposed_ragged_dot_mgpu` contracts each group's rows into its [O, K] block.
+zero here. `transposed_ragged_dot_mgpu` contracts each group's rows into its [O, K] block, loading whole
+BLOCK_K-row blocks of both operands and masking the output gradient at a group's edges by a multiply, so the one
+padding block it can read (rows F.. F + BLOCK_K) of each is zeroed first. Inside the expert-parallel `jax.shard_map` the kernels' outputs
+are typed unvarying; each is made to vary as its operands do.
 
-What the kernels take (checked before anything is traced, `check_shapes`): Hopper (sm_90a) only; both operands
-of one dtype, bf16 or fp16; K and O multiples of their blocks (BLOCK_K and BLOCK_N; the weight gradient's
-BLOCK_M x BLOCK_N over [O, K]). Mosaic GPU lowers neither on a CPU nor in Pallas's interpreter: off a GPU this
-kernel is refused (`sharding.grouped_matmul`). Its algebra (which kernel computes which product, the padding
-rows, the dtypes) is tested on CPU with the kernels replaced by jax's references (`KERNELS` is a parameter);
-the kernels themselves await a Hopper GPU (`scripts/gpu_check.py` check 5).
+What the kernels take (`check_shapes`, run at model construction and before the kernels are called): Hopper
+(sm_90a) only; both operands of one dtype, bf16 or fp16; K and O multiples of 128 (their blocks). Mosaic GPU
+lowers neither on a CPU nor in Pallas's interpreter: off a GPU this kernel is refused
+(`sharding.grouped_matmul.resolve_kernel`). Its algebra (which kernel computes which product, what is zeroed)
+is tested on CPU with the kernels replaced by their contracts (`reference_kernels`, through the `kernels`
+argument); the kernels themselves were compiled for an H200 without one and await a Hopper GPU
+(`scripts/gpu_check.py` check 5).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ class Kernels(NamedTuple):
     transposed: Callable
 
 
+@functools.lru_cache(maxsize=1)
 def mosaic_kernels() -> Kernels:
     """jax's Mosaic GPU kernels at this module's block sizes (imported when called: they need jax's GPU
     Pallas modules, which import on a CPU but lower only for a Hopper GPU)."""
@@ -62,8 +67,8 @@ def reference_kernels() -> Kernels:
     """The kernels' contracts, at their least forgiving, in plain jax: what the CPU tests run this module's VJP on.
     ragged_dot through `jax.lax.ragged_dot`, its rows past the groups NaN (the kernel never writes them); the
     weight gradient reading, for each group, the rows of rhs in the BLOCK_K-aligned span around the group against
-    lhs zeroed outside the group (the kernel loads whole BLOCK_K-row blocks and masks only its lhs at a group's
-    edges: a non-finite rhs row in the span poisons the group's gradient)."""
+    lhs multiplied by 0 outside the group (the kernel loads whole BLOCK_K-row blocks and masks its lhs at a group's
+    edges by a multiply: a non-finite row of either in the span poisons the group's gradient)."""
     def ragged_dot(lhs, rhs, sizes, transpose_rhs):
         w = jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs  # [G, K, O]
         out = jax.lax.ragged_dot(lhs, w, sizes, preferred_element_type=jnp.float32).astype(lhs.dtype)
@@ -77,7 +82,8 @@ def reference_kernels() -> Kernels:
         member = (r >= starts[:, None]) & (r < ends[:, None])  # [G, N]
         span = (r >= starts[:, None] // BLOCK_K * BLOCK_K) & (r < -(-ends[:, None] // BLOCK_K) * BLOCK_K) \
             & (sizes[:, None] > 0)
-        lhs_g = jnp.where(member[..., None], lhs[None], 0)
+        # the kernel reads the span alone, and masks its lhs there by a multiply: NaN x 0 stays NaN
+        lhs_g = jnp.where(span[..., None], lhs[None] * member[..., None].astype(lhs.dtype), 0)
         rhs_g = jnp.where(span[..., None], rhs[None], 0)
         return jnp.einsum("gnm,gnk->gmk", lhs_g, rhs_g, preferred_element_type=jnp.float32).astype(lhs.dtype)
 
@@ -129,11 +135,12 @@ def _grouped_fwd(rows, weights, group_sizes, kernels):
 
 def _grouped_bwd(kernels, res, d_out):
     rows, weights, group_sizes = res
-    # d_out's padding rows need no zeroing: the input gradient's rows are independent (those past F are zeroed
-    # after), and the weight-gradient kernel masks its lhs to each group's rows
     d_out = d_out.astype(rows.dtype)
+    # the input gradient's rows are independent (those past F are zeroed after); the weight-gradient kernel reads
+    # the block of padding after F of both its operands
     d_rows = vary_like(kernels.ragged_dot(d_out, weights, group_sizes, False), rows)
-    d_weights = kernels.transposed(d_out, _block_after_filled_zeroed(rows, group_sizes), group_sizes)
+    d_weights = kernels.transposed(_block_after_filled_zeroed(d_out, group_sizes),
+                                   _block_after_filled_zeroed(rows, group_sizes), group_sizes)
     return _padding_zeroed(d_rows, group_sizes), vary_like(d_weights.astype(weights.dtype), weights), None
 
 

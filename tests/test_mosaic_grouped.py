@@ -62,8 +62,10 @@ def test_the_weight_gradient_ignores_nonfinite_padding_rows(n, sizes):
     sizes = jnp.asarray(sizes, jnp.int32)
     filled = int(sizes.sum())
     rows = jnp.ones((n, 16), jnp.float32).at[filled:].set(jnp.nan)
+    cot = jnp.ones((n, 8), jnp.float32).at[filled:].set(jnp.inf)  # the output gradient's padding too
     weights = jnp.ones((sizes.shape[0], 8, 16), jnp.float32)
-    g = jax.grad(lambda w: jnp.sum(mosaic_grouped_matmul(rows, w, sizes, reference_kernels())))(weights)
+    g = jax.grad(lambda w: jnp.sum(jnp.where(cot > 0, mosaic_grouped_matmul(rows, w, sizes, reference_kernels()), 0)
+                                   * cot))(weights)
     want = np.broadcast_to(np.asarray(sizes, np.float32)[:, None, None], g.shape)
     np.testing.assert_array_equal(np.asarray(g), want)
 
