@@ -135,12 +135,12 @@ def _grouped_fwd(rows, weights, group_sizes, kernels):
 
 def _grouped_bwd(kernels, res, d_out):
     rows, weights, group_sizes = res
-    d_out = d_out.astype(rows.dtype)
-    # the input gradient's rows are independent (those past F are zeroed after); the weight-gradient kernel reads
-    # the block of padding after F of both its operands
+    # the weight-gradient kernel reads the block of padding after F of both its operands; the input gradient's
+    # rows are independent (those past F are zeroed after), so it reads the same zeroed d_out: one buffer, which
+    # XLA can rewrite in place
+    d_out = _block_after_filled_zeroed(d_out.astype(rows.dtype), group_sizes)
     d_rows = vary_like(kernels.ragged_dot(d_out, weights, group_sizes, False), rows)
-    d_weights = kernels.transposed(_block_after_filled_zeroed(d_out, group_sizes),
-                                   _block_after_filled_zeroed(rows, group_sizes), group_sizes)
+    d_weights = kernels.transposed(d_out, _block_after_filled_zeroed(rows, group_sizes), group_sizes)
     return _padding_zeroed(d_rows, group_sizes), vary_like(d_weights.astype(weights.dtype), weights), None
 
 
