@@ -176,7 +176,7 @@ class VLLMPool:
 
     def _check_weight_path(self) -> None:
         """Refuse at start what every push would refuse (`vllm_ray.weight_path_problem`)."""
-        if self.cfg.transport in ("shm", "ray"):
+        if self.cfg.transport == "shm" or (self.cfg.transport == "ray" and self.cfg.executor == "ray"):
             problem = vllm_ray.weight_path_problem(self.cfg.transport, self.cfg.executor, self.health(),
                                                    vllm_ray.host_of(None)[0])
             if problem:
