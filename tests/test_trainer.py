@@ -164,8 +164,8 @@ def test_bad_config_fails_before_any_work(tmp_path):
 
 
 def test_bad_model_or_mesh_is_one_error_line(tmp_path):
-    """A checkpoint that does not match its config (eval --hf) and a mesh larger than the machine (train) are
-    printed as one `error:` line naming what was wrong, with no traceback."""
+    """A checkpoint that does not match its config (eval --hf), a mesh larger than the machine and a kernel this
+    platform cannot run (train) are printed as one `error:` line naming what was wrong, with no traceback."""
     from safetensors.numpy import load_file, save_file
 
     from m3jax import tiny
@@ -182,6 +182,10 @@ def test_bad_model_or_mesh_is_one_error_line(tmp_path):
     r = train(f"run.out_dir={tmp_path / 'x'}", "mesh.data=2", "grpo.micro_batch_size=128")
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert "error: mesh data x context x expert x tensor = 2 x 1 x 1 x 1 = 2 devices, but 1 are available" in r.stderr
+    r = train(f"run.out_dir={tmp_path / 'y'}", "model.moe_kernel=mosaic")  # Mosaic GPU kernels on a CPU
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "error: moe_kernel='mosaic': grouped matmul kernel 'mosaic' (jax's Mosaic GPU kernels, Hopper only) " \
+           "cannot run on 'cpu'" in r.stderr
 
 
 def test_resuming_under_another_model_config_is_refused(tmp_path):

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from m3jax.config import M3Config
+from m3jax.config import ConfigError, M3Config
 from m3jax.model.attention import IMPLS as ATTENTION_IMPLS, SPARSE_IMPLS
 from m3jax.model.attention import attention_block
 from m3jax.model.kv_cache import LayerCache
@@ -237,13 +237,16 @@ class M3ForCausalLM(nnx.Module):
             raise ValueError(f"attention_query_chunk={attention_query_chunk!r}: expected an integer >= 0")
         if not isinstance(scan_layers, bool):
             raise ValueError(f"scan_layers={scan_layers!r}: expected true or false")
-        if resolve_kernel(moe_kernel, as_layout(layout).backend) == "mosaic" and cfg.num_local_experts:
-            # what the Mosaic GPU kernels cannot take, said before any weight exists (an unknown name and a
-            # platform they do not run on are refused by resolve_kernel)
-            from sharding.mosaic_grouped import check_shapes
-            i, d = cfg.intermediate_size, cfg.hidden_size
-            for w in ((cfg.num_local_experts, 2 * i, d), (cfg.num_local_experts, d, i)):
-                check_shapes(jax.ShapeDtypeStruct((1, w[2]), dtype), jax.ShapeDtypeStruct(w, dtype))
+        try:  # a ConfigError: the commands print it as one line naming the option
+            if resolve_kernel(moe_kernel, as_layout(layout).backend) == "mosaic" and cfg.num_local_experts:
+                # what the Mosaic GPU kernels cannot take, said before any weight exists (an unknown name and a
+                # platform they do not run on are refused by resolve_kernel)
+                from sharding.mosaic_grouped import check_shapes
+                i, d = cfg.intermediate_size, cfg.hidden_size
+                for w in ((cfg.num_local_experts, 2 * i, d), (cfg.num_local_experts, d, i)):
+                    check_shapes(jax.ShapeDtypeStruct((1, w[2]), dtype), jax.ShapeDtypeStruct(w, dtype))
+        except ValueError as e:
+            raise ConfigError(f"moe_kernel={moe_kernel!r}: {e}") from None
         if attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"attention_impl={attention_impl!r}: expected one of {ATTENTION_IMPLS}")
         if sparse_attention not in SPARSE_IMPLS:
