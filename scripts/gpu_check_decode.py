@@ -31,7 +31,7 @@ def decode_layers(small: bool, layers: int, experts: int, batch: int, slots: int
     del model
     rng = np.random.default_rng(0)
     ids = jnp.asarray(rng.integers(3, cfg.vocab_size, (batch, 1)), jnp.int32)
-    pos = jnp.full((batch, 1), slots // 2, jnp.int32)  # half the cache written before: keys up to the position count
+    pos = jnp.full((batch, 1), slots // 2, jnp.int32)  # mid-cache: the step reads the slots up to it (zeros here)
     mask = jnp.ones((batch, slots), jnp.int32)
     out = {}
     for name, gd in (("scanned", graphdef), ("unrolled", unrolled)):
