@@ -38,7 +38,7 @@ import bench_sparse_model as bsm  # noqa: E402
 from m3jax import tiny  # noqa: E402
 
 
-def thunk_times(xplane: str, inside: str | None) -> tuple[collections.Counter, collections.Counter, collections.Counter]:
+def thunk_times(xplane: str, inside: str | None) -> tuple[collections.Counter, ...]:
     """({top-level thunk: ns}, {thunk inside `inside`: ns}, {top-level thunk: times run}) over the XLA:CPU
     worker threads of a trace."""
     top, nested, runs = collections.Counter(), collections.Counter(), collections.Counter()

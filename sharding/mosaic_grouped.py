@@ -12,8 +12,8 @@ only (G - 1 + ceil(F / block_m) row tiles, as `sharding.tiled_grouped`), one per
 with fp32 accumulation; it writes no row past F, so the padding rows' output (and input gradient) are set to
 zero here. `transposed_ragged_dot_mgpu` contracts each group's rows into its [O, K] block, loading whole
 BLOCK_K-row blocks of both operands and masking the output gradient at a group's edges by a multiply, so the one
-padding block it can read (rows F.. F + BLOCK_K) of each is zeroed first. Inside the expert-parallel `jax.shard_map` the kernels' outputs
-are typed unvarying; each is made to vary as its operands do.
+padding block it can read (rows F.. F + BLOCK_K) of each is zeroed first. Inside the expert-parallel
+`jax.shard_map` the kernels' outputs are typed unvarying; each is made to vary as its operands do.
 
 What the kernels take (`check_shapes`, run at model construction and before the kernels are called): Hopper
 (sm_90a) only; both operands of one dtype, bf16 or fp16; K and O multiples of 128 (their blocks). Mosaic GPU
