@@ -59,12 +59,7 @@ def same_varying(*xs):
     implicitly; under a custom VJP it must be explicit, so that the cotangent of an operand replicated
     over an axis (rows over the tensor axis, against width-sharded weights) is summed over that axis by
     the transpose of the cast, outside the kernel."""
-    axes = _varying_axes(*xs)
-    out = []
-    for x in xs:
-        missing = tuple(a for a in axes if a not in _varying_axes(x))
-        out.append(jax.lax.pcast(x, missing, to="varying") if missing else x)
-    return tuple(out)
+    return tuple(vary_like(x, *xs) for x in xs)
 
 
 def vary_like(x: jax.Array, *like) -> jax.Array:
@@ -77,8 +72,7 @@ def vary_like(x: jax.Array, *like) -> jax.Array:
 def _zeros(shape, dtype, *like):
     """Zeros varying over the mesh axes of `like` (a loop carry inside `jax.shard_map` must have the
     varying axes of what the loop body writes into it)."""
-    z, axes = jnp.zeros(shape, dtype), _varying_axes(*like)
-    return jax.lax.pcast(z, axes, to="varying") if axes else z
+    return vary_like(jnp.zeros(shape, dtype), *like)
 
 
 def _walk(n: int, group_sizes, tile: int, skip: int, body_fn, init):

@@ -17,6 +17,7 @@ from rl.generation.jax_engine import JaxEngine
 
 def make_generator(cfg, graphdef, state, *, pad_id: int, run_dir: str):
     """The JAX engine (sharing the trainer's parameters) or a vLLM pool started from a checkpoint."""
+    model = nnx.merge(graphdef, state.params, state.rest)  # a view: no parameter is copied
     if cfg.generation.backend == "jax":
         # routes: for grpo.routing_replay and moe/route_mismatch_frac (n_moe_layers * k * 2 bytes per token);
         # block_ids, when the model has sparse layers: for grpo.indexer_replay and
@@ -24,7 +25,7 @@ def make_generator(cfg, graphdef, state, *, pad_id: int, run_dir: str):
         # the device for the whole batch while it decodes, and sent to the host with the rollout)
         # one step off policy: the engine samples while the train step donates the parameters' buffers,
         # so it keeps a copy of each version it is given
-        sparse = nnx.merge(graphdef, state.params, state.rest).num_sparse_layers > 0
+        sparse = model.num_sparse_layers > 0
         return JaxEngine(graphdef, state.params, state.rest, pad_id=pad_id, return_routes=True,
                          return_block_ids=sparse, copy_weights=cfg.grpo.max_trajectory_age_steps > 0)
     import m3jax
@@ -37,13 +38,13 @@ def make_generator(cfg, graphdef, state, *, pad_id: int, run_dir: str):
     else:
         # A freshly initialised model: the engines start from an export of exactly these weights.
         model_dir = os.path.join(run_dir, "vllm-initial")
-        m3jax.save_pretrained(nnx.merge(graphdef, state.params, state.rest), model_dir, layout="released")
+        m3jax.save_pretrained(model, model_dir, layout="released")
     dtype = g.vllm_dtype if g.vllm_dtype != "auto" else cfg.precision.param_dtype  # "float32" | "bfloat16"
     pool_cfg = PoolConfig(model_dir=model_dir, servers=g.vllm_servers, tensor_parallel=g.vllm_tensor_parallel,
                           expert_parallel=g.vllm_expert_parallel,
                           gpu_memory_utilization=g.vllm_gpu_memory_utilization,
                           max_model_len=g.max_seq_len + 1,  # scoring a full-length sequence asks for 1 more token
-                          vocab_size=nnx.merge(graphdef, state.params, state.rest).cfg.vocab_size,
+                          vocab_size=model.cfg.vocab_size,
                           dtype=dtype, ray_address=g.vllm_ray_address, bucket_bytes=g.weight_bucket_mb << 20,
                           transport=g.weight_transport, request_timeout_s=g.vllm_request_timeout_s,
                           max_restarts=g.vllm_max_restarts, seed=cfg.run.seed, executor=g.vllm_executor,
