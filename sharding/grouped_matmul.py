@@ -131,10 +131,15 @@ def executed_rows(filled: float, groups: int, kernel: str, buffer_rows: float | 
         bucketed    G * C + the tiled bound of the overflow's max(F - G * C, 0) rows on the overflow tile
                     (C = `bucket`, default the balanced bucket of F / G rows): a balanced load, F <= G * C;
                     a skewed one adds up to the tiled walk's rows
+        pallas      tiled's bound at `sharding.pallas_grouped`'s row block (64; a power of two >= 16 under
+                    a buffer of fewer rows), mosaic at `sharding.mosaic_grouped.BLOCK_M` (128): a program per
+                    row tile loops over the groups its rows belong to, so a group's partial tile costs a tile
         dense       G * N   a dense lowering of ragged_dot (every group against the whole zero-padded buffer)
         grouped     F       an ideal grouped-GEMM kernel
     """
     n = filled if buffer_rows is None else buffer_rows
+    if kernel in ("pallas", "mosaic"):
+        return executed_rows(filled, groups, "tiled", n, tile=_kernel_row_block(kernel, n))
     if kernel == "tiled":
         return float(tile * (min(math.ceil(filled / tile), math.ceil(n / tile)) + groups - 1))
     if kernel == "bucketed":
@@ -145,4 +150,13 @@ def executed_rows(filled: float, groups: int, kernel: str, buffer_rows: float | 
         return float(groups * n)
     if kernel == "grouped":
         return float(filled)
-    raise ValueError(f"kernel {kernel!r}: expected tiled, bucketed, dense or grouped")
+    raise ValueError(f"kernel {kernel!r}: expected tiled, bucketed, pallas, mosaic, dense or grouped")
+
+
+def _kernel_row_block(kernel: str, buffer_rows: float) -> int:
+    """The rows per tile of the pallas or mosaic kernel for a buffer of `buffer_rows` rows."""
+    if kernel == "mosaic":
+        from sharding.mosaic_grouped import BLOCK_M
+        return BLOCK_M
+    from sharding.pallas_grouped import BLOCK, block_for  # imports Pallas: only when asked
+    return block_for(int(buffer_rows), BLOCK)

@@ -37,7 +37,7 @@ BLOCK = 64  # rows, output columns and contracted elements per block (smaller fo
 NUM_WARPS, NUM_STAGES = 4, 2
 
 
-def _block(dim: int, block: int) -> int:
+def block_for(dim: int, block: int) -> int:
     """A power of two >= 16 (Triton's dot), at most `block`, no wider than the dimension needs."""
     b = 16
     while b < block and b < dim:
@@ -148,7 +148,7 @@ def _matmul(rows, weights, group_sizes, block: int, interpret: bool):
 def _forward(rows, weights, group_sizes, block, interpret):
     n, kdim = rows.shape
     o = weights.shape[1]
-    bm, bn, bk = _block(n, block), _block(o, block), _block(kdim, block)
+    bm, bn, bk = block_for(n, block), block_for(o, block), block_for(kdim, block)
     starts, ends = _bounds(group_sizes)
     x = _pad_to(_pad_to(rows, 0, bm), 1, bk)
     w = _pad_to(_pad_to(weights, 1, bn), 2, bk)
@@ -163,7 +163,7 @@ def _bwd(block, interpret, res, d_out):
     rows, weights, group_sizes = res
     n, kdim = rows.shape
     g, o, _ = weights.shape
-    bm, bn, bk = _block(n, block), _block(o, block), _block(kdim, block)
+    bm, bn, bk = block_for(n, block), block_for(o, block), block_for(kdim, block)
     starts, ends = _bounds(group_sizes)
     d = _pad_to(_pad_to(d_out.astype(rows.dtype), 0, bm), 1, bn)
     x = _pad_to(_pad_to(rows, 0, bm), 1, bk)

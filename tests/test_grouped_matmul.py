@@ -219,3 +219,21 @@ def test_planner_follows_the_kernel():
     assert bucketed.batch.expert_matmul == "bucketed"
     assert 1.0 <= expert_rows_factor(bucketed.model, bucketed.mesh, bucketed.batch) < 1.01
     assert moe_phase(bucketed) < moe_phase(job)
+
+
+def test_pallas_and_mosaic_count_their_row_tiles():
+    """Both kernels run a program per row tile that loops over the groups inside it, so each group's partial tile
+    costs a whole tile, as the tiled walk's: the planner counts that, not only the real rows."""
+    import dataclasses
+
+    from m3jax.plan.__main__ import load_job
+    from m3jax.plan.flops import expert_rows_factor
+    assert executed_rows(100, 3, "mosaic") == executed_rows(100, 3, "tiled", tile=128) == 128 * 3
+    assert executed_rows(100, 3, "pallas", 1024) == executed_rows(100, 3, "tiled", 1024, tile=64) == 64 * 4
+    assert executed_rows(20, 2, "pallas", 20) == 32 * 2  # a 20-row buffer: a 32-row block
+    recipe = load_job("configs/recipes/m3-32node.yaml", [], "release")
+    rows = {}
+    for kernel in ("tiled", "pallas", "mosaic"):  # 40 tokens a context shard: partial tiles show
+        batch = dataclasses.replace(recipe.batch, moe_kernel=kernel, seq_len=40 * recipe.mesh.context)
+        rows[kernel] = expert_rows_factor(recipe.model, recipe.mesh, batch)
+    assert rows["mosaic"] == rows["tiled"] > rows["pallas"] > 1.0

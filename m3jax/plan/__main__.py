@@ -309,8 +309,7 @@ def sweep(job: Job, n: int, hw: Hardware, device_gb: float, png: str | None, mic
 
 
 def _expert_matmuls(batch) -> str:
-    from sharding.grouped_matmul import resolve_kernel
-    kernel = resolve_kernel(batch.moe_kernel, batch.platform)
+    kernel = batch.expert_kernel
     if kernel in ("tiled", "bucketed", "pallas", "mosaic"):
         return f"{kernel} (moe_kernel)"
     return f"ragged_dot lowered {batch.ragged_dot}"

@@ -75,14 +75,17 @@ def expert_rows_factor(cfg: M3Config, mesh: MeshConfig, batch, ragged_dot: str |
         bucketed kernel   G * C / (T_l * k)   balanced buckets of C = T_l * k / G rows rounded up to 8 (the
                           overflow walk adds nothing under the balanced load planned; `batch.expert_matmul`
                           = "bucketed")
-        grouped kernel    1                   only the real rows
+        pallas, mosaic    as tiled at their row block (64, 128): a partial tile per group costs a tile
+        grouped kernel    1                   only the real rows (ragged_dot lowered to a grouped GEMM)
     with W = `sharding.expert.receive_rows` for the batch's exchange and capacity, G = E / n_ep local experts.
     ragged_dot overrides the batch's way ("dense" | "grouped" | "tiled").
     """
     from sharding.expert import receive_rows
     from sharding.grouped_matmul import executed_rows
     mode = ragged_dot or batch.expert_matmul
-    if mode == "grouped":
+    if mode == "grouped" and batch.expert_kernel in ("pallas", "mosaic"):
+        mode = batch.expert_kernel
+    elif mode == "grouped":
         return 1.0
     sz = mesh_sizes(mesh)
     t_l, k, n_ep = batch.micro_batch * batch.seq_len // sz["context"], cfg.num_experts_per_tok, mesh.expert_parallel

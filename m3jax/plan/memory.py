@@ -208,10 +208,15 @@ class Batch:
         tiles), "bucketed" (balanced buckets in one batched matmul), "grouped" for the Pallas and Mosaic kernels
         (real rows, the expert hidden held as under ragged_dot), else the ragged_dot lowering `ragged_dot` ("dense"
         or "grouped")."""
-        from sharding.grouped_matmul import resolve_kernel
-        kernel = resolve_kernel(self.moe_kernel, self.platform)
+        kernel = self.expert_kernel
         return kernel if kernel in ("tiled", "bucketed") else "grouped" if kernel in ("pallas", "mosaic") \
             else self.ragged_dot
+
+    @property
+    def expert_kernel(self) -> str:
+        """`moe_kernel` resolved for the platform (`sharding.grouped_matmul.resolve_kernel`)."""
+        from sharding.grouped_matmul import resolve_kernel
+        return resolve_kernel(self.moe_kernel, self.platform)
 
     def model_options(self) -> dict:
         """M3ForCausalLM keywords of this batch's model options besides remat (sparse_attention only where the
