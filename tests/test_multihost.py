@@ -4,6 +4,7 @@ slow: subprocesses). Fast: where the job's size comes from, and the process-0 po
 simulated in one process."""
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -49,6 +50,37 @@ def test_two_process_mesh_equals_single_device(tmp_path):
     want = np.asarray(jax.jit(lambda m, x: m(x))(model, ids))
     got = np.load(out)
     assert np.max(np.abs(got - want)) / np.max(np.abs(want)) < 1e-5
+    # Each process read the blocks its own devices hold (half the experts, half the FSDP rows), not the whole
+    # checkpoint; together they read all of it.
+    reads = [re.search(r"read (\d+) of the checkpoint's (\d+) bytes", log) for log in logs]
+    assert all(reads), "\n".join(logs)[-4000:]
+    read, total = [int(m.group(1)) for m in reads], int(reads[0].group(2))
+    assert all(r < 0.6 * total for r in read) and sum(read) >= total, (read, total)
+
+
+@pytest.mark.slow
+def test_a_nonfinite_expert_read_by_one_host_stops_both(tmp_path):
+    """Each process reads only its own experts, so only the host holding the poisoned one sees it; both must
+    refuse the checkpoint (the other one would wait at its first collective), the holder naming the tensor."""
+    from tests.test_bad_checkpoints import edit_tensor
+    ckpt = ref.save(ref.build_model(ref.tiny_config("release_like"), seed=3), str(tmp_path / "ckpt"))
+    name = "model.layers.2.mlp.experts.down_proj"
+
+    def poison(t):  # the last expert's last weight: on the second process's devices
+        t[name] = t[name].copy()
+        t[name].reshape(-1)[-1] = np.nan
+    edit_tensor(ckpt, name, poison)
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    env.pop("XLA_FLAGS", None)
+    procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "tests/workers/multihost_forward.py"), ckpt,
+                               str(port), str(i), "-", "--refused"], env=env, cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    logs = [p.communicate(timeout=600)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-4000:]
+    refused = [re.search(r"REFUSED: (.*)", log).group(1) for log in logs]
+    assert "process(es) 1 read weights holding NaN or Inf" in refused[0] and name not in refused[0]
+    assert f"tensor {name}" in refused[1] and "holds 1 NaN or Inf value" in refused[1]
 
 
 @pytest.mark.parametrize("mesh, env, want", [

@@ -3,27 +3,26 @@
 Everything that can be wrong with the checkpoint is found from the headers before any parameter is
 allocated: missing, unexpected, mis-shaped or non-float tensors, truncated or corrupt files, an index
 pointing at a file that lacks the tensor. Values that are not finite (NaN, Inf) can only be seen as each
-tensor is read, and are refused there. Then the model is created abstractly (`nnx.eval_shape`),
-each parameter is allocated once on its final devices, and every HF tensor is read from disk into a
-host buffer of its own size and written into its slice with a donated in-place update. Peak host
-memory is the model plus the largest single HF tensor.
+tensor is read, and are refused there. Then the model is created abstractly (`nnx.eval_shape`), and
+each parameter is built on its final devices from the blocks this process's devices hold, each block read
+once from the checkpoint's files (`m3jax.hf.read_blocks`): on a multi-host mesh a process reads
+its own shards' bytes, not the whole checkpoint. Host memory in flight: one device block of one parameter.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from m3jax.config import M3Config
 from m3jax.hf import layouts
-from m3jax.hf.safetensors_io import CheckpointError, TensorInfo, count_nonfinite, read_header, read_into
+from m3jax.hf.read_blocks import TensorReader, build_param
+from m3jax.hf.safetensors_io import CheckpointError, TensorInfo, read_header
 from m3jax.model.decoder import M3ForCausalLM
 from sharding.layout import as_layout
 from sharding.mesh import mesh_config_of, validate
@@ -100,24 +99,6 @@ def plan_load(cfg: M3Config, tensors: dict[str, TensorInfo]):
     return layout, slots, tensors
 
 
-@functools.partial(jax.jit, donate_argnums=0, static_argnums=3)
-def _write_slice(buf, value, index, n_lead):
-    update = value.astype(buf.dtype).reshape((1,) * n_lead + buf.shape[n_lead:])
-    start = tuple(index[i] for i in range(n_lead)) + (0,) * (buf.ndim - n_lead)
-    return jax.lax.dynamic_update_slice(buf, update, start)
-
-
-@functools.lru_cache(maxsize=None)
-def _zeros_fn(shape, dtype, sharding):
-    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
-
-
-def _zeros(shape, dtype, sharding) -> jax.Array:
-    """A zero buffer placed on its shards; one compile per (shape, dtype, sharding) per process (a fresh
-    lambda per stacked parameter compiled again on every load: ~80 compiles per tiny checkpoint)."""
-    return _zeros_fn(tuple(shape), jnp.dtype(dtype), sharding)()
-
-
 def from_pretrained(path: str | os.PathLike, dtype=None, *, mesh=None, check_finite: bool = True,
                     **model_options) -> M3ForCausalLM:
     """Load a local HF MiniMax-M3 directory (native or released layout, single file or sharded).
@@ -146,26 +127,41 @@ def from_pretrained(path: str | os.PathLike, dtype=None, *, mesh=None, check_fin
                                                     **model_options))
     graphdef, state = nnx.split(abstract)
     flat = dict(nnx.to_flat_state(state))
-    target = {p: layout.sharding(v.get_metadata()["logical_axes"]) for p, v in flat.items()}
-    arrays: dict[tuple, jax.Array] = {}
+    slots_of: dict[tuple, list] = {}
     for slot in slots:
-        var = flat[slot.param]
-        shape, pdtype = var.get_value().shape, var.get_value().dtype
-        host = read_into(tensors[slot.name])
-        if check_finite and (bad := count_nonfinite(host)):
-            raise CheckpointError(f"tensor {slot.name} ({tensors[slot.name].file}) holds {bad} NaN or Inf value(s) of "
-                                  f"{host.size}: the checkpoint's weights are not finite (a diverged run or a broken "
-                                  "export); pass check_finite=False to load it anyway")
-        if not slot.index:  # the tensor is the whole parameter
-            arrays[slot.param] = jax.device_put(host.reshape(shape).astype(pdtype, copy=False), target[slot.param])
-        else:
-            if slot.param not in arrays:
-                arrays[slot.param] = _zeros(shape, pdtype, target[slot.param])
-            sub = host.reshape(shape[len(slot.index):])
-            arrays[slot.param] = _write_slice(arrays[slot.param], sub, np.asarray(slot.index, np.int32),
-                                              len(slot.index))
-        arrays[slot.param].block_until_ready()  # bound host memory to one tensor in flight
-        del host
-    for p, var in flat.items():
-        var.set_value(arrays[p])
+        slots_of.setdefault(slot.param, []).append(slot)
+    problems: list[str] = []
+    with TensorReader() as reader:
+        for p, var in flat.items():
+            value = var.get_value()
+            array, found = build_param(value.shape, value.dtype, layout.sharding(var.get_metadata()["logical_axes"]),
+                                       slots_of[p], tensors, reader, check_finite)
+            var.set_value(array)
+            problems += found
+            if problems and jax.process_count() == 1:
+                break
+        read = reader.bytes_read
+    if check_finite:
+        _agree_finite(problems)
+    total = sum(t.end - t.start for t in (tensors[s.name] for s in slots))
+    log.log(logging.INFO if jax.process_count() > 1 else logging.DEBUG,
+            "read %d of the checkpoint's %d bytes (the blocks this process's devices hold)", read, total)
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _agree_finite(problems: list[str]) -> None:
+    """Raise the non-finite weights found, on every process alike: each process reads only its own blocks, so a
+    NaN in one host's expert is seen there alone, and a process that went on would wait at its first collective
+    for the one that stopped."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        found = np.asarray(multihost_utils.process_allgather(np.int32(len(problems))))
+        if not problems and found.any():
+            where = ", ".join(str(p) for p in np.flatnonzero(found))
+            problems = [f"process(es) {where} read weights holding NaN or Inf (their logs name the tensors)"]
+        for line in problems:
+            log.error("%s", line)
+    if problems:
+        raise CheckpointError("; ".join(problems[:5]) + (f"; ... and {len(problems) - 5} more" if len(problems) > 5
+                                                        else "") + ": the checkpoint's weights are not finite (a "
+                              "diverged run or a broken export); pass check_finite=False to load it anyway")

@@ -1,5 +1,8 @@
-"""One process of a 2-process CPU "cluster": python multihost_forward.py CKPT PORT PROCESS_ID OUT."""
+"""One process of a 2-process CPU "cluster": python multihost_forward.py CKPT PORT PROCESS_ID OUT [--refused].
 
+--refused: the load must raise CheckpointError; the process prints its message and exits 0 (3 if it loaded)."""
+
+import logging
 import os
 import sys
 
@@ -14,11 +17,19 @@ import m3jax  # noqa: E402
 from sharding.mesh import MeshConfig, build_mesh  # noqa: E402
 
 
-def main(ckpt, port, process_id, out):
+def main(ckpt, port, process_id, out, *flags):
     cfg = MeshConfig(2, 2, 2, 1, coordinator_address=f"127.0.0.1:{port}", num_processes=2,
                      process_id=int(process_id))
     mesh = build_mesh(cfg, seq_len=64)
     assert jax.process_count() == 2 and len(jax.devices()) == 8 and len(jax.local_devices()) == 4
+    logging.basicConfig(level=logging.INFO)  # the load's line of bytes read, for the test to check
+    if "--refused" in flags:
+        try:
+            m3jax.from_pretrained(ckpt, mesh=mesh)
+        except m3jax.CheckpointError as e:
+            print(f"REFUSED: {e}", flush=True)
+            return 0
+        return 3
     model = m3jax.from_pretrained(ckpt, mesh=mesh)
     ids = np.random.default_rng(0).integers(3, model.cfg.vocab_size, (4, 64)).astype(np.int32)
     with jax.set_mesh(mesh.mesh):
@@ -29,4 +40,4 @@ def main(ckpt, port, process_id, out):
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    sys.exit(main(*sys.argv[1:]))
