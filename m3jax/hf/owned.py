@@ -112,6 +112,22 @@ def owned_hf_tensors(model, layout: str, process: int | None = None,
     if processes == 1:
         yield from hf_tensors(model, layout, on_host)
         return
+    for slot, value, region, held_by, owner in owner_plan(model, layout, processes):
+        if not held_by:  # spread over several hosts: a collective gather, on every process
+            whole = _on_host(value[slot.index] if slot.index else value)
+            if owner == process:
+                yield slot.name, whole.reshape(slot.shape)
+        elif owner == process:
+            if isinstance(value, np.ndarray):
+                local = np.asarray(value[slot.index] if slot.index else value)
+            else:
+                local = _local_region(value, region) if on_host else _local_region_on_device(value, region)
+            yield slot.name, local.reshape(slot.shape)
+
+
+def owner_plan(model, layout: str, processes: int) -> list[tuple]:
+    """(slot, parameter value, the slot's region of it, the processes holding all of it, its owner) for every
+    HF tensor of `layout`, in slot order: the same list on every process (shapes and shardings only)."""
     flat = dict(nnx.to_flat_state(nnx.state(model)))
     slots = list(layouts.slots(model.cfg, layout))
     values, holders, sizes = [], [], []
@@ -125,14 +141,5 @@ def owned_hf_tensors(model, layout: str, process: int | None = None,
         values.append((value, region))
         holders.append(held_by)
         sizes.append(int(np.prod(slot.shape)) * np.dtype(value.dtype).itemsize)
-    for slot, (value, region), held_by, owner in zip(slots, values, holders, assign_owners(holders, sizes, processes)):
-        if not held_by:  # spread over several hosts: a collective gather, on every process
-            whole = _on_host(value[slot.index] if slot.index else value)
-            if owner == process:
-                yield slot.name, whole.reshape(slot.shape)
-        elif owner == process:
-            if isinstance(value, np.ndarray):
-                local = np.asarray(value[slot.index] if slot.index else value)
-            else:
-                local = _local_region(value, region) if on_host else _local_region_on_device(value, region)
-            yield slot.name, local.reshape(slot.shape)
+    return [(slot, value, region, held_by, owner) for slot, (value, region), held_by, owner
+            in zip(slots, values, holders, assign_owners(holders, sizes, processes))]

@@ -1,13 +1,15 @@
 """`save_pretrained`: M3ForCausalLM -> HF directory (native or released layout), written atomically.
 
 Tensors are fetched from the devices one HF tensor at a time and streamed into safetensors shards of
-at most `max_shard_size` bytes, so the host never holds more than one tensor beyond the model. The
-directory appears only when complete: it is written beside the target and renamed into place.
+at most `max_shard_size` bytes, so the host never holds more than one tensor beyond the model; on a multi-host
+mesh each process writes the tensors its devices hold, into shards of its own. The directory appears only when
+complete: it is written beside the target and renamed into place.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import uuid
@@ -19,6 +21,7 @@ from flax import nnx
 from m3jax.hf import layouts
 from m3jax.hf.safetensors_io import StreamingWriter
 
+log = logging.getLogger(__name__)
 _UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
 
 
@@ -60,31 +63,39 @@ def save_pretrained(model, path: str | os.PathLike, layout: str = "native",
                     max_shard_size: int | str = "5GB") -> str:
     """Write `model` as a HF checkpoint directory in `layout` ("native" or "released").
 
-    On a multi-host mesh every process must call this (the tensors are gathered collectively); process 0
-    writes, and every process returns once the directory is in place."""
+    On a multi-host mesh every process must call this, and `path` must be on a filesystem every host sees:
+    each process writes the tensors it owns (`m3jax.hf.owned`: those its own devices hold, balanced by bytes)
+    into shard files of its own, so no host gathers the model and the hosts write side by side; only a tensor
+    that no single host holds is gathered (collectively, by all). Process 0 writes the index and config and moves
+    the directory into place; every process returns once it is there."""
     if layout not in ("native", "released"):
         raise ValueError(f"layout={layout!r}: expected 'native' or 'released'")
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-        if jax.process_index() != 0:
-            for _ in hf_tensors(model, layout):  # take part in the gathers; process 0 writes
-                pass
-        else:
-            path = _write(model, path, layout, max_shard_size)
-        multihost_utils.sync_global_devices("m3jax.save_pretrained")
-        return os.path.abspath(os.fspath(path))
-    return _write(model, path, layout, max_shard_size)
-
-
-def _write(model, path, layout: str, max_shard_size: int | str) -> str:
     path = os.path.abspath(os.fspath(path))
     limit = parse_size(max_shard_size)
-    cfg = model.cfg
+    if jax.process_count() == 1:
+        entries = [(slot.name, dtype, slot.shape) for slot, dtype in _slot_dtypes(model, layout)]
+        shards = _split(entries, limit)
+        return _write(model, path, layout, [(shard, True) for shard in shards], hf_tensors(model, layout))
+    from jax.experimental import multihost_utils
+
+    from m3jax.hf.owned import owned_hf_tensors, owner_plan
+    me = jax.process_index()
+    plan = owner_plan(model, layout, jax.process_count())
+    shards = [(shard, p == me) for p in range(jax.process_count())
+              for shard in _split([(s.name, np.dtype(v.dtype), s.shape) for s, v, _, _, o in plan if o == p], limit)]
+    token = int(multihost_utils.broadcast_one_to_all(np.int32(uuid.uuid4().int % (1 << 31))))
+    path = _write(model, path, layout, shards, owned_hf_tensors(model, layout), token=f"{token:08x}")
+    multihost_utils.sync_global_devices("m3jax.save_pretrained: in place")
+    return path
+
+
+def _slot_dtypes(model, layout: str):
     flat = dict(nnx.to_flat_state(nnx.state(model)))
-    entries = []
-    for slot in layouts.slots(cfg, layout):
-        dtype = flat[slot.param].get_value().dtype
-        entries.append((slot.name, np.dtype(dtype), slot.shape))
+    return [(slot, np.dtype(flat[slot.param].get_value().dtype)) for slot in layouts.slots(model.cfg, layout)]
+
+
+def _split(entries: list, limit: int) -> list[list]:
+    """(name, dtype, shape) entries in order -> consecutive groups of at most `limit` bytes (a larger tensor alone)."""
     shards, current, size = [], [], 0
     for e in entries:
         nbytes = int(np.prod(e[2])) * e[1].itemsize
@@ -93,35 +104,63 @@ def _write(model, path, layout: str, max_shard_size: int | str) -> str:
             current, size = [], 0
         current.append(e)
         size += nbytes
-    shards.append(current)
+    return shards + [current] if current else shards
+
+
+def _write(model, path: str, layout: str, shards: list[tuple[list, bool]], tensors,
+           token: str | None = None) -> str:
+    """Write the shards marked as this process's (in order: `tensors` yields exactly their tensors) into a
+    temporary directory beside `path`, then (process 0) the index and config, and move it into place. With a
+    `token` (several processes) the directory's name is shared and the processes meet before process 0 finishes."""
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-
-    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-    os.makedirs(tmp)
+    tmp = f"{path}.tmp-{token or uuid.uuid4().hex[:8]}"
+    first = jax.process_index() == 0
+    if first:
+        os.makedirs(tmp)
+    if token is not None:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices("m3jax.save_pretrained: directory made")
     try:
-        tensors = hf_tensors(model, layout)
-        weight_map = {}
-        for fname, shard in zip(names, shards):
+        written = 0
+        for fname, (shard, mine) in zip(names, shards):
+            if not mine:
+                continue
             writer = StreamingWriter(os.path.join(tmp, fname), shard)
             for name, _, _ in shard:
                 got, array = next(tensors)
+                assert got == name, (got, name)  # the plan and the generator walk the slots alike
                 writer.write(got, array)
-                weight_map[name] = fname
+                written += array.nbytes
             writer.close()
-        if len(shards) > 1:
-            total = sum(int(np.prod(e[2])) * e[1].itemsize for e in entries)
-            with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
-                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-        hf_config = cfg.to_hf_dict(layout)
-        hf_config["dtype"] = np.dtype(model.dtype).name
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(hf_config, f, indent=2)
-        _replace_dir(tmp, path)
+        if token is not None:
+            log.info("process %d wrote %d bytes in %d of the %d shard files", jax.process_index(), written,
+                     sum(mine for _, mine in shards), len(shards))
+        for _ in tensors:  # the gathers of tensors other processes write after this one's last
+            pass
+        if token is not None:
+            multihost_utils.sync_global_devices("m3jax.save_pretrained: shards written")
+        if first:
+            _finish(model, tmp, path, layout, names, shards)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if first:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
+
+
+def _finish(model, tmp: str, path: str, layout: str, names: list[str], shards: list[tuple[list, bool]]) -> None:
+    """The index (several shards) and config.json, then the directory moved into place."""
+    if len(shards) > 1:
+        weight_map = {name: fname for fname, (shard, _) in zip(names, shards) for name, _, _ in shard}
+        total = sum(int(np.prod(e[2])) * e[1].itemsize for shard, _ in shards for e in shard)
+        with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    hf_config = model.cfg.to_hf_dict(layout)
+    hf_config["dtype"] = np.dtype(model.dtype).name
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(hf_config, f, indent=2)
+    _replace_dir(tmp, path)
 
 
 def _replace_dir(src: str, dst: str) -> None:

@@ -1,6 +1,7 @@
 """One process of a 2-process CPU "cluster": python multihost_forward.py CKPT PORT PROCESS_ID OUT [--refused].
 
---refused: the load must raise CheckpointError; the process prints its message and exits 0 (3 if it loaded)."""
+--refused: the load must raise CheckpointError; the process prints its message and exits 0 (3 if it loaded).
+--export DIR: also write the loaded model to DIR with `m3jax.save_pretrained` (every process, as on a cluster)."""
 
 import logging
 import os
@@ -31,6 +32,8 @@ def main(ckpt, port, process_id, out, *flags):
             return 0
         return 3
     model = m3jax.from_pretrained(ckpt, mesh=mesh)
+    if "--export" in flags:
+        m3jax.save_pretrained(model, flags[flags.index("--export") + 1], max_shard_size="200KB")
     ids = np.random.default_rng(0).integers(3, model.cfg.vocab_size, (4, 64)).astype(np.int32)
     with jax.set_mesh(mesh.mesh):
         logits = jax.jit(lambda m, x: m(x))(model, ids)
