@@ -1,7 +1,8 @@
 """python -m m3jax.convert SRC DST --layout native|released [--dtype ...] [--max-shard-size 5GB]
 
-Reads a local HF MiniMax-M3 checkpoint in either layout and writes it in the chosen one, through the
-same `from_pretrained` / `save_pretrained` that training uses.
+Reads a local HF MiniMax-M3 checkpoint in either layout and writes it in the chosen one, one tensor at a time
+(`m3jax.hf.convert.convert_checkpoint`: the tensors `from_pretrained` then `save_pretrained` would write, without
+holding the model).
 """
 
 from __future__ import annotations
@@ -14,9 +15,8 @@ import time
 import jax.numpy as jnp
 
 from m3jax.config import ConfigError
-from m3jax.hf.load import from_pretrained
+from m3jax.hf.convert import convert_checkpoint
 from m3jax.hf.safetensors_io import CheckpointError
-from m3jax.hf.save import save_pretrained
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -32,16 +32,13 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     t0 = time.perf_counter()
     try:
-        model = from_pretrained(args.src, dtype=DTYPES.get(args.dtype))
+        convert_checkpoint(args.src, args.dst, layout=args.layout, dtype=DTYPES.get(args.dtype),
+                           max_shard_size=args.max_shard_size)
     except (ConfigError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    t1 = time.perf_counter()
-    save_pretrained(model, args.dst, layout=args.layout, max_shard_size=args.max_shard_size)
-    print(f"converted {args.src} -> {args.dst} ({args.layout} layout): load {t1 - t0:.1f}s, "
-          f"save {time.perf_counter() - t1:.1f}s")
+    print(f"converted {args.src} -> {args.dst} ({args.layout} layout) in {time.perf_counter() - t0:.1f}s")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -10,8 +10,10 @@ subprocess, so that the peak memory measured belongs to that load alone:
 
 and is reported as a ratio to the checkpoint's size on disk (its *.safetensors files). For
 comparison the same is measured for a naive load (`safetensors.numpy.load_file` of every shard, all
-tensors kept) and for transformers `from_pretrained` of the same directory. The page cache is warmed
-(every file read once) before the first measurement, so every loader reads from memory.
+tensors kept) and for transformers `from_pretrained` of the same directory; and for a conversion to the other
+layout, streamed (`m3jax.hf.convert.convert_checkpoint`, `python -m m3jax.convert`) and through the model
+(`from_pretrained` then `save_pretrained`), whose held bytes are 0. The page cache is warmed (every file read once)
+before the first measurement, so every loader reads from memory.
 
     .venv/bin/python scripts/bench_load.py
     .venv/bin/python scripts/bench_load.py --layers 12 --experts 16 --shard-mb 100 --repeats 2
@@ -62,7 +64,14 @@ elif mode == "transformers":
 base_peak, base_rss, base_hwm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, rss_kb(), status_kb("VmHWM")
 
 t0 = time.perf_counter()
-if mode.startswith("m3jax"):
+if mode == "m3jax_convert":  # the streamed conversion to the other layout: nothing held at the end
+    from m3jax.hf.convert import convert_checkpoint
+    convert_checkpoint(path, path + "-converted", sys.argv[3])
+    held = 0
+elif mode == "m3jax_round_trip":  # the same conversion through the model: from_pretrained, then save_pretrained
+    m3jax.save_pretrained(m3jax.from_pretrained(path), path + "-converted", layout=sys.argv[3])
+    held = 0
+elif mode.startswith("m3jax"):
     model = m3jax.from_pretrained(path)
     from flax import nnx
     leaves = jax.tree.leaves(nnx.state(model))
@@ -90,10 +99,10 @@ print("RESULT " + json.dumps(dict(wall_s=wall, base_peak_kb=base_peak, base_rss_
 """
 
 
-def run_child(mode: str, path: str) -> dict:
+def run_child(mode: str, path: str, *extra: str) -> dict:
     env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"), TOKENIZERS_PARALLELISM="false")
     code = CHILD.replace("ROOT", repr(ROOT), 1)
-    p = subprocess.run([sys.executable, "-c", code, mode, path], capture_output=True, text=True, env=env)
+    p = subprocess.run([sys.executable, "-c", code, mode, path, *extra], capture_output=True, text=True, env=env)
     for line in p.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
@@ -201,9 +210,13 @@ def main():
         for d in dirs.values():
             warm_cache(d)
         rows = []
+        other = {"native": "released", "released": "native"}
+        for layout in ("native", "released"):
+            cases += [(f"convert to {other[layout]}: streamed", "m3jax_convert", layout),
+                      (f"convert to {other[layout]}: via the model", "m3jax_round_trip", layout)]
         for label, mode, layout in cases:
             try:
-                runs = [run_child(mode, dirs[layout]) for _ in range(args.repeats)]
+                runs = [run_child(mode, dirs[layout], other[layout]) for _ in range(args.repeats)]
             except RuntimeError as e:
                 print(f"  {label} [{layout}] FAILED: {str(e)[-600:]}", flush=True)
                 continue

@@ -21,9 +21,9 @@ import numpy as np
 from flax import nnx
 
 from m3jax.hf import layouts
-from m3jax.hf.save import _on_host, hf_tensors
+from m3jax.hf.read_blocks import Region, slot_region
+from m3jax.hf.tensors import hf_tensors, on_host_array
 
-Region = tuple[tuple[int, int], ...]  # (start, stop) per dimension
 
 
 def covers(blocks: Sequence[Region], region: Region) -> bool:
@@ -46,10 +46,6 @@ def assign_owners(holders: Sequence[Sequence[int]], nbytes: Sequence[int], proce
         load[owner] += size
         owners.append(owner)
     return owners
-
-
-def _region(index: tuple[int, ...], shape: tuple[int, ...]) -> Region:
-    return tuple((i, i + 1) for i in index) + tuple((0, n) for n in shape[len(index):])
 
 
 def _blocks_by_process(value) -> dict[int, list[Region]]:
@@ -114,7 +110,7 @@ def owned_hf_tensors(model, layout: str, process: int | None = None,
         return
     for slot, value, region, held_by, owner in owner_plan(model, layout, processes):
         if not held_by:  # spread over several hosts: a collective gather, on every process
-            whole = _on_host(value[slot.index] if slot.index else value)
+            whole = on_host_array(value[slot.index] if slot.index else value)
             if owner == process:
                 yield slot.name, whole.reshape(slot.shape)
         elif owner == process:
@@ -133,7 +129,7 @@ def owner_plan(model, layout: str, processes: int) -> list[tuple]:
     values, holders, sizes = [], [], []
     for slot in slots:
         value = flat[slot.param].get_value()
-        region = _region(slot.index, value.shape)
+        region = slot_region(slot.index, value.shape)
         if isinstance(value, np.ndarray):  # a host copy every process holds (`_host_views` of a local array)
             held_by = list(range(processes))
         else:

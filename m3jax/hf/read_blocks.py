@@ -108,6 +108,11 @@ def region_of(index: tuple[slice, ...], shape: tuple[int, ...]) -> Region:
     return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
 
 
+def slot_region(index: tuple[int, ...], shape: tuple[int, ...]) -> Region:
+    """The region of a parameter of `shape` that a slot at leading `index` fills."""
+    return tuple((i, i + 1) for i in index) + tuple((0, n) for n in shape[len(index):])
+
+
 def blocks_by_region(sharding, shape: tuple[int, ...]) -> dict[Region, list]:
     """{block of the parameter: this process's devices holding it}; without a sharding, the whole parameter on
     jax's default device (None)."""

@@ -20,6 +20,7 @@ from flax import nnx
 
 from m3jax.hf import layouts
 from m3jax.hf.safetensors_io import StreamingWriter
+from m3jax.hf.tensors import hf_tensors
 
 log = logging.getLogger(__name__)
 _UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
@@ -34,29 +35,6 @@ def parse_size(size: int | str) -> int:
         if s.endswith(unit):
             return int(float(s[: -len(unit)]) * _UNITS[unit])
     return int(s)
-
-
-def hf_tensors(model, layout: str = "native", on_host: bool = True):
-    """Yield (HF name, host numpy array) for every tensor of `layout`, fetching one slice at a time.
-
-    The one conversion path from m3jax parameters to HF names and shapes: saving and weight transfer
-    both iterate this. on_host=False: each is a JAX array where the parameter lives (sliced and reshaped
-    there; sharded like it), for a weight push whose buckets are on the accelerator (nothing via the host).
-    """
-    flat = dict(nnx.to_flat_state(nnx.state(model)))
-    for slot in layouts.slots(model.cfg, layout):
-        value = flat[slot.param].get_value()
-        value = value[slot.index] if slot.index else value
-        yield slot.name, (_on_host(value) if on_host else value).reshape(slot.shape)
-
-
-def _on_host(value) -> np.ndarray:
-    """The whole array in host memory. An array spanning other hosts' devices (multi-host mesh) is
-    gathered: a collective, so every process must iterate `hf_tensors` in the same order."""
-    if getattr(value, "is_fully_addressable", True):
-        return np.asarray(value)
-    from jax.experimental import multihost_utils
-    return np.asarray(multihost_utils.process_allgather(value, tiled=True))
 
 
 def save_pretrained(model, path: str | os.PathLike, layout: str = "native",
@@ -74,17 +52,20 @@ def save_pretrained(model, path: str | os.PathLike, layout: str = "native",
     limit = parse_size(max_shard_size)
     if jax.process_count() == 1:
         entries = [(slot.name, dtype, slot.shape) for slot, dtype in _slot_dtypes(model, layout)]
-        shards = _split(entries, limit)
-        return _write(model, path, layout, [(shard, True) for shard in shards], hf_tensors(model, layout))
+        shards = split_shards(entries, limit)
+        return write_shards(model.cfg, model.dtype, path, layout, [(shard, True) for shard in shards],
+                            hf_tensors(model, layout))
     from jax.experimental import multihost_utils
 
     from m3jax.hf.owned import owned_hf_tensors, owner_plan
     me = jax.process_index()
     plan = owner_plan(model, layout, jax.process_count())
-    shards = [(shard, p == me) for p in range(jax.process_count())
-              for shard in _split([(s.name, np.dtype(v.dtype), s.shape) for s, v, _, _, o in plan if o == p], limit)]
+    owned = [[(s.name, np.dtype(v.dtype), s.shape) for s, v, _, _, o in plan if o == p]
+             for p in range(jax.process_count())]
+    shards = [(shard, p == me) for p, entries in enumerate(owned) for shard in split_shards(entries, limit)]
     token = int(multihost_utils.broadcast_one_to_all(np.int32(uuid.uuid4().int % (1 << 31))))
-    path = _write(model, path, layout, shards, owned_hf_tensors(model, layout), token=f"{token:08x}")
+    path = write_shards(model.cfg, model.dtype, path, layout, shards, owned_hf_tensors(model, layout),
+                        token=f"{token:08x}")
     multihost_utils.sync_global_devices("m3jax.save_pretrained: in place")
     return path
 
@@ -94,7 +75,7 @@ def _slot_dtypes(model, layout: str):
     return [(slot, np.dtype(flat[slot.param].get_value().dtype)) for slot in layouts.slots(model.cfg, layout)]
 
 
-def _split(entries: list, limit: int) -> list[list]:
+def split_shards(entries: list, limit: int) -> list[list]:
     """(name, dtype, shape) entries in order -> consecutive groups of at most `limit` bytes (a larger tensor alone)."""
     shards, current, size = [], [], 0
     for e in entries:
@@ -107,11 +88,12 @@ def _split(entries: list, limit: int) -> list[list]:
     return shards + [current] if current else shards
 
 
-def _write(model, path: str, layout: str, shards: list[tuple[list, bool]], tensors,
-           token: str | None = None) -> str:
+def write_shards(cfg, dtype, path: str, layout: str, shards: list[tuple[list, bool]], tensors,
+                 token: str | None = None) -> str:
     """Write the shards marked as this process's (in order: `tensors` yields exactly their tensors) into a
-    temporary directory beside `path`, then (process 0) the index and config, and move it into place. With a
-    `token` (several processes) the directory's name is shared and the processes meet before process 0 finishes."""
+    temporary directory beside `path`, then (process 0) the index and the config (`cfg` in `layout`, model dtype
+    `dtype`), and move it into place. With a `token` (several processes) the directory's name is shared and the
+    processes meet before process 0 finishes."""
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     tmp = f"{path}.tmp-{token or uuid.uuid4().hex[:8]}"
@@ -141,7 +123,7 @@ def _write(model, path: str, layout: str, shards: list[tuple[list, bool]], tenso
         if token is not None:
             multihost_utils.sync_global_devices("m3jax.save_pretrained: shards written")
         if first:
-            _finish(model, tmp, path, layout, names, shards)
+            _finish(cfg, dtype, tmp, path, layout, names, shards)
     except BaseException:
         if first:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -149,15 +131,15 @@ def _write(model, path: str, layout: str, shards: list[tuple[list, bool]], tenso
     return path
 
 
-def _finish(model, tmp: str, path: str, layout: str, names: list[str], shards: list[tuple[list, bool]]) -> None:
+def _finish(cfg, dtype, tmp: str, path: str, layout: str, names: list[str], shards: list[tuple[list, bool]]) -> None:
     """The index (several shards) and config.json, then the directory moved into place."""
     if len(shards) > 1:
         weight_map = {name: fname for fname, (shard, _) in zip(names, shards) for name, _, _ in shard}
         total = sum(int(np.prod(e[2])) * e[1].itemsize for shard, _ in shards for e in shard)
         with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-    hf_config = model.cfg.to_hf_dict(layout)
-    hf_config["dtype"] = np.dtype(model.dtype).name
+    hf_config = cfg.to_hf_dict(layout)
+    hf_config["dtype"] = np.dtype(dtype).name
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=2)
     _replace_dir(tmp, path)
