@@ -48,7 +48,7 @@ class TensorReader:
         row = math.prod(shape[1:]) * dtype.itemsize
         if not all(lo == 0 and hi == n for (lo, hi), n in zip(rest, shape[1:])):
             return self._columns(info, shape, region, out, info.start + a * row, (b - a) * row)
-        if out is not None and out.dtype == dtype:
+        if out is not None and out.dtype == dtype and out.flags.c_contiguous:
             self._pread(info, info.start + a * row, memoryview(out.reshape(-1).view(np.uint8)))
             return out
         buf = np.empty((b - a,) + tuple(shape[1:]), dtype)
