@@ -2,12 +2,12 @@
 
 On a multi-host mesh each process addresses only its own devices' shards: an expert placed on another host, the
 other hosts' FSDP rows. Reading every tensor on every process (and handing the whole of it to `device_put`, which
-keeps the local shards) reads the whole checkpoint per host: ~850 GB of bf16 for the release on each of 32
-hosts. Here a parameter's sharding says which block of it each local device holds
-(`addressable_devices_indices_map`); a block is filled from the HF tensors that overlap it, each read for just
-that slice (`TensorReader`), so a process reads its own shards' bytes. Devices holding the same block (replicas)
-read it once. The devices' arrays are then joined into the global array
-(`jax.make_array_from_single_device_arrays`): nothing is compiled, and nothing crosses hosts.
+keeps the local shards) reads the whole checkpoint per host: 852 GB of bf16 for the release on each of the 32-node
+recipe's 16 trainer hosts, where each holds 53 GB of it (`scripts/checkpoint_reads.py`). Here a parameter's
+sharding says which block of it each local device holds (`addressable_devices_indices_map`); a block is filled
+from the HF tensors that overlap it, each read for just that slice (`TensorReader`), so a process reads its own
+shards' bytes. Devices holding the same block (replicas) read it once. The devices' arrays are then joined into
+the global array (`jax.make_array_from_single_device_arrays`): nothing is compiled, and nothing crosses hosts.
 
 Host memory in flight: one device block of one parameter (all of it without a mesh). On CPU the block becomes the
 device buffer itself (`_aligned_empty`), so a CPU load holds each parameter once.
