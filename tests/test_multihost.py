@@ -33,17 +33,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
-def test_two_process_mesh_equals_single_device(tmp_path):
-    ckpt = ref.save(ref.build_model(ref.tiny_config("release_like"), seed=3), str(tmp_path / "ckpt"))
+def tiny_checkpoint(tmp_path) -> str:
+    return ref.save(ref.build_model(ref.tiny_config("release_like"), seed=3), str(tmp_path / "ckpt"))
+
+
+def two_processes(ckpt: str, out: str, *flags: str):
+    """tests/workers/multihost_forward.py as processes 0 and 1 of a CPU "cluster" -> (processes, their output)."""
     port = free_port()
-    out = tmp_path / "logits.npy"
     env = {**os.environ, "PYTHONPATH": ROOT}
     env.pop("XLA_FLAGS", None)
     procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "tests/workers/multihost_forward.py"), ckpt,
-                               str(port), str(i), str(out)], env=env, cwd=ROOT,
+                               str(port), str(i), out, *flags], env=env, cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
-    logs = [p.communicate(timeout=600)[0] for p in procs]
+    return procs, [p.communicate(timeout=600)[0] for p in procs]
+
+
+@pytest.mark.slow
+def test_two_process_mesh_equals_single_device(tmp_path):
+    ckpt = tiny_checkpoint(tmp_path)
+    out = tmp_path / "logits.npy"
+    procs, logs = two_processes(ckpt, str(out))
     assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-4000:]
     model = m3jax.from_pretrained(ckpt)
     ids = np.random.default_rng(0).integers(3, model.cfg.vocab_size, (4, 64)).astype(np.int32)
@@ -56,63 +65,6 @@ def test_two_process_mesh_equals_single_device(tmp_path):
     assert all(reads), "\n".join(logs)[-4000:]
     read, total = [int(m.group(1)) for m in reads], int(reads[0].group(2))
     assert all(r < 0.6 * total for r in read) and sum(read) >= total, (read, total)
-
-
-@pytest.mark.slow
-def test_two_hosts_export_what_they_hold_side_by_side(tmp_path):
-    """Each process writes the tensors its devices hold, into shard files of its own; the directory holds the
-    same tensors, config and index as one process's export of the same weights."""
-    from safetensors.numpy import load_file
-    ckpt = ref.save(ref.build_model(ref.tiny_config("release_like"), seed=3), str(tmp_path / "ckpt"))
-    out = tmp_path / "export"
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    env.pop("XLA_FLAGS", None)
-    procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "tests/workers/multihost_forward.py"), ckpt,
-                               str(port), str(i), str(tmp_path / "logits.npy"), "--export", str(out)], env=env,
-                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
-    logs = [p.communicate(timeout=600)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-4000:]
-    wrote = [re.search(r"process (\d) wrote (\d+) bytes in (\d+) of the (\d+) shard files", log) for log in logs]
-    assert all(wrote), "\n".join(logs)[-4000:]
-    share = [int(m.group(2)) for m in wrote]
-    assert all(s > 0.3 * sum(share) for s in share), share  # both hosts wrote, about half each
-    assert sum(int(m.group(3)) for m in wrote) == int(wrote[0].group(4)) == len(list(out.glob("*.safetensors")))
-    one = m3jax.save_pretrained(m3jax.from_pretrained(ckpt), str(tmp_path / "one"))
-    got = {k: v for f in out.glob("*.safetensors") for k, v in load_file(str(f)).items()}
-    want = load_file(os.path.join(one, "model.safetensors"))
-    assert sorted(got) == sorted(want) and all(np.array_equal(got[k], want[k]) for k in want)
-    with open(out / "model.safetensors.index.json") as f:
-        index = json.load(f)
-    assert set(index["weight_map"]) == set(want) and index["metadata"]["total_size"] == sum(share)
-    with open(out / "config.json") as f, open(os.path.join(one, "config.json")) as g:
-        assert json.load(f) == json.load(g)
-    assert not list(tmp_path.glob("export.tmp-*"))
-
-
-@pytest.mark.slow
-def test_a_nonfinite_expert_read_by_one_host_stops_both(tmp_path):
-    """Each process reads only its own experts, so only the host holding the poisoned one sees it; both must
-    refuse the checkpoint (the other one would wait at its first collective), the holder naming the tensor."""
-    from tests.test_bad_checkpoints import edit_tensor
-    ckpt = ref.save(ref.build_model(ref.tiny_config("release_like"), seed=3), str(tmp_path / "ckpt"))
-    name = "model.layers.2.mlp.experts.down_proj"
-
-    def poison(t):  # the last expert's last weight: on the second process's devices
-        t[name] = t[name].copy()
-        t[name].reshape(-1)[-1] = np.nan
-    edit_tensor(ckpt, name, poison)
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    env.pop("XLA_FLAGS", None)
-    procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "tests/workers/multihost_forward.py"), ckpt,
-                               str(port), str(i), "-", "--refused"], env=env, cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
-    logs = [p.communicate(timeout=600)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-4000:]
-    refused = [re.search(r"REFUSED: (.*)", log).group(1) for log in logs]
-    assert "process(es) 1 read weights holding NaN or Inf" in refused[0] and name not in refused[0]
-    assert f"tensor {name}" in refused[1] and "holds 1 NaN or Inf value" in refused[1]
 
 
 @pytest.mark.parametrize("mesh, env, want", [

@@ -64,10 +64,8 @@ def save_pretrained(model, path: str | os.PathLike, layout: str = "native",
              for p in range(jax.process_count())]
     shards = [(shard, p == me) for p, entries in enumerate(owned) for shard in split_shards(entries, limit)]
     token = int(multihost_utils.broadcast_one_to_all(np.int32(uuid.uuid4().int % (1 << 31))))
-    path = write_shards(model.cfg, model.dtype, path, layout, shards, owned_hf_tensors(model, layout),
+    return write_shards(model.cfg, model.dtype, path, layout, shards, owned_hf_tensors(model, layout),
                         token=f"{token:08x}")
-    multihost_utils.sync_global_devices("m3jax.save_pretrained: in place")
-    return path
 
 
 def _slot_dtypes(model, layout: str):
@@ -92,43 +90,74 @@ def write_shards(cfg, dtype, path: str, layout: str, shards: list[tuple[list, bo
                  token: str | None = None) -> str:
     """Write the shards marked as this process's (in order: `tensors` yields exactly their tensors) into a
     temporary directory beside `path`, then (process 0) the index and the config (`cfg` in `layout`, model dtype
-    `dtype`), and move it into place. With a `token` (several processes) the directory's name is shared and the
-    processes meet before process 0 finishes."""
+    `dtype`), and move it into place. With a `token` (several processes) the directory's name is shared, and the
+    processes agree after writing: if one failed (a full disk), every one raises and the directory is removed,
+    rather than the others waiting for it forever."""
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     tmp = f"{path}.tmp-{token or uuid.uuid4().hex[:8]}"
     first = jax.process_index() == 0
     if first:
         os.makedirs(tmp)
-    if token is not None:
-        from jax.experimental import multihost_utils
-        multihost_utils.sync_global_devices("m3jax.save_pretrained: directory made")
-    try:
-        written = 0
-        for fname, (shard, mine) in zip(names, shards):
-            if not mine:
-                continue
-            writer = StreamingWriter(os.path.join(tmp, fname), shard)
-            for name, _, _ in shard:
-                got, array = next(tensors)
-                assert got == name, (got, name)  # the plan and the generator walk the slots alike
-                writer.write(got, array)
-                written += array.nbytes
-            writer.close()
-        if token is not None:
-            log.info("process %d wrote %d bytes in %d of the %d shard files", jax.process_index(), written,
-                     sum(mine for _, mine in shards), len(shards))
-        for _ in tensors:  # the gathers of tensors other processes write after this one's last
-            pass
-        if token is not None:
-            multihost_utils.sync_global_devices("m3jax.save_pretrained: shards written")
-        if first:
+    if token is None:
+        try:
+            _write_mine(tmp, names, shards, tensors)
             _finish(cfg, dtype, tmp, path, layout, names, shards)
-    except BaseException:
-        if first:
+        except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            raise
+        return path
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices("m3jax.save_pretrained: directory made")
+    error = None
+    try:
+        written = _write_mine(tmp, names, shards, tensors)
+        log.info("process %d wrote %d bytes in %d of the %d shard files", jax.process_index(), written,
+                 sum(mine for _, mine in shards), len(shards))
+    except Exception as e:  # the others are still writing: meet them below, then raise
+        error = e
+        log.error("process %d could not write its shards of %s: %r", jax.process_index(), path, e)
+    for _ in tensors:  # the gathers of tensors other processes write (collectives: every process takes part)
+        pass
+    _agree(error, f"writing the shards of {path}", tmp if first else None)
+    if first:
+        try:
+            _finish(cfg, dtype, tmp, path, layout, names, shards)
+        except Exception as e:
+            error = e
+    _agree(error, f"moving {path} into place", tmp if first else None)
     return path
+
+
+def _write_mine(tmp: str, names: list[str], shards: list[tuple[list, bool]], tensors) -> int:
+    """Write this process's shards (those marked mine) from `tensors`; -> the bytes written."""
+    written = 0
+    for fname, (shard, mine) in zip(names, shards):
+        if not mine:
+            continue
+        writer = StreamingWriter(os.path.join(tmp, fname), shard)
+        for name, _, _ in shard:
+            got, array = next(tensors)
+            assert got == name, (got, name)  # the plan and the generator walk the slots alike
+            writer.write(got, array)
+            written += array.nbytes
+        writer.close()
+    return written
+
+
+def _agree(error: Exception | None, what: str, tmp: str | None) -> None:
+    """Every process learns whether any failed at `what` (an allgather of one flag) and, if one did, removes
+    `tmp` (given on process 0) and raises: this process's own error, or one naming the processes that failed."""
+    from jax.experimental import multihost_utils
+    failed = np.flatnonzero(np.asarray(multihost_utils.process_allgather(np.int32(error is not None))))
+    if not len(failed):
+        return
+    if tmp is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if error is not None:
+        raise error
+    raise OSError(f"save_pretrained: process(es) {', '.join(map(str, failed))} failed at {what} (their logs say "
+                  "why); nothing was written")
 
 
 def _finish(cfg, dtype, tmp: str, path: str, layout: str, names: list[str], shards: list[tuple[list, bool]]) -> None:

@@ -1,7 +1,8 @@
 """One process of a 2-process CPU "cluster": python multihost_forward.py CKPT PORT PROCESS_ID OUT [--refused].
 
 --refused: the load must raise CheckpointError; the process prints its message and exits 0 (3 if it loaded).
---export DIR: also write the loaded model to DIR with `m3jax.save_pretrained` (every process, as on a cluster)."""
+--export DIR: also write the loaded model to DIR with `m3jax.save_pretrained` (every process, as on a cluster);
+--export-fails-on P: process P's disk is full (its writes raise ENOSPC)."""
 
 import logging
 import os
@@ -32,6 +33,12 @@ def main(ckpt, port, process_id, out, *flags):
             return 0
         return 3
     model = m3jax.from_pretrained(ckpt, mesh=mesh)
+    if "--export-fails-on" in flags and int(process_id) == int(flags[flags.index("--export-fails-on") + 1]):
+        from m3jax.hf.safetensors_io import StreamingWriter
+
+        def full(self, name, array):
+            raise OSError(28, "No space left on device")
+        StreamingWriter.write = full
     if "--export" in flags:
         m3jax.save_pretrained(model, flags[flags.index("--export") + 1], max_shard_size="200KB")
     ids = np.random.default_rng(0).integers(3, model.cfg.vocab_size, (4, 64)).astype(np.int32)
