@@ -72,6 +72,9 @@ Prints one JSON line per check; keep the output with BENCHMARKS.md. Checks:
    layer stacks scanned (the default) and unrolled, same weights: step times, temporaries, logits against each
    other. Compiled for an H200 without one, the scanned step copies every layer's weights out of the stacks each
    step (2.14 GB of temporaries against 0.055 GB unrolled, BENCHMARKS.md session 31); scripts/gpu_check_decode.py.
+14. the HF checkpoint's load onto the device (`m3jax.from_pretrained`'s block reads, session 32): a bf16 model at
+   M3 widths (2 layers, 16 experts: 7.3 GB) exported and read back from a warm page cache: seconds, GB/s, and the
+   logits bit for bit against the exported model's.
 Checks 3b to 7 live in scripts/gpu_check_kernels.py (with the helpers every check shares), 2, 3 and the driver here.
 """
 
@@ -113,6 +116,33 @@ def parity(small: bool):
     with jax.default_device(cpu):
         ref = np.asarray(jax.jit(lambda m, x: m(x))(jax.device_put(model, cpu), jax.device_put(ids, cpu)))
     emit(check="parity_accelerator_vs_cpu", rel_err=float(np.abs(acc - ref).max() / np.abs(ref).max()))
+
+
+def load_round_trip(small: bool):
+    """A bf16 model (M3 widths, 2 layers, 16 experts: 7.3 GB) exported (`save_pretrained`) and read back onto the
+    device (`from_pretrained`: its block reads and device puts): the load's seconds and GB/s from a warm page
+    cache, and whether the logits equal the exported model's."""
+    import tempfile
+
+    import m3jax
+    model = M3ForCausalLM(m3_shaped(small, 2, 8 if small else 16), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, model.cfg.vocab_size, (1, 128)), jnp.int32)
+    logits = np.asarray(jax.jit(lambda m, x: m(x))(model, ids).astype(jnp.float32))
+    with tempfile.TemporaryDirectory() as d:
+        m3jax.save_pretrained(model, d, max_shard_size="1GB")
+        nbytes = sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d) if f.endswith(".safetensors"))
+        for f in os.listdir(d):  # the page cache warm: the figure is the loader's, not the disk's
+            with open(os.path.join(d, f), "rb") as fh:
+                while fh.read(1 << 26):
+                    pass
+        t0 = time.perf_counter()
+        del model  # the device holds one copy at a time
+        loaded = m3jax.from_pretrained(d)
+        jax.block_until_ready(nnx.state(loaded))
+        seconds = time.perf_counter() - t0
+    again = np.asarray(jax.jit(lambda m, x: m(x))(loaded, ids).astype(jnp.float32))
+    emit(check="load_round_trip", bytes=nbytes, seconds=round(seconds, 3), gb_per_s=round(nbytes / seconds / 1e9, 2),
+         logits_equal=bool(np.array_equal(again, logits)), device=str(jax.tree.leaves(nnx.state(loaded))[0].devices()))
 
 
 RECIPE_OPTIONS = {"attention_impl": "flash", "sparse_attention": "gather", "moe_kernel": "tiled",
@@ -268,7 +298,8 @@ def main():
                    ("train_step_mfu", mfu, False, 4, 16, 4096, 1, peak, RECIPE_OPTIONS, 2),
                    ("decode_layers", decode_layers, False, 4, 16, 8, 4096)]
     checks += [("device_checksum", device_checksum, small), ("host_reference", host_reference, small),
-               ("weight_push_device", weight_push_device, small), ("vllm_long_context", vllm_long_context)]
+               ("weight_push_device", weight_push_device, small), ("vllm_long_context", vllm_long_context),
+               ("load_round_trip", load_round_trip, small)]
     if not small:  # measured in session 25 (BENCHMARKS.md): last, for a longer lease
         checks += [("train_step_mfu", mfu, False, 4, 16, 4096, 1, peak, None, 2),
                    ("model_attention", model_attention, False, 2048)]

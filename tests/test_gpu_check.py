@@ -140,6 +140,13 @@ def test_decode_layers_check_runs_both_stacks_on_cpu(capsys):
     assert res["logits_rel_diff"] < 1e-2, res  # bf16
 
 
+def test_load_round_trip_check_reads_back_the_exported_weights(capsys):
+    """Check 14 at a small shape: the exported model read back by from_pretrained gives the same logits."""
+    _gpu_check().load_round_trip(True)
+    res = json.loads(capsys.readouterr().out)
+    assert res["logits_equal"] and res["bytes"] > 0 and res["seconds"] > 0, res
+
+
 def test_moe_cost_check_runs_and_agrees(capsys):
     """Check 4 (its weights now jit arguments): grouped and every expert on every token agree."""
     _gpu_check().moe_cost(True, 4, 64)
