@@ -45,15 +45,18 @@ def test_a_region_reads_its_own_bytes(tensors, name, region, into):
 
 
 def test_a_reshaped_tensor_is_read_in_the_parameters_shape(tensors):
-    """A slot reads its tensor as the parameter's trailing dims ([6, 4096] as [6, 2, 2048]) at its leading index."""
+    """A slot reads its tensor as the parameter's trailing dims ([6, 4096] as [6, 2, 2048]) at its leading index;
+    the slots must fill the whole block, which starts uninitialised."""
     arrays, infos = tensors
     out = np.zeros((2, 3, 2, 1024), np.float32)  # the block layers 1..2, rows 2..4, the second half of each half
     region = ((1, 3), (2, 5), (0, 2), (1024, 2048))
-    slots = [Slot("wide", (6, 4096), ("p",), (1,))]  # layer 1 only: layer 2 of the block stays as it was
+    slots = [Slot("wide", (6, 4096), ("p",), (layer,)) for layer in range(4)]  # one tensor for every layer
     with TensorReader() as reader:
         assert fill_block(out, region, (4, 6, 2, 2048), slots, infos, reader, True) == []
-    np.testing.assert_array_equal(out[0], arrays["wide"].reshape(6, 2, 2048)[2:5, :, 1024:2048])
-    assert not out[1].any()
+        for layer in (0, 1):
+            np.testing.assert_array_equal(out[layer], arrays["wide"].reshape(6, 2, 2048)[2:5, :, 1024:2048])
+        with pytest.raises(RuntimeError, match="fill 6144 of the 12288 elements"):  # layer 2 has no slot
+            fill_block(out, region, (4, 6, 2, 2048), slots[:2], infos, reader, True)
 
 
 def test_a_nonfinite_value_is_counted_where_it_was_read(tensors):

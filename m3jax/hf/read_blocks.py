@@ -128,9 +128,10 @@ def fill_block(out: np.ndarray, region: Region, shape: tuple[int, ...], slots: S
                tensors: dict[str, TensorInfo], reader: TensorReader, check_finite: bool) -> list[str]:
     """Copy into `out` (the block `region` of a parameter of `shape`) the part of each slot's HF tensor that
     falls inside it, cast to out's dtype. A slot fills the parameter at its leading `index` with the tensor
-    reshaped to the parameter's remaining dimensions. Returns a problem line for each slice holding NaN or Inf
-    (with check_finite), counted after the cast."""
-    problems = []
+    reshaped to the parameter's remaining dimensions; the slots must fill the whole block (`out` starts
+    uninitialised). Returns a problem line for each slice holding NaN or Inf (with check_finite), counted after
+    the cast."""
+    problems, filled = [], 0
     for slot in slots:
         k = len(slot.index)
         if not all(a <= i < b for i, (a, b) in zip(slot.index, region)):
@@ -138,11 +139,15 @@ def fill_block(out: np.ndarray, region: Region, shape: tuple[int, ...], slots: S
         info = tensors[slot.name]
         dst = reader.read(info, shape[k:], region[k:], out[tuple(i - a for i, (a, _) in zip(slot.index, region))
                                                                 + (Ellipsis,)])
+        filled += dst.size
         if check_finite and (bad := count_nonfinite(dst)):
             read = math.prod(b - a for a, b in region[k:])
             part = "" if read == math.prod(info.shape) else f" (in the {read} of them this process read)"
             problems.append(f"tensor {slot.name} ({info.file}) holds {bad} NaN or Inf value(s) of "
                             f"{math.prod(info.shape)}{part}")
+    if filled != out.size:  # the block is uninitialised memory: every element must come from a tensor
+        raise RuntimeError(f"the tensors {[s.name for s in slots][:4]}... fill {filled} of the {out.size} elements "
+                           f"of the parameter's block {region}: the layout's slots do not cover the parameter")
     return problems
 
 
