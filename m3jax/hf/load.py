@@ -16,13 +16,13 @@ import logging
 import os
 
 import jax
-import numpy as np
 from flax import nnx
 
 from m3jax.config import M3Config
 from m3jax.hf import layouts
 from m3jax.hf.read_blocks import TensorReader, build_param
 from m3jax.hf.safetensors_io import CheckpointError, TensorInfo, read_header
+from m3jax.hf.tensors import processes_where
 from m3jax.model.decoder import M3ForCausalLM
 from sharding.layout import as_layout
 from sharding.mesh import mesh_config_of, validate
@@ -154,10 +154,9 @@ def _agree_finite(problems: list[str]) -> None:
     NaN in one host's expert is seen there alone, and a process that went on would wait at its first collective
     for the one that stopped."""
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-        found = np.asarray(multihost_utils.process_allgather(np.int32(len(problems))))
-        if not problems and found.any():
-            where = ", ".join(str(p) for p in np.flatnonzero(found))
+        found = processes_where(bool(problems))
+        if not problems and found:
+            where = ", ".join(map(str, found))
             problems = [f"process(es) {where} read weights holding NaN or Inf (their logs name the tensors)"]
         for line in problems:
             log.error("%s", line)

@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from m3jax.hf import layouts
-from m3jax.hf.read_blocks import Region, slot_region
+from m3jax.hf.read_blocks import Region, region_of, slot_region
 from m3jax.hf.tensors import hf_tensors, on_host_array
 
 
@@ -52,7 +52,7 @@ def _blocks_by_process(value) -> dict[int, list[Region]]:
     """process -> the index blocks its devices hold of `value` (every device's, not only this process's)."""
     out: dict[int, list[Region]] = {}
     for device, idx in value.sharding.devices_indices_map(value.shape).items():
-        block = tuple(s.indices(n)[:2] for s, n in zip(idx, value.shape))
+        block = region_of(idx, value.shape)
         out.setdefault(device.process_index, []).append(block)
     return out
 
@@ -62,7 +62,7 @@ def _overlaps(value, region: Region):
     shards of `value` that overlaps `region` (a replica's block once)."""
     done = set()
     for shard in value.addressable_shards:
-        block = tuple(s.indices(n)[:2] for s, n in zip(shard.index, value.shape))
+        block = region_of(shard.index, value.shape)
         if block in done:
             continue
         done.add(block)

@@ -105,6 +105,7 @@ class TensorReader:
 
 
 def region_of(index: tuple[slice, ...], shape: tuple[int, ...]) -> Region:
+    """A sharding's index (slices) of an array of `shape` as (start, stop) per dimension."""
     return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
 
 

@@ -20,7 +20,7 @@ from flax import nnx
 
 from m3jax.hf import layouts
 from m3jax.hf.safetensors_io import StreamingWriter
-from m3jax.hf.tensors import hf_tensors
+from m3jax.hf.tensors import hf_tensors, processes_where
 
 log = logging.getLogger(__name__)
 _UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
@@ -148,9 +148,8 @@ def _write_mine(tmp: str, names: list[str], shards: list[tuple[list, bool]], ten
 def _agree(error: Exception | None, what: str, tmp: str | None) -> None:
     """Every process learns whether any failed at `what` (an allgather of one flag) and, if one did, removes
     `tmp` (given on process 0) and raises: this process's own error, or one naming the processes that failed."""
-    from jax.experimental import multihost_utils
-    failed = np.flatnonzero(np.asarray(multihost_utils.process_allgather(np.int32(error is not None))))
-    if not len(failed):
+    failed = processes_where(error is not None)
+    if not failed:
         return
     if tmp is not None:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -29,3 +29,9 @@ def on_host_array(value) -> np.ndarray:
         return np.asarray(value)
     from jax.experimental import multihost_utils
     return np.asarray(multihost_utils.process_allgather(value, tiled=True))
+
+
+def processes_where(flag: bool) -> list[int]:
+    """The processes whose `flag` is set (an allgather of one flag: every process must call it, in step)."""
+    from jax.experimental import multihost_utils
+    return np.flatnonzero(np.asarray(multihost_utils.process_allgather(np.int32(flag)))).tolist()
