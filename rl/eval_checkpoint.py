@@ -46,7 +46,7 @@ def from_checkpoint(cfg: RunConfig, step: int | None = None) -> LoadedPolicy:
                                     f"{', '.join(map(str, steps)) or 'none'})")
         if not steps:
             raise FileNotFoundError(f"no readable checkpoint in {reader.directory}")
-        policy = build_policy(cfg)
+        policy = build_policy(cfg, kernel_timing="read")
         if step is None:
             got = reader.restore_latest(policy.state)
             if got is None:
@@ -67,7 +67,7 @@ def from_hf(cfg: RunConfig, path: str) -> LoadedPolicy:
     from flax import nnx
 
     import m3jax
-    from rl.policy import training_positions
+    from rl.policy import model_options, training_positions
     from sharding.layout import Layout
     from sharding.mesh import build_mesh
 
@@ -76,7 +76,7 @@ def from_hf(cfg: RunConfig, path: str) -> LoadedPolicy:
     layout = Layout() if m.num_devices == 1 else build_mesh(m.to_mesh_config(), m3_cfg,
                                                             seq_len=training_positions(cfg, m3_cfg))
     model = m3jax.from_pretrained(path, dtype=jnp.dtype(cfg.precision.param_dtype), mesh=layout,
-                                  **cfg.model.model_options())
+                                  **model_options(cfg, m3_cfg, layout, kernel_timing="read"))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     return LoadedPolicy(graphdef, params, rest, model.cfg.eos_token_id, None, {})
 

@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import m3jax
+from m3jax.model.expert_tuning import RECORD_FILE, expert_work, needs_timing, tune_moe_kernel
 from m3jax.model.specs import weight_decay_mask
 from rl import checkpoint as ckpt_lib
 from rl.config import RunConfig, checkpoint_dir
@@ -76,6 +77,8 @@ class Policy:
     shardings: TrainState | None  # None on one device
     sampling: SamplingParams
     model_cfg: m3jax.M3Config
+    # cfg.model's M3ForCausalLM options as the model was built with them (moe_kernel resolved: `model_options`)
+    model_options: dict = dataclasses.field(default_factory=dict)
 
     def model(self) -> m3jax.M3ForCausalLM:
         """The model with the current parameters (a view: nothing is copied)."""
@@ -89,20 +92,42 @@ class Policy:
         return m3jax.save_pretrained(self.model(), path, layout=self.cfg.checkpoint.export_layout)
 
 
-def build_policy(cfg: RunConfig) -> Policy:
+def model_options(cfg: RunConfig, m3_cfg: m3jax.M3Config, layout: Layout, kernel_timing: str = "record") -> dict:
+    """cfg.model's M3ForCausalLM options, with `moe_kernel` "tune" (and "auto" off a CPU) replaced by the kernel
+    timed fastest on this device for the train step's widest micro-batch (`m3jax.model.expert_tuning`).
+    kernel_timing: "record" (the trainer's: read the choice from the run directory's record when it was measured
+    for this device kind and these shapes, else time it and write the record), "read" (the same without
+    writing: an evaluation must not change the choice a resumed run reads), "off" (a model that will not run,
+    an export: the model's static rule)."""
+    if kernel_timing not in ("record", "read", "off"):
+        raise ValueError(f"kernel_timing {kernel_timing!r}: expected record, read or off")
+    options = cfg.model.model_options()
+    if "sparse" not in m3_cfg.mlp_layer_types or not needs_timing(options["moe_kernel"], layout.backend):
+        return options
+    if kernel_timing == "off":
+        return {**options, "moe_kernel": "auto"}
+    work = expert_work(m3_cfg, layout, cfg.grpo.micro_batch_size, training_positions(cfg, m3_cfg),
+                       cfg.precision.param_dtype, capacity_factor=cfg.model.moe_capacity_factor)
+    kernel = tune_moe_kernel(m3_cfg, work, os.path.join(cfg.run.out_dir, RECORD_FILE),
+                             save=kernel_timing == "record")
+    return {**options, "moe_kernel": kernel}
+
+
+def build_policy(cfg: RunConfig, kernel_timing: str = "record") -> Policy:
     """Layout (mesh + rules, experts on mesh.expert_axes), model (from model.path or freshly initialised
-    on that layout), optimizer and train state placed on the layout's shardings."""
+    on that layout, its expert kernel resolved by `model_options`), optimizer and train state placed on the
+    layout's shardings. kernel_timing: as `model_options`'s."""
     dtype = jnp.dtype(cfg.precision.param_dtype)
     m = cfg.mesh
     m3_cfg = cfg.model.m3_config()
     check_widths(cfg.grpo.micro_batch_widths, sequence_multiple(m, m3_cfg), "grpo.micro_batch_widths")
     layout = Layout() if m.num_devices == 1 else build_mesh(m.to_mesh_config(), m3_cfg,
                                                             seq_len=training_positions(cfg, m3_cfg))
+    options = model_options(cfg, m3_cfg, layout, kernel_timing)
     if cfg.model.path:
-        model = m3jax.from_pretrained(cfg.model.path, dtype=dtype, mesh=layout, **cfg.model.model_options())
+        model = m3jax.from_pretrained(cfg.model.path, dtype=dtype, mesh=layout, **options)
     else:
-        model = m3jax.M3ForCausalLM(m3_cfg, dtype=dtype, rngs=nnx.Rngs(cfg.model.init_seed), layout=layout,
-                                    **cfg.model.model_options())
+        model = m3jax.M3ForCausalLM(m3_cfg, dtype=dtype, rngs=nnx.Rngs(cfg.model.init_seed), layout=layout, **options)
     o = cfg.optim
     lm_gradient = weight_decay_mask(model.cfg, nnx.state(model, nnx.Param))
     optimizer = optim_step.adamw(learning_rate(cfg), b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
@@ -117,7 +142,7 @@ def build_policy(cfg: RunConfig) -> Policy:
         shardings = state_shardings(layout, state)
         state = jax.device_put(state, shardings)
     return Policy(cfg, layout, graphdef, state, optimizer, shardings, sampling_of(cfg, model.cfg.eos_token_id),
-                  model.cfg)
+                  model.cfg, options)
 
 
 def grpo_loss_fn(sampling: SamplingParams, loss_cfg: LossConfig, chunk_tokens: int = 0,
@@ -222,7 +247,7 @@ def checkpointer_for(cfg: RunConfig) -> ckpt_lib.Checkpointer:
 def export_latest(cfg: RunConfig, path: str | None = None) -> tuple[int, str]:
     """Write the newest checkpoint's policy as a HF directory (default `<run.out_dir>/export`), building
     only the model and its checkpoint reader: no data, no generation engines. Returns (step, path)."""
-    policy = build_policy(cfg)
+    policy = build_policy(cfg, kernel_timing="off")
     checkpointer = checkpointer_for(cfg)
     try:
         got = checkpointer.restore_latest(policy.state)
@@ -244,7 +269,7 @@ def reference_params(cfg: RunConfig, policy: Policy):
     if not path:
         return policy.state.params
     model = m3jax.from_pretrained(path, dtype=jnp.dtype(cfg.precision.param_dtype), mesh=policy.layout,
-                                  **cfg.model.model_options())
+                                  **policy.model_options)
     teacher = nnx.state(model, nnx.Param)
     want = dict(nnx.to_flat_state(policy.state.params))
     got = dict(nnx.to_flat_state(teacher))

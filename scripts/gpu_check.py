@@ -34,7 +34,10 @@ Prints one JSON line per check; keep the output with BENCHMARKS.md. Checks:
    expert-parallel receive pool mostly padding
    (1 local expert with a 32x pool, M3's 32-node layout; 4 local experts with a 16x pool, a multinomial load around
    the balanced one), bf16, forward and
-   forward+backward: the figure `auto`'s GPU choice (ragged_dot until measured) waits for;
+   forward+backward;
+5b. the trainer's own timing of those kernels (`moe_kernel: auto` off a CPU, m3jax/model/expert_tuning.py) on the
+   MFU slice's expert MLP (16 experts, 4,096 tokens x top-4 on one device): the kernel it picks, each kernel's
+   time, and the seconds the timing adds to a run's start (compiles included);
 6. attention kernels at one M3 layer's shapes (64 query heads, 4 KV heads x 128, bf16, causal): the dense
    path (`attention_impl: dense`), `flash` (m3jax.model.flash), cuDNN through `jax.nn.dot_product_attention`
    for the full layer; for a sparse layer (the indexer's top-16 shape, ids replayed): the masked dense path,
@@ -75,7 +78,7 @@ Prints one JSON line per check; keep the output with BENCHMARKS.md. Checks:
 14. the HF checkpoint's load onto the device (`m3jax.from_pretrained`'s block reads, session 32): a bf16 model at
    M3 widths (2 layers, 16 experts: 7.3 GB) exported and read back from a warm page cache: seconds, GB/s, and the
    logits bit for bit against the exported model's.
-Checks 3b to 7 live in scripts/gpu_check_kernels.py (with the helpers every check shares), 2, 3 and the driver here.
+Checks 3b to 7 (5b included) live in scripts/gpu_check_kernels.py (with the helpers every check shares), 2, 3 and the driver here.
 """
 
 from __future__ import annotations
@@ -103,7 +106,7 @@ from gpu_check_push import device_checksum, weight_push_device  # noqa: E402 - c
 from gpu_check_reference import host_reference  # noqa: E402 - check 12
 from gpu_check_vllm import vllm_long_context  # noqa: E402 - check 8, a module of its own beside this script
 from gpu_check_kernels import (LAYER_VARIANTS, attention_kernels, emit, layer_costs,  # noqa: E402,F401 - checks 3b-7
-                               logprob_head, m3_shaped, moe_cost, moe_kernels, timed)
+                               logprob_head, m3_shaped, moe_cost, moe_kernel_timing, moe_kernels, timed)
 
 
 
@@ -282,13 +285,15 @@ def main():
     guarded("parity_accelerator_vs_cpu", parity, small)
     # the order is the order of need: a lent GPU's minutes may end (or the machine be taken back) mid-run
     if small:
-        checks = [("moe_kernels", moe_kernels, True, 1, 32, 256), ("layer_costs", layer_costs, True, 128, 8),
+        checks = [("moe_kernels", moe_kernels, True, 1, 32, 256), ("moe_kernel_timing", moe_kernel_timing, True, 4, 64),
+                  ("layer_costs", layer_costs, True, 128, 8),
                   ("attention_kernels", attention_kernels, True, 256), ("logprob_head", logprob_head, True, 256, 64),
                   ("train_step_mfu", mfu, True, 2, 8, 64, 2, peak, RECIPE_OPTIONS),
                   ("decode_layers", decode_layers, True, 4, 8, 4, 256),
                   ("model_attention", model_attention, True, 128), ("moe_grouped_vs_dense", moe_cost, True, 8, 256)]
     else:
         checks = [("moe_kernels", moe_kernels, False, 1, 32, 4096), ("moe_kernels", moe_kernels, False, 4, 16, 4096),
+                  ("moe_kernel_timing", moe_kernel_timing, False, 16, 4096),
                   ("layer_costs", layer_costs, False, 4096, 16)]
         # 1024: near `attention_impl: auto`'s CPU-measured switch to flash (512 keys)
         # the grouped path only at 1,024: at 8,192 its walk is ~65,000 launch-bound loop steps a call (session 25)

@@ -153,6 +153,23 @@ def moe_kernels(small: bool, experts: int, pool: int, real_rows: int):
          errors=errors, skipped=skipped)
 
 
+def moe_kernel_timing(small: bool, experts: int, tokens: int):
+    """Check 5b: the trainer's timing of the expert kernels (`m3jax.model.expert_tuning`, what `moe_kernel: auto` runs
+    off a CPU) on one device's expert MLP of the MFU slice (`experts` experts, `tokens` tokens x top-4, bf16,
+    forward and backward): each kernel's median, the one it picks, and the seconds it took, compiles included."""
+    import dataclasses
+
+    from m3jax.model.expert_tuning import ExpertWork, time_expert_kernels
+    from sharding.kernel_tuning import fastest
+    cfg = m3_shaped(small, 2, experts)
+    rows = tokens * cfg.num_experts_per_tok
+    work = ExpertWork(rows, rows, experts, cfg.hidden_size, cfg.intermediate_size, "bfloat16")
+    t0 = time.perf_counter()
+    ms, errors = time_expert_kernels(cfg, work)
+    emit(check="moe_kernel_timing", work=dataclasses.asdict(work), fwd_bwd_ms=ms, errors=errors,
+         choice=fastest(ms) if ms else None, seconds=time.perf_counter() - t0)
+
+
 def attention_kernels(small: bool, seq: int, skip: tuple = ()):
     from types import SimpleNamespace
 

@@ -30,8 +30,9 @@ Kernels (`kernel=`):
               bf16 / fp16, widths multiples of 128; executed rows as tiled's at a 128-row tile. Refused off a
               GPU: Mosaic GPU neither lowers there nor runs in Pallas's interpreter. Never run on a GPU yet.
   auto        bucketed on CPU (measured: scripts/bench_grouped_matmul.py, BENCHMARKS.md sessions 11 and 27);
-              ragged_dot on GPU/TPU: whether tiled, bucketed, pallas or ragged_dot is fastest there awaits
-              scripts/gpu_check.py (check 5), so nothing else is claimed.
+              ragged_dot on GPU/TPU when the model is built directly. The trainer does not leave it there: off a
+              CPU it times the kernels the device runs at the run's shapes and builds the model with the
+              fastest (`m3jax.model.expert_tuning`; `moe_kernel: tune` does so on CPU too).
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ ROWS_BY_GROUP = jax.lax.RaggedDotDimensionNumbers(
 def resolve_kernel(kernel: str = "auto", backend: str | None = None) -> str:
     """The concrete kernel for `kernel` on `backend` (the platform the program is built for, a layout's
     `backend`; default: jax's default backend)."""
+    if kernel == "tune":
+        raise ValueError("moe_kernel 'tune' is chosen by timing the kernels before the model is built "
+                         "(m3jax.model.expert_tuning.tune_moe_kernel, which the trainer runs): build the model with "
+                         f"its result, one of {', '.join(KERNELS)}")
     if kernel not in KERNELS:
         raise ValueError(f"grouped matmul kernel {kernel!r}: expected one of {', '.join(KERNELS)}")
     if kernel == "mosaic" and not on_gpu(backend):

@@ -122,6 +122,14 @@ def test_moe_kernels_check_runs_every_kernel_on_cpu(capsys):
     assert all(err < 2e-2 for err in res["value_rel_err"].values()), res  # bf16 against ragged_dot
 
 
+def test_moe_kernel_timing_check_times_what_the_device_runs(capsys):
+    """Check 5b at a small shape: the trainer's timing runs every kernel a CPU compiles and names the fastest."""
+    _gpu_check().moe_kernel_timing(True, 4, 64)
+    res = json.loads(capsys.readouterr().out)
+    assert res["errors"] == {} and set(res["fwd_bwd_ms"]) == {"ragged_dot", "tiled", "bucketed"}
+    assert res["choice"] == min(res["fwd_bwd_ms"], key=res["fwd_bwd_ms"].get) and res["work"]["rows"] == 256
+
+
 def test_layer_costs_check_runs_every_variant_on_cpu(capsys):
     """Check 3b at a small shape: each layer kind builds, runs forward and backward, and gives finite states."""
     gc = _gpu_check()

@@ -182,9 +182,9 @@ def test_config_choices_are_the_kernels():
     import dataclasses
 
     from rl.config.schema import ModelSection
-    from sharding.grouped_matmul import KERNELS
+    from m3jax.model.expert_tuning import CHOICES
     field = next(f for f in dataclasses.fields(ModelSection) if f.name == "moe_kernel")
-    assert tuple(field.metadata["choices"]) == KERNELS and ModelSection().model_options()["moe_kernel"] == "auto"
+    assert tuple(field.metadata["choices"]) == CHOICES and ModelSection().model_options()["moe_kernel"] == "auto"
 
 
 def test_planner_follows_the_kernel():

@@ -106,8 +106,8 @@ def test_a_model_the_kernels_cannot_take_is_refused_at_construction():
 
 def test_the_config_offers_every_kernel_the_model_takes():
     from rl.config.schema import ModelSection
-    from sharding.grouped_matmul import KERNELS
-    assert tuple(ModelSection.__dataclass_fields__["moe_kernel"].metadata["choices"]) == KERNELS
+    from m3jax.model.expert_tuning import CHOICES
+    assert tuple(ModelSection.__dataclass_fields__["moe_kernel"].metadata["choices"]) == CHOICES
 
 
 @pytest.mark.parametrize("shape", [(2, 2, 2, 1), (1, 2, 2, 2)])

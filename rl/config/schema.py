@@ -157,17 +157,19 @@ class ModelSection(_Section):
     moe_capacity_factor: float | None = _f(None, "bound on an expert-parallel device's receive buffer, x the "
                                                  "balanced load (tokens x top_k); overflow is dropped; null = "
                                                  "dropless (worst-case buffers)", gt=0)
-    # sharding.grouped_matmul.KERNELS, listed here so that the schema needs no jax
+    # sharding.grouped_matmul.KERNELS and "tune" (m3jax.model.expert_tuning), listed here so that the schema
+    # needs no jax
     moe_kernel: str = _f("auto", "grouped matmul of the routed experts: tiled (walks only the filled rows of the "
                                  "receive buffer), bucketed (each expert's balanced share of rows in one batched "
                                  "matmul, the rest through the tiled walk), ragged_dot (jax.lax.ragged_dot: dense "
                                  "lowering on CPU and jaxlib 0.10 CUDA), pallas (a Pallas/Triton grouped GEMM for "
                                  "GPUs that stops at the filled rows; interpreted, slowly, elsewhere), mosaic "
                                  "(jax's Mosaic GPU ragged-dot kernels: Hopper GPUs, bf16 / fp16, widths multiples "
-                                 "of 128; refused elsewhere), auto "
-                                 "(bucketed on CPU, ragged_dot on GPU/TPU until scripts/gpu_check.py has measured "
-                                 "the others)",
-                         choices=("auto", "ragged_dot", "tiled", "bucketed", "pallas", "mosaic"))
+                                 "of 128; refused elsewhere), auto (bucketed on CPU; elsewhere the fastest of "
+                                 "the kernels the device runs, timed at the run's micro-batch shapes when the "
+                                 "trainer starts and recorded in <run.out_dir>/moe_kernel.json, which a restart "
+                                 "reuses), tune (that timing on CPU too)",
+                         choices=("auto", "tune", "ragged_dot", "tiled", "bucketed", "pallas", "mosaic"))
 
     def model_options(self) -> dict[str, Any]:
         """Keyword options of `M3ForCausalLM` / `m3jax.from_pretrained` this section sets."""

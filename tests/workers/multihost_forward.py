@@ -2,7 +2,9 @@
 
 --refused: the load must raise CheckpointError; the process prints its message and exits 0 (3 if it loaded).
 --export DIR: also write the loaded model to DIR with `m3jax.save_pretrained` (every process, as on a cluster);
---export-fails-on P: process P's disk is full (its writes raise ENOSPC)."""
+--export-fails-on P: process P's disk is full (its writes raise ENOSPC).
+--tune DIR: only choose the expert kernel by timing (timings faked per process, process 0's favouring tiled,
+process 1's ragged_dot), recording it in DIR; print the choice and how many timings this process ran."""
 
 import logging
 import os
@@ -25,6 +27,8 @@ def main(ckpt, port, process_id, out, *flags):
     mesh = build_mesh(cfg, seq_len=64)
     assert jax.process_count() == 2 and len(jax.devices()) == 8 and len(jax.local_devices()) == 4
     logging.basicConfig(level=logging.INFO)  # the load's line of bytes read, for the test to check
+    if "--tune" in flags:
+        return tune(mesh, flags[flags.index("--tune") + 1], int(process_id))
     if "--refused" in flags:
         try:
             m3jax.from_pretrained(ckpt, mesh=mesh)
@@ -47,6 +51,23 @@ def main(ckpt, port, process_id, out, *flags):
     full = multihost_utils.process_allgather(logits, tiled=True)
     if jax.process_index() == 0:
         np.save(out, np.asarray(full))
+
+
+def tune(mesh, directory, process_id):
+    from m3jax import tiny
+    from m3jax.model import expert_tuning
+    timed = []
+    fake = [{"tiled": 1.0, "ragged_dot": 2.0, "bucketed": 3.0}, {"ragged_dot": 1.0, "tiled": 2.0, "bucketed": 3.0}]
+
+    def time_expert_kernels(*args, **kwargs):
+        timed.append(args[1])
+        return fake[process_id], {}
+    expert_tuning.time_expert_kernels = time_expert_kernels
+    cfg = tiny.m3_config()
+    work = expert_tuning.expert_work(cfg, mesh, 2, 64, "float32")
+    choice = expert_tuning.tune_moe_kernel(cfg, work, os.path.join(directory, expert_tuning.RECORD_FILE))
+    print(f"TUNED: {choice} after {len(timed)} timings", flush=True)
+    return 0
 
 
 if __name__ == "__main__":

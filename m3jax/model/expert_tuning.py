@@ -1,0 +1,137 @@
+"""The routed experts' grouped-matmul kernel for a run, timed at the shapes one device gives it.
+
+`moe_kernel: auto` is a rule on CPU (bucketed, measured). Elsewhere, and wherever `moe_kernel: tune` is set, the
+trainer times the kernels the device runs (`sharding.kernel_tuning`) on one device's expert MLP of a micro-batch,
+the shapes inside `sharding.expert.routed_experts`:
+
+    T = rows per data rank x positions / context shards        tokens on the device
+    W = receive_rows(T, k, n_ep, E_loc, capacity, exchange)    its receive buffer (T k on one device)
+    rows [W, d] of which T k are filled, split over E_loc = E / n_ep experts as a balanced router would
+    (a multinomial draw), gate_up [E_loc, 2, I / tensor, d], down [E_loc, d, I / tensor] in the parameter dtype
+
+and keeps the fastest, forward and backward as the train step runs them. The measurement is written to a record
+(`<run.out_dir>/moe_kernel.json`); a restart of the run on the same device kind, jax and shapes reads the choice
+from it instead of timing again, so a resumed run keeps its kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from m3jax.model.moe import grouped_experts
+from sharding import kernel_tuning
+from sharding.expert import default_exchange, receive_rows
+from sharding.grouped_matmul import KERNELS
+from sharding.layout import Layout, platform
+
+log = logging.getLogger(__name__)
+
+RECORD_FILE = "moe_kernel.json"
+# What `model.moe_kernel` may say: a kernel, "auto", or "tune" (timed anywhere, CPU included).
+CHOICES = ("auto", "tune") + tuple(k for k in KERNELS if k != "auto")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertWork:
+    """One device's grouped expert MLP in one micro-batch: rows of the receive buffer (`rows`, `filled` of them
+    routed under a balanced load), local experts, model width, each expert's hidden width on the device, the
+    parameter dtype, and whether the backward runs too."""
+    rows: int
+    filled: int
+    experts: int
+    hidden: int
+    width: int
+    dtype: str
+    backward: bool = True
+
+
+def needs_timing(moe_kernel: str, backend: str | None) -> bool:
+    """Whether `moe_kernel` is chosen by timing on `backend`: "tune" anywhere, "auto" off a CPU (where no
+    measured rule exists)."""
+    return moe_kernel == "tune" or (moe_kernel == "auto" and platform(backend) != "cpu")
+
+
+def expert_work(cfg, layout: Layout, rows_per_rank: int, positions: int, dtype, *,
+                capacity_factor: float | None = None, exchange: str | None = None,
+                backward: bool = True) -> ExpertWork:
+    """The `ExpertWork` of a micro-batch of `rows_per_rank` rows of `positions` tokens on `layout` (see the module
+    docstring for the formulas)."""
+    tokens = rows_per_rank * positions // layout.size("act_seq")
+    k, n_ep = cfg.num_experts_per_tok, layout.size("experts")
+    local = cfg.num_local_experts // n_ep
+    if layout.mesh is None:
+        rows = tokens * k
+    else:
+        rows = receive_rows(tokens, k, n_ep, local, capacity_factor, exchange or default_exchange(layout.backend))
+    return ExpertWork(rows, min(tokens * k, rows), local, cfg.hidden_size,
+                      cfg.intermediate_size // layout.size("expert_mlp"), jnp.dtype(dtype).name, backward)
+
+
+def expert_problem(cfg, work: ExpertWork, backend: str | None = None, seed: int = 0):
+    """(make, args): `make(kernel)(*args)` is the model's routed-expert MLP (`m3jax.model.moe.grouped_experts`) with
+    that kernel on the rows and weights `work` describes, random; rows past the `filled` ones are padding."""
+    rng = np.random.default_rng(seed)
+    dtype, d, i, e = jnp.dtype(work.dtype), work.hidden, work.width, work.experts
+    # a multinomial load around the balanced one: an even split would fill every tile and bucket exactly, hiding
+    # the partial tiles and the overflow a real router's load brings (as gpu_check's check 5)
+    group_sizes = jnp.asarray(rng.multinomial(work.filled, np.full(e, 1 / e)), jnp.int32)
+    rows = np.zeros((work.rows, d), np.float32)
+    rows[:work.filled] = rng.standard_normal((work.filled, d))
+    gate_up = rng.standard_normal((e, 2, i, d)).astype(np.float32) / np.sqrt(d)
+    down = rng.standard_normal((e, d, i)).astype(np.float32) / np.sqrt(i)
+
+    def make(kernel):
+        def fn(rows, gate_up, down):
+            return grouped_experts(rows, group_sizes, gate_up, down, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit,
+                                   kernel=kernel, backend=backend, expected_rows=work.filled / e)
+        return fn
+
+    return make, [jnp.asarray(a, dtype) for a in (rows, gate_up, down)]
+
+
+def time_expert_kernels(cfg, work: ExpertWork, kernels=None, *, device=None, rounds: int = 5,
+                        seed: int = 0) -> tuple[dict[str, float], dict[str, str]]:
+    """({kernel: median ms}, {kernel: error}) of `expert_problem`'s MLP for `kernels` (default: every kernel the
+    device runs, `sharding.kernel_tuning.candidate_kernels`), forward and backward when `work.backward`."""
+    device = device or jax.local_devices()[0]
+    kernels = tuple(kernels or kernel_tuning.candidate_kernels(device))
+    make, args = expert_problem(cfg, work, device.platform, seed)
+    return kernel_tuning.time_candidates(make, args, kernels, diff_argnums=(0, 1, 2) if work.backward else (),
+                                         device=device, rounds=rounds, seed=seed)
+
+
+def tune_moe_kernel(cfg, work: ExpertWork, record_path: str | None = None, *, save: bool = True, rounds: int = 5,
+                    device=None) -> str:
+    """The fastest kernel for `work` on this device kind (process 0's choice on every process), read from the record
+    at `record_path` when it was measured for the same device kind, jax and work, else timed (and recorded there
+    when `save`)."""
+    device = device or jax.local_devices()[0]
+    kernels = kernel_tuning.candidate_kernels(device)
+    key = {"work": dataclasses.asdict(work), "device_kind": device.device_kind, "platform": device.platform,
+           "jax": jax.__version__, "candidates": list(kernels)}
+    choice = kernels[0]
+    if jax.process_index() == 0:
+        record = kernel_tuning.read_record(record_path)
+        if record is not None and record.get("key") == key and record.get("kernel") in kernels:
+            choice = record["kernel"]
+            log.info("moe_kernel: %s, as measured for this run before (%s)", choice, record_path)
+        else:
+            log.info("moe_kernel: timing %s on %s for %s (once: the choice is kept in %s)", ", ".join(kernels),
+                     device.device_kind, work, record_path if save else "no record")
+            ms, errors = time_expert_kernels(cfg, work, kernels, device=device, rounds=rounds)
+            if not ms:
+                raise RuntimeError(f"moe_kernel: no grouped-matmul kernel ran on {device.device_kind} for {work}: "
+                                   f"{errors}")
+            choice = kernel_tuning.fastest(ms)
+            log.info("moe_kernel: %s, the fastest on %s for %s (median ms of %d rounds: %s%s)", choice,
+                     device.device_kind, work, rounds, ", ".join(f"{k} {v:.3f}" for k, v in ms.items()),
+                     f"; failed: {errors}" if errors else "")
+            if record_path and save:
+                kernel_tuning.write_record(record_path, {"key": key, "kernel": choice, "ms": ms, "errors": errors,
+                                                         "rounds": rounds})
+    return kernel_tuning.agree_on(choice, kernels)

@@ -1,0 +1,110 @@
+"""Pick a kernel by timing each candidate on the device, at the shapes the run will give it.
+
+Which grouped-matmul kernel (`sharding.grouped_matmul`) is fastest depends on the device and the shapes. On CPU it
+was measured once and is a rule (bucketed, `resolve_kernel`). On a GPU nothing here has measured it, and
+`jax.lax.ragged_dot`, the static fallback, is a dense matmul there (E x the rows: BENCHMARKS.md, session 25). So the
+choice is measured where the run starts, as Triton's and XLA's autotuners measure theirs:
+
+    kernel = argmin_k  median_i  t_i(k)      over the candidates the device runs (`candidate_kernels`),
+                                             i = rounds that call every candidate once, in a shuffled order
+
+A candidate that fails to compile or run (a Pallas kernel the GPU rejects, Mosaic off Hopper, out of memory) is
+left out and its error kept. Generic: the caller builds the computation (`make(kernel) -> fn(*args)`); the M3
+expert MLP is `m3jax.model.expert_tuning`'s. On several processes one measurement decides for all
+(`agree_on`): every process must build the same program.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Kernels every backend runs natively (pallas and mosaic are GPU kernels: off a GPU Pallas interprets them).
+PORTABLE = ("ragged_dot", "tiled", "bucketed")
+
+
+def candidate_kernels(device) -> tuple[str, ...]:
+    """The grouped-matmul kernels `device` runs as compiled code: the portable ones, on a GPU also pallas
+    (Triton), and on a Hopper GPU (compute capability 9.x) mosaic (jax's Mosaic GPU kernels)."""
+    if device.platform != "gpu":
+        return PORTABLE
+    hopper = str(getattr(device, "compute_capability", "")).startswith("9")
+    return PORTABLE + ("pallas",) + (("mosaic",) if hopper else ())
+
+
+def time_candidates(make: Callable[[str], Callable], args: Sequence, kernels: Sequence[str], *,
+                    diff_argnums: tuple[int, ...] = (), device=None, rounds: int = 5, seed: int = 0,
+                    timer: Callable[[], float] = time.perf_counter) -> tuple[dict[str, float], dict[str, str]]:
+    """({kernel: median ms}, {kernel: error}) of `make(kernel)(*args)` on `device` (default: the first local one).
+
+    diff_argnums non-empty: each call is the forward and backward, the gradient of sum(out * cot) with respect to
+    those arguments for a fixed random cotangent, as a train step runs it; else the forward alone. Every
+    candidate is compiled and run once before the timed rounds."""
+    device = device or jax.local_devices()[0]
+    args = [jax.device_put(a, device) for a in args]
+    programs, errors = {}, {}
+    for kernel in kernels:
+        try:
+            fn = make(kernel)
+            if diff_argnums:
+                out = jax.eval_shape(fn, *args)
+                cot = jax.device_put(jax.random.normal(jax.random.key(seed), out.shape, jnp.float32), device)
+
+                def loss(*a, fn=fn, cot=cot):
+                    return jnp.sum(fn(*a).astype(jnp.float32) * cot)
+                program = jax.jit(jax.grad(loss, argnums=diff_argnums))
+            else:
+                program = jax.jit(fn)
+            jax.block_until_ready(program(*args))
+            programs[kernel] = program
+        except Exception as e:  # noqa: BLE001 - a kernel this device cannot run is not a candidate
+            errors[kernel] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+    times: dict[str, list[float]] = {k: [] for k in programs}
+    order = np.random.default_rng(seed)
+    for _ in range(rounds):
+        for kernel in order.permutation(list(programs)):
+            t0 = timer()
+            jax.block_until_ready(programs[kernel](*args))
+            times[kernel].append(timer() - t0)
+    return {k: statistics.median(v) * 1e3 for k, v in times.items()}, errors
+
+
+def fastest(ms: dict[str, float]) -> str:
+    """The kernel with the least time (ties: the first listed)."""
+    if not ms:
+        raise ValueError("no kernel ran: nothing to choose from")
+    return min(ms, key=ms.__getitem__)
+
+
+def agree_on(choice: str, kernels: Sequence[str]) -> str:
+    """Process 0's `choice` on every process (one broadcast when there are several): hosts that timed the
+    kernels themselves could differ, and every process must compile the same program."""
+    if jax.process_count() == 1:
+        return choice
+    from jax.experimental import multihost_utils
+    index = kernels.index(choice) if jax.process_index() == 0 else 0
+    return kernels[int(multihost_utils.broadcast_one_to_all(np.int32(index)))]
+
+
+def read_record(path: str | None) -> dict | None:
+    """The record `write_record` left at `path`, or None (no path, no file)."""
+    if not path or not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def write_record(path: str, record: dict) -> None:
+    """`record` as JSON at `path`, replaced whole (a crash leaves the old record or the new one)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(record, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)

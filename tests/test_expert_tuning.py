@@ -1,0 +1,177 @@
+"""The expert kernel chosen by timing (`moe_kernel: tune`, and `auto` off a CPU): the shapes it times are the ones
+the model runs, the fastest is kept, a failing kernel is left out, the choice is recorded and a restart reads it."""
+
+import json
+import os
+import types
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from m3jax import tiny
+from m3jax.model import expert_tuning
+from m3jax.model.expert_tuning import ExpertWork, expert_work, needs_timing, tune_moe_kernel
+from sharding import kernel_tuning
+from sharding.layout import Layout
+from sharding.mesh import MeshConfig, build_mesh
+
+TINY = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
+
+
+def _traced_work(cfg, layout, batch, seq, **options):
+    """(rows, gate_up, down shapes, expected_rows) of each grouped_experts call the model's forward traces."""
+    from m3jax.model import moe
+    seen = []
+    real = moe.grouped_experts
+
+    def spy(rows, group_sizes, gate_up, down, **kw):
+        seen.append((rows.shape, gate_up.shape, down.shape, rows.dtype, kw["expected_rows"]))
+        return real(rows, group_sizes, gate_up, down, **kw)
+
+    moe.grouped_experts = spy
+    try:
+        model = tiny.m3_model(cfg, layout=layout, **options)
+        ids = jnp.asarray(tiny.random_ids(cfg, batch, seq))
+        jax.eval_shape(lambda: model(ids))
+    finally:
+        moe.grouped_experts = real
+    return seen
+
+
+@pytest.mark.parametrize("mesh,capacity", [(None, None), ((2, 1, 2, 2), None), ((1, 2, 4, 1), None),
+                                           ((2, 2, 2, 1), 1.5)])
+def test_the_work_is_what_the_model_runs(mesh, capacity):
+    """Rows of the receive buffer, local experts and their width per device, as traced inside routed_experts."""
+    cfg = tiny.m3_config(num_local_experts=8, num_experts_per_tok=2)
+    batch, seq = 4, 32
+    layout = Layout() if mesh is None else build_mesh(MeshConfig(*mesh), cfg, seq_len=seq, batch=batch)
+    seen = _traced_work(cfg, layout, batch, seq, moe_capacity_factor=capacity)
+    assert seen
+    rows_per_rank = batch // (layout.size("act_batch") if layout.mesh is not None else 1)
+    work = expert_work(cfg, layout, rows_per_rank, seq, jnp.float32, capacity_factor=capacity)
+    for rows, gate_up, down, dtype, balanced in seen:
+        assert rows == (work.rows, work.hidden)
+        assert gate_up == (work.experts, 2, work.width, work.hidden) and down == (work.experts, work.hidden, work.width)
+        assert dtype == jnp.float32 and balanced == pytest.approx(work.filled / work.experts)
+
+
+def test_which_settings_are_timed():
+    assert needs_timing("tune", "cpu") and needs_timing("auto", "gpu") and needs_timing("auto", "tpu")
+    assert not needs_timing("auto", "cpu") and not needs_timing("tiled", "gpu") and not needs_timing("bucketed", "cpu")
+
+
+def test_candidates_follow_the_device():
+    cpu = types.SimpleNamespace(platform="cpu")
+    ampere = types.SimpleNamespace(platform="gpu", compute_capability="8.0")
+    hopper = types.SimpleNamespace(platform="gpu", compute_capability="9.0")
+    assert kernel_tuning.candidate_kernels(cpu) == ("ragged_dot", "tiled", "bucketed")
+    assert kernel_tuning.candidate_kernels(ampere) == ("ragged_dot", "tiled", "bucketed", "pallas")
+    assert kernel_tuning.candidate_kernels(hopper) == ("ragged_dot", "tiled", "bucketed", "pallas", "mosaic")
+    assert kernel_tuning.candidate_kernels(jax.local_devices()[0]) == kernel_tuning.PORTABLE
+
+
+def test_the_fastest_is_kept_and_a_failing_kernel_left_out():
+    """Two computations far apart in cost (one product against a chain of 64) and one that cannot compile."""
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((128, 128)), jnp.float32)
+
+    def make(kernel):
+        if kernel == "broken":
+            return lambda x: x @ jnp.ones((3, 3))  # shapes that do not contract: fails while tracing
+        steps = 1 if kernel == "fast" else 64
+        return lambda x: jax.lax.fori_loop(0, steps, lambda _, y: jnp.tanh(y @ x), x)
+
+    for backward in ((), (0,)):
+        ms, errors = kernel_tuning.time_candidates(make, [x], ("slow", "fast", "broken"), diff_argnums=backward,
+                                                   rounds=3)
+        assert set(ms) == {"slow", "fast"} and set(errors) == {"broken"} and "TypeError" in errors["broken"]
+        assert kernel_tuning.fastest(ms) == "fast"
+    with pytest.raises(ValueError, match="no kernel ran"):
+        kernel_tuning.fastest({})
+
+
+WORK = ExpertWork(rows=256, filled=96, experts=4, hidden=32, width=16, dtype="float32")
+
+
+def test_timed_once_recorded_then_read(tmp_path, monkeypatch):
+    cfg = tiny.m3_config()
+    record = str(tmp_path / "run" / expert_tuning.RECORD_FILE)
+    calls = []
+    real = expert_tuning.time_expert_kernels
+
+    def counted(*a, **kw):
+        calls.append(a[1])
+        return real(*a, **kw)
+
+    monkeypatch.setattr(expert_tuning, "time_expert_kernels", counted)
+    first = tune_moe_kernel(cfg, WORK, record, rounds=2)
+    saved = json.load(open(record))
+    assert first in kernel_tuning.PORTABLE and saved["kernel"] == first and len(calls) == 1
+    assert set(saved["ms"]) == set(kernel_tuning.PORTABLE) and saved["errors"] == {}
+    assert saved["key"]["work"]["rows"] == 256 and saved["key"]["device_kind"] == jax.local_devices()[0].device_kind
+    # a restart of the same run: read, not timed, even where another timing could have come out differently
+    saved["kernel"] = next(k for k in kernel_tuning.PORTABLE if k != first)
+    json.dump(saved, open(record, "w"))
+    assert tune_moe_kernel(cfg, WORK, record) == saved["kernel"] and len(calls) == 1
+    # other shapes: timed again; without save the record stays as it was
+    other = ExpertWork(rows=128, filled=64, experts=4, hidden=32, width=16, dtype="float32")
+    tune_moe_kernel(cfg, other, record, save=False, rounds=1)
+    assert len(calls) == 2 and json.load(open(record)) == saved
+    assert not [f for f in os.listdir(tmp_path / "run") if f != expert_tuning.RECORD_FILE]  # no temporary left
+
+
+def test_every_candidate_computes_the_same_rows():
+    """What is timed is the model's expert MLP, and every candidate computes ragged_dot's rows and gradients."""
+    make, args = expert_tuning.expert_problem(tiny.m3_config(), WORK)
+    cot = jnp.asarray(np.random.default_rng(1).standard_normal((WORK.rows, WORK.hidden)), jnp.float32)
+    outs = {k: jax.value_and_grad(lambda *a, k=k: jnp.sum(make(k)(*a) * cot), argnums=(0, 1, 2))(*args)
+            for k in kernel_tuning.PORTABLE}
+    rows = np.asarray(make("ragged_dot")(*args))
+    assert rows.shape == (WORK.rows, WORK.hidden) and rows[:WORK.filled].all() and not rows[WORK.filled:].any()
+    for kernel in ("tiled", "bucketed"):
+        for got, want in zip(jax.tree.leaves(outs[kernel]), jax.tree.leaves(outs["ragged_dot"])):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_the_model_refuses_tune_unresolved():
+    from m3jax.config import ConfigError
+    with pytest.raises(ConfigError, match="chosen by timing the kernels before the model is built"):
+        tiny.m3_model(tiny.m3_config(), moe_kernel="tune")
+
+
+def _cfg(tmp_path, *overrides):
+    from rl.config import load_config
+    return load_config(str(TINY), [f"run.out_dir={tmp_path}", "logging.tensorboard=false", *overrides])
+
+
+def test_the_trainer_builds_the_timed_kernel(tmp_path):
+    from rl.policy import build_policy, training_positions
+    cfg = _cfg(tmp_path, "model.moe_kernel=tune")
+    policy = build_policy(cfg)
+    record = json.load(open(tmp_path / expert_tuning.RECORD_FILE))
+    assert policy.model_options["moe_kernel"] == record["kernel"] in kernel_tuning.PORTABLE
+    assert {stack.moe_kernel for stack in policy.model().stacks} == {record["kernel"]}
+    # the record's work: tiny.yaml's micro-batch on one device (T = rows x positions, T k rows, 4 experts)
+    work = record["key"]["work"]
+    tokens = cfg.grpo.micro_batch_size * training_positions(cfg, policy.model_cfg)
+    assert work["experts"] == 4 and work["rows"] == work["filled"] == tokens * 2
+    # an export times nothing and builds the static rule; auto on a CPU is the rule, untimed
+    os.remove(tmp_path / expert_tuning.RECORD_FILE)
+    assert build_policy(cfg, kernel_timing="off").model_options["moe_kernel"] == "auto"
+    assert build_policy(_cfg(tmp_path)).model_options["moe_kernel"] == "auto"
+    assert not os.path.exists(tmp_path / expert_tuning.RECORD_FILE)
+
+
+@pytest.mark.slow  # two processes of a CPU "cluster" (~15 s)
+def test_process_zero_times_and_every_process_builds_its_choice(tmp_path):
+    """Hosts timing for themselves could pick different kernels and then compile different programs; process 0
+    times (here faked: tiled fastest, where process 1's own timing would say ragged_dot) and the others take its
+    choice. Process 0 writes the record."""
+    from tests.test_multihost import two_processes
+    procs, logs = two_processes("-", "-", "--tune", str(tmp_path))
+    assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-4000:]
+    assert ["TUNED: tiled after 1 timings" in logs[0], "TUNED: tiled after 0 timings" in logs[1]] == [True, True], \
+        "\n".join(logs)[-4000:]
+    assert json.load(open(tmp_path / expert_tuning.RECORD_FILE))["kernel"] == "tiled"
