@@ -2,6 +2,7 @@
 the model runs, the fastest is kept, a failing kernel is left out, the choice is recorded and a restart reads it."""
 
 import json
+import logging
 import os
 import types
 from pathlib import Path
@@ -95,7 +96,7 @@ def test_the_fastest_is_kept_and_a_failing_kernel_left_out():
 WORK = ExpertWork(rows=256, filled=96, experts=4, hidden=32, width=16, dtype="float32")
 
 
-def test_timed_once_recorded_then_read(tmp_path, monkeypatch):
+def test_timed_once_recorded_then_read(tmp_path, monkeypatch, caplog):
     cfg = tiny.m3_config()
     record = str(tmp_path / "run" / expert_tuning.RECORD_FILE)
     calls = []
@@ -117,8 +118,10 @@ def test_timed_once_recorded_then_read(tmp_path, monkeypatch):
     assert tune_moe_kernel(cfg, WORK, record) == saved["kernel"] and len(calls) == 1
     # other shapes: timed again; without save the record stays as it was
     other = ExpertWork(rows=128, filled=64, experts=4, hidden=32, width=16, dtype="float32")
-    tune_moe_kernel(cfg, other, record, save=False, rounds=1)
+    with caplog.at_level(logging.WARNING, logger=expert_tuning.__name__):
+        tune_moe_kernel(cfg, other, record, save=False, rounds=1)
     assert len(calls) == 2 and json.load(open(record)) == saved
+    assert "was measured for" in caplog.text and "'rows': 256" in caplog.text  # why the kernel may change
     assert not [f for f in os.listdir(tmp_path / "run") if f != expert_tuning.RECORD_FILE]  # no temporary left
 
 
@@ -175,3 +178,24 @@ def test_process_zero_times_and_every_process_builds_its_choice(tmp_path):
     assert ["TUNED: tiled after 1 timings" in logs[0], "TUNED: tiled after 0 timings" in logs[1]] == [True, True], \
         "\n".join(logs)[-4000:]
     assert json.load(open(tmp_path / expert_tuning.RECORD_FILE))["kernel"] == "tiled"
+
+
+@pytest.mark.slow  # a subprocess that starts jax (~10 s)
+def test_the_script_times_a_config_and_records_the_choice_the_run_reads(tmp_path):
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, str(root / "scripts" / "moe_kernel_choice.py"), "--config", str(TINY),
+                          f"run.out_dir={tmp_path}", "--rounds", "2", "--record"],
+                         capture_output=True, text=True, timeout=300, cwd=root,
+                         env={**os.environ, "PYTHONPATH": str(root)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    choice = next(line.split()[1].rstrip(";") for line in out.stdout.splitlines() if line.startswith("choice:"))
+    record = json.load(open(tmp_path / expert_tuning.RECORD_FILE))
+    assert choice in kernel_tuning.PORTABLE and f"recorded {record['kernel']}" in out.stdout
+    # the trainer finds the script's record for its own work (the same key), and reads it rather than timing
+    record["kernel"] = next(k for k in kernel_tuning.PORTABLE if k != record["kernel"])
+    json.dump(record, open(tmp_path / expert_tuning.RECORD_FILE, "w"))
+    from rl.policy import model_options
+    cfg = _cfg(tmp_path, "model.moe_kernel=tune")
+    assert model_options(cfg, cfg.model.m3_config(), Layout(), "read")["moe_kernel"] == record["kernel"]

@@ -121,6 +121,9 @@ def tune_moe_kernel(cfg, work: ExpertWork, record_path: str | None = None, *, sa
             choice = record["kernel"]
             log.info("moe_kernel: %s, as measured for this run before (%s)", choice, record_path)
         else:
+            if record is not None:  # the run resumes with other shapes, on another device or jax: its kernel may change
+                log.warning("moe_kernel: the record in %s (%s) was measured for %s; timing again", record_path,
+                            record.get("kernel"), record.get("key"))
             log.info("moe_kernel: timing %s on %s for %s (once: the choice is kept in %s)", ", ".join(kernels),
                      device.device_kind, work, record_path if save else "no record")
             ms, errors = time_expert_kernels(cfg, work, kernels, device=device, rounds=rounds)
