@@ -309,10 +309,14 @@ def sweep(job: Job, n: int, hw: Hardware, device_gb: float, png: str | None, mic
 
 
 def _expert_matmuls(batch) -> str:
+    from m3jax.model.expert_tuning import needs_timing
     kernel = batch.expert_kernel
-    if kernel in ("tiled", "bucketed", "pallas", "mosaic"):
-        return f"{kernel} (moe_kernel)"
-    return f"ragged_dot lowered {batch.ragged_dot}"
+    text = f"{kernel} (moe_kernel)" if kernel in ("tiled", "bucketed", "pallas", "mosaic") else \
+        f"ragged_dot lowered {batch.ragged_dot}"
+    if needs_timing(batch.moe_kernel, batch.platform):
+        text += (f" (moe_kernel {batch.moe_kernel}: the trainer times the kernels when it starts and keeps the "
+                 "fastest; planned as the static choice, model.moe_kernel=K plans K)")
+    return text
 
 
 def main(argv=None) -> int:

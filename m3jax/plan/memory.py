@@ -213,10 +213,17 @@ class Batch:
             else self.ragged_dot
 
     @property
+    def model_kernel(self) -> str:
+        """`moe_kernel` as a model built without the trainer's timing takes it: "tune" (which the trainer resolves
+        by timing, `m3jax.model.expert_tuning`) planned as "auto"."""
+        return "auto" if self.moe_kernel == "tune" else self.moe_kernel
+
+    @property
     def expert_kernel(self) -> str:
-        """`moe_kernel` resolved for the platform (`sharding.grouped_matmul.resolve_kernel`)."""
+        """`moe_kernel` resolved for the platform (`sharding.grouped_matmul.resolve_kernel`); a kernel the trainer
+        times at its start ("auto" off a CPU, "tune") is planned as the model's static choice."""
         from sharding.grouped_matmul import resolve_kernel
-        return resolve_kernel(self.moe_kernel, self.platform)
+        return resolve_kernel(self.model_kernel, self.platform)
 
     def model_options(self) -> dict:
         """M3ForCausalLM keywords of this batch's model options besides remat (sparse_attention only where the
@@ -224,7 +231,7 @@ class Batch:
         out = {"attention_query_chunk": self.attention_query_chunk, "attention_impl": self.attention_impl,
                "remat_policy": self.remat_policy, "scan_layers": self.scan_layers,
                "moe_capacity_factor": self.moe_capacity_factor, "moe_exchange": self.moe_exchange,
-               "moe_kernel": self.moe_kernel}
+               "moe_kernel": self.model_kernel}
         import inspect
 
         from m3jax.model.decoder import M3ForCausalLM
