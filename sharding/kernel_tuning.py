@@ -17,6 +17,7 @@ expert MLP is `m3jax.model.expert_tuning`'s. On several processes one measuremen
 from __future__ import annotations
 
 import json
+import logging
 import os
 import statistics
 import time
@@ -25,6 +26,8 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 # Kernels every backend runs natively (pallas and mosaic are GPU kernels: off a GPU Pallas interprets them).
 PORTABLE = ("ragged_dot", "tiled", "bucketed")
@@ -83,22 +86,30 @@ def fastest(ms: dict[str, float]) -> str:
     return min(ms, key=ms.__getitem__)
 
 
-def agree_on(choice: str, kernels: Sequence[str]) -> str:
-    """Process 0's `choice` on every process (one broadcast when there are several): hosts that timed the
-    kernels themselves could differ, and every process must compile the same program."""
+def agree_on(choice: str | None, kernels: Sequence[str]) -> str | None:
+    """Process 0's `choice` (one of `kernels`, or None: it has none) on every process, by one broadcast when there
+    are several: hosts that timed the kernels themselves could differ, and every process must compile the same
+    program. Every process must call it, process 0 also when it has no choice, or the others would wait forever."""
     if jax.process_count() == 1:
         return choice
     from jax.experimental import multihost_utils
-    index = kernels.index(choice) if jax.process_index() == 0 else 0
-    return kernels[int(multihost_utils.broadcast_one_to_all(np.int32(index)))]
+    index = -1 if choice is None else kernels.index(choice)
+    got = int(multihost_utils.broadcast_one_to_all(np.int32(index if jax.process_index() == 0 else 0)))
+    return None if got < 0 else kernels[got]
 
 
 def read_record(path: str | None) -> dict | None:
-    """The record `write_record` left at `path`, or None (no path, no file)."""
+    """The record `write_record` left at `path`, or None (no path, no file, or one that is not a JSON object: said
+    in a warning, and the caller times again)."""
     if not path or not os.path.exists(path):
         return None
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path) as f:
+            record = json.load(f)
+    except (OSError, ValueError) as e:
+        log.warning("kernel record %s unreadable (%s): timing again", path, e)
+        return None
+    return record if isinstance(record, dict) else None
 
 
 def write_record(path: str, record: dict) -> None:

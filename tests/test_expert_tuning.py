@@ -125,6 +125,21 @@ def test_timed_once_recorded_then_read(tmp_path, monkeypatch, caplog):
     assert not [f for f in os.listdir(tmp_path / "run") if f != expert_tuning.RECORD_FILE]  # no temporary left
 
 
+def test_no_kernel_that_runs_is_an_error_and_an_unwritable_record_a_warning(tmp_path, monkeypatch, caplog):
+    cfg = tiny.m3_config()
+    monkeypatch.setattr(expert_tuning, "time_expert_kernels", lambda *a, **k: ({}, {"tiled": "XlaRuntimeError: OOM"}))
+    with pytest.raises(RuntimeError, match="no grouped-matmul kernel ran on .*XlaRuntimeError: OOM"):
+        tune_moe_kernel(cfg, WORK, str(tmp_path / "r.json"))
+    monkeypatch.setattr(expert_tuning, "time_expert_kernels", lambda *a, **k: ({"tiled": 1.0, "bucketed": 2.0}, {}))
+    (tmp_path / "ro").mkdir()
+    (tmp_path / "ro" / expert_tuning.RECORD_FILE).mkdir()  # a directory where the record's file should go
+    with caplog.at_level(logging.WARNING):
+        assert tune_moe_kernel(cfg, WORK, str(tmp_path / "ro" / expert_tuning.RECORD_FILE)) == "tiled"
+    assert "unreadable" in caplog.text and "could not record the choice" in caplog.text
+    (tmp_path / "bad.json").write_text("{not json")
+    assert kernel_tuning.read_record(str(tmp_path / "bad.json")) is None
+
+
 def test_every_candidate_computes_the_same_rows():
     """What is timed is the model's expert MLP, and every candidate computes ragged_dot's rows and gradients."""
     make, args = expert_tuning.expert_problem(tiny.m3_config(), WORK)
@@ -178,6 +193,9 @@ def test_process_zero_times_and_every_process_builds_its_choice(tmp_path):
     assert ["TUNED: tiled after 1 timings" in logs[0], "TUNED: tiled after 0 timings" in logs[1]] == [True, True], \
         "\n".join(logs)[-4000:]
     assert json.load(open(tmp_path / expert_tuning.RECORD_FILE))["kernel"] == "tiled"
+    # where no kernel runs on process 0, every process raises (none waits forever for a choice)
+    assert "NO KERNEL: moe_kernel: no grouped-matmul kernel ran" in logs[0], logs[0][-3000:]
+    assert "NO KERNEL: moe_kernel: process 0 found no kernel that runs" in logs[1], logs[1][-3000:]
 
 
 @pytest.mark.slow  # a subprocess that starts jax (~10 s)

@@ -114,7 +114,7 @@ def tune_moe_kernel(cfg, work: ExpertWork, record_path: str | None = None, *, sa
     kernels = kernel_tuning.candidate_kernels(device)
     key = {"work": dataclasses.asdict(work), "device_kind": device.device_kind, "platform": device.platform,
            "jax": jax.__version__, "candidates": list(kernels)}
-    choice = kernels[0]
+    choice, failure = kernels[0], None
     if jax.process_index() == 0:
         record = kernel_tuning.read_record(record_path)
         if record is not None and record.get("key") == key and record.get("kernel") in kernels:
@@ -128,13 +128,25 @@ def tune_moe_kernel(cfg, work: ExpertWork, record_path: str | None = None, *, sa
                      device.device_kind, work, record_path if save else "no record")
             ms, errors = time_expert_kernels(cfg, work, kernels, device=device, rounds=rounds)
             if not ms:
-                raise RuntimeError(f"moe_kernel: no grouped-matmul kernel ran on {device.device_kind} for {work}: "
-                                   f"{errors}")
-            choice = kernel_tuning.fastest(ms)
-            log.info("moe_kernel: %s, the fastest on %s for %s (median ms of %d rounds: %s%s)", choice,
-                     device.device_kind, work, rounds, ", ".join(f"{k} {v:.3f}" for k, v in ms.items()),
-                     f"; failed: {errors}" if errors else "")
-            if record_path and save:
-                kernel_tuning.write_record(record_path, {"key": key, "kernel": choice, "ms": ms, "errors": errors,
-                                                         "rounds": rounds})
-    return kernel_tuning.agree_on(choice, kernels)
+                choice, failure = None, f"no grouped-matmul kernel ran on {device.device_kind} for {work}: {errors}"
+            else:
+                choice = kernel_tuning.fastest(ms)
+                log.info("moe_kernel: %s, the fastest on %s for %s (median ms of %d rounds: %s%s)", choice,
+                         device.device_kind, work, rounds, ", ".join(f"{k} {v:.3f}" for k, v in ms.items()),
+                         f"; failed: {errors}" if errors else "")
+                if record_path and save:
+                    _write(record_path, {"key": key, "kernel": choice, "ms": ms, "errors": errors, "rounds": rounds})
+    agreed = kernel_tuning.agree_on(choice, kernels)  # before raising: the other processes wait for it
+    if agreed is None:
+        raise RuntimeError("moe_kernel: " + (failure or "process 0 found no kernel that runs (its log says why)"))
+    return agreed
+
+
+def _write(path: str, record: dict) -> None:
+    """The record, or a warning where it cannot be written: the run goes on with its choice, and a restart times
+    the kernels again (and may choose another)."""
+    try:
+        kernel_tuning.write_record(path, record)
+    except OSError as e:
+        log.warning("moe_kernel: could not record the choice in %s (%s); a restart will time the kernels again",
+                    path, e)
