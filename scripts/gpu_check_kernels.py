@@ -165,8 +165,8 @@ def moe_kernel_timing(small: bool, experts: int, tokens: int):
     rows = tokens * cfg.num_experts_per_tok
     work = ExpertWork(rows, rows, experts, cfg.hidden_size, cfg.intermediate_size, "bfloat16")
     t0 = time.perf_counter()
-    ms, errors = time_expert_kernels(cfg, work)
-    emit(check="moe_kernel_timing", work=dataclasses.asdict(work), fwd_bwd_ms=ms, errors=errors,
+    ms, errors, temps = time_expert_kernels(cfg, work)
+    emit(check="moe_kernel_timing", work=dataclasses.asdict(work), fwd_bwd_ms=ms, errors=errors, temp_bytes=temps,
          choice=fastest(ms) if ms else None, seconds=time.perf_counter() - t0)
 
 

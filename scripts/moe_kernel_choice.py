@@ -59,11 +59,12 @@ def main():
     print(f"jax {jax.__version__}, {device.device_kind} ({device.platform}); config {args.config}")
     print(f"one device's expert work: {dataclasses.asdict(work)}")
     t0 = time.perf_counter()
-    ms, errors = expert_tuning.time_expert_kernels(m3, work, device=device, rounds=args.rounds)
+    ms, errors, temps = expert_tuning.time_expert_kernels(m3, work, device=device, rounds=args.rounds)
     seconds = time.perf_counter() - t0
     choice = kernel_tuning.fastest(ms)
     for kernel, t in sorted(ms.items(), key=lambda kv: kv[1]):
-        print(f"  {kernel:11s} {t:10.3f} ms  {t / ms[choice]:6.2f}x")
+        temp = "?" if temps.get(kernel) is None else f"{temps[kernel] / 1e6:.3f} MB"
+        print(f"  {kernel:11s} {t:10.3f} ms  {t / ms[choice]:6.2f}x   XLA's temporaries {temp}")
     for kernel, error in errors.items():
         print(f"  {kernel:11s} failed: {error}")
     print(f"choice: {choice}; timing took {seconds:.1f} s ({args.rounds} rounds, compiles included)")

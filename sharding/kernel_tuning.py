@@ -21,7 +21,7 @@ import logging
 import os
 import statistics
 import time
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -42,17 +42,26 @@ def candidate_kernels(device) -> tuple[str, ...]:
     return PORTABLE + ("pallas",) + (("mosaic",) if hopper else ())
 
 
+class Timings(NamedTuple):
+    """What `time_candidates` measured: each kernel's median ms, the error of each that did not run, and the
+    temporaries XLA allocated for each compiled program (bytes; None where the backend does not say): the
+    memory side of the choice, which the timing alone does not weigh."""
+    ms: dict[str, float]
+    errors: dict[str, str]
+    temp_bytes: dict[str, int | None]
+
+
 def time_candidates(make: Callable[[str], Callable], args: Sequence, kernels: Sequence[str], *,
                     diff_argnums: tuple[int, ...] = (), device=None, rounds: int = 5, seed: int = 0,
-                    timer: Callable[[], float] = time.perf_counter) -> tuple[dict[str, float], dict[str, str]]:
-    """({kernel: median ms}, {kernel: error}) of `make(kernel)(*args)` on `device` (default: the first local one).
+                    timer: Callable[[], float] = time.perf_counter) -> Timings:
+    """`Timings` of `make(kernel)(*args)` on `device` (default: the first local one) for each of `kernels`.
 
     diff_argnums non-empty: each call is the forward and backward, the gradient of sum(out * cot) with respect to
     those arguments for a fixed random cotangent, as a train step runs it; else the forward alone. Every
     candidate is compiled and run once before the timed rounds."""
     device = device or jax.local_devices()[0]
     args = [jax.device_put(a, device) for a in args]
-    programs, errors = {}, {}
+    programs, errors, temps = {}, {}, {}
     for kernel in kernels:
         try:
             fn = make(kernel)
@@ -65,8 +74,11 @@ def time_candidates(make: Callable[[str], Callable], args: Sequence, kernels: Se
                 program = jax.jit(jax.grad(loss, argnums=diff_argnums))
             else:
                 program = jax.jit(fn)
-            jax.block_until_ready(program(*args))
-            programs[kernel] = program
+            compiled = program.lower(*args).compile()
+            memory = compiled.memory_analysis()
+            jax.block_until_ready(compiled(*args))
+            programs[kernel] = compiled
+            temps[kernel] = getattr(memory, "temp_size_in_bytes", None)
         except Exception as e:  # noqa: BLE001 - a kernel this device cannot run is not a candidate
             errors[kernel] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
     times: dict[str, list[float]] = {k: [] for k in programs}
@@ -76,7 +88,7 @@ def time_candidates(make: Callable[[str], Callable], args: Sequence, kernels: Se
             t0 = timer()
             jax.block_until_ready(programs[kernel](*args))
             times[kernel].append(timer() - t0)
-    return {k: statistics.median(v) * 1e3 for k, v in times.items()}, errors
+    return Timings({k: statistics.median(v) * 1e3 for k, v in times.items()}, errors, temps)
 
 
 def fastest(ms: dict[str, float]) -> str:

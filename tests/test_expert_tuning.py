@@ -85,9 +85,10 @@ def test_the_fastest_is_kept_and_a_failing_kernel_left_out():
         return lambda x: jax.lax.fori_loop(0, steps, lambda _, y: jnp.tanh(y @ x), x)
 
     for backward in ((), (0,)):
-        ms, errors = kernel_tuning.time_candidates(make, [x], ("slow", "fast", "broken"), diff_argnums=backward,
-                                                   rounds=3)
-        assert set(ms) == {"slow", "fast"} and set(errors) == {"broken"} and "TypeError" in errors["broken"]
+        ms, errors, temps = kernel_tuning.time_candidates(make, [x], ("slow", "fast", "broken"),
+                                                          diff_argnums=backward, rounds=3)
+        assert set(ms) == set(temps) == {"slow", "fast"} and set(errors) == {"broken"}
+        assert "TypeError" in errors["broken"]
         assert kernel_tuning.fastest(ms) == "fast"
     with pytest.raises(ValueError, match="no kernel ran"):
         kernel_tuning.fastest({})
@@ -111,6 +112,7 @@ def test_timed_once_recorded_then_read(tmp_path, monkeypatch, caplog):
     saved = json.load(open(record))
     assert first in kernel_tuning.PORTABLE and saved["kernel"] == first and len(calls) == 1
     assert set(saved["ms"]) == set(kernel_tuning.PORTABLE) and saved["errors"] == {}
+    assert all(saved["temp_bytes"][k] > 0 for k in kernel_tuning.PORTABLE)  # XLA:CPU says what each allocates
     assert saved["key"]["work"]["rows"] == 256 and saved["key"]["device_kind"] == jax.local_devices()[0].device_kind
     # a restart of the same run: read, not timed, even where another timing could have come out differently
     saved["kernel"] = next(k for k in kernel_tuning.PORTABLE if k != first)
@@ -127,10 +129,12 @@ def test_timed_once_recorded_then_read(tmp_path, monkeypatch, caplog):
 
 def test_no_kernel_that_runs_is_an_error_and_an_unwritable_record_a_warning(tmp_path, monkeypatch, caplog):
     cfg = tiny.m3_config()
-    monkeypatch.setattr(expert_tuning, "time_expert_kernels", lambda *a, **k: ({}, {"tiled": "XlaRuntimeError: OOM"}))
+    monkeypatch.setattr(expert_tuning, "time_expert_kernels", lambda *a, **k: kernel_tuning.Timings(
+        {}, {"tiled": "XlaRuntimeError: OOM"}, {}))
     with pytest.raises(RuntimeError, match="no grouped-matmul kernel ran on .*XlaRuntimeError: OOM"):
         tune_moe_kernel(cfg, WORK, str(tmp_path / "r.json"))
-    monkeypatch.setattr(expert_tuning, "time_expert_kernels", lambda *a, **k: ({"tiled": 1.0, "bucketed": 2.0}, {}))
+    monkeypatch.setattr(expert_tuning, "time_expert_kernels", lambda *a, **k: kernel_tuning.Timings(
+        {"tiled": 1.0, "bucketed": 2.0}, {}, {"tiled": None, "bucketed": None}))
     (tmp_path / "ro").mkdir()
     (tmp_path / "ro" / expert_tuning.RECORD_FILE).mkdir()  # a directory where the record's file should go
     with caplog.at_level(logging.WARNING):

@@ -95,9 +95,9 @@ def expert_problem(cfg, work: ExpertWork, backend: str | None = None, seed: int 
 
 
 def time_expert_kernels(cfg, work: ExpertWork, kernels=None, *, device=None, rounds: int = 5,
-                        seed: int = 0) -> tuple[dict[str, float], dict[str, str]]:
-    """({kernel: median ms}, {kernel: error}) of `expert_problem`'s MLP for `kernels` (default: every kernel the
-    device runs, `sharding.kernel_tuning.candidate_kernels`), forward and backward when `work.backward`."""
+                        seed: int = 0) -> kernel_tuning.Timings:
+    """`sharding.kernel_tuning.Timings` of `expert_problem`'s MLP for `kernels` (default: every kernel the device
+    runs, `sharding.kernel_tuning.candidate_kernels`), forward and backward when `work.backward`."""
     device = device or jax.local_devices()[0]
     kernels = tuple(kernels or kernel_tuning.candidate_kernels(device))
     make, args = expert_problem(cfg, work, device.platform, seed)
@@ -126,20 +126,26 @@ def tune_moe_kernel(cfg, work: ExpertWork, record_path: str | None = None, *, sa
                             record.get("kernel"), record.get("key"))
             log.info("moe_kernel: timing %s on %s for %s (once: the choice is kept in %s)", ", ".join(kernels),
                      device.device_kind, work, record_path if save else "no record")
-            ms, errors = time_expert_kernels(cfg, work, kernels, device=device, rounds=rounds)
+            ms, errors, temps = time_expert_kernels(cfg, work, kernels, device=device, rounds=rounds)
             if not ms:
                 choice, failure = None, f"no grouped-matmul kernel ran on {device.device_kind} for {work}: {errors}"
             else:
                 choice = kernel_tuning.fastest(ms)
-                log.info("moe_kernel: %s, the fastest on %s for %s (median ms of %d rounds: %s%s)", choice,
-                         device.device_kind, work, rounds, ", ".join(f"{k} {v:.3f}" for k, v in ms.items()),
+                log.info("moe_kernel: %s, the fastest on %s for %s (median ms of %d rounds, XLA's temporaries: %s%s)",
+                         choice, device.device_kind, work, rounds, ", ".join(
+                             f"{k} {v:.3f} ms {_gb(temps.get(k))}" for k, v in ms.items()),
                          f"; failed: {errors}" if errors else "")
                 if record_path and save:
-                    _write(record_path, {"key": key, "kernel": choice, "ms": ms, "errors": errors, "rounds": rounds})
+                    _write(record_path, {"key": key, "kernel": choice, "ms": ms, "errors": errors, "rounds": rounds,
+                                         "temp_bytes": temps})
     agreed = kernel_tuning.agree_on(choice, kernels)  # before raising: the other processes wait for it
     if agreed is None:
         raise RuntimeError("moe_kernel: " + (failure or "process 0 found no kernel that runs (its log says why)"))
     return agreed
+
+
+def _gb(n: int | None) -> str:
+    return "?" if n is None else f"{n / 1e9:.3f} GB"
 
 
 def _write(path: str, record: dict) -> None:
