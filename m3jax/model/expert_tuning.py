@@ -145,7 +145,7 @@ def tune_moe_kernel(cfg, work: ExpertWork, record_path: str | None = None, *, sa
 
 
 def _gb(n: int | None) -> str:
-    return "?" if n is None else f"{n / 1e9:.3f} GB"
+    return "?" if n is None else f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
 
 
 def _write(path: str, record: dict) -> None:
