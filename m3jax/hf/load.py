@@ -20,7 +20,7 @@ from flax import nnx
 
 from m3jax.config import M3Config
 from m3jax.hf import layouts
-from m3jax.hf.read_blocks import TensorReader, build_param
+from m3jax.hf.read_blocks import ParamBlocks, TensorReader, build_params
 from m3jax.hf.safetensors_io import CheckpointError, TensorInfo, read_header
 from m3jax.hf.tensors import processes_where
 from m3jax.model.decoder import M3ForCausalLM
@@ -131,15 +131,19 @@ def from_pretrained(path: str | os.PathLike, dtype=None, *, mesh=None, check_fin
     for slot in slots:
         slots_of.setdefault(slot.param, []).append(slot)
     problems: list[str] = []
+    keys = list(flat)
+    params = [ParamBlocks(v.shape, v.dtype, layout.sharding(flat[p].get_metadata()["logical_axes"]), slots_of[p])
+              for p, v in ((p, flat[p].get_value()) for p in keys)]
     with TensorReader() as reader:
-        for p, var in flat.items():
-            value = var.get_value()
-            array, found = build_param(value.shape, value.dtype, layout.sharding(var.get_metadata()["logical_axes"]),
-                                       slots_of[p], tensors, reader, check_finite)
-            var.set_value(array)
-            problems += found
-            if problems and jax.process_count() == 1:
-                break
+        built = build_params(params, tensors, reader, check_finite)
+        try:
+            for i, array, found in built:
+                flat[keys[i]].set_value(array)
+                problems += found
+                if problems and jax.process_count() == 1:
+                    break
+        finally:
+            built.close()  # its reads stop before the reader closes the files
         read = reader.bytes_read
     if check_finite:
         _agree_finite(problems)

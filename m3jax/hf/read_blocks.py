@@ -9,16 +9,22 @@ from the HF tensors that overlap it, each read for just that slice (`TensorReade
 shards' bytes. Devices holding the same block (replicas) read it once. The devices' arrays are then joined into
 the global array (`jax.make_array_from_single_device_arrays`): nothing is compiled, and nothing crosses hosts.
 
-Host memory in flight: one device block of one parameter (all of it without a mesh). On CPU the block becomes the
-device buffer itself (`_aligned_empty`), so a CPU load holds each parameter once.
+The blocks are read ahead of their placement on the devices (`build_params`, `read_ahead`): READ_THREADS reads at
+once, so a disk's queue stays full and a block's transfer overlaps the next blocks' reads, within READ_AHEAD_BYTES
+of host memory beyond the block being placed. On CPU the block becomes the device buffer itself (`_aligned_empty`),
+so a CPU load holds each parameter once.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import math
 import mmap
 import os
-from typing import Sequence
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterable, Iterator, NamedTuple, Sequence, TypeVar
 
 import jax
 import numpy as np
@@ -27,6 +33,13 @@ from m3jax.hf.layouts import Slot
 from m3jax.hf.safetensors_io import CheckpointError, TensorInfo, count_nonfinite
 
 Region = tuple[tuple[int, int], ...]  # (start, stop) per dimension
+# Blocks read at once. On this 2-core VM two reads of fresh blocks from a warm page cache ran 1.9x one (4.8 -> 9.1
+# GB/s, BENCHMARKS.md session 33); a disk or a network filesystem wants several requests queued.
+READ_THREADS = 4
+READ_AHEAD_BYTES = 1 << 30  # host memory the reads ahead may hold (at least one read is always under way)
+READ_CHUNK_BYTES = 64 << 20  # a block's slots are read in parts of about this size, in parallel
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 class TensorReader:
@@ -39,6 +52,7 @@ class TensorReader:
     def __init__(self):
         self._files: dict[str, int] = {}
         self.bytes_read = 0
+        self._lock = threading.Lock()  # reads run in several threads (`read_ahead`): the files and the count
 
     def read(self, info: TensorInfo, shape: tuple[int, ...], region: Region, out: np.ndarray | None = None):
         """The `region` of the tensor viewed as `shape` (same size as its own), into `out` when given (C-contiguous,
@@ -73,14 +87,19 @@ class TensorReader:
             if out is not None:
                 out[...] = view
             del rows, view
-        self.bytes_read += math.prod(hi - lo for lo, hi in region) * info.np_dtype.itemsize
+        self._count(math.prod(hi - lo for lo, hi in region) * info.np_dtype.itemsize)
         return part if out is None else out
 
     def _fd(self, info: TensorInfo) -> int:
-        fd = self._files.get(info.file)
-        if fd is None:
-            fd = self._files[info.file] = os.open(info.file, os.O_RDONLY)
-        return fd
+        with self._lock:
+            fd = self._files.get(info.file)
+            if fd is None:
+                fd = self._files[info.file] = os.open(info.file, os.O_RDONLY)
+            return fd
+
+    def _count(self, n: int) -> None:
+        with self._lock:
+            self.bytes_read += n
 
     def _pread(self, info: TensorInfo, offset: int, view: memoryview) -> None:
         fd = self._fd(info)
@@ -90,7 +109,7 @@ class TensorReader:
             if not k:
                 raise CheckpointError(f"{info.file}: truncated while reading a tensor at byte {offset + got}")
             got += k
-        self.bytes_read += got
+        self._count(got)
 
     def close(self) -> None:
         for fd in self._files.values():
@@ -132,10 +151,29 @@ def fill_block(out: np.ndarray, region: Region, shape: tuple[int, ...], slots: S
     reshaped to the parameter's remaining dimensions; the slots must fill the whole block (`out` starts
     uninitialised). Returns a problem line for each slice holding NaN or Inf (with check_finite), counted after
     the cast."""
+    problems, filled = fill_slots(out, region, shape, slots, tensors, reader, check_finite)
+    _check_filled(filled, out.size, region, slots)
+    return problems
+
+
+def _check_filled(filled: int, size: int, region: Region, slots: Sequence[Slot]) -> None:
+    if filled != size:  # the block is uninitialised memory: every element must come from a tensor
+        raise RuntimeError(f"the tensors {[s.name for s in slots][:4]}... fill {filled} of the {size} elements "
+                           f"of the parameter's block {region}: the layout's slots do not cover the parameter")
+
+
+def _inside(slot: Slot, region: Region) -> bool:
+    return all(a <= i < b for i, (a, b) in zip(slot.index, region))
+
+
+def fill_slots(out: np.ndarray, region: Region, shape: tuple[int, ...], slots: Sequence[Slot],
+               tensors: dict[str, TensorInfo], reader: TensorReader, check_finite: bool) -> tuple[list[str], int]:
+    """`fill_block`'s copies for these slots alone (the slots of a block may be filled by several calls, in several
+    threads: each writes its own part of `out`) -> (problem lines, elements filled)."""
     problems, filled = [], 0
     for slot in slots:
         k = len(slot.index)
-        if not all(a <= i < b for i, (a, b) in zip(slot.index, region)):
+        if not _inside(slot, region):
             continue
         info = tensors[slot.name]
         dst = reader.read(info, shape[k:], region[k:], out[tuple(i - a for i, (a, _) in zip(slot.index, region))
@@ -146,10 +184,7 @@ def fill_block(out: np.ndarray, region: Region, shape: tuple[int, ...], slots: S
             part = "" if read == math.prod(info.shape) else f" (in the {read} of them this process read)"
             problems.append(f"tensor {slot.name} ({info.file}) holds {bad} NaN or Inf value(s) of "
                             f"{math.prod(info.shape)}{part}")
-    if filled != out.size:  # the block is uninitialised memory: every element must come from a tensor
-        raise RuntimeError(f"the tensors {[s.name for s in slots][:4]}... fill {filled} of the {out.size} elements "
-                           f"of the parameter's block {region}: the layout's slots do not cover the parameter")
-    return problems
+    return problems, filled
 
 
 def _aligned_empty(shape, dtype, align: int = 64) -> np.ndarray:
@@ -161,20 +196,119 @@ def _aligned_empty(shape, dtype, align: int = 64) -> np.ndarray:
     return raw[skip:skip + nbytes].view(dtype).reshape(shape)
 
 
-def build_param(shape: tuple[int, ...], dtype, sharding, slots: Sequence[Slot], tensors: dict[str, TensorInfo],
-                reader: TensorReader, check_finite: bool) -> tuple[jax.Array, list[str]]:
-    """The parameter as a jax.Array placed by `sharding` (None: jax's default device), each local block read from
-    the checkpoint once; and the non-finite problems found (`fill_block`)."""
-    problems, arrays = [], {}
-    for region, devices in blocks_by_region(sharding, shape).items():
-        block = _aligned_empty([b - a for a, b in region], dtype)
-        problems += fill_block(block, region, shape, slots, tensors, reader, check_finite)
-        first = arrays[devices[0]] = jax.device_put(block, devices[0])
-        for device in devices[1:]:  # replicas copy the first device's, never share the host block
-            arrays[device] = jax.device_put(first, device)
-        first.block_until_ready()  # the transfer has let go of the host block: one block in flight
-        del block
-    if sharding is None:
-        return arrays[None], problems
-    order = list(sharding.addressable_devices_indices_map(shape))
-    return jax.make_array_from_single_device_arrays(shape, sharding, [arrays[d] for d in order]), problems
+class ParamBlocks(NamedTuple):
+    """A parameter to build: its shape and dtype, its sharding (None: jax's default device) and the checkpoint
+    tensors that fill it (`m3jax.hf.layouts.Slot`)."""
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    sharding: object
+    slots: Sequence[Slot]
+
+
+def read_ahead(jobs: Iterable[T], read: Callable[[T], R], nbytes: Callable[[T], int], threads: int = READ_THREADS,
+               ahead_bytes: int = READ_AHEAD_BYTES) -> Iterator[tuple[T, R]]:
+    """(job, read(job)) in the jobs' order, the reads running on `threads` threads ahead of the consumer while the
+    jobs read or being read and not yet handed over total at most `ahead_bytes` (`nbytes`; the next job is always
+    started). Closing the iterator early (or an error in a read) cancels the reads not started and waits for the
+    running ones, so nothing reads after it returns (the caller may then close the files)."""
+    pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="read_ahead")
+    pending: collections.deque = collections.deque()
+    held, todo = 0, iter(jobs)
+    upcoming = next(todo, None)
+    try:
+        while pending or upcoming is not None:
+            while upcoming is not None and (not pending or held + nbytes(upcoming) <= ahead_bytes):
+                pending.append((upcoming, pool.submit(read, upcoming)))
+                held += nbytes(upcoming)
+                upcoming = next(todo, None)
+            job, future = pending.popleft()
+            held -= nbytes(job)
+            yield job, future.result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+class _Block:
+    """One device block of a parameter, its host buffer allocated by the first of its reads to start (its reads run
+    in several threads) and let go once it is placed."""
+
+    def __init__(self, i: int, region: Region, devices: list, dtype):
+        self.i, self.region, self.devices, self.dtype = i, region, devices, dtype
+        self.filled, self.problems, self._out, self._lock = 0, [], None, threading.Lock()
+
+    def buffer(self) -> np.ndarray:
+        with self._lock:
+            if self._out is None:
+                self._out = _aligned_empty([b - a for a, b in self.region], self.dtype)
+            return self._out
+
+    def release(self) -> np.ndarray:
+        out, self._out = self.buffer(), None
+        return out
+
+
+class _Read(NamedTuple):
+    block: _Block
+    slots: Sequence[Slot]  # the part of the block's slots this read fills
+    nbytes: int
+    last: bool  # the block's last read: the block is complete when it is handed over
+
+
+def _reads(i: int, p: ParamBlocks, region: Region, devices: list, chunk_bytes: int) -> list[_Read]:
+    """A block's slots cut into reads of about `chunk_bytes` each (a slot is never cut): the reads of one large
+    block then run in parallel too."""
+    block, itemsize = _Block(i, region, devices, p.dtype), np.dtype(p.dtype).itemsize
+    groups: list[tuple[list, int]] = [([], 0)]
+    for slot in p.slots:
+        if not _inside(slot, region):
+            continue
+        size = math.prod(b - a for a, b in region[len(slot.index):]) * itemsize
+        if groups[-1][0] and groups[-1][1] + size > chunk_bytes:
+            groups.append(([], 0))
+        groups[-1][0].append(slot)
+        groups[-1] = (groups[-1][0], groups[-1][1] + size)
+    return [_Read(block, slots, n, k == len(groups) - 1) for k, (slots, n) in enumerate(groups)]
+
+
+def build_params(params: Sequence[ParamBlocks], tensors: dict[str, TensorInfo], reader: TensorReader,
+                 check_finite: bool, threads: int = READ_THREADS, ahead_bytes: int = READ_AHEAD_BYTES,
+                 chunk_bytes: int = READ_CHUNK_BYTES) -> Iterator[tuple[int, jax.Array, list[str]]]:
+    """(i, params[i] as a jax.Array placed by its sharding, the non-finite problems found in it (`fill_block`)) for
+    each parameter in order, each local block read from the checkpoint once, in reads of about `chunk_bytes` run
+    ahead (`read_ahead`), and placed one block at a time (a block's host memory is let go once its transfer is
+    done)."""
+    jobs = [r for i, p in enumerate(params) for region, devices in blocks_by_region(p.sharding, p.shape).items()
+            for r in _reads(i, p, region, devices, chunk_bytes)]
+    left = collections.Counter(r.block.i for r in jobs if r.last)
+    arrays: dict[int, dict] = collections.defaultdict(dict)
+    problems: dict[int, list[str]] = collections.defaultdict(list)
+
+    def read(job: _Read):
+        return fill_slots(job.block.buffer(), job.block.region, params[job.block.i].shape, job.slots, tensors,
+                          reader, check_finite)
+
+    with contextlib.closing(read_ahead(jobs, read, lambda r: r.nbytes, threads, ahead_bytes)) as done:
+        for job, (found, filled) in done:
+            b = job.block
+            b.filled += filled
+            problems[b.i] += found
+            if not job.last:
+                continue
+            block = b.release()
+            _check_filled(b.filled, block.size, b.region, params[b.i].slots)
+            placed = arrays[b.i]
+            first = placed[b.devices[0]] = jax.device_put(block, b.devices[0])
+            for device in b.devices[1:]:  # replicas copy the first device's, never share the host block
+                placed[device] = jax.device_put(first, device)
+            first.block_until_ready()  # the transfer has let go of the host block
+            del block
+            left[b.i] -= 1
+            if not left[b.i]:
+                yield b.i, _joined(params[b.i], arrays.pop(b.i)), problems.pop(b.i)
+
+
+def _joined(p: ParamBlocks, arrays: dict) -> jax.Array:
+    if p.sharding is None:
+        return arrays[None]
+    order = list(p.sharding.addressable_devices_indices_map(p.shape))
+    return jax.make_array_from_single_device_arrays(p.shape, p.sharding, [arrays[d] for d in order])
