@@ -132,8 +132,8 @@ def from_pretrained(path: str | os.PathLike, dtype=None, *, mesh=None, check_fin
         slots_of.setdefault(slot.param, []).append(slot)
     problems: list[str] = []
     keys = list(flat)
-    params = [ParamBlocks(v.shape, v.dtype, layout.sharding(flat[p].get_metadata()["logical_axes"]), slots_of[p])
-              for p, v in ((p, flat[p].get_value()) for p in keys)]
+    params = [ParamBlocks(var.get_value().shape, var.get_value().dtype,
+                          layout.sharding(var.get_metadata()["logical_axes"]), slots_of[p]) for p, var in flat.items()]
     with TensorReader() as reader:
         built = build_params(params, tensors, reader, check_finite)
         try:

@@ -72,26 +72,34 @@ def expert_work(cfg, layout: Layout, rows_per_rank: int, positions: int, dtype, 
                       cfg.intermediate_size // layout.size("expert_mlp"), jnp.dtype(dtype).name, backward)
 
 
-def expert_problem(cfg, work: ExpertWork, backend: str | None = None, seed: int = 0):
+def expert_problem(cfg, work: ExpertWork, device=None, seed: int = 0):
     """(make, args): `make(kernel)(*args)` is the model's routed-expert MLP (`m3jax.model.moe.grouped_experts`) with
-    that kernel on the rows and weights `work` describes, random; rows past the `filled` ones are padding."""
-    rng = np.random.default_rng(seed)
-    dtype, d, i, e = jnp.dtype(work.dtype), work.hidden, work.width, work.experts
+    that kernel on the rows and weights `work` describes, random, drawn on `device` (default: the first local one)
+    in the work's dtype: at M3's widths a host copy in fp32 would be gigabytes; rows past the `filled` ones are
+    padding."""
+    device = device or jax.local_devices()[0]
+    e = work.experts
     # a multinomial load around the balanced one: an even split would fill every tile and bucket exactly, hiding
     # the partial tiles and the overflow a real router's load brings (as gpu_check's check 5)
-    group_sizes = jnp.asarray(rng.multinomial(work.filled, np.full(e, 1 / e)), jnp.int32)
-    rows = np.zeros((work.rows, d), np.float32)
-    rows[:work.filled] = rng.standard_normal((work.filled, d))
-    gate_up = rng.standard_normal((e, 2, i, d)).astype(np.float32) / np.sqrt(d)
-    down = rng.standard_normal((e, d, i)).astype(np.float32) / np.sqrt(i)
+    sizes = np.random.default_rng(seed).multinomial(work.filled, np.full(e, 1 / e))
+    group_sizes = jax.device_put(np.asarray(sizes, np.int32), device)
+
+    @jax.jit
+    def draw(key):
+        dtype, d, i = jnp.dtype(work.dtype), work.hidden, work.width
+        k_rows, k_in, k_out = jax.random.split(key, 3)
+        rows = jax.random.normal(k_rows, (work.rows, d), dtype)
+        rows = jnp.where(jnp.arange(work.rows)[:, None] < work.filled, rows, 0).astype(dtype)
+        return rows, jax.random.normal(k_in, (e, 2, i, d), dtype) / d ** 0.5, \
+            jax.random.normal(k_out, (e, d, i), dtype) / i ** 0.5
 
     def make(kernel):
         def fn(rows, gate_up, down):
             return grouped_experts(rows, group_sizes, gate_up, down, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit,
-                                   kernel=kernel, backend=backend, expected_rows=work.filled / e)
+                                   kernel=kernel, backend=device.platform, expected_rows=work.filled / e)
         return fn
 
-    return make, [jnp.asarray(a, dtype) for a in (rows, gate_up, down)]
+    return make, list(draw(jax.device_put(jax.random.key(seed), device)))
 
 
 def time_expert_kernels(cfg, work: ExpertWork, kernels=None, *, device=None, rounds: int = 5,
@@ -100,7 +108,7 @@ def time_expert_kernels(cfg, work: ExpertWork, kernels=None, *, device=None, rou
     runs, `sharding.kernel_tuning.candidate_kernels`), forward and backward when `work.backward`."""
     device = device or jax.local_devices()[0]
     kernels = tuple(kernels or kernel_tuning.candidate_kernels(device))
-    make, args = expert_problem(cfg, work, device.platform, seed)
+    make, args = expert_problem(cfg, work, device, seed)
     return kernel_tuning.time_candidates(make, args, kernels, diff_argnums=(0, 1, 2) if work.backward else (),
                                          device=device, rounds=rounds, seed=seed)
 
