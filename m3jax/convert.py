@@ -1,8 +1,8 @@
-"""python -m m3jax.convert SRC DST --layout native|released [--dtype ...] [--max-shard-size 5GB]
+"""python -m m3jax.convert SRC DST --layout native|released [--dtype ...] [--max-shard-size 5GB] [--threads 4]
 
-Reads a local HF MiniMax-M3 checkpoint in either layout and writes it in the chosen one, one tensor at a time
-(`m3jax.hf.convert.convert_checkpoint`: the tensors `from_pretrained` then `save_pretrained` would write, without
-holding the model).
+Reads a local HF MiniMax-M3 checkpoint in either layout and writes it in the chosen one, in parts of about 64 MB
+read and written by several threads (`m3jax.hf.convert.convert_checkpoint`: the tensors `from_pretrained` then
+`save_pretrained` would write, without holding the model or even one whole tensor).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from m3jax.config import ConfigError
 from m3jax.hf.convert import convert_checkpoint
+from m3jax.hf.read_blocks import READ_THREADS
 from m3jax.hf.safetensors_io import CheckpointError
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -28,12 +29,14 @@ def main(argv=None) -> int:
     ap.add_argument("--layout", choices=("native", "released"), default="native")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: the checkpoint's dtype")
     ap.add_argument("--max-shard-size", default="5GB")
+    ap.add_argument("--threads", type=int, default=READ_THREADS,
+                    help="parts read and written at once (more for a network filesystem)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     t0 = time.perf_counter()
     try:
         convert_checkpoint(args.src, args.dst, layout=args.layout, dtype=DTYPES.get(args.dtype),
-                           max_shard_size=args.max_shard_size)
+                           max_shard_size=args.max_shard_size, threads=args.threads)
     except (ConfigError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -11,7 +11,7 @@ from safetensors.numpy import load_file
 
 import m3jax
 from m3jax import CheckpointError
-from m3jax.hf.convert import convert_checkpoint
+from m3jax.hf.convert import convert_checkpoint, overlap
 from tests.test_bad_checkpoints import ckpts, copy, edit_tensor, esc  # noqa: F401  (ckpts: the module fixture)
 
 
@@ -54,3 +54,59 @@ def test_a_nonfinite_tensor_stops_the_conversion_and_leaves_nothing(ckpts, tmp_p
         convert_checkpoint(d, tmp_path / "out", "released")
     assert not [p for p in os.listdir(tmp_path) if p.startswith("out")]
     convert_checkpoint(d, tmp_path / "out", "released", check_finite=False)  # the opt-out converts it as it is
+
+
+@pytest.mark.parametrize("kind,layout,dtype", [("native", "released", jnp.bfloat16), ("released", "native", None)])
+def test_small_parts_on_threads_write_the_same_files(ckpts, tmp_path, kind, layout, dtype):  # noqa: F811
+    """Parts of 1,000 bytes on 3 threads (runs cut inside tensors, written out of order): the default's files."""
+    src = ckpts["dirs"][kind]
+    default = convert_checkpoint(src, tmp_path / "default", layout, dtype=dtype, max_shard_size="150KB")
+    small = convert_checkpoint(src, tmp_path / "small", layout, dtype=dtype, max_shard_size="150KB", threads=3,
+                               chunk_bytes=1000)
+    names = sorted(os.listdir(default))
+    assert names == sorted(os.listdir(small))
+    for name in names:
+        with open(os.path.join(default, name), "rb") as a, open(os.path.join(small, name), "rb") as b:
+            assert a.read() == b.read(), name
+
+
+def test_overlap_is_the_shared_run_of_both_tensors():
+    """`overlap` against numpy: the elements two leading-index slots share, as runs of each one's flat tensor."""
+    shape = (3, 4, 2, 5)
+    param = np.arange(np.prod(shape)).reshape(shape)
+    indices = [(), (1,), (2,), (1, 3), (1, 2), (0, 3, 1), (2, 0, 0)]
+    for s in indices:
+        for t in indices:
+            met = overlap(s, t, shape)
+            shared = np.intersect1d(param[s].ravel(), param[t].ravel())
+            if met is None:
+                assert shared.size == 0, (s, t)
+                continue
+            source_at, target_at, count = met
+            np.testing.assert_array_equal(param[s].ravel()[source_at:source_at + count], shared)
+            np.testing.assert_array_equal(param[t].ravel()[target_at:target_at + count], shared)
+
+
+def test_nonfinite_values_are_counted_over_every_part(ckpts, tmp_path):  # noqa: F811
+    d = copy(ckpts, "released", tmp_path)
+    name = "language_model.model.layers.2.block_sparse_moe.experts.3.w1.weight"
+
+    def poison(t):
+        t[name] = t[name].copy()
+        t[name].reshape(-1)[[0, -1]] = [np.nan, np.inf]
+    edit_tensor(d, name, poison)
+    with pytest.raises(CheckpointError, match=f"tensor {esc(name)} .* holds 2 NaN or Inf value"):
+        convert_checkpoint(d, tmp_path / "out", "native", chunk_bytes=256, threads=2)
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("out")]
+
+
+def test_a_full_filesystem_is_refused_before_anything_is_written(ckpts, tmp_path, monkeypatch):  # noqa: F811
+    real = os.statvfs
+
+    def full(path):
+        st = real(path)
+        return os.statvfs_result((st.f_bsize, st.f_frsize, st.f_blocks, 0, 0) + tuple(st)[5:])
+    monkeypatch.setattr(os, "statvfs", full)
+    with pytest.raises(CheckpointError, match=r"needs [0-9.]+ GB and its filesystem has 0.00 GB free"):
+        convert_checkpoint(ckpts["dirs"]["native"], tmp_path / "sub" / "out", "released")
+    assert os.listdir(tmp_path) == []

@@ -119,6 +119,23 @@ def count_nonfinite(array: np.ndarray) -> int:
     return 0
 
 
+def header_bytes(entries: list[tuple[str, np.dtype, tuple[int, ...]]]) -> tuple[bytes, dict[str, int]]:
+    """The start of a safetensors file holding `entries` (name, dtype, shape) in that order: the 8-byte length
+    and the JSON header -> (those bytes, {name: byte offset of its data in the file})."""
+    header, offset, starts = {}, 0, {}
+    for name, dtype, shape in entries:
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        header[name] = {"dtype": _NAMES[np.dtype(dtype)], "shape": list(shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        starts[name] = offset
+        offset += nbytes
+    header["__metadata__"] = {"format": "pt"}
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # keep tensor data 8-byte aligned
+    blob = struct.pack("<Q", len(blob)) + blob
+    return blob, {name: len(blob) + at for name, at in starts.items()}
+
+
 class StreamingWriter:
     """Write a safetensors file whose tensor list is known up front, one tensor at a time.
 
@@ -126,19 +143,10 @@ class StreamingWriter:
     """
 
     def __init__(self, path: str, entries: list[tuple[str, np.dtype, tuple[int, ...]]]):
-        header, offset = {}, 0
-        self._order = []
-        for name, dtype, shape in entries:
-            nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-            header[name] = {"dtype": _NAMES[np.dtype(dtype)], "shape": list(shape),
-                            "data_offsets": [offset, offset + nbytes]}
-            self._order.append((name, np.dtype(dtype), tuple(shape)))
-            offset += nbytes
-        header["__metadata__"] = {"format": "pt"}
-        blob = json.dumps(header, separators=(",", ":")).encode()
-        blob += b" " * (-len(blob) % 8)  # keep tensor data 8-byte aligned
+        blob, _ = header_bytes(entries)
+        self._order = [(name, np.dtype(dtype), tuple(shape)) for name, dtype, shape in entries]
         self._f = open(path, "wb")
-        self._f.write(struct.pack("<Q", len(blob)) + blob)
+        self._f.write(blob)
         self._next = 0
 
     def write(self, name: str, array: np.ndarray) -> None:

@@ -86,6 +86,11 @@ def split_shards(entries: list, limit: int) -> list[list]:
     return shards + [current] if current else shards
 
 
+def shard_names(n: int) -> list[str]:
+    """HF's file names for a checkpoint of `n` shard files."""
+    return ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+
+
 def write_shards(cfg, dtype, path: str, layout: str, shards: list[tuple[list, bool]], tensors,
                  token: str | None = None) -> str:
     """Write the shards marked as this process's (in order: `tensors` yields exactly their tensors) into a
@@ -93,8 +98,7 @@ def write_shards(cfg, dtype, path: str, layout: str, shards: list[tuple[list, bo
     `dtype`), and move it into place. With a `token` (several processes) the directory's name is shared, and the
     processes agree after writing: if one failed (a full disk), every one raises and the directory is removed,
     rather than the others waiting for it forever."""
-    names = (["model.safetensors"] if len(shards) == 1 else
-             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    names = shard_names(len(shards))
     tmp = f"{path}.tmp-{token or uuid.uuid4().hex[:8]}"
     first = jax.process_index() == 0
     if first:
@@ -102,7 +106,7 @@ def write_shards(cfg, dtype, path: str, layout: str, shards: list[tuple[list, bo
     if token is None:
         try:
             _write_mine(tmp, names, shards, tensors)
-            _finish(cfg, dtype, tmp, path, layout, names, shards)
+            finish_checkpoint(cfg, dtype, tmp, path, layout, names, shards)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -122,7 +126,7 @@ def write_shards(cfg, dtype, path: str, layout: str, shards: list[tuple[list, bo
     _agree(error, f"writing the shards of {path}", tmp if first else None)
     if first:
         try:
-            _finish(cfg, dtype, tmp, path, layout, names, shards)
+            finish_checkpoint(cfg, dtype, tmp, path, layout, names, shards)
         except Exception as e:
             error = e
     _agree(error, f"moving {path} into place", tmp if first else None)
@@ -159,8 +163,10 @@ def _agree(error: Exception | None, what: str, tmp: str | None) -> None:
                   "why); nothing was written")
 
 
-def _finish(cfg, dtype, tmp: str, path: str, layout: str, names: list[str], shards: list[tuple[list, bool]]) -> None:
-    """The index (several shards) and config.json, then the directory moved into place."""
+def finish_checkpoint(cfg, dtype, tmp: str, path: str, layout: str, names: list[str],
+                      shards: list[tuple[list, bool]]) -> None:
+    """The index (several shards) and config.json written into `tmp` (its shards complete), then `tmp` moved into
+    place as `path`."""
     if len(shards) > 1:
         weight_map = {name: fname for fname, (shard, _) in zip(names, shards) for name, _, _ in shard}
         total = sum(int(np.prod(e[2])) * e[1].itemsize for shard, _ in shards for e in shard)
