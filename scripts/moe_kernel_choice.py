@@ -59,7 +59,8 @@ def main():
     print(f"jax {jax.__version__}, {device.device_kind} ({device.platform}); config {args.config}")
     print(f"one device's expert work: {dataclasses.asdict(work)}")
     t0 = time.perf_counter()
-    ms, errors, temps = expert_tuning.time_expert_kernels(m3, work, device=device, rounds=args.rounds)
+    timings = expert_tuning.time_expert_kernels(m3, work, device=device, rounds=args.rounds)
+    ms, errors, temps = timings
     seconds = time.perf_counter() - t0
     choice = kernel_tuning.fastest(ms)
     for kernel, t in sorted(ms.items(), key=lambda kv: kv[1]):
@@ -70,8 +71,8 @@ def main():
     print(f"choice: {choice}; timing took {seconds:.1f} s ({args.rounds} rounds, compiles included)")
     if args.record:
         path = os.path.join(cfg.run.out_dir, expert_tuning.RECORD_FILE)
-        got = expert_tuning.tune_moe_kernel(m3, work, path, rounds=args.rounds, device=device)
-        print(f"recorded {got} in {path}")
+        expert_tuning.record_choice(path, work, device, choice, ms, timings, args.rounds)
+        print(f"recorded {choice} in {path}")
 
 
 if __name__ == "__main__":

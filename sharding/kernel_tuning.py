@@ -10,8 +10,8 @@ choice is measured where the run starts, as Triton's and XLA's autotuners measur
 
 A candidate that fails to compile or run (a Pallas kernel the GPU rejects, Mosaic off Hopper, out of memory) is
 left out and its error kept. Generic: the caller builds the computation (`make(kernel) -> fn(*args)`); the M3
-expert MLP is `m3jax.model.expert_tuning`'s. On several processes one measurement decides for all
-(`agree_on`): every process must build the same program.
+expert MLP is `m3jax.model.expert_tuning`'s. On several processes every one times and the median over them decides
+for all (`gather_timings`): every process must build the same program.
 """
 
 from __future__ import annotations
@@ -100,14 +100,28 @@ def fastest(ms: dict[str, float]) -> str:
 
 def agree_on(choice: str | None, kernels: Sequence[str]) -> str | None:
     """Process 0's `choice` (one of `kernels`, or None: it has none) on every process, by one broadcast when there
-    are several: hosts that timed the kernels themselves could differ, and every process must compile the same
-    program. Every process must call it, process 0 also when it has no choice, or the others would wait forever."""
+    are several. Every process must call it, process 0 also when it has no choice, or the others would wait
+    forever."""
     if jax.process_count() == 1:
         return choice
     from jax.experimental import multihost_utils
     index = -1 if choice is None else kernels.index(choice)
     got = int(multihost_utils.broadcast_one_to_all(np.int32(index if jax.process_index() == 0 else 0)))
     return None if got < 0 else kernels[got]
+
+
+def gather_timings(ms: dict[str, float], kernels: Sequence[str]) -> dict[str, float]:
+    """Every process's `ms` (this process's median ms of each of `kernels` that ran) gathered, -> {kernel: the
+    median over the processes} for the kernels that ran on every process, in the order of `kernels`; the same on
+    every process, so each builds the same program. One busy host cannot pick for all, and a kernel that failed
+    on any host (its memory, its GPU) is not chosen. Every process must call it (one all-gather)."""
+    row = np.array([ms.get(k, np.inf) for k in kernels], np.float32)
+    if jax.process_count() == 1:
+        table = row[None]
+    else:
+        from jax.experimental import multihost_utils
+        table = np.asarray(multihost_utils.process_allgather(row)).reshape(-1, len(kernels))
+    return {k: float(np.median(table[:, i])) for i, k in enumerate(kernels) if np.isfinite(table[:, i]).all()}
 
 
 def read_record(path: str | None) -> dict | None:

@@ -115,41 +115,58 @@ def time_expert_kernels(cfg, work: ExpertWork, kernels=None, *, device=None, rou
 
 def tune_moe_kernel(cfg, work: ExpertWork, record_path: str | None = None, *, save: bool = True, rounds: int = 5,
                     device=None) -> str:
-    """The fastest kernel for `work` on this device kind (process 0's choice on every process), read from the record
-    at `record_path` when it was measured for the same device kind, jax and work, else timed (and recorded there
-    when `save`)."""
+    """The fastest kernel for `work` on this device kind, read from the record at `record_path` (process 0's) when it
+    was measured for the same device kind, jax and work, else timed on every process, the median over them deciding
+    (`sharding.kernel_tuning.gather_timings`), and recorded there by process 0 when `save`."""
     device = device or jax.local_devices()[0]
     kernels = kernel_tuning.candidate_kernels(device)
-    key = {"work": dataclasses.asdict(work), "device_kind": device.device_kind, "platform": device.platform,
-           "jax": jax.__version__, "candidates": list(kernels)}
-    choice, failure = kernels[0], None
-    if jax.process_index() == 0:
+    key = record_key(work, device)
+    recorded, first = None, jax.process_index() == 0
+    if first:
         record = kernel_tuning.read_record(record_path)
         if record is not None and record.get("key") == key and record.get("kernel") in kernels:
-            choice = record["kernel"]
-            log.info("moe_kernel: %s, as measured for this run before (%s)", choice, record_path)
-        else:
-            if record is not None:  # the run resumes with other shapes, on another device or jax: its kernel may change
-                log.warning("moe_kernel: the record in %s (%s) was measured for %s; timing again", record_path,
-                            record.get("kernel"), record.get("key"))
-            log.info("moe_kernel: timing %s on %s for %s (once: the choice is kept in %s)", ", ".join(kernels),
-                     device.device_kind, work, record_path if save else "no record")
-            ms, errors, temps = time_expert_kernels(cfg, work, kernels, device=device, rounds=rounds)
-            if not ms:
-                choice, failure = None, f"no grouped-matmul kernel ran on {device.device_kind} for {work}: {errors}"
-            else:
-                choice = kernel_tuning.fastest(ms)
-                log.info("moe_kernel: %s, the fastest on %s for %s (median ms of %d rounds, XLA's temporaries: %s%s)",
-                         choice, device.device_kind, work, rounds, ", ".join(
-                             f"{k} {v:.3f} ms {_gb(temps.get(k))}" for k, v in ms.items()),
-                         f"; failed: {errors}" if errors else "")
-                if record_path and save:
-                    _write(record_path, {"key": key, "kernel": choice, "ms": ms, "errors": errors, "rounds": rounds,
-                                         "temp_bytes": temps})
-    agreed = kernel_tuning.agree_on(choice, kernels)  # before raising: the other processes wait for it
-    if agreed is None:
-        raise RuntimeError("moe_kernel: " + (failure or "process 0 found no kernel that runs (its log says why)"))
-    return agreed
+            recorded = record["kernel"]
+        elif record is not None:  # the run resumes with other shapes, on another device or jax: its kernel may change
+            log.warning("moe_kernel: the record in %s (%s) was measured for %s; timing again", record_path,
+                        record.get("kernel"), record.get("key"))
+    recorded = kernel_tuning.agree_on(recorded, kernels)  # process 0's record decides for every process
+    if recorded is not None:
+        log.info("moe_kernel: %s, as measured for this run before (%s)", recorded, record_path)
+        return recorded
+    log.info("moe_kernel: timing %s on %s for %s (once: the choice is kept in %s)", ", ".join(kernels),
+             device.device_kind, work, record_path if save else "no record")
+    ms, errors, temps = time_expert_kernels(cfg, work, kernels, device=device, rounds=rounds)
+    medians = kernel_tuning.gather_timings(ms, kernels)  # every process takes part, also one where nothing ran
+    if not medians:
+        every = " on every process" if jax.process_count() > 1 else ""
+        why = f"failed here: {errors}" if errors else "none failed here; another process's log says why"
+        raise RuntimeError(f"moe_kernel: no grouped-matmul kernel ran{every} on {device.device_kind} for {work} "
+                           f"({why})")
+    choice = kernel_tuning.fastest(medians)
+    over = f"the median of {jax.process_count()} processes' " if jax.process_count() > 1 else ""
+    log.info("moe_kernel: %s, the fastest on %s for %s (%smedian ms of %d rounds: %s; this process's ms and XLA's "
+             "temporaries: %s%s)", choice, device.device_kind, work, over, rounds,
+             ", ".join(f"{k} {v:.3f}" for k, v in medians.items()),
+             ", ".join(f"{k} {v:.3f} ms {_gb(temps.get(k))}" for k, v in ms.items()),
+             f"; failed: {errors}" if errors else "")
+    if first and record_path and save:
+        record_choice(record_path, work, device, choice, medians, kernel_tuning.Timings(ms, errors, temps), rounds)
+    return choice
+
+
+def record_key(work: ExpertWork, device) -> dict:
+    """What a recorded choice was measured for: a run reads it back only where all of this is the same."""
+    return {"work": dataclasses.asdict(work), "device_kind": device.device_kind, "platform": device.platform,
+            "jax": jax.__version__, "candidates": list(kernel_tuning.candidate_kernels(device))}
+
+
+def record_choice(path: str, work: ExpertWork, device, choice: str, medians: dict[str, float],
+                  timings: kernel_tuning.Timings, rounds: int) -> None:
+    """Record `choice` for `work` on `device`'s kind at `path` (`tune_moe_kernel` reads it back): the median ms
+    over the processes that decided, and this process's own timings (a warning where it cannot be written)."""
+    _write(path, {"key": record_key(work, device), "kernel": choice, "ms": medians, "ms_process_0": timings.ms,
+                  "errors": timings.errors, "rounds": rounds, "processes": jax.process_count(),
+                  "temp_bytes": timings.temp_bytes})
 
 
 def _gb(n: int | None) -> str:

@@ -4,8 +4,9 @@
 --export DIR: also write the loaded model to DIR with `m3jax.save_pretrained` (every process, as on a cluster);
 --export-fails-on P: process P's disk is full (its writes raise ENOSPC).
 --tune DIR: only choose the expert kernel by timing (timings faked per process, process 0's favouring tiled,
-process 1's ragged_dot), recording it in DIR; print the choice and how many timings this process ran. Then again
-for other shapes where no kernel runs: print what each process raised."""
+process 1's ragged_dot, bucketed second for both), recording it in DIR; print the choice and how many timings this
+process ran. Then for other shapes where tiled fails on process 1, and where nothing runs on process 1: print the
+choice, or what each process raised."""
 
 import logging
 import os
@@ -59,7 +60,7 @@ def tune(mesh, directory, process_id):
     from m3jax.model import expert_tuning
     from sharding import kernel_tuning
     timed = []
-    fake = [{"tiled": 1.0, "ragged_dot": 2.0, "bucketed": 3.0}, {"ragged_dot": 1.0, "tiled": 2.0, "bucketed": 3.0}]
+    fake = [{"tiled": 1.0, "ragged_dot": 6.0, "bucketed": 3.0}, {"ragged_dot": 1.0, "tiled": 6.0, "bucketed": 3.0}]
 
     def time_expert_kernels(*args, **kwargs):
         timed.append(args[1])
@@ -69,9 +70,12 @@ def tune(mesh, directory, process_id):
     work = expert_tuning.expert_work(cfg, mesh, 2, 64, "float32")
     choice = expert_tuning.tune_moe_kernel(cfg, work, os.path.join(directory, expert_tuning.RECORD_FILE))
     print(f"TUNED: {choice} after {len(timed)} timings", flush=True)
-    fake[:] = [{}, {}]  # nothing runs: process 0 must still answer the broadcast the others wait in
+    fake[:] = [{"tiled": 1.0, "ragged_dot": 2.0}, {"ragged_dot": 2.0}]  # tiled failed on process 1
+    choice = expert_tuning.tune_moe_kernel(cfg, expert_tuning.expert_work(cfg, mesh, 1, 64, "float32"))
+    print(f"RAN EVERYWHERE: {choice}", flush=True)
+    fake[:] = [{"tiled": 1.0}, {}]  # nothing runs on process 1: it must still join the gather the other waits in
     try:
-        expert_tuning.tune_moe_kernel(cfg, expert_tuning.expert_work(cfg, mesh, 1, 64, "float32"))
+        expert_tuning.tune_moe_kernel(cfg, expert_tuning.expert_work(cfg, mesh, 1, 32, "float32"))
     except RuntimeError as e:
         print(f"NO KERNEL: {e}", flush=True)
     return 0
