@@ -74,7 +74,7 @@ def _train(cfg, args) -> int:
     from rl.trainer import GRPOTrainer
 
     try:
-        trainer = GRPOTrainer(cfg)
+        trainer = GRPOTrainer(cfg, kernel_headroom=_kernel_headroom(cfg))
     except NotImplementedError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -97,6 +97,33 @@ def _train(cfg, args) -> int:
     return 0
 
 
+def _kernel_headroom(cfg) -> int | None:
+    """What the plan leaves free of this device's memory with the tiled expert kernel (`kernel_headroom`), where the
+    device reports its limit (a GPU) and the run's expert kernel is timed."""
+    import jax
+
+    from m3jax.model.expert_tuning import needs_timing
+    if not needs_timing(cfg.model.moe_kernel, jax.default_backend()):
+        return None
+    return kernel_headroom(cfg, cfg.model.m3_config(), (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit"))
+
+
+def kernel_headroom(cfg, m3_cfg, limit_bytes: int | None) -> int | None:
+    """The device memory (bytes) this run's plan leaves free under `limit_bytes` (what JAX may use of a device) with
+    the tiled expert kernel, the one the planner plans: how far a timed kernel's temporaries may exceed tiled's
+    (`m3jax.model.expert_tuning.over_memory`). None without a limit (XLA:CPU reports none), or where the planner
+    cannot model the run (the timing then weighs speed alone)."""
+    if not limit_bytes:
+        return None
+    from m3jax.plan.job import planned_peak
+    try:
+        return int(limit_bytes - planned_peak(cfg, m3_cfg, "tiled"))
+    except Exception as e:  # noqa: BLE001 - the plan is advice; a config it cannot model must still train
+        logging.getLogger("m3jax.train").warning("moe_kernel: no memory plan for this run (%s): the kernel timing "
+                                                 "weighs speed alone", e)
+        return None
+
+
 def _warn_if_the_plan_does_not_fit(cfg, model_cfg) -> None:
     """On a device that reports its memory limit (a GPU), the planner's verdict before the first compile."""
     import jax
@@ -104,7 +131,7 @@ def _warn_if_the_plan_does_not_fit(cfg, model_cfg) -> None:
     stats = jax.local_devices()[0].memory_stats() or {}
     if "bytes_limit" not in stats:  # XLA:CPU reports none
         return
-    from m3jax.plan.__main__ import fit_warning
+    from m3jax.plan.job import fit_warning
     try:
         warning = fit_warning(cfg, model_cfg, stats["bytes_limit"])
     except Exception as e:  # noqa: BLE001 - the plan is advice; a config it cannot model must still train

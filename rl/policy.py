@@ -92,13 +92,15 @@ class Policy:
         return m3jax.save_pretrained(self.model(), path, layout=self.cfg.checkpoint.export_layout)
 
 
-def model_options(cfg: RunConfig, m3_cfg: m3jax.M3Config, layout: Layout, kernel_timing: str = "record") -> dict:
+def model_options(cfg: RunConfig, m3_cfg: m3jax.M3Config, layout: Layout, kernel_timing: str = "record",
+                  kernel_headroom: int | None = None) -> dict:
     """cfg.model's M3ForCausalLM options, with `moe_kernel` "tune" (and "auto" off a CPU) replaced by the kernel
     timed fastest on this device for the train step's widest micro-batch (`m3jax.model.expert_tuning`).
     kernel_timing: "record" (the trainer's: read the choice from the run directory's record when it was measured
     for this device kind and these shapes, else time it and write the record), "read" (the same without
     writing: an evaluation must not change the choice a resumed run reads), "off" (a model that will not run,
-    an export: the model's static rule)."""
+    an export: the model's static rule). kernel_headroom: the device memory the run's plan leaves free with the tiled
+    kernel (`m3jax.train` asks the planner), which a timed kernel's extra temporaries may not exceed."""
     if kernel_timing not in ("record", "read", "off"):
         raise ValueError(f"kernel_timing {kernel_timing!r}: expected record, read or off")
     options = cfg.model.model_options()
@@ -109,21 +111,21 @@ def model_options(cfg: RunConfig, m3_cfg: m3jax.M3Config, layout: Layout, kernel
     work = expert_work(m3_cfg, layout, cfg.grpo.micro_batch_size, training_positions(cfg, m3_cfg),
                        cfg.precision.param_dtype, capacity_factor=cfg.model.moe_capacity_factor)
     kernel = tune_moe_kernel(m3_cfg, work, os.path.join(cfg.run.out_dir, RECORD_FILE),
-                             save=kernel_timing == "record")
+                             save=kernel_timing == "record", headroom=kernel_headroom)
     return {**options, "moe_kernel": kernel}
 
 
-def build_policy(cfg: RunConfig, kernel_timing: str = "record") -> Policy:
+def build_policy(cfg: RunConfig, kernel_timing: str = "record", kernel_headroom: int | None = None) -> Policy:
     """Layout (mesh + rules, experts on mesh.expert_axes), model (from model.path or freshly initialised
     on that layout, its expert kernel resolved by `model_options`), optimizer and train state placed on the
-    layout's shardings. kernel_timing: as `model_options`'s."""
+    layout's shardings. kernel_timing, kernel_headroom: as `model_options`'s."""
     dtype = jnp.dtype(cfg.precision.param_dtype)
     m = cfg.mesh
     m3_cfg = cfg.model.m3_config()
     check_widths(cfg.grpo.micro_batch_widths, sequence_multiple(m, m3_cfg), "grpo.micro_batch_widths")
     layout = Layout() if m.num_devices == 1 else build_mesh(m.to_mesh_config(), m3_cfg,
                                                             seq_len=training_positions(cfg, m3_cfg))
-    options = model_options(cfg, m3_cfg, layout, kernel_timing)
+    options = model_options(cfg, m3_cfg, layout, kernel_timing, kernel_headroom)
     if cfg.model.path:
         model = m3jax.from_pretrained(cfg.model.path, dtype=dtype, mesh=layout, **options)
     else:

@@ -57,15 +57,16 @@ def build_data(cfg: RunConfig):
 
 class GRPOTrainer:
     """A GRPO run: the data, the policy (`rl.policy`), the generator and the checkpoints, and the loop.
-    Construction builds all of them; a command that needs less (export) builds only its part."""
+    Construction builds all of them; a command that needs less (export) builds only its part. kernel_headroom:
+    as `rl.policy.model_options`'s."""
 
-    def __init__(self, cfg: RunConfig, policy: Policy | None = None):
+    def __init__(self, cfg: RunConfig, policy: Policy | None = None, kernel_headroom: int | None = None):
         self.cfg = cfg
         self.run_dir = cfg.run.out_dir
         os.makedirs(self.run_dir, exist_ok=True)
         self.loss_cfg = cfg.grpo.loss_config(cfg.generation.max_new_tokens)
         self.tokenizer, self.loader, self.pad_id = build_data(cfg)
-        self.policy = policy or build_policy(cfg)
+        self.policy = policy or build_policy(cfg, kernel_headroom=kernel_headroom)
         self.width = sequence_width(cfg, self.policy.model_cfg)
         # the KL's reference policy: the weights the run starts from (a resume restores the policy, not these), or
         # grpo.reference_path's

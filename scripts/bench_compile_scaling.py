@@ -27,7 +27,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from m3jax.plan.__main__ import load_job  # noqa: E402
+from m3jax.plan.job import load_job  # noqa: E402
 from m3jax.plan.compile import compile_reduced  # noqa: E402
 from m3jax.plan.memory import GB  # noqa: E402
 

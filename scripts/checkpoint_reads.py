@@ -28,7 +28,7 @@ def main() -> None:
     ap.add_argument("--layout", choices=("native", "released"), default="released", help="the checkpoint's layout")
     ap.add_argument("--devices-per-host", type=int, default=8)
     args = ap.parse_args()
-    from m3jax.plan.__main__ import load_job  # starts no jax backend: XLA reads the flags below at the first
+    from m3jax.plan.job import load_job  # starts no jax backend: XLA reads the flags below at the first
     job = load_job(args.config, [], args.model)
     model_cfg, mesh = job.model, job.mesh
     n = math.prod(mesh.shape)

@@ -42,7 +42,7 @@ def main():
         os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={devices}")
     import jax
 
-    from m3jax.plan.__main__ import load_run_config
+    from m3jax.plan.job import load_run_config
     cfg, m3 = load_run_config(args.config, args.overrides, args.model)
 
     from m3jax.model import expert_tuning

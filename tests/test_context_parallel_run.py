@@ -29,7 +29,7 @@ def test_positions_round_up_to_whole_blocks_per_context_shard(overrides, positio
 @pytest.mark.parametrize("recipe, positions", [("m3-1node-h200.yaml", 4096), ("m3-1node-h200-128e.yaml", 4096),
                                                ("m3-32node.yaml", 8192)])
 def test_the_recipes_rows_split_over_their_context_shards(recipe, positions):
-    from m3jax.plan.__main__ import load_job, load_run_config
+    from m3jax.plan.job import load_job, load_run_config
     cfg, m3 = load_run_config(f"configs/recipes/{recipe}", [], "release")
     assert training_positions(cfg, m3) == positions
     validate(cfg.mesh.to_mesh_config(), m3, seq_len=positions)

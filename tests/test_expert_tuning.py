@@ -144,6 +144,49 @@ def test_no_kernel_that_runs_is_an_error_and_an_unwritable_record_a_warning(tmp_
     assert kernel_tuning.read_record(str(tmp_path / "bad.json")) is None
 
 
+def test_a_kernel_whose_temporaries_the_plan_cannot_hold_is_left_out(tmp_path, monkeypatch, caplog):
+    """The fastest kernel holding 9 GB more than tiled is not chosen where the run's plan leaves 2 GB free with
+    tiled; with no plan it is; where the plan is over the device whatever runs, the kernel adding the least is."""
+    cfg = tiny.m3_config()
+    monkeypatch.setattr(expert_tuning, "time_expert_kernels", lambda *a, **k: kernel_tuning.Timings(
+        {"ragged_dot": 1.0, "tiled": 3.0, "bucketed": 2.0}, {},
+        {"ragged_dot": 10 * 10**9, "tiled": 10**9, "bucketed": int(1.5e9)}))
+    record = tmp_path / expert_tuning.RECORD_FILE
+    with caplog.at_level(logging.WARNING, logger=expert_tuning.__name__):
+        assert tune_moe_kernel(cfg, WORK, str(record), headroom=2 * 10**9) == "bucketed"
+    assert "left out for memory: ragged_dot (its temporaries (10.00 GB) exceed tiled's (1.00 GB)" in caplog.text
+    saved = json.load(open(record))
+    assert saved["headroom"] == 2 * 10**9 and list(saved["over_memory"]) == ["ragged_dot"]
+    assert set(saved["ms"]) == {"tiled", "bucketed"} and set(saved["ms_process_0"]) == set(kernel_tuning.PORTABLE)
+    assert tune_moe_kernel(cfg, WORK, headroom=None) == "ragged_dot"  # no plan: speed alone
+    assert tune_moe_kernel(cfg, WORK, headroom=10 * 10**9) == "ragged_dot"
+    assert tune_moe_kernel(cfg, WORK, headroom=-10**9) == "tiled"  # over the device anyway: the fewest temporaries
+
+
+def test_the_headroom_is_the_devices_limit_less_the_plan_with_tiled(tmp_path, monkeypatch, caplog):
+    from m3jax import train  # the command asks the planner; rl builds with the headroom it is given
+    from m3jax.plan.job import planned_peak
+    cfg = _cfg(tmp_path)
+    m3 = cfg.model.m3_config()
+    assert train.kernel_headroom(cfg, m3, None) is None  # XLA:CPU reports no limit: speed alone
+    peak = planned_peak(cfg, m3, "tiled")
+    assert 0 < peak != planned_peak(cfg, m3, "ragged_dot")  # the kernel changes the plan's memory
+    assert train.kernel_headroom(cfg, m3, 80 * 10**9) == int(80 * 10**9 - peak)
+
+    # the command weighs memory where the device reports a limit and the kernel is timed (tune; auto off a CPU)
+    gpu_like = types.SimpleNamespace(memory_stats=lambda: {"bytes_limit": 80 * 10**9})
+    monkeypatch.setattr(jax, "local_devices", lambda *a, **k: [gpu_like])
+    assert train._kernel_headroom(_cfg(tmp_path, "model.moe_kernel=tune")) == int(80 * 10**9 - peak)
+    assert train._kernel_headroom(cfg) is None  # auto on a CPU: the measured rule, nothing timed
+
+    def unplannable(*a, **k):
+        raise ValueError("a config the planner cannot model")
+    monkeypatch.setattr("m3jax.plan.job.planned_peak", unplannable)
+    with caplog.at_level(logging.WARNING):
+        assert train.kernel_headroom(cfg, m3, 80 * 10**9) is None
+    assert "no memory plan for this run (a config the planner cannot model)" in caplog.text
+
+
 def test_every_candidate_computes_the_same_rows():
     """What is timed is the model's expert MLP, and every candidate computes ragged_dot's rows and gradients."""
     make, args = expert_tuning.expert_problem(tiny.m3_config(), WORK)

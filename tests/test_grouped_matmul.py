@@ -192,7 +192,7 @@ def test_planner_follows_the_kernel():
     (plus its backward's gate/up recompute) where the dense ragged_dot lowering counts the whole pool."""
     import dataclasses
 
-    from m3jax.plan.__main__ import load_job, plan
+    from m3jax.plan.job import load_job, plan
     from m3jax.plan.flops import Hardware, expert_rows_factor
     recipe = load_job("configs/recipes/m3-32node.yaml", [], "release")
     assert recipe.batch.expert_matmul == "tiled"  # the recipe selects the tiled kernel
@@ -226,7 +226,7 @@ def test_pallas_and_mosaic_count_their_row_tiles():
     costs a whole tile, as the tiled walk's: the planner counts that, not only the real rows."""
     import dataclasses
 
-    from m3jax.plan.__main__ import load_job
+    from m3jax.plan.job import load_job
     from m3jax.plan.flops import expert_rows_factor
     assert executed_rows(100, 3, "mosaic") == executed_rows(100, 3, "tiled", tile=128) == 128 * 3
     assert executed_rows(100, 3, "pallas", 1024) == executed_rows(100, 3, "tiled", 1024, tile=64) == 64 * 4

@@ -8,7 +8,8 @@ import pytest
 
 from m3jax.config import M3Config
 from sharding.mesh import MeshConfig
-from m3jax.plan.__main__ import Job, invalid_reason, load_job, plan, sweep, verdict
+from m3jax.plan.job import Job, invalid_reason, load_job, plan
+from m3jax.plan.__main__ import sweep, verdict
 from m3jax.plan.flops import Hardware, causal_pairs, step_flops
 from m3jax.plan.memory import GB, Batch, memory_plan, param_counts
 from m3jax.plan.models import m3_release
@@ -429,7 +430,7 @@ def test_the_planner_points_to_one_logits_block_where_blocks_cost_more():
 def test_a_run_that_its_plan_says_will_not_fit_is_warned_before_it_compiles():
     """python -m m3jax.train asks the planner where a device reports its memory limit (a GPU): the 32-node recipe
     (67.43 GB) is warned on 60 GB, with the binding peak and its largest terms, and not on 73.6 GB."""
-    from m3jax.plan.__main__ import fit_warning, load_run_config
+    from m3jax.plan.job import fit_warning, load_run_config
     cfg, m3 = load_run_config("configs/recipes/m3-32node.yaml", [], "release")
     warning = fit_warning(cfg, m3, 60 * GB)
     assert warning.startswith("the plan of this run needs 67.43 GB per device at its backward peak, more than the "
@@ -441,7 +442,7 @@ def test_the_train_command_asks_the_plan_only_where_a_device_reports_its_limit(m
     import logging
 
     from m3jax import train
-    from m3jax.plan.__main__ import load_run_config
+    from m3jax.plan.job import load_run_config
     cfg, m3 = load_run_config("configs/tiny.yaml", [], None)
 
     class Device:

@@ -9,7 +9,11 @@ the shapes inside `sharding.expert.routed_experts`:
     rows [W, d] of which T k are filled, split over E_loc = E / n_ep experts as a balanced router would
     (a multinomial draw), gate_up [E_loc, 2, I / tensor, d], down [E_loc, d, I / tensor] in the parameter dtype
 
-and keeps the fastest, forward and backward as the train step runs them. The measurement is written to a record
+and keeps the fastest, forward and backward as the train step runs them, among those whose temporaries fit: a
+kernel may be fast and hold far more memory than the tiled one the planner plans (Mosaic's were 25x tiled's at the
+32-node recipe's pool, BENCHMARKS.md session 31), so where the run's plan says how much device memory the tiled
+kernel leaves free (`headroom`), a kernel whose temporaries exceed tiled's by more is left out (`over_memory`).
+The measurement is written to a record
 (`<run.out_dir>/moe_kernel.json`); a restart of the run on the same device kind, jax and shapes reads the choice
 from it instead of timing again, so a resumed run keeps its kernel.
 """
@@ -113,11 +117,26 @@ def time_expert_kernels(cfg, work: ExpertWork, kernels=None, *, device=None, rou
                                          device=device, rounds=rounds, seed=seed)
 
 
+def over_memory(temp_bytes: dict[str, int | None], headroom: int | None, reference: str = "tiled") -> dict[str, str]:
+    """{kernel: why} for the kernels whose temporaries exceed the `reference` kernel's by more than `headroom` bytes
+    (the device memory the run's plan leaves free with the reference kernel, which it plans); none when the headroom
+    or the reference's temporaries are unknown. A negative headroom (the plan does not fit even so) leaves out
+    every kernel but those holding less than the reference by more than the shortfall."""
+    base = temp_bytes.get(reference)
+    if headroom is None or base is None:
+        return {}
+    free = _gb(max(headroom, 0))
+    return {k: f"its temporaries ({_gb(t)}) exceed {reference}'s ({_gb(base)}) by more than the {free} the run's plan "
+               "leaves free" for k, t in temp_bytes.items() if t is not None and t - base > headroom}
+
+
 def tune_moe_kernel(cfg, work: ExpertWork, record_path: str | None = None, *, save: bool = True, rounds: int = 5,
-                    device=None) -> str:
+                    device=None, headroom: int | None = None) -> str:
     """The fastest kernel for `work` on this device kind, read from the record at `record_path` (process 0's) when it
-    was measured for the same device kind, jax and work, else timed on every process, the median over them deciding
-    (`sharding.kernel_tuning.gather_timings`), and recorded there by process 0 when `save`."""
+    was measured for the same device kind, jax and work, else timed on every process, the median over them
+    deciding (`sharding.kernel_tuning.gather_timings`), and recorded there by process 0 when `save`. headroom: the
+    device memory (bytes) the run's plan leaves free with the tiled kernel; a kernel whose temporaries exceed
+    tiled's by more is not chosen (`over_memory`), and where none fits, the one with the fewest temporaries is."""
     device = device or jax.local_devices()[0]
     kernels = kernel_tuning.candidate_kernels(device)
     key = record_key(work, device)
@@ -135,8 +154,16 @@ def tune_moe_kernel(cfg, work: ExpertWork, record_path: str | None = None, *, sa
         return recorded
     log.info("moe_kernel: timing %s on %s for %s (once: the choice is kept in %s)", ", ".join(kernels),
              device.device_kind, work, record_path if save else "no record")
-    ms, errors, temps = time_expert_kernels(cfg, work, kernels, device=device, rounds=rounds)
-    medians = kernel_tuning.gather_timings(ms, kernels)  # every process takes part, also one where nothing ran
+    timings = time_expert_kernels(cfg, work, kernels, device=device, rounds=rounds)
+    ms, errors, temps = timings
+    too_big = over_memory({k: temps.get(k) for k in ms}, headroom)
+    fits = {k: v for k, v in ms.items() if k not in too_big}
+    if too_big and not fits:  # the plan is over the device's memory whatever runs: the kernel that adds the least
+        least = min(too_big, key=lambda k: temps[k])
+        fits, too_big = {least: ms[least]}, {k: v for k, v in too_big.items() if k != least}
+    if too_big:
+        log.warning("moe_kernel: left out for memory: %s", "; ".join(f"{k} ({why})" for k, why in too_big.items()))
+    medians = kernel_tuning.gather_timings(fits, kernels)  # every process takes part, also one where nothing ran
     if not medians:
         every = " on every process" if jax.process_count() > 1 else ""
         why = f"failed here: {errors}" if errors else "none failed here; another process's log says why"
@@ -150,23 +177,26 @@ def tune_moe_kernel(cfg, work: ExpertWork, record_path: str | None = None, *, sa
              ", ".join(f"{k} {v:.3f} ms {_gb(temps.get(k))}" for k, v in ms.items()),
              f"; failed: {errors}" if errors else "")
     if first and record_path and save:
-        record_choice(record_path, work, device, choice, medians, kernel_tuning.Timings(ms, errors, temps), rounds)
+        record_choice(record_path, work, device, choice, medians, timings, rounds, headroom, too_big)
     return choice
 
 
 def record_key(work: ExpertWork, device) -> dict:
-    """What a recorded choice was measured for: a run reads it back only where all of this is the same."""
+    """What a recorded choice was measured for: a run reads it back only where all of this is the same. (Not the
+    memory headroom: an evaluation, which plans none, must read the kernel its run trained with.)"""
     return {"work": dataclasses.asdict(work), "device_kind": device.device_kind, "platform": device.platform,
             "jax": jax.__version__, "candidates": list(kernel_tuning.candidate_kernels(device))}
 
 
 def record_choice(path: str, work: ExpertWork, device, choice: str, medians: dict[str, float],
-                  timings: kernel_tuning.Timings, rounds: int) -> None:
+                  timings: kernel_tuning.Timings, rounds: int, headroom: int | None = None,
+                  over: dict[str, str] | None = None) -> None:
     """Record `choice` for `work` on `device`'s kind at `path` (`tune_moe_kernel` reads it back): the median ms
-    over the processes that decided, and this process's own timings (a warning where it cannot be written)."""
-    _write(path, {"key": record_key(work, device), "kernel": choice, "ms": medians, "ms_process_0": timings.ms,
-                  "errors": timings.errors, "rounds": rounds, "processes": jax.process_count(),
-                  "temp_bytes": timings.temp_bytes})
+    over the processes that decided, this process's own timings and the kernels left out for memory (a warning
+    where it cannot be written)."""
+    _write(path, {"key": record_key(work, device), "headroom": headroom, "kernel": choice, "ms": medians,
+                  "ms_process_0": timings.ms, "errors": timings.errors, "rounds": rounds,
+                  "processes": jax.process_count(), "temp_bytes": timings.temp_bytes, "over_memory": over or {}})
 
 
 def _gb(n: int | None) -> str:

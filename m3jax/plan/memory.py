@@ -160,7 +160,7 @@ class Batch:
     options (`M3ForCausalLM`); moe_exchange: "padded" | "ragged", None = `platform`'s default
     (`sharding.expert.default_exchange`: padded on CPU, ragged on GPU); moe_kernel: the experts'
     grouped-matmul kernel (`sharding.grouped_matmul`), "auto" resolved for `platform` like the exchange and
-    attention_impl; platform: where the batch runs ("gpu" for `m3jax.plan.__main__.Job.batch` and the compile
+    attention_impl; platform: where the batch runs ("gpu" for `m3jax.plan.job.Job.batch` and the compile
     check on compile-only GPUs), None = the planning process's default backend; ragged_dot: how XLA lowers
     the ragged_dot kernel: "dense" (rows zero-padded per local expert into one batched matmul: XLA's
     GPU default and the CPU reference) or "grouped" (a grouped-GEMM kernel that touches real rows only);
