@@ -62,16 +62,26 @@ def main():
     timings = expert_tuning.time_expert_kernels(m3, work, device=device, rounds=args.rounds)
     ms, errors, temps = timings
     seconds = time.perf_counter() - t0
-    choice = kernel_tuning.fastest(ms)
+    # as `python -m m3jax.train` weighs them: a kernel whose temporaries the run's plan cannot hold is left out
+    from m3jax.train import kernel_headroom
+    headroom = kernel_headroom(cfg, m3, (device.memory_stats() or {}).get("bytes_limit"))
+    fits, over = expert_tuning.within_memory(ms, temps, headroom)
+    choice = kernel_tuning.fastest(fits)
     for kernel, t in sorted(ms.items(), key=lambda kv: kv[1]):
         temp = "?" if temps.get(kernel) is None else f"{temps[kernel] / 1e6:.3f} MB"
         print(f"  {kernel:11s} {t:10.3f} ms  {t / ms[choice]:6.2f}x   XLA's temporaries {temp}")
     for kernel, error in errors.items():
         print(f"  {kernel:11s} failed: {error}")
+    for kernel, why in over.items():
+        print(f"  {kernel:11s} left out for memory: {why}")
+    if headroom is None:
+        print("memory: not weighed (the device reports no limit, or the planner cannot model the run)")
+    else:
+        print(f"memory: the plan leaves {headroom / 1e9:.2f} GB free with tiled")
     print(f"choice: {choice}; timing took {seconds:.1f} s ({args.rounds} rounds, compiles included)")
     if args.record:
         path = os.path.join(cfg.run.out_dir, expert_tuning.RECORD_FILE)
-        expert_tuning.record_choice(path, work, device, choice, ms, timings, args.rounds)
+        expert_tuning.record_choice(path, work, device, choice, fits, timings, args.rounds, headroom, over)
         print(f"recorded {choice} in {path}")
 
 

@@ -130,6 +130,17 @@ def over_memory(temp_bytes: dict[str, int | None], headroom: int | None, referen
                "leaves free" for k, t in temp_bytes.items() if t is not None and t - base > headroom}
 
 
+def within_memory(ms: dict[str, float], temp_bytes: dict, headroom: int | None) -> tuple[dict, dict[str, str]]:
+    """(the timings of the kernels that fit the headroom (`over_memory`), {kernel left out: why}); where none fits
+    (the plan is over the device's memory whatever runs), the kernel that adds the least is kept."""
+    over = over_memory({k: temp_bytes.get(k) for k in ms}, headroom)
+    fits = {k: v for k, v in ms.items() if k not in over}
+    if over and not fits:
+        least = min(over, key=lambda k: temp_bytes[k])
+        fits, over = {least: ms[least]}, {k: v for k, v in over.items() if k != least}
+    return fits, over
+
+
 def tune_moe_kernel(cfg, work: ExpertWork, record_path: str | None = None, *, save: bool = True, rounds: int = 5,
                     device=None, headroom: int | None = None) -> str:
     """The fastest kernel for `work` on this device kind, read from the record at `record_path` (process 0's) when it
@@ -156,11 +167,7 @@ def tune_moe_kernel(cfg, work: ExpertWork, record_path: str | None = None, *, sa
              device.device_kind, work, record_path if save else "no record")
     timings = time_expert_kernels(cfg, work, kernels, device=device, rounds=rounds)
     ms, errors, temps = timings
-    too_big = over_memory({k: temps.get(k) for k in ms}, headroom)
-    fits = {k: v for k, v in ms.items() if k not in too_big}
-    if too_big and not fits:  # the plan is over the device's memory whatever runs: the kernel that adds the least
-        least = min(too_big, key=lambda k: temps[k])
-        fits, too_big = {least: ms[least]}, {k: v for k, v in too_big.items() if k != least}
+    fits, too_big = within_memory(ms, temps, headroom)
     if too_big:
         log.warning("moe_kernel: left out for memory: %s", "; ".join(f"{k} ({why})" for k, why in too_big.items()))
     medians = kernel_tuning.gather_timings(fits, kernels)  # every process takes part, also one where nothing ran
