@@ -159,8 +159,10 @@ def _expert_matmuls(batch) -> str:
     text = f"{kernel} (moe_kernel)" if kernel in ("tiled", "bucketed", "pallas", "mosaic") else \
         f"ragged_dot lowered {batch.ragged_dot}"
     if needs_timing(batch.moe_kernel, batch.platform):
+        bound = ("planned as tiled, which bounds its time, and its extra temporaries limited to this plan's margin "
+                 "under the device's memory" if batch.platform == "gpu" else "planned as the CPU's rule")
         text += (f" (moe_kernel {batch.moe_kernel}: the trainer times the kernels when it starts and keeps the "
-                 "fastest; planned as the static choice, model.moe_kernel=K plans K)")
+                 f"fastest that fits; {bound}; model.moe_kernel=K plans K)")
     return text
 
 

@@ -214,14 +214,19 @@ class Batch:
 
     @property
     def model_kernel(self) -> str:
-        """`moe_kernel` as a model built without the trainer's timing takes it: "tune" (which the trainer resolves
-        by timing, `m3jax.model.expert_tuning`) planned as "auto"."""
+        """The kernel this plan plans for `moe_kernel`. A kernel the trainer times at its start
+        (`m3jax.model.expert_tuning`: "auto" off a CPU, "tune") is planned on a GPU as "tiled": there the trainer
+        keeps the fastest of the kernels whose temporaries exceed tiled's by no more than the plan leaves free with
+        tiled (tiled always among them), so tiled bounds its time and the device's memory bounds its peak. On a CPU,
+        which reports no memory limit, "tune" is planned as "auto" (the measured rule)."""
+        from m3jax.model.expert_tuning import needs_timing
+        if self.platform == "gpu" and needs_timing(self.moe_kernel, self.platform):
+            return "tiled"
         return "auto" if self.moe_kernel == "tune" else self.moe_kernel
 
     @property
     def expert_kernel(self) -> str:
-        """`moe_kernel` resolved for the platform (`sharding.grouped_matmul.resolve_kernel`); a kernel the trainer
-        times at its start ("auto" off a CPU, "tune") is planned as the model's static choice."""
+        """`model_kernel` resolved for the platform (`sharding.grouped_matmul.resolve_kernel`)."""
         from sharding.grouped_matmul import resolve_kernel
         return resolve_kernel(self.model_kernel, self.platform)
 
