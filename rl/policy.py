@@ -89,7 +89,10 @@ class Policy:
         return state if self.shardings is None else jax.device_put(state, self.shardings)
 
     def export(self, path: str) -> str:
-        return m3jax.save_pretrained(self.model(), path, layout=self.cfg.checkpoint.export_layout)
+        """The policy as a HF directory in checkpoint.export_layout; a released export carries the vision tower of
+        the checkpoint the run started from (model.path), so it serves as the multimodal model it came from."""
+        return m3jax.save_pretrained(self.model(), path, layout=self.cfg.checkpoint.export_layout,
+                                     carry_from=self.cfg.model.path or None)
 
 
 def model_options(cfg: RunConfig, m3_cfg: m3jax.M3Config, layout: Layout, kernel_timing: str = "record",

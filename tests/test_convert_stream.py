@@ -32,7 +32,7 @@ def test_streamed_conversion_equals_the_models_round_trip(ckpts, tmp_path, kind,
     src = ckpts["dirs"][kind]
     streamed = convert_checkpoint(src, tmp_path / "streamed", layout, dtype=dtype, max_shard_size=shard)
     model = m3jax.from_pretrained(src, dtype=dtype)
-    trip = m3jax.save_pretrained(model, tmp_path / "trip", layout=layout, max_shard_size=shard)
+    trip = m3jax.save_pretrained(model, tmp_path / "trip", layout=layout, max_shard_size=shard, carry_from=src)
     (f1, t1, j1), (f2, t2, j2) = contents(streamed), contents(trip)
     assert f1 == f2 and j1 == j2 and t1.keys() == t2.keys()
     for f in t1:

@@ -59,9 +59,19 @@ def test_native_round_trip_is_bitwise_and_loads_in_transformers(src, tmp_path):
 
 def test_released_round_trip_is_bitwise_and_loads_as_multimodal_class(src, tmp_path):
     hf, dirs = src
-    out = m3jax.save_pretrained(m3jax.from_pretrained(dirs["released"]), tmp_path / "out", layout="released")
-    theirs = {k: v for k, v in read_all(dirs["released"]).items() if k.startswith("language_model.")}
+    model = m3jax.from_pretrained(dirs["released"])
+    text_only = m3jax.save_pretrained(model, tmp_path / "text", layout="released")
+    theirs = read_all(dirs["released"])
+    assert_bitwise_equal(read_all(text_only), {k: v for k, v in theirs.items() if k.startswith("language_model.")})
+    # carried from the checkpoint the model came from, the vision tower makes the export the whole VL checkpoint
+    out = m3jax.save_pretrained(model, tmp_path / "out", layout="released", max_shard_size="200KB",
+                                carry_from=dirs["released"])
+    assert len(theirs) > len(read_all(text_only)) and any(k.startswith("vision_tower.") for k in theirs)
     assert_bitwise_equal(read_all(out), theirs)
+    _, info = MiniMaxM3SparseForConditionalGeneration.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    _, info = MiniMaxM3SparseForConditionalGeneration.from_pretrained(text_only, output_loading_info=True)
+    assert any("vision" in k for k in info["missing_keys"])  # what a text-only export leaves a VL loader to invent
     with open(os.path.join(out, "config.json")) as f:
         cfg = json.load(f)
     # vLLM reads the legacy keys; the vision config of the source is carried over.
@@ -148,3 +158,14 @@ def test_release_size_model_is_created_abstractly():
     total = sum(int(np.prod(x.shape)) for x in leaves)
     assert 4.2e11 < total < 4.35e11
     assert len(list(layouts.slots(cfg, "released"))) > 57 * 128 * 3
+
+
+def test_the_trainers_released_export_carries_the_vision_tower_of_its_model_path(src, tmp_path):
+    from rl.config import load_config
+    from rl.policy import build_policy
+    from tests.test_run_config import TINY
+    _, dirs = src
+    cfg = load_config(TINY, ["model.tiny=null", f"model.path={dirs['released']}", f"run.out_dir={tmp_path / 'run'}",
+                             "checkpoint.export_layout=released", "logging.tensorboard=false"])
+    out = build_policy(cfg, kernel_timing="off").export(str(tmp_path / "export"))
+    assert_bitwise_equal(read_all(out), read_all(dirs["released"]))

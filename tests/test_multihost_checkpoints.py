@@ -1,6 +1,7 @@
 """A HF checkpoint on two CPU processes joined with jax.distributed (slow: subprocesses): each exports the tensors
 its devices hold, a host that cannot write stops the export everywhere, and a NaN only one host reads stops both."""
 
+import glob
 import json
 import os
 import re
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 import m3jax
+from tests import reference as ref
 from tests.test_multihost import tiny_checkpoint, two_processes
 
 
@@ -19,7 +21,9 @@ def test_two_hosts_export_what_they_hold_side_by_side(tmp_path):
     from safetensors.numpy import load_file
     ckpt = tiny_checkpoint(tmp_path)
     out = tmp_path / "export"
-    procs, logs = two_processes(ckpt, str(tmp_path / "logits.npy"), "--export", str(out))
+    released = ref.save(ref.build_model(ref.tiny_config("release_like"), seed=3), str(tmp_path / "rel"), "released")
+    procs, logs = two_processes(ckpt, str(tmp_path / "logits.npy"), "--export", str(out),
+                                "--export-released", str(tmp_path / "export-rel"), released)
     assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-4000:]
     wrote = [re.search(r"process (\d) wrote (\d+) bytes in (\d+) of the (\d+) shard files", log) for log in logs]
     assert all(wrote), "\n".join(logs)[-4000:]
@@ -36,6 +40,15 @@ def test_two_hosts_export_what_they_hold_side_by_side(tmp_path):
     with open(out / "config.json") as f, open(os.path.join(one, "config.json")) as g:
         assert json.load(f) == json.load(g)
     assert not list(tmp_path.glob("export.tmp-*"))
+    # the released export carries the source's vision tower (written by process 0): one process's export, bitwise
+    one = m3jax.save_pretrained(m3jax.from_pretrained(released), str(tmp_path / "one-rel"), layout="released",
+                                carry_from=released)
+    got, want = ({k: v for f in glob.glob(os.path.join(d, "*.safetensors")) for k, v in load_file(f).items()}
+                 for d in (str(tmp_path / "export-rel"), one))
+    vision = {k for f in glob.glob(os.path.join(released, "*.safetensors")) for k in load_file(f)
+              if k.startswith("vision_tower.")}
+    assert vision and vision <= set(want)
+    assert sorted(got) == sorted(want) and all(np.array_equal(got[k], want[k]) for k in want)
 
 
 @pytest.mark.slow

@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 
 from m3jax.config import M3Config
-from m3jax.hf import layouts
+from m3jax.hf import carry, layouts
 from m3jax.hf.load import checkpoint_files, plan_load
 from m3jax.hf.read_blocks import READ_AHEAD_BYTES, READ_CHUNK_BYTES, READ_THREADS, TensorReader, read_ahead
 from m3jax.hf.safetensors_io import CheckpointError, count_nonfinite, header_bytes
@@ -80,8 +80,11 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, layout: s
     abstract = nnx.eval_shape(lambda: M3ForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
     params = {p: v.get_value() for p, v in nnx.to_flat_state(nnx.state(abstract))}
     targets = list(layouts.slots(cfg, layout))
+    kept = carry.carried(src, layout)  # the vision tower and its kin, byte for byte, into a released result
     entries = [(t.name, np.dtype(params[t.param].dtype), t.shape) for t in targets]
-    shards = split_shards(entries, parse_size(max_shard_size))
+    limit = parse_size(max_shard_size)
+    shards = split_shards(entries, limit) + split_shards(carry.entries(kept), limit)
+    entries += carry.entries(kept)
     _check_space(dst, sum(math.prod(shape) * d.itemsize for _, d, shape in entries))
     tmp = f"{dst}.tmp-{uuid.uuid4().hex[:8]}"
     os.makedirs(tmp)
@@ -94,8 +97,10 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, layout: s
             _write_at(fds[-1], memoryview(head), 0)
             file_at.update((name, (fds[-1], at)) for name, at in starts.items())
         parts = _parts(targets, params, slots, tensors, file_at, chunk_bytes)
+        parts += _carried_parts(kept, len(targets), file_at, chunk_bytes)
         with TensorReader() as reader:
-            _copy_parts(parts, targets, tensors, reader, check_finite, threads)
+            _copy_parts(parts, [t.name for t in targets] + list(kept), {**tensors, **kept}, reader, check_finite,
+                        threads)
         for fd in fds:
             os.fsync(fd)
         finish_checkpoint(cfg, dtype, tmp, dst, layout, shard_names(len(shards)), [(s, True) for s in shards])
@@ -144,7 +149,19 @@ def _parts(targets, params: dict, slots, tensors: dict, file_at: dict, chunk_byt
     return parts
 
 
-def _copy_parts(parts: list[Part], targets, tensors: dict, reader: TensorReader, check_finite: bool,
+def _carried_parts(kept: dict, first: int, file_at: dict, chunk_bytes: int) -> list[Part]:
+    """Each carried tensor (`m3jax.hf.carry`) copied whole in its own dtype, in parts; targets numbered from
+    `first`."""
+    parts = []
+    for k, (name, info) in enumerate(kept.items(), start=first):
+        fd, at = file_at[name]
+        count, step = math.prod(info.shape), max(1, chunk_bytes // info.np_dtype.itemsize)
+        parts += [Part(k, name, a, min(step, count - a), info.np_dtype, fd, at + a * info.np_dtype.itemsize)
+                  for a in range(0, count, step)]
+    return parts
+
+
+def _copy_parts(parts: list[Part], names: list[str], tensors: dict, reader: TensorReader, check_finite: bool,
                 threads: int) -> None:
     """Read, cast, check and write every part, `threads` at once; the first target holding NaN or Inf raises once
     all its parts are in, naming its first such source tensor and how many of the values read were not finite."""
@@ -173,7 +190,7 @@ def _copy_parts(parts: list[Part], targets, tensors: dict, reader: TensorReader,
                 if n:
                     info = tensors[name]
                     whole = read == math.prod(info.shape)
-                    of = "" if whole else f" (in the {read} of them {targets[part.target].name} takes)"
+                    of = "" if whole else f" (in the {read} of them {names[part.target]} takes)"
                     raise CheckpointError(
                         f"tensor {name} ({info.file}) holds {n} NaN or Inf value(s) of {math.prod(info.shape)}{of}: "
                         "the checkpoint's weights are not finite (a diverged run or a broken export); pass "

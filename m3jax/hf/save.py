@@ -8,6 +8,7 @@ complete: it is written beside the target and renamed into place.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -18,7 +19,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from m3jax.hf import layouts
+from m3jax.hf import carry, layouts
 from m3jax.hf.safetensors_io import StreamingWriter
 from m3jax.hf.tensors import hf_tensors, processes_where
 
@@ -37,24 +38,29 @@ def parse_size(size: int | str) -> int:
     return int(s)
 
 
-def save_pretrained(model, path: str | os.PathLike, layout: str = "native",
-                    max_shard_size: int | str = "5GB") -> str:
+def save_pretrained(model, path: str | os.PathLike, layout: str = "native", max_shard_size: int | str = "5GB",
+                    carry_from: str | os.PathLike | None = None) -> str:
     """Write `model` as a HF checkpoint directory in `layout` ("native" or "released").
 
+    carry_from: the checkpoint the model was loaded from; a released-layout export also holds its tensors that the
+    text model does not (the vision tower, its projector: `m3jax.hf.carry`), byte for byte, in shards after the text
+    model's, so a VL loader finds the checkpoint whole.
     On a multi-host mesh every process must call this, and `path` must be on a filesystem every host sees:
     each process writes the tensors it owns (`m3jax.hf.owned`: those its own devices hold, balanced by bytes)
     into shard files of its own, so no host gathers the model and the hosts write side by side; only a tensor
-    that no single host holds is gathered (collectively, by all). Process 0 writes the index and config and moves
-    the directory into place; every process returns once it is there."""
+    that no single host holds is gathered (collectively, by all); process 0 writes the carried tensors. Process 0
+    writes the index and config and moves the directory into place; every process returns once it is there."""
     if layout not in ("native", "released"):
         raise ValueError(f"layout={layout!r}: expected 'native' or 'released'")
     path = os.path.abspath(os.fspath(path))
     limit = parse_size(max_shard_size)
+    kept = carry.carried(carry_from, layout)  # every process plans the same shards; process 0 reads them
+    carried_shards = split_shards(carry.entries(kept), limit)
     if jax.process_count() == 1:
         entries = [(slot.name, dtype, slot.shape) for slot, dtype in _slot_dtypes(model, layout)]
-        shards = split_shards(entries, limit)
+        shards = split_shards(entries, limit) + carried_shards
         return write_shards(model.cfg, model.dtype, path, layout, [(shard, True) for shard in shards],
-                            hf_tensors(model, layout))
+                            itertools.chain(hf_tensors(model, layout), carry.tensors(kept)))
     from jax.experimental import multihost_utils
 
     from m3jax.hf.owned import owned_hf_tensors, owner_plan
@@ -63,8 +69,11 @@ def save_pretrained(model, path: str | os.PathLike, layout: str = "native",
     owned = [[(s.name, np.dtype(v.dtype), s.shape) for s, v, _, _, o in plan if o == p]
              for p in range(jax.process_count())]
     shards = [(shard, p == me) for p, entries in enumerate(owned) for shard in split_shards(entries, limit)]
+    shards += [(shard, me == 0) for shard in carried_shards]
     token = int(multihost_utils.broadcast_one_to_all(np.int32(uuid.uuid4().int % (1 << 31))))
-    return write_shards(model.cfg, model.dtype, path, layout, shards, owned_hf_tensors(model, layout),
+    tensors = owned_hf_tensors(model, layout)
+    return write_shards(model.cfg, model.dtype, path, layout, shards,
+                        itertools.chain(tensors, carry.tensors(kept)) if me == 0 else tensors,
                         token=f"{token:08x}")
 
 

@@ -2,7 +2,8 @@
 
 --refused: the load must raise CheckpointError; the process prints its message and exits 0 (3 if it loaded).
 --export DIR: also write the loaded model to DIR with `m3jax.save_pretrained` (every process, as on a cluster);
---export-fails-on P: process P's disk is full (its writes raise ENOSPC).
+--export-fails-on P: process P's disk is full (its writes raise ENOSPC);
+--export-released DIR SRC: also write it in the released layout, carrying SRC's vision tower.
 --tune DIR: only choose the expert kernel by timing (timings faked per process, process 0's favouring tiled,
 process 1's ragged_dot, bucketed second for both), recording it in DIR; print the choice and how many timings this
 process ran. Then for other shapes where tiled fails on process 1, and where nothing runs on process 1: print the
@@ -47,6 +48,9 @@ def main(ckpt, port, process_id, out, *flags):
         StreamingWriter.write = full
     if "--export" in flags:
         m3jax.save_pretrained(model, flags[flags.index("--export") + 1], max_shard_size="200KB")
+    if "--export-released" in flags:  # DIR SRC: the released layout, carrying SRC's vision tower (process 0 writes it)
+        at = flags.index("--export-released")
+        m3jax.save_pretrained(model, flags[at + 1], layout="released", max_shard_size="200KB", carry_from=flags[at + 2])
     ids = np.random.default_rng(0).integers(3, model.cfg.vocab_size, (4, 64)).astype(np.int32)
     with jax.set_mesh(mesh.mesh):
         logits = jax.jit(lambda m, x: m(x))(model, ids)

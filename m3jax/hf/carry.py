@@ -1,0 +1,41 @@
+"""The tensors of a checkpoint that the text model does not hold, carried into a released-layout export.
+
+The release is a vision-language checkpoint: besides the text model it holds the vision tower, its projector and
+the patch merger (`layouts.SKIPPED`), which the text model skips on load. An export or a conversion that wrote only
+the text tensors made a checkpoint whose vision tower a VL loader (transformers' VL class, vLLM's) initialises at
+random: fine for text, silently wrong for an image. Carried byte for byte from the checkpoint the model came from,
+the export is that multimodal checkpoint with the new text weights. The native layout is the text class's: nothing
+is carried into it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterator
+
+import numpy as np
+
+from m3jax.hf import layouts
+from m3jax.hf.read_blocks import TensorReader
+from m3jax.hf.safetensors_io import TensorInfo
+
+
+def carried(src: str | os.PathLike | None, layout: str) -> dict[str, TensorInfo]:
+    """{name: where it lies} of the tensors of checkpoint `src` that an export in `layout` carries: those the text
+    model does not hold, for the released layout; none for the native one or without `src`."""
+    if src is None or layout != "released":
+        return {}
+    from m3jax.hf.load import checkpoint_files
+    return {n: t for n, t in checkpoint_files(os.fspath(src)).items() if layouts.SKIPPED.search(n)}
+
+
+def entries(infos: dict[str, TensorInfo]) -> list[tuple[str, np.dtype, tuple[int, ...]]]:
+    """(name, dtype, shape) of each carried tensor, as the shard plan takes them (`save.split_shards`)."""
+    return [(name, info.np_dtype, tuple(info.shape)) for name, info in infos.items()]
+
+
+def tensors(infos: dict[str, TensorInfo]) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, its array as stored) for each carried tensor, one read at a time."""
+    with TensorReader() as reader:
+        for name, info in infos.items():
+            yield name, reader.read(info, tuple(info.shape), tuple((0, n) for n in info.shape))
