@@ -130,7 +130,7 @@ def owner_plan(model, layout: str, processes: int) -> list[tuple]:
     for slot in slots:
         value = flat[slot.param].get_value()
         region = slot_region(slot.index, value.shape)
-        if isinstance(value, np.ndarray):  # a host copy every process holds (`_host_views` of a local array)
+        if isinstance(value, np.ndarray):  # a host copy every process holds (`m3jax.hf.tensors.host_views` of a local array)
             held_by = list(range(processes))
         else:
             held_by = sorted(p for p, blocks in _blocks_by_process(value).items() if covers(blocks, region))

@@ -18,8 +18,28 @@ def hf_tensors(model, layout: str = "native", on_host: bool = True):
     flat = dict(nnx.to_flat_state(nnx.state(model)))
     for slot in layouts.slots(model.cfg, layout):
         value = flat[slot.param].get_value()
+        value = host_view(value) if on_host else value  # on CPU each slot a numpy view, not a dispatched slice
         value = value[slot.index] if slot.index else value
         yield slot.name, (on_host_array(value) if on_host else value).reshape(slot.shape)
+
+
+def host_views(tree):
+    """On the CPU backend a JAX array's buffer is host memory: numpy views of it (no copy) let `hf_tensors` cut
+    every expert and layer as numpy views too, where slicing the JAX arrays runs one dispatched op and copy per
+    slice (0.1-0.14 s against 0.002 s for the 287 MB bench model's weight push; 1.2 s of a 1.7 GB model's native
+    export). Arrays on an accelerator or spanning processes keep the JAX path: there each slice is fetched on its
+    own (the gather of a multi-host array is a collective), so the host never holds the whole model at once."""
+    import jax
+    return None if tree is None else jax.tree.map(host_view, tree)
+
+
+def host_view(x):
+    """`x` as a numpy view of its buffer where that is host memory (a fully addressable array on the CPU backend),
+    else `x` itself (`host_views`)."""
+    import jax
+    host = (isinstance(x, jax.Array) and x.is_fully_addressable and all(d.platform == "cpu" for d in x.devices())
+            and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended))  # PRNG keys have no numpy form
+    return np.asarray(x) if host else x
 
 
 def on_host_array(value) -> np.ndarray:

@@ -19,7 +19,8 @@ from jax.experimental import multihost_utils
 from rl.generation.base import Rollout
 from rl.generation.bucket_sender import RoutedSender
 from rl.generation.collective import agree_routes, decode_address, encode_address, setup_message
-from rl.generation.transfer import TransferError, TransferStats, _host_views, model_tensors
+from m3jax.hf.tensors import host_views
+from rl.generation.transfer import TransferError, TransferStats, model_tensors
 
 
 def _from_zero(value):
@@ -89,7 +90,7 @@ def owned_model_tensors(graphdef, params, rest=None, layout: str = "released", o
     from m3jax.hf.owned import owned_hf_tensors
 
     if not on_device:
-        params, rest = _host_views(params), _host_views(rest)
+        params, rest = host_views(params), host_views(rest)
     model = nnx.merge(graphdef, params, rest) if rest is not None else nnx.merge(graphdef, params)
     return owned_hf_tensors(model, layout, on_host=not on_device)
 

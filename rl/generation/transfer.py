@@ -46,27 +46,12 @@ def model_tensors(graphdef, params, rest=None, layout: str = "released",
     from flax import nnx
 
     from m3jax.hf.save import hf_tensors
+    from m3jax.hf.tensors import host_views
 
     if not on_device:
-        params, rest = _host_views(params), _host_views(rest)
+        params, rest = host_views(params), host_views(rest)
     model = nnx.merge(graphdef, params, rest) if rest is not None else nnx.merge(graphdef, params)
     return hf_tensors(model, layout, on_host=not on_device)
-
-
-def _host_views(tree):
-    """On the CPU backend a JAX array's buffer is host memory: numpy views of it (no copy) let
-    `hf_tensors` cut every expert and shard as numpy views too, where slicing the JAX arrays runs one
-    dispatched op and copy per slice (0.1-0.14 s against 0.002 s for the 287 MB bench model). Arrays on
-    an accelerator or spanning processes keep the JAX path: there each slice is fetched on its own (the
-    gather of a multi-host array is a collective), so the host never holds the whole model at once."""
-    import jax
-
-    def view(x):
-        host = (isinstance(x, jax.Array) and x.is_fully_addressable and all(d.platform == "cpu" for d in x.devices())
-                and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended))  # PRNG keys have no numpy form
-        return np.asarray(x) if host else x
-
-    return None if tree is None else jax.tree.map(view, tree)
 
 
 def make_buckets(named_arrays: Iterable[tuple[str, np.ndarray]], bucket_bytes: int, version: int) -> Iterator[Bucket]:
