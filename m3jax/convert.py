@@ -1,4 +1,5 @@
 """python -m m3jax.convert SRC DST --layout native|released [--dtype ...] [--max-shard-size 5GB] [--threads 4]
+                         [--carry-from RELEASE]
 
 Reads a local HF MiniMax-M3 checkpoint in either layout and writes it in the chosen one, in parts of about 64 MB
 read and written by several threads (`m3jax.hf.convert.convert_checkpoint`: the tensors `from_pretrained` then
@@ -29,6 +30,8 @@ def main(argv=None) -> int:
     ap.add_argument("--layout", choices=("native", "released"), default="native")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: the checkpoint's dtype")
     ap.add_argument("--max-shard-size", default="5GB")
+    ap.add_argument("--carry-from", default=None, metavar="DIR",
+                    help="the checkpoint whose vision tower a released result carries (default: SRC's own)")
     ap.add_argument("--threads", type=int, default=READ_THREADS,
                     help="parts read and written at once (more for a network filesystem)")
     args = ap.parse_args(argv)
@@ -36,7 +39,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     try:
         convert_checkpoint(args.src, args.dst, layout=args.layout, dtype=DTYPES.get(args.dtype),
-                           max_shard_size=args.max_shard_size, threads=args.threads)
+                           max_shard_size=args.max_shard_size, threads=args.threads, carry_from=args.carry_from)
     except (ConfigError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

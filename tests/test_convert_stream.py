@@ -110,3 +110,17 @@ def test_a_full_filesystem_is_refused_before_anything_is_written(ckpts, tmp_path
     with pytest.raises(CheckpointError, match=r"needs [0-9.]+ GB and its filesystem has 0.00 GB free"):
         convert_checkpoint(ckpts["dirs"]["native"], tmp_path / "sub" / "out", "released")
     assert os.listdir(tmp_path) == []
+
+
+def test_a_native_checkpoint_takes_the_vision_tower_of_another(ckpts, tmp_path):  # noqa: F811
+    """native -> released carrying the release's vision tower: what converting the release itself writes."""
+    d = ckpts["dirs"]
+    carried = convert_checkpoint(d["native"], tmp_path / "carried", "released", carry_from=d["released"])
+    itself = convert_checkpoint(d["released"], tmp_path / "itself", "released")
+    (_, t1, _), (_, t2, _) = contents(carried), contents(itself)
+    merged = lambda t: {k: v for shard in t.values() for k, v in shard.items()}  # noqa: E731
+    a, b = merged(t1), merged(t2)
+    assert a.keys() == b.keys() and any(k.startswith("vision_tower.") for k in a)
+    assert all(a[k].tobytes() == b[k].tobytes() for k in a)
+    assert not any(k.startswith("vision_tower.") for k in merged(contents(
+        convert_checkpoint(d["native"], tmp_path / "text", "released"))[1]))  # nothing to carry in a native source

@@ -10,6 +10,7 @@ is carried into it.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Iterator
 
@@ -19,14 +20,24 @@ from m3jax.hf import layouts
 from m3jax.hf.read_blocks import TensorReader
 from m3jax.hf.safetensors_io import TensorInfo
 
+log = logging.getLogger(__name__)
+
 
 def carried(src: str | os.PathLike | None, layout: str) -> dict[str, TensorInfo]:
     """{name: where it lies} of the tensors of checkpoint `src` that an export in `layout` carries: those the text
     model does not hold, for the released layout; none for the native one or without `src`."""
-    if src is None or layout != "released":
+    if layout != "released":
+        return {}
+    if src is None:
+        log.info("a released checkpoint without a source to carry from holds the text model only: a VL loader will "
+                 "initialise its vision tower")
         return {}
     from m3jax.hf.load import checkpoint_files
-    return {n: t for n, t in checkpoint_files(os.fspath(src)).items() if layouts.SKIPPED.search(n)}
+    kept = {n: t for n, t in checkpoint_files(os.fspath(src)).items() if layouts.SKIPPED.search(n)}
+    if not kept:
+        log.info("%s holds no vision tower to carry (a native-layout checkpoint?): the released checkpoint holds the "
+                 "text model only", src)
+    return kept
 
 
 def entries(infos: dict[str, TensorInfo]) -> list[tuple[str, np.dtype, tuple[int, ...]]]:

@@ -64,11 +64,12 @@ def overlap(source_index: tuple[int, ...], target_index: tuple[int, ...], shape:
 
 def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, layout: str = "native", dtype=None,
                        max_shard_size: int | str = "5GB", check_finite: bool = True, threads: int = READ_THREADS,
-                       chunk_bytes: int = READ_CHUNK_BYTES) -> str:
+                       chunk_bytes: int = READ_CHUNK_BYTES, carry_from: str | os.PathLike | None = None) -> str:
     """Write `src` (either layout) to `dst` in `layout`; dtype: the parameters' (default: the checkpoint's embedding
     dtype, as `from_pretrained`). The checkpoint's headers are all checked first (`plan_load`), and the space the
     result needs against its filesystem's; a tensor holding NaN or Inf is refused as it is read (`check_finite`),
-    and `dst` appears only when complete. `threads` parts of about `chunk_bytes` are read and written at once."""
+    and `dst` appears only when complete. `threads` parts of about `chunk_bytes` are read and written at once.
+    A released result carries the vision tower (`m3jax.hf.carry`) of `carry_from`, by default `src`'s own."""
     from m3jax.model.decoder import M3ForCausalLM
 
     if layout not in ("native", "released"):
@@ -80,7 +81,7 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, layout: s
     abstract = nnx.eval_shape(lambda: M3ForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
     params = {p: v.get_value() for p, v in nnx.to_flat_state(nnx.state(abstract))}
     targets = list(layouts.slots(cfg, layout))
-    kept = carry.carried(src, layout)  # the vision tower and its kin, byte for byte, into a released result
+    kept = carry.carried(carry_from or src, layout)  # the vision tower and its kin, byte for byte
     entries = [(t.name, np.dtype(params[t.param].dtype), t.shape) for t in targets]
     limit = parse_size(max_shard_size)
     shards = split_shards(entries, limit) + split_shards(carry.entries(kept), limit)
