@@ -117,10 +117,20 @@ def test_a_native_checkpoint_takes_the_vision_tower_of_another(ckpts, tmp_path):
     d = ckpts["dirs"]
     carried = convert_checkpoint(d["native"], tmp_path / "carried", "released", carry_from=d["released"])
     itself = convert_checkpoint(d["released"], tmp_path / "itself", "released")
-    (_, t1, _), (_, t2, _) = contents(carried), contents(itself)
+    (_, t1, j1), (_, t2, j2) = contents(carried), contents(itself)
+    assert j1["config.json"] == j2["config.json"]  # the vision config of the tower it carries
     merged = lambda t: {k: v for shard in t.values() for k, v in shard.items()}  # noqa: E731
     a, b = merged(t1), merged(t2)
     assert a.keys() == b.keys() and any(k.startswith("vision_tower.") for k in a)
     assert all(a[k].tobytes() == b[k].tobytes() for k in a)
     assert not any(k.startswith("vision_tower.") for k in merged(contents(
         convert_checkpoint(d["native"], tmp_path / "text", "released"))[1]))  # nothing to carry in a native source
+
+
+
+def test_another_models_vision_tower_is_refused(ckpts, tmp_path):  # noqa: F811
+    from tests import reference as ref
+    other = ref.save(ref.build_model(ref.tiny_config("mixed_kinds")), str(tmp_path / "other"), "released")
+    with pytest.raises(CheckpointError, match="its text model differs from the one written"):
+        convert_checkpoint(ckpts["dirs"]["native"], tmp_path / "out", "released", carry_from=other)
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("out")]

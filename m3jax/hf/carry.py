@@ -40,6 +40,25 @@ def carried(src: str | os.PathLike | None, layout: str) -> dict[str, TensorInfo]
     return kept
 
 
+def with_vision_config(cfg, src: str | os.PathLike | None, infos: dict[str, TensorInfo]):
+    """`cfg` (an M3Config) carrying `src`'s vision config where its tensors are carried (`infos`), so the config
+    describes the vision tower the checkpoint holds; a `src` whose text model differs from `cfg`'s is refused
+    (its vision tower was trained beside another model)."""
+    if not infos:
+        return cfg
+    import dataclasses
+
+    from m3jax.config import M3Config
+    from m3jax.hf.safetensors_io import CheckpointError
+    theirs = M3Config.from_pretrained(os.fspath(src))
+    if dataclasses.replace(theirs, vl_passthrough="") != dataclasses.replace(cfg, vl_passthrough=""):
+        differ = [f.name for f in dataclasses.fields(cfg) if f.name != "vl_passthrough"
+                  and getattr(cfg, f.name) != getattr(theirs, f.name)]
+        raise CheckpointError(f"{src}: its text model differs from the one written ({', '.join(differ[:5])}): its "
+                              "vision tower is not carried into another model's checkpoint")
+    return dataclasses.replace(cfg, vl_passthrough=theirs.vl_passthrough)
+
+
 def entries(infos: dict[str, TensorInfo]) -> list[tuple[str, np.dtype, tuple[int, ...]]]:
     """(name, dtype, shape) of each carried tensor, as the shard plan takes them (`save.split_shards`)."""
     return [(name, info.np_dtype, tuple(info.shape)) for name, info in infos.items()]

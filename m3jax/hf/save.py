@@ -56,10 +56,11 @@ def save_pretrained(model, path: str | os.PathLike, layout: str = "native", max_
     limit = parse_size(max_shard_size)
     kept = carry.carried(carry_from, layout)  # every process plans the same shards; process 0 reads them
     carried_shards = split_shards(carry.entries(kept), limit)
+    cfg = carry.with_vision_config(model.cfg, carry_from, kept)
     if jax.process_count() == 1:
         entries = [(slot.name, dtype, slot.shape) for slot, dtype in _slot_dtypes(model, layout)]
         shards = split_shards(entries, limit) + carried_shards
-        return write_shards(model.cfg, model.dtype, path, layout, [(shard, True) for shard in shards],
+        return write_shards(cfg, model.dtype, path, layout, [(shard, True) for shard in shards],
                             itertools.chain(hf_tensors(model, layout), carry.tensors(kept)))
     from jax.experimental import multihost_utils
 
@@ -72,7 +73,7 @@ def save_pretrained(model, path: str | os.PathLike, layout: str = "native", max_
     shards += [(shard, me == 0) for shard in carried_shards]
     token = int(multihost_utils.broadcast_one_to_all(np.int32(uuid.uuid4().int % (1 << 31))))
     tensors = owned_hf_tensors(model, layout)
-    return write_shards(model.cfg, model.dtype, path, layout, shards,
+    return write_shards(cfg, model.dtype, path, layout, shards,
                         itertools.chain(tensors, carry.tensors(kept)) if me == 0 else tensors,
                         token=f"{token:08x}")
 
