@@ -166,8 +166,9 @@ class ModelSection(_Section):
                                  "GPUs that stops at the filled rows; interpreted, slowly, elsewhere), mosaic "
                                  "(jax's Mosaic GPU ragged-dot kernels: Hopper GPUs, bf16 / fp16, widths multiples "
                                  "of 128; refused elsewhere), auto (bucketed on CPU; elsewhere the fastest of "
-                                 "the kernels the device runs, timed at the run's micro-batch shapes when the "
-                                 "trainer starts and recorded in <run.out_dir>/moe_kernel.json, which a restart "
+                                 "the kernels the device runs whose temporaries fit what the run's plan leaves "
+                                 "free with tiled, timed at the run's micro-batch shapes when the trainer starts "
+                                 "and recorded in <run.out_dir>/moe_kernel.json, which a restart "
                                  "reuses), tune (that timing on CPU too)",
                          choices=("auto", "tune", "ragged_dot", "tiled", "bucketed", "pallas", "mosaic"))
 
