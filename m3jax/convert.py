@@ -39,7 +39,8 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     try:
         convert_checkpoint(args.src, args.dst, layout=args.layout, dtype=DTYPES.get(args.dtype),
-                           max_shard_size=args.max_shard_size, threads=args.threads, carry_from=args.carry_from)
+                           max_shard_size=args.max_shard_size, threads=args.threads, carry_from=args.carry_from,
+                           progress=True)
     except (ConfigError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -64,12 +64,14 @@ def overlap(source_index: tuple[int, ...], target_index: tuple[int, ...], shape:
 
 def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, layout: str = "native", dtype=None,
                        max_shard_size: int | str = "5GB", check_finite: bool = True, threads: int = READ_THREADS,
-                       chunk_bytes: int = READ_CHUNK_BYTES, carry_from: str | os.PathLike | None = None) -> str:
+                       chunk_bytes: int = READ_CHUNK_BYTES, carry_from: str | os.PathLike | None = None,
+                       progress: bool = False) -> str:
     """Write `src` (either layout) to `dst` in `layout`; dtype: the parameters' (default: the checkpoint's embedding
     dtype, as `from_pretrained`). The checkpoint's headers are all checked first (`plan_load`), and the space the
     result needs against its filesystem's; a tensor holding NaN or Inf is refused as it is read (`check_finite`),
     and `dst` appears only when complete. `threads` parts of about `chunk_bytes` are read and written at once.
-    A released result carries the vision tower (`m3jax.hf.carry`) of `carry_from`, by default `src`'s own."""
+    A released result carries the vision tower (`m3jax.hf.carry`) of `carry_from`, by default `src`'s own.
+    progress: a tqdm bar of the bytes written on stderr (the release's 850 GB take minutes)."""
     from m3jax.model.decoder import M3ForCausalLM
 
     if layout not in ("native", "released"):
@@ -102,7 +104,7 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, layout: s
         parts += _carried_parts(kept, len(targets), file_at, chunk_bytes)
         with TensorReader() as reader:
             _copy_parts(parts, [t.name for t in targets] + list(kept), {**tensors, **kept}, reader, check_finite,
-                        threads)
+                        threads, progress)
         for fd in fds:
             os.fsync(fd)
         finish_checkpoint(cfg, dtype, tmp, dst, layout, shard_names(len(shards)), [(s, True) for s in shards])
@@ -164,7 +166,7 @@ def _carried_parts(kept: dict, first: int, file_at: dict, chunk_bytes: int) -> l
 
 
 def _copy_parts(parts: list[Part], names: list[str], tensors: dict, reader: TensorReader, check_finite: bool,
-                threads: int) -> None:
+                threads: int, progress: bool = False) -> None:
     """Read, cast, check and write every part, `threads` at once; the first target holding NaN or Inf raises once
     all its parts are in, naming its first such source tensor and how many of the values read were not finite."""
     left = collections.Counter(p.target for p in parts)
@@ -179,9 +181,13 @@ def _copy_parts(parts: list[Part], names: list[str], tensors: dict, reader: Tens
 
     # A finished part holds no memory (its buffer dies in its thread): the budget only bounds how far ahead parts
     # are queued; what is in flight is at most `threads` parts.
+    from tqdm import tqdm
     with contextlib.closing(read_ahead(parts, copy, lambda p: p.count * p.dtype.itemsize, threads,
-                                       READ_AHEAD_BYTES)) as done:
+                                       READ_AHEAD_BYTES)) as done, \
+            tqdm(total=sum(p.count * p.dtype.itemsize for p in parts), unit="B", unit_scale=True,
+                 desc="converting", disable=not progress, dynamic_ncols=True) as bar:
         for part, nonfinite in done:
+            bar.update(part.count * part.dtype.itemsize)
             counts = bad[part.target].setdefault(part.source, [0, 0])
             counts[0] += nonfinite
             counts[1] += part.count
