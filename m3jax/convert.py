@@ -41,7 +41,7 @@ def main(argv=None) -> int:
         convert_checkpoint(args.src, args.dst, layout=args.layout, dtype=DTYPES.get(args.dtype),
                            max_shard_size=args.max_shard_size, threads=args.threads, carry_from=args.carry_from,
                            progress=True)
-    except (ConfigError, CheckpointError) as e:
+    except (ConfigError, CheckpointError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"converted {args.src} -> {args.dst} ({args.layout} layout) in {time.perf_counter() - t0:.1f}s")

@@ -107,8 +107,11 @@ def test_a_full_filesystem_is_refused_before_anything_is_written(ckpts, tmp_path
         st = real(path)
         return os.statvfs_result((st.f_bsize, st.f_frsize, st.f_blocks, 0, 0) + tuple(st)[5:])
     monkeypatch.setattr(os, "statvfs", full)
-    with pytest.raises(CheckpointError, match=r"needs [0-9.]+ GB and its filesystem has 0.00 GB free"):
+    with pytest.raises(OSError, match=r"needs [0-9.]+ GB and its filesystem has 0.00 GB free"):
         convert_checkpoint(ckpts["dirs"]["native"], tmp_path / "sub" / "out", "released")
+    model = m3jax.from_pretrained(ckpts["dirs"]["native"])
+    with pytest.raises(OSError, match=r"needs [0-9.]+ GB and its filesystem has 0.00 GB free"):
+        m3jax.save_pretrained(model, tmp_path / "export", "released")  # an export checks too
     assert os.listdir(tmp_path) == []
 
 

@@ -30,7 +30,7 @@ from m3jax.hf import carry, layouts
 from m3jax.hf.load import checkpoint_files, plan_load
 from m3jax.hf.read_blocks import READ_AHEAD_BYTES, READ_CHUNK_BYTES, READ_THREADS, TensorReader, read_ahead
 from m3jax.hf.safetensors_io import CheckpointError, count_nonfinite, header_bytes
-from m3jax.hf.save import finish_checkpoint, parse_size, shard_names, split_shards
+from m3jax.hf.save import check_space, finish_checkpoint, parse_size, shard_names, split_shards
 
 
 class Part(NamedTuple):
@@ -89,7 +89,7 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, layout: s
     limit = parse_size(max_shard_size)
     shards = split_shards(entries, limit) + split_shards(carry.entries(kept), limit)
     entries += carry.entries(kept)
-    _check_space(dst, sum(math.prod(shape) * d.itemsize for _, d, shape in entries))
+    check_space(dst, sum(math.prod(shape) * d.itemsize for _, d, shape in entries))
     tmp = f"{dst}.tmp-{uuid.uuid4().hex[:8]}"
     os.makedirs(tmp)
     fds: list[int] = []
@@ -115,18 +115,6 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, layout: s
         for fd in fds:
             os.close(fd)
     return dst
-
-
-def _check_space(dst: str, need: int) -> None:
-    """Refuse before reading anything where the result cannot fit (`dst`'s directories are made as needed)."""
-    parent = os.path.dirname(dst)
-    while not os.path.isdir(parent) and os.path.dirname(parent) != parent:
-        parent = os.path.dirname(parent)
-    st = os.statvfs(parent)
-    free = st.f_bavail * st.f_frsize
-    if free < need:
-        raise CheckpointError(f"{dst}: the converted checkpoint needs {need / 1e9:.2f} GB and its filesystem has "
-                              f"{free / 1e9:.2f} GB free")
 
 
 def _parts(targets, params: dict, slots, tensors: dict, file_at: dict, chunk_bytes: int) -> list[Part]:

@@ -8,6 +8,7 @@ complete: it is written beside the target and renamed into place.
 
 from __future__ import annotations
 
+import errno
 import itertools
 import json
 import logging
@@ -101,6 +102,20 @@ def shard_names(n: int) -> list[str]:
     return ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
 
 
+def check_space(dst: str, need: int) -> None:
+    """Refuse, before anything is written, a checkpoint of `need` bytes that `dst`'s filesystem cannot hold (its
+    directories are made as needed): an export at the end of a run, or a conversion of the release's 850 GB, would
+    otherwise fail after minutes of writing."""
+    parent = os.path.dirname(dst)
+    while not os.path.isdir(parent) and os.path.dirname(parent) != parent:
+        parent = os.path.dirname(parent)
+    st = os.statvfs(parent)
+    free = st.f_bavail * st.f_frsize
+    if free < need:
+        raise OSError(errno.ENOSPC, f"{dst}: the checkpoint needs {need / 1e9:.2f} GB and its filesystem has "
+                                    f"{free / 1e9:.2f} GB free")
+
+
 def write_shards(cfg, dtype, path: str, layout: str, shards: list[tuple[list, bool]], tensors,
                  token: str | None = None) -> str:
     """Write the shards marked as this process's (in order: `tensors` yields exactly their tensors) into a
@@ -111,6 +126,16 @@ def write_shards(cfg, dtype, path: str, layout: str, shards: list[tuple[list, bo
     names = shard_names(len(shards))
     tmp = f"{path}.tmp-{token or uuid.uuid4().hex[:8]}"
     first = jax.process_index() == 0
+    need = sum(int(np.prod(e[2])) * np.dtype(e[1]).itemsize for shard, _ in shards for e in shard)
+    if token is None:
+        check_space(path, need)
+    else:  # every process checks (the directory is shared) and all agree, so that none waits for another
+        try:
+            check_space(path, need)
+            problem = None
+        except OSError as e:
+            problem = e
+        _agree(problem, f"checking the space for {path}", None)
     if first:
         os.makedirs(tmp)
     if token is None:
