@@ -18,7 +18,8 @@ def hf_tensors(model, layout: str = "native", on_host: bool = True):
     flat = dict(nnx.to_flat_state(nnx.state(model)))
     for slot in layouts.slots(model.cfg, layout):
         value = flat[slot.param].get_value()
-        value = host_view(value) if on_host else value  # on CPU each slot a numpy view, not a dispatched slice
+        if on_host and len(getattr(value, "devices", lambda: ())()) == 1:  # on CPU: a numpy view, no dispatched slice
+            value = host_view(value)  # (not a sharded array: jax would keep a gathered copy of it, cached)
         value = value[slot.index] if slot.index else value
         yield slot.name, (on_host_array(value) if on_host else value).reshape(slot.shape)
 
