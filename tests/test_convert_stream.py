@@ -113,6 +113,9 @@ def test_a_full_filesystem_is_refused_before_anything_is_written(ckpts, tmp_path
     with pytest.raises(OSError, match=r"needs [0-9.]+ GB and its filesystem has 0.00 GB free"):
         m3jax.save_pretrained(model, tmp_path / "export", "released")  # an export checks too
     assert os.listdir(tmp_path) == []
+    # a filesystem that reports no size (a FUSE mount without statfs: every field 0) is not judged
+    monkeypatch.setattr(os, "statvfs", lambda path: os.statvfs_result((4096,) + (0,) * 9))
+    m3jax.save_pretrained(model, tmp_path / "export", "released")
 
 
 def test_a_native_checkpoint_takes_the_vision_tower_of_another(ckpts, tmp_path):  # noqa: F811

@@ -111,7 +111,7 @@ def check_space(dst: str, need: int) -> None:
         parent = os.path.dirname(parent)
     st = os.statvfs(parent)
     free = st.f_bavail * st.f_frsize
-    if free < need:
+    if st.f_blocks and free < need:  # a filesystem reporting no size at all (a FUSE mount without statfs) is not judged
         raise OSError(errno.ENOSPC, f"{dst}: the checkpoint needs {need / 1e9:.2f} GB and its filesystem has "
                                     f"{free / 1e9:.2f} GB free")
 
