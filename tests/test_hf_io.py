@@ -1,6 +1,7 @@
 """HF import/export: bitwise round trips in both layouts, transformers loads our exports, atomic writes."""
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -169,3 +170,16 @@ def test_the_trainers_released_export_carries_the_vision_tower_of_its_model_path
                              "checkpoint.export_layout=released", "logging.tensorboard=false"])
     out = build_policy(cfg, kernel_timing="off").export(str(tmp_path / "export"))
     assert_bitwise_equal(read_all(out), read_all(dirs["released"]))
+
+
+def test_a_large_load_logs_its_progress(src, tmp_path, monkeypatch, caplog):
+    from m3jax.hf import load
+    _, dirs = src
+    with caplog.at_level(logging.INFO, logger=load.__name__):
+        m3jax.from_pretrained(dirs["native"])
+    assert "of parameters in place" not in caplog.text  # a small load says nothing
+    monkeypatch.setattr(load, "PROGRESS_BYTES", 0)
+    with caplog.at_level(logging.INFO, logger=load.__name__):
+        m3jax.from_pretrained(dirs["native"])
+    lines = [r.getMessage() for r in caplog.records if "of parameters in place" in r.getMessage()]
+    assert lines and "100% of" in lines[-1] and len(lines) <= 10

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
+import time
 
 import jax
+import numpy as np
 from flax import nnx
 
 from m3jax.config import M3Config
@@ -29,6 +32,7 @@ from sharding.mesh import mesh_config_of, validate
 
 log = logging.getLogger(__name__)
 _FLOAT = ("F32", "BF16", "F16", "F64")
+PROGRESS_BYTES = 8 << 30  # a load of at least this many parameter bytes logs its progress, every tenth of it
 
 
 def checkpoint_files(path: str) -> dict[str, TensorInfo]:
@@ -134,11 +138,15 @@ def from_pretrained(path: str | os.PathLike, dtype=None, *, mesh=None, check_fin
     keys = list(flat)
     params = [ParamBlocks(var.get_value().shape, var.get_value().dtype,
                           layout.sharding(var.get_metadata()["logical_axes"]), slots_of[p]) for p, var in flat.items()]
+    sizes = [math.prod(p.shape) * np.dtype(p.dtype).itemsize for p in params]
+    progress = _Progress(path, sum(sizes)) if sum(sizes) >= PROGRESS_BYTES else None
     with TensorReader() as reader:
         built = build_params(params, tensors, reader, check_finite)
         try:
             for i, array, found in built:
                 flat[keys[i]].set_value(array)
+                if progress:
+                    progress.add(sizes[i])
                 problems += found
                 if problems and jax.process_count() == 1:
                     break
@@ -151,6 +159,22 @@ def from_pretrained(path: str | os.PathLike, dtype=None, *, mesh=None, check_fin
     log.log(logging.INFO if jax.process_count() > 1 else logging.DEBUG,
             "read %d of the checkpoint's %d bytes (the blocks this process's devices hold)", read, total)
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+class _Progress:
+    """An INFO line each time another tenth of a large load's parameters is in place: the release's 852 GB take
+    minutes to read, on every host."""
+
+    def __init__(self, path: str, total: int):
+        self.path, self.total, self.done, self.shown, self.t0 = path, total, 0, 0, time.perf_counter()
+
+    def add(self, nbytes: int) -> None:
+        self.done += nbytes
+        tenth = 10 * self.done // self.total
+        if tenth > self.shown:
+            self.shown = tenth
+            log.info("loading %s: %d%% of %.1f GB of parameters in place after %.0f s", self.path, 10 * tenth,
+                     self.total / 1e9, time.perf_counter() - self.t0)
 
 
 def _agree_finite(problems: list[str]) -> None:
