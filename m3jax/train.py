@@ -105,7 +105,14 @@ def _kernel_headroom(cfg) -> int | None:
     from m3jax.model.expert_tuning import needs_timing
     if not needs_timing(cfg.model.moe_kernel, jax.default_backend()):
         return None
-    return kernel_headroom(cfg, cfg.model.m3_config(), (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit"))
+    return kernel_headroom(cfg, cfg.model.m3_config(), _device_limit())
+
+
+def _device_limit() -> int | None:
+    """What JAX may use of this process's first device (`memory_stats()["bytes_limit"]`); None where the device
+    reports none (XLA:CPU)."""
+    import jax
+    return (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
 
 
 def kernel_headroom(cfg, m3_cfg, limit_bytes: int | None) -> int | None:
@@ -126,14 +133,12 @@ def kernel_headroom(cfg, m3_cfg, limit_bytes: int | None) -> int | None:
 
 def _warn_if_the_plan_does_not_fit(cfg, model_cfg) -> None:
     """On a device that reports its memory limit (a GPU), the planner's verdict before the first compile."""
-    import jax
-
-    stats = jax.local_devices()[0].memory_stats() or {}
-    if "bytes_limit" not in stats:  # XLA:CPU reports none
+    limit = _device_limit()
+    if limit is None:
         return
     from m3jax.plan.job import fit_warning
     try:
-        warning = fit_warning(cfg, model_cfg, stats["bytes_limit"])
+        warning = fit_warning(cfg, model_cfg, limit)
     except Exception as e:  # noqa: BLE001 - the plan is advice; a config it cannot model must still train
         logging.getLogger("m3jax.train").debug("no memory plan for this run: %s", e)
         return

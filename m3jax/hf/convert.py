@@ -132,9 +132,8 @@ def _parts(targets, params: dict, slots, tensors: dict, file_at: dict, chunk_byt
             if met is None:
                 continue
             source_at, target_at, count = met
-            step = max(1, chunk_bytes // max(dtype.itemsize, tensors[s.name].np_dtype.itemsize))
-            parts += [Part(k, s.name, source_at + a, min(step, count - a), dtype, fd,
-                           at + (target_at + a) * dtype.itemsize) for a in range(0, count, step)]
+            width = max(dtype.itemsize, tensors[s.name].np_dtype.itemsize)
+            parts += _cut(k, s.name, source_at, count, dtype, fd, at + target_at * dtype.itemsize, chunk_bytes // width)
             covered += count
         if covered != math.prod(t.shape):  # a layout bug, found before anything is read
             raise RuntimeError(f"the source tensors fill {covered} of the {math.prod(t.shape)} elements of {t.name}")
@@ -146,11 +145,18 @@ def _carried_parts(kept: dict, first: int, file_at: dict, chunk_bytes: int) -> l
     `first`."""
     parts = []
     for k, (name, info) in enumerate(kept.items(), start=first):
-        fd, at = file_at[name]
-        count, step = math.prod(info.shape), max(1, chunk_bytes // info.np_dtype.itemsize)
-        parts += [Part(k, name, a, min(step, count - a), info.np_dtype, fd, at + a * info.np_dtype.itemsize)
-                  for a in range(0, count, step)]
+        parts += _cut(k, name, 0, math.prod(info.shape), info.np_dtype, *file_at[name],
+                      chunk_bytes // info.np_dtype.itemsize)
     return parts
+
+
+def _cut(target: int, source: str, source_at: int, count: int, dtype: np.dtype, fd: int, file_at: int,
+         step: int) -> list[Part]:
+    """The run of `count` elements from `source_at` of `source`, written from byte `file_at`, in parts of at most
+    `step` elements."""
+    step = max(1, step)
+    return [Part(target, source, source_at + a, min(step, count - a), dtype, fd, file_at + a * dtype.itemsize)
+            for a in range(0, count, step)]
 
 
 def _copy_parts(parts: list[Part], names: list[str], tensors: dict, reader: TensorReader, check_finite: bool,
