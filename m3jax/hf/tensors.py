@@ -18,9 +18,9 @@ def hf_tensors(model, layout: str = "native", on_host: bool = True):
     flat = dict(nnx.to_flat_state(nnx.state(model)))
     for slot in layouts.slots(model.cfg, layout):
         value = flat[slot.param].get_value()
-        if on_host and len(getattr(value, "devices", lambda: ())()) == 1:  # on CPU: a numpy view, no dispatched slice
-            value = host_view(value)  # (not a sharded array: jax would keep a gathered copy of it, cached)
-        value = value[slot.index] if slot.index else value
+        if on_host:
+            value = host_view(value)  # on CPU: a numpy view, no dispatched slice
+        value = value[slot.index] if slot.index else whole(value) if on_host else value
         yield slot.name, (on_host_array(value) if on_host else value).reshape(slot.shape)
 
 
@@ -28,19 +28,32 @@ def host_views(tree):
     """On the CPU backend a JAX array's buffer is host memory: numpy views of it (no copy) let `hf_tensors` cut
     every expert and layer as numpy views too, where slicing the JAX arrays runs one dispatched op and copy per
     slice (0.1-0.14 s against 0.002 s for the 287 MB bench model's weight push; 1.2 s of a 1.7 GB model's native
-    export). Arrays on an accelerator or spanning processes keep the JAX path: there each slice is fetched on its
-    own (the gather of a multi-host array is a collective), so the host never holds the whole model at once."""
+    export). Arrays on an accelerator, sharded over several devices or spanning processes keep the JAX path: there
+    each slice is fetched on its own (the gather of a multi-host array is a collective), so the host never holds the
+    whole model at once. (The numpy form of a sharded array is a gathered copy that jax caches on the array: it
+    would live as long as the parameter.)"""
     import jax
     return None if tree is None else jax.tree.map(host_view, tree)
 
 
 def host_view(x):
-    """`x` as a numpy view of its buffer where that is host memory (a fully addressable array on the CPU backend),
+    """`x` as a numpy view of its buffer where that is host memory (an array on one device of the CPU backend),
     else `x` itself (`host_views`)."""
     import jax
-    host = (isinstance(x, jax.Array) and x.is_fully_addressable and all(d.platform == "cpu" for d in x.devices())
+    host = (isinstance(x, jax.Array) and x.is_fully_addressable and len(x.devices()) == 1
+            and next(iter(x.devices())).platform == "cpu"
             and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended))  # PRNG keys have no numpy form
     return np.asarray(x) if host else x
+
+
+def whole(value):
+    """A parameter to be fetched whole: a temporary copy of it where fetching would leave a host copy behind. jax
+    caches the numpy form of a multi-device or accelerator array on the array (`np.asarray`), so the parameter would
+    hold a second, host copy of itself for as long as it lives; the copy's cache dies with the copy. (A CPU
+    array's one-device form is a numpy view already, `host_view`; a multi-host array is gathered without a cache.)"""
+    import jax
+    import jax.numpy as jnp
+    return jnp.copy(value) if isinstance(value, jax.Array) and value.is_fully_addressable else value
 
 
 def on_host_array(value) -> np.ndarray:
