@@ -110,11 +110,11 @@ def test_sharded_export_and_bf16(src, tmp_path):
 
 def test_tensors_of_a_sharded_model_leave_no_host_copy_behind(src):
     """On CPU a one-device parameter is read as a numpy view of its buffer; a parameter sharded over devices is
-    cut slice by slice, not turned into numpy whole: jax would cache that gathered copy on the parameter, a
-    second host copy of the model for as long as the parameters live (a weight push every step)."""
+    cut slice by slice (export) or gathered from its shards (weight push), not turned into numpy whole: jax would
+    cache that gathered copy on the parameter, a second host copy for as long as the parameters live."""
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from m3jax.hf.tensors import hf_tensors, host_view
+    from m3jax.hf.tensors import hf_tensors, host_view, host_views
     _, dirs = src
     model = m3jax.from_pretrained(dirs["native"])
     one_device = {name: np.array(t) for name, t in hf_tensors(model, "released")}
@@ -128,11 +128,14 @@ def test_tensors_of_a_sharded_model_leave_no_host_copy_behind(src):
     nnx.update(model, jax.tree.map(spread, state))
     params = [leaf for leaf in jax.tree.leaves(nnx.state(model)) if isinstance(leaf, jax.Array)]
     assert params and all(len(p.devices()) == 2 for p in params)
-    sharded = dict(hf_tensors(model, "released"))
-    assert sorted(sharded) == sorted(one_device)
-    for name, tensor in sharded.items():
-        np.testing.assert_array_equal(tensor, one_device[name], err_msg=name)
-    assert not [p for p in params if p._npy_value is not None]  # jax's cached numpy form of the whole array
+    graphdef, state = nnx.split(model)
+    for tensors in (hf_tensors(model, "released"),  # the export's path: each slice fetched alone
+                    hf_tensors(nnx.merge(graphdef, host_views(state)), "released")):  # the weight push's
+        sharded = dict(tensors)
+        assert sorted(sharded) == sorted(one_device)
+        for name, tensor in sharded.items():
+            np.testing.assert_array_equal(tensor, one_device[name], err_msg=name)
+        assert not [p for p in params if p._npy_value is not None]  # jax's cached numpy form of the whole array
 
 
 def test_failed_save_leaves_previous_directory_untouched(src, tmp_path, monkeypatch):

@@ -28,22 +28,31 @@ def host_views(tree):
     """On the CPU backend a JAX array's buffer is host memory: numpy views of it (no copy) let `hf_tensors` cut
     every expert and layer as numpy views too, where slicing the JAX arrays runs one dispatched op and copy per
     slice (0.1-0.14 s against 0.002 s for the 287 MB bench model's weight push; 1.2 s of a 1.7 GB model's native
-    export). Arrays on an accelerator, sharded over several devices or spanning processes keep the JAX path: there
-    each slice is fetched on its own (the gather of a multi-host array is a collective), so the host never holds the
-    whole model at once. (The numpy form of a sharded array is a gathered copy that jax caches on the array: it
-    would live as long as the parameter.)"""
+    export). A parameter sharded over several CPU devices becomes one numpy array gathered from its shards' views,
+    held while the caller holds the tree, not cached on the parameter (`np.asarray` of the sharded array would be:
+    a second host copy for as long as the parameter lives). Arrays on an accelerator or spanning processes keep
+    the JAX path: there each slice is fetched on its own (the gather of a multi-host array is a collective), so
+    the host never holds the whole model at once."""
     import jax
-    return None if tree is None else jax.tree.map(host_view, tree)
+    return None if tree is None else jax.tree.map(lambda x: host_view(x, gather=True), tree)
 
 
-def host_view(x):
-    """`x` as a numpy view of its buffer where that is host memory (an array on one device of the CPU backend),
-    else `x` itself (`host_views`)."""
+def host_view(x, gather: bool = False):
+    """`x` as a numpy view of its buffer where that is host memory (an array on one device of the CPU backend, or
+    replicated on several), else `x` itself. gather: an array sharded over several CPU devices of this process as
+    a numpy array assembled from its shards (a copy; `host_views`)."""
     import jax
-    host = (isinstance(x, jax.Array) and x.is_fully_addressable and len(x.devices()) == 1
-            and next(iter(x.devices())).platform == "cpu"
-            and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended))  # PRNG keys have no numpy form
-    return np.asarray(x) if host else x
+    if not (isinstance(x, jax.Array) and x.is_fully_addressable and all(d.platform == "cpu" for d in x.devices())
+            and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended)):  # PRNG keys have no numpy form
+        return x
+    if len(x.devices()) == 1 or x.is_fully_replicated:
+        return np.asarray(x)  # one device's buffer: jax caches nothing (it made no copy)
+    if not gather:
+        return x
+    out = np.empty(x.shape, x.dtype)
+    for shard in x.addressable_shards:
+        out[shard.index] = np.asarray(shard.data)
+    return out
 
 
 def whole(value):
