@@ -56,13 +56,16 @@ def host_view(x, gather: bool = False):
 
 
 def whole(value):
-    """A parameter to be fetched whole: a temporary copy of it where fetching would leave a host copy behind. jax
-    caches the numpy form of a multi-device or accelerator array on the array (`np.asarray`), so the parameter would
-    hold a second, host copy of itself for as long as it lives; the copy's cache dies with the copy. (A CPU
-    array's one-device form is a numpy view already, `host_view`; a multi-host array is gathered without a cache.)"""
+    """A parameter to be fetched whole by `on_host_array`: a temporary copy of it where it is sharded over several
+    CPU devices, whose numpy form jax would otherwise cache on the parameter (a second host copy for as long as the
+    parameter lives); the copy's cache dies with the copy. On an accelerator the parameter itself is fetched: a
+    copy there would take device memory, the scarcer of the two, and the host copy jax keeps lasts until the next
+    update replaces the parameter."""
     import jax
     import jax.numpy as jnp
-    return jnp.copy(value) if isinstance(value, jax.Array) and value.is_fully_addressable else value
+    sharded_on_cpu = (isinstance(value, jax.Array) and value.is_fully_addressable and len(value.devices()) > 1
+                      and not value.is_fully_replicated and all(d.platform == "cpu" for d in value.devices()))
+    return jnp.copy(value) if sharded_on_cpu else value
 
 
 def on_host_array(value) -> np.ndarray:
