@@ -320,6 +320,11 @@ class M3Config:
                 raw = json.load(fh)
         except json.JSONDecodeError as e:
             raise ConfigError(f"{f} is not valid JSON: {e}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"{f} is not JSON text (a weights file?): expected a Hugging Face model directory or "
+                              "its config.json") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{f} holds a JSON {type(raw).__name__}: expected an object of config fields")
         return cls.from_hf_dict(raw)
 
     # ----------------------------------------------------------------------------------- writing

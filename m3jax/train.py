@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
-from rl.config import ConfigError, add_arguments, from_args, to_yaml
+from rl.config import ConfigError, add_arguments, checkpoint_dir, from_args, to_yaml
 
 
 def main(argv=None) -> int:
@@ -30,6 +31,10 @@ def main(argv=None) -> int:
     if args.print_config:
         sys.stdout.write(to_yaml(cfg))
         return 0
+    if args.export and not os.path.isdir(checkpoint_dir(cfg)):  # a mistyped run directory is not created
+        print(f"error: no checkpoint to export in {checkpoint_dir(cfg)} (run.out_dir = {cfg.run.out_dir})",
+              file=sys.stderr)
+        return 1
     # One run per directory: lock it before anything in it changes (and before the heavy imports, so
     # that a second run is turned away at once). Process 0 holds it for the whole job.
     from rl import logs, run_lock

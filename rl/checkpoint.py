@@ -60,6 +60,11 @@ class CheckpointMismatch(ValueError):
     """A checkpoint that reads, but holds another model's or optimizer's state than this run's config builds."""
 
 
+class CheckpointsUnreadable(CheckpointMismatch):
+    """A run directory that holds checkpoints none of which reads: a resume does not start over beside them (its
+    saves would overwrite steps that a repaired filesystem could still have given back)."""
+
+
 def _empty(x) -> bool:
     """An empty node: None, or an optimizer's empty state (a namedtuple without fields), which a checkpoint's
     metadata holds as None."""

@@ -14,4 +14,5 @@ def input_errors() -> tuple[type[Exception], ...]:
     from rl.checkpoint import CheckpointMismatch
     from rl.data import DatasetError
     from sharding.mesh import MeshError
-    return ConfigError, CheckpointError, CheckpointMismatch, DatasetError, MeshError, FileNotFoundError
+    return (ConfigError, CheckpointError, CheckpointMismatch, DatasetError, MeshError, FileNotFoundError,
+            FileExistsError)  # an export's destination that holds something else (m3jax.hf.save.check_destination)

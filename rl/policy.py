@@ -251,7 +251,10 @@ def checkpointer_for(cfg: RunConfig) -> ckpt_lib.Checkpointer:
 
 def export_latest(cfg: RunConfig, path: str | None = None) -> tuple[int, str]:
     """Write the newest checkpoint's policy as a HF directory (default `<run.out_dir>/export`), building
-    only the model and its checkpoint reader: no data, no generation engines. Returns (step, path)."""
+    only the model and its checkpoint reader: no data, no generation engines. Returns (step, path). A destination
+    that holds anything but an earlier export (the run directory itself, say) is refused before the model is built."""
+    from m3jax.hf.save import check_destination
+    path = check_destination(path or os.path.join(cfg.run.out_dir, "export"), [cfg.run.out_dir, cfg.model.path])
     policy = build_policy(cfg, kernel_timing="off")
     checkpointer = checkpointer_for(cfg)
     try:
@@ -262,7 +265,7 @@ def export_latest(cfg: RunConfig, path: str | None = None) -> tuple[int, str]:
         raise FileNotFoundError(f"no checkpoint to export in {checkpointer.directory}")
     state, meta = got
     policy.state = policy.place(state)
-    return int(meta["step"]), policy.export(path or os.path.join(cfg.run.out_dir, "export"))
+    return int(meta["step"]), policy.export(path)
 
 
 def reference_params(cfg: RunConfig, policy: Policy):

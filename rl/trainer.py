@@ -20,6 +20,7 @@ import numpy as np
 from rl import evaluate as held_out
 from rl import phases, rollout_log
 from rl.ahead import AheadDraw, draws_ahead
+from rl.checkpoint import CheckpointsUnreadable
 from rl.config import RunConfig
 from rl.data import load_prompts
 from rl.prompt_lengths import fit_prompt_lengths
@@ -230,6 +231,11 @@ class GRPOTrainer:
     def resume(self) -> int:
         got = self.checkpointer.restore_latest(self.state)
         if got is None:
+            if self.checkpointer.steps():  # each was named unreadable in a warning
+                raise CheckpointsUnreadable(
+                    f"no checkpoint in {self.checkpointer.directory} reads (steps "
+                    f"{', '.join(map(str, self.checkpointer.steps()))}; the warnings above say why): fix or move "
+                    "them, or start over in a new run.out_dir")
             return 0
         state, meta = got
         self.policy.state = self.policy.place(state)

@@ -138,6 +138,38 @@ def test_tensors_of_a_sharded_model_leave_no_host_copy_behind(src):
         assert not [p for p in params if p._npy_value is not None]  # jax's cached numpy form of the whole array
 
 
+def test_a_destination_holding_anything_but_a_checkpoint_is_refused_untouched(src, tmp_path):
+    """save_pretrained and convert replace their destination whole: a new or empty directory, or an earlier
+    checkpoint, is written; a file, a directory holding other things, or one holding the source is refused
+    before anything is written, and left as it was."""
+    from m3jax.hf.convert import convert_checkpoint
+    _, dirs = src
+    model = m3jax.from_pretrained(dirs["native"])
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "notes.txt").write_text("precious")
+    (tmp_path / "file").write_text("x")
+    for dst in (notes, tmp_path / "file"):
+        with pytest.raises(FileExistsError, match=f"destination {dst} exists and is not a"):
+            m3jax.save_pretrained(model, dst)
+        with pytest.raises(FileExistsError, match=f"destination {dst} exists and is not a"):
+            convert_checkpoint(dirs["native"], dst, "released")
+    assert (notes / "notes.txt").read_text() == "precious" and os.listdir(notes) == ["notes.txt"]
+    assert (tmp_path / "file").read_text() == "x" and sorted(os.listdir(tmp_path)) == ["file", "notes"]
+    source_dir = os.path.dirname(dirs["native"])
+    for dst in (dirs["native"], source_dir):  # the source itself, or its parent
+        with pytest.raises(FileExistsError, match="is or holds the checkpoint being read"):
+            convert_checkpoint(dirs["native"], dst, "released")
+    with pytest.raises(FileExistsError, match="is or holds the checkpoint being read"):
+        m3jax.save_pretrained(model, source_dir, layout="released", carry_from=dirs["released"])
+    assert sorted(os.listdir(source_dir)) == ["native", "released"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    m3jax.save_pretrained(model, empty)  # an empty directory, then the checkpoint now in it, are written
+    convert_checkpoint(dirs["native"], empty, "released")
+    assert_bitwise_equal(read_all(empty), read_all(convert_checkpoint(dirs["native"], tmp_path / "fresh", "released")))
+
+
 def test_failed_save_leaves_previous_directory_untouched(src, tmp_path, monkeypatch):
     _, dirs = src
     model = m3jax.from_pretrained(dirs["native"])

@@ -107,6 +107,14 @@ def test_outputs_checkpoints_export_and_plot(tiny_run, tmp_path):
     assert_quiet(r.stdout + r.stderr, 3)  # a checkpoint restore, quietly
     a = open(os.path.join(out, "export", "model.safetensors"), "rb").read()
     assert open(tmp_path / "again" / "model.safetensors", "rb").read() == a
+    # an export replaces its destination whole: the run directory (or a folder of runs) is refused, untouched
+    before = sorted(os.listdir(out))
+    for dst in (out, os.path.dirname(out)):
+        r = train(f"run.out_dir={out}", "--export", dst)
+        assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].startswith(f"error: destination {dst} "), r.stderr
+    assert sorted(os.listdir(out)) == before
+    r = train(f"run.out_dir={tmp_path / 'typo'}", "--export", str(tmp_path / "x"))
+    assert r.returncode == 1 and "no checkpoint to export" in r.stderr and not (tmp_path / "typo").exists()
     r = subprocess.run([sys.executable, "-m", "m3jax.plot", out, "--out", str(tmp_path / "c.png")], cwd=ROOT,
                        capture_output=True, text=True)
     assert r.returncode == 0 and os.path.exists(tmp_path / "c.png")
@@ -201,3 +209,11 @@ def test_resuming_under_another_model_config_is_refused(tmp_path):
     assert (f"error: checkpoint step 1 in {out}/checkpoints holds another state than this run's config builds: "
             "inner/1/mu/stacks/1/experts_down/value is (1, 4, 64, 64) there, (1, 4, 64, 32)") in r.stderr, r.stderr
     assert sorted(os.listdir(out / "checkpoints")) == ["1"]
+    # every checkpoint damaged: the run stops rather than start over and save over them
+    from tests.test_checkpoint import damage
+    damage(out / "checkpoints", 1, "truncate")
+    r = train(f"run.out_dir={out}", "run.total_steps=2", "logging.progress_bar=false", "eval.at_start=false",
+              "eval.every_steps=0")
+    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].startswith(
+        f"error: no checkpoint in {out}/checkpoints reads (steps 1; the warnings above say why)"), r.stderr[-2000:]
+    assert sorted(os.listdir(out / "checkpoints")) == ["1"] and "unreadable" in r.stderr

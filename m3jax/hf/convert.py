@@ -30,7 +30,7 @@ from m3jax.hf import carry, layouts
 from m3jax.hf.load import checkpoint_files, plan_load
 from m3jax.hf.read_blocks import READ_AHEAD_BYTES, READ_CHUNK_BYTES, READ_THREADS, TensorReader, read_ahead
 from m3jax.hf.safetensors_io import CheckpointError, count_nonfinite, header_bytes
-from m3jax.hf.save import check_space, finish_checkpoint, parse_size, shard_names, split_shards
+from m3jax.hf.save import check_destination, check_space, finish_checkpoint, parse_size, shard_names, split_shards
 
 
 class Part(NamedTuple):
@@ -76,7 +76,7 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, layout: s
 
     if layout not in ("native", "released"):
         raise ValueError(f"layout={layout!r}: expected 'native' or 'released'")
-    src, dst = os.fspath(src), os.path.abspath(os.fspath(dst))
+    src, dst = os.fspath(src), check_destination(dst, [src, carry_from])
     cfg = M3Config.from_pretrained(src)
     _, slots, tensors = plan_load(cfg, checkpoint_files(src))
     dtype = tensors[slots[0].name].np_dtype if dtype is None else np.dtype(dtype)
