@@ -4,6 +4,7 @@ PNG curves."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 
@@ -69,7 +70,13 @@ class RunLogger:
         if jax.process_index() != 0:
             return
         os.makedirs(run_dir, exist_ok=True)
-        self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+        path = os.path.join(run_dir, "metrics.jsonl")
+        cut = cut_partial_row(path)
+        if cut:
+            logging.getLogger(__name__).warning("%s ended in a row cut short (%d bytes, a crash while writing it): "
+                                                "removed, so the resumed run's rows start on a line of their own",
+                                                path, cut)
+        self._jsonl = open(path, "a")
         if tensorboard:
             self._tb = _summary_writer()(os.path.join(run_dir, "tensorboard"))
         if open_wandb is not None:
@@ -111,14 +118,45 @@ class RunLogger:
             self._wandb.finish()
 
 
+def cut_partial_row(path: str) -> int:
+    """Truncate `path` after its last newline where it does not end in one (a row a crash cut short); returns the
+    bytes removed (0 for a whole file or none)."""
+    if not os.path.exists(path):
+        return 0
+    with open(path, "r+b") as f:
+        end = pos = f.seek(0, os.SEEK_END)
+        f.seek(max(end - 1, 0))
+        if end == 0 or f.read(1) == b"\n":
+            return 0
+        keep = 0
+        while pos > 0:
+            chunk = min(1 << 16, pos)
+            f.seek(pos - chunk)
+            at = f.read(chunk).rfind(b"\n")
+            if at >= 0:
+                keep = pos - chunk + at + 1
+                break
+            pos -= chunk
+        f.truncate(keep)
+        return end - keep
+
+
 def read_metrics(run_dir: str) -> list[dict]:
-    """metrics.jsonl rows, the last record of each step winning (a resumed run re-logs some steps)."""
-    rows = {}
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        for line in f:
+    """metrics.jsonl rows, the last record of each step winning (a resumed run re-logs some steps). A line that
+    is not a row (cut short by a crash) is skipped with a warning naming it."""
+    rows, bad = {}, []
+    path = os.path.join(run_dir, "metrics.jsonl")
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
             if line.strip():
-                row = json.loads(line)
-                rows[row["step"]] = row
+                try:
+                    row = json.loads(line)
+                    rows[row["step"]] = row
+                except (json.JSONDecodeError, TypeError, KeyError):
+                    bad.append(number)
+    if bad:
+        logging.getLogger(__name__).warning("%s: skipped line%s %s (not a metrics row)", path,
+                                            "s" if len(bad) > 1 else "", ", ".join(map(str, bad[:10])))
     return [rows[k] for k in sorted(rows)]
 
 

@@ -17,3 +17,30 @@ def test_tensorboard_scalars_are_written_without_loading_torch(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     events = glob.glob(str(tmp_path / "tensorboard" / "events.out.tfevents.*"))
     assert len(events) == 1 and b"reward/mean" in open(events[0], "rb").read()
+
+
+def test_a_row_cut_short_by_a_crash_is_removed_on_resume_and_skipped_by_readers(tmp_path, caplog):
+    """A crash while metrics.jsonl was being written leaves a last line without its newline: the resumed run's
+    logger cuts it off (its first row used to be appended onto it, two unreadable rows), and `read_metrics` (the
+    plot) skips a line that is not a row, naming it, rather than failing the end of the run."""
+    import json
+    import logging
+
+    from rl.observe import RunLogger, cut_partial_row, read_metrics
+    path = tmp_path / "metrics.jsonl"
+    whole = '{"step": 1, "reward/mean": 0.5}\n'
+    path.write_text(whole + '{"step": 2, "reward/me')
+    with caplog.at_level(logging.WARNING, logger="rl.observe"):
+        log = RunLogger(str(tmp_path), tensorboard=False, progress_bar=False)
+    assert "cut short (22 bytes" in caplog.text
+    log.log(2, {"reward/mean": 0.75})
+    log.close()
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
+    assert cut_partial_row(str(path)) == 0  # a whole file is left alone
+    path.write_text(whole + "{not a row\n" + '{"step": 3}\n')
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="rl.observe"):
+        assert [r["step"] for r in read_metrics(str(tmp_path))] == [1, 3]
+    assert "skipped line 2 (not a metrics row)" in caplog.text
+    path.write_text('{"step": 1, "reward')  # no newline anywhere: the one partial row goes
+    assert cut_partial_row(str(path)) == 19 and path.read_text() == ""
