@@ -10,9 +10,10 @@ from __future__ import annotations
 def input_errors() -> tuple[type[Exception], ...]:
     """The exception classes, imported when asked (the commands import the heavy modules late)."""
     from m3jax.config import ConfigError
+    from rl.config import ConfigError as RunConfigError
     from m3jax.hf.safetensors_io import CheckpointError
     from rl.checkpoint import CheckpointMismatch
     from rl.data import DatasetError
     from sharding.mesh import MeshError
-    return (ConfigError, CheckpointError, CheckpointMismatch, DatasetError, MeshError, FileNotFoundError,
-            FileExistsError)  # an export's destination that holds something else (m3jax.hf.save.check_destination)
+    return (ConfigError, RunConfigError, CheckpointError, CheckpointMismatch, DatasetError, MeshError,
+            FileNotFoundError, FileExistsError)  # FileExistsError: m3jax.hf.save.check_destination's refusals

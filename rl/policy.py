@@ -22,7 +22,7 @@ import m3jax
 from m3jax.model.expert_tuning import RECORD_FILE, expert_work, needs_timing, tune_moe_kernel
 from m3jax.model.specs import weight_decay_mask
 from rl import checkpoint as ckpt_lib
-from rl.config import RunConfig, checkpoint_dir
+from rl.config import ConfigError, RunConfig, checkpoint_dir
 from rl.generation.backends import sampling_of
 from rl.generation.base import SamplingParams
 from rl.grpo.loss import LossConfig, aggregate, grpo_loss, normalizer
@@ -125,7 +125,10 @@ def build_policy(cfg: RunConfig, kernel_timing: str = "record", kernel_headroom:
     dtype = jnp.dtype(cfg.precision.param_dtype)
     m = cfg.mesh
     m3_cfg = cfg.model.m3_config()
-    check_widths(cfg.grpo.micro_batch_widths, sequence_multiple(m, m3_cfg), "grpo.micro_batch_widths")
+    try:  # the multiple needs the model's block size: known here, not when the config loads
+        check_widths(cfg.grpo.micro_batch_widths, sequence_multiple(m, m3_cfg), "grpo.micro_batch_widths")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     layout = Layout() if m.num_devices == 1 else build_mesh(m.to_mesh_config(), m3_cfg,
                                                             seq_len=training_positions(cfg, m3_cfg))
     options = model_options(cfg, m3_cfg, layout, kernel_timing, kernel_headroom)

@@ -403,6 +403,15 @@ def test_invalid_json_file(tmp_path):
         M3Config.from_pretrained(tmp_path)
 
 
+def test_a_weights_file_or_a_json_list_is_not_a_config(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"\x80\x00\xff" * 10)
+    with pytest.raises(ConfigError, match="model.safetensors is not JSON text \\(a weights file\\?\\)"):
+        M3Config.from_pretrained(tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="config.json holds a JSON list: expected an object of config fields"):
+        M3Config.from_pretrained(tmp_path)
+
+
 def test_missing_config_json(tmp_path):
     with pytest.raises(ConfigError, match="no config.json at " + re.escape(str(tmp_path / "config.json"))):
         M3Config.from_pretrained(tmp_path)

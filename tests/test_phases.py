@@ -190,9 +190,14 @@ def test_widths_must_split_into_the_context_shards_blocks():
             check_widths(widths, multiple=256, what="grpo.micro_batch_widths")
     cfg = load_config("configs/tiny.yaml", ["mesh.data=4", "mesh.context=2", "mesh.expert_axes=[data]",
                                             "grpo.micro_batch_size=1", "grpo.micro_batch_widths=[4]"])
+    from rl.config import ConfigError
+    from rl.input_errors import input_errors
     from rl.policy import build_policy
-    with pytest.raises(ValueError, match=r"grpo.micro_batch_widths = \[4\]: \[4\] not a multiple of 8"):
+    with pytest.raises(ConfigError, match=r"grpo.micro_batch_widths = \[4\]: \[4\] not a multiple of 8") as e:
         build_policy(cfg)  # context 2 x 4-token blocks
+    assert isinstance(e.value, input_errors())  # `python -m m3jax.train` prints it as one error line
+    with pytest.raises(ConfigError, match=r"grpo.micro_batch_widths = \[8, 4\]: allowed: positive widths in strictly"):
+        load_config("configs/tiny.yaml", ["grpo.micro_batch_widths=[8, 4]"])  # at load, where no model is needed
 
 
 def test_the_reward_panel_draws_each_reward_when_there_are_several():

@@ -284,6 +284,11 @@ def test_out_dir_is_derived_from_the_name(tmp_path):
     assert load_config(TINY, ["run.out_dir=elsewhere"]).run.out_dir == "elsewhere"
     msg = load_error(TINY, ["run.out_dir=runs/${user}"])
     assert "run.out_dir" in msg and "only ${name}" in msg
+    (tmp_path / "notes").write_text("x")
+    for out in (tmp_path / "notes", tmp_path / "notes" / "run"):  # a file, or under one: refused at load
+        assert f"run.out_dir = \"{out}\": {tmp_path / 'notes'} is a file; allowed: a directory path" in load_error(
+            TINY, [f"run.out_dir={out}"])
+    assert "out of range" in load_error(TINY, [f"run.seed={2 ** 63}"])  # jax's keys take a signed 64-bit seed
 
 
 def test_resume_false_refuses_a_directory_that_holds_checkpoints(tmp_path):

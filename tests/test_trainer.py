@@ -111,7 +111,8 @@ def test_outputs_checkpoints_export_and_plot(tiny_run, tmp_path):
     before = sorted(os.listdir(out))
     for dst in (out, os.path.dirname(out)):
         r = train(f"run.out_dir={out}", "--export", dst)
-        assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].startswith(f"error: destination {dst} "), r.stderr
+        last = r.stderr.strip().splitlines()[-1]
+        assert r.returncode == 1 and last.startswith(f"error: destination {dst} "), r.stderr
     assert sorted(os.listdir(out)) == before
     r = train(f"run.out_dir={tmp_path / 'typo'}", "--export", str(tmp_path / "x"))
     assert r.returncode == 1 and "no checkpoint to export" in r.stderr and not (tmp_path / "typo").exists()

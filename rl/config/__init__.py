@@ -106,6 +106,9 @@ def _check_paths(cfg: RunConfig) -> None:
     if cfg.eval.enabled and cfg.eval.kind == "file" and cfg.eval.path and not os.path.isfile(cfg.eval.path):
         problems.append(f"eval.path = {_show(cfg.eval.path)}: no such file; allowed: an existing .jsonl, .json or "
                         ".parquet file of held-out prompts")
+    held = _nearest_existing(cfg.run.out_dir)
+    if held is not None and not os.path.isdir(held):
+        problems.append(f"run.out_dir = {_show(cfg.run.out_dir)}: {held} is a file; allowed: a directory path")
     if not cfg.checkpoint.resume:
         ckpt_dir = checkpoint_dir(cfg)
         found = sorted(os.listdir(ckpt_dir)) if os.path.isdir(ckpt_dir) else []
@@ -117,6 +120,16 @@ def _check_paths(cfg: RunConfig) -> None:
                             "directory first)")
     if problems:
         raise ConfigError(problems)
+
+
+def _nearest_existing(path: str) -> str | None:
+    """`path` or its nearest ancestor that exists (None if none does)."""
+    path = os.path.abspath(path)
+    while not os.path.lexists(path):
+        if os.path.dirname(path) == path:
+            return None
+        path = os.path.dirname(path)
+    return path
 
 
 def _reference_path_problems(cfg: RunConfig) -> list[str]:
@@ -153,8 +166,9 @@ def load_config(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] 
                 check_paths: bool = True) -> RunConfig:
     """Read `path` (with its base chain), apply `overrides`, validate; raises ConfigError listing every problem.
 
-    check_paths: also require model.path to hold a config.json and data.path (kind=file) to exist, and, with
-    checkpoint.resume false, run.out_dir/checkpoints to hold no checkpoint (nothing is read or written there).
+    check_paths: also require model.path to hold a config.json, data.path (kind=file) to exist, run.out_dir not to
+    be (or lie under) a file, and, with checkpoint.resume false, run.out_dir/checkpoints to hold no checkpoint
+    (nothing is read or written there).
     """
     sources: dict[str, str] = {}
     tree = load_tree(os.fspath(path), [], sources)

@@ -52,6 +52,9 @@ def _hhmm_or_seconds(v: Any) -> str | None:
     return "not a number of seconds > 0 nor a 24-hour clock time HH:MM"
 
 
+MAX_SEED = 2 ** 63 - 1  # jax's keys and numpy's generators take a signed 64-bit seed
+
+
 def _out_dir_ok(v: Any) -> str | None:
     if "${" in v:
         return "has an unknown substitution (only ${name} is replaced)"
@@ -85,7 +88,7 @@ class RunSection(_Section):
     out_dir: str = _f("runs/${name}", "where checkpoints, metrics and exports go; ${name} = run.name; "
                                       "relative to the job's working directory", check=_out_dir_ok,
                       allowed="a directory path (may contain ${name})")
-    seed: int = _f(0, "seed of sampling and everything random in the step (not the model init)", min=0)
+    seed: int = _f(0, "seed of sampling and everything random in the step (not the model init)", min=0, max=MAX_SEED)
     total_steps: int = _f(200, "GRPO steps (one batch of prompts each)", min=1)
     max_wall_minutes: float | None = _f(None, "stop (after saving) once this much wall time has passed; "
                                               "null = no limit", gt=0)
@@ -108,7 +111,7 @@ class ModelSection(_Section):
                           allowed="a local Hugging Face model directory, or null when model.tiny is set")
     tiny: dict[str, Any] | None = _f(None, "M3Config fields of a randomly initialised model; exclusive with path",
                                      allowed="a mapping of M3Config fields")
-    init_seed: int = _f(0, "seed of the random initialisation of a tiny model", min=0)
+    init_seed: int = _f(0, "seed of the random initialisation of a tiny model", min=0, max=MAX_SEED)
     remat: bool = _f(False, "activation checkpointing (recompute each layer in the backward pass)")
     # m3jax.model.decoder.REMAT_POLICIES, listed here so that the schema needs no jax
     remat_policy: str = _f("full", "with remat, what each layer keeps for its backward: full (its input and "
@@ -344,7 +347,7 @@ class DataSection(_Section):
                                       "null = from the layout")
     answer_key: str | None = _f(None, "record field holding the reference answer; null = from the layout")
     chat_template: bool = _f(False, "render prompts with the tokenizer's chat template")
-    shuffle_seed: int = _f(0, "seed of the per-epoch shuffle of the prompts", min=0)
+    shuffle_seed: int = _f(0, "seed of the per-epoch shuffle of the prompts", min=0, max=MAX_SEED)
     overlong_prompts: str = _f("error", "a file prompt that renders to more than generation.max_prompt_tokens "
                                         "tokens (checked at load, every prompt): error = refuse the file, naming "
                                         "the row; drop = leave such prompts out (logged)", choices=OVERLONG_PROMPTS)

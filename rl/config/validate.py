@@ -176,6 +176,11 @@ def _cross_checks(cfg: RunConfig) -> list[_Problem]:
                                      "of model.path (a local HF model directory) or model.tiny (M3Config fields "
                                      "of a random model); set the other to null", ("model.tiny",)))
 
+    widths = list(g.micro_batch_widths)
+    if widths != sorted(set(widths)) or any(w < 1 for w in widths):
+        out.append(_Problem("grpo.micro_batch_widths", f"grpo.micro_batch_widths = {widths}: allowed: positive "
+                                                       "widths in strictly increasing order (or [] for none)"))
+
     dp = cfg.mesh.data * cfg.mesh.expert
     unit = g.updates_per_step * g.micro_batch_size * dp
     if g.sequences_per_step % unit:
