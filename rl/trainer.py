@@ -20,7 +20,7 @@ import numpy as np
 from rl import evaluate as held_out
 from rl import phases, rollout_log
 from rl.ahead import AheadDraw, draws_ahead
-from rl.checkpoint import CheckpointsUnreadable
+from rl.checkpoint import CheckpointMismatch, CheckpointsUnreadable
 from rl.config import RunConfig
 from rl.data import load_prompts
 from rl.prompt_lengths import fit_prompt_lengths
@@ -238,8 +238,14 @@ class GRPOTrainer:
                     "them, or start over in a new run.out_dir")
             return 0
         state, meta = got
+        try:  # first: a checkpoint whose data position this run's prompts cannot continue changes nothing
+            self.loader.load_state_dict(meta["data"])
+        except ValueError as e:
+            raise CheckpointMismatch(
+                f"checkpoint step {meta['step']} in {self.checkpointer.directory} cannot continue this run's prompts "
+                f"({e}): resume with the data it was saved with (data.*, and grpo.prompts_per_step for a synthetic "
+                "task, which sizes its prompt set), or start over in a new run.out_dir") from None
         self.policy.state = self.policy.place(state)
-        self.loader.load_state_dict(meta["data"])
         self.best = meta.get("best")
         # a reset's reference (not the starting weights) was saved with the state; a run resumed without a KL drops it
         self.reference_step = int(meta.get("reference_step", 0)) if self.reference is not None else 0

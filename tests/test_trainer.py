@@ -210,6 +210,12 @@ def test_resuming_under_another_model_config_is_refused(tmp_path):
     assert (f"error: checkpoint step 1 in {out}/checkpoints holds another state than this run's config builds: "
             "inner/1/mu/stacks/1/experts_down/value is (1, 4, 64, 64) there, (1, 4, 64, 32)") in r.stderr, r.stderr
     assert sorted(os.listdir(out / "checkpoints")) == ["1"]
+    # another prompt set (the synthetic task's size follows prompts_per_step): refused, naming both sizes
+    r = train(f"run.out_dir={out}", "run.total_steps=2", "logging.progress_bar=false", "eval.at_start=false",
+              "eval.every_steps=0", "grpo.prompts_per_step=100", "grpo.micro_batch_size=800")
+    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].startswith(
+        f"error: checkpoint step 1 in {out}/checkpoints cannot continue this run's prompts (loader state was saved "
+        "with 4096 records but this dataset has 6400"), r.stderr[-2000:]
     # every checkpoint damaged: the run stops rather than start over and save over them
     from tests.test_checkpoint import damage
     damage(out / "checkpoints", 1, "truncate")
