@@ -46,6 +46,9 @@ __all__ = [
 ]
 
 
+UNKNOWN = "\ufffd"  # what `DigitTokenizer.decode` writes for an id past its vocabulary (Unicode's replacement character)
+
+
 class DigitTokenizer:
     """A 16-token tokenizer with the parts of the HF tokenizer interface the trainer uses."""
 
@@ -90,7 +93,9 @@ class DigitTokenizer:
         return {"input_ids": [self.encode(t, add_special_tokens) for t in text]}
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False, **_: object) -> str:
-        """Ids -> text; specials appear as ``<eos>`` etc. unless skipped (out-of-range ids raise)."""
+        """Ids -> text; specials appear as ``<eos>`` etc. unless skipped. An id past the task's vocabulary (a model
+        whose vocabulary is larger, as model.tiny.vocab_size >= 16 or a checkpoint's allow, samples them) is
+        ``UNKNOWN``, which every reward scores as wrong; a negative id raises."""
         arr = np.asarray(ids, dtype=np.int64)
         if arr.ndim != 1:
             raise ValueError(f"DigitTokenizer.decode takes one sequence, got shape {arr.shape}; use batch_decode")
@@ -98,9 +103,11 @@ class DigitTokenizer:
         skip = set(self.all_special_ids) if skip_special_tokens else ()
         parts = []
         for t in ids:
-            if not 0 <= t < self.vocab_size:
-                raise ValueError(f"DigitTokenizer: token id {t} outside the vocabulary [0, {self.vocab_size})")
-            if t not in skip:
+            if t < 0:
+                raise ValueError(f"DigitTokenizer: negative token id {t}")
+            if t >= self.vocab_size:
+                parts.append(UNKNOWN)
+            elif t not in skip:
                 parts.append(self.TOKENS[t])
         return "".join(parts)
 

@@ -291,6 +291,15 @@ def test_out_dir_is_derived_from_the_name(tmp_path):
     assert "out of range" in load_error(TINY, [f"run.seed={2 ** 63}"])  # jax's keys take a signed 64-bit seed
 
 
+def test_a_prompt_file_needs_the_tokenizer_of_a_model_path(tmp_path):
+    """A tiny model has no tokenizer to read a prompt file with: refused at load (the trainer used to ask the Hub
+    for model `None` and fail after a minute of retries)."""
+    (tmp_path / "p.jsonl").write_text('{"prompt": "1234", "answer": "1234"}\n')
+    msg = load_error(TINY, ["data.kind=file", f"data.path={tmp_path / 'p.jsonl'}", "eval.every_steps=0",
+                            "eval.at_start=false"])
+    assert 'data.kind = "file" with model.tiny: a prompt file is read with the model\'s tokenizer' in msg
+
+
 def test_resume_false_refuses_a_directory_that_holds_checkpoints(tmp_path):
     """checkpoint.resume: false means a fresh run only: over an earlier run's checkpoints it would mix the two,
     so loading refuses, naming the directory, before anything is read or written there."""

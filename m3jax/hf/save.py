@@ -103,29 +103,29 @@ def shard_names(n: int) -> list[str]:
 
 
 def check_destination(dst: str | os.PathLike, sources=()) -> str:
-    """`dst` as an absolute path, refused (FileExistsError) before anything is read or written where writing a checkpoint
-    there would lose something: the checkpoint replaces an existing `dst` whole, so `dst` must be new, an empty
-    directory, or a checkpoint directory (config.json, safetensors files, no subdirectory: an earlier export), and
-    must neither be nor hold one of `sources` (the checkpoint being read). Before, a run directory given as the
+    """`dst` as an absolute path, refused (FileExistsError) before anything is read or written where writing a
+    checkpoint there would lose something: the checkpoint replaces an existing `dst` whole, so `dst` must be new, an
+    empty directory, or a checkpoint directory (config.json, safetensors files, no subdirectory: an earlier export),
+    and must neither be nor hold one of `sources` (the checkpoint being read). Before, a run directory given as the
     export's destination, or a conversion into its source's parent, was deleted."""
     dst = os.path.abspath(os.fspath(dst))
     for source in sources:
         if source is not None and _within(os.path.abspath(os.fspath(source)), dst):
-            raise FileExistsError(f"destination {dst} is or holds the checkpoint being read ({source}), and writing "
-                             "replaces it whole: choose another directory")
+            raise FileExistsError(f"destination {dst} is or holds the checkpoint being read ({source}), and "
+                                  "writing replaces it whole: choose another directory")
     if not os.path.lexists(dst):
         return dst
     if not os.path.isdir(dst) or os.path.islink(dst):
-        raise FileExistsError(f"destination {dst} exists and is not a directory: expected a new directory, an empty one, "
-                         "or a checkpoint directory to replace")
+        raise FileExistsError(f"destination {dst} exists and is not a directory: expected a new directory, an empty "
+                              "one, or a checkpoint directory to replace")
     entries = os.listdir(dst)
     subdirectories = sorted(e for e in entries if os.path.isdir(os.path.join(dst, e)))
     checkpoint = "config.json" in entries and any(e.endswith(".safetensors") for e in entries)
     if entries and (subdirectories or not checkpoint):
         held = ", ".join((subdirectories or sorted(entries))[:4])
         raise FileExistsError(f"destination {dst} exists and is not a checkpoint directory (it holds {held}"
-                         f"{', ...' if len(entries) > 4 else ''}), and writing replaces it whole: choose a new or "
-                         "empty directory")
+                              f"{', ...' if len(entries) > 4 else ''}), and writing replaces it whole: choose a new "
+                              "or empty directory")
     return dst
 
 
