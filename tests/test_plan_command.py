@@ -2,6 +2,7 @@
 warning `python -m m3jax.train` gives before it compiles a run its plan says will not fit."""
 
 import jax
+import pytest
 
 from m3jax.plan.__main__ import sweep
 from m3jax.plan.flops import Hardware
@@ -126,3 +127,18 @@ def test_the_memory_fraction_reaches_jax_unless_the_environment_has_one():
     assert set_memory_fraction(0.92, env) is None  # the same value: nothing to say
     note = set_memory_fraction(0.8, env)
     assert env[MEMORY_FRACTION_ENV] == "0.92" and "0.92 from the environment is used" in note
+
+
+def test_a_bad_config_or_flag_is_one_error_line(capsys):
+    """As `python -m m3jax.train` reports them: a config error on its own lines (was a traceback), and a flag out of
+    range refused by argparse (--device-memory-gb 0 planned for the default device)."""
+    from m3jax.plan.__main__ import main
+    assert main(["--config", "configs/tiny.yaml", "optim.lrr=1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("config error:\n") and "optim.lrr: unknown key (did you mean 'lr'?)" in err
+    assert main(["--config", "configs/tiny.yaml", "model.tiny=null", "model.path=/nonexistent"]) == 2
+    assert "no config.json at /nonexistent" in capsys.readouterr().err
+    for flags in (["--device-memory-gb", "0"], ["--mfu", "nan"], ["--top", "0"]):
+        with pytest.raises(SystemExit):
+            main(["--config", "configs/tiny.yaml", *flags])
+        assert f"{flags[0]} " in capsys.readouterr().err

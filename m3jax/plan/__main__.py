@@ -17,14 +17,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import math
 import os
 import sys
 
+from m3jax.config import ConfigError as M3ConfigError
 from m3jax.plan.check import print_check
 from m3jax.plan.compile import compile_reduced, print_compile
 from m3jax.plan.flops import Hardware, context_imbalance
 from m3jax.plan.job import DEFAULT_DEVICE_GB, Job, invalid_reason, load_job, plan
 from m3jax.plan.memory import GB, memory_plan
+from rl.config import ConfigError
 from sharding.mesh import JAX_DEFAULT_MEMORY_FRACTION
 
 def verdict(mem: dict, device_gb: float) -> str:
@@ -199,7 +202,18 @@ def main(argv=None) -> int:
     if a.target_config and not os.path.isfile(a.target_config):
         ap.error(f"--target-config {a.target_config!r}: no such file (expected a text GpuTargetConfigProto, such as "
                  "scripts/gpu_specs/h200.txtpb)")
-    job = dataclasses.replace(load_job(a.config, a.overrides, a.model), ragged_dot=a.ragged_dot)
+    for flag, value in (("--device-memory-gb", a.device_memory_gb), ("--peak-tflops", a.peak_tflops),
+                        ("--mfu", a.mfu), ("--nvlink-gbps", a.nvlink_gbps), ("--ib-gbps", a.ib_gbps),
+                        ("--pcie-gbps", a.pcie_gbps)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            ap.error(f"{flag} {value:g}: expected a number > 0")
+    if a.top < 1:
+        ap.error(f"--top {a.top}: expected a row count >= 1")
+    try:
+        job = dataclasses.replace(load_job(a.config, a.overrides, a.model), ragged_dot=a.ragged_dot)
+    except (ConfigError, M3ConfigError) as e:  # what `python -m m3jax.train` prints for the same config
+        print(f"config error:\n{e}", file=sys.stderr)
+        return 2
     hw = Hardware(a.peak_tflops * 1e12, a.mfu, a.nvlink_gbps * 1e9, a.ib_gbps * 1e9, pcie_bw=a.pcie_gbps * 1e9)
     # What JAX may hold of each device: the plan must fit in that, not in the whole device.
     gpu_gb = a.device_memory_gb or job.device_memory_gb
