@@ -35,13 +35,17 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=READ_THREADS,
                     help="parts read and written at once (more for a network filesystem)")
     args = ap.parse_args(argv)
+    if args.threads < 1:
+        ap.error(f"--threads {args.threads}: expected at least 1")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    # jax's backend probe (no TPU here, and the like) says nothing a conversion needs; the load's progress stays
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.ERROR)
     t0 = time.perf_counter()
     try:
         convert_checkpoint(args.src, args.dst, layout=args.layout, dtype=DTYPES.get(args.dtype),
                            max_shard_size=args.max_shard_size, threads=args.threads, carry_from=args.carry_from,
                            progress=True)
-    except (ConfigError, CheckpointError, OSError) as e:
+    except (ConfigError, CheckpointError, OSError, ValueError) as e:  # ValueError: a flag's value, named
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"converted {args.src} -> {args.dst} ({args.layout} layout) in {time.perf_counter() - t0:.1f}s")

@@ -17,6 +17,12 @@ def main(argv=None) -> None:
     ap.add_argument("--metrics", nargs="+", default=None, help="compare these metrics across the runs")
     ap.add_argument("--labels", nargs="+", default=None, help="one legend label per run (default: directory names)")
     args = ap.parse_args(argv)
+    import os
+    missing = [d for d in args.run_dirs if not os.path.isfile(os.path.join(d, "metrics.jsonl"))]
+    if missing:
+        ap.error(f"no metrics.jsonl in {', '.join(missing)}: expected the run.out_dir of a run")
+    if args.labels is not None and len(args.labels) != len(args.run_dirs):
+        ap.error(f"--labels: {len(args.labels)} label(s) for {len(args.run_dirs)} run(s); expected one per run")
     if args.metrics is None:
         if len(args.run_dirs) != 1:
             ap.error("several runs need --metrics (the metrics to compare) and --out")

@@ -197,10 +197,17 @@ def test_convert_cli(src, tmp_path):
     r = subprocess.run([sys.executable, "-m", "m3jax.convert", dirs["native"], str(dst), "--layout", "released",
                         "--threads", "2", "--carry-from", dirs["released"]], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr
+    assert "Unable to initialize backend" not in r.stderr  # jax's backend probe is no news to a conversion
     assert_bitwise_equal(read_all(dst), read_all(dirs["released"]))  # the release's vision tower carried
     bad = subprocess.run([sys.executable, "-m", "m3jax.convert", str(tmp_path / "nowhere"), str(dst)],
                          capture_output=True, text=True, cwd=ROOT)
     assert bad.returncode == 2 and "no config.json" in bad.stderr
+    from m3jax.convert import main
+    for size in ("5XB", "0"):  # one error line, before anything is read
+        assert main([dirs["native"], str(tmp_path / "x"), "--max-shard-size", size]) == 2
+        assert not (tmp_path / "x").exists()
+    with pytest.raises(SystemExit):
+        main([dirs["native"], str(tmp_path / "x"), "--threads", "0"])
 
 
 def test_release_size_model_is_created_abstractly():

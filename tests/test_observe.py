@@ -44,3 +44,16 @@ def test_a_row_cut_short_by_a_crash_is_removed_on_resume_and_skipped_by_readers(
     assert "skipped line 2 (not a metrics row)" in caplog.text
     path.write_text('{"step": 1, "reward')  # no newline anywhere: the one partial row goes
     assert cut_partial_row(str(path)) == 19 and path.read_text() == ""
+
+
+def test_the_plot_command_names_a_directory_without_metrics_and_a_label_count_that_does_not_fit(tmp_path, capsys):
+    import pytest
+
+    from m3jax.plot import main
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "nowhere")])
+    assert f"no metrics.jsonl in {tmp_path / 'nowhere'}: expected the run.out_dir of a run" in capsys.readouterr().err
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.5}\n')
+    with pytest.raises(SystemExit):
+        main([str(tmp_path), str(tmp_path), "--metrics", "reward/mean", "--labels", "a", "--out", str(tmp_path / "c.png")])
+    assert "--labels: 1 label(s) for 2 run(s); expected one per run" in capsys.readouterr().err

@@ -29,14 +29,19 @@ _UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GI
 
 
 def parse_size(size: int | str) -> int:
-    """5_000_000_000, "5GB", "512MiB" -> bytes."""
-    if isinstance(size, int):
-        return size
-    s = size.strip().upper()
-    for unit in sorted(_UNITS, key=len, reverse=True):
-        if s.endswith(unit):
-            return int(float(s[: -len(unit)]) * _UNITS[unit])
-    return int(s)
+    """5_000_000_000, "5GB", "512MiB" -> bytes (ValueError naming the value unless it is a positive size)."""
+    try:
+        if isinstance(size, str):
+            s = size.strip().upper()
+            unit = next((u for u in sorted(_UNITS, key=len, reverse=True) if s.endswith(u)), "")
+            nbytes = int(float(s[: len(s) - len(unit)]) * _UNITS[unit]) if unit else int(s)
+        else:
+            nbytes = int(size) if int(size) == size else -1
+    except (TypeError, ValueError, OverflowError):
+        nbytes = -1
+    if nbytes < 1:
+        raise ValueError(f"max_shard_size = {size!r}: expected a positive size, such as 5GB, 500MB or a byte count")
+    return nbytes
 
 
 def save_pretrained(model, path: str | os.PathLike, layout: str = "native", max_shard_size: int | str = "5GB",
