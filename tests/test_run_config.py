@@ -288,6 +288,9 @@ def test_out_dir_is_derived_from_the_name(tmp_path):
     for out in (tmp_path / "notes", tmp_path / "notes" / "run"):  # a file, or under one: refused at load
         assert f"run.out_dir = \"{out}\": {tmp_path / 'notes'} is a file; allowed: a directory path" in load_error(
             TINY, [f"run.out_dir={out}"])
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "checkpoints").write_text("x")  # the first save would fail after a step of work
+    assert f"{tmp_path / 'run' / 'checkpoints'} is a file" in load_error(TINY, [f"run.out_dir={tmp_path / 'run'}"])
     assert "out of range" in load_error(TINY, [f"run.seed={2 ** 63}"])  # jax's keys take a signed 64-bit seed
 
 

@@ -110,9 +110,10 @@ def _check_paths(cfg: RunConfig) -> None:
     if cfg.eval.enabled and cfg.eval.kind == "file" and cfg.eval.path and not os.path.isfile(cfg.eval.path):
         problems.append(f"eval.path = {_show(cfg.eval.path)}: no such file; allowed: an existing .jsonl, .json or "
                         ".parquet file of held-out prompts")
-    held = _nearest_existing(cfg.run.out_dir)
+    held = _nearest_existing(checkpoint_dir(cfg))  # the run directory, or a file named like its checkpoints
     if held is not None and not os.path.isdir(held):
-        problems.append(f"run.out_dir = {_show(cfg.run.out_dir)}: {held} is a file; allowed: a directory path")
+        problems.append(f"run.out_dir = {_show(cfg.run.out_dir)}: {held} is a file; allowed: a directory path (whose "
+                        "checkpoints/ is a directory or absent)")
     if not cfg.checkpoint.resume:
         ckpt_dir = checkpoint_dir(cfg)
         found = sorted(os.listdir(ckpt_dir)) if os.path.isdir(ckpt_dir) else []
