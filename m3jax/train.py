@@ -92,6 +92,10 @@ def _train(cfg, args) -> int:
     except CheckpointMismatch as e:  # raised by the resume, before the first step
         print(f"error: {e}", file=sys.stderr)
         return 1
+    if trainer.resumed_from >= cfg.run.total_steps:
+        print(f"nothing to train: {trainer.checkpointer.directory} holds step {trainer.resumed_from} and "
+              f"run.total_steps = {cfg.run.total_steps} (raise it to train further); run directory {cfg.run.out_dir}")
+        return 0
     held = ""
     if "val/pass@1" in last:  # the evaluation after the last step, and the best of the run
         held = f", held-out pass@1 {last['val/pass@1']:.3f}"

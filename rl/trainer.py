@@ -266,6 +266,7 @@ class GRPOTrainer:
         cfg = self.cfg
         start_wall = time.time()
         first = self.resume()
+        self.resumed_from = first  # at or past run.total_steps: nothing left to train
         deadline = cfg.checkpoint.deadline_seconds(datetime.datetime.now())
         logger = RunLogger(self.run_dir, tensorboard=cfg.logging.tensorboard, progress_bar=cfg.logging.progress_bar,
                            total_steps=cfg.run.total_steps, first_step=first,
