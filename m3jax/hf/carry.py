@@ -35,8 +35,8 @@ def carried(src: str | os.PathLike | None, layout: str) -> dict[str, TensorInfo]
     from m3jax.hf.load import checkpoint_files
     kept = {n: t for n, t in checkpoint_files(os.fspath(src)).items() if layouts.SKIPPED.search(n)}
     if not kept:
-        log.info("%s holds no vision tower to carry (a native-layout checkpoint?): the released checkpoint holds the "
-                 "text model only", src)
+        log.info("%s holds no vision tower to carry (a native-layout or text-only checkpoint): the released "
+                 "checkpoint holds the text model only", src)
     return kept
 
 
