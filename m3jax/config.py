@@ -166,6 +166,9 @@ class M3Config:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise _err(name, v, "a positive integer")
+        if isinstance(self.max_position_embeddings, bool) or not isinstance(self.max_position_embeddings, int) \
+                or self.max_position_embeddings <= 0:
+            raise _err("max_position_embeddings", self.max_position_embeddings, "a positive integer")
         if isinstance(self.index_local_blocks, bool) or not isinstance(self.index_local_blocks, int) \
                 or self.index_local_blocks < 0:
             raise _err("index_local_blocks", self.index_local_blocks, "an integer >= 0")
@@ -398,4 +401,7 @@ def _read_rope(text: dict, take, head_dim: int) -> dict[str, Any]:
                        f"a partial_rotary_factor too (= rotary_dim / head_dim = {rotary_dim / head_dim}): "
                        "HF ignores rotary_dim and would rotate all head_dim channels")
         prf = 1.0
+    for name, value in (("rope_theta", theta), ("partial_rotary_factor", prf)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):  # validate() judges the number's range
+            raise _err(name, value, "a number")
     return {"rope_theta": float(theta), "partial_rotary_factor": float(prf)}

@@ -403,6 +403,14 @@ def test_invalid_json_file(tmp_path):
         M3Config.from_pretrained(tmp_path)
 
 
+def test_rope_values_that_are_not_numbers_and_no_positions_are_config_errors():
+    raw = ref.tiny_config("release_like").to_dict()
+    for key, bad, expected in (("rope_parameters", {"rope_type": "default", "rope_theta": "big"}, "'rope_theta'"),
+                               ("max_position_embeddings", 0, "'max_position_embeddings'")):
+        with pytest.raises(ConfigError, match=expected):
+            M3Config.from_hf_dict({**raw, key: bad})
+
+
 def test_a_weights_file_or_a_json_list_is_not_a_config(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"\x80\x00\xff" * 10)
     with pytest.raises(ConfigError, match="model.safetensors is not JSON text \\(a weights file\\?\\)"):
