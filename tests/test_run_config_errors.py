@@ -183,6 +183,11 @@ def test_missing_base_file(tmp_path):
         tmp_path / "absent.yaml")
 
 
+def test_a_config_file_that_is_not_text(tmp_path):
+    (tmp_path / "bin.yaml").write_bytes(b"\xff\xfe\x00")
+    assert "is not UTF-8 text (byte 0); allowed: a YAML file" in load_error(tmp_path / "bin.yaml")
+
+
 def test_base_of_wrong_type(tmp_path):
     msg = load_error(write(tmp_path, "x.yaml", "base: [a.yaml]\n"))
     assert "base = [\"a.yaml\"]" in msg and "wrong type (a list)" in msg and "relative to this one" in msg

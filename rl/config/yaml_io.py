@@ -137,6 +137,8 @@ def _read_file(path: str, chain: list[str]) -> dict:
         raise ConfigError(f"config file {shown} is a directory, not a YAML file") from None
     except OSError as e:
         raise ConfigError(f"config file {shown} cannot be read: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {shown} is not UTF-8 text (byte {e.start}); allowed: a YAML file") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
         where = f"{shown}:{mark.line + 1}:{mark.column + 1}" if mark else shown
