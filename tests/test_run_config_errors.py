@@ -100,6 +100,9 @@ BAD_FILES = {
     "process_id_past_num_processes": ("mesh: {num_processes: 2, process_id: 2}\n",
                                       ["mesh.process_id = 2: not below mesh.num_processes = 2; allowed: an integer "
                                        "in [0, 2)"]),
+    "more_processes_than_devices": ("mesh: {num_processes: 2}\n",
+                                    ["mesh.num_processes = 2 with a mesh of 1 device(s): every process holds devices "
+                                     "of the mesh"]),
     "fsdp_step_axes_not_a_tail": ("mesh: {fsdp_axes: [data, context], fsdp_step_axes: [data]}\n",
                                   ['mesh.fsdp_step_axes = ["data"]: not the last entries of mesh.fsdp_axes = '
                                    '["data", "context"]; allowed: [] or a proper tail of fsdp_axes']),

@@ -294,6 +294,11 @@ def _cross_checks(cfg: RunConfig) -> list[_Problem]:
             + ("all of" if step == fsdp else "not the last entries of") + f" mesh.fsdp_axes = {_show(list(fsdp))}; "
             "allowed: [] or a proper tail of fsdp_axes (the axes gathered once per step listed last, e.g. fsdp_axes "
             "[context, data] with fsdp_step_axes [data])"), ("mesh.fsdp_axes",)))
+    if mp.num_processes is not None and mp.num_processes > mp.num_devices:
+        out.append(_Problem("mesh.num_processes", (
+            f"mesh.num_processes = {mp.num_processes} with a mesh of {mp.num_devices} device(s): every process "
+            "holds devices of the mesh (a one-device mesh trains alone, without joining the job); allowed: at most "
+            "mesh.data x context x expert x tensor"), ("mesh.data", "mesh.context", "mesh.expert", "mesh.tensor")))
     if mp.process_id is not None and mp.num_processes is not None and mp.process_id >= mp.num_processes:
         out.append(_Problem("mesh.process_id", f"mesh.process_id = {mp.process_id}: not below mesh.num_processes "
                                                f"= {mp.num_processes}; allowed: an integer in [0, {mp.num_processes})",
