@@ -136,12 +136,17 @@ class Checkpointer:
                 "or start this one in another run.out_dir (or run.name)")
 
     def restore_step(self, step: int, like: TrainState) -> tuple[TrainState, dict]:
-        """Checkpoint `step` rebuilt into the layout of `like`; no fallback (an unreadable one raises, one of
-        another state raises CheckpointMismatch)."""
+        """Checkpoint `step` rebuilt into the layout of `like`; no fallback (an unreadable one raises
+        CheckpointsUnreadable naming it, one of another state CheckpointMismatch)."""
         target = _restore_target(like)
         self._check_state(step, target)
-        got = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
-                                                                 meta=ocp.args.JsonRestore()))
+        try:
+            got = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
+                                                                     meta=ocp.args.JsonRestore()))
+        except Exception as e:  # noqa: BLE001 - orbax / TensorStore raise many kinds for damaged files
+            _quiet_abandoned_reads()
+            raise CheckpointsUnreadable(f"checkpoint step {step} in {self.directory} is unreadable "
+                                        f"({type(e).__name__}: {str(e)[:200]})") from None
         return _rebuild(like, got["state"]), dict(got["meta"])
 
     def save(self, step: int, state: TrainState, meta: dict, reference=None) -> float:

@@ -22,7 +22,7 @@ import pytest
 from flax import nnx
 
 from m3jax import M3Config, M3ForCausalLM
-from rl.checkpoint import Checkpointer
+from rl.checkpoint import Checkpointer, CheckpointsUnreadable
 from sharding import optim_step, precision
 from sharding.mesh import MeshConfig, build_mesh
 from sharding.train_step import init_state, make_train_step, state_shardings
@@ -360,6 +360,13 @@ def test_every_checkpoint_damaged_returns_none_with_warnings(runs, two_steps, tm
     warned = warnings_of(caplog)
     assert any("step 4" in w for w in warned) and any("step 2" in w for w in warned), warned
     assert {"2", "4"} <= set(os.listdir(d))
+    ck = Checkpointer(d)  # one step asked by number (`python -m m3jax.eval --step 4`): one error naming it
+    try:
+        with pytest.raises(CheckpointsUnreadable, match=f"checkpoint step 4 in {d} is unreadable"):
+            ck.restore_step(4, runs["fp32"].fresh)
+    finally:
+        ck.close()
+        gc.collect()
 
 
 def test_interrupted_async_save_is_ignored(runs, batches, two_steps, tmp_path, caplog):
