@@ -14,7 +14,7 @@ import os
 from typing import Any
 
 from rl import evaluate as held_out
-from rl.config import RunConfig, checkpoint_dir
+from rl.config import ConfigError, RunConfig, checkpoint_dir
 from rl.generation.backends import sampling_of
 from rl.generation.jax_engine import JaxEngine
 
@@ -73,6 +73,13 @@ def from_hf(cfg: RunConfig, path: str) -> LoadedPolicy:
 
     m = cfg.mesh
     m3_cfg = m3jax.M3Config.from_pretrained(path)
+    from rl.config.validate_eval import eval_lengths
+    prompt, new = eval_lengths(cfg)
+    if prompt + new > m3_cfg.max_position_embeddings:  # what the config check says of model.path, for --hf's model
+        raise ConfigError(f"{path}: the evaluation's prompt + response limits are {prompt} + {new} = {prompt + new} "
+                          f"positions, more than the model has (max_position_embeddings = "
+                          f"{m3_cfg.max_position_embeddings}); allowed: eval.max_prompt_tokens + eval.max_new_tokens "
+                          f"of at most {m3_cfg.max_position_embeddings}")
     layout = Layout() if m.num_devices == 1 else build_mesh(m.to_mesh_config(), m3_cfg,
                                                             seq_len=training_positions(cfg, m3_cfg))
     model = m3jax.from_pretrained(path, dtype=jnp.dtype(cfg.precision.param_dtype), mesh=layout,

@@ -188,6 +188,11 @@ def test_bad_model_or_mesh_is_one_error_line(tmp_path):
     assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].startswith(
         f"error: checkpoint (native layout) does not match its config: tensor {name} has shape"), r.stderr
     assert "Traceback" not in r.stderr
+    config = json.load(open(os.path.join(hf_dir, "config.json")))
+    json.dump({**config, "max_position_embeddings": 8}, open(os.path.join(hf_dir, "config.json"), "w"))
+    r, _ = evaluate(tmp_path / "run", "--hf", hf_dir)  # shorter than the evaluation's sequences: said before loading
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "more than the model has (max_position_embeddings " \
+        "= 8)" in r.stderr.strip().splitlines()[-1], r.stderr
     r = train(f"run.out_dir={tmp_path / 'x'}", "mesh.data=2", "grpo.micro_batch_size=128")
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert "error: mesh data x context x expert x tensor = 2 x 1 x 1 x 1 = 2 devices, but 1 are available" in r.stderr
