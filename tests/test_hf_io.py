@@ -170,6 +170,14 @@ def test_a_destination_holding_anything_but_a_checkpoint_is_refused_untouched(sr
     assert_bitwise_equal(read_all(empty), read_all(convert_checkpoint(dirs["native"], tmp_path / "fresh", "released")))
 
 
+def test_a_parameter_dtype_that_is_not_a_float_type_is_refused(src):
+    from m3jax.config import ConfigError
+    _, dirs = src
+    for dtype in (jnp.int32, "floaty", jnp.float8_e4m3fn):  # int32 used to load every weight truncated
+        with pytest.raises(ConfigError, match="not a parameter dtype; allowed: a float type"):
+            m3jax.from_pretrained(dirs["native"], dtype=dtype)
+
+
 def test_failed_save_leaves_previous_directory_untouched(src, tmp_path, monkeypatch):
     _, dirs = src
     model = m3jax.from_pretrained(dirs["native"])

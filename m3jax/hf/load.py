@@ -21,7 +21,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from m3jax.config import M3Config
+from m3jax.config import ConfigError, M3Config
 from m3jax.hf import layouts
 from m3jax.hf.read_blocks import ParamBlocks, TensorReader, build_params
 from m3jax.hf.safetensors_io import CheckpointError, TensorInfo, read_header
@@ -29,6 +29,8 @@ from m3jax.hf.tensors import processes_where
 from m3jax.model.decoder import M3ForCausalLM
 from sharding.layout import as_layout
 from sharding.mesh import mesh_config_of, validate
+
+PARAM_DTYPES = tuple(np.dtype(d) for d in ("float32", "bfloat16", "float16"))  # what the model computes in
 
 log = logging.getLogger(__name__)
 _FLOAT = ("F32", "BF16", "F16", "F64")
@@ -119,6 +121,7 @@ def from_pretrained(path: str | os.PathLike, dtype=None, *, mesh=None, check_fin
     model_options: passed to M3ForCausalLM (remat, moe_capacity_factor, moe_exchange, moe_kernel).
     """
     path = os.fspath(path)
+    _check_param_dtype(dtype)
     cfg = M3Config.from_pretrained(path)
     tensors = checkpoint_files(path)
     _, slots, tensors = plan_load(cfg, tensors)
@@ -192,3 +195,17 @@ def _agree_finite(problems: list[str]) -> None:
         raise CheckpointError("; ".join(problems[:5]) + (f"; ... and {len(problems) - 5} more" if len(problems) > 5
                                                         else "") + ": the checkpoint's weights are not finite (a "
                               "diverged run or a broken export); pass check_finite=False to load it anyway")
+
+
+def _check_param_dtype(dtype) -> None:
+    """A parameter dtype is one of PARAM_DTYPES (an int dtype truncated every weight, and the export it wrote was
+    then refused by this loader); refused before anything is read."""
+    if dtype is None:
+        return
+    try:
+        ok = np.dtype(dtype) in PARAM_DTYPES
+    except TypeError:
+        ok = False
+    if not ok:
+        raise ConfigError(f"dtype = {dtype!r}: not a parameter dtype; allowed: a float type (float32, bfloat16, "
+                          "float16)")
