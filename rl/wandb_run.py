@@ -41,7 +41,8 @@ def open_run(run_dir: str, cfg):
     os.makedirs(run_dir, exist_ok=True)
     return wandb.init(project=lg.wandb_project, entity=lg.wandb_entity, mode=lg.wandb_mode, dir=run_dir,
                       name=cfg.run.name, config=as_dict(cfg), id=run_id(run_dir),
-                      resume="allow")
+                      resume="allow", settings=wandb.Settings(quiet=True))  # no run history / summary tables on
+    # the terminal at the end (README: the terminal shows the bar, the project's messages and warnings)
 
 
 def scalars(metrics: dict) -> dict:

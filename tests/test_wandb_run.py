@@ -37,6 +37,7 @@ def fake_wandb(monkeypatch):
     module = types.ModuleType("wandb")
     module.__spec__ = importlib.machinery.ModuleSpec("wandb", None)  # what the config's find_spec("wandb") reads
     module.init = init
+    module.Settings = dict  # what open_run hands to init as settings
     monkeypatch.setitem(sys.modules, "wandb", module)
     return runs
 
@@ -91,7 +92,7 @@ def test_the_config_refuses_the_option_without_the_package(tmp_path, monkeypatch
 
 
 @pytest.mark.slow  # two short runs of the tiny trainer with the real wandb, offline
-def test_an_offline_run_and_its_resume_write_one_wandb_run(tmp_path):
+def test_an_offline_run_and_its_resume_write_one_wandb_run(tmp_path, capfd):
     pytest.importorskip("wandb", reason="the wandb package (the cpu extra) is not installed")
     from rl.config import load_config
     from rl.trainer import GRPOTrainer
@@ -111,3 +112,4 @@ def test_an_offline_run_and_its_resume_write_one_wandb_run(tmp_path):
     rid = (tmp_path / ID_FILE).read_text().strip()
     files = sorted(glob.glob(str(tmp_path / "wandb" / "offline-run-*" / f"run-{rid}.wandb")))
     assert len(files) == 2 and all(os.path.getsize(f) > 0 for f in files)  # one W&B run id, written twice
+    assert "Run history" not in "".join(capfd.readouterr())  # W&B's closing tables stay off the terminal
