@@ -22,6 +22,7 @@ from rl import phases, rollout_log
 from rl.ahead import AheadDraw, draws_ahead
 from rl.checkpoint import CheckpointMismatch, CheckpointsUnreadable
 from rl.config import RunConfig
+from rl.config_record import record_config
 from rl.data import load_prompts
 from rl.prompt_lengths import fit_prompt_lengths
 from rl.generation import backends
@@ -267,6 +268,12 @@ class GRPOTrainer:
         start_wall = time.time()
         first = self.resume()
         self.resumed_from = first  # at or past run.total_steps: nothing left to train
+        if jax.process_index() == 0:
+            changed = record_config(self.run_dir, cfg)
+            if changed and first:
+                log.warning("resumed from step %d with settings changed since config.yaml was last written: %s", first,
+                            "; ".join(f"{k} {a!r} -> {b!r}" for k, a, b in changed[:12])
+                            + (f"; and {len(changed) - 12} more" if len(changed) > 12 else ""))
         deadline = cfg.checkpoint.deadline_seconds(datetime.datetime.now())
         logger = RunLogger(self.run_dir, tensorboard=cfg.logging.tensorboard, progress_bar=cfg.logging.progress_bar,
                            total_steps=cfg.run.total_steps, first_step=first,

@@ -57,3 +57,19 @@ def test_the_plot_command_names_a_directory_without_metrics_and_a_label_count_th
     with pytest.raises(SystemExit):
         main([str(tmp_path), str(tmp_path), "--metrics", "reward/mean", "--labels", "a", "--out", str(tmp_path / "c.png")])
     assert "--labels: 1 label(s) for 2 run(s); expected one per run" in capsys.readouterr().err
+
+
+def test_the_run_directory_keeps_its_config_and_a_resume_names_what_changed(tmp_path):
+    """`<run.out_dir>/config.yaml` is the resolved config (`--print-config`'s text: it loads back to the same
+    config); writing it again returns the settings that differ from the file there, which a resumed run warns of
+    (nothing in a checkpoint records a learning rate)."""
+    from rl.config import load_config
+    from rl.config_record import CONFIG_FILE, differences, record_config
+    cfg = load_config("configs/tiny.yaml", [f"run.out_dir={tmp_path}"])
+    assert record_config(str(tmp_path), cfg) == []
+    assert load_config(str(tmp_path / CONFIG_FILE)) == cfg
+    again = load_config("configs/tiny.yaml", [f"run.out_dir={tmp_path}", "optim.lr=3e-4", "grpo.loss=gspo"])
+    changed = record_config(str(tmp_path), again)
+    assert ("optim.lr", 1e-3, 3e-4) in changed and [k for k, *_ in changed] == ["optim.lr", "grpo.loss"]
+    assert load_config(str(tmp_path / CONFIG_FILE)) == again
+    assert differences({"a": {"b": 1}}, {"a": {"b": 1, "c": 2}, "d": 3}) == [("a.c", None, 2), ("d", None, 3)]

@@ -209,10 +209,13 @@ def test_resuming_under_another_model_config_is_refused(tmp_path):
     out = tmp_path / "run"
     assert train(f"run.out_dir={out}", "run.total_steps=1", "logging.progress_bar=false",
                  "eval.at_start=false", "eval.every_steps=0").returncode == 0
+    assert (out / "config.yaml").exists()  # the resolved config, kept with the run
     r = train(f"run.out_dir={out}", "run.total_steps=1", "logging.progress_bar=false",  # already complete
-              "eval.at_start=false", "eval.every_steps=0")
+              "eval.at_start=false", "eval.every_steps=0", "optim.lr=3e-4")
     assert r.returncode == 0 and r.stdout.startswith(f"nothing to train: {out}/checkpoints holds step 1 and "
                                                      "run.total_steps = 1 (raise it to train further)"), r.stdout
+    assert "resumed from step 1 with settings changed since config.yaml was last written: optim.lr 0.001 -> " \
+           "0.0003" in r.stderr, r.stderr  # a checkpoint records no learning rate: the run says what changed
     r = train(f"run.out_dir={out}", "run.total_steps=2", "logging.progress_bar=false", "eval.at_start=false",
               "eval.every_steps=0", "model.tiny.intermediate_size=32")
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
