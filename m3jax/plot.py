@@ -5,6 +5,7 @@ python -m m3jax.plot RUN_DIR RUN_DIR ... --metrics indexer/recall reward/mean [-
 those metrics of several runs side by side, one curve per run."""
 
 import argparse
+import os
 
 from rl.observe import plot_compare, plot_run
 
@@ -17,7 +18,6 @@ def main(argv=None) -> None:
     ap.add_argument("--metrics", nargs="+", default=None, help="compare these metrics across the runs")
     ap.add_argument("--labels", nargs="+", default=None, help="one legend label per run (default: directory names)")
     args = ap.parse_args(argv)
-    import os
     missing = [d for d in args.run_dirs if not os.path.isfile(os.path.join(d, "metrics.jsonl"))]
     if missing:
         ap.error(f"no metrics.jsonl in {', '.join(missing)}: expected the run.out_dir of a run")
