@@ -38,8 +38,11 @@ def main(argv=None) -> int:
     if args.threads < 1:
         ap.error(f"--threads {args.threads}: expected at least 1")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    # jax's backend probe (no TPU here, and the like) says nothing a conversion needs; the load's progress stays
-    logging.getLogger("jax._src.xla_bridge").setLevel(logging.ERROR)
+    # jax's backend probe (no TPU here, and the like) says nothing a conversion needs; the load's progress stays.
+    # Restored after: main() also runs inside other processes (tests), whose logging is theirs.
+    probe = logging.getLogger("jax._src.xla_bridge")
+    level = probe.level
+    probe.setLevel(logging.ERROR)
     t0 = time.perf_counter()
     try:
         convert_checkpoint(args.src, args.dst, layout=args.layout, dtype=DTYPES.get(args.dtype),
@@ -48,6 +51,8 @@ def main(argv=None) -> int:
     except (ConfigError, CheckpointError, OSError, ValueError) as e:  # ValueError: a flag's value, named
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        probe.setLevel(level)
     print(f"converted {args.src} -> {args.dst} ({args.layout} layout) in {time.perf_counter() - t0:.1f}s")
     return 0
 
