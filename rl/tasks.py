@@ -46,7 +46,8 @@ __all__ = [
 ]
 
 
-UNKNOWN = "\ufffd"  # what `DigitTokenizer.decode` writes for an id past its vocabulary (Unicode's replacement character)
+# What `DigitTokenizer.decode` writes for an id past its vocabulary (Unicode's replacement character)
+UNKNOWN = "\ufffd"
 
 
 class DigitTokenizer:

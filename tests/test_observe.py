@@ -55,7 +55,8 @@ def test_the_plot_command_names_a_directory_without_metrics_and_a_label_count_th
     assert f"no metrics.jsonl in {tmp_path / 'nowhere'}: expected the run.out_dir of a run" in capsys.readouterr().err
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.5}\n')
     with pytest.raises(SystemExit):
-        main([str(tmp_path), str(tmp_path), "--metrics", "reward/mean", "--labels", "a", "--out", str(tmp_path / "c.png")])
+        main([str(tmp_path), str(tmp_path), "--metrics", "reward/mean", "--labels", "a",
+              "--out", str(tmp_path / "c.png")])
     assert "--labels: 1 label(s) for 2 run(s); expected one per run" in capsys.readouterr().err
 
 
