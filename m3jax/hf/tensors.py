@@ -18,9 +18,9 @@ def hf_tensors(model, layout: str = "native", on_host: bool = True):
     flat = dict(nnx.to_flat_state(nnx.state(model)))
     for slot in layouts.slots(model.cfg, layout):
         value = flat[slot.param].get_value()
-        if on_host:
-            value = host_view(value)  # on CPU: a numpy view, no dispatched slice
-        value = value[slot.index] if slot.index else whole(value) if on_host else value
+        if on_host:  # on CPU: a numpy view, no dispatched slice; a whole parameter sharded over devices gathered
+            value = host_view(value, gather=not slot.index)  # from its shards' views (not cached on it by jax)
+        value = value[slot.index] if slot.index else value
         yield slot.name, (on_host_array(value) if on_host else value).reshape(slot.shape)
 
 
@@ -53,19 +53,6 @@ def host_view(x, gather: bool = False):
     for shard in x.addressable_shards:
         out[shard.index] = np.asarray(shard.data)
     return out
-
-
-def whole(value):
-    """A parameter to be fetched whole by `on_host_array`: a temporary copy of it where it is sharded over several
-    CPU devices, whose numpy form jax would otherwise cache on the parameter (a second host copy for as long as the
-    parameter lives); the copy's cache dies with the copy. On an accelerator the parameter itself is fetched: a
-    copy there would take device memory, the scarcer of the two, and the host copy jax keeps lasts until the next
-    update replaces the parameter."""
-    import jax
-    import jax.numpy as jnp
-    sharded_on_cpu = (isinstance(value, jax.Array) and value.is_fully_addressable and len(value.devices()) > 1
-                      and not value.is_fully_replicated and all(d.platform == "cpu" for d in value.devices()))
-    return jnp.copy(value) if sharded_on_cpu else value
 
 
 def on_host_array(value) -> np.ndarray:
