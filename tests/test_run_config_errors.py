@@ -239,3 +239,27 @@ def test_bad_override_is_rejected(case):
     msg = load_error(TINY, [override])
     for s in expected:
         assert s in msg, f"{case}: {s!r} not in\n{msg}"
+
+
+def test_stop_tokens_outside_a_checkpoint_vocabulary(tmp_path):
+    """model.path: the stop tokens (generation.stop_token_ids, or config.json's eos_token_id when that list is
+    empty) must be below config.json's vocab_size, or no response would ever stop."""
+    import json
+
+    from rl.config import load_config
+    from tests.test_run_config import TINY
+    hf = load_config(TINY).model.m3_config().to_hf_dict()
+    model = tmp_path / "model"
+    model.mkdir()
+    path = ["model.tiny=null", f"model.path={model}", "generation.stop_token_ids=[]"]  # tiny.yaml names <eos>
+    for eos in (99, [2, 99]):
+        (model / "config.json").write_text(json.dumps({**hf, "eos_token_id": eos}))
+        msg = load_error(TINY, path)
+        assert (f"generation.stop_token_ids = []: responses would stop at the model's eos_token_id, but 99 "
+                f"(eos_token_id in {model}/config.json) is not below its vocab_size = 16") in msg, msg
+        assert load_config(TINY, path + ["generation.stop_token_ids=[12]"]).generation.stop_token_ids == (12,)
+    (model / "config.json").write_text(json.dumps(hf))
+    assert load_config(TINY, path).model.path == str(model)
+    msg = load_error(TINY, path + ["generation.stop_token_ids=[12,16]"])
+    assert (f"generation.stop_token_ids[1] = 16: not a token of the model; allowed: an integer in [0, vocab_size in "
+            f"{model}/config.json=16)") in msg, msg

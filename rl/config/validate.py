@@ -14,7 +14,8 @@ from rl.config.errors import _bad, _Problem, _unknown
 from rl.config.fields import _allowed, _hints, _is, _is_section, _item_type, _kind, _plain, _scalar_allowed, \
     _show, _union
 from rl.config.schema import DIGIT_VOCAB, MISSING, ModelSection
-from rl.config.validate_eval import eval_lengths, eval_problems
+from rl.config.model_checks import model_checks
+from rl.config.validate_eval import eval_problems
 
 # Checks take the whole `rl.config.run.RunConfig` (named in annotations only: that module imports this one).
 
@@ -221,7 +222,7 @@ def _cross_checks(cfg: RunConfig) -> list[_Problem]:
             f"{gen.max_new_tokens} (every response would be punished); allowed: 0 (off) or an integer in "
             f"[1, {gen.max_new_tokens - 1}]"), ("generation.max_new_tokens",)))
 
-    out += _position_checks(cfg)
+    out += model_checks(cfg)
 
     if d.kind == "file" and d.path is None:
         out.append(_Problem("data.path", "data.path = null: data.kind = \"file\" needs a prompt file; allowed: "
@@ -245,14 +246,6 @@ def _cross_checks(cfg: RunConfig) -> list[_Problem]:
             out.append(_Problem("model.tiny.vocab_size", (
                 f"model.tiny.vocab_size = {_show(m.tiny.get('vocab_size'))}: the synthetic tasks use a "
                 f"{DIGIT_VOCAB}-token vocabulary; allowed: an integer >= {DIGIT_VOCAB}")))
-
-    if m.tiny is not None:
-        vocab = m.tiny["vocab_size"]
-        for i, t in enumerate(gen.stop_token_ids):
-            if t >= vocab:
-                out.append(_Problem(f"generation.stop_token_ids[{i}]", (
-                    f"generation.stop_token_ids[{i}] = {t}: not a token of the model; allowed: an integer in "
-                    f"[0, model.tiny.vocab_size={vocab})"), ("model.tiny.vocab_size",)))
 
     if gen.vllm_executor == "ray" and (gen.backend != "vllm" or gen.vllm_tensor_parallel < 2):
         out.append(_Problem("generation.vllm_executor", (
@@ -303,31 +296,6 @@ def _cross_checks(cfg: RunConfig) -> list[_Problem]:
         out.append(_Problem("mesh.process_id", f"mesh.process_id = {mp.process_id}: not below mesh.num_processes "
                                                f"= {mp.num_processes}; allowed: an integer in [0, {mp.num_processes})",
                                 ("mesh.num_processes",)))
-    return out
-
-
-def _position_checks(cfg: RunConfig) -> list[_Problem]:
-    """A sequence (prompt + response, in training and in evaluation) must fit the model's positions: RoPE has no
-    table and would run past them silently, producing text from positions the model never saw (vLLM refuses a
-    max_model_len over max_position_embeddings the same way)."""
-    m, gen = cfg.model, cfg.generation
-    if (m.path is None) == (m.tiny is None):
-        return []  # reported on its own
-    try:
-        limit = m.m3_config().max_position_embeddings
-    except Exception:  # noqa: BLE001  (a bad model.tiny or an unreadable model.path has its own error)
-        return []
-    source = "model.tiny.max_position_embeddings" if m.tiny is not None else f"{m.path}/config.json"
-    lengths = [("generation", gen.max_prompt_tokens, gen.max_new_tokens)]
-    if cfg.eval.enabled and eval_lengths(cfg) != (gen.max_prompt_tokens, gen.max_new_tokens):
-        lengths.append(("eval", *eval_lengths(cfg)))
-    out = []
-    for section, prompt, new in lengths:
-        if prompt + new > limit:
-            out.append(_Problem(f"{section}.max_new_tokens", (
-                f"{section}.max_prompt_tokens + {section}.max_new_tokens = {prompt} + {new} = {prompt + new}: more "
-                f"positions than the model has (max_position_embeddings = {limit}, from {source}); allowed: "
-                f"prompt + response limits of at most {limit} tokens"), (f"{section}.max_prompt_tokens",)))
     return out
 
 

@@ -1,0 +1,68 @@
+"""Rules that tie the run to its model's own config (model.tiny's fields or model.path's config.json): the
+sequence limits against the model's positions, the stop tokens against its vocabulary."""
+
+from __future__ import annotations
+
+from rl.config.errors import _Problem
+from rl.config.validate_eval import eval_lengths
+
+# Checks take the whole `rl.config.run.RunConfig` (named in annotations only: that module imports the validator).
+
+
+def model_checks(cfg: RunConfig) -> list[_Problem]:
+    """Both checks below, reading the model's config once (nothing when model.path / model.tiny are themselves
+    wrong: those are reported on their own)."""
+    m = cfg.model
+    if (m.path is None) == (m.tiny is None):
+        return []
+    try:
+        m3 = m.m3_config()
+    except Exception:  # noqa: BLE001  (a bad model.tiny or an unreadable model.path has its own error)
+        return []
+    return _position_checks(cfg, m3) + _stop_token_checks(cfg, m3)
+
+
+def _source(cfg: RunConfig, field: str) -> str:
+    return f"model.tiny.{field}" if cfg.model.tiny is not None else f"{field} in {cfg.model.path}/config.json"
+
+
+def _position_checks(cfg: RunConfig, m3) -> list[_Problem]:
+    """A sequence (prompt + response, in training and in evaluation) must fit the model's positions: RoPE has no
+    table and would run past them silently, producing text from positions the model never saw (vLLM refuses a
+    max_model_len over max_position_embeddings the same way)."""
+    gen, limit = cfg.generation, m3.max_position_embeddings
+    source = "model.tiny.max_position_embeddings" if cfg.model.tiny is not None else f"{cfg.model.path}/config.json"
+    lengths = [("generation", gen.max_prompt_tokens, gen.max_new_tokens)]
+    if cfg.eval.enabled and eval_lengths(cfg) != (gen.max_prompt_tokens, gen.max_new_tokens):
+        lengths.append(("eval", *eval_lengths(cfg)))
+    out = []
+    for section, prompt, new in lengths:
+        if prompt + new > limit:
+            out.append(_Problem(f"{section}.max_new_tokens", (
+                f"{section}.max_prompt_tokens + {section}.max_new_tokens = {prompt} + {new} = {prompt + new}: more "
+                f"positions than the model has (max_position_embeddings = {limit}, from {source}); allowed: "
+                f"prompt + response limits of at most {limit} tokens"), (f"{section}.max_prompt_tokens",)))
+    return out
+
+
+def _stop_token_checks(cfg: RunConfig, m3) -> list[_Problem]:
+    """The tokens that end a response (generation.stop_token_ids, or the model's eos_token_id when that list is
+    empty) must be ids the model can sample: one past its vocabulary never comes, so every response would run to
+    max_new_tokens and be scored (and trained on) truncated, with nothing said."""
+    gen, vocab = cfg.generation, m3.vocab_size
+    out = []
+    for i, t in enumerate(gen.stop_token_ids):
+        if t >= vocab:
+            out.append(_Problem(f"generation.stop_token_ids[{i}]", (
+                f"generation.stop_token_ids[{i}] = {t}: not a token of the model; allowed: an integer in "
+                f"[0, {_source(cfg, 'vocab_size')}={vocab})"),
+                ("model.tiny.vocab_size" if cfg.model.tiny is not None else "model.path",)))
+    eos = m3.eos_token_id if isinstance(m3.eos_token_id, tuple) else (m3.eos_token_id,)
+    outside = [t for t in eos if isinstance(t, int) and not 0 <= t < vocab]
+    if not gen.stop_token_ids and outside and cfg.model.path is not None:  # model.tiny's ids are checked as fields
+        out.append(_Problem("generation.stop_token_ids", (
+            f"generation.stop_token_ids = []: responses would stop at the model's eos_token_id, but "
+            f"{outside[0]} (eos_token_id in {cfg.model.path}/config.json) is not below its vocab_size = {vocab}, "
+            "so no response would ever stop; allowed: the ids that end a response (e.g. the tokenizer's "
+            "eos_token_id), or a config.json whose eos_token_id is in [0, vocab_size)"), ("model.path",)))
+    return out
