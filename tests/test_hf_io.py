@@ -261,3 +261,43 @@ def test_a_large_load_logs_its_progress(src, tmp_path, monkeypatch, caplog):
         m3jax.from_pretrained(dirs["native"])
     lines = [r.getMessage() for r in caplog.records if "of parameters in place" in r.getMessage()]
     assert lines and "100% of" in lines[-1] and len(lines) <= 10
+
+
+def test_an_export_and_a_conversion_carry_the_files_beside_the_weights(src, tmp_path):
+    """The tokenizer, chat template and generation config of the checkpoint a model came from are in its export and
+    in a conversion of it (a tokenizer loads from the result); weights of other formats, hidden files and
+    subdirectories are not carried, and an export without a source carries nothing."""
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from m3jax.hf.convert import convert_checkpoint
+    _, dirs = src
+    source = tmp_path / "source"
+    shutil.copytree(dirs["native"], source)
+    words = ["<eos>", "<unk>", "hello", "world"]
+    word_level = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    word_level.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=word_level, eos_token="<eos>", unk_token="<unk>", chat_template="{{ messages[0]['content'] }}")
+    tok.save_pretrained(source)
+    (source / "generation_config.json").write_text('{"eos_token_id": [0, 3]}')
+    (source / "pytorch_model.bin").write_bytes(b"old weights")
+    (source / ".gitattributes").write_text("*.safetensors filter=lfs\n")
+    (source / "figures").mkdir()
+    (source / "figures" / "logo.png").write_bytes(b"png")
+    side = sorted(f for f in os.listdir(source) if f != "config.json" and not f.endswith(".safetensors") and f not in
+                  ("model.safetensors.index.json", "pytorch_model.bin", ".gitattributes", "figures"))
+    assert "tokenizer.json" in side and "generation_config.json" in side
+
+    model = m3jax.from_pretrained(source)
+    results = [m3jax.save_pretrained(model, tmp_path / "export", carry_from=source),
+               convert_checkpoint(source, tmp_path / "converted", layout="released")]
+    for out in results:
+        for name in side:
+            assert (source / name).read_bytes() == open(os.path.join(out, name), "rb").read(), (out, name)
+        assert not {"pytorch_model.bin", ".gitattributes", "figures"} & set(os.listdir(out)), out
+        assert AutoTokenizer.from_pretrained(out)("hello world").input_ids == [2, 3]
+    assert_bitwise_equal(read_all(results[0]), read_all(dirs["native"]))
+    bare = m3jax.save_pretrained(model, tmp_path / "bare")
+    assert sorted(os.listdir(bare)) == ["config.json", "model.safetensors"]

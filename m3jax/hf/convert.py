@@ -31,6 +31,7 @@ from m3jax.hf.load import checkpoint_files, plan_load
 from m3jax.hf.read_blocks import READ_AHEAD_BYTES, READ_CHUNK_BYTES, READ_THREADS, TensorReader, read_ahead
 from m3jax.hf.safetensors_io import CheckpointError, count_nonfinite, header_bytes
 from m3jax.hf.save import check_destination, check_space, finish_checkpoint, parse_size, shard_names, split_shards
+from m3jax.hf.side_files import side_files
 
 
 class Part(NamedTuple):
@@ -70,7 +71,8 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, layout: s
     dtype, as `from_pretrained`). The checkpoint's headers are all checked first (`plan_load`), and the space the
     result needs against its filesystem's; a tensor holding NaN or Inf is refused as it is read (`check_finite`),
     and `dst` appears only when complete. `threads` parts of about `chunk_bytes` are read and written at once.
-    A released result carries the vision tower (`m3jax.hf.carry`) of `carry_from`, by default `src`'s own.
+    A released result carries the vision tower (`m3jax.hf.carry`) of `carry_from`, by default `src`'s own, and any
+    result carries that checkpoint's files beside its weights (tokenizer, chat template: `m3jax.hf.side_files`).
     progress: a tqdm bar of the bytes written on stderr (the release's 850 GB take minutes)."""
     from m3jax.model.decoder import M3ForCausalLM
 
@@ -107,7 +109,8 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, layout: s
                         threads, progress)
         for fd in fds:
             os.fsync(fd)
-        finish_checkpoint(cfg, dtype, tmp, dst, layout, shard_names(len(shards)), [(s, True) for s in shards])
+        finish_checkpoint(cfg, dtype, tmp, dst, layout, shard_names(len(shards)), [(s, True) for s in shards],
+                          side_files(carry_from or src))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

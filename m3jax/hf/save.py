@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from m3jax.hf import carry, layouts
+from m3jax.hf.side_files import copy_side_files, side_files
 from m3jax.hf.safetensors_io import StreamingWriter
 from m3jax.hf.tensors import hf_tensors, processes_where
 
@@ -50,7 +51,8 @@ def save_pretrained(model, path: str | os.PathLike, layout: str = "native", max_
 
     carry_from: the checkpoint the model was loaded from; a released-layout export also holds its tensors that the
     text model does not (the vision tower, its projector: `m3jax.hf.carry`), byte for byte, in shards after the text
-    model's, so a VL loader finds the checkpoint whole.
+    model's, so a VL loader finds the checkpoint whole; any export carries its files beside the weights (tokenizer,
+    chat template, generation config: `m3jax.hf.side_files`).
     On a multi-host mesh every process must call this, and `path` must be on a filesystem every host sees:
     each process writes the tensors it owns (`m3jax.hf.owned`: those its own devices hold, balanced by bytes)
     into shard files of its own, so no host gathers the model and the hosts write side by side; only a tensor
@@ -63,11 +65,12 @@ def save_pretrained(model, path: str | os.PathLike, layout: str = "native", max_
     kept = carry.carried(carry_from, layout)  # every process plans the same shards; process 0 reads them
     carried_shards = split_shards(carry.entries(kept), limit)
     cfg = carry.with_vision_config(model.cfg, carry_from, kept)
+    side = side_files(carry_from)
     if jax.process_count() == 1:
         entries = [(slot.name, dtype, slot.shape) for slot, dtype in _slot_dtypes(model, layout)]
         shards = split_shards(entries, limit) + carried_shards
         return write_shards(cfg, model.dtype, path, layout, [(shard, True) for shard in shards],
-                            itertools.chain(hf_tensors(model, layout), carry.tensors(kept)))
+                            itertools.chain(hf_tensors(model, layout), carry.tensors(kept)), side=side)
     from jax.experimental import multihost_utils
 
     from m3jax.hf.owned import owned_hf_tensors, owner_plan
@@ -81,7 +84,7 @@ def save_pretrained(model, path: str | os.PathLike, layout: str = "native", max_
     tensors = owned_hf_tensors(model, layout)
     return write_shards(cfg, model.dtype, path, layout, shards,
                         itertools.chain(tensors, carry.tensors(kept)) if me == 0 else tensors,
-                        token=f"{token:08x}")
+                        token=f"{token:08x}", side=side)
 
 
 def _slot_dtypes(model, layout: str):
@@ -153,10 +156,10 @@ def check_space(dst: str, need: int) -> None:
 
 
 def write_shards(cfg, dtype, path: str, layout: str, shards: list[tuple[list, bool]], tensors,
-                 token: str | None = None) -> str:
+                 token: str | None = None, side: list[str] = ()) -> str:
     """Write the shards marked as this process's (in order: `tensors` yields exactly their tensors) into a
-    temporary directory beside `path`, then (process 0) the index and the config (`cfg` in `layout`, model dtype
-    `dtype`), and move it into place. With a `token` (several processes) the directory's name is shared, and the
+    temporary directory beside `path`, then (process 0) the `side` files, the index and the config (`cfg` in
+    `layout`, model dtype `dtype`), and move it into place. With a `token` (several processes) the directory's name is shared, and the
     processes agree after writing: if one failed (a full disk), every one raises and the directory is removed,
     rather than the others waiting for it forever."""
     names = shard_names(len(shards))
@@ -177,7 +180,7 @@ def write_shards(cfg, dtype, path: str, layout: str, shards: list[tuple[list, bo
     if token is None:
         try:
             _write_mine(tmp, names, shards, tensors)
-            finish_checkpoint(cfg, dtype, tmp, path, layout, names, shards)
+            finish_checkpoint(cfg, dtype, tmp, path, layout, names, shards, side)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -197,7 +200,7 @@ def write_shards(cfg, dtype, path: str, layout: str, shards: list[tuple[list, bo
     _agree(error, f"writing the shards of {path}", tmp if first else None)
     if first:
         try:
-            finish_checkpoint(cfg, dtype, tmp, path, layout, names, shards)
+            finish_checkpoint(cfg, dtype, tmp, path, layout, names, shards, side)
         except Exception as e:
             error = e
     _agree(error, f"moving {path} into place", tmp if first else None)
@@ -235,9 +238,10 @@ def _agree(error: Exception | None, what: str, tmp: str | None) -> None:
 
 
 def finish_checkpoint(cfg, dtype, tmp: str, path: str, layout: str, names: list[str],
-                      shards: list[tuple[list, bool]]) -> None:
-    """The index (several shards) and config.json written into `tmp` (its shards complete), then `tmp` moved into
-    place as `path`."""
+                      shards: list[tuple[list, bool]], side: list[str] = ()) -> None:
+    """The `side` files (`m3jax.hf.side_files`), the index (several shards) and config.json written into `tmp` (its
+    shards complete), then `tmp` moved into place as `path`."""
+    copy_side_files(side, tmp)
     if len(shards) > 1:
         weight_map = {name: fname for fname, (shard, _) in zip(names, shards) for name, _, _ in shard}
         total = sum(int(np.prod(e[2])) * e[1].itemsize for shard, _ in shards for e in shard)
