@@ -17,8 +17,9 @@ Formulas (G = group_size, group g, sample i in g):
 
 "Zero variance" is tested exactly (max == min of the set), not as `std < tol`: the std computed in
 floating point of equal numbers can be a rounding residue, and dividing by it would turn a
-no-signal group into huge advantages. For a group whose rewards are all equal the mean-baseline
-advantage is then exactly 0.
+no-signal group into huge advantages. For the same reason r_i - b_i is set to exactly 0 in a group
+whose rewards are all equal: the fp32 mean of eight 0.3s is not 0.3, and REINFORCE++'s batch std
+would scale those residues up to advantages of a few percent of a real signal's.
 """
 
 from __future__ import annotations
@@ -46,6 +47,13 @@ def _grouped(rewards, group_size: int):
     return rewards.astype(jnp.float32).reshape(n // group_size, group_size)
 
 
+def _centred(r, baseline):
+    """r - baseline, [P, G], exactly 0 in a group whose rewards are all equal (where it is 0 in exact arithmetic
+    and fp32 leaves a rounding residue)."""
+    constant = jnp.max(r, axis=1, keepdims=True) == jnp.min(r, axis=1, keepdims=True)
+    return jnp.where(constant, 0.0, r - baseline)
+
+
 @functools.partial(jax.jit, static_argnames=("group_size", "scale", "leave_one_out", "eps"))
 def group_advantages(rewards, group_size: int, *, scale: str = "std", leave_one_out: bool = False,
                      eps: float = 1e-6):
@@ -68,8 +76,7 @@ def group_advantages(rewards, group_size: int, *, scale: str = "std", leave_one_
     r = _grouped(rewards, group_size)
     g = int(group_size)
     if not leave_one_out:
-        mean = jnp.mean(r, axis=1, keepdims=True)
-        centred = r - mean
+        centred = _centred(r, jnp.mean(r, axis=1, keepdims=True))
         if scale == "none":
             return centred.reshape(-1)
         var = jnp.sum(centred * centred, axis=1, keepdims=True) / max(g - 1, 1)
@@ -82,7 +89,7 @@ def group_advantages(rewards, group_size: int, *, scale: str = "std", leave_one_
         raise ValueError(f"leave_one_out needs group_size >= 2, got {g}")
     others = ~jnp.eye(g, dtype=bool)                                    # [i, j]: j is another sample than i
     baseline = (jnp.sum(r, axis=1, keepdims=True) - r) / (g - 1)       # [P, G]
-    centred = r - baseline
+    centred = _centred(r, baseline)
     if scale == "none":
         return centred.reshape(-1)
     dev = r[:, None, :] - baseline[:, :, None]                          # [P, i, j] = r_j - b_i
@@ -101,7 +108,7 @@ def group_advantages(rewards, group_size: int, *, scale: str = "std", leave_one_
 def batch_normalized_advantages(rewards, group_size: int, *, eps: float = 1e-6):
     """REINFORCE++-baseline (Hu et al. 2025): the group mean as baseline, the whole batch's std as scale, [N] fp32.
 
-        c_i = r_i - mean_g(r)                     (the group baseline, as GRPO's)
+        c_i = r_i - mean_g(r)                     (the group baseline, as GRPO's; 0 in a group of equal rewards)
         A_i = c_i / (std_batch(c) + eps)          std over all N samples of the step, Bessel-corrected
         A_i = c_i (= 0)                           when every c is equal (no signal anywhere in the batch)
 
@@ -109,7 +116,7 @@ def batch_normalized_advantages(rewards, group_size: int, *, eps: float = 1e-6):
     each sample counted once; verl whitens over response tokens instead, which weighs samples by their length.
     Unlike GRPO's per-group std, a group with a small spread keeps small advantages."""
     r = _grouped(rewards, group_size)
-    c = (r - jnp.mean(r, axis=1, keepdims=True)).reshape(-1)
+    c = _centred(r, jnp.mean(r, axis=1, keepdims=True)).reshape(-1)
     n = c.shape[0]
     std = jnp.sqrt(jnp.sum(c * c) / max(n - 1, 1))
     return jnp.where(jnp.max(c) == jnp.min(c), c, c / (std + eps))
