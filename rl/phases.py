@@ -364,6 +364,8 @@ def step_metrics(samples: Samples, reward: np.ndarray, failures: int, adv: Advan
         "dual_clip_frac": sums.get("dual_clipped_tokens", 0.0) / tokens,
         "is_out_of_band_frac": sums.get("is_out_of_band_tokens", 0.0) / tokens,
         "is/inf_frac": sums.get("is_inf_tokens", 0.0) / tokens,  # non-finite logp_gen: weight 0 (rl.grpo.importance)
+        # outside the trainer's own top-k / top-p (logp or logp_old -inf): no loss (rl.grpo.loss), per loss token
+        "is/trainer_inf_frac": sums.get("trainer_inf_tokens", 0.0) / tokens,
         "kl": sums.get("kl_sum", 0.0) / tokens, "entropy_approx": sums.get("neg_logp_sum", 0.0) / tokens,
         **({"entropy": sums["entropy_sum"] / tokens} if "entropy_sum" in sums else {}),  # exact (logging.entropy)
         **({"low_entropy_frac": sums["low_entropy_tokens"] / tokens} if "low_entropy_tokens" in sums else {}),

@@ -354,3 +354,39 @@ def test_gradient_ignores_padding_garbage():
     rho, w = math.exp(0.1), math.exp(-0.1)
     close(loss, -w * rho)
     close(g, [[-w * rho, 0.0]])
+
+
+def test_a_token_outside_the_trainers_top_k_gets_no_loss_and_is_counted():
+    """The engine may sample a token at the edge of its nucleus that the trainer's own top-k / top-p leaves out
+    (logp and logp_old -inf there). That token gets no loss (the rest's loss and gradients are those of the batch
+    with it masked) and is counted; before, it made the step's loss and every gradient NaN."""
+    from rl.logprobs import chunked_token_logprobs
+    rng = np.random.default_rng(0)
+    h = jnp.asarray(rng.standard_normal((1, 4, 8)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((10, 8)), jnp.float32)
+    logits = np.einsum("btd,vd->btv", np.asarray(h), np.asarray(w))
+    y = np.argsort(logits, -1)[..., -1].astype(np.int32)
+    y[0, 0] = np.argsort(logits[0, 0])[0]  # the least likely token: outside top_k = 3
+    ref = jnp.asarray(rng.standard_normal((1, 4)) - 2.0, jnp.float32)
+    cfg = LossConfig(kl="k3", kl_coef=0.1)
+
+    def loss(h, w, mask):
+        lp = chunked_token_logprobs(h, w, y, 1.0, 1.0, 3, chunk_tokens=2)
+        lo = jax.lax.stop_gradient(lp)
+        return grpo_loss(lp, lo, lo + 0.01, jnp.array([1.5]), mask, cfg, logp_ref=ref)
+
+    (got, stats), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(h, w, jnp.ones((1, 4)))
+    (want, _), want_grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
+        h, w, jnp.asarray([[0.0, 1, 1, 1]]))
+    assert float(stats["trainer_inf_tokens"]) == 1 and float(stats["tokens"]) == 3
+    close(got, want)
+    for g, gw in zip(grads, want_grads):
+        assert np.all(np.isfinite(np.asarray(g)))
+        np.testing.assert_allclose(np.asarray(g), np.asarray(gw), rtol=1e-6, atol=1e-7)
+    metrics = generation_mismatch_metrics(jnp.full((1, 4), -1.0).at[0, 0].set(-5.0),
+                                          jnp.full((1, 4), -1.0).at[0, 0].set(-jnp.inf), jnp.ones((1, 4)))
+    assert float(metrics["tokens"]) == 3 and np.isfinite(float(metrics["gen_kl_error"]))
+    # NaN is not a sampler's edge: it stays loud
+    nan, _ = grpo_loss(jnp.full((1, 2), jnp.nan), jnp.zeros((1, 2)), jnp.zeros((1, 2)), jnp.ones(1), jnp.ones((1, 2)),
+                       LossConfig())
+    assert np.isnan(float(nan))

@@ -289,6 +289,7 @@ def grpo_loss(logp, logp_old, logp_gen, advantages, mask, cfg: LossConfig, logp_
     Args:
       logp, logp_old, logp_gen: [B, T] log-probs of the sampled tokens (logp carries the gradient).
         logp_gen may be -inf (or NaN) on a valid token: that token gets importance weight 0 and is counted.
+        logp or logp_old -inf on a valid token (outside the trainer's own top-k / top-p): no loss, counted.
       advantages: [B] (one per sequence) or [B, T].
       mask: [B, T], 1 (or a weight) for response tokens that get loss, 0 for prompt and padding.
       cfg: LossConfig (static).
@@ -302,7 +303,8 @@ def grpo_loss(logp, logp_old, logp_gen, advantages, mask, cfg: LossConfig, logp_
       zeroes the gradient, cispo: its weight was clipped), dual_clipped_tokens, is_out_of_band_tokens
       (w outside [is_mask_low, is_mask_high], whatever the mode), is_truncated_tokens (w > is_cap,
       "truncate"), is_floored_tokens (w < is_floor), is_masked_tokens ("mask"), is_inf_tokens (valid
-      tokens whose logp_gen is not finite), kl_sum (the penalty's value, unscaled), neg_logp_sum
+      tokens whose logp_gen is not finite), trainer_inf_tokens (valid tokens left out because logp or logp_old is
+      -inf: not counted in `tokens`), kl_sum (the penalty's value, unscaled), neg_logp_sum
       (-logp: approximate entropy), ratio_sum (the objective's ratio), is_weight_sum (w_eff),
       pg_loss_sum (the policy term alone, token-summed), entropy_sum (the exact entropy, when given);
       low_entropy_tokens (valid tokens whose policy term high_entropy_fraction dropped, when it is < 1).
@@ -318,6 +320,14 @@ def grpo_loss(logp, logp_old, logp_gen, advantages, mask, cfg: LossConfig, logp_
     sg = jax.lax.stop_gradient
     lp = _clean(logp, valid, "logp", shape)
     lo = sg(_clean(logp_old, valid, "logp_old", shape))
+    # A valid token that the trainer's own top-k / top-p leaves out (logp or logp_old -inf: the engine sampled it at
+    # the edge of a nucleus whose numerics differ a little) has no ratio, KL or objective: it gets no loss, as a
+    # token the generator could not have sampled gets weight 0, and is counted. Before, one made the step's loss
+    # and gradient NaN and the step was skipped. NaN stays NaN: that is a broken model, not a sampler's edge.
+    outside = valid & ((lp == -jnp.inf) | (lo == -jnp.inf))
+    m = jnp.where(outside, 0.0, m)
+    valid = valid & ~outside
+    lp, lo = jnp.where(valid, lp, 0.0), jnp.where(valid, lo, 0.0)
     lg = sg(_clean(logp_gen, valid, "logp_gen", shape))
     bad_gen = valid & ~jnp.isfinite(lg)
     lg = jnp.where(bad_gen, 0.0, lg)
@@ -371,6 +381,7 @@ def grpo_loss(logp, logp_old, logp_gen, advantages, mask, cfg: LossConfig, logp_
         "is_floored_tokens": count(iw.floored),
         "is_masked_tokens": count(iw.masked),
         "is_inf_tokens": count(bad_gen),
+        "trainer_inf_tokens": jnp.sum(outside.astype(jnp.float32)),
         "kl_sum": jnp.sum(m * sg(kl)),
         "neg_logp_sum": jnp.sum(m * sg(-lp)),
         "ratio_sum": jnp.sum(m * term.ratio),

@@ -27,8 +27,9 @@ def generation_mismatch_metrics(logp_gen, logp_old, mask, kl_type: str = "k3"):
     NeMo-RL's CI gate "median token_mult_prob_error < 1.1" is a median over training steps of the
     per-step token mean; the per-sequence median is an extra view that one bad sequence cannot move.
 
-    A valid token whose generator log-prob is not finite (-inf, NaN) is left out of every value here
-    (one such token would make each mean infinite); the loss counts those tokens (`is_inf_tokens`).
+    A valid token whose generator log-prob is not finite (-inf, NaN), or whose trainer log-prob is -inf (outside
+    the trainer's own top-k / top-p), is left out of every value here (one such token would make each mean
+    infinite); the loss counts those tokens (`is_inf_tokens`, `trainer_inf_tokens`).
 
     Also returns the sums (tokens, mult_prob_error_sum, gen_kl_sum, policy_kl_sum) so values can be
     accumulated over micro-batches / ranks and divided once. Means over zero tokens are NaN.
@@ -46,7 +47,7 @@ def generation_mismatch_metrics(logp_gen, logp_old, mask, kl_type: str = "k3"):
         if x.shape != shape:
             raise ValueError(f"{name} has shape {x.shape}, expected {shape}")
     lg = lg.astype(jnp.float32)
-    m = jnp.where(jnp.isfinite(lg), m, 0.0)
+    m = jnp.where(jnp.isfinite(lg) & (lo != -jnp.inf), m, 0.0)
     valid = m > 0
     lg = jax.lax.stop_gradient(jnp.where(valid, lg, 0.0))
     lo = jax.lax.stop_gradient(jnp.where(valid, lo.astype(jnp.float32), 0.0))
