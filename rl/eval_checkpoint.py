@@ -15,7 +15,7 @@ from typing import Any
 
 from rl import evaluate as held_out
 from rl.config import ConfigError, RunConfig, checkpoint_dir
-from rl.generation.backends import sampling_of
+from rl.generation.backends import model_end_tokens, sampling_of
 from rl.generation.jax_engine import JaxEngine
 
 
@@ -24,7 +24,7 @@ class LoadedPolicy:
     graphdef: Any
     params: Any
     rest: Any
-    eos_token_id: Any  # the model's (int, list or None): the stop tokens when generation.stop_token_ids is empty
+    eos_token_id: Any  # the model's end tokens (`model_end_tokens`): the stops when generation.stop_token_ids is empty
     step: int | None  # the checkpoint's step (None for a HF directory)
     meta: dict  # the checkpoint's meta (best value, data position, ...); {} for a HF directory
 
@@ -57,8 +57,8 @@ def from_checkpoint(cfg: RunConfig, step: int | None = None) -> LoadedPolicy:
         reader.close()
     state, meta = got
     state = policy.place(state)
-    return LoadedPolicy(policy.graphdef, state.params, state.rest, policy.model_cfg.eos_token_id,
-                        int(meta["step"]), meta)
+    return LoadedPolicy(policy.graphdef, state.params, state.rest,
+                        model_end_tokens(cfg.model, policy.model_cfg.eos_token_id), int(meta["step"]), meta)
 
 
 def from_hf(cfg: RunConfig, path: str) -> LoadedPolicy:
@@ -67,12 +67,19 @@ def from_hf(cfg: RunConfig, path: str) -> LoadedPolicy:
     from flax import nnx
 
     import m3jax
+    from m3jax.hf.end_tokens import end_token_ids
     from rl.policy import model_options, training_positions
     from sharding.layout import Layout
     from sharding.mesh import build_mesh
 
     m = cfg.mesh
     m3_cfg = m3jax.M3Config.from_pretrained(path)
+    end_tokens = end_token_ids(path, m3_cfg.eos_token_id)
+    outside = [t for t in (cfg.generation.stop_token_ids or end_tokens) if t >= m3_cfg.vocab_size]
+    if outside:  # what the config check says of model.path's, for --hf's model
+        raise ConfigError(f"{path}: the evaluation's stop token {outside[0]} is not below the model's vocab_size = "
+                          f"{m3_cfg.vocab_size}, so no response would stop; allowed: generation.stop_token_ids (or "
+                          "the checkpoint's eos_token_id) in [0, vocab_size)")
     from rl.config.validate_eval import eval_lengths
     prompt, new = eval_lengths(cfg)
     if prompt + new > m3_cfg.max_position_embeddings:  # what the config check says of model.path, for --hf's model
@@ -85,7 +92,7 @@ def from_hf(cfg: RunConfig, path: str) -> LoadedPolicy:
     model = m3jax.from_pretrained(path, dtype=jnp.dtype(cfg.precision.param_dtype), mesh=layout,
                                   **model_options(cfg, m3_cfg, layout, kernel_timing="read"))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    return LoadedPolicy(graphdef, params, rest, model.cfg.eos_token_id, None, {})
+    return LoadedPolicy(graphdef, params, rest, end_tokens, None, {})
 
 
 def tokenizer_for(cfg: RunConfig, hf_dir: str | None = None):

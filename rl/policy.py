@@ -23,7 +23,7 @@ from m3jax.model.expert_tuning import RECORD_FILE, expert_work, needs_timing, tu
 from m3jax.model.specs import weight_decay_mask
 from rl import checkpoint as ckpt_lib
 from rl.config import ConfigError, RunConfig, checkpoint_dir
-from rl.generation.backends import sampling_of
+from rl.generation.backends import model_end_tokens, sampling_of
 from rl.generation.base import SamplingParams
 from rl.grpo.loss import LossConfig, aggregate, grpo_loss, normalizer
 from rl.grpo.mismatch import ID_MISMATCH_METRICS, MISMATCH_SUMS, generation_mismatch_metrics, id_mismatch_sums
@@ -149,7 +149,8 @@ def build_policy(cfg: RunConfig, kernel_timing: str = "record", kernel_headroom:
     if layout.mesh is not None:
         shardings = state_shardings(layout, state)
         state = jax.device_put(state, shardings)
-    return Policy(cfg, layout, graphdef, state, optimizer, shardings, sampling_of(cfg, model.cfg.eos_token_id),
+    return Policy(cfg, layout, graphdef, state, optimizer, shardings,
+                  sampling_of(cfg, model_end_tokens(cfg.model, model.cfg.eos_token_id)),
                   model.cfg, options)
 
 

@@ -242,8 +242,9 @@ def test_bad_override_is_rejected(case):
 
 
 def test_stop_tokens_outside_a_checkpoint_vocabulary(tmp_path):
-    """model.path: the stop tokens (generation.stop_token_ids, or config.json's eos_token_id when that list is
-    empty) must be below config.json's vocab_size, or no response would ever stop."""
+    """model.path: the stop tokens (generation.stop_token_ids, or the model's end tokens when that list is empty:
+    generation_config.json's eos_token_id, else config.json's) must be below config.json's vocab_size, or no
+    response would ever stop; a generation_config.json that does not read is one problem naming it."""
     import json
 
     from rl.config import load_config
@@ -255,11 +256,40 @@ def test_stop_tokens_outside_a_checkpoint_vocabulary(tmp_path):
     for eos in (99, [2, 99]):
         (model / "config.json").write_text(json.dumps({**hf, "eos_token_id": eos}))
         msg = load_error(TINY, path)
-        assert (f"generation.stop_token_ids = []: responses would stop at the model's eos_token_id, but 99 "
-                f"(eos_token_id in {model}/config.json) is not below its vocab_size = 16") in msg, msg
+        assert (f"generation.stop_token_ids = []: responses would stop at the model's end token(s) "
+                f"{eos if isinstance(eos, list) else [eos]} ({model}'s generation_config.json eos_token_id, else its "
+                f"config.json's), but 99 is not below its vocab_size = 16") in msg, msg
         assert load_config(TINY, path + ["generation.stop_token_ids=[12]"]).generation.stop_token_ids == (12,)
     (model / "config.json").write_text(json.dumps(hf))
     assert load_config(TINY, path).model.path == str(model)
     msg = load_error(TINY, path + ["generation.stop_token_ids=[12,16]"])
     assert (f"generation.stop_token_ids[1] = 16: not a token of the model; allowed: an integer in [0, vocab_size in "
             f"{model}/config.json=16)") in msg, msg
+    (model / "generation_config.json").write_text('{"eos_token_id": [12, 40]}')
+    assert "end token(s) [12, 40]" in load_error(TINY, path)
+    (model / "generation_config.json").write_text('{"eos_token_id": "<eos>"}')
+    assert f"{model}/generation_config.json: eos_token_id = '<eos>'; expected a token id" in load_error(TINY, path)
+    (model / "generation_config.json").write_text('{"eos_token_id": ')
+    assert f"{model}/generation_config.json: not a readable JSON file" in load_error(TINY, path)
+
+
+def test_a_checkpoints_end_tokens_are_its_generation_configs(tmp_path):
+    """As transformers' generate and vLLM: generation_config.json's eos_token_id where it sets one (a chat model's
+    end-of-turn token beside config.json's eos), else config.json's; the run's sampling stops at them when
+    generation.stop_token_ids is empty."""
+    from types import SimpleNamespace
+
+    from m3jax.hf.end_tokens import end_token_ids
+    from rl.generation.backends import model_end_tokens, sampling_of
+    from rl.config import load_config
+    from tests.test_run_config import TINY
+    assert end_token_ids(tmp_path, 2) == (2,) and end_token_ids(tmp_path, None) == ()
+    (tmp_path / "generation_config.json").write_text('{"do_sample": true}')
+    assert end_token_ids(tmp_path, (2, 5)) == (2, 5)
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [2, 7]}')
+    assert end_token_ids(tmp_path, 2) == (2, 7)
+    path_model = SimpleNamespace(path=str(tmp_path), tiny=None)
+    assert model_end_tokens(path_model, 2) == (2, 7)
+    assert model_end_tokens(SimpleNamespace(path=None, tiny={}), 12) == (12,)
+    cfg = load_config(TINY, ["generation.stop_token_ids=[]"])
+    assert sampling_of(cfg, model_end_tokens(path_model, 2)).stop_token_ids == (2, 7)

@@ -193,6 +193,12 @@ def test_bad_model_or_mesh_is_one_error_line(tmp_path):
     r, _ = evaluate(tmp_path / "run", "--hf", hf_dir)  # shorter than the evaluation's sequences: said before loading
     assert r.returncode == 1 and "Traceback" not in r.stderr and "more than the model has (max_position_embeddings " \
         "= 8)" in r.stderr.strip().splitlines()[-1], r.stderr
+    json.dump(config, open(os.path.join(hf_dir, "config.json"), "w"))
+    with open(os.path.join(hf_dir, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": [2, 999]}, f)  # an end token past the vocabulary: no response would stop
+    r, _ = evaluate(tmp_path / "run", "--hf", hf_dir, "generation.stop_token_ids=[]")
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "stop token 999 is not below the model's " \
+        "vocab_size = 256" in r.stderr.strip().splitlines()[-1], r.stderr
     r = train(f"run.out_dir={tmp_path / 'x'}", "mesh.data=2", "grpo.micro_batch_size=128")
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert "error: mesh data x context x expert x tensor = 2 x 1 x 1 x 1 = 2 devices, but 1 are available" in r.stderr

@@ -46,9 +46,10 @@ def _position_checks(cfg: RunConfig, m3) -> list[_Problem]:
 
 
 def _stop_token_checks(cfg: RunConfig, m3) -> list[_Problem]:
-    """The tokens that end a response (generation.stop_token_ids, or the model's eos_token_id when that list is
-    empty) must be ids the model can sample: one past its vocabulary never comes, so every response would run to
-    max_new_tokens and be scored (and trained on) truncated, with nothing said."""
+    """The tokens that end a response (generation.stop_token_ids, or the model's end tokens when that list is empty:
+    generation_config.json's eos_token_id, else config.json's) must be ids the model can sample: one past its
+    vocabulary never comes, so every response would run to max_new_tokens and be scored (and trained on)
+    truncated, with nothing said."""
     gen, vocab = cfg.generation, m3.vocab_size
     out = []
     for i, t in enumerate(gen.stop_token_ids):
@@ -57,12 +58,20 @@ def _stop_token_checks(cfg: RunConfig, m3) -> list[_Problem]:
                 f"generation.stop_token_ids[{i}] = {t}: not a token of the model; allowed: an integer in "
                 f"[0, {_source(cfg, 'vocab_size')}={vocab})"),
                 ("model.tiny.vocab_size" if cfg.model.tiny is not None else "model.path",)))
-    eos = m3.eos_token_id if isinstance(m3.eos_token_id, tuple) else (m3.eos_token_id,)
-    outside = [t for t in eos if isinstance(t, int) and not 0 <= t < vocab]
-    if not gen.stop_token_ids and outside and cfg.model.path is not None:  # model.tiny's ids are checked as fields
+    if gen.stop_token_ids or cfg.model.path is None:  # model.tiny's eos_token_id is checked as a field
+        return out
+    from m3jax.hf.end_tokens import end_token_ids
+    from m3jax.hf.safetensors_io import CheckpointError
+    try:
+        ends = end_token_ids(cfg.model.path, m3.eos_token_id)
+    except CheckpointError as e:
+        return out + [_Problem("model.path", f"model.path = {cfg.model.path!r}: {e}")]
+    outside = [t for t in ends if not 0 <= t < vocab]
+    if outside:
         out.append(_Problem("generation.stop_token_ids", (
-            f"generation.stop_token_ids = []: responses would stop at the model's eos_token_id, but "
-            f"{outside[0]} (eos_token_id in {cfg.model.path}/config.json) is not below its vocab_size = {vocab}, "
-            "so no response would ever stop; allowed: the ids that end a response (e.g. the tokenizer's "
-            "eos_token_id), or a config.json whose eos_token_id is in [0, vocab_size)"), ("model.path",)))
+            f"generation.stop_token_ids = []: responses would stop at the model's end token(s) {list(ends)} "
+            f"({cfg.model.path}'s generation_config.json eos_token_id, else its config.json's), but {outside[0]} is "
+            f"not below its vocab_size = {vocab}, so no response would ever stop; allowed: the ids that end a "
+            "response (e.g. the tokenizer's eos_token_id), or a checkpoint whose eos_token_id is in [0, vocab_size)"),
+            ("model.path",)))
     return out

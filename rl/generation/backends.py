@@ -102,8 +102,21 @@ def probe_max_abs_diff(engine_logprobs: list[list[np.ndarray]], trainer_logprobs
     return worst
 
 
+def model_end_tokens(model_section, eos_token_id) -> tuple[int, ...]:
+    """The ids a response of the run's model ends at when `generation.stop_token_ids` is empty: for model.path, its
+    generation_config.json's eos_token_id where it sets one, else config.json's (`m3jax.hf.end_tokens`, as
+    transformers and vLLM decide); for model.tiny, its eos_token_id (`eos_token_id`: the model's M3Config's)."""
+    if model_section.path:
+        from m3jax.hf.end_tokens import end_token_ids
+        return end_token_ids(model_section.path, eos_token_id)
+    if eos_token_id is None:
+        return ()
+    return tuple(eos_token_id) if isinstance(eos_token_id, (list, tuple)) else (int(eos_token_id),)
+
+
 def sampling_of(cfg, eos_token_id) -> SamplingParams:
-    """The run's sampling parameters; an empty `generation.stop_token_ids` means the model's eos token(s)."""
+    """The run's sampling parameters; an empty `generation.stop_token_ids` means the model's end tokens
+    (`eos_token_id`: an id, a list of them, or None; `model_end_tokens` gives them for a run's model)."""
     g = cfg.generation
     stops = tuple(g.stop_token_ids)
     if not stops and eos_token_id is not None:
