@@ -57,13 +57,16 @@ def main(argv=None) -> int:
 def _train(cfg, args) -> int:
     from rl.input_errors import input_errors
     from sharding.compile_cache import use_compilation_cache
-    from sharding.mesh import set_memory_fraction
+    from sharding.mesh import init_distributed, set_memory_fraction
 
     # Both before anything starts JAX's backend or compiles.
     for note in (set_memory_fraction(cfg.mesh.device_memory_fraction),
                  use_compilation_cache(cfg.run.compilation_cache, cfg.run.out_dir)):
         if note:
             logging.getLogger("m3jax.train").warning("%s", note)
+    # A process of a multi-host job joins it before anything asks JAX for its backend (the expert-kernel timing's
+    # platform check below does; jax refuses to join after that, and every host of a job died at start).
+    init_distributed(cfg.mesh.to_mesh_config())
     # Heavy imports only once the config is known to be good and the directory is ours.
     if args.export:
         from rl.policy import export_latest  # the model and its checkpoint only: no data, no engines
