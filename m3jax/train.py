@@ -43,6 +43,9 @@ def main(argv=None) -> int:
     except run_lock.RunLockHeld as e:
         print(f"error: {e}", file=sys.stderr)
         return 3
+    except OSError as e:  # a read-only or full filesystem: nothing of the run can be written there
+        print(f"error: the run directory {cfg.run.out_dir} cannot be written ({e})", file=sys.stderr)
+        return 1
     try:
         logs.setup(cfg.run.out_dir, cfg.logging.level, process_index=run_lock.process_index(cfg.mesh.process_id))
         if lock is not None and lock.took_over:
@@ -73,12 +76,12 @@ def _train(cfg, args) -> int:
 
         try:
             step, path = export_latest(cfg, args.export)
-        except input_errors() as e:
+        except (*input_errors(), OSError) as e:  # OSError: a full or read-only destination
             print(f"error: {e}", file=sys.stderr)
             return 1
         print(f"exported step {step} to {path}")
         return 0
-    from rl.checkpoint import CheckpointMismatch
+    from rl.checkpoint import CheckpointMismatch, CheckpointSaveFailed
     from rl.trainer import GRPOTrainer
 
     try:
@@ -92,7 +95,7 @@ def _train(cfg, args) -> int:
     _warn_if_the_plan_does_not_fit(cfg, trainer.policy.model_cfg)
     try:
         last = trainer.run()
-    except CheckpointMismatch as e:  # raised by the resume, before the first step
+    except (CheckpointMismatch, CheckpointSaveFailed) as e:  # the resume, before the first step; a failed save
         print(f"error: {e}", file=sys.stderr)
         return 1
     if trainer.resumed_from >= cfg.run.total_steps:

@@ -9,13 +9,17 @@ builds the current run's layout from it (fp32 params <-> bf16 + fp32 master <-> 
 onto the current run's shardings (orbax restores against an abstract target).
 
 A crash during an async save leaves `<step>.orbax-checkpoint-tmp*`, which orbax ignores; a damaged
-finished checkpoint is skipped with a warning and the previous one used.
+finished checkpoint is skipped with a warning and the previous one used. A save that fails (a full disk, a lost
+mount) raises `CheckpointSaveFailed` at the next step or save, naming the step, the cause and the free space:
+the run stops there, rather than training on past a checkpoint it cannot write.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
+import shutil
 import sys
 import time
 
@@ -103,10 +107,16 @@ def state_mismatch(path: str, target: dict) -> str | None:
     return None
 
 
+class CheckpointSaveFailed(RuntimeError):
+    """A checkpoint could not be written: the run stops (the message names the step, the cause, the free space and
+    the step a rerun resumes from)."""
+
+
 class Checkpointer:
     def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True, read_only: bool = False):
         """read_only: a reader (python -m m3jax.eval) that creates, saves and deletes nothing."""
         self.directory = os.path.abspath(directory)
+        self._saving = None  # the step of the last save started
         # orbax warns that a read-only directory is read only: what was asked for, so not on the terminal
         notice = _Demote("Given directory is read only")
         logging.getLogger("absl").addFilter(notice)
@@ -154,10 +164,40 @@ class Checkpointer:
         reference's params when they are not the starting weights (after a `grpo.reference_reset_every_steps`
         reset), saved beside the state as they are (the policy's dtype)."""
         t0 = time.perf_counter()
+        self.check_saves()  # an earlier async save that failed stops the run before another starts
         extra = {} if reference is None else {"reference": ocp.args.StandardSave(nnx.to_pure_dict(reference))}
-        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(_portable(state)),
-                                                        meta=ocp.args.JsonSave(meta), **extra), force=True)
+        if self._saving is None:  # orbax's own reports of a failed save, and its writes that end after it (into a
+            # closed event loop): run.log, where the error this raises says it in a line
+            logging.getLogger("absl").addFilter(_orbax_errors_to_run_log)
+            _quiet_abandoned_reads()
+        self._saving = step
+        try:
+            self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(_portable(state)),
+                                                            meta=ocp.args.JsonSave(meta), **extra), force=True)
+        except Exception as e:  # noqa: BLE001 - orbax / TensorStore raise many kinds for a failed write
+            raise self._failed(e) from None
         return time.perf_counter() - t0
+
+    def check_saves(self) -> None:
+        """Raise CheckpointSaveFailed if an async save that has ended failed; returns at once otherwise (while one
+        runs too). orbax keeps a background failure in its finalize thread, raised by the wait for it."""
+        if self._saving is None or self.manager.is_saving_in_progress():
+            return
+        try:
+            self.manager.wait_until_finished()  # the save has ended: no wait, its failure raised
+        except Exception as e:  # noqa: BLE001
+            raise self._failed(e) from None
+
+    def _failed(self, e: Exception) -> CheckpointSaveFailed:
+        log.debug("checkpoint step %s failed to save", self._saving, exc_info=(type(e), e, e.__traceback__))
+        finished = [s for s in self.steps() if s != self._saving]
+        try:
+            free = f"{shutil.disk_usage(self.directory).free / 1e9:.2f} GB free there"
+        except OSError:
+            free = "its free space unknown"
+        return CheckpointSaveFailed(
+            f"saving checkpoint step {self._saving} to {self.directory} failed: {_cause(e)} ({free}); the run stops "
+            f"here, and rerunning the command resumes from step {finished[-1] if finished else 0} once that is fixed")
 
     def restore_reference(self, step: int, like_params):
         """The KL reference saved with checkpoint `step`, as a tree like `like_params` placed as they are."""
@@ -207,12 +247,52 @@ class Checkpointer:
             ocp.multihost.sync_global_processes("rl.checkpoint:set_aside")
         self.manager.reload()
 
-    def wait(self) -> None:
-        self.manager.wait_until_finished()
+    def wait(self, quiet: bool = False) -> None:
+        """Until the last save has ended; one that failed raises CheckpointSaveFailed (quiet: only logs it, for a
+        run already stopping with an error of its own; `check_saves` raises it afterwards)."""
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001
+            failed = self._failed(e)
+            if not quiet:
+                raise failed from None
+            log.debug("%s", failed)
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        try:
+            self.manager.wait_until_finished()
+            self.manager.close()
+        finally:
+            logging.getLogger("absl").removeFilter(_orbax_errors_to_run_log)
+
+
+def _cause(e: Exception) -> str:
+    """The reason of a failed write in a line: the OS error TensorStore names (os_error_code), else the message."""
+    code = re.search(r"os_error_code='?(\d+)", str(e))
+    if code:
+        return f"{os.strerror(int(code.group(1)))} (errno {code.group(1)})"
+    return f"{type(e).__name__}: {str(e)[:300]}"
+
+
+def _orbax_errors_to_run_log(record: logging.LogRecord) -> bool:
+    """orbax's ERROR records (its save threads' failures, each with a traceback): INFO, so they stay in run.log and
+    off the terminal, where `CheckpointSaveFailed` says it in a line."""
+    if record.levelno >= logging.ERROR and _logged_by_orbax(record):
+        record.levelno, record.levelname = logging.INFO, "INFO"
+    return True
+
+
+def _logged_by_orbax(record: logging.LogRecord) -> bool:
+    """Whether orbax logged `record` (a filter runs in the logging call). Its pathname names absl's logging module
+    instead where the "absl" logger was made before absl was imported (a plain Logger, without absl's caller
+    lookup), so the stack is asked then."""
+    if _from_orbax(record.pathname):
+        return True
+    frame = sys._getframe(1)  # this module's filter, then logging's and absl's frames, then the caller
+    while frame is not None and (frame.f_code.co_filename == __file__
+                                 or f"{os.sep}logging{os.sep}" in frame.f_code.co_filename):
+        frame = frame.f_back
+    return frame is not None and _from_orbax(frame.f_code)
 
 
 class _Demote(logging.Filter):

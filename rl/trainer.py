@@ -285,6 +285,7 @@ class GRPOTrainer:
             if self.eval_set is not None and cfg.eval.at_start and first == 0:
                 logger.log(0, self._evaluate(0), advance=False)  # the initial policy: a row of its own
             for step in range(first, cfg.run.total_steps):
+                self.checkpointer.check_saves()  # a background save that failed stops the run at the next step
                 t0 = time.perf_counter()
                 last = self.step(step)
                 done = step + 1
@@ -308,9 +309,10 @@ class GRPOTrainer:
         finally:
             if self.ahead is not None:
                 self.ahead.close()  # before the generator shuts down: a draw in flight uses it
-            self.checkpointer.wait()
+            self.checkpointer.wait(quiet=True)  # a failed save is raised below, or the error already raised stands
             logger.close()
             self.engine.shutdown()
+        self.checkpointer.check_saves()
         if cfg.checkpoint.export_hf_at_end:
             self.export()
         if cfg.logging.plot:
