@@ -301,3 +301,23 @@ def test_an_export_and_a_conversion_carry_the_files_beside_the_weights(src, tmp_
     assert_bitwise_equal(read_all(results[0]), read_all(dirs["native"]))
     bare = m3jax.save_pretrained(model, tmp_path / "bare")
     assert sorted(os.listdir(bare)) == ["config.json", "model.safetensors"]
+
+
+def test_a_write_clears_what_an_interrupted_one_left(src, tmp_path, caplog):
+    """A killed export or conversion leaves `DST.tmp-*` (up to the whole checkpoint) and, cut between the two
+    renames of a swap, `DST.old-*`: the next write of DST removes them (a rerun was refused for want of space)."""
+    from m3jax.hf.convert import convert_checkpoint
+    _, dirs = src
+    model = m3jax.from_pretrained(dirs["native"])
+    for dst, write in ((tmp_path / "export", lambda d: m3jax.save_pretrained(model, d)),
+                       (tmp_path / "converted", lambda d: convert_checkpoint(dirs["native"], d))):
+        left = [f"{dst}.tmp-1a2b3c4d", f"{dst}.old-5e6f7a8b"]
+        kept = [f"{dst}.tmpfiles", f"{dst}2.tmp-1a2b3c4d"]  # not this destination's
+        for d in left + kept:
+            os.makedirs(d)
+            open(os.path.join(d, "model.safetensors"), "wb").write(b"x" * 1000)
+        with caplog.at_level(logging.WARNING, logger=save.__name__):
+            out = write(dst)
+        assert not any(os.path.exists(d) for d in left) and all(os.path.exists(d) for d in kept)
+        assert f"removed {left[0]} (0.00 GB), left by an interrupted write of {dst}" in caplog.text
+        assert_bitwise_equal(read_all(out), read_all(dirs["native"]))

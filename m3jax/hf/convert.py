@@ -30,7 +30,8 @@ from m3jax.hf import carry, layouts
 from m3jax.hf.load import checkpoint_files, plan_load
 from m3jax.hf.read_blocks import READ_AHEAD_BYTES, READ_CHUNK_BYTES, READ_THREADS, TensorReader, read_ahead
 from m3jax.hf.safetensors_io import CheckpointError, count_nonfinite, header_bytes
-from m3jax.hf.save import check_destination, check_space, finish_checkpoint, parse_size, shard_names, split_shards
+from m3jax.hf.save import (check_destination, check_space, clear_leftovers, finish_checkpoint, parse_size, shard_names,
+                           split_shards)
 from m3jax.hf.side_files import side_files
 
 
@@ -91,6 +92,7 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, layout: s
     limit = parse_size(max_shard_size)
     shards = split_shards(entries, limit) + split_shards(carry.entries(kept), limit)
     entries += carry.entries(kept)
+    clear_leftovers(dst)
     check_space(dst, sum(math.prod(shape) * d.itemsize for _, d, shape in entries))
     tmp = f"{dst}.tmp-{uuid.uuid4().hex[:8]}"
     os.makedirs(tmp)

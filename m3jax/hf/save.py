@@ -141,6 +141,25 @@ def _within(path: str, directory: str) -> bool:
     return os.path.commonpath([path, directory]) == directory
 
 
+def clear_leftovers(path: str) -> list[str]:
+    """Remove what an interrupted write of a checkpoint to `path` left beside it, and return those paths: its
+    unfinished directory (`path.tmp-*`, up to the whole checkpoint) and the replaced one of a swap cut between its
+    two renames (`path.old-*`, with `path` itself then absent). Nothing reads them, and a rerun's space check
+    counted them as used: after a killed conversion of the release, a rerun was refused for want of space."""
+    parent, base = os.path.split(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        return []
+    gone = []
+    for name in sorted(os.listdir(parent)):
+        left = os.path.join(parent, name)
+        if name.startswith((f"{base}.tmp-", f"{base}.old-")) and os.path.isdir(left) and not os.path.islink(left):
+            size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(left) for f in files)
+            shutil.rmtree(left, ignore_errors=True)  # every process of a job may clear the same ones
+            log.warning("removed %s (%.2f GB), left by an interrupted write of %s", left, size / 1e9, path)
+            gone.append(left)
+    return gone
+
+
 def check_space(dst: str, need: int) -> None:
     """Refuse, before anything is written, a checkpoint of `need` bytes that `dst`'s filesystem cannot hold (its
     directories are made as needed): an export at the end of a run, or a conversion of the release's 850 GB, would
@@ -166,6 +185,7 @@ def write_shards(cfg, dtype, path: str, layout: str, shards: list[tuple[list, bo
     tmp = f"{path}.tmp-{token or uuid.uuid4().hex[:8]}"
     first = jax.process_index() == 0
     need = sum(int(np.prod(e[2])) * np.dtype(e[1]).itemsize for shard, _ in shards for e in shard)
+    clear_leftovers(path)
     if token is None:
         check_space(path, need)
     else:  # every process checks (the directory is shared) and all agree, so that none waits for another
