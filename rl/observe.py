@@ -59,9 +59,14 @@ def _summary_writer():
 
 class RunLogger:
     def __init__(self, run_dir: str, *, tensorboard: bool = True, progress_bar: bool = True, total_steps: int = 0,
-                 first_step: int = 0, open_wandb=None):
+                 first_step: int = 0, open_wandb=None, resumed_row: dict | None = None):
         """open_wandb: a callable returning a started W&B run (`rl.wandb_run.open_run`) to mirror every row to;
-        called on the process that writes (process 0) only."""
+        called on the process that writes (process 0) only.
+
+        A run that starts at `first_step` re-logs every step after it, so the rows past it (a run killed after its
+        last checkpoint wrote them) are removed from metrics.jsonl and purged from TensorBoard: each step keeps one
+        row. `resumed_row`: the row of `first_step` as its checkpoint recorded it, written if metrics.jsonl lacks it
+        (a kill between the save and the row's write lost it for good)."""
         import jax
         self.run_dir = run_dir
         self._jsonl = self._tb = self._bar = self._wandb = None
@@ -76,9 +81,18 @@ class RunLogger:
             logging.getLogger(__name__).warning("%s ended in a row cut short (%d bytes, a crash while writing it): "
                                                 "removed, so the resumed run's rows start on a line of their own",
                                                 path, cut)
+        dropped, has_first = keep_rows_through(path, first_step if first_step > 0 else -1)
+        if dropped:
+            logging.getLogger(__name__).info("%s: removed %d row(s) past step %d, which this run logs again", path,
+                                             dropped, first_step)
         self._jsonl = open(path, "a")
+        if resumed_row is not None and first_step > 0 and not has_first:
+            self._jsonl.write(json.dumps({"step": first_step, **resumed_row}) + "\n")
+            self._jsonl.flush()
         if tensorboard:
-            self._tb = _summary_writer()(os.path.join(run_dir, "tensorboard"))
+            tb_dir = os.path.join(run_dir, "tensorboard")  # purge_step: events from it on are hidden (logged again)
+            self._tb = _summary_writer()(tb_dir, purge_step=first_step + 1 if first_step > 0
+                                         else 0 if os.path.isdir(tb_dir) else None)
         if open_wandb is not None:
             self._wandb = open_wandb()
         if progress_bar:
@@ -139,6 +153,32 @@ def cut_partial_row(path: str) -> int:
             pos -= chunk
         f.truncate(keep)
         return end - keep
+
+
+def keep_rows_through(path: str, last_step: int) -> tuple[int, bool]:
+    """Keep only the rows of metrics.jsonl at `path` whose step is at most `last_step` (a line that is not a row
+    stays); -> (rows removed, whether a row of `last_step` is kept). The file is replaced atomically."""
+    if not os.path.exists(path):
+        return 0, False
+    kept, dropped, has_last = [], 0, False
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            try:
+                step = json.loads(line)["step"]
+            except (json.JSONDecodeError, TypeError, KeyError):
+                kept.append(line)
+                continue
+            if isinstance(step, (int, float)) and step > last_step:
+                dropped += 1
+            else:
+                kept.append(line)
+                has_last |= step == last_step
+    if dropped:
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(kept)
+        os.replace(tmp, path)
+    return dropped, has_last
 
 
 def read_metrics(run_dir: str) -> list[dict]:

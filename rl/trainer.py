@@ -86,6 +86,7 @@ class GRPOTrainer:
         self.checkpointer = checkpointer_for(cfg)
         self.eval_set = self._eval_set() if cfg.eval.enabled else None
         self.best = None  # {metric, value, step} of the best held-out evaluation so far (kept in checkpoints)
+        self.resumed_row = None  # the resumed checkpoint's metrics row
         # grpo.max_trajectory_age_steps 1: the next step's draw runs while a step trains (rl.ahead)
         self.ahead = AheadDraw() if cfg.grpo.max_trajectory_age_steps else None
 
@@ -239,6 +240,7 @@ class GRPOTrainer:
                     "them, or start over in a new run.out_dir")
             return 0
         state, meta = got
+        self.resumed_row = meta.get("metrics_row")
         try:  # first: a checkpoint whose data position this run's prompts cannot continue changes nothing
             self.loader.load_state_dict(meta["data"])
         except ValueError as e:
@@ -256,9 +258,14 @@ class GRPOTrainer:
         log.info("resumed from step %d in %s", meta["step"], self.checkpointer.directory)
         return int(meta["step"])
 
-    def save(self, step: int) -> None:
+    def save(self, step: int, row: dict | None = None) -> None:
+        """row: the step's metrics so far, kept with the checkpoint (a resume writes it if metrics.jsonl lacks it)."""
         reference = self.reference.held if self.reference_step else None
-        self.checkpointer.save(step, self.state, self._meta(step), reference=reference)
+        meta = self._meta(step)
+        if row is not None:
+            meta["metrics_row"] = {k: float(v) for k, v in row.items() if isinstance(v, (int, float)) or
+                                   hasattr(v, "item")}
+        self.checkpointer.save(step, self.state, meta, reference=reference)
 
     def export(self, path: str | None = None) -> str:
         return self.policy.export(path or os.path.join(self.run_dir, "export"))
@@ -278,7 +285,7 @@ class GRPOTrainer:
         logger = RunLogger(self.run_dir, tensorboard=cfg.logging.tensorboard, progress_bar=cfg.logging.progress_bar,
                            total_steps=cfg.run.total_steps, first_step=first,
                            open_wandb=functools.partial(open_wandb_run, self.run_dir, cfg) if cfg.logging.wandb_project
-                           else None)
+                           else None, resumed_row=self.resumed_row)
         last = {}
         saved_for_deadline = False
         try:
@@ -294,9 +301,9 @@ class GRPOTrainer:
                 t1 = time.perf_counter()
                 every = cfg.checkpoint.every_steps  # 0: only at the end (and at must_save_by)
                 if (every and done % every == 0) or done == cfg.run.total_steps:
-                    self.save(done)
+                    self.save(done, row=last)
                 elif deadline is not None and not saved_for_deadline and time.time() - start_wall >= deadline:
-                    self.save(done)
+                    self.save(done, row=last)
                     saved_for_deadline = True
                 last["time/checkpoint"] = time.perf_counter() - t1
                 last["time/other"] = (time.perf_counter() - t0) - sum(

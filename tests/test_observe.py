@@ -31,7 +31,7 @@ def test_a_row_cut_short_by_a_crash_is_removed_on_resume_and_skipped_by_readers(
     whole = '{"step": 1, "reward/mean": 0.5}\n'
     path.write_text(whole + '{"step": 2, "reward/me')
     with caplog.at_level(logging.WARNING, logger="rl.observe"):
-        log = RunLogger(str(tmp_path), tensorboard=False, progress_bar=False)
+        log = RunLogger(str(tmp_path), tensorboard=False, progress_bar=False, first_step=1)  # resumed at step 1
     assert "cut short (22 bytes" in caplog.text
     log.log(2, {"reward/mean": 0.75})
     log.close()
@@ -74,3 +74,32 @@ def test_the_run_directory_keeps_its_config_and_a_resume_names_what_changed(tmp_
     assert ("optim.lr", 1e-3, 3e-4) in changed and [k for k, *_ in changed] == ["optim.lr", "grpo.loss"]
     assert load_config(str(tmp_path / CONFIG_FILE)) == again
     assert differences({"a": {"b": 1}}, {"a": {"b": 1, "c": 2}, "d": 3}) == [("a.c", None, 2), ("d", None, 3)]
+
+
+def test_a_resumed_run_keeps_one_row_per_step(tmp_path, caplog):
+    """Resumed at step 4, the run logs steps 5.. again: the rows past 4 (written after the last checkpoint) go, so
+    each step has one row. A row of step 4 lost to a kill between the save and its write comes back from the
+    checkpoint's copy; one that is there stays. A run that starts over (step 0) keeps none."""
+    import json
+    import logging
+
+    from rl.observe import RunLogger
+    path = tmp_path / "metrics.jsonl"
+
+    def rows(steps):
+        return "".join(json.dumps({"step": s, "reward/mean": s / 10}) + "\n" for s in steps)
+
+    def steps_after(first, written, resumed_row=None):
+        path.write_text(written)
+        log = RunLogger(str(tmp_path), tensorboard=False, progress_bar=False, first_step=first,
+                        resumed_row=resumed_row)
+        log.log(first + 1, {"reward/mean": 0.0})
+        log.close()
+        return [(r["step"], r["reward/mean"]) for r in map(json.loads, path.read_text().splitlines())]
+
+    with caplog.at_level(logging.INFO, logger="rl.observe"):
+        assert steps_after(4, rows(range(8))) == [(s, s / 10) for s in range(5)] + [(5, 0.0)]
+    assert "removed 3 row(s) past step 4" in caplog.text
+    assert steps_after(4, rows(range(4)), {"reward/mean": 0.4}) == [(s, s / 10) for s in range(5)] + [(5, 0.0)]
+    assert steps_after(4, rows(range(5)), {"reward/mean": 9.0}) == [(s, s / 10) for s in range(5)] + [(5, 0.0)]
+    assert steps_after(0, rows(range(3))) == [(1, 0.0)]

@@ -154,6 +154,9 @@ def test_eval_command_prints_what_the_run_logged(tiny_run, tmp_path):
     meta = json.load(open(os.path.join(out, "checkpoints", "200", "meta", "metadata")))
     best = max(logged, key=lambda s: (logged[s]["val/pass@1"], -s))
     assert meta["best"] == {"metric": "val/pass@1", "value": logged[best]["val/pass@1"], "step": best}
+    row = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))][-1]  # a resume's copy of it
+    assert row["step"] == 200 and meta["metrics_row"] == {k: v for k, v in row.items() if k not in (
+        "step", "time/checkpoint", "time/other")}
     before = snapshot(out)
     for args, step in (((), 200), (("--step", "180"), 180), (("--hf", os.path.join(out, "export")), 200)):
         r, got = evaluate(out, *args)
