@@ -89,10 +89,14 @@ def test_saved_residuals_term():
 
 @pytest.mark.extended  # ~45 s idle; `python -m m3jax.plan.remat` prints the same comparison
 @pytest.mark.slow  # eight gradient compiles of the small model (~100 s on the shared 2-core CPU)
+@pytest.mark.xla_defaults  # what XLA keeps is what a user's run keeps: the suite's faster-compiling emitters-off
+# codegen keeps 20 bytes a token fewer on the flash + tiled path since sparse attention re-gathers its keys in the
+# backward (eee4b07), 0.744 of the plan there (found by a helper running the extended tests, session 36)
 def test_plan_matches_xla_on_the_small_model():
     """XLA:CPU's FLOPs saved by save_dots within 3 % of the plan's (BENCHMARKS.md: 1.01 on both paths); the
-    bytes it keeps per MoE layer within the plan's bound (1.00 on the ragged_dot path; 0.79 of it on the
-    recipes' flash + tiled path, where XLA keeps one 128-wide fp32 value fewer per token)."""
+    bytes it keeps per MoE layer within the plan's bound (1.00 on the ragged_dot path; 0.754 of it on the
+    recipes' flash + tiled path, where XLA keeps one 128-wide fp32 value fewer per token than the plan's 2,080
+    bytes: (2080 - 512) / 2080, since every remat policy keeps the indexer's block ids, 3b095de)."""
     from m3jax.plan.remat import check
     for options, low in (({"moe_kernel": "ragged_dot"}, 0.97), ({"attention_impl": "flash", "moe_kernel": "tiled"},
                                                                   0.75)):
