@@ -10,6 +10,7 @@ The terminal shows the progress bar, the project's INFO lines and warnings; ever
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import sys
@@ -38,33 +39,39 @@ def main(argv=None) -> int:
     # One run per directory: lock it before anything in it changes (and before the heavy imports, so
     # that a second run is turned away at once). Process 0 holds it for the whole job.
     from rl import logs, run_lock
+    writable = True
     try:
         lock = run_lock.lock_run_dir(cfg.run.out_dir, cfg.mesh.process_id, warn=False)
     except run_lock.RunLockHeld as e:
         print(f"error: {e}", file=sys.stderr)
         return 3
     except OSError as e:  # a read-only or full filesystem: nothing of the run can be written there
-        print(f"error: the run directory {cfg.run.out_dir} cannot be written ({e})", file=sys.stderr)
-        return 1
+        if not (args.export and e.errno in (errno.EROFS, errno.EACCES)):
+            print(f"error: the run directory {cfg.run.out_dir} cannot be written ({e})", file=sys.stderr)
+            return 1
+        # an export only reads the run (a finished run on a read-only mount, say): no lock, log or cache there,
+        # and no run can be writing a directory that cannot be written
+        lock, writable = None, False
     try:
-        logs.setup(cfg.run.out_dir, cfg.logging.level, process_index=run_lock.process_index(cfg.mesh.process_id))
+        logs.setup(cfg.run.out_dir if writable else None, cfg.logging.level,
+                   process_index=run_lock.process_index(cfg.mesh.process_id))
         if lock is not None and lock.took_over:
             logging.getLogger("m3jax.train").warning("%s", lock.took_over)
-        return _train(cfg, args)
+        return _train(cfg, args, writable)
     finally:
         logs.teardown()
         if lock is not None:
             lock.release()
 
 
-def _train(cfg, args) -> int:
+def _train(cfg, args, writable: bool = True) -> int:
     from rl.input_errors import input_errors
     from sharding.compile_cache import use_compilation_cache
     from sharding.mesh import init_distributed, set_memory_fraction
 
     # Both before anything starts JAX's backend or compiles.
     for note in (set_memory_fraction(cfg.mesh.device_memory_fraction),
-                 use_compilation_cache(cfg.run.compilation_cache, cfg.run.out_dir)):
+                 use_compilation_cache(cfg.run.compilation_cache if writable else None, cfg.run.out_dir)):
         if note:
             logging.getLogger("m3jax.train").warning("%s", note)
     # A process of a multi-host job joins it before anything asks JAX for its backend (the expert-kernel timing's

@@ -116,6 +116,7 @@ class Checkpointer:
     def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True, read_only: bool = False):
         """read_only: a reader (python -m m3jax.eval) that creates, saves and deletes nothing."""
         self.directory = os.path.abspath(directory)
+        self.read_only = read_only
         self._saving = None  # the step of the last save started
         # orbax warns that a read-only directory is read only: what was asked for, so not on the terminal
         notice = _Demote("Given directory is read only")
@@ -232,8 +233,8 @@ class Checkpointer:
         """Rename unreadable checkpoints newer than the one restored to `<step>.unreadable` (kept for
         inspection, ignored by orbax): the resumed run saves those steps again, and orbax refuses to
         save a step whose directory exists. (When no step is readable nothing is moved: the cause may
-        be this run's layout rather than the files.)"""
-        if not steps:
+        be this run's layout rather than the files; nor by a read-only reader, which changes nothing.)"""
+        if not steps or self.read_only:
             return
         if jax.process_index() == 0:
             for step in steps:

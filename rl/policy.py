@@ -260,7 +260,8 @@ def export_latest(cfg: RunConfig, path: str | None = None) -> tuple[int, str]:
     from m3jax.hf.save import check_destination
     path = check_destination(path or os.path.join(cfg.run.out_dir, "export"), [cfg.run.out_dir, cfg.model.path])
     policy = build_policy(cfg, kernel_timing="off")
-    checkpointer = checkpointer_for(cfg)
+    # a reader: nothing in the run directory is created, moved or deleted (it may be read-only)
+    checkpointer = ckpt_lib.Checkpointer(checkpoint_dir(cfg), async_save=False, read_only=True)
     try:
         got = checkpointer.restore_latest(policy.state)
     finally:

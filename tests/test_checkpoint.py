@@ -335,8 +335,16 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous(runs, batches, two
     warned = warnings_of(caplog)
     assert any("step 4" in w and "unreadable" in w for w in warned), warned
     assert not any("step 2" in w for w in warned), warned
-    # set aside (kept for inspection, no longer a step)
+    # set aside (kept for inspection, no longer a step); a read-only reader (eval, export) moves nothing
     assert sorted(os.listdir(d)) == ["2", "4.unreadable"]
+    os.rename(os.path.join(d, "4.unreadable"), os.path.join(d, "4"))
+    reader = Checkpointer(d, read_only=True)
+    try:
+        assert reader.restore_latest(run.fresh)[1] == meta_of(2)
+    finally:
+        reader.close()
+    assert sorted(os.listdir(d)) == ["2", "4"]
+    os.rename(os.path.join(d, "4"), os.path.join(d, "4.unreadable"))
 
     # The resumed run reaches step 4 again and saves it: the unreadable step must not be in the way.
     nxt, _ = run.step(got, batches[2])

@@ -4,6 +4,8 @@ or full filesystem): one `error:` line and exit 1, not a traceback."""
 import errno
 import os
 
+import pytest
+
 from m3jax import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,3 +32,34 @@ def test_an_export_to_a_full_disk(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == f"error: [Errno 28] {tmp_path / 'ex'}: the checkpoint needs 0.48 GB and its filesystem has " \
                       "0.07 GB free" and "Traceback" not in "\n".join(err)
+
+
+@pytest.mark.slow  # a one-step tiny run to export (~20 s)
+def test_an_export_reads_a_run_directory_it_cannot_write(tmp_path, monkeypatch, capsys):
+    """A finished run on a read-only mount can still be exported: no lock, log, cache or checkpoint change in the
+    run directory (checked on a real read-only tmpfs too, BENCHMARKS.md session 36)."""
+    import subprocess
+    import sys
+
+    from safetensors.numpy import load_file
+    run = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    env.pop("XLA_FLAGS", None)
+    r = subprocess.run([sys.executable, "-m", "m3jax.train", "--config", CONFIG, f"run.out_dir={run}",
+                        "run.total_steps=1", "logging.progress_bar=false", "eval.at_start=false",
+                        "eval.every_steps=0"], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    before = sorted((os.path.relpath(os.path.join(d, f), run), os.stat(os.path.join(d, f)).st_mtime_ns)
+                    for d, _, files in os.walk(run) for f in files)
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system", str(run / ".lock"))
+    monkeypatch.setattr("rl.run_lock.lock_run_dir", read_only)
+    assert train.main(["--config", CONFIG, f"run.out_dir={run}", "--export", str(tmp_path / "ex")]) == 0
+    assert capsys.readouterr().out == f"exported step 1 to {tmp_path / 'ex'}\n"
+    after = sorted((os.path.relpath(os.path.join(d, f), run), os.stat(os.path.join(d, f)).st_mtime_ns)
+                   for d, _, files in os.walk(run) for f in files)
+    assert after == before
+    exported, saved = load_file(str(tmp_path / "ex" / "model.safetensors")), load_file(str(run / "export" /
+                                                                                            "model.safetensors"))
+    assert sorted(exported) == sorted(saved) and all((exported[k] == saved[k]).all() for k in saved)
