@@ -24,11 +24,17 @@ def fit_prompt_lengths(records: Sequence[PromptRecord], tokenizer, limit: int, *
     many rows are overlong and the longest; "drop": leave them out (an error if none is left), as verl's
     filter_overlong_prompts does. Returns the kept records and ids, in order.
     vocab_size (the model's): a prompt rendering to an id past it raises DatasetError naming the row: the tokenizer
-    is not the model's (the engine would refuse that request at the step that drew it).
+    is not the model's (the engine would refuse that request at the step that drew it). So does a prompt that
+    renders to no tokens.
     """
     if overlong not in OVERLONG_PROMPTS:
         raise ValueError(f"overlong={overlong!r}: expected one of {OVERLONG_PROMPTS}")
     ids = [render_prompt(r, tokenizer, chat_template=chat_template) for r in records]
+    for r, x in zip(records, ids):  # the engine refuses an empty request: at the step that drew it, hours in
+        if not x:
+            raise DatasetError(r.meta.get("source", "<records>"), (
+                "the prompt renders to no tokens (its text, or every message's content, is empty); expected a "
+                "prompt with text"), row=r.meta.get("row"))
     if vocab_size is not None:
         for r, x in zip(records, ids):
             if x and max(x) >= vocab_size:

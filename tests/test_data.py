@@ -351,3 +351,15 @@ def test_the_trainer_checks_every_file_prompt_at_load(tmp_path, monkeypatch):
         build_data(load_config(TINY, args))
     _, loader, _ = build_data(load_config(TINY, args + ["data.overlong_prompts=drop"]))
     assert sorted(r.prompt for r in loader.records) == ["1234", "4321"]
+
+
+def test_a_prompt_that_renders_to_nothing_is_refused_at_load(tmp_path, chat_tokenizer):
+    """A chat row whose message content is "" loaded and then stopped the run at the step that drew it ("prompt 4
+    is empty", naming neither file nor row): refused at load, by row."""
+    rows = [{"prompt": [{"role": "user", "content": "what is 1 + 2 ?"}], "answer": "3"},
+            {"prompt": [{"role": "user", "content": ""}], "answer": "3"}]
+    recs = load_prompts(write_jsonl(tmp_path / "chat.jsonl", rows))
+    assert render_prompt(recs[1], chat_tokenizer, chat_template=False) == []
+    with pytest.raises(DatasetError, match=r"chat.jsonl, row 2: the prompt renders to no tokens"):
+        fit_prompt_lengths(recs, chat_tokenizer, 64, chat_template=False)
+    assert len(fit_prompt_lengths(recs[:1], chat_tokenizer, 64, chat_template=False)[0]) == 1
