@@ -74,6 +74,23 @@ def test_register_and_duplicate():
         registry._REGISTRY.pop("_test_len", None)
 
 
+def test_a_reward_that_cannot_take_a_runs_call_is_refused_at_registration():
+    """A run calls every reward as fn(completion, answer, truncated=...): `def r(completion, answer)` failed on
+    every sample of every step (scored 0, the run went on); it is refused when registered, naming the call."""
+    def two_args(completion, answer):
+        return 1.0
+
+    with pytest.raises(TypeError, match=r"reward '_test_two': .*two_args\(completion, answer\) cannot be called as "
+                                        r"fn\(completion, answer, truncated=...\)"):
+        register_reward("_test_two")(two_args)
+    assert "_test_two" not in registry._REGISTRY
+    try:  # what is accepted: **kw, or a truncated parameter (and timeout_s)
+        register_reward("_test_two")(lambda completion, answer, truncated=False, timeout_s=None: 1.0)
+        register_reward("_test_two", replace=True)(lambda c, a, **kw: 1.0)
+    finally:
+        registry._REGISTRY.pop("_test_two", None)
+
+
 # ------------------------------------------------------------------------------------------ digit task
 
 def test_digit_tokenizer_roundtrip():

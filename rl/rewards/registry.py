@@ -123,6 +123,7 @@ def register_reward(name: str, *, mode: str = "thread", replace: bool = False) -
     def decorator(fn: RewardFn) -> RewardFn:
         if not callable(fn):
             raise TypeError(f"register_reward({name!r}) expects a function, got {type(fn).__name__}")
+        _check_call(name, fn)
         old = _REGISTRY.get(name)
         if old is not None and not replace and old.fn is not fn and _ident(old.fn) != _ident(fn):
             raise ValueError(
@@ -132,6 +133,23 @@ def register_reward(name: str, *, mode: str = "thread", replace: bool = False) -
         return fn
 
     return decorator
+
+
+def _check_call(name: str, fn) -> None:
+    """Refuse, at registration, a reward that cannot take the call every run makes: fn(completion, answer,
+    truncated=...). `def r(completion, answer)` used to fail on every sample of every step, each failure scored 0,
+    and the run went on to its end with that reward silently 0."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: found out at its first call
+        return
+    try:
+        sig.bind("completion", "answer", truncated=False)
+    except TypeError as e:
+        raise TypeError(f"reward {name!r}: {getattr(fn, '__qualname__', fn)}{sig} cannot be called as "
+                        f"fn(completion, answer, truncated=...) ({e}), as a run calls every reward; expected "
+                        "fn(completion: str, answer: str, **kw) -> float (kw: truncated, and timeout_s where the "
+                        "function names it)") from None
 
 
 def _ensure_builtins() -> None:
