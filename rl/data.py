@@ -28,8 +28,9 @@ has touched any state. Numeric answers are converted to strings, lists and dicts
 Prompts
 -------
 ``PromptRecord.prompt`` is either a string or a list of chat messages; ``render_prompt`` turns it into
-token ids with the tokenizer's chat template when it has one (``add_generation_prompt=True``), else
-with plain ``encode`` (messages are then joined by blank lines). Synthetic tasks (``rl.tasks``) produce
+token ids with the tokenizer's chat template when asked (``data.chat_template: true``) and the tokenizer has one
+(``add_generation_prompt=True``), else with plain ``encode`` (messages are then joined by blank lines, which the
+load-time check warns of when the tokenizer has a template). Synthetic tasks (``rl.tasks``) produce
 records whose prompt is a plain string that their own tokenizer encodes, so the loader and the trainer
 need no special case for them. `rl.prompt_lengths.fit_prompt_lengths` renders every record once at load and
 refuses (or drops, ``data.overlong_prompts``) the prompts longer than the generation width.

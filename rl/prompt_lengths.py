@@ -29,6 +29,12 @@ def fit_prompt_lengths(records: Sequence[PromptRecord], tokenizer, limit: int, *
     """
     if overlong not in OVERLONG_PROMPTS:
         raise ValueError(f"overlong={overlong!r}: expected one of {OVERLONG_PROMPTS}")
+    chats = sum(not isinstance(r.prompt, str) for r in records)
+    if chats and not chat_template and getattr(tokenizer, "chat_template", None):
+        log.warning("%d of %d prompts are chat messages and are rendered without the tokenizer's chat template "
+                    "(data.chat_template: false): their contents joined by blank lines, roles and template dropped; "
+                    "set data.chat_template=true to render them as the model was tuned to read them",
+                    chats, len(records))
     ids = [render_prompt(r, tokenizer, chat_template=chat_template) for r in records]
     for r, x in zip(records, ids):  # the engine refuses an empty request: at the step that drew it, hours in
         if not x:

@@ -363,3 +363,16 @@ def test_a_prompt_that_renders_to_nothing_is_refused_at_load(tmp_path, chat_toke
     with pytest.raises(DatasetError, match=r"chat.jsonl, row 2: the prompt renders to no tokens"):
         fit_prompt_lengths(recs, chat_tokenizer, 64, chat_template=False)
     assert len(fit_prompt_lengths(recs[:1], chat_tokenizer, 64, chat_template=False)[0]) == 1
+
+
+def test_chat_prompts_rendered_without_the_template_are_warned_of(tmp_path, chat_tokenizer, caplog):
+    """data.chat_template is false by default: chat-message prompts then lose their roles and template, which a
+    user of a chat model rarely wants; the load says so once when the tokenizer has a template."""
+    rows = [{"prompt": [{"role": "user", "content": "what is 1 + 2 ?"}], "answer": "3"},
+            {"prompt": "what is 1 + 2 ?", "answer": "3"}]
+    recs = load_prompts(write_jsonl(tmp_path / "chat.jsonl", rows))
+    with caplog.at_level("WARNING", logger="rl.prompt_lengths"):
+        fit_prompt_lengths(recs, chat_tokenizer, 64, chat_template=True)
+        assert not caplog.records
+        fit_prompt_lengths(recs, chat_tokenizer, 64, chat_template=False)
+    assert "1 of 2 prompts are chat messages and are rendered without the tokenizer's chat template" in caplog.text
