@@ -10,11 +10,39 @@ import dataclasses
 
 from rl.config.schema import _f, _Section
 
+
+
+class OpenChoices:
+    """The allowed values of a field whose registry users extend: the built-in names, then those registered
+    (`rl.grpo.register_advantage_estimator`, `register_policy_loss`) before the config is checked."""
+
+    def __init__(self, builtin: tuple[str, ...]):
+        self.builtin, self.registered = tuple(builtin), []
+
+    def add(self, name: str) -> None:
+        if name not in self:
+            self.registered.append(name)
+
+    def __iter__(self):
+        return iter(self.builtin + tuple(self.registered))
+
+    def __contains__(self, name) -> bool:
+        return name in self.builtin or name in self.registered
+
+    def __len__(self) -> int:
+        return len(self.builtin) + len(self.registered)
+
+    def __eq__(self, other) -> bool:
+        return tuple(self) == tuple(other)
+
+    __hash__ = None
+
+
 # The choices below mirror their originals (named beside each; tests/test_run_config.py checks them), so that
 # loading a config imports no jax.
-ADVANTAGES = ("grpo", "dr_grpo", "rloo", "grpo_loo", "reinforce_pp")  # rl.grpo.advantages.ADVANTAGE_ESTIMATORS
+ADVANTAGES = OpenChoices(("grpo", "dr_grpo", "rloo", "grpo_loo", "reinforce_pp"))  # rl.grpo.advantages
 # rl.grpo.loss.LOSSES (rl.grpo.objectives)
-LOSSES = ("ppo_clip", "gspo", "gmpo", "sapo", "cispo", "reinforce", "kl_cov", "clip_cov")
+LOSSES = OpenChoices(("ppo_clip", "gspo", "gmpo", "sapo", "cispo", "reinforce", "kl_cov", "clip_cov"))
 IS_CORRECTIONS = ("truncate", "mask", "none")                  # rl.grpo.loss.IS_CORRECTIONS
 IS_LEVELS = ("token", "sequence", "geometric")                 # rl.grpo.loss.IS_LEVELS
 KL_TYPES = ("none", "k1", "k2", "k3")                          # rl.grpo.loss.KL_TYPES

@@ -10,9 +10,10 @@ from rl.grpo.advantages import (ADVANTAGE_ESTIMATORS, get_advantage_estimator, g
 from rl.grpo.kl import kl_penalty
 from rl.grpo.loss import LossConfig, generation_mismatch_metrics, grpo_loss, kl_estimate, normalizer
 from rl.grpo.objectives import POLICY_LOSSES, get_policy_loss
+from rl.grpo.registry import register_advantage_estimator, register_policy_loss
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "get_advantage_estimator", "group_advantages", "overlong_mask", "zero_variance_groups",
     "LossConfig", "generation_mismatch_metrics", "grpo_loss", "kl_estimate", "kl_penalty", "normalizer",
-    "POLICY_LOSSES", "get_policy_loss",
+    "POLICY_LOSSES", "get_policy_loss", "register_advantage_estimator", "register_policy_loss",
 ]

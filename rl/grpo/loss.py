@@ -155,8 +155,8 @@ class LossConfig:
     entropy_coef: float = 0.0
 
     def __post_init__(self):
-        if self.loss not in LOSSES:
-            raise _bad("loss", self.loss, str(LOSSES))
+        if self.loss not in POLICY_LOSSES:  # the built-ins and those registered (rl.grpo.registry)
+            raise _bad("loss", self.loss, str(tuple(POLICY_LOSSES)))
         for name in ("eps_low", "gspo_eps_low"):
             if not _eps_ok(getattr(self, name), below_one=True):
                 raise _bad(name, getattr(self, name), "a float in [0, 1)")
