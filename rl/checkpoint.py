@@ -118,6 +118,7 @@ class Checkpointer:
         self.directory = os.path.abspath(directory)
         self.read_only = read_only
         self._saving = None  # the step of the last save started
+        self._unchecked = False  # that save may have ended in a failure not yet raised
         # orbax warns that a read-only directory is read only: what was asked for, so not on the terminal
         notice = _Demote("Given directory is read only")
         logging.getLogger("absl").addFilter(notice)
@@ -171,7 +172,7 @@ class Checkpointer:
             # closed event loop): run.log, where the error this raises says it in a line
             logging.getLogger("absl").addFilter(_orbax_errors_to_run_log)
             _quiet_abandoned_reads()
-        self._saving = step
+        self._saving, self._unchecked = step, True
         try:
             self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(_portable(state)),
                                                             meta=ocp.args.JsonSave(meta), **extra), force=True)
@@ -182,12 +183,13 @@ class Checkpointer:
     def check_saves(self) -> None:
         """Raise CheckpointSaveFailed if an async save that has ended failed; returns at once otherwise (while one
         runs too). orbax keeps a background failure in its finalize thread, raised by the wait for it."""
-        if self._saving is None or self.manager.is_saving_in_progress():
+        if not self._unchecked or self.manager.is_saving_in_progress():
             return
         try:
             self.manager.wait_until_finished()  # the save has ended: no wait, its failure raised
         except Exception as e:  # noqa: BLE001
             raise self._failed(e) from None
+        self._unchecked = False  # once per save: the wait logs a line to run.log each time
 
     def _failed(self, e: Exception) -> CheckpointSaveFailed:
         log.debug("checkpoint step %s failed to save", self._saving, exc_info=(type(e), e, e.__traceback__))
