@@ -279,7 +279,8 @@ def test_an_export_and_a_conversion_carry_the_files_beside_the_weights(src, tmp_
     words = ["<eos>", "<unk>", "hello", "world"]
     word_level = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     word_level.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok = PreTrainedTokenizerFast(tokenizer_object=word_level, eos_token="<eos>", unk_token="<unk>", chat_template="{{ messages[0]['content'] }}")
+    tok = PreTrainedTokenizerFast(tokenizer_object=word_level, eos_token="<eos>", unk_token="<unk>",
+                                  chat_template="{{ messages[0]['content'] }}")
     tok.save_pretrained(source)
     (source / "generation_config.json").write_text('{"eos_token_id": [0, 3]}')
     (source / "pytorch_model.bin").write_bytes(b"old weights")

@@ -34,6 +34,11 @@ def end_token_ids(path: str | os.PathLike, eos_token_id) -> tuple[int, ...]:
             ids = got["eos_token_id"]
             if not _ids(ids):
                 raise CheckpointError(f"{file}: eos_token_id = {ids!r}; expected a token id or a list of them")
+    return as_token_ids(ids)
+
+
+def as_token_ids(ids) -> tuple[int, ...]:
+    """An id, a list (or tuple) of ids, or None (as config files write eos_token_id) -> a tuple of ids."""
     if ids is None:
         return ()
     return tuple(int(i) for i in ids) if isinstance(ids, (list, tuple)) else (int(ids),)

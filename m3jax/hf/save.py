@@ -178,8 +178,8 @@ def write_shards(cfg, dtype, path: str, layout: str, shards: list[tuple[list, bo
                  token: str | None = None, side: list[str] = ()) -> str:
     """Write the shards marked as this process's (in order: `tensors` yields exactly their tensors) into a
     temporary directory beside `path`, then (process 0) the `side` files, the index and the config (`cfg` in
-    `layout`, model dtype `dtype`), and move it into place. With a `token` (several processes) the directory's name is shared, and the
-    processes agree after writing: if one failed (a full disk), every one raises and the directory is removed,
+    `layout`, model dtype `dtype`), and move it into place. With a `token` (several processes) the directory's
+    name is shared, and the processes agree after writing: if one failed (a full disk), every one raises and the directory is removed,
     rather than the others waiting for it forever."""
     names = shard_names(len(shards))
     tmp = f"{path}.tmp-{token or uuid.uuid4().hex[:8]}"

@@ -106,20 +106,15 @@ def model_end_tokens(model_section, eos_token_id) -> tuple[int, ...]:
     """The ids a response of the run's model ends at when `generation.stop_token_ids` is empty: for model.path, its
     generation_config.json's eos_token_id where it sets one, else config.json's (`m3jax.hf.end_tokens`, as
     transformers and vLLM decide); for model.tiny, its eos_token_id (`eos_token_id`: the model's M3Config's)."""
-    if model_section.path:
-        from m3jax.hf.end_tokens import end_token_ids
-        return end_token_ids(model_section.path, eos_token_id)
-    if eos_token_id is None:
-        return ()
-    return tuple(eos_token_id) if isinstance(eos_token_id, (list, tuple)) else (int(eos_token_id),)
+    from m3jax.hf.end_tokens import as_token_ids, end_token_ids
+    return end_token_ids(model_section.path, eos_token_id) if model_section.path else as_token_ids(eos_token_id)
 
 
 def sampling_of(cfg, eos_token_id) -> SamplingParams:
     """The run's sampling parameters; an empty `generation.stop_token_ids` means the model's end tokens
     (`eos_token_id`: an id, a list of them, or None; `model_end_tokens` gives them for a run's model)."""
+    from m3jax.hf.end_tokens import as_token_ids
     g = cfg.generation
-    stops = tuple(g.stop_token_ids)
-    if not stops and eos_token_id is not None:
-        stops = tuple(eos_token_id) if isinstance(eos_token_id, (list, tuple)) else (int(eos_token_id),)
+    stops = tuple(g.stop_token_ids) or as_token_ids(eos_token_id)
     return SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
                           stop_token_ids=stops)
