@@ -98,6 +98,24 @@ def test_top_k_top_p_masks():
     np.testing.assert_array_equal(kept, [True, True, False, False])  # 0.5 + 0.3 reaches 0.8
     kept = np.isfinite(np.asarray(sampling_logits(z, 1.0, top_p=0.81)))[0]
     np.testing.assert_array_equal(kept, [True, True, True, False])
+    for k in (4, 5):  # the vocabulary's size or more: every token, as HF's and vLLM's samplers keep
+        np.testing.assert_array_equal(np.asarray(sampling_logits(z, 1.0, top_k=k)), np.asarray(z))
+
+
+@pytest.mark.slow  # another generation compile
+def test_rows_that_only_pad_the_batch_start_done(model):
+    """Rows added to fill the batch shards are never sampled, so the decode loop ends with the real rows
+    (before, a padding row decoded on until it drew a stop token or reached max_new_tokens)."""
+    from rl.generation.jax_engine import generate_program
+
+    ids = jnp.asarray([prompts(model.cfg, [6], seed=7)[0], [0] * 6], jnp.int32)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    sp = SamplingParams(max_new_tokens=6, temperature=1.0)
+    tokens, logps, lengths, truncated = generate_program(graphdef, params, rest, ids, jnp.asarray([6, 1]),
+                                                         jax.random.key(3), sp, 0, False, False,
+                                                         jnp.asarray([True, False]))
+    assert np.all(np.asarray(tokens)[1] == 0) and np.all(np.asarray(logps)[1] == 0)
+    assert np.all(np.asarray(logps)[0] < 0)  # the real row samples on
 
 
 @pytest.mark.slow  # compiles the scoring pass

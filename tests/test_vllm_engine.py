@@ -327,9 +327,11 @@ def test_weight_updates_are_validated_before_anything_is_applied(models):
 
 
 @pytest.mark.parametrize("temperature, top_p, top_k", [(1.0, 1.0, 0), (0.7, 1.0, 20), (1.3, 0.9, 0), (0.0, 0.8, 5),
-                                                       (0.5, 0.3, 3)])
+                                                       (0.5, 0.3, 3), (1.0, 1.0, CFG.vocab_size),
+                                                       (0.7, 0.9, CFG.vocab_size + 3)])
 def test_numpy_sampling_transform_equals_the_trainers(temperature, top_p, top_k):
-    """What score() applies to vLLM's full-vocab logprobs is base.sampling_logits + log-softmax."""
+    """What score() applies to vLLM's full-vocab logprobs is base.sampling_logits + log-softmax; a top_k of
+    the vocabulary's size or more keeps every token in both."""
     from rl.generation.base import sampling_logits
     logits = np.random.default_rng(0).standard_normal((6, CFG.vocab_size)).astype(np.float32) * 3
     logp = np.asarray(jax.nn.log_softmax(jnp.asarray(logits), axis=-1))
@@ -337,8 +339,7 @@ def test_numpy_sampling_transform_equals_the_trainers(temperature, top_p, top_k)
     got = vllm_engine.sampling_logprobs(logp + 5.0, temperature, top_p, top_k)  # any per-row shift
     np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
     np.testing.assert_allclose(got[np.isfinite(want)], want[np.isfinite(want)], atol=2e-5)
-    if top_k or top_p < 1:
-        assert not np.isfinite(want).all()
+    assert np.isfinite(want).all() == (not 0 < top_k < CFG.vocab_size and top_p == 1)
 
 
 def test_staged_checkpoint_is_complete_then_removed(tmp_path, monkeypatch):

@@ -118,12 +118,13 @@ class Generator(Protocol):
 
 def sampling_logits(logits: jax.Array, temperature: float, top_p: float = 1.0, top_k: int = 0) -> jax.Array:
     """The logits samples are drawn from, in fp32: logits / T, then everything outside the top-k and
-    outside the smallest top-p nucleus set to -inf. Greedy (T = 0) scores with T = 1.
+    outside the smallest top-p nucleus set to -inf. Greedy (T = 0) scores with T = 1. A top_k of the
+    vocabulary's size or more keeps every token (as transformers' and vLLM's samplers do).
 
     The trainer computes logp_old / logp with this same function, so on-policy ratios are exactly 1.
     """
     z = logits.astype(jnp.float32) / (temperature if temperature > 0 else 1.0)
-    if top_k > 0:
+    if 0 < top_k < z.shape[-1]:
         kth = jax.lax.top_k(z, top_k)[0][..., -1:]
         z = jnp.where(z < kth, -jnp.inf, z)
     if top_p < 1.0:

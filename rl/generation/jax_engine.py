@@ -83,7 +83,8 @@ class JaxEngine:
             if self.layout.mesh is not None:
                 stack.enter_context(jax.set_mesh(self.layout.mesh))
             out = _generate(self.graphdef, self.params, self.rest, jnp.asarray(ids), jnp.asarray(lengths), key,
-                            params, self.pad_id, self.return_routes, self.return_block_ids)
+                            params, self.pad_id, self.return_routes, self.return_block_ids,
+                            jnp.asarray(np.arange(rows) < n))
         tokens, logprobs, n_new, truncated, *extra = (np.asarray(a)[:n] for a in out)
         routes = extra.pop(0) if self.return_routes else None
         block_ids = extra.pop(0) if self.return_block_ids else None
@@ -130,7 +131,9 @@ def _on_every_process(layout, *arrays):
 
 @functools.partial(jax.jit, static_argnums=(0, 6, 7, 8, 9))
 def _generate(graphdef, params, rest, ids, prompt_lengths, key, sp: SamplingParams, pad_id: int,
-              return_routes: bool = False, return_block_ids: bool = False):
+              return_routes: bool = False, return_block_ids: bool = False, live=None):
+    # live: bool [B], False on rows that only pad the batch to its shards; those start done, so the decode
+    # loop ends when the real rows do (a padding row sampled on would keep it going to max_new_tokens)
     model = nnx.merge(graphdef, params, rest)
     b, width = ids.shape
     max_len = width + sp.max_new_tokens
@@ -180,7 +183,8 @@ def _generate(graphdef, params, rest, ids, prompt_lengths, key, sp: SamplingPara
         return (t < sp.max_new_tokens) & ~jnp.all(done)
 
     init = (jnp.int32(0), last, cache, key, jnp.full((b, sp.max_new_tokens), pad_id, jnp.int32),
-            jnp.zeros((b, sp.max_new_tokens), jnp.float32), jnp.zeros((b,), bool), routes, blocks)
+            jnp.zeros((b, sp.max_new_tokens), jnp.float32),
+            jnp.zeros((b,), bool) if live is None else ~live, routes, blocks)
     t, _, _, _, tokens, logps, done, routes, blocks = jax.lax.while_loop(cond, body, init)
     is_stop = jnp.isin(tokens, stops)
     first_stop = jnp.where(is_stop.any(-1), jnp.argmax(is_stop, -1) + 1, sp.max_new_tokens)
@@ -189,7 +193,7 @@ def _generate(graphdef, params, rest, ids, prompt_lengths, key, sp: SamplingPara
 
 
 # The jitted program `JaxEngine.generate` runs: (graphdef, params, rest, ids [B, W], prompt_lengths [B], key,
-# SamplingParams, pad_id, return_routes=False, return_block_ids=False), arguments 0 and 6-9 static. Public for
-# tools that inspect what the engine compiles (`generate_program.lower(...).compile().as_text()`, as
-# scripts/bench_generate.py --profile does).
+# SamplingParams, pad_id, return_routes=False, return_block_ids=False, live=None), arguments 0 and 6-9 static.
+# Public for tools that inspect what the engine compiles (`generate_program.lower(...).compile().as_text()`,
+# as scripts/bench_generate.py --profile does).
 generate_program = _generate

@@ -55,7 +55,7 @@ def sampling_logprobs(logp: np.ndarray, temperature: float, top_p: float = 1.0, 
     """numpy twin of `base.sampling_logits` + log-softmax, on rows of full-vocab logprobs [..., V] (any
     per-row shift of the logits gives the same result). Kept off JAX so the engine never starts XLA."""
     z = logp.astype(np.float32) / np.float32(temperature if temperature > 0 else 1.0)
-    if top_k > 0:
+    if 0 < top_k < z.shape[-1]:
         kth = -np.partition(-z, top_k - 1, axis=-1)[..., top_k - 1:top_k]
         z = np.where(z < kth, -np.inf, z)
     if top_p < 1.0:
@@ -114,6 +114,7 @@ class VLLMEngine:
             raise ValueError(f"return_routes: {CPU_REASON}")
         self.moe_layers = moe_layer_ids(text) if return_routes else None
         self.top_k = text.get("num_experts_per_tok")
+        self.vocab_size = int(text["vocab_size"])
         if current_platform.is_cpu() and any((text.get("sparse_attention_config") or {}).get(
                 "sparse_attention_freq") or []):
             raise ValueError(f"{self.model_dir}: sparse (lightning-indexer) attention layers have no vLLM CPU "
@@ -245,7 +246,7 @@ class VLLMEngine:
             raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts: expected one per prompt")
         stops = tuple(int(s) for s in sp.stop_token_ids)
         params = [self._params(max_tokens=sp.max_new_tokens, temperature=sp.temperature, top_p=sp.top_p,
-                               top_k=sp.top_k if sp.top_k > 0 else 0, seed=int(s), stop_token_ids=list(stops),
+                               top_k=sp.top_k if 0 < sp.top_k < self.vocab_size else 0, seed=int(s), stop_token_ids=list(stops),
                                logprobs=0) for s in seeds]
         out = []
         for prompt, req in zip(prompts, self._run(prompts, params)):
