@@ -58,6 +58,10 @@ def main(argv=None) -> int:
         if lock is not None and lock.took_over:
             logging.getLogger("m3jax.train").warning("%s", lock.took_over)
         return _train(cfg, args, writable)
+    except KeyboardInterrupt:  # Ctrl-C before the run's loop, or twice in it (once saves the step: rl.stop_signals)
+        print(f"interrupted: stopped without saving; rerunning the command resumes from the last checkpoint in "
+              f"{checkpoint_dir(cfg)}", file=sys.stderr)
+        return 130
     finally:
         logs.teardown()
         if lock is not None:
@@ -109,6 +113,10 @@ def _train(cfg, args, writable: bool = True) -> int:
         print(f"nothing to train: {trainer.checkpointer.directory} holds step {trainer.resumed_from} and "
               f"run.total_steps = {cfg.run.total_steps} (raise it to train further); run directory {cfg.run.out_dir}")
         return 0
+    if trainer.stopped_by:
+        print(f"stopped by {trainer.stopped_by} after step {trainer.last_step} of {cfg.run.total_steps}, saved: "
+              f"rerunning the command resumes from there; run directory {cfg.run.out_dir} (log: run.log)")
+        return 0 if trainer.stopped_by == "run.max_wall_minutes" else 128 + _signal_number(trainer.stopped_by)
     held = ""
     if "val/pass@1" in last:  # the evaluation after the last step, and the best of the run
         held = f", held-out pass@1 {last['val/pass@1']:.3f}"
@@ -117,6 +125,13 @@ def _train(cfg, args, writable: bool = True) -> int:
     print(f"done: {cfg.run.total_steps} steps, last reward {last.get('reward/mean', float('nan')):.3f}{held}; "
           f"run directory {cfg.run.out_dir} (log: run.log)")
     return 0
+
+
+def _signal_number(name: str) -> int:
+    """The exit status of a run stopped by a signal is the shell's 128 + its number (so a scheduler sees the job
+    did not finish); a stop another process of the job received counts as SIGTERM."""
+    import signal
+    return int(getattr(signal, name, signal.SIGTERM))
 
 
 def _kernel_headroom(cfg) -> int | None:

@@ -23,6 +23,7 @@ from rl.ahead import AheadDraw, draws_ahead
 from rl.checkpoint import CheckpointMismatch, CheckpointsUnreadable
 from rl.config import RunConfig
 from rl.config_record import record_config
+from rl.stop_signals import StopSignals
 from rl.data import load_prompts
 from rl.prompt_lengths import fit_prompt_lengths
 from rl.generation import backends
@@ -275,7 +276,12 @@ class GRPOTrainer:
         start_wall = time.time()
         first = self.resume()
         self.resumed_from = first  # at or past run.total_steps: nothing left to train
+        self.last_step, self.stopped_by = first, None  # stopped_by: a signal's name or run.max_wall_minutes
         if jax.process_index() == 0:
+            removed = rollout_log.drop_rows_past(self.run_dir, first if first > 0 else -1)
+            if removed:
+                log.info("removed the lines past step %d, which this run writes again: %s", first,
+                         ", ".join(f"{n} from {name}" for name, n in removed.items()))
             changed = record_config(self.run_dir, cfg)
             if changed and first:
                 log.warning("resumed from step %d with settings changed since config.yaml was last written: %s", first,
@@ -288,6 +294,7 @@ class GRPOTrainer:
                            else None, resumed_row=self.resumed_row)
         last = {}
         saved_for_deadline = False
+        signals = StopSignals().__enter__()
         try:
             if self.eval_set is not None and cfg.eval.at_start and first == 0:
                 logger.log(0, self._evaluate(0), advance=False)  # the initial policy: a row of its own
@@ -300,27 +307,36 @@ class GRPOTrainer:
                     last.update(self._evaluate(done))  # before the save: the checkpoint knows the best value
                 t1 = time.perf_counter()
                 every = cfg.checkpoint.every_steps  # 0: only at the end (and at must_save_by)
-                if (every and done % every == 0) or done == cfg.run.total_steps:
+                due = bool((every and done % every == 0) or done == cfg.run.total_steps)
+                at_deadline = deadline is not None and not saved_for_deadline and time.time() - start_wall >= deadline
+                wall = cfg.run.max_wall_minutes
+                out_of_time = bool(wall) and time.time() - start_wall > 60 * wall
+                # a signal or the wall limit stops the run after this step, saved once (a second save of the step
+                # raised, and the run ended as if its save had failed)
+                stop, save = signals.agree(out_of_time, due or at_deadline, jax.process_count())
+                saved_for_deadline |= at_deadline or (save and not due)  # another process's deadline counts
+                if save:
                     self.save(done, row=last)
-                elif deadline is not None and not saved_for_deadline and time.time() - start_wall >= deadline:
-                    self.save(done, row=last)
-                    saved_for_deadline = True
+                if stop:
+                    self.stopped_by = signals.name or ("run.max_wall_minutes" if out_of_time else
+                                                       "a stop on another process")
                 last["time/checkpoint"] = time.perf_counter() - t1
                 last["time/other"] = (time.perf_counter() - t0) - sum(
                     last.get(f"time/{p}", 0.0)
                     for p in ("generate", "reward", "logprobs", "train", "weight_transfer", "eval"))
                 logger.log(done, last)
-                if cfg.run.max_wall_minutes and time.time() - start_wall > 60 * cfg.run.max_wall_minutes:
-                    self.save(done)
+                self.last_step = done
+                if self.stopped_by:
                     break
         finally:
+            signals.__exit__()
             if self.ahead is not None:
                 self.ahead.close()  # before the generator shuts down: a draw in flight uses it
             self.checkpointer.wait(quiet=True)  # a failed save is raised below, or the error already raised stands
             logger.close()
             self.engine.shutdown()
         self.checkpointer.check_saves()
-        if cfg.checkpoint.export_hf_at_end:
+        if cfg.checkpoint.export_hf_at_end and self.last_step == cfg.run.total_steps:
             self.export()
         if cfg.logging.plot:
             plot_run(self.run_dir)

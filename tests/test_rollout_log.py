@@ -54,3 +54,32 @@ def test_an_evaluation_writes_its_first_prompts_samples(tmp_path):
     assert all(r["correct"] == (r["reward"] >= 1.0) and set(r["rewards"]) == {"copy_digits"} for r in rows)
     assert "val/pass@1" in metrics and "val/reward/copy_digits/mean" in metrics
     assert 0.0 <= metrics["val/maj@k"] <= metrics["val/pass@k"]  # a correct majority answer is a correct sample
+
+
+@pytest.mark.parametrize("block", [7, 64, 1 << 16])  # lines across block boundaries, and one block
+def test_a_resume_drops_the_lines_a_killed_run_wrote_past_its_checkpoint(tmp_path, block, monkeypatch):
+    """A kill after step 3's lines, with the checkpoint at 2: the resumed run writes steps 3 and 4 again, so their
+    old lines go (a partial last line with them); each step's lines are then written once."""
+    import rl.rollout_log as rollout_log
+
+    monkeypatch.setattr(rollout_log, "_lines_backwards",
+                        lambda f, size, _b=rollout_log._lines_backwards: _b(f, size, block))
+    rows = [{"step": s, "sample": i, "response": "é" * 5} for s in (1, 2, 3) for i in range(2)]
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    (tmp_path / FILE).write_text(text + '{"step": 4, "samp', encoding="utf-8")
+    (tmp_path / "eval_rollouts.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (0, 2, 4)))
+    assert rollout_log.drop_rows_past(str(tmp_path), 2) == {FILE: 2, "eval_rollouts.jsonl": 1}
+    kept = (tmp_path / FILE).read_text(encoding="utf-8")
+    assert kept == "".join(json.dumps(r) + "\n" for r in rows[:4])
+    assert [json.loads(x)["step"] for x in (tmp_path / "eval_rollouts.jsonl").read_text().splitlines()] == [0, 2]
+    assert rollout_log.drop_rows_past(str(tmp_path), 2) == {}  # nothing past 2 is left
+    assert rollout_log.drop_rows_past(str(tmp_path), -1) == {FILE: 4, "eval_rollouts.jsonl": 2}  # from scratch
+    assert (tmp_path / FILE).read_text() == "" and rollout_log.drop_rows_past(str(tmp_path / "none"), 0) == {}
+
+
+def test_a_line_that_is_not_a_row_stops_the_cut(tmp_path):
+    from rl.rollout_log import drop_rows_past
+
+    (tmp_path / FILE).write_text('{"step": 1}\nnot json\n{"step": 5}\n')
+    assert drop_rows_past(str(tmp_path), 2) == {FILE: 1}
+    assert (tmp_path / FILE).read_text() == '{"step": 1}\nnot json\n'

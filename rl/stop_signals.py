@@ -1,0 +1,71 @@
+"""`StopSignals`: SIGTERM and SIGINT during a training run ask it to finish the step, save it and stop.
+
+A scheduler's preemption (SIGTERM, then SIGKILL after a grace period) or a Ctrl-C used to end the process at once:
+every step since the last checkpoint was lost (up to `checkpoint.every_steps - 1` of them) and an interrupt
+printed a traceback. As MaxText and Levanter do on preemption, the run now saves the step it is on and stops,
+and rerunning the command resumes from it. A second Ctrl-C stops at once (KeyboardInterrupt), for a step that
+would take too long to finish.
+
+On a job of several processes a signal may reach them at different steps (or only one of them): they agree at the
+end of every step (`agree`, an all-gather of two flags), so all save the same step, as a checkpoint's collective
+save needs.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+
+import numpy as np
+
+log = logging.getLogger("rl.trainer")
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class StopSignals:
+    """Context manager: while inside it (in the main thread), SIGTERM / SIGINT set `received` instead of ending
+    the process; the handlers before it come back on exit. Elsewhere (another thread) it installs nothing."""
+
+    def __init__(self):
+        self.received: int | None = None  # the first signal's number
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum, frame) -> None:
+        if self.received is not None:
+            if signum == signal.SIGINT:  # the second Ctrl-C: the user will not wait for the step
+                raise KeyboardInterrupt
+            return
+        self.received = signum
+        log.warning("%s received: the run saves at the end of this step and stops (rerunning the command resumes "
+                    "from there)%s", signal.Signals(signum).name,
+                    "; Ctrl-C again stops at once, losing the step" if signum == signal.SIGINT else "")
+
+    def agree(self, stop: bool, save: bool, process_count: int = 1) -> tuple[bool, bool]:
+        """(stop after this step, save this step): this process's wishes (`stop` besides a signal, e.g. a wall
+        limit; `save` besides a stop, e.g. a deadline), or'ed over the job's processes. Clocks and signals differ
+        between processes, and one that saved or stopped alone would leave the others waiting in a collective:
+        every process calls this at the same point of every step (one all-gather of two flags)."""
+        stop = stop or self.received is not None
+        if process_count == 1:
+            return stop, save or stop
+        from jax.experimental import multihost_utils
+        flags = np.asarray(multihost_utils.process_allgather(np.asarray([stop, save], np.int32)))
+        stop, save = (bool(f) for f in flags.reshape(-1, 2).any(0))
+        return stop, save or stop
+
+    @property
+    def name(self) -> str | None:
+        return None if self.received is None else signal.Signals(self.received).name

@@ -1,0 +1,68 @@
+"""SIGTERM / SIGINT during a run save the step it is on and stop it (rl.stop_signals); the wall limit on a step that
+is saved anyway stops the run once saved."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from rl.stop_signals import StopSignals
+from tests.test_resume import ROOT, command, env, logged_steps
+
+
+def test_a_signal_is_recorded_and_the_handlers_come_back():
+    before = signal.getsignal(signal.SIGTERM)
+    with StopSignals() as s:
+        assert s.agree(False, False) == (False, False)
+        os.kill(os.getpid(), signal.SIGTERM)  # handled between bytecodes: the process lives on
+        time.sleep(0.01)
+        assert s.name == "SIGTERM" and s.agree(False, False) == (True, True)  # a stop saves its step
+        os.kill(os.getpid(), signal.SIGTERM)  # a second SIGTERM changes nothing
+        time.sleep(0.01)
+        with pytest.raises(KeyboardInterrupt):  # a Ctrl-C after a signal: stop at once
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.01)
+    assert signal.getsignal(signal.SIGTERM) is before
+    with StopSignals() as s:
+        assert s.agree(True, False) == (True, True) and s.agree(False, True) == (False, True) and s.name is None
+
+
+def checkpoints(out_dir):
+    d = os.path.join(out_dir, "checkpoints")
+    return sorted(int(n) for n in os.listdir(d) if n.isdigit()) if os.path.isdir(d) else []
+
+
+@pytest.mark.slow
+def test_sigterm_saves_the_step_and_stops_then_the_rerun_resumes(tmp_path):
+    out = str(tmp_path / "run")
+    extra = ["checkpoint.every_steps=0", "checkpoint.export_hf_at_end=true"]  # only the last step saves by itself
+    p = subprocess.Popen(command(out, extra), cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    deadline = time.time() + 600
+    while p.poll() is None and logged_steps(out) < 1 and time.time() < deadline:
+        time.sleep(0.01)
+    p.send_signal(signal.SIGTERM)
+    stdout, stderr = p.communicate(timeout=600)
+    steps = max(json.loads(x)["step"] for x in open(os.path.join(out, "metrics.jsonl")))  # row 0: the first eval
+    assert p.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    assert f"stopped by SIGTERM after step {steps} of 8, saved" in stdout, stdout
+    assert 1 <= steps < 8 and checkpoints(out) == [steps] and not os.path.exists(os.path.join(out, "export"))
+    assert "Traceback" not in stderr
+    r = subprocess.run(command(out, extra), cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "done: 8 steps" in r.stdout, r.stderr[-3000:]
+    rows = [json.loads(x)["step"] for x in open(os.path.join(out, "metrics.jsonl"))]
+    assert rows == list(range(0, 9)) and os.path.exists(os.path.join(out, "export"))
+
+
+@pytest.mark.slow
+def test_the_wall_limit_on_a_saved_step_stops_once_saved(tmp_path):
+    """Before, the step was saved twice: the second save raised and the run ended as if its save had failed."""
+    out = str(tmp_path / "run")
+    r = subprocess.run(command(out, ["checkpoint.every_steps=1", "run.max_wall_minutes=0.0001"]), cwd=ROOT,
+                       env=env(), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "stopped by run.max_wall_minutes after step 1 of 8, saved" in r.stdout, r.stdout
+    assert checkpoints(out) == [1] and "error" not in r.stderr
