@@ -52,6 +52,23 @@ def learning_rate(cfg: RunConfig):
     return optax.join_schedules([optax.linear_schedule(0.0, o.lr, o.warmup_steps), after], [o.warmup_steps])
 
 
+def update_learning_rate(cfg: RunConfig):
+    """`learning_rate` as the optimizer counts: its schedule's count is optimizer updates applied,
+    `grpo.updates_per_step` of them per step, so update c runs at learning_rate(c // updates_per_step). (Counting
+    updates as steps ran warm-up and decay updates_per_step times too fast: at 2, the run's second half at lr 0.)
+    A skipped update (non-finite gradient) does not count, as in Megatron: the schedule waits for it."""
+    per_step = cfg.grpo.updates_per_step
+    steps = learning_rate(cfg)
+    return steps if per_step == 1 else (lambda count: steps(count // per_step))
+
+
+def applied_learning_rate(cfg: RunConfig, state) -> float:
+    """The learning rate of the next update of `state` (a TrainState: `step` counts updates run, `skipped` those
+    skipped): what a step that starts from `state` trains with, as the optimizer's schedule computes it."""
+    run, skipped = (int(x) for x in jax.device_get((state.step, state.skipped)))
+    return float(update_learning_rate(cfg)(run - skipped))
+
+
 def sequence_width(cfg: RunConfig, model_cfg: m3jax.M3Config) -> int:
     """Token slots of every training row: its positions (`training_positions`) + 1 for the last target."""
     return training_positions(cfg, model_cfg) + 1
@@ -138,7 +155,7 @@ def build_policy(cfg: RunConfig, kernel_timing: str = "record", kernel_headroom:
         model = m3jax.M3ForCausalLM(m3_cfg, dtype=dtype, rngs=nnx.Rngs(cfg.model.init_seed), layout=layout, **options)
     o = cfg.optim
     lm_gradient = weight_decay_mask(model.cfg, nnx.state(model, nnx.Param))
-    optimizer = optim_step.adamw(learning_rate(cfg), b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
+    optimizer = optim_step.adamw(update_learning_rate(cfg), b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
                                  clip_norm=o.clip_norm, moment_dtype=jnp.dtype(cfg.precision.moment_dtype),
                                  master=cfg.precision.master,
                                  # parameters without an LM gradient (the indexer): never decayed, and

@@ -28,8 +28,8 @@ from rl.data import load_prompts
 from rl.prompt_lengths import fit_prompt_lengths
 from rl.generation import backends
 from rl.observe import RunLogger, plot_run
-from rl.policy import (Policy, build_policy, checkpointer_for, learning_rate, make_indexer_recall, make_logprobs,
-                       make_update, reference_params, sequence_width)
+from rl.policy import (Policy, applied_learning_rate, build_policy, checkpointer_for, make_indexer_recall,
+                       make_logprobs, make_update, reference_params, sequence_width)
 from rl.prompt_loader import PromptLoader
 from rl.reference import ReferenceWeights
 from rl.tasks import make_task
@@ -184,6 +184,7 @@ class GRPOTrainer:
             route_metrics["time/indexer_recall"] = time.perf_counter() - t0  # inside time/logprobs
         t["logprobs"] = time.perf_counter()
 
+        lr = applied_learning_rate(cfg, policy.state)  # the schedule's, which waits out skipped updates
         policy.state, stats = phases.update(self.train_step, policy.state, micro, gcfg.updates_per_step)
         reset = self._reset_reference(done)
         t["train"] = time.perf_counter()
@@ -195,7 +196,7 @@ class GRPOTrainer:
         timing = {p: t[p] - t[q] for p, q in (("generate", "start"), ("reward", "generate"),
                                               ("logprobs", "reward"), ("train", "logprobs"))}
         metrics = phases.step_metrics(samples, reward, failures, adv, micro, stats,
-                                      float(learning_rate(cfg)(step)), timing, elapsed)
+                                      lr, timing, elapsed)
         metrics.update(transfer)
         metrics.update(phases.width_metrics(micro, gcfg.micro_batch_widths))
         metrics.update(drawn.metrics)
