@@ -81,16 +81,14 @@ def test_distributed_args_from_config_then_environment(mesh, env, want):
     assert distributed_args(mesh, env) == want
 
 
-@pytest.mark.slow  # ~30 s: two processes compiling the tiny trainer on a 2x2x2 mesh
-def test_two_hosts_train_from_the_yaml_config(tmp_path):
-    """Every host runs `python -m m3jax.train` with the same config; only the launcher's environment
-    differs. One GRPO step, then the run's checkpoint, metrics, HF export and curves, written once. (In the
-    default run since a change made every host of a job die at start, unseen while this test was `extended`.)"""
+TWO_HOSTS = ["mesh.data=2", "mesh.expert=2", "mesh.tensor=2", "grpo.prompts_per_step=4", "grpo.group_size=2",
+             "grpo.micro_batch_size=2", "logging.progress_bar=false"]
+
+
+def two_hosts(out: str, overrides: list[str]) -> list[subprocess.Popen]:
+    """Two processes of one job, each running `python -m m3jax.train` on configs/tiny.yaml with `overrides`
+    (tests/workers/multihost_train.py writes `out`.<process>.json as it ends)."""
     port = free_port()
-    run = tmp_path / "run"
-    overrides = ["mesh.data=2", "mesh.expert=2", "mesh.tensor=2", "grpo.prompts_per_step=4", "grpo.group_size=2",
-                 "grpo.micro_batch_size=2", "run.total_steps=1", f"run.out_dir={run}", "logging.progress_bar=false"]
-    out = str(tmp_path / "out")
     procs = []
     for i in range(2):
         env = {**os.environ, "PYTHONPATH": ROOT, "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
@@ -99,6 +97,39 @@ def test_two_hosts_train_from_the_yaml_config(tmp_path):
         procs.append(subprocess.Popen([sys.executable, os.path.join(ROOT, "tests/workers/multihost_train.py"), out,
                                        "--config", os.path.join(ROOT, "configs/tiny.yaml"), *overrides], env=env,
                                       cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+@pytest.mark.slow  # ~40 s, as the test below
+def test_a_sigterm_to_one_host_stops_both_at_the_same_saved_step(tmp_path):
+    """A preemption notice may reach one process of a job only: both save the same step and stop (a process
+    that saved or stopped alone would leave the other waiting in a collective)."""
+    import signal
+    import time
+
+    run, out = tmp_path / "run", str(tmp_path / "out")
+    procs = two_hosts(out, [*TWO_HOSTS, "run.total_steps=6", "checkpoint.every_steps=0", f"run.out_dir={run}"])
+    metrics = run / "metrics.jsonl"
+    deadline = time.time() + 600
+    while procs[1].poll() is None and time.time() < deadline and not (
+            metrics.exists() and len(metrics.read_text().splitlines()) >= 2):  # step 0's evaluation, then step 1
+        time.sleep(0.01)
+    procs[1].send_signal(signal.SIGTERM)
+    logs = [p.communicate(timeout=900)[0] for p in procs]
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert [json.load(open(f"{out}.{i}.json"))["rc"] for i in range(2)] == [143, 143], "\n".join(logs)[-4000:]
+    assert 1 <= steps[-1] < 6 and sorted(os.listdir(run / "checkpoints")) == [str(steps[-1])], (steps, logs)
+    assert f"stopped by SIGTERM after step {steps[-1]} of 6" in logs[1]
+    assert f"stopped by a stop on another process after step {steps[-1]} of 6" in logs[0]
+
+
+@pytest.mark.slow  # ~30 s: two processes compiling the tiny trainer on a 2x2x2 mesh
+def test_two_hosts_train_from_the_yaml_config(tmp_path):
+    """Every host runs `python -m m3jax.train` with the same config; only the launcher's environment
+    differs. One GRPO step, then the run's checkpoint, metrics, HF export and curves, written once. (In the
+    default run since a change made every host of a job die at start, unseen while this test was `extended`.)"""
+    run, out = tmp_path / "run", str(tmp_path / "out")
+    procs = two_hosts(out, [*TWO_HOSTS, "run.total_steps=1", f"run.out_dir={run}"])
     logs = [p.communicate(timeout=900)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-4000:]
     done = [[line for line in log.splitlines() if line.startswith("done:")] for log in logs]
