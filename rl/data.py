@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -103,7 +104,7 @@ def _file_format(path: Path, fmt: str) -> str:
         return _EXT_FORMATS[ext]
     raise DatasetError(
         path, f"cannot tell the file format from the extension {ext!r}; expected .jsonl, .json or .parquet, "
-        "or pass format='jsonl' | 'json' | 'parquet'"
+        "or set the format (data.format / eval.format: jsonl, json or parquet)"
     )
 
 
@@ -114,13 +115,25 @@ def _read_jsonl(path: Path) -> list[tuple[int, Any]]:
             for lineno, line in enumerate(f, start=1):
                 if not line.strip():
                     continue  # blank lines (a trailing newline, separators) are not rows
+                text = line.rstrip("\r\n")  # else a line cut short is reported at "column 1" of the next
                 try:
-                    rows.append((lineno, json.loads(line)))
+                    rows.append((lineno, json.loads(text)))
                 except json.JSONDecodeError as e:
-                    raise DatasetError(path, f"invalid JSON ({e.msg} at column {e.colno}); expected one JSON object per line", row=lineno) from None
+                    where = "the line ends early" if e.pos >= len(text.rstrip()) else f"column {e.colno}"
+                    raise DatasetError(path, f"invalid JSON ({e.msg}: {where}); expected one JSON object per line",
+                                       row=lineno) from None
+                except (ValueError, RecursionError) as e:  # json's limits: a huge integer, deep nesting
+                    raise DatasetError(path, f"JSON that cannot be read ({_json_limit(e)}); expected one JSON "
+                                             "object per line", row=lineno) from None
     except UnicodeDecodeError as e:
         raise DatasetError(path, f"not UTF-8 text ({e.reason} at byte {e.start}); expected JSON lines") from None
     return rows
+
+
+def _json_limit(e: Exception) -> str:
+    if isinstance(e, RecursionError):
+        return "nested too deeply"
+    return str(e).split(";")[0]  # "Exceeds the limit (4300 digits) for integer string conversion..."
 
 
 def _read_json(path: Path) -> list[tuple[int, Any]]:
@@ -131,6 +144,8 @@ def _read_json(path: Path) -> list[tuple[int, Any]]:
         raise DatasetError(path, f"invalid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
     except UnicodeDecodeError as e:
         raise DatasetError(path, f"not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except (ValueError, RecursionError) as e:
+        raise DatasetError(path, f"JSON that cannot be read ({_json_limit(e)})") from None
     if isinstance(data, dict):  # {"data": [...]} / {"rows": [...]} wrappers, if there is exactly one list
         lists = [v for v in data.values() if isinstance(v, list)]
         if len(lists) == 1:
@@ -272,6 +287,9 @@ def _check_answer(path: Path, row: int, key: str, value: Any, layout: str) -> st
     if isinstance(value, bool) or not isinstance(value, (str, int, float, np.integer, np.floating)):
         raise DatasetError(path, f"field {key!r}: expected a string, a number, or JSON-like lists / dicts (test "
                                  f"cases), got {_short(value)}", row=row)
+    if isinstance(value, (float, np.floating)) and not math.isfinite(value):  # JSON's NaN / Infinity
+        raise DatasetError(path, f"field {key!r} is {value}; expected the reference answer (a string or a finite "
+                                 "number)", row=row)
     text = str(value).strip()
     if layout == "gsm8k":
         final = _gsm8k_final(text)

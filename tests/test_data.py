@@ -117,6 +117,38 @@ def test_invalid_json_row(tmp_path):
     assert "invalid JSON" in check_error(e, path, 3)
 
 
+def test_a_line_cut_short_says_so_not_column_1(tmp_path):
+    path = tmp_path / "cut.jsonl"
+    path.write_text('{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": \n')
+    with pytest.raises(DatasetError) as e:
+        load_prompts(path)
+    assert "the line ends early" in check_error(e, path, 2)
+
+
+@pytest.mark.parametrize("text, says", [
+    ('{"prompt": "a", "answer": ' + "9" * 5000 + "}", "4300 digits"),
+    ('{"prompt": "a", "answer": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deeply"),
+])
+def test_json_past_the_readers_limits_names_the_row(tmp_path, text, says):
+    path = tmp_path / "big.jsonl"
+    path.write_text('{"prompt": "a", "answer": "1"}\n' + text + "\n")
+    with pytest.raises(DatasetError) as e:
+        load_prompts(path)
+    assert says in check_error(e, path, 2)
+    path = tmp_path / "big.json"
+    path.write_text("[" + text + "]")
+    with pytest.raises(DatasetError, match=says):
+        load_prompts(path)
+
+
+def test_a_nan_answer_is_refused(tmp_path):
+    path = tmp_path / "nan.jsonl"
+    path.write_text('{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": NaN}\n')
+    with pytest.raises(DatasetError) as e:
+        load_prompts(path)
+    assert "finite number" in check_error(e, path, 2)
+
+
 def test_missing_answer_row(tmp_path):
     path = write_jsonl(tmp_path / "m.jsonl", [{"prompt": "a", "answer": "1"}, {"prompt": "b"}])
     with pytest.raises(DatasetError) as e:
@@ -173,8 +205,9 @@ def test_empty_and_unknown_extension(tmp_path):
         load_prompts(path)
     path = tmp_path / "data.csv"
     path.write_text("prompt,answer\n")
-    with pytest.raises(DatasetError, match="extension"):
+    with pytest.raises(DatasetError, match="extension") as e:
         load_prompts(path)
+    assert "data.format" in str(e.value) and "format='" not in str(e.value)
 
 
 def test_parquet_errors(tmp_path):
