@@ -17,6 +17,7 @@ import copy
 import dataclasses
 import json
 import logging
+import math
 import os
 from typing import Any
 
@@ -59,6 +60,10 @@ _DEFAULT_VISION = {
 
 class ConfigError(ValueError):
     """An invalid or unsupported config value: names the field, the value and what is allowed."""
+
+
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _err(field: str, value: Any, allowed: str) -> ConfigError:
@@ -164,13 +169,11 @@ class M3Config:
                      "shared_intermediate_size", "num_local_experts", "num_experts_per_tok",
                      "index_n_heads", "index_head_dim", "index_block_size", "index_topk_blocks"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            if not _int(v) or v <= 0:
                 raise _err(name, v, "a positive integer")
-        if isinstance(self.max_position_embeddings, bool) or not isinstance(self.max_position_embeddings, int) \
-                or self.max_position_embeddings <= 0:
+        if not _int(self.max_position_embeddings) or self.max_position_embeddings <= 0:
             raise _err("max_position_embeddings", self.max_position_embeddings, "a positive integer")
-        if isinstance(self.index_local_blocks, bool) or not isinstance(self.index_local_blocks, int) \
-                or self.index_local_blocks < 0:
+        if not _int(self.index_local_blocks) or self.index_local_blocks < 0:
             raise _err("index_local_blocks", self.index_local_blocks, "an integer >= 0")
         n = self.num_hidden_layers
         if len(self.layer_types) != n:
@@ -205,8 +208,14 @@ class M3Config:
                        f"at most index_topk_blocks={self.index_topk_blocks}")
         for name in ("rope_theta", "rms_norm_eps", "swiglu_alpha", "swiglu_limit", "routed_scaling_factor"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
-                raise _err(name, v, "a positive number")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:  # NaN fails too
+                raise _err(name, v, "a positive finite number")
+        # transformers' config takes these as ints only, so a wrong one failed later inside it, not here
+        eos = self.eos_token_id if isinstance(self.eos_token_id, tuple) else (self.eos_token_id,)
+        for name, v in (("bos_token_id", self.bos_token_id), ("pad_token_id", self.pad_token_id),
+                        *(("eos_token_id", e) for e in eos)):
+            if v is not None and (not _int(v) or v < 0):
+                raise _err(name, v, "a token id (an integer >= 0), a list of them for eos_token_id, or null")
 
     # ----------------------------------------------------------------------------------- reading
     @classmethod
@@ -218,8 +227,9 @@ class M3Config:
             if not isinstance(raw.get("text_config"), dict):
                 raise _err("text_config", raw.get("text_config"), "a dict holding the text model's config")
             passthrough = {k: v for k, v in raw.items() if k != "text_config"}
-            if passthrough.get("tie_word_embeddings"):
-                raise _err("tie_word_embeddings", True, "false (M3 has an untied lm_head)")
+            tie = passthrough.get("tie_word_embeddings")
+            if tie not in (None, False):
+                raise _err("tie_word_embeddings", tie, "false (M3 has an untied lm_head)")
             text = dict(raw["text_config"])
         else:
             text = raw
@@ -281,6 +291,9 @@ class M3Config:
                 mlp_types = [MOE_MLP if f else DENSE_MLP for f in freq]
         else:
             take("moe_layer_freq", None)
+        for name, v in (("layer_types", layer_types), ("mlp_layer_types", mlp_types)):
+            if not isinstance(v, list):  # a string would become a tuple of its characters
+                raise _err(name, v, "a list with one entry per layer")
         kw["layer_types"], kw["mlp_layer_types"] = layer_types, mlp_types
 
         legacy_index = {"index_n_heads": "sparse_num_index_heads", "index_head_dim": "sparse_index_dim",
@@ -298,8 +311,9 @@ class M3Config:
 
         kw.update(_read_rope(text, take, kw["head_dim"]))
 
-        if take("tie_word_embeddings", False):
-            raise _err("tie_word_embeddings", True, "false (M3 has an untied lm_head)")
+        tie = take("tie_word_embeddings", False)
+        if tie not in (None, False):
+            raise _err("tie_word_embeddings", tie, "false (M3 has an untied lm_head)")
         act = take("hidden_act", "silu")
         if act not in _HIDDEN_ACTS:
             raise _err("hidden_act", act, f"one of {_HIDDEN_ACTS} (SwiGLU-OAI is hard-coded)")
@@ -386,6 +400,9 @@ def _check_hardcoded(d: dict, prefix: str, used: set | None = None) -> None:
 def _read_rope(text: dict, take, head_dim: int) -> dict[str, Any]:
     """RoPE fields. HF reads the width only from partial_rotary_factor, never from rotary_dim."""
     rp = take("rope_parameters", None) or take("rope_scaling", None) or {}
+    if not isinstance(rp, dict):
+        key = "rope_parameters" if "rope_parameters" in text else "rope_scaling"
+        raise _err(key, rp, "an object (rope_type, rope_theta, partial_rotary_factor)")
     rope_type = rp.get("rope_type", rp.get("type", "default"))
     if rope_type != "default":
         raise _err("rope_parameters.rope_type", rope_type, "'default' (M3 uses no RoPE scaling)")
