@@ -159,6 +159,9 @@ class Checkpointer:
             _quiet_abandoned_reads()
             raise CheckpointsUnreadable(f"checkpoint step {step} in {self.directory} is unreadable "
                                         f"({type(e).__name__}: {str(e)[:200]})") from None
+        why = _meta_problem(step, got["meta"])
+        if why:
+            raise CheckpointsUnreadable(f"checkpoint step {step} in {self.directory} is unreadable ({why})")
         return _rebuild(like, got["state"]), dict(got["meta"])
 
     def save(self, step: int, state: TrainState, meta: dict, reference=None) -> float:
@@ -227,6 +230,12 @@ class Checkpointer:
                             step, self.directory, type(e).__name__, str(e)[:200])
                 unreadable.append(step)
                 continue
+            why = _meta_problem(step, got["meta"])
+            if why:  # valid JSON that is not what a save writes: as damaged as a file that does not parse
+                log.warning("checkpoint step %d in %s is unreadable (%s); trying the previous one", step,
+                            self.directory, why)
+                unreadable.append(step)
+                continue
             self._set_aside(unreadable)
             return _rebuild(like, got["state"]), dict(got["meta"])
         return None
@@ -267,6 +276,21 @@ class Checkpointer:
             self.manager.close()
         finally:
             logging.getLogger("absl").removeFilter(_orbax_errors_to_run_log)
+
+
+def _meta_problem(step: int, meta) -> str | None:
+    """What is wrong with a checkpoint's JSON item, checked against what `rl.trainer`'s save writes (its users read
+    `step`, `data` and `weight_version` unguarded); None when it is sound."""
+    if not isinstance(meta, dict):
+        return f"its meta holds a JSON {type(meta).__name__}; expected an object"
+    for key, kind, name in (("step", int, "an integer"), ("data", dict, "an object (the loader's position)"),
+                            ("weight_version", int, "an integer")):
+        value = meta.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            return f"its meta's {key!r} is {'missing' if key not in meta else repr(value)[:60]}; expected {name}"
+    if meta["step"] != step:
+        return f"its meta's 'step' is {meta['step']}; expected {step}, the checkpoint's own step"
+    return None
 
 
 def _cause(e: Exception) -> str:
