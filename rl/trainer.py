@@ -25,6 +25,7 @@ from rl.config import RunConfig
 from rl.config_record import record_config
 from rl.stop_signals import StopSignals
 from rl.data import load_prompts
+from rl.model_tokenizer import load_tokenizer
 from rl.prompt_lengths import fit_prompt_lengths
 from rl.generation import backends
 from rl.observe import RunLogger, plot_run
@@ -47,8 +48,7 @@ def build_data(cfg: RunConfig):
         tokenizer = task.tokenizer
         records = task.dataset(max(4096, cfg.grpo.prompts_per_step * 64))
     else:
-        from transformers import AutoTokenizer
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        tokenizer = load_tokenizer(cfg.model.path)
         records = load_prompts(d.path, format=d.format, prompt_key=d.prompt_key, answer_key=d.answer_key,
                                layout=d.layout)
         records, _ = fit_prompt_lengths(records, tokenizer, cfg.generation.max_prompt_tokens,
