@@ -29,6 +29,7 @@ import json
 import jax
 import numpy as np
 
+from rl.config import ConfigError
 from rl.config.validate_eval import eval_lengths
 from rl.data import PromptRecord, load_prompts
 from rl.prompt_lengths import fit_prompt_lengths
@@ -86,9 +87,11 @@ def eval_records(cfg, train: list[PromptRecord] = ()) -> list[PromptRecord]:
     if e.kind == "synthetic":
         task = make_task(e.task or d.task, num_digits=e.num_digits or d.num_digits, seed=e.seed)
         records = task.held_out(e.max_prompts, [r.prompt for r in train])
-        if not records:
-            raise ValueError(f"the training prompts cover every {task.name} prompt of {task.num_digits} digit(s): "
-                             "none is left to evaluate on; use longer strings (eval.num_digits) or a file")
+        if not records:  # a config problem (train and eval print ConfigError as one line), found only here
+            key = f"eval.num_digits = {e.num_digits}" if e.num_digits else f"data.num_digits = {d.num_digits}"
+            raise ConfigError(f"{key}: the training prompts cover every {task.name} prompt of {task.num_digits} "
+                              "digit(s), so none is left to evaluate on; expected longer strings (eval.num_digits), "
+                              "an eval file (eval.kind=file) or no evaluation (eval.every_steps=0, eval.at_start=false)")
         return records
     records = load_prompts(e.path, format=e.format, prompt_key=e.prompt_key, answer_key=e.answer_key,
                            layout=e.layout)

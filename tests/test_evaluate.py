@@ -89,7 +89,7 @@ def test_held_out_runs_out_with_short_strings():
     add = make_task("addmod", seed=0)
     assert add.held_out(8, ["1+2"])[0].prompt != "1+2"
     assert add.held_out(8, [r.prompt for r in add.dataset(4096)]) == []  # 4,096 draws cover the 100 pairs
-    with pytest.raises(ValueError, match="cover every"):
+    with pytest.raises(ConfigError, match="data.num_digits = 1: the training prompts cover every"):
         ev.eval_records(load_config(TINY, ["data.num_digits=1", "generation.max_new_tokens=2"]),
                         make_task("copy", num_digits=1).dataset(4096))
 
