@@ -4,7 +4,8 @@ GRPO on MiniMax-M3. The config (a YAML chain of base + deltas, then dotted overr
 full before any work starts. Rerunning the same command resumes from the run's latest checkpoint.
 A run locks its directory (`<run.out_dir>/.lock`, rl.run_lock): a second run on it exits with status 3.
 The terminal shows the progress bar, the project's INFO lines and warnings; everything else goes to
-`<run.out_dir>/run.log` (rl.logs; `logging.level=debug` shows it all).
+`<run.out_dir>/run.log` (rl.logs; `logging.level=debug` shows it all). A start refused for bad input before its
+first step (one `error:` line) leaves the run directory as it found it (rl.refused_start).
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ def main(argv=None) -> int:
     # One run per directory: lock it before anything in it changes (and before the heavy imports, so
     # that a second run is turned away at once). Process 0 holds it for the whole job.
     from rl import logs, run_lock
+    from rl.refused_start import RunDirBefore
+    index = run_lock.process_index(cfg.mesh.process_id)
+    before = RunDirBefore(cfg.run.out_dir, logs.log_file_name(index))
     writable = True
     try:
         lock = run_lock.lock_run_dir(cfg.run.out_dir, cfg.mesh.process_id, warn=False)
@@ -52,20 +56,37 @@ def main(argv=None) -> int:
         # an export only reads the run (a finished run on a read-only mount, say): no lock, log or cache there,
         # and no run can be writing a directory that cannot be written
         lock, writable = None, False
+    refused = None
     try:
-        logs.setup(cfg.run.out_dir if writable else None, cfg.logging.level,
-                   process_index=run_lock.process_index(cfg.mesh.process_id))
+        logs.setup(cfg.run.out_dir if writable else None, cfg.logging.level, process_index=index)
         if lock is not None and lock.took_over:
             logging.getLogger("m3jax.train").warning("%s", lock.took_over)
         return _train(cfg, args, writable)
+    except Refused as e:
+        refused = e
+        print(e.line, file=sys.stderr)
+        return e.code
     except KeyboardInterrupt:  # Ctrl-C before the run's loop, or twice in it (once saves the step: rl.stop_signals)
         print(f"interrupted: stopped without saving; rerunning the command resumes from the last checkpoint in "
               f"{checkpoint_dir(cfg)}", file=sys.stderr)
         return 130
     finally:
         logs.teardown()
+        if refused is not None and writable:
+            before.undo(owner=lock is not None)
         if lock is not None:
             lock.release()
+        if refused is not None and lock is not None:
+            before.remove_created()
+
+
+class Refused(Exception):
+    """Bad input found while the run was being built, before its first step: `line` is what to print. The run
+    directory is then left as this start found it (rl.refused_start)."""
+
+    def __init__(self, line: str, code: int = 1):
+        super().__init__(line)
+        self.line, self.code = line, code
 
 
 def _train(cfg, args, writable: bool = True) -> int:
@@ -88,8 +109,7 @@ def _train(cfg, args, writable: bool = True) -> int:
         try:
             step, path = export_latest(cfg, args.export)
         except (*input_errors(), OSError) as e:  # OSError: a full or read-only destination
-            print(f"error: {e}", file=sys.stderr)
-            return 1
+            raise Refused(f"error: {e}") from None
         print(f"exported step {step} to {path}")
         return 0
     from rl.checkpoint import CheckpointMismatch, CheckpointSaveFailed
@@ -98,15 +118,15 @@ def _train(cfg, args, writable: bool = True) -> int:
     try:
         trainer = GRPOTrainer(cfg, kernel_headroom=_kernel_headroom(cfg))
     except NotImplementedError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+        raise Refused(f"config error: {e}", 2) from None
     except input_errors() as e:  # the model, checkpoint, prompt file or mesh: refused before the first step
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        raise Refused(f"error: {e}") from None
     _warn_if_the_plan_does_not_fit(cfg, trainer.policy.model_cfg)
     try:
         last = trainer.run()
-    except (CheckpointMismatch, CheckpointSaveFailed) as e:  # the resume, before the first step; a failed save
+    except CheckpointMismatch as e:  # the resume's, before the first step
+        raise Refused(f"error: {e}") from None
+    except CheckpointSaveFailed as e:  # a failed save: the run's log and checkpoints stay
         print(f"error: {e}", file=sys.stderr)
         return 1
     if trainer.resumed_from >= cfg.run.total_steps:
