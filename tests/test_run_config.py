@@ -239,9 +239,9 @@ def test_base_chain_deep_merge_and_relative_paths(tmp_path):
     assert cfg.optim == rc.OptimSection()                          # untouched sections: defaults
 
 
-def test_empty_section_keeps_defaults(tmp_path):
+def test_empty_section_changes_nothing(tmp_path):
     cfg = load_config(delta(tmp_path, "logging:\n"))
-    assert cfg.logging == rc.LoggingSection(True, True, True)
+    assert cfg.logging == load_config(TINY).logging != rc.LoggingSection()  # tiny.yaml's, not the defaults
 
 
 # ============================================================================== overrides

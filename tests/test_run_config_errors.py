@@ -293,3 +293,20 @@ def test_a_checkpoints_end_tokens_are_its_generation_configs(tmp_path):
     assert model_end_tokens(SimpleNamespace(path=None, tiny={}), 12) == (12,)
     cfg = load_config(TINY, ["generation.stop_token_ids=[]"])
     assert sampling_of(cfg, model_end_tokens(path_model, 2)).stop_token_ids == (2, 7)
+
+
+@pytest.mark.parametrize("overrides", [["grpo=3", "grpo.group_size=4"], ["grpo=", "grpo.group_size=4"],
+                                       ["grpo=[1]"]])
+def test_a_value_for_a_section_is_refused_not_a_reset(overrides):
+    """grpo=3 followed by a grpo key reset the whole section to its defaults, silently."""
+    msg = load_error(TINY, overrides)
+    assert f"override {overrides[0]!r}: grpo is a section, so it takes its keys (grpo.<key>=value)" in msg
+
+
+def test_an_empty_section_inherits(tmp_path):
+    """`grpo:` with nothing under it replaced the base's grpo with the schema's defaults, silently."""
+    from rl.config import load_config
+    tiny = load_config(TINY)
+    got = load_config(delta(tmp_path, "grpo:\nrun:\n  name: emptysec\n"))
+    assert got.grpo == tiny.grpo and got.run.name == "emptysec"
+    assert load_config(TINY, ["grpo={}"]).grpo == tiny.grpo

@@ -166,8 +166,15 @@ def load_tree(path: str, chain: list[str], sources: dict[str, str]) -> dict:
             raise ConfigError(f"base = {_show(base)} in {_display(path)}: wrong type ({_kind(base)}); allowed: "
                               "the path of another YAML file, relative to this one")
         tree = load_tree(os.path.join(os.path.dirname(path), base), chain + [path], sources)
+    for name in [k for k, v in data.items() if v is None and _names_section(k)]:
+        del data[name]  # `grpo:` with nothing under it: as `grpo: {}`, it inherits (null replaced the base's section)
     _merge(tree, data, sources, _display(path))
     return tree
+
+
+def _names_section(key: Any) -> bool:
+    hint = _hints(RunConfig).get(key) if isinstance(key, str) else None
+    return hint is not None and _is_section(_non_none(hint))
 
 
 def _override_target(parts: list[str], text: str) -> tuple[Any, dict] | _Problem:
@@ -223,6 +230,10 @@ def apply_overrides(tree: dict, overrides: list[str], sources: dict[str, str]) -
             what = getattr(e, "problem", None) or str(e).splitlines()[0]
             problems.append(f"override {text!r}: the value {raw!r} for {key} is not valid YAML ({what}); "
                             f"allowed: {_allowed(tp, meta)} (quote strings that contain YAML syntax)")
+            continue
+        if _is_section(_non_none(tp)) and not isinstance(value, dict):  # a later grpo.x=... would reset the section
+            problems.append(f"override {text!r}: {key} is a section, so it takes its keys ({key}.<key>=value) or a "
+                            f"mapping ({key}='{{<key>: value}}'), not {_kind(value)}")
             continue
         node = tree
         for n, p in enumerate(parts[:-1]):
