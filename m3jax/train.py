@@ -39,6 +39,10 @@ def main(argv=None) -> int:
         return 1
     # One run per directory: lock it before anything in it changes (and before the heavy imports, so
     # that a second run is turned away at once). Process 0 holds it for the whole job.
+    problem = _process_problem(cfg.mesh)
+    if problem:
+        print(f"config error:\n{problem}", file=sys.stderr)
+        return 2
     from rl import logs, run_lock
     from rl.refused_start import RunDirBefore
     index = run_lock.process_index(cfg.mesh.process_id)
@@ -80,6 +84,21 @@ def main(argv=None) -> int:
             before.remove_created()
 
 
+def _process_problem(mesh, environ=None) -> str | None:
+    """A mesh.process_id without a multi-host job (it names the log file and decides who takes the run's lock); the
+    config's own checks hold it under mesh.num_processes. As sharding.mesh.distributed_args, without importing jax."""
+    pid = mesh.process_id
+    if not pid or mesh.num_processes is not None:
+        return None
+    env = os.environ if environ is None else environ
+    launched = any(int(env.get(k) or 1) > 1 for k in ("SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE"))
+    if not (mesh.coordinator_address or env.get("JAX_COORDINATOR_ADDRESS") or env.get("JAX_NUM_PROCESSES")
+            or launched):
+        return (f"mesh.process_id = {pid} in a single-process run (no mesh.num_processes / coordinator_address, "
+                "nor a multi-host launch in the environment); allowed: null or 0, or with the job's other settings")
+    return None
+
+
 class Refused(Exception):
     """Bad input found while the run was being built, before its first step: `line` is what to print. The run
     directory is then left as this start found it (rl.refused_start)."""
@@ -95,8 +114,12 @@ def _train(cfg, args, writable: bool = True) -> int:
     from sharding.mesh import init_distributed, set_memory_fraction
 
     # Both before anything starts JAX's backend or compiles.
-    for note in (set_memory_fraction(cfg.mesh.device_memory_fraction),
-                 use_compilation_cache(cfg.run.compilation_cache if writable else None, cfg.run.out_dir)):
+    try:
+        cache_note = use_compilation_cache(cfg.run.compilation_cache if writable else None, cfg.run.out_dir)
+    except OSError as e:
+        raise Refused(f"config error: run.compilation_cache = {cfg.run.compilation_cache}: {e.filename or ''} cannot "
+                      f"be created ({e.strerror or e}); expected a directory this process can write, or null", 2)
+    for note in (set_memory_fraction(cfg.mesh.device_memory_fraction), cache_note):
         if note:
             logging.getLogger("m3jax.train").warning("%s", note)
     # A process of a multi-host job joins it before anything asks JAX for its backend (the expert-kernel timing's

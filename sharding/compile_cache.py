@@ -24,6 +24,8 @@ def use_compilation_cache(path: str | None, out_dir: str, environ=None) -> str |
         if os.path.abspath(current) != target:
             return f"{CACHE_ENV}={current} from the environment is used, not run.compilation_cache {target}"
         return None
+    # JAX warns at every compile of a directory it cannot write, and runs on: raised here, named by the caller
+    os.makedirs(target, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", target)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     return None

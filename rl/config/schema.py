@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import datetime as _dt
 import math
+import os
 import re
 import typing
 from typing import Any
@@ -102,7 +103,10 @@ class RunSection(_Section):
     def __post_init__(self):
         super().__post_init__()
         if isinstance(self.out_dir, str) and isinstance(self.name, str):
-            object.__setattr__(self, "out_dir", self.out_dir.replace("${name}", self.name))
+            # no shell expands a ~ inside key=value (or in YAML): it made a directory named ~ in the working one
+            object.__setattr__(self, "out_dir", os.path.expanduser(self.out_dir.replace("${name}", self.name)))
+        if isinstance(self.compilation_cache, str):
+            object.__setattr__(self, "compilation_cache", os.path.expanduser(self.compilation_cache))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,49 @@
+"""Run settings that were never checked: run.out_dir with a ~ (a literal ./~ directory was made),
+run.compilation_cache where no directory can be made (JAX warned at every compile and ran on), mesh.process_id
+without a multi-host job (the log went to run.5.log and nobody took the run's lock)."""
+
+import os
+
+import pytest
+
+from m3jax import train
+from rl.config import load_config
+from tests.test_run_config import TINY
+
+JOB_ENV = ("JAX_NUM_PROCESSES", "JAX_COORDINATOR_ADDRESS", "JAX_PROCESS_ID", "SLURM_STEP_NUM_TASKS",
+           "OMPI_COMM_WORLD_SIZE", "JAX_COMPILATION_CACHE_DIR")
+
+
+@pytest.fixture
+def single(monkeypatch):
+    for k in JOB_ENV:
+        monkeypatch.delenv(k, raising=False)
+
+
+def test_a_tilde_in_out_dir_and_the_cache_is_the_home_directory():
+    cfg = load_config(TINY, ["run.out_dir=~/runs/${name}", "run.compilation_cache=~/xla"], check_paths=False)
+    assert cfg.run.out_dir == os.path.expanduser("~/runs/tiny") and not cfg.run.out_dir.startswith("~")
+    assert cfg.run.compilation_cache == os.path.expanduser("~/xla")
+
+
+def test_a_cache_directory_that_cannot_be_made_is_refused(tmp_path, single, capsys):
+    (tmp_path / "afile").write_text("")
+    out = tmp_path / "run"
+    assert train.main(["--config", str(TINY), f"run.out_dir={out}", f"run.compilation_cache={tmp_path}/afile/c"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"config error: run.compilation_cache = {tmp_path}/afile/c: {tmp_path}/afile/c cannot "
+                              "be created (Not a directory); expected a directory"), err
+    assert not out.exists()  # refused before the first step: the run directory it made is gone again
+
+
+def test_a_process_id_without_a_job_is_refused(tmp_path, single, capsys):
+    out = tmp_path / "run"
+    assert train.main(["--config", str(TINY), f"run.out_dir={out}", "mesh.process_id=5"]) == 2
+    assert "mesh.process_id = 5 in a single-process run" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_a_process_id_of_a_launched_job_is_left_to_it(monkeypatch, single):
+    cfg = load_config(TINY, ["mesh.process_id=3"], check_paths=False)
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "4")
+    assert train._process_problem(cfg.mesh) is None
