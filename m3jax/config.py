@@ -336,6 +336,9 @@ class M3Config:
             with open(f) as fh:
                 raw = json.load(fh)
         except json.JSONDecodeError as e:
+            if not os.path.isdir(path):  # a file given for the directory (a prompt file, say): say that first
+                raise ConfigError(f"{f} is not a directory, nor a config.json (not valid JSON: {e}): expected a "
+                                  "Hugging Face model directory") from None
             raise ConfigError(f"{f} is not valid JSON: {e}") from None
         except UnicodeDecodeError:
             raise ConfigError(f"{f} is not JSON text (a weights file?): expected a Hugging Face model directory or "

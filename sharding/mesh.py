@@ -117,7 +117,8 @@ def validate(mesh: MeshConfig, model=None, *, num_devices: int | None = None, se
                         "before them; list the axes gathered once per step last)")
     if num_devices is not None and mesh.num_devices != num_devices:
         raise MeshError(f"mesh data x context x expert x tensor = {' x '.join(map(str, mesh.shape))} = "
-                        f"{mesh.num_devices} devices, but {num_devices} are available")
+                        f"{mesh.num_devices} devices, but {num_devices} {'is' if num_devices == 1 else 'are'} "
+                        "available")
     if model is not None:
         problem = undivided_field(mesh, model) or undivided_parameter(mesh, model)
         if problem:

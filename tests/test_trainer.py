@@ -204,7 +204,7 @@ def test_bad_model_or_mesh_is_one_error_line(tmp_path):
         "vocab_size = 256" in r.stderr.strip().splitlines()[-1], r.stderr
     r = train(f"run.out_dir={tmp_path / 'x'}", "mesh.data=2", "grpo.micro_batch_size=128")
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
-    assert "error: mesh data x context x expert x tensor = 2 x 1 x 1 x 1 = 2 devices, but 1 are available" in r.stderr
+    assert "error: mesh data x context x expert x tensor = 2 x 1 x 1 x 1 = 2 devices, but 1 is available" in r.stderr
     r = train(f"run.out_dir={tmp_path / 'y'}", "model.moe_kernel=mosaic")  # Mosaic GPU kernels on a CPU
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert "error: moe_kernel='mosaic': grouped matmul kernel 'mosaic' (jax's Mosaic GPU kernels, Hopper only) " \

@@ -80,6 +80,9 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, layout: s
     if layout not in ("native", "released"):
         raise ValueError(f"layout={layout!r}: expected 'native' or 'released'")
     src, dst = os.fspath(src), check_destination(dst, [src, carry_from])
+    if os.path.isdir(src) and os.path.commonpath([dst, os.path.abspath(src)]) == os.path.abspath(src):
+        raise FileExistsError(f"destination {dst} lies inside the checkpoint being read ({src}), which it would then "
+                              "hold as a subdirectory: choose a directory outside it")
     cfg = M3Config.from_pretrained(src)
     _, slots, tensors = plan_load(cfg, checkpoint_files(src))
     dtype = tensors[slots[0].name].np_dtype if dtype is None else np.dtype(dtype)
@@ -200,8 +203,9 @@ def _copy_parts(parts: list[Part], names: list[str], tensors: dict, reader: Tens
                     of = "" if whole else f" (in the {read} of them {names[part.target]} takes)"
                     raise CheckpointError(
                         f"tensor {name} ({info.file}) holds {n} NaN or Inf value(s) of {math.prod(info.shape)}{of}: "
-                        "the checkpoint's weights are not finite (a diverged run or a broken export); pass "
-                        "check_finite=False to convert it anyway")
+                        "the checkpoint's weights are not finite (a diverged run or a broken export): use an earlier "
+                        "checkpoint or export this one again (from Python, convert_checkpoint(..., check_finite=False) "
+                        "copies it as it is)")
 
 
 def _write_at(fd: int, data: memoryview, offset: int) -> None:

@@ -194,7 +194,8 @@ def _agree_finite(problems: list[str]) -> None:
     if problems:
         raise CheckpointError("; ".join(problems[:5]) + (f"; ... and {len(problems) - 5} more" if len(problems) > 5
                                                         else "") + ": the checkpoint's weights are not finite (a "
-                              "diverged run or a broken export); pass check_finite=False to load it anyway")
+                              "diverged run or a broken export): use an earlier checkpoint or export this one again "
+                              "(from Python, m3jax.from_pretrained(..., check_finite=False) loads it as it is)")
 
 
 def _check_param_dtype(dtype) -> None:

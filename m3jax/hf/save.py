@@ -122,6 +122,11 @@ def check_destination(dst: str | os.PathLike, sources=()) -> str:
             raise FileExistsError(f"destination {dst} is or holds the checkpoint being read ({source}), and "
                                   "writing replaces it whole: choose another directory")
     if not os.path.lexists(dst):
+        parent = os.path.dirname(dst)
+        while not os.path.lexists(parent):
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent):  # else the error named the temporary directory the write starts with
+            raise FileExistsError(f"destination {dst}: {parent} is a file, not a directory: expected a directory path")
         return dst
     if not os.path.isdir(dst) or os.path.islink(dst):
         raise FileExistsError(f"destination {dst} exists and is not a directory: expected a new directory, an empty "
