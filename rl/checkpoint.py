@@ -2,7 +2,8 @@
 
 What a step's checkpoint holds (grpo-reference §4): the exact fp32 master of the params, the inner
 optimizer state (moments, counters), the non-trainable state, step and skip counters, and in a JSON
-item the data-loader position, the PRNG seed and the weight version; after a KL reference reset, the reference's
+item the data-loader position, the PRNG seed, the weight version and the config the run was trained under
+(`rl.resume_checks`); after a KL reference reset, the reference's
 params too (`reference`, and its step in the JSON). Saving the master rather than
 (params, remainder) makes a checkpoint independent of the precision mode and of the mesh: restoring
 builds the current run's layout from it (fp32 params <-> bf16 + fp32 master <-> bf16 + remainder),

@@ -33,6 +33,7 @@ from rl.policy import (Policy, applied_learning_rate, build_policy, checkpointer
                        make_logprobs, make_update, reference_params, sequence_width)
 from rl.prompt_loader import PromptLoader
 from rl.reference import ReferenceWeights
+from rl.resume_checks import changes_warning, check as check_config, trained_under
 from rl.tasks import make_task
 from rl.wandb_run import open_run as open_wandb_run
 from sharding.precision import restart_adam
@@ -88,6 +89,8 @@ class GRPOTrainer:
         self.eval_set = self._eval_set() if cfg.eval.enabled else None
         self.best = None  # {metric, value, step} of the best held-out evaluation so far (kept in checkpoints)
         self.resumed_row = None  # the resumed checkpoint's metrics row
+        self.trained_under = trained_under(cfg)  # kept in every checkpoint: a resume compares itself with it
+        self.changed_since_checkpoint = None
         # grpo.max_trajectory_age_steps 1: the next step's draw runs while a step trains (rl.ahead)
         self.ahead = AheadDraw() if cfg.grpo.max_trajectory_age_steps else None
 
@@ -230,7 +233,7 @@ class GRPOTrainer:
         # prompts are drawn again after a resume (rl.ahead)
         data = self.ahead.loader_state if self.ahead is not None and self.ahead.pending else self.loader.state_dict()
         return {"step": step, "data": data, "seed": self.cfg.run.seed, "weight_version": step, "best": self.best,
-                "reference_step": self.reference_step}
+                "reference_step": self.reference_step, **self.trained_under}
 
     def resume(self) -> int:
         got = self.checkpointer.restore_latest(self.state)
@@ -243,7 +246,11 @@ class GRPOTrainer:
             return 0
         state, meta = got
         self.resumed_row = meta.get("metrics_row")
-        try:  # first: a checkpoint whose data position this run's prompts cannot continue changes nothing
+        # first: a checkpoint trained as another model, or whose data position this run's prompts cannot continue,
+        # changes nothing
+        self.changed_since_checkpoint = check_config(
+            meta, self.trained_under, f"checkpoint step {meta['step']} in {self.checkpointer.directory}")
+        try:
             self.loader.load_state_dict(meta["data"])
         except ValueError as e:
             raise CheckpointMismatch(
@@ -283,11 +290,9 @@ class GRPOTrainer:
             if removed:
                 log.info("removed the lines past step %d, which this run writes again: %s", first,
                          ", ".join(f"{n} from {name}" for name, n in removed.items()))
-            changed = record_config(self.run_dir, cfg)
-            if changed and first:
-                log.warning("resumed from step %d with settings changed since config.yaml was last written: %s", first,
-                            "; ".join(f"{k} {a!r} -> {b!r}" for k, a, b in changed[:12])
-                            + (f"; and {len(changed) - 12} more" if len(changed) > 12 else ""))
+            changed = changes_warning(first, self.changed_since_checkpoint, record_config(self.run_dir, cfg))
+            if changed:
+                log.warning("%s", changed)
         deadline = cfg.checkpoint.deadline_seconds(datetime.datetime.now())
         logger = RunLogger(self.run_dir, tensorboard=cfg.logging.tensorboard, progress_bar=cfg.logging.progress_bar,
                            total_steps=cfg.run.total_steps, first_step=first,

@@ -1,0 +1,86 @@
+"""What a checkpoint records of the config it was trained under, and what a resume may change of it.
+
+`rl.checkpoint` refuses a state of other shapes, but a model setting that keeps every shape (the experts per token,
+RoPE's theta) or another dtype of the Adam moments would make a resume train another model, or read its optimizer
+state otherwise, than the checkpoint was trained as. So each checkpoint's meta keeps the resolved config (`config`,
+`--print-config`'s mapping, a few KB) and the model's own fields (`model`: model.tiny's defaults filled in, or
+model.path's config.json); a resume refuses a change of those by name, and warns of every other setting changed
+since that checkpoint. The comparison is with the checkpoint, not with `<run.out_dir>/config.yaml`: each start
+rewrites that file, so a start that changed a setting and never saved would hide the change from the next one.
+Checkpoints saved before these were recorded are compared with config.yaml, as before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import yaml
+
+from rl.checkpoint import CheckpointMismatch
+from rl.config_record import differences
+
+# M3Config fields that leave what the weights compute unchanged: the token ids (where generation stops), the
+# longest position (a bound, no parameter holds it) and what a released model carries only for its export
+NOT_THE_MODEL = frozenset({"bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings",
+                           "vl_passthrough"})
+# run settings that give the checkpoint's state its meaning; the moments are cast to the run's dtype on restore
+FIXED = ("precision.moment_dtype",)
+
+
+def trained_under(cfg) -> dict:
+    """{"config", "model"} of an `rl.config.RunConfig`, as a checkpoint's JSON meta stores them."""
+    from rl.config import to_yaml
+    model = {k: v for k, v in dataclasses.asdict(cfg.model.m3_config()).items() if k not in NOT_THE_MODEL}
+    return json.loads(json.dumps({"config": yaml.safe_load(to_yaml(cfg)), "model": model}))
+
+
+def _get(tree: dict, dotted: str):
+    for key in dotted.split("."):
+        tree = tree.get(key) if isinstance(tree, dict) else None
+    return tree
+
+
+def _model_key(config: dict, field: str) -> str:
+    model = config.get("model") or {}
+    return f"model.tiny.{field}" if model.get("tiny") is not None else f"{field} of {model.get('path')}/config.json"
+
+
+def check(meta: dict, now: dict, where: str) -> list[tuple[str, object, object]] | None:
+    """The settings of `now` (`trained_under` of this run) changed since checkpoint `meta` was saved, as (dotted key,
+    then, now); None where the checkpoint records no config. Raises CheckpointMismatch (one line, from `where`: the
+    checkpoint's step and directory) naming every model or optimizer-state setting changed."""
+    then = meta.get("config")
+    if not isinstance(then, dict):
+        return None
+    fixed = []
+    saved_model = meta.get("model")
+    if isinstance(saved_model, dict):
+        for field in [*saved_model, *(f for f in now["model"] if f not in saved_model)]:
+            a, b = saved_model.get(field), now["model"].get(field)
+            if a != b:
+                fixed.append((_model_key(now["config"], field), a, b))
+    fixed += [(key, _get(then, key), _get(now["config"], key)) for key in FIXED
+              if _get(then, key) != _get(now["config"], key)]
+    if fixed:
+        raise CheckpointMismatch(
+            f"{where} was trained as another model or optimizer state than this run's config asks for: "
+            + "; ".join(f"{k} {a!r} there, {b!r} here" for k, a, b in fixed)
+            + ": resume with the checkpoint's values, or start this run in another run.out_dir (or run.name)")
+    # the model's identity is its fields above: model.tiny's own keys leave its defaults out
+    return [c for c in differences(then, now["config"]) if not c[0].startswith("model.tiny")]
+
+
+def changes_warning(step: int, since_checkpoint, since_config_yaml) -> str | None:
+    """The warning of a run resumed from `step` (0: a fresh start, none) about the settings it changed: those since
+    the checkpoint where it records its config, else those since config.yaml."""
+    if not step:
+        return None
+    changed, since = ((since_checkpoint, "that checkpoint was saved") if since_checkpoint is not None
+                      else (since_config_yaml, "config.yaml was last written"))
+    if not changed:
+        return None
+    listed = "; ".join(f"{k} {a!r} -> {b!r}" for k, a, b in changed[:12])
+    more = f"; and {len(changed) - 12} more" if len(changed) > 12 else ""
+    return f"resumed from step {step} with settings changed since {since}, which apply from step {step + 1} on: " \
+           f"{listed}{more}"

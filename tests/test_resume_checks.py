@@ -1,0 +1,86 @@
+"""A resume is compared with the config its checkpoint was trained under (`rl.resume_checks`).
+
+Found by an audit of resume: a model setting that keeps every shape (num_experts_per_tok, rope_theta) or the Adam
+moments' dtype changed on a resume trained on with only a warning, which showed model.tiny's defaults as None; and
+the warning compared with config.yaml, which every start rewrites, so a second start with the same change (after
+one that saved nothing) warned of nothing and trained on under it.
+"""
+
+import functools
+import logging
+
+import pytest
+
+from rl.checkpoint import CheckpointMismatch
+from rl.config import load_config
+from rl.resume_checks import changes_warning, check, trained_under
+from tests.tiny_runs import TINY, tiny_trainer
+
+
+def under(*overrides):
+    return trained_under(load_config(str(TINY), list(overrides)))
+
+
+def test_a_model_or_moment_change_that_keeps_the_shapes_is_refused_by_name():
+    meta = {"step": 3, **under()}
+    with pytest.raises(CheckpointMismatch) as e:
+        check(meta, under("model.tiny.num_experts_per_tok=1", "model.tiny.rope_theta=10000",
+                          "precision.moment_dtype=bfloat16", "optim.lr=3e-4"), "checkpoint step 3 in d")
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("checkpoint step 3 in d was trained as another model or optimizer "
+                                              "state than this run's config asks for: ")
+    # the model's own default (rope_theta is not in configs/tiny.yaml), not None
+    for said in ("model.tiny.num_experts_per_tok 2 there, 1 here", "model.tiny.rope_theta 5000000.0 there, 10000 here",
+                 "precision.moment_dtype 'float32' there, 'bfloat16' here"):
+        assert said in msg, msg
+    assert "optim.lr" not in msg  # a setting the state does not fix only warns
+
+
+def test_what_does_not_change_the_model_warns_against_the_checkpoint():
+    meta = under()
+    # the token ids and the position bound leave the weights' function alone; a default restated changes nothing
+    assert check(meta, under("model.tiny.max_position_embeddings=128", "model.tiny.rope_theta=5000000.0"), "c") == []
+    changed = check(meta, under("run.seed=7", "optim.lr=3e-4", "grpo.group_size=4",
+                            "grpo.micro_batch_size=128"), "c")
+    assert changed == [("run.seed", 0, 7), ("optim.lr", 1e-3, 3e-4), ("grpo.group_size", 8, 4),
+                       ("grpo.micro_batch_size", 256, 128)]
+    assert changes_warning(6, changed, []) == (
+        "resumed from step 6 with settings changed since that checkpoint was saved, which apply from step 7 on: "
+        "run.seed 0 -> 7; optim.lr 0.001 -> 0.0003; grpo.group_size 8 -> 4; grpo.micro_batch_size 256 -> 128")
+    # a checkpoint saved before the config was recorded: config.yaml's differences, as before
+    assert check({"step": 6, "data": {}}, under(), "c") is None
+    assert changes_warning(6, None, [("optim.lr", 1e-3, 3e-4)]).startswith(
+        "resumed from step 6 with settings changed since config.yaml was last written, which apply from step 7 on: "
+        "optim.lr 0.001 -> 0.0003")
+    assert changes_warning(0, changed, changed) is None and changes_warning(6, [], [("a", 1, 2)]) is None
+
+
+@pytest.mark.slow
+def test_each_resume_names_every_change_since_its_checkpoint(tmp_path, caplog):
+    """Repro of the audit on the tiny trainer: a refused start changes nothing (config.yaml included); a start that
+    changes settings and saves nothing ("nothing to train") rewrites config.yaml, and the next start still names
+    those changes."""
+    caplog.set_level(logging.WARNING, logger="rl.trainer")
+    trainer = functools.partial(tiny_trainer, tmp_path, "run", "eval.every_steps=0", "eval.at_start=false",
+                                "logging.plot=false", "logging.progress_bar=false", "logging.indexer_recall_every=0",
+                                "checkpoint.export_hf_at_end=false")
+    trainer("run.total_steps=1").run()
+    config_yaml = (tmp_path / "run" / "config.yaml").read_text()
+
+    refused = trainer("run.total_steps=2", "model.tiny.num_experts_per_tok=1", "precision.moment_dtype=bfloat16")
+    try:
+        with pytest.raises(CheckpointMismatch, match=r"model.tiny.num_experts_per_tok 2 there, 1 here; "
+                                                     r"precision.moment_dtype 'float32' there, 'bfloat16' here"):
+            refused.run()
+    finally:
+        refused.engine.shutdown()
+    assert (tmp_path / "run" / "config.yaml").read_text() == config_yaml
+
+    trainer("run.total_steps=1", "run.seed=7", "optim.lr=3e-4").run()  # nothing to train; config.yaml rewritten
+    caplog.clear()
+    resumed = trainer("run.total_steps=2", "run.seed=7", "optim.lr=3e-4")
+    resumed.run()
+    warned = [r.getMessage() for r in caplog.records if r.getMessage().startswith("resumed from step 1")]
+    assert warned == ["resumed from step 1 with settings changed since that checkpoint was saved, which apply from "
+                      "step 2 on: run.seed 0 -> 7; run.total_steps 1 -> 2; optim.lr 0.001 -> 0.0003"], warned
+    assert resumed.checkpointer.steps()[-1] == 2
