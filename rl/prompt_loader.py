@@ -3,7 +3,8 @@
 ``PromptLoader`` shuffles with a fresh ``numpy.random.Generator`` seeded by ``(seed, epoch)`` each epoch
 and keeps its position as ``{seed, epoch, index}``. A batch that runs past the end of an epoch is
 completed from the start of the next epoch's order, so nothing is skipped; restoring ``state_dict()``
-continues with exactly the batches an uninterrupted run would have produced.
+continues with exactly the batches an uninterrupted run would have produced. A state saved with another seed is
+refused: taking the saved seed instead would leave a config that names a seed the order does not follow.
 """
 
 from __future__ import annotations
@@ -85,8 +86,11 @@ class PromptLoader:
             raise ValueError(
                 f"loader state was saved with {int(n)} records but this dataset has {len(self.records)}; "
                 "resuming would not continue the same order")
+        if int(state["seed"]) != self.seed:  # the order is the saved seed's: another one would not take effect
+            raise ValueError(f"loader state was saved with shuffle seed {int(state['seed'])} (data.shuffle_seed) but "
+                             f"this run's is {self.seed}; the prompts' order is the checkpoint's")
         epoch, index = int(state["epoch"]), int(state["index"])
         if epoch < 0 or not 0 <= index < len(self.records):
             raise ValueError(f"loader state out of range: epoch={epoch}, index={index} for {len(self.records)} records")
-        self.seed, self.epoch, self.index = int(state["seed"]), epoch, index
+        self.epoch, self.index = epoch, index
         self._order_epoch = -1

@@ -303,7 +303,9 @@ def test_loader_resume_matches_uninterrupted_run(stop_after):
     first = PromptLoader(recs, batch_size=3, seed=11)
     got = [answers(first.next_batch()) for _ in range(stop_after)]
     state = json.loads(json.dumps(first.state_dict()))  # what a checkpoint would store
-    resumed = PromptLoader(recs, batch_size=3, seed=999)  # the saved seed wins
+    with pytest.raises(ValueError, match=r"saved with shuffle seed 11 \(data.shuffle_seed\) but this run's is 999"):
+        PromptLoader(recs, batch_size=3, seed=999).load_state_dict(state)  # it would not take effect
+    resumed = PromptLoader(recs, batch_size=3, seed=11)
     resumed.load_state_dict(state)
     got += [answers(resumed.next_batch()) for _ in range(8 - stop_after)]
     assert got == expected

@@ -67,14 +67,20 @@ def test_each_resume_names_every_change_since_its_checkpoint(tmp_path, caplog):
     trainer("run.total_steps=1").run()
     config_yaml = (tmp_path / "run" / "config.yaml").read_text()
 
-    refused = trainer("run.total_steps=2", "model.tiny.num_experts_per_tok=1", "precision.moment_dtype=bfloat16")
-    try:
-        with pytest.raises(CheckpointMismatch, match=r"model.tiny.num_experts_per_tok 2 there, 1 here; "
-                                                     r"precision.moment_dtype 'float32' there, 'bfloat16' here"):
-            refused.run()
-    finally:
-        refused.engine.shutdown()
-    assert (tmp_path / "run" / "config.yaml").read_text() == config_yaml
+    def refused(match, *overrides):
+        run = trainer("run.total_steps=2", *overrides)
+        try:
+            with pytest.raises(CheckpointMismatch, match=match):
+                run.run()
+        finally:
+            run.engine.shutdown()
+        assert (tmp_path / "run" / "config.yaml").read_text() == config_yaml
+
+    refused(r"model.tiny.num_experts_per_tok 2 there, 1 here; precision.moment_dtype 'float32' there, 'bfloat16' here",
+            "model.tiny.num_experts_per_tok=1", "precision.moment_dtype=bfloat16")
+    # the checkpoint's loader order stands: another shuffle seed would be recorded in config.yaml, not used
+    refused(r"cannot continue this run's prompts \(loader state was saved with shuffle seed 0 \(data.shuffle_seed\) "
+            r"but this run's is 3", "data.shuffle_seed=3")
 
     trainer("run.total_steps=1", "run.seed=7", "optim.lr=3e-4").run()  # nothing to train; config.yaml rewritten
     caplog.clear()
