@@ -1,7 +1,8 @@
 """The order in which a run takes its prompt records: ``PromptLoader``, endless and checkpointable.
 
 ``PromptLoader`` shuffles with a fresh ``numpy.random.Generator`` seeded by ``(seed, epoch)`` each epoch
-and keeps its position as ``{seed, epoch, index}``. A batch that runs past the end of an epoch is
+and keeps its position as ``{seed, epoch, index}`` (with the records' count and fingerprint, which a resume
+must match). A batch that runs past the end of an epoch is
 completed from the start of the next epoch's order, so nothing is skipped; restoring ``state_dict()``
 continues with exactly the batches an uninterrupted run would have produced. A state saved with another seed is
 refused: taking the saved seed instead would leave a config that names a seed the order does not follow.
@@ -9,6 +10,8 @@ refused: taking the saved seed instead would leave a config that names a seed th
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -31,6 +34,7 @@ class PromptLoader:
         if int(batch_size) < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.records = list(records)
+        self.fingerprint = records_fingerprint(self.records)
         self.batch_size = int(batch_size)
         self.seed = int(seed)
         self.epoch = 0
@@ -73,9 +77,11 @@ class PromptLoader:
         while True:
             yield self.next_batch()
 
-    def state_dict(self) -> dict[str, int]:
-        """``{seed, epoch, index, num_records}`` (plain ints): the position after the last batch taken."""
-        return {"seed": self.seed, "epoch": self.epoch, "index": self.index, "num_records": len(self.records)}
+    def state_dict(self) -> dict[str, int | str]:
+        """``{seed, epoch, index, num_records}`` (plain ints): the position after the last batch taken; and
+        ``records``, the records' fingerprint (``records_fingerprint``)."""
+        return {"seed": self.seed, "epoch": self.epoch, "index": self.index, "num_records": len(self.records),
+                "records": self.fingerprint}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         missing = [k for k in ("seed", "epoch", "index") if k not in state]
@@ -89,8 +95,27 @@ class PromptLoader:
         if int(state["seed"]) != self.seed:  # the order is the saved seed's: another one would not take effect
             raise ValueError(f"loader state was saved with shuffle seed {int(state['seed'])} (data.shuffle_seed) but "
                              f"this run's is {self.seed}; the prompts' order is the checkpoint's")
+        saved = state.get("records")  # states saved before it was recorded continue on the count alone
+        if saved is not None and saved != self.fingerprint:
+            source = self.records[0].meta.get("source")
+            raise ValueError(
+                f"loader state was saved over other prompt records than this dataset's {len(self.records)}"
+                + (f" from {source}" if source else "") + f" (the same count, other contents: fingerprint {saved} "
+                f"there, {self.fingerprint} here); resuming would train on other prompts than the checkpoint's")
         epoch, index = int(state["epoch"]), int(state["index"])
         if epoch < 0 or not 0 <= index < len(self.records):
             raise ValueError(f"loader state out of range: epoch={epoch}, index={index} for {len(self.records)} records")
         self.epoch, self.index = epoch, index
         self._order_epoch = -1
+
+
+def records_fingerprint(records: Sequence[PromptRecord]) -> str:
+    """A short hash of the records in order (prompt, answer and their fields): a checkpoint's position is an index
+    into them, so a file edited in place (same count) must not be continued as if it were the same. A record's
+    `source` and `row` are left out: a moved file holds the same prompts."""
+    h = hashlib.blake2b(digest_size=8)
+    for r in records:
+        meta = {k: v for k, v in r.meta.items() if k not in ("source", "row")}
+        h.update(json.dumps([r.prompt, r.answer, meta], sort_keys=True, default=str).encode())
+        h.update(b"\n")
+    return h.hexdigest()

@@ -289,7 +289,7 @@ def test_loader_epochs_are_permutations_and_deterministic():
     assert [i for _ in range(5) for i in answers(b.next_batch())] == seq
     c = PromptLoader(recs, batch_size=4, seed=8)
     assert [i for _ in range(5) for i in answers(c.next_batch())] != seq
-    assert a.state_dict() == {"seed": 7, "epoch": 2, "index": 0, "num_records": 10}
+    assert a.state_dict() == {"seed": 7, "epoch": 2, "index": 0, "num_records": 10, "records": a.fingerprint}
     # epoch e's order is the documented one
     assert seq[:10] == np.random.default_rng([7, 0]).permutation(10).tolist()
 
@@ -309,6 +309,28 @@ def test_loader_resume_matches_uninterrupted_run(stop_after):
     resumed.load_state_dict(state)
     got += [answers(resumed.next_batch()) for _ in range(8 - stop_after)]
     assert got == expected
+
+
+def test_a_prompt_file_edited_in_place_is_not_continued(tmp_path):
+    """The audit's case: every prompt of a JSONL file reversed, the row count kept; the resume trained on the new
+    prompts without a word (only the count was checked). The same records from a moved file continue, and a state
+    saved before the fingerprint was recorded continues on the count, as it did."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"say {i}{i + 1}", "answer": str(i)}) + "\n" for i in range(6)))
+    saved = PromptLoader(load_prompts(path), batch_size=4, seed=0)
+    saved.next_batch()
+    state = json.loads(json.dumps(saved.state_dict()))
+    moved = tmp_path / "moved.jsonl"
+    moved.write_text(path.read_text())
+    PromptLoader(load_prompts(moved), batch_size=4, seed=0).load_state_dict(state)
+    path.write_text("".join(json.dumps({"prompt": f"say {i}{i + 1}"[::-1], "answer": str(i)}) + "\n"
+                            for i in range(6)))
+    edited = PromptLoader(load_prompts(path), batch_size=4, seed=0)
+    with pytest.raises(ValueError, match=f"saved over other prompt records than this dataset's 6 from {path} "
+                                         r"\(the same count, other contents: fingerprint [0-9a-f]{16} there"):
+        edited.load_state_dict(state)
+    edited.load_state_dict({k: v for k, v in state.items() if k != "records"})
+    assert edited.index == 4
 
 
 def test_loader_state_validation():
