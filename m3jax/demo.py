@@ -49,11 +49,26 @@ def greedy(model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     return [ids[row, len(p):lengths[row]].tolist() for row, p in enumerate(prompts)]
 
 
+def _parents(path: str):
+    """`path` and each directory above it."""
+    while True:
+        yield path
+        if os.path.dirname(path) == path:
+            return
+        path = os.path.dirname(path)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m m3jax.demo", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="runs/demo")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    if not 0 <= args.seed < 2 ** 32:  # numpy refuses a negative seed, once two checkpoints are written
+        ap.error(f"--seed {args.seed}: expected an integer from 0 to 2**32 - 1")
+    blocked = next((p for p in _parents(os.path.abspath(args.out)) if os.path.exists(p) and not os.path.isdir(p)),
+                   None)
+    if blocked:
+        ap.error(f"--out {args.out}: {blocked} is a file; expected a directory (made if missing)")
     t0 = time.perf_counter()
     model = m3jax.M3ForCausalLM(TINY, rngs=nnx.Rngs(args.seed))
     n = sum(x.size for x in jax.tree.leaves(nnx.state(model)))

@@ -5,9 +5,26 @@ python -m m3jax.plot RUN_DIR RUN_DIR ... --metrics indexer/recall reward/mean [-
 those metrics of several runs side by side, one curve per run."""
 
 import argparse
+import difflib
 import os
 
 from rl.observe import plot_compare, plot_run
+
+
+def png_path_problem(path: str) -> str | None:
+    """Why a PNG cannot be written at `path` (a directory, or in a directory that does not exist), else None:
+    found before anything is drawn or printed, where matplotlib would raise at the end."""
+    if os.path.isdir(path):
+        return "is a directory; expected the path of the PNG file to write"
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        return f"its directory {parent} does not exist"
+    return None
+
+
+def logged_metrics(run_dirs: list[str]) -> set[str]:
+    from rl.observe import read_metrics
+    return {k for d in run_dirs for row in read_metrics(d) for k in row}
 
 
 def main(argv=None) -> None:
@@ -23,6 +40,20 @@ def main(argv=None) -> None:
         ap.error(f"no metrics.jsonl in {', '.join(missing)}: expected the run.out_dir of a run")
     if args.labels is not None and len(args.labels) != len(args.run_dirs):
         ap.error(f"--labels: {len(args.labels)} label(s) for {len(args.run_dirs)} run(s); expected one per run")
+    if args.out is not None:
+        if not os.path.isdir(args.out) and not os.path.splitext(args.out)[1]:
+            args.out += ".png"  # as matplotlib would, so that the file printed is the file written
+        if png_path_problem(args.out):
+            ap.error(f"--out {args.out}: {png_path_problem(args.out)}")
+    if args.metrics is not None:
+        logged = logged_metrics(args.run_dirs)
+        unknown = [m for m in args.metrics if m not in logged]
+        if unknown:
+            near = sorted({n for m in unknown for n in difflib.get_close_matches(m, logged, n=3)})
+            some = near or sorted(logged)[:12]
+            ap.error(f"--metrics: {', '.join(unknown)} not logged in these runs' metrics.jsonl; "
+                     f"{'close' if near else 'logged'}: {', '.join(some)}"
+                     + ("" if near or len(logged) <= 12 else f", ... ({len(logged)} in all)"))
     if args.metrics is None:
         if len(args.run_dirs) != 1:
             ap.error("several runs need --metrics (the metrics to compare) and --out")

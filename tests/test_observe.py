@@ -60,6 +60,46 @@ def test_the_plot_command_names_a_directory_without_metrics_and_a_label_count_th
     assert "--labels: 1 label(s) for 2 run(s); expected one per run" in capsys.readouterr().err
 
 
+def test_the_plot_command_checks_its_output_and_metrics_before_drawing(tmp_path, capsys):
+    """An --out in a missing directory was a traceback after the drawing, a directory was written as DIR.png (and
+    printed as DIR), and an unknown metric gave an empty plot and status 0."""
+    import pytest
+
+    from m3jax.plot import main
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.5, "loss": 1.0}\n')
+    for argv, want in (([str(tmp_path), "--out", str(tmp_path / "nodir" / "x.png")], "does not exist"),
+                       ([str(tmp_path), "--out", str(tmp_path)], "is a directory"),
+                       ([str(tmp_path), "--metrics", "reward/man", "--out", str(tmp_path / "c.png")],
+                        "reward/man not logged in these runs' metrics.jsonl; close: reward/mean")):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert want in capsys.readouterr().err
+    assert not list(tmp_path.glob("*.png"))
+    main([str(tmp_path), "--out", str(tmp_path / "curves")])  # no suffix: the file written is the one printed
+    assert capsys.readouterr().out.strip() == str(tmp_path / "curves.png") and (tmp_path / "curves.png").exists()
+
+
+def test_the_plan_and_demo_commands_check_their_arguments_before_any_output(tmp_path, capsys):
+    import pytest
+
+    from m3jax.demo import main as demo
+    from m3jax.plan.__main__ import main as plan
+    for argv, want in ((["--config", "configs/tiny.yaml", "--sweep", "4", "--png", str(tmp_path / "no" / "s.png")],
+                        "does not exist"),
+                       (["--config", "configs/tiny.yaml", "--sweep", "0"], "expected a positive device count"),
+                       (["--config", "configs/tiny.yaml", "--compile-layers", "2:x"], "expected dense:moe pairs")):
+        with pytest.raises(SystemExit):
+            plan(argv)
+        out = capsys.readouterr()
+        assert want in out.err and out.out == ""
+    (tmp_path / "afile").write_text("")
+    for argv, want in ((["--out", str(tmp_path / "afile" / "demo")], "is a file"), (["--seed", "-1"], "--seed -1")):
+        with pytest.raises(SystemExit):
+            demo(argv)
+        assert want in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
 def test_the_run_directory_keeps_its_config_and_a_resume_names_what_changed(tmp_path):
     """`<run.out_dir>/config.yaml` is the resolved config (`--print-config`'s text: it loads back to the same
     config); writing it again returns the settings that differ from the file there, which a resumed run warns of

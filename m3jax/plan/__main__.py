@@ -24,6 +24,7 @@ import sys
 from m3jax.config import ConfigError as M3ConfigError
 from m3jax.plan.check import print_check
 from m3jax.plan.compile import compile_reduced, print_compile
+from m3jax.plot import png_path_problem
 from m3jax.plan.flops import Hardware, context_imbalance
 from m3jax.plan.job import DEFAULT_DEVICE_GB, Job, invalid_reason, load_job, plan
 from m3jax.plan.memory import GB, memory_plan
@@ -209,6 +210,17 @@ def main(argv=None) -> int:
             ap.error(f"{flag} {value:g}: expected a number > 0")
     if a.top < 1:
         ap.error(f"--top {a.top}: expected a row count >= 1")
+    # every argument is checked before the plan prints anything (the sweep printed its table, then failed)
+    if a.sweep is not None and a.sweep < 1:
+        ap.error(f"--sweep {a.sweep}: expected a positive device count")
+    if a.sweep is not None and a.png and png_path_problem(a.png):
+        ap.error(f"--png {a.png}: {png_path_problem(a.png)}")
+    try:
+        sets = [tuple(int(x) for x in s.split(":", 1)) for s in a.compile_layers.split(",")]
+        if any(len(pair) != 2 or min(pair) < 0 for pair in sets):
+            raise ValueError
+    except ValueError:
+        ap.error(f"--compile-layers {a.compile_layers!r}: expected dense:moe pairs such as 2:2,3:2,2:4")
     try:
         job = dataclasses.replace(load_job(a.config, a.overrides, a.model), ragged_dot=a.ragged_dot)
     except (ConfigError, M3ConfigError) as e:  # what `python -m m3jax.train` prints for the same config
@@ -221,8 +233,6 @@ def main(argv=None) -> int:
     print(f"JAX's share of each device: {job.memory_fraction:g} x {gpu_gb:g} GB = {device_gb:.2f} GB "
           f"(mesh.device_memory_fraction{'' if job.memory_fraction != JAX_DEFAULT_MEMORY_FRACTION else ', JAX default'})")
     if a.sweep is not None:
-        if a.sweep < 1:
-            ap.error(f"--sweep {a.sweep}: expected a positive device count")
         sweep(job, a.sweep, hw, device_gb, a.png, top=a.top)
         return 0
     why = invalid_reason(job)
@@ -237,10 +247,6 @@ def main(argv=None) -> int:
     if a.check_shardings:
         return print_check(job)
     if a.compile:
-        try:
-            sets = [tuple(int(x) for x in s.split(":", 1)) for s in a.compile_layers.split(",")]
-        except ValueError:
-            ap.error(f"--compile-layers {a.compile_layers!r}: expected dense:moe pairs such as 2:2,3:2,2:4")
         if a.target_config:
             print(f"compiling for {job.mesh.num_devices} compile-only GPUs of {a.target_config}, real widths, reduced "
                   f"depth (XLA's GPU compiler; no CUDA/NCCL workspaces):")
