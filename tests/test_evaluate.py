@@ -225,6 +225,7 @@ def test_update_best_keeps_the_highest_and_the_earliest_tie():
 
 
 def test_checkpoints_remember_the_best_and_resume_keeps_it():
+    from rl.resume_checks import trained_under
     from rl.trainer import GRPOTrainer
 
     saved = {}
@@ -266,6 +267,7 @@ def test_checkpoints_remember_the_best_and_resume_keeps_it():
         t.checkpointer, t.loader, t.engine, t.policy, t.best = Checkpointer(), Loader(), Engine(), Policy(), None
         t.ahead = None  # on-policy: no draw in flight (rl.ahead)
         t.reference, t.reference_step = None, 0  # no KL reference
+        t.trained_under = trained_under(t.cfg)  # what each checkpoint records of the config (rl.resume_checks)
         return t
 
     first = trainer()
