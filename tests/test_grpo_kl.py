@@ -70,6 +70,28 @@ def test_kl_gradients_per_token():
     close(st["kl_sum"], 0.5 * 0.25 + 0.5 * 1.0)
 
 
+@pytest.mark.parametrize("kind", ["k1", "k2", "k3"])
+def test_a_clamped_token_gives_no_gradient(kind):
+    """Where a clamp acts, the estimate's pathwise gradient is gone and the score term alone is not the KL's: k3
+    clamped at 10 with pi_ref 3 nats likelier (logp -5, logp_ref -2) gave +10 d logp, pushing log pi away from the
+    reference (the KL's gradient is logp - logp_ref = -3). Such a token keeps its value and gives no gradient, as
+    under NeMo-RL's and verl's clamps; unclamped tokens keep theirs."""
+    from rl.grpo.kl import kl_estimate, kl_penalty
+    lp = jnp.array([-5.0, -2.5, -2.0 - 25.0])  # x = 3 (k3 > 10 clamped; k1, k2 not), x = 0.5, x = 25 (x clamped)
+    lref = jnp.full(3, -2.0)
+    penalty = lambda v: kl_penalty(v, lref, kind, log_ratio_clamp=20.0, clamp=10.0)  # noqa: E731
+    grad = np.asarray(jax.grad(lambda v: penalty(v).sum())(lp))
+    np.testing.assert_allclose(np.asarray(penalty(lp)), np.asarray(kl_estimate(lp, lref, kind, 20.0, 10.0)),
+                               rtol=1e-6)
+    want_unclamped = {"k1": 1 - 0.5, "k2": -0.5, "k3": -0.5}[kind]  # -x (+ 1, k1's zero-mean score term)
+    np.testing.assert_allclose(grad[1], want_unclamped, rtol=1e-6)
+    assert grad[2] == 0.0
+    if kind == "k3":
+        assert grad[0] == 0.0
+    else:  # k1 = -3 and k2 = 4.5 are inside the clamps: their gradients stay
+        np.testing.assert_allclose(grad[0], {"k1": 1 - 3.0, "k2": -3.0}[kind], rtol=1e-6)
+
+
 # ---------------------------------------------------------------- expected gradient by enumeration
 
 Z = np.array([0.3, -1.2, 0.8, 0.0, -0.4, 1.5])        # policy logits (the parameters)

@@ -22,8 +22,10 @@ With rho = exp(logp - logp_gen) (value pi/pi_gen, gradient rho grad log pi) the 
 under y ~ pi_gen: E_gen[rho k] = E_pi[k] and E_gen[grad(rho k)] = grad E_pi[k]; k2 takes sg(rho).
 
 Clamps (NeMo-RL's kl_input_clamp_value / kl_output_clamp_value): x = logp_ref - logp is clamped before
-the estimator and the estimate after it; a clamped quantity has no pathwise gradient, the score term
-remains.
+the estimator and the estimate after it. A token where either clamp acts keeps the penalty's value but gives
+no gradient, as under NeMo-RL's and verl's clamps: there the estimate's pathwise gradient is gone, and the score
+term alone, k grad log pi, is not the KL's (with k3 clamped at 10 where pi_ref is 2.6 nats likelier than pi, it
+pushed log pi down, away from the reference: +10 grad log pi against the KL's -3 at logp -5, logp_ref -2).
 
 Pure functions of float arrays (any float dtype is kept: the loss calls them in float32, tests may use
 float64).
@@ -50,8 +52,15 @@ def kl_estimate(logp, logp_ref, kind: str = "k3", log_ratio_clamp: Optional[floa
     then clamped to [-clamp, clamp] when given. k1 and k3 are NeMo-RL's `calculate_kl`.
     This is the VALUE; for a loss use `kl_penalty`, whose gradient is the KL's.
     """
+    return _estimate(logp, logp_ref, kind, log_ratio_clamp, clamp)[0]
+
+
+def _estimate(logp, logp_ref, kind, log_ratio_clamp, clamp):
+    """(kl_estimate's value, where a clamp acted)."""
     x = logp_ref - logp
+    clamped = jnp.zeros(jnp.shape(x), bool)
     if log_ratio_clamp is not None:
+        clamped = jnp.abs(x) > log_ratio_clamp
         x = jnp.clip(x, -log_ratio_clamp, log_ratio_clamp)
     if kind == "k1":
         kl = -x
@@ -62,8 +71,9 @@ def kl_estimate(logp, logp_ref, kind: str = "k3", log_ratio_clamp: Optional[floa
     else:
         raise ValueError(f"kl kind={kind!r} is invalid: allowed ('k1', 'k2', 'k3')")
     if clamp is not None:
+        clamped = clamped | (jnp.abs(kl) > clamp)
         kl = jnp.clip(kl, -clamp, clamp)
-    return kl
+    return kl, clamped
 
 
 def kl_penalty(logp, logp_ref, kind: str = "k3", log_ratio_clamp: Optional[float] = None,
@@ -75,12 +85,14 @@ def kl_penalty(logp, logp_ref, kind: str = "k3", log_ratio_clamp: Optional[float
       penalty = rho * k            k = k1, k3  (E[grad(rho k)] = grad E_pi[k] = grad KL)
               = sg(rho) * k2       (grad k2 = (logp - logp_ref) grad logp: already grad KL in expectation)
     with k = kl_estimate(logp, logp_ref, kind, log_ratio_clamp, clamp). The value is rho * k
-    (= k without logp_sample). `logp_sample` must be finite where the penalty is used (the loss gives
-    tokens with a non-finite generator log-prob weight 0 before calling this).
+    (= k without logp_sample); where a clamp acts it has no gradient (module docstring). `logp_sample` must be
+    finite where the penalty is used (the loss gives tokens with a non-finite generator log-prob weight 0 before
+    calling this).
     """
-    k = kl_estimate(logp, logp_ref, kind, log_ratio_clamp, clamp)
+    k, clamped = _estimate(logp, logp_ref, kind, log_ratio_clamp, clamp)
     base = jax.lax.stop_gradient(logp) if logp_sample is None else jax.lax.stop_gradient(logp_sample)
     rho = jnp.exp(logp - base)
     if kind == "k2":
         rho = jax.lax.stop_gradient(rho)
-    return rho * k
+    penalty = rho * k
+    return jnp.where(clamped, jax.lax.stop_gradient(penalty), penalty)
