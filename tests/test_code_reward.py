@@ -55,6 +55,18 @@ def test_what_must_fail_fails_in_time():
     assert get_reward("code_tests")("the answer is 3", IO) == 0.0
 
 
+@pytest.mark.parametrize("exit_early", ["import sys\nsys.exit(0)", "import os\nos._exit(0)", "raise SystemExit"])
+def test_a_program_that_exits_before_the_asserts_fails_them(exit_early):
+    """Assert tests run after the program in one process: one that exited with status 0 before them passed every
+    test (MBPP, HumanEval's check()), a reward a policy would learn to take."""
+    prog = f"```python\ndef add(a, b):\n    return a + b\n{exit_early}\n```"
+    asserts = ["assert add(1, 2) == 3", "assert add(2, 2) == 4"]
+    assert get_reward("code_tests_frac")(prog, asserts) == 0.0
+    humaneval = "def check(candidate):\n    assert candidate(1, 2) == 3\n\ncheck(add)"
+    assert get_reward("code_tests")(prog, humaneval) == 0.0
+    assert get_reward("code_tests")(prog.replace(exit_early, ""), humaneval) == 1.0
+
+
 def test_specs_it_cannot_read_are_refused():
     with pytest.raises(ValueError, match="2 inputs for 1 outputs"):
         parse_tests({"inputs": ["1", "2"], "outputs": ["1"]})
