@@ -290,7 +290,9 @@ def _check_answer(path: Path, row: int, key: str, value: Any, layout: str) -> st
     if isinstance(value, (float, np.floating)) and not math.isfinite(value):  # JSON's NaN / Infinity
         raise DatasetError(path, f"field {key!r} is {value}; expected the reference answer (a string or a finite "
                                  "number)", row=row)
-    text = str(value).strip()
+    # a float as written, never in exponent form: str(0.00001) is '1e-05', which math_verify reads as e - 5
+    text = (np.format_float_positional(value, trim="-") if isinstance(value, (float, np.floating))
+            else str(value)).strip()
     if layout == "gsm8k":
         final = _gsm8k_final(text)
         if final is not None:

@@ -66,6 +66,16 @@ def test_plain_jsonl_and_numeric_answer(tmp_path):
     assert recs[1].meta["row"] == 3  # JSONL rows are line numbers (blank lines skipped)
 
 
+def test_a_float_answer_is_kept_as_written_not_in_exponent_form(tmp_path):
+    """str(0.00001) is '1e-05', which math_verify reads as e - 5 (Euler's number): a right answer scored 0."""
+    from rl.rewards.math import math_verify_reward
+    p = tmp_path / "small.jsonl"
+    p.write_text('{"prompt": "a", "answer": 0.00001}\n{"prompt": "b", "answer": 1e20}\n'
+                 '{"prompt": "c", "answer": 2.5}\n')
+    assert [r.answer for r in load_prompts(p)] == ["0.00001", "100000000000000000000", "2.5"]
+    assert math_verify_reward("so \\boxed{0.00001}", "0.00001") == 1.0
+
+
 def test_json_array_and_case_insensitive_columns(tmp_path):
     p = tmp_path / "aime.json"
     p.write_text(json.dumps([{"ID": "2024-I-1", "Problem": "Find x.", "Answer": 204}]))
