@@ -287,6 +287,8 @@ def test_majority_voting():
     assert ev.majority_accuracy([None] * 4, np.ones(4, bool), 4) == 0.0  # no vote: wrong
     assert ev.majority_key("so \\boxed{42}. Answer: 41", "boxed") == "42"
     assert ev.majority_key("no final answer", "boxed") is None and ev.majority_key(" 12 \n", "response") == "12"
+    # '$' and a final '.' in either order: 'Answer: $5$.' voted for '5$', apart from 'Answer: 5'
+    assert {ev.majority_key(t, "boxed") for t in ("Answer: $5$.", "Answer: 5.", "Answer: $5$", "Answer: 5")} == {"5"}
 
 
 def test_majority_config_rules():

@@ -270,6 +270,11 @@ def test_bad_return_values_are_failures():
     assert r.tolist() == [0.25, 0.0, 0.25] and failures == 1
     r, failures = score_batch([(returns_string, 1.0)], ["c"] * 2, ["x", "y"])
     assert r.tolist() == [0.0, 0.0] and failures == 2
+    from rl.rewards.outcome import call_reward  # float() took a numeric string and a one-element array as numbers
+    for bad in ("0.75", np.array([0.5]), None, float("inf")):
+        assert call_reward(lambda c, a, **k: bad, "c", "a", {})[0] is False
+    for good in (np.float32(0.5), np.int64(1), True, np.bool_(True)):
+        assert call_reward(lambda c, a, **k: good, "c", "a", {}) == (True, float(good))
 
 
 def test_weighted_sum_and_components():

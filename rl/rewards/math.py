@@ -53,7 +53,7 @@ def extract_final_answer(text: str) -> str | None:
     for line in _ANSWER_LINE.finditer(text):
         pass
     if line is not None:
-        ans = line.group(1).strip().strip("$").strip().rstrip(".").strip()
+        ans = re.sub(r"^[\s$]+|[\s$.]+$", "", line.group(1))  # '$5$.' is 5 (stripping $ then '.' left '5$')
         return ans or None
     return None
 

@@ -8,6 +8,7 @@ per-sample values over a batch; the first verdict for a sample wins, later ones 
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -26,10 +27,10 @@ def call_reward(fn: Callable[..., float], completion: str, answer: str, kw: Mapp
         return False, f"{type(e).__name__}: {e}"[:500]
     except BaseException as e:  # math-verify's TimeoutException derives from BaseException
         return False, f"{type(e).__name__}: {e}"[:500]
-    try:
-        value = float(out)
-    except (TypeError, ValueError):
+    # a number (bool and numpy scalars are); float() alone took the string "0.75" and a one-element array
+    if not isinstance(out, (numbers.Real, np.bool_)):
         return False, f"returned {type(out).__name__}, expected a float"
+    value = float(out)
     if not math.isfinite(value):
         return False, f"returned {value}"
     return True, value
