@@ -79,3 +79,12 @@ def test_through_the_process_pool():
     total, failures = score_batch([("code_tests", 1.0)], [ADD, "no code", ADD], [IO, IO, json.dumps({"tests": 1})],
                                   timeout_s=30.0)
     assert list(total) == [1.0, 0.0, 0.0] and failures == 1
+
+
+def test_tests_stop_before_the_pool_kills_the_worker():
+    """Tests that use a sample's whole time limit outlived the pool's kill (its clock starts first): the worker was
+    killed and code_tests_frac scored 0, with a failure counted, where the first test had passed."""
+    prog = "```python\nline = input()\nwhile line == 'hang':\n    pass\nprint(int(line) + 1)\n```"
+    spec = json.dumps({"inputs": ["1", "hang", "hang"], "outputs": ["2", "0", "0"]})
+    total, failures = score_batch([("code_tests_frac", 1.0)], [prog], [spec], timeout_s=5.0)
+    assert failures == 0 and list(total) == [pytest.approx(1 / 3)]
