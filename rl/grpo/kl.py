@@ -11,7 +11,10 @@ keeps only the first:
 The true gradient of the reverse KL is grad KL(pi || pi_ref) = E_pi[(log pi - log pi_ref) grad log pi].
 Multiplying the estimate by rho = exp(logp - sg(logp)) (value 1, gradient grad log pi) adds the
 score-function term, so that E[grad(rho k)] = grad E_pi[k] = grad KL for the unbiased k1 and k3 (Tang &
-Munos 2025, "On a few pitfalls in KL divergence gradient estimation for RL"; NeMo-RL does the same).
+Munos 2025, "On a few pitfalls in KL divergence gradient estimation for RL"; for k3 the per-sample gradient
+is (log pi - log pi_ref) grad log pi, verl's `k3+`; NeMo-RL does the same for k1 / k3 only since v0.7.0
+(#2506), while NeMo-RL up to v0.6, TRL, verl's k1 / k3 / low_var_kl and DeepSeekMath differentiate k alone,
+which for k3 is the forward KL's gradient; docs/loss.md).
 k2 = (log r)^2 / 2 is a biased estimate of the KL's value, but its pathwise gradient
 (log pi - log pi_ref) grad log pi is already the KL's gradient per sample, so it is used without rho
 (rho would add grad E[k2], which is not grad KL).
