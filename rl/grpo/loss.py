@@ -94,7 +94,7 @@ class LossConfig:
       dual_clip: ppo_clip's c > 1: for A < 0 the objective is bounded below by c*A; None turns it off.
       gspo_eps_low, gspo_eps_high: gspo's clip of the sequence ratio (paper: 3e-4 / 4e-4).
       gmpo_eps_low, gmpo_eps_high: gmpo's clip of each token's log-ratio to [-low, high] (paper: 0.4 / 0.4).
-      sapo_tau_pos, sapo_tau_neg: sapo's gate temperatures for A >= 0 and A < 0 (TRL's defaults 1.0 / 1.05).
+      sapo_tau_pos, sapo_tau_neg: sapo's gate temperatures for A >= 0 and A < 0 (the paper's and TRL's 1.0 / 1.05).
       cispo_eps_low, cispo_eps_high: cispo's clip of its weight [1 - low, 1 + high]; low None = no lower
         bound (MiniMax-M1's setting).
       kl_cov_ratio, kl_cov_coef: kl_cov's share of a batch's valid tokens that get the penalty (in (0, 1]) and
@@ -116,7 +116,8 @@ class LossConfig:
       kl_log_ratio_clamp: clamp of x = logp_ref - logp before the estimator (None: off; NeMo-RL: 20).
       kl_clamp: clamp of the per-token estimate to [-kl_clamp, kl_clamp] (None: off; NeMo-RL: 10).
       kl_on_policy: weight the KL term by pi/pi_gen (NeMo-RL's use_on_policy_kl_approximation).
-      aggregation: "token", "sequence_mean" or "sequence_sum" (see the module docstring).
+      aggregation: "token", "sequence_mean" or "sequence_sum" (see the module docstring). The GRPO and SAPO
+        papers (TRL's "grpo" / "sapo", verl's seq-mean-token-mean) use "sequence_mean".
       sequence_sum_len: the constant length L of "sequence_sum"; None = the mask's padded T.
       entropy_coef: >= 0, the entropy bonus's weight; > 0 needs the per-token entropy.
     """

@@ -111,7 +111,8 @@ def sapo(lp, lo, a, *, tau_pos: float, tau_neg: float) -> PolicyTerm:
       loss_t = -sigmoid(tau (r - 1)) * (4 / tau) * A
     d loss / d lp = -4 sigmoid'(tau (r - 1)) r A: -A on policy (r = 1, sigmoid' = 1/4) like every objective here,
     falling smoothly to 0 as r leaves 1 (faster for larger tau) instead of dropping to 0 at a clip edge. Nothing is
-    clipped (`clipped` is empty).
+    clipped (`clipped` is empty). The paper's temperatures are 1.0 / 1.05; the paper, TRL and verl average each
+    sequence's tokens first, which is aggregation "sequence_mean" (not the default "token").
     """
     r = jnp.exp(lp - lo)
     tau = jnp.where(a >= 0, tau_pos, tau_neg)
