@@ -88,6 +88,10 @@ class LossConfig:
     """GRPO loss options. Defaults are the MiniMax-M3 recipe: ppo_clip with clip 0.2 / 0.28, dual clip
     10, truncated importance sampling at 2 (per token), no KL, token-level aggregation.
 
+    One default differs from the run config's: `dual_clip` is 10.0 here (the API's, the M3 recipe's c = 10)
+    but null (off) in configs/base.yaml (`rl.config.grpo_section`), so a run gets no dual clip unless its
+    config sets it; the m3-* recipes set 10. Every other default is the config's.
+
     Fields:
       loss: the objective, one of LOSSES (rl.grpo.objectives).
       eps_low, eps_high: ppo_clip's ratio clip [1 - eps_low, 1 + eps_high] (DAPO clip-higher).
