@@ -100,7 +100,8 @@ class LossConfig:
       gmpo_eps_low, gmpo_eps_high: gmpo's clip of each token's log-ratio to [-low, high] (paper: 0.4 / 0.4).
       sapo_tau_pos, sapo_tau_neg: sapo's gate temperatures for A >= 0 and A < 0 (the paper's and TRL's 1.0 / 1.05).
       cispo_eps_low, cispo_eps_high: cispo's clip of its weight [1 - low, 1 + high]; low None = no lower
-        bound (MiniMax-M1's setting).
+        bound (MiniMax-M1's setting). verl's clip_ratio_low / high mean the same; TRL's epsilon_high e caps
+        the weight at e itself, which is cispo_eps_high = e - 1.
       kl_cov_ratio, kl_cov_coef: kl_cov's share of a batch's valid tokens that get the penalty (in (0, 1]) and
         the penalty's weight (>= 0).
       clip_cov_ratio, clip_cov_lb, clip_cov_ub: clip_cov's share of a batch's valid tokens drawn to lose their

@@ -128,6 +128,10 @@ def cispo(lp, lo, a, *, eps_low: Optional[float], eps_high: float) -> PolicyTerm
       loss_t = -sg(r_hat) * A * lp
     Gradient -r_hat A grad lp: no token loses its gradient (PPO's clip zeroes it), the weight is only
     bounded. `clipped` marks tokens whose weight was clipped (either side).
+    The cap is 1 + eps_high, as in verl's `cispo` (clip_ratio_high) and NeMo-RL's (ratio_clip_max). TRL's
+    `loss_type="cispo"` caps at `epsilon_high` itself (ScaleRL's eps_max, recommended 5.0) with no lower bound:
+    TRL's epsilon_high e is eps_high = e - 1 here (5.0 -> 4.0). verl and NeMo-RL always apply a lower bound
+    (1 - clip_ratio_low, 1 - ratio_clip_min); eps_low None (M1's setting) has none.
     """
     r = jnp.exp(lp - lo)
     low = 0.0 if eps_low is None else 1.0 - eps_low
