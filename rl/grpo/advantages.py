@@ -112,8 +112,11 @@ def batch_normalized_advantages(rewards, group_size: int, *, eps: float = 1e-6):
         A_i = c_i / (std_batch(c) + eps)          std over all N samples of the step, Bessel-corrected
         A_i = c_i (= 0)                           when every c is equal (no signal anywhere in the batch)
 
-    The batch mean of c is 0 by construction (each group's sums to 0), so this is the batch whitening of c with
-    each sample counted once; verl whitens over response tokens instead, which weighs samples by their length.
+    The per-sample batch mean of c is 0 by construction (each group's sums to 0), so this is the batch whitening of
+    c with each sample counted once. verl's reinforce_plus_plus_baseline is not: it whitens c over response tokens
+    (verl_F.masked_whiten), with a token-weighted mean, which is not 0 when lengths differ and is subtracted
+    again, and a token-weighted std. Groups [1, 0], [1, 0] whose rewarded samples have 1 token and the others 3:
+    +-0.866 here, +1.620 / -0.540 in verl. With equal lengths the two agree.
     Unlike GRPO's per-group std, a group with a small spread keeps small advantages."""
     r = _grouped(rewards, group_size)
     c = _centred(r, jnp.mean(r, axis=1, keepdims=True)).reshape(-1)
