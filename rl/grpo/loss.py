@@ -103,7 +103,7 @@ class LossConfig:
         bound (MiniMax-M1's setting). verl's clip_ratio_low / high mean the same; TRL's epsilon_high e caps
         the weight at e itself, which is cispo_eps_high = e - 1.
       kl_cov_ratio, kl_cov_coef: kl_cov's share of a batch's valid tokens that get the penalty (in (0, 1]) and
-        the penalty's weight (>= 0).
+        the penalty's weight (>= 0); defaults 0.002 / 1.0, the paper's 7B recipe (verl's config: 0.0002 / 0.1).
       clip_cov_ratio, clip_cov_lb, clip_cov_ub: clip_cov's share of a batch's valid tokens drawn to lose their
         gradient (in (0, 1]) and the open band (lb, ub) of covariance they are drawn from (verl's defaults).
       high_entropy_fraction: rho in (0, 1], the share of a batch's valid tokens, those of highest entropy, whose

@@ -189,6 +189,7 @@ def kl_cov(lp, lo, a, m, *, ratio: float, coef: float) -> PolicyTerm:
                position in row-major order)
       loss_t = -r_t A_t + coef * |lp_t - lo_t| * [t in S]      (the penalty's gradient coef sign(lp - lo): 0 on policy)
     "The batch" is what the loss sees: one micro-batch. `clipped` marks S (its share is `clip_frac`).
+    The config's ratio 0.002 and coef 1.0 are the paper's Qwen2.5-7B recipe, not verl's defaults (0.0002, 0.1).
     """
     valid = m > 0
     selected = _first_k(-_covariance(lp, a, valid), valid, _share(ratio, valid))  # largest first
