@@ -20,9 +20,11 @@ Why the sequence level exists and when to use the geometric one: `is_level="sequ
 importance ratio of the whole response (NeMo-RL's `sequence_level_importance_ratios`, verl's "sequence"
 level), the right quantity to *truncate* (cap ~2-10). It is the wrong one to *mask* on long responses:
 a per-token mismatch of 1e-3 over 6,144 tokens moves the product by e^(+-6). For masking use
-"geometric", the length-normalised form that NeMo-RL's "seq-mask-tis" and verl's "geometric" level test
-against a tight band (about [0.999, 1.002]); we apply the geometric mean as the sequence's weight
-(verl's geometric level).
+"geometric", the length-normalised form. Here the geometric mean is the sequence's weight itself, which no
+reference does any more: NeMo-RL's "seq-mask-tis" uses it only as a mask (sequences outside a tight band,
+about [0.999, 1.002], get 0; those kept get their untruncated token-level weights), and verl, whose
+experimental geometric IS-weight level (#3694, Oct 2025) was removed in #3984 (Nov 2025; its weight levels
+are token and sequence), uses it only as a rejection test (rollout_rs "geometric", since #4544 "seq_mean_k1").
 """
 
 from __future__ import annotations
