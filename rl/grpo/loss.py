@@ -34,6 +34,10 @@ Aggregation contract - the function returns SUMS, the caller divides once per op
   "sequence_sum"   loss_sum = sum_{i,t} m * loss_t;        divide by (number of sequences * L), with L a
                    constant length (cfg.sequence_sum_len, else the padded T of the batch): Dr.GRPO's
                    "constant normaliser", which keeps long and short responses on one per-token scale.
+                   L (generation.max_new_tokens in a run) is TRL's max_completion_length, but TRL's dr_grpo
+                   divides by all B sequences and this by those with a valid token: rows given weight 0
+                   (overlong_filter, dynamic sampling's fill) leave the count and raise the others' scale.
+                   verl's seq-mean-token-sum-norm divides by L alone (loss_scale_factor).
 "Global" means the whole step: all micro-batches and all data-parallel ranks. `normalizer(mask, cfg)`
 returns that denominator for a full batch's mask, so the step loss is
   sum over micro-batches of grpo_loss(...)[0]  /  normalizer(full_mask, cfg)
@@ -255,6 +259,8 @@ def normalizer(mask, cfg: LossConfig):
       "token"          sum(mask)                                 (valid tokens)
       "sequence_mean"  #sequences with any valid token
       "sequence_sum"   #sequences with any valid token * L,  L = cfg.sequence_sum_len or T
+                       (TRL's dr_grpo counts every sequence, masked or not; verl's seq-mean-token-sum-norm
+                       divides by L alone)
 
     Pass the full global batch (a sharded global array is fine: the sum is global). A zero count
     returns 1 so that an all-masked step gives loss 0, not NaN (its loss sum is 0 anyway).
