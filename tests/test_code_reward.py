@@ -43,6 +43,11 @@ def test_call_based_and_assert_tests():
     assert get_reward("code_tests_frac")(prog, asserts) == pytest.approx(2 / 3)
     assert get_reward("code_tests")(prog, "assert f([2, 1], 1) == [1]\nassert f([3], 1) == [3]") == 1.0
     assert get_reward("code_tests")(prog, json.dumps("assert f([3], 1) == [4]")) == 0.0  # test code as JSON text
+    # LeetCode-style (TACO, DeepCoder): the method of a class Solution, as APPS' checker calls it (it scored 0)
+    leetcode = "```python\nclass Solution:\n    def twoSum(self, xs, t):\n        return [0, 1] if xs[0] + xs[1] == t " \
+               "else [1, 2]\n```"
+    spec = {"fn_name": "twoSum", "inputs": [[[2, 7, 11], 9], [[3, 2, 4], 6]], "outputs": [[0, 1], [1, 2]]}
+    assert get_reward("code_tests")(leetcode, spec) == 1.0
 
 
 def test_what_must_fail_fails_in_time():

@@ -8,7 +8,9 @@ public code-RL sets use:
   joined with newlines) or a list of ``{"input": ..., "output": ...}``; stdout passes when it equals the expected
   output line by line after trailing whitespace is dropped (and trailing empty lines);
 - call-based: ``{"fn_name": "f", "inputs": [[args...], ...], "outputs": [...]}``: ``f(*args)`` after the program,
-  compared with ``==`` after a JSON round trip (an expected ``[value]`` also matches ``value``, as APPS wraps them);
+  or ``Solution().f(*args)`` where the program defines no ``f`` but a LeetCode-style ``class Solution`` (as APPS'
+  checker calls it), compared with ``==`` after a JSON round trip (an expected ``[value]`` also matches ``value``, as
+  APPS wraps them);
 - assertions: ``{"asserts": ["assert f(1) == 2", ...]}``, a list of such strings (MBPP's test_list), or one
   string (HumanEval-style test code): each runs after the program and passes when the process exits with 0.
 
@@ -51,7 +53,8 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 _CALL = """
 import json, sys
 _args = json.loads(sys.stdin.read())
-print(json.dumps({fn}(*_args)))
+_fn = globals()[{fn!r}] if {fn!r} in globals() else getattr(globals()["Solution"](), {fn!r})
+print(json.dumps(_fn(*_args)))
 """
 
 
