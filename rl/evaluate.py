@@ -24,7 +24,9 @@ current parameters, or the vLLM pool holding the weights of the last sync); noth
 from __future__ import annotations
 
 import dataclasses
+import fractions
 import json
+import re
 
 import jax
 import numpy as np
@@ -91,7 +93,8 @@ def eval_records(cfg, train: list[PromptRecord] = ()) -> list[PromptRecord]:
             key = f"eval.num_digits = {e.num_digits}" if e.num_digits else f"data.num_digits = {d.num_digits}"
             raise ConfigError(f"{key}: the training prompts cover every {task.name} prompt of {task.num_digits} "
                               "digit(s), so none is left to evaluate on; expected longer strings (eval.num_digits), "
-                              "an eval file (eval.kind=file) or no evaluation (eval.every_steps=0, eval.at_start=false)")
+                              "an eval file (eval.kind=file) or no evaluation (eval.every_steps=0, "
+                              "eval.at_start=false)")
         return records
     records = load_prompts(e.path, format=e.format, prompt_key=e.prompt_key, answer_key=e.answer_key,
                            layout=e.layout)
@@ -171,11 +174,33 @@ def due(step: int, total_steps: int, every_steps: int) -> bool:
 
 def majority_key(completion: str, how: str) -> str | None:
     """The answer a sample votes for: the last \\boxed{} or 'Answer:' line's content ("boxed"; None without one),
-    or the whole response stripped ("response")."""
+    or the whole response stripped ("response"). A boxed answer that is a plain number (an integer, a decimal, a/b
+    or \\frac{a}{b}, signed) votes as that number (`_as_number`): 1/2, \\frac{1}{2} and 0.5 are one vote, as
+    equivalent answers are in maj@k; any other answer votes as its text."""
     if how == "boxed":
         from rl.rewards.math import extract_final_answer
-        return extract_final_answer(completion)
+        key = extract_final_answer(completion)
+        return None if key is None else _as_number(key) or key
     return completion.strip()
+
+
+_NUMBER = re.compile(r"^([+-]?)(?:(\d+(?:\.\d*)?|\.\d+)|(\d+)\s*/\s*(\d+)|\\[dt]?frac\{(\d+)\}\{(\d+)\})$")
+
+
+def _as_number(text: str) -> str | None:
+    """A plain rational answer in one form ('42', '-1/2': reduced), else None. Thousands separators (1,000 or 1{,}000),
+    a leading '-' in unicode and surrounding spaces are read too; a zero denominator is not a number."""
+    t = text.replace("{,}", "").replace("\u2212", "-").replace(" ", "")
+    t = re.sub(r"(?<=\d),(?=\d{3}(?:\D|$))", "", t)
+    m = _NUMBER.match(t)
+    if not m:
+        return None
+    sign, plain, num, den, fnum, fden = m.groups()
+    num, den = (num, den) if num else (fnum, fden) if fnum else (plain, "1")
+    if int(den) == 0:
+        return None
+    value = fractions.Fraction(num) / int(den) * (-1 if sign == "-" else 1)
+    return str(value)
 
 
 def majority_accuracy(keys: list, correct: np.ndarray, n: int) -> float:
