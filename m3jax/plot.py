@@ -43,8 +43,8 @@ def main(argv=None) -> None:
     if args.out is not None:
         if not os.path.isdir(args.out) and not os.path.splitext(args.out)[1]:
             args.out += ".png"  # as matplotlib would, so that the file printed is the file written
-        if png_path_problem(args.out):
-            ap.error(f"--out {args.out}: {png_path_problem(args.out)}")
+        if problem := png_path_problem(args.out):
+            ap.error(f"--out {args.out}: {problem}")
     if args.metrics is not None:
         logged = logged_metrics(args.run_dirs)
         unknown = [m for m in args.metrics if m not in logged]

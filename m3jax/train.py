@@ -86,17 +86,13 @@ def main(argv=None) -> int:
 
 def _process_problem(mesh, environ=None) -> str | None:
     """A mesh.process_id without a multi-host job (it names the log file and decides who takes the run's lock); the
-    config's own checks hold it under mesh.num_processes. As sharding.mesh.distributed_args, without importing jax."""
-    pid = mesh.process_id
-    if not pid or mesh.num_processes is not None:
+    config's own checks hold it under mesh.num_processes."""
+    from sharding.launch import distributed_args  # jax-free: this runs before the heavy imports
+    if not mesh.process_id or distributed_args(mesh, environ) is not None:
         return None
-    env = os.environ if environ is None else environ
-    launched = any(int(env.get(k) or 1) > 1 for k in ("SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE"))
-    if not (mesh.coordinator_address or env.get("JAX_COORDINATOR_ADDRESS") or env.get("JAX_NUM_PROCESSES")
-            or launched):
-        return (f"mesh.process_id = {pid} in a single-process run (no mesh.num_processes / coordinator_address, "
-                "nor a multi-host launch in the environment); allowed: null or 0, or with the job's other settings")
-    return None
+    return (f"mesh.process_id = {mesh.process_id} in a single-process run (no mesh.num_processes / "
+            "coordinator_address, nor a multi-host launch in the environment); allowed: null or 0, or with the job's "
+            "other settings")
 
 
 class Refused(Exception):

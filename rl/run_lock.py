@@ -44,7 +44,7 @@ class RunLockHeld(RuntimeError):
 
 def process_index(config_process_id: int | None = None, environ=None) -> int:
     """This process's index in a multi-host job, without importing jax: the config's `mesh.process_id`,
-    else JAX_PROCESS_ID (what `sharding.mesh.distributed_args` passes to jax), else the launcher's rank
+    else JAX_PROCESS_ID (what `sharding.launch.distributed_args` passes to jax), else the launcher's rank
     (SLURM_PROCID for srun, OMPI_COMM_WORLD_RANK for mpirun, from which jax detects it), else 0."""
     if config_process_id is not None:
         return int(config_process_id)

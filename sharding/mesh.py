@@ -20,6 +20,7 @@ from typing import Protocol
 import jax
 from jax.sharding import AxisType
 
+from sharding.launch import distributed_args  # noqa: F401  (its home before; jax-free there)
 from sharding.layout import Layout
 from sharding.rules import MESH_AXES, TOKEN_AXES, expert_axes_of, fsdp_axes_of, logical_to_spec, mesh_axes_of, rules_for
 
@@ -184,25 +185,6 @@ def undivided_parameter(mesh: MeshConfig, model: ShardedModel) -> str | None:
     return None
 
 
-def distributed_args(mesh: MeshConfig, environ=None) -> dict | None:
-    """jax.distributed.initialize arguments, or None for a single process.
-
-    Each of coordinator address / process count / process index comes from the config, else from
-    JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID (jax itself reads only the first).
-    With none of them but a multi-task `srun` step or `mpirun` launch, {} lets jax detect all three
-    (the step's task count, not the allocation's: a batch script run once must not wait for peers).
-    """
-    env = os.environ if environ is None else environ
-    addr = mesh.coordinator_address or env.get("JAX_COORDINATOR_ADDRESS")
-    n = mesh.num_processes if mesh.num_processes is not None else _env_int(env, "JAX_NUM_PROCESSES")
-    pid = mesh.process_id if mesh.process_id is not None else _env_int(env, "JAX_PROCESS_ID")
-    if addr or n:
-        return {"coordinator_address": addr, "num_processes": n, "process_id": pid}
-    if _env_int(env, "SLURM_STEP_NUM_TASKS", 1) > 1 or _env_int(env, "OMPI_COMM_WORLD_SIZE", 1) > 1:
-        return {}
-    return None
-
-
 JAX_DEFAULT_MEMORY_FRACTION = 0.75  # what XLA's GPU client preallocates of each device when told nothing
 MEMORY_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 
@@ -222,11 +204,6 @@ def set_memory_fraction(fraction: float | None, environ=None) -> str | None:
         return None
     env[MEMORY_FRACTION_ENV] = f"{fraction:g}"
     return None
-
-
-def _env_int(env, name: str, default: int | None = None) -> int | None:
-    value = env.get(name)
-    return default if value in (None, "") else int(value)
 
 
 def init_distributed(mesh: MeshConfig) -> None:

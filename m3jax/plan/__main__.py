@@ -213,8 +213,8 @@ def main(argv=None) -> int:
     # every argument is checked before the plan prints anything (the sweep printed its table, then failed)
     if a.sweep is not None and a.sweep < 1:
         ap.error(f"--sweep {a.sweep}: expected a positive device count")
-    if a.sweep is not None and a.png and png_path_problem(a.png):
-        ap.error(f"--png {a.png}: {png_path_problem(a.png)}")
+    if a.sweep is not None and a.png and (problem := png_path_problem(a.png)):
+        ap.error(f"--png {a.png}: {problem}")
     try:
         sets = [tuple(int(x) for x in s.split(":", 1)) for s in a.compile_layers.split(",")]
         if any(len(pair) != 2 or min(pair) < 0 for pair in sets):
