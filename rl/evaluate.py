@@ -139,7 +139,8 @@ def evaluate(engine: Generator, es: EvalSet, tokenizer, samples_of: int = 0) -> 
         truncated.append(np.asarray(out.truncated))
     answers = [r.answer for r in es.records for _ in range(n)]
     lengths, truncated = np.concatenate(lengths), np.concatenate(truncated)
-    reward, failures, parts = score_specs(es.rewards, completions, answers, truncated)
+    reward, failures, parts = score_specs(es.rewards, completions, answers, truncated,
+                                          [r for r in es.records for _ in range(n)])
     metrics = {**summarize(reward, lengths, truncated, n, es.correct_threshold, failures, es.pass_k),
                **{f"val/reward/{name}/mean": float(v.mean()) for name, v in parts.items()}}
     if es.majority_answer != "none":

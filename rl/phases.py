@@ -36,6 +36,7 @@ class Samples:
     rollout: Rollout
     answers: list  # the reference answer of each row's prompt
     completions: list[str]  # decoded responses (stop tokens dropped, other special tokens kept)
+    records: list | None = None  # each row's PromptRecord: its prompt and meta, for the rewards that name them
 
 
 def rollout(engine: Generator, records, tokenizer, cfg: RunConfig, sampling: SamplingParams, step: int,
@@ -51,7 +52,8 @@ def rollout(engine: Generator, records, tokenizer, cfg: RunConfig, sampling: Sam
     # Special tokens stay in the text: dropping a sampled <sep> would shift the digits after it.
     completions = [tokenizer.decode([int(x) for x in out.tokens[i, :out.lengths[i]] if int(x) not in stops],
                                     skip_special_tokens=False) for i in range(len(rows))]
-    return Samples(out, [r.answer for r in records for _ in range(group)], completions)
+    return Samples(out, [r.answer for r in records for _ in range(group)], completions,
+                   [r for r in records for _ in range(group)])
 
 
 def rewards(reward_specs, samples: Samples, *, max_new_tokens: int = 0, overlong_buffer: int = 0,
@@ -60,7 +62,8 @@ def rewards(reward_specs, samples: Samples, *, max_new_tokens: int = 0, overlong
     reward's own values per row (unweighted, by name). One call per reward: each has its own time limit. With
     `overlong_buffer` > 0, DAPO's soft overlong punishment (`rl.grpo.dapo.overlong_penalty`) is added, before
     advantages see the reward."""
-    total, failures, parts = score_specs(reward_specs, samples.completions, samples.answers, samples.rollout.truncated)
+    total, failures, parts = score_specs(reward_specs, samples.completions, samples.answers, samples.rollout.truncated,
+                                         samples.records)
     if overlong_buffer:
         total += dapo.overlong_penalty(samples.rollout.lengths, max_new_tokens, overlong_buffer, overlong_penalty)
     return total, failures, parts
@@ -96,7 +99,9 @@ def _take(samples: list[Samples], picked: np.ndarray, group: int) -> Samples:
                                    tokens=stack("tokens"), logprobs=stack("logprobs"), lengths=stack("lengths"),
                                    truncated=stack("truncated"), routes=per_token("routes"),
                                    block_ids=per_token("block_ids"))
-    return Samples(rollout_, [samples[r].answers[i] for r, i in rows], [samples[r].completions[i] for r, i in rows])
+    records = None if any(s.records is None for s in samples) else [samples[r].records[i] for r, i in rows]
+    return Samples(rollout_, [samples[r].answers[i] for r, i in rows], [samples[r].completions[i] for r, i in rows],
+                   records)
 
 
 def draw(engine: Generator, loader, tokenizer, cfg: RunConfig, sampling: SamplingParams, step: int) -> Drawn:

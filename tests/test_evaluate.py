@@ -208,6 +208,24 @@ def test_eval_rewards_and_threshold_come_from_the_section():
     assert math.isclose(m["val/pass@1"], np.mean(counts / 4))
 
 
+
+def test_eval_rewards_that_name_the_prompt_get_each_samples_own():
+    from rl.rewards import registry
+
+    def copies_its_prompt(completion, answer, prompt, meta, **kw):
+        return float(completion == prompt == answer and meta["prompt_ids"][1:-1] == [int(c) for c in prompt])
+
+    try:
+        registry.register_reward("_test_eval_prompt", mode="inline")(copies_its_prompt)
+        cfg = load_config(TINY, ["eval.max_prompts=6", "eval.reward=[{name: _test_eval_prompt, weight: 1.0}]"])
+        task = make_task("copy", num_digits=4)
+        es = ev.build_eval_set(cfg, task.tokenizer, (12,))
+        m = ev.evaluate(FakeEngine(4), es, task.tokenizer)
+        counts = np.array([correct_samples(p, 4) for p in es.prompt_ids])
+        assert math.isclose(m["val/pass@1"], np.mean(counts / 4)) and m["val/reward_failures"] == 0
+    finally:
+        registry._REGISTRY.pop("_test_eval_prompt", None)
+
 def test_due_every_n_and_after_the_last_step():
     assert [s for s in range(1, 206) if ev.due(s, 205, 20)] == list(range(20, 201, 20)) + [205]
     assert not any(ev.due(s, 200, 0) for s in range(1, 201))

@@ -206,3 +206,24 @@ def test_the_reward_panel_draws_each_reward_when_there_are_several():
     assert panels(one)["reward"] == PLOTS["reward"]  # one reward: its mean is the panel's reward/mean already
     two = [{"step": 1, "reward/mean": 0.5, "reward/b/mean": 0.2, "reward/a/mean": 0.9, "val/reward/a/mean": 1.0}]
     assert panels(two)["reward"] == (*PLOTS["reward"], "reward/a/mean", "reward/b/mean")
+
+
+def test_rewards_that_name_prompt_and_meta_get_each_rows_own_also_after_a_refill_reorders_rows(samples):
+    """Row i answers prompt i // G; its prompt and meta must follow it through dynamic sampling's picks."""
+    from rl.config.schema import RewardSpec
+    from rl.rewards import registry
+
+    def prompt_is_row_prompt(completion, answer, prompt, meta, **kw):
+        return float(prompt == answer and meta["prompt_ids"][1:-1] == [int(c) for c in answer])  # the copy task
+
+    assert samples.records is not None and len(samples.records) == 8
+    try:
+        registry.register_reward("_test_row_phase", mode="inline")(prompt_is_row_prompt)
+        specs = (RewardSpec("_test_row_phase", 1.0, 5.0),)
+        reward, failures, _ = phases.rewards(specs, samples)
+        assert failures == 0 and reward.tolist() == [1.0] * 8
+        swapped = phases._take([samples], np.array([[0, 1], [0, 0]]), 4)
+        assert [r.answer for r in swapped.records] == swapped.answers == samples.answers[4:] + samples.answers[:4]
+        assert phases.rewards(specs, swapped)[0].tolist() == [1.0] * 8
+    finally:
+        registry._REGISTRY.pop("_test_row_phase", None)

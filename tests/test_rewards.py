@@ -291,3 +291,46 @@ def test_weighted_sum_and_components():
 def test_mismatched_lengths_raise():
     with pytest.raises(ValueError, match="answers"):
         score_batch([("format", 1.0)], ["a", "b"], ["a"])
+
+
+def sees_its_row(completion, answer, prompt, meta, **kw):
+    """1 where the prompt and the row's fields arrived with the sample they belong to."""
+    return float(prompt == f"say {answer}" and meta["id"] == int(answer) and "truncated" in kw)
+
+
+@pytest.mark.parametrize("mode", ["inline", "thread", "process"])
+def test_a_reward_that_names_prompt_and_meta_gets_its_rows(mode):
+    """A judge needs the prompt and a rubric the row's fields: given to the rewards that name them, sample by
+    sample, in every mode; a reward taking only **kw is not sent them (in process mode they would be pickled)."""
+    from rl.data import PromptRecord
+    from rl.config.schema import RewardSpec
+    records = [PromptRecord(f"say {i}", str(i), {"id": i}) for i in range(5)]
+    seen = []
+
+    def kw_only(completion, answer, **kw):
+        seen.append(sorted(kw))
+        return 1.0
+
+    try:
+        register_reward("_test_row", mode=mode)(sees_its_row)
+        register_reward("_test_kw", mode="inline")(kw_only)
+        specs = (RewardSpec("_test_row", 1.0, 10.0), RewardSpec("_test_kw", 1.0, 10.0))
+        total, failures, parts = registry.score_specs(specs, ["c"] * 5, [r.answer for r in records], [False] * 5,
+                                                       records)
+        assert failures == 0 and parts["_test_row"].tolist() == [1.0] * 5
+        assert seen == [["truncated"]] * 5
+        # without records (a caller that has none), a reward that needs them fails loudly, sample by sample
+        total, failures, _ = registry.score_specs(specs[:1], ["c"] * 2, ["0", "1"], [False] * 2)
+        assert failures == 2
+    finally:
+        registry._REGISTRY.pop("_test_row", None)
+        registry._REGISTRY.pop("_test_kw", None)
+
+
+def test_a_reward_that_requires_prompt_is_accepted_and_one_that_cannot_take_the_call_is_not():
+    try:
+        register_reward("_test_judge")(lambda completion, answer, prompt, truncated=False: 1.0)
+        with pytest.raises(TypeError, match="timeout_s, prompt or meta where the function names them"):
+            register_reward("_test_judge2")(lambda completion, answer, prompt: 1.0)  # no truncated, no **kw
+    finally:
+        registry._REGISTRY.pop("_test_judge", None)

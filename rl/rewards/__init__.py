@@ -1,4 +1,5 @@
-"""Rewards: a registry of ``fn(completion_text, answer, **kw) -> float`` and time-limited batch scoring.
+"""Rewards: a registry of ``fn(completion_text, answer, **kw) -> float`` and time-limited batch scoring
+(``prompt`` and ``meta``, the row's other fields, go to a reward that names them).
 
 Built-in rewards (registered on import): ``math_verify`` (rl.rewards.math), ``code_tests`` / ``code_tests_frac``
 (rl.rewards.code: the completion's program against the record's test cases), ``format``

@@ -44,7 +44,11 @@ where they work (inside pool workers, and ``math_verify`` called inline from the
 never relied on alone.
 
 A reward function with a parameter named ``timeout_s`` receives the per-sample limit, so it can
-bound its own work (``math_verify`` passes it on to math-verify).
+bound its own work (``math_verify`` passes it on to math-verify). Likewise, one that names ``prompt`` receives the
+sample's prompt as the dataset gave it (a string, or chat messages ``[{role, content}, ...]``) and one that names
+``meta`` the prompt row's other fields (``PromptRecord.meta``: with ``source`` and ``row`` for a file's rows), where
+the caller has them (``score_specs``' ``records``): what a judge or a per-row rubric needs. They are passed by name
+only, so a reward taking ``**kw`` is not sent a row it does not read (in process mode every keyword is pickled).
 
 Layout: this module holds the registry and the batch API; rl.rewards.outcome evaluates one sample,
 rl.rewards.runners runs the inline and thread modes (and dispatches), rl.rewards.pool the process pool;
@@ -135,21 +139,34 @@ def register_reward(name: str, *, mode: str = "thread", replace: bool = False) -
     return decorator
 
 
+# Keywords a reward gets only where its signature names them (the module docstring says what each holds).
+BY_NAME_KEYWORDS = ("timeout_s", "prompt", "meta")
+
+
+def _named(fn) -> frozenset:
+    """Which of BY_NAME_KEYWORDS `fn`'s signature names (none for a builtin without a signature)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return frozenset()
+    return frozenset(k for k in BY_NAME_KEYWORDS if k in params)
+
+
 def _check_call(name: str, fn) -> None:
     """Refuse, at registration, a reward that cannot take the call every run makes: fn(completion, answer,
-    truncated=...). `def r(completion, answer)` used to fail on every sample of every step, each failure scored 0,
-    and the run went on to its end with that reward silently 0."""
+    truncated=...), plus the by-name keywords it names. `def r(completion, answer)` used to fail on every sample of
+    every step, each failure scored 0, and the run went on to its end with that reward silently 0."""
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):  # a builtin without a signature: found out at its first call
         return
     try:
-        sig.bind("completion", "answer", truncated=False)
+        sig.bind("completion", "answer", truncated=False, **{k: None for k in _named(fn)})
     except TypeError as e:
         raise TypeError(f"reward {name!r}: {getattr(fn, '__qualname__', fn)}{sig} cannot be called as "
                         f"fn(completion, answer, truncated=...) ({e}), as a run calls every reward; expected "
-                        "fn(completion: str, answer: str, **kw) -> float (kw: truncated, and timeout_s where the "
-                        "function names it)") from None
+                        "fn(completion: str, answer: str, **kw) -> float (kw: truncated, and timeout_s, prompt or "
+                        "meta where the function names them)") from None
 
 
 def _ensure_builtins() -> None:
@@ -214,20 +231,16 @@ def _name_of(spec: RewardSpec) -> str:
     return getattr(spec, "__name__", repr(spec))
 
 
-def _wants_timeout(fn) -> bool:
-    try:
-        return "timeout_s" in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-def _resolve(pairs, n_answers: int, n: int, sample_kwargs, mode, timeout_s) -> list[tuple[str, RewardFn, float, str]]:
+def _resolve(pairs, n_answers: int, n: int, sample_kwargs, sample_context, mode,
+             timeout_s) -> list[tuple[str, RewardFn, float, str]]:
     """Check the arguments and resolve every reward to ``(name, fn, weight, mode)`` before anything
     runs, so that a typo in a name fails fast."""
     if n_answers != n:
         raise ValueError(f"{n} completions but {n_answers} answers")
     if sample_kwargs is not None and len(sample_kwargs) != n:
         raise ValueError(f"{n} completions but {len(sample_kwargs)} sample_kwargs")
+    if sample_context is not None and len(sample_context) != n:
+        raise ValueError(f"{n} completions but {len(sample_context)} sample_context")
     if mode is not None and mode not in MODES:
         raise ValueError(f"mode must be one of {MODES} or None, got {mode!r}")
     if timeout_s is not None and timeout_s <= 0:
@@ -241,12 +254,16 @@ def _resolve(pairs, n_answers: int, n: int, sample_kwargs, mode, timeout_s) -> l
     return resolved
 
 
-def _sample_kwargs(fn, n: int, sample_kwargs, timeout_s) -> list[dict[str, Any]]:
-    """Per-sample keyword arguments for ``fn`` (a fresh dict each), with ``timeout_s`` added where it asks for it."""
+def _sample_kwargs(fn, n: int, sample_kwargs, sample_context, timeout_s) -> list[dict[str, Any]]:
+    """Per-sample keyword arguments for ``fn`` (a fresh dict each): ``sample_kwargs``, plus ``timeout_s`` and those
+    of ``sample_context`` (prompt, meta) that its signature names."""
     kws = [dict(sample_kwargs[i]) if sample_kwargs is not None else {} for i in range(n)]
-    if _wants_timeout(fn) and timeout_s is not None:
-        for kw in kws:
+    named = _named(fn)
+    for i, kw in enumerate(kws):
+        if "timeout_s" in named and timeout_s is not None:
             kw.setdefault("timeout_s", timeout_s)
+        if sample_context is not None:
+            kw.update((k, v) for k, v in sample_context[i].items() if k in named)
     return kws
 
 
@@ -258,6 +275,7 @@ def score_components(
     timeout_s: float | None = 5.0,
     batch_timeout_s: float | None = None,
     sample_kwargs: Sequence[Mapping[str, Any]] | None = None,
+    sample_context: Sequence[Mapping[str, Any]] | None = None,
     mode: str | None = None,
     num_workers: int | None = None,
 ) -> RewardScores:
@@ -265,14 +283,14 @@ def score_components(
     (for metrics)."""
     pairs = list(reward_fns_with_weights.items()) if isinstance(reward_fns_with_weights, Mapping) else list(reward_fns_with_weights)
     n = len(completions)
-    resolved = _resolve(pairs, len(answers), n, sample_kwargs, mode, timeout_s)
+    resolved = _resolve(pairs, len(answers), n, sample_kwargs, sample_context, mode, timeout_s)
 
     items = [(str(c), str(a)) for c, a in zip(completions, answers)]
     deadline = None if batch_timeout_s is None else time.monotonic() + batch_timeout_s
     total = np.zeros(n, dtype=np.float64)
     scores = RewardScores(total=total, components={}, failures={}, timeouts={}, errors={})
     for name, fn, weight, how in resolved:
-        kws = _sample_kwargs(fn, n, sample_kwargs, timeout_s)
+        kws = _sample_kwargs(fn, n, sample_kwargs, sample_context, timeout_s)
         out = Outcome(n)
         warmup = getattr(fn, "warmup", None)
         if n and how != "process" and callable(warmup):
@@ -302,22 +320,26 @@ def score_batch(reward_fns_with_weights, completions, answers, **options: Any) -
     (per sample and reward, default 5.0) contributes 0 and adds 1 to ``failures``. ``batch_timeout_s``
     bounds the whole call (unfinished evaluations then count as failures). ``mode`` overrides every
     reward's registered mode; ``num_workers``: lanes (thread mode, default 1) or processes (process
-    mode, default min(cores, 8)). Unknown reward names raise ``UnknownRewardError`` before anything runs.
+    mode, default min(cores, 8)). ``sample_context``: per sample, keywords (``prompt``, ``meta``) given only to the
+    rewards whose signature names them. Unknown reward names raise ``UnknownRewardError`` before anything runs.
     """
     s = score_components(reward_fns_with_weights, completions, answers, **options)
     return s.total, s.num_failures
 
 
-def score_specs(specs, completions, answers, truncated) -> tuple[np.ndarray, int, dict[str, np.ndarray]]:
+def score_specs(specs, completions, answers, truncated,
+                records=None) -> tuple[np.ndarray, int, dict[str, np.ndarray]]:
     """A run's configured rewards (`specs`: objects with name, weight, timeout_s, as `reward:` in a run config) over
     a batch: the weighted sum per sample (float32), the failed evaluations (scored 0), and each reward's own values
     by name (unweighted). One call per reward: each has its own time limit. Each sample gets `truncated` (it hit
-    the length limit) as a keyword, for rewards that read it."""
+    the length limit) as a keyword, for rewards that read it; with `records` (each sample's PromptRecord), the
+    rewards that name them get its `prompt` and `meta`."""
     total, failures, parts = np.zeros(len(completions), np.float32), 0, {}
     extra = [{"truncated": bool(t)} for t in truncated]
+    context = None if records is None else [{"prompt": r.prompt, "meta": r.meta} for r in records]
     for spec in specs:
         s = score_components([(spec.name, spec.weight)], completions, answers, timeout_s=spec.timeout_s,
-                             sample_kwargs=extra)
+                             sample_kwargs=extra, sample_context=context)
         total += s.total
         failures += s.num_failures
         parts[spec.name] = s.components[spec.name]
