@@ -334,3 +334,28 @@ def test_a_reward_that_requires_prompt_is_accepted_and_one_that_cannot_take_the_
             register_reward("_test_judge2")(lambda completion, answer, prompt: 1.0)  # no truncated, no **kw
     finally:
         registry._REGISTRY.pop("_test_judge", None)
+
+
+def test_a_thread_rewards_workers_score_samples_at_once():
+    """`workers` on a reward's config entry: that many samples in flight together (a judge waiting on a service
+    would otherwise take one round trip per sample in turn). Each sample waits for all four to be in flight."""
+    import threading
+
+    from rl.config.schema import RewardSpec
+    barrier = threading.Barrier(4, timeout=3)
+
+    def waits_for_company(completion, answer, **kw):
+        barrier.wait()
+        return 1.0
+
+    try:
+        register_reward("_test_company", mode="thread")(waits_for_company)
+        total, failures, _ = registry.score_specs((RewardSpec("_test_company", 1.0, 10.0, workers=4),),
+                                                  ["c"] * 4, ["a"] * 4, [False] * 4)
+        assert failures == 0 and total.tolist() == [1.0] * 4
+        barrier.reset()
+        total, failures, _ = registry.score_specs((RewardSpec("_test_company", 1.0, 5.0),), ["c"] * 4, ["a"] * 4,
+                                                  [False] * 4)  # one lane: the first sample waits alone, and fails
+        assert failures >= 1
+    finally:
+        registry._REGISTRY.pop("_test_company", None)

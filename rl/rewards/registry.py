@@ -329,9 +329,9 @@ def score_batch(reward_fns_with_weights, completions, answers, **options: Any) -
 
 def score_specs(specs, completions, answers, truncated,
                 records=None) -> tuple[np.ndarray, int, dict[str, np.ndarray]]:
-    """A run's configured rewards (`specs`: objects with name, weight, timeout_s, as `reward:` in a run config) over
-    a batch: the weighted sum per sample (float32), the failed evaluations (scored 0), and each reward's own values
-    by name (unweighted). One call per reward: each has its own time limit. Each sample gets `truncated` (it hit
+    """A run's configured rewards (`specs`: objects with name, weight, timeout_s and optionally workers, as `reward:`
+    in a run config) over a batch: the weighted sum per sample (float32), the failed evaluations (scored 0), and
+    each reward's own values by name (unweighted). One call per reward: each has its own time limit. Each sample gets `truncated` (it hit
     the length limit) as a keyword, for rewards that read it; with `records` (each sample's PromptRecord), the
     rewards that name them get its `prompt` and `meta`."""
     total, failures, parts = np.zeros(len(completions), np.float32), 0, {}
@@ -339,7 +339,8 @@ def score_specs(specs, completions, answers, truncated,
     context = None if records is None else [{"prompt": r.prompt, "meta": r.meta} for r in records]
     for spec in specs:
         s = score_components([(spec.name, spec.weight)], completions, answers, timeout_s=spec.timeout_s,
-                             sample_kwargs=extra, sample_context=context)
+                             sample_kwargs=extra, sample_context=context,
+                             num_workers=getattr(spec, "workers", 0) or None)
         total += s.total
         failures += s.num_failures
         parts[spec.name] = s.components[spec.name]
