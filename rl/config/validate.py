@@ -15,6 +15,7 @@ from rl.config.fields import _allowed, _hints, _is, _is_section, _item_type, _ki
     _show, _union
 from rl.config.schema import DIGIT_VOCAB, MISSING, ModelSection
 from rl.config.model_checks import model_checks
+from rl.config.reward_checks import reward_problems
 from rl.config.validate_eval import eval_problems
 
 # Checks take the whole `rl.config.run.RunConfig` (named in annotations only: that module imports this one).
@@ -260,19 +261,7 @@ def _cross_checks(cfg: RunConfig) -> list[_Problem]:
             f"(backend {_show(gen.backend)}, verify_probes = {gen.verify_probes}); allowed: null, or a bound with "
             "generation.backend = vllm and generation.verify_probes >= 1"), ("generation.verify_probes",)))
 
-    names = [r.name for r in cfg.reward]
-    registered = _registered_rewards()
-    for i, n in enumerate(names):
-        if registered is not None and n not in registered:
-            close = difflib.get_close_matches(n, registered, n=1)
-            hint = f" (did you mean {_show(close[0])}?)" if close else ""
-            out.append(_Problem(f"reward[{i}].name", (
-                f"reward[{i}].name = {_show(n)}: no reward is registered under this name{hint}; allowed: one of "
-                f"{', '.join(_show(r) for r in registered)} (register custom rewards with "
-                "rl.rewards.register_reward before loading the config)")))
-        if n in names[:i]:
-            out.append(_Problem(f"reward[{i}].name", f"reward[{i}].name = {_show(n)}: listed twice; allowed: "
-                                                     "each reward once (combine weights)"))
+    out += reward_problems(cfg.reward, "reward")
 
     if g.old_logprobs == "update" and g.updates_per_step != 1:
         out.append(_Problem("grpo.old_logprobs", (
@@ -338,15 +327,6 @@ def _loss_checks(g) -> list[_Problem]:
                                                  "(grpo.kl = \"none\"); allowed: false, or a KL estimator",
                             ("grpo.kl",)))
     return out
-
-
-def _registered_rewards() -> list[str] | None:
-    """Names in the reward registry (None when rl.rewards is not importable: the check is skipped)."""
-    try:
-        from rl.rewards import list_rewards
-    except ImportError:
-        return None
-    return sorted(list_rewards())
 
 
 def _problems(cfg: RunConfig) -> list[_Problem]:

@@ -7,9 +7,8 @@ with `enabled=True`.
 
 from __future__ import annotations
 
-import difflib
-
 from rl.config.errors import _Problem
+from rl.config.reward_checks import reward_problems
 from rl.config.fields import _show
 
 # Checks take the whole `rl.config.run.RunConfig` (named in annotations only: that module imports this one).
@@ -95,26 +94,5 @@ def eval_problems(cfg, enabled: bool | None = None) -> list[_Problem]:
                 f"eval.max_prompt_tokens + eval.max_new_tokens = {width} + {new}: longer than the vLLM engines' "
                 f"sequences (generation.max_prompt_tokens + max_new_tokens = {cfg.generation.max_seq_len}); "
                 "allowed: at most that in total"), ("eval.max_prompt_tokens", "generation.max_new_tokens")))
-    out += _reward_problems(e.reward)
-    return out
-
-
-def _reward_problems(specs) -> list[_Problem]:
-    try:
-        from rl.rewards import list_rewards
-    except ImportError:
-        return []
-    registered = sorted(list_rewards())
-    names = [r.name for r in specs]
-    out = []
-    for i, n in enumerate(names):
-        if n not in registered:
-            close = difflib.get_close_matches(n, registered, n=1)
-            hint = f" (did you mean {_show(close[0])}?)" if close else ""
-            out.append(_Problem(f"eval.reward[{i}].name", (
-                f"eval.reward[{i}].name = {_show(n)}: no reward is registered under this name{hint}; allowed: one "
-                f"of {', '.join(_show(r) for r in registered)}")))
-        if n in names[:i]:
-            out.append(_Problem(f"eval.reward[{i}].name", f"eval.reward[{i}].name = {_show(n)}: listed twice; "
-                                                          "allowed: each reward once (combine weights)"))
+    out += reward_problems(e.reward, "eval.reward")
     return out

@@ -3,7 +3,8 @@
 
 Built-in rewards (registered on import): ``math_verify`` (rl.rewards.math), ``code_tests`` / ``code_tests_frac``
 (rl.rewards.code: the completion's program against the record's test cases), ``format``
-(rl.rewards.format), ``reverse_digits`` / ``copy_digits`` / ``sort_digits`` / ``exact_digits``
+(rl.rewards.format), ``judge`` (rl.rewards.judge: a model behind an OpenAI-compatible endpoint scores the
+sample), ``reverse_digits`` / ``copy_digits`` / ``sort_digits`` / ``exact_digits``
 (rl.rewards.synthetic). See rl.rewards.registry for how ``score_batch`` runs and time-limits them.
 """
 
@@ -19,7 +20,7 @@ from rl.rewards.registry import (
     score_components,
     shutdown_process_pool,
 )
-from rl.rewards import code, format, math, synthetic  # noqa: E402,F401  (register the built-ins)
+from rl.rewards import code, format, judge, math, synthetic  # noqa: E402,F401  (register the built-ins)
 
 __all__ = [
     "MODES",

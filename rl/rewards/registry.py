@@ -78,6 +78,7 @@ __all__ = [
     "register_reward",
     "score_specs",
     "get_reward",
+    "args_problem",
     "list_rewards",
     "reward_mode",
     "RewardScores",
@@ -160,13 +161,38 @@ def _check_call(name: str, fn) -> None:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):  # a builtin without a signature: found out at its first call
         return
+    # keyword-only parameters without a default come from the config entry's `args` (checked at load: args_problem)
+    from_args = {k: None for k, p in sig.parameters.items() if p.kind is p.KEYWORD_ONLY and p.default is p.empty}
     try:
-        sig.bind("completion", "answer", truncated=False, **{k: None for k in _named(fn)})
+        sig.bind("completion", "answer", truncated=False, **{k: None for k in _named(fn)}, **from_args)
     except TypeError as e:
         raise TypeError(f"reward {name!r}: {getattr(fn, '__qualname__', fn)}{sig} cannot be called as "
                         f"fn(completion, answer, truncated=...) ({e}), as a run calls every reward; expected "
                         "fn(completion: str, answer: str, **kw) -> float (kw: truncated, and timeout_s, prompt or "
                         "meta where the function names them)") from None
+
+
+def args_problem(name: str, args: Mapping[str, Any]) -> str | None:
+    """Why a run's call of reward `name` with config `args` (keywords added to every call) would fail, or None: a
+    keyword the run passes itself, one the function does not take, a required one missing, or what the function's
+    own `check_args(args) -> str | None` attribute says. Checked at config load, so that a typo fails there and not
+    as a 0 on every sample."""
+    fn = get_reward(name)
+    taken = sorted(set(args) & {"truncated", *BY_NAME_KEYWORDS})
+    if taken:
+        return f"{', '.join(taken)} {'is' if len(taken) == 1 else 'are'} passed by the run itself, not by args"
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    try:
+        sig.bind("completion", "answer", truncated=False, **{k: None for k in _named(fn)}, **args)
+    except TypeError as e:
+        keywords = [k for k, p in list(sig.parameters.items())[2:]  # after completion and answer
+                    if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and k not in ("truncated", *BY_NAME_KEYWORDS)]
+        return f"{e}; its parameters for args: {', '.join(keywords) or '(none)'}"
+    check = getattr(fn, "check_args", None)  # a reward's own rules for its args (rl.rewards.judge's url, template)
+    return check(dict(args)) if callable(check) else None
 
 
 def _ensure_builtins() -> None:
@@ -329,15 +355,16 @@ def score_batch(reward_fns_with_weights, completions, answers, **options: Any) -
 
 def score_specs(specs, completions, answers, truncated,
                 records=None) -> tuple[np.ndarray, int, dict[str, np.ndarray]]:
-    """A run's configured rewards (`specs`: objects with name, weight, timeout_s and optionally workers, as `reward:`
-    in a run config) over a batch: the weighted sum per sample (float32), the failed evaluations (scored 0), and
+    """A run's configured rewards (`specs`: objects with name, weight, timeout_s and optionally workers and args, as
+    `reward:` in a run config) over a batch: the weighted sum per sample (float32), the failed evaluations (scored 0), and
     each reward's own values by name (unweighted). One call per reward: each has its own time limit. Each sample gets `truncated` (it hit
     the length limit) as a keyword, for rewards that read it; with `records` (each sample's PromptRecord), the
     rewards that name them get its `prompt` and `meta`."""
     total, failures, parts = np.zeros(len(completions), np.float32), 0, {}
-    extra = [{"truncated": bool(t)} for t in truncated]
     context = None if records is None else [{"prompt": r.prompt, "meta": r.meta} for r in records]
     for spec in specs:
+        args = dict(getattr(spec, "args", None) or {})
+        extra = [{**args, "truncated": bool(t)} for t in truncated]
         s = score_components([(spec.name, spec.weight)], completions, answers, timeout_s=spec.timeout_s,
                              sample_kwargs=extra, sample_context=context,
                              num_workers=getattr(spec, "workers", 0) or None)

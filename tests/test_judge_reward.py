@@ -1,0 +1,150 @@
+"""rl.rewards.judge against a local OpenAI-compatible stand-in server, and reward `args` checked at config load."""
+
+import http.server
+import json
+import threading
+
+import numpy as np
+import pytest
+
+from rl.config import ConfigError, load_config
+from rl.config.schema import RewardSpec
+from rl.data import PromptRecord
+from rl.rewards import registry
+from rl.rewards.judge import prompt_text, reply_score
+
+
+class _Judge(http.server.BaseHTTPRequestHandler):
+    """Answers a chat completion: 'Score: 9' where the graded response contains the reference answer, else
+    'Score: 1'; replies chosen by the test through the server's `override`; records each request's body."""
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.server.requests.append((self.path, dict(self.headers), body))
+        if self.server.status != 200:
+            self.send_response(self.server.status)
+            self.end_headers()
+            self.wfile.write(b'{"error": "model not found"}')
+            return
+        user = body["messages"][0]["content"]
+        response = user.split("Response:\n")[1]
+        answer = user.split("Reference answer:\n")[1].split("\n")[0]
+        text = self.server.override or f"Looks {'right' if answer in response else 'wrong'}.\nScore: " \
+                                       f"{9 if answer in response else 1}"
+        out = json.dumps({"choices": [{"message": {"role": "assistant", "content": text}}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def server():
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Judge)
+    srv.requests, srv.override, srv.status = [], None, 200
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+
+
+def _spec(srv, **args):
+    return RewardSpec("judge", 1.0, 10.0, workers=2,
+                      args={"url": f"http://127.0.0.1:{srv.server_port}/v1", "model": "judge-7b", **args})
+
+
+def test_the_judge_scores_each_sample_from_its_own_prompt_and_answer(server):
+    records = [PromptRecord([{"role": "user", "content": f"What is {i} + {i}?"}], str(2 * i), {}) for i in range(4)]
+    completions = ["It is 0.", "It is 3.", "It is 4.", "No idea."]
+    total, failures, parts = registry.score_specs((_spec(server, max_score=9),), completions,
+                                                  [r.answer for r in records], [False] * 4, records)
+    assert failures == 0
+    np.testing.assert_allclose(parts["judge"], [1.0, 1 / 9, 1.0, 1 / 9], rtol=1e-6)
+    paths = {p for p, _, _ in server.requests}
+    assert paths == {"/v1/chat/completions"} and len(server.requests) == 4
+    bodies = sorted(json.dumps(b) for _, _, b in server.requests)
+    assert all('"model": "judge-7b"' in b and '"temperature": 0.0' in b for b in bodies)
+    assert any("user: What is 2 + 2?" in b and "It is 4." in b for b in bodies)  # the messages, as text
+
+
+def test_a_reply_without_a_score_an_http_error_and_a_missing_prompt_are_failures_not_zeros(server):
+    server.override = "I think it is fine."
+    records = [PromptRecord("q", "a", {})]
+    _, failures, _ = registry.score_specs((_spec(server),), ["a"], ["a"], [False], records)
+    assert failures == 1
+    s = registry.score_components([("judge", 1.0)], ["a"], ["a"], sample_kwargs=[_spec(server).args],
+                                  sample_context=[{"prompt": "q"}])
+    assert s.num_failures == 1 and "no 'Score: N'" in s.errors["judge"][0]
+    server.override, server.status = None, 404
+    s = registry.score_components([("judge", 1.0)], ["a"], ["a"], sample_kwargs=[_spec(server).args],
+                                  sample_context=[{"prompt": "q"}])
+    assert s.num_failures == 1 and "HTTP 404" in s.errors["judge"][0] and "model not found" in s.errors["judge"][0]
+    server.status = 200
+    s = registry.score_components([("judge", 1.0)], ["a"], ["a"], sample_kwargs=[_spec(server).args])
+    assert s.num_failures == 1 and "prompt" in s.errors["judge"][0]  # a caller without records
+
+
+def test_the_api_key_comes_from_the_environment(server, monkeypatch):
+    monkeypatch.setenv("M3JAX_TEST_JUDGE_KEY", "sk-test")
+    registry.score_specs((_spec(server, api_key_env="M3JAX_TEST_JUDGE_KEY"),), ["a"], ["a"], [False],
+                         [PromptRecord("q", "a", {})])
+    headers = server.requests[-1][1]
+    assert headers["Authorization"] == "Bearer sk-test"
+
+
+@pytest.mark.parametrize("reply, want", [("Score: 7", 0.7), ("**Score:** 10", 1.0), ("score = 2.5\n", 0.25),
+                                         ("Score: 3 ... on reflection, Score: 8", 0.8)])
+def test_reply_score(reply, want):
+    assert reply_score(reply, 10) == pytest.approx(want)
+
+
+def test_reply_score_out_of_range_is_an_error():
+    with pytest.raises(ValueError, match="outside"):
+        reply_score("Score: 11", 10)
+
+
+def test_prompt_text_of_chat_messages():
+    assert prompt_text([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]) == \
+        "system: Be brief.\n\nuser: Hi"
+
+
+@pytest.mark.parametrize("args, says", [
+    ({"url": "http://h:8000/v1"}, "missing a required argument: 'model'"),
+    ({"url": "http://h:8000/v1", "model": "m", "modle": "m"}, "unexpected keyword argument 'modle'"),
+    ({"url": "h:8000/v1", "model": "m"}, "not an http(s) URL"),
+    ({"url": "http://h/v1", "model": "m", "template": "Grade {completion}"}, "does not name ['prompt']"),
+    ({"url": "http://h/v1", "model": "m", "template": "{prompt} {completion} {question}"}, "names ['question']"),
+    ({"url": "http://h/v1", "model": "m", "template": "{prompt} {completion} {"}, "cannot be filled"),
+    ({"url": "http://h/v1", "model": "m", "max_score": 0}, "max_score 0"),
+    ({"url": "http://h/v1", "model": "m", "api_key_env": "M3JAX_NO_SUCH_VARIABLE"}, "names no variable"),
+    ({"url": "http://h/v1", "model": "m", "timeout_s": 5}, "timeout_s is passed by the run itself"),
+])
+def test_bad_judge_args_are_refused_at_load_naming_the_problem(args, says):
+    reward = json.dumps([{"name": "judge", "weight": 1.0, "args": args}])
+    with pytest.raises(ConfigError) as e:
+        load_config("configs/tiny.yaml", [f"reward={reward}"])
+    assert "reward[0].args" in str(e.value) and says in str(e.value)
+
+
+def test_args_of_a_custom_reward_are_passed_and_checked():
+    def graded(completion, answer, *, scale, truncated=False):
+        return scale * (completion == answer)
+
+    try:
+        registry.register_reward("_test_scaled", mode="inline")(graded)
+        cfg = load_config("configs/tiny.yaml", ['reward=[{name: _test_scaled, weight: 1.0, args: {scale: 0.5}}]'])
+        total, failures, _ = registry.score_specs(cfg.reward, ["1", "2"], ["1", "1"], [False, False])
+        assert failures == 0 and total.tolist() == [0.5, 0.0]
+        with pytest.raises(ConfigError, match=r"reward\[0\].args = \{\}: reward ._test_scaled. cannot be called "
+                                              r"with them \(missing a required argument: 'scale'; its parameters "
+                                              r"for args: scale\)"):
+            load_config("configs/tiny.yaml", ['reward=[{name: _test_scaled, weight: 1.0}]'])
+        with pytest.raises(ConfigError, match=r"eval.reward\[0\].args"):
+            load_config("configs/tiny.yaml", ['eval.reward=[{name: _test_scaled, args: {scal: 1}}]'])
+    finally:
+        registry._REGISTRY.pop("_test_scaled", None)
