@@ -27,7 +27,7 @@ from flax import nnx
 
 from m3jax.config import M3Config
 from m3jax.hf import carry, layouts
-from m3jax.hf.load import checkpoint_files, plan_load
+from m3jax.hf.load import check_param_dtype, checkpoint_files, default_param_dtype, plan_load
 from m3jax.hf.read_blocks import READ_AHEAD_BYTES, READ_CHUNK_BYTES, READ_THREADS, TensorReader, read_ahead
 from m3jax.hf.safetensors_io import CheckpointError, count_nonfinite, header_bytes
 from m3jax.hf.save import (check_destination, check_space, clear_leftovers, finish_checkpoint, parse_size, shard_names,
@@ -79,13 +79,14 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, layout: s
 
     if layout not in ("native", "released"):
         raise ValueError(f"layout={layout!r}: expected 'native' or 'released'")
+    check_param_dtype(dtype)  # an int dtype wrote every weight truncated, into a checkpoint the loader refuses
     src, dst = os.fspath(src), check_destination(dst, [src, carry_from])
     if os.path.isdir(src) and os.path.commonpath([dst, os.path.abspath(src)]) == os.path.abspath(src):
         raise FileExistsError(f"destination {dst} lies inside the checkpoint being read ({src}), which it would then "
                               "hold as a subdirectory: choose a directory outside it")
     cfg = M3Config.from_pretrained(src)
     _, slots, tensors = plan_load(cfg, checkpoint_files(src))
-    dtype = tensors[slots[0].name].np_dtype if dtype is None else np.dtype(dtype)
+    dtype = default_param_dtype(tensors[slots[0].name]) if dtype is None else np.dtype(dtype)
     abstract = nnx.eval_shape(lambda: M3ForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
     params = {p: v.get_value() for p, v in nnx.to_flat_state(nnx.state(abstract))}
     targets = list(layouts.slots(cfg, layout))

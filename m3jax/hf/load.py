@@ -109,7 +109,8 @@ def from_pretrained(path: str | os.PathLike, dtype=None, *, mesh=None, check_fin
                     **model_options) -> M3ForCausalLM:
     """Load a local HF MiniMax-M3 directory (native or released layout, single file or sharded).
 
-    dtype: parameter dtype (router and its bias stay fp32); default: the checkpoint's embedding dtype.
+    dtype: parameter dtype (router and its bias stay fp32); default: the checkpoint's embedding dtype (float32 for
+    a float64 checkpoint: `default_param_dtype`).
     mesh: the layout from `sharding.mesh.build_mesh` (or a jax Mesh with axes ("data", "context", "expert",
     "tensor") and the default rules): each parameter is placed on its shards per the layout's rules, and
     the model keeps the layout for every later call. A mesh that cannot hold this model raises
@@ -121,7 +122,7 @@ def from_pretrained(path: str | os.PathLike, dtype=None, *, mesh=None, check_fin
     model_options: passed to M3ForCausalLM (remat, moe_capacity_factor, moe_exchange, moe_kernel).
     """
     path = os.fspath(path)
-    _check_param_dtype(dtype)
+    check_param_dtype(dtype)
     cfg = M3Config.from_pretrained(path)
     tensors = checkpoint_files(path)
     _, slots, tensors = plan_load(cfg, tensors)
@@ -129,7 +130,7 @@ def from_pretrained(path: str | os.PathLike, dtype=None, *, mesh=None, check_fin
     if layout.mesh is not None:
         validate(mesh_config_of(layout), cfg, num_devices=layout.num_devices)
     if dtype is None:
-        dtype = tensors[slots[0].name].np_dtype
+        dtype = default_param_dtype(tensors[slots[0].name])
     abstract = nnx.eval_shape(lambda: M3ForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0), layout=layout,
                                                     **model_options))
     graphdef, state = nnx.split(abstract)
@@ -198,9 +199,18 @@ def _agree_finite(problems: list[str]) -> None:
                               "(from Python, m3jax.from_pretrained(..., check_finite=False) loads it as it is)")
 
 
-def _check_param_dtype(dtype) -> None:
+def default_param_dtype(embedding: TensorInfo) -> np.dtype:
+    """The parameter dtype of a load or conversion given none: the checkpoint's embedding dtype, float32 for a
+    float64 checkpoint. Without JAX's x64 mode a float64 model holds float32 arrays: before, its `dtype` still said
+    float64, and the config.json its export wrote (or a conversion's) declared float64 over float32 tensors, which
+    transformers then loaded upcast to float64."""
+    dtype = embedding.np_dtype
+    return dtype if dtype in PARAM_DTYPES else np.dtype(np.float32)
+
+
+def check_param_dtype(dtype) -> None:
     """A parameter dtype is one of PARAM_DTYPES (an int dtype truncated every weight, and the export it wrote was
-    then refused by this loader); refused before anything is read."""
+    then refused by this loader); refused before anything is read (by `convert_checkpoint` too)."""
     if dtype is None:
         return
     try:
