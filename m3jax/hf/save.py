@@ -265,7 +265,9 @@ def _agree(error: Exception | None, what: str, tmp: str | None) -> None:
 def finish_checkpoint(cfg, dtype, tmp: str, path: str, layout: str, names: list[str],
                       shards: list[tuple[list, bool]], side: list[str] = ()) -> None:
     """The `side` files (`m3jax.hf.side_files`), the index (several shards) and config.json written into `tmp` (its
-    shards complete), then `tmp` moved into place as `path`."""
+    shards complete), then `tmp` moved into place as `path`. The shards are synced as written; these small files and
+    the directory are synced before the rename, and the parent after it: before, only the shards were, so a crash
+    soon after an export had returned could leave `path` whole but its config.json or index empty."""
     copy_side_files(side, tmp)
     if len(shards) > 1:
         weight_map = {name: fname for fname, (shard, _) in zip(names, shards) for name, _, _ in shard}
@@ -276,7 +278,24 @@ def finish_checkpoint(cfg, dtype, tmp: str, path: str, layout: str, names: list[
     hf_config["dtype"] = np.dtype(dtype).name
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=2)
+    for name in sorted(set(os.listdir(tmp)) - set(names)):
+        _sync(os.path.join(tmp, name))
+    _sync(tmp)
     _replace_dir(tmp, path)
+    _sync(os.path.dirname(path))
+
+
+def _sync(path: str) -> None:
+    """fsync a file, or a directory (its entries: the names created or renamed in it). A filesystem that cannot
+    sync a directory (some network and FUSE mounts: EINVAL) is left as it is: nothing more can be done there."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if not (os.path.isdir(path) and e.errno in (errno.EINVAL, errno.ENOTSUP, errno.EBADF)):
+            raise
+    finally:
+        os.close(fd)
 
 
 def _replace_dir(src: str, dst: str) -> None:
