@@ -304,6 +304,20 @@ def test_an_export_and_a_conversion_carry_the_files_beside_the_weights(src, tmp_
     assert sorted(os.listdir(bare)) == ["config.json", "model.safetensors"]
 
 
+def test_a_swap_cut_between_its_renames_gets_its_previous_checkpoint_back(tmp_path, caplog):
+    """Killed between the swap's renames: DST absent, the previous checkpoint in DST.old-*, the new one in DST.tmp-*.
+    The next write used to remove both before its own space check; a write failing then left no checkpoint."""
+    dst = tmp_path / "export"
+    previous, unfinished = f"{dst}.old-5e6f7a8b", f"{dst}.tmp-1a2b3c4d"
+    for d in (previous, unfinished):
+        os.makedirs(d)
+        open(os.path.join(d, "config.json"), "w").write(d)
+    with caplog.at_level(logging.WARNING, logger=save.__name__):
+        save.clear_leftovers(str(dst))
+    assert open(dst / "config.json").read() == previous and not os.path.exists(unfinished)
+    assert f"restored {dst} from {previous}" in caplog.text
+
+
 def test_a_write_clears_what_an_interrupted_one_left(src, tmp_path, caplog):
     """A killed export or conversion leaves `DST.tmp-*` (up to the whole checkpoint) and, cut between the two
     renames of a swap, `DST.old-*`: the next write of DST removes them (a rerun was refused for want of space)."""

@@ -148,12 +148,24 @@ def _within(path: str, directory: str) -> bool:
 
 def clear_leftovers(path: str) -> list[str]:
     """Remove what an interrupted write of a checkpoint to `path` left beside it, and return those paths: its
-    unfinished directory (`path.tmp-*`, up to the whole checkpoint) and the replaced one of a swap cut between its
-    two renames (`path.old-*`, with `path` itself then absent). Nothing reads them, and a rerun's space check
-    counted them as used: after a killed conversion of the release, a rerun was refused for want of space."""
+    unfinished directory (`path.tmp-*`, up to the whole checkpoint) and the replaced one of a swap (`path.old-*`).
+    Nothing reads them, and a rerun's space check counted them as used: after a killed conversion of the release, a
+    rerun was refused for want of space. A swap cut between its two renames left `path` absent: its `.old-*` is
+    renamed back to `path` first."""
     parent, base = os.path.split(os.path.abspath(path))
     if not os.path.isdir(parent):
         return []
+    olds = [os.path.join(parent, n) for n in os.listdir(parent) if n.startswith(f"{base}.old-")]
+    olds = [d for d in olds if os.path.isdir(d) and not os.path.islink(d)]
+    if olds and not os.path.exists(path):
+        # the swap was cut after its first rename: `.old-*` is the checkpoint `path` held. Put it back, so that this
+        # write failing too (a full disk) still leaves it, where removing it with the rest left nothing.
+        previous = max(olds, key=os.path.getmtime)
+        try:
+            os.rename(previous, path)
+            log.warning("restored %s from %s, left by an interrupted swap", path, previous)
+        except OSError:  # another process of the job restored it first
+            pass
     gone = []
     for name in sorted(os.listdir(parent)):
         left = os.path.join(parent, name)
