@@ -66,6 +66,14 @@ class FakeEngine:
         return out
 
     def score(self, prompts, responses, temperature, top_p, top_k):
+        for what in ("die", "hang"):  # test_a_dead_or_hung_engine_while_scoring_is_replaced
+            try:
+                os.remove(os.path.join(self.model_dir, f"{what}-scoring"))
+            except FileNotFoundError:
+                continue
+            if what == "die":
+                os._exit(1)
+            time.sleep(3600)
         return [np.full(len(r), -float(self.weights["w0"][0, 0]), np.float32) for r in responses]
 
     def health(self):
@@ -228,3 +236,29 @@ def test_the_actor_class_answers_health_while_it_works_and_leaves_engine_actor_u
     ray.kill(actor)
     assert busy is not None  # answered while generate ran
     assert not any(hasattr(getattr(EngineActor, m), "__ray_concurrency_group__") for m in ("generate", "health"))
+
+
+@pytest.mark.parametrize("what", ["die", "hang"])
+def test_a_dead_or_hung_engine_while_scoring_is_replaced(pool, monkeypatch, what):
+    """The probe check after a push scores on every engine; one that dies or hangs there is replaced and the
+    others' answers are returned, as in a rollout (a bare ray.get raised Ray's error to the trainer, and left a
+    hung engine serving, to stall the next rollout for another timeout)."""
+    pool.push(iter(weights(3)), version=pool.version + 1)
+    assert len(pool.serving()) == 2
+    monkeypatch.setattr(pool, "cfg", dataclasses.replace(pool.cfg, request_timeout_s=3, max_restarts=pool.restarts + 2))
+    restarts = pool.restarts
+    open(os.path.join(pool.cfg.model_dir, f"{what}-scoring"), "w").close()
+    t0 = time.time()
+    got = pool.score(prompts(2), [[3, 4]] * 2, SamplingParams(max_new_tokens=1))
+    assert time.time() - t0 < 30
+    assert len(got) == 1 and all((x == -3).all() for x in got[0])  # the other engine's answer
+    assert pool.restarts == restarts + 1 and len(pool.serving()) == 1
+    resent = pool.resent_rows  # the next rollout runs on the engine left: no chunk waits on the failed one
+    check_rollout(pool.generate(prompts(4), SamplingParams(max_new_tokens=3), jax.random.key(0)), prompts(4),
+                  SamplingParams(max_new_tokens=3), offset=3)
+    assert pool.resent_rows == resent
+    only = pool.serving()
+    monkeypatch.setattr(pool, "slots", only)  # none left to answer: one PoolError naming why
+    open(os.path.join(pool.cfg.model_dir, "die-scoring"), "w").close()
+    with pytest.raises(PoolError, match=r"no vLLM engine answered the scoring request \(engine \d: ActorDiedError\)"):
+        pool.score(prompts(2), [[3, 4]] * 2, SamplingParams(max_new_tokens=1))

@@ -325,9 +325,24 @@ class VLLMPool:
         check_request(prompts, self.cfg.vocab_size, self.cfg.max_model_len - 1, responses=responses,
                       limit_name="the engines' max_model_len - 1")
         with self._lock:
-            refs = [s.actor.score.remote(prompts, responses, params.temperature, params.top_p, params.top_k)
-                    for s in self.serving()]
-            return ray.get(refs, timeout=self.cfg.request_timeout_s)
+            asked = {s.actor.score.remote(prompts, responses, params.temperature, params.top_p, params.top_k): s
+                     for s in self.serving()}
+            done, _ = ray.wait(list(asked), num_returns=len(asked), timeout=self.cfg.request_timeout_s)
+            out, failed = [], []
+            # An engine that dies or hangs here is replaced as in a rollout, not left serving: a bare ray.get
+            # raised Ray's own error to the trainer and left a hung engine to stall the next rollout's chunk
+            for ref, slot in asked.items():
+                try:
+                    if ref not in done:
+                        raise TimeoutError(f"hung for {self.cfg.request_timeout_s:.0f} s")
+                    out.append(ray.get(ref))
+                except Exception as e:  # noqa: BLE001 - dead or hung: the other engines' answers still count
+                    why = str(e) if isinstance(e, TimeoutError) else type(e).__name__
+                    failed.append(f"engine {slot.rank}: {why}")
+                    self._replace(slot, f"failed while scoring ({why})")
+            if failed and not out:
+                raise PoolError(f"no vLLM engine answered the scoring request ({'; '.join(failed)}): {self.health()}")
+            return out
 
     # ---------------------------------------------------------------------------------- weights
     def set_weights(self, params, version: int, rest=None) -> TransferStats:
