@@ -47,7 +47,7 @@ def test_probe_batch_and_diff_line_up_with_per_sequence_logprobs():
     assert backends.probe_max_abs_diff([shifted], batch_lp, prompts) > 1e-2
 
 
-def test_weight_transport_is_read_where_the_pool_is_built(monkeypatch):
+def test_weight_transport_is_read_where_the_pool_is_built(monkeypatch, tmp_path):
     """generation.weight_transport (and the two host-memory switches, and where the collective path's buckets
     live) reach the pool's config, and a transport that is not built, or a CUDA group without CUDA, stops the
     pool before any engine (or Ray) starts."""
@@ -61,20 +61,21 @@ def test_weight_transport_is_read_where_the_pool_is_built(monkeypatch):
 
     built = []
     monkeypatch.setattr(vllm_pool, "VLLMPool", lambda pool_cfg, graphdef, pad_id: built.append(pool_cfg))
-    cfg = load_config(TINY_VLLM, ["model.tiny=null", "model.path=/nowhere"], check_paths=False)
     model = tiny.m3_model(load_config(TINY_VLLM).model.m3_config(), seed=0)  # the trainer's model
+    path = m3jax.save_pretrained(model, tmp_path / "release", layout="released")  # what the engines start from
+    cfg = load_config(TINY_VLLM, ["model.tiny=null", f"model.path={path}"], check_paths=False)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     state = types.SimpleNamespace(params=params, rest=rest)
     backends.make_generator(cfg, graphdef, state, pad_id=0, run_dir="/nowhere")
     assert built[0].transport == cfg.generation.weight_transport == "ray"
     assert built[0].vocab_size == model.cfg.vocab_size  # the pool refuses ids past it (test_vllm_pool_logic.py)
     assert built[0].malloc_tuning and built[0].warm_object_store  # the defaults (rl.generation.host_memory, local_ray)
-    off = load_config(TINY_VLLM, ["model.tiny=null", "model.path=/nowhere", "generation.vllm_malloc_tuning=false",
+    off = load_config(TINY_VLLM, ["model.tiny=null", f"model.path={path}", "generation.vllm_malloc_tuning=false",
                                   "generation.vllm_object_store_warmup=false"], check_paths=False)
     backends.make_generator(off, graphdef, state, pad_id=0, run_dir="/nowhere")
     assert not built[1].malloc_tuning and not built[1].warm_object_store
     assert built[0].group_device == "cpu"  # generation.weight_group_device auto, on a CPU trainer: gloo
-    cuda = load_config(TINY_VLLM, ["model.tiny=null", "model.path=/nowhere", "generation.weight_transport=collective",
+    cuda = load_config(TINY_VLLM, ["model.tiny=null", f"model.path={path}", "generation.weight_transport=collective",
                                    "generation.weight_group_device=cuda"], check_paths=False)
     with pytest.raises(ValueError, match="weight_group_device: cuda, but torch sees no CUDA device"):
         backends.make_generator(cuda, graphdef, state, pad_id=0, run_dir="/nowhere")
@@ -82,3 +83,34 @@ def test_weight_transport_is_read_where_the_pool_is_built(monkeypatch):
     monkeypatch.undo()
     with pytest.raises(vllm_pool.PoolError, match=r"weight transport 'nccl' is not built; allowed: ray"):
         vllm_pool.VLLMPool(vllm_pool.PoolConfig(model_dir="/nowhere", transport="nccl"))
+
+
+def test_a_checkpoint_in_another_dtype_than_the_trainers_is_refused_before_the_pool(monkeypatch, tmp_path):
+    """The engines check every pushed tensor's dtype against their checkpoint's; a model.path in bfloat16 under
+    precision.master none (float32 parameters) had every push refused, found only after the first training step.
+    Now make_generator says so before any engine starts; a checkpoint in the trainer's dtypes starts the pool."""
+    import types
+
+    from flax import nnx
+
+    from m3jax import tiny
+    from rl.generation import vllm_pool
+
+    built = []
+    monkeypatch.setattr(vllm_pool, "VLLMPool", lambda pool_cfg, graphdef, pad_id: built.append(pool_cfg))
+    m3cfg = load_config(TINY_VLLM).model.m3_config()
+    release = m3jax.save_pretrained(tiny.m3_model(m3cfg, seed=0, dtype=jnp.bfloat16), tmp_path / "bf16",
+                                    layout="released")
+    trainer = m3jax.from_pretrained(release, dtype=jnp.float32)  # precision.master: none
+    graphdef, params, rest = nnx.split(trainer, nnx.Param, ...)
+    state = types.SimpleNamespace(params=params, rest=rest)
+    cfg = load_config(TINY_VLLM, ["model.tiny=null", f"model.path={release}", "precision.master=none"],
+                      check_paths=False)
+    with pytest.raises(ValueError, match=r"push language_model\.model\.embed_tokens\.weight as float32, but the "
+                                         r"engines' checkpoint .* holds it as bfloat16"):
+        backends.make_generator(cfg, graphdef, state, pad_id=0, run_dir=str(tmp_path))
+    assert built == []
+    same = m3jax.save_pretrained(trainer, tmp_path / "fp32", layout="released")
+    ok = load_config(TINY_VLLM, ["model.tiny=null", f"model.path={same}", "precision.master=none"], check_paths=False)
+    backends.make_generator(ok, graphdef, state, pad_id=0, run_dir=str(tmp_path))
+    assert built[0].model_dir == str(same)

@@ -35,6 +35,9 @@ def make_generator(cfg, graphdef, state, *, pad_id: int, run_dir: str):
     g = cfg.generation
     if cfg.model.path:
         model_dir = cfg.model.path  # the release is in the layout vLLM reads
+        problem = pushed_dtype_problem(model, model_dir)
+        if problem:  # every push would be refused (engines check dtypes against it): say so before engines start
+            raise ValueError(problem)
     else:
         # A freshly initialised model: the engines start from an export of exactly these weights.
         model_dir = os.path.join(run_dir, "vllm-initial")
@@ -66,6 +69,30 @@ def make_generator(cfg, graphdef, state, *, pad_id: int, run_dir: str):
               if peers is not None and not zero else None)
     return ProcessZeroPool(VLLMPool(pool_cfg, graphdef, pad_id=pad_id, peers=peers) if zero else None, graphdef,
                            is_zero=zero, peers=peers, sender=sender, group_device=pool_cfg.group_device)
+
+
+def pushed_dtype_problem(model, model_dir: str) -> str | None:
+    """Why a pool started from `model_dir` would refuse every weight push of `model`, or None: each engine checks
+    a pushed tensor's dtype against its checkpoint's (`VLLMEngine.check`), and the trainer sends its parameters'
+    dtype (`precision.master` decides: fp32 with 'none', else bf16), which a checkpoint at `model.path` need not
+    share. Found by the first push otherwise, after the first training step. Reads headers only."""
+    from m3jax.hf.layouts import slots
+    from m3jax.hf.safetensors_io import read_header
+
+    disk = {}
+    for f in sorted(os.listdir(model_dir)):
+        if f.endswith(".safetensors"):
+            disk.update({n: info.np_dtype for n, info in read_header(os.path.join(model_dir, f)).items()})
+    flat = dict(nnx.to_flat_state(nnx.state(model)))
+    for slot in slots(model.cfg, "released"):
+        sent = np.dtype(flat[slot.param].get_value().dtype)
+        if slot.name in disk and np.dtype(disk[slot.name]) != sent:
+            return (f"generation.backend vllm: the trainer would push {slot.name} as {sent}, but the engines' "
+                    f"checkpoint {model_dir} holds it as {np.dtype(disk[slot.name])}, and they refuse a dtype their "
+                    "checkpoint does not have; give the parameters the checkpoint's dtype (precision.master 'none': "
+                    "float32, 'fp32' / 'compact': bfloat16), or export the model in the trainer's dtypes "
+                    "(m3jax.save_pretrained(model, path, layout='released')) and serve that")
+    return None
 
 
 def probe_sequences(n: int, vocab: int, prompt_len: int, response_len: int, seed: int = 1234):
