@@ -324,6 +324,8 @@ def test_weight_updates_are_validated_before_anything_is_applied(models):
         broken.generate(prompts([6]), SamplingParams(max_new_tokens=4, temperature=0.0), [0])
     with pytest.raises(ValueError, match="2 seeds for 1 prompts"):
         eng.generate(prompts([6]), SamplingParams(max_new_tokens=4), [0, 1])
+    with pytest.raises(ValueError, match="vLLM samples at 0.01 or more"):  # it would raise 0.005 to 0.01 unsaid
+        eng.generate(prompts([6]), SamplingParams(max_new_tokens=4, temperature=0.005), [0])
 
 
 @pytest.mark.parametrize("temperature, top_p, top_k", [(1.0, 1.0, 0), (0.7, 1.0, 20), (1.3, 0.9, 0), (0.0, 0.8, 5),

@@ -189,6 +189,7 @@ def test_no_engine_left_is_a_clear_error(pool):
                "max_model_len = 2048"),
     ("score length", "row 0: 5 prompt + 2044 response tokens = 2049 positions: expected at most the engines' "
                      "max_model_len - 1 = 2047"),
+    ("temperature", "temperature=0.005: vLLM samples at 0.01 or more"),
 ])
 def test_a_bad_request_is_refused_before_any_engine_sees_it(pool, monkeypatch, bad, message):
     """vLLM raises on such a request; inside the pool that error looked like a dead engine, which it replaced
@@ -200,6 +201,8 @@ def test_a_bad_request_is_refused_before_any_engine_sees_it(pool, monkeypatch, b
     with pytest.raises(ValueError, match=re.escape(message)):
         if bad == "id":
             pool.generate([ps[0], ps[1][:4] + [90], ps[2]], SamplingParams(max_new_tokens=4), jax.random.key(0))
+        elif bad == "temperature":  # vLLM would raise it to 0.01 and return logprobs at that temperature
+            pool.generate(ps, SamplingParams(max_new_tokens=4, temperature=0.005), jax.random.key(0))
         elif bad == "length":
             pool.generate(ps, SamplingParams(max_new_tokens=2044), jax.random.key(0))
         else:

@@ -7,6 +7,19 @@ from __future__ import annotations
 import dataclasses
 
 
+# vLLM's SamplingParams raises any temperature in (0, 0.01) to 0.01 with only a log warning (vllm 0.32
+# sampling_params._MAX_TEMP): it would sample, and return logprobs, at another temperature than the trainer's
+VLLM_MIN_TEMPERATURE = 1e-2
+
+
+def check_temperature(temperature: float) -> None:
+    """Raise ValueError for a temperature vLLM would silently change (see VLLM_MIN_TEMPERATURE)."""
+    if 0 < temperature < VLLM_MIN_TEMPERATURE:
+        raise ValueError(f"temperature={temperature}: vLLM samples at {VLLM_MIN_TEMPERATURE} or more (it raises "
+                         f"smaller ones to {VLLM_MIN_TEMPERATURE}), so its logprobs would not be the trainer's; "
+                         f"expected 0 (greedy) or >= {VLLM_MIN_TEMPERATURE}")
+
+
 class PoolError(RuntimeError):
     """The pool cannot serve a request (e.g. no healthy engine is left)."""
 

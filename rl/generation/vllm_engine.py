@@ -31,6 +31,7 @@ import numpy as np
 from m3jax.hf.layouts import SKIPPED
 from m3jax.hf.safetensors_io import read_header
 from rl.generation.base import SamplingParams
+from rl.generation.pool_config import check_temperature
 from rl.generation.torch_arrays import numpy_dtype, to_torch
 from rl.generation.vllm_patches import ImportPatch, apply_patches, selected_patches
 from rl.generation.vllm_ray import host_of
@@ -244,6 +245,7 @@ class VLLMEngine:
         with return_routes a fourth entry, the routes int16 [prompt + response - 1, n_moe_layers, k]."""
         if len(seeds) != len(prompts):
             raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts: expected one per prompt")
+        check_temperature(sp.temperature)
         stops = tuple(int(s) for s in sp.stop_token_ids)
         params = [self._params(max_tokens=sp.max_new_tokens, temperature=sp.temperature, top_p=sp.top_p,
                                top_k=sp.top_k if 0 < sp.top_k < self.vocab_size else 0, seed=int(s), stop_token_ids=list(stops),

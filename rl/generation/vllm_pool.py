@@ -32,7 +32,7 @@ import jax
 import numpy as np
 
 from rl.generation.base import Rollout, SamplingParams, check_request
-from rl.generation.pool_config import PoolConfig, PoolError
+from rl.generation.pool_config import PoolConfig, PoolError, check_temperature
 from rl.generation.transfer import TRANSPORTS, TransferError, TransferStats, make_transport, model_tensors
 from rl.generation import host_memory, local_ray, shared_segments, vllm_ray
 from rl.generation.vllm_results import CPU_REASON, assemble_rollout
@@ -267,6 +267,7 @@ class VLLMPool:
         # any engine is asked, rather than as an engine failure that would replace it
         check_request(prompts, self.cfg.vocab_size, self.cfg.max_model_len, params.max_new_tokens,
                       limit_name="the engines' max_model_len")
+        check_temperature(params.temperature)
         n = len(prompts)
         seeds = np.asarray(jax.random.randint(key, (n,), 0, 2**31 - 1)).tolist()
         with self._lock:
