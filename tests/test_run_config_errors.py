@@ -127,6 +127,11 @@ BAD_FILES = {
                                          ['grpo.indexer_replay = "rollout" with generation.backend = "vllm": this '
                                           "vLLM version does not return the indexer's block selection",
                                           'allowed: "none", or generation.backend = "jax"']),
+    "vllm_temperature_it_would_raise": ("generation: {backend: vllm, temperature: 0.005}\n"
+                                        "eval: {every_steps: 5, temperature: 0.001, samples_per_prompt: 1}\n",
+                                        ['generation.temperature = 0.005 with generation.backend = "vllm": vLLM '
+                                         "raises a temperature below 0.01 to 0.01", "eval.temperature = 0.001",
+                                         "allowed: 0 (greedy, eval only) or >= 0.01"]),
     "indexer_loss_without_sparse_layers": ("model: {indexer_loss_coef: 0.1, tiny: {layer_types: [full_attention, "
                                            "full_attention]}}\n",
                                            ["model.indexer_loss_coef = 0.1: the model has no sparse (indexer) layers",

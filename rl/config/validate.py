@@ -16,6 +16,7 @@ from rl.config.fields import _allowed, _hints, _is, _is_section, _item_type, _ki
 from rl.config.schema import DIGIT_VOCAB, MISSING, ModelSection
 from rl.config.model_checks import model_checks
 from rl.config.reward_checks import reward_problems
+from rl.generation.pool_config import VLLM_MIN_TEMPERATURE
 from rl.config.validate_eval import eval_problems
 
 # Checks take the whole `rl.config.run.RunConfig` (named in annotations only: that module imports this one).
@@ -248,6 +249,14 @@ def _cross_checks(cfg: RunConfig) -> list[_Problem]:
                 f"model.tiny.vocab_size = {_show(m.tiny.get('vocab_size'))}: the synthetic tasks use a "
                 f"{DIGIT_VOCAB}-token vocabulary; allowed: an integer >= {DIGIT_VOCAB}")))
 
+    for key, temperature in (("generation.temperature", gen.temperature),
+                             *((("eval.temperature", cfg.eval.temperature),) if cfg.eval.enabled else ())):
+        if gen.backend == "vllm" and 0 < temperature < VLLM_MIN_TEMPERATURE:
+            out.append(_Problem(key, (
+                f"{key} = {temperature:g} with generation.backend = \"vllm\": vLLM raises a temperature below "
+                f"{VLLM_MIN_TEMPERATURE:g} to {VLLM_MIN_TEMPERATURE:g}, so it would sample at another temperature "
+                f"than the trainer scores; allowed: 0 (greedy, eval only) or >= {VLLM_MIN_TEMPERATURE:g}"),
+                ("generation.backend",)))
     if gen.vllm_executor == "ray" and (gen.backend != "vllm" or gen.vllm_tensor_parallel < 2):
         out.append(_Problem("generation.vllm_executor", (
             f"generation.vllm_executor = \"ray\" with backend {_show(gen.backend)} and vllm_tensor_parallel = "
