@@ -13,3 +13,13 @@ def test_target_config_is_refused_without_compile_or_a_spec_file(capsys):
     with pytest.raises(SystemExit):
         main(recipe + ["--compile", "--target-config", "scripts/gpu_specs/missing.txtpb"])
     assert "'scripts/gpu_specs/missing.txtpb': no such file" in capsys.readouterr().err
+
+
+def test_compile_micro_batches_needs_compile_and_a_positive_count(capsys):
+    from m3jax.plan.__main__ import main
+    recipe = ["--config", "configs/recipes/m3-32node.yaml", "--model", "release"]
+    for args, says in ((["--compile-micro-batches", "4"], "with --compile"),
+                       (["--compile", "--compile-micro-batches", "0"], "expected a count >= 1")):
+        with pytest.raises(SystemExit):
+            main(recipe + args)
+        assert says in capsys.readouterr().err

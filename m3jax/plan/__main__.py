@@ -1,6 +1,7 @@
 """python -m m3jax.plan --config <run config> [a.b=value ...] [--model release] [--device-memory-gb 80]
                           [--sweep N_DEVICES [--top 20] [--png out.png]]
-                          [--compile [--compile-layers 2:2,3:2,2:4] [--target-config spec.txtpb]] [--check-shardings]
+                          [--compile [--compile-layers 2:2,3:2,2:4] [--target-config spec.txtpb]
+                                     [--compile-micro-batches N]] [--check-shardings]
 
 Prints the per-device plan (memory by term, FLOPs, communication, step time) and a verdict
 ("FITS with X GB margin" / "DOES NOT FIT: <term> is Y GB"). --model release plans the released
@@ -190,6 +191,9 @@ def main(argv=None) -> int:
     ap.add_argument("--compile-layers", default="2:2,3:2,2:4",
                     help="reduced depths to compile, first-kind:last-kind layers; three of >= 2 per kind pin down "
                          "the per-layer scaling")
+    ap.add_argument("--compile-micro-batches", type=int, default=None, metavar="N",
+                    help="with --compile: micro-batches the compiled step scans (default: the config's, so that "
+                         "XLA's figure holds the accumulation loop's buffers)")
     ap.add_argument("--check-shardings", action="store_true",
                     help="check the full-depth model's shardings on an AbstractMesh (no devices); lower the step")
     ap.add_argument("--top", type=int, default=20, help="rows of the sweep table")
@@ -208,6 +212,8 @@ def main(argv=None) -> int:
                         ("--pcie-gbps", a.pcie_gbps)):
         if value is not None and not (math.isfinite(value) and value > 0):
             ap.error(f"{flag} {value:g}: expected a number > 0")
+    if a.compile_micro_batches is not None and (a.compile_micro_batches < 1 or not a.compile):
+        ap.error(f"--compile-micro-batches {a.compile_micro_batches}: expected a count >= 1, with --compile")
     if a.top < 1:
         ap.error(f"--top {a.top}: expected a row count >= 1")
     # every argument is checked before the plan prints anything (the sweep printed its table, then failed)
@@ -253,7 +259,10 @@ def main(argv=None) -> int:
         else:
             print(f"compiling on {job.mesh.num_devices} simulated CPU devices, real widths, reduced depth "
                   f"(XLA:CPU estimate, not the GPU OOM line):")
-        print_compile(job, compile_reduced(job, sets, target_config=a.target_config),
+        num_micro = a.compile_micro_batches or max(job.num_micro, 1)
+        print(f"the step scans {num_micro} micro-batch{'es' if num_micro > 1 else ''} of {job.micro_batch} "
+              f"sequence{'s' if job.micro_batch > 1 else ''} per data-parallel rank")
+        print_compile(job, compile_reduced(job, sets, target_config=a.target_config, num_micro=num_micro),
                       memory_plan(job.model, job.mesh, job.batch, job.master, job.moment_dtype)["total"],
                       compiler="XLA:GPU" if a.target_config else "XLA:CPU")
     return 0

@@ -34,7 +34,7 @@ def main():
         devices, act_bytes, platform = compile_only_gpus(spec["target_config"], mesh.num_devices), 2, "gpu"
     # The analytic side as the compiler runs the model: the exchange its platform picks (padded on CPU, ragged on a
     # GPU) unless the options name one, and on CPU fp32-sized activations (XLA:CPU computes bf16 arithmetic in fp32).
-    batch = Batch(spec["micro_batch"], spec["seq_len"], 1, spec["remat"], platform=platform,
+    batch = Batch(spec["micro_batch"], spec["seq_len"], spec.get("num_micro", 1), spec["remat"], platform=platform,
                   **(spec.get("model_options") or {}))
     out = []
     for n_dense, n_moe in spec["layer_sets"]:

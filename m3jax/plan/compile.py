@@ -119,10 +119,13 @@ def _mosaic_grid_on(devices: list) -> None:
     kernel_module.jax = _JaxOnTheseDevices()
 
 
-def compile_reduced(job, layer_sets, extra_env: dict | None = None, target_config: str | None = None) -> list:
+def compile_reduced(job, layer_sets, extra_env: dict | None = None, target_config: str | None = None,
+                    num_micro: int = 1) -> list:
     """Re-execute Python with N simulated devices (XLA_FLAGS must be set before jax loads) and compile
     `job`'s model at each (dense, moe) reduced depth of `layer_sets`. The child's progress goes to stderr.
-    target_config: compile for N compile-only GPUs of that spec instead (`compile_only_gpus`)."""
+    target_config: compile for N compile-only GPUs of that spec instead (`compile_only_gpus`). num_micro: the
+    micro-batches the step scans (with more than one, XLA holds the loop's gradient carry and each micro-batch's
+    gradient apart, which one micro-batch never shows)."""
     n = job.mesh.num_devices
     env = dict(os.environ, XLA_FLAGS=xla_flags_with_devices(n), JAX_PLATFORMS="cpu", **(extra_env or {}))
     if target_config:
@@ -130,6 +133,7 @@ def compile_reduced(job, layer_sets, extra_env: dict | None = None, target_confi
     spec = {"model": dataclasses.asdict(job.model), "mesh": dataclasses.asdict(job.mesh), "seq_len": job.seq_len,
             "micro_batch": job.micro_batch, "master": job.master, "moment_dtype": job.moment_dtype,
             "remat": job.remat, "model_options": job.model_options, "layer_sets": [list(s) for s in layer_sets],
+            "num_micro": num_micro,
             "target_config": os.path.abspath(target_config) if target_config else None}
     out = subprocess.run([sys.executable, "-m", "m3jax.plan._compile_worker"], input=json.dumps(spec), env=env,
                          stdout=subprocess.PIPE, text=True, check=False)
