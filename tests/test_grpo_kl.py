@@ -177,3 +177,17 @@ def test_on_policy_approximation(kind):
         lp, lg = jax.nn.log_softmax(jnp.asarray(Z)), jax.nn.log_softmax(jnp.asarray(Z_GEN))
         lref = jax.nn.log_softmax(jnp.asarray(Z_REF))
         close(jnp.sum(jnp.exp(lg) * kl_penalty(lp, lref, kind, logp_sample=lg)), _exact_kl(jnp.asarray(Z)))
+
+
+def test_the_log_ratio_clamp_bounds_both_sides():
+    """x = logp_ref - logp is clamped to [-c, c], not only above: a token the policy has made far likelier than the
+    reference (x = -25) must read as x = -20, or k1 and k2 reach 25 and 312.5 and dominate the step's KL; it keeps
+    its value and gives no gradient, as the upper side does."""
+    lp, lref = jnp.array([0.0]), jnp.array([-25.0])
+    np.testing.assert_allclose(np.asarray(kl_estimate(lp, lref, "k1", log_ratio_clamp=20.0)), [20.0], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(kl_estimate(lp, lref, "k2", log_ratio_clamp=20.0)), [200.0], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(kl_estimate(lp, lref, "k3", log_ratio_clamp=20.0)),
+                               [math.expm1(-20.0) + 20.0], rtol=1e-6)
+    for kind in ("k1", "k2", "k3"):
+        g = jax.grad(lambda v: kl_penalty(v, lref, kind, log_ratio_clamp=20.0).sum())(lp)  # noqa: B023
+        assert float(g[0]) == 0.0, kind
