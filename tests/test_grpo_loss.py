@@ -390,3 +390,36 @@ def test_a_token_outside_the_trainers_top_k_gets_no_loss_and_is_counted():
     nan, _ = grpo_loss(jnp.full((1, 2), jnp.nan), jnp.zeros((1, 2)), jnp.zeros((1, 2)), jnp.ones(1), jnp.ones((1, 2)),
                        LossConfig())
     assert np.isnan(float(nan))
+
+
+def test_a_token_outside_the_old_policys_top_k_alone_gets_no_loss():
+    """logp_old alone -inf (the weights that sampled the batch left the token out, the current ones keep it: the
+    update moved it into the nucleus) is a trainer edge too: r = exp(logp - logp_old) would be inf and make the
+    step's loss and gradient non-finite. The token gets no loss and is counted, as when logp is -inf."""
+    lp = jnp.array([[-1.0, -2.0, -0.5]])
+    lo = jnp.array([[-1.1, -jnp.inf, -0.4]])
+    cfg = LossConfig(kl="k3", kl_coef=0.1)
+    ref = jnp.full((1, 3), -1.5)
+    fn = lambda x, mask: grpo_loss(x, lo, lo, jnp.array([0.7]), mask, cfg, logp_ref=ref)  # noqa: E731
+    (got, st), g = jax.value_and_grad(fn, has_aux=True)(lp, jnp.ones((1, 3)))
+    (want, _), g_want = jax.value_and_grad(fn, has_aux=True)(lp, jnp.array([[1.0, 0.0, 1.0]]))
+    assert float(st["trainer_inf_tokens"]) == 1 and float(st["tokens"]) == 2
+    close(got, want)
+    np.testing.assert_allclose(np.asarray(g), np.asarray(g_want), rtol=1e-6, atol=1e-7)
+
+
+def test_on_policy_kl_of_a_token_the_generator_could_not_sample_is_zero():
+    """With kl_on_policy the KL term's weight is pi/pi_gen; where logp_gen is -inf that weight does not exist, so
+    the token's KL is 0 in value and gradient (its logp_gen, zeroed for the arithmetic, would otherwise weigh it
+    by exp(logp), a number with no meaning). Its importance-weight stats do not count it as floored either."""
+    lp = jnp.array([[-1.0, -1.0]])
+    lg = jnp.array([[-1.2, -jnp.inf]])
+    ref = jnp.array([[-1.5, -1.5]])
+    cfg = LossConfig(dual_clip=None, kl="k1", kl_coef=1.0, kl_on_policy=True, is_floor=0.5)  # A = 0: no policy term
+    fn = lambda x: grpo_loss(x, lp, lg, jnp.zeros(1), ones(1, 2), cfg, logp_ref=ref)  # noqa: E731
+    (loss, st), g = jax.value_and_grad(fn, has_aux=True)(lp)
+    rho0 = math.exp(-1.0 + 1.2)                      # pi / pi_gen of token 0
+    close(st["kl_sum"], rho0 * 0.5)                  # k1 = logp - logp_ref = 0.5, token 1 adds nothing
+    close(loss, rho0 * 0.5)
+    assert float(g[0, 1]) == 0.0
+    assert float(st["is_inf_tokens"]) == 1 and float(st["is_floored_tokens"]) == 0
