@@ -63,6 +63,10 @@ def test_zero_variance_group():
     assert np.all(np.abs(a[4:]) > 0.1)
     assert list(np.asarray(zero_variance_groups(r, 4))) == [True, False]
     assert list(np.asarray(zero_variance_groups(REWARDS, 4))) == [False, True, False]
+    # "zero variance" is exact (max == min), not a tolerance: a group whose rewards differ by a sliver (a partial
+    # credit of 1e-4) still has a signal, and dynamic sampling must not drop it
+    assert list(np.asarray(zero_variance_groups(np.array([0.0, 1e-4, 0.0, 0.0, 0.5, 0.5, 0.5, 0.5]), 4))) == \
+        [False, True]
 
 
 @pytest.mark.parametrize("name", sorted(ADVANTAGE_ESTIMATORS))
