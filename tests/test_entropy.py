@@ -166,3 +166,25 @@ def test_a_run_logs_the_entropy_and_the_bonus_moves_the_loss_by_it(tmp_path):
     assert bonus["entropy"] == pytest.approx(logged["entropy"], rel=1e-6)
     assert bonus["loss"] == pytest.approx(plain["loss"] - 0.05 * logged["entropy"], rel=1e-5, abs=1e-6)
     assert bonus["grad_norm"] != pytest.approx(plain["grad_norm"], rel=1e-6)  # and its gradient reaches the weights
+
+
+def test_top_k_one_below_the_vocabulary_drops_the_least_likely_token():
+    """Only a top_k of the vocabulary's size or more keeps every token: V - 1 must still drop the smallest."""
+    logits = jnp.array([[0.5, 2.0, -1.0, 1.0]])
+    kept = np.isfinite(np.asarray(sampling_logits(logits, 1.0, 1.0, 3)))
+    np.testing.assert_array_equal(kept, [[True, True, False, True]])
+    assert np.isfinite(np.asarray(sampling_logits(logits, 1.0, 1.0, 4))).all()
+
+
+def test_top_p_drops_a_token_whose_preceding_mass_equals_top_p():
+    """The nucleus is the smallest prefix whose mass reaches top_p: a token whose preceding mass equals top_p
+    exactly is outside it (that prefix already reached top_p), and one ulp more of top_p takes it in. top_p is
+    set to the preceding mass computed as `sampling_logits` computes it, so the equality is exact in fp32."""
+    z = jnp.array([2.0, 1.0, 0.0, -1.0])                  # already sorted, descending
+    probs = jax.nn.softmax(z)
+    before = float((jnp.cumsum(probs) - probs)[1])         # mass before the second token
+    kept = np.isfinite(np.asarray(sampling_logits(z[None], 1.0, before)))[0]
+    np.testing.assert_array_equal(kept, [True, False, False, False])
+    above = float(np.nextafter(np.float32(before), np.float32(1.0)))
+    kept = np.isfinite(np.asarray(sampling_logits(z[None], 1.0, above)))[0]
+    np.testing.assert_array_equal(kept, [True, True, False, False])
