@@ -203,3 +203,23 @@ def test_one_device_path_follows_the_rows_a_block_brings_and_unknown_paths_are_r
     with pytest.raises(ValueError, match="sparse attention path 'dense'"):
         sparse_layer_attention(q, k, v, jnp.arange(16)[None], None, iq, ik, cfg, to_chunks=attention._to_chunks,
                                from_chunks=attention._from_chunks, path="dense")
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_block_scores_without_forced_local_blocks_match_a_causal_reference(monkeypatch, chunked):
+    """index_local_blocks = 0 (allowed by the config) forces no block, so the query's own block competes on its
+    scores: the query's own key (slot == position) must count, and the loop over key chunks must reach the chunk
+    that holds the largest position even when that position is the chunk's first slot. With a forced own block
+    (local_blocks >= 1) neither shows, which is why only this case pins them."""
+    from m3jax.model import indexer
+    b, s, hi, di, bs = 1, 12, 2, 8, 2
+    _, _, _, iq, ik = _inputs(b, s, 2, 1, hi, di=di, seed=3)
+    pos = jnp.array([[0, 1, 2, 3, 4, 5, 6, 7, 8, 8, 4, 0]])  # largest position 8: the first slot of chunk 2
+    if chunked:  # chunks of 2 blocks (4 slots); the loop runs only over the live ones
+        monkeypatch.setattr(indexer, "WHOLE_SCORES_ELEMENTS", 0)
+        monkeypatch.setattr(indexer, "KEY_CHUNK_BLOCKS", 2)
+    got = np.asarray(key_block_scores(iq, ik, pos, block_size=bs, local_blocks=0))
+    scores = np.einsum("bshd,btd->bhst", np.asarray(iq, np.float64), np.asarray(ik, np.float64))
+    scores = np.where(np.arange(s)[None, None, None, :] <= np.asarray(pos)[:, None, :, None], scores, -np.inf)
+    want = scores.reshape(b, hi, s, s // bs, bs).max(-1)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
