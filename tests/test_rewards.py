@@ -204,6 +204,7 @@ def test_format_is_linear_on_hostile_input():
     ("First \\boxed{3}, no wait: \\boxed{4}", "4", 1.0),   # the last box counts
     ("First \\boxed{4}, no wait: \\boxed{3}", "4", 0.0),
     ("Reasoning...\nAnswer: 17", "17", 1.0),                # DAPO's requested format
+    ("Answer: 3\nNo wait.\nAnswer: 4", "4", 1.0),            # the last Answer: line counts, as the last box
     ("\\boxed{0.49}", "0.5", 0.0),
     ("\\boxed{2}", "3", 0.0),
     ("I have no idea", "3", 0.0),
@@ -359,3 +360,17 @@ def test_a_thread_rewards_workers_score_samples_at_once():
         assert failures >= 1
     finally:
         registry._REGISTRY.pop("_test_company", None)
+
+
+def test_score_specs_sums_every_configured_reward():
+    """A run's rewards add up: the total is the weighted sum over every spec (not the last one's alone), and each
+    reward's own unweighted values come back by name; `truncated` reaches the rewards that read it."""
+    from types import SimpleNamespace
+    specs = [SimpleNamespace(name="format", weight=0.5, timeout_s=5.0),
+             SimpleNamespace(name="exact_digits", weight=2.0, timeout_s=5.0)]
+    completions = ["\\boxed{12}", "12", "\\boxed{1}"]
+    total, failures, parts = registry.score_specs(specs, completions, ["7", "12", "5"], [False, False, True])
+    np.testing.assert_allclose(parts["format"], [1.0, 0.0, 0.0])       # the third was cut off
+    np.testing.assert_allclose(parts["exact_digits"], [0.0, 1.0, 0.0])
+    np.testing.assert_allclose(total, [0.5, 2.0, 0.0])
+    assert failures == 0 and total.dtype == np.float32
