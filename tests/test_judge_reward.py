@@ -103,9 +103,11 @@ def test_reply_score(reply, want):
     assert reply_score(reply, 10) == pytest.approx(want)
 
 
-def test_reply_score_out_of_range_is_an_error():
+@pytest.mark.parametrize("reply", ["Score: 11", "Score: -3", "**Score:** -2", "Score: 1e9"])
+def test_reply_score_out_of_range_is_an_error(reply):
+    # a negative or exponent-form score was read as its digits alone: 'Score: -3' graded 0.3, 'Score: 1e9' 0.1
     with pytest.raises(ValueError, match="outside"):
-        reply_score("Score: 11", 10)
+        reply_score(reply, 10)
 
 
 def test_prompt_text_of_chat_messages():

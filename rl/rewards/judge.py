@@ -38,8 +38,9 @@ DEFAULT_TEMPLATE = (
     "your reply with a line 'Score: N', where N is an integer from 0 (wrong) to {max_score} (fully correct).")
 FIELDS = ("prompt", "completion", "answer", "max_score")
 # the last "Score: N" of the reply ("**Score:** 7", "score = 7.5" too): a judge that reasons first may name
-# scores on the way
-_SCORE = re.compile(r"score\W{0,4}[:=]\W{0,4}(-?\d+(?:\.\d+)?)", re.IGNORECASE)
+# scores on the way. The filler around ':' excludes '-' and the number takes an exponent, so that "Score: -3" and
+# "Score: 1e9" are read whole and refused as out of range, not read as 3 and 1.
+_SCORE = re.compile(r"score[^\w-]{0,4}[:=][^\w-]{0,4}(-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?)", re.IGNORECASE)
 
 
 def prompt_text(prompt: Any) -> str:
