@@ -150,3 +150,18 @@ def test_args_of_a_custom_reward_are_passed_and_checked():
             load_config("configs/tiny.yaml", ['eval.reward=[{name: _test_scaled, args: {scal: 1}}]'])
     finally:
         registry._REGISTRY.pop("_test_scaled", None)
+
+
+@pytest.mark.parametrize("args, says", [
+    ("{since: 2024-01-01}", "reward[0].args.since = datetime.date(2024, 1, 1): a date"),
+    ("{tests: [1, {blob: !!binary aGk=}]}", "reward[0].args.tests[1].blob = b'hi': a bytes"),
+    ("{tags: !!set {a}}", "reward[0].args.tags = {'a'}: a set"),
+    ("{table: {1: one}}", "its key 1 is not a string"),
+])
+def test_args_that_json_cannot_record_are_refused_at_load(args, says):
+    # `format` takes **kw, so only this check stands between such args and the trainer, which records the config
+    # as JSON in every checkpoint and stopped there with a TypeError traceback after building the model
+    with pytest.raises(ConfigError) as e:
+        load_config("configs/tiny.yaml", [f"reward=[{{name: format, weight: 1.0, args: {args}}}]"])
+    assert says in str(e.value) and "JSON record" in str(e.value)
+    load_config("configs/tiny.yaml", ['reward=[{name: format, weight: 1.0, args: {since: "2024-01-01", n: [1, .5]}}]'])
