@@ -123,6 +123,10 @@ def test_prompt_text_of_chat_messages():
     ({"url": "http://h/v1", "model": "m", "template": "{prompt} {completion} {question}"}, "names ['question']"),
     ({"url": "http://h/v1", "model": "m", "template": "{prompt} {completion} {"}, "cannot be filled"),
     ({"url": "http://h/v1", "model": "m", "max_score": 0}, "max_score 0"),
+    # these passed the load, then failed every sample (or, max_score inf, graded every reply a silent 0)
+    ({"url": "http://h/v1", "model": "m", "template": "{prompt:d} {completion}"}, "Unknown format code 'd'"),
+    ({"url": "http://h/v1", "model": "m", "max_tokens": "lots"}, "max_tokens 'lots' is not an integer >= 1"),
+    ({"url": "http://h/v1", "model": "m", "temperature": -1}, "temperature -1 is not a finite number >= 0"),
     ({"url": "http://h/v1", "model": "m", "api_key_env": "M3JAX_NO_SUCH_VARIABLE"}, "names no variable"),
     ({"url": "http://h/v1", "model": "m", "timeout_s": 5}, "timeout_s is passed by the run itself"),
 ])
@@ -131,6 +135,13 @@ def test_bad_judge_args_are_refused_at_load_naming_the_problem(args, says):
     with pytest.raises(ConfigError) as e:
         load_config("configs/tiny.yaml", [f"reward={reward}"])
     assert "reward[0].args" in str(e.value) and says in str(e.value)
+
+
+def test_an_infinite_max_score_is_refused_at_load():
+    # N / inf graded every reply 0, a silent 0 rather than a counted failure
+    with pytest.raises(ConfigError, match=r"max_score inf is not a finite number > 0"):
+        load_config("configs/tiny.yaml",
+                    ['reward=[{name: judge, args: {url: "http://h/v1", model: m, max_score: .inf}}]'])
 
 
 def test_args_of_a_custom_reward_are_passed_and_checked():

@@ -20,6 +20,7 @@ network, not on a core, so ``workers`` lanes keep that many requests in flight.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import string
@@ -83,8 +84,19 @@ def _check_args(args: dict) -> str | None:
     if missing:
         return f"template does not name {sorted(missing)}: the judge would not see what it grades"
     max_score = args.get("max_score", 10)
-    if isinstance(max_score, bool) or not isinstance(max_score, (int, float)) or not max_score > 0:
-        return f"max_score {max_score!r} is not a number > 0"
+    # finite: N / inf graded every reply 0, a silent 0 and not a failure
+    if isinstance(max_score, bool) or not isinstance(max_score, (int, float)) or not 0 < max_score < math.inf:
+        return f"max_score {max_score!r} is not a finite number > 0"
+    try:  # a format spec or conversion (`{prompt:d}`, `{answer!x}`) fails only when filled: every sample would
+        template.format(prompt="", completion="", answer="", max_score=max_score)
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+        return f"template cannot be filled ({type(e).__name__}: {e})"
+    max_tokens = args.get("max_tokens", 1024)
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        return f"max_tokens {max_tokens!r} is not an integer >= 1"
+    temperature = args.get("temperature", 0.0)
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature < math.inf:
+        return f"temperature {temperature!r} is not a finite number >= 0"
     env = args.get("api_key_env")
     if env is not None and not (isinstance(env, str) and env in os.environ):
         return f"api_key_env {env!r} names no variable of this environment"
