@@ -3,6 +3,7 @@
 import http.server
 import json
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -21,16 +22,28 @@ class _Judge(http.server.BaseHTTPRequestHandler):
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         self.server.requests.append((self.path, dict(self.headers), body))
-        if self.server.status != 200:
-            self.send_response(self.server.status)
+        status = self.server.statuses.pop(0) if self.server.statuses else self.server.status
+        if status != 200:
+            self.send_response(status)
             self.end_headers()
-            self.wfile.write(b'{"error": "model not found"}')
+            self.wfile.write(b'{"error": "model not found"}' if status == 404 else b'{"error": "busy"}')
+            return
+        if self.server.drip:  # a server that sends its reply a byte at a time
+            self.send_response(200)
+            self.send_header("Content-Length", "1000")
+            self.end_headers()
+            for _ in range(50):
+                self.wfile.write(b" ")
+                self.wfile.flush()
+                time.sleep(0.1)
             return
         user = body["messages"][0]["content"]
         response = user.split("Response:\n")[1]
         answer = user.split("Reference answer:\n")[1].split("\n")[0]
         text = self.server.override or f"Looks {'right' if answer in response else 'wrong'}.\nScore: " \
                                        f"{9 if answer in response else 1}"
+        if self.server.parts:  # content as a list of parts, as some OpenAI-compatible servers answer
+            text = [{"type": "text", "text": text[:5]}, {"type": "image_url"}, {"type": "text", "text": text[5:]}]
         out = json.dumps({"choices": [{"message": {"role": "assistant", "content": text}}]}).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
@@ -45,7 +58,7 @@ class _Judge(http.server.BaseHTTPRequestHandler):
 @pytest.fixture
 def server():
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Judge)
-    srv.requests, srv.override, srv.status = [], None, 200
+    srv.requests, srv.override, srv.status, srv.statuses, srv.drip, srv.parts = [], None, 200, [], False, False
     thread = threading.Thread(target=srv.serve_forever, daemon=True)
     thread.start()
     yield srv
@@ -176,3 +189,46 @@ def test_args_that_json_cannot_record_are_refused_at_load(args, says):
         load_config("configs/tiny.yaml", [f"reward=[{{name: format, weight: 1.0, args: {args}}}]"])
     assert says in str(e.value) and "JSON record" in str(e.value)
     load_config("configs/tiny.yaml", ['reward=[{name: format, weight: 1.0, args: {since: "2024-01-01", n: [1, .5]}}]'])
+
+
+def _one(server, **args):
+    """The judge's score of one right answer, called directly (no registry supervision)."""
+    from rl.rewards.judge import judge
+    return judge("It is 4.", "4", "What is 2 + 2?", url=f"http://127.0.0.1:{server.server_port}/v1", model="m",
+                 max_score=9, **args)
+
+
+def test_a_rate_limited_or_busy_judge_is_asked_again_and_a_refusal_is_not(server):
+    server.statuses = [429, 503]
+    assert _one(server, timeout_s=10) == 1.0 and len(server.requests) == 3
+    server.statuses = [429, 429, 429]
+    with pytest.raises(RuntimeError, match="HTTP 429"):
+        _one(server, timeout_s=10, retries=1)  # 1 retry: the second 429 is the answer
+    server.requests.clear()
+    server.statuses = [404]
+    with pytest.raises(RuntimeError, match="HTTP 404"):
+        _one(server, timeout_s=10)
+    assert len(server.requests) == 1
+
+
+def test_a_reply_that_drips_in_ends_at_the_limit_not_when_the_server_stops(server):
+    """urlopen's timeout bounds each socket read: a byte every 0.1 s kept the request alive for all 5 s."""
+    server.drip = True
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="more than 0.5 s"):
+        _one(server, timeout_s=0.5)
+    assert time.monotonic() - t0 < 2.0
+
+
+def test_content_as_a_list_of_parts_is_read_and_no_text_is_a_named_failure(server):
+    server.parts = True
+    assert _one(server, timeout_s=10) == 1.0
+    from rl.rewards.judge import reply_text
+    with pytest.raises(ValueError, match="holds no text"):
+        reply_text({"choices": [{"message": {"content": None, "tool_calls": []}}]})
+
+
+def test_a_subscore_is_not_the_score():
+    assert reply_score("Subscore: 2. Final_score: 8", 10) == pytest.approx(0.8)
+    with pytest.raises(ValueError, match="no 'Score: N'"):
+        reply_score("Subscore: 2", 10)
