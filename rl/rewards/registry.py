@@ -189,7 +189,8 @@ def args_problem(name: str, args: Mapping[str, Any]) -> str | None:
         sig.bind("completion", "answer", truncated=False, **{k: None for k in _named(fn)}, **args)
     except TypeError as e:
         keywords = [k for k, p in list(sig.parameters.items())[2:]  # after completion and answer
-                    if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and k not in ("truncated", *BY_NAME_KEYWORDS)]
+                    if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+                    and k not in ("truncated", *BY_NAME_KEYWORDS)]
         return f"{e}; its parameters for args: {', '.join(keywords) or '(none)'}"
     check = getattr(fn, "check_args", None)  # a reward's own rules for its args (rl.rewards.judge's url, template)
     return check(dict(args)) if callable(check) else None
@@ -355,11 +356,11 @@ def score_batch(reward_fns_with_weights, completions, answers, **options: Any) -
 
 def score_specs(specs, completions, answers, truncated,
                 records=None) -> tuple[np.ndarray, int, dict[str, np.ndarray]]:
-    """A run's configured rewards (`specs`: objects with name, weight, timeout_s and optionally workers and args, as
-    `reward:` in a run config) over a batch: the weighted sum per sample (float32), the failed evaluations (scored 0), and
-    each reward's own values by name (unweighted). One call per reward: each has its own time limit. Each sample gets `truncated` (it hit
-    the length limit) as a keyword, for rewards that read it; with `records` (each sample's PromptRecord), the
-    rewards that name them get its `prompt` and `meta`."""
+    """A run's configured rewards (`specs`: objects with name, weight, timeout_s and optionally workers and args,
+    as `reward:` in a run config) over a batch: the weighted sum per sample (float32), the failed evaluations (scored
+    0), and each reward's own values by name (unweighted). One call per reward: each has its own time limit. Each
+    sample gets `truncated` (it hit the length limit) as a keyword, for rewards that read it, and the entry's `args`;
+    with `records` (each sample's PromptRecord), the rewards that name them get its `prompt` and `meta`."""
     total, failures, parts = np.zeros(len(completions), np.float32), 0, {}
     context = None if records is None else [{"prompt": r.prompt, "meta": r.meta} for r in records]
     for spec in specs:
