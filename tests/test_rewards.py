@@ -374,3 +374,12 @@ def test_score_specs_sums_every_configured_reward():
     np.testing.assert_allclose(parts["exact_digits"], [0.0, 1.0, 0.0])
     np.testing.assert_allclose(total, [0.5, 2.0, 0.0])
     assert failures == 0 and total.dtype == np.float32
+
+
+def test_a_process_rewards_workers_beyond_its_samples_start_no_idle_processes():
+    """A worker process started for a batch smaller than `workers` stayed up, idle, for the rest of the run."""
+    from rl.rewards import pool
+    score_batch([(raises_on_bad, 1.0)], ["c"], ["ok"], mode="process", num_workers=1)  # the pool is up
+    before = len(pool._POOL.workers)
+    assert score_batch([(raises_on_bad, 1.0)], ["c"], ["ok"], mode="process", num_workers=before + 3)[1] == 0
+    assert len(pool._POOL.workers) == before

@@ -135,5 +135,6 @@ def run_reward(fn, how: str, name: str, items, kws, timeout_s, deadline, num_wor
     elif how == "thread":
         run_threads(fn, items, kws, timeout_s, deadline, num_workers or 1, out)
     else:
-        workers = num_workers or max(1, min(os.cpu_count() or 1, 8, len(items)))
+        # no more processes than samples: a worker started for nothing stays up for the rest of the run
+        workers = min(num_workers or min(os.cpu_count() or 1, 8), len(items))
         run_in_pool(fn_bytes, items, kws, timeout_s, deadline, workers, out)
