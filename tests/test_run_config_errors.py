@@ -119,6 +119,11 @@ BAD_FILES = {
     "loss_unknown": ("grpo: {loss: gpso}\n", ['grpo.loss = "gpso": not an allowed value (did you mean "gspo"?)']),
     "dual_clip_without_ppo_clip": ("grpo: {loss: cispo, dual_clip: 10.0}\n",
                                    ['grpo.dual_clip = 10.0: has no effect with grpo.loss = "cispo"']),
+    "cispo_eps_low_without_cispo": ("grpo: {loss: gspo, cispo_eps_low: 0.2}\n",
+                                    ['grpo.cispo_eps_low = 0.2: has no effect with grpo.loss = "gspo"']),
+    "sequence_sum_len_without_sequence_sum": ("grpo: {aggregation: sequence_mean, sequence_sum_len: 4}\n",
+                                              ['grpo.sequence_sum_len = 4: has no effect with grpo.aggregation = '
+                                               '"sequence_mean"']),
     "is_floor_without_truncate": ("grpo: {is_correction: mask, is_floor: 0.5}\n",
                                   ['grpo.is_floor = 0.5: has no effect with grpo.is_correction = "mask"']),
     "is_floor_above_cap": ("grpo: {is_floor: 3.0}\n", ["grpo.is_floor = 3.0: not below grpo.is_cap = 2.0"]),

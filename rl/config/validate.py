@@ -304,6 +304,17 @@ def _loss_checks(g) -> list[_Problem]:
         out.append(_Problem("grpo.dual_clip", f"grpo.dual_clip = {_show(g.dual_clip)}: has no effect with grpo.loss "
                                               f"= {_show(g.loss)} (only ppo_clip has a dual clip); allowed: null, or "
                                               "grpo.loss = \"ppo_clip\"", ("grpo.loss",)))
+    # cispo's lower weight clip and sequence_sum's length are read by that objective / aggregation alone: set
+    # with another, a user believes a bound or normaliser is in force that the loss never applies
+    if g.cispo_eps_low is not None and g.loss != "cispo":
+        out.append(_Problem("grpo.cispo_eps_low", f"grpo.cispo_eps_low = {_show(g.cispo_eps_low)}: has no effect "
+                                                  f"with grpo.loss = {_show(g.loss)}; allowed: null, or grpo.loss = "
+                                                  "\"cispo\"", ("grpo.loss",)))
+    if g.sequence_sum_len is not None and g.aggregation != "sequence_sum":
+        out.append(_Problem("grpo.sequence_sum_len", f"grpo.sequence_sum_len = {_show(g.sequence_sum_len)}: has no "
+                                                     f"effect with grpo.aggregation = {_show(g.aggregation)}; "
+                                                     "allowed: null, or grpo.aggregation = \"sequence_sum\"",
+                            ("grpo.aggregation",)))
     if g.clip_cov_ub <= g.clip_cov_lb:
         out.append(_Problem("grpo.clip_cov_ub", f"grpo.clip_cov_ub = {_show(g.clip_cov_ub)}: not above "
                                                 f"grpo.clip_cov_lb = {_show(g.clip_cov_lb)}; allowed: a number > "
