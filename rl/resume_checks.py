@@ -26,6 +26,14 @@ NOT_THE_MODEL = frozenset({"bos_token_id", "eos_token_id", "pad_token_id", "max_
                            "vl_passthrough"})
 # run settings that give the checkpoint's state its meaning; the moments are cast to the run's dtype on restore
 FIXED = ("precision.moment_dtype",)
+# The optimizer's schedule counts updates and reads step count // grpo.updates_per_step (rl.policy): with another
+# updates_per_step the restored count maps to another step, so warm-up or decay would jump back (or ahead) and stay
+# off by that factor. A flat schedule (constant, no warm-up) reads no count, so there the change only warns.
+UPDATES = "grpo.updates_per_step"
+
+
+def _schedule_counts(config: dict) -> bool:
+    return _get(config, "optim.schedule") != "constant" or bool(_get(config, "optim.warmup_steps"))
 
 
 def trained_under(cfg) -> dict:
@@ -62,6 +70,9 @@ def check(meta: dict, now: dict, where: str) -> list[tuple[str, object, object]]
                 fixed.append((_model_key(now["config"], field), a, b))
     fixed += [(key, _get(then, key), _get(now["config"], key)) for key in FIXED
               if _get(then, key) != _get(now["config"], key)]
+    if _schedule_counts(now["config"]) and _get(then, UPDATES) != _get(now["config"], UPDATES):
+        fixed.append((f"{UPDATES} (the learning-rate schedule counts its updates)", _get(then, UPDATES),
+                      _get(now["config"], UPDATES)))
     if fixed:
         raise CheckpointMismatch(
             f"{where} was trained as another model or optimizer state than this run's config asks for: "

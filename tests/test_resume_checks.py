@@ -90,3 +90,18 @@ def test_each_resume_names_every_change_since_its_checkpoint(tmp_path, caplog):
     assert warned == ["resumed from step 1 with settings changed since that checkpoint was saved, which apply from "
                       "step 2 on: run.seed 0 -> 7; run.total_steps 1 -> 2; optim.lr 0.001 -> 0.0003"], warned
     assert resumed.checkpointer.steps()[-1] == 2
+
+
+def test_updates_per_step_changed_under_a_counting_schedule_is_refused():
+    """Found by an audit of option interactions: the schedule reads the restored update count // updates_per_step,
+    so a resume from step 2 (2 updates) with 2 updates per step trained step 3 at step 2's warm-up rate, and every
+    later step one behind, with only a warning."""
+    meta = under("optim.warmup_steps=4")
+    with pytest.raises(CheckpointMismatch, match=r"grpo.updates_per_step \(the learning-rate schedule counts its "
+                                                 r"updates\) 1 there, 2 here"):
+        check(meta, under("optim.warmup_steps=4", "grpo.updates_per_step=2", "grpo.micro_batch_size=128"), "c")
+    with pytest.raises(CheckpointMismatch, match="grpo.updates_per_step"):
+        check(under(), under("optim.schedule=cosine", "grpo.updates_per_step=2", "grpo.micro_batch_size=128"), "c")
+    # a flat schedule reads no count: the change applies from the next step, with the warning
+    assert sorted(check(under(), under("grpo.updates_per_step=2", "grpo.micro_batch_size=128"), "c")) == [
+        ("grpo.micro_batch_size", 256, 128), ("grpo.updates_per_step", 1, 2)]
