@@ -209,7 +209,9 @@ def width_metrics(micro: dict, widths) -> dict:
 def sorted_by_length(batch: dict, updates: int) -> dict:
     """Rows [N, ...] reordered longest first (real positions: attention_mask) within each of `updates` equal
     consecutive slices, which stay the updates' mini-batches. Which rows share a micro-batch changes only the
-    order of the step's sums: the loss and its normaliser are sums over rows and tokens."""
+    order of the step's sums (the loss and its normaliser are sums over rows and tokens), except for the terms that
+    pick tokens per micro-batch: grpo.high_entropy_fraction's entropy quantile and kl_cov's / clip_cov's token
+    shares then choose among rows of similar length, so those runs train otherwise than without widths."""
     lengths = np.asarray(batch["attention_mask"]).sum(-1)
     per = len(lengths) // updates
     order = np.concatenate([u * per + np.argsort(-lengths[u * per:(u + 1) * per], kind="stable")
