@@ -219,8 +219,12 @@ def sorted_by_length(batch: dict, updates: int) -> dict:
     return {k: np.asarray(v)[order] for k, v in batch.items()}
 
 
+REPLAYED = ("routes", "block_ids")  # the generator's choices a pass may replay (grpo.routing / indexer_replay)
+
+
 def logprobs(logprob_pass: Callable, state, micro: dict, ref_params=None, old: bool = True) -> dict:
-    """`micro` with logp_old under the current weights (and logp_ref under the reference, for a KL).
+    """`micro` with logp_old under the current weights (and logp_ref under the reference, for a KL, with the
+    reference's own expert routes and key blocks).
     When `micro` has the generator's "routes" / "block_ids", the pass also gives the trainer's own top-k
     expert ids / key blocks, kept under "trainer_routes" / "trainer_block_ids" for `route_metrics`.
     old=False (grpo.old_logprobs: update): no logp_old pass; the update is its own logp_old."""
@@ -232,7 +236,9 @@ def logprobs(logprob_pass: Callable, state, micro: dict, ref_params=None, old: b
             micro.update({f"trainer_{k}": v for k, v in own.items()})
         micro["logp_old"] = out
     if ref_params is not None:
-        ref = logprob_pass(ref_params, state.rest, micro)
+        # the reference scores with its own router and indexer: replaying the generator's choices would score a
+        # teacher (grpo.reference_path) on the student's experts and key blocks, not as itself
+        ref = logprob_pass(ref_params, state.rest, {k: v for k, v in micro.items() if k not in REPLAYED})
         micro["logp_ref"] = ref[0] if isinstance(ref, tuple) else ref
     jax.block_until_ready([micro[k] for k in ("logp_old", "logp_ref") if k in micro])
     return micro

@@ -227,3 +227,19 @@ def test_rewards_that_name_prompt_and_meta_get_each_rows_own_also_after_a_refill
         assert phases.rewards(specs, swapped)[0].tolist() == [1.0] * 8
     finally:
         registry._REGISTRY.pop("_test_row_phase", None)
+
+
+def test_the_reference_pass_scores_with_its_own_routes_and_blocks():
+    """Replaying the generator's expert ids and key blocks in the reference pass scored a teacher
+    (grpo.reference_path) on the student's experts, not as itself; logp_old still replays them."""
+    seen = []
+
+    def logprob_pass(params, rest, micro):
+        seen.append((params, sorted(k for k in micro if k in ("routes", "block_ids"))))
+        return np.zeros((1, 2, 3), np.float32), {"routes": np.zeros(1), "block_ids": np.zeros(1)}
+
+    state = dataclasses.make_dataclass("State", ["params", "rest"])("policy", None)
+    micro = {"input_ids": np.zeros((1, 2, 3)), "routes": np.ones(1), "block_ids": np.ones(1)}
+    out = phases.logprobs(logprob_pass, state, micro, ref_params="reference")
+    assert seen == [("policy", ["block_ids", "routes"]), ("reference", [])]
+    assert "logp_ref" in out and "trainer_routes" in out and "routes" in out  # the update still replays them
