@@ -16,10 +16,22 @@ public code-RL sets use:
 
 ``code_tests`` is 1 when every test passes (DeepCoder's sparse reward), ``code_tests_frac`` the share passed.
 
-Each test runs in a fresh ``python -I`` process in an empty temporary directory, with ``resource`` limits on CPU
-time, address space (`MEMORY_BYTES`) and written file size. A test gets at most `PER_TEST_S` seconds and what is
-left of the sample's ``timeout_s``; tests not reached in time fail. This is not a sandbox: the program runs as the
-trainer's user and can read files and open sockets. Train on untrusted problems in a container without a network.
+Each test runs in a fresh ``python -I`` process in its own empty temporary directory (removed after), with a minimal
+environment (none of the trainer's variables, API keys included), in a new session: the whole process group is killed
+when the test ends, so children it forked die with it, and ``os.kill(0, ...)`` reaches only the test's own group.
+``resource`` limits: CPU time, address space (`MEMORY_BYTES`), written file size (`FILE_BYTES`, stdout included: it
+goes to a file, not into the trainer's memory), open files, core dumps, and processes (`PROCESSES` more than the user
+runs already; the kernel does not apply that one to root). A test gets at most `PER_TEST_S` seconds and what is left
+of the sample's ``timeout_s``; tests not reached in time fail. Assert tests and the end-of-tests marker are read and
+deleted by the harness before the program runs, so the program cannot copy them from its own file (one that walks
+the interpreter's frames still finds them). On Linux the program dies with the reward's process (the pool's kill).
+Killed processes go to init: an init that does not reap (a container without ``--init``) keeps them as zombies.
+
+This is not a sandbox: the program runs as the trainer's user. It can read and write whatever that user can (the
+checkpoints, the code), open sockets, signal the user's other processes (``os.kill(-1, 9)`` ends the trainer), and
+escape the group kill with ``os.setsid()``; as root nothing bounds how many processes it forks, and nothing bounds
+how many files of `FILE_BYTES` it writes. Train on untrusted problems in a container without a network, as a user of
+its own, with a pids limit (cgroup ``pids.max``) and a disk quota.
 Registered with mode ``"process"``: the pool's kill is the backstop of everything here.
 """
 
@@ -29,6 +41,7 @@ import json
 import os
 import re
 import secrets
+import signal
 import subprocess
 import sys
 import tempfile
@@ -40,15 +53,58 @@ __all__ = ["extract_program", "parse_tests", "run_tests"]
 
 PER_TEST_S = 4.0
 MEMORY_BYTES = 2 << 30
-FILE_BYTES = 16 << 20
+FILE_BYTES = 16 << 20  # each file it writes, stdout included
+PROCESSES = 64  # more than the user runs already (threads count too)
+OPEN_FILES = 256
 TESTS_SHARE = 0.8  # of a sample's timeout_s, what its tests may take in all
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
-_LIMITED = """
-import resource, runpy, sys
-for limit, value in zip((resource.RLIMIT_CPU, resource.RLIMIT_AS, resource.RLIMIT_FSIZE), sys.argv[1:4]):
-    resource.setrlimit(limit, (int(value), int(value)))
-sys.argv = sys.argv[4:]
-runpy.run_path(sys.argv[0], run_name="__main__")
+_LIMITED = r"""
+import os, resource, sys, types
+def tasks(uid):  # RLIMIT_NPROC caps all of the user's tasks (threads too), not this process's children
+    n = 0
+    for pid in os.listdir("/proc"):
+        try:
+            if pid.isdigit() and os.stat("/proc/" + pid).st_uid == uid:
+                n += len(os.listdir(f"/proc/{pid}/task"))
+        except OSError:
+            pass
+    return n
+def main():
+    cpu, memory, file_bytes, processes, files = map(int, sys.argv[1:6])
+    limits = [(resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, memory), (resource.RLIMIT_FSIZE, file_bytes),
+              (resource.RLIMIT_NOFILE, files), (resource.RLIMIT_CORE, 0)]
+    if os.getuid() != 0 and os.path.isdir("/proc/self/task"):  # the kernel does not hold root to it
+        limits.append((resource.RLIMIT_NPROC, tasks(os.getuid()) + processes))
+    for limit, value in limits:
+        hard = resource.getrlimit(limit)[1]
+        value = value if hard == resource.RLIM_INFINITY else min(value, hard)
+        resource.setrlimit(limit, (value, value))
+    try:  # Linux: die with the reward's process (the pool kills a worker past its time) instead of living on
+        import ctypes
+        ctypes.CDLL(None).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != int(sys.argv[6]):
+        os._exit(1)  # the parent died before prctl
+    path, check = sys.argv[7], None
+    if len(sys.argv) > 8:  # the tests and the marker, out of the program's reach before it runs
+        with open(sys.argv[8]) as f:
+            check = f.read()
+        os.unlink(sys.argv[8])
+    sys.argv = [path]
+    module = types.ModuleType("__main__")  # as runpy runs a script: pickling its classes works
+    module.__file__ = path
+    sys.modules["__main__"] = module
+    with open(path) as f:
+        code = compile(f.read(), path, "exec")
+    if check is None:
+        exec(code, module.__dict__)
+        return
+    finished, _, check = check.partition("\n")
+    exec(code, module.__dict__)
+    exec(compile(check, "<tests>", "exec"), module.__dict__)
+    print(finished)
+main()
 """
 _CALL = """
 import json, sys
@@ -98,16 +154,16 @@ def run_tests(program: str, tests, timeout_s: float | None = None) -> tuple[int,
     """(tests passed, tests) of `program` against `tests` (`parse_tests`), within `timeout_s` in all."""
     deadline = time.monotonic() + (timeout_s if timeout_s else PER_TEST_S * len(tests))
     passed = 0
-    with tempfile.TemporaryDirectory(prefix="m3jax-code-") as work:
-        for kind, given, expected in tests:
-            left = min(PER_TEST_S, deadline - time.monotonic())
-            if left <= 0.05:
-                break
-            passed += _one(program, kind, given, expected, work, left)
+    for kind, given, expected in tests:
+        left = min(PER_TEST_S, deadline - time.monotonic())
+        if left <= 0.05:
+            break
+        passed += _one(program, kind, given, expected, left)
     return passed, len(tests)
 
 
-def _one(program: str, kind: str, given, expected, work: str, limit_s: float) -> bool:
+def _one(program: str, kind: str, given, expected, limit_s: float) -> bool:
+    check = None
     if kind == "io":
         code, stdin = program, given
     elif kind == "call":
@@ -115,28 +171,58 @@ def _one(program: str, kind: str, given, expected, work: str, limit_s: float) ->
         code, stdin = program + "\n" + _CALL.format(fn=fn), json.dumps(args)
     else:  # the run must reach the end of the tests: a program that exits early (sys.exit(0)) passed them all
         finished = secrets.token_hex(8)
-        code, stdin = program + "\n\n" + given + f"\nprint({finished!r})\n", ""
-    path = os.path.join(work, "main.py")
-    with open(path, "w") as f:
-        f.write(code)
-    try:  # the limits are set by the child itself: a preexec_fn is unsafe in a process with threads (JAX's)
-        done = subprocess.run([sys.executable, "-I", "-c", _LIMITED, str(int(limit_s) + 1), str(MEMORY_BYTES),
-                               str(FILE_BYTES), path], input=stdin, capture_output=True, text=True, cwd=work,
-                              timeout=limit_s, errors="replace")
-    except subprocess.TimeoutExpired:
-        return False
-    if done.returncode != 0:
-        return False
+        code, stdin, check = program, "", f"{finished}\n{given}"
+    # a directory per test: what one test's run left there (files, a symlink in place of main.py) cannot reach the
+    # next; what cannot be removed (written by an escaped process) is left rather than failing the sample
+    with tempfile.TemporaryDirectory(prefix="m3jax-code-", ignore_cleanup_errors=True) as work, \
+            tempfile.TemporaryFile(dir=work) as inp, tempfile.TemporaryFile(dir=work) as out:
+        args = [sys.executable, "-I", "-c", _LIMITED, str(int(limit_s) + 1), str(MEMORY_BYTES), str(FILE_BYTES),
+                str(PROCESSES), str(OPEN_FILES), str(os.getpid()), _write(work, "main.py", code)]
+        if check is not None:
+            args.append(_write(work, "tests.py", check))
+        inp.write(stdin.encode())
+        inp.seek(0)
+        # files, not pipes: stdout is bounded by RLIMIT_FSIZE, and a child that keeps a pipe open cannot stall us.
+        # The limits are set by the child itself: a preexec_fn is unsafe in a process with threads (JAX's).
+        proc = subprocess.Popen(args, stdin=inp, stdout=out, stderr=subprocess.DEVNULL, cwd=work,
+                                env={"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": work,
+                                     "TMPDIR": work}, start_new_session=True)
+        try:
+            returncode = proc.wait(timeout=limit_s)
+        except subprocess.TimeoutExpired:
+            returncode = None
+        finally:
+            _kill_group(proc)
+        if returncode != 0:
+            return False
+        out.seek(0)
+        stdout = out.read(FILE_BYTES).decode("utf-8", errors="replace")
     if kind == "io":
-        return _lines(done.stdout) == _lines(expected)
+        return _lines(stdout) == _lines(expected)
     if kind == "call":
         try:
-            got = json.loads(done.stdout.strip().splitlines()[-1])
+            got = json.loads(stdout.strip().splitlines()[-1])
         except (json.JSONDecodeError, IndexError):
             return False
         want = json.loads(json.dumps(expected))
         return got == want or [got] == want
-    return _lines(done.stdout)[-1:] == [finished]
+    return _lines(stdout)[-1:] == [finished]
+
+
+def _write(work: str, name: str, text: str) -> str:
+    path = os.path.join(work, name)
+    with open(path, "w") as f:
+        f.write(text)
+    return path
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Kill the test's process group (its session: what it forked and left behind too), then reap the child."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # the group is gone already
+    proc.wait()
 
 
 def _text(x) -> str:

@@ -1,0 +1,114 @@
+"""What a completion's program may do to the trainer that runs it (rl/rewards/code.py): read its environment, leave
+processes behind, signal its process group, flood its memory with output, read the tests from its own file, keep
+state between tests, outlive the reward's process."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from rl.rewards import code, get_reward
+from rl.rewards.code import run_tests
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _gone(pid: int) -> bool:
+    """No such process, or a zombie (killed, waiting for an init that may not reap it)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "State:\tZ" in f.read()
+    except FileNotFoundError:
+        return True
+
+
+def _wait_for(path, limit_s: float = 10.0) -> int:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit_s:
+        if os.path.exists(path) and open(path).read().strip():
+            return int(open(path).read())
+        time.sleep(0.05)
+    raise AssertionError(f"{path} not written")
+
+
+def test_the_trainers_environment_is_not_passed_on(monkeypatch):
+    monkeypatch.setenv("JUDGE_API_KEY", "sk-secret")  # the judge reward's key, in the trainer's environment
+    prog = "import os\nprint(os.environ.get('JUDGE_API_KEY'))\n"
+    assert run_tests(prog, [("io", "", "None")], timeout_s=4) == (1, 1)
+
+
+def test_what_the_program_forked_dies_with_the_test(tmp_path):
+    """A child it left sleeping outlived the test (and held its stdout pipe, so that the test waited to its limit)."""
+    pid_file = tmp_path / "pid"
+    prog = (f"import os, time\nif os.fork() == 0:\n    open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+            "    time.sleep(60)\n    os._exit(0)\nprint('x')\n")
+    t0 = time.monotonic()
+    assert run_tests(prog, [("io", "", "x")], timeout_s=3) == (1, 1)
+    assert time.monotonic() - t0 < 2.0
+    pid = _wait_for(pid_file)
+    time.sleep(0.2)
+    try:
+        assert _gone(pid)
+    finally:
+        if not _gone(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_signalling_its_process_group_does_not_reach_the_trainer():
+    """os.kill(0, SIGTERM) reached the whole group of the trainer. Run in a session of its own, so that the old
+    behaviour kills only that."""
+    probe = ("from rl.rewards.code import run_tests\n"
+             "print(run_tests('import os, signal\\nos.kill(0, signal.SIGTERM)\\n', [('io', '', 'x')], timeout_s=4))\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu"}, start_new_session=True)
+    assert done.returncode == 0 and done.stdout.strip() == "(0, 1)", (done.returncode, done.stderr[-500:])
+
+
+def test_output_over_the_file_limit_fails_and_is_not_read(monkeypatch):
+    """The whole of stdout was read into the reward's memory (gigabytes within a test's seconds)."""
+    monkeypatch.setattr(code, "FILE_BYTES", 1 << 20)
+    prog = ("def f():\n    return 1\nimport sys\nfor _ in range(4):\n    sys.stdout.write('y\\n' * (1 << 19))\n")
+    spec = {"fn_name": "f", "inputs": [[]], "outputs": [1]}
+    assert get_reward("code_tests")("```python\n" + prog + "```", spec) == 0.0
+    assert get_reward("code_tests")("```python\n" + prog.split("import sys")[0] + "```", spec) == 1.0
+
+
+def test_the_program_cannot_read_the_asserts_from_its_own_file():
+    """The asserts and the end-of-tests marker were appended to the program's file: a program that read and printed
+    the marker, then exited, passed every assert."""
+    prog = ("def add(a, b):\n    return 0\nimport sys, os\nprint(open(sys.argv[0]).read().rstrip().splitlines()[-1]"
+            ".split(\"'\")[1])\nsys.stdout.flush()\nos._exit(0)\n")
+    assert get_reward("code_tests_frac")("```python\n" + prog + "```", ["assert add(1, 2) == 3"]) == 0.0
+
+
+def test_each_test_starts_in_an_empty_directory_with_limits():
+    """One directory served a sample's tests: a file (or a symlink in place of main.py, which the next test's code
+    was then written through) carried over from one test to the next."""
+    prog = "import os\nprint(sorted(os.listdir('.')))\nopen('left', 'w').write('x')\n"
+    assert run_tests(prog, [("io", "", "['main.py']")] * 2, timeout_s=8) == (2, 2)
+    prog = "from resource import *\nprint(getrlimit(RLIMIT_NOFILE)[0], getrlimit(RLIMIT_CORE)[0])\n"
+    assert run_tests(prog, [("io", "", f"{code.OPEN_FILES} 0")], timeout_s=4) == (1, 1)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_the_program_dies_with_the_rewards_process(tmp_path):
+    """The pool kills a worker past its time limit (or the batch's): its test process lived on, sleeping."""
+    pid_file = tmp_path / "pid"
+    prog = f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(60)\n"
+    probe = f"from rl.rewards.code import run_tests\nrun_tests({prog!r}, [('io', '', 'x')], timeout_s=30)\n"
+    worker = subprocess.Popen([sys.executable, "-c", probe], cwd=REPO, start_new_session=True,
+                              env={**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu"})
+    try:
+        pid = _wait_for(pid_file, 60.0)
+    finally:
+        worker.kill()
+        worker.wait()
+    time.sleep(0.3)
+    try:
+        assert _gone(pid)
+    finally:
+        if not _gone(pid):
+            os.kill(pid, signal.SIGKILL)
