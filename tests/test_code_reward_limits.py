@@ -3,6 +3,7 @@ processes behind, signal its process group, flood its memory with output, read t
 state between tests, outlive the reward's process."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -97,7 +98,8 @@ def test_each_test_starts_in_an_empty_directory_with_limits():
 def test_the_program_dies_with_the_rewards_process(tmp_path):
     """The pool kills a worker past its time limit (or the batch's): its test process lived on, sleeping."""
     pid_file = tmp_path / "pid"
-    prog = f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(60)\n"
+    prog = (f"import os, time\nopen({str(pid_file) + '.dir'!r}, 'w').write(os.getcwd())\n"
+            f"open({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(60)\n")
     probe = f"from rl.rewards.code import run_tests\nrun_tests({prog!r}, [('io', '', 'x')], timeout_s=30)\n"
     worker = subprocess.Popen([sys.executable, "-c", probe], cwd=REPO, start_new_session=True,
                               env={**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu"})
@@ -112,3 +114,4 @@ def test_the_program_dies_with_the_rewards_process(tmp_path):
     finally:
         if not _gone(pid):
             os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(open(str(pid_file) + ".dir").read(), ignore_errors=True)  # a killed reward leaves it
