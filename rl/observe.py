@@ -108,9 +108,13 @@ class RunLogger:
         self._jsonl.write(json.dumps({"step": step, **clean}) + "\n")
         self._jsonl.flush()
         if self._tb is not None:
-            for k, v in clean.items():
-                if isinstance(v, float) and math.isfinite(v):
-                    self._tb.add_scalar(k, v, step)
+            # one Summary of the row's scalars, tagged with their metrics.jsonl keys: add_scalar would rename
+            # val/pass@1 to val/pass_1 (tensorboardX keeps TF node-name characters only; a tag may hold any)
+            from tensorboardX.proto.summary_pb2 import Summary
+            values = [Summary.Value(tag=k, simple_value=v) for k, v in clean.items()
+                      if isinstance(v, float) and math.isfinite(v)]
+            if values:
+                self._tb._get_file_writer().add_summary(Summary(value=values), step)  # what add_scalar calls
         if self._wandb is not None:
             from rl.wandb_run import scalars
             self._wandb.log(scalars(clean), step=step)

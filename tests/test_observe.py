@@ -143,3 +143,34 @@ def test_a_resumed_run_keeps_one_row_per_step(tmp_path, caplog):
     assert steps_after(4, rows(range(4)), {"reward/mean": 0.4}) == [(s, s / 10) for s in range(5)] + [(5, 0.0)]
     assert steps_after(4, rows(range(5)), {"reward/mean": 9.0}) == [(s, s / 10) for s in range(5)] + [(5, 0.0)]
     assert steps_after(0, rows(range(3))) == [(1, 0.0)]
+
+
+def _event_scalars(run_dir) -> dict:
+    """{tag: {step: value}} of the run's TensorBoard event files, read with the record format's own framing
+    (tensorboard's reader is not installed): 8-byte length, 4-byte CRC, the Event, 4-byte CRC."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+    out = {}
+    for path in sorted(glob.glob(os.path.join(str(run_dir), "tensorboard", "events.out.tfevents.*"))):
+        data, pos = open(path, "rb").read(), 0
+        while pos < len(data):
+            (n,) = struct.unpack("<Q", data[pos:pos + 8])
+            event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + n])
+            pos += 12 + n + 4
+            for v in event.summary.value:
+                out.setdefault(v.tag, {})[event.step] = v.simple_value
+    return out
+
+
+def test_tensorboard_tags_are_the_metrics_jsonl_keys(tmp_path):
+    """Every finite number of a row is a TensorBoard scalar under its metrics.jsonl key: tensorboardX's add_scalar
+    renamed the held-out metrics (val/pass@1 -> val/pass_1, val/maj@k -> val/maj_k), so the keys the docs, the
+    config (eval.best_metric) and metrics.jsonl name were not found in TensorBoard."""
+    from rl.observe import RunLogger
+    row = {"reward/mean": 0.25, "val/pass@1": 0.5, "val/pass@k": 0.75, "val/pass@8": 1.0, "val/maj@k": 0.125,
+           "loss": float("nan"), "note": "text"}
+    log = RunLogger(str(tmp_path), progress_bar=False)
+    log.log(3, row)
+    log.close()
+    assert _event_scalars(tmp_path) == {k: {3: v} for k, v in row.items() if k not in ("loss", "note")}
