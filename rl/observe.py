@@ -23,7 +23,8 @@ ALIGN_PANEL = "indexer alignment KL (model.indexer_loss_coef)"  # only in runs t
 
 
 def panels(rows: list[dict]) -> dict:
-    """PLOTS, plus each reward's own mean in the reward panel when the run has several rewards, the indexer-recall
+    """PLOTS, plus each reward's own mean in the reward panel when the run has several rewards (and the drawn
+    reward, dapo/reward_mean_drawn, under dynamic sampling), the indexer-recall
     panel (indexer/recall and its indexer/recall/layer_j curves) when the run logged it
     (logging.indexer_recall_every), and the alignment KL's when the run trained the indexer."""
     out = dict(PLOTS)
@@ -31,6 +32,8 @@ def panels(rows: list[dict]) -> dict:
                     if k.startswith("reward/") and k.endswith("/mean") and k.count("/") == 2})
     if len(parts) > 1:  # several rewards: each one's own mean beside the weighted sum
         out["reward"] = (*PLOTS["reward"], *parts)
+    if any("dapo/reward_mean_drawn" in r for r in rows):  # dynamic sampling: reward/mean is over the kept groups,
+        out["reward"] = (*out["reward"], "dapo/reward_mean_drawn")  # this is the policy's (every drawn sample)
     if any("indexer/recall" in r for r in rows):
         layers = sorted({k for r in rows for k in r if k.startswith("indexer/recall/layer_")},
                         key=lambda k: int(k.rsplit("_", 1)[1]))

@@ -208,6 +208,15 @@ def test_the_reward_panel_draws_each_reward_when_there_are_several():
     assert panels(two)["reward"] == (*PLOTS["reward"], "reward/a/mean", "reward/b/mean")
 
 
+def test_the_reward_panel_draws_the_drawn_reward_under_dynamic_sampling():
+    """With grpo.dynamic_sampling reward/mean is over the kept groups, which lean to informative ones; the
+    policy's own reward is dapo/reward_mean_drawn (over every drawn sample), so the panel draws it beside."""
+    from rl.observe import PLOTS, panels
+    assert panels([{"step": 1, "reward/mean": 0.5}])["reward"] == PLOTS["reward"]
+    rows = [{"step": 1, "reward/mean": 0.5, "dapo/reward_mean_drawn": 0.25}]
+    assert panels(rows)["reward"] == (*PLOTS["reward"], "dapo/reward_mean_drawn")
+
+
 def test_rewards_that_name_prompt_and_meta_get_each_rows_own_also_after_a_refill_reorders_rows(samples):
     """Row i answers prompt i // G; its prompt and meta must follow it through dynamic sampling's picks."""
     from rl.config.schema import RewardSpec
