@@ -375,7 +375,10 @@ def step_metrics(samples: Samples, reward: np.ndarray, failures: int, adv: Advan
         "loss": stats.loss, "grad_norm": stats.grad_norm, "skipped_updates": stats.skipped,
         "clip_frac": sums.get("clipped_tokens", 0.0) / tokens,
         "dual_clip_frac": sums.get("dual_clipped_tokens", 0.0) / tokens,
+        # w outside [is_mask_low, is_mask_high], in every mode: what "mask" zeroes ("truncate" acts at is_cap / floor)
         "is_out_of_band_frac": sums.get("is_out_of_band_tokens", 0.0) / tokens,
+        "is/truncated_frac": sums.get("is_truncated_tokens", 0.0) / tokens,  # w > is_cap, lowered to it
+        "is/floored_frac": sums.get("is_floored_tokens", 0.0) / tokens,  # w < is_floor, raised to it
         "is/inf_frac": sums.get("is_inf_tokens", 0.0) / tokens,  # non-finite logp_gen: weight 0 (rl.grpo.importance)
         # outside the trainer's own top-k / top-p (logp or logp_old -inf): no loss (rl.grpo.loss), per loss token
         "is/trainer_inf_frac": sums.get("trainer_inf_tokens", 0.0) / tokens,
