@@ -36,7 +36,7 @@ from rl.config.validate_eval import eval_lengths
 from rl.data import PromptRecord, load_prompts
 from rl.prompt_lengths import fit_prompt_lengths
 from rl.generation.base import Generator, SamplingParams
-from rl.rewards.registry import score_specs
+from rl.score_once import score_once
 from rl.tasks import make_task
 
 METRICS = ("pass@1", "pass@k", "maj@k", "reward_mean")  # eval.best_metric's (rl.config.eval_section.EVAL_METRICS)
@@ -139,8 +139,8 @@ def evaluate(engine: Generator, es: EvalSet, tokenizer, samples_of: int = 0) -> 
         truncated.append(np.asarray(out.truncated))
     answers = [r.answer for r in es.records for _ in range(n)]
     lengths, truncated = np.concatenate(lengths), np.concatenate(truncated)
-    reward, failures, parts = score_specs(es.rewards, completions, answers, truncated,
-                                          [r for r in es.records for _ in range(n)])
+    reward, failures, parts = score_once(es.rewards, completions, answers, truncated,
+                                         [r for r in es.records for _ in range(n)])
     metrics = {**summarize(reward, lengths, truncated, n, es.correct_threshold, failures, es.pass_k),
                **{f"val/reward/{name}/mean": float(v.mean()) for name, v in parts.items()}}
     if es.majority_answer != "none":

@@ -26,7 +26,7 @@ from rl.grpo.batch import build_train_batch, split_micro
 from rl.grpo.loss import generation_mismatch_metrics
 from rl.grpo.mismatch import (ID_MISMATCH_METRICS, id_mismatch_from_sums, mismatch_from_sums, route_mismatch_frac,
                               selection_mismatch_frac)
-from rl.rewards.registry import score_specs
+from rl.score_once import score_once
 from sharding.widths import micro_widths
 
 
@@ -62,8 +62,8 @@ def rewards(reward_specs, samples: Samples, *, max_new_tokens: int = 0, overlong
     reward's own values per row (unweighted, by name). One call per reward: each has its own time limit. With
     `overlong_buffer` > 0, DAPO's soft overlong punishment (`rl.grpo.dapo.overlong_penalty`) is added, before
     advantages see the reward."""
-    total, failures, parts = score_specs(reward_specs, samples.completions, samples.answers, samples.rollout.truncated,
-                                         samples.records)
+    total, failures, parts = score_once(reward_specs, samples.completions, samples.answers, samples.rollout.truncated,
+                                        samples.records)  # process 0 scores, every process gets its values
     if overlong_buffer:
         total += dapo.overlong_penalty(samples.rollout.lengths, max_new_tokens, overlong_buffer, overlong_penalty)
     return total, failures, parts
