@@ -39,7 +39,7 @@ def main(argv=None) -> int:
         return 1
     # One run per directory: lock it before anything in it changes (and before the heavy imports, so
     # that a second run is turned away at once). Process 0 holds it for the whole job.
-    problem = _process_problem(cfg.mesh)
+    problem = _process_problem(cfg.mesh) or _ahead_problem(cfg)
     if problem:
         print(f"config error:\n{problem}", file=sys.stderr)
         return 2
@@ -93,6 +93,19 @@ def _process_problem(mesh, environ=None) -> str | None:
     return (f"mesh.process_id = {mesh.process_id} in a single-process run (no mesh.num_processes / "
             "coordinator_address, nor a multi-host launch in the environment); allowed: null or 0, or with the job's "
             "other settings")
+
+
+def _ahead_problem(cfg, environ=None) -> str | None:
+    """Draw-ahead in a multi-host job: the draw's programs and collectives run on a background thread beside the
+    step's, so the processes issue them in different orders, and gloo stopped both processes of a two-host run at
+    its first overlap ("Is there a distributed collective mismatch in your code?")."""
+    from sharding.launch import distributed_args
+    args = distributed_args(cfg.mesh, environ)
+    if not cfg.grpo.max_trajectory_age_steps or args is None or args.get("num_processes") == 1:
+        return None
+    return (f"grpo.max_trajectory_age_steps = {cfg.grpo.max_trajectory_age_steps} in a multi-host job: the next "
+            "step's draw runs on a background thread, whose collectives the processes would issue in different "
+            "orders beside the step's; allowed: 0 with several processes (one-step off-policy runs on one host)")
 
 
 class Refused(Exception):

@@ -47,3 +47,13 @@ def test_a_process_id_of_a_launched_job_is_left_to_it(monkeypatch, single):
     cfg = load_config(TINY, ["mesh.process_id=3"], check_paths=False)
     monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "4")
     assert train._process_problem(cfg.mesh) is None
+
+
+def test_draw_ahead_in_a_multi_host_job_is_refused(monkeypatch, single):
+    """A two-host run with grpo.max_trajectory_age_steps 1 died in gloo at the first overlap of a draw and a step
+    ("distributed collective mismatch"); refused before the job starts instead."""
+    cfg = load_config(TINY, ["grpo.max_trajectory_age_steps=1"], check_paths=False)
+    assert train._ahead_problem(cfg, {}) is None  # one process: allowed
+    for env in ({"SLURM_STEP_NUM_TASKS": "2"}, {"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2"}):
+        assert "grpo.max_trajectory_age_steps = 1 in a multi-host job" in train._ahead_problem(cfg, env)
+    assert train._ahead_problem(load_config(TINY, [], check_paths=False), {"SLURM_STEP_NUM_TASKS": "2"}) is None
