@@ -304,6 +304,25 @@ def test_an_export_and_a_conversion_carry_the_files_beside_the_weights(src, tmp_
     assert sorted(os.listdir(bare)) == ["config.json", "model.safetensors"]
 
 
+def test_saving_over_the_source_without_carry_from_names_the_files_it_drops(src, tmp_path, caplog):
+    """save_pretrained(from_pretrained(p), p) replaced p whole and its tokenizer was gone, without a word."""
+    import shutil
+    _, dirs = src
+    here = tmp_path / "ckpt"
+    shutil.copytree(dirs["native"], here)
+    for name in ("tokenizer.json", "generation_config.json"):
+        (here / name).write_text("{}")
+    model = m3jax.from_pretrained(str(here))
+    with caplog.at_level(logging.WARNING, logger=save.__name__):
+        m3jax.save_pretrained(model, here)
+    assert f"{here} is replaced whole, and its generation_config.json, tokenizer.json are not in the new " \
+           "checkpoint (no carry_from)" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger=save.__name__):
+        m3jax.save_pretrained(model, here)  # nothing left to drop: no word
+    assert "replaced whole" not in caplog.text
+
+
 def test_a_swap_cut_between_its_renames_gets_its_previous_checkpoint_back(tmp_path, caplog):
     """Killed between the swap's renames: DST absent, the previous checkpoint in DST.old-*, the new one in DST.tmp-*.
     The next write used to remove both before its own space check; a write failing then left no checkpoint."""

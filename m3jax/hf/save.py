@@ -66,6 +66,10 @@ def save_pretrained(model, path: str | os.PathLike, layout: str = "native", max_
     carried_shards = split_shards(carry.entries(kept), limit)
     cfg = carry.with_vision_config(model.cfg, carry_from, kept)
     side = side_files(carry_from)
+    lost = [] if carry_from is not None or not os.path.isdir(path) else [os.path.basename(f) for f in side_files(path)]
+    if lost and jax.process_index() == 0:  # saved over the directory the model came from: its tokenizer went
+        log.warning("%s is replaced whole, and its %s are not in the new checkpoint (no carry_from): copy them "
+                    "first, or save to a new directory with carry_from=%s", path, ", ".join(lost), path)
     if jax.process_count() == 1:
         entries = [(slot.name, dtype, slot.shape) for slot, dtype in _slot_dtypes(model, layout)]
         shards = split_shards(entries, limit) + carried_shards
