@@ -26,6 +26,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 from flax import nnx
@@ -216,25 +217,37 @@ class Checkpointer:
 
     def restore_latest(self, like: TrainState) -> tuple[TrainState, dict] | None:
         """The newest readable checkpoint rebuilt into the layout of `like` (the freshly built state). One that
-        reads but holds another state (a changed config) raises CheckpointMismatch rather than being skipped."""
-        steps = sorted(self.manager.all_steps(), reverse=True)
+        reads but holds another state (a changed config) raises CheckpointMismatch rather than being skipped.
+
+        In a multi-host job every process restores the same step: process 0's list of steps is tried, and a step
+        unreadable on any process (each reads its own shards) is skipped by all. Each process deciding alone, a
+        two-host resume whose newest checkpoint one host could not read had the hosts resume from different steps,
+        and both hung in their first collective until jax's shutdown barrier killed them."""
+        steps = _job_steps(sorted(self.manager.all_steps(), reverse=True))
         target = _restore_target(like)
         unreadable = []
         for step in steps:
-            self._check_state(step, target)
+            try:
+                self._check_state(step, target)
+                mismatch = None
+            except CheckpointMismatch as e:
+                mismatch = e
+            if _job_max(mismatch is not None):  # before any process restores: all raise, none restores
+                raise mismatch or CheckpointMismatch(
+                    f"checkpoint step {step} in {self.directory} holds another state than this run's config builds, "
+                    "as read by another process of the job (its log names the difference): resume with the config "
+                    "that wrote it, or start this one in another run.out_dir (or run.name)")
             try:
                 got = self.manager.restore(step, args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
+                # valid JSON that is not what a save writes: as damaged as a file that does not parse
+                why = _meta_problem(step, got["meta"])
             except Exception as e:  # noqa: BLE001 - any unreadable checkpoint: fall back to the previous one
                 _quiet_abandoned_reads()
-                log.warning("checkpoint step %d in %s is unreadable (%s: %s); trying the previous one",
-                            step, self.directory, type(e).__name__, str(e)[:200])
-                unreadable.append(step)
-                continue
-            why = _meta_problem(step, got["meta"])
-            if why:  # valid JSON that is not what a save writes: as damaged as a file that does not parse
+                got, why = None, f"{type(e).__name__}: {str(e)[:200]}"
+            if _job_max(why is not None):
                 log.warning("checkpoint step %d in %s is unreadable (%s); trying the previous one", step,
-                            self.directory, why)
+                            self.directory, why or "on another process of the job: its log says why")
                 unreadable.append(step)
                 continue
             self._set_aside(unreadable)
@@ -277,6 +290,29 @@ class Checkpointer:
             self.manager.close()
         finally:
             logging.getLogger("absl").removeFilter(_orbax_errors_to_run_log)
+
+
+def _job_max(flag: bool) -> bool:
+    """Whether `flag` holds on any process of the job (one all-gather; this process's own in a single-process job):
+    a decision every process must take alike, from what each read on its own."""
+    if jax.process_count() == 1:
+        return bool(flag)
+    from jax.experimental import multihost_utils
+    return bool(np.asarray(multihost_utils.process_allgather(np.int32(flag))).max())
+
+
+def _job_steps(steps: list[int]) -> list[int]:
+    """Process 0's list of checkpoint steps, on every process (a shared file system may show a step to one host
+    before another; the job tries the same steps in the same order)."""
+    if jax.process_count() == 1:
+        return steps
+    from jax.experimental import multihost_utils
+    n = int(multihost_utils.broadcast_one_to_all(np.int32(len(steps))))
+    if not n:
+        return []
+    mine = np.zeros(n, np.int32)  # the shape process 0 sends: a collective needs it on every process
+    mine[:min(n, len(steps))] = steps[:n]
+    return [int(s) for s in np.asarray(multihost_utils.broadcast_one_to_all(mine))]
 
 
 def _meta_problem(step: int, meta) -> str | None:

@@ -356,6 +356,24 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous(runs, batches, two
     assert_bitwise(got, run.s3)
 
 
+def test_a_step_unreadable_on_another_process_is_skipped_by_this_one(runs, two_steps, tmp_path, caplog, monkeypatch):
+    """A multi-host resume: step 4 reads here but not on the other process (each reads its own shards). Both must
+    resume from step 2; a process deciding alone resumed from step 4 while the other took step 2, and a two-host
+    job hung in its first collective. The other process's answers stand in for the job's all-gather."""
+    import rl.checkpoint as checkpoint
+
+    other = iter([False, True, False, False])  # step 4: same state, unreadable there; step 2: same state, reads
+    monkeypatch.setattr(checkpoint, "_job_max", lambda flag: bool(flag) or next(other), raising=False)
+    run = runs["fp32"]
+    d = copy_of(two_steps, tmp_path)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        got, meta = restore(d, run.fresh)
+    assert meta == meta_of(2) and next(other, "none left") == "none left"
+    assert_bitwise(got, run.s2)
+    assert any("step 4" in w and "another process" in w for w in warnings_of(caplog)), warnings_of(caplog)
+    assert sorted(os.listdir(d)) == ["2", "4.unreadable"]  # set aside for the job, as a damaged one is
+
+
 def test_every_checkpoint_damaged_returns_none_with_warnings(runs, two_steps, tmp_path, caplog):
     """Nothing readable: restore_latest returns None (the trainer then starts from step 0), never silently:
     each unreadable step is named in a warning. Nothing is moved or deleted: when no step reads, the cause
