@@ -245,6 +245,8 @@ class Checkpointer:
             except Exception as e:  # noqa: BLE001 - any unreadable checkpoint: fall back to the previous one
                 _quiet_abandoned_reads()
                 got, why = None, f"{type(e).__name__}: {str(e)[:200]}"
+                if jax.process_count() > 1:  # orbax's restore ends in a barrier the others wait in: take it too
+                    ocp.multihost.sync_global_processes("Checkpointer:restore")
             if _job_max(why is not None):
                 log.warning("checkpoint step %d in %s is unreadable (%s); trying the previous one", step,
                             self.directory, why or "on another process of the job: its log says why")

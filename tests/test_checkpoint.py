@@ -374,6 +374,31 @@ def test_a_step_unreadable_on_another_process_is_skipped_by_this_one(runs, two_s
     assert sorted(os.listdir(d)) == ["2", "4.unreadable"]  # set aside for the job, as a damaged one is
 
 
+def test_a_step_unreadable_here_takes_the_barrier_the_others_wait_in(runs, two_steps, tmp_path, monkeypatch):
+    """The other side of the test above: step 4 is damaged here and reads on process 0. orbax's restore ends in a
+    barrier ('Checkpointer:restore') that a process whose read raised never reaches: it must take it itself, or the
+    others' barrier meets its next all-gather (a two-host run failed with "sync_global_devices name mismatch")."""
+    import rl.checkpoint as checkpoint
+
+    class TwoProcesses:  # this is process 1 of 2; everything else is jax's
+        def __getattr__(self, name):
+            return getattr(jax, name)
+
+        process_count, process_index = staticmethod(lambda: 2), staticmethod(lambda: 1)
+
+    barriers = []
+    monkeypatch.setattr(checkpoint, "jax", TwoProcesses())
+    monkeypatch.setattr(checkpoint, "_job_steps", lambda steps: steps)
+    monkeypatch.setattr(checkpoint, "_job_max", bool)  # process 0 read both steps
+    monkeypatch.setattr(checkpoint.ocp.multihost, "sync_global_processes", lambda name, **_: barriers.append(name))
+    d = copy_of(two_steps, tmp_path)
+    damage(d, 4, "truncate")
+    assert restore(d, runs["fp32"].fresh)[1] == meta_of(2)
+    # (orbax's own barriers, under the patched function too, aside: the restore of step 2 took its own)
+    assert [b for b in barriers if b in ("Checkpointer:restore", "rl.checkpoint:set_aside")] == [
+        "Checkpointer:restore", "rl.checkpoint:set_aside"], barriers
+
+
 def test_every_checkpoint_damaged_returns_none_with_warnings(runs, two_steps, tmp_path, caplog):
     """Nothing readable: restore_latest returns None (the trainer then starts from step 0), never silently:
     each unreadable step is named in a warning. Nothing is moved or deleted: when no step reads, the cause
