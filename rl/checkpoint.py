@@ -299,8 +299,8 @@ def _job_max(flag: bool) -> bool:
     a decision every process must take alike, from what each read on its own."""
     if jax.process_count() == 1:
         return bool(flag)
-    from jax.experimental import multihost_utils
-    return bool(np.asarray(multihost_utils.process_allgather(np.int32(flag))).max())
+    from m3jax.hf.tensors import processes_where
+    return bool(processes_where(flag))
 
 
 def _job_steps(steps: list[int]) -> list[int]:

@@ -26,6 +26,16 @@ def _gone(pid: int) -> bool:
         return True
 
 
+def _assert_gone(pid: int, settle_s: float) -> None:
+    """`pid` is gone `settle_s` after it should have died; killed here if not, so that no test leaves it running."""
+    time.sleep(settle_s)
+    try:
+        assert _gone(pid)
+    finally:
+        if not _gone(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
 def _wait_for(path, limit_s: float = 10.0) -> int:
     t0 = time.monotonic()
     while time.monotonic() - t0 < limit_s:
@@ -49,13 +59,7 @@ def test_what_the_program_forked_dies_with_the_test(tmp_path):
     t0 = time.monotonic()
     assert run_tests(prog, [("io", "", "x")], timeout_s=3) == (1, 1)
     assert time.monotonic() - t0 < 2.0
-    pid = _wait_for(pid_file)
-    time.sleep(0.2)
-    try:
-        assert _gone(pid)
-    finally:
-        if not _gone(pid):
-            os.kill(pid, signal.SIGKILL)
+    _assert_gone(_wait_for(pid_file), 0.2)
 
 
 def test_signalling_its_process_group_does_not_reach_the_trainer():
@@ -108,10 +112,7 @@ def test_the_program_dies_with_the_rewards_process(tmp_path):
     finally:
         worker.kill()
         worker.wait()
-    time.sleep(0.3)
     try:
-        assert _gone(pid)
+        _assert_gone(pid, 0.3)
     finally:
-        if not _gone(pid):
-            os.kill(pid, signal.SIGKILL)
         shutil.rmtree(open(str(pid_file) + ".dir").read(), ignore_errors=True)  # a killed reward leaves it
