@@ -226,6 +226,29 @@ def test_eval_rewards_that_name_the_prompt_get_each_samples_own():
     finally:
         registry._REGISTRY.pop("_test_eval_prompt", None)
 
+
+def test_eval_scores_a_batch_reward_in_chunks_with_each_samples_prompt():
+    from rl.rewards import registry
+    calls = []
+
+    def copies_its_prompt(completions, answers, *, prompt, meta, truncated):
+        calls.append(len(completions))
+        return [float(c == p == a and m["prompt_ids"][1:-1] == [int(x) for x in p] and not t)
+                for c, a, p, m, t in zip(completions, answers, prompt, meta, truncated)]
+
+    try:
+        registry.register_reward("_test_eval_rm", mode="batch")(copies_its_prompt)
+        cfg = load_config(TINY, ["eval.max_prompts=6", "eval.reward=[{name: _test_eval_rm, weight: 1.0, workers: 2}]"])
+        task = make_task("copy", num_digits=4)
+        es = ev.build_eval_set(cfg, task.tokenizer, (12,))
+        m = ev.evaluate(FakeEngine(4), es, task.tokenizer)
+        counts = np.array([correct_samples(p, 4) for p in es.prompt_ids])
+        assert math.isclose(m["val/pass@1"], np.mean(counts / 4)) and m["val/reward_failures"] == 0
+        assert len(calls) == 2 and sum(calls) == 4 * len(es.prompt_ids)
+    finally:
+        registry._REGISTRY.pop("_test_eval_rm", None)
+
+
 def test_due_every_n_and_after_the_last_step():
     assert [s for s in range(1, 206) if ev.due(s, 205, 20)] == list(range(20, 201, 20)) + [205]
     assert not any(ev.due(s, 200, 0) for s in range(1, 201))

@@ -363,8 +363,9 @@ class RewardSpec(_Section):
     name: str = _f("", "registered reward function", pattern=(r"\S+", "a non-empty name"))
     weight: float = _f(1.0, "weight of this reward in the sum")
     timeout_s: float = _f(10.0, "time limit per sample (a timeout scores 0 and is counted)", gt=0)
-    workers: int = _f(0, "samples scored at once: a thread-mode reward's lanes, a process-mode one's processes "
-                         "(0: 1 lane, min(cores, 8) processes; an inline reward runs one at a time)", min=0)
+    workers: int = _f(0, "samples scored at once: a thread-mode reward's lanes, a process-mode one's processes, a "
+                         "batch-mode one's chunks called at once (0: 1 lane, min(cores, 8) processes, 1 call; an "
+                         "inline reward runs one at a time)", min=0)
     args: dict[str, Any] = _f({}, "keyword arguments of every call (e.g. the judge's url and model); checked against "
                                   "the function's parameters at load", allowed="a mapping of keyword arguments")
 

@@ -27,7 +27,12 @@ def call_reward(fn: Callable[..., float], completion: str, answer: str, kw: Mapp
         return False, f"{type(e).__name__}: {e}"[:500]
     except BaseException as e:  # math-verify's TimeoutException derives from BaseException
         return False, f"{type(e).__name__}: {e}"[:500]
-    # a number (bool and numpy scalars are); float() alone took the string "0.75" and a one-element array
+    return check_value(out)
+
+
+def check_value(out) -> tuple[bool, float | str]:
+    """(True, float) for a finite number (bool and numpy scalars are), else (False, reason): float() alone took the
+    string "0.75" and a one-element array."""
     if not isinstance(out, (numbers.Real, np.bool_)):
         return False, f"returned {type(out).__name__}, expected a float"
     value = float(out)

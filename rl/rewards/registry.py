@@ -35,6 +35,10 @@ How a reward runs (its ``mode``, chosen at registration, overridable per call):
     functions); others fall back to thread mode with a warning. ``math_verify`` uses this mode: in a
     worker's main thread math-verify's own ``signal.alarm`` timeouts work too, so most slow
     expressions end cleanly there and the kill is the backstop.
+``"batch"``
+    One call scores many samples: ``fn(completions, answers, **kw) -> Sequence[float]``, the per-sample
+    keywords as lists (rl.rewards.batch). For a reward model or a judge behind a service that batches
+    requests. ``timeout_s`` bounds the whole call; ``num_workers`` chunks of the batch are called at once.
 
 Why not one mechanism for everything: measured on the 2-core machine, 256 digit-task samples score in
 ~0.7 ms inline, ~1.2 ms in a thread lane and ~4 ms through a warm process pool (plus ~1 s to start
@@ -67,6 +71,8 @@ from typing import Any, Union
 
 import numpy as np
 
+from rl.rewards.batch import batch_kwargs, run_batch
+from rl.rewards.calls import BY_NAME_KEYWORDS, check_call, named_keywords
 from rl.rewards.outcome import Outcome
 from rl.rewards.pool import LOAD_TIMEOUT_S, shutdown_process_pool  # noqa: F401  (re-exported)
 from rl.rewards.runners import run_reward
@@ -90,7 +96,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 RewardFn = Callable[..., float]
-MODES = ("inline", "thread", "process")
+MODES = ("inline", "thread", "process", "batch")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +123,7 @@ def register_reward(name: str, *, mode: str = "thread", replace: bool = False) -
     """Decorator: file ``fn`` under ``name`` and return it unchanged (stack it to give several names).
 
     ``mode`` is how ``score_batch`` runs it by default (``"inline"``, ``"thread"`` or ``"process"``,
-    see the module docstring). Registering a different function under a taken name raises unless
+    see the module docstring; ``"batch"``: one call scores many samples, rl.rewards.batch). Registering a different function under a taken name raises unless
     ``replace=True`` (re-registering the same function, e.g. on module reload, is allowed).
     """
     if not isinstance(name, str) or not name:
@@ -128,7 +134,7 @@ def register_reward(name: str, *, mode: str = "thread", replace: bool = False) -
     def decorator(fn: RewardFn) -> RewardFn:
         if not callable(fn):
             raise TypeError(f"register_reward({name!r}) expects a function, got {type(fn).__name__}")
-        _check_call(name, fn)
+        check_call(name, fn, mode)
         old = _REGISTRY.get(name)
         if old is not None and not replace and old.fn is not fn and _ident(old.fn) != _ident(fn):
             raise ValueError(
@@ -138,38 +144,6 @@ def register_reward(name: str, *, mode: str = "thread", replace: bool = False) -
         return fn
 
     return decorator
-
-
-# Keywords a reward gets only where its signature names them (the module docstring says what each holds).
-BY_NAME_KEYWORDS = ("timeout_s", "prompt", "meta")
-
-
-def _named(fn) -> frozenset:
-    """Which of BY_NAME_KEYWORDS `fn`'s signature names (none for a builtin without a signature)."""
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return frozenset()
-    return frozenset(k for k in BY_NAME_KEYWORDS if k in params)
-
-
-def _check_call(name: str, fn) -> None:
-    """Refuse, at registration, a reward that cannot take the call every run makes: fn(completion, answer,
-    truncated=...), plus the by-name keywords it names. `def r(completion, answer)` used to fail on every sample of
-    every step, each failure scored 0, and the run went on to its end with that reward silently 0."""
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):  # a builtin without a signature: found out at its first call
-        return
-    # keyword-only parameters without a default come from the config entry's `args` (checked at load: args_problem)
-    from_args = {k: None for k, p in sig.parameters.items() if p.kind is p.KEYWORD_ONLY and p.default is p.empty}
-    try:
-        sig.bind("completion", "answer", truncated=False, **{k: None for k in _named(fn)}, **from_args)
-    except TypeError as e:
-        raise TypeError(f"reward {name!r}: {getattr(fn, '__qualname__', fn)}{sig} cannot be called as "
-                        f"fn(completion, answer, truncated=...) ({e}), as a run calls every reward; expected "
-                        "fn(completion: str, answer: str, **kw) -> float (kw: truncated, and timeout_s, prompt or "
-                        "meta where the function names them)") from None
 
 
 def args_problem(name: str, args: Mapping[str, Any]) -> str | None:
@@ -186,7 +160,7 @@ def args_problem(name: str, args: Mapping[str, Any]) -> str | None:
     except (TypeError, ValueError):
         return None
     try:
-        sig.bind("completion", "answer", truncated=False, **{k: None for k in _named(fn)}, **args)
+        sig.bind("completion", "answer", truncated=False, **{k: None for k in named_keywords(fn)}, **args)
     except TypeError as e:
         keywords = [k for k, p in list(sig.parameters.items())[2:]  # after completion and answer
                     if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
@@ -277,15 +251,24 @@ def _resolve(pairs, n_answers: int, n: int, sample_kwargs, sample_context, mode,
         fn = get_reward(spec) if isinstance(spec, str) else spec
         if not callable(fn):
             raise TypeError(f"reward {spec!r} is not callable")
-        resolved.append((_name_of(spec), fn, float(weight), mode or reward_mode(spec)))
+        registered = reward_mode(spec)
+        if mode is not None and (mode == "batch") != (registered == "batch") and _registered(fn):
+            # the two call forms take different arguments (one sample against lists of them)
+            raise ValueError(f"reward {_name_of(spec)!r} is registered in {registered} mode and cannot run in mode "
+                             f"{mode!r}; expected mode=None or one of the same call form")
+        resolved.append((_name_of(spec), fn, float(weight), mode or registered))
     return resolved
 
 
-def _sample_kwargs(fn, n: int, sample_kwargs, sample_context, timeout_s) -> list[dict[str, Any]]:
-    """Per-sample keyword arguments for ``fn`` (a fresh dict each): ``sample_kwargs``, plus ``timeout_s`` and those
-    of ``sample_context`` (prompt, meta) that its signature names."""
-    kws = [dict(sample_kwargs[i]) if sample_kwargs is not None else {} for i in range(n)]
-    named = _named(fn)
+def _registered(fn) -> bool:
+    return any(entry.fn is fn for entry in _REGISTRY.values())
+
+
+def _sample_kwargs(fn, n: int, sample_kwargs, sample_context, call_kwargs, timeout_s) -> list[dict[str, Any]]:
+    """Per-sample keyword arguments for ``fn`` (a fresh dict each): ``call_kwargs`` and ``sample_kwargs``, plus
+    ``timeout_s`` and those of ``sample_context`` (prompt, meta) that its signature names."""
+    kws = [{**(call_kwargs or {}), **(sample_kwargs[i] if sample_kwargs is not None else {})} for i in range(n)]
+    named = named_keywords(fn)
     for i, kw in enumerate(kws):
         if "timeout_s" in named and timeout_s is not None:
             kw.setdefault("timeout_s", timeout_s)
@@ -303,6 +286,7 @@ def score_components(
     batch_timeout_s: float | None = None,
     sample_kwargs: Sequence[Mapping[str, Any]] | None = None,
     sample_context: Sequence[Mapping[str, Any]] | None = None,
+    call_kwargs: Mapping[str, Any] | None = None,
     mode: str | None = None,
     num_workers: int | None = None,
 ) -> RewardScores:
@@ -317,12 +301,17 @@ def score_components(
     total = np.zeros(n, dtype=np.float64)
     scores = RewardScores(total=total, components={}, failures={}, timeouts={}, errors={})
     for name, fn, weight, how in resolved:
-        kws = _sample_kwargs(fn, n, sample_kwargs, sample_context, timeout_s)
         out = Outcome(n)
         warmup = getattr(fn, "warmup", None)
         if n and how != "process" and callable(warmup):
             warmup()  # one-time imports, so that they do not count against the first sample's limit
-        run_reward(fn, how, name, items, kws, timeout_s, deadline, num_workers, out)
+        if how == "batch":
+            per_sample, once = batch_kwargs(named_keywords(fn), n, sample_kwargs, sample_context, call_kwargs, timeout_s)
+            if n:
+                run_batch(fn, items, per_sample, once, timeout_s, deadline, num_workers or 1, out)
+        else:
+            kws = _sample_kwargs(fn, n, sample_kwargs, sample_context, call_kwargs, timeout_s)
+            run_reward(fn, how, name, items, kws, timeout_s, deadline, num_workers, out)
         n_failed = int(out.failed.sum())
         if n_failed:
             logger.warning("reward %r: %d of %d evaluations failed (%d timed out), scored 0; e.g. %s",
@@ -346,8 +335,9 @@ def score_batch(reward_fns_with_weights, completions, answers, **options: Any) -
     evaluation that raises, returns something that is not a finite float, or runs past ``timeout_s``
     (per sample and reward, default 5.0) contributes 0 and adds 1 to ``failures``. ``batch_timeout_s``
     bounds the whole call (unfinished evaluations then count as failures). ``mode`` overrides every
-    reward's registered mode; ``num_workers``: lanes (thread mode, default 1) or processes (process
-    mode, default min(cores, 8)). ``sample_context``: per sample, keywords (``prompt``, ``meta``) given only to the
+    reward's registered mode; ``num_workers``: lanes (thread mode, default 1), processes (process
+    mode, default min(cores, 8)) or chunks called at once (batch mode, default 1). ``call_kwargs``: keywords of
+    every call (a config entry's args), given once to a batch reward. ``sample_context``: per sample, keywords (``prompt``, ``meta``) given only to the
     rewards whose signature names them. Unknown reward names raise ``UnknownRewardError`` before anything runs.
     """
     s = score_components(reward_fns_with_weights, completions, answers, **options)
@@ -364,10 +354,9 @@ def score_specs(specs, completions, answers, truncated,
     total, failures, parts = np.zeros(len(completions), np.float32), 0, {}
     context = None if records is None else [{"prompt": r.prompt, "meta": r.meta} for r in records]
     for spec in specs:
-        args = dict(getattr(spec, "args", None) or {})
-        extra = [{**args, "truncated": bool(t)} for t in truncated]
         s = score_components([(spec.name, spec.weight)], completions, answers, timeout_s=spec.timeout_s,
-                             sample_kwargs=extra, sample_context=context,
+                             sample_kwargs=[{"truncated": bool(t)} for t in truncated], sample_context=context,
+                             call_kwargs=dict(getattr(spec, "args", None) or {}),
                              num_workers=getattr(spec, "workers", 0) or None)
         total += s.total
         failures += s.num_failures
