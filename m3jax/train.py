@@ -96,16 +96,20 @@ def _process_problem(mesh, environ=None) -> str | None:
 
 
 def _ahead_problem(cfg, environ=None) -> str | None:
-    """Draw-ahead in a multi-host job: the draw's programs and collectives run on a background thread beside the
-    step's, so the processes issue them in different orders, and gloo stopped both processes of a two-host run at
-    its first overlap ("Is there a distributed collective mismatch in your code?")."""
+    """Draw-ahead with the JAX engine in a multi-host job: its generation is one program over every process's
+    devices, which a background thread would launch beside the step's programs, so the processes would issue their
+    collectives in different orders (gloo stopped both processes of a two-host run at its first overlap: "Is there
+    a distributed collective mismatch in your code?"). With the vLLM pool the draw runs on process 0 alone and is
+    shared from the main thread (rl.shared_draw)."""
     from sharding.launch import distributed_args
     args = distributed_args(cfg.mesh, environ)
-    if not cfg.grpo.max_trajectory_age_steps or args is None or args.get("num_processes") == 1:
+    if (not cfg.grpo.max_trajectory_age_steps or cfg.generation.backend != "jax" or args is None
+            or args.get("num_processes") == 1):
         return None
-    return (f"grpo.max_trajectory_age_steps = {cfg.grpo.max_trajectory_age_steps} in a multi-host job: the next "
-            "step's draw runs on a background thread, whose collectives the processes would issue in different "
-            "orders beside the step's; allowed: 0 with several processes (one-step off-policy runs on one host)")
+    return (f"grpo.max_trajectory_age_steps = {cfg.grpo.max_trajectory_age_steps} with generation.backend = \"jax\" "
+            "in a multi-host job: the JAX engine's generation spans every process's devices, and on a background "
+            "thread its collectives would be issued in different orders beside the train step's; allowed: 0, or "
+            "generation.backend = \"vllm\" (whose draw ahead runs on process 0 alone)")
 
 
 class Refused(Exception):

@@ -48,22 +48,26 @@ def rollout(engine: Generator, records, tokenizer, cfg: RunConfig, sampling: Sam
     rows = [p for p in prompts for _ in range(group)]
     key = dapo.round_key(cfg.run.seed, step, round)
     out = engine.generate(rows, sampling, key, prompt_width=cfg.generation.max_prompt_tokens)
+    return samples_of(out, [r for r in records for _ in range(group)], tokenizer, sampling)
+
+
+def samples_of(out: Rollout, records: list, tokenizer, sampling: SamplingParams) -> Samples:
+    """The rollout `out` of `records` (one per row) with its decoded completions (stop tokens dropped)."""
     stops = set(sampling.stop_token_ids)
     # Special tokens stay in the text: dropping a sampled <sep> would shift the digits after it.
     completions = [tokenizer.decode([int(x) for x in out.tokens[i, :out.lengths[i]] if int(x) not in stops],
-                                    skip_special_tokens=False) for i in range(len(rows))]
-    return Samples(out, [r.answer for r in records for _ in range(group)], completions,
-                   [r for r in records for _ in range(group)])
+                                    skip_special_tokens=False) for i in range(len(records))]
+    return Samples(out, [r.answer for r in records], completions, list(records))
 
 
 def rewards(reward_specs, samples: Samples, *, max_new_tokens: int = 0, overlong_buffer: int = 0,
-            overlong_penalty: float = 1.0) -> tuple[np.ndarray, int, dict]:
+            overlong_penalty: float = 1.0, scorer: Callable = score_once) -> tuple[np.ndarray, int, dict]:
     """Sum of each configured reward times its weight, per row, how many scorings failed (scored 0), and each
     reward's own values per row (unweighted, by name). One call per reward: each has its own time limit. With
     `overlong_buffer` > 0, DAPO's soft overlong punishment (`rl.grpo.dapo.overlong_penalty`) is added, before
     advantages see the reward."""
-    total, failures, parts = score_once(reward_specs, samples.completions, samples.answers, samples.rollout.truncated,
-                                        samples.records)  # process 0 scores, every process gets its values
+    total, failures, parts = scorer(reward_specs, samples.completions, samples.answers, samples.rollout.truncated,
+                                    samples.records)  # score_once: process 0 scores, every process gets its values
     if overlong_buffer:
         total += dapo.overlong_penalty(samples.rollout.lengths, max_new_tokens, overlong_buffer, overlong_penalty)
     return total, failures, parts
@@ -78,6 +82,8 @@ class Drawn:
     metrics: dict  # dapo/* (with dynamic sampling), reward/overlong_penalty_mean (with overlong_buffer)
     generate_s: float  # time in the generator over all rounds (the rest of the call was scoring)
     parts: dict = dataclasses.field(default_factory=dict)  # each reward's own values per row [N], by name
+    rounds: int = 1  # batches drawn from the loader
+    picked: np.ndarray | None = None  # [groups, 2] the (round, group) pairs kept, when rounds > 1
 
 
 def _take(samples: list[Samples], picked: np.ndarray, group: int) -> Samples:
@@ -104,17 +110,19 @@ def _take(samples: list[Samples], picked: np.ndarray, group: int) -> Samples:
                    records)
 
 
-def draw(engine: Generator, loader, tokenizer, cfg: RunConfig, sampling: SamplingParams, step: int) -> Drawn:
+def draw(engine: Generator, loader, tokenizer, cfg: RunConfig, sampling: SamplingParams, step: int,
+         scorer: Callable = score_once) -> Drawn:
     """Rollout + rewards of one step: one batch of `prompts_per_step` prompts from `loader`, or with
     grpo.dynamic_sampling (DAPO, `rl.grpo.dapo`) further batches, round r sampled with
     round_key(run.seed, step, r), until `prompts_per_step` groups have unequal rewards or
     `dynamic_sampling_max_rounds` batches were drawn. The step keeps the first informative groups in draw
     order; when the rounds run out, the earliest zero-variance groups fill it (`advantages` gives them
     loss weight 0). Every drawn prompt is consumed, so the loader's position after the call (what a
-    checkpoint saves) replays exactly."""
+    checkpoint saves) replays exactly. `scorer`: how the rewards are scored (`rl.score_once.score_once`: process 0
+    scores, every process receives; a draw on process 0 alone scores there: `rl.shared_draw`)."""
     g = cfg.grpo
     shaping = dict(max_new_tokens=cfg.generation.max_new_tokens, overlong_buffer=g.overlong_buffer,
-                   overlong_penalty=g.overlong_penalty)
+                   overlong_penalty=g.overlong_penalty, scorer=scorer)
     drawn, rewards_, parts, zero, failures, informative, generate_s = [], [], [], [], 0, 0, 0.0
     for r in range(g.dynamic_sampling_max_rounds if g.dynamic_sampling else 1):
         t0 = time.perf_counter()
@@ -128,6 +136,7 @@ def draw(engine: Generator, loader, tokenizer, cfg: RunConfig, sampling: Samplin
         informative += int((~zero[-1]).sum())
         if informative >= g.prompts_per_step:
             break
+    picked = None
     if len(drawn) == 1:  # every group of the one batch, as drawn
         samples, reward, part, kept = drawn[0], rewards_[0], parts[0], int((~zero[0]).sum())
     else:
@@ -149,7 +158,8 @@ def draw(engine: Generator, loader, tokenizer, cfg: RunConfig, sampling: Samplin
     if g.overlong_buffer:
         metrics["reward/overlong_penalty_mean"] = float(dapo.overlong_penalty(
             samples.rollout.lengths, cfg.generation.max_new_tokens, g.overlong_buffer, g.overlong_penalty).mean())
-    return Drawn(samples, reward, failures, metrics, generate_s, part)
+    return Drawn(samples, reward, failures, metrics, generate_s, part, len(drawn),
+                 None if picked is None else np.asarray(picked, np.int64).reshape(-1, 2))
 
 
 @dataclasses.dataclass

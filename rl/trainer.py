@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from rl import evaluate as held_out
-from rl import phases, rollout_log
+from rl import phases, rollout_log, shared_draw
 from rl.ahead import AheadDraw, draws_ahead
 from rl.checkpoint import CheckpointMismatch, CheckpointsUnreadable
 from rl.config import RunConfig
@@ -93,6 +93,8 @@ class GRPOTrainer:
         self.changed_since_checkpoint = None
         # grpo.max_trajectory_age_steps 1: the next step's draw runs while a step trains (rl.ahead)
         self.ahead = AheadDraw() if cfg.grpo.max_trajectory_age_steps else None
+        # in a multi-host job it runs on process 0 alone and is shared when taken (rl.shared_draw)
+        self.shared_ahead = self.ahead is not None and jax.process_count() > 1
 
     @property
     def state(self):
@@ -142,7 +144,9 @@ class GRPOTrainer:
         draw = functools.partial(phases.draw, self.engine, self.loader, self.tokenizer, cfg, policy.sampling)
         ahead = self.ahead
         if ahead is not None and ahead.pending:  # drawn while the previous step trained
-            drawn, version, waited = ahead.take()
+            drawn, version, waited = (shared_draw.take_shared(ahead, self.engine, self.loader, self.tokenizer, cfg,
+                                                              policy.sampling)
+                                      if self.shared_ahead else ahead.take())
             t["generate"] = t["start"] + waited  # what the trainer waited for; the draw took drawn.generate_s
             ahead_metrics = {"rollout/age_steps": step - version, "time/generate_ahead": drawn.generate_s}
         else:
@@ -153,7 +157,8 @@ class GRPOTrainer:
         if ahead is not None and draws_ahead(done, cfg.run.total_steps, cfg.checkpoint.every_steps,
                                              self._evaluates_after(done)):
             # the generator holds the weights this step trains from (version `step`)
-            ahead.launch(functools.partial(draw, done), self.loader.state_dict(), version=step)
+            ahead.launch(shared_draw.ahead_draw(self.engine, self.loader, self.tokenizer, cfg, policy.sampling, done)
+                         if self.shared_ahead else functools.partial(draw, done), self.loader.state_dict(), version=step)
         samples, reward, failures = drawn.samples, drawn.reward, drawn.failures
         if drawn.metrics.get("dapo/filled_groups"):
             self._dapo_short_steps = getattr(self, "_dapo_short_steps", 0) + 1

@@ -49,11 +49,15 @@ def test_a_process_id_of_a_launched_job_is_left_to_it(monkeypatch, single):
     assert train._process_problem(cfg.mesh) is None
 
 
-def test_draw_ahead_in_a_multi_host_job_is_refused(monkeypatch, single):
+def test_draw_ahead_with_the_jax_engine_in_a_multi_host_job_is_refused(monkeypatch, single):
     """A two-host run with grpo.max_trajectory_age_steps 1 died in gloo at the first overlap of a draw and a step
-    ("distributed collective mismatch"); refused before the job starts instead."""
+    ("distributed collective mismatch"); with the JAX engine, whose generation spans every process, refused before
+    the job starts. The vLLM pool's draw runs on process 0 alone (rl.shared_draw): allowed."""
     cfg = load_config(TINY, ["grpo.max_trajectory_age_steps=1"], check_paths=False)
     assert train._ahead_problem(cfg, {}) is None  # one process: allowed
     for env in ({"SLURM_STEP_NUM_TASKS": "2"}, {"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2"}):
-        assert "grpo.max_trajectory_age_steps = 1 in a multi-host job" in train._ahead_problem(cfg, env)
+        assert 'grpo.max_trajectory_age_steps = 1 with generation.backend = "jax" in a multi-host job' in \
+            train._ahead_problem(cfg, env)
     assert train._ahead_problem(load_config(TINY, [], check_paths=False), {"SLURM_STEP_NUM_TASKS": "2"}) is None
+    vllm = load_config(TINY, ["grpo.max_trajectory_age_steps=1", "generation.backend=vllm"], check_paths=False)
+    assert train._ahead_problem(vllm, {"SLURM_STEP_NUM_TASKS": "2"}) is None

@@ -107,9 +107,14 @@ class ProcessZeroPool:
         self.resent_rows = self.restarts = 0
 
     def generate(self, prompts, params, key, prompt_width=None) -> Rollout:
-        n, t = len(prompts), params.max_new_tokens
+        r = self.pool.generate(prompts, params, key, prompt_width) if self.is_zero else None
+        return self.share(r, prompts, params.max_new_tokens)
+
+    def share(self, r: Rollout | None, prompts, max_new_tokens: int) -> Rollout:
+        """Process 0's rollout `r` of `prompts` on every process (a collective: every process calls it, the others
+        with r None). The pool's counters come along."""
+        n, t = len(prompts), max_new_tokens
         if self.is_zero:
-            r = self.pool.generate(prompts, params, key, prompt_width)
             arrays = (r.tokens, r.logprobs, r.lengths, r.truncated, np.int32(r.weight_version))
         else:
             arrays = (np.zeros((n, t), np.int32), np.zeros((n, t), np.float32), np.zeros(n, np.int32),
@@ -124,6 +129,12 @@ class ProcessZeroPool:
         self._counters()
         return Rollout([list(p) for p in prompts], tokens, logprobs, lengths, truncated.astype(bool), int(version),
                        routes=routes)
+
+    def local(self) -> "LocalPool":
+        """Process 0's pool without the broadcasts: what a draw on process 0 alone samples from (rl.shared_draw),
+        while the other processes run the train step's collectives."""
+        assert self.is_zero, "only process 0 holds the pool"
+        return LocalPool(self.pool)
 
     def set_weights(self, params, version: int, rest=None) -> TransferStats:
         if self.peers is not None:
@@ -188,3 +199,13 @@ class ProcessZeroPool:
             self.pool.shutdown()
         elif self.sender is not None:
             self.sender.close()
+
+
+class LocalPool:
+    """The generate of process 0's pool, with no collective in it: safe on a thread beside the train step's."""
+
+    def __init__(self, pool):
+        self.pool = pool
+
+    def generate(self, prompts, params, key, prompt_width=None) -> Rollout:
+        return self.pool.generate(prompts, params, key, prompt_width)

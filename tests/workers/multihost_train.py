@@ -6,6 +6,9 @@
 runs `python -m m3jax.train --config CONFIG [k=v ...]` in this process (the trainer joins the job from
 the launcher's environment when it builds its mesh), then writes OUT.<process index>.json with the
 job's size and which process owns each data row of the mesh.
+
+With M3JAX_TEST_POOL=fake (and generation.backend=vllm) process 0's vLLM pool is `FakeEnginePool`: no vLLM, the
+multi-host wrapper and everything around it as in a real job.
 """
 
 import json
@@ -22,8 +25,44 @@ from rl.config import load_config  # noqa: E402
 from sharding.mesh import build_mesh  # noqa: E402
 
 
+class FakeEnginePool:
+    """What rl.generation.multihost.ProcessZeroPool uses of a VLLMPool, without engines: each response is drawn from
+    the prompt, the request key and the weight version (tokens in [3, vocab), logprob -1 each)."""
+
+    def __init__(self, vocab_size):
+        self.vocab_size, self.version, self.resent_rows, self.restarts = vocab_size, 0, 0, 0
+
+    def generate(self, prompts, params, key, prompt_width=None):
+        import numpy as np
+        from rl.generation.base import Rollout
+        seed = int(np.asarray(jax.random.key_data(key)).sum()) + self.version
+        t = params.max_new_tokens
+        rows = [np.random.default_rng([seed, *p]).integers(3, self.vocab_size, t) for p in prompts]
+        return Rollout([list(p) for p in prompts], np.stack(rows).astype(np.int32), np.full((len(rows), t), -1.0,
+                       np.float32), np.full(len(rows), t, np.int32), np.ones(len(rows), bool), self.version)
+
+    def push(self, tensors, version):
+        from rl.generation.transfer import TransferStats
+        count = sum(1 for _ in tensors)
+        self.version = version
+        return TransferStats(version, 0, 0, count, 0.0, 0.0, 0.0, 0.0)
+
+    def shutdown(self):
+        pass
+
+
+def fake_generator(cfg, graphdef, state, *, pad_id, run_dir):
+    from rl.generation.multihost import ProcessZeroPool
+    zero = jax.process_index() == 0
+    vocab = cfg.model.m3_config().vocab_size
+    return ProcessZeroPool(FakeEnginePool(vocab) if zero else None, graphdef, is_zero=zero)
+
+
 def main(out, flag, config, *overrides):
     assert flag == "--config"
+    if os.environ.get("M3JAX_TEST_POOL") == "fake":
+        from rl.generation import backends
+        backends.make_generator = fake_generator
     rc = train.main([flag, config, *overrides])
     mesh = build_mesh(load_config(config, list(overrides)).mesh.to_mesh_config())
     owners = [sorted({d.process_index for d in row.flat}) for row in mesh.mesh.devices]
