@@ -58,6 +58,10 @@ _DEFAULT_VISION = {
 }
 
 
+# What an M3Config holds only to write it back into an export: not the model (comparisons leave them out).
+PASSTHROUGH_FIELDS = ("vl_passthrough", "text_passthrough")
+
+
 class ConfigError(ValueError):
     """An invalid or unsupported config value: names the field, the value and what is allowed."""
 
@@ -103,6 +107,9 @@ class M3Config:
     # Top-level fields of a released (VL) config that the text model does not use but an export
     # must carry back (vision_config, image token ids, ...), stored as a JSON string to stay hashable.
     vl_passthrough: str = ""
+    # The text config's fields no field above holds (HF's bookkeeping, the release's MTP keys, a user's own;
+    # `sparse_attention_config` keys beyond the ones read), carried unchanged into an export (JSON, as above).
+    text_passthrough: str = ""
 
     def __post_init__(self):
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
@@ -319,6 +326,14 @@ class M3Config:
             raise _err("hidden_act", act, f"one of {_HIDDEN_ACTS} (SwiGLU-OAI is hard-coded)")
         _check_hardcoded(text, "", used)
 
+        # what no field holds goes back into an export as it came: the keys only checked (hard-coded
+        # behaviour, hidden_act) are the source's to state too
+        held = used - set(_HARDCODED) - {"hidden_act"}
+        carried = {k: v for k, v in text.items() if k not in held}
+        if sparse_extra:
+            carried["sparse_attention_config"] = sparse_extra
+        if carried:
+            kw["text_passthrough"] = json.dumps(carried, sort_keys=True)
         unused = sorted((set(text) - used - _BOOKKEEPING)
                         | {f"sparse_attention_config.{k}" for k in sparse_extra if k not in _HARDCODED})
         if unused:
@@ -351,7 +366,7 @@ class M3Config:
     def to_text_dict(self) -> dict[str, Any]:
         """Native `minimax_m3_vl_text` fields (what MiniMaxM3VLTextConfig reads)."""
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-             if f.name not in ("rope_theta", "partial_rotary_factor", "vl_passthrough")}
+             if f.name not in ("rope_theta", "partial_rotary_factor", *PASSTHROUGH_FIELDS)}
         d["layer_types"], d["mlp_layer_types"] = list(self.layer_types), list(self.mlp_layer_types)
         if isinstance(self.eos_token_id, tuple):
             d["eos_token_id"] = list(self.eos_token_id)
@@ -364,16 +379,22 @@ class M3Config:
     def to_hf_dict(self, layout: str = "native") -> dict[str, Any]:
         """config.json for a `layout` export: "native" (AutoModelForCausalLM) or "released" (VL class)."""
         text = self.to_text_dict()
-        if layout == "native":
-            return {"architectures": ["MiniMaxM3VLForCausalLM"], "model_type": "minimax_m3_vl_text", **text}
+        carried = json.loads(self.text_passthrough) if self.text_passthrough else {}
+        sparse_extra = carried.pop("sparse_attention_config", {})
+        if layout == "native":  # partial_rotary_factor beside rope_parameters, as transformers' own save writes it
+            native = {**carried, "architectures": ["MiniMaxM3VLForCausalLM"], "model_type": "minimax_m3_vl_text",
+                      **text, "partial_rotary_factor": self.partial_rotary_factor}
+            return {**native, "sparse_attention_config": sparse_extra} if sparse_extra else native
         if layout != "released":
             raise ValueError(f"layout={layout!r}: expected 'native' or 'released'")
         # Legacy keys too: vLLM's loader reads moe_layer_freq / sparse_attention_config, HF the lists.
+        text = {**carried, **text}
         text.update({
             "model_type": "minimax_m3", "architectures": ["MiniMaxM3SparseForCausalLM"],
             "rope_theta": self.rope_theta, "partial_rotary_factor": self.partial_rotary_factor,
             "moe_layer_freq": [int(t == MOE_MLP) for t in self.mlp_layer_types],
             "sparse_attention_config": {
+                **sparse_extra,
                 "sparse_attention_freq": [int(t == SPARSE_ATTENTION) for t in self.layer_types],
                 "sparse_num_index_heads": self.index_n_heads, "sparse_index_dim": self.index_head_dim,
                 "sparse_block_size": self.index_block_size, "sparse_topk_blocks": self.index_topk_blocks,

@@ -17,13 +17,14 @@ import json
 
 import yaml
 
+from m3jax.config import PASSTHROUGH_FIELDS
 from rl.checkpoint import CheckpointMismatch
 from rl.config_record import differences
 
 # M3Config fields that leave what the weights compute unchanged: the token ids (where generation stops), the
 # longest position (a bound, no parameter holds it) and what a released model carries only for its export
 NOT_THE_MODEL = frozenset({"bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings",
-                           "vl_passthrough"})
+                           *PASSTHROUGH_FIELDS})
 # run settings that give the checkpoint's state its meaning; the moments are cast to the run's dtype on restore
 FIXED = ("precision.moment_dtype",)
 # The optimizer's schedule counts updates and reads step count // grpo.updates_per_step (rl.policy): with another

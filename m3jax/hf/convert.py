@@ -91,7 +91,7 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, layout: s
     params = {p: v.get_value() for p, v in nnx.to_flat_state(nnx.state(abstract))}
     targets = list(layouts.slots(cfg, layout))
     kept = carry.carried(carry_from or src, layout)  # the vision tower and its kin, byte for byte
-    cfg = carry.with_vision_config(cfg, carry_from or src, kept)
+    cfg = carry.with_source_config(cfg, carry_from or src, kept)
     entries = [(t.name, np.dtype(params[t.param].dtype), t.shape) for t in targets]
     limit = parse_size(max_shard_size)
     shards = split_shards(entries, limit) + split_shards(carry.entries(kept), limit)

@@ -64,7 +64,7 @@ def save_pretrained(model, path: str | os.PathLike, layout: str = "native", max_
     limit = parse_size(max_shard_size)
     kept = carry.carried(carry_from, layout)  # every process plans the same shards; process 0 reads them
     carried_shards = split_shards(carry.entries(kept), limit)
-    cfg = carry.with_vision_config(model.cfg, carry_from, kept)
+    cfg = carry.with_source_config(model.cfg, carry_from, kept)
     side = side_files(carry_from)
     lost = [] if carry_from is not None or not os.path.isdir(path) else [os.path.basename(f) for f in side_files(path)]
     if lost and jax.process_index() == 0:  # saved over the directory the model came from: its tokenizer went
@@ -290,8 +290,7 @@ def finish_checkpoint(cfg, dtype, tmp: str, path: str, layout: str, names: list[
         total = sum(int(np.prod(e[2])) * e[1].itemsize for shard, _ in shards for e in shard)
         with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-    hf_config = cfg.to_hf_dict(layout)
-    hf_config["dtype"] = np.dtype(dtype).name
+    hf_config = with_dtype(cfg.to_hf_dict(layout), np.dtype(dtype).name)
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=2)
     for name in sorted(set(os.listdir(tmp)) - set(names)):
@@ -299,6 +298,18 @@ def finish_checkpoint(cfg, dtype, tmp: str, path: str, layout: str, names: list[
     _sync(tmp)
     _replace_dir(tmp, path)
     _sync(os.path.dirname(path))
+
+
+def with_dtype(hf_config: dict, dtype: str) -> dict:
+    """config.json stating the tensors' `dtype` at its top level, and in each dtype field the source's config held
+    (carried with its other fields): `torch_dtype` (transformers before 5), the text config's own. Before, only the
+    top level's `dtype` was written, so a bf16 source exported in fp32 still said bfloat16 there."""
+    hf_config["dtype"] = dtype
+    for part in (hf_config, hf_config.get("text_config", {})):
+        for key in ("dtype", "torch_dtype"):
+            if key in part:
+                part[key] = dtype
+    return hf_config
 
 
 def _sync(path: str) -> None:

@@ -148,12 +148,12 @@ def _reference_path_problems(cfg: RunConfig) -> list[str]:
         return [f"{where}: no config.json there; allowed: a local Hugging Face model directory of the policy's "
                 "architecture"]
     try:
-        from m3jax.config import M3Config
+        from m3jax.config import PASSTHROUGH_FIELDS, M3Config
         teacher, policy = M3Config.from_pretrained(r), cfg.model.m3_config()
     except Exception as e:  # noqa: BLE001  (an unreadable model.path / model.tiny has its own error)
         return [f"{where}: its config.json cannot be compared with the policy's ({type(e).__name__}: {e})"]
     differ = [f.name for f in dataclasses.fields(teacher)
-              if f.name != "vl_passthrough" and getattr(teacher, f.name) != getattr(policy, f.name)]
+              if f.name not in PASSTHROUGH_FIELDS and getattr(teacher, f.name) != getattr(policy, f.name)]
     if differ:
         shown = ", ".join(f"{k} {getattr(teacher, k)!r} (policy {getattr(policy, k)!r})" for k in differ[:4])
         return [f"{where}: its model config differs from the policy's in {shown}"

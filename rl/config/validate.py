@@ -109,8 +109,8 @@ _M3_FIELD_RE = re.compile(r"config field '([^']+)'")
 
 def _m3_field_names() -> tuple[list[str], list[str]]:
     """(all M3Config fields a tiny model may set, those without a default)."""
-    from m3jax.config import M3Config
-    fs = [f for f in dataclasses.fields(M3Config) if f.name != "vl_passthrough"]
+    from m3jax.config import PASSTHROUGH_FIELDS, M3Config
+    fs = [f for f in dataclasses.fields(M3Config) if f.name not in PASSTHROUGH_FIELDS]
     required = [f.name for f in fs if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     return [f.name for f in fs], required
 
