@@ -6,12 +6,15 @@ bookkeeping such as `use_cache` and `initializer_range`, the release's `num_mtp_
 `text_config` held was dropped, or left stale in the top level's `torch_dtype`."""
 
 import json
+import logging
 import os
+import shutil
 
 import jax.numpy as jnp
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 from transformers import AutoConfig
 
 import m3jax
@@ -155,3 +158,28 @@ def test_a_conversion_writes_the_config_an_export_does(sources, tmp_path, layout
     exported = m3jax.save_pretrained(m3jax.from_pretrained(src), tmp_path / "exported", layout=layout, carry_from=src)
     assert read_config(converted) == read_config(exported)
     assert {k: text_part(read_config(converted))[k] for k in EXTRA} == EXTRA
+
+
+def test_a_load_that_rounds_wider_tensors_says_so(tmp_path, caplog):
+    """A bf16 checkpoint with fp32 norms loads them as bf16 (the embedding's dtype): rounded, and so is any export
+    of it. Loading warns, naming them; the release's own mix (fp32 router and bias, kept fp32) is not warned of."""
+    hf = ref.build_model(ref.tiny_config(), seed=3)
+    tensors = read_tensors(ref.save(hf, str(tmp_path / "fp32"), "native"))
+    for name, wide in (("release_mix", ROUTER), ("norms_fp32", ROUTER + ("norm.weight",))):
+        path = tmp_path / name
+        path.mkdir()
+        save_file({k: v if k.endswith(wide) else v.to(torch.bfloat16) for k, v in tensors.items()},
+                  str(path / "model.safetensors"), metadata={"format": "pt"})
+        shutil.copy(tmp_path / "fp32" / "config.json", path)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="m3jax.hf.load"):
+            model = m3jax.from_pretrained(path)
+        warned = [r.getMessage() for r in caplog.records if "rounded" in r.getMessage()]
+        assert model.dtype == jnp.bfloat16
+        if name == "release_mix":
+            assert warned == []
+        else:
+            assert len(warned) == 1 and "dtype=float32" in warned[0]
+            assert "model.layers.0.input_layernorm.weight" in warned[0]
+            n = sum(k.endswith("norm.weight") for k in tensors)
+            assert f"{n} tensor(s)" in warned[0]

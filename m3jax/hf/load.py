@@ -129,12 +129,15 @@ def from_pretrained(path: str | os.PathLike, dtype=None, *, mesh=None, check_fin
     layout = as_layout(mesh)
     if layout.mesh is not None:
         validate(mesh_config_of(layout), cfg, num_devices=layout.num_devices)
+    chosen = dtype is not None
     if dtype is None:
         dtype = default_param_dtype(tensors[slots[0].name])
     abstract = nnx.eval_shape(lambda: M3ForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0), layout=layout,
                                                     **model_options))
     graphdef, state = nnx.split(abstract)
     flat = dict(nnx.to_flat_state(state))
+    if not chosen:
+        _warn_narrowed(path, slots, tensors, flat)
     slots_of: dict[tuple, list] = {}
     for slot in slots:
         slots_of.setdefault(slot.param, []).append(slot)
@@ -163,6 +166,18 @@ def from_pretrained(path: str | os.PathLike, dtype=None, *, mesh=None, check_fin
     log.log(logging.INFO if jax.process_count() > 1 else logging.DEBUG,
             "read %d of the checkpoint's %d bytes (the blocks this process's devices hold)", read, total)
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _warn_narrowed(path: str, slots, tensors: dict[str, TensorInfo], flat) -> None:
+    """Warn where the default parameter dtype (the embedding's) is narrower than what a tensor is stored in: a bf16
+    checkpoint with fp32 norms loads them rounded to bf16, and its export then holds them so, silently. (A
+    float64 tensor has no parameter dtype to keep it in: not warned of.)"""
+    narrowed = [s.name for s in slots if tensors[s.name].np_dtype in PARAM_DTYPES
+                and tensors[s.name].np_dtype.itemsize > np.dtype(flat[s.param].get_value().dtype).itemsize]
+    if narrowed:
+        log.warning("%s: %d tensor(s) stored wider than the parameter dtype %s, the embedding's, load rounded to it "
+                    "(%s): pass dtype=float32 to keep them", path, len(narrowed),
+                    np.dtype(flat[slots[0].param].get_value().dtype).name, _listing(narrowed, 5))
 
 
 class _Progress:
