@@ -47,19 +47,22 @@ def main(argv=None) -> int:
     from rl.refused_start import RunDirBefore
     index = run_lock.process_index(cfg.mesh.process_id)
     before = RunDirBefore(cfg.run.out_dir, logs.log_file_name(index))
-    writable = True
+    writable, refusal = True, None
     try:
         lock = run_lock.lock_run_dir(cfg.run.out_dir, cfg.mesh.process_id, warn=False)
     except run_lock.RunLockHeld as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 3
+        lock, refusal = None, (f"error: {e}", 3)
     except OSError as e:  # a read-only or full filesystem: nothing of the run can be written there
+        lock = None
         if not (args.export and e.errno in (errno.EROFS, errno.EACCES)):
-            print(f"error: the run directory {cfg.run.out_dir} cannot be written ({e})", file=sys.stderr)
-            return 1
-        # an export only reads the run (a finished run on a read-only mount, say): no lock, log or cache there,
-        # and no run can be writing a directory that cannot be written
-        lock, writable = None, False
+            refusal = (f"error: the run directory {cfg.run.out_dir} cannot be written ({e})", 1)
+        else:  # an export only reads the run (a finished run on a read-only mount, say): no lock, log or cache
+            # there, and no run can be writing a directory that cannot be written
+            writable = False
+    refusal = _job_refusal(cfg, index, refusal)
+    if refusal:
+        print(refusal[0], file=sys.stderr)
+        return refusal[1]
     refused = None
     try:
         logs.setup(cfg.run.out_dir if writable else None, cfg.logging.level, process_index=index)
@@ -82,6 +85,24 @@ def main(argv=None) -> int:
             lock.release()
         if refused is not None and lock is not None:
             before.remove_created()
+
+
+def _job_refusal(cfg, index: int, refusal: tuple[str, int] | None) -> tuple[str, int] | None:
+    """Process 0's answer at the run's lock, (line, exit status) or None, on every process of a multi-host job
+    (this process's own otherwise, without importing jax). Only process 0 takes the lock: refused and exiting alone,
+    it left the others waiting in jax.distributed.initialize for a coordinator that never came (5 minutes, then an
+    opaque error). So every process joins the job here, before any of them writes in the run directory, and reads
+    process 0's answer from jax's key-value store (no device, no collective: the backend is not started)."""
+    from sharding.launch import distributed_args
+    args = distributed_args(cfg.mesh)
+    if args is None or args.get("num_processes") == 1:
+        return refusal
+    import json
+
+    from sharding.mesh import from_process_zero, init_distributed
+    init_distributed(cfg.mesh.to_mesh_config())
+    said = json.loads(from_process_zero("m3jax.train:run_lock", json.dumps(refusal) if index == 0 else None))
+    return None if said is None else (said[0], said[1])
 
 
 def _process_problem(mesh, environ=None) -> str | None:
@@ -136,7 +157,8 @@ def _train(cfg, args, writable: bool = True) -> int:
         if note:
             logging.getLogger("m3jax.train").warning("%s", note)
     # A process of a multi-host job joins it before anything asks JAX for its backend (the expert-kernel timing's
-    # platform check below does; jax refuses to join after that, and every host of a job died at start).
+    # platform check below does; jax refuses to join after that, and every host of a job died at start). It has
+    # already (`_job_refusal`, to hear process 0 at the lock): a no-op then.
     init_distributed(cfg.mesh.to_mesh_config())
     # Heavy imports only once the config is known to be good and the directory is ours.
     if args.export:

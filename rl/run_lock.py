@@ -16,7 +16,8 @@ What a run finds when it starts:
   (many shared file systems do not pass flock between hosts), so it is refused, with the way out:
   delete the file once that run is known to be over.
 
-In a multi-host job only process 0 takes the lock (`process_index`); the others share its directory.
+In a multi-host job only process 0 takes the lock (`process_index`); the others share its directory, and hear its
+answer before any of them writes there (`m3jax.train._job_refusal`).
 
 Pure Python and no jax: `m3jax.train` takes the lock before it imports the trainer, so that a second
 run on a busy directory is turned away at once.

@@ -219,6 +219,21 @@ def init_distributed(mesh: MeshConfig) -> None:
     jax.distributed.initialize(**args)
 
 
+def from_process_zero(key: str, text: str | None, timeout_s: float = 300.0) -> str:
+    """Process 0's `text` on every process of a joined job (`init_distributed`): process 0 passes it, the others
+    None, and wait for it up to `timeout_s` (what jax gives the processes to join). Through jax's distributed
+    key-value store: no device and no collective, so it may run before the backend starts, and a process 0 about to
+    exit leaves no one waiting in a collective. Each key is written once per job."""
+    from jax._src import distributed  # the store has no public handle; orbax and multihost_utils use this one
+    client = distributed.global_state.client
+    if client is None:
+        raise RuntimeError(f"from_process_zero({key!r}): this process has not joined a multi-host job")
+    if text is not None:
+        client.key_value_set(key, text)
+        return text
+    return client.blocking_key_value_get(key, int(timeout_s * 1000))
+
+
 def build_mesh(mesh: MeshConfig, model: ShardedModel | None = None, *, seq_len: int | None = None,
                batch: int | None = None, devices=None) -> Layout:
     """Validate and build the layout: the Mesh (Auto axis types: the partitioner places what the rules

@@ -5,7 +5,7 @@
 
 runs `python -m m3jax.train --config CONFIG [k=v ...]` in this process (the trainer joins the job from
 the launcher's environment when it builds its mesh), then writes OUT.<process index>.json with the
-job's size and which process owns each data row of the mesh.
+job's size and which process owns each data row of the mesh, and exits with the command's status.
 
 With M3JAX_TEST_POOL=fake (and generation.backend=vllm) process 0's vLLM pool is `FakeEnginePool`: no vLLM, the
 multi-host wrapper and everything around it as in a real job.
@@ -64,11 +64,13 @@ def main(out, flag, config, *overrides):
         from rl.generation import backends
         backends.make_generator = fake_generator
     rc = train.main([flag, config, *overrides])
-    mesh = build_mesh(load_config(config, list(overrides)).mesh.to_mesh_config())
-    owners = [sorted({d.process_index for d in row.flat}) for row in mesh.mesh.devices]
-    with open(f"{out}.{jax.process_index()}.json", "w") as f:
-        json.dump({"rc": rc, "processes": jax.process_count(), "devices": len(jax.devices()),
-                   "data_row_owners": owners}, f)
+    if jax.distributed.is_initialized():  # not when refused before it joined the job
+        mesh = build_mesh(load_config(config, list(overrides)).mesh.to_mesh_config())
+        owners = [sorted({d.process_index for d in row.flat}) for row in mesh.mesh.devices]
+        with open(f"{out}.{jax.process_index()}.json", "w") as f:
+            json.dump({"rc": rc, "processes": jax.process_count(), "devices": len(jax.devices()),
+                       "data_row_owners": owners}, f)
+    sys.exit(rc)  # the command's exit status
 
 
 if __name__ == "__main__":
