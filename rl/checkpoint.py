@@ -12,25 +12,26 @@ onto the current run's shardings (orbax restores against an abstract target).
 A crash during an async save leaves `<step>.orbax-checkpoint-tmp*`, which orbax ignores; a damaged
 finished checkpoint is skipped with a warning and the previous one used. A save that fails (a full disk, a lost
 mount) raises `CheckpointSaveFailed` at the next step or save, naming the step, the cause and the free space:
-the run stops there, rather than training on past a checkpoint it cannot write.
+the run stops there, rather than training on past a checkpoint it cannot write. In a multi-host job every process
+raises it at the same step, also where the write failed on another process only (`rl.checkpoint_job`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 from flax import nnx
 
+from rl import checkpoint_job
+from rl.checkpoint_logs import _cause, _Demote, _orbax_errors_to_run_log, _quiet_abandoned_reads
+from rl.checkpoint_job import job_max as _job_max, job_steps as _job_steps
 from sharding import precision
 from sharding.train_step import TrainState
 
@@ -124,13 +125,16 @@ class Checkpointer:
         # orbax warns that a read-only directory is read only: what was asked for, so not on the terminal
         notice = _Demote("Given directory is read only")
         logging.getLogger("absl").addFilter(notice)
+        # a multi-host save's barriers give up on a write another process announced failed (rl.checkpoint_job)
+        barrier = checkpoint_job.Barrier() if jax.process_count() > 1 and not read_only else None
         try:
             self.manager = ocp.CheckpointManager(
                 self.directory, item_names=("state", "meta", "reference"),
                 options=ocp.CheckpointManagerOptions(max_to_keep=None if read_only else keep,
                                                      save_interval_steps=0 if read_only else 1,
                                                      enable_async_checkpointing=async_save and not read_only,
-                                                     create=not read_only, read_only=read_only))
+                                                     create=not read_only, read_only=read_only,
+                                                     async_options=ocp.AsyncOptions(barrier_sync_fn=barrier)))
         finally:
             logging.getLogger("absl").removeFilter(notice)
 
@@ -187,14 +191,32 @@ class Checkpointer:
 
     def check_saves(self) -> None:
         """Raise CheckpointSaveFailed if an async save that has ended failed; returns at once otherwise (while one
-        runs too). orbax keeps a background failure in its finalize thread, raised by the wait for it."""
-        if not self._unchecked or self.manager.is_saving_in_progress():
+        runs too). orbax keeps a background failure in its finalize thread, raised by the wait for it.
+
+        In a multi-host job every process calls this at the same points (each step, each save) and all decide alike
+        (`checkpoint_job.save_states`): all raise when the save failed on any process, and the save counts as ended
+        once it has on all. A process deciding alone raised where its write failed while the others trained on
+        into their next collective."""
+        if not self._unchecked:
             return
-        try:
-            self.manager.wait_until_finished()  # the save has ended: no wait, its failure raised
-        except Exception as e:  # noqa: BLE001
-            raise self._failed(e) from None
-        self._unchecked = False  # once per save: the wait logs a line to run.log each time
+        error = None
+        if self.manager.is_saving_in_progress():
+            state = checkpoint_job.FAILED if checkpoint_job.failures() else checkpoint_job.RUNNING
+        else:
+            try:
+                self.manager.wait_until_finished()  # the save has ended: no wait, its failure raised
+                state = checkpoint_job.ENDED
+            except Exception as e:  # noqa: BLE001
+                error, state = e, checkpoint_job.FAILED
+        states = checkpoint_job.save_states(state)
+        if checkpoint_job.FAILED in states:
+            failed = checkpoint_job.failures()
+            if error is None or isinstance(error, checkpoint_job.FailedElsewhere) and failed:
+                error = checkpoint_job.FailedElsewhere(checkpoint_job.describe(failed) if failed else
+                                                       "it failed on another process of the job: its log says why")
+            raise self._failed(error) from None
+        if min(states) == checkpoint_job.ENDED:
+            self._unchecked = False  # once per save: the wait logs a line to run.log each time
 
     def _failed(self, e: Exception) -> CheckpointSaveFailed:
         log.debug("checkpoint step %s failed to save", self._saving, exc_info=(type(e), e, e.__traceback__))
@@ -203,8 +225,9 @@ class Checkpointer:
             free = f"{shutil.disk_usage(self.directory).free / 1e9:.2f} GB free there"
         except OSError:
             free = "its free space unknown"
+        cause = str(e) if isinstance(e, checkpoint_job.FailedElsewhere) else _cause(e)
         return CheckpointSaveFailed(
-            f"saving checkpoint step {self._saving} to {self.directory} failed: {_cause(e)} ({free}); the run stops "
+            f"saving checkpoint step {self._saving} to {self.directory} failed: {cause} ({free}); the run stops "
             f"here, and rerunning the command resumes from step {finished[-1] if finished else 0} once that is fixed")
 
     def restore_reference(self, step: int, like_params):
@@ -294,29 +317,6 @@ class Checkpointer:
             logging.getLogger("absl").removeFilter(_orbax_errors_to_run_log)
 
 
-def _job_max(flag: bool) -> bool:
-    """Whether `flag` holds on any process of the job (one all-gather; this process's own in a single-process job):
-    a decision every process must take alike, from what each read on its own."""
-    if jax.process_count() == 1:
-        return bool(flag)
-    from m3jax.hf.tensors import processes_where
-    return bool(processes_where(flag))
-
-
-def _job_steps(steps: list[int]) -> list[int]:
-    """Process 0's list of checkpoint steps, on every process (a shared file system may show a step to one host
-    before another; the job tries the same steps in the same order)."""
-    if jax.process_count() == 1:
-        return steps
-    from jax.experimental import multihost_utils
-    n = int(multihost_utils.broadcast_one_to_all(np.int32(len(steps))))
-    if not n:
-        return []
-    mine = np.zeros(n, np.int32)  # the shape process 0 sends: a collective needs it on every process
-    mine[:min(n, len(steps))] = steps[:n]
-    return [int(s) for s in np.asarray(multihost_utils.broadcast_one_to_all(mine))]
-
-
 def _meta_problem(step: int, meta) -> str | None:
     """What is wrong with a checkpoint's JSON item, checked against what `rl.trainer`'s save writes (its users read
     `step`, `data` and `weight_version` unguarded); None when it is sound."""
@@ -330,96 +330,6 @@ def _meta_problem(step: int, meta) -> str | None:
     if meta["step"] != step:
         return f"its meta's 'step' is {meta['step']}; expected {step}, the checkpoint's own step"
     return None
-
-
-def _cause(e: Exception) -> str:
-    """The reason of a failed write in a line: the OS error TensorStore names (os_error_code), else the message."""
-    code = re.search(r"os_error_code='?(\d+)", str(e))
-    if code:
-        return f"{os.strerror(int(code.group(1)))} (errno {code.group(1)})"
-    return f"{type(e).__name__}: {str(e)[:300]}"
-
-
-def _orbax_errors_to_run_log(record: logging.LogRecord) -> bool:
-    """orbax's ERROR records (its save threads' failures, each with a traceback): INFO, so they stay in run.log and
-    off the terminal, where `CheckpointSaveFailed` says it in a line."""
-    if record.levelno >= logging.ERROR and _logged_by_orbax(record):
-        record.levelno, record.levelname = logging.INFO, "INFO"
-    return True
-
-
-def _logged_by_orbax(record: logging.LogRecord) -> bool:
-    """Whether orbax logged `record` (a filter runs in the logging call). Its pathname names absl's logging module
-    instead where the "absl" logger was made before absl was imported (a plain Logger, without absl's caller
-    lookup), so the stack is asked then."""
-    if _from_orbax(record.pathname):
-        return True
-    frame = sys._getframe(1)  # this module's filter, then logging's and absl's frames, then the caller
-    while frame is not None and (frame.f_code.co_filename == __file__
-                                 or f"{os.sep}logging{os.sep}" in frame.f_code.co_filename):
-        frame = frame.f_back
-    return frame is not None and _from_orbax(frame.f_code)
-
-
-class _Demote(logging.Filter):
-    """Turns records whose message starts with `prefix` into DEBUG records (run.log only)."""
-
-    def __init__(self, prefix: str):
-        super().__init__()
-        self.prefix = prefix
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if str(record.msg).startswith(self.prefix):
-            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
-        return True
-
-
-def _quiet_abandoned_reads() -> None:
-    """Send the after-effects of a failed restore to the DEBUG log (run.log) instead of the terminal.
-
-    orbax gives up on a checkpoint at its first failed read while its other reads are still in flight;
-    they end later, on their own: tensorstore's threads call back into the event loop orbax has closed
-    ("RuntimeError: Event loop is closed", which Python can only print as an unraisable exception),
-    unfinished read coroutines are collected ("Exception ignored in: <coroutine ...>"), and asyncio
-    reports "Task exception was never retrieved" for each failed read. The failure itself is already
-    the warning of `restore_latest`. Installed once, the first time a checkpoint is unreadable;
-    anything else goes on to the previous hook unchanged."""
-    if _QuietAbandonedReads.installed:
-        return
-    _QuietAbandonedReads.installed = True
-    sys.unraisablehook = _QuietAbandonedReads(sys.unraisablehook)
-    logging.getLogger("asyncio").addFilter(_demote_orbax_task_errors)
-
-
-def _from_orbax(code_or_text) -> bool:
-    text = code_or_text.co_filename if hasattr(code_or_text, "co_filename") else str(code_or_text)
-    return f"{os.sep}orbax{os.sep}" in text
-
-
-class _QuietAbandonedReads:
-    installed = False
-
-    def __init__(self, previous):
-        self.previous = previous
-
-    def __call__(self, u) -> None:
-        loop_closed = isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed"
-        code = getattr(u.object, "cr_code", None)  # a coroutine collected unfinished
-        if loop_closed or (code is not None and _from_orbax(code)):
-            where = u.err_msg or "Exception ignored in"
-            log.debug("a read abandoned with an unreadable checkpoint failed afterwards (%s%s)", where,
-                      "" if u.object is None else f": {u.object!r}",
-                      exc_info=(u.exc_type, u.exc_value, u.exc_traceback))
-        else:
-            self.previous(u)
-
-
-def _demote_orbax_task_errors(record: logging.LogRecord) -> bool:
-    """asyncio's "Task exception was never retrieved" for orbax's reads: DEBUG (a filter on the asyncio
-    logger runs before any handler, which then sees the new level)."""
-    if record.levelno >= logging.ERROR and "never retrieved" in str(record.msg) and _from_orbax(record.msg):
-        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
-    return True
 
 
 def _rebuild(like: TrainState, saved: dict) -> TrainState:

@@ -9,7 +9,8 @@ import shutil
 
 import pytest
 
-from rl.checkpoint import Checkpointer, CheckpointSaveFailed, _logged_by_orbax, _orbax_errors_to_run_log
+from rl.checkpoint import Checkpointer, CheckpointSaveFailed
+from rl.checkpoint_logs import _logged_by_orbax, _orbax_errors_to_run_log
 
 NO_SPACE = ValueError("RESOURCE_EXHAUSTED: Error writing \"master.x/0\" in OCDBT database: Failed to write 577626 "
                       "bytes to file 11: No space left on device [os_error_code='28']")

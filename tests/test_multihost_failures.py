@@ -2,6 +2,7 @@
 process that exits alone leaves the others waiting in jax.distributed.initialize or at their next collective (slow:
 two-process CPU jobs, each bounded so that a regression fails instead of hanging the suite)."""
 
+import json
 import os
 import subprocess
 
@@ -43,3 +44,32 @@ def test_a_lock_refused_on_process_zero_stops_every_process(tmp_path):
     for log in logs:
         errors = [line for line in log.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and f"pid {os.getpid()}" in errors[0] and str(run) in errors[0], log[-3000:]
+
+
+@pytest.mark.slow  # ~60 s: a run of two steps, then its resume for one
+def test_a_save_failing_on_one_host_stops_both_then_both_resume_from_the_last_good_one(tmp_path):
+    """Process 1's write of checkpoint 2 fails (its disk full, say); process 0's succeeds and waits for it in orbax's
+    barrier. Both used to go on training and hang at their next save (orbax's deadline: 20 minutes). Both must raise
+    the same error at the same step, and a rerun resumes both from step 1."""
+    run, out = tmp_path / "run", str(tmp_path / "out")
+    args = [*TWO_HOSTS, "checkpoint.every_steps=1", "checkpoint.async_save=true", f"run.out_dir={run}",
+            "eval.at_start=false", "eval.every_steps=0"]
+    os.environ["M3JAX_TEST_SAVE_FAILS"] = "1:2"
+    try:
+        procs = two_hosts(out, [*args, "run.total_steps=3"])
+    finally:
+        del os.environ["M3JAX_TEST_SAVE_FAILS"]
+    logs = outputs_within(procs, 150)  # a hang lasts 20 minutes; 150 s allows for a loaded machine
+    assert [p.returncode for p in procs] == [1, 1], "\n".join(logs)[-4000:]
+    errors = [[line for line in log.splitlines() if line.startswith("error:")] for log in logs]
+    assert all(len(e) == 1 and "checkpoint step 2" in e[0] and "resumes from step 1" in e[0] for e in errors), errors
+    assert "No space left on device" in errors[1][0] and "process(es) 1 failed to write it" in errors[0][0], errors
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2], steps  # both stopped before step 3
+    assert sorted(int(s) for s in os.listdir(run / "checkpoints") if s.isdigit()) == [1]
+
+    procs = two_hosts(out, [*args, "run.total_steps=2"])
+    logs = outputs_within(procs, 150)  # a hang lasts 20 minutes; 150 s allows for a loaded machine
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)[-4000:]
+    assert all("resumed from step 1" in log and "done: 2 steps" in log for log in logs), "\n".join(logs)[-4000:]
+    assert sorted(int(s) for s in os.listdir(run / "checkpoints") if s.isdigit()) == [1, 2]

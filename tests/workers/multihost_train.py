@@ -9,6 +9,8 @@ job's size and which process owns each data row of the mesh, and exits with the 
 
 With M3JAX_TEST_POOL=fake (and generation.backend=vllm) process 0's vLLM pool is `FakeEnginePool`: no vLLM, the
 multi-host wrapper and everything around it as in a real job.
+M3JAX_TEST_SAVE_FAILS=<process>:<step>: that process's background write of checkpoint <step> fails (a disk full on
+that host only), the way a failed TensorStore commit ends orbax's save thread.
 """
 
 import json
@@ -58,11 +60,27 @@ def fake_generator(cfg, graphdef, state, *, pad_id, run_dir):
     return ProcessZeroPool(FakeEnginePool(vocab) if zero else None, graphdef, is_zero=zero)
 
 
+def fail_one_save(process: int, step: int) -> None:
+    import errno
+
+    from orbax.checkpoint._src.checkpointers import async_checkpointer
+
+    wait = async_checkpointer._background_wait_for_commit_futures
+
+    def commit(directory, *args, **kwargs):
+        if jax.process_index() == process and directory.name.split(".")[0] == str(step):
+            raise OSError(errno.ENOSPC, "No space left on device (test)")
+        return wait(directory, *args, **kwargs)
+    async_checkpointer._background_wait_for_commit_futures = commit
+
+
 def main(out, flag, config, *overrides):
     assert flag == "--config"
     if os.environ.get("M3JAX_TEST_POOL") == "fake":
         from rl.generation import backends
         backends.make_generator = fake_generator
+    if os.environ.get("M3JAX_TEST_SAVE_FAILS"):
+        fail_one_save(*map(int, os.environ["M3JAX_TEST_SAVE_FAILS"].split(":")))
     rc = train.main([flag, config, *overrides])
     if jax.distributed.is_initialized():  # not when refused before it joined the job
         mesh = build_mesh(load_config(config, list(overrides)).mesh.to_mesh_config())
