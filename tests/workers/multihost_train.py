@@ -9,6 +9,7 @@ job's size and which process owns each data row of the mesh, and exits with the 
 
 With M3JAX_TEST_POOL=fake (and generation.backend=vllm) process 0's vLLM pool is `FakeEnginePool`: no vLLM, the
 multi-host wrapper and everything around it as in a real job.
+
 M3JAX_TEST_SAVE_FAILS=<process>:<step>: that process's background write of checkpoint <step> fails (a disk full on
 that host only), the way a failed TensorStore commit ends orbax's save thread.
 """
