@@ -8,7 +8,7 @@ import sys
 from m3jax.config import M3Config
 from sharding.mesh import MeshConfig
 from m3jax.plan.compile import compile_only_gpus, compile_step
-from m3jax.plan.memory import Batch, memory_plan
+from m3jax.plan.memory import Batch, memory_phases
 
 STATE_TERMS = ("params", "master", "moments", "buffers")  # what XLA counts as arguments (besides the batch)
 
@@ -41,8 +41,10 @@ def main():
         c = reduced(cfg, n_dense, n_moe)
         r = compile_step(c, mesh, batch, spec["master"], spec["moment_dtype"], spec.get("model_options"),
                          devices=devices)
-        plan = memory_plan(c, mesh, batch, spec["master"], spec["moment_dtype"], act_bytes=act_bytes)
+        phases = memory_phases(c, mesh, batch, spec["master"], spec["moment_dtype"], act_bytes=act_bytes)
+        plan = max(phases.values(), key=lambda terms: terms["total"])  # `memory_plan`: the binding peak
         r.update(dense=n_dense, moe=n_moe, analytic=plan["total"], exchange=batch.exchange,
+                 analytic_phases={name: terms["total"] for name, terms in phases.items()},
                  analytic_state=sum(plan.get(k, 0.0) for k in STATE_TERMS))
         out.append(r)
         print(f"compiled {n_dense}+{n_moe} layers on {r['devices']} devices: lower {r['lower_s']:.0f} s, "
