@@ -152,15 +152,19 @@ def layer_counts(cfg: M3Config) -> tuple[int, int]:
 def depth_fit(results: list, key: str, full: tuple[int, int]) -> dict | None:
     """Least-squares `value = base + dense * per_dense + moe * per_moe` over the compiled depths of at
     least 2 layers per kind, and its value at the full depth; None unless they pin down all three terms
-    (e.g. 2:2, 3:2, 2:4). A one-layer scan is left out: XLA removes a loop of one trip, so its forward
-    and backward stop sharing buffers (1+1 compiles to a larger peak than 2+2 at M3 widths)."""
+    (e.g. 2:2, 3:2, 2:4); "off_trend": the largest distance of a compiled depth from the fit (0 with three
+    depths: a fourth shows whether one of them peaks off the trend). A one-layer scan is left out: XLA removes
+    a loop of one trip, so its forward and backward stop sharing buffers (1+1 compiles to a larger peak than
+    2+2 at M3 widths)."""
     results = [r for r in results if r["dense"] >= 2 and r["moe"] >= 2]
     a = np.array([[1.0, r["dense"], r["moe"]] for r in results])
     if len(results) < 3 or np.linalg.matrix_rank(a) < 3:
         return None
-    coef = np.linalg.lstsq(a, np.array([r[key] for r in results]), rcond=None)[0]
+    values = np.array([r[key] for r in results])
+    coef = np.linalg.lstsq(a, values, rcond=None)[0]
     return {"base": coef[0], "per_dense": coef[1], "per_moe": coef[2],
-            "full": coef[0] + coef[1] * full[0] + coef[2] * full[1]}
+            "full": coef[0] + coef[1] * full[0] + coef[2] * full[1],
+            "off_trend": float(np.max(np.abs(a @ coef - values)))}
 
 
 def analytic_fit(results: list, full: tuple[int, int]) -> dict | None:
@@ -216,6 +220,8 @@ def print_compile(job, results: list, gpu_plan_full: float, compiler: str = "XLA
           f"second kind XLA {xla['per_moe'] / GB:.4g} GB vs analytic {ana['per_moe'] / GB:.4g} GB{peak}")
     print(f"  full depth ({full[0]}+{full[1]} layers), scaled per layer: {compiler} {xla['full'] / GB:.4g} GB vs "
           f"analytic {ana['full'] / GB:.4g} GB (analytic/XLA {ana['full'] / xla['full']:.2f})")
+    if sum(1 for r in results if r["dense"] >= 2 and r["moe"] >= 2) > 3:
+        print(f"  (the compiled depths lie up to {xla['off_trend'] / GB:.3g} GB off XLA's fit)")
     sizes = "bf16 activations" if compiler != "XLA:CPU" else "fp32-sized activations"
     print(f"  (analytic as {compiler} runs it: {results[0]['exchange']} expert exchange, {sizes}; "
           f"the GPU plan of the full model: {gpu_plan_full / GB:.4g} GB)")
