@@ -56,7 +56,7 @@ def test_results_without_their_phases_fit_the_binding_total(capsys):
 
 def test_a_fourth_depth_shows_how_far_the_compiled_peaks_lie_off_the_fit(capsys):
     """Three depths fit exactly, whatever one of them does; a fourth measures the trend (the 128-expert recipe's
-    2+2 peaks 1.6 GB below the line through 2+3 and 2+4)."""
+    2+2 peaks 1.55 GB below the line through 2+3 and 2+4)."""
     depths = [made_up_result(2, 2, 19.0), made_up_result(3, 2, 20.0), made_up_result(2, 4, 26.0)]
     assert "off XLA's fit" not in printed(depths, capsys)
     out = printed(depths + [made_up_result(2, 3, 22.5 + 0.9)], capsys)

@@ -205,7 +205,7 @@ def print_compile(job, results: list, gpu_plan_full: float, compiler: str = "XLA
     full = layer_counts(job.model)
     # The full depth itself, where it was compiled: no fit between it and the plan (a fit over reduced depths
     # carries whatever one of them does off the trend: 2+2 of the 128-expert H200 recipe peaks at another point of
-    # the MoE backward than 2+3 and deeper, 1.6 GB lower, and its fit read 91.99 GB where 3+5 compiles to 91.27).
+    # the MoE backward than 2+3 and deeper, 1.55 GB lower, and its fit read 91.99 GB where 3+5 compiles to 91.27).
     for r in results:
         if (r["dense"], r["moe"]) == full:
             print(f"  full depth ({full[0]}+{full[1]} layers) compiled: {compiler} {r['peak'] / GB:.4g} GB vs "
