@@ -46,7 +46,7 @@ def from_checkpoint(cfg: RunConfig, step: int | None = None) -> LoadedPolicy:
                                     f"{', '.join(map(str, steps)) or 'none'})")
         if not steps:
             raise FileNotFoundError(f"no readable checkpoint in {reader.directory}")
-        policy = build_policy(cfg, kernel_timing="read")
+        policy = build_policy(cfg, kernel_timing="read", abstract=True)
         if step is None:
             got = reader.restore_latest(policy.state)
             if got is None:

@@ -31,7 +31,8 @@ from rl.logprobs import make_logprob_pass, policy_logprobs
 from sharding import optim_step
 from sharding.layout import Layout
 from sharding.mesh import build_mesh, row_positions, sequence_multiple
-from sharding.train_step import TrainState, batch_sharding, init_state, make_train_step, state_shardings
+from sharding.train_step import (TrainState, abstract_state, batch_sharding, init_state, make_train_step,
+                                 state_shardings)
 from sharding.widths import check_widths
 
 log = logging.getLogger(__name__)
@@ -135,10 +136,15 @@ def model_options(cfg: RunConfig, m3_cfg: m3jax.M3Config, layout: Layout, kernel
     return {**options, "moe_kernel": kernel}
 
 
-def build_policy(cfg: RunConfig, kernel_timing: str = "record", kernel_headroom: int | None = None) -> Policy:
+def build_policy(cfg: RunConfig, kernel_timing: str = "record", kernel_headroom: int | None = None,
+                 abstract: bool = False) -> Policy:
     """Layout (mesh + rules, experts on mesh.expert_axes), model (from model.path or freshly initialised
     on that layout, its expert kernel resolved by `model_options`), optimizer and train state placed on the
-    layout's shardings. kernel_timing, kernel_headroom: as `model_options`'s."""
+    layout's shardings. kernel_timing, kernel_headroom: as `model_options`'s.
+    abstract: the train state as shapes, dtypes and shardings only (`jax.ShapeDtypeStruct` leaves), for a caller that
+    restores a checkpoint into it (an export, an evaluation): nothing is read from model.path nor initialised. Built
+    in full, the state was held twice at the restore: an export of a 0.95 GB model peaked at 5x its parameters on the
+    host (BENCHMARKS.md, host memory audit)."""
     dtype = jnp.dtype(cfg.precision.param_dtype)
     m = cfg.mesh
     m3_cfg = cfg.model.m3_config()
@@ -149,7 +155,10 @@ def build_policy(cfg: RunConfig, kernel_timing: str = "record", kernel_headroom:
     layout = Layout() if m.num_devices == 1 else build_mesh(m.to_mesh_config(), m3_cfg,
                                                             seq_len=training_positions(cfg, m3_cfg))
     options = model_options(cfg, m3_cfg, layout, kernel_timing, kernel_headroom)
-    if cfg.model.path:
+    if abstract:
+        model = nnx.eval_shape(lambda: m3jax.M3ForCausalLM(m3_cfg, dtype=dtype, rngs=nnx.Rngs(0), layout=layout,
+                                                           **options))
+    elif cfg.model.path:
         model = m3jax.from_pretrained(cfg.model.path, dtype=dtype, mesh=layout, **options)
     else:
         model = m3jax.M3ForCausalLM(m3_cfg, dtype=dtype, rngs=nnx.Rngs(cfg.model.init_seed), layout=layout, **options)
@@ -161,11 +170,14 @@ def build_policy(cfg: RunConfig, kernel_timing: str = "record", kernel_headroom:
                                  # parameters without an LM gradient (the indexer): never decayed, and
                                  # clipped by their own norm so the alignment loss cannot shrink the policy's step
                                  decay_mask=lm_gradient, clip_mask=lm_gradient)
-    graphdef, state = init_state(model, optimizer)
+    if abstract:
+        graphdef, state = abstract_state(model, optimizer, layout)
+    else:
+        graphdef, state = init_state(model, optimizer)
     shardings = None
     if layout.mesh is not None:
         shardings = state_shardings(layout, state)
-        state = jax.device_put(state, shardings)
+        state = state if abstract else jax.device_put(state, shardings)
     return Policy(cfg, layout, graphdef, state, optimizer, shardings,
                   sampling_of(cfg, model_end_tokens(cfg.model, model.cfg.eos_token_id)),
                   model.cfg, options)
@@ -276,7 +288,7 @@ def export_latest(cfg: RunConfig, path: str | None = None) -> tuple[int, str]:
     that holds anything but an earlier export (the run directory itself, say) is refused before the model is built."""
     from m3jax.hf.save import check_destination
     path = check_destination(path or os.path.join(cfg.run.out_dir, "export"), [cfg.run.out_dir, cfg.model.path])
-    policy = build_policy(cfg, kernel_timing="off")
+    policy = build_policy(cfg, kernel_timing="off", abstract=True)
     # a reader: nothing in the run directory is created, moved or deleted (it may be read-only)
     checkpointer = ckpt_lib.Checkpointer(checkpoint_dir(cfg), async_save=False, read_only=True)
     try:

@@ -48,6 +48,19 @@ def init_state(model, optimizer: optax.GradientTransformation) -> tuple[Any, Tra
                                 jnp.zeros([], jnp.int32))
 
 
+def abstract_state(model, optimizer: optax.GradientTransformation, layout: Layout) -> tuple[Any, TrainState]:
+    """`init_state` of a model built by shape (`nnx.eval_shape`), as `jax.ShapeDtypeStruct`s placed where the
+    state would be (`state_shardings`; jax's default device without a mesh): a checkpoint's restore target, with
+    nothing computed or held."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    state = jax.eval_shape(lambda p, r: init_state(nnx.merge(graphdef, p, r), optimizer)[1], params, rest)
+    if layout.mesh is None:
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return graphdef, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), state)
+    return graphdef, jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state,
+                                  state_shardings(layout, state))
+
+
 def _logical_shardings(layout: Layout, state_tree):
     """NamedShardings for an nnx.State from each Variable's `logical_axes` metadata."""
     return jax.tree.map(lambda v: v.replace(layout.sharding(v.get_metadata()["logical_axes"])),

@@ -1,0 +1,103 @@
+"""Commands that restore a checkpoint build the train state by shape alone (`build_policy(abstract=True)`), so the host
+does not hold the state twice: the export and the checkpoint evaluation restore into `jax.ShapeDtypeStruct`s placed
+as the built state would be, and read nothing of model.path. Before, each built the whole state (a random init, or a
+full read of model.path) and then restored a second one beside it: an export of a 0.95 GB model peaked at 5x its
+parameters on the host (BENCHMARKS.md, host memory audit)."""
+
+import os
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import m3jax
+from rl import checkpoint as ckpt_lib
+from rl.config import checkpoint_dir, load_config
+from rl.eval_checkpoint import from_checkpoint
+from rl.policy import build_policy, export_latest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "configs", "tiny.yaml")
+MESH = ["mesh.data=2", "mesh.context=2", "mesh.tensor=2", "grpo.micro_batch_size=64"]
+
+
+def tiny_cfg(tmp_path, *overrides):
+    return load_config(TINY, [f"run.out_dir={tmp_path / 'run'}", "logging.tensorboard=false", *overrides])
+
+
+@pytest.mark.parametrize("precision", [["precision.master=none"],
+                                       ["precision.master=compact", "precision.moment_dtype=bfloat16"]])
+@pytest.mark.parametrize("mesh", [[], MESH], ids=["one_device", "mesh"])
+def test_the_abstract_state_is_the_built_one_by_shape(tmp_path, precision, mesh):
+    cfg = tiny_cfg(tmp_path, *precision, *mesh)
+    built, abstract = build_policy(cfg, kernel_timing="off"), build_policy(cfg, kernel_timing="off", abstract=True)
+    want, got = jax.tree.leaves_with_path(built.state), jax.tree.leaves_with_path(abstract.state)
+    assert [p for p, _ in got] == [p for p, _ in want]
+    for (path, x), (_, a) in zip(want, got):
+        assert isinstance(a, jax.ShapeDtypeStruct), path
+        assert (a.shape, a.dtype) == (x.shape, x.dtype), path
+        assert a.sharding.is_equivalent_to(x.sharding, x.ndim), (path, a.sharding, x.sharding)
+    assert abstract.graphdef == built.graphdef
+
+
+def saved_run(tmp_path, *overrides):
+    """A tiny run's config and its step-3 checkpoint of a built policy's state -> (cfg, that state)."""
+    cfg = tiny_cfg(tmp_path, *overrides)
+    state = build_policy(cfg, kernel_timing="off").state
+    saver = ckpt_lib.Checkpointer(checkpoint_dir(cfg), async_save=False)
+    saver.save(3, state, {"step": 3, "data": {}, "weight_version": 3})
+    saver.close()
+    return cfg, state
+
+
+@pytest.fixture
+def restored_likes(monkeypatch):
+    """The `like` state of every checkpoint restore made while the test runs."""
+    likes = []
+    restore_latest = ckpt_lib.Checkpointer.restore_latest
+
+    def spy(self, like):
+        likes.append(like)
+        return restore_latest(self, like)
+    monkeypatch.setattr(ckpt_lib.Checkpointer, "restore_latest", spy)
+    return likes
+
+
+def assert_shapes_only(likes):
+    assert len(likes) == 1
+    kinds = {type(x).__name__ for x in jax.tree.leaves(likes[0])}
+    assert kinds == {"ShapeDtypeStruct"}, f"the restore target holds {kinds}: a second state built beside the restore"
+
+
+def test_an_export_restores_into_shapes_alone(tmp_path, restored_likes):
+    cfg, state = saved_run(tmp_path)
+    step, path = export_latest(cfg, str(tmp_path / "export"))
+    assert step == 3
+    assert_shapes_only(restored_likes)
+    exported = nnx.state(m3jax.from_pretrained(path), nnx.Param)
+    for (key, want), (_, got) in zip(nnx.to_flat_state(state.params), nnx.to_flat_state(exported), strict=True):
+        np.testing.assert_array_equal(np.asarray(got.get_value()), np.asarray(want.get_value()), err_msg=str(key))
+
+
+def test_a_checkpoint_evaluation_restores_into_shapes_alone(tmp_path, restored_likes):
+    cfg, state = saved_run(tmp_path, *MESH)
+    got = from_checkpoint(cfg)
+    assert got.step == 3
+    assert_shapes_only(restored_likes)
+    for (key, want), (_, x) in zip(nnx.to_flat_state(state.params), nnx.to_flat_state(got.params), strict=True):
+        assert x.get_value().sharding.is_equivalent_to(want.get_value().sharding, x.get_value().ndim), key
+        np.testing.assert_array_equal(np.asarray(x.get_value()), np.asarray(want.get_value()), err_msg=str(key))
+
+
+def test_an_export_reads_nothing_of_the_model_path(tmp_path, monkeypatch):
+    """A run fine-tuned from a HF checkpoint: its export restores the run's own checkpoint, and before read the
+    whole of model.path (852 GB for the release) only to drop it."""
+    m3jax.save_pretrained(m3jax.M3ForCausalLM(tiny_cfg(tmp_path).model.m3_config(), rngs=nnx.Rngs(1)),
+                          str(tmp_path / "hf"))
+    cfg, _ = saved_run(tmp_path, f"model.path={tmp_path / 'hf'}", "model.tiny=null")
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the export read model.path")
+    monkeypatch.setattr(m3jax, "from_pretrained", refused)
+    assert export_latest(cfg, str(tmp_path / "export"))[0] == 3
