@@ -142,6 +142,11 @@ class Checkpointer:
         """The finished checkpoints' steps, oldest first."""
         return sorted(self.manager.all_steps())
 
+    def job_steps(self) -> list[int]:
+        """Process 0's finished steps, newest first, on every process of the job (a collective): what
+        `restore_latest` tries, so every process decides alike whether the job resumes."""
+        return _job_steps(sorted(self.manager.all_steps(), reverse=True))
+
     def _check_state(self, step: int, target: dict) -> None:
         """Raise CheckpointMismatch when checkpoint `step` holds another state than `target`: a config changed
         between the run that saved it and this one. Such a checkpoint is not damaged, so it must not be set
@@ -246,7 +251,7 @@ class Checkpointer:
         unreadable on any process (each reads its own shards) is skipped by all. Each process deciding alone, a
         two-host resume whose newest checkpoint one host could not read had the hosts resume from different steps,
         and both hung in their first collective until jax's shutdown barrier killed them."""
-        steps = _job_steps(sorted(self.manager.all_steps(), reverse=True))
+        steps = self.job_steps()
         target = _restore_target(like)
         unreadable = []
         for step in steps:

@@ -64,13 +64,16 @@ class GRPOTrainer:
     Construction builds all of them; a command that needs less (export) builds only its part. kernel_headroom:
     as `rl.policy.model_options`'s."""
 
+    _restored = None  # (state, meta) of the checkpoint restored as the trainer was built (`_build_policy`), for `resume`
+
     def __init__(self, cfg: RunConfig, policy: Policy | None = None, kernel_headroom: int | None = None):
         self.cfg = cfg
         self.run_dir = cfg.run.out_dir
         os.makedirs(self.run_dir, exist_ok=True)
         self.loss_cfg = cfg.grpo.loss_config(cfg.generation.max_new_tokens)
         self.tokenizer, self.loader, self.pad_id = build_data(cfg)
-        self.policy = policy or build_policy(cfg, kernel_headroom=kernel_headroom)
+        self.checkpointer = checkpointer_for(cfg)
+        self.policy = policy or self._build_policy(kernel_headroom)
         self.width = sequence_width(cfg, self.policy.model_cfg)
         # the KL's reference policy: the weights the run starts from (a resume restores the policy, not these), or
         # grpo.reference_path's
@@ -85,7 +88,6 @@ class GRPOTrainer:
         p = self.policy
         self.engine = backends.make_generator(cfg, p.graphdef, p.state, pad_id=self.pad_id, run_dir=self.run_dir)
         self.probe = self._probe_check()
-        self.checkpointer = checkpointer_for(cfg)
         self.eval_set = self._eval_set() if cfg.eval.enabled else None
         self.best = None  # {metric, value, step} of the best held-out evaluation so far (kept in checkpoints)
         self.resumed_row = None  # the resumed checkpoint's metrics row
@@ -95,6 +97,28 @@ class GRPOTrainer:
         self.ahead = AheadDraw() if cfg.grpo.max_trajectory_age_steps else None
         # in a multi-host job it runs on process 0 alone and is shared when taken (rl.shared_draw)
         self.shared_ahead = self.ahead is not None and jax.process_count() > 1
+
+    def _build_policy(self, kernel_headroom: int | None) -> Policy:
+        """The policy; a run that resumes builds its state by shape and restores the checkpoint into it here, before
+        the engine and the reference are made from it: built in full, the state was held twice at the restore (a
+        0.95 GB model's resume peaked at 4.9x its parameters on the host). A KL reference of the starting weights
+        (no grpo.reference_path) needs them built: such a run builds them, and restores in `resume`."""
+        cfg = self.cfg
+        abstract = bool(self.checkpointer.job_steps()) and (self.loss_cfg.kl == "none" or bool(cfg.grpo.reference_path))
+        policy = build_policy(cfg, kernel_headroom=kernel_headroom, abstract=abstract)
+        if abstract:
+            got = self.checkpointer.restore_latest(policy.state)
+            if got is None:
+                raise self._unreadable()
+            policy.state = policy.place(got[0])
+            self._restored = (policy.state, got[1])
+        return policy
+
+    def _unreadable(self) -> CheckpointsUnreadable:
+        return CheckpointsUnreadable(
+            f"no checkpoint in {self.checkpointer.directory} reads (steps "
+            f"{', '.join(map(str, self.checkpointer.steps()))}; the warnings above say why): fix or move "
+            "them, or start over in a new run.out_dir")
 
     @property
     def state(self):
@@ -241,13 +265,10 @@ class GRPOTrainer:
                 "reference_step": self.reference_step, **self.trained_under}
 
     def resume(self) -> int:
-        got = self.checkpointer.restore_latest(self.state)
+        got, self._restored = self._restored or self.checkpointer.restore_latest(self.state), None
         if got is None:
             if self.checkpointer.steps():  # each was named unreadable in a warning
-                raise CheckpointsUnreadable(
-                    f"no checkpoint in {self.checkpointer.directory} reads (steps "
-                    f"{', '.join(map(str, self.checkpointer.steps()))}; the warnings above say why): fix or move "
-                    "them, or start over in a new run.out_dir")
+                raise self._unreadable()
             return 0
         state, meta = got
         self.resumed_row = meta.get("metrics_row")

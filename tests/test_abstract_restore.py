@@ -101,3 +101,24 @@ def test_an_export_reads_nothing_of_the_model_path(tmp_path, monkeypatch):
         raise AssertionError("the export read model.path")
     monkeypatch.setattr(m3jax, "from_pretrained", refused)
     assert export_latest(cfg, str(tmp_path / "export"))[0] == 3
+
+
+def test_a_resumed_run_restores_into_shapes_alone(tmp_path, restored_likes):
+    from rl.trainer import GRPOTrainer
+    cfg = tiny_cfg(tmp_path, "run.total_steps=4")
+    first = GRPOTrainer(cfg)
+    saved = jax.tree.map(np.asarray, first.state)
+    first.save(2)
+    first.checkpointer.close()
+    first.engine.shutdown()
+    restored_likes.clear()
+    second = GRPOTrainer(cfg)
+    assert_shapes_only(restored_likes)
+    assert second.resume() == 2
+    assert len(restored_likes) == 1  # restored once, when the trainer was built
+    for (path, want), (_, got) in zip(jax.tree.leaves_with_path(saved), jax.tree.leaves_with_path(second.state),
+                                      strict=True):
+        np.testing.assert_array_equal(np.asarray(got), want, err_msg=str(path))
+    assert all(x is y for x, y in zip(jax.tree.leaves(second.engine.params), jax.tree.leaves(second.state.params)))
+    second.checkpointer.close()
+    second.engine.shutdown()
