@@ -158,13 +158,14 @@ class Checkpointer:
                 f"{why}; expected the model, precision and optimizer config that wrote it: resume with that config, "
                 "or start this one in another run.out_dir (or run.name)")
 
-    def restore_step(self, step: int, like: TrainState) -> tuple[TrainState, dict]:
+    def restore_step(self, step: int, like: TrainState, params_only: bool = False) -> tuple[TrainState, dict]:
         """Checkpoint `step` rebuilt into the layout of `like`; no fallback (an unreadable one raises
-        CheckpointsUnreadable naming it, one of another state CheckpointMismatch)."""
+        CheckpointsUnreadable naming it, one of another state CheckpointMismatch). params_only: as
+        `restore_latest`'s."""
         target = _restore_target(like)
         self._check_state(step, target)
         try:
-            got = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
+            got = self.manager.restore(step, args=ocp.args.Composite(state=_state_args(target, params_only),
                                                                      meta=ocp.args.JsonRestore()))
         except Exception as e:  # noqa: BLE001 - orbax / TensorStore raise many kinds for damaged files
             _quiet_abandoned_reads()
@@ -243,9 +244,12 @@ class Checkpointer:
         nnx.replace_by_pure_dict(params, got["reference"])
         return params
 
-    def restore_latest(self, like: TrainState) -> tuple[TrainState, dict] | None:
+    def restore_latest(self, like: TrainState, params_only: bool = False) -> tuple[TrainState, dict] | None:
         """The newest readable checkpoint rebuilt into the layout of `like` (the freshly built state). One that
         reads but holds another state (a changed config) raises CheckpointMismatch rather than being skipped.
+        params_only: the params and the non-trainable state alone, for a reader (export, evaluation): the optimizer
+        state is left as it is in `like` and is not read (the moments: twice the fp32 params, which an export
+        then held beside them for nothing).
 
         In a multi-host job every process restores the same step: process 0's list of steps is tried, and a step
         unreadable on any process (each reads its own shards) is skipped by all. Each process deciding alone, a
@@ -267,7 +271,7 @@ class Checkpointer:
                     "that wrote it, or start this one in another run.out_dir (or run.name)")
             try:
                 got = self.manager.restore(step, args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
+                    state=_state_args(target, params_only), meta=ocp.args.JsonRestore()))
                 # valid JSON that is not what a save writes: as damaged as a file that does not parse
                 why = _meta_problem(step, got["meta"])
             except Exception as e:  # noqa: BLE001 - any unreadable checkpoint: fall back to the previous one
@@ -337,11 +341,25 @@ def _meta_problem(step: int, meta) -> str | None:
     return None
 
 
+def _state_args(target: dict, params_only: bool):
+    """The restore of a step's `state` item: whole, or (params_only) without the optimizer's inner state, which
+    is then not read (orbax's partial restore)."""
+    if not params_only:
+        return ocp.args.StandardRestore(target)
+    part = {k: v for k, v in target.items() if k != "inner"}
+    return ocp.args.PyTreeRestore(part, restore_args=ocp.checkpoint_utils.construct_restore_args(part),
+                                  partial_restore=True)
+
+
 def _rebuild(like: TrainState, saved: dict) -> TrainState:
     master = jax.tree.map(lambda x: x, like.params)  # a fresh State to fill
     nnx.replace_by_pure_dict(master, saved["master"])
     master = jax.tree.map(lambda m: m.astype(jnp.float32), master)
     params = precision.params_from_master(master, like.params)
+    rest = jax.tree.map(lambda x: x, like.rest)
+    nnx.replace_by_pure_dict(rest, saved["rest"])
+    if "inner" not in saved:  # params_only: the optimizer state stays `like`'s (a reader's, by shape)
+        return TrainState(params, rest, like.opt_state, jnp.asarray(saved["step"]), jnp.asarray(saved["skipped"]))
     if like.opt_state.master == ():  # mode "none"
         store = ()
     else:  # "fp32": the master itself; "compact": int16 remainders where the layout has them
@@ -350,8 +368,6 @@ def _rebuild(like: TrainState, saved: dict) -> TrainState:
         # so such a leaf's master is a copy, as `precision.with_master_weights` makes it at init.
         store = jax.tree.map(lambda m, p, s: precision.remainder(m, p) if s.dtype == jnp.int16
                              else jnp.array(m, copy=True) if p is m else m, master, params, like.opt_state.master)
-    rest = jax.tree.map(lambda x: x, like.rest)
-    nnx.replace_by_pure_dict(rest, saved["rest"])
     inner = jax.tree.map(lambda s, ref: s.astype(ref.dtype), saved["inner"], like.opt_state.inner)
     return TrainState(params, rest, precision.MasterState(store, inner), jnp.asarray(saved["step"]),
                       jnp.asarray(saved["skipped"]))

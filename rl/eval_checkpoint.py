@@ -48,15 +48,14 @@ def from_checkpoint(cfg: RunConfig, step: int | None = None) -> LoadedPolicy:
             raise FileNotFoundError(f"no readable checkpoint in {reader.directory}")
         policy = build_policy(cfg, kernel_timing="read", abstract=True)
         if step is None:
-            got = reader.restore_latest(policy.state)
+            got = reader.restore_latest(policy.state, params_only=True)
             if got is None:
                 raise FileNotFoundError(f"no readable checkpoint in {reader.directory}")
         else:
-            got = reader.restore_step(step, policy.state)
+            got = reader.restore_step(step, policy.state, params_only=True)
     finally:
         reader.close()
-    state, meta = got
-    state = policy.place(state)
+    state, meta = got  # placed by the restore (the target's shardings); the optimizer state by shape only
     return LoadedPolicy(policy.graphdef, state.params, state.rest,
                         model_end_tokens(cfg.model, policy.model_cfg.eos_token_id), int(meta["step"]), meta)
 

@@ -292,13 +292,12 @@ def export_latest(cfg: RunConfig, path: str | None = None) -> tuple[int, str]:
     # a reader: nothing in the run directory is created, moved or deleted (it may be read-only)
     checkpointer = ckpt_lib.Checkpointer(checkpoint_dir(cfg), async_save=False, read_only=True)
     try:
-        got = checkpointer.restore_latest(policy.state)
+        got = checkpointer.restore_latest(policy.state, params_only=True)
     finally:
         checkpointer.close()
     if got is None:
         raise FileNotFoundError(f"no checkpoint to export in {checkpointer.directory}")
-    state, meta = got
-    policy.state = policy.place(state)
+    policy.state, meta = got  # placed by the restore (the target's shardings); the optimizer state by shape only
     return int(meta["step"]), policy.export(path)
 
 

@@ -53,15 +53,30 @@ def saved_run(tmp_path, *overrides):
 
 @pytest.fixture
 def restored_likes(monkeypatch):
-    """The `like` state of every checkpoint restore made while the test runs."""
-    likes = []
+    """The `like` state of every checkpoint restore made while the test runs (`restored_likes.states`: the states
+    they returned)."""
+    likes = Restores()
     restore_latest = ckpt_lib.Checkpointer.restore_latest
 
-    def spy(self, like):
+    def spy(self, like, **kwargs):
         likes.append(like)
-        return restore_latest(self, like)
+        got = restore_latest(self, like, **kwargs)
+        likes.states.append(got[0])
+        return got
     monkeypatch.setattr(ckpt_lib.Checkpointer, "restore_latest", spy)
     return likes
+
+
+class Restores(list):
+    def __init__(self):
+        super().__init__()
+        self.states = []
+
+
+def assert_params_only(state):
+    """A reader's restore reads no optimizer state (twice the fp32 params in Adam's moments): it stays by shape."""
+    kinds = {type(x).__name__ for x in jax.tree.leaves(state.opt_state)}
+    assert kinds == {"ShapeDtypeStruct"}, f"the reader restored the optimizer state ({kinds})"
 
 
 def assert_shapes_only(likes):
@@ -75,19 +90,24 @@ def test_an_export_restores_into_shapes_alone(tmp_path, restored_likes):
     step, path = export_latest(cfg, str(tmp_path / "export"))
     assert step == 3
     assert_shapes_only(restored_likes)
+    assert_params_only(restored_likes.states[0])
     exported = nnx.state(m3jax.from_pretrained(path), nnx.Param)
     for (key, want), (_, got) in zip(nnx.to_flat_state(state.params), nnx.to_flat_state(exported), strict=True):
         np.testing.assert_array_equal(np.asarray(got.get_value()), np.asarray(want.get_value()), err_msg=str(key))
 
 
 def test_a_checkpoint_evaluation_restores_into_shapes_alone(tmp_path, restored_likes):
-    cfg, state = saved_run(tmp_path, *MESH)
+    """On a mesh, with bf16 params and their 16-bit remainders (the params come back from the saved fp32 master);
+    the newest step and a named one."""
+    cfg, state = saved_run(tmp_path, *MESH, "precision.master=compact")
     got = from_checkpoint(cfg)
     assert got.step == 3
     assert_shapes_only(restored_likes)
-    for (key, want), (_, x) in zip(nnx.to_flat_state(state.params), nnx.to_flat_state(got.params), strict=True):
-        assert x.get_value().sharding.is_equivalent_to(want.get_value().sharding, x.get_value().ndim), key
-        np.testing.assert_array_equal(np.asarray(x.get_value()), np.asarray(want.get_value()), err_msg=str(key))
+    assert_params_only(restored_likes.states[0])
+    for read in (got, from_checkpoint(cfg, step=3)):  # restore_latest, restore_step
+        for (key, want), (_, x) in zip(nnx.to_flat_state(state.params), nnx.to_flat_state(read.params), strict=True):
+            assert x.get_value().sharding.is_equivalent_to(want.get_value().sharding, x.get_value().ndim), key
+            np.testing.assert_array_equal(np.asarray(x.get_value()), np.asarray(want.get_value()), err_msg=str(key))
 
 
 def test_an_export_reads_nothing_of_the_model_path(tmp_path, monkeypatch):
@@ -112,6 +132,7 @@ def test_a_resumed_run_restores_into_shapes_alone(tmp_path, restored_likes):
     first.checkpointer.close()
     first.engine.shutdown()
     restored_likes.clear()
+    restored_likes.states.clear()
     second = GRPOTrainer(cfg)
     assert_shapes_only(restored_likes)
     assert second.resume() == 2
