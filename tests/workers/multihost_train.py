@@ -10,8 +10,9 @@ job's size and which process owns each data row of the mesh, and exits with the 
 With M3JAX_TEST_POOL=fake (and generation.backend=vllm) process 0's vLLM pool is `FakeEnginePool`: no vLLM, the
 multi-host wrapper and everything around it as in a real job.
 
-M3JAX_TEST_SAVE_FAILS=<process>:<step>: that process's background write of checkpoint <step> fails (a disk full on
-that host only), the way a failed TensorStore commit ends orbax's save thread.
+M3JAX_TEST_SAVE_FAILS=<process>[:<step>]: that process's write of checkpoint <step> (of every checkpoint without it)
+fails (a disk full on that host only), the way a failed TensorStore commit does, whether the save is synchronous or
+async.
 """
 
 import json
@@ -61,18 +62,25 @@ def fake_generator(cfg, graphdef, state, *, pad_id, run_dir):
     return ProcessZeroPool(FakeEnginePool(vocab) if zero else None, graphdef, is_zero=zero)
 
 
-def fail_one_save(process: int, step: int) -> None:
+def fail_saves(process: int, step: int | None = None) -> None:
+    """Process `process`'s write of checkpoint `step` (None: of each) ends in ENOSPC once its other writes have: a
+    failing commit future, which a synchronous save waits for in its handler and an async one in orbax's thread."""
     import errno
 
-    from orbax.checkpoint._src.checkpointers import async_checkpointer
+    import orbax.checkpoint as ocp
 
-    wait = async_checkpointer._background_wait_for_commit_futures
-
-    def commit(directory, *args, **kwargs):
-        if jax.process_index() == process and directory.name.split(".")[0] == str(step):
+    class DiskFull:
+        def result(self, timeout=None):
             raise OSError(errno.ENOSPC, "No space left on device (test)")
-        return wait(directory, *args, **kwargs)
-    async_checkpointer._background_wait_for_commit_futures = commit
+
+    write = ocp.CompositeCheckpointHandler.async_save
+
+    async def async_save(self, directory, *args, **kwargs):
+        futures = await write(self, directory, *args, **kwargs)
+        if jax.process_index() == process and step in (None, int(directory.name.split(".")[0])):
+            return [*(futures or []), DiskFull()]
+        return futures
+    ocp.CompositeCheckpointHandler.async_save = async_save
 
 
 def main(out, flag, config, *overrides):
@@ -81,7 +89,7 @@ def main(out, flag, config, *overrides):
         from rl.generation import backends
         backends.make_generator = fake_generator
     if os.environ.get("M3JAX_TEST_SAVE_FAILS"):
-        fail_one_save(*map(int, os.environ["M3JAX_TEST_SAVE_FAILS"].split(":")))
+        fail_saves(*map(int, os.environ["M3JAX_TEST_SAVE_FAILS"].split(":")))
     rc = train.main([flag, config, *overrides])
     if jax.distributed.is_initialized():  # not when refused before it joined the job
         mesh = build_mesh(load_config(config, list(overrides)).mesh.to_mesh_config())
