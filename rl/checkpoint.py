@@ -11,9 +11,9 @@ onto the current run's shardings (orbax restores against an abstract target).
 
 A crash during an async save leaves `<step>.orbax-checkpoint-tmp*`, which orbax ignores; a damaged
 finished checkpoint is skipped with a warning and the previous one used. A save that fails (a full disk, a lost
-mount) raises `CheckpointSaveFailed` at the next step or save, naming the step, the cause and the free space:
-the run stops there, rather than training on past a checkpoint it cannot write. In a multi-host job every process
-raises it at the same step, also where the write failed on another process only (`rl.checkpoint_job`).
+mount) raises `CheckpointSaveFailed` at the next step or save (the last one at the run's end), naming the step,
+the cause and the free space: the run stops there, rather than training on past a checkpoint it cannot write. In
+a multi-host job every process raises it at the same step, also where the write failed on another process only (`rl.checkpoint_job`).
 """
 
 from __future__ import annotations
@@ -122,6 +122,7 @@ class Checkpointer:
         self.read_only = read_only
         self._saving = None  # the step of the last save started
         self._unchecked = False  # that save may have ended in a failure not yet raised
+        self._error = None  # its failure on this process, which orbax raises once (`wait` may have taken it)
         # orbax warns that a read-only directory is read only: what was asked for, so not on the terminal
         notice = _Demote("Given directory is read only")
         logging.getLogger("absl").addFilter(notice)
@@ -187,7 +188,7 @@ class Checkpointer:
             # closed event loop): run.log, where the error this raises says it in a line
             logging.getLogger("absl").addFilter(_orbax_errors_to_run_log)
             _quiet_abandoned_reads()
-        self._saving, self._unchecked = step, True
+        self._saving, self._unchecked, self._error = step, True, None
         try:
             self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(_portable(state)),
                                                             meta=ocp.args.JsonSave(meta), **extra), force=True)
@@ -205,15 +206,16 @@ class Checkpointer:
         into their next collective."""
         if not self._unchecked:
             return
-        error = None
-        if self.manager.is_saving_in_progress():
-            state = checkpoint_job.FAILED if checkpoint_job.failures() else checkpoint_job.RUNNING
-        else:
+        state = checkpoint_job.RUNNING
+        if self._error is None and not self.manager.is_saving_in_progress():
             try:
                 self.manager.wait_until_finished()  # the save has ended: no wait, its failure raised
                 state = checkpoint_job.ENDED
             except Exception as e:  # noqa: BLE001
-                error, state = e, checkpoint_job.FAILED
+                self._error = e
+        if self._error is not None or state == checkpoint_job.RUNNING and checkpoint_job.failures():
+            state = checkpoint_job.FAILED
+        error = self._error
         states = checkpoint_job.save_states(state)
         if checkpoint_job.FAILED in states:
             failed = checkpoint_job.failures()
@@ -310,10 +312,13 @@ class Checkpointer:
     def wait(self, quiet: bool = False) -> None:
         """Until the last save has ended; one that failed raises CheckpointSaveFailed (quiet: only logs it, for a
         run already stopping with an error of its own; `check_saves` raises it afterwards)."""
-        try:
-            self.manager.wait_until_finished()
-        except Exception as e:  # noqa: BLE001
-            failed = self._failed(e)
+        if self._error is None:
+            try:
+                self.manager.wait_until_finished()
+            except Exception as e:  # noqa: BLE001 - orbax raises it once: kept for `check_saves` (a run's end)
+                self._error = e
+        if self._error is not None:
+            failed = self._failed(self._error)
             if not quiet:
                 raise failed from None
             log.debug("%s", failed)

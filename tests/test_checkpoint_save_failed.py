@@ -17,7 +17,8 @@ NO_SPACE = ValueError("RESOURCE_EXHAUSTED: Error writing \"master.x/0\" in OCDBT
 
 
 class FakeManager:
-    """The orbax CheckpointManager surface Checkpointer uses, with a background save that fails at step 40."""
+    """The orbax CheckpointManager surface Checkpointer uses, with a background save that fails at step 40: its wait
+    raises the failure once, as orbax's does (its finalize thread raises it once to each waiting thread)."""
 
     def __init__(self):
         self.finished, self.running, self.failed = [20], False, None
@@ -32,8 +33,9 @@ class FakeManager:
 
     def wait_until_finished(self):
         self.running = False
-        if self.failed is not None:
-            raise self.failed
+        failed, self.failed = self.failed, None
+        if failed is not None:
+            raise failed
 
     def all_steps(self):
         return self.finished
@@ -49,7 +51,6 @@ def checkpointer(tmp_path, monkeypatch):
     c.manager = FakeManager()
     monkeypatch.setattr("rl.checkpoint._portable", lambda state: {})
     yield c
-    c.manager.failed = None
     c.close()
     assert _orbax_errors_to_run_log not in logging.getLogger("absl").filters  # installed by a save, until close
 
@@ -71,6 +72,16 @@ def test_a_failed_background_save_stops_the_run_at_the_next_check(checkpointer):
         c.wait()
     with pytest.raises(CheckpointSaveFailed, match="step 40"):  # nor does another save start
         c.save(41, None, {})
+
+
+def test_a_failed_final_save_raises_after_the_quiet_wait_at_the_runs_end(checkpointer):
+    """The trainer's end waits quietly (its own error, if any, stands), then checks: the wait took orbax's only raise
+    of the failure, and a run whose last checkpoint was not written ended "done" (exit status 0)."""
+    c = checkpointer
+    c.save(40, None, {})
+    c.wait(quiet=True)
+    with pytest.raises(CheckpointSaveFailed, match="step 40 .* No space left on device"):
+        c.check_saves()
 
 
 def test_a_failed_synchronous_save_raises_at_once(checkpointer, monkeypatch):

@@ -73,3 +73,35 @@ def test_a_save_failing_on_one_host_stops_both_then_both_resume_from_the_last_go
     assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)[-4000:]
     assert all("resumed from step 1" in log and "done: 2 steps" in log for log in logs), "\n".join(logs)[-4000:]
     assert sorted(int(s) for s in os.listdir(run / "checkpoints") if s.isdigit()) == [1, 2]
+
+
+@pytest.mark.slow  # ~40 s: a run stopped after its first steps
+def test_a_save_forced_by_sigterm_failing_on_one_host_stops_both_with_its_error(tmp_path):
+    """A SIGTERM to process 0 saves the step both are on and stops; process 1's write of it fails. The stop's save is
+    the run's last, waited for as the run ends, where orbax raised its failure once to a wait that only logs it: both
+    processes stopped "by SIGTERM" (status 143) as if the step was saved, and a plain run's failed final save ended
+    "done" (status 0), leaving no checkpoint of it. Both must stop with the save's error (status 1)."""
+    import signal
+    import time
+
+    run, out = tmp_path / "run", str(tmp_path / "out")
+    os.environ["M3JAX_TEST_SAVE_FAILS"] = "1"  # each save: the stop's is the only one
+    try:
+        procs = two_hosts(out, [*TWO_HOSTS, "run.total_steps=6", "checkpoint.every_steps=0",
+                                "checkpoint.async_save=true", f"run.out_dir={run}", "eval.at_start=false",
+                                "eval.every_steps=0"])
+    finally:
+        del os.environ["M3JAX_TEST_SAVE_FAILS"]
+    metrics, deadline = run / "metrics.jsonl", time.time() + 120
+    while procs[0].poll() is None and time.time() < deadline and not (
+            metrics.exists() and metrics.read_text().strip()):  # step 1's row: the signal handlers are in place
+        time.sleep(0.01)
+    procs[0].send_signal(signal.SIGTERM)
+    logs = outputs_within(procs, 120)
+    assert [p.returncode for p in procs] == [1, 1], "\n".join(logs)[-4000:]
+    step = [json.loads(line)["step"] for line in metrics.read_text().splitlines()][-1]
+    assert step < 6 and "SIGTERM received" in logs[0], (step, logs[0][-3000:])  # the stop's save, not the last
+    errors = [[line for line in log.splitlines() if line.startswith("error:")] for log in logs]
+    assert all(len(e) == 1 and f"checkpoint step {step} " in e[0] and "resumes from step 0" in e[0]
+               for e in errors), errors
+    assert not [s for s in os.listdir(run / "checkpoints") if s.isdigit()]
