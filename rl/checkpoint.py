@@ -11,9 +11,10 @@ onto the current run's shardings (orbax restores against an abstract target).
 
 A crash during an async save leaves `<step>.orbax-checkpoint-tmp*`, which orbax ignores; a damaged
 finished checkpoint is skipped with a warning and the previous one used. A save that fails (a full disk, a lost
-mount) raises `CheckpointSaveFailed` at the next step or save (the last one at the run's end), naming the step,
-the cause and the free space: the run stops there, rather than training on past a checkpoint it cannot write. In
-a multi-host job every process raises it at the same step, also where the write failed on another process only (`rl.checkpoint_job`).
+mount) raises `CheckpointSaveFailed` at the next step or save (a synchronous one at once, the last one at the run's
+end), naming the step, the cause and the free space: the run stops there, rather than training on past a
+checkpoint it cannot write. In a multi-host job every process
+raises it at the same step, also where the write failed on another process only (`rl.checkpoint_job`).
 """
 
 from __future__ import annotations
@@ -120,20 +121,23 @@ class Checkpointer:
         """read_only: a reader (python -m m3jax.eval) that creates, saves and deletes nothing."""
         self.directory = os.path.abspath(directory)
         self.read_only = read_only
+        self.async_save = async_save
         self._saving = None  # the step of the last save started
         self._unchecked = False  # that save may have ended in a failure not yet raised
         self._error = None  # its failure on this process, which orbax raises once (`wait` may have taken it)
         # orbax warns that a read-only directory is read only: what was asked for, so not on the terminal
         notice = _Demote("Given directory is read only")
         logging.getLogger("absl").addFilter(notice)
-        # a multi-host save's barriers give up on a write another process announced failed (rl.checkpoint_job)
+        # a multi-host save's barriers give up on a write another process announced failed (rl.checkpoint_job).
+        # A synchronous save is orbax's async one waited for (`save`): orbax's synchronous Checkpointer waits for
+        # the other processes' writes in a device collective, which never ends where one of them failed.
         barrier = checkpoint_job.Barrier() if jax.process_count() > 1 and not read_only else None
         try:
             self.manager = ocp.CheckpointManager(
                 self.directory, item_names=("state", "meta", "reference"),
                 options=ocp.CheckpointManagerOptions(max_to_keep=None if read_only else keep,
                                                      save_interval_steps=0 if read_only else 1,
-                                                     enable_async_checkpointing=async_save and not read_only,
+                                                     enable_async_checkpointing=not read_only,
                                                      create=not read_only, read_only=read_only,
                                                      async_options=ocp.AsyncOptions(barrier_sync_fn=barrier)))
         finally:
@@ -178,7 +182,8 @@ class Checkpointer:
         return _rebuild(like, got["state"]), dict(got["meta"])
 
     def save(self, step: int, state: TrainState, meta: dict, reference=None) -> float:
-        """Start saving (returns at once when async); the seconds spent blocking are returned. reference: the KL
+        """Start saving (returns at once when async; a synchronous save's failure raises here, on every process of
+        the job); the seconds spent blocking are returned. reference: the KL
         reference's params when they are not the starting weights (after a `grpo.reference_reset_every_steps`
         reset), saved beside the state as they are (the policy's dtype)."""
         t0 = time.perf_counter()
@@ -194,11 +199,14 @@ class Checkpointer:
                                                             meta=ocp.args.JsonSave(meta), **extra), force=True)
         except Exception as e:  # noqa: BLE001 - orbax / TensorStore raise many kinds for a failed write
             raise self._failed(e) from None
+        if not self.async_save:
+            self.check_saves(wait=True)
         return time.perf_counter() - t0
 
-    def check_saves(self) -> None:
+    def check_saves(self, wait: bool = False) -> None:
         """Raise CheckpointSaveFailed if an async save that has ended failed; returns at once otherwise (while one
-        runs too). orbax keeps a background failure in its finalize thread, raised by the wait for it.
+        runs too; wait: until it has ended). orbax keeps a background failure in its finalize thread, raised by the
+        wait for it.
 
         In a multi-host job every process calls this at the same points (each step, each save) and all decide alike
         (`checkpoint_job.save_states`): all raise when the save failed on any process, and the save counts as ended
@@ -207,9 +215,9 @@ class Checkpointer:
         if not self._unchecked:
             return
         state = checkpoint_job.RUNNING
-        if self._error is None and not self.manager.is_saving_in_progress():
+        if self._error is None and (wait or not self.manager.is_saving_in_progress()):
             try:
-                self.manager.wait_until_finished()  # the save has ended: no wait, its failure raised
+                self.manager.wait_until_finished()  # (unless `wait`) the save has ended: no wait, its failure raised
                 state = checkpoint_job.ENDED
             except Exception as e:  # noqa: BLE001
                 self._error = e

@@ -84,6 +84,12 @@ def test_a_failed_final_save_raises_after_the_quiet_wait_at_the_runs_end(checkpo
         c.check_saves()
 
 
+def test_a_synchronous_save_whose_write_fails_raises_in_the_save(checkpointer):
+    checkpointer.async_save = False
+    with pytest.raises(CheckpointSaveFailed, match="step 40 .* No space left on device"):
+        checkpointer.save(40, None, {})
+
+
 def test_a_failed_synchronous_save_raises_at_once(checkpointer, monkeypatch):
     def fail(step, args, force):
         raise OSError(30, "Read-only file system")
