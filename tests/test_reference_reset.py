@@ -65,10 +65,12 @@ def _same(a, b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-@pytest.mark.slow  # five tiny runs of 3-4 steps (~25 s)
+@pytest.mark.slow  # four tiny trainers of 3-4 steps (~20 s)
 def test_the_reference_resets_to_the_policy_and_a_resume_restores_it(tmp_path):
     from rl.trainer import GRPOTrainer
-    trainer = GRPOTrainer(_cfg(tmp_path, "steps"))
+    # the uninterrupted run, step by step, saved after step 3 as run() saves: the resume below continues that
+    # checkpoint (a trainer of its own to save it cost a build and a compile of every program, ~3 s each)
+    trainer = GRPOTrainer(_cfg(tmp_path, "run", "run.total_steps=4"))
     try:
         start = jax.tree.map(np.asarray, trainer.reference.held)
         m1 = trainer.step(0)
@@ -80,33 +82,38 @@ def test_the_reference_resets_to_the_policy_and_a_resume_restores_it(tmp_path):
                 if isinstance(s, ScaleByAdamState)][0]
         assert int(adam.count) == 0
         m3 = trainer.step(2)
+        trainer.save(3, row=m3)
+        m4 = trainer.step(3)
     finally:
         trainer.engine.shutdown()
     assert [m["reference/age_steps"] for m in (m1, m2, m3)] == [1.0, 0.0, 1.0]
     assert m3["kl"] < m2["kl"]  # one update from the reference instead of two
+    assert os.path.isdir(tmp_path / "run" / "checkpoints" / "3" / "reference")
 
-    def metrics(name):
-        return [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl") if "loss" in line]
+    def last_row(name):
+        return [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl") if "loss" in line][-1]
 
-    GRPOTrainer(_cfg(tmp_path, "straight", "run.total_steps=4")).run()
-    GRPOTrainer(_cfg(tmp_path, "resumed", "run.total_steps=3")).run()
-    resumed = GRPOTrainer(_cfg(tmp_path, "resumed", "run.total_steps=4"))
-    try:
-        assert resumed.resume() == 3 and resumed.reference_step == 2
-    finally:
-        resumed.engine.shutdown()
-    GRPOTrainer(_cfg(tmp_path, "resumed", "run.total_steps=4")).run()
-    want, got = metrics("straight")[-1], metrics("resumed")[-1]
-    assert got["step"] == want["step"] == 4
+    resumed = GRPOTrainer(_cfg(tmp_path, "run", "run.total_steps=4"))
+    resume, restored = resumed.resume, []
+
+    def resume_and_record():  # what run()'s own resume restored, before its step resets the reference again
+        step = resume()
+        restored.append((step, resumed.reference_step))
+        return step
+
+    resumed.resume = resume_and_record
+    resumed.run()
+    assert restored == [(3, 2)]
+    got = last_row("run")
+    assert got["step"] == 4
     for k in ("loss", "kl", "grad_norm", "reward/mean", "reference/age_steps"):
-        assert got[k] == want[k], k
-    assert os.path.isdir(tmp_path / "resumed" / "checkpoints" / "3" / "reference")
+        assert got[k] == float(m4[k]), k
     # the reference in the devices' pinned host memory: saved from there, restored into it, the same run
     GRPOTrainer(_cfg(tmp_path, "host", "run.total_steps=3", "grpo.reference_memory=host")).run()
     GRPOTrainer(_cfg(tmp_path, "host", "run.total_steps=4", "grpo.reference_memory=host")).run()
-    got = metrics("host")[-1]
+    got = last_row("host")
     for k in ("loss", "kl", "grad_norm", "reward/mean"):
-        assert got[k] == want[k], k
+        assert got[k] == float(m4[k]), k
 
 
 def test_the_config_refuses_a_reset_without_a_kl():
