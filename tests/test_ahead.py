@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import threading
 import time
 
@@ -76,7 +77,7 @@ def _exported(out):
     return load_file(os.path.join(out, "export", "model.safetensors"))
 
 
-@pytest.mark.slow  # four tiny training runs of 3-6 steps (~1.5 min on the 2-core CPU)
+@pytest.mark.slow  # three tiny training runs of 3-6 steps (~1 min on the 2-core CPU)
 def test_age_one_overlaps_drains_at_checkpoints_and_resumes_bitwise(tmp_path):
     on_policy, _ = _run(tmp_path, "age0")
     rows, straight = _run(tmp_path, "age1", "grpo.max_trajectory_age_steps=1")
@@ -86,10 +87,15 @@ def test_age_one_overlaps_drains_at_checkpoints_and_resumes_bitwise(tmp_path):
     # the same prompts and the same first step; later steps sample with older weights
     assert rows[0]["reward/mean"] == on_policy[0]["reward/mean"]
     assert [r["reward/mean"] for r in rows[1:]] != [r["reward/mean"] for r in on_policy[1:]]
-    # stopped at the checkpoint (3 steps), then resumed to 6: bitwise the uninterrupted run
-    _run(tmp_path, "resumed", "grpo.max_trajectory_age_steps=1", "run.total_steps=3")
+    # stopped after the checkpoint at 3 (the run's directory as it was then: a run of its own to 3 steps cost a
+    # trainer build and compile), then resumed to 6: bitwise the uninterrupted run
+    shutil.copytree(straight, tmp_path / "resumed")
+    for done in ("checkpoints/6", "export"):
+        shutil.rmtree(tmp_path / "resumed" / done)
     resumed_rows, resumed = _run(tmp_path, "resumed", "grpo.max_trajectory_age_steps=1")
-    assert [r["rollout/age_steps"] for r in resumed_rows] == [0, 1, 1, 0, 1, 1]  # both runs append
+    # the rows past the checkpoint are the resumed run's: it draws step 4 on its own weights, as the first run did
+    assert [r["step"] for r in resumed_rows] == [1, 2, 3, 4, 5, 6]
+    assert [r["rollout/age_steps"] for r in resumed_rows] == [0, 1, 1, 0, 1, 1]
     want, got = _exported(straight), _exported(resumed)
     assert sorted(want) == sorted(got)
     for name in want:
