@@ -64,7 +64,8 @@ class GRPOTrainer:
     Construction builds all of them; a command that needs less (export) builds only its part. kernel_headroom:
     as `rl.policy.model_options`'s."""
 
-    _restored = None  # (state, meta) of the checkpoint restored as the trainer was built (`_build_policy`), for `resume`
+    # (state, meta) of the checkpoint restored as the trainer was built (`_build_policy`), for `resume`
+    _restored = None
 
     def __init__(self, cfg: RunConfig, policy: Policy | None = None, kernel_headroom: int | None = None):
         self.cfg = cfg
@@ -181,8 +182,9 @@ class GRPOTrainer:
         if ahead is not None and draws_ahead(done, cfg.run.total_steps, cfg.checkpoint.every_steps,
                                              self._evaluates_after(done)):
             # the generator holds the weights this step trains from (version `step`)
-            ahead.launch(shared_draw.ahead_draw(self.engine, self.loader, self.tokenizer, cfg, policy.sampling, done)
-                         if self.shared_ahead else functools.partial(draw, done), self.loader.state_dict(), version=step)
+            next_draw = (shared_draw.ahead_draw(self.engine, self.loader, self.tokenizer, cfg, policy.sampling, done)
+                         if self.shared_ahead else functools.partial(draw, done))
+            ahead.launch(next_draw, self.loader.state_dict(), version=step)
         samples, reward, failures = drawn.samples, drawn.reward, drawn.failures
         if drawn.metrics.get("dapo/filled_groups"):
             self._dapo_short_steps = getattr(self, "_dapo_short_steps", 0) + 1

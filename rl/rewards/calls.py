@@ -20,8 +20,9 @@ def named_keywords(fn) -> frozenset:
 
 def check_call(name: str, fn, mode: str) -> None:
     """Refuse, at registration, a reward that cannot take the call every run makes: fn(completion, answer,
-    truncated=...) (in batch mode the same with lists), plus the by-name keywords it names. `def r(completion, answer)` used to fail on every sample of
-    every step, each failure scored 0, and the run went on to its end with that reward silently 0."""
+    truncated=...) (in batch mode the same with lists), plus the by-name keywords it names. `def r(completion,
+    answer)` used to fail on every sample of every step, each failure scored 0, and the run went on to its end with
+    that reward silently 0."""
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):  # a builtin without a signature: found out at its first call
@@ -32,8 +33,8 @@ def check_call(name: str, fn, mode: str) -> None:
     try:
         sig.bind("completion", "answer", truncated=False, **{k: None for k in named_keywords(fn)}, **from_args)
     except TypeError as e:
-        call, expected = (("fn(completions, answers, truncated=[...])", "fn(completions: list[str], answers: list[str], "
-                           "**kw) -> list[float] (kw: truncated as a list") if mode == "batch" else
+        call, expected = (("fn(completions, answers, truncated=[...])", "fn(completions: list[str], "
+                           "answers: list[str], **kw) -> list[float] (kw: truncated as a list") if mode == "batch" else
                           ("fn(completion, answer, truncated=...)", "fn(completion: str, answer: str, **kw) -> float "
                            "(kw: truncated"))
         raise TypeError(f"reward {name!r}: {getattr(fn, '__qualname__', fn)}{sig} cannot be called as {call} ({e}), "

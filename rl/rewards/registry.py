@@ -123,8 +123,9 @@ def register_reward(name: str, *, mode: str = "thread", replace: bool = False) -
     """Decorator: file ``fn`` under ``name`` and return it unchanged (stack it to give several names).
 
     ``mode`` is how ``score_batch`` runs it by default (``"inline"``, ``"thread"`` or ``"process"``,
-    see the module docstring; ``"batch"``: one call scores many samples, rl.rewards.batch). Registering a different function under a taken name raises unless
-    ``replace=True`` (re-registering the same function, e.g. on module reload, is allowed).
+    see the module docstring; ``"batch"``: one call scores many samples, rl.rewards.batch). Registering a
+    different function under a taken name raises unless ``replace=True`` (re-registering the same function, e.g.
+    on module reload, is allowed).
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"reward name must be a non-empty string, got {name!r}")
@@ -306,7 +307,8 @@ def score_components(
         if n and how != "process" and callable(warmup):
             warmup()  # one-time imports, so that they do not count against the first sample's limit
         if how == "batch":
-            per_sample, once = batch_kwargs(named_keywords(fn), n, sample_kwargs, sample_context, call_kwargs, timeout_s)
+            per_sample, once = batch_kwargs(named_keywords(fn), n, sample_kwargs, sample_context, call_kwargs,
+                                            timeout_s)
             if n:
                 run_batch(fn, items, per_sample, once, timeout_s, deadline, num_workers or 1, out)
         else:
@@ -337,8 +339,9 @@ def score_batch(reward_fns_with_weights, completions, answers, **options: Any) -
     bounds the whole call (unfinished evaluations then count as failures). ``mode`` overrides every
     reward's registered mode; ``num_workers``: lanes (thread mode, default 1), processes (process
     mode, default min(cores, 8)) or chunks called at once (batch mode, default 1). ``call_kwargs``: keywords of
-    every call (a config entry's args), given once to a batch reward. ``sample_context``: per sample, keywords (``prompt``, ``meta``) given only to the
-    rewards whose signature names them. Unknown reward names raise ``UnknownRewardError`` before anything runs.
+    every call (a config entry's args), given once to a batch reward. ``sample_context``: per sample, keywords
+    (``prompt``, ``meta``) given only to the rewards whose signature names them. Unknown reward names raise
+    ``UnknownRewardError`` before anything runs.
     """
     s = score_components(reward_fns_with_weights, completions, answers, **options)
     return s.total, s.num_failures
