@@ -138,7 +138,7 @@ def test_config_key_and_its_choices_mirror_rl_logs():
 def test_abandoned_orbax_reads_go_to_the_debug_log(caplog):
     """What orbax leaves behind when it gives up on an unreadable checkpoint: the unraisable "Event loop is
     closed" from tensorstore's threads, unfinished coroutines, asyncio's never-retrieved task errors."""
-    from rl import checkpoint as ckpt
+    from rl import checkpoint_logs as ckpt  # rl.checkpoint's log handling
 
     seen = []
     hook = ckpt._QuietAbandonedReads(seen.append)
