@@ -50,7 +50,8 @@ def pytest_configure(config):
 # Only the order changes: no test depends on it.
 FIRST = ("test_trainer.py", "test_recipe_miniature.py", "test_gpu_check.py", "test_resume.py", "test_ahead.py",
          "test_train_step.py", "test_plan.py", "test_jax_engine.py", "test_indexer_align.py", "test_routing_replay.py",
-         "test_context_parallel_run.py", "test_remat_policy.py", "test_weight_senders.py", "test_step_copy.py")
+         "test_context_parallel_run.py", "test_remat_policy.py", "test_weight_senders.py", "test_step_copy.py",
+         "test_multihost_failures.py", "test_multihost.py", "test_shared_draw.py")
 
 
 @pytest.hookimpl(trylast=True)  # after `-m` has deselected: `items` is what this process runs

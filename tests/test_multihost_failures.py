@@ -53,7 +53,7 @@ def test_a_save_failing_on_one_host_stops_both_then_both_resume_from_the_last_go
     barrier. Async, both used to go on training and hang at their next save (orbax's deadline: 20 minutes);
     synchronous (configs/tiny.yaml's), process 1 raised alone while process 0 hung in orbax's barrier, a device
     collective without a deadline. Both must raise the same error at the same step (a synchronous save's in the
-    save, before the step's metrics row), and a rerun resumes both from step 1."""
+    save, before the step's metrics row), and a rerun resumes both from step 1 (checked after the async save)."""
     run, out = tmp_path / "run", str(tmp_path / "out")
     args = [*TWO_HOSTS, "checkpoint.every_steps=1", f"checkpoint.async_save={str(async_save).lower()}",
             f"run.out_dir={run}", "eval.at_start=false", "eval.every_steps=0"]
@@ -71,6 +71,8 @@ def test_a_save_failing_on_one_host_stops_both_then_both_resume_from_the_last_go
     assert steps == ([1, 2] if async_save else [1]), steps  # both stopped before step 3
     assert sorted(int(s) for s in os.listdir(run / "checkpoints") if s.isdigit()) == [1]
 
+    if not async_save:  # the resume is the same for both kinds of save: checked once (~15 s of the suite)
+        return
     procs = two_hosts(out, [*args, "run.total_steps=2"])
     logs = outputs_within(procs, 150)  # a hang lasts 20 minutes; 150 s allows for a loaded machine
     assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)[-4000:]
