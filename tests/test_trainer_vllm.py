@@ -55,11 +55,12 @@ def test_it_learns_and_exports_for_vllm(vllm_run):
 
 
 @pytest.mark.extended  # two processes and a vLLM pool (~60 s); the suite runs the one-host pool end to end and the process-0 pool logic
-@pytest.mark.parametrize("transport", ["ray", "collective"])
-def test_two_host_trainer_shares_one_pool(tmp_path, transport):
+@pytest.mark.parametrize("transport, age", [("ray", 0), ("collective", 0), ("ray", 1)])
+def test_two_host_trainer_shares_one_pool(tmp_path, transport, age):
     """A 2-process trainer (4 simulated devices each): process 0 owns the vLLM pool; both processes receive
     the rollouts, probes and transfer figures by broadcast. On `ray` both take part in the weight gather and
-    process 0 sends; on `collective` each sends the tensors it holds through its own weight group."""
+    process 0 sends; on `collective` each sends the tensors it holds through its own weight group. With
+    grpo.max_trajectory_age_steps 1 process 0 draws the next step alone while both train (rl.shared_draw)."""
     import socket
 
     with socket.socket() as s:
@@ -69,7 +70,9 @@ def test_two_host_trainer_shares_one_pool(tmp_path, transport):
     overrides = ["mesh.data=4", "mesh.expert=2", "mesh.expert_axes=[expert]", "grpo.prompts_per_step=4",
                  "grpo.group_size=2", "grpo.micro_batch_size=1", "run.total_steps=2", f"run.out_dir={run}",
                  "generation.vllm_servers=1", "logging.progress_bar=false", "logging.plot=false",
-                 f"generation.weight_transport={transport}"]
+                 f"generation.weight_transport={transport}",
+                 *([f"grpo.max_trajectory_age_steps={age}", "run.total_steps=3", "checkpoint.every_steps=0"] if age
+                   else [])]
     procs = []
     for i in range(2):
         env = {**os.environ, "PYTHONPATH": ROOT, "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
@@ -85,8 +88,11 @@ def test_two_host_trainer_shares_one_pool(tmp_path, transport):
     done = [[line for line in log.splitlines() if line.startswith("done:")] for log in logs]
     assert done[0] and done[0] == done[1]
     rows = [r for r in map(json.loads, open(run / "metrics.jsonl")) if "reward/mean" in r]  # not step 0's eval
-    assert len(rows) == 2
+    assert len(rows) == (3 if age else 2)
+    if age:
+        assert [r["rollout/age_steps"] for r in rows] == [0, 1, 1]
     for r in rows:
         assert r["transfer/probe_engines"] == 1 and r["transfer/probe_max_abs_logprob_diff"] < 1e-4
         assert r["transfer/senders"] == (2 if transport == "collective" else 1)  # each host sends what it holds
-        assert r["gen_kl_error"] < 1e-3
+        if not r.get("rollout/age_steps"):  # drawn a step ahead, the rows were sampled by the weights before
+            assert r["gen_kl_error"] < 1e-3
