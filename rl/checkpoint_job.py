@@ -17,6 +17,8 @@ import time
 import jax
 import numpy as np
 
+from sharding.mesh import key_value_client
+
 _FAILED = "m3jax/checkpoint/failed/"  # + the failed process's index: its cause
 # The barriers of a save's writes, which a process whose write failed never reaches (orbax's names); its other
 # barriers (the save's start and end) every process reaches, failed or not.
@@ -29,21 +31,17 @@ class FailedElsewhere(RuntimeError):
     """This process's part of a save was abandoned: another process's write failed (str: which, and why)."""
 
 
-def _client():
-    from jax._src import distributed  # the store has no public handle; orbax and multihost_utils use this one
-    return distributed.global_state.client
-
 
 def announce_failure(cause: str) -> None:
     """Tell the job that this process's write of the running save failed (a no-op in a single-process run)."""
-    client = _client()
+    client = key_value_client()
     if client is not None and jax.process_count() > 1:
         client.key_value_set(f"{_FAILED}{jax.process_index()}", cause, allow_overwrite=True)
 
 
 def failures() -> dict[int, str]:
     """{process: cause} of the failed writes announced so far."""
-    client = _client()
+    client = key_value_client()
     if client is None:
         return {}
     return {int(k.rsplit("/", 1)[-1]): v for k, v in client.key_value_dir_get(_FAILED)}
@@ -62,7 +60,7 @@ class Barrier:
         self.poll_s = poll_s
 
     def __call__(self, *, key: str, timeout_ms: int) -> None:
-        client, n = _client(), jax.process_count()
+        client, n = key_value_client(), jax.process_count()
         with Barrier._lock:
             use = Barrier._uses[key] = Barrier._uses.get(key, -1) + 1
         where = f"m3jax/checkpoint/barrier/{key}/{use}/"

@@ -219,13 +219,19 @@ def init_distributed(mesh: MeshConfig) -> None:
     jax.distributed.initialize(**args)
 
 
+def key_value_client():
+    """jax's distributed key-value store of a joined job, or None: it has no public handle (orbax and
+    multihost_utils reach it the same way)."""
+    from jax._src import distributed
+    return distributed.global_state.client
+
+
 def from_process_zero(key: str, text: str | None, timeout_s: float = 300.0) -> str:
     """Process 0's `text` on every process of a joined job (`init_distributed`): process 0 passes it, the others
     None, and wait for it up to `timeout_s` (what jax gives the processes to join). Through jax's distributed
     key-value store: no device and no collective, so it may run before the backend starts, and a process 0 about to
     exit leaves no one waiting in a collective. Each key is written once per job."""
-    from jax._src import distributed  # the store has no public handle; orbax and multihost_utils use this one
-    client = distributed.global_state.client
+    client = key_value_client()
     if client is None:
         raise RuntimeError(f"from_process_zero({key!r}): this process has not joined a multi-host job")
     if text is not None:

@@ -217,14 +217,20 @@ def test_eval_rewards_that_name_the_prompt_get_each_samples_own():
 
     try:
         registry.register_reward("_test_eval_prompt", mode="inline")(copies_its_prompt)
-        cfg = load_config(TINY, ["eval.max_prompts=6", "eval.reward=[{name: _test_eval_prompt, weight: 1.0}]"])
-        task = make_task("copy", num_digits=4)
-        es = ev.build_eval_set(cfg, task.tokenizer, (12,))
-        m = ev.evaluate(FakeEngine(4), es, task.tokenizer)
-        counts = np.array([correct_samples(p, 4) for p in es.prompt_ids])
+        m, counts, _ = _evaluate_with("{name: _test_eval_prompt, weight: 1.0}")
         assert math.isclose(m["val/pass@1"], np.mean(counts / 4)) and m["val/reward_failures"] == 0
     finally:
         registry._REGISTRY.pop("_test_eval_prompt", None)
+
+
+def _evaluate_with(reward_entry: str):
+    """(metrics, correct samples per prompt, the eval set) of the copy task's held-out set scored by `reward_entry`
+    (one eval.reward item, YAML) on FakeEngine(4)."""
+    cfg = load_config(TINY, ["eval.max_prompts=6", f"eval.reward=[{reward_entry}]"])
+    task = make_task("copy", num_digits=4)
+    es = ev.build_eval_set(cfg, task.tokenizer, (12,))
+    m = ev.evaluate(FakeEngine(4), es, task.tokenizer)
+    return m, np.array([correct_samples(p, 4) for p in es.prompt_ids]), es
 
 
 def test_eval_scores_a_batch_reward_in_chunks_with_each_samples_prompt():
@@ -238,11 +244,7 @@ def test_eval_scores_a_batch_reward_in_chunks_with_each_samples_prompt():
 
     try:
         registry.register_reward("_test_eval_rm", mode="batch")(copies_its_prompt)
-        cfg = load_config(TINY, ["eval.max_prompts=6", "eval.reward=[{name: _test_eval_rm, weight: 1.0, workers: 2}]"])
-        task = make_task("copy", num_digits=4)
-        es = ev.build_eval_set(cfg, task.tokenizer, (12,))
-        m = ev.evaluate(FakeEngine(4), es, task.tokenizer)
-        counts = np.array([correct_samples(p, 4) for p in es.prompt_ids])
+        m, counts, es = _evaluate_with("{name: _test_eval_rm, weight: 1.0, workers: 2}")
         assert math.isclose(m["val/pass@1"], np.mean(counts / 4)) and m["val/reward_failures"] == 0
         assert len(calls) == 2 and sum(calls) == 4 * len(es.prompt_ids)
     finally:

@@ -130,11 +130,11 @@ class ProcessZeroPool:
         return Rollout([list(p) for p in prompts], tokens, logprobs, lengths, truncated.astype(bool), int(version),
                        routes=routes)
 
-    def local(self) -> "LocalPool":
-        """Process 0's pool without the broadcasts: what a draw on process 0 alone samples from (rl.shared_draw),
-        while the other processes run the train step's collectives."""
+    def local(self):
+        """Process 0's pool itself, whose generate holds no collective: what a draw on process 0 alone samples from
+        (rl.shared_draw), while the other processes run the train step's collectives."""
         assert self.is_zero, "only process 0 holds the pool"
-        return LocalPool(self.pool)
+        return self.pool
 
     def set_weights(self, params, version: int, rest=None) -> TransferStats:
         if self.peers is not None:
@@ -199,13 +199,3 @@ class ProcessZeroPool:
             self.pool.shutdown()
         elif self.sender is not None:
             self.sender.close()
-
-
-class LocalPool:
-    """The generate of process 0's pool, with no collective in it: safe on a thread beside the train step's."""
-
-    def __init__(self, pool):
-        self.pool = pool
-
-    def generate(self, prompts, params, key, prompt_width=None) -> Rollout:
-        return self.pool.generate(prompts, params, key, prompt_width)
