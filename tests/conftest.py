@@ -40,9 +40,13 @@ def pytest_configure(config):
     """The pytest process itself neither reads nor writes that cache (its programs stay in memory anyway):
     in the full suite, serialising the bf16 train step of test_train_step's many-steps test segfaulted
     inside XLA (`executable.serialize()`, twice, at the same test, 2026-12-01; alone the test passes). The
-    subprocesses it starts keep sharing the cache among themselves."""
+    subprocesses it starts keep sharing the cache among themselves. With pytest-xdist, its loadfile scheduling
+    is tests/xdist_crash.py's, which goes on after a worker dies where xdist's own hangs."""
     import jax
     jax.config.update("jax_enable_compilation_cache", False)
+    if config.pluginmanager.hasplugin("xdist"):  # a dead worker ends in one failure, not a hung run
+        from tests import xdist_crash
+        config.pluginmanager.register(xdist_crash, "m3jax-xdist-crash")
 
 
 # The modules that take longest (end-to-end trainer runs, many compiles; `--durations`, 2026-12-01 and -03) run
