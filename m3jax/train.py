@@ -17,6 +17,7 @@ import os
 import sys
 
 from rl.config import ConfigError, add_arguments, checkpoint_dir, from_args, to_yaml
+from sharding.cpu_threads import reserve_collective_threads
 
 
 def main(argv=None) -> int:
@@ -25,6 +26,7 @@ def main(argv=None) -> int:
     parser.add_argument("--export", metavar="DIR", help="export the latest checkpoint's policy to a HF "
                         "directory and exit (on-demand export)")
     args = parser.parse_intermixed_args(argv)
+    reserve_collective_threads(os.environ)  # simulated CPU devices: before jax starts its CPU backend
     try:
         cfg = from_args(args)
     except ConfigError as e:

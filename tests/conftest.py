@@ -5,6 +5,8 @@ import tempfile
 
 import pytest
 
+from sharding.cpu_threads import reserve_collective_threads
+
 # Tests run on the CPU; 8 simulated devices let sharding tests build real meshes. Must be set before jax loads.
 # Compiling dominates the suite (tiny programs, run once or twice): LLVM's -O0 backend compiles ~30% faster;
 # XLA's own graph optimisations (fusion, layout, simplification) still run.
@@ -19,6 +21,9 @@ os.environ.setdefault("XLA_FLAGS", _XLA_FLAGS)
 # XLA's defaults.
 FAST_COMPILE_FLAG = "--xla_cpu_use_fusion_emitters=false"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# NPROC=16 for the 8 devices (inherited by the trainer and multi-host subprocesses): XLA:CPU's pool of exactly 8
+# threads let a collective wait forever for its 8th share; XLA aborted a worker of CI's run (sharding/cpu_threads.py).
+reserve_collective_threads(os.environ)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # One persistent XLA compilation cache per test session, inherited by the subprocesses tests start
