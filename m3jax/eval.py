@@ -10,9 +10,11 @@ no checkpoint is created or removed (the terminal shows the project's INFO lines
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from rl.config import ConfigError, add_arguments, from_args, to_yaml
+from sharding.cpu_threads import reserve_collective_threads
 
 
 def main(argv=None) -> int:
@@ -22,6 +24,7 @@ def main(argv=None) -> int:
     source.add_argument("--step", type=int, metavar="N", help="checkpoint step to score (default: the newest)")
     source.add_argument("--hf", metavar="DIR", help="score this Hugging Face directory instead of a checkpoint")
     args = parser.parse_intermixed_args(argv)
+    reserve_collective_threads(os.environ)  # simulated CPU devices: before jax starts its CPU backend
     try:
         cfg = from_args(args)
         from rl.config.validate_eval import eval_problems
