@@ -9,7 +9,12 @@ only 7 of them arrived on time"). It aborted a test worker in CI (2026-12-05). T
 370 rounds with the default pool, after 30 with `jax_cpu_enable_async_dispatch` off, and ran 1500 rounds with
 NPROC=16 (BENCHMARKS.md, Session 40).
 
-NPROC also sizes XLA's intra-op pool (NPROC threads, for one large op split across them).
+Three times the devices, not the twice that ran the stress loop: stuck, every program in flight is short of a
+share, so P programs hold at most (N - 1) P threads; more threads than that leave one free for a missing share. A
+training run has up to three dispatching threads (the train step, a draw ahead on the JAX engine, a checkpoint's
+background copies), and one thread's dispatches already needed more than N. NPROC also sizes XLA's intra-op pool
+(NPROC threads, for one large op split across them): 8, 16 and 24 threads timed the same on the tests that were
+measured (BENCHMARKS.md, Session 40).
 """
 
 from __future__ import annotations
@@ -20,12 +25,11 @@ _DEVICE_COUNT = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
 
 
 def reserve_collective_threads(environ) -> int | None:
-    """Set NPROC = 2 N in `environ` (before jax starts its CPU backend, which reads it once) when XLA_FLAGS asks for
-    N > 1 simulated devices and NPROC is unset; return the value set, else None. Twice the devices lets the
-    collective's N shares start beside as many threads held by other programs."""
+    """Set NPROC = 3 N in `environ` (before jax starts its CPU backend, which reads it once) when XLA_FLAGS asks for
+    N > 1 simulated devices and NPROC is unset; return the value set, else None."""
     found = _DEVICE_COUNT.findall(environ.get("XLA_FLAGS", ""))
     devices = int(found[-1]) if found else 1
     if devices <= 1 or "NPROC" in environ:
         return None
-    environ["NPROC"] = str(2 * devices)
-    return 2 * devices
+    environ["NPROC"] = str(3 * devices)
+    return 3 * devices

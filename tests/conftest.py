@@ -21,7 +21,7 @@ os.environ.setdefault("XLA_FLAGS", _XLA_FLAGS)
 # XLA's defaults.
 FAST_COMPILE_FLAG = "--xla_cpu_use_fusion_emitters=false"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# NPROC=16 for the 8 devices (inherited by the trainer and multi-host subprocesses): XLA:CPU's pool of exactly 8
+# NPROC=24 for the 8 devices (inherited by the trainer and multi-host subprocesses): XLA:CPU's pool of exactly 8
 # threads let a collective wait forever for its 8th share; XLA aborted a worker of CI's run (sharding/cpu_threads.py).
 reserve_collective_threads(os.environ)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
