@@ -21,7 +21,7 @@ MODULES = {
         def test_four(): pass
         def test_five(): pass
     """,
-    # the other worker's, long enough that the first one takes every module after the first two
+    # the first module, long enough that the other worker takes the next three (and dies in the third)
     "test_slow.py": "".join(f"def test_{i}():\n    __import__('time').sleep(0.5)\n" for i in range(6)),
     # finished by the worker that dies before it dies: not run again (a worker sent one of them got no test and
     # waited forever)
