@@ -31,7 +31,6 @@ class FailedElsewhere(RuntimeError):
     """This process's part of a save was abandoned: another process's write failed (str: which, and why)."""
 
 
-
 def announce_failure(cause: str) -> None:
     """Tell the job that this process's write of the running save failed (a no-op in a single-process run)."""
     client = key_value_client()
