@@ -172,7 +172,7 @@ def _train(cfg, args, writable: bool = True) -> int:
             raise Refused(f"error: {e}") from None
         print(f"exported step {step} to {path}")
         return 0
-    from rl.checkpoint import CheckpointMismatch, CheckpointSaveFailed
+    from rl.checkpoint import CheckpointMismatch, CheckpointSaveFailed, free_space
     from rl.trainer import GRPOTrainer
 
     try:
@@ -188,6 +188,16 @@ def _train(cfg, args, writable: bool = True) -> int:
         raise Refused(f"error: {e}") from None
     except CheckpointSaveFailed as e:  # a failed save: the run's log and checkpoints stay
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        if e.errno not in STORAGE_ERRORS:
+            raise
+        # the run directory's disk filled (metrics.jsonl, the rollout files): the same line as a failed save's
+        logging.getLogger("m3jax.train").debug("a write into the run directory failed", exc_info=True)
+        steps = trainer.checkpointer.steps()
+        print(f"error: writing into the run directory {cfg.run.out_dir} failed: {e.strerror} (errno {e.errno}) "
+              f"({free_space(cfg.run.out_dir)}); the run stops here, and rerunning the command resumes from step "
+              f"{steps[-1] if steps else 0} once that is fixed", file=sys.stderr)
         return 1
     if trainer.resumed_from >= cfg.run.total_steps:
         print(f"nothing to train: {trainer.checkpointer.directory} holds step {trainer.resumed_from} and "
@@ -205,6 +215,10 @@ def _train(cfg, args, writable: bool = True) -> int:
     print(f"done: {cfg.run.total_steps} steps, last reward {last.get('reward/mean', float('nan')):.3f}{held}; "
           f"run directory {cfg.run.out_dir} (log: run.log)")
     return 0
+
+
+# A run directory that stopped taking bytes: full, over quota, remounted read-only, or its mount lost
+STORAGE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO)
 
 
 def _signal_number(name: str) -> int:

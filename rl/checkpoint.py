@@ -9,8 +9,11 @@ params too (`reference`, and its step in the JSON). Saving the master rather tha
 builds the current run's layout from it (fp32 params <-> bf16 + fp32 master <-> bf16 + remainder),
 onto the current run's shardings (orbax restores against an abstract target).
 
-A crash during an async save leaves `<step>.orbax-checkpoint-tmp*`, which orbax ignores; a damaged
-finished checkpoint is skipped with a warning and the previous one used. A save that fails (a full disk, a lost
+A crash or a failed write during a save leaves `<step>.orbax-checkpoint-tmp*`, which a restore ignores and the next
+run on the directory deletes (in the background, before its first save). orbax itself removes one only when the same
+step is saved again, which a step saved for a signal or a deadline, or under another `checkpoint.every_steps`, never
+is: a save that failed on a full disk kept its partial bytes there, and its rerun could fail for want of them. A
+damaged finished checkpoint is skipped with a warning and the previous one used. A save that fails (a full disk, a lost
 mount) raises `CheckpointSaveFailed` at the next step or save (a synchronous one at once, the last one at the run's
 end), naming the step, the cause and the free space: the run stops there, rather than training on past a
 checkpoint it cannot write. In a multi-host job every process
@@ -111,6 +114,14 @@ def state_mismatch(path: str, target: dict) -> str | None:
     return None
 
 
+def free_space(path: str) -> str:
+    """The free space at `path`, for an error line: "1.23 GB free there"."""
+    try:
+        return f"{shutil.disk_usage(path).free / 1e9:.2f} GB free there"
+    except OSError:
+        return "its free space unknown"
+
+
 class CheckpointSaveFailed(RuntimeError):
     """A checkpoint could not be written: the run stops (the message names the step, the cause, the free space and
     the step a rerun resumes from)."""
@@ -139,6 +150,7 @@ class Checkpointer:
                                                      save_interval_steps=0 if read_only else 1,
                                                      enable_async_checkpointing=not read_only,
                                                      create=not read_only, read_only=read_only,
+                                                     cleanup_tmp_directories=not read_only,
                                                      async_options=ocp.AsyncOptions(barrier_sync_fn=barrier)))
         finally:
             logging.getLogger("absl").removeFilter(notice)
@@ -237,10 +249,7 @@ class Checkpointer:
     def _failed(self, e: Exception) -> CheckpointSaveFailed:
         log.debug("checkpoint step %s failed to save", self._saving, exc_info=(type(e), e, e.__traceback__))
         finished = [s for s in self.steps() if s != self._saving]
-        try:
-            free = f"{shutil.disk_usage(self.directory).free / 1e9:.2f} GB free there"
-        except OSError:
-            free = "its free space unknown"
+        free = free_space(self.directory)
         cause = str(e) if isinstance(e, checkpoint_job.FailedElsewhere) else _cause(e)
         return CheckpointSaveFailed(
             f"saving checkpoint step {self._saving} to {self.directory} failed: {cause} ({free}); the run stops "
@@ -333,6 +342,9 @@ class Checkpointer:
 
     def close(self) -> None:
         try:
+            # the removal of unfinished saves (cleanup_tmp_directories) runs in the background and orbax waits for it
+            # only in a save: a checkpointer opened next on the directory would otherwise race it for the same files
+            getattr(self.manager, "_maybe_await_cleanup_tmp_directory", lambda: None)()
             self.manager.wait_until_finished()
             self.manager.close()
         finally:

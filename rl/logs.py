@@ -70,6 +70,34 @@ class TqdmHandler(logging.Handler):
             self.handleError(record)
 
 
+class RunLogFile(logging.FileHandler):
+    """run.log. A record it cannot write (a full disk, a lost mount) would be a traceback on the terminal per record,
+    as logging's default `handleError` prints one: the first failure is one warning there instead, and the file takes
+    no more records (what stopped the run is its own error line)."""
+
+    failed = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.failed:
+            super().emit(record)
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        error = sys.exc_info()[1]
+        if not isinstance(error, OSError):
+            super().handleError(record)
+            return
+        if not self.failed:
+            self.failed = True  # first: the warning below comes through this handler again
+            logging.getLogger(__name__).warning("%s cannot be written (%s): its records from here on are lost",
+                                                self.baseFilename, error.strerror or error)
+
+    def close(self) -> None:
+        try:
+            super().close()
+        except OSError:  # its last records did not fit: handleError said so
+            self.failed = True
+
+
 class _Setup:
     def __init__(self):
         self.handlers: list[logging.Handler] = []
@@ -104,7 +132,7 @@ def setup(run_dir: str | None, level: str = "info", *, process_index: int = 0) -
     if run_dir is not None:
         os.makedirs(run_dir, exist_ok=True)
         path = os.path.join(run_dir, log_file_name(process_index))
-        file_handler = logging.FileHandler(path, mode="a", encoding="utf-8")
+        file_handler = RunLogFile(path, mode="a", encoding="utf-8")
         file_handler.setFormatter(logging.Formatter(FILE_FORMAT))
         handlers.append(file_handler)
     terminal = TqdmHandler()

@@ -129,14 +129,38 @@ class RunLogger:
                                   tok_s=f"{clean.get('throughput/tokens_per_s', 0):.0f}", **val)
 
     def close(self) -> None:
+        """Close every output, also where one cannot write its last bytes (a full disk): the run's own error says
+        what stopped it, and the outputs after a failed one still close."""
         if self._jsonl is not None:
-            self._jsonl.close()
+            try:
+                self._jsonl.close()
+            except OSError:
+                pass
         if self._tb is not None:
-            self._tb.close()
+            try:
+                self._tb.close()
+            except OSError:
+                _abandon_tensorboard(self._tb)
         if self._bar is not None:
             self._bar.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def _abandon_tensorboard(summary_writer) -> None:
+    """Stop a tensorboardX writer whose close failed (its events cannot be written), as its close would have without
+    the flush: left as it is, its exit handler retried the flush and its thread died on a queue closed at exit, each
+    printing a traceback after the run's error line."""
+    for writer in (getattr(summary_writer, "all_writers", None) or {}).values():
+        events = getattr(writer, "event_writer", None)
+        if getattr(events, "_closed", True):
+            continue
+        events._closed = True  # what its exit handler checks
+        try:
+            events._worker.stop()  # the thread ends at the stop it is sent
+            events._ev_writer.close()
+        except OSError:
+            pass
 
 
 def cut_partial_row(path: str) -> int:

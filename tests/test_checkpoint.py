@@ -420,7 +420,7 @@ def test_every_checkpoint_damaged_returns_none_with_warnings(runs, two_steps, tm
         gc.collect()
 
 
-def test_interrupted_async_save_is_ignored(runs, batches, two_steps, tmp_path, caplog):
+def test_an_interrupted_save_is_ignored_by_readers_and_deleted_by_the_next_run(runs, batches, two_steps, tmp_path, caplog):
     run = runs["fp32"]
     d = copy_of(two_steps, tmp_path)
     tmp = os.path.join(d, "6.orbax-checkpoint-tmp-1712345678901234")  # what a kill during an async save leaves
@@ -429,10 +429,16 @@ def test_interrupted_async_save_is_ignored(runs, batches, two_steps, tmp_path, c
         f.write("{not json")
     with open(os.path.join(tmp, "state", "d", "0123abcd"), "wb") as f:
         f.write(os.urandom(4096))
+    reader = Checkpointer(d, read_only=True)  # an evaluation or an export of the run deletes nothing
+    reader.close()
+    assert os.path.isdir(tmp)
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         got, meta = restore(d, run.fresh)
     assert meta == meta_of(4) and not warnings_of(caplog)
     assert_bitwise(got, run.s3)
+    # a resuming run deletes the unfinished save (orbax did only when it saved the same step again: one cut short by a
+    # full disk held its bytes meanwhile, and for good where that step never came again)
+    assert not os.path.exists(tmp) and sorted(os.listdir(d)) == sorted(os.listdir(two_steps))
 
     # the step the interrupted save was writing can be saved again, and is then the latest
     nxt, _ = run.step(got, batches[0])
