@@ -16,6 +16,8 @@ log = logging.getLogger("rl.checkpoint")
 
 def _cause(e: Exception) -> str:
     """The reason of a failed write in a line: the OS error TensorStore names (os_error_code), else the message."""
+    if isinstance(e, OSError) and e.errno and e.strerror:
+        return f"{e.strerror} (errno {e.errno})"
     code = re.search(r"os_error_code='?(\d+)", str(e))
     if code:
         return f"{os.strerror(int(code.group(1)))} (errno {code.group(1)})"

@@ -94,7 +94,7 @@ def test_a_failed_synchronous_save_raises_at_once(checkpointer, monkeypatch):
     def fail(step, args, force):
         raise OSError(30, "Read-only file system")
     monkeypatch.setattr(checkpointer.manager, "save", fail)
-    with pytest.raises(CheckpointSaveFailed, match=r"step 60 .* failed: OSError: \[Errno 30\] Read-only file system"):
+    with pytest.raises(CheckpointSaveFailed, match=r"step 60 .* failed: Read-only file system \(errno 30\) \("):
         checkpointer.save(60, None, {})
 
 

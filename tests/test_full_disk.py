@@ -87,3 +87,19 @@ def test_another_os_error_of_a_run_is_not_taken_for_a_full_disk(tmp_path, monkey
     monkeypatch.setattr("rl.trainer.GRPOTrainer", Broken)
     with pytest.raises(OSError, match="Invalid argument"):  # a bug's traceback stays whole
         train.main(["--config", CONFIG, f"run.out_dir={tmp_path}", "logging.progress_bar=false"])
+
+
+def test_what_library_threads_log_after_the_run_stays_off_the_terminal(capsys):
+    """orbax's threads of a failed save report it again as the process exits, after the run's error line; its own
+    `logging.info` calls give a root logger without handlers a stderr handler, through which they were printed."""
+    root = logging.getLogger()
+    saved = list(root.handlers)
+    try:
+        for handler in saved:
+            root.removeHandler(handler)
+        train._quiet_after_the_run()
+        logging.info("orbax: a background event loop ended")  # would have run logging.basicConfig
+        logging.getLogger("absl").error("a save thread raised: No space left on device")
+    finally:
+        root.handlers[:] = saved
+    assert capsys.readouterr().err == ""
