@@ -194,10 +194,14 @@ def _train(cfg, args, writable: bool = True) -> int:
             raise
         # the run directory's disk filled (metrics.jsonl, the rollout files): the same line as a failed save's
         logging.getLogger("m3jax.train").debug("a write into the run directory failed", exc_info=True)
-        steps = trainer.checkpointer.steps()
+        try:
+            steps = trainer.checkpointer.steps()
+            resume = f"step {steps[-1] if steps else 0}"
+        except OSError:  # a lost mount
+            resume = "its last checkpoint"
         print(f"error: writing into the run directory {cfg.run.out_dir} failed: {e.strerror} (errno {e.errno}) "
-              f"({free_space(cfg.run.out_dir)}); the run stops here, and rerunning the command resumes from step "
-              f"{steps[-1] if steps else 0} once that is fixed", file=sys.stderr)
+              f"({free_space(cfg.run.out_dir)}); the run stops here, and rerunning the command resumes from {resume} "
+              "once that is fixed", file=sys.stderr)
         return 1
     if trainer.resumed_from >= cfg.run.total_steps:
         print(f"nothing to train: {trainer.checkpointer.directory} holds step {trainer.resumed_from} and "

@@ -134,13 +134,15 @@ class RunLogger:
         if self._jsonl is not None:
             try:
                 self._jsonl.close()
-            except OSError:
+            except OSError:  # each row is flushed as it is logged: the row whose flush failed has raised there
                 pass
         if self._tb is not None:
             try:
                 self._tb.close()
-            except OSError:
+            except OSError as e:
                 _abandon_tensorboard(self._tb)
+                logging.getLogger(__name__).warning("TensorBoard's last events were not written (%s)",
+                                                    e.strerror or e)
         if self._bar is not None:
             self._bar.close()
         if self._wandb is not None:

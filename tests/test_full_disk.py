@@ -36,7 +36,7 @@ def test_run_log_on_a_full_disk_warns_once_and_drops_the_rest(caplog, capsys):
     assert handler.failed and capsys.readouterr().err == ""  # logging's default: a traceback per record
 
 
-def test_metrics_and_tensorboard_on_a_full_disk_close_without_a_word(tmp_path, monkeypatch):
+def test_metrics_and_tensorboard_on_a_full_disk_close_without_a_traceback(tmp_path, monkeypatch, caplog):
     pytest.importorskip("tensorboardX", reason="tensorboardX is not installed (scripts/setup.sh installs it)")
     logger = RunLogger(str(tmp_path), tensorboard=True, progress_bar=False)
     logger.log(1, {"reward/mean": 0.5})
@@ -52,7 +52,10 @@ def test_metrics_and_tensorboard_on_a_full_disk_close_without_a_word(tmp_path, m
         raise OSError(errno.ENOSPC, "No space left on device")
     for w in files:
         monkeypatch.setattr(w, "flush", full)
-    logger.close()  # raised the ENOSPC of metrics.jsonl, and then left TensorBoard's writer and thread running
+    with caplog.at_level(logging.WARNING):
+        logger.close()  # raised the ENOSPC of metrics.jsonl, and then left TensorBoard's writer and thread running
+    assert [r.getMessage() for r in caplog.records] == [
+        "TensorBoard's last events were not written (No space left on device)"]
     # what tensorboardX's exit handler calls: a retried flush raised there, its thread died on a closed queue
     assert all(ev._closed and (ev._worker is None or not ev._worker.is_alive()) for ev in events)
     for ev in events:
