@@ -9,8 +9,9 @@
 With `logging.level: debug` the terminal shows everything run.log gets, and both get DEBUG from everyone.
 Also routed into logging (so that they obey the same rules and land in run.log): absl (orbax logs
 through it), Ray and vLLM (they print through handlers of their own, removed when they are imported),
-`warnings.warn` (logger `py.warnings`) and exceptions Python can only report as "Exception ignored in
-..." (logger `py.unraisable`, WARNING). Not here: what Ray actors print (vLLM engines included) stays
+`warnings.warn` (logger `py.warnings`), exceptions Python can only report as "Exception ignored in
+..." (logger `py.unraisable`, WARNING) and those that end a thread (logger `py.thread`: one WARNING line, the
+traceback at INFO, so in run.log; a library's writer thread on a full disk printed 14 lines after the run's error). Not here: what Ray actors print (vLLM engines included) stays
 in Ray's session logs (the pool starts Ray with log_to_driver=False).
 
 In a multi-host job each process writes its own file: run.log for process 0, run.<i>.log for process i.
@@ -24,6 +25,7 @@ import importlib.util
 import logging
 import os
 import sys
+import threading
 
 LEVELS = ("info", "debug")              # mirrored in rl.config.schema.LOG_LEVELS
 PROJECT = ("m3jax", "rl", "sharding", "__main__")
@@ -120,6 +122,7 @@ def setup(run_dir: str | None, level: str = "info", *, process_index: int = 0) -
         "root_level": root.level, "root_handlers": list(root.handlers),
         "project_levels": {p: logging.getLogger(p).level for p in PROJECT},
         "unraisablehook": sys.unraisablehook, "absl_level": logging.getLogger("absl").level,
+        "threading_excepthook": threading.excepthook,
     }
     for h in list(root.handlers):  # e.g. an earlier basicConfig: it would print everything again
         root.removeHandler(h)
@@ -153,6 +156,7 @@ def setup(run_dir: str | None, level: str = "info", *, process_index: int = 0) -
             sys.meta_path.insert(0, _AdoptOnImport())
     logging.captureWarnings(True)
     sys.unraisablehook = _log_unraisable
+    threading.excepthook = _log_thread_exception
     logging.getLogger(__name__).debug("logging to %s (level %s), pid %d, argv %s", path, level, os.getpid(),
                                       sys.argv)
     return path
@@ -178,6 +182,8 @@ def teardown() -> None:
     logging.captureWarnings(False)
     if sys.unraisablehook is _log_unraisable:
         sys.unraisablehook = saved["unraisablehook"]
+    if threading.excepthook is _log_thread_exception:
+        threading.excepthook = saved["threading_excepthook"]
 
 
 def adopt(name: str) -> None:
@@ -247,3 +253,14 @@ def _log_unraisable(unraisable) -> None:
         where = f"{where}: {unraisable.object!r}"
     exc = (unraisable.exc_type, unraisable.exc_value, unraisable.exc_traceback)
     logging.getLogger("py.unraisable").warning("%s", where, exc_info=exc if unraisable.exc_type else None)
+
+
+def _log_thread_exception(args) -> None:
+    """An exception that ended a thread (a library's background writer, say): Python would print its traceback on the
+    terminal; one line goes there instead, the traceback to run.log."""
+    if args.exc_type is SystemExit:
+        return
+    name = args.thread.name if args.thread is not None else "a thread"
+    log = logging.getLogger("py.thread")
+    log.info("%s ended by an exception", name, exc_info=(args.exc_type, args.exc_value, args.exc_traceback))
+    log.warning("%s ended by %s: %s", name, args.exc_type.__name__, args.exc_value)

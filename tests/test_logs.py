@@ -74,6 +74,23 @@ def test_warnings_and_unraisable_exceptions_are_logged(routed, capsys):
     assert "py.warnings" in text and "careful" in text and "py.unraisable" in text
 
 
+def test_an_exception_that_ends_a_thread_is_one_line_and_its_traceback_goes_to_the_file(routed, capsys):
+    """tensorboardX's writer thread on a full disk printed its 14-line traceback after the run's error line."""
+    import threading
+
+    def write_event():
+        raise OSError(28, "No space left on device")
+    path = routed()
+    thread = threading.Thread(target=write_event, name="Thread-3")
+    thread.start()
+    thread.join()
+    err = capsys.readouterr().err
+    assert err.endswith("WARNING py.thread: Thread-3 ended by OSError: [Errno 28] No space left on device\n"), err
+    assert len(err.splitlines()) == 1, err
+    text = open(path).read()
+    assert "INFO py.thread [" in text and "Traceback" in text and "in write_event" in text
+
+
 def test_log_lines_go_above_the_progress_bar(routed, capsys):
     from tqdm import tqdm
     routed()
@@ -113,11 +130,13 @@ def test_libraries_with_their_own_handler_are_adopted_on_import(tmp_path, monkey
 
 def test_teardown_restores_logging(tmp_path):
     root = logging.getLogger()
-    before = (root.level, list(root.handlers), sys.unraisablehook, logging.getLogger("rl").level)
+    import threading
+    before = (root.level, list(root.handlers), sys.unraisablehook, threading.excepthook, logging.getLogger("rl").level)
     logs.setup(str(tmp_path), "info")
     assert root.handlers != before[1]
     logs.teardown()
-    assert (root.level, list(root.handlers), sys.unraisablehook, logging.getLogger("rl").level) == before
+    assert (root.level, list(root.handlers), sys.unraisablehook, threading.excepthook,
+            logging.getLogger("rl").level) == before
 
 
 def test_other_processes_write_their_own_file(tmp_path):
