@@ -172,7 +172,7 @@ def _train(cfg, args, writable: bool = True) -> int:
             raise Refused(f"error: {e}") from None
         print(f"exported step {step} to {path}")
         return 0
-    from rl.checkpoint import CheckpointMismatch, CheckpointSaveFailed, free_space
+    from rl.checkpoint import CheckpointMismatch, CheckpointSaveFailed, write_failed
     from rl.trainer import GRPOTrainer
 
     try:
@@ -199,9 +199,8 @@ def _train(cfg, args, writable: bool = True) -> int:
             resume = f"step {steps[-1] if steps else 0}"
         except OSError:  # a lost mount
             resume = "its last checkpoint"
-        print(f"error: writing into the run directory {cfg.run.out_dir} failed: {e.strerror} (errno {e.errno}) "
-              f"({free_space(cfg.run.out_dir)}); the run stops here, and rerunning the command resumes from {resume} "
-              "once that is fixed", file=sys.stderr)
+        print("error: " + write_failed(f"writing into the run directory {cfg.run.out_dir}", e, cfg.run.out_dir, resume),
+              file=sys.stderr)
         return 1
     if trainer.resumed_from >= cfg.run.total_steps:
         print(f"nothing to train: {trainer.checkpointer.directory} holds step {trainer.resumed_from} and "

@@ -114,12 +114,16 @@ def state_mismatch(path: str, target: dict) -> str | None:
     return None
 
 
-def free_space(path: str) -> str:
-    """The free space at `path`, for an error line: "1.23 GB free there"."""
+def write_failed(what: str, error: Exception, directory: str, resume: str) -> str:
+    """The line a run stops with when it cannot write (a checkpoint, or anything else in its directory): what failed,
+    the cause `error` names, the free space in `directory`, and where a rerun resumes (`resume`, e.g. "step 20")."""
+    cause = str(error) if isinstance(error, checkpoint_job.FailedElsewhere) else _cause(error)
     try:
-        return f"{shutil.disk_usage(path).free / 1e9:.2f} GB free there"
+        free = f"{shutil.disk_usage(directory).free / 1e9:.2f} GB free there"
     except OSError:
-        return "its free space unknown"
+        free = "its free space unknown"
+    return (f"{what} failed: {cause} ({free}); the run stops here, and rerunning the command resumes from {resume} "
+            "once that is fixed")
 
 
 class CheckpointSaveFailed(RuntimeError):
@@ -249,11 +253,8 @@ class Checkpointer:
     def _failed(self, e: Exception) -> CheckpointSaveFailed:
         log.debug("checkpoint step %s failed to save", self._saving, exc_info=(type(e), e, e.__traceback__))
         finished = [s for s in self.steps() if s != self._saving]
-        free = free_space(self.directory)
-        cause = str(e) if isinstance(e, checkpoint_job.FailedElsewhere) else _cause(e)
-        return CheckpointSaveFailed(
-            f"saving checkpoint step {self._saving} to {self.directory} failed: {cause} ({free}); the run stops "
-            f"here, and rerunning the command resumes from step {finished[-1] if finished else 0} once that is fixed")
+        return CheckpointSaveFailed(write_failed(f"saving checkpoint step {self._saving} to {self.directory}", e,
+                                                 self.directory, f"step {finished[-1] if finished else 0}"))
 
     def restore_reference(self, step: int, like_params):
         """The KL reference saved with checkpoint `step`, as a tree like `like_params` placed as they are."""
