@@ -1,5 +1,5 @@
-"""What people see: a progress bar, metrics.jsonl and TensorBoard in the run directory (and W&B, `rl.wandb_run`),
-PNG curves."""
+"""What people see: the progress (`rl.progress`), metrics.jsonl and TensorBoard in the run directory (and W&B,
+`rl.wandb_run`), PNG curves."""
 
 from __future__ import annotations
 
@@ -99,8 +99,8 @@ class RunLogger:
         if open_wandb is not None:
             self._wandb = open_wandb()
         if progress_bar:
-            from tqdm import tqdm
-            self._bar = tqdm(total=total_steps, initial=first_step, unit="step", dynamic_ncols=True)
+            from rl.progress import open_progress
+            self._bar = open_progress(total_steps, first_step)
 
     def log(self, step: int, metrics: dict, advance: bool = True) -> None:
         """One row of metrics.jsonl (and TensorBoard); `advance`: the row ends a step (moves the progress
@@ -123,10 +123,8 @@ class RunLogger:
             self._wandb.log(scalars(clean), step=step)
         self._val = clean.get("val/pass@1", self._val)
         if self._bar is not None and advance:
-            self._bar.update(1)
-            val = {} if self._val is None else {"val_pass1": f"{self._val:.3f}"}
-            self._bar.set_postfix(reward=f"{clean.get('reward/mean', float('nan')):.3f}",
-                                  tok_s=f"{clean.get('throughput/tokens_per_s', 0):.0f}", **val)
+            self._bar.step(step, clean.get("reward/mean", float("nan")), clean.get("throughput/tokens_per_s", 0),
+                           self._val, evaluated="val/pass@1" in clean)
 
     def close(self) -> None:
         """Close every output, also where one cannot write its last bytes (a full disk): the run's own error says

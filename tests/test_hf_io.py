@@ -263,6 +263,18 @@ def test_a_large_load_logs_its_progress(src, tmp_path, monkeypatch, caplog):
     assert lines and "100% of" in lines[-1] and len(lines) <= 10
 
 
+def test_a_conversion_logs_its_progress_as_lines_where_stderr_is_a_file(src, tmp_path, caplog, capsys):
+    """A conversion in a job log: a line per tenth of the bytes, not a bar redrawn with carriage returns."""
+    from m3jax.hf import convert
+    _, dirs = src
+    with caplog.at_level(logging.INFO, logger=convert.__name__):  # pytest's stderr is no terminal
+        convert.convert_checkpoint(dirs["native"], tmp_path / "out", "released", progress=True)
+    lines = [r.getMessage() for r in caplog.records if r.name == convert.__name__]
+    assert lines and all(m.startswith("converting: ") and " GB written after " in m for m in lines), lines
+    assert lines[-1].startswith("converting: 100% of ") and len(lines) <= 10
+    assert "\r" not in capsys.readouterr().err
+
+
 def test_an_export_and_a_conversion_carry_the_files_beside_the_weights(src, tmp_path):
     """The tokenizer, chat template and generation config of the checkpoint a model came from are in its export and
     in a conversion of it (a tokenizer loads from the result); weights of other formats, hidden files and

@@ -29,7 +29,7 @@ class TinyRun(NamedTuple):
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("tiny") / "run")
-    r = train(f"run.out_dir={out}", "logging.progress_bar=false")
+    r = train(f"run.out_dir={out}")  # the default progress: lines, as stderr is a pipe here (rl.progress)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     return TinyRun(out, [r for r in rows if "reward/mean" in r], [r for r in rows if "val/pass@1" in r],
@@ -37,8 +37,9 @@ def tiny_run(tmp_path_factory):
 
 
 def assert_quiet(terminal: str, most: int):
-    """Nothing of absl/orbax/jax INFO and no traceback on the terminal; at most `most` lines (no bar here)."""
-    lines = [ln for ln in terminal.replace("\r", "\n").splitlines() if ln.strip()]
+    """Nothing of absl/orbax/jax INFO and no traceback on the terminal; at most `most` lines besides the progress
+    lines."""
+    lines = [ln for ln in terminal.replace("\r", "\n").splitlines() if ln.strip() and " rl.progress: " not in ln]
     assert len(lines) <= most, lines
     for noise in ("absl", "orbax", "xla_bridge", "Traceback", "INFO jax"):
         assert noise not in terminal, (noise, lines)
@@ -125,7 +126,15 @@ def test_outputs_checkpoints_export_and_plot(tiny_run, tmp_path):
 def test_the_terminal_is_quiet_and_run_log_has_the_rest(tiny_run):
     out = tiny_run.out
     assert_quiet(tiny_run.terminal, 5)
-    assert tiny_run.terminal.strip().splitlines()[-1].startswith("done:")
+    assert [ln for ln in tiny_run.terminal.strip().splitlines() if " rl.progress: " not in ln][-1].startswith("done:")
+    # Its stderr is not a terminal: the progress is dated lines (no carriage return), the first step's, each
+    # evaluation's (every 20 steps) and the last (tests/test_progress.py: the lines between them).
+    assert "\r" not in tiny_run.terminal
+    shown = [int(ln.split(" rl.progress: step ")[1].split("/")[0]) for ln in tiny_run.terminal.splitlines()
+             if " rl.progress: step " in ln]
+    assert set(range(20, 201, 20)) | {1} <= set(shown) and shown == sorted(set(shown)), shown
+    last = [ln for ln in tiny_run.terminal.splitlines() if " rl.progress: step 200/200 (100%): reward " in ln]
+    assert last and "held-out pass@1 " in last[0] and " s/step, 00:00 left" in last[0], last
     text = open(os.path.join(out, "run.log")).read()
     assert "INFO absl" in text  # third-party INFO: in the file, not on the terminal
     assert "rl.trainer" in text and "held out" in text  # and the project's own records

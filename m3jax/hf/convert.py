@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 import math
 import os
 import shutil
+import sys
 import uuid
 from typing import NamedTuple
 
@@ -28,11 +30,14 @@ from flax import nnx
 from m3jax.config import M3Config
 from m3jax.hf import carry, layouts
 from m3jax.hf.load import check_param_dtype, checkpoint_files, default_param_dtype, plan_load
+from m3jax.hf.progress import Tenths
 from m3jax.hf.read_blocks import READ_AHEAD_BYTES, READ_CHUNK_BYTES, READ_THREADS, TensorReader, read_ahead
 from m3jax.hf.safetensors_io import CheckpointError, count_nonfinite, header_bytes
 from m3jax.hf.save import (check_destination, check_space, clear_leftovers, finish_checkpoint, parse_size, shard_names,
                            split_shards)
 from m3jax.hf.side_files import side_files
+
+log = logging.getLogger(__name__)
 
 
 class Part(NamedTuple):
@@ -74,7 +79,8 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, layout: s
     and `dst` appears only when complete. `threads` parts of about `chunk_bytes` are read and written at once.
     A released result carries the vision tower (`m3jax.hf.carry`) of `carry_from`, by default `src`'s own, and any
     result carries that checkpoint's files beside its weights (tokenizer, chat template: `m3jax.hf.side_files`).
-    progress: a tqdm bar of the bytes written on stderr (the release's 850 GB take minutes)."""
+    progress: the bytes written, as a tqdm bar where stderr is a terminal, else an INFO line per tenth (the
+    release's 850 GB take minutes)."""
     from m3jax.model.decoder import M3ForCausalLM
 
     if layout not in ("native", "released"):
@@ -185,12 +191,17 @@ def _copy_parts(parts: list[Part], names: list[str], tensors: dict, reader: Tens
     # A finished part holds no memory (its buffer dies in its thread): the budget only bounds how far ahead parts
     # are queued; what is in flight is at most `threads` parts.
     from tqdm import tqdm
+    total = sum(p.count * p.dtype.itemsize for p in parts)
+    terminal = progress and sys.stderr.isatty()  # a job log gets lines (m3jax.hf.progress), a terminal the bar
+    lines = Tenths(log, "converting", "written", total) if progress and not terminal else None
     with contextlib.closing(read_ahead(parts, copy, lambda p: p.count * p.dtype.itemsize, threads,
                                        READ_AHEAD_BYTES)) as done, \
-            tqdm(total=sum(p.count * p.dtype.itemsize for p in parts), unit="B", unit_scale=True,
-                 desc="converting", disable=not progress, dynamic_ncols=True) as bar:
+            tqdm(total=total, unit="B", unit_scale=True, desc="converting", disable=not terminal,
+                 dynamic_ncols=True) as bar:
         for part, nonfinite in done:
             bar.update(part.count * part.dtype.itemsize)
+            if lines:
+                lines.add(part.count * part.dtype.itemsize)
             counts = bad[part.target].setdefault(part.source, [0, 0])
             counts[0] += nonfinite
             counts[1] += part.count

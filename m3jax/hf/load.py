@@ -15,7 +15,6 @@ import json
 import logging
 import math
 import os
-import time
 
 import jax
 import numpy as np
@@ -23,6 +22,7 @@ from flax import nnx
 
 from m3jax.config import ConfigError, M3Config
 from m3jax.hf import layouts
+from m3jax.hf.progress import Tenths
 from m3jax.hf.read_blocks import ParamBlocks, TensorReader, build_params
 from m3jax.hf.safetensors_io import CheckpointError, TensorInfo, read_header
 from m3jax.hf.tensors import processes_where
@@ -146,7 +146,8 @@ def from_pretrained(path: str | os.PathLike, dtype=None, *, mesh=None, check_fin
     params = [ParamBlocks(var.get_value().shape, var.get_value().dtype,
                           layout.sharding(var.get_metadata()["logical_axes"]), slots_of[p]) for p, var in flat.items()]
     sizes = [math.prod(p.shape) * np.dtype(p.dtype).itemsize for p in params]
-    progress = _Progress(path, sum(sizes)) if sum(sizes) >= PROGRESS_BYTES else None
+    progress = Tenths(log, f"loading {path}", "of parameters in place", sum(sizes)) if sum(sizes) >= PROGRESS_BYTES \
+        else None
     with TensorReader() as reader:
         built = build_params(params, tensors, reader, check_finite)
         try:
@@ -178,22 +179,6 @@ def _warn_narrowed(path: str, slots, tensors: dict[str, TensorInfo], flat) -> No
         log.warning("%s: %d tensor(s) stored wider than the parameter dtype %s, the embedding's, load rounded to it "
                     "(%s): pass dtype=float32 to keep them", path, len(narrowed),
                     np.dtype(flat[slots[0].param].get_value().dtype).name, _listing(narrowed, 5))
-
-
-class _Progress:
-    """An INFO line each time another tenth of a large load's parameters is in place: the release's 852 GB take
-    minutes to read, on every host."""
-
-    def __init__(self, path: str, total: int):
-        self.path, self.total, self.done, self.shown, self.t0 = path, total, 0, 0, time.perf_counter()
-
-    def add(self, nbytes: int) -> None:
-        self.done += nbytes
-        tenth = 10 * self.done // self.total
-        if tenth > self.shown:
-            self.shown = tenth
-            log.info("loading %s: %d%% of %.1f GB of parameters in place after %.0f s", self.path, 10 * tenth,
-                     self.total / 1e9, time.perf_counter() - self.t0)
 
 
 def _agree_finite(problems: list[str]) -> None:

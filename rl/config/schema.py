@@ -402,7 +402,9 @@ class CheckpointSection(_Section):
 @dataclasses.dataclass(frozen=True)
 class LoggingSection(_Section):
     tensorboard: bool = _f(True, "write TensorBoard events to run.out_dir/tensorboard")
-    progress_bar: bool = _f(True, "show a progress bar on the terminal")
+    progress_bar: bool = _f(True, "show the run's progress: a bar where stderr is a terminal, dated lines where it "
+                                  "is a file (a job log): the first step, each evaluation, the last step, and at most "
+                                  "one more per 30 s")
     plot: bool = _f(True, "write the metric curves to run.out_dir/curves.png at the end")
     entropy: bool = _f(False, "log `entropy`: the exact mean entropy of the sampling distribution over the step's "
                               "response tokens, computed in the train step from the loss's own logits (on with "

@@ -1,0 +1,91 @@
+"""The run's progress on the terminal (`rl.progress`): a bar on a terminal, dated lines in a file."""
+
+import io
+import logging
+
+import pytest
+
+from rl.progress import Bar, Lines, open_progress
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def shown_steps(caplog):
+    return [int(r.getMessage().split()[1].split("/")[0]) for r in caplog.records if r.name == "rl.progress"]
+
+
+def test_lines_show_the_first_step_each_evaluation_the_last_and_one_per_interval(caplog):
+    clock = Clock()
+    lines = Lines(100, 0, every_s=30.0, clock=clock)
+    clock.now += 12.0  # the first step compiles
+    with caplog.at_level(logging.INFO, logger="rl.progress"):
+        for step in range(1, 101):
+            if step > 1:
+                clock.now += 2.0
+            lines.step(step, 0.5, 1000.0, 0.25 if step >= 40 else None, evaluated=step in (40, 80))
+    # step 1; then 30 s after each line (15 steps of 2 s); the evaluations at 40 and 80 restart the interval;
+    # the last step
+    assert shown_steps(caplog) == [1, 16, 31, 40, 55, 70, 80, 95, 100]
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages[0] == "step 1/100 (1%): reward 0.500, 1000 tokens/s; elapsed 00:12"  # no pace from one step
+    assert messages[3] == ("step 40/100 (40%): reward 0.500, 1000 tokens/s, held-out pass@1 0.250; elapsed 01:30, "
+                           "2.00 s/step, 02:00 left")
+    assert messages[-1].endswith("2.00 s/step, 00:00 left")
+
+
+def test_a_run_that_stops_early_ends_on_the_step_it_reached(caplog):
+    clock = Clock()
+    with caplog.at_level(logging.INFO, logger="rl.progress"):
+        lines = Lines(1000, 200, every_s=30.0, clock=clock)  # resumed at step 200
+        for step in range(201, 211):
+            clock.now += 1.0
+            lines.step(step, 0.5, 1000.0, None)
+        lines.close()  # a signal or run.max_wall_minutes
+        lines.close()  # twice: nothing more
+    assert shown_steps(caplog) == [201, 210]
+    assert caplog.records[-1].getMessage().startswith("step 210/1000 (21%): ")
+
+
+class Stream(io.StringIO):
+    def __init__(self, terminal):
+        super().__init__()
+        self.terminal = terminal
+
+    def isatty(self):
+        if self.terminal is None:
+            raise ValueError("I/O operation on closed file")
+        return self.terminal
+
+
+def test_a_terminal_gets_the_bar_and_a_file_or_a_closed_stream_gets_lines():
+    terminal = Stream(True)
+    bar = open_progress(10, 0, stream=terminal)
+    assert isinstance(bar, Bar)
+    bar.step(1, 0.5, 1234.0, 0.75)
+    bar.close()
+    assert "\r" in terminal.getvalue() and "reward=0.500, tok_s=1234, val_pass1=0.750" in terminal.getvalue()
+    for stream in (Stream(False), Stream(None), object()):
+        assert isinstance(open_progress(10, 0, stream=stream), Lines)
+
+
+@pytest.mark.parametrize("evaluate_at_start", [True, False])
+def test_the_run_logger_shows_its_rows_as_lines_where_stderr_is_a_file(tmp_path, caplog, evaluate_at_start):
+    from rl.observe import RunLogger
+    with caplog.at_level(logging.INFO, logger="rl.progress"):  # pytest's stderr is no terminal
+        log = RunLogger(str(tmp_path), tensorboard=False, progress_bar=True, total_steps=3)
+        if evaluate_at_start:
+            log.log(0, {"val/pass@1": 0.125}, advance=False)
+        log.log(1, {"reward/mean": 0.5, "throughput/tokens_per_s": 10.0})
+        log.log(2, {"reward/mean": 0.6, "throughput/tokens_per_s": 10.0, "val/pass@1": 0.375})
+        log.log(3, {"reward/mean": 0.7, "throughput/tokens_per_s": 10.0})
+        log.close()
+    messages = [r.getMessage() for r in caplog.records if r.name == "rl.progress"]
+    assert [m.split(":")[0] for m in messages] == ["step 1/3 (33%)", "step 2/3 (66%)", "step 3/3 (100%)"]
+    assert ("held-out pass@1 0.125" in messages[0]) == evaluate_at_start
+    assert "held-out pass@1 0.375" in messages[1] and "held-out pass@1 0.375" in messages[2]
