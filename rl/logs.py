@@ -14,7 +14,8 @@ through it), Ray and vLLM (they print through handlers of their own, removed whe
 traceback at INFO, so in run.log; a library's writer thread on a full disk printed 14 lines after the run's error). Not here: what Ray actors print (vLLM engines included) stays
 in Ray's session logs (the pool starts Ray with log_to_driver=False).
 
-In a multi-host job each process writes its own file: run.log for process 0, run.<i>.log for process i.
+In a multi-host job each process writes its own file: run.log for process 0, run.<i>.log for process i; on the
+terminal the others show WARNING and up only, tagged `[process i]`.
 `setup` is called once by `m3jax.train` when the config is known and the run directory is locked.
 """
 
@@ -43,16 +44,26 @@ def log_file_name(process_index: int = 0) -> str:
 
 
 class TerminalFilter(logging.Filter):
-    """What the terminal shows at `level` info: the project's INFO+, anyone's WARNING+."""
+    """What the terminal shows at `level` info: the project's INFO+, anyone's WARNING+. `infos` False (the processes
+    of a multi-host job but the first): WARNING+ only. A scheduler gathers every process's terminal into one job log,
+    where the 32-node recipe's hosts printed each of their INFO lines 32 times (the load's progress: 320 lines); their
+    INFO lines are in their own run.<i>.log."""
 
-    def __init__(self, level: str = "info"):
+    def __init__(self, level: str = "info", infos: bool = True):
         super().__init__()
-        self.debug = level == "debug"
+        self.debug, self.infos = level == "debug", infos
 
     def filter(self, record: logging.LogRecord) -> bool:
         if self.debug or record.levelno >= logging.WARNING:
             return True
-        return record.levelno >= logging.INFO and is_project(record.name)
+        return self.infos and record.levelno >= logging.INFO and is_project(record.name)
+
+
+def terminal_format(process_index: int = 0) -> str:
+    """TERMINAL_FORMAT, naming the process in a multi-host job's others: their lines share the job log with process
+    0's."""
+    return TERMINAL_FORMAT if process_index == 0 else TERMINAL_FORMAT.replace(
+        " %(name)s", f" [process {process_index}] %(name)s")
 
 
 class TqdmHandler(logging.Handler):
@@ -139,8 +150,8 @@ def setup(run_dir: str | None, level: str = "info", *, process_index: int = 0) -
         file_handler.setFormatter(logging.Formatter(FILE_FORMAT))
         handlers.append(file_handler)
     terminal = TqdmHandler()
-    terminal.setFormatter(logging.Formatter(TERMINAL_FORMAT, datefmt="%H:%M:%S"))
-    terminal.addFilter(TerminalFilter(level))
+    terminal.setFormatter(logging.Formatter(terminal_format(process_index), datefmt="%H:%M:%S"))
+    terminal.addFilter(TerminalFilter(level, infos=process_index == 0))
     if not debug:  # the project's own DEBUG records: run.log only
         terminal.setLevel(logging.INFO)
     handlers.append(terminal)

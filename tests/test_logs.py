@@ -54,6 +54,21 @@ def test_info_level_routes_third_party_info_to_the_file_only(routed, capsys):
     assert "jax debug" not in text  # third-party DEBUG only at level debug
 
 
+def test_the_other_processes_of_a_job_show_their_warnings_only_named(tmp_path, capsys):
+    """A job's processes share one log (the scheduler's): the others' INFO lines stay in their run.<i>.log."""
+    try:
+        path = logs.setup(str(tmp_path), "info", process_index=3)
+        emit_all()
+    finally:
+        logs.teardown()
+    err = capsys.readouterr().err
+    assert path.endswith("run.3.log")
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].endswith(" WARNING [process 3] ray: ray warning"), err
+    text = open(path).read()
+    assert "project info" in text and "sharding info" in text and "ray warning" in text
+
+
 def test_debug_level_shows_everything(routed, capsys):
     path = routed("debug")
     emit_all()
