@@ -34,6 +34,7 @@ from rl.policy import (Policy, applied_learning_rate, build_policy, checkpointer
 from rl.prompt_loader import PromptLoader
 from rl.reference import ReferenceWeights
 from rl.resume_checks import changes_warning, check as check_config, trained_under
+from rl.startup import PhaseClock, generation_line, policy_line, prompts_line
 from rl.tasks import make_task
 from rl.wandb_run import open_run as open_wandb_run
 from sharding.precision import restart_adam
@@ -72,9 +73,13 @@ class GRPOTrainer:
         self.run_dir = cfg.run.out_dir
         os.makedirs(self.run_dir, exist_ok=True)
         self.loss_cfg = cfg.grpo.loss_config(cfg.generation.max_new_tokens)
+        self.phases = PhaseClock()  # a line as each phase of the start ends (rl.startup)
         self.tokenizer, self.loader, self.pad_id = build_data(cfg)
+        self.phases.done("%s", prompts_line(cfg, len(self.loader.records)))
         self.checkpointer = checkpointer_for(cfg)
         self.policy = policy or self._build_policy(kernel_headroom)
+        self.phases.done("%s", policy_line(cfg, self.policy.state.params, self.policy.layout,
+                                           self._restored[1]["step"] if self._restored else None))
         self.width = sequence_width(cfg, self.policy.model_cfg)
         # the KL's reference policy: the weights the run starts from (a resume restores the policy, not these), or
         # grpo.reference_path's
@@ -88,6 +93,7 @@ class GRPOTrainer:
                        and self.policy.model().num_sparse_layers else None)
         p = self.policy
         self.engine = backends.make_generator(cfg, p.graphdef, p.state, pad_id=self.pad_id, run_dir=self.run_dir)
+        self.phases.done("%s", generation_line(cfg))
         self.probe = self._probe_check()
         self.eval_set = self._eval_set() if cfg.eval.enabled else None
         self.best = None  # {metric, value, step} of the best held-out evaluation so far (kept in checkpoints)
@@ -331,7 +337,11 @@ class GRPOTrainer:
         signals = StopSignals().__enter__()
         try:
             if self.eval_set is not None and cfg.eval.at_start and first == 0:
-                logger.log(0, self._evaluate(0), advance=False)  # the initial policy: a row of its own
+                self.phases.restart()
+                row = self._evaluate(0)
+                logger.log(0, row, advance=False)  # the initial policy: a row of its own
+                self.phases.done("held-out evaluation of the initial policy: pass@1 %.3f over %d prompts x %d samples",
+                                 row["val/pass@1"], len(self.eval_set.records), cfg.eval.samples_per_prompt)
             for step in range(first, cfg.run.total_steps):
                 self.checkpointer.check_saves()  # a background save that failed stops the run at the next step
                 t0 = time.perf_counter()

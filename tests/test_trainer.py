@@ -36,10 +36,16 @@ def tiny_run(tmp_path_factory):
                    r.stdout + r.stderr)
 
 
+def other_lines(terminal: str) -> list[str]:
+    """The terminal's lines but the progress and start-up lines."""
+    return [ln for ln in terminal.replace("\r", "\n").splitlines()
+            if ln.strip() and " rl.progress: " not in ln and " rl.startup: " not in ln]
+
+
 def assert_quiet(terminal: str, most: int):
     """Nothing of absl/orbax/jax INFO and no traceback on the terminal; at most `most` lines besides the progress
-    lines."""
-    lines = [ln for ln in terminal.replace("\r", "\n").splitlines() if ln.strip() and " rl.progress: " not in ln]
+    and start-up lines (rl.progress, rl.startup)."""
+    lines = other_lines(terminal)
     assert len(lines) <= most, lines
     for noise in ("absl", "orbax", "xla_bridge", "Traceback", "INFO jax"):
         assert noise not in terminal, (noise, lines)
@@ -126,7 +132,15 @@ def test_outputs_checkpoints_export_and_plot(tiny_run, tmp_path):
 def test_the_terminal_is_quiet_and_run_log_has_the_rest(tiny_run):
     out = tiny_run.out
     assert_quiet(tiny_run.terminal, 5)
-    assert [ln for ln in tiny_run.terminal.strip().splitlines() if " rl.progress: " not in ln][-1].startswith("done:")
+    assert other_lines(tiny_run.terminal)[-1].startswith("done:")
+    # a line as each phase of the start ends, with its time
+    started = [ln.split(" rl.startup: ")[1] for ln in tiny_run.terminal.splitlines() if " rl.startup: " in ln]
+    assert [ln.split(":")[0] for ln in started] == ["prompts", "policy", "generation",
+                                                   "held-out evaluation of the initial policy"], started
+    assert started[1].startswith("policy: 116 k parameters (float32), initialised at random (model.init_seed 0); on 1 "
+                                 "cpu device ("), started
+    assert started[3].startswith("held-out evaluation of the initial policy: pass@1 0.000 over 64 prompts x 4 "
+                                 "samples ("), started
     # Its stderr is not a terminal: the progress is dated lines (no carriage return), the first step's, each
     # evaluation's (every 20 steps) and the last (tests/test_progress.py: the lines between them).
     assert "\r" not in tiny_run.terminal
