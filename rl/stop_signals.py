@@ -1,10 +1,15 @@
-"""`StopSignals`: SIGTERM and SIGINT during a training run ask it to finish the step, save it and stop.
+"""`StopSignals`: SIGTERM, SIGINT and SIGUSR1 during a training run ask it to finish the step, save it and stop.
 
 A scheduler's preemption (SIGTERM, then SIGKILL after a grace period) or a Ctrl-C used to end the process at once:
 every step since the last checkpoint was lost (up to `checkpoint.every_steps - 1` of them) and an interrupt
 printed a traceback. As MaxText and Levanter do on preemption, the run now saves the step it is on and stops,
 and rerunning the command resumes from it. A second Ctrl-C stops at once (KeyboardInterrupt), for a step that
 would take too long to finish.
+
+SIGUSR1 is what SLURM sends ahead of a job's time limit when asked (`#SBATCH --signal=USR1@600`: ten minutes
+before it), so that a step of minutes can finish and save; at the limit itself SLURM sends SIGTERM and kills the job
+KillWait (30 s by default) later. Left at Python's default, SIGUSR1 ended the process at once, losing every step since
+the last checkpoint (PyTorch Lightning saves and requeues on it).
 
 On a job of several processes a signal may reach them at different steps (or only one of them): they agree at the
 end of every step (`agree`, an all-gather of two flags), so all save the same step, as a checkpoint's collective
@@ -21,11 +26,11 @@ import numpy as np
 
 log = logging.getLogger("rl.trainer")
 
-SIGNALS = (signal.SIGTERM, signal.SIGINT)
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 
 class StopSignals:
-    """Context manager: while inside it (in the main thread), SIGTERM / SIGINT set `received` instead of ending
+    """Context manager: while inside it (in the main thread), SIGNALS set `received` instead of ending
     the process; the handlers before it come back on exit. Elsewhere (another thread) it installs nothing."""
 
     def __init__(self):

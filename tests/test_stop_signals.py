@@ -30,6 +30,19 @@ def test_a_signal_is_recorded_and_the_handlers_come_back():
         assert s.agree(True, False) == (True, True) and s.agree(False, True) == (False, True) and s.name is None
 
 
+def test_slurms_warning_before_the_time_limit_stops_the_run_as_sigterm_does():
+    """SIGUSR1 (`#SBATCH --signal=USR1@600`) ended the process at once (Python's default), losing every unsaved
+    step."""
+    from m3jax.train import _signal_number
+    before = signal.getsignal(signal.SIGUSR1)
+    with StopSignals() as s:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.01)
+        assert s.name == "SIGUSR1" and s.agree(False, False) == (True, True)
+    assert signal.getsignal(signal.SIGUSR1) is before
+    assert 128 + _signal_number("SIGUSR1") == 138  # the run's exit status
+
+
 def checkpoints(out_dir):
     d = os.path.join(out_dir, "checkpoints")
     return sorted(int(n) for n in os.listdir(d) if n.isdigit()) if os.path.isdir(d) else []
