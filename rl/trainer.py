@@ -35,6 +35,7 @@ from rl.prompt_loader import PromptLoader
 from rl.reference import ReferenceWeights
 from rl.resume_checks import changes_warning, check as check_config, trained_under
 from rl.startup import PhaseClock, generation_line, policy_line, prompts_line
+from rl.watchdog import HangWatchdog
 from rl.tasks import make_task
 from rl.wandb_run import open_run as open_wandb_run
 from sharding.precision import restart_adam
@@ -334,15 +335,19 @@ class GRPOTrainer:
                            else None, resumed_row=self.resumed_row)
         last = {}
         saved_for_deadline = False
+        watchdog = HangWatchdog(cfg.run.hang_timeout_minutes, resume_hint=(
+            f"; rerunning the command resumes from the last checkpoint in {self.checkpointer.directory}"))
         signals = StopSignals().__enter__()
         try:
             if self.eval_set is not None and cfg.eval.at_start and first == 0:
+                watchdog.arm("the held-out evaluation of the initial policy")
                 self.phases.restart()
                 row = self._evaluate(0)
                 logger.log(0, row, advance=False)  # the initial policy: a row of its own
                 self.phases.done("held-out evaluation of the initial policy: pass@1 %.3f over %d prompts x %d samples",
                                  row["val/pass@1"], len(self.eval_set.records), cfg.eval.samples_per_prompt)
             for step in range(first, cfg.run.total_steps):
+                watchdog.arm(f"step {step + 1}")
                 self.checkpointer.check_saves()  # a background save that failed stops the run at the next step
                 t0 = time.perf_counter()
                 last = self.step(step)
@@ -373,6 +378,7 @@ class GRPOTrainer:
                 if self.stopped_by:
                     break
         finally:
+            watchdog.close()
             signals.__exit__()
             if self.ahead is not None:
                 self.ahead.close()  # before the generator shuts down: a draw in flight uses it

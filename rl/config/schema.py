@@ -93,6 +93,11 @@ class RunSection(_Section):
     total_steps: int = _f(200, "GRPO steps (one batch of prompts each)", min=1)
     max_wall_minutes: float | None = _f(None, "stop (after saving) once this much wall time has passed; "
                                               "null = no limit", gt=0)
+    hang_timeout_minutes: float | None = _f(None, "a step (generation, update, evaluation, save) or the initial "
+                                                  "evaluation not finished after this long is taken as hung: the "
+                                                  "threads' stacks go to the run log and the process exits with "
+                                                  "status 124, for the job to be restarted (the rerun resumes); the "
+                                                  "first step also compiles; null = never (rl.watchdog)", gt=0)
     compilation_cache: str | None = _f(None, "directory of JAX's persistent compilation cache (a relative path is "
                                              "under out_dir): a restart or resume loads each compiled program "
                                              "instead of compiling it again; null = JAX's default (the "

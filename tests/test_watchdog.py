@@ -1,0 +1,74 @@
+"""A step that never finishes is taken as hung (rl.watchdog, run.hang_timeout_minutes): the process exits with one
+line and its threads' stacks in the run log, for the job to be restarted."""
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from rl.watchdog import HUNG_STATUS, HangWatchdog
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def recorder():
+    calls, fired = [], threading.Event()
+
+    def on_hang(what, seconds):
+        calls.append((what, seconds))
+        fired.set()
+    return calls, fired, on_hang
+
+
+def test_a_step_past_the_limit_is_reported_once_and_one_within_it_never():
+    calls, fired, on_hang = recorder()
+    dog = HangWatchdog(0.5 / 60, on_hang=on_hang)  # half a second
+    try:
+        for step in range(1, 6):  # steps of 0.1 s: each re-arms the clock
+            dog.arm(f"step {step}")
+            time.sleep(0.1)
+        dog.disarm()
+        time.sleep(0.7)  # disarmed: nothing is watched
+        assert calls == []
+        dog.arm("step 6")
+        assert fired.wait(5)
+        time.sleep(0.7)
+        assert calls == [("step 6", 0.5)]  # once
+    finally:
+        dog.close()
+    assert not dog._thread.is_alive()
+
+
+def test_no_limit_watches_nothing():
+    dog = HangWatchdog(None, on_hang=lambda *a: pytest.fail("called"))
+    dog.arm("step 1")
+    dog.close()
+    assert dog._thread is None
+
+
+def run_train(tmp_path, *overrides):
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    env.pop("XLA_FLAGS", None)
+    return subprocess.run([sys.executable, os.path.join(ROOT, "tests/workers/hanging_reward_train.py"), "--config",
+                           os.path.join(ROOT, "configs/tiny.yaml"), f"run.out_dir={tmp_path / 'run'}", *overrides],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow  # ~20 s: the tiny trainer built, then held for the limit (15 s, beyond the evaluation's compile)
+def test_a_run_whose_evaluation_hangs_exits_with_its_stacks_in_the_run_log(tmp_path):
+    t0 = time.time()
+    r = run_train(tmp_path, "eval.reward=[{name: hangs}]", "run.hang_timeout_minutes=0.25")
+    assert r.returncode == HUNG_STATUS, r.stderr[-3000:]
+    assert time.time() - t0 < 300
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: the held-out evaluation of the initial policy has not finished after 0.25 min "
+                           "(run.hang_timeout_minutes): taken as hung, the process exits (status 124); the threads' "
+                           "stacks are in its run log; rerunning the command resumes from the last checkpoint in "), last
+    assert "Traceback" not in r.stderr
+    text = (tmp_path / "run" / "run.log").read_text()
+    # where it hung: the reward's frame in the main thread's stack
+    assert "the threads' stacks when the held-out evaluation of the initial policy was taken as hung" in text
+    assert "thread MainThread:" in text and "in hangs" in text
