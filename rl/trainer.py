@@ -78,6 +78,20 @@ class GRPOTrainer:
         self.tokenizer, self.loader, self.pad_id = build_data(cfg)
         self.phases.done("%s", prompts_line(cfg, len(self.loader.records)))
         self.checkpointer = checkpointer_for(cfg)
+        try:
+            self._build(policy, kernel_headroom)
+        except BaseException:
+            # A start refused here is undone (rl.refused_start removes what it created): the checkpointer's removal
+            # of unfinished saves, which runs in the background, ends first, or it fails on a directory being removed
+            # and prints its traceback after the run's error line.
+            try:
+                self.checkpointer.close()
+            except Exception:  # noqa: BLE001 - the error being raised is the one to report
+                log.debug("closing the checkpointer of a failed start", exc_info=True)
+            raise
+
+    def _build(self, policy: Policy | None, kernel_headroom: int | None) -> None:
+        cfg = self.cfg
         self.policy = policy or self._build_policy(kernel_headroom)
         self.phases.done("%s", policy_line(cfg, self.policy.state.params, self.policy.layout,
                                            self._restored[1]["step"] if self._restored else None))
