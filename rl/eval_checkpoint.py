@@ -125,5 +125,5 @@ def training_records(cfg: RunConfig) -> list:
     evaluation excludes nothing (its file is the held-out set)."""
     if cfg.eval.kind != "synthetic":
         return []
-    from rl.trainer import build_data
+    from rl.prompt_loader import build_data
     return build_data(cfg)[1].records

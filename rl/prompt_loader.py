@@ -1,4 +1,5 @@
-"""The order in which a run takes its prompt records: ``PromptLoader``, endless and checkpointable.
+"""The order in which a run takes its prompt records: ``PromptLoader``, endless and checkpointable; ``build_data``
+makes it, with the tokenizer, from a run config.
 
 ``PromptLoader`` shuffles with a fresh ``numpy.random.Generator`` seeded by ``(seed, epoch)`` each epoch
 and keeps its position as ``{seed, epoch, index}`` (with the records' count and fingerprint, which a resume
@@ -119,3 +120,26 @@ def records_fingerprint(records: Sequence[PromptRecord]) -> str:
         h.update(json.dumps([r.prompt, r.answer, meta], sort_keys=True, default=str).encode())
         h.update(b"\n")
     return h.hexdigest()
+
+
+def build_data(cfg):
+    """(tokenizer, prompt loader, pad id) of a run config: the synthetic task's, or the model's tokenizer over a
+    dataset, its prompts rendered and fitted to generation.max_prompt_tokens."""
+    from rl.data import load_prompts
+    from rl.model_tokenizer import load_tokenizer
+    from rl.prompt_lengths import fit_prompt_lengths
+    from rl.tasks import make_task
+    d = cfg.data
+    if d.kind == "synthetic":
+        task = make_task(d.task, num_digits=d.num_digits, seed=d.shuffle_seed)
+        tokenizer = task.tokenizer
+        records = task.dataset(max(4096, cfg.grpo.prompts_per_step * 64))
+    else:
+        tokenizer = load_tokenizer(cfg.model.path)
+        records = load_prompts(d.path, format=d.format, prompt_key=d.prompt_key, answer_key=d.answer_key,
+                               layout=d.layout)
+        records, _ = fit_prompt_lengths(records, tokenizer, cfg.generation.max_prompt_tokens,
+                                        chat_template=d.chat_template, overlong=d.overlong_prompts,
+                                        vocab_size=cfg.model.m3_config().vocab_size)
+    loader = PromptLoader(records, cfg.grpo.prompts_per_step, seed=d.shuffle_seed)
+    return tokenizer, loader, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

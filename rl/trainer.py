@@ -24,41 +24,19 @@ from rl.checkpoint import CheckpointMismatch, CheckpointsUnreadable
 from rl.config import RunConfig
 from rl.config_record import record_config
 from rl.stop_signals import StopSignals
-from rl.data import load_prompts
-from rl.model_tokenizer import load_tokenizer
-from rl.prompt_lengths import fit_prompt_lengths
 from rl.generation import backends
 from rl.observe import RunLogger, plot_run
 from rl.policy import (Policy, applied_learning_rate, build_policy, checkpointer_for, make_indexer_recall,
                        make_logprobs, make_update, reference_params, sequence_width)
-from rl.prompt_loader import PromptLoader
+from rl.prompt_loader import build_data
 from rl.reference import ReferenceWeights
 from rl.resume_checks import changes_warning, check as check_config, trained_under
 from rl.startup import PhaseClock, generation_line, policy_line, prompts_line
 from rl.watchdog import HangWatchdog
-from rl.tasks import make_task
 from rl.wandb_run import open_run as open_wandb_run
 from sharding.precision import restart_adam
 
 log = logging.getLogger(__name__)
-
-
-def build_data(cfg: RunConfig):
-    """(tokenizer, prompt loader, pad id): the synthetic task's, or the model's tokenizer over a dataset."""
-    d = cfg.data
-    if d.kind == "synthetic":
-        task = make_task(d.task, num_digits=d.num_digits, seed=d.shuffle_seed)
-        tokenizer = task.tokenizer
-        records = task.dataset(max(4096, cfg.grpo.prompts_per_step * 64))
-    else:
-        tokenizer = load_tokenizer(cfg.model.path)
-        records = load_prompts(d.path, format=d.format, prompt_key=d.prompt_key, answer_key=d.answer_key,
-                               layout=d.layout)
-        records, _ = fit_prompt_lengths(records, tokenizer, cfg.generation.max_prompt_tokens,
-                                        chat_template=d.chat_template, overlong=d.overlong_prompts,
-                                        vocab_size=cfg.model.m3_config().vocab_size)
-    loader = PromptLoader(records, cfg.grpo.prompts_per_step, seed=d.shuffle_seed)
-    return tokenizer, loader, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
 
 class GRPOTrainer:

@@ -22,8 +22,8 @@ timing its whole wall time, then reads <tmp>/metrics.jsonl (the last record of e
     .venv/bin/python scripts/bench_grpo_step.py --keep run.total_steps=50
 
 --startup additionally builds the trainer in this process (no steps) and times its setup: config
-parsing, `import rl.trainer`, rl.trainer.build_data, rl.policy.build_policy, GRPOTrainer, and the number and total
-seconds of XLA backend compilations during that setup (jax.monitoring's backend-compile event).
+parsing, `import rl.trainer`, rl.prompt_loader.build_data, rl.policy.build_policy, GRPOTrainer, and the number
+and total seconds of XLA backend compilations during that setup (jax.monitoring's backend-compile event).
 """
 
 from __future__ import annotations

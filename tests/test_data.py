@@ -402,12 +402,12 @@ def test_an_id_past_the_model_vocabulary_names_the_tokenizer(tmp_path):
 
 
 def test_the_trainer_checks_every_file_prompt_at_load(tmp_path, monkeypatch):
-    """`rl.trainer.build_data` refuses a prompt file with an overlong prompt before the run builds anything
+    """`rl.prompt_loader.build_data` refuses a prompt file with an overlong prompt before the run builds anything
     else, and with data.overlong_prompts: drop trains on the rest."""
     import transformers
 
     from rl.config import load_config
-    from rl.trainer import build_data
+    from rl.prompt_loader import build_data
     from tests.test_run_config import TINY
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda path: DigitTokenizer())
     (tmp_path / "config.json").write_text(json.dumps(load_config(TINY).model.m3_config().to_hf_dict()))

@@ -68,7 +68,7 @@ def test_pass_k_values_are_checked_against_the_samples():
 
 # ------------------------------------------------------------------------------------- the split
 def test_held_out_prompts_are_disjoint_from_the_training_prompts():
-    from rl.trainer import build_data
+    from rl.prompt_loader import build_data
     cfg = load_config(TINY)
     _, loader, _ = build_data(cfg)
     held = ev.eval_records(cfg, loader.records)

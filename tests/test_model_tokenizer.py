@@ -41,7 +41,7 @@ def test_a_broken_tokenizer_json(saved):
 
 def test_build_data_refuses_a_model_dir_without_a_tokenizer(tmp_path):
     from rl.config import load_config
-    from rl.trainer import build_data
+    from rl.prompt_loader import build_data
     from tests.test_run_config import TINY
     (tmp_path / "config.json").write_text(json.dumps(load_config(TINY).model.m3_config().to_hf_dict()))
     (tmp_path / "train.jsonl").write_text('{"prompt": "1", "answer": "1"}\n')

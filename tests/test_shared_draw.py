@@ -15,7 +15,7 @@ from rl.generation import multihost
 from rl.generation.multihost import ProcessZeroPool
 from rl.generation.backends import sampling_of
 from rl.rewards import registry
-from rl.trainer import build_data
+from rl.prompt_loader import build_data
 from tests.test_multihost import Broadcast, FakePool, _zero_model
 from tests.test_run_config import TINY
 
