@@ -173,6 +173,7 @@ def _train(cfg, args, writable: bool = True) -> int:
         print(f"exported step {step} to {path}")
         return 0
     from rl.checkpoint import CheckpointMismatch, CheckpointSaveFailed, write_failed
+    from rl.skipped_updates import UpdatesSkipped
     from rl.trainer import GRPOTrainer
 
     try:
@@ -186,7 +187,7 @@ def _train(cfg, args, writable: bool = True) -> int:
         last = trainer.run()
     except CheckpointMismatch as e:  # the resume's, before the first step
         raise Refused(f"error: {e}") from None
-    except CheckpointSaveFailed as e:  # a failed save: the run's log and checkpoints stay
+    except (CheckpointSaveFailed, UpdatesSkipped) as e:  # a failed save, a diverged run: the log and checkpoints stay
         print(f"error: {e}", file=sys.stderr)
         return 1
     except OSError as e:

@@ -31,6 +31,7 @@ from rl.policy import (Policy, applied_learning_rate, build_policy, checkpointer
 from rl.prompt_loader import build_data
 from rl.reference import ReferenceWeights
 from rl.resume_checks import changes_warning, check as check_config, trained_under
+from rl.skipped_updates import SkippedUpdates
 from rl.startup import PhaseClock, generation_line, policy_line, prompts_line
 from rl.watchdog import HangWatchdog
 from rl.wandb_run import open_run as open_wandb_run
@@ -93,6 +94,7 @@ class GRPOTrainer:
         self.resumed_row = None  # the resumed checkpoint's metrics row
         self.trained_under = trained_under(cfg)  # kept in every checkpoint: a resume compares itself with it
         self.changed_since_checkpoint = None
+        self.skipped_updates = SkippedUpdates(cfg.optim.stop_after_skipped_steps, cfg.grpo.updates_per_step)
         # grpo.max_trajectory_age_steps 1: the next step's draw runs while a step trains (rl.ahead)
         self.ahead = AheadDraw() if cfg.grpo.max_trajectory_age_steps else None
         # in a multi-host job it runs on process 0 alone and is shared when taken (rl.shared_draw)
@@ -219,6 +221,7 @@ class GRPOTrainer:
 
         lr = applied_learning_rate(cfg, policy.state)  # the schedule's, which waits out skipped updates
         policy.state, stats = phases.update(self.train_step, policy.state, micro, gcfg.updates_per_step)
+        self.skipped_updates.after(done, stats.skipped, stats.loss, stats.grad_norm)
         reset = self._reset_reference(done)
         t["train"] = time.perf_counter()
 

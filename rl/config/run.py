@@ -26,7 +26,7 @@ class RunConfig(_Section):
                 num_processes, process_id,
                 device_memory_fraction
     precision   master, moment_dtype
-    optim       lr, schedule, warmup_steps, weight_decay, b1, b2, eps, clip_norm
+    optim       lr, schedule, warmup_steps, weight_decay, b1, b2, eps, clip_norm, stop_after_skipped_steps
     grpo        prompts_per_step, group_size, micro_batch_size, updates_per_step, old_logprobs, advantage, loss,
                 eps_low, eps_high, dual_clip, gspo_eps_low, gspo_eps_high, cispo_eps_low, cispo_eps_high,
                 is_correction, is_level, is_cap, is_floor, is_mask_low, is_mask_high, kl, kl_coef,

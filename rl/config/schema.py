@@ -277,6 +277,10 @@ class OptimSection(_Section):
     b2: float = _f(0.999, "Adam beta2", min=0, lt=1)
     eps: float = _f(1e-8, "Adam epsilon", gt=0)
     clip_norm: float | None = _f(1.0, "global gradient-norm clip; null = off", gt=0)
+    stop_after_skipped_steps: int = _f(10, "a run whose updates were all skipped for a non-finite gradient in this "
+                                           "many steps in a row stops with an error (its weights no longer change: "
+                                           "a diverged run); each step with a skipped update is warned of; 0 = never",
+                                       min=0)
 
 
 @dataclasses.dataclass(frozen=True)
