@@ -1,4 +1,4 @@
-"""python -m m3jax.train --config configs/<name>.yaml [key.sub=value ...] [--print-config]
+"""python -m m3jax.train --config configs/<name>.yaml [key.sub=value ...] [--print-config | --export DIR [--step N]]
 
 GRPO on MiniMax-M3. The config (a YAML chain of base + deltas, then dotted overrides) is validated in
 full before any work starts. Rerunning the same command resumes from the run's latest checkpoint.
@@ -25,7 +25,11 @@ def main(argv=None) -> int:
     add_arguments(parser)
     parser.add_argument("--export", metavar="DIR", help="export the latest checkpoint's policy to a HF "
                         "directory and exit (on-demand export)")
+    parser.add_argument("--step", type=int, metavar="N", help="with --export: the checkpoint step to export "
+                        "(default: the newest; e.g. the best one that checkpoint.keep_best kept)")
     args = parser.parse_intermixed_args(argv)
+    if args.step is not None and not args.export:
+        parser.error("--step goes with --export DIR (the step to export)")
     reserve_collective_threads(os.environ)  # simulated CPU devices: before jax starts its CPU backend
     try:
         cfg = from_args(args)
@@ -167,7 +171,7 @@ def _train(cfg, args, writable: bool = True) -> int:
         from rl.policy import export_latest  # the model and its checkpoint only: no data, no engines
 
         try:
-            step, path = export_latest(cfg, args.export)
+            step, path = export_latest(cfg, args.export, args.step)
         except (*input_errors(), OSError) as e:  # OSError: a full or read-only destination
             raise Refused(f"error: {e}") from None
         print(f"exported step {step} to {path}")

@@ -36,6 +36,7 @@ from flax import nnx
 from rl import checkpoint_job
 from rl.checkpoint_logs import _cause, _Demote, _orbax_errors_to_run_log, _quiet_abandoned_reads
 from rl.checkpoint_job import job_max as _job_max, job_steps as _job_steps
+from rl.checkpoint_keep import KeepStep, preservation
 from sharding import precision
 from sharding.train_step import TrainState
 
@@ -132,9 +133,12 @@ class CheckpointSaveFailed(RuntimeError):
 
 
 class Checkpointer:
-    def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True, read_only: bool = False):
-        """read_only: a reader (python -m m3jax.eval) that creates, saves and deletes nothing."""
+    def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True, read_only: bool = False,
+                 keep_best: bool = False):
+        """read_only: a reader (python -m m3jax.eval) that creates, saves and deletes nothing. keep: the newest
+        checkpoints kept; keep_best: also the one of `keep_best_step` (rl.checkpoint_keep)."""
         self.directory = os.path.abspath(directory)
+        self.best = KeepStep() if keep_best and not read_only else None
         self.read_only = read_only
         self.async_save = async_save
         self._saving = None  # the step of the last save started
@@ -150,7 +154,8 @@ class Checkpointer:
         try:
             self.manager = ocp.CheckpointManager(
                 self.directory, item_names=("state", "meta", "reference"),
-                options=ocp.CheckpointManagerOptions(max_to_keep=None if read_only else keep,
+                options=ocp.CheckpointManagerOptions(preservation_policy=None if read_only else
+                                                     preservation(keep, self.best),
                                                      save_interval_steps=0 if read_only else 1,
                                                      enable_async_checkpointing=not read_only,
                                                      create=not read_only, read_only=read_only,
@@ -158,6 +163,11 @@ class Checkpointer:
                                                      async_options=ocp.AsyncOptions(barrier_sync_fn=barrier)))
         finally:
             logging.getLogger("absl").removeFilter(notice)
+
+    def keep_best_step(self, step: int | None) -> None:
+        """With keep_best: the step whose checkpoint stays beside the newest (the best evaluation's)."""
+        if self.best is not None:
+            self.best.step = step
 
     def steps(self) -> list[int]:
         """The finished checkpoints' steps, oldest first."""

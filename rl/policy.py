@@ -279,20 +279,27 @@ def make_indexer_recall(policy: Policy) -> Callable:
 
 
 def checkpointer_for(cfg: RunConfig) -> ckpt_lib.Checkpointer:
-    return ckpt_lib.Checkpointer(checkpoint_dir(cfg), keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
+    return ckpt_lib.Checkpointer(checkpoint_dir(cfg), keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save,
+                                 keep_best=cfg.checkpoint.keep_best)
 
 
-def export_latest(cfg: RunConfig, path: str | None = None) -> tuple[int, str]:
-    """Write the newest checkpoint's policy as a HF directory (default `<run.out_dir>/export`), building
-    only the model and its checkpoint reader: no data, no generation engines. Returns (step, path). A destination
-    that holds anything but an earlier export (the run directory itself, say) is refused before the model is built."""
+def export_latest(cfg: RunConfig, path: str | None = None, step: int | None = None) -> tuple[int, str]:
+    """Write the newest checkpoint's policy (or checkpoint `step`'s: the best one that checkpoint.keep_best kept,
+    say) as a HF directory (default `<run.out_dir>/export`), building only the model and its checkpoint reader: no
+    data, no generation engines. Returns (step, path). A destination that holds anything but an earlier export (the
+    run directory itself, say), or a step without a checkpoint, is refused before the model is built."""
     from m3jax.hf.save import check_destination
     path = check_destination(path or os.path.join(cfg.run.out_dir, "export"), [cfg.run.out_dir, cfg.model.path])
-    policy = build_policy(cfg, kernel_timing="off", abstract=True)
     # a reader: nothing in the run directory is created, moved or deleted (it may be read-only)
     checkpointer = ckpt_lib.Checkpointer(checkpoint_dir(cfg), async_save=False, read_only=True)
     try:
-        got = checkpointer.restore_latest(policy.state, params_only=True)
+        steps = checkpointer.steps()
+        if step is not None and step not in steps:
+            raise FileNotFoundError(f"no checkpoint of step {step} to export in {checkpointer.directory} (steps: "
+                                    f"{', '.join(map(str, steps)) or 'none'})")
+        policy = build_policy(cfg, kernel_timing="off", abstract=True)
+        got = (checkpointer.restore_latest(policy.state, params_only=True) if step is None
+               else checkpointer.restore_step(step, policy.state, params_only=True))
     finally:
         checkpointer.close()
     if got is None:

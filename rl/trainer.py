@@ -289,6 +289,7 @@ class GRPOTrainer:
                 "task, which sizes its prompt set), or start over in a new run.out_dir") from None
         self.policy.state = self.policy.place(state)
         self.best = meta.get("best")
+        self.checkpointer.keep_best_step(self.best["step"] if self.best else None)  # checkpoint.keep_best
         # a reset's reference (not the starting weights) was saved with the state; a run resumed without a KL drops it
         self.reference_step = int(meta.get("reference_step", 0)) if self.reference is not None else 0
         if self.reference_step:
@@ -301,6 +302,7 @@ class GRPOTrainer:
         """row: the step's metrics so far, kept with the checkpoint (a resume writes it if metrics.jsonl lacks it)."""
         reference = self.reference.held if self.reference_step else None
         meta = self._meta(step)
+        self.checkpointer.keep_best_step(self.best["step"] if self.best else None)  # checkpoint.keep_best
         if row is not None:
             meta["metrics_row"] = {k: float(v) for k, v in row.items() if isinstance(v, (int, float)) or
                                    hasattr(v, "item")}
@@ -351,7 +353,8 @@ class GRPOTrainer:
                     last.update(self._evaluate(done))  # before the save: the checkpoint knows the best value
                 t1 = time.perf_counter()
                 every = cfg.checkpoint.every_steps  # 0: only at the end (and at must_save_by)
-                due = bool((every and done % every == 0) or done == cfg.run.total_steps)
+                new_best = cfg.checkpoint.keep_best and self.best is not None and self.best["step"] == done
+                due = bool((every and done % every == 0) or done == cfg.run.total_steps or new_best)
                 at_deadline = deadline is not None and not saved_for_deadline and time.time() - start_wall >= deadline
                 wall = cfg.run.max_wall_minutes
                 out_of_time = bool(wall) and time.time() - start_wall > 60 * wall

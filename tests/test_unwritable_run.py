@@ -25,7 +25,7 @@ def test_a_run_directory_that_cannot_be_written(tmp_path, monkeypatch, capsys):
 def test_an_export_to_a_full_disk(tmp_path, monkeypatch, capsys):
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
 
-    def full(cfg, dst):
+    def full(cfg, dst, step=None):
         raise OSError(errno.ENOSPC, f"{dst}: the checkpoint needs 0.48 GB and its filesystem has 0.07 GB free")
     monkeypatch.setattr("rl.policy.export_latest", full)
     assert train.main(["--config", CONFIG, f"run.out_dir={tmp_path / 'run'}", "--export", str(tmp_path / "ex")]) == 1

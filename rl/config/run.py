@@ -41,7 +41,7 @@ class RunConfig(_Section):
     eval        every_steps, at_start, kind, task, num_digits, path, format, layout, prompt_key, answer_key, seed,
                 max_prompts, samples_per_prompt, prompts_per_batch, temperature, top_p, max_new_tokens,
                 max_prompt_tokens, reward, correct_threshold, best_metric
-    checkpoint  every_steps, keep, async_save, must_save_by, resume, export_hf_at_end, export_layout
+    checkpoint  every_steps, keep, keep_best, async_save, must_save_by, resume, export_hf_at_end, export_layout
     logging     tensorboard, progress_bar, plot, level
     """
 

@@ -179,6 +179,11 @@ def _cross_checks(cfg: RunConfig) -> list[_Problem]:
                                      "of model.path (a local HF model directory) or model.tiny (M3Config fields "
                                      "of a random model); set the other to null", ("model.tiny",)))
 
+    if cfg.checkpoint.keep_best and not cfg.eval.every_steps:
+        out.append(_Problem("checkpoint.keep_best", "checkpoint.keep_best = true with eval.every_steps = 0: no "
+                                                    "evaluation during the run ranks its checkpoints; allowed: false, "
+                                                    "or set eval.every_steps", ("eval.every_steps",)))
+
     widths = list(g.micro_batch_widths)
     if widths != sorted(set(widths)) or any(w < 1 for w in widths):
         out.append(_Problem("grpo.micro_batch_widths", f"grpo.micro_batch_widths = {widths}: allowed: positive "
