@@ -275,6 +275,10 @@ def test_checkpoints_remember_the_best_and_resume_keeps_it():
 
     class Checkpointer:
         directory = "ckpt"
+        kept = None  # the best step checkpoint.keep_best keeps (rl.checkpoint_keep)
+
+        def keep_best_step(self, step):
+            self.kept = step
 
         def save(self, step, state, meta, reference=None):
             assert reference is None  # no KL reference reset in this run
@@ -316,9 +320,9 @@ def test_checkpoints_remember_the_best_and_resume_keeps_it():
     first = trainer()
     first.best = ev.update_best(None, {"val/pass@1": 0.75}, "pass@1", 20)
     first.save(40)
-    assert saved[40]["best"] == {"metric": "val/pass@1", "value": 0.75, "step": 20}
+    assert saved[40]["best"] == {"metric": "val/pass@1", "value": 0.75, "step": 20} and first.checkpointer.kept == 20
     second = trainer()
-    assert second.resume() == 40 and second.best == saved[40]["best"]
+    assert second.resume() == 40 and second.best == saved[40]["best"] and second.checkpointer.kept == 20
 
 
 def test_majority_voting():

@@ -14,25 +14,27 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "tiny.yaml")
 
 
-@pytest.mark.slow  # ~15 s: 8 steps of the tiny demo, evaluated every 2
+@pytest.mark.slow  # ~20 s: 6 steps of the tiny demo, evaluated every 2
 def test_the_best_step_is_saved_off_schedule_and_kept_and_exported(tmp_path, capsys):
     """A learning rate high enough that the held-out reward peaks early (at step 2 here) and falls after: with
-    checkpoint.every_steps 0 and keep 1, only step 8 would stay; the best step is saved when its evaluation comes
+    checkpoint.every_steps 0 and keep 1, only step 6 would stay; the best step is saved when its evaluation comes
     and kept through the later saves."""
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": ROOT}
     env.pop("XLA_FLAGS", None)
-    args = [f"run.out_dir={out}", "run.total_steps=8", "eval.every_steps=2", "checkpoint.every_steps=0",
-            "checkpoint.keep=1", "checkpoint.keep_best=true", "eval.best_metric=reward_mean", "optim.lr=0.05",
-            "logging.progress_bar=false"]
+    # the evaluation's 64 prompts x 4 samples are a training batch's shape: one generation program for both
+    args = [f"run.out_dir={out}", "run.total_steps=6", "eval.every_steps=2", "eval.at_start=false",
+            "checkpoint.every_steps=0", "checkpoint.keep=1", "checkpoint.keep_best=true",
+            "eval.best_metric=reward_mean", "optim.lr=0.05", "logging.progress_bar=false", "logging.plot=false",
+            "logging.tensorboard=false", "checkpoint.export_hf_at_end=false"]
     r = subprocess.run([sys.executable, "-m", "m3jax.train", "--config", CONFIG, *args], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     evals = [(row["step"], row["val/reward_mean"]) for row in map(json.loads, open(out / "metrics.jsonl"))
              if "val/reward_mean" in row]
     best = max(evals, key=lambda e: (e[1], -e[0]))[0]  # the earliest of the highest
-    assert 0 < best < 8, f"the held-out reward should peak before the end here: {evals}"
-    assert sorted(int(s) for s in os.listdir(out / "checkpoints")) == [best, 8]
+    assert 0 < best < 6, f"the held-out reward should peak before the end here: {evals}"
+    assert sorted(int(s) for s in os.listdir(out / "checkpoints")) == [best, 6]
     assert f"(best val/reward_mean {dict(evals)[best]:.3f} at step {best})" in r.stdout
 
     capsys.readouterr()
@@ -40,7 +42,7 @@ def test_the_best_step_is_saved_off_schedule_and_kept_and_exported(tmp_path, cap
     assert capsys.readouterr().out.strip() == f"exported step {best} to {tmp_path / 'best'}"
     assert train.main(["--config", CONFIG, *args, "--export", str(tmp_path / "x"), "--step", "3"]) == 1
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        f"error: no checkpoint of step 3 to export in {out / 'checkpoints'} (steps: {best}, 8)")
+        f"error: no checkpoint of step 3 to export in {out / 'checkpoints'} (steps: {best}, 6)")
     assert not (tmp_path / "x").exists()
 
 
