@@ -376,13 +376,18 @@ class GRPOTrainer:
                 if self.stopped_by:
                     break
         finally:
-            watchdog.close()
             signals.__exit__()
-            if self.ahead is not None:
-                self.ahead.close()  # before the generator shuts down: a draw in flight uses it
-            self.checkpointer.wait(quiet=True)  # a failed save is raised below, or the error already raised stands
-            logger.close()
-            self.engine.shutdown()
+            # the last save's wait (a stuck filesystem, a host that never joins orbax's barrier) and the engines'
+            # shutdown can hang too
+            watchdog.arm("the end of the run (its last save, the generator's shutdown)")
+            try:
+                if self.ahead is not None:
+                    self.ahead.close()  # before the generator shuts down: a draw in flight uses it
+                self.checkpointer.wait(quiet=True)  # a failed save is raised below, or the error already raised stands
+                logger.close()
+                self.engine.shutdown()
+            finally:
+                watchdog.close()
         self.checkpointer.check_saves()
         if cfg.checkpoint.export_hf_at_end and self.last_step == cfg.run.total_steps:
             self.export()
