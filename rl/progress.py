@@ -21,14 +21,15 @@ log = logging.getLogger(__name__)
 
 
 def open_progress(total_steps: int, first_step: int, *, stream=None, every_s: float = LINE_EVERY_S):
-    """A `Bar` where `stream` (default: sys.stderr) is a terminal, else `Lines`."""
+    """A `Bar` where `stream` (default: sys.stderr) is a terminal or a notebook's output, else `Lines`."""
     stream = sys.stderr if stream is None else stream
     isatty = getattr(stream, "isatty", None)
     try:
         terminal = bool(isatty and isatty())
     except (OSError, ValueError):  # a closed or detached stream
         terminal = False
-    if terminal:
+    # a Jupyter kernel's stderr is no terminal, but its output cell redraws a bar in place
+    if terminal or type(stream).__module__.split(".")[0] == "ipykernel":
         return Bar(total_steps, first_step, stream)
     return Lines(total_steps, first_step, every_s=every_s)
 
@@ -88,6 +89,9 @@ class Lines:
         if step > first_step:
             per_step = (now - first_at) / (step - first_step)
             pace = f", {per_step:.2f} s/step, {tqdm.format_interval(per_step * max(self.total - step, 0))} left"
-        log.info("step %d/%d (%d%%): reward %.3f, %.0f tokens/s%s; elapsed %s%s", step, self.total,
-                 100 * step // max(self.total, 1), reward, tokens_per_s, held, tqdm.format_interval(now - self.t0),
-                 pace)
+        line = (f"step {step}/{self.total} ({100 * step // max(self.total, 1)}%): reward {reward:.3f}, "
+                f"{tokens_per_s:.0f} tokens/s{held}; elapsed {tqdm.format_interval(now - self.t0)}{pace}")
+        if log.isEnabledFor(logging.INFO) and log.hasHandlers():  # m3jax.train's: the terminal and run.log (rl.logs)
+            log.info("%s", line)
+        else:  # a trainer run from a script of one's own that set up no logging, where INFO is dropped
+            print(line, file=sys.stderr, flush=True)

@@ -89,3 +89,23 @@ def test_the_run_logger_shows_its_rows_as_lines_where_stderr_is_a_file(tmp_path,
     assert [m.split(":")[0] for m in messages] == ["step 1/3 (33%)", "step 2/3 (66%)", "step 3/3 (100%)"]
     assert ("held-out pass@1 0.125" in messages[0]) == evaluate_at_start
     assert "held-out pass@1 0.375" in messages[1] and "held-out pass@1 0.375" in messages[2]
+
+
+def test_lines_reach_stderr_where_no_logging_is_set_up(capsys):
+    """A trainer run from a script that configured no logging: Python drops INFO records, so the lines are printed."""
+    logger = logging.getLogger("rl.progress")
+    saved = logger.level, logger.propagate
+    logger.setLevel(logging.NOTSET)
+    logger.propagate = False  # as if neither root nor rl.progress had a handler
+    try:
+        lines = Lines(2, 0, clock=Clock())
+        lines.step(1, 0.5, 10.0, None)
+    finally:
+        logger.setLevel(saved[0])
+        logger.propagate = saved[1]
+    assert capsys.readouterr().err == "step 1/2 (50%): reward 0.500, 10 tokens/s; elapsed 00:00\n"
+
+
+def test_a_notebooks_output_gets_the_bar():
+    ipykernel_stream = type("OutStream", (io.StringIO,), {"__module__": "ipykernel.iostream"})()
+    assert isinstance(open_progress(10, 0, stream=ipykernel_stream), Bar)
