@@ -84,13 +84,14 @@ class RunLogger:
             logging.getLogger(__name__).warning("%s ended in a row cut short (%d bytes, a crash while writing it): "
                                                 "removed, so the resumed run's rows start on a line of their own",
                                                 path, cut)
-        dropped, has_first = keep_rows_through(path, first_step if first_step > 0 else -1)
+        dropped, has_first, self._val = keep_rows_through(path, first_step if first_step > 0 else -1)
         if dropped:
             logging.getLogger(__name__).info("%s: removed %d row(s) past step %d, which this run logs again", path,
                                              dropped, first_step)
         self._jsonl = open(path, "a")
         if resumed_row is not None and first_step > 0 and not has_first:
             self._jsonl.write(json.dumps({"step": first_step, **resumed_row}) + "\n")
+            self._val = resumed_row.get("val/pass@1", self._val)
             self._jsonl.flush()
         if tensorboard:
             tb_dir = os.path.join(run_dir, "tensorboard")  # purge_step: events from it on are hidden (logged again)
@@ -186,16 +187,18 @@ def cut_partial_row(path: str) -> int:
         return end - keep
 
 
-def keep_rows_through(path: str, last_step: int) -> tuple[int, bool]:
+def keep_rows_through(path: str, last_step: int) -> tuple[int, bool, float | None]:
     """Keep only the rows of metrics.jsonl at `path` whose step is at most `last_step` (a line that is not a row
-    stays); -> (rows removed, whether a row of `last_step` is kept). The file is replaced atomically."""
+    stays); -> (rows removed, whether a row of `last_step` is kept, the last val/pass@1 kept: what the progress
+    shows until the resumed run's next evaluation). The file is replaced atomically."""
     if not os.path.exists(path):
-        return 0, False
-    kept, dropped, has_last = [], 0, False
+        return 0, False, None
+    kept, dropped, has_last, val = [], 0, False, None
     with open(path, encoding="utf-8", errors="replace") as f:
         for line in f:
             try:
-                step = json.loads(line)["step"]
+                row = json.loads(line)
+                step = row["step"]
             except (json.JSONDecodeError, TypeError, KeyError):
                 kept.append(line)
                 continue
@@ -204,12 +207,13 @@ def keep_rows_through(path: str, last_step: int) -> tuple[int, bool]:
             else:
                 kept.append(line)
                 has_last |= step == last_step
+                val = row.get("val/pass@1", val)
     if dropped:
         tmp = f"{path}.tmp-{os.getpid()}"
         with open(tmp, "w", encoding="utf-8") as f:
             f.writelines(kept)
         os.replace(tmp, path)
-    return dropped, has_last
+    return dropped, has_last, val
 
 
 def read_metrics(run_dir: str) -> list[dict]:

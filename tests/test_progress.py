@@ -109,3 +109,18 @@ def test_lines_reach_stderr_where_no_logging_is_set_up(capsys):
 def test_a_notebooks_output_gets_the_bar():
     ipykernel_stream = type("OutStream", (io.StringIO,), {"__module__": "ipykernel.iostream"})()
     assert isinstance(open_progress(10, 0, stream=ipykernel_stream), Bar)
+
+
+def test_a_resumed_run_shows_the_last_held_out_value_from_its_first_step(tmp_path, caplog):
+    """The rows it keeps in metrics.jsonl hold the last evaluation (step 20 here); rows past the resumed step 25,
+    which it logs again, do not count."""
+    import json
+
+    from rl.observe import RunLogger
+    rows = [{"step": s, "reward/mean": 0.1, **({"val/pass@1": s / 100} if s % 20 == 0 else {})} for s in range(31)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with caplog.at_level(logging.INFO, logger="rl.progress"):
+        log = RunLogger(str(tmp_path), tensorboard=False, progress_bar=True, total_steps=40, first_step=25)
+        log.log(26, {"reward/mean": 0.5, "throughput/tokens_per_s": 10.0})
+        log.close()
+    assert "held-out pass@1 0.200" in caplog.records[0].getMessage()
