@@ -1,8 +1,8 @@
 """What a run says while it starts: one INFO line per phase as it ends, naming what it built and how long it took.
 
-At scale the first step comes after minutes of work (an 852 GB load on every host, vLLM engines starting, an
-evaluation of the initial policy); a job log that stays silent through them cannot tell a slow phase from a hung
-one, nor say which phase the time went to. The last line shows what finished, so the next phase is the one running.
+At scale the first step comes after a long start (each host's share of the 852 GB release read, vLLM engines
+started and sent the weights, every held-out problem sampled); a job log that stays silent through them cannot tell
+a slow phase from a hung one, nor say which phase the time went to. The last line shows what finished, so the next phase is the one running.
 """
 
 from __future__ import annotations

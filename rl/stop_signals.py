@@ -7,8 +7,9 @@ and rerunning the command resumes from it. A second Ctrl-C stops at once (Keyboa
 would take too long to finish.
 
 SIGUSR1 is what SLURM sends ahead of a job's time limit when asked (`#SBATCH --signal=USR1@600`: ten minutes
-before it), so that a step of minutes can finish and save; at the limit itself SLURM sends SIGTERM and kills the job
-KillWait (30 s by default) later. Left at Python's default, SIGUSR1 ended the process at once, losing every step since
+before it), so that the step in progress can finish and save (the 32-node recipe's train step alone is planned at
+31.4 s, besides its generation); at the limit itself SLURM sends SIGTERM and kills the job KillWait (30 s by
+default) later. Left at Python's default, SIGUSR1 ended the process at once, losing every step since
 the last checkpoint (PyTorch Lightning saves and requeues on it).
 
 On a job of several processes a signal may reach them at different steps (or only one of them): they agree at the
