@@ -2,7 +2,8 @@
 
 At scale the first step comes after a long start (each host's share of the 852 GB release read, vLLM engines
 started and sent the weights, every held-out problem sampled); a job log that stays silent through them cannot tell
-a slow phase from a hung one, nor say which phase the time went to. The last line shows what finished, so the next phase is the one running.
+a slow phase from a hung one, nor say which phase the time went to. The last line shows what finished, so the next
+phase is the one running.
 """
 
 from __future__ import annotations

@@ -87,6 +87,7 @@ def test_a_run_whose_evaluation_hangs_exits_with_one_error_line(tmp_path):
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("error: the held-out evaluation of the initial policy has not finished after 0.1 min "
                            "(run.hang_timeout_minutes): taken as hung, the process exits (status 124); the threads' "
-                           "stacks are in its run log; rerunning the command resumes from the last checkpoint in "), last
+                           "stacks are in its run log; rerunning the command resumes from the last checkpoint "
+                           "in "), last
     assert "Traceback" not in r.stderr
     assert "the threads' stacks when the held-out evaluation" in (tmp_path / "run" / "run.log").read_text()
