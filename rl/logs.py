@@ -11,8 +11,9 @@ Also routed into logging (so that they obey the same rules and land in run.log):
 through it), Ray and vLLM (they print through handlers of their own, removed when they are imported),
 `warnings.warn` (logger `py.warnings`), exceptions Python can only report as "Exception ignored in
 ..." (logger `py.unraisable`, WARNING) and those that end a thread (logger `py.thread`: one WARNING line, the
-traceback at INFO, so in run.log; a library's writer thread on a full disk printed 14 lines after the run's error). Not here: what Ray actors print (vLLM engines included) stays
-in Ray's session logs (the pool starts Ray with log_to_driver=False).
+traceback at INFO, so in run.log; a library's writer thread on a full disk printed 14 lines after the run's error).
+Not here: what Ray actors print (vLLM engines included) stays in Ray's session logs (the pool starts Ray with
+log_to_driver=False).
 
 In a multi-host job each process writes its own file: run.log for process 0, run.<i>.log for process i; on the
 terminal the others show WARNING and up only, tagged `[process i]`.
@@ -46,8 +47,8 @@ def log_file_name(process_index: int = 0) -> str:
 class TerminalFilter(logging.Filter):
     """What the terminal shows at `level` info: the project's INFO+, anyone's WARNING+. `infos` False (the processes
     of a multi-host job but the first): WARNING+ only. A scheduler gathers every process's terminal into one job log,
-    where the 32-node recipe's hosts printed each of their INFO lines 32 times (the load's progress: 320 lines); their
-    INFO lines are in their own run.<i>.log."""
+    where the 32-node recipe's 16 training hosts printed each of their INFO lines 16 times (the load's progress: 160
+    lines); their INFO lines are in their own run.<i>.log."""
 
     def __init__(self, level: str = "info", infos: bool = True):
         super().__init__()

@@ -16,6 +16,8 @@ import logging
 import sys
 import time
 
+from m3jax.hf.progress import redraws_in_place
+
 LINE_EVERY_S = 30.0
 
 log = logging.getLogger(__name__)
@@ -24,13 +26,7 @@ log = logging.getLogger(__name__)
 def open_progress(total_steps: int, first_step: int, *, stream=None, every_s: float = LINE_EVERY_S):
     """A `Bar` where `stream` (default: sys.stderr) is a terminal or a notebook's output, else `Lines`."""
     stream = sys.stderr if stream is None else stream
-    isatty = getattr(stream, "isatty", None)
-    try:
-        terminal = bool(isatty and isatty())
-    except (OSError, ValueError):  # a closed or detached stream
-        terminal = False
-    # a Jupyter kernel's stderr is no terminal, but its output cell redraws a bar in place
-    if terminal or type(stream).__module__.split(".")[0] == "ipykernel":
+    if redraws_in_place(stream):
         return Bar(total_steps, first_step, stream)
     return Lines(total_steps, first_step, every_s=every_s)
 

@@ -30,7 +30,7 @@ from flax import nnx
 from m3jax.config import M3Config
 from m3jax.hf import carry, layouts
 from m3jax.hf.load import check_param_dtype, checkpoint_files, default_param_dtype, plan_load
-from m3jax.hf.progress import Tenths
+from m3jax.hf.progress import Tenths, redraws_in_place
 from m3jax.hf.read_blocks import READ_AHEAD_BYTES, READ_CHUNK_BYTES, READ_THREADS, TensorReader, read_ahead
 from m3jax.hf.safetensors_io import CheckpointError, count_nonfinite, header_bytes
 from m3jax.hf.save import (check_destination, check_space, clear_leftovers, finish_checkpoint, parse_size, shard_names,
@@ -192,7 +192,7 @@ def _copy_parts(parts: list[Part], names: list[str], tensors: dict, reader: Tens
     # are queued; what is in flight is at most `threads` parts.
     from tqdm import tqdm
     total = sum(p.count * p.dtype.itemsize for p in parts)
-    terminal = progress and sys.stderr.isatty()  # a job log gets lines (m3jax.hf.progress), a terminal the bar
+    terminal = progress and redraws_in_place(sys.stderr)  # a job log gets lines, a terminal the bar
     lines = Tenths(log, "converting", "written", total) if progress and not terminal else None
     with contextlib.closing(read_ahead(parts, copy, lambda p: p.count * p.dtype.itemsize, threads,
                                        READ_AHEAD_BYTES)) as done, \

@@ -8,6 +8,18 @@ import logging
 import time
 
 
+def redraws_in_place(stream) -> bool:
+    """Whether a progress bar can be redrawn in place on `stream`: a terminal, or a Jupyter kernel's output (no
+    terminal, but its cell redraws); not a file or pipe, nor a closed stream."""
+    isatty = getattr(stream, "isatty", None)
+    try:
+        if isatty and isatty():
+            return True
+    except (OSError, ValueError):  # a closed or detached stream
+        return False
+    return type(stream).__module__.split(".")[0] == "ipykernel"
+
+
 class Tenths:
     """Logs "`what`: N% of X GB `done` after T s" each time another tenth of `total` bytes is done."""
 
