@@ -5,10 +5,10 @@ engine stays on the old version; the shm transport's push gives the same. One po
 starts); the protocol without vLLM is in tests/test_weight_transfer_protocol.py."""
 
 import dataclasses
+import warnings
 
 import numpy as np
 import pytest
-from flax import nnx
 
 import m3jax
 from m3jax.hf.save import hf_tensors
@@ -65,17 +65,15 @@ def test_inplace_apply_and_collective_push_equal_a_fresh_engine_and_the_object_s
     stats = pool.push(named[1], 1)
     assert stats.version == 1 and stats.buckets > 3 and stats.tensors == len(named[1])
     pushed = _scores(pool)
-    fresh = _actor_class().remote(dataclasses.replace(pool.cfg, model_dir=str(root / "model1"), weight_apply="reload"), 9)
-    try:
-        want = ray.get(fresh.score.remote(PROMPTS, RESPONSES, SP.temperature, SP.top_p, SP.top_k), timeout=300)
-    finally:
-        ray.kill(fresh, no_restart=True)
+    want = _fresh_scores(pool, root / "model1")
     assert _max_diff(start[0], want) > 1e-2  # the weights really changed, so the comparison can fail
-    for per_engine in pushed:  # written in place, once: a freshly loaded engine's logprobs
-        assert _max_diff(per_engine, want) <= 1e-5
+    _assert_pushed_equal_fresh(pool, root / "model1", pushed, want)
 
-    # The object store's push of the same bytes leaves the engines computing exactly the same.
+    # Back to the first weights, in place: the logprobs these engines gave when they had loaded them from disk.
     pool.push(named[0], 2)
+    for now, loaded in zip(_scores(pool), start):
+        assert _max_diff(now, loaded) <= 1e-5
+    # The object store's push of the same bytes leaves the engines computing exactly the same.
     _use_transport(pool, "ray")
     try:
         pool.push(named[1], 3)
@@ -90,6 +88,38 @@ def test_inplace_apply_and_collective_push_equal_a_fresh_engine_and_the_object_s
         _use_transport(pool, "collective")
     for a, b, c in zip(pushed, via_store, via_files):
         assert _max_diff(a, b) == 0.0 and _max_diff(a, c) == 0.0
+
+
+def _fresh_scores(pool, model_dir):
+    """The logprobs of an engine started on `model_dir` (vLLM's own load, no update applied)."""
+    import ray
+
+    fresh = _actor_class().remote(dataclasses.replace(pool.cfg, model_dir=str(model_dir), weight_apply="reload"), 9)
+    try:
+        return ray.get(fresh.score.remote(PROMPTS, RESPONSES, SP.temperature, SP.top_p, SP.top_k), timeout=300)
+    finally:
+        ray.kill(fresh, no_restart=True)
+
+
+def _assert_pushed_equal_fresh(pool, model_dir, pushed, want):
+    """Written in place, once: a freshly loaded engine's logprobs (here they are bit-for-bit equal).
+
+    CI saw these differ once (7.8e-4 on engine 0, 2026-12-06) where ~15 runs of this module here and 1,500 in-place
+    applies of one engine (each scored against that engine's first scores of the same weights) never differed by a
+    bit. So a mismatch says which side moved: the pool scored again, and a second fresh engine. Only when the
+    pushed engines equal the second fresh engine, and the two fresh engines disagree, was the reference the odd one
+    out (a warning that keeps the figures); every other case fails with them."""
+    off = [_max_diff(p, want) for p in pushed]
+    if max(off) <= 1e-5:
+        return
+    again, want2 = _scores(pool), _fresh_scores(pool, model_dir)
+    facts = (f"pushed engines vs a fresh engine {off}; engine 0 vs 1 {_max_diff(pushed[0], pushed[-1])}; the pool "
+             f"scored again vs before {[_max_diff(a, b) for a, b in zip(again, pushed)]}; a second fresh engine vs the "
+             f"first {_max_diff(want2, want)}; the pushed engines vs the second {[_max_diff(p, want2) for p in pushed]}")
+    if max(_max_diff(p, want2) for p in pushed) <= 1e-5 < _max_diff(want2, want):
+        warnings.warn(f"two freshly loaded engines disagreed; the in-place applied engines equal one of them: {facts}")
+        return
+    pytest.fail(f"the in-place applied engines differ from a freshly loaded one: {facts}")
 
 
 def test_word_checksummed_push_of_jax_arrays_applies_what_the_object_store_does(setup):
