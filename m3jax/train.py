@@ -26,7 +26,7 @@ def main(argv=None) -> int:
     parser.add_argument("--export", metavar="DIR", help="export the latest checkpoint's policy to a HF "
                         "directory and exit (on-demand export)")
     parser.add_argument("--step", type=int, metavar="N", help="with --export: the checkpoint step to export "
-                        "(default: the newest; e.g. the best one that checkpoint.keep_best kept)")
+                        "(default: the newest; e.g. one of the best that checkpoint.keep_best kept)")
     args = parser.parse_intermixed_args(argv)
     if args.step is not None and not args.export:
         parser.error("--step goes with --export DIR (the step to export)")
@@ -220,6 +220,8 @@ def _train(cfg, args, writable: bool = True) -> int:
         held = f", held-out pass@1 {last['val/pass@1']:.3f}"
         if trainer.best:
             held += f" (best {trainer.best['metric']} {trainer.best['value']:.3f} at step {trainer.best['step']})"
+        if trainer.kept:  # checkpoint.keep_best
+            held += f"; the best evaluations' checkpoints kept: steps {', '.join(str(e['step']) for e in trainer.kept)}"
     print(f"done: {cfg.run.total_steps} steps, last reward {last.get('reward/mean', float('nan')):.3f}{held}; "
           f"run directory {cfg.run.out_dir} (log: run.log)")
     return 0

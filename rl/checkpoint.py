@@ -36,7 +36,7 @@ from flax import nnx
 from rl import checkpoint_job
 from rl.checkpoint_logs import _cause, _Demote, _orbax_errors_to_run_log, _quiet_abandoned_reads
 from rl.checkpoint_job import job_max as _job_max, job_steps as _job_steps
-from rl.checkpoint_keep import KeepStep, preservation
+from rl.checkpoint_keep import KeepSteps, preservation
 from sharding import precision
 from sharding.train_step import TrainState
 
@@ -134,11 +134,11 @@ class CheckpointSaveFailed(RuntimeError):
 
 class Checkpointer:
     def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True, read_only: bool = False,
-                 keep_best: bool = False):
+                 keep_best: int = 0):
         """read_only: a reader (python -m m3jax.eval) that creates, saves and deletes nothing. keep: the newest
-        checkpoints kept; keep_best: also the one of `keep_best_step` (rl.checkpoint_keep)."""
+        checkpoints kept; keep_best > 0: also those of `keep_best_steps` (rl.checkpoint_keep)."""
         self.directory = os.path.abspath(directory)
-        self.best = KeepStep() if keep_best and not read_only else None
+        self.best = KeepSteps() if keep_best and not read_only else None
         self.read_only = read_only
         self.async_save = async_save
         self._saving = None  # the step of the last save started
@@ -164,10 +164,10 @@ class Checkpointer:
         finally:
             logging.getLogger("absl").removeFilter(notice)
 
-    def keep_best_step(self, step: int | None) -> None:
-        """With keep_best: the step whose checkpoint stays beside the newest (the best evaluation's)."""
+    def keep_best_steps(self, steps) -> None:
+        """With keep_best: the steps whose checkpoints stay beside the newest (the best evaluations')."""
         if self.best is not None:
-            self.best.step = step
+            self.best.steps = frozenset(steps)
 
     def steps(self) -> list[int]:
         """The finished checkpoints' steps, oldest first."""

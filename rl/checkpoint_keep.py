@@ -1,10 +1,10 @@
 """Which checkpoints stay on disk (orbax's preservation policies): the `checkpoint.keep` newest and, with
-`checkpoint.keep_best`, the one of the best held-out evaluation so far (`eval.best_metric`), however old.
+`checkpoint.keep_best: k`, those of the k best held-out evaluations so far (`eval.best_metric`), however old.
 
 Without it, the best policy of a long run was deleted `keep` saves later: the run remembered the best value and its
-step, but not the weights. The trainer also saves each step whose evaluation is a new best (`rl.trainer`), so
-that the best step has a checkpoint to keep. (NeMo-RL's `keep_top_k` by a validation metric, Hugging Face
-Trainer's `load_best_model_at_end`.)
+step, but not the weights. The trainer also saves each step whose evaluation enters the k best (`rl.trainer`), so
+that each of them has a checkpoint to keep; one pushed out by a better one goes at the next save. (NeMo-RL's
+`keep_top_k` by a validation metric, Hugging Face Trainer's `load_best_model_at_end`.)
 """
 
 from __future__ import annotations
@@ -12,18 +12,18 @@ from __future__ import annotations
 import orbax.checkpoint as ocp
 
 
-class KeepStep:
-    """An orbax PreservationPolicy keeping the checkpoint of `step` (None: none), which the trainer moves to each new
-    best. orbax asks it after each save, when it deletes what no policy keeps."""
+class KeepSteps:
+    """An orbax PreservationPolicy keeping the checkpoints of `steps`, which the trainer sets to the k best
+    evaluations' as they change. orbax asks it after each save, when it deletes what no policy keeps."""
 
-    def __init__(self, step: int | None = None):
-        self.step = step
+    def __init__(self, steps=()):
+        self.steps = frozenset(steps)
 
     def should_preserve(self, checkpoints, *, context) -> list[bool]:
-        return [info.step == self.step for info in checkpoints]
+        return [info.step in self.steps for info in checkpoints]
 
 
-def preservation(keep: int, best: KeepStep | None):
-    """The `keep` newest, and `best`'s step where there is one."""
+def preservation(keep: int, best: KeepSteps | None):
+    """The `keep` newest, and `best`'s steps where there is such a policy."""
     latest = ocp.checkpoint_managers.LatestN(n=keep)
     return latest if best is None else ocp.checkpoint_managers.AnyPreservationPolicy(policies=[latest, best])

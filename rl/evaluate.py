@@ -237,6 +237,23 @@ def update_best(best: dict | None, metrics: dict, metric: str, step: int) -> dic
     return best
 
 
+def update_kept(kept: list[dict], metrics: dict, metric: str, step: int, k: int) -> list[dict]:
+    """The k best evaluations of the run's checkpoints by val/<metric>, best first ({metric, value, step} each):
+
+        kept' = the first k of sorted(kept + [this step], by value descending, then step ascending)
+
+    so a tie keeps the earlier step, as `update_best` does. Step 0 (the initial policy, which has no checkpoint of
+    the run) never enters, an entry of another metric (eval.best_metric changed on resume) is dropped, and `kept` is
+    unchanged when `metrics` has no finite value of the metric."""
+    key = f"val/{metric}"
+    value = metrics.get(key)
+    if k <= 0 or step <= 0 or value is None or not np.isfinite(value):
+        return kept
+    entries = [e for e in kept if e.get("metric") == key and e["step"] != step]
+    entries.append({"metric": key, "value": float(value), "step": int(step)})
+    return sorted(entries, key=lambda e: (-e["value"], e["step"]))[:k]
+
+
 def overlap(train: list[PromptRecord], held_out: list[PromptRecord]) -> int:
     """How many held-out prompts also occur among the training prompts (compared as rendered JSON)."""
     seen = {json.dumps(r.prompt, sort_keys=True) for r in train}

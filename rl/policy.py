@@ -284,7 +284,7 @@ def checkpointer_for(cfg: RunConfig) -> ckpt_lib.Checkpointer:
 
 
 def export_latest(cfg: RunConfig, path: str | None = None, step: int | None = None) -> tuple[int, str]:
-    """Write the newest checkpoint's policy (or checkpoint `step`'s: the best one that checkpoint.keep_best kept,
+    """Write the newest checkpoint's policy (or checkpoint `step`'s: one of the best that checkpoint.keep_best kept,
     say) as a HF directory (default `<run.out_dir>/export`), building only the model and its checkpoint reader: no
     data, no generation engines. Returns (step, path). A destination that holds anything but an earlier export (the
     run directory itself, say), or a step without a checkpoint, is refused before the model is built."""

@@ -91,6 +91,7 @@ class GRPOTrainer:
         self.probe = self._probe_check()
         self.eval_set = self._eval_set() if cfg.eval.enabled else None
         self.best = None  # {metric, value, step} of the best held-out evaluation so far (kept in checkpoints)
+        self.kept = []  # checkpoint.keep_best's: the k best evaluated steps, best first (rl.evaluate.update_kept)
         self.resumed_row = None  # the resumed checkpoint's metrics row
         self.trained_under = trained_under(cfg)  # kept in every checkpoint: a resume compares itself with it
         self.changed_since_checkpoint = None
@@ -145,6 +146,8 @@ class GRPOTrainer:
                 rollout_log.append(self.run_dir, [{"step": step, **r} for r in rows], rollout_log.EVAL_FILE)
         metrics["time/eval"] = time.perf_counter() - t0
         self.best = held_out.update_best(self.best, metrics, self.cfg.eval.best_metric, step)
+        self.kept = held_out.update_kept(self.kept, metrics, self.cfg.eval.best_metric, step,
+                                         self.cfg.checkpoint.keep_best)
         log.debug("step %d held out: %s", step, {k: v for k, v in metrics.items() if k.startswith("val/")})
         return metrics
 
@@ -266,7 +269,7 @@ class GRPOTrainer:
         # prompts are drawn again after a resume (rl.ahead)
         data = self.ahead.loader_state if self.ahead is not None and self.ahead.pending else self.loader.state_dict()
         return {"step": step, "data": data, "seed": self.cfg.run.seed, "weight_version": step, "best": self.best,
-                "reference_step": self.reference_step, **self.trained_under}
+                "kept_best": self.kept, "reference_step": self.reference_step, **self.trained_under}
 
     def resume(self) -> int:
         got, self._restored = self._restored or self.checkpointer.restore_latest(self.state), None
@@ -289,7 +292,8 @@ class GRPOTrainer:
                 "task, which sizes its prompt set), or start over in a new run.out_dir") from None
         self.policy.state = self.policy.place(state)
         self.best = meta.get("best")
-        self.checkpointer.keep_best_step(self.best["step"] if self.best else None)  # checkpoint.keep_best
+        self.kept = list(meta.get("kept_best") or [])
+        self.checkpointer.keep_best_steps(e["step"] for e in self.kept)  # checkpoint.keep_best
         # a reset's reference (not the starting weights) was saved with the state; a run resumed without a KL drops it
         self.reference_step = int(meta.get("reference_step", 0)) if self.reference is not None else 0
         if self.reference_step:
@@ -302,7 +306,7 @@ class GRPOTrainer:
         """row: the step's metrics so far, kept with the checkpoint (a resume writes it if metrics.jsonl lacks it)."""
         reference = self.reference.held if self.reference_step else None
         meta = self._meta(step)
-        self.checkpointer.keep_best_step(self.best["step"] if self.best else None)  # checkpoint.keep_best
+        self.checkpointer.keep_best_steps(e["step"] for e in self.kept)  # checkpoint.keep_best
         if row is not None:
             meta["metrics_row"] = {k: float(v) for k, v in row.items() if isinstance(v, (int, float)) or
                                    hasattr(v, "item")}
@@ -353,8 +357,8 @@ class GRPOTrainer:
                     last.update(self._evaluate(done))  # before the save: the checkpoint knows the best value
                 t1 = time.perf_counter()
                 every = cfg.checkpoint.every_steps  # 0: only at the end (and at must_save_by)
-                new_best = cfg.checkpoint.keep_best and self.best is not None and self.best["step"] == done
-                due = bool((every and done % every == 0) or done == cfg.run.total_steps or new_best)
+                kept = any(e["step"] == done for e in self.kept)  # entered checkpoint.keep_best's k best
+                due = bool((every and done % every == 0) or done == cfg.run.total_steps or kept)
                 at_deadline = deadline is not None and not saved_for_deadline and time.time() - start_wall >= deadline
                 wall = cfg.run.max_wall_minutes
                 out_of_time = bool(wall) and time.time() - start_wall > 60 * wall

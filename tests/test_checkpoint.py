@@ -459,26 +459,29 @@ def test_meta_round_trip(runs, tmp_path):
     assert all(type(got["data"][k]) is int for k in meta["data"]) and type(got["weight_version"]) is int
 
 
-def test_keep_best_keeps_the_best_step_beside_the_newest_across_a_restart(runs, tmp_path):
-    """checkpoint.keep_best: the checkpoint of the best evaluation stays, however old, beside `keep` newest; a
-    resumed run (a new checkpointer) keeps it too once told the step (from the checkpoint's meta)."""
+def test_keep_best_keeps_the_best_steps_beside_the_newest_across_a_restart(runs, tmp_path):
+    """checkpoint.keep_best: the checkpoints of the k best evaluations stay, however old, beside `keep` newest; a
+    resumed run (a new checkpointer) keeps them too once told the steps (from the checkpoint's meta)."""
     d = str(tmp_path / "ckpt")
-    ck = Checkpointer(d, keep=1, keep_best=True, async_save=False)
+    ck = Checkpointer(d, keep=1, keep_best=2, async_save=False)
     for step in range(1, 5):
         if step == 2:
-            ck.keep_best_step(2)
+            ck.keep_best_steps([2])
         ck.save(step, runs["fp32"].s2, meta_of(step))
     assert ck.steps() == [2, 4]
     ck.close()
-    ck = Checkpointer(d, keep=1, keep_best=True, async_save=False)
-    ck.keep_best_step(2)
+    ck = Checkpointer(d, keep=1, keep_best=2, async_save=False)
+    ck.keep_best_steps([2])
     ck.save(5, runs["fp32"].s2, meta_of(5))
     assert ck.steps() == [2, 5]
-    ck.keep_best_step(5)  # a new best: the old one goes at the next save
+    ck.keep_best_steps([5, 2])  # step 5 entered the two best
     ck.save(6, runs["fp32"].s2, meta_of(6))
-    assert ck.steps() == [5, 6]
+    assert ck.steps() == [2, 5, 6]
+    ck.keep_best_steps([6, 5])  # and step 6: step 2 is pushed out, and goes at the next save
+    ck.save(7, runs["fp32"].s2, meta_of(7))
+    assert ck.steps() == [5, 6, 7]
     ck.close()
     ck = Checkpointer(d, keep=1, async_save=False)  # without keep_best: the newest only
-    ck.save(7, runs["fp32"].s2, meta_of(7))
-    assert ck.steps() == [7]
+    ck.save(8, runs["fp32"].s2, meta_of(8))
+    assert ck.steps() == [8]
     ck.close()

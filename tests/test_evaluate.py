@@ -267,6 +267,24 @@ def test_update_best_keeps_the_highest_and_the_earliest_tie():
     assert switched == {"metric": "val/reward_mean", "value": 0.1, "step": 140}
 
 
+def test_update_kept_keeps_the_k_highest_earliest_first_on_ties():
+    kept = []
+    for step, v in ((0, 1.0), (20, 0.5), (40, 0.9), (60, 0.7), (80, 0.9), (100, float("nan")), (120, 0.9)):
+        kept = ev.update_kept(kept, {"val/pass@1": v}, "pass@1", step, 2)
+    # step 0 (the initial policy) has no checkpoint of the run; of the three 0.9s the earlier two; nan ranks nothing
+    assert kept == [{"metric": "val/pass@1", "value": 0.9, "step": 40},
+                    {"metric": "val/pass@1", "value": 0.9, "step": 80}]
+    assert [e["step"] for e in ev.update_kept(kept, {"val/pass@1": 0.95}, "pass@1", 140, 2)] == [140, 40]
+    assert [e["step"] for e in ev.update_kept(kept, {"val/pass@1": 0.8}, "pass@1", 140, 3)] == [40, 80, 140]
+    assert ev.update_kept(kept, {"reward/mean": 1.0}, "pass@1", 160, 2) is kept  # no evaluation this step
+    assert ev.update_kept([], {"val/pass@1": 1.0}, "pass@1", 20, 0) == []  # keep_best 0: nothing ranked
+    switched = ev.update_kept(kept, {"val/reward_mean": 0.1}, "reward_mean", 180, 2)  # another metric: restart
+    assert switched == [{"metric": "val/reward_mean", "value": 0.1, "step": 180}]
+    # a step evaluated again (a resume that repeats it) replaces its entry
+    assert [(e["step"], e["value"]) for e in ev.update_kept(kept, {"val/pass@1": 0.1}, "pass@1", 40, 2)] == [
+        (80, 0.9), (40, 0.1)]
+
+
 def test_checkpoints_remember_the_best_and_resume_keeps_it():
     from rl.resume_checks import trained_under
     from rl.trainer import GRPOTrainer
@@ -275,10 +293,10 @@ def test_checkpoints_remember_the_best_and_resume_keeps_it():
 
     class Checkpointer:
         directory = "ckpt"
-        kept = None  # the best step checkpoint.keep_best keeps (rl.checkpoint_keep)
+        kept = None  # the steps checkpoint.keep_best keeps (rl.checkpoint_keep)
 
-        def keep_best_step(self, step):
-            self.kept = step
+        def keep_best_steps(self, steps):
+            self.kept = sorted(steps)
 
         def save(self, step, state, meta, reference=None):
             assert reference is None  # no KL reference reset in this run
@@ -312,6 +330,7 @@ def test_checkpoints_remember_the_best_and_resume_keeps_it():
         t = GRPOTrainer.__new__(GRPOTrainer)  # the loop's bookkeeping only: no model, no engine
         t.cfg = load_config(TINY)
         t.checkpointer, t.loader, t.engine, t.policy, t.best = Checkpointer(), Loader(), Engine(), Policy(), None
+        t.kept = []
         t.ahead = None  # on-policy: no draw in flight (rl.ahead)
         t.reference, t.reference_step = None, 0  # no KL reference
         t.trained_under = trained_under(t.cfg)  # what each checkpoint records of the config (rl.resume_checks)
@@ -319,10 +338,14 @@ def test_checkpoints_remember_the_best_and_resume_keeps_it():
 
     first = trainer()
     first.best = ev.update_best(None, {"val/pass@1": 0.75}, "pass@1", 20)
-    first.save(40)
-    assert saved[40]["best"] == {"metric": "val/pass@1", "value": 0.75, "step": 20} and first.checkpointer.kept == 20
+    for step, value in ((20, 0.75), (40, 0.5), (60, 0.25)):
+        first.kept = ev.update_kept(first.kept, {"val/pass@1": value}, "pass@1", step, 2)
+    first.save(60)
+    assert saved[60]["best"] == {"metric": "val/pass@1", "value": 0.75, "step": 20}
+    assert [e["step"] for e in saved[60]["kept_best"]] == [20, 40] and first.checkpointer.kept == [20, 40]
     second = trainer()
-    assert second.resume() == 40 and second.best == saved[40]["best"] and second.checkpointer.kept == 20
+    assert second.resume() == 60 and second.best == saved[60]["best"] and second.kept == saved[60]["kept_best"]
+    assert second.checkpointer.kept == [20, 40]
 
 
 def test_majority_voting():

@@ -383,8 +383,9 @@ class RewardSpec(_Section):
 class CheckpointSection(_Section):
     every_steps: int = _f(50, "save every this many steps (0 = only at the end and at must_save_by)", min=0)
     keep: int = _f(3, "newest checkpoints kept on disk", min=1)
-    keep_best: bool = _f(False, "also keep the checkpoint of the best held-out evaluation (eval.best_metric), "
-                                "however old, saving each step whose evaluation is a new best (needs evaluation)")
+    keep_best: int = _f(0, "also keep the checkpoints of this many best held-out evaluations (eval.best_metric), "
+                           "however old, saving each step whose evaluation enters them (needs evaluation; 0 = none)",
+                        min=0)
     async_save: bool = _f(True, "write checkpoints in the background while training continues")
     must_save_by: float | str | None = _f(None, "wall-clock deadline for a save: seconds after the start, or "
                                               "'HH:MM' (next occurrence, local time); null = none",

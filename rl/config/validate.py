@@ -180,9 +180,10 @@ def _cross_checks(cfg: RunConfig) -> list[_Problem]:
                                      "of a random model); set the other to null", ("model.tiny",)))
 
     if cfg.checkpoint.keep_best and not cfg.eval.every_steps:
-        out.append(_Problem("checkpoint.keep_best", "checkpoint.keep_best = true with eval.every_steps = 0: no "
-                                                    "evaluation during the run ranks its checkpoints; allowed: false, "
-                                                    "or set eval.every_steps", ("eval.every_steps",)))
+        out.append(_Problem("checkpoint.keep_best", f"checkpoint.keep_best = {cfg.checkpoint.keep_best} with "
+                                                    "eval.every_steps = 0: no evaluation during the run ranks its "
+                                                    "checkpoints; allowed: 0, or set eval.every_steps",
+                            ("eval.every_steps",)))
 
     widths = list(g.micro_batch_widths)
     if widths != sorted(set(widths)) or any(w < 1 for w in widths):
