@@ -249,8 +249,14 @@ def update_kept(kept: list[dict], metrics: dict, metric: str, step: int, k: int)
     value = metrics.get(key)
     if k <= 0 or step <= 0 or value is None or not np.isfinite(value):
         return kept
-    entries = [e for e in kept if e.get("metric") == key and e["step"] != step]
-    entries.append({"metric": key, "value": float(value), "step": int(step)})
+    entries = [e for e in kept if e["step"] != step] + [{"metric": key, "value": float(value), "step": int(step)}]
+    return ranked(entries, metric, k)
+
+
+def ranked(kept: list[dict], metric: str, k: int) -> list[dict]:
+    """The first k of `kept`'s entries of val/<metric>, by value descending, then step ascending (a resumed run's
+    checkpoint.keep_best and eval.best_metric applied to what its checkpoint kept)."""
+    entries = [e for e in kept if e.get("metric") == f"val/{metric}"]
     return sorted(entries, key=lambda e: (-e["value"], e["step"]))[:k]
 
 

@@ -292,7 +292,8 @@ class GRPOTrainer:
                 "task, which sizes its prompt set), or start over in a new run.out_dir") from None
         self.policy.state = self.policy.place(state)
         self.best = meta.get("best")
-        self.kept = list(meta.get("kept_best") or [])
+        self.kept = held_out.ranked(meta.get("kept_best") or [], self.cfg.eval.best_metric,  # as this run ranks them
+                                    self.cfg.checkpoint.keep_best)
         self.checkpointer.keep_best_steps(e["step"] for e in self.kept)  # checkpoint.keep_best
         # a reset's reference (not the starting weights) was saved with the state; a run resumed without a KL drops it
         self.reference_step = int(meta.get("reference_step", 0)) if self.reference is not None else 0

@@ -326,9 +326,9 @@ def test_checkpoints_remember_the_best_and_resume_keeps_it():
         def place(self, state):
             return self.state
 
-    def trainer():
+    def trainer(*overrides):
         t = GRPOTrainer.__new__(GRPOTrainer)  # the loop's bookkeeping only: no model, no engine
-        t.cfg = load_config(TINY)
+        t.cfg = load_config(TINY, ["checkpoint.keep_best=2", *overrides])
         t.checkpointer, t.loader, t.engine, t.policy, t.best = Checkpointer(), Loader(), Engine(), Policy(), None
         t.kept = []
         t.ahead = None  # on-policy: no draw in flight (rl.ahead)
@@ -346,6 +346,13 @@ def test_checkpoints_remember_the_best_and_resume_keeps_it():
     second = trainer()
     assert second.resume() == 60 and second.best == saved[60]["best"] and second.kept == saved[60]["kept_best"]
     assert second.checkpointer.kept == [20, 40]
+    # resumed with fewer kept, or ranked by another metric: the checkpoints no longer asked for go at the next save
+    fewer = trainer("checkpoint.keep_best=1")
+    assert fewer.resume() == 60
+    assert [e["step"] for e in fewer.kept] == [20] and fewer.checkpointer.kept == [20]
+    other = trainer("eval.best_metric=reward_mean")
+    other.resume()
+    assert other.kept == [] and other.checkpointer.kept == []
 
 
 def test_majority_voting():
