@@ -1,8 +1,8 @@
-"""python -m m3jax.eval --config configs/<name>.yaml [key.sub=value ...] [--step N | --hf DIR]
+"""python -m m3jax.eval --config configs/<name>.yaml [key.sub=value ...] [--step N|best | --hf DIR]
 
 Score a saved policy on the config's held-out evaluation (the `eval` section) without training: the
-run's newest checkpoint, checkpoint step N, or a Hugging Face directory. Prints one `metric value` line
-per metric and exits. Generation is the JAX engine (rl.eval_checkpoint); a checkpoint of a JAX-backend
+run's newest checkpoint, checkpoint step N, the best evaluation's checkpoint (checkpoint.keep_best), or a
+Hugging Face directory. Prints one `metric value` line per metric and exits. Generation is the JAX engine (rl.eval_checkpoint); a checkpoint of a JAX-backend
 run prints what that run logged at the same step. Reads the run directory only: no lock, no run.log,
 no checkpoint is created or removed (the terminal shows the project's INFO lines and warnings).
 """
@@ -13,6 +13,7 @@ import argparse
 import os
 import sys
 
+from rl.checkpoint_keep import step_argument
 from rl.config import ConfigError, add_arguments, from_args, to_yaml
 from sharding.cpu_threads import reserve_collective_threads
 
@@ -21,7 +22,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m m3jax.eval", description=__doc__.splitlines()[0])
     add_arguments(parser)
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--step", type=int, metavar="N", help="checkpoint step to score (default: the newest)")
+    source.add_argument("--step", type=step_argument, metavar="N", help="checkpoint step to score (default: the "
+                        "newest; best: the best held-out evaluation's, which checkpoint.keep_best kept)")
     source.add_argument("--hf", metavar="DIR", help="score this Hugging Face directory instead of a checkpoint")
     args = parser.parse_intermixed_args(argv)
     reserve_collective_threads(os.environ)  # simulated CPU devices: before jax starts its CPU backend

@@ -1,4 +1,5 @@
-"""python -m m3jax.train --config configs/<name>.yaml [key.sub=value ...] [--print-config | --export DIR [--step N]]
+"""python -m m3jax.train --config configs/<name>.yaml [key.sub=value ...]
+                        [--print-config | --export DIR [--step N|best]]
 
 GRPO on MiniMax-M3. The config (a YAML chain of base + deltas, then dotted overrides) is validated in
 full before any work starts. Rerunning the same command resumes from the run's latest checkpoint.
@@ -16,6 +17,7 @@ import logging
 import os
 import sys
 
+from rl.checkpoint_keep import step_argument
 from rl.config import ConfigError, add_arguments, checkpoint_dir, from_args, to_yaml
 from sharding.cpu_threads import reserve_collective_threads
 
@@ -25,8 +27,9 @@ def main(argv=None) -> int:
     add_arguments(parser)
     parser.add_argument("--export", metavar="DIR", help="export the latest checkpoint's policy to a HF "
                         "directory and exit (on-demand export)")
-    parser.add_argument("--step", type=int, metavar="N", help="with --export: the checkpoint step to export "
-                        "(default: the newest; e.g. one of the best that checkpoint.keep_best kept)")
+    parser.add_argument("--step", type=step_argument, metavar="N", help="with --export: the checkpoint step to "
+                        "export (default: the newest; best: the best held-out evaluation's, which "
+                        "checkpoint.keep_best kept)")
     args = parser.parse_intermixed_args(argv)
     if args.step is not None and not args.export:
         parser.error("--step goes with --export DIR (the step to export)")

@@ -207,6 +207,18 @@ class Checkpointer:
             raise CheckpointsUnreadable(f"checkpoint step {step} in {self.directory} is unreadable ({why})")
         return _rebuild(like, got["state"]), dict(got["meta"])
 
+    def read_meta(self, step: int) -> dict:
+        """Checkpoint `step`'s meta alone (no array is read); CheckpointsUnreadable when it cannot be read."""
+        try:
+            meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        except Exception as e:  # noqa: BLE001 - orbax raises many kinds for damaged files
+            meta, why = None, f"{type(e).__name__}: {str(e)[:200]}"
+        else:
+            why = _meta_problem(step, meta)
+        if why:
+            raise CheckpointsUnreadable(f"checkpoint step {step} in {self.directory} is unreadable ({why})")
+        return dict(meta)
+
     def save(self, step: int, state: TrainState, meta: dict, reference=None) -> float:
         """Start saving (returns at once when async; a synchronous save's failure raises here, on every process of
         the job); the seconds spent blocking are returned. reference: the KL

@@ -29,9 +29,11 @@ class LoadedPolicy:
     meta: dict  # the checkpoint's meta (best value, data position, ...); {} for a HF directory
 
 
-def from_checkpoint(cfg: RunConfig, step: int | None = None) -> LoadedPolicy:
-    """The policy of checkpoint `step` (None: the newest readable one) of the run's directory."""
+def from_checkpoint(cfg: RunConfig, step: int | str | None = None) -> LoadedPolicy:
+    """The policy of checkpoint `step` (None: the newest readable one; "best": rl.checkpoint_keep.chosen_step) of the
+    run's directory."""
     from rl import checkpoint as ckpt_lib
+    from rl.checkpoint_keep import chosen_step
     from rl.policy import build_policy
 
     directory = checkpoint_dir(cfg)
@@ -40,11 +42,8 @@ def from_checkpoint(cfg: RunConfig, step: int | None = None) -> LoadedPolicy:
     reader = ckpt_lib.Checkpointer(directory, keep=cfg.checkpoint.keep, async_save=False, read_only=True)
     try:
         # A missing step is refused before the model is built (at M3's size that is the expensive part).
-        steps = reader.steps()
-        if step is not None and step not in steps:
-            raise FileNotFoundError(f"no checkpoint of step {step} in {reader.directory} (steps: "
-                                    f"{', '.join(map(str, steps)) or 'none'})")
-        if not steps:
+        step = chosen_step(reader, step)
+        if not reader.steps():
             raise FileNotFoundError(f"no readable checkpoint in {reader.directory}")
         policy = build_policy(cfg, kernel_timing="read", abstract=True)
         if step is None:

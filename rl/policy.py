@@ -22,6 +22,7 @@ import m3jax
 from m3jax.model.expert_tuning import RECORD_FILE, expert_work, needs_timing, tune_moe_kernel
 from m3jax.model.specs import weight_decay_mask
 from rl import checkpoint as ckpt_lib
+from rl.checkpoint_keep import chosen_step
 from rl.config import ConfigError, RunConfig, checkpoint_dir
 from rl.generation.backends import model_end_tokens, sampling_of
 from rl.generation.base import SamplingParams
@@ -283,20 +284,17 @@ def checkpointer_for(cfg: RunConfig) -> ckpt_lib.Checkpointer:
                                  keep_best=cfg.checkpoint.keep_best)
 
 
-def export_latest(cfg: RunConfig, path: str | None = None, step: int | None = None) -> tuple[int, str]:
-    """Write the newest checkpoint's policy (or checkpoint `step`'s: one of the best that checkpoint.keep_best kept,
-    say) as a HF directory (default `<run.out_dir>/export`), building only the model and its checkpoint reader: no
-    data, no generation engines. Returns (step, path). A destination that holds anything but an earlier export (the
+def export_latest(cfg: RunConfig, path: str | None = None, step: int | str | None = None) -> tuple[int, str]:
+    """Write the newest checkpoint's policy (or checkpoint `step`'s; "best": the best evaluation's, which
+    checkpoint.keep_best kept: rl.checkpoint_keep.chosen_step) as a HF directory (default `<run.out_dir>/export`),
+    building only the model and its checkpoint reader: no data, no generation engines. Returns (step, path). A destination that holds anything but an earlier export (the
     run directory itself, say), or a step without a checkpoint, is refused before the model is built."""
     from m3jax.hf.save import check_destination
     path = check_destination(path or os.path.join(cfg.run.out_dir, "export"), [cfg.run.out_dir, cfg.model.path])
     # a reader: nothing in the run directory is created, moved or deleted (it may be read-only)
     checkpointer = ckpt_lib.Checkpointer(checkpoint_dir(cfg), async_save=False, read_only=True)
     try:
-        steps = checkpointer.steps()
-        if step is not None and step not in steps:
-            raise FileNotFoundError(f"no checkpoint of step {step} to export in {checkpointer.directory} (steps: "
-                                    f"{', '.join(map(str, steps)) or 'none'})")
+        step = chosen_step(checkpointer, step, " to export")
         policy = build_policy(cfg, kernel_timing="off", abstract=True)
         got = (checkpointer.restore_latest(policy.state, params_only=True) if step is None
                else checkpointer.restore_step(step, policy.state, params_only=True))

@@ -8,7 +8,9 @@ import sys
 
 import pytest
 
+from m3jax import eval as m3jax_eval
 from m3jax import train
+from rl.checkpoint_keep import chosen_step, step_argument
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "tiny.yaml")
@@ -40,8 +42,12 @@ def test_the_best_steps_are_saved_off_schedule_and_kept_and_exported(tmp_path, c
     assert f"; the best evaluations' checkpoints kept: steps {two_best[0]}, {two_best[1]};" in r.stdout
 
     capsys.readouterr()
-    assert train.main(["--config", CONFIG, *args, "--export", str(tmp_path / "best"), "--step", str(best)]) == 0
+    assert train.main(["--config", CONFIG, *args, "--export", str(tmp_path / "best"), "--step", "best"]) == 0
     assert capsys.readouterr().out.strip() == f"exported step {best} to {tmp_path / 'best'}"
+    # and scored again: what the run logged at that step, exactly
+    assert m3jax_eval.main(["--config", CONFIG, *args, "--step", "best"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith(f"# step {best} of {out}:") and f"val/reward_mean {dict(evals)[best]!r}" in printed
     gone = min(set(range(1, 6)) - set(two_best))
     assert train.main(["--config", CONFIG, *args, "--export", str(tmp_path / "x"), "--step", str(gone)]) == 1
     kept = ", ".join(map(str, sorted({*two_best, 6})))
@@ -62,3 +68,46 @@ def test_step_goes_with_export(capsys):
     with pytest.raises(SystemExit):
         train.main(["--config", CONFIG, "--step", "3"])
     assert "--step goes with --export DIR" in capsys.readouterr().err
+
+
+class _Reader:
+    """The checkpoints a reader lists, and the newest one's meta."""
+    directory = "/run/checkpoints"
+
+    def __init__(self, steps, meta):
+        self._steps, self.meta = steps, meta
+
+    def steps(self):
+        return list(self._steps)
+
+    def read_meta(self, step):
+        assert step == self._steps[-1]
+        return self.meta
+
+
+def test_step_best_is_the_first_kept_checkpoint_else_the_best_evaluations_where_it_has_one():
+    kept = [{"metric": "val/pass@1", "value": 0.9, "step": 40}, {"metric": "val/pass@1", "value": 0.8, "step": 20}]
+    best = {"metric": "val/pass@1", "value": 0.95, "step": 0}  # the initial policy: no checkpoint of the run
+    assert chosen_step(_Reader([20, 40, 60], {"kept_best": kept, "best": best}), "best") == 40
+    assert chosen_step(_Reader([20, 40, 60], {"kept_best": kept}), None) is None  # the newest
+    assert chosen_step(_Reader([20, 40, 60], {}), 20) == 20
+    # no keep_best, but the best evaluation's step was saved on schedule
+    assert chosen_step(_Reader([20, 40, 60], {"best": {**best, "step": 40}}), "best") == 40
+    with pytest.raises(FileNotFoundError, match=r"^--step best: the newest checkpoint \(step 60 in /run/checkpoints\) "
+                       r"names no checkpoint of the best evaluation: its best evaluation, step 0 \(val/pass@1 0.95\), "
+                       r"has no checkpoint; a run with checkpoint.keep_best >= 1"):
+        chosen_step(_Reader([20, 40, 60], {"best": best}), "best")
+    with pytest.raises(FileNotFoundError, match="the run had evaluated nothing"):
+        chosen_step(_Reader([60], {}), "best")
+    with pytest.raises(FileNotFoundError, match=r"^--step best: no checkpoint in /run/checkpoints$"):
+        chosen_step(_Reader([], {}), "best")
+    with pytest.raises(FileNotFoundError, match=r"^no checkpoint of step 30 to export in /run/checkpoints \(steps: "
+                       r"20, 40, 60\)$"):
+        chosen_step(_Reader([20, 40, 60], {}), 30, " to export")
+
+
+def test_step_is_a_number_or_best(capsys):
+    assert step_argument("best") == "best" and step_argument("12") == 12
+    with pytest.raises(SystemExit):
+        train.main(["--config", CONFIG, "--export", "/tmp/x", "--step", "last"])
+    assert "argument --step: 'last': expected a step number or 'best'" in capsys.readouterr().err
