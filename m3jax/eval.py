@@ -2,9 +2,10 @@
 
 Score a saved policy on the config's held-out evaluation (the `eval` section) without training: the
 run's newest checkpoint, checkpoint step N, the best evaluation's checkpoint (checkpoint.keep_best), or a
-Hugging Face directory. Prints one `metric value` line per metric and exits. Generation is the JAX engine (rl.eval_checkpoint); a checkpoint of a JAX-backend
-run prints what that run logged at the same step. Reads the run directory only: no lock, no run.log,
-no checkpoint is created or removed (the terminal shows the project's INFO lines and warnings).
+Hugging Face directory. Prints one `metric value` line per metric and exits. Generation is the JAX engine
+(rl.eval_checkpoint); a checkpoint of a JAX-backend run prints what that run logged at the same step. Reads
+the run directory only: no lock, no run.log, no checkpoint is created or removed (the terminal shows the
+project's INFO lines and warnings).
 """
 
 from __future__ import annotations

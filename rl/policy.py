@@ -287,8 +287,9 @@ def checkpointer_for(cfg: RunConfig) -> ckpt_lib.Checkpointer:
 def export_latest(cfg: RunConfig, path: str | None = None, step: int | str | None = None) -> tuple[int, str]:
     """Write the newest checkpoint's policy (or checkpoint `step`'s; "best": the best evaluation's, which
     checkpoint.keep_best kept: rl.checkpoint_keep.chosen_step) as a HF directory (default `<run.out_dir>/export`),
-    building only the model and its checkpoint reader: no data, no generation engines. Returns (step, path). A destination that holds anything but an earlier export (the
-    run directory itself, say), or a step without a checkpoint, is refused before the model is built."""
+    building only the model and its checkpoint reader: no data, no generation engines. Returns (step, path). A
+    destination that holds anything but an earlier export (the run directory itself, say), or a step without a
+    checkpoint, is refused before the model is built."""
     from m3jax.hf.save import check_destination
     path = check_destination(path or os.path.join(cfg.run.out_dir, "export"), [cfg.run.out_dir, cfg.model.path])
     # a reader: nothing in the run directory is created, moved or deleted (it may be read-only)

@@ -115,7 +115,8 @@ def _assert_pushed_equal_fresh(pool, model_dir, pushed, want):
     again, want2 = _scores(pool), _fresh_scores(pool, model_dir)
     facts = (f"pushed engines vs a fresh engine {off}; engine 0 vs 1 {_max_diff(pushed[0], pushed[-1])}; the pool "
              f"scored again vs before {[_max_diff(a, b) for a, b in zip(again, pushed)]}; a second fresh engine vs the "
-             f"first {_max_diff(want2, want)}; the pushed engines vs the second {[_max_diff(p, want2) for p in pushed]}")
+             f"first {_max_diff(want2, want)}; the pushed engines vs the second "
+             f"{[_max_diff(p, want2) for p in pushed]}")
     if max(_max_diff(p, want2) for p in pushed) <= 1e-5 < _max_diff(want2, want):
         warnings.warn(f"two freshly loaded engines disagreed; the in-place applied engines equal one of them: {facts}")
         return
