@@ -49,10 +49,10 @@ def test_no_limit_watches_nothing():
     assert dog._thread is None
 
 
-def run_train(tmp_path, *overrides):
+def run_train(tmp_path, *overrides, worker="hanging_reward_train.py"):
     env = {**os.environ, "PYTHONPATH": ROOT}
     env.pop("XLA_FLAGS", None)
-    return subprocess.run([sys.executable, os.path.join(ROOT, "tests/workers/hanging_reward_train.py"), "--config",
+    return subprocess.run([sys.executable, os.path.join(ROOT, "tests/workers", worker), "--config",
                            os.path.join(ROOT, "configs/tiny.yaml"), f"run.out_dir={tmp_path / 'run'}", *overrides],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
@@ -91,3 +91,20 @@ def test_a_run_whose_evaluation_hangs_exits_with_one_error_line(tmp_path):
                            "in "), last
     assert "Traceback" not in r.stderr
     assert "the threads' stacks when the held-out evaluation" in (tmp_path / "run" / "run.log").read_text()
+
+
+# ~50 s: the limit must outlast the first step (its compile, ~15 s here), and the end is then held for all of it
+@pytest.mark.slow
+@pytest.mark.extended
+def test_a_run_whose_end_hangs_exits_with_one_error_line_after_its_last_save(tmp_path):
+    """The end of the run is watched too: here the generator's shutdown never returns. The wait for the last save
+    comes before it, so that checkpoint is complete and a rerun has nothing left to train."""
+    r = run_train(tmp_path, "run.total_steps=1", "eval.every_steps=0", "eval.at_start=false",
+                  "run.hang_timeout_minutes=0.5", "logging.plot=false", worker="hanging_shutdown_train.py")
+    assert r.returncode == HUNG_STATUS, r.stderr[-3000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: the end of the run (its last save, the generator's shutdown) has not finished after "
+                           "0.5 min (run.hang_timeout_minutes): taken as hung"), last
+    assert "Traceback" not in r.stderr
+    assert os.listdir(tmp_path / "run" / "checkpoints") == ["1"]
+    assert "in <lambda>" in (tmp_path / "run" / "run.log").read_text()  # the stuck shutdown's frame
