@@ -21,7 +21,7 @@ from rl import evaluate as held_out
 from rl import phases, rollout_log, shared_draw
 from rl.ahead import AheadDraw, draws_ahead
 from rl.checkpoint import CheckpointMismatch, CheckpointsUnreadable
-from rl.config import RunConfig
+from rl.config import RunConfig, checkpoint_dir
 from rl.config_record import record_config
 from rl.stop_signals import StopSignals
 from rl.generation import backends
@@ -51,6 +51,23 @@ class GRPOTrainer:
     def __init__(self, cfg: RunConfig, policy: Policy | None = None, kernel_headroom: int | None = None):
         self.cfg = cfg
         self.run_dir = cfg.run.out_dir
+        # the start hangs as a step can (prompts or a checkpoint on a filesystem that stopped answering, an engine
+        # that never comes up); its limit is its own, a large model's start outlasting its steps
+        self.start_watchdog = HangWatchdog(cfg.run.start_timeout_minutes, setting="run.start_timeout_minutes",
+                                           resume_hint=self._resume_hint())
+        self.start_watchdog.arm("the start (the prompts read, the policy built or restored, the generator started)")
+        try:
+            self._start(policy, kernel_headroom)
+        except BaseException:
+            self.start_watchdog.close()
+            raise
+        self.start_watchdog.disarm()  # `run` arms it for the resume: a trainer built and not run is never taken as hung
+
+    def _resume_hint(self) -> str:
+        return f"; rerunning the command resumes from the last checkpoint in {checkpoint_dir(self.cfg)}"
+
+    def _start(self, policy: Policy | None, kernel_headroom: int | None) -> None:
+        cfg = self.cfg
         os.makedirs(self.run_dir, exist_ok=True)
         self.loss_cfg = cfg.grpo.loss_config(cfg.generation.max_new_tokens)
         self.phases = PhaseClock()  # a line as each phase of the start ends (rl.startup)
@@ -319,7 +336,11 @@ class GRPOTrainer:
     def run(self) -> dict:
         cfg = self.cfg
         start_wall = time.time()
-        first = self.resume()
+        self.start_watchdog.arm("the resume (the checkpoint's state placed, the generator given its weights)")
+        try:
+            first = self.resume()
+        finally:
+            self.start_watchdog.close()
         self.resumed_from = first  # at or past run.total_steps: nothing left to train
         self.last_step, self.stopped_by = first, None  # stopped_by: a signal's name or run.max_wall_minutes
         if jax.process_index() == 0:
@@ -337,8 +358,7 @@ class GRPOTrainer:
                            else None, resumed_row=self.resumed_row)
         last = {}
         saved_for_deadline = False
-        watchdog = HangWatchdog(cfg.run.hang_timeout_minutes, resume_hint=(
-            f"; rerunning the command resumes from the last checkpoint in {self.checkpointer.directory}"))
+        watchdog = HangWatchdog(cfg.run.hang_timeout_minutes, resume_hint=self._resume_hint())
         signals = StopSignals().__enter__()
         try:
             if self.eval_set is not None and cfg.eval.at_start and first == 0:

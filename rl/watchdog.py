@@ -1,5 +1,5 @@
-"""`HangWatchdog` (`run.hang_timeout_minutes`): a step that has not finished in time is taken as hung, and the
-process exits so that the job can be restarted.
+"""`HangWatchdog` (`run.hang_timeout_minutes`, `run.start_timeout_minutes`): a step (or the start) that has not
+finished in time is taken as hung, and the process exits so that the job can be restarted.
 
 A job of many hosts hangs rather than fails in several ways: a collective whose peer is stuck (not dead: jax's
 heartbeat ends the job only when a process dies), an engine that never answers, a filesystem that stopped
@@ -30,9 +30,10 @@ class HangWatchdog:
     seconds)` runs on the watchdog's thread once `what` has taken `minutes`: by default `exit_hung`. minutes None or
     0: it watches nothing and starts no thread."""
 
-    def __init__(self, minutes: float | None, *, on_hang=None, resume_hint: str = ""):
+    def __init__(self, minutes: float | None, *, on_hang=None, resume_hint: str = "",
+                 setting: str = "run.hang_timeout_minutes"):
         self.limit = 60.0 * minutes if minutes else None
-        self.on_hang = on_hang or (lambda what, seconds: exit_hung(what, seconds, resume_hint))
+        self.on_hang = on_hang or (lambda what, seconds: exit_hung(what, seconds, resume_hint, setting))
         self._cv = threading.Condition()
         self._what = self._deadline = None
         self._closed = False
@@ -86,7 +87,7 @@ def thread_stacks() -> str:
     return "\n".join(out)
 
 
-def exit_hung(what: str, seconds: float, resume_hint: str = "") -> None:
+def exit_hung(what: str, seconds: float, resume_hint: str = "", setting: str = "run.hang_timeout_minutes") -> None:
     """The stacks into run.log (DEBUG), one line on the terminal, then `os._exit(HUNG_STATUS)`."""
     log.debug("the threads' stacks when %s was taken as hung:\n%s", what, thread_stacks())
     for handler in logging.getLogger().handlers:
@@ -94,7 +95,7 @@ def exit_hung(what: str, seconds: float, resume_hint: str = "") -> None:
             handler.flush()
         except Exception:  # noqa: BLE001 - a handler that cannot flush must not keep the process alive
             pass
-    print(f"error: {what} has not finished after {seconds / 60:g} min (run.hang_timeout_minutes): taken as hung, "
+    print(f"error: {what} has not finished after {seconds / 60:g} min ({setting}): taken as hung, "
           f"the process exits (status {HUNG_STATUS}); the threads' stacks are in its run log{resume_hint}",
           file=sys.stderr, flush=True)
     os._exit(HUNG_STATUS)

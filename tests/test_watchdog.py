@@ -49,10 +49,10 @@ def test_no_limit_watches_nothing():
     assert dog._thread is None
 
 
-def run_train(tmp_path, *overrides, worker="hanging_reward_train.py"):
+def run_train(tmp_path, *overrides, worker="hanging_reward_train.py", worker_args=()):
     env = {**os.environ, "PYTHONPATH": ROOT}
     env.pop("XLA_FLAGS", None)
-    return subprocess.run([sys.executable, os.path.join(ROOT, "tests/workers", worker), "--config",
+    return subprocess.run([sys.executable, os.path.join(ROOT, "tests/workers", worker), *worker_args, "--config",
                            os.path.join(ROOT, "configs/tiny.yaml"), f"run.out_dir={tmp_path / 'run'}", *overrides],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
@@ -91,6 +91,36 @@ def test_a_run_whose_evaluation_hangs_exits_with_one_error_line(tmp_path):
                            "in "), last
     assert "Traceback" not in r.stderr
     assert "the threads' stacks when the held-out evaluation" in (tmp_path / "run" / "run.log").read_text()
+
+
+def hung_line(what, minutes, run_dir):
+    return (f"error: {what} has not finished after {minutes:g} min (run.start_timeout_minutes): taken as hung, the "
+            "process exits (status 124); the threads' stacks are in its run log; rerunning the command resumes from "
+            f"the last checkpoint in {run_dir / 'checkpoints'}")
+
+
+@pytest.mark.slow  # ~8 s: the start until its limit
+def test_a_run_whose_start_hangs_exits_with_one_error_line(tmp_path):
+    """run.start_timeout_minutes watches the start as hang_timeout_minutes a step: here the generation engine never
+    comes up. (The limit, 3 s, may pass before the engine is reached: the start as a whole is what is watched.)"""
+    r = run_train(tmp_path, "run.start_timeout_minutes=0.05", worker="hanging_start_train.py", worker_args=["engine"])
+    assert r.returncode == HUNG_STATUS, r.stderr[-3000:]
+    what = "the start (the prompts read, the policy built or restored, the generator started)"
+    assert r.stderr.strip().splitlines()[-1] == hung_line(what, 0.05, tmp_path / "run"), r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
+
+
+# ~40 s: the limit must outlast the start (the resume's clock starts again), and the resume is then held for all of it
+@pytest.mark.slow
+@pytest.mark.extended
+def test_a_run_whose_resume_hangs_exits_with_one_error_line(tmp_path):
+    """The resume is watched too: here the checkpoint read never returns (a filesystem that stopped answering)."""
+    r = run_train(tmp_path, "run.start_timeout_minutes=0.5", worker="hanging_start_train.py", worker_args=["restore"])
+    assert r.returncode == HUNG_STATUS, r.stderr[-3000:]
+    what = "the resume (the checkpoint's state placed, the generator given its weights)"
+    assert r.stderr.strip().splitlines()[-1] == hung_line(what, 0.5, tmp_path / "run"), r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
+    assert "in never_returns" in (tmp_path / "run" / "run.log").read_text()  # the stuck frame
 
 
 # ~50 s: the limit must outlast the first step (its compile, ~15 s here), and the end is then held for all of it

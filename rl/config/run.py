@@ -18,7 +18,8 @@ from rl.config.validate import _problems
 class RunConfig(_Section):
     """The whole run: validated on construction (every problem at once, as ConfigError).
 
-    run         name, out_dir, seed, total_steps, max_wall_minutes, hang_timeout_minutes, compilation_cache
+    run         name, out_dir, seed, total_steps, max_wall_minutes, hang_timeout_minutes, start_timeout_minutes,
+                compilation_cache
     model       path | tiny (M3Config fields), init_seed, remat, remat_policy, attention_query_chunk,
                 attention_impl, sparse_attention, logprob_chunk_tokens, indexer_loss_coef, moe_capacity_factor,
                 moe_kernel

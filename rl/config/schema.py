@@ -98,6 +98,11 @@ class RunSection(_Section):
                                                   "threads' stacks go to the run log and the process exits with "
                                                   "status 124, for the job to be restarted (the rerun resumes); the "
                                                   "first step also compiles; null = never (rl.watchdog)", gt=0)
+    start_timeout_minutes: float | None = _f(None, "the start (the prompts read, the model built or its checkpoint "
+                                                   "restored, the generator started with its weights) not finished "
+                                                   "after this long is taken as hung, as hang_timeout_minutes takes a "
+                                                   "step; apart from it since a large model's start can take longer "
+                                                   "than its steps; null = never", gt=0)
     compilation_cache: str | None = _f(None, "directory of JAX's persistent compilation cache (a relative path is "
                                              "under out_dir): a restart or resume loads each compiled program "
                                              "instead of compiling it again; null = JAX's default (the "
