@@ -13,11 +13,12 @@ A crash or a failed write during a save leaves `<step>.orbax-checkpoint-tmp*`, w
 run on the directory deletes (in the background, before its first save). orbax itself removes one only when the same
 step is saved again, which a step saved for a signal or a deadline, or under another `checkpoint.every_steps`, never
 is: a save that failed on a full disk kept its partial bytes there, and its rerun could fail for want of them. A
-damaged finished checkpoint is skipped with a warning and the previous one used. A save that fails (a full disk, a lost
-mount) raises `CheckpointSaveFailed` at the next step or save (a synchronous one at once, the last one at the run's
-end), naming the step, the cause and the free space: the run stops there, rather than training on past a
-checkpoint it cannot write. In a multi-host job every process
-raises it at the same step, also where the write failed on another process only (`rl.checkpoint_job`).
+damaged finished checkpoint is skipped with a warning and the previous one used, also where only its bytes changed
+(bit rot, a bad copy: each array's checksum is kept in the meta and checked at the restore, `rl.checkpoint_sums`).
+A save that fails (a full disk, a lost mount) raises `CheckpointSaveFailed` at the next step or save (a synchronous
+one at once, the last one at the run's end), naming the step, the cause and the free space: the run stops there,
+rather than training on past a checkpoint it cannot write. In a multi-host job every process raises it at the same
+step, also where the write failed on another process only (`rl.checkpoint_job`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from flax import nnx
 
-from rl import checkpoint_job
+from rl import checkpoint_job, checkpoint_sums
 from rl.checkpoint_logs import _cause, _Demote, _orbax_errors_to_run_log, _quiet_abandoned_reads
 from rl.checkpoint_job import job_max as _job_max, job_steps as _job_steps
 from rl.checkpoint_keep import KeepSteps, preservation
@@ -144,6 +145,7 @@ class Checkpointer:
         self._saving = None  # the step of the last save started
         self._unchecked = False  # that save may have ended in a failure not yet raised
         self._error = None  # its failure on this process, which orbax raises once (`wait` may have taken it)
+        self._sums = (None, None, None)  # (step, its checksums, their verdict) of the last state restored
         # orbax warns that a read-only directory is read only: what was asked for, so not on the terminal
         notice = _Demote("Given directory is read only")
         logging.getLogger("absl").addFilter(notice)
@@ -202,10 +204,10 @@ class Checkpointer:
             _quiet_abandoned_reads()
             raise CheckpointsUnreadable(f"checkpoint step {step} in {self.directory} is unreadable "
                                         f"({type(e).__name__}: {str(e)[:200]})") from None
-        why = _meta_problem(step, got["meta"])
+        why = _meta_problem(step, got["meta"]) or self._sums_problem(step, got)
         if why:
             raise CheckpointsUnreadable(f"checkpoint step {step} in {self.directory} is unreadable ({why})")
-        return _rebuild(like, got["state"]), dict(got["meta"])
+        return _rebuild(like, got["state"]), _without_sums(got["meta"])
 
     def read_meta(self, step: int) -> dict:
         """Checkpoint `step`'s meta alone (no array is read); CheckpointsUnreadable when it cannot be read."""
@@ -217,7 +219,7 @@ class Checkpointer:
             why = _meta_problem(step, meta)
         if why:
             raise CheckpointsUnreadable(f"checkpoint step {step} in {self.directory} is unreadable ({why})")
-        return dict(meta)
+        return _without_sums(meta)
 
     def save(self, step: int, state: TrainState, meta: dict, reference=None) -> float:
         """Start saving (returns at once when async; a synchronous save's failure raises here, on every process of
@@ -226,14 +228,18 @@ class Checkpointer:
         reset), saved beside the state as they are (the policy's dtype)."""
         t0 = time.perf_counter()
         self.check_saves()  # an earlier async save that failed stops the run before another starts
-        extra = {} if reference is None else {"reference": ocp.args.StandardSave(nnx.to_pure_dict(reference))}
+        portable = _portable(state)
+        items = {"state": portable} if reference is None else {"state": portable,
+                                                               "reference": nnx.to_pure_dict(reference)}
+        meta = {**meta, checkpoint_sums.KEY: checkpoint_sums.checksums(items)}  # checked at every restore
+        extra = {} if reference is None else {"reference": ocp.args.StandardSave(items["reference"])}
         if self._saving is None:  # orbax's own reports of a failed save, and its writes that end after it (into a
             # closed event loop): run.log, where the error this raises says it in a line
             logging.getLogger("absl").addFilter(_orbax_errors_to_run_log)
             _quiet_abandoned_reads()
         self._saving, self._unchecked, self._error = step, True, None
         try:
-            self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(_portable(state)),
+            self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(portable),
                                                             meta=ocp.args.JsonSave(meta), **extra), force=True)
         except Exception as e:  # noqa: BLE001 - orbax / TensorStore raise many kinds for a failed write
             raise self._failed(e) from None
@@ -272,6 +278,14 @@ class Checkpointer:
         if min(states) == checkpoint_job.ENDED:
             self._unchecked = False  # once per save: the wait logs a line to run.log each time
 
+    def _sums_problem(self, step: int, got) -> str | None:
+        """What the checksums kept in checkpoint `step`'s meta say of its restored state (rl.checkpoint_sums); they
+        are kept for `restore_reference` of the same step."""
+        sums = got["meta"].get(checkpoint_sums.KEY)
+        why = checkpoint_sums.problem(sums, {"state": got["state"]})
+        self._sums = (step, sums, why)
+        return why
+
     def _failed(self, e: Exception) -> CheckpointSaveFailed:
         log.debug("checkpoint step %s failed to save", self._saving, exc_info=(type(e), e, e.__traceback__))
         finished = [s for s in self.steps() if s != self._saving]
@@ -282,6 +296,12 @@ class Checkpointer:
         """The KL reference saved with checkpoint `step`, as a tree like `like_params` placed as they are."""
         got = self.manager.restore(step, args=ocp.args.Composite(
             reference=ocp.args.StandardRestore(nnx.to_pure_dict(_abstract(like_params)))))
+        saved_step, sums, _ = self._sums
+        why = checkpoint_sums.problem(sums if saved_step == step else None, {"reference": got["reference"]})
+        if why:  # the state of this step was restored already: no fallback to an older step here
+            raise CheckpointsUnreadable(
+                f"checkpoint step {step} in {self.directory} is damaged ({why}): move it aside (to "
+                f"{os.path.join(self.directory, f'{step}.unreadable')}) to resume from the checkpoint before it")
         params = jax.tree.map(lambda x: x, like_params)  # a fresh State to fill
         nnx.replace_by_pure_dict(params, got["reference"])
         return params
@@ -321,13 +341,15 @@ class Checkpointer:
                 got, why = None, f"{type(e).__name__}: {str(e)[:200]}"
                 if jax.process_count() > 1:  # orbax's restore ends in a barrier the others wait in: take it too
                     ocp.multihost.sync_global_processes("Checkpointer:restore")
-            if _job_max(why is not None):
+            # read on every process, the checksums next: a collective whose words every process gets alike
+            if _job_max(why is not None) or self._sums_problem(step, got):
+                why = why or self._sums[2]
                 log.warning("checkpoint step %d in %s is unreadable (%s); trying the previous one", step,
                             self.directory, why or "on another process of the job: its log says why")
                 unreadable.append(step)
                 continue
             self._set_aside(unreadable)
-            return _rebuild(like, got["state"]), dict(got["meta"])
+            return _rebuild(like, got["state"]), _without_sums(got["meta"])
         return None
 
     def _set_aside(self, steps: list[int]) -> None:
@@ -387,6 +409,11 @@ def _meta_problem(step: int, meta) -> str | None:
     if meta["step"] != step:
         return f"its meta's 'step' is {meta['step']}; expected {step}, the checkpoint's own step"
     return None
+
+
+def _without_sums(meta) -> dict:
+    """A checkpoint's meta as the trainer wrote it: the checksums are the checkpointer's own."""
+    return {k: v for k, v in meta.items() if k != checkpoint_sums.KEY}
 
 
 def _state_args(target: dict, params_only: bool):
