@@ -175,6 +175,12 @@ class Checkpointer:
         """The finished checkpoints' steps, oldest first."""
         return sorted(self.manager.all_steps())
 
+    def none_reads(self) -> "CheckpointsUnreadable":
+        """The error of a directory whose checkpoints all failed to read (each named in a warning as it failed)."""
+        return CheckpointsUnreadable(
+            f"no checkpoint in {self.directory} reads (steps {', '.join(map(str, self.steps()))}; the warnings "
+            "above say why): fix or move them, or start over in a new run.out_dir")
+
     def job_steps(self) -> list[int]:
         """Process 0's finished steps, newest first, on every process of the job (a collective): what
         `restore_latest` tries, so every process decides alike whether the job resumes."""

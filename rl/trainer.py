@@ -20,14 +20,14 @@ import numpy as np
 from rl import evaluate as held_out
 from rl import phases, rollout_log, shared_draw
 from rl.ahead import AheadDraw, draws_ahead
-from rl.checkpoint import CheckpointMismatch, CheckpointsUnreadable
+from rl.checkpoint import CheckpointMismatch
 from rl.config import RunConfig, checkpoint_dir
 from rl.config_record import record_config
 from rl.stop_signals import StopSignals
 from rl.generation import backends
 from rl.observe import RunLogger, plot_run
-from rl.policy import (Policy, applied_learning_rate, build_policy, checkpointer_for, make_indexer_recall,
-                       make_logprobs, make_update, reference_params, sequence_width)
+from rl.policy import (Policy, applied_learning_rate, build_or_restore_policy, checkpointer_for,
+                       make_indexer_recall, make_logprobs, make_update, reference_params, sequence_width)
 from rl.prompt_loader import build_data
 from rl.reference import ReferenceWeights
 from rl.resume_checks import changes_warning, check as check_config, trained_under
@@ -45,7 +45,7 @@ class GRPOTrainer:
     Construction builds all of them; a command that needs less (export) builds only its part. kernel_headroom:
     as `rl.policy.model_options`'s."""
 
-    # (state, meta) of the checkpoint restored as the trainer was built (`_build_policy`), for `resume`
+    # (state, meta) of the checkpoint restored as the trainer was built (`build_or_restore_policy`), for `resume`
     _restored = None
 
     def __init__(self, cfg: RunConfig, policy: Policy | None = None, kernel_headroom: int | None = None):
@@ -88,7 +88,9 @@ class GRPOTrainer:
 
     def _build(self, policy: Policy | None, kernel_headroom: int | None) -> None:
         cfg = self.cfg
-        self.policy = policy or self._build_policy(kernel_headroom)
+        if policy is None:  # a resuming run restores its checkpoint into a state built by shape here
+            policy, self._restored = build_or_restore_policy(cfg, self.checkpointer, self.loss_cfg.kl, kernel_headroom)
+        self.policy = policy
         self.phases.done("%s", policy_line(cfg, self.policy.state.params, self.policy.layout,
                                            self._restored[1]["step"] if self._restored else None))
         self.width = sequence_width(cfg, self.policy.model_cfg)
@@ -117,28 +119,6 @@ class GRPOTrainer:
         self.ahead = AheadDraw() if cfg.grpo.max_trajectory_age_steps else None
         # in a multi-host job it runs on process 0 alone and is shared when taken (rl.shared_draw)
         self.shared_ahead = self.ahead is not None and jax.process_count() > 1
-
-    def _build_policy(self, kernel_headroom: int | None) -> Policy:
-        """The policy; a run that resumes builds its state by shape and restores the checkpoint into it here, before
-        the engine and the reference are made from it: built in full, the state was held twice at the restore (a
-        0.95 GB model's resume peaked at 4.9x its parameters on the host). A KL reference of the starting weights
-        (no grpo.reference_path) needs them built: such a run builds them, and restores in `resume`."""
-        cfg = self.cfg
-        abstract = bool(self.checkpointer.job_steps()) and (self.loss_cfg.kl == "none" or bool(cfg.grpo.reference_path))
-        policy = build_policy(cfg, kernel_headroom=kernel_headroom, abstract=abstract)
-        if abstract:
-            got = self.checkpointer.restore_latest(policy.state)
-            if got is None:
-                raise self._unreadable()
-            policy.state = policy.place(got[0])
-            self._restored = (policy.state, got[1])
-        return policy
-
-    def _unreadable(self) -> CheckpointsUnreadable:
-        return CheckpointsUnreadable(
-            f"no checkpoint in {self.checkpointer.directory} reads (steps "
-            f"{', '.join(map(str, self.checkpointer.steps()))}; the warnings above say why): fix or move "
-            "them, or start over in a new run.out_dir")
 
     @property
     def state(self):
@@ -292,7 +272,7 @@ class GRPOTrainer:
         got, self._restored = self._restored or self.checkpointer.restore_latest(self.state), None
         if got is None:
             if self.checkpointer.steps():  # each was named unreadable in a warning
-                raise self._unreadable()
+                raise self.checkpointer.none_reads()
             return 0
         state, meta = got
         self.resumed_row = meta.get("metrics_row")
