@@ -145,7 +145,7 @@ class Checkpointer:
         self._saving = None  # the step of the last save started
         self._unchecked = False  # that save may have ended in a failure not yet raised
         self._error = None  # its failure on this process, which orbax raises once (`wait` may have taken it)
-        self._sums = (None, None, None)  # (step, its checksums, their verdict) of the last state restored
+        self._sums = (None, None)  # (step, its checksums) of the last state restored, for `restore_reference`
         # orbax warns that a read-only directory is read only: what was asked for, so not on the terminal
         notice = _Demote("Given directory is read only")
         logging.getLogger("absl").addFilter(notice)
@@ -287,10 +287,8 @@ class Checkpointer:
     def _sums_problem(self, step: int, got) -> str | None:
         """What the checksums kept in checkpoint `step`'s meta say of its restored state (rl.checkpoint_sums); they
         are kept for `restore_reference` of the same step."""
-        sums = got["meta"].get(checkpoint_sums.KEY)
-        why = checkpoint_sums.problem(sums, {"state": got["state"]})
-        self._sums = (step, sums, why)
-        return why
+        self._sums = (step, got["meta"].get(checkpoint_sums.KEY))
+        return checkpoint_sums.problem(self._sums[1], {"state": got["state"]})
 
     def _failed(self, e: Exception) -> CheckpointSaveFailed:
         log.debug("checkpoint step %s failed to save", self._saving, exc_info=(type(e), e, e.__traceback__))
@@ -302,7 +300,7 @@ class Checkpointer:
         """The KL reference saved with checkpoint `step`, as a tree like `like_params` placed as they are."""
         got = self.manager.restore(step, args=ocp.args.Composite(
             reference=ocp.args.StandardRestore(nnx.to_pure_dict(_abstract(like_params)))))
-        saved_step, sums, _ = self._sums
+        saved_step, sums = self._sums
         why = checkpoint_sums.problem(sums if saved_step == step else None, {"reference": got["reference"]})
         if why:  # the state of this step was restored already: no fallback to an older step here
             raise CheckpointsUnreadable(
@@ -347,15 +345,14 @@ class Checkpointer:
                 got, why = None, f"{type(e).__name__}: {str(e)[:200]}"
                 if jax.process_count() > 1:  # orbax's restore ends in a barrier the others wait in: take it too
                     ocp.multihost.sync_global_processes("Checkpointer:restore")
-            # read on every process, the checksums next: a collective whose words every process gets alike
-            if _job_max(why is not None) or self._sums_problem(step, got):
-                why = why or self._sums[2]
-                log.warning("checkpoint step %d in %s is unreadable (%s); trying the previous one", step,
-                            self.directory, why or "on another process of the job: its log says why")
-                unreadable.append(step)
-                continue
-            self._set_aside(unreadable)
-            return _rebuild(like, got["state"]), _without_sums(got["meta"])
+            if not _job_max(why is not None):  # read on every process: their checksums next, a collective whose
+                why = self._sums_problem(step, got)  # words every process gets alike (so no second agreement)
+                if why is None:
+                    self._set_aside(unreadable)
+                    return _rebuild(like, got["state"]), _without_sums(got["meta"])
+            log.warning("checkpoint step %d in %s is unreadable (%s); trying the previous one", step,
+                        self.directory, why or "on another process of the job: its log says why")
+            unreadable.append(step)
         return None
 
     def _set_aside(self, steps: list[int]) -> None:
