@@ -2,7 +2,7 @@
 
 orbax keeps none for the tensor data: a bit flipped in a saved file (bit rot, a bad copy) restored without a word, as
 hundreds of wrong values where the flip fell inside a compressed chunk (measured, orbax 0.12.8). Each array's checksum
-is taken on its devices, where it lies, in one program for the whole tree:
+is taken on its devices, where it lies, one array after the other:
 
     words w_i:  the array's elements as unsigned integers of their own width (bf16 -> uint16 ...), widened to uint32
     sum     = sum_i w_i                mod 2^32
