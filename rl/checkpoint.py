@@ -87,13 +87,9 @@ def _empty(x) -> bool:
 def _leaves(tree) -> dict[tuple[str, ...], object]:
     """{path as plain names: shape, or "empty"} of a state, read alike from this run's abstract state and from a
     checkpoint's metadata (a Variable's or a namedtuple's field and a saved dict's key give the same name)."""
-    def name(entry):
-        for attr in ("key", "name", "idx"):
-            if hasattr(entry, attr):
-                return str(getattr(entry, attr))
-        return str(entry)
     flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_empty)[0]
-    return {tuple(name(e) for e in path): "empty" if _empty(leaf) else tuple(leaf.shape) for path, leaf in flat}
+    return {tuple(jax.tree_util.keystr((e,), simple=True) for e in path): "empty" if _empty(leaf) else tuple(leaf.shape)
+            for path, leaf in flat}
 
 
 def state_mismatch(path: str, target: dict) -> str | None:
@@ -234,9 +230,9 @@ class Checkpointer:
         reset), saved beside the state as they are (the policy's dtype)."""
         t0 = time.perf_counter()
         self.check_saves()  # an earlier async save that failed stops the run before another starts
-        portable = _portable(state)
-        items = {"state": portable} if reference is None else {"state": portable,
-                                                               "reference": nnx.to_pure_dict(reference)}
+        items = {"state": _portable(state)}
+        if reference is not None:
+            items["reference"] = nnx.to_pure_dict(reference)
         meta = {**meta, checkpoint_sums.KEY: checkpoint_sums.checksums(items)}  # checked at every restore
         extra = {} if reference is None else {"reference": ocp.args.StandardSave(items["reference"])}
         if self._saving is None:  # orbax's own reports of a failed save, and its writes that end after it (into a
@@ -245,7 +241,7 @@ class Checkpointer:
             _quiet_abandoned_reads()
         self._saving, self._unchecked, self._error = step, True, None
         try:
-            self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(portable),
+            self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(items["state"]),
                                                             meta=ocp.args.JsonSave(meta), **extra), force=True)
         except Exception as e:  # noqa: BLE001 - orbax / TensorStore raise many kinds for a failed write
             raise self._failed(e) from None

@@ -70,22 +70,10 @@ def _program(mesh):
     return jax.jit(_checksum, out_shardings=out)
 
 
-def _name(path) -> str:
-    parts = []
-    for entry in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(entry, attr):
-                parts.append(str(getattr(entry, attr)))
-                break
-        else:
-            parts.append(str(entry))
-    return "/".join(parts)
-
-
 def checksums(trees: dict) -> dict[str, list[int]]:
     """{"<item>/<path>": [sum, weighted, dtype]} of every array in `trees` ({item name: pytree}); a collective in a
     multi-host job (every process calls it alike and gets the same words)."""
-    named = [(f"{item}/{_name(path)}", leaf) for item, tree in trees.items()
+    named = [(f"{item}/{jax.tree_util.keystr(path, simple=True, separator='/')}", leaf) for item, tree in trees.items()
              for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0] if hasattr(leaf, "dtype")]
     got = []
     for _, leaf in named:  # dispatched back to back, run one after the other
