@@ -34,12 +34,14 @@ WIDE = ["model.tiny.vocab_size=32768", "model.tiny.hidden_size=2048", "model.tin
         "eval.at_start=false", "grpo.prompts_per_step=2", "grpo.group_size=2", "grpo.micro_batch_size=4",
         "checkpoint.export_hf_at_end=false"]
 SETUP = ("save_hf", "make_checkpoint")  # they write what the others read
+MESH = ["mesh.data=8", "grpo.prompts_per_step=4", "grpo.micro_batch_size=1"]  # for the paths that end in _mesh
 PATHS = {
     "build_model": "M3ForCausalLM(cfg, rngs) (random init)",
     "save_hf": "build, then m3jax.save_pretrained (native, 400 MB shards)",
     "load": "m3jax.from_pretrained (native)",
     "convert": "python -m m3jax.convert --layout released",
     "build_policy": "rl.policy.build_policy (params + moments)",
+    "build_policy_mesh": "rl.policy.build_policy on 8 CPU devices (mesh.data=8: every weight cut 8 ways)",
     "make_checkpoint": "GRPOTrainer(cfg), then its checkpoint save of step 1",
     "export": "python -m m3jax.train --export",
     "resume": "python -m m3jax.train run.total_steps=1 (builds, resumes, stops)",
@@ -73,8 +75,8 @@ def child(path: str, work: str) -> None:
     args = [f"run.out_dir={os.path.join(work, 'run')}", *WIDE]
     hf = os.path.join(work, "hf_native")
 
-    def nbytes(tree) -> int:
-        return sum(x.nbytes for x in jax.tree.leaves(tree))
+    def nbytes(tree) -> int:  # once computed: a jitted initialisation returns before it has run
+        return sum(x.nbytes for x in jax.block_until_ready(jax.tree.leaves(tree)))
 
     held = 0
     if path in ("build_model", "save_hf"):
@@ -86,8 +88,9 @@ def child(path: str, work: str) -> None:
         held = nbytes(nnx.state(m3jax.from_pretrained(hf)))
     elif path == "convert":
         assert m3jax.convert.main([hf, os.path.join(work, "hf_released"), "--layout", "released"]) == 0
-    elif path == "build_policy":
-        held = nbytes(build_policy(load_config(TINY, args), kernel_timing="off").state)
+    elif path in ("build_policy", "build_policy_mesh"):
+        extra = MESH if path.endswith("_mesh") else []
+        held = nbytes(build_policy(load_config(TINY, [*args, *extra]), kernel_timing="off").state)
     elif path == "make_checkpoint":
         shutil.rmtree(os.path.join(work, "run"), ignore_errors=True)
         trainer = rl.trainer.GRPOTrainer(load_config(TINY, args))
@@ -108,8 +111,11 @@ def child(path: str, work: str) -> None:
 
 
 def measure(path: str, work: str) -> dict:
+    env = dict(os.environ)
+    if path.endswith("_mesh"):  # on CPU the 8 devices share the host's memory: the peak counts all of them
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
     out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", path, "--work", work],
-                         capture_output=True, text=True)
+                         capture_output=True, text=True, env=env)
     if out.returncode:
         raise SystemExit(f"{path} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])

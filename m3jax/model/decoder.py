@@ -11,9 +11,12 @@ placement whatever mesh context it is later called under.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
+from jax.sharding import NamedSharding
 from flax import nnx
 
 from m3jax.config import ConfigError, M3Config
@@ -67,12 +70,24 @@ class Buffer(nnx.Variable):
     """Non-trainable state saved with the checkpoint (the router's correction bias)."""
 
 
-def _make(spec: ParamSpec, dtype, key) -> nnx.Variable:
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _normal(key: jax.Array, shape: tuple[int, ...], sharding: NamedSharding | None) -> jax.Array:
+    """jax.random.normal's fp32 draw, computed on `sharding` (None: jax's default device): the partitioner gives
+    each device the elements of its own shard, and jax's partitionable threefry makes them the whole draw's."""
+    x = jax.random.normal(key, shape, jnp.float32)
+    return x if sharding is None else lax.with_sharding_constraint(x, sharding)
+
+
+def _make(spec: ParamSpec, dtype, key, layout: Layout) -> nnx.Variable:
+    """A parameter made on its shards of `layout` (its logical axes' sharding): no device ever holds the whole of a
+    cut weight, which for a release-sized model is more than a device has. The values are the one-device draw's,
+    bit for bit (the scale and the cast run apart from the draw, as eager ops; tests/test_initialised_state.py)."""
     dt = jnp.float32 if spec.fp32 else dtype
+    sharding = layout.sharding(spec.axes)
     if spec.init == "zeros":
-        value = jnp.zeros(spec.shape, dt)
+        value = jnp.zeros(spec.shape, dt, device=sharding)
     else:
-        value = (0.02 * jax.random.normal(key, spec.shape, jnp.float32)).astype(dt)
+        value = (0.02 * _normal(key, spec.shape, sharding)).astype(dt)
     cls = Buffer if spec.buffer else nnx.Param
     return cls(value, logical_axes=spec.axes)
 
@@ -111,7 +126,7 @@ class LayerStack(nnx.Module):
         self.param_names = tuple(layer_param_specs(cfg, attn_kind, mlp_kind))
         for name, spec in layer_param_specs(cfg, attn_kind, mlp_kind).items():
             stacked = dataclasses.replace(spec, shape=(n, *spec.shape), axes=("layers", *spec.axes))
-            setattr(self, name, _make(stacked, dtype, rngs.params()))
+            setattr(self, name, _make(stacked, dtype, rngs.params(), layout))
 
     def __call__(self, x, cos, sin, positions, key_valid, cache=None, layout: Layout | None = None,
                  routes=None, return_routes: bool = False, block_ids=None, return_block_ids: bool = False,
@@ -230,8 +245,8 @@ class M3ForCausalLM(nnx.Module):
         release-like model, unrolled runs fwd+bwd without remat 4-6 % faster and with remat 0-13 % slower; the
         JAX engine's decode runs as fast either way (BENCHMARKS.md, session 28).
         layout: the `sharding.layout.Layout` (or a jax Mesh with the default rules) the model runs on;
-        None = one device. Parameters are created where jax puts them; `from_pretrained` or the
-        trainer places them on the layout."""
+        None = one device. Parameters are initialised on the layout's shardings, each device drawing only its
+        own shards."""
         if isinstance(attention_query_chunk, bool) or not isinstance(attention_query_chunk, int) \
                 or attention_query_chunk < 0:
             raise ValueError(f"attention_query_chunk={attention_query_chunk!r}: expected an integer >= 0")
@@ -255,7 +270,7 @@ class M3ForCausalLM(nnx.Module):
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         self.cfg, self.dtype, self.layout = cfg, jnp.dtype(dtype), as_layout(layout)
         for name, spec in top_param_specs(cfg).items():
-            setattr(self, name, _make(spec, dtype, rngs.params()))
+            setattr(self, name, _make(spec, dtype, rngs.params(), self.layout))
         self.stacks = nnx.List([
             LayerStack(cfg, attn, mlp, ids, dtype=dtype, rngs=rngs, remat=remat,
                        moe_capacity_factor=moe_capacity_factor, moe_exchange=moe_exchange,

@@ -1,0 +1,66 @@
+"""A model initialised at random on a layout (`M3ForCausalLM(cfg, rngs, layout=...)`, the trainer's start without
+model.path) draws each parameter on its shardings: every device computes only its own shards, and the values are the
+one-device draw's, bit for bit. Before, every parameter was drawn whole on jax's default device and placed on the mesh
+after (by `build_policy`): a release-sized model does not fit one device that way."""
+
+import os
+import re
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import m3jax
+from m3jax.model import decoder
+from m3jax.model.specs import top_param_specs
+from rl.config import load_config
+from rl.policy import build_policy
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "configs", "tiny.yaml")
+MESH = ["mesh.data=2", "mesh.context=2", "mesh.tensor=2", "grpo.micro_batch_size=64"]
+
+
+def bits(x) -> np.ndarray:
+    return np.asarray(x).reshape(-1).view(np.uint8)
+
+
+@pytest.mark.parametrize("precision", [["precision.master=none"],
+                                       ["precision.master=compact", "precision.moment_dtype=bfloat16"]],
+                         ids=["fp32", "bf16_compact"])
+def test_a_state_initialised_on_a_mesh_is_the_one_device_state(tmp_path, precision):
+    def state(*mesh):
+        cfg = load_config(TINY, [f"run.out_dir={tmp_path}", "model.init_seed=7", *precision, *mesh])
+        return build_policy(cfg, kernel_timing="off")
+
+    one, cut = state(), state(*MESH)
+    want, got = jax.tree.leaves_with_path(one.state), jax.tree.leaves_with_path(cut.state)
+    assert [p for p, _ in got] == [p for p, _ in want]
+    for (path, x), (_, y) in zip(got, want):
+        assert (x.shape, x.dtype) == (y.shape, y.dtype), path
+        np.testing.assert_array_equal(bits(x), bits(y), err_msg=jax.tree_util.keystr(path))
+
+
+def test_each_parameter_is_drawn_on_its_shards(tmp_path):
+    cfg = load_config(TINY, [f"run.out_dir={tmp_path}", *MESH])
+    layout = build_policy(cfg, kernel_timing="off").layout
+    model = m3jax.M3ForCausalLM(cfg.model.m3_config(), rngs=nnx.Rngs(3), layout=layout)
+    whole = m3jax.M3ForCausalLM(cfg.model.m3_config(), rngs=nnx.Rngs(3))
+    params, want = nnx.to_flat_state(nnx.state(model)), dict(nnx.to_flat_state(nnx.state(whole)))
+    cut = 0
+    for path, var in params:
+        x = var.get_value()
+        assert x.sharding.is_equivalent_to(layout.sharding(var.get_metadata()["logical_axes"]), x.ndim), path
+        cut += not x.sharding.is_fully_replicated
+        np.testing.assert_array_equal(bits(x), bits(want[path].get_value()), err_msg=str(path))
+    assert cut >= len(params) // 2, (cut, len(params))  # most weights are cut over the mesh, not replicated
+    # the draw of the embedding, cut 4 ways, computes only its shards: the partitioned program holds no array of the
+    # whole table's shape (jax's non-partitionable threefry would draw the whole table on every device)
+    spec = top_param_specs(cfg.model.m3_config())["embed"]
+    sharding = layout.sharding(spec.axes)
+    assert sharding.shard_shape(spec.shape) != spec.shape
+    text = decoder._normal.lower(jax.random.key(0), spec.shape, sharding).compile().as_text()
+    shapes = set(re.findall(r"f32\[([0-9,]+)\]", text))
+    assert ",".join(map(str, sharding.shard_shape(spec.shape))) in shapes
+    assert ",".join(map(str, spec.shape)) not in shapes, shapes
