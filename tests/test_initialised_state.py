@@ -60,7 +60,23 @@ def test_each_parameter_is_drawn_on_its_shards(tmp_path):
     spec = top_param_specs(cfg.model.m3_config())["embed"]
     sharding = layout.sharding(spec.axes)
     assert sharding.shard_shape(spec.shape) != spec.shape
-    text = decoder._normal.lower(jax.random.key(0), spec.shape, sharding).compile().as_text()
+    text = decoder._normal.lower(jax.random.key(0), spec.shape, np.dtype("float32"), sharding).compile().as_text()
     shapes = set(re.findall(r"f32\[([0-9,]+)\]", text))
     assert ",".join(map(str, sharding.shard_shape(spec.shape))) in shapes
     assert ",".join(map(str, spec.shape)) not in shapes, shapes
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("cut", [False, True], ids=["one_device", "cut"])
+def test_a_draw_is_the_eager_draw_scaled_and_cast(tmp_path, dtype, cut):
+    """One program per weight (the draw, its scale and its cast) gives the bits of the three eager ops it replaced:
+    fused, XLA moved some by 1 ulp (the barrier in `decoder._normal`)."""
+    key, shape = jax.random.key(11), (64, 256)
+    sharding = None
+    if cut:
+        layout = build_policy(load_config(TINY, [f"run.out_dir={tmp_path}", *MESH]), kernel_timing="off").layout
+        sharding = layout.sharding(("table_vocab", None))
+    want = (0.02 * jax.random.normal(key, shape, "float32")).astype(dtype)
+    got = decoder._normal(key, shape, np.dtype(want.dtype), sharding)
+    assert got.dtype == want.dtype and (sharding is None or got.sharding.is_equivalent_to(sharding, 2))
+    np.testing.assert_array_equal(bits(got), bits(want))
