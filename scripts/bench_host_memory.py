@@ -41,7 +41,7 @@ PATHS = {
     "load": "m3jax.from_pretrained (native)",
     "convert": "python -m m3jax.convert --layout released",
     "build_policy": "rl.policy.build_policy (params + moments)",
-    "build_policy_mesh": "rl.policy.build_policy on 8 CPU devices (mesh.data=8: every weight cut 8 ways)",
+    "build_policy_mesh": "rl.policy.build_policy on 8 CPU devices (mesh.data=8: the weights cut over them)",
     "make_checkpoint": "GRPOTrainer(cfg), then its checkpoint save of step 1",
     "export": "python -m m3jax.train --export",
     "resume": "python -m m3jax.train run.total_steps=1 (builds, resumes, stops)",
