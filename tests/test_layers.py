@@ -5,6 +5,7 @@ cannot hide a dependency or a cycle.
 """
 
 import ast
+import gc
 import pathlib
 
 import pytest
@@ -29,9 +30,24 @@ def _modules() -> dict[str, pathlib.Path]:
 MODULES = _modules()
 
 
+def _parse(source: str) -> ast.Module:
+    """ast.parse with garbage collection held off. CPython 3.11 (3.11.7 here) keeps the AST constructor's recursion
+    depth in state the whole interpreter shares (cpython gh-106905): a collection inside the constructor runs Python
+    code (finalizers), where another thread can take the GIL, and a traceback that thread prints parses its source
+    lines too. That raised "SystemError: AST constructor recursion depth mismatch" here once (2026-12-06, a stray
+    thread of tests/test_judge_reward.py). Without a collection the constructor runs no Python code."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return ast.parse(source)
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def _imports(name: str) -> list[tuple[str, tuple[str, ...]]]:
     """(imported module, names taken from it) for every import in `name`'s source."""
-    tree = ast.parse(MODULES[name].read_text())
+    tree = _parse(MODULES[name].read_text())
     is_pkg = MODULES[name].name == "__init__.py"
     out = []
     for node in ast.walk(tree):
