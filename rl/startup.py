@@ -69,6 +69,15 @@ def generation_line(cfg) -> str:
     return f"generation: {g.vllm_servers} vLLM server{'s' if g.vllm_servers != 1 else ''}{gpus}, started"
 
 
+def first_push_line(transfer: dict) -> str:
+    """The start's push of a random model's weights to engines that began with vLLM's dummy ones, from
+    `phases.sync_weights`' metrics."""
+    probe = transfer.get("transfer/probe_max_abs_logprob_diff")
+    checked = "" if probe is None else f"; their logprobs on the probe sequences within {probe:.2g} of the trainer's"
+    return (f"the initial weights pushed to the engines as version 0, {transfer['transfer/gb_per_s']:.3g} GB/s"
+            f"{checked}")
+
+
 def _count(n: int) -> str:
     for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
         if n >= size:

@@ -32,7 +32,7 @@ from rl.prompt_loader import build_data
 from rl.reference import ReferenceWeights
 from rl.resume_checks import changes_warning, check as check_config, trained_under
 from rl.skipped_updates import SkippedUpdates
-from rl.startup import PhaseClock, generation_line, policy_line, prompts_line
+from rl.startup import PhaseClock, first_push_line, generation_line, policy_line, prompts_line
 from rl.watchdog import HangWatchdog
 from rl.wandb_run import open_run as open_wandb_run
 from sharding.precision import restart_adam
@@ -273,6 +273,9 @@ class GRPOTrainer:
         if got is None:
             if self.checkpointer.steps():  # each was named unreadable in a warning
                 raise self.checkpointer.none_reads()
+            if backends.engines_start_empty(self.cfg):  # engines of a random model began with vLLM's dummy weights
+                self.phases.restart()
+                self.phases.done("%s", first_push_line(phases.sync_weights(self.engine, self.state, 0, self.probe)))
             return 0
         state, meta = got
         self.resumed_row = meta.get("metrics_row")

@@ -39,6 +39,20 @@ def test_every_transfer_reaches_both_engines(vllm_run):
         assert r["transfer/gb_per_s"] > 0 and r["time/weight_transfer"] > 0
 
 
+def test_the_random_model_reaches_the_engines_without_an_export(vllm_run):
+    """The run has no model.path: its engines start from the model's shapes (vLLM's dummy weights, no export of
+    the model written) and the first push gives them the initial policy, checked on the probes like every later
+    push. Step 1 samples from those weights: its generation/trainer mismatch is the fp32 level of every step."""
+    out, rows = vllm_run
+    assert sorted(os.listdir(os.path.join(out, "vllm-initial"))) == ["config.json", "m3jax-tensors.json"]
+    with open(os.path.join(out, "run.log")) as f:
+        pushed = [line for line in f if "the initial weights pushed to the engines as version 0" in line]
+    assert len(pushed) == 1, pushed
+    probe = float(pushed[0].split("probe sequences within ")[1].split(" ")[0])
+    assert probe < 1e-4, pushed[0]
+    assert rows[0]["step"] == 1 and rows[0]["gen_kl_error"] < 1e-3
+
+
 def test_generation_and_trainer_agree(vllm_run):
     _, rows = vllm_run
     assert np.mean([r["gen_kl_error"] for r in rows]) < 1e-3

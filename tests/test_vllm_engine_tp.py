@@ -65,10 +65,9 @@ def test_logprobs_equal_trainer(engine, models):
     assert engine.health()["ok"]
 
 
-def test_reload_a_b_a_through_shm(engine, models, monkeypatch):
-    a, b, _ = models
-    staged = []
-    real = vllm_engine.staged_checkpoint
+def spy_on_staging(monkeypatch) -> list:
+    """The directories of the updates staged from now on (the staging unchanged); each holds one file."""
+    staged, real = [], vllm_engine.staged_checkpoint
 
     def spy(items, *args, **kw):
         with real(items, *args, **kw) as path:
@@ -76,6 +75,12 @@ def test_reload_a_b_a_through_shm(engine, models, monkeypatch):
             assert os.listdir(path) == ["model.safetensors"]
             yield path
     monkeypatch.setattr(vllm_engine, "staged_checkpoint", vllm_engine.contextlib.contextmanager(spy))
+    return staged
+
+
+def test_reload_a_b_a_through_shm(engine, models, monkeypatch):
+    a, b, _ = models
+    staged = spy_on_staging(monkeypatch)
 
     reload_a_b_a(engine, a, b, label="/dev/shm")
     assert len(staged) == 2 and staged[0].startswith("/dev/shm/")
@@ -155,6 +160,26 @@ def test_each_rank_reads_only_the_boxes_it_reports(engine, models):
     finally:
         assert engine.llm.collective_rpc("m3jax_setup_apply") == [None, None]
     engine.load_weights(hf_tensors(a, "released"))  # back to the module's checkpoint, in place
+
+
+def test_a_staged_update_reaches_workers_on_reload_weights(engine, models, monkeypatch):
+    """Workers on vLLM's reload_weights (those the in-place applier does not cover: a GPU MoE kernel) take the
+    staged update as tensors, not as a path their loader reads: an engine started on dummy weights has no loader
+    that reads one (m3jax.hf.shapes), and the workers go on naming the checkpoint they started from. It runs after
+    the test of the boxes: once a worker has run reload_weights, a probe of its boxes finds fewer of them (those
+    tensors would travel whole), and an applier built again afterwards is not what an engine ever runs."""
+    a, b, path = models
+    staged = spy_on_staging(monkeypatch)
+    engine.llm.collective_rpc("m3jax_drop_apply")
+    try:
+        engine.load_weights(hf_tensors(a, "released"))
+        ps, greedy = prompts([6, 9], seed=7), SamplingParams(max_new_tokens=10, temperature=0.0)
+        assert max_diff(a, ps, engine.generate(ps, greedy, seeds=[0, 0]), greedy) < ATOL
+        reload_a_b_a(engine, a, b, label="/dev/shm, reload_weights")
+        assert engine.llm.llm_engine.model_config.model == str(path)
+    finally:
+        assert engine.llm.collective_rpc("m3jax_setup_apply") == [None, None]
+    assert len(staged) == 3
 
 
 def test_failed_reload_marks_engine_broken(engine, models, monkeypatch):

@@ -15,7 +15,9 @@ import pytest
 from rl.generation import host_memory
 from rl.generation import transfer as tr
 from rl.generation import vllm_pool
+from m3jax.hf.shapes import TENSOR_TABLE, shapes_only
 from rl.generation.base import SamplingParams
+from rl.generation.pool_config import NO_WEIGHTS
 from rl.generation.vllm_actor import actor_class
 from rl.generation.vllm_pool import EngineActor, PoolConfig, PoolError, VLLMPool
 
@@ -37,7 +39,8 @@ class FakeEngine:
     file `<model_dir>/die` exists (and removes it, so its replacement lives)."""
 
     def __init__(self, model_dir):
-        self.model_dir, self.version, self.calls = model_dir, 0, 0
+        # a directory of shapes alone (m3jax.hf.shapes): dummy weights, as a VLLMEngine starts from it
+        self.model_dir, self.version, self.calls = model_dir, NO_WEIGHTS if shapes_only(model_dir) else 0, 0
         self.weights = {n: np.zeros(s, d) for n, (s, d) in MANIFEST.items()}
 
     def check(self, name, shape, dtype):
@@ -181,6 +184,43 @@ def test_no_engine_left_is_a_clear_error(pool):
             pool.push(iter(weights(1)), version=9)
     finally:
         pool.slots = saved
+
+
+def test_a_pool_started_from_shapes_serves_only_once_weights_arrive(tmp_path, ray_local, monkeypatch):
+    """Engines started from a random model's shapes hold vLLM's dummy weights: a rollout or a scoring before the
+    first push would sample from noise, so it is refused with the reason; the push of version 0 makes them serve.
+    A replacement engine starts on dummy weights too and serves only once the next update reaches it."""
+    (tmp_path / TENSOR_TABLE).write_text("{}")  # what the fake engines look at; VLLMEngine reads it (m3jax.hf.shapes)
+    monkeypatch.setattr(vllm_pool, "_ACTOR", actor_class(FakeActor, "FakeEngineActor"))  # replacements too
+    p = VLLMPool(PoolConfig(model_dir=str(tmp_path), servers=2, bucket_bytes=32, request_timeout_s=60, max_restarts=1),
+                 pad_id=99)
+    try:
+        assert p.version == NO_WEIGHTS and [h["version"] for h in p.health()] == [NO_WEIGHTS] * 2
+        ps, sp = prompts(6), SamplingParams(max_new_tokens=4)
+        with pytest.raises(PoolError, match="a rollout before the first weight update: the engines started from "
+                                            f"{tmp_path}, the model's shapes alone"):
+            p.generate(ps, sp, jax.random.key(0))
+        with pytest.raises(PoolError, match="scoring before the first weight update"):
+            p.score(ps, [[1]] * 6, sp)
+        assert sum(h["calls"] for h in p.health()) == 0
+        p.push(iter(weights(3)), version=0)
+        assert p.version == 0 and [h["version"] for h in p.health()] == [0, 0]
+        check_rollout(p.generate(ps, sp, jax.random.key(0)), ps, sp, offset=3)
+        open(tmp_path / "die", "w").close()
+        check_rollout(p.generate(ps, sp, jax.random.key(0)), ps, sp, offset=3)  # its rows re-sent to the other
+        assert p.restarts == 1
+        deadline = time.time() + 60
+        while time.time() < deadline:  # the replacement is up (its process may take seconds to start)
+            states = p.health()
+            if all(h["state"] == "up" for h in states):
+                break
+            time.sleep(0.2)
+        assert sorted(h.get("version") for h in states) == [NO_WEIGHTS, 0], states
+        assert len(p.serving()) == 1
+        p.push(iter(weights(3)), version=1)
+        assert len(p.serving()) == 2
+    finally:
+        p.shutdown()
 
 
 @pytest.mark.parametrize("bad, message", [

@@ -22,7 +22,7 @@ DTYPES = {
     "BF16": np.dtype(ml_dtypes.bfloat16), "I64": np.dtype(np.int64), "I32": np.dtype(np.int32),
     "I16": np.dtype(np.int16), "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_),
 }
-_NAMES = {v: k for k, v in DTYPES.items()}
+CODES = {v: k for k, v in DTYPES.items()}  # numpy dtype -> the header's dtype code
 _MAX_HEADER = 100 * 1024 * 1024
 
 
@@ -125,7 +125,7 @@ def header_bytes(entries: list[tuple[str, np.dtype, tuple[int, ...]]]) -> tuple[
     header, offset, starts = {}, 0, {}
     for name, dtype, shape in entries:
         nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        header[name] = {"dtype": _NAMES[np.dtype(dtype)], "shape": list(shape),
+        header[name] = {"dtype": CODES[np.dtype(dtype)], "shape": list(shape),
                         "data_offsets": [offset, offset + nbytes]}
         starts[name] = offset
         offset += nbytes

@@ -22,7 +22,8 @@ from flax import nnx
 
 from m3jax.hf import carry, layouts
 from m3jax.hf.side_files import copy_side_files, side_files
-from m3jax.hf.safetensors_io import StreamingWriter
+from m3jax.hf.safetensors_io import CODES, StreamingWriter
+from m3jax.hf.shapes import TABLE_FORMAT, TENSOR_TABLE
 from m3jax.hf.tensors import hf_tensors, processes_where
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,26 @@ def save_pretrained(model, path: str | os.PathLike, layout: str = "native", max_
                         token=f"{token:08x}", side=side)
 
 
+def save_shapes(model, path: str | os.PathLike, layout: str = "released") -> str:
+    """Write `model`'s config and tensor table (`m3jax.hf.shapes`: each tensor of `layout` with the dtype the model
+    holds it in) as the directory `path`, atomically; no weight is fetched from the devices. `path` is refused, or
+    replaced whole, as `save_pretrained`'s is (`check_destination`). Call it on one process: it writes the whole
+    directory."""
+    path = check_destination(path)
+    clear_leftovers(path)
+    tensors = [[slot.name, CODES[dtype], list(slot.shape)] for slot, dtype in _slot_dtypes(model, layout)]
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    os.makedirs(tmp)
+    try:
+        with open(os.path.join(tmp, TENSOR_TABLE), "w") as f:
+            json.dump({"format": TABLE_FORMAT, "layout": layout, "tensors": tensors}, f)
+        finish_checkpoint(model.cfg, model.dtype, tmp, path, layout, names=[], shards=[])
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
 def _slot_dtypes(model, layout: str):
     flat = dict(nnx.to_flat_state(nnx.state(model)))
     return [(slot, np.dtype(flat[slot.param].get_value().dtype)) for slot in layouts.slots(model.cfg, layout)]
@@ -117,9 +138,9 @@ def shard_names(n: int) -> list[str]:
 def check_destination(dst: str | os.PathLike, sources=()) -> str:
     """`dst` as an absolute path, refused (FileExistsError) before anything is read or written where writing a
     checkpoint there would lose something: the checkpoint replaces an existing `dst` whole, so `dst` must be new, an
-    empty directory, or a checkpoint directory (config.json, safetensors files, no subdirectory: an earlier export),
-    and must neither be nor hold one of `sources` (the checkpoint being read). Before, a run directory given as the
-    export's destination, or a conversion into its source's parent, was deleted."""
+    empty directory, or a checkpoint directory (config.json, safetensors files or a tensor table, no subdirectory: an
+    earlier export), and must neither be nor hold one of `sources` (the checkpoint being read). Before, a run
+    directory given as the export's destination, or a conversion into its source's parent, was deleted."""
     dst = os.path.abspath(os.fspath(dst))
     for source in sources:
         if source is not None and _within(os.path.abspath(os.fspath(source)), dst):
@@ -137,7 +158,8 @@ def check_destination(dst: str | os.PathLike, sources=()) -> str:
                               "one, or a checkpoint directory to replace")
     entries = os.listdir(dst)
     subdirectories = sorted(e for e in entries if os.path.isdir(os.path.join(dst, e)))
-    checkpoint = "config.json" in entries and any(e.endswith(".safetensors") for e in entries)
+    # a checkpoint, or the shapes of one (m3jax.hf.shapes: a random model's engines start from them)
+    checkpoint = "config.json" in entries and any(e.endswith(".safetensors") or e == TENSOR_TABLE for e in entries)
     if entries and (subdirectories or not checkpoint):
         held = ", ".join((subdirectories or sorted(entries))[:4])
         raise FileExistsError(f"destination {dst} exists and is not a checkpoint directory (it holds {held}"

@@ -28,7 +28,9 @@ def make_generator(cfg, graphdef, state, *, pad_id: int, run_dir: str):
         sparse = model.num_sparse_layers > 0
         return JaxEngine(graphdef, state.params, state.rest, pad_id=pad_id, return_routes=True,
                          return_block_ids=sparse, copy_weights=cfg.grpo.max_trajectory_age_steps > 0)
-    import m3jax
+    import jax
+
+    from m3jax.hf.save import save_shapes
     from rl.generation.bucket_sender import resolve_group_device
     from rl.generation.vllm_pool import PoolConfig, VLLMPool
 
@@ -39,9 +41,11 @@ def make_generator(cfg, graphdef, state, *, pad_id: int, run_dir: str):
         if problem:  # every push would be refused (engines check dtypes against it): say so before engines start
             raise ValueError(problem)
     else:
-        # A freshly initialised model: the engines start from an export of exactly these weights.
+        # A freshly initialised model: the engines start from its shapes (vLLM's dummy weights) and take its values
+        # from the trainer's first push (`engines_start_empty`), so the model never goes through disk
         model_dir = os.path.join(run_dir, "vllm-initial")
-        m3jax.save_pretrained(model, model_dir, layout="released")
+        if jax.process_index() == 0:  # the pool's engines start from process 0
+            save_shapes(model, model_dir, layout="released")
     dtype = g.vllm_dtype if g.vllm_dtype != "auto" else cfg.precision.param_dtype  # "float32" | "bfloat16"
     pool_cfg = PoolConfig(model_dir=model_dir, servers=g.vllm_servers, tensor_parallel=g.vllm_tensor_parallel,
                           expert_parallel=g.vllm_expert_parallel,
@@ -55,8 +59,6 @@ def make_generator(cfg, graphdef, state, *, pad_id: int, run_dir: str):
                           group_device=resolve_group_device(g.weight_group_device),
                           # routes cost the engines a capture buffer: asked for only when replayed (GPU only)
                           return_routes=cfg.grpo.routing_replay == "rollout")
-    import jax
-
     if jax.process_count() == 1:
         return VLLMPool(pool_cfg, graphdef, pad_id=pad_id)
     from rl.generation.bucket_sender import RoutedSender
@@ -69,6 +71,13 @@ def make_generator(cfg, graphdef, state, *, pad_id: int, run_dir: str):
               if peers is not None and not zero else None)
     return ProcessZeroPool(VLLMPool(pool_cfg, graphdef, pad_id=pad_id, peers=peers) if zero else None, graphdef,
                            is_zero=zero, peers=peers, sender=sender, group_device=pool_cfg.group_device)
+
+
+def engines_start_empty(cfg) -> bool:
+    """Whether the run's generator starts without the model's weights: the vLLM engines of a model without
+    `model.path` (a random one) start from its shapes alone and hold weight version 0 only once the trainer has
+    pushed it (`make_generator`)."""
+    return cfg.generation.backend != "jax" and not cfg.model.path
 
 
 def pushed_dtype_problem(model, model_dir: str) -> str | None:

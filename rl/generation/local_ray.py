@@ -28,7 +28,6 @@ start one the same way.
 
 from __future__ import annotations
 
-import glob
 import logging
 import os
 import shutil
@@ -48,10 +47,13 @@ WARM_CHUNK = 64 << 20  # one put of the warm-up (warm_plan); the bench's bucket 
 
 
 def checkpoint_bytes(model_dir: str) -> int:
-    """Bytes of the safetensors files of `model_dir`: what one update moves when the engines serve the file's
-    dtype. An fp32 update of a bf16 file is twice that: the store then holds one update at a time, and the
-    next one's puts wait for (or spill) the last one's objects, which the engines free within a second."""
-    return sum(os.path.getsize(p) for p in glob.glob(os.path.join(model_dir, "*.safetensors")))
+    """Bytes of the tensors of `model_dir` (a checkpoint, or its shapes: `m3jax.hf.shapes`): what one update moves
+    when the engines serve the checkpoint's dtype. An fp32 update of a bf16 file is twice that: the store then holds
+    one update at a time, and the next one's puts wait for (or spill) the last one's objects, which the engines free
+    within a second."""
+    from m3jax.hf.shapes import tensor_bytes
+
+    return sum(tensor_bytes(model_dir))
 
 
 def object_store_bytes(update_bytes: int, memory_bytes: int, shm_free_bytes: int) -> int:

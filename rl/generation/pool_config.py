@@ -20,13 +20,18 @@ def check_temperature(temperature: float) -> None:
                          f"expected 0 (greedy) or >= {VLLM_MIN_TEMPERATURE}")
 
 
+# the weight version of an engine started from a directory of shapes alone (m3jax.hf.shapes: vLLM's dummy weights),
+# before its first update; an engine started from a checkpoint holds version 0
+NO_WEIGHTS = -1
+
+
 class PoolError(RuntimeError):
     """The pool cannot serve a request (e.g. no healthy engine is left)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class PoolConfig:
-    model_dir: str  # the checkpoint every engine starts from (released HF layout)
+    model_dir: str  # the checkpoint every engine starts from (released HF layout), or its shapes (m3jax.hf.shapes)
     servers: int = 2
     tensor_parallel: int = 1
     expert_parallel: int = 1

@@ -135,14 +135,11 @@ def bucket_sizes(tensor_bytes: Iterable[int], bucket_bytes: int) -> list[int]:
 
 
 def checkpoint_tensor_bytes(model_dir: str) -> list[int]:
-    """Byte size of every tensor of a checkpoint directory, in file and header order (which is `hf_tensors`'
-    order for a checkpoint m3jax wrote)."""
-    import glob
+    """Byte size of every tensor of a checkpoint directory (or of its shapes: `m3jax.hf.shapes`), in file and header
+    order (which is `hf_tensors`' order for a checkpoint m3jax wrote)."""
+    from m3jax.hf.shapes import tensor_bytes
 
-    from m3jax.hf.safetensors_io import read_header
-
-    return [info.end - info.start for f in sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
-            for info in read_header(f).values()]
+    return tensor_bytes(model_dir)
 
 
 class SegmentWriter:

@@ -29,9 +29,9 @@ from typing import Iterable
 import numpy as np
 
 from m3jax.hf.layouts import SKIPPED
-from m3jax.hf.safetensors_io import read_header
+from m3jax.hf.shapes import shapes_only, tensor_table
 from rl.generation.base import SamplingParams
-from rl.generation.pool_config import check_temperature
+from rl.generation.pool_config import NO_WEIGHTS, check_temperature
 from rl.generation.torch_arrays import numpy_dtype, to_torch
 from rl.generation.vllm_patches import ImportPatch, apply_patches, selected_patches
 from rl.generation.vllm_ray import host_of
@@ -78,7 +78,9 @@ class VLLMEngine:
                  tensor_parallel: int = 1, expert_parallel: int = 1, gpu_memory_utilization: float = 0.8,
                  kv_cache_gb: float = 1, executor: str | None = None, weight_apply: str = "auto",
                  return_routes: bool = False):
-        """model_dir: a released-layout checkpoint (`m3jax.save_pretrained(model, path, layout="released")`).
+        """model_dir: a released-layout checkpoint (`m3jax.save_pretrained(model, path, layout="released")`), or its
+        shapes alone (`m3jax.hf.save.save_shapes`): the engine then starts from vLLM's dummy weights, holds weight
+        version NO_WEIGHTS, and serves the model once its first update arrives.
         expert_parallel: 1, or equal to tensor_parallel (vLLM's expert parallelism spans the TP ranks).
         executor: "uni", "mp" or "ray"; None picks "uni" for one rank and "mp" for more.
         weight_apply: how `load_weights` writes an update. "inplace": one copy into the loaded parameters
@@ -98,7 +100,9 @@ class VLLMEngine:
         self.model_dir = os.path.abspath(model_dir)
         text = self._check_config()
         self.manifest: dict[str, tuple[tuple[int, ...], np.dtype]] = self._read_manifest()
-        self.version = 0
+        # a directory of the model's shapes alone (m3jax.hf.shapes): vLLM's dummy weights until the first push
+        self.dummy = shapes_only(self.model_dir)
+        self.version = NO_WEIGHTS if self.dummy else 0
         self.executor = executor
         self._broken: str | None = None
 
@@ -132,7 +136,7 @@ class VLLMEngine:
                 model=self.model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len,
                 tensor_parallel_size=tensor_parallel, enable_expert_parallel=expert_parallel > 1,
                 gpu_memory_utilization=gpu_memory_utilization, distributed_executor_backend=executor,
-                enforce_eager=True, skip_tokenizer_init=True,
+                enforce_eager=True, skip_tokenizer_init=True, **({"load_format": "dummy"} if self.dummy else {}),
                 # Logprobs after temperature / top-k / top-p, as the trainer's token_logprobs computes them.
                 logprobs_mode="processed_logprobs", max_logprobs=-1,
                 limit_mm_per_prompt={"image": 0, "video": 0}, generation_config="vllm",
@@ -195,15 +199,8 @@ class VLLMEngine:
         return text
 
     def _read_manifest(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-        files = sorted(f for f in os.listdir(self.model_dir) if f.endswith(".safetensors"))
-        if not files:
-            raise ValueError(f"{self.model_dir}: no .safetensors files")
-        manifest = {}
-        for f in files:
-            for name, info in read_header(os.path.join(self.model_dir, f)).items():
-                if not SKIPPED.search(name):  # vision / MTP tensors are not served
-                    manifest[name] = (tuple(info.shape), np.dtype(info.np_dtype))
-        return manifest
+        # vision / MTP tensors are not served
+        return {name: v for name, v in tensor_table(self.model_dir).items() if not SKIPPED.search(name)}
 
     def check(self, name: str, shape, dtype) -> None:
         """Raise WeightUpdateError unless `name` is a served checkpoint tensor of this shape and dtype."""

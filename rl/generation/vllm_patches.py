@@ -341,20 +341,14 @@ class _WorkerExtension(WorkerWeights):
         return [p.name for p in selected_patches() if not isinstance(p, ImportPatch) and p.installed()]
 
     def m3jax_reload_weights(self, weights_path: str) -> None:
-        """Write the update staged in a checkpoint directory that is deleted right after: in place when set
-        up (`m3jax_write_weights`), else `reload_weights`, which re-points `model_config.model` at
-        `weights_path` for good: the worker must keep naming the checkpoint it was started from, not a
-        staging directory that no longer exists.
+        """Write the update staged in a checkpoint directory that is deleted right after, as its tensors
+        (`m3jax_write_weights`: in place when set up, else `reload_weights`). Not as the path: given a path,
+        `reload_weights` reads it with the engine's own loader, which an engine started with dummy weights
+        (`m3jax.hf.shapes`) cannot do (vLLM's dummy loader has no weights to iterate), and re-points
+        `model_config.model` at a staging directory that no longer exists.
         """
-        if self._m3jax_applier is not None:
-            from rl.generation.vllm_staging import staged_tensors
-            return self.m3jax_write_weights(staged_tensors(weights_path))
-        config = self.vllm_config.model_config
-        served = config.model, config.model_weights, config.revision
-        try:
-            self.reload_weights(weights_path=weights_path, is_checkpoint_format=True)
-        finally:
-            config.model, config.model_weights, config.revision = served
+        from rl.generation.vllm_staging import staged_tensors
+        self.m3jax_write_weights(staged_tensors(weights_path))
 
 
 def worker_setup() -> None:

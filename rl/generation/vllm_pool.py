@@ -8,7 +8,8 @@ re-sent elsewhere, and results are kept per row, first answer wins: every sample
 once (the queue is rl.schedule.ChunkQueue). Each row carries its own sampling seed, so a re-sent row
 samples the same tokens. A dead engine is replaced (up to `max_restarts` times per pool); the
 replacement starts from the checkpoint on disk, so it takes no work until the next weight update has
-brought it to the pool's version.
+brought it to the pool's version. A pool started from a directory of shapes alone (`m3jax.hf.shapes`: a random
+model, not written to disk) holds no weights (version NO_WEIGHTS) and serves nothing until its first update.
 
 An engine whose ranks do not fit one host runs vLLM's Ray executor (`PoolConfig.executor`,
 rl.generation.vllm_ray): the pool gives it a placement group of its own, one bundle per rank, starts its
@@ -32,7 +33,8 @@ import jax
 import numpy as np
 
 from rl.generation.base import Rollout, SamplingParams, check_request
-from rl.generation.pool_config import PoolConfig, PoolError, check_temperature
+from m3jax.hf.shapes import shapes_only
+from rl.generation.pool_config import NO_WEIGHTS, PoolConfig, PoolError, check_temperature
 from rl.generation.transfer import TRANSPORTS, TransferError, TransferStats, make_transport, model_tensors
 from rl.generation import host_memory, local_ray, shared_segments, vllm_ray
 from rl.generation.vllm_results import CPU_REASON, assemble_rollout
@@ -76,7 +78,9 @@ class VLLMPool:
         if peers is not None and cfg.transport != "collective":
             raise PoolError(f"weight transport {cfg.transport!r} sends from one process; peers need 'collective'")
         self.cfg, self.graphdef, self.pad_id, self.layout, self.peers = cfg, graphdef, pad_id, layout, peers
-        self.version = 0
+        # what an engine holds when it starts (a replacement too): the checkpoint's weights, or none before a push
+        self.start_version = NO_WEIGHTS if shapes_only(cfg.model_dir) else 0
+        self.version = self.start_version
         self.restarts = 0
         self.resent_rows = 0
         self.last_transfer: TransferStats | None = None
@@ -198,7 +202,7 @@ class VLLMPool:
             return
         self.restarts += 1
         slot.restarts += 1
-        slot.version = 0  # it loads the on-disk checkpoint (version 0)
+        slot.version = self.start_version  # it loads the on-disk checkpoint (or vLLM's dummy weights)
         self._spawn(slot)
 
     def _refresh(self) -> None:
@@ -268,6 +272,7 @@ class VLLMPool:
         check_request(prompts, self.cfg.vocab_size, self.cfg.max_model_len, params.max_new_tokens,
                       limit_name="the engines' max_model_len")
         check_temperature(params.temperature)
+        self._check_weights("a rollout")
         n = len(prompts)
         seeds = np.asarray(jax.random.randint(key, (n,), 0, 2**31 - 1)).tolist()
         with self._lock:
@@ -311,6 +316,12 @@ class VLLMPool:
         except ValueError as e:
             raise PoolError(f"rollout routes: {e}") from None
 
+    def _check_weights(self, what: str) -> None:
+        if self.version == NO_WEIGHTS:
+            raise PoolError(f"{what} before the first weight update: the engines started from {self.cfg.model_dir}, "
+                            "the model's shapes alone, and hold vLLM's dummy weights; push the model first "
+                            "(set_weights)")
+
     def _resend(self, work: ChunkQueue, slot: _Slot, why: str) -> None:
         """An engine died or hung mid-chunk: its rows go back to the queue (no row is to blame, and each
         samples with its own seed, so a re-send is exact) and the engine is replaced."""
@@ -325,6 +336,7 @@ class VLLMPool:
         # a scored sequence asks its engine for one more token (prompt logprobs come with a generation)
         check_request(prompts, self.cfg.vocab_size, self.cfg.max_model_len - 1, responses=responses,
                       limit_name="the engines' max_model_len - 1")
+        self._check_weights("scoring")
         with self._lock:
             asked = {s.actor.score.remote(prompts, responses, params.temperature, params.top_p, params.top_k): s
                      for s in self.serving()}
