@@ -62,7 +62,7 @@ def test_a_run_directory_swaps_shapes_and_exports_in_place(tmp_path):
 def test_a_directory_without_tensors_is_one_clear_error(tmp_path):
     with pytest.raises(CheckpointError, match=f"no .safetensors files and no {TENSOR_TABLE}"):
         tensor_table(str(tmp_path))
-    assert not shapes_only(tmp_path)
+    assert not shapes_only(tmp_path) and not shapes_only(tmp_path / "nowhere")  # a pool's engines name what is missing
     (tmp_path / TENSOR_TABLE).write_text(json.dumps({"format": "m3jax-tensors/1", "tensors": [["a", "F99", [2]]]}))
     with pytest.raises(CheckpointError, match=f"{TENSOR_TABLE}: not a tensor table .*F99"):
         tensor_table(str(tmp_path))

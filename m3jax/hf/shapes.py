@@ -22,7 +22,10 @@ TABLE_FORMAT = "m3jax-tensors/1"
 
 
 def shapes_only(model_dir: str) -> bool:
-    """Whether `model_dir` is a checkpoint's shapes alone (`save_shapes`): a tensor table and no safetensors file."""
+    """Whether `model_dir` is a checkpoint's shapes alone (`save_shapes`): a tensor table and no safetensors file
+    (False for a path that is not a directory: what reads it says why)."""
+    if not os.path.isdir(model_dir):
+        return False
     entries = os.listdir(model_dir)
     return TENSOR_TABLE in entries and not any(f.endswith(".safetensors") for f in entries)
 
