@@ -180,6 +180,7 @@ def _train(cfg, args, writable: bool = True) -> int:
         print(f"exported step {step} to {path}")
         return 0
     from rl.checkpoint import CheckpointMismatch, CheckpointSaveFailed, write_failed
+    from rl.process_zero_writes import OutputsFailed
     from rl.skipped_updates import UpdatesSkipped
     from rl.trainer import GRPOTrainer
 
@@ -194,7 +195,9 @@ def _train(cfg, args, writable: bool = True) -> int:
         last = trainer.run()
     except CheckpointMismatch as e:  # the resume's, before the first step
         raise Refused(f"error: {e}") from None
-    except (CheckpointSaveFailed, UpdatesSkipped) as e:  # a failed save, a diverged run: the log and checkpoints stay
+    # a failed save, a diverged run, process 0's outputs unwritable (on the other processes): the log and checkpoints
+    # stay
+    except (CheckpointSaveFailed, UpdatesSkipped, OutputsFailed) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except OSError as e:

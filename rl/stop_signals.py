@@ -13,7 +13,7 @@ default) later. Left at Python's default, SIGUSR1 ended the process at once, los
 the last checkpoint (PyTorch Lightning saves and requeues on it).
 
 On a job of several processes a signal may reach them at different steps (or only one of them): they agree at the
-end of every step (`agree`, an all-gather of two flags), so all save the same step, as a checkpoint's collective
+end of every step (`agree`, an all-gather of a few flags), so all save the same step, as a checkpoint's collective
 save needs.
 """
 
@@ -22,12 +22,19 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from typing import NamedTuple
 
 import numpy as np
 
 log = logging.getLogger("rl.trainer")
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+
+class Agreement(NamedTuple):
+    stop: bool  # after this step
+    save: bool  # this step
+    failed: bool  # a write of process 0's outputs (rl.process_zero_writes)
 
 
 class StopSignals:
@@ -59,18 +66,19 @@ class StopSignals:
                     "from there)%s", signal.Signals(signum).name,
                     "; Ctrl-C again stops at once, losing the step" if signum == signal.SIGINT else "")
 
-    def agree(self, stop: bool, save: bool, process_count: int = 1) -> tuple[bool, bool]:
-        """(stop after this step, save this step): this process's wishes (`stop` besides a signal, e.g. a wall
-        limit; `save` besides a stop, e.g. a deadline), or'ed over the job's processes. Clocks and signals differ
-        between processes, and one that saved or stopped alone would leave the others waiting in a collective:
-        every process calls this at the same point of every step (one all-gather of two flags)."""
+    def agree(self, stop: bool, save: bool, process_count: int = 1, failed: bool = False) -> Agreement:
+        """(stop after this step, save this step, a write failed): this process's wishes (`stop` besides a signal,
+        e.g. a wall limit; `save` besides a stop, e.g. a deadline) and whether its outputs failed to write
+        (`rl.process_zero_writes`), or'ed over the job's processes. Clocks and signals differ between processes, and
+        one that saved or stopped alone would leave the others waiting in a collective: every process calls this at
+        the same point of every step (one all-gather of three flags)."""
         stop = stop or self.received is not None
         if process_count == 1:
-            return stop, save or stop
+            return Agreement(stop, save or stop, failed)
         from jax.experimental import multihost_utils
-        flags = np.asarray(multihost_utils.process_allgather(np.asarray([stop, save], np.int32)))
-        stop, save = (bool(f) for f in flags.reshape(-1, 2).any(0))
-        return stop, save or stop
+        flags = np.asarray(multihost_utils.process_allgather(np.asarray([stop, save, failed], np.int32)))
+        stop, save, failed = (bool(f) for f in flags.reshape(-1, 3).any(0))
+        return Agreement(stop, save or stop, failed)
 
     @property
     def name(self) -> str | None:

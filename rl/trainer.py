@@ -28,6 +28,7 @@ from rl.generation import backends
 from rl.observe import RunLogger, plot_run
 from rl.policy import (Policy, applied_learning_rate, build_or_restore_policy, checkpointer_for,
                        make_indexer_recall, make_logprobs, make_update, reference_params, sequence_width)
+from rl.process_zero_writes import ProcessZeroWrites
 from rl.prompt_loader import build_data
 from rl.reference import ReferenceWeights
 from rl.resume_checks import changes_warning, check as check_config, trained_under
@@ -119,6 +120,8 @@ class GRPOTrainer:
         self.ahead = AheadDraw() if cfg.grpo.max_trajectory_age_steps else None
         # in a multi-host job it runs on process 0 alone and is shared when taken (rl.shared_draw)
         self.shared_ahead = self.ahead is not None and jax.process_count() > 1
+        # what process 0 alone writes (the metrics, rollout and config files): a failed write stops every process
+        self.outputs = ProcessZeroWrites(jax.process_count(), self.run_dir)
 
     @property
     def state(self):
@@ -140,7 +143,8 @@ class GRPOTrainer:
         if keep:
             metrics, rows = metrics
             if jax.process_index() == 0:
-                rollout_log.append(self.run_dir, [{"step": step, **r} for r in rows], rollout_log.EVAL_FILE)
+                self.outputs.run(rollout_log.append, self.run_dir, [{"step": step, **r} for r in rows],
+                                 rollout_log.EVAL_FILE)
         metrics["time/eval"] = time.perf_counter() - t0
         self.best = held_out.update_best(self.best, metrics, self.cfg.eval.best_metric, step)
         self.kept = held_out.update_kept(self.kept, metrics, self.cfg.eval.best_metric, step,
@@ -198,9 +202,8 @@ class GRPOTrainer:
                 drawn.metrics["dapo/filled_groups"])
         adv = phases.advantages(reward, samples.rollout.truncated, gcfg)
         if rollout_log.due(done, cfg.logging.rollouts_every) and jax.process_index() == 0:
-            rollout_log.append(self.run_dir, rollout_log.rollout_rows(samples, reward, adv, self.tokenizer, done,
-                                                                      gcfg.group_size, cfg.logging.rollouts_groups,
-                                                                      drawn.parts))
+            self.outputs.run(rollout_log.append, self.run_dir, rollout_log.rollout_rows(
+                samples, reward, adv, self.tokenizer, done, gcfg.group_size, cfg.logging.rollouts_groups, drawn.parts))
         rows = len(samples.completions)
         num_micro = rows // (gcfg.micro_batch_size * cfg.mesh.data * cfg.mesh.expert)
         micro = phases.train_batch(samples, adv, width=self.width, pad_id=self.pad_id, num_micro=num_micro,
@@ -327,11 +330,12 @@ class GRPOTrainer:
         self.resumed_from = first  # at or past run.total_steps: nothing left to train
         self.last_step, self.stopped_by = first, None  # stopped_by: a signal's name or run.max_wall_minutes
         if jax.process_index() == 0:
-            removed = rollout_log.drop_rows_past(self.run_dir, first if first > 0 else -1)
+            removed = self.outputs.run(rollout_log.drop_rows_past, self.run_dir, first if first > 0 else -1)
             if removed:
                 log.info("removed the lines past step %d, which this run writes again: %s", first,
                          ", ".join(f"{n} from {name}" for name, n in removed.items()))
-            changed = changes_warning(first, self.changed_since_checkpoint, record_config(self.run_dir, cfg))
+            recorded = self.outputs.run(record_config, self.run_dir, cfg)
+            changed = changes_warning(first, self.changed_since_checkpoint, recorded) if recorded is not None else None
             if changed:
                 log.warning("%s", changed)
         deadline = cfg.checkpoint.deadline_seconds(datetime.datetime.now())
@@ -348,7 +352,7 @@ class GRPOTrainer:
                 watchdog.arm("the held-out evaluation of the initial policy")
                 self.phases.restart()
                 row = self._evaluate(0)
-                logger.log(0, row, advance=False)  # the initial policy: a row of its own
+                self.outputs.run(logger.log, 0, row, advance=False)  # the initial policy: a row of its own
                 self.phases.done("held-out evaluation of the initial policy: pass@1 %.3f over %d prompts x %d samples",
                                  row["val/pass@1"], len(self.eval_set.records), cfg.eval.samples_per_prompt)
             for step in range(first, cfg.run.total_steps):
@@ -368,7 +372,9 @@ class GRPOTrainer:
                 out_of_time = bool(wall) and time.time() - start_wall > 60 * wall
                 # a signal or the wall limit stops the run after this step, saved once (a second save of the step
                 # raised, and the run ended as if its save had failed)
-                stop, save = signals.agree(out_of_time, due or at_deadline, jax.process_count())
+                stop, save, failed = signals.agree(out_of_time, due or at_deadline, jax.process_count(),
+                                                   self.outputs.failed)
+                self.outputs.stop_if(failed, done)  # a write of process 0's outputs failed: all stop here
                 saved_for_deadline |= at_deadline or (save and not due)  # another process's deadline counts
                 if save:
                     self.save(done, row=last)
@@ -379,10 +385,11 @@ class GRPOTrainer:
                 last["time/other"] = (time.perf_counter() - t0) - sum(
                     last.get(f"time/{p}", 0.0)
                     for p in ("generate", "reward", "logprobs", "train", "weight_transfer", "eval"))
-                logger.log(done, last)
+                self.outputs.run(logger.log, done, last)
                 self.last_step = done
                 if self.stopped_by:
                     break
+            self.outputs.settle(self.last_step)  # the last row's write
         finally:
             signals.__exit__()
             # the last save's wait (a stuck filesystem, a host that never joins orbax's barrier) and the engines'

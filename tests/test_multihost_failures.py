@@ -82,6 +82,34 @@ def test_a_save_failing_on_one_host_stops_both_then_both_resume_from_the_last_go
     assert sorted(int(s) for s in os.listdir(run / "checkpoints") if s.isdigit()) == [1, 2]
 
 
+@pytest.mark.slow  # ~40 s each: two or three steps of a two-process run
+@pytest.mark.parametrize("failing_row, total_steps", [(1, 3), (2, 2)], ids=["mid-run", "last-row"])
+def test_a_metrics_write_failing_on_process_zero_stops_both_with_its_error(tmp_path, failing_row, total_steps):
+    """Process 0 alone writes metrics.jsonl; its write of a row fails (its disk full). It used to exit alone while
+    process 1 went on into the next step's collectives and aborted on jax's heartbeat timeout (~100 s) without saying
+    why. Both must stop at the same step with one error line each: mid-run at the next step's agreement, before its
+    save; after the last step's row, at the run's end."""
+    run, out = tmp_path / "run", str(tmp_path / "out")
+    os.environ["M3JAX_TEST_METRICS_FAIL"] = str(failing_row)
+    try:
+        procs = two_hosts(out, [*TWO_HOSTS, "checkpoint.every_steps=1", f"run.out_dir={run}", "eval.at_start=false",
+                                "eval.every_steps=0", f"run.total_steps={total_steps}"])
+    finally:
+        del os.environ["M3JAX_TEST_METRICS_FAIL"]
+    logs = outputs_within(procs, 150)  # a heartbeat abort comes after ~100 s, with no error line
+    assert [p.returncode for p in procs] == [1, 1], "\n".join(logs)[-4000:]
+    errors = [[line for line in log.splitlines() if line.startswith("error:")] for log in logs]
+    assert all(len(e) == 1 and "No space left on device (test)" in e[0] for e in errors), errors
+    # mid-run, both trained the next step and stopped before saving it; at the end, the last step was saved first
+    assert f"writing into the run directory {run}" in errors[0][0], errors
+    assert f"resumes from step {failing_row}" in errors[0][0], errors
+    assert f"process 0 could not write the run's outputs into {run}" in errors[1][0], errors
+    assert f"every process stopped at step {min(failing_row + 1, total_steps)}" in errors[1][0], errors
+    assert sorted(int(s) for s in os.listdir(run / "checkpoints") if s.isdigit()) == list(range(1, failing_row + 1))
+    rows = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert rows == list(range(1, failing_row)), rows  # no row after the failed one
+
+
 # extended (~20-40 s): the kept failure is checked in one process by
 # tests/test_checkpoint_save_failed.py::test_a_failed_final_save_raises_after_the_quiet_wait_at_the_runs_end, and the
 # hosts' agreement on a failed write by the test above; this is the two of them end to end

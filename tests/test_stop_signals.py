@@ -16,10 +16,10 @@ from tests.test_resume import ROOT, command, env, logged_steps
 def test_a_signal_is_recorded_and_the_handlers_come_back():
     before = signal.getsignal(signal.SIGTERM)
     with StopSignals() as s:
-        assert s.agree(False, False) == (False, False)
+        assert s.agree(False, False) == (False, False, False)
         os.kill(os.getpid(), signal.SIGTERM)  # handled between bytecodes: the process lives on
         time.sleep(0.01)
-        assert s.name == "SIGTERM" and s.agree(False, False) == (True, True)  # a stop saves its step
+        assert s.name == "SIGTERM" and s.agree(False, False) == (True, True, False)  # a stop saves its step
         os.kill(os.getpid(), signal.SIGTERM)  # a second SIGTERM changes nothing
         time.sleep(0.01)
         with pytest.raises(KeyboardInterrupt):  # a Ctrl-C after a signal: stop at once
@@ -27,7 +27,8 @@ def test_a_signal_is_recorded_and_the_handlers_come_back():
             time.sleep(0.01)
     assert signal.getsignal(signal.SIGTERM) is before
     with StopSignals() as s:
-        assert s.agree(True, False) == (True, True) and s.agree(False, True) == (False, True) and s.name is None
+        assert s.agree(True, False) == (True, True, False) and s.agree(False, True) == (False, True, False)
+        assert s.name is None
 
 
 def test_slurms_warning_before_the_time_limit_stops_the_run_as_sigterm_does():
@@ -38,7 +39,7 @@ def test_slurms_warning_before_the_time_limit_stops_the_run_as_sigterm_does():
     with StopSignals() as s:
         os.kill(os.getpid(), signal.SIGUSR1)
         time.sleep(0.01)
-        assert s.name == "SIGUSR1" and s.agree(False, False) == (True, True)
+        assert s.name == "SIGUSR1" and s.agree(False, False) == (True, True, False)
     assert signal.getsignal(signal.SIGUSR1) is before
     assert 128 + _signal_number("SIGUSR1") == 138  # the run's exit status
 

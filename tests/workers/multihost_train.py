@@ -10,6 +10,8 @@ job's size and which process owns each data row of the mesh, and exits with the 
 With M3JAX_TEST_POOL=fake (and generation.backend=vllm) process 0's vLLM pool is `FakeEnginePool`: no vLLM, the
 multi-host wrapper and everything around it as in a real job.
 
+M3JAX_TEST_METRICS_FAIL=<step>: process 0's write of that step's metrics row fails (ENOSPC).
+
 M3JAX_TEST_SAVE_FAILS=<process>[:<step>]: that process's write of checkpoint <step> (of every checkpoint without it)
 fails (a disk full on that host only), the way a failed TensorStore commit does, whether the save is synchronous or
 async.
@@ -83,11 +85,28 @@ def fail_saves(process: int, step: int | None = None) -> None:
     ocp.CompositeCheckpointHandler.async_save = async_save
 
 
+def fail_metrics(step: int) -> None:
+    """Process 0's write of step `step`'s metrics row ends in ENOSPC (its disk full); the other processes write none."""
+    import errno
+
+    from rl.observe import RunLogger
+
+    write = RunLogger.log
+
+    def log(self, at, metrics, advance=True):
+        if at == step and jax.process_index() == 0:
+            raise OSError(errno.ENOSPC, "No space left on device (test)", "metrics.jsonl")
+        return write(self, at, metrics, advance)
+    RunLogger.log = log
+
+
 def main(out, flag, config, *overrides):
     assert flag == "--config"
     if os.environ.get("M3JAX_TEST_POOL") == "fake":
         from rl.generation import backends
         backends.make_generator = fake_generator
+    if os.environ.get("M3JAX_TEST_METRICS_FAIL"):
+        fail_metrics(int(os.environ["M3JAX_TEST_METRICS_FAIL"]))
     if os.environ.get("M3JAX_TEST_SAVE_FAILS"):
         fail_saves(*map(int, os.environ["M3JAX_TEST_SAVE_FAILS"].split(":")))
     rc = train.main([flag, config, *overrides])

@@ -1,0 +1,73 @@
+"""Process 0's own outputs in a multi-host job (metrics.jsonl, TensorBoard, W&B, the rollout files, the recorded
+config): a write of theirs that fails stops every process at the same step, with its error.
+
+Only process 0 writes them. A write that raised there used to end process 0 alone (its one `error:` line), while the
+others went on into the next step's collectives and aborted on jax's heartbeat timeout (about 100 s) with a traceback
+that did not say why. Now the exception is held on process 0 and its text announced in jax's key-value store; every
+process hears of it at the step's agreement (`rl.stop_signals.StopSignals.agree`, the all-gather that already decides
+each step's stop and save) and stops there, before that step's save: process 0 raises its own error (the `error:`
+line it printed before), the others `OutputsFailed`, which names it. On one process a write raises at once, as before.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from sharding.mesh import key_value_client
+
+_CAUSE = "m3jax/outputs/failed/"  # + "0": the held exception's text
+log = logging.getLogger("rl.trainer")
+
+
+class OutputsFailed(RuntimeError):
+    """Process 0 could not write the run's outputs; this process stops with it (str: what failed, and the resume)."""
+
+
+class ProcessZeroWrites:
+    def __init__(self, process_count: int, run_dir: str):
+        self.multi, self.run_dir = process_count > 1, run_dir
+        self.error: Exception | None = None  # the first failed write's, held until every process has heard of it
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+    def run(self, write, *args, **kwargs):
+        """write(*args, **kwargs) -> its result. In a multi-host job an exception is held and announced (-> None), and
+        every later write is skipped: the run stops at the next agreement (`stop_if`)."""
+        if self.error is not None:
+            return None
+        if not self.multi:
+            return write(*args, **kwargs)
+        try:
+            return write(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - raised on every process at the agreement
+            self.error = e
+            log.error("a write into the run directory failed (%s: %s); every process stops at the end of this step",
+                      type(e).__name__, e)
+            client = key_value_client()
+            if client is not None:
+                client.key_value_set(f"{_CAUSE}0", f"{type(e).__name__}: {e}", allow_overwrite=True)
+            return None
+
+    def stop_if(self, failed_anywhere: bool, step: int, where: str = ", before its save") -> None:
+        """Raise once an agreement found a failed write (on every process, at the same step): this process's own
+        exception, else OutputsFailed."""
+        if self.error is not None:
+            raise self.error
+        if failed_anywhere:
+            causes = dict(key_value_client().key_value_dir_get(_CAUSE)) if key_value_client() is not None else {}
+            cause = next(iter(causes.values()), "its run.log says why")
+            raise OutputsFailed(f"process 0 could not write the run's outputs into {self.run_dir} ({cause}); every "
+                                f"process stopped at step {step}{where}: rerunning the command resumes from the last "
+                                "checkpoint")
+
+    def settle(self, step: int) -> None:
+        """The run's end, where no agreement follows the last step's metrics row: one all-gather of the flag."""
+        if not self.multi:
+            return
+        from jax.experimental import multihost_utils
+        flags = np.asarray(multihost_utils.process_allgather(np.asarray([self.failed], np.int32)))
+        self.stop_if(bool(flags.any()), step, " (the run's end)")
