@@ -32,8 +32,8 @@ import threading
 import jax
 import numpy as np
 
-from rl.generation.base import Rollout, SamplingParams, check_request
 from m3jax.hf.shapes import shapes_only
+from rl.generation.base import Rollout, SamplingParams, check_request
 from rl.generation.pool_config import NO_WEIGHTS, PoolConfig, PoolError, check_temperature
 from rl.generation.transfer import TRANSPORTS, TransferError, TransferStats, make_transport, model_tensors
 from rl.generation import host_memory, local_ray, shared_segments, vllm_ray
