@@ -1,5 +1,6 @@
 """Process 0's own outputs in a multi-host job (metrics.jsonl, TensorBoard, W&B, the rollout files, the recorded
-config): a write of theirs that fails stops every process at the same step, with its error.
+config): a write of theirs that fails, or their opening at the start, stops every process at the same step, with
+its error.
 
 Only process 0 writes them. A write that raised there used to end process 0 alone (its one `error:` line), while the
 others went on into the next step's collectives and aborted on jax's heartbeat timeout (about 100 s) with a traceback
@@ -19,6 +20,20 @@ from sharding.mesh import key_value_client
 
 _CAUSE = "m3jax/outputs/failed/"  # + "0": the held exception's text
 log = logging.getLogger("rl.trainer")
+
+
+class _NoOutputs:
+    """What stands in for the run's `rl.observe.RunLogger` when process 0 could not open its outputs, until the
+    first step's agreement stops the run."""
+
+    def log(self, *args, **kwargs) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+NO_OUTPUTS = _NoOutputs()
 
 
 class OutputsFailed(RuntimeError):

@@ -28,7 +28,7 @@ from rl.generation import backends
 from rl.observe import RunLogger, plot_run
 from rl.policy import (Policy, applied_learning_rate, build_or_restore_policy, checkpointer_for,
                        make_indexer_recall, make_logprobs, make_update, reference_params, sequence_width)
-from rl.process_zero_writes import ProcessZeroWrites
+from rl.process_zero_writes import NO_OUTPUTS, ProcessZeroWrites
 from rl.prompt_loader import build_data
 from rl.reference import ReferenceWeights
 from rl.resume_checks import changes_warning, check as check_config, trained_under
@@ -339,10 +339,11 @@ class GRPOTrainer:
             if changed:
                 log.warning("%s", changed)
         deadline = cfg.checkpoint.deadline_seconds(datetime.datetime.now())
-        logger = RunLogger(self.run_dir, tensorboard=cfg.logging.tensorboard, progress_bar=cfg.logging.progress_bar,
-                           total_steps=cfg.run.total_steps, first_step=first,
-                           open_wandb=functools.partial(open_wandb_run, self.run_dir, cfg) if cfg.logging.wandb_project
-                           else None, resumed_row=self.resumed_row)
+        logger = self.outputs.run(
+            RunLogger, self.run_dir, tensorboard=cfg.logging.tensorboard, progress_bar=cfg.logging.progress_bar,
+            total_steps=cfg.run.total_steps, first_step=first, resumed_row=self.resumed_row,
+            open_wandb=functools.partial(open_wandb_run, self.run_dir, cfg) if cfg.logging.wandb_project else None,
+        ) or NO_OUTPUTS  # process 0 could not open them: the first step's agreement stops every process
         last = {}
         saved_for_deadline = False
         watchdog = HangWatchdog(cfg.run.hang_timeout_minutes, resume_hint=self._resume_hint())

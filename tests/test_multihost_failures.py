@@ -83,12 +83,13 @@ def test_a_save_failing_on_one_host_stops_both_then_both_resume_from_the_last_go
 
 
 @pytest.mark.slow  # ~40 s each: two or three steps of a two-process run
-@pytest.mark.parametrize("failing_row, total_steps", [(1, 3), (2, 2)], ids=["mid-run", "last-row"])
+@pytest.mark.parametrize("failing_row, total_steps", [(0, 2), (1, 3), (2, 2)], ids=["opening", "mid-run", "last-row"])
 def test_a_metrics_write_failing_on_process_zero_stops_both_with_its_error(tmp_path, failing_row, total_steps):
     """Process 0 alone writes metrics.jsonl; its write of a row fails (its disk full). It used to exit alone while
     process 1 went on into the next step's collectives and aborted on jax's heartbeat timeout (~100 s) without saying
     why. Both must stop at the same step with one error line each: mid-run at the next step's agreement, before its
-    save; after the last step's row, at the run's end."""
+    save; after the last step's row, at the run's end. Row 0: the opening of the outputs at the start fails, and
+    both stop at step 1's agreement."""
     run, out = tmp_path / "run", str(tmp_path / "out")
     os.environ["M3JAX_TEST_METRICS_FAIL"] = str(failing_row)
     try:
@@ -106,7 +107,8 @@ def test_a_metrics_write_failing_on_process_zero_stops_both_with_its_error(tmp_p
     assert f"process 0 could not write the run's outputs into {run}" in errors[1][0], errors
     assert f"every process stopped at step {min(failing_row + 1, total_steps)}" in errors[1][0], errors
     assert sorted(int(s) for s in os.listdir(run / "checkpoints") if s.isdigit()) == list(range(1, failing_row + 1))
-    rows = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    metrics = run / "metrics.jsonl"  # never opened when its opening failed
+    rows = [json.loads(line)["step"] for line in metrics.read_text().splitlines()] if failing_row else []
     assert rows == list(range(1, failing_row)), rows  # no row after the failed one
 
 

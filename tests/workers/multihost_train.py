@@ -10,7 +10,7 @@ job's size and which process owns each data row of the mesh, and exits with the 
 With M3JAX_TEST_POOL=fake (and generation.backend=vllm) process 0's vLLM pool is `FakeEnginePool`: no vLLM, the
 multi-host wrapper and everything around it as in a real job.
 
-M3JAX_TEST_METRICS_FAIL=<step>: process 0's write of that step's metrics row fails (ENOSPC).
+M3JAX_TEST_METRICS_FAIL=<step>: process 0's write of that step's metrics row fails (ENOSPC); 0: its opening of them.
 
 M3JAX_TEST_SAVE_FAILS=<process>[:<step>]: that process's write of checkpoint <step> (of every checkpoint without it)
 fails (a disk full on that host only), the way a failed TensorStore commit does, whether the save is synchronous or
@@ -86,12 +86,19 @@ def fail_saves(process: int, step: int | None = None) -> None:
 
 
 def fail_metrics(step: int) -> None:
-    """Process 0's write of step `step`'s metrics row ends in ENOSPC (its disk full); the other processes write none."""
+    """Process 0's write of step `step`'s metrics row ends in ENOSPC (its disk full); the other processes write none.
+    Step 0: the opening of the run's outputs (RunLogger's) fails."""
     import errno
 
     from rl.observe import RunLogger
 
-    write = RunLogger.log
+    write, start = RunLogger.log, RunLogger.__init__
+
+    def init(self, run_dir, **kwargs):
+        if step == 0 and jax.process_index() == 0:
+            raise OSError(errno.ENOSPC, "No space left on device (test)", "metrics.jsonl")
+        start(self, run_dir, **kwargs)
+    RunLogger.__init__ = init
 
     def log(self, at, metrics, advance=True):
         if at == step and jax.process_index() == 0:
