@@ -41,6 +41,9 @@ class OutputsFailed(RuntimeError):
 
 
 class ProcessZeroWrites:
+    """The writes process 0 alone makes into `run_dir` (`run`), and the stop of every process once one failed
+    (`stop_if` at each step's agreement, `settle` at the run's end)."""
+
     def __init__(self, process_count: int, run_dir: str):
         self.multi, self.run_dir = process_count > 1, run_dir
         self.error: Exception | None = None  # the first failed write's, held until every process has heard of it
@@ -62,9 +65,10 @@ class ProcessZeroWrites:
             self.error = e
             log.error("a write into the run directory failed (%s: %s); every process stops at the end of this step",
                       type(e).__name__, e)
-            client = key_value_client()
-            if client is not None:
-                client.key_value_set(f"{_CAUSE}0", f"{type(e).__name__}: {e}", allow_overwrite=True)
+            try:  # the others name the cause; the agreement stops them whether it arrives or not
+                key_value_client().key_value_set(f"{_CAUSE}0", f"{type(e).__name__}: {e}", allow_overwrite=True)
+            except Exception:  # noqa: BLE001 - no joined job's store, or it failed: the others say where to look
+                log.debug("the cause of the failed write was not put in the key-value store", exc_info=True)
             return None
 
     def stop_if(self, failed_anywhere: bool, step: int, where: str = ", before its save") -> None:
@@ -73,8 +77,10 @@ class ProcessZeroWrites:
         if self.error is not None:
             raise self.error
         if failed_anywhere:
-            causes = dict(key_value_client().key_value_dir_get(_CAUSE)) if key_value_client() is not None else {}
-            cause = next(iter(causes.values()), "its run.log says why")
+            try:
+                cause = next(iter(dict(key_value_client().key_value_dir_get(_CAUSE)).values()))
+            except Exception:  # noqa: BLE001 - not announced (see run): process 0's own log has it
+                cause = "process 0's run.log says why"
             raise OutputsFailed(f"process 0 could not write the run's outputs into {self.run_dir} ({cause}); every "
                                 f"process stopped at step {step}{where}: rerunning the command resumes from the last "
                                 "checkpoint")
