@@ -57,11 +57,11 @@ class ProcessZeroWrites:
         every later write is skipped: the run stops at the next agreement (`stop_if`)."""
         if self.error is not None:
             return None
-        if not self.multi:
-            return write(*args, **kwargs)
         try:
             return write(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - raised on every process at the agreement
+            if not self.multi:
+                raise
             self.error = e
             log.error("a write into the run directory failed (%s: %s); every process stops at the end of this step",
                       type(e).__name__, e)

@@ -72,7 +72,7 @@ def save_pretrained(model, path: str | os.PathLike, layout: str = "native", max_
         log.warning("%s is replaced whole, and its %s are not in the new checkpoint (no carry_from): copy them "
                     "first, or save to a new directory with carry_from=%s", path, ", ".join(lost), path)
     if jax.process_count() == 1:
-        entries = [(slot.name, dtype, slot.shape) for slot, dtype in _slot_dtypes(model, layout)]
+        entries = [(slot.name, dtype, slot.shape) for slot, dtype in slot_dtypes(model, layout)]
         shards = split_shards(entries, limit) + carried_shards
         return write_shards(cfg, model.dtype, path, layout, [(shard, True) for shard in shards],
                             itertools.chain(hf_tensors(model, layout), carry.tensors(kept)), side=side)
@@ -99,7 +99,7 @@ def save_shapes(model, path: str | os.PathLike, layout: str = "released") -> str
     directory."""
     path = check_destination(path)
     clear_leftovers(path)
-    tensors = [[slot.name, CODES[dtype], list(slot.shape)] for slot, dtype in _slot_dtypes(model, layout)]
+    tensors = [[slot.name, CODES[dtype], list(slot.shape)] for slot, dtype in slot_dtypes(model, layout)]
     tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
     os.makedirs(tmp)
     try:
@@ -112,7 +112,8 @@ def save_shapes(model, path: str | os.PathLike, layout: str = "released") -> str
     return path
 
 
-def _slot_dtypes(model, layout: str):
+def slot_dtypes(model, layout: str):
+    """(slot, the dtype the model holds its parameter in) for each tensor of `layout`: what an export writes."""
     flat = dict(nnx.to_flat_state(nnx.state(model)))
     return [(slot, np.dtype(flat[slot.param].get_value().dtype)) for slot in layouts.slots(model.cfg, layout)]
 

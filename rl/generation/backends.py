@@ -85,19 +85,14 @@ def pushed_dtype_problem(model, model_dir: str) -> str | None:
     a pushed tensor's dtype against its checkpoint's (`VLLMEngine.check`), and the trainer sends its parameters'
     dtype (`precision.master` decides: fp32 with 'none', else bf16), which a checkpoint at `model.path` need not
     share. Found by the first push otherwise, after the first training step. Reads headers only."""
-    from m3jax.hf.layouts import slots
-    from m3jax.hf.safetensors_io import read_header
+    from m3jax.hf.save import slot_dtypes
+    from m3jax.hf.shapes import tensor_table
 
-    disk = {}
-    for f in sorted(os.listdir(model_dir)):
-        if f.endswith(".safetensors"):
-            disk.update({n: info.np_dtype for n, info in read_header(os.path.join(model_dir, f)).items()})
-    flat = dict(nnx.to_flat_state(nnx.state(model)))
-    for slot in slots(model.cfg, "released"):
-        sent = np.dtype(flat[slot.param].get_value().dtype)
-        if slot.name in disk and np.dtype(disk[slot.name]) != sent:
+    disk = {name: dtype for name, (_, dtype) in tensor_table(model_dir).items()}
+    for slot, sent in slot_dtypes(model, "released"):
+        if slot.name in disk and disk[slot.name] != sent:
             return (f"generation.backend vllm: the trainer would push {slot.name} as {sent}, but the engines' "
-                    f"checkpoint {model_dir} holds it as {np.dtype(disk[slot.name])}, and they refuse a dtype their "
+                    f"checkpoint {model_dir} holds it as {disk[slot.name]}, and they refuse a dtype their "
                     "checkpoint does not have; give the parameters the checkpoint's dtype (precision.master 'none': "
                     "float32, 'fp32' / 'compact': bfloat16), or export the model in the trainer's dtypes "
                     "(m3jax.save_pretrained(model, path, layout='released')) and serve that")
