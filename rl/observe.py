@@ -279,6 +279,21 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
     return out
 
 
+def draw_curves(run_dir: str) -> str | None:
+    """`plot_run` at a run's end: the PNG's path, or None with a warning where drawing it failed (a full disk, a
+    path taken by a directory, a broken font cache). The curves are drawn from metrics.jsonl, which stays, so the run
+    whose steps, checkpoints and metrics are all written still ends well, on every process: as an error, a failed
+    drawing ended process 0 of a multi-host job alone, after the others had reported success."""
+    try:
+        return plot_run(run_dir)
+    except Exception as e:  # noqa: BLE001 - the warning says what failed and how to draw them again
+        logging.getLogger(__name__).warning(
+            "the curves were not drawn (%s: %s); python -m m3jax.plot %s draws them from its metrics.jsonl",
+            type(e).__name__, e, run_dir)
+        logging.getLogger(__name__).debug("the drawing's traceback", exc_info=True)
+        return None
+
+
 def plot_compare(run_dirs: list[str], keys: list[str], out: str, labels: list[str] | None = None) -> str:
     """One PNG with a panel per metric in `keys`, each run of `run_dirs` a curve (labelled by `labels` or the
     run directory's name): e.g. indexer/recall with and without model.indexer_loss_coef."""

@@ -25,7 +25,7 @@ from rl.config import RunConfig, checkpoint_dir
 from rl.config_record import record_config
 from rl.stop_signals import StopSignals
 from rl.generation import backends
-from rl.observe import RunLogger, plot_run
+from rl.observe import RunLogger, draw_curves
 from rl.policy import (Policy, applied_learning_rate, build_or_restore_policy, checkpointer_for,
                        make_indexer_recall, make_logprobs, make_update, reference_params, sequence_width)
 from rl.process_zero_writes import NO_OUTPUTS, ProcessZeroWrites
@@ -408,6 +408,6 @@ class GRPOTrainer:
         if cfg.checkpoint.export_hf_at_end and self.last_step == cfg.run.total_steps:
             self.export()
         if cfg.logging.plot:
-            plot_run(self.run_dir)
+            draw_curves(self.run_dir)
         self.checkpointer.close()
         return last

@@ -73,10 +73,14 @@ def test_a_save_failing_on_one_host_stops_both_then_both_resume_from_the_last_go
 
     if not async_save:  # the resume is the same for both kinds of save: checked once (~15 s of the suite)
         return
+    # process 0's drawing of the curves at the end fails (its path taken): it used to end process 0 alone with
+    # status 1 after process 1 had reported success; a warning there now, and both finish
+    (run / "curves.png").mkdir()
     procs = two_hosts(out, [*args, "run.total_steps=2"])
     logs = outputs_within(procs, 150)  # a hang lasts 20 minutes; 150 s allows for a loaded machine
     assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)[-4000:]
     assert all("done: 2 steps" in log for log in logs), "\n".join(logs)[-4000:]
+    assert ["the curves were not drawn" in log for log in logs] == [True, False], "\n".join(logs)[-4000:]
     for name in ("run.log", "run.1.log"):  # each process's INFO lines (process 1's are not on the terminal)
         assert "resumed from step 1" in (run / name).read_text(), name
     assert sorted(int(s) for s in os.listdir(run / "checkpoints") if s.isdigit()) == [1, 2]

@@ -79,6 +79,24 @@ def test_the_plot_command_checks_its_output_and_metrics_before_drawing(tmp_path,
     assert capsys.readouterr().out.strip() == str(tmp_path / "curves.png") and (tmp_path / "curves.png").exists()
 
 
+def test_curves_that_cannot_be_drawn_at_a_runs_end_are_a_warning_naming_the_redraw(tmp_path, caplog):
+    """The run's end draws curves.png from metrics.jsonl (rl.observe.draw_curves). A drawing that fails (here its
+    path taken by a directory) used to raise after the last checkpoint: status 1 for a finished run, and in a
+    multi-host job on process 0 alone. It is a warning now, naming the command that draws them again."""
+    import logging
+
+    from rl.observe import draw_curves
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.5, "loss": 1.0}\n')
+    (tmp_path / "curves.png").mkdir()
+    with caplog.at_level(logging.WARNING, logger="rl.observe"):
+        assert draw_curves(str(tmp_path)) is None
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "the curves were not drawn (IsADirectoryError" in warned[0], warned
+    assert f"python -m m3jax.plot {tmp_path} draws them" in warned[0], warned
+    (tmp_path / "curves.png").rmdir()
+    assert draw_curves(str(tmp_path)) == str(tmp_path / "curves.png") and (tmp_path / "curves.png").is_file()
+
+
 def test_the_plan_and_demo_commands_check_their_arguments_before_any_output(tmp_path, capsys):
     import pytest
 
