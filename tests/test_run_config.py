@@ -77,7 +77,7 @@ def test_every_shipped_config_loads(recipe_paths):
     shipped = {p.relative_to(CONFIGS).as_posix() for p in CONFIGS.rglob("*.yaml")}
     assert shipped == {"base.yaml", "tiny.yaml", "tiny-vllm.yaml", "recipes/m3-1node-h200.yaml",
                        "recipes/m3-1node-h200-128e.yaml", "recipes/m3-32node.yaml",
-                       "recipes/m3-32node-miniature.yaml"}, \
+                       "recipes/m3-32node-miniature.yaml", "recipes/m3-32node-random.yaml"}, \
         "a new shipped config needs a load test"
     # base.yaml is a template: it asks for a model and a reward, and nothing else
     msg = load_error(CONFIGS / "base.yaml")

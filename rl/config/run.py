@@ -20,9 +20,9 @@ class RunConfig(_Section):
 
     run         name, out_dir, seed, total_steps, max_wall_minutes, hang_timeout_minutes, start_timeout_minutes,
                 compilation_cache
-    model       path | tiny (M3Config fields), init_seed, remat, remat_policy, attention_query_chunk,
-                attention_impl, sparse_attention, logprob_chunk_tokens, indexer_loss_coef, moe_capacity_factor,
-                moe_kernel
+    model       path | tiny (M3Config fields, or {preset: release, ...}), init_seed, remat, remat_policy,
+                attention_query_chunk, attention_impl, sparse_attention, logprob_chunk_tokens, indexer_loss_coef,
+                moe_capacity_factor, moe_kernel
     mesh        data, context, expert, tensor, expert_axes, fsdp_axes, fsdp_step_axes, coordinator_address,
                 num_processes, process_id,
                 device_memory_fraction

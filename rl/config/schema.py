@@ -123,8 +123,12 @@ class RunSection(_Section):
 class ModelSection(_Section):
     path: str | None = _f(None, "local Hugging Face model directory (either M3 layout); exclusive with tiny",
                           allowed="a local Hugging Face model directory, or null when model.tiny is set")
-    tiny: dict[str, Any] | None = _f(None, "M3Config fields of a randomly initialised model; exclusive with path",
-                                     allowed="a mapping of M3Config fields")
+    tiny: dict[str, Any] | None = _f(None, "M3Config fields of a randomly initialised model, or {preset: release, "
+                                           "...}: the released model's shapes (m3jax.presets; the keys beside it, and "
+                                           "later ones, replace its fields; a num_hidden_layers alone keeps its "
+                                           "layer pattern; it replaces an inherited model.tiny instead of merging), "
+                                           "written out in full when the config loads; exclusive with path",
+                                     allowed="a mapping of M3Config fields, or {preset: release} with any of them")
     init_seed: int = _f(0, "seed of the random initialisation of a tiny model", min=0, max=MAX_SEED)
     remat: bool = _f(False, "activation checkpointing (recompute each layer in the backward pass)")
     # m3jax.model.decoder.REMAT_POLICIES, listed here so that the schema needs no jax
@@ -188,6 +192,15 @@ class ModelSection(_Section):
                                  "and recorded in <run.out_dir>/moe_kernel.json, which a restart "
                                  "reuses), tune (that timing on CPU too)",
                          choices=("auto", "tune", "ragged_dot", "tiled", "bucketed", "pallas", "mosaic"))
+
+    def __post_init__(self):
+        super().__post_init__()
+        if isinstance(self.tiny, dict) and "preset" in self.tiny:
+            from m3jax.presets import PresetError, expand_preset
+            try:
+                object.__setattr__(self, "tiny", expand_preset(self.tiny))
+            except PresetError:
+                pass  # kept as given: the validator reports it under model.tiny.preset
 
     def model_options(self) -> dict[str, Any]:
         """Keyword options of `M3ForCausalLM` / `m3jax.from_pretrained` this section sets."""

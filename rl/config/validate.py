@@ -118,6 +118,14 @@ def _m3_field_names() -> tuple[list[str], list[str]]:
 def _check_tiny(tiny: dict, out: list[_Problem]) -> None:
     """model.tiny must build an M3Config; its errors are reported under model.tiny.<field>."""
     names, required = _m3_field_names()
+    if "preset" in tiny:  # ModelSection expands a good one: this one names no preset, or sets its depth wrongly
+        from m3jax.presets import PresetError, expand_preset
+        try:
+            expand_preset(tiny)
+        except PresetError as e:
+            field = "num_hidden_layers" if str(e).startswith("num_hidden_layers") else "preset"
+            out.append(_Problem(f"model.tiny.{field}", f"model.tiny.{e}"))
+        return
     before = len(out)
     for k in tiny:
         if k not in names:

@@ -109,7 +109,9 @@ def _merge(dst: dict, src: dict, sources: dict[str, str], source: str, prefix: s
     for k, v in src.items():
         key = f"{prefix}.{k}" if prefix else str(k)
         if isinstance(v, dict):
-            if not isinstance(dst.get(k), dict):
+            # a model preset starts a model over: keys of the mapping it lands on (a tiny model's) would replace
+            # the preset's own fields without a word
+            if not isinstance(dst.get(k), dict) or (key == "model.tiny" and "preset" in v):
                 dst[k] = {}
                 for old in [s for s in sources if s == key or s.startswith(key + ".")]:
                     del sources[old]
@@ -193,13 +195,14 @@ def _override_target(parts: list[str], text: str) -> tuple[Any, dict] | _Problem
             cls = inner
         elif cls is ModelSection and part == "tiny":
             rest = parts[i + 1:]
-            names, _ = _m3_field_names()
+            names = [*_m3_field_names()[0], "preset"]  # preset: m3jax.presets, expanded by ModelSection
             if rest[0] not in names:
-                return _unknown(f"{key}.{rest[0]}", names, "model.tiny (M3Config fields)")
+                return _unknown(f"{key}.{rest[0]}", names, "model.tiny (M3Config fields, preset)")
             if len(rest) > 1:
                 return _Problem(key, f"override {text!r}: {key}.{rest[0]} has no sub-keys; allowed: "
                                      f"{key}.{rest[0]}=<value>")
-            return Any, {"allowed": f"a value for M3Config.{rest[0]}"}
+            return Any, {"allowed": "a model preset's name" if rest[0] == "preset" else
+                         f"a value for M3Config.{rest[0]}"}
         elif _item_type(inner) is not None:
             return _Problem(key, f"override {text!r}: {key} is a list, so it has no sub-keys; allowed: the whole "
                                  f"list, e.g. {key}='[...]' ({_allowed(tp, meta)})")
@@ -235,6 +238,8 @@ def apply_overrides(tree: dict, overrides: list[str], sources: dict[str, str]) -
             problems.append(f"override {text!r}: {key} is a section, so it takes its keys ({key}.<key>=value) or a "
                             f"mapping ({key}='{{<key>: value}}'), not {_kind(value)}")
             continue
+        if parts == ["model", "tiny", "preset"]:  # replaces the inherited model.tiny, as a mapping with it does
+            parts, value = parts[:2], {"preset": value}
         node = tree
         for n, p in enumerate(parts[:-1]):
             if not isinstance(node.get(p), dict):  # e.g. model.tiny.hidden_size=64 over model.tiny: null
