@@ -200,7 +200,7 @@ def test_config_choices_are_the_impls():
     import dataclasses
 
     from m3jax.model.attention import IMPLS
-    from rl.config.schema import ModelSection
+    from rl.config.model_section import ModelSection
     field = next(f for f in dataclasses.fields(ModelSection) if f.name == "attention_impl")
     assert tuple(field.metadata["choices"]) == IMPLS and ModelSection().model_options()["attention_impl"] == "auto"
     with pytest.raises(ValueError, match="attention_impl"):

@@ -181,7 +181,7 @@ def test_moe_model_kernels_equal_ragged_dot():
 def test_config_choices_are_the_kernels():
     import dataclasses
 
-    from rl.config.schema import ModelSection
+    from rl.config.model_section import ModelSection
     from m3jax.model.expert_tuning import CHOICES
     field = next(f for f in dataclasses.fields(ModelSection) if f.name == "moe_kernel")
     assert tuple(field.metadata["choices"]) == CHOICES and ModelSection().model_options()["moe_kernel"] == "auto"

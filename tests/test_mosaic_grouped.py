@@ -105,7 +105,7 @@ def test_a_model_the_kernels_cannot_take_is_refused_at_construction():
 
 
 def test_the_config_offers_every_kernel_the_model_takes():
-    from rl.config.schema import ModelSection
+    from rl.config.model_section import ModelSection
     from m3jax.model.expert_tuning import CHOICES
     assert tuple(ModelSection.__dataclass_fields__["moe_kernel"].metadata["choices"]) == CHOICES
 

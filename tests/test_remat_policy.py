@@ -18,7 +18,7 @@ from flax import nnx
 
 from m3jax.config import M3Config
 from m3jax.model.decoder import REMAT_POLICIES, M3ForCausalLM
-from rl.config.schema import ModelSection
+from rl.config.model_section import ModelSection
 
 CFG = M3Config(vocab_size=128, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                head_dim=16, intermediate_size=32, dense_intermediate_size=128, shared_intermediate_size=32,

@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 
 from m3jax.model.decoder import M3ForCausalLM
-from rl.config.schema import ModelSection
+from rl.config.model_section import ModelSection
 from tests.test_remat_policy import CFG, _close
 
 SEQ = 64

@@ -56,6 +56,7 @@ What this package does not check: the mesh against the device count and the mode
 Modules
 -------
 schema     the section dataclasses: fields with default, doc and rules (`_f`), the mirrored choices
+model_section  the `model` section (a model.tiny preset is expanded here: m3jax.presets)
 eval_section  the `eval` section (held-out evaluation); validate_eval: its cross-field rules
 grpo_section  the `grpo` section (batch, loss, DAPO, replay, off-policy) and the loss's mirrored choices
 fields     type introspection of the fields; values and allowed values in words
@@ -78,10 +79,11 @@ from rl.config.errors import ConfigError
 from rl.config.fields import _hints, _is_section, _item_type, _non_none, _show  # noqa: F401  (tests walk types)
 from rl.config.schema import (  # noqa: F401  (tests check the mirrored choices against their originals)
     DATA_FORMATS, DATA_LAYOUTS, DATA_TASKS, DIGIT_VOCAB, MISSING, PRECISION_MODES, TOKEN_AXES, WEIGHT_TRANSPORTS,
-    CheckpointSection, DataSection, GenerationSection, LoggingSection, MeshSection, ModelSection, OptimSection,
+    CheckpointSection, DataSection, GenerationSection, LoggingSection, MeshSection, OptimSection,
     PrecisionSection, RewardSpec, RunSection)
 from rl.config.grpo_section import (  # noqa: F401  (mirrored choices, as above)
     ADVANTAGES, AGGREGATIONS, IS_CORRECTIONS, IS_LEVELS, KL_TYPES, LOSSES, GrpoSection)
+from rl.config.model_section import ModelSection
 from rl.config.eval_section import EVAL_METRICS, EvalSection  # noqa: F401  (EVAL_METRICS: mirrored, tested)
 from rl.config.run import RunConfig
 from rl.config.yaml_io import apply_overrides, as_dict, load_tree, load_yaml, to_yaml

@@ -8,8 +8,9 @@ import dataclasses
 from rl.config.errors import ConfigError
 from rl.config.eval_section import EvalSection
 from rl.config.grpo_section import GrpoSection
+from rl.config.model_section import ModelSection
 from rl.config.schema import (CheckpointSection, DataSection, GenerationSection, LoggingSection,
-                              MeshSection, ModelSection, OptimSection, PrecisionSection, RewardSpec, RunSection,
+                              MeshSection, OptimSection, PrecisionSection, RewardSpec, RunSection,
                               _f, _Section)
 from rl.config.validate import _problems
 

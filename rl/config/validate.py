@@ -13,7 +13,8 @@ from typing import Any, Callable
 from rl.config.errors import _bad, _Problem, _unknown
 from rl.config.fields import _allowed, _hints, _is, _is_section, _item_type, _kind, _plain, _scalar_allowed, \
     _show, _union
-from rl.config.schema import DIGIT_VOCAB, MISSING, ModelSection
+from rl.config.model_section import ModelSection
+from rl.config.schema import DIGIT_VOCAB, MISSING
 from rl.config.model_checks import model_checks
 from rl.config.reward_checks import reward_problems
 from rl.generation.pool_config import VLLM_MIN_TEMPERATURE

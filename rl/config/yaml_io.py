@@ -13,7 +13,7 @@ import yaml
 from rl.config.errors import ConfigError, _Problem, _unknown
 from rl.config.fields import _allowed, _fields, _hints, _is_section, _item_type, _kind, _non_none, _plain, _show
 from rl.config.run import RunConfig
-from rl.config.schema import ModelSection
+from rl.config.model_section import ModelSection
 from rl.config.validate import _m3_field_names
 
 
