@@ -3,7 +3,8 @@
     rollout -> rewards -> advantages (+ train batch) -> logprobs -> update -> weight sync -> metrics
 
 `rl.trainer.GRPOTrainer.step` calls them in this order; nothing here knows the order or holds state.
-`draw` is rollout + rewards, repeated while DAPO dynamic sampling asks for more groups.
+`draw` is rollout + rewards, repeated while DAPO dynamic sampling asks for more groups. The weight sync is
+`rl.weight_sync`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import numpy as np
 
 from rl.config import RunConfig
 from rl.data import render_prompt
-from rl.generation import backends
 from rl.generation.base import Generator, Rollout, SamplingParams
 from rl.grpo import advantages as adv_lib
 from rl.grpo import dapo
@@ -327,42 +327,6 @@ def update(train_step: Callable, state, micro: dict, updates: int):
         sums = {k: sums.get(k, 0.0) + float(v) for k, v in m["sums"].items()}
     return state, UpdateStats(float(np.mean(losses)), float(np.mean(norms)), skipped, sums,
                               float(np.mean(apart)) if apart else None)
-
-
-@dataclasses.dataclass
-class ProbeCheck:
-    """Fixed sequences every engine must score as the trainer does after each weight transfer."""
-    prompts: list
-    responses: list
-    sampling: SamplingParams
-    trainer_logprobs: Callable  # (prompts, responses) -> the trainer's logprobs, as `probe_max_abs_diff` reads
-    limit: float | None  # generation.verify_max_abs_diff (None: measure only)
-
-
-def sync_weights(engine: Generator, state, version: int, probe: ProbeCheck | None = None) -> dict:
-    """Hand the new weights to the generator. For engines that received a copy, report the transfer
-    and, with `probe`, compare every engine's logprobs on the probe sequences with the trainer's.
-    Returns metrics (empty when the engine shares the parameters)."""
-    t0 = time.perf_counter()
-    stats = engine.set_weights(state.params, version, state.rest)
-    if stats is None:  # the JAX engine shares the parameters: nothing moved
-        return {}
-    out = {"time/weight_transfer": time.perf_counter() - t0, "transfer/gb_per_s": stats.gb_per_s,
-           "transfer/convert_s": stats.convert_s, "transfer/send_s": stats.send_s,
-           "transfer/apply_s": stats.apply_s, "transfer/senders": stats.senders,
-           "pool/resent_rows": engine.resent_rows,
-           "pool/restarts": engine.restarts}
-    if probe is not None:
-        engine_lp = engine.score(probe.prompts, probe.responses, probe.sampling)
-        diff = backends.probe_max_abs_diff(engine_lp, probe.trainer_logprobs(probe.prompts, probe.responses),
-                                           probe.prompts)
-        out["transfer/probe_max_abs_logprob_diff"] = diff
-        out["transfer/probe_engines"] = len(engine_lp)
-        if probe.limit is not None and (diff > probe.limit or len(engine_lp) == 0):
-            raise RuntimeError(f"after the transfer of weight version {version}, the vLLM engines' logprobs on "
-                               f"the probe sequences differ from the trainer's by {diff:.3g} > "
-                               f"generation.verify_max_abs_diff={probe.limit} ({len(engine_lp)} engines answered)")
-    return out
 
 
 def step_metrics(samples: Samples, reward: np.ndarray, failures: int, adv: Advantages, micro: dict,

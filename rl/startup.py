@@ -71,7 +71,7 @@ def generation_line(cfg) -> str:
 
 def first_push_line(transfer: dict) -> str:
     """The start's push of a random model's weights to engines that began with vLLM's dummy ones, from
-    `phases.sync_weights`' metrics."""
+    `rl.weight_sync.sync_weights`' metrics."""
     probe = transfer.get("transfer/probe_max_abs_logprob_diff")
     checked = "" if probe is None else f"; their logprobs on the probe sequences within {probe:.2g} of the trainer's"
     return (f"the initial weights pushed to the engines as version 0, {transfer['transfer/gb_per_s']:.3g} GB/s"

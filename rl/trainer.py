@@ -35,6 +35,7 @@ from rl.resume_checks import changes_warning, check as check_config, trained_und
 from rl.skipped_updates import SkippedUpdates
 from rl.startup import PhaseClock, first_push_line, generation_line, policy_line, prompts_line
 from rl.watchdog import HangWatchdog
+from rl.weight_sync import probe_check, sync_weights
 from rl.wandb_run import open_run as open_wandb_run
 from sharding.precision import restart_adam
 
@@ -108,7 +109,8 @@ class GRPOTrainer:
         p = self.policy
         self.engine = backends.make_generator(cfg, p.graphdef, p.state, pad_id=self.pad_id, run_dir=self.run_dir)
         self.phases.done("%s", generation_line(cfg))
-        self.probe = self._probe_check()
+        self.probe = probe_check(self.cfg.generation, self.policy.model_cfg.vocab_size, self.policy.sampling,
+                                 self._probe_logprobs)
         self.eval_set = self._eval_set() if cfg.eval.enabled else None
         self.best = None  # {metric, value, step} of the best held-out evaluation so far (kept in checkpoints)
         self.kept = []  # checkpoint.keep_best's: the k best evaluated steps, best first (rl.evaluate.update_kept)
@@ -152,19 +154,9 @@ class GRPOTrainer:
         log.debug("step %d held out: %s", step, {k: v for k, v in metrics.items() if k.startswith("val/")})
         return metrics
 
-    def _probe_check(self) -> phases.ProbeCheck | None:
-        g = self.cfg.generation
-        if g.backend == "jax" or not g.verify_probes:
-            return None
-        half = max(g.max_seq_len // 2, 1)
-        prompts, responses = backends.probe_sequences(g.verify_probes, self.policy.model_cfg.vocab_size, half,
-                                                      g.max_seq_len - half)
-
-        def trainer_logprobs(prompts, responses):
-            batch = backends.probe_batch(prompts, responses, self.width, self.pad_id)
-            return np.asarray(self.logprobs(self.state.params, self.state.rest, batch))[0]
-
-        return phases.ProbeCheck(prompts, responses, self.policy.sampling, trainer_logprobs, g.verify_max_abs_diff)
+    def _probe_logprobs(self, prompts, responses) -> np.ndarray:
+        batch = backends.probe_batch(prompts, responses, self.width, self.pad_id)
+        return np.asarray(self.logprobs(self.state.params, self.state.rest, batch))[0]
 
     def step(self, step: int) -> dict:
         """One GRPO step, phase by phase (each timed under time/<phase>)."""
@@ -230,7 +222,7 @@ class GRPOTrainer:
 
         if ahead is not None:  # the engine keeps the old weights until the draw in flight is done
             ahead_metrics["time/wait_rollout"] = t["generate"] - t["start"] + ahead.settle()
-        transfer = phases.sync_weights(self.engine, policy.state, step + 1, self.probe)
+        transfer = sync_weights(self.engine, policy.state, step + 1, self.probe)
         elapsed = time.perf_counter() - t["start"]
         timing = {p: t[p] - t[q] for p, q in (("generate", "start"), ("reward", "generate"),
                                               ("logprobs", "reward"), ("train", "logprobs"))}
@@ -278,7 +270,7 @@ class GRPOTrainer:
                 raise self.checkpointer.none_reads()
             if backends.engines_start_empty(self.cfg):  # engines of a random model began with vLLM's dummy weights
                 self.phases.restart()
-                self.phases.done("%s", first_push_line(phases.sync_weights(self.engine, self.state, 0, self.probe)))
+                self.phases.done("%s", first_push_line(sync_weights(self.engine, self.state, 0, self.probe)))
             return 0
         state, meta = got
         self.resumed_row = meta.get("metrics_row")

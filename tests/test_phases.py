@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from rl import phases
+from rl import phases, weight_sync
 from rl.config import load_config
 from rl.generation.base import Rollout, SamplingParams
 from rl.tasks import make_task
@@ -125,13 +125,13 @@ def test_sync_weights_reports_the_transfer_and_checks_the_probes(samples):
     engine = FakeEngine(None)
     state = type("S", (), {"params": "P", "rest": "R"})()
     sp = SamplingParams(max_new_tokens=2)
-    agree = phases.ProbeCheck([[1, 2]], [[3, 4]], sp, lambda p, r: np.full((1, 3), -1.0, np.float32), limit=1e-4)
-    out = phases.sync_weights(engine, state, 5, agree)
+    agree = weight_sync.ProbeCheck([[1, 2]], [[3, 4]], sp, lambda p, r: np.full((1, 3), -1.0, np.float32), limit=1e-4)
+    out = weight_sync.sync_weights(engine, state, 5, agree)
     assert engine.weights == [5] and out["pool/resent_rows"] == 3 and out["transfer/probe_engines"] == 2
     assert out["transfer/probe_max_abs_logprob_diff"] == 0.0
     differ = dataclasses.replace(agree, trainer_logprobs=lambda p, r: np.full((1, 3), -1.5, np.float32))
     with pytest.raises(RuntimeError, match="differ from the trainer's by 0.5"):
-        phases.sync_weights(engine, state, 6, differ)
+        weight_sync.sync_weights(engine, state, 6, differ)
 
 
 def test_the_rollout_key_derives_from_seed_and_step():
