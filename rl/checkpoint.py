@@ -7,7 +7,7 @@ item the data-loader position, the PRNG seed, the weight version and the config 
 params too (`reference`, and its step in the JSON). Saving the master rather than
 (params, remainder) makes a checkpoint independent of the precision mode and of the mesh: restoring
 builds the current run's layout from it (fp32 params <-> bf16 + fp32 master <-> bf16 + remainder),
-onto the current run's shardings (orbax restores against an abstract target).
+onto the current run's shardings (orbax restores against an abstract target; `rl.checkpoint_state`).
 
 A crash or a failed write during a save leaves `<step>.orbax-checkpoint-tmp*`, which a restore ignores and the next
 run on the directory deletes (in the background, before its first save). orbax itself removes one only when the same
@@ -29,44 +29,18 @@ import shutil
 import time
 
 import jax
-import jax.numpy as jnp
 import orbax.checkpoint as ocp
-from etils import epath
 from flax import nnx
 
 from rl import checkpoint_job, checkpoint_sums
 from rl.checkpoint_logs import _cause, _Demote, _orbax_errors_to_run_log, _quiet_abandoned_reads
 from rl.checkpoint_job import job_max as _job_max, job_steps as _job_steps
 from rl.checkpoint_keep import KeepSteps, preservation
-from sharding import precision
+from rl.checkpoint_state import (abstract_tree, portable_state, rebuild_state, restore_target, state_mismatch,
+                                 state_restore_args)
 from sharding.train_step import TrainState
 
 log = logging.getLogger(__name__)
-
-
-_joined_master = jax.jit(precision.master_of)
-
-
-def _portable(state: TrainState) -> dict:
-    # A compact master is computed (params joined with their remainders): one program for the whole tree, since
-    # eagerly each leaf's ops compile one by one (~20 s of the 32-node miniature's first checkpoint, 2026-12-03).
-    # Otherwise the master is the arrays themselves, which a jitted copy would hold twice.
-    compact = any(x.dtype == jnp.int16 for x in jax.tree.leaves(state.opt_state.master))
-    master = (_joined_master if compact else precision.master_of)(state.params, state.opt_state)
-    return {"master": nnx.to_pure_dict(master), "rest": nnx.to_pure_dict(state.rest),
-            "inner": state.opt_state.inner, "step": state.step, "skipped": state.skipped}
-
-
-def _abstract(tree, dtype=None):
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype or x.dtype,
-                                                       sharding=getattr(x, "sharding", None)), tree)
-
-
-def _restore_target(like: TrainState) -> dict:
-    """The abstract `_portable(like)`, without computing a master just to learn its shapes."""
-    return {"master": nnx.to_pure_dict(_abstract(like.params, jnp.float32)),
-            "rest": nnx.to_pure_dict(_abstract(like.rest)), "inner": _abstract(like.opt_state.inner),
-            "step": _abstract(like.step), "skipped": _abstract(like.skipped)}
 
 
 class CheckpointMismatch(ValueError):
@@ -76,40 +50,6 @@ class CheckpointMismatch(ValueError):
 class CheckpointsUnreadable(CheckpointMismatch):
     """A run directory that holds checkpoints none of which reads: a resume does not start over beside them (its
     saves would overwrite steps that a repaired filesystem could still have given back)."""
-
-
-def _empty(x) -> bool:
-    """An empty node: None, or an optimizer's empty state (a namedtuple without fields), which a checkpoint's
-    metadata holds as None."""
-    return x is None or (isinstance(x, tuple) and hasattr(x, "_fields") and not x._fields)
-
-
-def _leaves(tree) -> dict[tuple[str, ...], object]:
-    """{path as plain names: shape, or "empty"} of a state, read alike from this run's abstract state and from a
-    checkpoint's metadata (a Variable's or a namedtuple's field and a saved dict's key give the same name)."""
-    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_empty)[0]
-    return {tuple(jax.tree_util.keystr((e,), simple=True) for e in path): "empty" if _empty(leaf) else tuple(leaf.shape)
-            for path, leaf in flat}
-
-
-def state_mismatch(path: str, target: dict) -> str | None:
-    """How the state saved at `path` (a step's `state` item: its metadata, the tree and every array's shape)
-    differs from `target` (`_restore_target` of this run's state); None when they match, or when the metadata
-    cannot be read (a damaged checkpoint: the restore decides)."""
-    try:
-        saved = _leaves(ocp.StandardCheckpointHandler().metadata(epath.Path(path)))
-    except Exception:  # noqa: BLE001 - unreadable metadata is the restore's to report
-        return None
-    want = _leaves(target)
-    for key in sorted(set(saved) | set(want)):
-        where = "/".join(key)
-        if key not in saved:
-            return f"it has no {where} {want[key]} (this run's state has)"
-        if key not in want:
-            return f"it holds {where} {saved[key]}, which this run's state has not"
-        if saved[key] != want[key]:
-            return f"{where} is {saved[key]} there, {want[key]} in this run's state"
-    return None
 
 
 def write_failed(what: str, error: Exception, directory: str, resume: str) -> str:
@@ -197,10 +137,10 @@ class Checkpointer:
         """Checkpoint `step` rebuilt into the layout of `like`; no fallback (an unreadable one raises
         CheckpointsUnreadable naming it, one of another state CheckpointMismatch). params_only: as
         `restore_latest`'s."""
-        target = _restore_target(like)
+        target = restore_target(like)
         self._check_state(step, target)
         try:
-            got = self.manager.restore(step, args=ocp.args.Composite(state=_state_args(target, params_only),
+            got = self.manager.restore(step, args=ocp.args.Composite(state=state_restore_args(target, params_only),
                                                                      meta=ocp.args.JsonRestore()))
         except Exception as e:  # noqa: BLE001 - orbax / TensorStore raise many kinds for damaged files
             _quiet_abandoned_reads()
@@ -209,7 +149,7 @@ class Checkpointer:
         why = _meta_problem(step, got["meta"]) or self._sums_problem(step, got)
         if why:
             raise CheckpointsUnreadable(f"checkpoint step {step} in {self.directory} is unreadable ({why})")
-        return _rebuild(like, got["state"]), _without_sums(got["meta"])
+        return rebuild_state(like, got["state"]), _without_sums(got["meta"])
 
     def read_meta(self, step: int) -> dict:
         """Checkpoint `step`'s meta alone (no array is read); CheckpointsUnreadable when it cannot be read."""
@@ -230,7 +170,7 @@ class Checkpointer:
         reset), saved beside the state as they are (the policy's dtype)."""
         t0 = time.perf_counter()
         self.check_saves()  # an earlier async save that failed stops the run before another starts
-        items = {"state": _portable(state)}
+        items = {"state": portable_state(state)}
         if reference is not None:
             items["reference"] = nnx.to_pure_dict(reference)
         meta = {**meta, checkpoint_sums.KEY: checkpoint_sums.checksums(items)}  # checked at every restore
@@ -295,7 +235,7 @@ class Checkpointer:
     def restore_reference(self, step: int, like_params):
         """The KL reference saved with checkpoint `step`, as a tree like `like_params` placed as they are."""
         got = self.manager.restore(step, args=ocp.args.Composite(
-            reference=ocp.args.StandardRestore(nnx.to_pure_dict(_abstract(like_params)))))
+            reference=ocp.args.StandardRestore(nnx.to_pure_dict(abstract_tree(like_params)))))
         saved_step, sums = self._sums
         why = checkpoint_sums.problem(sums if saved_step == step else None, {"reference": got["reference"]})
         if why:  # the state of this step was restored already: no fallback to an older step here
@@ -318,7 +258,7 @@ class Checkpointer:
         two-host resume whose newest checkpoint one host could not read had the hosts resume from different steps,
         and both hung in their first collective until jax's shutdown barrier killed them."""
         steps = self.job_steps()
-        target = _restore_target(like)
+        target = restore_target(like)
         unreadable = []
         for step in steps:
             try:
@@ -333,7 +273,7 @@ class Checkpointer:
                     "that wrote it, or start this one in another run.out_dir (or run.name)")
             try:
                 got = self.manager.restore(step, args=ocp.args.Composite(
-                    state=_state_args(target, params_only), meta=ocp.args.JsonRestore()))
+                    state=state_restore_args(target, params_only), meta=ocp.args.JsonRestore()))
                 # valid JSON that is not what a save writes: as damaged as a file that does not parse
                 why = _meta_problem(step, got["meta"])
             except Exception as e:  # noqa: BLE001 - any unreadable checkpoint: fall back to the previous one
@@ -345,7 +285,7 @@ class Checkpointer:
                 why = self._sums_problem(step, got)  # words every process gets alike (so no second agreement)
                 if why is None:
                     self._set_aside(unreadable)
-                    return _rebuild(like, got["state"]), _without_sums(got["meta"])
+                    return rebuild_state(like, got["state"]), _without_sums(got["meta"])
             log.warning("checkpoint step %d in %s is unreadable (%s); trying the previous one", step,
                         self.directory, why or "on another process of the job: its log says why")
             unreadable.append(step)
@@ -413,35 +353,3 @@ def _meta_problem(step: int, meta) -> str | None:
 def _without_sums(meta) -> dict:
     """A checkpoint's meta as the trainer wrote it: the checksums are the checkpointer's own."""
     return {k: v for k, v in meta.items() if k != checkpoint_sums.KEY}
-
-
-def _state_args(target: dict, params_only: bool):
-    """The restore of a step's `state` item: whole, or (params_only) without the optimizer's inner state, which
-    is then not read (orbax's partial restore)."""
-    if not params_only:
-        return ocp.args.StandardRestore(target)
-    part = {k: v for k, v in target.items() if k != "inner"}
-    return ocp.args.PyTreeRestore(part, restore_args=ocp.checkpoint_utils.construct_restore_args(part),
-                                  partial_restore=True)
-
-
-def _rebuild(like: TrainState, saved: dict) -> TrainState:
-    master = jax.tree.map(lambda x: x, like.params)  # a fresh State to fill
-    nnx.replace_by_pure_dict(master, saved["master"])
-    master = jax.tree.map(lambda m: m.astype(jnp.float32), master)
-    params = precision.params_from_master(master, like.params)
-    rest = jax.tree.map(lambda x: x, like.rest)
-    nnx.replace_by_pure_dict(rest, saved["rest"])
-    if "inner" not in saved:  # params_only: the optimizer state stays `like`'s (a reader's, by shape)
-        return TrainState(params, rest, like.opt_state, jnp.asarray(saved["step"]), jnp.asarray(saved["skipped"]))
-    if like.opt_state.master == ():  # mode "none"
-        store = ()
-    else:  # "fp32": the master itself; "compact": int16 remainders where the layout has them
-        # An fp32 param (the router) is its own master, the same array: the train step donates the whole
-        # state, and a buffer donated twice fails it (PJRT "donate the same buffer twice", then a segfault),
-        # so such a leaf's master is a copy, as `precision.with_master_weights` makes it at init.
-        store = jax.tree.map(lambda m, p, s: precision.remainder(m, p) if s.dtype == jnp.int16
-                             else jnp.array(m, copy=True) if p is m else m, master, params, like.opt_state.master)
-    inner = jax.tree.map(lambda s, ref: s.astype(ref.dtype), saved["inner"], like.opt_state.inner)
-    return TrainState(params, rest, precision.MasterState(store, inner), jnp.asarray(saved["step"]),
-                      jnp.asarray(saved["skipped"]))

@@ -49,7 +49,7 @@ def checkpointer(tmp_path, monkeypatch):
     c = Checkpointer(str(tmp_path / "checkpoints"), async_save=True)
     c.manager.close()
     c.manager = FakeManager()
-    monkeypatch.setattr("rl.checkpoint._portable", lambda state: {})
+    monkeypatch.setattr("rl.checkpoint.portable_state", lambda state: {})
     yield c
     c.close()
     assert _orbax_errors_to_run_log not in logging.getLogger("absl").filters  # installed by a save, until close
