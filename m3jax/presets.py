@@ -46,17 +46,17 @@ class PresetError(ValueError):
 
 def expand_preset(fields: dict[str, Any]) -> dict[str, Any]:
     """{preset: NAME, **rest} -> NAME's M3Config fields with `rest` replacing them; a mapping without `preset` is
-    returned as it is. A `num_hidden_layers` given without `layer_types` / `mlp_layer_types` keeps the preset's
-    pattern at that depth (for release: up to 3 full dense layers first, the rest sparse MoE)."""
+    returned as it is. A `num_hidden_layers` given gives the preset's layer pattern at that depth (for release: up to
+    3 full dense layers first, the rest sparse MoE) to whichever of `layer_types` / `mlp_layer_types` is not given."""
     if "preset" not in fields:
         return fields
     rest = {k: v for k, v in fields.items() if k != "preset"}
     name = fields["preset"]
-    if name not in PRESETS:
+    if not isinstance(name, str) or name not in PRESETS:
         raise PresetError(f"preset = {name!r}: no such model preset; allowed: {', '.join(sorted(PRESETS))}")
     depth = rest.get("num_hidden_layers")
-    if depth is not None and not any(k in rest for k in ("layer_types", "mlp_layer_types")):
-        if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
-            raise PresetError(f"num_hidden_layers = {depth!r} with preset {name!r}: allowed: an integer >= 1")
-        return {**PRESETS[name](depth), **rest}
-    return {**PRESETS[name](), **rest}
+    if depth is None:
+        return {**PRESETS[name](), **rest}
+    if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
+        raise PresetError(f"num_hidden_layers = {depth!r} with preset {name!r}: allowed: an integer >= 1")
+    return {**PRESETS[name](depth), **rest}

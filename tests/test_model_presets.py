@@ -49,6 +49,11 @@ def test_a_preset_at_another_depth_keeps_the_release_layer_pattern(depth, full):
                        ).model.tiny
     assert (tiny["hidden_size"], tiny["layer_types"], tiny["vocab_size"]) == (
         1024, ["minimax_m3_sparse", "full_attention"], 200064)
+    # one list given: the other is the preset's at that depth (it was the release's 60 entries, an error blamed on
+    # a default)
+    tiny = load_config(RANDOM, ["model.tiny={preset: release, num_hidden_layers: 2, "
+                                "layer_types: [minimax_m3_sparse, full_attention]}"]).model.tiny
+    assert (tiny["layer_types"], tiny["mlp_layer_types"]) == (["minimax_m3_sparse", "full_attention"], ["dense"] * 2)
 
 
 @pytest.mark.parametrize("override", ["model.tiny.preset=release", "model.tiny={preset: release}"])
@@ -58,9 +63,22 @@ def test_a_preset_replaces_an_inherited_tiny_model_instead_of_merging_into_it(ov
     assert cfg.model.tiny == {**release_fields(), "num_local_experts": 16}
 
 
+def test_a_preset_replaces_what_model_tiny_held_before_it_so_fields_go_after_it():
+    assert load_config(RANDOM, ["model.tiny.hidden_size=1024", "model.tiny.preset=release"]).model.tiny[
+        "hidden_size"] == 6144  # documented: the preset starts the model over
+    assert load_config(RANDOM, ["model.tiny.preset=release", "model.tiny.hidden_size=1024"]).model.tiny[
+        "hidden_size"] == 1024
+
+
 @pytest.mark.parametrize("override, key, allowed", [
     ("model.tiny={preset: relase}", "model.tiny.preset = 'relase': no such model preset", "allowed: release"),
     ("model.tiny.preset=release2", "model.tiny.preset = 'release2': no such model preset", "allowed: release"),
+    # not a name at all: a TypeError (unhashable) escaped the loader as a traceback
+    ("model.tiny.preset=[release]", "model.tiny.preset = ['release']: no such model preset", "allowed: release"),
+    ("model.tiny={presett: release}", "model.tiny.presett: unknown key (did you mean 'preset'?)", "preset"),
+    # a field the preset filled in is named as the preset's, not as a default
+    ("model.tiny={preset: release, num_local_experts: 2}", "model.tiny.num_experts_per_tok = 4",
+     "[set by the model preset named by override 'model.tiny={preset: release, num_local_experts: 2}']"),
     ("model.tiny={preset: release, num_hidden_layers: 0}", "model.tiny.num_hidden_layers = 0 with preset 'release'",
      "allowed: an integer >= 1"),
 ])

@@ -14,8 +14,9 @@ Resolution (later wins)
    `1e-6`, `[data, context]`, `{hidden_size: 64}`, `null`); the key must exist.
 
 Merging: mappings merge key by key (so `model.tiny` can change one field of an inherited tiny model),
-lists and scalars replace; a `model.tiny` mapping that names a `preset` (m3jax.presets) replaces the inherited
-one. A section left empty (`logging:`) keeps its defaults.
+lists and scalars replace; a `model.tiny` mapping that names a `preset` (m3jax.presets), or a
+`model.tiny.preset=` override, replaces whatever `model.tiny` held before it (an inherited mapping, earlier overrides).
+A section left empty (`logging:`) keeps its defaults.
 
 YAML dialect (files and override values alike; `load_yaml`): the safe loader, except that `1e-6` is a
 float (YAML 1.1 would read a string), `23:30` is the string "23:30" (YAML 1.1 would read the base-60

@@ -74,6 +74,9 @@ def _sources_of(key: str, sources: dict[str, str]) -> list[str]:
         src = sources.get(".".join(parts[:n]))
         if src:
             return [src]
+    if parts[:2] == ["model", "tiny"] and len(parts) > 2 and "model.tiny.preset" in sources:
+        # a field no file or override set, filled in by the model preset (m3jax.presets): not a default
+        return [f"the model preset named by {sources['model.tiny.preset']}"]
     return [s for k, s in sources.items() if key and k.startswith(key + ".")]
 
 

@@ -19,9 +19,11 @@ class ModelSection(_Section):
                           allowed="a local Hugging Face model directory, or null when model.tiny is set")
     tiny: dict[str, Any] | None = _f(None, "M3Config fields of a randomly initialised model, or {preset: release, "
                                            "...}: the released model's shapes (m3jax.presets; the keys beside it, and "
-                                           "later ones, replace its fields; a num_hidden_layers alone keeps its "
-                                           "layer pattern; it replaces an inherited model.tiny instead of merging), "
-                                           "written out in full when the config loads; exclusive with path",
+                                           "later ones, replace its fields; a num_hidden_layers gives its layer "
+                                           "pattern at that depth to the layer lists not given; it replaces "
+                                           "whatever model.tiny held before it, inherited or set by an earlier "
+                                           "override, so give fields after it), written out in full when the "
+                                           "config loads; exclusive with path",
                                      allowed="a mapping of M3Config fields, or {preset: release} with any of them")
     init_seed: int = _f(0, "seed of the random initialisation of a tiny model", min=0, max=MAX_SEED)
     remat: bool = _f(False, "activation checkpointing (recompute each layer in the backward pass)")

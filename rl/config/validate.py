@@ -129,8 +129,8 @@ def _check_tiny(tiny: dict, out: list[_Problem]) -> None:
         return
     before = len(out)
     for k in tiny:
-        if k not in names:
-            out.append(_unknown(f"model.tiny.{k}", names, "model.tiny (M3Config fields)"))
+        if k not in names:  # preset: m3jax.presets, expanded by ModelSection (a misspelt one is told of it)
+            out.append(_unknown(f"model.tiny.{k}", [*names, "preset"], "model.tiny (M3Config fields, preset)"))
     missing = [k for k in required if k not in tiny]
     if missing:
         out.append(_Problem("model.tiny", f"model.tiny lacks {', '.join(missing)}: M3Config has no default for "
