@@ -113,6 +113,11 @@ BAD_FILES = {
     "reward_not_registered": ("reward: [{name: reverse_digit}]\n",
                               ['reward[0].name = "reverse_digit": no reward is registered under this name (did you '
                                'mean "reverse_digits"?); allowed: one of', '"math_verify"', "register_reward"]),
+    # a weight past 1e6 could take the float32 reward sum to inf; a process-mode wait past ~2.1e6 s overflowed
+    "reward_weight_too_large": ("reward: [{name: copy_digits, weight: 1e300}]\n",
+                                ["reward[0].weight = 1e+300: out of range; allowed: a number in [-1000000, 1000000]"]),
+    "reward_timeout_too_large": ("reward: [{name: copy_digits, timeout_s: 1e7}]\n",
+                                 ["reward[0].timeout_s = 10000000.0: out of range; allowed: a number in (0, 1000000]"]),
     "mask_band_empty": ("grpo: {is_correction: mask, is_mask_low: 2.0, is_mask_high: 1.5}\n",
                         ["grpo.is_mask_high = 1.5: not above grpo.is_mask_low = 2.0; allowed: a number > "
                          "is_mask_low"]),

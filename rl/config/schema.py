@@ -289,8 +289,10 @@ class DataSection(_Section):
 @dataclasses.dataclass(frozen=True)
 class RewardSpec(_Section):
     name: str = _f("", "registered reward function", pattern=(r"\S+", "a non-empty name"))
-    weight: float = _f(1.0, "weight of this reward in the sum")
-    timeout_s: float = _f(10.0, "time limit per sample (a timeout scores 0 and is counted)", gt=0)
+    # bounded so that a weighted sum of rewards (each within +-1e30, rl.rewards.outcome) stays finite in float32
+    weight: float = _f(1.0, "weight of this reward in the sum", min=-1e6, max=1e6)
+    # a process-mode reward's wait is in milliseconds that must fit a C int (about 2.1e6 s)
+    timeout_s: float = _f(10.0, "time limit per sample (a timeout scores 0 and is counted)", gt=0, max=1e6)
     workers: int = _f(0, "samples scored at once: a thread-mode reward's lanes, a process-mode one's processes, a "
                          "batch-mode one's chunks called at once (0: 1 lane, min(cores, 8) processes, 1 call; an "
                          "inline reward runs one at a time)", min=0)

@@ -30,14 +30,24 @@ def call_reward(fn: Callable[..., float], completion: str, answer: str, kw: Mapp
     return check_value(out)
 
 
+# The largest reward value taken. Rewards are summed, weighted (|weight| <= rl.config's 1e6), into float32: 1e39
+# became inf there and every advantage of its group NaN; a Python int past float's range raised out of the step.
+MAX_ABS_REWARD = 1e30
+
+
 def check_value(out) -> tuple[bool, float | str]:
-    """(True, float) for a finite number (bool and numpy scalars are), else (False, reason): float() alone took the
-    string "0.75" and a one-element array."""
+    """(True, float) for a finite number of magnitude <= MAX_ABS_REWARD (bool and numpy scalars are numbers), else
+    (False, reason): float() alone took the string "0.75" and a one-element array."""
     if not isinstance(out, (numbers.Real, np.bool_)):
         return False, f"returned {type(out).__name__}, expected a float"
-    value = float(out)
+    try:
+        value = float(out)
+    except (OverflowError, TypeError, ValueError) as e:  # an int past float's range
+        return False, f"returned {type(out).__name__} {str(out)[:24]}..., not a float ({e})"
     if not math.isfinite(value):
         return False, f"returned {value}"
+    if abs(value) > MAX_ABS_REWARD:
+        return False, f"returned {value:g}, beyond +-{MAX_ABS_REWARD:g} (rewards are summed in float32)"
     return True, value
 
 
