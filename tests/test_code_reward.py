@@ -79,6 +79,25 @@ def test_specs_it_cannot_read_are_refused():
         parse_tests({"tests": []})
 
 
+@pytest.mark.parametrize("answer, why", [
+    # a plain-layout file's "solution" field taken for the tests: every program that ran scored 1.0, a wrong one too
+    ("def add(a, b):\n    return a + b\n", "checks nothing"),
+    ("# tests TBD", "checks nothing"), ('""', "checks nothing"), ('"   "', "checks nothing"),
+    ({"inputs": [], "outputs": []}, "no test"), ([], "no test"), ({"asserts": []}, "no test"),  # scored 0 uncounted
+    ("assert add(1, 2) ==", "not Python"),
+])
+def test_specs_that_test_nothing_are_refused(answer, why):
+    with pytest.raises(ValueError, match=why):
+        parse_tests(answer)
+
+
+def test_test_code_that_can_fail_is_taken():
+    for code in ("assert add(1, 2) == 3", "if add(1, 2) != 3:\n    raise SystemExit(1)",
+                 "import unittest\nunittest.TestCase().assertEqual(add(1, 2), 3)",
+                 "def check(candidate):\n    assert candidate(1, 2) == 3\n\ncheck(add)"):
+        assert parse_tests(code) == [("assert", code, None)]
+
+
 def test_through_the_process_pool():
     """The registered mode (a worker process per chunk): scores and a bad spec counted as a failure."""
     total, failures = score_batch([("code_tests", 1.0)], [ADD, "no code", ADD], [IO, IO, json.dumps({"tests": 1})],

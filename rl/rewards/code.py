@@ -37,6 +37,7 @@ Registered with mode ``"process"``: the pool's kill is the backstop of everythin
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -123,7 +124,40 @@ def extract_program(completion: str) -> str | None:
 def parse_tests(answer) -> list[tuple[str, object, object]]:
     """The tests of an answer as (kind, input, expected): kind "io" (stdin text, stdout text), "call" (argument
     list, expected value; the function name rides in `input` as (name, args)) or "assert" (code, None).
-    Raises ValueError naming what was wrong with a spec it cannot read."""
+    Raises ValueError naming what was wrong with a spec it cannot read, one that holds no test, and test code that
+    checks nothing (every program that runs would pass it: a reference solution taken for the tests, say)."""
+    tests = _parse_tests(answer)
+    if not tests:
+        raise ValueError(f"code tests: the spec holds no test ({str(answer)[:80]!r}); expected at least one")
+    for kind, code, _ in tests:
+        if kind == "assert":
+            _check_test_code(code)
+    return tests
+
+
+def _check_test_code(code: str) -> None:
+    """Test code must be Python that can fail: an assert statement, a raise, or a call of an assert* function
+    (unittest's, numpy.testing's)."""
+    try:
+        tree = ast.parse(code)
+    except SyntaxError as e:
+        raise ValueError(f"code tests: the test code is not Python ({e.msg}, line {e.lineno}): {code[:80]!r}") from None
+
+    def asserts(node) -> bool:
+        if isinstance(node, (ast.Assert, ast.Raise)):
+            return True
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+            return name.startswith("assert")
+        return False
+    if not any(asserts(n) for n in ast.walk(tree)):
+        raise ValueError(f"code tests: the test code checks nothing (no assert, raise or assert* call), so every "
+                         f"program that runs would pass: {code[:80]!r}; expected tests (is it a reference solution? "
+                         "data.answer_key names the tests' field)")
+
+
+def _parse_tests(answer) -> list[tuple[str, object, object]]:
     spec = answer
     if isinstance(answer, str):
         try:
