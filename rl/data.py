@@ -108,16 +108,35 @@ def _file_format(path: Path, fmt: str) -> str:
     )
 
 
+class _RepeatedKey(ValueError):
+    """A key twice in one JSON object: json keeps the last value silently (an answer could be the wrong one)."""
+
+    def __init__(self, key: str):
+        super().__init__(f"the key {key!r} appears twice in one object (JSON would keep the last silently); "
+                         "expected each key once")
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise _RepeatedKey(key)
+        out[key] = value
+    return out
+
+
 def _read_jsonl(path: Path) -> list[tuple[int, Any]]:
     rows = []
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # -sig: a byte-order mark (some Windows editors) is not a row
             for lineno, line in enumerate(f, start=1):
                 if not line.strip():
                     continue  # blank lines (a trailing newline, separators) are not rows
                 text = line.rstrip("\r\n")  # else a line cut short is reported at "column 1" of the next
                 try:
-                    rows.append((lineno, json.loads(text)))
+                    rows.append((lineno, json.loads(text, object_pairs_hook=_unique_keys)))
+                except _RepeatedKey as e:
+                    raise DatasetError(path, str(e), row=lineno) from None
                 except json.JSONDecodeError as e:
                     where = "the line ends early" if e.pos >= len(text.rstrip()) else f"column {e.colno}"
                     raise DatasetError(path, f"invalid JSON ({e.msg}: {where}); expected one JSON object per line",
@@ -138,8 +157,10 @@ def _json_limit(e: Exception) -> str:
 
 def _read_json(path: Path) -> list[tuple[int, Any]]:
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        with open(path, encoding="utf-8-sig") as f:
+            data = json.load(f, object_pairs_hook=_unique_keys)
+    except _RepeatedKey as e:
+        raise DatasetError(path, str(e)) from None
     except json.JSONDecodeError as e:
         raise DatasetError(path, f"invalid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
     except UnicodeDecodeError as e:
@@ -354,7 +375,7 @@ def load_prompts(path: str | os.PathLike, *, format: FileFormat = "auto", prompt
 # --------------------------------------------------------------------------------------------------
 # Rendering
 
-def _has_chat_template(tokenizer) -> bool:
+def has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None)) and hasattr(tokenizer, "apply_chat_template")
 
 
@@ -379,7 +400,7 @@ def render_prompt(record: PromptRecord | Prompt, tokenizer, *, chat_template: bo
     tokenizer's own special tokens (BOS etc.).
     """
     prompt = record.prompt if isinstance(record, PromptRecord) else record
-    if chat_template and _has_chat_template(tokenizer):
+    if chat_template and has_chat_template(tokenizer):
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return _as_id_list(out)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from rl.data import DatasetError, PromptRecord, render_prompt
+from rl.data import DatasetError, PromptRecord, has_chat_template, render_prompt
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,10 @@ def fit_prompt_lengths(records: Sequence[PromptRecord], tokenizer, limit: int, *
                     "(data.chat_template: false): their contents joined by blank lines, roles and template dropped; "
                     "set data.chat_template=true to render them as the model was tuned to read them",
                     chats, len(records))
-    ids = [render_prompt(r, tokenizer, chat_template=chat_template) for r in records]
+    if records and chat_template and not has_chat_template(tokenizer):
+        log.warning("data.chat_template is true but the tokenizer has no chat template: the %d prompts are rendered "
+                    "as plain text (a chat's contents joined by blank lines, its roles dropped)", len(records))
+    ids = [_rendered(r, tokenizer, chat_template) for r in records]
     for r, x in zip(records, ids):  # the engine refuses an empty request: at the step that drew it, hours in
         if not x:
             raise DatasetError(r.meta.get("source", "<records>"), (
@@ -67,3 +70,17 @@ def fit_prompt_lengths(records: Sequence[PromptRecord], tokenizer, limit: int, *
     log.warning("%s: dropped %d of %d prompts longer than %s = %d tokens (data.overlong_prompts: drop; the "
                 "longest %d)", source, len(over), len(records), limit_key, limit, longest)
     return [records[i] for i in keep], [ids[i] for i in keep]
+
+
+def _rendered(record: PromptRecord, tokenizer, chat_template: bool) -> list[int]:
+    """`render_prompt`, its failure (a chat template that refuses the messages' roles or order, text that does not
+    encode) raised as the DatasetError of the record's file and row: it escaped the load as a bare traceback."""
+    try:
+        return render_prompt(record, tokenizer, chat_template=chat_template)
+    except Exception as e:  # noqa: BLE001 - jinja2's, the tokenizer's: the row is what the user needs
+        how = "with the tokenizer's chat template" if chat_template and has_chat_template(tokenizer) else "as text"
+        raise DatasetError(record.meta.get("source", "<records>"), (
+            f"the prompt does not render {how} ({type(e).__name__}: {str(e)[:200]}); expected messages the "
+            "template takes (its roles, in its order) and text that encodes as UTF-8"),
+            row=record.meta.get("row")) from None
+

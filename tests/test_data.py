@@ -151,6 +151,20 @@ def test_json_past_the_readers_limits_names_the_row(tmp_path, text, says):
         load_prompts(path)
 
 
+def test_a_key_twice_in_a_row_is_refused_and_a_byte_order_mark_is_read(tmp_path):
+    """json keeps the last of two equal keys silently: a row's answer could be the wrong one."""
+    (tmp_path / "d.jsonl").write_text('{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": "1", "answer": "2"}\n')
+    with pytest.raises(DatasetError, match=r"d.jsonl, row 2: the key 'answer' appears twice in one object"):
+        load_prompts(tmp_path / "d.jsonl")
+    (tmp_path / "d.json").write_text('[{"prompt": "a", "prompt": "b", "answer": "1"}]')
+    with pytest.raises(DatasetError, match=r"d.json: the key 'prompt' appears twice"):
+        load_prompts(tmp_path / "d.json")
+    for name in ("bom.jsonl", "bom.json"):  # was "Unexpected UTF-8 BOM"
+        body = '{"prompt": "a", "answer": "1"}' if name.endswith("l") else '[{"prompt": "a", "answer": "1"}]'
+        (tmp_path / name).write_bytes(b"\xef\xbb\xbf" + body.encode())
+        assert [(r.prompt, r.answer) for r in load_prompts(tmp_path / name)] == [("a", "1")]
+
+
 def test_a_nan_answer_is_refused(tmp_path):
     path = tmp_path / "nan.jsonl"
     path.write_text('{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": NaN}\n')
@@ -399,6 +413,29 @@ def test_an_id_past_the_model_vocabulary_names_the_tokenizer(tmp_path):
     with pytest.raises(DatasetError, match="row 2: the prompt renders to token id 14, past the model's vocab_size 12; "
                                            "expected the model's own tokenizer"):
         fit_prompt_lengths(recs, DigitTokenizer(), 8, chat_template=False, vocab_size=12)
+
+
+def test_a_prompt_the_template_or_tokenizer_refuses_names_its_row(tmp_path, chat_tokenizer, caplog):
+    """A chat template that refuses a role (jinja2's TemplateError), or text the tokenizer cannot encode (a lone
+    surrogate), escaped the load as a bare traceback without file or row."""
+    import copy
+    tok = copy.copy(chat_tokenizer)
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+                         "{{ raise_exception('bad role ' + m['role']) }}{% endif %}<|{{ m['role'] }}|> "
+                         "{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    recs = load_prompts(write_jsonl(tmp_path / "chat.jsonl", [
+        {"prompt": [{"role": "user", "content": "what is 1 + 2 ?"}], "answer": "3"},
+        {"prompt": [{"role": "usr", "content": "what is 1 + 2 ?"}], "answer": "3"}]))
+    with pytest.raises(DatasetError, match=r"chat.jsonl, row 2: the prompt does not render with the tokenizer's chat "
+                                           r"template \(TemplateError: bad role usr\)"):
+        fit_prompt_lengths(recs, tok, 64, chat_template=True)
+    lone = [PromptRecord("what \ud800 is", "3", meta={"source": "s.jsonl", "row": 7})]
+    with pytest.raises(DatasetError, match=r"s.jsonl, row 7: the prompt does not render as text"):
+        fit_prompt_lengths(lone, tok, 64, chat_template=False)
+    # asked for a template the tokenizer does not have: rendered as text, and now said so
+    with caplog.at_level("WARNING", logger="rl.prompt_lengths"):
+        fit_prompt_lengths(digit_file(tmp_path, ["12"]), DigitTokenizer(), 8, chat_template=True)
+    assert "data.chat_template is true but the tokenizer has no chat template" in caplog.text
 
 
 def test_the_trainer_checks_every_file_prompt_at_load(tmp_path, monkeypatch):
