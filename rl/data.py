@@ -185,7 +185,36 @@ def _read_parquet(path: Path) -> list[tuple[int, Any]]:
         table = pq.read_table(path)
     except Exception as e:  # pyarrow raises ArrowInvalid / OSError for corrupt or non-Parquet files
         raise DatasetError(path, f"not a readable Parquet file ({type(e).__name__}: {e})") from None
-    return list(enumerate(table.to_pylist(), start=1))
+    rows = table.to_pylist()
+    narrow = [f for f in table.schema if _has_float32(f.type)]
+    for row in rows if narrow else ():
+        for field in narrow:
+            row[field.name] = _as_written(row[field.name], field.type)
+    return list(enumerate(rows, start=1))
+
+
+def _has_float32(t) -> bool:
+    import pyarrow as pa
+    if pa.types.is_float32(t):
+        return True
+    if pa.types.is_struct(t):
+        return any(_has_float32(t.field(i).type) for i in range(t.num_fields))
+    return (pa.types.is_list(t) or pa.types.is_large_list(t)) and _has_float32(t.value_type)
+
+
+def _as_written(value, t):
+    """A float32 cell as the number it was written as: to_pylist widens 123.456 to 123.45600128173828, which is
+    then the answer's text (and math_verify scores a right \\boxed{123.456} 0)."""
+    import pyarrow as pa
+    if value is None:
+        return None
+    if pa.types.is_float32(t):
+        return float(str(np.float32(value)))  # the shortest text that reads back as the same float32
+    if pa.types.is_struct(t):
+        return {k: _as_written(v, t.field(k).type) if t.get_field_index(k) >= 0 else v for k, v in value.items()}
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        return [_as_written(v, t.value_type) for v in value]
+    return value
 
 
 def _read_rows(path: Path, fmt: str) -> list[tuple[int, Any]]:

@@ -101,6 +101,22 @@ def test_parquet_dapo(tmp_path):
     assert recs[0].meta["extra_info"] == {"index": "a1"}
 
 
+def test_a_float32_parquet_answer_is_the_number_as_written(tmp_path):
+    """to_pylist widened float32 123.456 to 123.45600128173828, the answer's text: a right \\boxed{123.456}
+    scored 0. Top-level and nested (DAPO's reward_model.ground_truth) columns alike."""
+    pa = pytest.importorskip("pyarrow", reason="Parquet support needs the 'pyarrow' package")
+    import pyarrow.parquet as pq
+
+    gt = pa.struct([("ground_truth", pa.float32()), ("style", pa.string())])
+    pq.write_table(pa.table({"prompt": ["a", "b"], "answer": pa.array([123.456, 0.1], pa.float32()),
+                             "reward_model": pa.array([{"ground_truth": 1.1, "style": "rule"},
+                                                       {"ground_truth": 2.5, "style": None}], gt)}),
+                   tmp_path / "f32.parquet")
+    assert [r.answer for r in load_prompts(tmp_path / "f32.parquet", answer_key="answer")] == ["123.456", "0.1"]
+    recs = load_prompts(tmp_path / "f32.parquet", answer_key="reward_model.ground_truth")
+    assert [r.answer for r in recs] == ["1.1", "2.5"]
+
+
 # ------------------------------------------------------------------------------------------ errors
 
 def check_error(excinfo, path, row):
