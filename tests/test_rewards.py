@@ -214,6 +214,17 @@ def test_math_verify_reward(completion, answer, expected):
     assert get_reward("math_verify")(completion, answer, timeout_s=5) == expected
 
 
+def test_the_answer_line_is_read_in_linear_time():
+    """A long run of spaces on an Answer: line took 3.8 s at 16k characters (the line's lazy pattern and the
+    end-anchored strip, each quadratic): eval.majority_answer: boxed reads it in the trainer, with no time limit."""
+    from rl.rewards.math import extract_final_answer
+    t0 = time.perf_counter()
+    assert extract_final_answer("Answer: 1" + " " * 50000 + "a") == "1" + " " * 50000 + "a"
+    assert extract_final_answer("Answer: 1" + " " * 50000) == "1"
+    assert extract_final_answer("Answer: 5\r\nNo wait, Answer: $6$.\r\n") == "5"  # CRLF lines end as LF ones
+    assert time.perf_counter() - t0 < 0.5
+
+
 def test_math_verify_batch_in_pool_and_threads():
     completions = ["\\boxed{1/2}", "\\boxed{\\frac{1}{2}}", "\\boxed{0.3}", "Answer: 204", "\\boxed{x}"]
     answers = ["0.5", "1/2", "0.5", "204", "\\frac{1}{2}"]
