@@ -112,6 +112,9 @@ class M3Config:
     text_passthrough: str = ""
 
     def __post_init__(self):
+        for name in ("layer_types", "mlp_layer_types"):
+            if isinstance(getattr(self, name), str):  # tuple() would make a layer of each character
+                raise _err(name, getattr(self, name), "a list of per-layer types, not one string")
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
         object.__setattr__(self, "mlp_layer_types", tuple(self.mlp_layer_types))
         if isinstance(self.eos_token_id, list):
@@ -215,7 +218,7 @@ class M3Config:
                        f"at most index_topk_blocks={self.index_topk_blocks}")
         for name in ("rope_theta", "rms_norm_eps", "swiglu_alpha", "swiglu_limit", "routed_scaling_factor"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:  # NaN fails too
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < _as_float(v) < math.inf:  # NaN too
                 raise _err(name, v, "a positive finite number")
         # transformers' config takes these as ints only, so a wrong one failed later inside it, not here
         eos = self.eos_token_id if isinstance(self.eos_token_id, tuple) else (self.eos_token_id,)
@@ -347,6 +350,8 @@ class M3Config:
         f = os.path.join(path, "config.json") if os.path.isdir(path) else str(path)
         if not os.path.exists(f):
             raise ConfigError(f"no config.json at {f}: expected a Hugging Face model directory")
+        if os.path.isdir(f):  # open() raised IsADirectoryError, a traceback
+            raise ConfigError(f"{f} is a directory: expected the config.json file of a Hugging Face model directory")
         try:
             with open(f) as fh:
                 raw = json.load(fh)
@@ -445,4 +450,12 @@ def _read_rope(text: dict, take, head_dim: int) -> dict[str, Any]:
     for name, value in (("rope_theta", theta), ("partial_rotary_factor", prf)):
         if isinstance(value, bool) or not isinstance(value, (int, float)):  # validate() judges the number's range
             raise _err(name, value, "a number")
-    return {"rope_theta": float(theta), "partial_rotary_factor": float(prf)}
+    return {"rope_theta": _as_float(theta), "partial_rotary_factor": _as_float(prf)}
+
+
+def _as_float(v: int | float) -> float:
+    """float(v), an int past float's range as inf (which validate() refuses), not an OverflowError traceback."""
+    try:
+        return float(v)
+    except OverflowError:
+        return math.inf

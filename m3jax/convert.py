@@ -15,6 +15,7 @@ import time
 
 import jax.numpy as jnp
 
+from m3jax.cli_args import path_argument
 from m3jax.config import ConfigError
 from m3jax.hf.convert import convert_checkpoint
 from m3jax.hf.read_blocks import READ_THREADS
@@ -25,12 +26,12 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m m3jax.convert", description=__doc__.splitlines()[0])
-    ap.add_argument("src", help="HF checkpoint directory to read")
-    ap.add_argument("dst", help="directory to write (replaced atomically if it exists)")
+    ap.add_argument("src", type=path_argument, help="HF checkpoint directory to read")
+    ap.add_argument("dst", type=path_argument, help="directory to write (replaced atomically if it exists)")
     ap.add_argument("--layout", choices=("native", "released"), default="native")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: the checkpoint's dtype")
     ap.add_argument("--max-shard-size", default="5GB")
-    ap.add_argument("--carry-from", default=None, metavar="DIR",
+    ap.add_argument("--carry-from", type=path_argument, default=None, metavar="DIR",
                     help="the checkpoint whose vision tower a released result carries (default: SRC's own)")
     ap.add_argument("--threads", type=int, default=READ_THREADS,
                     help="parts read and written at once (more for a network filesystem)")

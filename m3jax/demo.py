@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 
 import m3jax
+from m3jax.cli_args import path_argument
 
 TINY = m3jax.M3Config(
     vocab_size=512, hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -60,7 +61,7 @@ def _parents(path: str):
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m m3jax.demo", description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="runs/demo")
+    ap.add_argument("--out", type=path_argument, default="runs/demo")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     if not 0 <= args.seed < 2 ** 32:  # numpy refuses a negative seed, once two checkpoints are written
@@ -69,6 +70,12 @@ def main(argv=None) -> None:
                    None)
     if blocked:
         ap.error(f"--out {args.out}: {blocked} is a file; expected a directory (made if missing)")
+    from m3jax.hf.save import check_destination
+    for kind in ("released", "native"):  # both, before either is written (native's refusal left released written)
+        try:
+            check_destination(os.path.join(args.out, kind))
+        except FileExistsError as e:
+            ap.error(f"--out {args.out}: {e}")
     t0 = time.perf_counter()
     model = m3jax.M3ForCausalLM(TINY, rngs=nnx.Rngs(args.seed))
     n = sum(x.size for x in jax.tree.leaves(nnx.state(model)))

@@ -14,6 +14,7 @@ import argparse
 import os
 import sys
 
+from m3jax.cli_args import path_argument
 from rl.checkpoint_keep import step_argument
 from rl.config import ConfigError, add_arguments, from_args, to_yaml
 from sharding.cpu_threads import reserve_collective_threads
@@ -25,7 +26,8 @@ def main(argv=None) -> int:
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--step", type=step_argument, metavar="N", help="checkpoint step to score (default: the "
                         "newest; best: the best held-out evaluation's, which checkpoint.keep_best kept)")
-    source.add_argument("--hf", metavar="DIR", help="score this Hugging Face directory instead of a checkpoint")
+    source.add_argument("--hf", type=path_argument, metavar="DIR",
+                        help="score this Hugging Face directory instead of a checkpoint")
     args = parser.parse_intermixed_args(argv)
     reserve_collective_threads(os.environ)  # simulated CPU devices: before jax starts its CPU backend
     try:

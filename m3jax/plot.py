@@ -8,17 +8,26 @@ import argparse
 import difflib
 import os
 
+from m3jax.cli_args import path_argument
 from rl.observe import plot_compare, plot_run
 
 
 def png_path_problem(path: str) -> str | None:
-    """Why a PNG cannot be written at `path` (a directory, or in a directory that does not exist), else None:
-    found before anything is drawn or printed, where matplotlib would raise at the end."""
+    """Why an image cannot be written at `path` (a directory, in a directory that does not exist, or a suffix that
+    is no format matplotlib writes), else None: found before anything is drawn or printed, where matplotlib would
+    raise at the end."""
     if os.path.isdir(path):
         return "is a directory; expected the path of the PNG file to write"
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         return f"its directory {parent} does not exist"
+    suffix = os.path.splitext(path)[1][1:].lower()
+    if suffix:
+        from matplotlib.backend_bases import FigureCanvasBase
+        formats = FigureCanvasBase.get_supported_filetypes()
+        if suffix not in formats:
+            return (f"its suffix .{suffix} is no image format matplotlib writes; expected .png or one of "
+                    f"{', '.join('.' + f for f in sorted(formats))}")
     return None
 
 
@@ -30,8 +39,8 @@ def logged_metrics(run_dirs: list[str]) -> set[str]:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m m3jax.plot", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
-    ap.add_argument("--out", default=None, help="default: RUN_DIR/curves.png (one run)")
+    ap.add_argument("run_dirs", type=path_argument, nargs="+", metavar="RUN_DIR")
+    ap.add_argument("--out", type=path_argument, default=None, help="default: RUN_DIR/curves.png (one run)")
     ap.add_argument("--metrics", nargs="+", default=None, help="compare these metrics across the runs")
     ap.add_argument("--labels", nargs="+", default=None, help="one legend label per run (default: directory names)")
     args = ap.parse_args(argv)
@@ -41,8 +50,9 @@ def main(argv=None) -> None:
     if args.labels is not None and len(args.labels) != len(args.run_dirs):
         ap.error(f"--labels: {len(args.labels)} label(s) for {len(args.run_dirs)} run(s); expected one per run")
     if args.out is not None:
-        if not os.path.isdir(args.out) and not os.path.splitext(args.out)[1]:
-            args.out += ".png"  # as matplotlib would, so that the file printed is the file written
+        if not os.path.isdir(args.out) and not os.path.splitext(args.out)[1][1:]:
+            # as matplotlib would (a bare trailing dot too), so that the file printed is the file written
+            args.out = args.out.rstrip(".") + ".png"
         if problem := png_path_problem(args.out):
             ap.error(f"--out {args.out}: {problem}")
     if args.metrics is not None:

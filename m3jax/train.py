@@ -17,6 +17,7 @@ import logging
 import os
 import sys
 
+from m3jax.cli_args import path_argument
 from rl.checkpoint_keep import step_argument
 from rl.config import ConfigError, add_arguments, checkpoint_dir, from_args, to_yaml
 from sharding.cpu_threads import reserve_collective_threads
@@ -25,13 +26,13 @@ from sharding.cpu_threads import reserve_collective_threads
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m m3jax.train", description=__doc__.splitlines()[0])
     add_arguments(parser)
-    parser.add_argument("--export", metavar="DIR", help="export the latest checkpoint's policy to a HF "
-                        "directory and exit (on-demand export)")
+    parser.add_argument("--export", type=path_argument, metavar="DIR", help="export the latest checkpoint's policy "
+                        "to a HF directory and exit (on-demand export)")
     parser.add_argument("--step", type=step_argument, metavar="N", help="with --export: the checkpoint step to "
                         "export (default: the newest; best: the best held-out evaluation's, which "
                         "checkpoint.keep_best kept)")
     args = parser.parse_intermixed_args(argv)
-    if args.step is not None and not args.export:
+    if args.step is not None and args.export is None:
         parser.error("--step goes with --export DIR (the step to export)")
     reserve_collective_threads(os.environ)  # simulated CPU devices: before jax starts its CPU backend
     try:

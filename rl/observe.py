@@ -218,17 +218,23 @@ def keep_rows_through(path: str, last_step: int) -> tuple[int, bool, float | Non
 
 def read_metrics(run_dir: str) -> list[dict]:
     """metrics.jsonl rows, the last record of each step winning (a resumed run re-logs some steps). A line that
-    is not a row (cut short by a crash) is skipped with a warning naming it."""
+    is not a row (cut short by a crash, bytes that are not text, a step that is not a number) is skipped with a
+    warning naming it: a step of "abc" beside the numbers failed the sort with a traceback."""
     rows, bad = {}, []
     path = os.path.join(run_dir, "metrics.jsonl")
-    with open(path) as f:
+    with open(path, errors="replace") as f:
         for number, line in enumerate(f, 1):
             if line.strip():
                 try:
                     row = json.loads(line)
-                    rows[row["step"]] = row
+                    step = row["step"]
                 except (json.JSONDecodeError, TypeError, KeyError):
                     bad.append(number)
+                    continue
+                if isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step):
+                    bad.append(number)
+                    continue
+                rows[step] = row
     if bad:
         logging.getLogger(__name__).warning("%s: skipped line%s %s (not a metrics row)", path,
                                             "s" if len(bad) > 1 else "", ", ".join(map(str, bad[:10])))

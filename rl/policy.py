@@ -310,6 +310,10 @@ def export_latest(cfg: RunConfig, path: str | None = None, step: int | str | Non
     checkpoint, is refused before the model is built."""
     from m3jax.hf.save import check_destination
     path = check_destination(path or os.path.join(cfg.run.out_dir, "export"), [cfg.run.out_dir, cfg.model.path])
+    checkpoints = os.path.abspath(checkpoint_dir(cfg))
+    if os.path.commonpath([path, checkpoints]) == checkpoints:  # a resume took it for a damaged step, set aside
+        raise FileExistsError(f"destination {path} is inside the run's checkpoints directory {checkpoints}, where "
+                              "the next resume would take it for a damaged checkpoint: choose another directory")
     # a reader: nothing in the run directory is created, moved or deleted (it may be read-only)
     checkpointer = ckpt_lib.Checkpointer(checkpoint_dir(cfg), async_save=False, read_only=True)
     try:

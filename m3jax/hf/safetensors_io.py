@@ -45,6 +45,8 @@ class TensorInfo:
 
 def read_header(path: str) -> dict[str, TensorInfo]:
     """Parse and check one file's header: JSON validity, known dtypes, offsets inside the file."""
+    if not os.path.isfile(path):  # a directory named *.safetensors: open() raised IsADirectoryError, a traceback
+        raise CheckpointError(f"{path}: not a file; expected a safetensors file")
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         raw = f.read(8)

@@ -223,10 +223,11 @@ def main(argv=None) -> int:
         ap.error(f"--png {a.png}: {problem}")
     try:
         sets = [tuple(int(x) for x in s.split(":", 1)) for s in a.compile_layers.split(",")]
-        if any(len(pair) != 2 or min(pair) < 0 for pair in sets):
+        if any(len(pair) != 2 or min(pair) < 0 or sum(pair) < 1 for pair in sets):  # 0:0 failed in the compile
             raise ValueError
     except ValueError:
-        ap.error(f"--compile-layers {a.compile_layers!r}: expected dense:moe pairs such as 2:2,3:2,2:4")
+        ap.error(f"--compile-layers {a.compile_layers!r}: expected dense:moe pairs of at least one layer, such as "
+                 "2:2,3:2,2:4")
     try:
         job = dataclasses.replace(load_job(a.config, a.overrides, a.model), ragged_dot=a.ragged_dot)
     except (ConfigError, M3ConfigError) as e:  # what `python -m m3jax.train` prints for the same config

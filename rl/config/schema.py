@@ -59,6 +59,8 @@ MAX_SEED = 2 ** 63 - 1  # jax's keys and numpy's generators take a signed 64-bit
 def _out_dir_ok(v: Any) -> str | None:
     if "${" in v:
         return "has an unknown substitution (only ${name} is replaced)"
+    if "\0" in v:  # os.makedirs raised "embedded null byte" after the config had passed
+        return "holds a NUL byte"
     return None if v.strip() else "must not be empty"
 
 
