@@ -294,7 +294,7 @@ def test_a_value_beyond_float32_or_floats_range_fails_its_sample_only(mode):
     """1e39 became inf in the float32 sum (every advantage of its group NaN, counted as no failure); 10**400 raised
     OverflowError out of the step inline, and in thread mode killed the lane, failing the good samples after it."""
     def sized(completion, answer, **kw):
-        return {"big": 1e39, "huge": 10 ** 400, "neg": -1e31}.get(answer, 0.5)
+        return {"big": 1e39, "huge": 10 ** 5000, "neg": -1e31}.get(answer, 0.5)  # 10**5000: past str() too
     s = score_components([(sized, 1.0)], ["c"] * 5, ["big", "x", "huge", "neg", "y"], mode=mode)
     assert s.total.tolist() == [0.0, 0.5, 0.0, 0.0, 0.5] and s.num_failures == 3 and sum(s.timeouts.values()) == 0
     assert any("beyond +-1e+30" in e for e in s.errors["sized"]), s.errors

@@ -42,8 +42,8 @@ def check_value(out) -> tuple[bool, float | str]:
         return False, f"returned {type(out).__name__}, expected a float"
     try:
         value = float(out)
-    except (OverflowError, TypeError, ValueError) as e:  # an int past float's range
-        return False, f"returned {type(out).__name__} {str(out)[:24]}..., not a float ({e})"
+    except (OverflowError, TypeError, ValueError) as e:  # an int past float's range (str() of it can raise too)
+        return False, f"returned {type(out).__name__}, not a float ({e})"
     if not math.isfinite(value):
         return False, f"returned {value}"
     if abs(value) > MAX_ABS_REWARD:
