@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -26,7 +27,8 @@ class PromptLoader:
 
     Epoch ``e``'s order is ``np.random.default_rng([seed, e]).permutation(len(records))``; ``index`` is
     the next position in that order. ``next_batch()`` returns ``batch_size`` records, continuing into
-    the next epoch's order when the current one runs out (nothing is dropped or repeated).
+    the next epoch's order when the current one runs out (nothing is dropped or repeated, but a batch larger than
+    the records holds some of them more than once: `build_data` warns of it).
     """
 
     def __init__(self, records: Sequence[PromptRecord], batch_size: int, seed: int = 0):
@@ -141,5 +143,10 @@ def build_data(cfg):
         records, _ = fit_prompt_lengths(records, tokenizer, cfg.generation.max_prompt_tokens,
                                         chat_template=d.chat_template, overlong=d.overlong_prompts,
                                         vocab_size=cfg.model.m3_config().vocab_size)
+    if len(records) < cfg.grpo.prompts_per_step:  # a batch then spans epochs: some prompts twice in one step
+        logging.getLogger(__name__).warning(
+            "%s holds %d prompt(s), fewer than grpo.prompts_per_step = %d: every step draws some of them more than "
+            "once (their groups weigh double in the step's loss); a larger file or a smaller prompts_per_step "
+            "draws each once a step", d.path, len(records), cfg.grpo.prompts_per_step)
     loader = PromptLoader(records, cfg.grpo.prompts_per_step, seed=d.shuffle_seed)
     return tokenizer, loader, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

@@ -454,9 +454,10 @@ def test_a_prompt_the_template_or_tokenizer_refuses_names_its_row(tmp_path, chat
     assert "data.chat_template is true but the tokenizer has no chat template" in caplog.text
 
 
-def test_the_trainer_checks_every_file_prompt_at_load(tmp_path, monkeypatch):
+def test_the_trainer_checks_every_file_prompt_at_load(tmp_path, monkeypatch, caplog):
     """`rl.prompt_loader.build_data` refuses a prompt file with an overlong prompt before the run builds anything
-    else, and with data.overlong_prompts: drop trains on the rest."""
+    else, and with data.overlong_prompts: drop trains on the rest. Fewer prompts than a step takes: a warning (each
+    step drew some twice without a word)."""
     import transformers
 
     from rl.config import load_config
@@ -469,8 +470,11 @@ def test_the_trainer_checks_every_file_prompt_at_load(tmp_path, monkeypatch):
             "eval.at_start=false", "grpo.prompts_per_step=2", "grpo.micro_batch_size=16"]
     with pytest.raises(DatasetError, match="row 2: the prompt renders to 9 tokens, over generation.max_prompt_tokens"):
         build_data(load_config(TINY, args))
-    _, loader, _ = build_data(load_config(TINY, args + ["data.overlong_prompts=drop"]))
-    assert sorted(r.prompt for r in loader.records) == ["1234", "4321"]
+    with caplog.at_level("WARNING", logger="rl.prompt_loader"):
+        _, loader, _ = build_data(load_config(TINY, args + ["data.overlong_prompts=drop"]))
+        assert sorted(r.prompt for r in loader.records) == ["1234", "4321"] and "fewer than" not in caplog.text
+        build_data(load_config(TINY, args + ["data.overlong_prompts=drop", "grpo.prompts_per_step=4"]))
+    assert "holds 2 prompt(s), fewer than grpo.prompts_per_step = 4: every step draws some of them more" in caplog.text
 
 
 def test_a_prompt_that_renders_to_nothing_is_refused_at_load(tmp_path, chat_tokenizer):
