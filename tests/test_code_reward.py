@@ -91,6 +91,13 @@ def test_specs_that_test_nothing_are_refused(answer, why):
         parse_tests(answer)
 
 
+def test_pytest_style_test_functions_are_called():
+    """KodCode-style test code defines test_* functions and never calls them: every program that ran passed."""
+    tests = parse_tests("def test_sum():\n    assert add(1, 2) == 3\n\ndef test_zero(n=0):\n    assert add(n, n) == 0\n")
+    assert run_tests("def add(a, b):\n    return a + b\n", tests, 10) == (1, 1)
+    assert run_tests("def add(a, b):\n    return a - b\n", tests, 10) == (0, 1)
+
+
 def test_test_code_that_can_fail_is_taken():
     for code in ("assert add(1, 2) == 3", "if add(1, 2) != 3:\n    raise SystemExit(1)",
                  "import unittest\nunittest.TestCase().assertEqual(add(1, 2), 3)",

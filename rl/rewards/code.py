@@ -104,6 +104,11 @@ def main():
     finished, _, check = check.partition("\n")
     exec(code, module.__dict__)
     exec(compile(check, "<tests>", "exec"), module.__dict__)
+    for name, value in list(module.__dict__.items()):  # pytest-style tests (KodCode's): defined, never called,
+        c = getattr(value, "__code__", None)              # so every program passed them
+        if name.startswith("test") and c is not None and c.co_filename == "<tests>" \
+                and c.co_argcount == len(getattr(value, "__defaults__", None) or ()):
+            value()
     print(finished)
 main()
 """
