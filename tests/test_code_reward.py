@@ -93,7 +93,8 @@ def test_specs_that_test_nothing_are_refused(answer, why):
 
 def test_pytest_style_test_functions_are_called():
     """KodCode-style test code defines test_* functions and never calls them: every program that ran passed."""
-    tests = parse_tests("def test_sum():\n    assert add(1, 2) == 3\n\ndef test_zero(n=0):\n    assert add(n, n) == 0\n")
+    tests = parse_tests("def test_sum():\n    assert add(1, 2) == 3\n\n"
+                        "def test_zero(n=0):\n    assert add(n, n) == 0\n")
     assert run_tests("def add(a, b):\n    return a + b\n", tests, 10) == (1, 1)
     assert run_tests("def add(a, b):\n    return a - b\n", tests, 10) == (0, 1)
 
