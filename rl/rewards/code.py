@@ -12,7 +12,9 @@ public code-RL sets use:
   checker calls it), compared with ``==`` after a JSON round trip (an expected ``[value]`` also matches ``value``, as
   APPS wraps them);
 - assertions: ``{"asserts": ["assert f(1) == 2", ...]}``, a list of such strings (MBPP's test_list), or one
-  string (HumanEval-style test code): each runs after the program and passes when the process exits with 0.
+  string (HumanEval-style test code): each runs after the program and passes when the process exits with 0; the
+  ``test*`` functions it defines that take no argument (pytest style, KodCode's) are then called. Test code that
+  holds no assert, raise or ``assert*`` call is refused, as is a spec with no test: every program would pass.
 
 ``code_tests`` is 1 when every test passes (DeepCoder's sparse reward), ``code_tests_frac`` the share passed.
 
