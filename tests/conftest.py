@@ -96,3 +96,21 @@ def ray_local(_ray_session):
     if not _ray_session.is_initialized():
         _ray_session.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     return _ray_session
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer():
+    """A word-level tokenizer of a few words with a chat template (tests/test_data.py, tests/test_prompt_lengths.py)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<bos>", "<eos>", "<unk>", "<|user|>", "<|system|>", "<|assistant|>"]
+    words = specials + ["what", "is", "1", "+", "2", "?", "be", "terse", "half", "of"]
+    tk = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tk.add_special_tokens(specials)
+    template = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+                                  unk_token="<unk>", chat_template=template)
+    return tok

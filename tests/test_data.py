@@ -1,5 +1,6 @@
 """rl.data: prompt files in the common math-RL layouts, one clear error per bad row, chat rendering,
-and a loader whose position survives a checkpoint."""
+and a loader whose position survives a checkpoint. Prompts checked against the width and the tokenizer at load:
+tests/test_prompt_lengths.py."""
 
 import json
 
@@ -7,7 +8,6 @@ import numpy as np
 import pytest
 
 from rl.data import DatasetError, PromptRecord, load_prompts, render_prompt
-from rl.prompt_lengths import fit_prompt_lengths
 from rl.prompt_loader import PromptLoader
 from rl.tasks import DigitTokenizer, ReverseDigitsTask
 
@@ -269,23 +269,6 @@ def test_parquet_errors(tmp_path):
 
 # ------------------------------------------------------------------------------------------ rendering
 
-@pytest.fixture(scope="module")
-def chat_tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<pad>", "<bos>", "<eos>", "<unk>", "<|user|>", "<|system|>", "<|assistant|>"]
-    words = specials + ["what", "is", "1", "+", "2", "?", "be", "terse", "half", "of"]
-    tk = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    tk.add_special_tokens(specials)
-    template = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
-                "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
-                                  unk_token="<unk>", chat_template=template)
-    return tok
-
-
 def test_render_with_chat_template(chat_tokenizer):
     tok = chat_tokenizer
     v = tok.get_vocab()
@@ -381,122 +364,3 @@ def test_loader_state_validation():
         loader.load_state_dict({"seed": 0})
     with pytest.raises(ValueError):
         PromptLoader([], batch_size=2, seed=0)
-
-
-# ---------------------------------------------------------------------------- prompts longer than the width
-
-def digit_file(tmp_path, digits):
-    """A plain prompt file of digit strings (DigitTokenizer renders each as <bos> digits <sep>)."""
-    return load_prompts(write_jsonl(tmp_path / "digits.jsonl", [{"prompt": d, "answer": d} for d in digits]))
-
-
-def test_prompts_that_fit_are_kept_with_their_rendered_ids(tmp_path):
-    recs, tok = digit_file(tmp_path, ["12", "3456", "7"]), DigitTokenizer()
-    kept, ids = fit_prompt_lengths(recs, tok, 6, chat_template=False)
-    assert kept == recs and ids == [render_prompt(r, tok, chat_template=False) for r in recs]
-    assert [len(x) for x in ids] == [4, 6, 3]
-
-
-def test_an_overlong_prompt_is_refused_at_load_naming_its_row(tmp_path):
-    recs = digit_file(tmp_path, ["12", "34567", "7", "123456789"])
-    with pytest.raises(DatasetError) as err:
-        fit_prompt_lengths(recs, DigitTokenizer(), 6, chat_template=False)
-    msg = str(err.value)
-    assert msg.startswith(f"{tmp_path / 'digits.jsonl'}, row 2: the prompt renders to 7 tokens, over "
-                          "generation.max_prompt_tokens = 6 (2 of 4 prompts are, the longest 11 tokens)"), msg
-    assert "data.overlong_prompts: drop" in msg
-
-
-def test_drop_leaves_overlong_prompts_out_in_order(tmp_path, caplog):
-    recs = digit_file(tmp_path, ["12", "34567", "7", "123456789"])
-    with caplog.at_level("WARNING", logger="rl.prompt_lengths"):
-        kept, ids = fit_prompt_lengths(recs, DigitTokenizer(), 6, chat_template=False, overlong="drop",
-                                       limit_key="eval.max_prompt_tokens")
-    assert [r.prompt for r in kept] == ["12", "7"] and [len(x) for x in ids] == [4, 3]
-    assert "dropped 2 of 4 prompts longer than eval.max_prompt_tokens = 6 tokens" in caplog.text
-
-
-def test_drop_with_nothing_left_is_an_error(tmp_path):
-    with pytest.raises(DatasetError, match="every one of the 2 prompts renders to more than generation"):
-        fit_prompt_lengths(digit_file(tmp_path, ["12345", "123456"]), DigitTokenizer(), 4, chat_template=False,
-                           overlong="drop")
-
-
-def test_an_id_past_the_model_vocabulary_names_the_tokenizer(tmp_path):
-    """A tokenizer that is not the model's renders ids the model does not have: refused at load, by row."""
-    recs = digit_file(tmp_path, ["12", "3+4"])  # "+" is id 14 of the DigitTokenizer
-    assert len(fit_prompt_lengths(recs, DigitTokenizer(), 8, chat_template=False, vocab_size=16)[0]) == 2
-    with pytest.raises(DatasetError, match="row 2: the prompt renders to token id 14, past the model's vocab_size 12; "
-                                           "expected the model's own tokenizer"):
-        fit_prompt_lengths(recs, DigitTokenizer(), 8, chat_template=False, vocab_size=12)
-
-
-def test_a_prompt_the_template_or_tokenizer_refuses_names_its_row(tmp_path, chat_tokenizer, caplog):
-    """A chat template that refuses a role (jinja2's TemplateError), or text the tokenizer cannot encode (a lone
-    surrogate), escaped the load as a bare traceback without file or row."""
-    import copy
-    tok = copy.copy(chat_tokenizer)
-    tok.chat_template = ("{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}"
-                         "{{ raise_exception('bad role ' + m['role']) }}{% endif %}<|{{ m['role'] }}|> "
-                         "{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
-    recs = load_prompts(write_jsonl(tmp_path / "chat.jsonl", [
-        {"prompt": [{"role": "user", "content": "what is 1 + 2 ?"}], "answer": "3"},
-        {"prompt": [{"role": "usr", "content": "what is 1 + 2 ?"}], "answer": "3"}]))
-    with pytest.raises(DatasetError, match=r"chat.jsonl, row 2: the prompt does not render with the tokenizer's chat "
-                                           r"template \(TemplateError: bad role usr\)"):
-        fit_prompt_lengths(recs, tok, 64, chat_template=True)
-    lone = [PromptRecord("what \ud800 is", "3", meta={"source": "s.jsonl", "row": 7})]
-    with pytest.raises(DatasetError, match=r"s.jsonl, row 7: the prompt does not render as text"):
-        fit_prompt_lengths(lone, tok, 64, chat_template=False)
-    # asked for a template the tokenizer does not have: rendered as text, and now said so
-    with caplog.at_level("WARNING", logger="rl.prompt_lengths"):
-        fit_prompt_lengths(digit_file(tmp_path, ["12"]), DigitTokenizer(), 8, chat_template=True)
-    assert "data.chat_template is true but the tokenizer has no chat template" in caplog.text
-
-
-def test_the_trainer_checks_every_file_prompt_at_load(tmp_path, monkeypatch, caplog):
-    """`rl.prompt_loader.build_data` refuses a prompt file with an overlong prompt before the run builds anything
-    else, and with data.overlong_prompts: drop trains on the rest. Fewer prompts than a step takes: a warning (each
-    step drew some twice without a word)."""
-    import transformers
-
-    from rl.config import load_config
-    from rl.prompt_loader import build_data
-    from tests.test_run_config import TINY
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda path: DigitTokenizer())
-    (tmp_path / "config.json").write_text(json.dumps(load_config(TINY).model.m3_config().to_hf_dict()))
-    path = write_jsonl(tmp_path / "train.jsonl", [{"prompt": d, "answer": d} for d in ["1234", "1234567", "4321"]])
-    args = ["data.kind=file", f"data.path={path}", "model.tiny=null", f"model.path={tmp_path}", "eval.every_steps=0",
-            "eval.at_start=false", "grpo.prompts_per_step=2", "grpo.micro_batch_size=16"]
-    with pytest.raises(DatasetError, match="row 2: the prompt renders to 9 tokens, over generation.max_prompt_tokens"):
-        build_data(load_config(TINY, args))
-    with caplog.at_level("WARNING", logger="rl.prompt_loader"):
-        _, loader, _ = build_data(load_config(TINY, args + ["data.overlong_prompts=drop"]))
-        assert sorted(r.prompt for r in loader.records) == ["1234", "4321"] and "fewer than" not in caplog.text
-        build_data(load_config(TINY, args + ["data.overlong_prompts=drop", "grpo.prompts_per_step=4"]))
-    assert "holds 2 prompt(s), fewer than grpo.prompts_per_step = 4: every step draws some of them more" in caplog.text
-
-
-def test_a_prompt_that_renders_to_nothing_is_refused_at_load(tmp_path, chat_tokenizer):
-    """A chat row whose message content is "" loaded and then stopped the run at the step that drew it ("prompt 4
-    is empty", naming neither file nor row): refused at load, by row."""
-    rows = [{"prompt": [{"role": "user", "content": "what is 1 + 2 ?"}], "answer": "3"},
-            {"prompt": [{"role": "user", "content": ""}], "answer": "3"}]
-    recs = load_prompts(write_jsonl(tmp_path / "chat.jsonl", rows))
-    assert render_prompt(recs[1], chat_tokenizer, chat_template=False) == []
-    with pytest.raises(DatasetError, match=r"chat.jsonl, row 2: the prompt renders to no tokens"):
-        fit_prompt_lengths(recs, chat_tokenizer, 64, chat_template=False)
-    assert len(fit_prompt_lengths(recs[:1], chat_tokenizer, 64, chat_template=False)[0]) == 1
-
-
-def test_chat_prompts_rendered_without_the_template_are_warned_of(tmp_path, chat_tokenizer, caplog):
-    """data.chat_template is false by default: chat-message prompts then lose their roles and template, which a
-    user of a chat model rarely wants; the load says so once when the tokenizer has a template."""
-    rows = [{"prompt": [{"role": "user", "content": "what is 1 + 2 ?"}], "answer": "3"},
-            {"prompt": "what is 1 + 2 ?", "answer": "3"}]
-    recs = load_prompts(write_jsonl(tmp_path / "chat.jsonl", rows))
-    with caplog.at_level("WARNING", logger="rl.prompt_lengths"):
-        fit_prompt_lengths(recs, chat_tokenizer, 64, chat_template=True)
-        assert not caplog.records
-        fit_prompt_lengths(recs, chat_tokenizer, 64, chat_template=False)
-    assert "1 of 2 prompts are chat messages and are rendered without the tokenizer's chat template" in caplog.text
