@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import threading
 
 import jax
@@ -36,8 +35,8 @@ from m3jax.hf.shapes import shapes_only
 from rl.generation.base import Rollout, SamplingParams, check_request
 from rl.generation.pool_config import NO_WEIGHTS, PoolConfig, PoolError, check_temperature
 from rl.generation.transfer import TRANSPORTS, TransferError, TransferStats, make_transport, model_tensors
-from rl.generation import host_memory, local_ray, shared_segments, vllm_ray
-from rl.generation.vllm_results import CPU_REASON, assemble_rollout
+from rl.generation import host_memory, shared_segments, vllm_ray, vllm_start
+from rl.generation.vllm_results import assemble_rollout
 from rl.generation.vllm_actor import EngineActor, actor_class
 from rl.schedule import ChunkQueue, Incomplete
 
@@ -71,8 +70,6 @@ class VLLMPool:
     def __init__(self, cfg: PoolConfig, graphdef=None, *, pad_id: int = 0, layout: str = "released", peers=None):
         """peers: the other processes of a multi-host trainer, which send their own tensors beside this one
         (`rl.generation.multihost.JaxPeers`; collective transport only)."""
-        import ray
-
         if cfg.transport not in TRANSPORTS:  # refused before any engine starts, not at the first update
             raise PoolError(f"weight transport {cfg.transport!r} is not built; allowed: {', '.join(TRANSPORTS)}")
         if peers is not None and cfg.transport != "collective":
@@ -90,32 +87,8 @@ class VLLMPool:
         ranks = vllm_ray.engine_ranks(cfg.tensor_parallel, cfg.expert_parallel)
         if cfg.executor not in vllm_ray.EXECUTORS + ("uni",):
             raise PoolError(f"vllm executor {cfg.executor!r}: expected one of {vllm_ray.EXECUTORS}")
-        warming = None  # the store warm-up of a local Ray, joined before the first update can use the store
-        if not ray.is_initialized():
-            if cfg.ray_address:
-                ray.init(address=cfg.ray_address, log_to_driver=False)
-            else:
-                # A local CPU Ray advertises engine-rank slots only when the Ray executor was asked for, so
-                # that "auto" keeps every engine on this host's multiprocess executor.
-                slots = {vllm_ray.CPU_SLOT: ranks * cfg.servers} if cfg.executor == "ray" else {}
-                store = local_ray.init_kwargs(cfg.model_dir, cfg.transport)
-                ray.init(num_cpus=max(os.cpu_count() or 1, 1), include_dashboard=False, log_to_driver=False,
-                         resources=slots, **store)
-                if store and cfg.warm_object_store:
-                    warming = local_ray.warm_in_background(store["object_store_memory"])
-        self.key = vllm_ray.device_key(ray.cluster_resources())  # what one rank takes: GPU or the CPU slot
-        self.per_host = vllm_ray.devices_per_host(ray.nodes(), self.key)
-        if cfg.return_routes and self.key != "GPU":  # refused before any engine starts
-            raise PoolError(f"MoE routes from the pool's engines (grpo.routing_replay: rollout): {CPU_REASON}")
-        try:
-            executor = cfg.executor if cfg.executor == "uni" else vllm_ray.choose_executor(cfg.executor, ranks,
-                                                                                            self.per_host)
-        except ValueError as e:
-            raise PoolError(str(e)) from None
-        if executor == "ray" and ray.cluster_resources().get(self.key, 0) < ranks:
-            raise PoolError(f"a Ray-executor engine of {ranks} ranks needs {ranks} x {self.key!r} in the Ray "
-                            f"cluster, which has {ray.cluster_resources().get(self.key, 0):g}; on CPU every Ray node "
-                            f"advertises {vllm_ray.CPU_SLOT!r} per engine rank it may host (docs/vllm.md)")
+        warming = vllm_start.start_ray(cfg, ranks)  # the store's warm-up, joined before the first update uses it
+        self.key, self.per_host, executor = vllm_start.engine_executor(cfg, ranks)
         self.cfg = dataclasses.replace(cfg, executor=executor)
         self.slots = [_Slot(r, None) for r in range(cfg.servers)]
         if cfg.transport == "shm":  # this process's memory, kept while engines come and go
@@ -132,41 +105,18 @@ class VLLMPool:
             if self._segments is not None and not all(s.ready for s in self.slots):
                 self._segments.close()  # an engine failed to start: the files go with the pool that never was
         self._check_weight_path()
-        advice = None if _cluster_has_gpus() or cfg.transport == "collective" else host_memory.sender_copy_advice()
+        on_cpus = not vllm_start.cluster_has_gpus()
+        advice = host_memory.sender_copy_advice() if on_cpus and cfg.transport != "collective" else None
         if advice:
             log.info(advice)
 
     # -------------------------------------------------------------------------------- lifecycle
     def _spawn(self, slot: _Slot) -> None:
-        """Start slot's engine actor; a Ray-executor engine in a fresh placement group of its own."""
-        on_gpus = _cluster_has_gpus()
-        env = host_memory.engine_malloc_env() if self.cfg.malloc_tuning and not on_gpus else {}
-        if self.cfg.executor != "ray":
-            gpus = self.cfg.tensor_parallel if on_gpus else 0
-            slot.actor = _actor_class().options(num_cpus=0, num_gpus=gpus, runtime_env={"env_vars": env}
-                                                ).remote(self.cfg, slot.rank)
-            return
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        bundles, strategy = vllm_ray.placement(self.cfg.tensor_parallel, self.per_host, self.key)
-        slot.group = placement_group(bundles, strategy=strategy)
-        # The actor takes no resources of the group; its vLLM workers take one bundle each (the executor
-        # finds the group because child tasks are captured). Until the group is placed the actor waits.
-        slot.actor = _actor_class().options(
-            num_cpus=0, num_gpus=0, runtime_env=vllm_ray.actor_runtime_env(env),
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=slot.group, placement_group_capture_child_tasks=True),
-        ).remote(self.cfg, slot.rank)
+        slot.actor, slot.group = vllm_start.spawn_engine(_actor_class(), self.cfg, slot.rank, self.per_host, self.key)
 
     def _remove_group(self, slot: _Slot) -> None:
         group, slot.group = slot.group, None
-        if group is not None:
-            from ray.util.placement_group import remove_placement_group
-            try:
-                remove_placement_group(group)  # ends every actor still in it: the engine's workers too
-            except Exception:  # noqa: BLE001 - already removed (a Ray cluster going down)
-                pass
+        vllm_start.remove_group(group)
 
     def _wait_ready(self, slots) -> None:
         import ray
@@ -284,7 +234,8 @@ class VLLMPool:
             while work.pending or inflight:
                 for s in self.serving():
                     if not work.busy(s) and (rows := work.take(s)):
-                        ref = s.actor.generate.remote(rows, [prompts[r] for r in rows], params, [seeds[r] for r in rows])
+                        ref = s.actor.generate.remote(rows, [prompts[r] for r in rows], params,
+                                                      [seeds[r] for r in rows])
                         inflight[ref] = s
                 if not inflight:
                     raise PoolError(f"no healthy vLLM engine left for {len(work.pending)} chunks: {self.health()}")
@@ -430,12 +381,6 @@ class VLLMPool:
                 s.version = h["version"]
             else:  # half-applied weights: only a fresh engine is trustworthy
                 self._replace(s, f"unusable after a failed update: {h.get('error')}")
-
-
-def _cluster_has_gpus() -> bool:
-    import ray
-
-    return ray.cluster_resources().get("GPU", 0) > 0
 
 
 __all__ = ["EngineActor", "PoolConfig", "PoolError", "TransferError", "VLLMPool"]
