@@ -33,7 +33,7 @@ from sharding.layout import Layout, on_gpu, platform
 MOE_EXPERT_OUT = "moe_expert_out"
 # The name of the routing's integer decisions: each token's top-k expert ids (`m3jax.model.moe.route`) and the
 # rows' expert order (`sort_by_expert`'s argsort). They have no gradient and cost a few bytes per token, so every
-# remat policy keeps them (`m3jax.model.decoder.remat_policy_fn`): the backward does not run the top-k and the
+# remat policy keeps them (`m3jax.model.remat.remat_policy_fn`): the backward does not run the top-k and the
 # sort again.
 MOE_ROUTING = "moe_routing"
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from m3jax.config import MOE_MLP, SPARSE_ATTENTION, M3Config
 
-# m3jax.model.decoder.REMAT_POLICIES (tests check they agree)
+# m3jax.model.remat.REMAT_POLICIES (tests check they agree)
 REMAT_POLICIES = ("full", "save_dots", "save_dots_experts")
 
 

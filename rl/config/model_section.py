@@ -27,7 +27,7 @@ class ModelSection(_Section):
                                      allowed="a mapping of M3Config fields, or {preset: release} with any of them")
     init_seed: int = _f(0, "seed of the random initialisation of a tiny model", min=0, max=MAX_SEED)
     remat: bool = _f(False, "activation checkpointing (recompute each layer in the backward pass)")
-    # m3jax.model.decoder.REMAT_POLICIES, listed here so that the schema needs no jax
+    # m3jax.model.remat.REMAT_POLICIES, listed here so that the schema needs no jax
     remat_policy: str = _f("full", "with remat, what each layer keeps for its backward: full (its input and "
                                    "its integer decisions, the indexer's block ids and the expert routing; the rest "
                                    "of the forward runs again), save_dots (also the token-sized projection "
