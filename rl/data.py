@@ -50,6 +50,8 @@ from typing import Any, Literal, Union
 
 import numpy as np
 
+from rl.prompt_rows import DatasetError, FileFormat, read_rows
+
 __all__ = [
     "DatasetError",
     "PromptRecord",
@@ -60,16 +62,6 @@ __all__ = [
 
 Message = dict  # {"role": str, "content": str}
 Prompt = Union[str, list[Message]]
-
-
-class DatasetError(ValueError):
-    """A prompt file that cannot be used: missing, unreadable, or a row without what is needed."""
-
-    def __init__(self, path: str | os.PathLike, message: str, *, row: int | None = None):
-        self.path = str(path)
-        self.row = row
-        where = self.path if row is None else f"{self.path}, row {row}"
-        super().__init__(f"{where}: {message}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,155 +78,9 @@ class PromptRecord:
 
 
 # --------------------------------------------------------------------------------------------------
-# Reading rows
+# Keys and layouts (the rows themselves: rl.prompt_rows)
 
-FileFormat = Literal["auto", "jsonl", "json", "parquet"]
 Layout = Literal["auto", "dapo", "gsm8k", "plain"]
-
-_EXT_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet", ".pq": "parquet"}
-
-
-def _file_format(path: Path, fmt: str) -> str:
-    if fmt != "auto":
-        if fmt not in ("jsonl", "json", "parquet"):
-            raise DatasetError(path, f"unknown format {fmt!r}; expected one of 'auto', 'jsonl', 'json', 'parquet'")
-        return fmt
-    ext = path.suffix.lower()
-    if ext in _EXT_FORMATS:
-        return _EXT_FORMATS[ext]
-    raise DatasetError(
-        path, f"cannot tell the file format from the extension {ext!r}; expected .jsonl, .json or .parquet, "
-        "or set the format (data.format / eval.format: jsonl, json or parquet)"
-    )
-
-
-class _RepeatedKey(ValueError):
-    """A key twice in one JSON object: json keeps the last value silently (an answer could be the wrong one)."""
-
-    def __init__(self, key: str):
-        super().__init__(f"the key {key!r} appears twice in one object (JSON would keep the last silently); "
-                         "expected each key once")
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
-    out = {}
-    for key, value in pairs:
-        if key in out:
-            raise _RepeatedKey(key)
-        out[key] = value
-    return out
-
-
-def _read_jsonl(path: Path) -> list[tuple[int, Any]]:
-    rows = []
-    try:
-        with open(path, encoding="utf-8-sig") as f:  # -sig: a byte-order mark (some Windows editors) is not a row
-            for lineno, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue  # blank lines (a trailing newline, separators) are not rows
-                text = line.rstrip("\r\n")  # else a line cut short is reported at "column 1" of the next
-                try:
-                    rows.append((lineno, json.loads(text, object_pairs_hook=_unique_keys)))
-                except _RepeatedKey as e:
-                    raise DatasetError(path, str(e), row=lineno) from None
-                except json.JSONDecodeError as e:
-                    where = "the line ends early" if e.pos >= len(text.rstrip()) else f"column {e.colno}"
-                    raise DatasetError(path, f"invalid JSON ({e.msg}: {where}); expected one JSON object per line",
-                                       row=lineno) from None
-                except (ValueError, RecursionError) as e:  # json's limits: a huge integer, deep nesting
-                    raise DatasetError(path, f"JSON that cannot be read ({_json_limit(e)}); expected one JSON "
-                                             "object per line", row=lineno) from None
-    except UnicodeDecodeError as e:
-        raise DatasetError(path, f"not UTF-8 text ({e.reason} at byte {e.start}); expected JSON lines") from None
-    return rows
-
-
-def _json_limit(e: Exception) -> str:
-    if isinstance(e, RecursionError):
-        return "nested too deeply"
-    return str(e).split(";")[0]  # "Exceeds the limit (4300 digits) for integer string conversion..."
-
-
-def _read_json(path: Path) -> list[tuple[int, Any]]:
-    try:
-        with open(path, encoding="utf-8-sig") as f:
-            data = json.load(f, object_pairs_hook=_unique_keys)
-    except _RepeatedKey as e:
-        raise DatasetError(path, str(e)) from None
-    except json.JSONDecodeError as e:
-        raise DatasetError(path, f"invalid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
-    except UnicodeDecodeError as e:
-        raise DatasetError(path, f"not UTF-8 text ({e.reason} at byte {e.start})") from None
-    except (ValueError, RecursionError) as e:
-        raise DatasetError(path, f"JSON that cannot be read ({_json_limit(e)})") from None
-    if isinstance(data, dict):  # {"data": [...]} / {"rows": [...]} wrappers, if there is exactly one list
-        lists = [v for v in data.values() if isinstance(v, list)]
-        if len(lists) == 1:
-            data = lists[0]
-    if not isinstance(data, list):
-        raise DatasetError(path, f"expected a JSON array of objects, got a JSON {type(data).__name__}")
-    return list(enumerate(data, start=1))
-
-
-def _read_parquet(path: Path) -> list[tuple[int, Any]]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise DatasetError(path, "reading Parquet needs the 'pyarrow' package (pip install pyarrow)") from None
-    try:
-        table = pq.read_table(path)
-    except Exception as e:  # pyarrow raises ArrowInvalid / OSError for corrupt or non-Parquet files
-        raise DatasetError(path, f"not a readable Parquet file ({type(e).__name__}: {e})") from None
-    rows = table.to_pylist()
-    narrow = [f for f in table.schema if _has_float32(f.type)]
-    for row in rows if narrow else ():
-        for field in narrow:
-            row[field.name] = _as_written(row[field.name], field.type)
-    return list(enumerate(rows, start=1))
-
-
-def _has_float32(t) -> bool:
-    import pyarrow as pa
-    if pa.types.is_float32(t):
-        return True
-    if pa.types.is_struct(t):
-        return any(_has_float32(t.field(i).type) for i in range(t.num_fields))
-    return (pa.types.is_list(t) or pa.types.is_large_list(t)) and _has_float32(t.value_type)
-
-
-def _as_written(value, t):
-    """A float32 cell as the number it was written as: to_pylist widens 123.456 to 123.45600128173828, which is
-    then the answer's text (and math_verify scores a right \\boxed{123.456} 0)."""
-    import pyarrow as pa
-    if value is None:
-        return None
-    if pa.types.is_float32(t):
-        return float(str(np.float32(value)))  # the shortest text that reads back as the same float32
-    if pa.types.is_struct(t):
-        return {k: _as_written(v, t.field(k).type) if t.get_field_index(k) >= 0 else v for k, v in value.items()}
-    if pa.types.is_list(t) or pa.types.is_large_list(t):
-        return [_as_written(v, t.value_type) for v in value]
-    return value
-
-
-def _read_rows(path: Path, fmt: str) -> list[tuple[int, Any]]:
-    if not path.exists():
-        raise DatasetError(path, "file not found")
-    if not path.is_file():
-        raise DatasetError(path, "not a regular file")
-    kind = _file_format(path, fmt)
-    try:
-        if kind == "jsonl":
-            return _read_jsonl(path)
-        if kind == "json":
-            return _read_json(path)
-        return _read_parquet(path)
-    except OSError as e:
-        raise DatasetError(path, f"cannot read the file ({e.strerror or e})") from None
-
-
-# --------------------------------------------------------------------------------------------------
-# Keys and layouts
 
 _MISSING = object()
 
@@ -397,7 +243,7 @@ def load_prompts(path: str | os.PathLike, *, format: FileFormat = "auto", prompt
     1-based row and what was expected.
     """
     path = Path(path)
-    rows = _read_rows(path, format)
+    rows = read_rows(path, format)
     return records_from_rows(rows, source=path, layout=layout, prompt_key=prompt_key, answer_key=answer_key)
 
 
