@@ -54,7 +54,8 @@ class EvalSection(_Section):
                                              "generation.max_prompt_tokens", min=1)
     reward: tuple[RewardSpec, ...] = _f([], "rewards summed into a sample's score; empty = the run's reward")
     correct_threshold: float = _f(1.0, "a sample is correct when its score is >= this (the digit rewards give "
-                                       "partial credit: 1.0 = every digit right)")
+                                       "partial credit: 1.0 = every digit right); refused at load where the "
+                                       "rewards' ranges make it unreachable, or reached by every sample")
     best_metric: str = _f("pass@1", "held-out metric whose best value (higher is better) checkpoints remember",
                           choices=EVAL_METRICS)
 

@@ -57,3 +57,39 @@ def reward_problems(specs, where: str) -> list[_Problem]:
             out.append(_Problem(f"{key}.name", f"{key}.name = {_show(n)}: listed twice; allowed: each reward once "
                                                "(combine weights)"))
     return out
+
+
+def threshold_problems(specs, threshold: float, where: str) -> list[_Problem]:
+    """`eval.correct_threshold` against what the weighted sum of `specs` (the rewards at config key `where`) can
+    score, when every one of them registered its range (`register_reward(..., scores=)`): a threshold above the most
+    they can sum to makes pass@k and maj@k 0 whatever the model does, one at or below the least makes them 1. A
+    sample's score is sum_i w_i r_i with r_i in [lo_i, hi_i], so it lies in
+    [sum_i min(w_i lo_i, w_i hi_i), sum_i max(w_i lo_i, w_i hi_i)]."""
+    try:
+        from rl.rewards.registry import UnknownRewardError, reward_scores
+    except ImportError:
+        return []
+    least = most = 0.0
+    parts = []
+    for spec in specs:
+        try:
+            scores = reward_scores(spec.name)
+        except UnknownRewardError:  # reward_problems names it
+            return []
+        if scores is None:  # a reward of the user's that declared no range: nothing to judge by
+            return []
+        ends = (spec.weight * scores[0], spec.weight * scores[1])
+        least, most = least + min(ends), most + max(ends)
+        parts.append(f"{spec.name} {spec.weight:g} x [{scores[0]:g}, {scores[1]:g}]")
+    if not parts:
+        return []
+    sums = f"the rewards of {where} ({', '.join(parts)}) score from {least:g} to {most:g}"
+    if threshold > most:
+        return [_Problem("eval.correct_threshold", (
+            f"eval.correct_threshold = {_show(threshold)}: no sample can be correct, since {sums}; allowed: a "
+            f"threshold in ({least:g}, {most:g}]"), (where,))]
+    if threshold <= least:
+        return [_Problem("eval.correct_threshold", (
+            f"eval.correct_threshold = {_show(threshold)}: every sample would be correct, since {sums}; allowed: a "
+            f"threshold in ({least:g}, {most:g}]"), (where,))]
+    return []

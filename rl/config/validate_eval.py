@@ -8,7 +8,7 @@ with `enabled=True`.
 from __future__ import annotations
 
 from rl.config.errors import _Problem
-from rl.config.reward_checks import reward_problems
+from rl.config.reward_checks import reward_problems, threshold_problems
 from rl.config.fields import _show
 
 # Checks take the whole `rl.config.run.RunConfig` (named in annotations only: that module imports this one).
@@ -95,4 +95,5 @@ def eval_problems(cfg, enabled: bool | None = None) -> list[_Problem]:
                 f"sequences (generation.max_prompt_tokens + max_new_tokens = {cfg.generation.max_seq_len}); "
                 "allowed: at most that in total"), ("eval.max_prompt_tokens", "generation.max_new_tokens")))
     out += reward_problems(e.reward, "eval.reward")
+    out += threshold_problems(e.reward or cfg.reward, e.correct_threshold, "eval.reward" if e.reward else "reward")
     return out

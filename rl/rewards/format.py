@@ -46,7 +46,7 @@ def box_content(text: str, start: int) -> str | None:
     return None
 
 
-@register_reward("format", mode="inline")
+@register_reward("format", mode="inline", scores=(0, 1))
 def boxed_format(completion: str, answer: str = "", *, truncated: bool = False, **_: object) -> float:
     if truncated:
         return 0.0

@@ -159,7 +159,7 @@ def reply_text(reply: Any) -> str:
     return content
 
 
-@register_reward("judge")
+@register_reward("judge", scores=(0, 1))
 def judge(completion: str, answer: str, prompt: Any, *, url: str, model: str, template: str = DEFAULT_TEMPLATE,
           max_score: float = 10, max_tokens: int = 1024, temperature: float = 0.0, api_key_env: str | None = None,
           retries: int = 2, truncated: bool = False, timeout_s: float | None = None) -> float:

@@ -116,7 +116,7 @@ def _gold(answer: str, budget: _Budget) -> list:
     return gold
 
 
-@register_reward("math_verify", mode="process")
+@register_reward("math_verify", mode="process", scores=(0, 1))
 def math_verify_reward(completion: str, answer: str, *, timeout_s: float | None = 5.0, **_: object) -> float:
     from math_verify.errors import TimeoutException
 

@@ -87,6 +87,7 @@ __all__ = [
     "args_problem",
     "list_rewards",
     "reward_mode",
+    "reward_scores",
     "RewardScores",
     "score_components",
     "score_batch",
@@ -103,6 +104,7 @@ MODES = ("inline", "thread", "process", "batch")
 class _Entry:
     fn: RewardFn
     mode: str
+    scores: tuple[float, float] | None  # the least and the most one sample can score; None: not declared
 
 
 _REGISTRY: dict[str, _Entry] = {}
@@ -119,18 +121,28 @@ def _ident(fn) -> tuple:
     return (getattr(fn, "__module__", None), getattr(fn, "__qualname__", None))
 
 
-def register_reward(name: str, *, mode: str = "thread", replace: bool = False) -> Callable[[RewardFn], RewardFn]:
+def register_reward(name: str, *, mode: str = "thread", replace: bool = False,
+                    scores: tuple[float, float] | None = None) -> Callable[[RewardFn], RewardFn]:
     """Decorator: file ``fn`` under ``name`` and return it unchanged (stack it to give several names).
 
     ``mode`` is how ``score_batch`` runs it by default (``"inline"``, ``"thread"`` or ``"process"``,
-    see the module docstring; ``"batch"``: one call scores many samples, rl.rewards.batch). Registering a
-    different function under a taken name raises unless ``replace=True`` (re-registering the same function, e.g.
-    on module reload, is allowed).
+    see the module docstring; ``"batch"``: one call scores many samples, rl.rewards.batch). ``scores``: (least,
+    most) a sample can score, when the function knows (the built-ins: (0, 1)); a config's
+    ``eval.correct_threshold`` that its weighted rewards can never reach, or never miss, is then refused at load.
+    Registering a different function under a taken name raises unless ``replace=True`` (re-registering the same
+    function, e.g. on module reload, is allowed).
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"reward name must be a non-empty string, got {name!r}")
     if mode not in MODES:
         raise ValueError(f"reward mode must be one of {MODES}, got {mode!r}")
+    if scores is not None:
+        ok = isinstance(scores, (tuple, list)) and len(scores) == 2 and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v) for v in scores)
+        if not ok or scores[0] > scores[1]:
+            raise ValueError(f"register_reward({name!r}, scores={scores!r}): expected (least, most), two finite "
+                             "numbers with least <= most, or None")
+        scores = (float(scores[0]), float(scores[1]))
 
     def decorator(fn: RewardFn) -> RewardFn:
         if not callable(fn):
@@ -141,7 +153,7 @@ def register_reward(name: str, *, mode: str = "thread", replace: bool = False) -
             raise ValueError(
                 f"reward {name!r} is already registered to {old.fn.__module__}.{old.fn.__qualname__}; "
                 "pass replace=True to override it")
-        _REGISTRY[name] = _Entry(fn, mode)
+        _REGISTRY[name] = _Entry(fn, mode, scores)
         return fn
 
     return decorator
@@ -184,6 +196,12 @@ def get_reward(name: str) -> RewardFn:
     if entry is None:
         raise UnknownRewardError(f"unknown reward {name!r}; registered rewards: {', '.join(sorted(_REGISTRY)) or '(none)'}")
     return entry.fn
+
+
+def reward_scores(name: str) -> tuple[float, float] | None:
+    """(least, most) one sample of reward ``name`` can score, as registered (``scores=``), or None."""
+    get_reward(name)
+    return _REGISTRY[name].scores
 
 
 def list_rewards() -> list[str]:

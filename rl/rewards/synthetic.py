@@ -30,9 +30,9 @@ def completion_tokens(text: str) -> list[int | None]:
     return _TOK.tokenize_text(text if cut < 0 else text[:cut], strict=False)
 
 
-@register_reward("sort_digits", mode="inline")
-@register_reward("copy_digits", mode="inline")
-@register_reward("reverse_digits", mode="inline")
+@register_reward("sort_digits", mode="inline", scores=(0, 1))
+@register_reward("copy_digits", mode="inline", scores=(0, 1))
+@register_reward("reverse_digits", mode="inline", scores=(0, 1))
 def digit_positions(completion: str, answer: str, **_: object) -> float:
     """Fraction of answer positions the completion gets right (the tasks differ only in the answer)."""
     want = _TOK.tokenize_text(answer)
@@ -42,6 +42,6 @@ def digit_positions(completion: str, answer: str, **_: object) -> float:
     return sum(1 for i, t in enumerate(want) if i < len(got) and got[i] == t) / len(want)
 
 
-@register_reward("exact_digits", mode="inline")
+@register_reward("exact_digits", mode="inline", scores=(0, 1))
 def exact_digits(completion: str, answer: str, **_: object) -> float:
     return float(completion_tokens(completion) == _TOK.tokenize_text(answer))
