@@ -280,7 +280,7 @@ def route_metrics(micro: dict, replay: bool, indexer_replay: bool = False, in_up
         name = ID_MISMATCH_METRICS[field]
         trainer = micro.pop(f"trainer_{field}", None)
         generator = micro[field] if keep and field in micro else micro.pop(field, None)
-        if trainer is None or generator is None:
+        if trainer is None or generator is None or not np.size(generator):  # no MoE / sparse layer: nothing to compare
             continue
         trainer = _on_host(trainer)
         frac = frac_of(np.asarray(trainer).reshape(-1, *np.shape(trainer)[2:]),

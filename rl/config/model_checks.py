@@ -4,6 +4,7 @@ sequence limits against the model's positions, the stop tokens against its vocab
 from __future__ import annotations
 
 from rl.config.errors import _Problem
+from rl.config.fields import _show
 from rl.config.validate_eval import eval_lengths
 
 # Checks take the whole `rl.config.run.RunConfig` (named in annotations only: that module imports the validator).
@@ -19,7 +20,23 @@ def model_checks(cfg: RunConfig) -> list[_Problem]:
         m3 = m.m3_config()
     except Exception:  # noqa: BLE001  (a bad model.tiny or an unreadable model.path has its own error)
         return []
-    return _position_checks(cfg, m3) + _stop_token_checks(cfg, m3)
+    return _position_checks(cfg, m3) + _stop_token_checks(cfg, m3) + _replay_checks(cfg, m3)
+
+
+def _replay_checks(cfg: RunConfig, m3) -> list[_Problem]:
+    """A replay of what the model has no layer for would do nothing: refused, as model.indexer_loss_coef is."""
+    out = []
+    g = cfg.grpo
+    if g.routing_replay != "none" and not m3.has_moe:
+        out.append(_Problem("grpo.routing_replay", (
+            f"grpo.routing_replay = {_show(g.routing_replay)}: the model has no MoE layer whose routes could be "
+            f"replayed ({_source(cfg, 'mlp_layer_types')} holds no \"sparse\"); allowed: \"none\"")))
+    if g.indexer_replay != "none" and not m3.has_sparse_attention:
+        out.append(_Problem("grpo.indexer_replay", (
+            f"grpo.indexer_replay = {_show(g.indexer_replay)}: the model has no sparse (indexer) layer whose block "
+            f"selection could be replayed ({_source(cfg, 'layer_types')} holds no \"minimax_m3_sparse\"); allowed: "
+            "\"none\"")))
+    return out
 
 
 def _source(cfg: RunConfig, field: str) -> str:
