@@ -44,6 +44,17 @@ BAD_FILES = {
     "out_of_range_optional": ("grpo: {dual_clip: 0.5}\n",
                               ["grpo.dual_clip = 0.5: out of range; allowed: null or a number > 1"]),
     "not_finite": ("optim: {lr: .nan}\n", ["optim.lr = NaN: not a finite number; allowed: a number > 0"]),
+    # float() of an int past float's range raised an OverflowError traceback from the loader
+    "int_past_floats_range": (f"optim: {{lr: 1{'0' * 320}}}\n",
+                              ["optim.lr = Infinity: not a finite number; allowed: a number > 0"]),
+    "int_past_floats_range_beside_a_clock_time": (f"checkpoint: {{must_save_by: 1{'0' * 320}}}\n",
+                                                  ["checkpoint.must_save_by = Infinity: must be a finite number"]),
+    "eval_seed_past_64_bits": ("eval: {seed: 9223372036854775808}\n",
+                               ["eval.seed = 9223372036854775808: out of range; allowed: an integer in [0, "
+                                "9223372036854775807]"]),
+    "hang_timeout_past_the_timer": ("run: {hang_timeout_minutes: 2.0e8}\n",
+                                    ["run.hang_timeout_minutes = 200000000.0: out of range; allowed: null or a "
+                                     "number in (0, 1000000]"]),
     "bad_choice": ("grpo: {advantage: ppo}\n",
                    ['grpo.advantage = "ppo": not an allowed value; allowed: one of "grpo", "dr_grpo", "rloo"']),
     "bad_choice_close_match": ("precision: {master: fp23}\n",

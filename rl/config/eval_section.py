@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from rl.config.schema import DATA_FORMATS, DATA_LAYOUTS, DATA_TASKS, RewardSpec, _f, _Section
+from rl.config.schema import DATA_FORMATS, DATA_LAYOUTS, DATA_TASKS, MAX_SEED, RewardSpec, _f, _Section
 
 
 EVAL_METRICS = ("pass@1", "pass@k", "maj@k", "reward_mean")   # rl.evaluate.METRICS (without the val/ prefix)
@@ -34,7 +34,7 @@ class EvalSection(_Section):
     prompt_key: str | None = _f(None, "record field holding the prompt; null = from the layout")
     answer_key: str | None = _f(None, "record field holding the reference answer; null = from the layout")
     seed: int = _f(0, "seed of the synthetic prompts, of the subset taken from a larger file and of the "
-                      "sampling (the same at every evaluation)", min=0)
+                      "sampling (the same at every evaluation)", min=0, max=MAX_SEED)
     max_prompts: int | None = _f(64, "prompts evaluated (a seeded subset of a larger file); null = all of the "
                                      "file", min=1)
     samples_per_prompt: int = _f(1, "samples per prompt: n of the pass@k estimator and the k of val/pass@k", min=1)

@@ -54,6 +54,9 @@ def _hhmm_or_seconds(v: Any) -> str | None:
 
 
 MAX_SEED = 2 ** 63 - 1  # jax's keys and numpy's generators take a signed 64-bit seed
+# A watchdog's wait must fit the platform's timer (threading.TIMEOUT_MAX, ~1.5e8 minutes): past it the watchdog's
+# thread died with an OverflowError and the run went on unwatched. 1e6 minutes is about two years.
+MAX_WATCH_MINUTES = 1e6
 
 
 def _out_dir_ok(v: Any) -> str | None:
@@ -64,19 +67,35 @@ def _out_dir_ok(v: Any) -> str | None:
     return None if v.strip() else "must not be empty"
 
 
+def _as_float(v: int) -> float:
+    """float(v); an int past float's range is inf, which the checks refuse as not finite (float() raised an
+    OverflowError traceback from the loader)."""
+    try:
+        return float(v)
+    except OverflowError:
+        return math.inf if v > 0 else -math.inf
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 class _Section:
-    """Normalises values after construction: list -> tuple for tuple fields, int -> float for float fields."""
+    """Normalises values after construction: list -> tuple for tuple fields, int -> float for float fields (and
+    for fields that take a float among other types, an int beyond float's range -> inf)."""
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             tp = _non_none(_hints(type(self))[f.name])
-            if tp is float and isinstance(v, int) and not isinstance(v, bool):
-                object.__setattr__(self, f.name, float(v))
+            if tp is float and _is_int(v):
+                object.__setattr__(self, f.name, _as_float(v))
+            elif float in typing.get_args(tp) and _is_int(v) and math.isinf(_as_float(v)):
+                object.__setattr__(self, f.name, _as_float(v))
             elif typing.get_origin(tp) is tuple and isinstance(v, list):
                 item = typing.get_args(tp)[0]
                 if item is float:
-                    v = [float(x) if isinstance(x, int) and not isinstance(x, bool) else x for x in v]
+                    v = [_as_float(x) if _is_int(x) else x for x in v]
                 object.__setattr__(self, f.name, tuple(v))
 
 
@@ -99,12 +118,13 @@ class RunSection(_Section):
                                                   "evaluation not finished after this long is taken as hung: the "
                                                   "threads' stacks go to the run log and the process exits with "
                                                   "status 124, for the job to be restarted (the rerun resumes); the "
-                                                  "first step also compiles; null = never (rl.watchdog)", gt=0)
+                                                  "first step also compiles; null = never (rl.watchdog)", gt=0,
+                                          max=MAX_WATCH_MINUTES)
     start_timeout_minutes: float | None = _f(None, "the start (the prompts read, the model built or its checkpoint "
                                                    "restored, the generator started with its weights) not finished "
                                                    "after this long is taken as hung, as hang_timeout_minutes takes a "
                                                    "step; apart from it since a large model's start can take longer "
-                                                   "than its steps; null = never", gt=0)
+                                                   "than its steps; null = never", gt=0, max=MAX_WATCH_MINUTES)
     compilation_cache: str | None = _f(None, "directory of JAX's persistent compilation cache (a relative path is "
                                              "under out_dir): a restart or resume loads each compiled program "
                                              "instead of compiling it again; null = JAX's default (the "
