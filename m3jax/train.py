@@ -116,9 +116,12 @@ def _job_refusal(cfg, index: int, refusal: tuple[str, int] | None) -> tuple[str,
 
 
 def _process_problem(mesh, environ=None) -> str | None:
-    """A mesh.process_id without a multi-host job (it names the log file and decides who takes the run's lock); the
-    config's own checks hold it under mesh.num_processes."""
-    from sharding.launch import distributed_args  # jax-free: this runs before the heavy imports
+    """A multi-host job's settings given in part (`sharding.launch.launch_problem`), or a mesh.process_id without a
+    multi-host job (it names the log file and decides who takes the run's lock); the config's own checks hold it under
+    mesh.num_processes."""
+    from sharding.launch import distributed_args, launch_problem  # jax-free: this runs before the heavy imports
+    if (problem := launch_problem(mesh, environ)) is not None:
+        return problem
     if not mesh.process_id or distributed_args(mesh, environ) is not None:
         return None
     return (f"mesh.process_id = {mesh.process_id} in a single-process run (no mesh.num_processes / "

@@ -23,9 +23,40 @@ def distributed_args(mesh, environ=None) -> dict | None:
     pid = mesh.process_id if mesh.process_id is not None else _env_int(env, "JAX_PROCESS_ID")
     if addr or n:
         return {"coordinator_address": addr, "num_processes": n, "process_id": pid}
-    if _env_int(env, "SLURM_STEP_NUM_TASKS", 1) > 1 or _env_int(env, "OMPI_COMM_WORLD_SIZE", 1) > 1:
+    if _launcher_detected(env):
         return {}
     return None
+
+
+# What a multi-host job's process must know, with the config key and the environment variable that give it.
+_JOB_SETTINGS = (("coordinator_address", "mesh.coordinator_address", "JAX_COORDINATOR_ADDRESS"),
+                 ("num_processes", "mesh.num_processes", "JAX_NUM_PROCESSES"),
+                 ("process_id", "mesh.process_id", "JAX_PROCESS_ID"))
+
+
+def launch_problem(mesh, environ=None) -> str | None:
+    """Why this process cannot join the job its config and environment describe, or None: a job named by some of
+    coordinator address / process count / process index but not all three, where no multi-task launcher gives jax
+    the rest (jax then stopped the process with a ValueError traceback naming one of them)."""
+    env = os.environ if environ is None else environ
+    args = distributed_args(mesh, env)
+    if not args or _launcher_detected(env):
+        return None
+    missing = [f"{name} ({key} or ${var})" for name, key, var in _JOB_SETTINGS if args[name] is None]
+    if not missing:
+        return None
+    given = ", ".join(f"{name} = {args[name]}" for name, _, _ in _JOB_SETTINGS if args[name] is not None)
+    one = len(missing) == 1
+    return (f"a multi-host job is described ({given}, from the mesh section or the JAX_* variables), but its "
+            f"{' and '.join(missing)} {'is' if one else 'are'} not set, and no multi-task launch (srun, mpirun) in "
+            f"the environment gives {'it' if one else 'them'}; allowed: all three of mesh.coordinator_address, "
+            "mesh.num_processes and mesh.process_id (or their JAX_* variables) for each process, or none of them for "
+            "one process")
+
+
+def _launcher_detected(env) -> bool:
+    """A multi-task srun step or mpirun launch, from which jax detects all three itself."""
+    return _env_int(env, "SLURM_STEP_NUM_TASKS", 1) > 1 or _env_int(env, "OMPI_COMM_WORLD_SIZE", 1) > 1
 
 
 def _env_int(env, name: str, default: int | None = None) -> int | None:

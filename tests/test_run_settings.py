@@ -61,3 +61,26 @@ def test_draw_ahead_with_the_jax_engine_in_a_multi_host_job_is_refused(monkeypat
     assert train._ahead_problem(load_config(TINY, [], check_paths=False), {"SLURM_STEP_NUM_TASKS": "2"}) is None
     vllm = load_config(TINY, ["grpo.max_trajectory_age_steps=1", "generation.backend=vllm"], check_paths=False)
     assert train._ahead_problem(vllm, {"SLURM_STEP_NUM_TASKS": "2"}) is None
+
+
+@pytest.mark.parametrize("overrides, env, missing", [
+    (["mesh.num_processes=2", "mesh.data=2", "grpo.micro_batch_size=128"], {},
+     "coordinator_address (mesh.coordinator_address or $JAX_COORDINATOR_ADDRESS) and process_id (mesh.process_id or "
+     "$JAX_PROCESS_ID) are not set"),
+    (["mesh.coordinator_address=h0:1234"], {}, "num_processes (mesh.num_processes or $JAX_NUM_PROCESSES) and "),
+    ([], {"JAX_COORDINATOR_ADDRESS": "h0:1234", "JAX_NUM_PROCESSES": "2"},
+     "process_id (mesh.process_id or $JAX_PROCESS_ID) is not set"),
+])
+def test_a_job_described_in_part_is_one_error_before_jax_starts(tmp_path, single, monkeypatch, capsys, overrides, env,
+                                                                 missing):
+    """Each of these stopped the process with jax's ValueError traceback ("coordinator_address should be defined",
+    "Number of processes must be defined", "The process id of the current process must be defined")."""
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    out = tmp_path / "run"
+    assert train.main(["--config", str(TINY), f"run.out_dir={out}", *overrides]) == 2
+    err = capsys.readouterr().err
+    assert "config error:\na multi-host job is described (" in err and missing in err, err
+    assert not out.exists()
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "2")  # an srun step gives jax the rest itself: left to it
+    assert train._process_problem(load_config(TINY, overrides, check_paths=False).mesh) is None
