@@ -190,6 +190,15 @@ def test_args_of_a_custom_reward_are_passed_and_checked():
         registry._REGISTRY.pop("_test_scaled", None)
 
 
+@pytest.mark.parametrize("name", ["math_verify", "code_tests", "code_tests_frac", "format", "copy_digits",
+                                  "exact_digits"])
+def test_a_misspelled_arg_of_a_built_in_reward_is_refused_at_load(name):
+    # every built-in took **kw, so {timout_s: 1} (or any typo) passed the load and was dropped at each call
+    with pytest.raises(ConfigError, match=rf"reward\[0\].args = \{{\"timout_s\": 1\}}: reward \"{name}\" cannot be "
+                                          r"called with them \(got an unexpected keyword argument 'timout_s'"):
+        load_config("configs/tiny.yaml", [f"reward=[{{name: {name}, args: {{timout_s: 1}}}}]"])
+
+
 @pytest.mark.parametrize("args, says", [
     ("{since: 2024-01-01}", "reward[0].args.since = datetime.date(2024, 1, 1): a date"),
     ("{tests: [1, {blob: !!binary aGk=}]}", "reward[0].args.tests[1].blob = b'hi': a bytes"),
@@ -197,12 +206,21 @@ def test_args_of_a_custom_reward_are_passed_and_checked():
     ("{table: {1: one}}", "its key 1 is not a string"),
 ])
 def test_args_that_json_cannot_record_are_refused_at_load(args, says):
-    # `format` takes **kw, so only this check stands between such args and the trainer, which records the config
-    # as JSON in every checkpoint and stopped there with a TypeError traceback after building the model
-    with pytest.raises(ConfigError) as e:
-        load_config("configs/tiny.yaml", [f"reward=[{{name: format, weight: 1.0, args: {args}}}]"])
-    assert says in str(e.value) and "JSON record" in str(e.value)
-    load_config("configs/tiny.yaml", ['reward=[{name: format, weight: 1.0, args: {since: "2024-01-01", n: [1, .5]}}]'])
+    # a reward taking **kw accepts any args, so only this check stands between such args and the trainer, which
+    # records the config as JSON in every checkpoint and stopped there with a TypeError traceback after building the
+    # model
+    def takes_any(completion, answer, **kw):
+        return 0.0
+
+    try:
+        registry.register_reward("_test_takes_any", mode="inline")(takes_any)
+        with pytest.raises(ConfigError) as e:
+            load_config("configs/tiny.yaml", [f"reward=[{{name: _test_takes_any, weight: 1.0, args: {args}}}]"])
+        assert says in str(e.value) and "JSON record" in str(e.value)
+        load_config("configs/tiny.yaml",
+                    ['reward=[{name: _test_takes_any, weight: 1.0, args: {since: "2024-01-01", n: [1, .5]}}]'])
+    finally:
+        registry._REGISTRY.pop("_test_takes_any", None)
 
 
 def _one(server, **args):

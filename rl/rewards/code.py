@@ -288,12 +288,14 @@ def _score(completion: str, answer, timeout_s: float | None) -> tuple[int, int]:
 
 
 @register_reward("code_tests", mode="process", scores=(0, 1))
-def code_tests_reward(completion: str, answer, *, timeout_s: float | None = 20.0, **_: object) -> float:
+def code_tests_reward(completion: str, answer, *, timeout_s: float | None = 20.0, truncated: bool = False
+                      ) -> float:
     passed, total = _score(completion, answer, timeout_s)
     return 1.0 if total and passed == total else 0.0
 
 
 @register_reward("code_tests_frac", mode="process", scores=(0, 1))
-def code_tests_frac_reward(completion: str, answer, *, timeout_s: float | None = 20.0, **_: object) -> float:
+def code_tests_frac_reward(completion: str, answer, *, timeout_s: float | None = 20.0, truncated: bool = False
+                           ) -> float:
     passed, total = _score(completion, answer, timeout_s)
     return passed / total if total else 0.0

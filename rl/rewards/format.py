@@ -47,7 +47,7 @@ def box_content(text: str, start: int) -> str | None:
 
 
 @register_reward("format", mode="inline", scores=(0, 1))
-def boxed_format(completion: str, answer: str = "", *, truncated: bool = False, **_: object) -> float:
+def boxed_format(completion: str, answer: str = "", *, truncated: bool = False) -> float:
     if truncated:
         return 0.0
     starts = box_starts(completion)

@@ -117,7 +117,8 @@ def _gold(answer: str, budget: _Budget) -> list:
 
 
 @register_reward("math_verify", mode="process", scores=(0, 1))
-def math_verify_reward(completion: str, answer: str, *, timeout_s: float | None = 5.0, **_: object) -> float:
+def math_verify_reward(completion: str, answer: str, *, timeout_s: float | None = 5.0,
+                       truncated: bool = False) -> float:
     from math_verify.errors import TimeoutException
 
     mv = _mv()

@@ -33,7 +33,7 @@ def completion_tokens(text: str) -> list[int | None]:
 @register_reward("sort_digits", mode="inline", scores=(0, 1))
 @register_reward("copy_digits", mode="inline", scores=(0, 1))
 @register_reward("reverse_digits", mode="inline", scores=(0, 1))
-def digit_positions(completion: str, answer: str, **_: object) -> float:
+def digit_positions(completion: str, answer: str, *, truncated: bool = False) -> float:
     """Fraction of answer positions the completion gets right (the tasks differ only in the answer)."""
     want = _TOK.tokenize_text(answer)
     if not want:
@@ -43,5 +43,5 @@ def digit_positions(completion: str, answer: str, **_: object) -> float:
 
 
 @register_reward("exact_digits", mode="inline", scores=(0, 1))
-def exact_digits(completion: str, answer: str, **_: object) -> float:
+def exact_digits(completion: str, answer: str, *, truncated: bool = False) -> float:
     return float(completion_tokens(completion) == _TOK.tokenize_text(answer))
