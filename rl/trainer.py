@@ -27,7 +27,8 @@ from rl.stop_signals import StopSignals
 from rl.generation import backends
 from rl.observe import RunLogger, draw_curves
 from rl.policy import (Policy, applied_learning_rate, build_or_restore_policy, checkpointer_for,
-                       make_indexer_recall, make_logprobs, make_update, reference_params, sequence_width)
+                       make_indexer_recall, make_logprobs, make_update, reference_params, schedule_warnings,
+                       sequence_width)
 from rl.process_zero_writes import NO_OUTPUTS, ProcessZeroWrites
 from rl.prompt_loader import build_data
 from rl.reference import ReferenceWeights
@@ -72,6 +73,8 @@ class GRPOTrainer:
         cfg = self.cfg
         os.makedirs(self.run_dir, exist_ok=True)
         self.loss_cfg = cfg.grpo.loss_config(cfg.generation.max_new_tokens)
+        for line in schedule_warnings(cfg):
+            log.warning("%s", line)
         self.phases = PhaseClock()  # a line as each phase of the start ends (rl.startup)
         self.tokenizer, self.loader, self.pad_id = build_data(cfg)
         self.phases.done("%s", prompts_line(cfg, len(self.loader.records)))
