@@ -65,6 +65,8 @@ class M3Config:
         for name in ("layer_types", "mlp_layer_types"):
             if isinstance(getattr(self, name), str):  # tuple() would make a layer of each character
                 raise field_error(name, getattr(self, name), "a list of per-layer types, not one string")
+            if not isinstance(getattr(self, name), (list, tuple)):  # tuple(None) was a TypeError naming no field
+                raise field_error(name, getattr(self, name), "a list of per-layer types")
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
         object.__setattr__(self, "mlp_layer_types", tuple(self.mlp_layer_types))
         if isinstance(self.eos_token_id, list):

@@ -30,7 +30,13 @@ BAD_FILES = {
                          ['optim.lr = "fast": wrong type (a string); allowed: a number > 0']),
     "int_for_bool": ("logging: {plot: 1}\n",
                      ["logging.plot = 1: wrong type (an integer); allowed: true or false"]),
-    "int_for_string": ("run: {name: 7}\n", ["run.name = 7: wrong type (an integer); allowed: letters, digits"]),
+    "int_for_string": ("run: {name: 7}\n", ['run.name = 7: wrong type (an integer: quote it ("7") for the text); '
+                                            "allowed: letters, digits"]),
+    # YAML's boolean words: the run.out_dir with ${name} was a second error beside it
+    "bool_word_for_string": ("run: {name: on}\n", ["invalid run config: run.name = true: wrong type (a boolean: YAML "
+                                                   "reads on / off / yes / no as one; quote the word for the text)"]),
+    "tiny_layer_types_null": ("model: {tiny: {layer_types: null}}\n",
+                              ["model.tiny.layer_types = None is not supported: expected a list of per-layer types"]),
     "scalar_for_list": ("mesh: {expert_axes: data}\n",
                         ['mesh.expert_axes = "data": wrong type (a string); allowed: a list whose items are each '
                          'one of "data", "context", "expert"']),

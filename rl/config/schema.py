@@ -134,9 +134,10 @@ class RunSection(_Section):
 
     def __post_init__(self):
         super().__post_init__()
-        if isinstance(self.out_dir, str) and isinstance(self.name, str):
-            # no shell expands a ~ inside key=value (or in YAML): it made a directory named ~ in the working one
-            object.__setattr__(self, "out_dir", os.path.expanduser(self.out_dir.replace("${name}", self.name)))
+        if isinstance(self.out_dir, str) and isinstance(self.name, (str, int, float)):
+            # no shell expands a ~ inside key=value (or in YAML): it made a directory named ~ in the working one.
+            # A name YAML read as a number is refused on its own (quote it): out_dir is not a second error for it.
+            object.__setattr__(self, "out_dir", os.path.expanduser(self.out_dir.replace("${name}", str(self.name))))
         if isinstance(self.compilation_cache, str):
             object.__setattr__(self, "compilation_cache", os.path.expanduser(self.compilation_cache))
 

@@ -25,7 +25,11 @@ from rl.config.validate_eval import eval_problems
 
 def _check_scalar(key: str, value: Any, tp: Any, rules: dict, allowed: str, out: list[_Problem]) -> None:
     if not _is(value, tp):
-        out.append(_bad(key, value, f"wrong type ({_kind(value)})", allowed))
+        # YAML reads 2024, 1.5, on / yes as numbers and booleans: a text field needs them quoted
+        quote = "" if tp is not str or not isinstance(value, (bool, int, float)) else \
+            ": YAML reads on / off / yes / no as one; quote the word for the text" if isinstance(value, bool) else \
+            f": quote it (\"{value}\") for the text"
+        out.append(_bad(key, value, f"wrong type ({_kind(value)}{quote})", allowed))
         return
     if tp is float and not math.isfinite(value):
         out.append(_bad(key, value, "not a finite number", allowed))
