@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import fractions
 import json
+import logging
 import re
 
 import jax
@@ -38,6 +39,8 @@ from rl.prompt_lengths import fit_prompt_lengths
 from rl.generation.base import Generator, SamplingParams
 from rl.score_once import score_once
 from rl.tasks import make_task
+
+log = logging.getLogger(__name__)
 
 METRICS = ("pass@1", "pass@k", "maj@k", "reward_mean")  # eval.best_metric's (rl.config.eval_section.EVAL_METRICS)
 _STREAM = 0x6576616C  # "eval": folded into the key so that eval.seed = run.seed does not replay rollout keys
@@ -95,6 +98,9 @@ def eval_records(cfg, train: list[PromptRecord] = ()) -> list[PromptRecord]:
                               "digit(s), so none is left to evaluate on; expected longer strings (eval.num_digits), "
                               "an eval file (eval.kind=file) or no evaluation (eval.every_steps=0, "
                               "eval.at_start=false)")
+        if len(records) < e.max_prompts:  # the task's distinct prompts ran out: a smaller evaluation than asked
+            log.warning("eval.max_prompts = %d, but %s of %d digit(s) leaves only %d prompts that are not training "
+                        "prompts: the evaluation uses those", e.max_prompts, task.name, task.num_digits, len(records))
         return records
     records = load_prompts(e.path, format=e.format, prompt_key=e.prompt_key, answer_key=e.answer_key,
                            layout=e.layout)

@@ -381,3 +381,18 @@ def test_majority_config_rules():
         load_config(TINY, ["eval.majority_answer=boxed", "eval.samples_per_prompt=1", "eval.temperature=0"])
     with pytest.raises(ConfigError, match='eval.best_metric = "maj@k" with eval.majority_answer = "none"'):
         load_config(TINY, ["eval.best_metric=maj@k"])
+
+
+def test_a_synthetic_evaluation_smaller_than_asked_is_warned_of(caplog):
+    """With 3 digits the copy task has 1,000 prompts; when training takes all but 12, eval.max_prompts 64 used to
+    give 12 without a word (a helper's audit)."""
+    cfg = load_config(TINY, ["data.num_digits=3", "generation.max_new_tokens=4"], check_paths=False)
+    train = make_task("copy", num_digits=3, seed=1).held_out(988, [])
+    with caplog.at_level("WARNING", logger="rl.evaluate"):
+        records = ev.eval_records(cfg, train)
+    assert len(records) == 12 and not {r.prompt for r in records} & {r.prompt for r in train}
+    assert [r.getMessage() for r in caplog.records] == [
+        "eval.max_prompts = 64, but copy of 3 digit(s) leaves only 12 prompts that are not training prompts: the "
+        "evaluation uses those"]
+    caplog.clear()
+    assert len(ev.eval_records(cfg, train[:900])) == 64 and not caplog.records
