@@ -58,6 +58,8 @@ def policy_line(cfg, params, layout, restored_step: int | None) -> str:
           + (f" of {hosts} hosts" if hosts > 1 else ""))
     if mesh is not None:
         on = "mesh " + " x ".join(f"{axis} {size}" for axis, size in mesh.shape.items()) + f" ({on})"
+    elif (idle := len(jax.devices()) - 1) > 0:  # a one-device config on a host of several: said, not refused
+        on = f"1 of {idle + 1} {devices[0].platform} devices (the mesh's axes multiply to 1: the other {idle} are idle)"
     return f"policy: {_count(count)} parameters ({', '.join(dtypes)}), {source}; on {on}"
 
 

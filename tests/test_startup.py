@@ -39,8 +39,9 @@ def test_the_lines_name_the_source_the_size_and_the_mesh():
     assert policy_line(cfg(), params, Layout(mesh=mesh), None) == (
         "policy: 1.25 M parameters (bfloat16, float32), initialised at random (model.init_seed 3); on mesh data 2 x "
         "context 1 x expert 2 x tensor 2 (8 cpu devices)")
+    # a one-device config on this host of 8 (simulated) devices: the log's only hint was "on 1 cpu device"
     assert policy_line(cfg(model={"path": "/ckpt/m3"}), params, Layout(), None).endswith(
-        "loaded from /ckpt/m3; on 1 cpu device")
+        "loaded from /ckpt/m3; on 1 of 8 cpu devices (the mesh's axes multiply to 1: the other 7 are idle)")
     assert "restored from checkpoint step 40;" in policy_line(cfg(model={"path": "/ckpt/m3"}), params, Layout(), 40)
     assert prompts_line(cfg(), 4096) == "prompts: 4096 from the synthetic task 'copy', 32 x 8 samples a step"
     assert prompts_line(cfg(data={"kind": "file", "path": "/d/train.jsonl"}), 9).startswith(
