@@ -305,6 +305,28 @@ def test_stop_tokens_outside_a_checkpoint_vocabulary(tmp_path):
     assert f"{model}/generation_config.json: not a readable JSON file" in load_error(TINY, path)
 
 
+def test_no_token_to_end_a_response_is_refused(tmp_path):
+    """generation.stop_token_ids empty and a model that names no end token: every response ran to max_new_tokens and
+    counted as truncated (all filtered under grpo.overlong_filter), with nothing said (a helper's audit)."""
+    import json
+
+    from rl.config import load_config
+    from tests.test_run_config import TINY
+    tiny = ["generation.stop_token_ids=[]", "model.tiny.eos_token_id=null"]
+    assert ("generation.stop_token_ids = [] and model.tiny.eos_token_id names no token: no token ends a response, so "
+            "every response would run to generation.max_new_tokens = 5 and be truncated") in load_error(TINY, tiny)
+    assert load_config(TINY, tiny[1:]).generation.stop_token_ids == (12,)  # the config's own stop token
+    hf = load_config(TINY).model.m3_config().to_hf_dict()
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({**hf, "eos_token_id": None}))
+    path = ["model.tiny=null", f"model.path={model}", "generation.stop_token_ids=[]"]
+    assert (f"generation.stop_token_ids = [] and {model} names no eos_token_id (in generation_config.json or "
+            "config.json): no token ends a response") in load_error(TINY, path)
+    (model / "generation_config.json").write_text('{"eos_token_id": 12}')
+    assert load_config(TINY, path).model.path == str(model)
+
+
 def test_a_checkpoints_end_tokens_are_its_generation_configs(tmp_path):
     """As transformers' generate and vLLM: generation_config.json's eos_token_id where it sets one (a chat model's
     end-of-turn token beside config.json's eos), else config.json's; the run's sampling stops at them when

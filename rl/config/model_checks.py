@@ -75,14 +75,20 @@ def _stop_token_checks(cfg: RunConfig, m3) -> list[_Problem]:
                 f"generation.stop_token_ids[{i}] = {t}: not a token of the model; allowed: an integer in "
                 f"[0, {_source(cfg, 'vocab_size')}={vocab})"),
                 ("model.tiny.vocab_size" if cfg.model.tiny is not None else "model.path",)))
-    if gen.stop_token_ids or cfg.model.path is None:  # model.tiny's eos_token_id is checked as a field
+    if gen.stop_token_ids:
         return out
+    if cfg.model.path is None:  # model.tiny's eos_token_id is checked as a field
+        eos = m3.eos_token_id
+        return out + ([] if eos is not None and eos != () else [_no_end_token(cfg, "model.tiny.eos_token_id names no token")])
     from m3jax.hf.end_tokens import end_token_ids
     from m3jax.hf.safetensors_io import CheckpointError
     try:
         ends = end_token_ids(cfg.model.path, m3.eos_token_id)
     except CheckpointError as e:
         return out + [_Problem("model.path", f"model.path = {cfg.model.path!r}: {e}")]
+    if not ends:
+        return out + [_no_end_token(cfg, f"{cfg.model.path} names no eos_token_id (in generation_config.json or "
+                                         "config.json)")]
     outside = [t for t in ends if not 0 <= t < vocab]
     if outside:
         out.append(_Problem("generation.stop_token_ids", (
@@ -92,3 +98,13 @@ def _stop_token_checks(cfg: RunConfig, m3) -> list[_Problem]:
             "response (e.g. the tokenizer's eos_token_id), or a checkpoint whose eos_token_id is in [0, vocab_size)"),
             ("model.path",)))
     return out
+
+
+def _no_end_token(cfg: RunConfig, why: str) -> _Problem:
+    """No token would end a response: each would run to max_new_tokens and count as truncated (all of them filtered
+    under grpo.overlong_filter, all punished under grpo.overlong_buffer), with nothing said."""
+    return _Problem("generation.stop_token_ids", (
+        f"generation.stop_token_ids = [] and {why}: no token ends a response, so every response would run to "
+        f"generation.max_new_tokens = {cfg.generation.max_new_tokens} and be truncated; allowed: the ids that end a "
+        "response (e.g. the tokenizer's eos_token_id)"),
+        ("model.tiny.eos_token_id" if cfg.model.tiny is not None else "model.path",))
