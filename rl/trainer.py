@@ -23,6 +23,7 @@ from rl.ahead import AheadDraw, draws_ahead
 from rl.checkpoint import CheckpointMismatch
 from rl.config import RunConfig, checkpoint_dir
 from rl.config_record import record_config
+from rl.grpo.dapo import ShortSteps
 from rl.stop_signals import StopSignals
 from rl.generation import backends
 from rl.observe import RunLogger, draw_curves
@@ -121,6 +122,7 @@ class GRPOTrainer:
         self.trained_under = trained_under(cfg)  # kept in every checkpoint: a resume compares itself with it
         self.changed_since_checkpoint = None
         self.skipped_updates = SkippedUpdates(cfg.optim.stop_after_skipped_steps, cfg.grpo.updates_per_step)
+        self.short_steps = ShortSteps()  # dynamic sampling's steps that ran out of rounds
         # grpo.max_trajectory_age_steps 1: the next step's draw runs while a step trains (rl.ahead)
         self.ahead = AheadDraw() if cfg.grpo.max_trajectory_age_steps else None
         # in a multi-host job it runs on process 0 alone and is shared when taken (rl.shared_draw)
@@ -186,15 +188,7 @@ class GRPOTrainer:
                          if self.shared_ahead else functools.partial(draw, done))
             ahead.launch(next_draw, self.loader.state_dict(), version=step)
         samples, reward, failures = drawn.samples, drawn.reward, drawn.failures
-        if drawn.metrics.get("dapo/filled_groups"):
-            self._dapo_short_steps = getattr(self, "_dapo_short_steps", 0) + 1
-            # once as a warning, then in run.log and the metric: near convergence it is every step
-            # (step numbered as in metrics.jsonl: steps done)
-            (log.warning if self._dapo_short_steps == 1 else log.debug)(
-                "step %d: dynamic sampling found %d of %d informative groups in %d round(s) "
-                "(grpo.dynamic_sampling_max_rounds); %d zero-variance groups fill the step at loss weight 0",
-                step + 1, drawn.metrics["dapo/kept_groups"], gcfg.prompts_per_step, drawn.metrics["dapo/rounds"],
-                drawn.metrics["dapo/filled_groups"])
+        self.short_steps.after(done, drawn.metrics, gcfg.prompts_per_step)
         adv = phases.advantages(reward, samples.rollout.truncated, gcfg)
         if rollout_log.due(done, cfg.logging.rollouts_every) and jax.process_index() == 0:
             self.outputs.run(rollout_log.append, self.run_dir, rollout_log.rollout_rows(

@@ -183,3 +183,20 @@ def test_config_rules():
             load_config("configs/tiny.yaml", bad)
     ok = load_config("configs/tiny.yaml", ["grpo.overlong_buffer=4", "grpo.dynamic_sampling_max_rounds=1"])
     assert (ok.grpo.overlong_buffer, ok.grpo.dynamic_sampling_max_rounds) == (4, 1)
+
+
+def test_a_short_step_is_a_warning_once_then_debug(caplog):
+    """Dynamic sampling that ran out of rounds: the first such step is a warning, the rest go to run.log (near
+    convergence it is every step)."""
+    notes = dapo.ShortSteps()
+    full = {"dapo/filled_groups": 0, "dapo/kept_groups": 8, "dapo/rounds": 1}
+    short = {"dapo/filled_groups": 3, "dapo/kept_groups": 5, "dapo/rounds": 4}
+    with caplog.at_level("DEBUG", logger="rl.grpo.dapo"):
+        for step, metrics in enumerate((full, short, full, short), start=1):
+            notes.after(step, metrics, 8)
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("WARNING", "step 2: dynamic sampling found 5 of 8 informative groups in 4 round(s) "
+                    "(grpo.dynamic_sampling_max_rounds); 3 zero-variance groups fill the step at loss weight 0"),
+        ("DEBUG", "step 4: dynamic sampling found 5 of 8 informative groups in 4 round(s) "
+                  "(grpo.dynamic_sampling_max_rounds); 3 zero-variance groups fill the step at loss weight 0")]
+    assert notes.count == 2

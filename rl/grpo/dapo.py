@@ -25,10 +25,13 @@ added to the task reward times `overlong_penalty` (DAPO: 1). A response cut at t
 
 from __future__ import annotations
 
+import logging
 from typing import Sequence
 
 import jax
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 
 def round_key(seed: int, step: int, round: int) -> jax.Array:
@@ -77,3 +80,23 @@ def overlong_penalty(lengths, max_len: int, buffer: int, penalty: float = 1.0) -
     r = np.where(lengths <= start, 0.0, (start - lengths) / buffer)
     r = np.where(lengths > max_len, -1.0, r)
     return (r * penalty).astype(np.float32)
+
+
+class ShortSteps:
+    """Tells of the steps whose dynamic sampling ran out of rounds before it found enough informative groups: the
+    first as a warning, the rest in run.log (near convergence it is every step); the metric dapo/filled_groups
+    counts them too."""
+
+    def __init__(self):
+        self.count = 0
+
+    def after(self, step_done: int, metrics: dict, prompts_per_step: int) -> None:
+        """step_done: the step's number as metrics.jsonl numbers it (steps done)."""
+        if not metrics.get("dapo/filled_groups"):
+            return
+        self.count += 1
+        (log.warning if self.count == 1 else log.debug)(
+            "step %d: dynamic sampling found %d of %d informative groups in %d round(s) "
+            "(grpo.dynamic_sampling_max_rounds); %d zero-variance groups fill the step at loss weight 0",
+            step_done, metrics["dapo/kept_groups"], prompts_per_step, metrics["dapo/rounds"],
+            metrics["dapo/filled_groups"])
