@@ -24,7 +24,7 @@ import sys
 
 from m3jax.config import ConfigError as M3ConfigError
 from m3jax.plan.check import print_check
-from m3jax.plan.compile import compile_reduced, print_compile
+from m3jax.plan.compile import compile_reduced, has_cuda_plugin, print_compile
 from m3jax.plot import png_path_problem
 from m3jax.plan.flops import Hardware, context_imbalance
 from m3jax.plan.job import DEFAULT_DEVICE_GB, Job, invalid_reason, load_job, plan
@@ -207,6 +207,10 @@ def main(argv=None) -> int:
     if a.target_config and not os.path.isfile(a.target_config):
         ap.error(f"--target-config {a.target_config!r}: no such file (expected a text GpuTargetConfigProto, such as "
                  "scripts/gpu_specs/h200.txtpb)")
+    if a.target_config and not has_cuda_plugin():
+        ap.error("--target-config compiles with XLA's GPU compiler, which needs a jax with the CUDA plugin and its "
+                 "libraries (pip install \"jax[cuda12]\" in another environment; no GPU needed), not this one; "
+                 "docs/planner.md, --target-config")
     for flag, value in (("--device-memory-gb", a.device_memory_gb), ("--peak-tflops", a.peak_tflops),
                         ("--mfu", a.mfu), ("--nvlink-gbps", a.nvlink_gbps), ("--ib-gbps", a.ib_gbps),
                         ("--pcie-gbps", a.pcie_gbps)):

@@ -81,6 +81,17 @@ def xla_flags_with_devices(n: int) -> str:
     return f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
 
+def has_cuda_plugin() -> bool:
+    """Whether this jax has a CUDA PJRT plugin (`jax_plugins.xla_cuda*`), which `compile_only_gpus` needs: without
+    one the compile's worker stopped with NotImplementedError "topology not implemented for cuda", a traceback."""
+    import pkgutil
+    try:
+        import jax_plugins
+    except ImportError:
+        return False
+    return any("cuda" in m.name for m in pkgutil.iter_modules(jax_plugins.__path__))
+
+
 def compile_only_gpus(target_config: str, n: int, per_host: int = 8) -> list:
     """n compile-only CUDA devices (`jax.experimental.topologies`), hosts of `per_host`, of the GPU that the text
     GpuTargetConfigProto at `target_config` describes (e.g. scripts/gpu_specs/h200.txtpb): XLA's GPU compiler
