@@ -246,7 +246,13 @@ def build_mesh(mesh: MeshConfig, model: ShardedModel | None = None, *, seq_len: 
     leave open) with the rules table that puts the experts on `mesh.expert_axes` and FSDP on `mesh.fsdp_axes`."""
     init_distributed(mesh)
     devices = list(devices) if devices is not None else jax.devices()
-    validate(mesh, model, num_devices=len(devices), seq_len=seq_len, batch=batch)
+    try:
+        validate(mesh, model, num_devices=len(devices), seq_len=seq_len, batch=batch)
+    except MeshError as e:
+        if devices and devices[0].platform == "cpu" and len(devices) < mesh.num_devices and "available" in str(e):
+            raise MeshError(f"{e}; on CPU, simulate them: XLA_FLAGS=--xla_force_host_platform_device_count="
+                            f"{mesh.num_devices} in the environment before jax starts") from None
+        raise
     return Layout(jax.make_mesh(mesh.shape, MESH_AXES, axis_types=(AxisType.Auto,) * 4, devices=devices),
                   mesh.rules, tuple(mesh.fsdp_step_axes), context_balance=mesh.context_balance)
 

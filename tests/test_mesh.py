@@ -39,6 +39,15 @@ def test_each_rule_has_its_error(mesh, kwargs, message):
         validate(mesh, model, **kwargs)
 
 
+def test_too_few_cpu_devices_says_how_to_simulate_them():
+    """The miniature recipe without XLA_FLAGS: the error now says how to get its 8 devices on a CPU."""
+    with pytest.raises(MeshError, match=r"= 4 devices, but 2 are available; on CPU, simulate them: "
+                                        r"XLA_FLAGS=--xla_force_host_platform_device_count=4 in the environment"):
+        build_mesh(MeshConfig(2, 2, 1, 1), devices=jax.devices()[:2])
+    with pytest.raises(MeshError, match=r"= 1 devices, but 2 are available$"):  # too many: nothing to simulate
+        build_mesh(MeshConfig(1, 1, 1, 1), devices=jax.devices()[:2])
+
+
 def test_build_mesh_and_read_back():
     layout = build_mesh(MeshConfig(2, 2, 2, 1), CFG, seq_len=64, batch=4)
     assert isinstance(layout, Layout)
