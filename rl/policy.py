@@ -54,22 +54,6 @@ def learning_rate(cfg: RunConfig):
     return optax.join_schedules([optax.linear_schedule(0.0, o.lr, o.warmup_steps), after], [o.warmup_steps])
 
 
-def schedule_warnings(cfg: RunConfig) -> list[str]:
-    """What of the run's schedules its length cuts short: a warm-up as long as the run (optim.lr is never reached),
-    a reference reset period as long as the run (the reference never resets). Warned of, not refused: a short
-    trial of a long recipe (run.total_steps=2) is meant to stop early."""
-    out, total, o = [], cfg.run.total_steps, cfg.optim
-    if o.warmup_steps >= total:
-        last = float(learning_rate(cfg)(total - 1))
-        out.append(f"optim.warmup_steps = {o.warmup_steps} is not below run.total_steps = {total}: the learning rate "
-                   f"never reaches optim.lr = {o.lr:g} (its last step trains at {last:.3g})")
-    every = cfg.grpo.reference_reset_every_steps
-    if every and cfg.grpo.kl != "none" and every >= total:
-        out.append(f"grpo.reference_reset_every_steps = {every} is not below run.total_steps = {total}: the KL "
-                   "reference is not reset while the run trains")
-    return out
-
-
 def update_learning_rate(cfg: RunConfig):
     """`learning_rate` as the optimizer counts: its schedule's count is optimizer updates applied,
     `grpo.updates_per_step` of them per step, so update c runs at learning_rate(c // updates_per_step). (Counting

@@ -28,13 +28,13 @@ from rl.stop_signals import StopSignals
 from rl.generation import backends
 from rl.observe import RunLogger, draw_curves
 from rl.policy import (Policy, applied_learning_rate, build_or_restore_policy, checkpointer_for,
-                       make_indexer_recall, make_logprobs, make_update, reference_params, schedule_warnings,
-                       sequence_width)
+                       make_indexer_recall, make_logprobs, make_update, reference_params, sequence_width)
 from rl.process_zero_writes import NO_OUTPUTS, ProcessZeroWrites
 from rl.prompt_loader import build_data
 from rl.reference import ReferenceWeights
 from rl.resume_checks import changes_warning, check as check_config, trained_under
 from rl.skipped_updates import SkippedUpdates
+from rl.start_warnings import start_warnings
 from rl.startup import PhaseClock, first_push_line, generation_line, policy_line, prompts_line
 from rl.watchdog import HangWatchdog
 from rl.weight_sync import probe_check, sync_weights
@@ -74,7 +74,7 @@ class GRPOTrainer:
         cfg = self.cfg
         os.makedirs(self.run_dir, exist_ok=True)
         self.loss_cfg = cfg.grpo.loss_config(cfg.generation.max_new_tokens)
-        for line in schedule_warnings(cfg):
+        for line in start_warnings(cfg, cfg.model.m3_config()):
             log.warning("%s", line)
         self.phases = PhaseClock()  # a line as each phase of the start ends (rl.startup)
         self.tokenizer, self.loader, self.pad_id = build_data(cfg)

@@ -1,0 +1,33 @@
+"""What a run's config asks for that its length or its model makes moot: warned of as the run starts, not refused.
+
+A short trial of a long recipe (run.total_steps=2) is meant to stop early, and a recipe's settings stay meaningful
+when one of its options is switched off for a comparison (model.remat=false), so these are warnings; what can
+never be meant is refused at load (rl.config).
+"""
+
+from __future__ import annotations
+
+from rl.config import RunConfig
+from rl.policy import learning_rate
+
+
+def start_warnings(cfg: RunConfig, model_cfg) -> list[str]:
+    """One line per setting that will not act as written; `model_cfg`: the run's M3Config."""
+    out, total, o, m = [], cfg.run.total_steps, cfg.optim, cfg.model
+    if o.warmup_steps >= total:
+        last = float(learning_rate(cfg)(total - 1))
+        out.append(f"optim.warmup_steps = {o.warmup_steps} is not below run.total_steps = {total}: the learning rate "
+                   f"never reaches optim.lr = {o.lr:g} (its last step trains at {last:.3g})")
+    every = cfg.grpo.reference_reset_every_steps
+    if every and cfg.grpo.kl != "none" and every >= total:
+        out.append(f"grpo.reference_reset_every_steps = {every} is not below run.total_steps = {total}: the KL "
+                   "reference is not reset while the run trains")
+    if not m.remat and m.remat_policy != "full":
+        out.append(f"model.remat_policy = {m.remat_policy} has no effect with model.remat = false (every activation "
+                   "is kept for the backward)")
+    if cfg.logging.indexer_recall_every and not model_cfg.has_sparse_attention:
+        out.append(f"logging.indexer_recall_every = {cfg.logging.indexer_recall_every}: the model has no sparse "
+                   "(indexer) layer, so no indexer/recall is logged")
+    if m.moe_capacity_factor is not None and not model_cfg.has_moe:
+        out.append(f"model.moe_capacity_factor = {m.moe_capacity_factor:g} has no effect: the model has no MoE layer")
+    return out

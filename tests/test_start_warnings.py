@@ -1,0 +1,39 @@
+"""rl.start_warnings: settings a run's length or model makes moot are warned of as it starts (a helper's audit found
+each passing silently)."""
+
+from rl.config import load_config
+from rl.start_warnings import start_warnings
+from tests.tiny_runs import TINY
+
+
+def _warnings(*overrides):
+    cfg = load_config(str(TINY), list(overrides), check_paths=False)
+    return start_warnings(cfg, cfg.model.m3_config())
+
+
+def test_the_tiny_config_is_warned_of_nothing():
+    assert _warnings() == []
+    assert _warnings("optim.warmup_steps=199", "grpo.kl=k3", "grpo.kl_coef=0.01",
+                     "grpo.reference_reset_every_steps=199", "model.remat=true", "model.remat_policy=save_dots") == []
+
+
+def test_a_warm_up_or_a_reset_period_as_long_as_the_run():
+    """optim.warmup_steps 1000 in a 200-step run trained at most at a fifth of optim.lr; a reset period past the
+    run's end never reset. A short trial of a long recipe is meant to stop early: warnings, not refusals."""
+    assert _warnings("optim.warmup_steps=1000", "grpo.kl=k3", "grpo.kl_coef=0.01",
+                     "grpo.reference_reset_every_steps=200") == [
+        "optim.warmup_steps = 1000 is not below run.total_steps = 200: the learning rate never reaches optim.lr = "
+        "0.001 (its last step trains at 0.000199)",
+        "grpo.reference_reset_every_steps = 200 is not below run.total_steps = 200: the KL reference is not reset "
+        "while the run trains"]
+
+
+def test_options_for_what_is_switched_off_or_absent():
+    assert _warnings("model.remat_policy=save_dots_experts") == [
+        "model.remat_policy = save_dots_experts has no effect with model.remat = false (every activation is kept for "
+        "the backward)"]
+    assert _warnings("logging.indexer_recall_every=5", "model.tiny.layer_types=[full_attention, full_attention]",
+                     "model.tiny.mlp_layer_types=[dense, dense]", "model.moe_capacity_factor=1.5") == [
+        "logging.indexer_recall_every = 5: the model has no sparse (indexer) layer, so no indexer/recall is logged",
+        "model.moe_capacity_factor = 1.5 has no effect: the model has no MoE layer"]
+    assert _warnings("logging.indexer_recall_every=5", "model.moe_capacity_factor=1.5") == []
