@@ -232,8 +232,8 @@ def _train(cfg, args, writable: bool = True) -> int:
             held += f" (best {trainer.best['metric']} {trainer.best['value']:.3f} at step {trainer.best['step']})"
         if trainer.kept:  # checkpoint.keep_best
             held += f"; the best evaluations' checkpoints kept: steps {', '.join(str(e['step']) for e in trainer.kept)}"
-    steps = cfg.run.total_steps
-    print(f"done: {steps} step{'s' if steps != 1 else ''}, last reward {last.get('reward/mean', float('nan')):.3f}{held}; "
+    steps, reward = cfg.run.total_steps, last.get('reward/mean', float('nan'))
+    print(f"done: {steps} step{'s' if steps != 1 else ''}, last reward {reward:.3f}{held}; "
           f"run directory {cfg.run.out_dir} (log: run.log)")
     return 0
 

@@ -78,8 +78,9 @@ def _stop_token_checks(cfg: RunConfig, m3) -> list[_Problem]:
     if gen.stop_token_ids:
         return out
     if cfg.model.path is None:  # model.tiny's eos_token_id is checked as a field
-        eos = m3.eos_token_id
-        return out + ([] if eos is not None and eos != () else [_no_end_token(cfg, "model.tiny.eos_token_id names no token")])
+        if m3.eos_token_id is None or m3.eos_token_id == ():
+            out.append(_no_end_token(cfg, "model.tiny.eos_token_id names no token"))
+        return out
     from m3jax.hf.end_tokens import end_token_ids
     from m3jax.hf.safetensors_io import CheckpointError
     try:
