@@ -92,7 +92,7 @@ def row_positions(slots: int, mesh, model=None) -> int:
 
 
 def validate(mesh: MeshConfig, model=None, *, num_devices: int | None = None, seq_len: int | None = None,
-             batch: int | None = None) -> None:
+             batch: int | None = None, platform: str | None = None) -> None:
     """Raise MeshError for the first violated rule (each rule has its own message).
 
     `model` (optional) is anything describing its parameters to the mesh (`ShardedModel`, e.g. an
@@ -117,9 +117,13 @@ def validate(mesh: MeshConfig, model=None, *, num_devices: int | None = None, se
                         f"{tuple(mesh.fsdp_axes)} (the copy a step gathers over them stays cut over the fsdp axes "
                         "before them; list the axes gathered once per step last)")
     if num_devices is not None and mesh.num_devices != num_devices:
+        # too few of the devices that `platform` (that of the devices counted) can simulate: say how
+        simulate = (f"; on CPU, simulate them: XLA_FLAGS=--xla_force_host_platform_device_count={mesh.num_devices} "
+                    "in the environment before jax starts") if platform == "cpu" and num_devices < mesh.num_devices \
+            else ""
         raise MeshError(f"mesh data x context x expert x tensor = {' x '.join(map(str, mesh.shape))} = "
                         f"{mesh.num_devices} devices, but {num_devices} {'is' if num_devices == 1 else 'are'} "
-                        "available")
+                        f"available{simulate}")
     if model is not None:
         problem = undivided_field(mesh, model) or undivided_parameter(mesh, model)
         if problem:
@@ -246,13 +250,8 @@ def build_mesh(mesh: MeshConfig, model: ShardedModel | None = None, *, seq_len: 
     leave open) with the rules table that puts the experts on `mesh.expert_axes` and FSDP on `mesh.fsdp_axes`."""
     init_distributed(mesh)
     devices = list(devices) if devices is not None else jax.devices()
-    try:
-        validate(mesh, model, num_devices=len(devices), seq_len=seq_len, batch=batch)
-    except MeshError as e:
-        if devices and devices[0].platform == "cpu" and len(devices) < mesh.num_devices and "available" in str(e):
-            raise MeshError(f"{e}; on CPU, simulate them: XLA_FLAGS=--xla_force_host_platform_device_count="
-                            f"{mesh.num_devices} in the environment before jax starts") from None
-        raise
+    validate(mesh, model, num_devices=len(devices), seq_len=seq_len, batch=batch,
+             platform=devices[0].platform if devices else None)
     return Layout(jax.make_mesh(mesh.shape, MESH_AXES, axis_types=(AxisType.Auto,) * 4, devices=devices),
                   mesh.rules, tuple(mesh.fsdp_step_axes), context_balance=mesh.context_balance)
 

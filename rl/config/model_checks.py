@@ -20,13 +20,18 @@ def model_checks(cfg: RunConfig) -> list[_Problem]:
         m3 = m.m3_config()
     except Exception:  # noqa: BLE001  (a bad model.tiny or an unreadable model.path has its own error)
         return []
-    return _position_checks(cfg, m3) + _stop_token_checks(cfg, m3) + _replay_checks(cfg, m3)
+    return _position_checks(cfg, m3) + _stop_token_checks(cfg, m3) + _layer_kind_checks(cfg, m3)
 
 
-def _replay_checks(cfg: RunConfig, m3) -> list[_Problem]:
-    """A replay of what the model has no layer for would do nothing: refused, as model.indexer_loss_coef is."""
+def _layer_kind_checks(cfg: RunConfig, m3) -> list[_Problem]:
+    """An option for a kind of layer the model does not have (the indexer's alignment loss, a replay of routes or
+    block selections) would do nothing: refused."""
     out = []
     g = cfg.grpo
+    if cfg.model.indexer_loss_coef > 0 and not m3.has_sparse_attention:
+        out.append(_Problem("model.indexer_loss_coef", (
+            f"model.indexer_loss_coef = {_show(cfg.model.indexer_loss_coef)}: the model has no sparse (indexer) "
+            "layers to align; allowed: 0, or a model whose layer_types include \"minimax_m3_sparse\"")))
     if g.routing_replay != "none" and not m3.has_moe:
         out.append(_Problem("grpo.routing_replay", (
             f"grpo.routing_replay = {_show(g.routing_replay)}: the model has no MoE layer whose routes could be "

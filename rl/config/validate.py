@@ -167,15 +167,6 @@ def _check_tiny(tiny: dict, out: list[_Problem]) -> None:
                 break
 
 
-def _has_sparse_layers(m) -> bool:
-    """Whether the model section's M3Config has a sparse layer (True when it cannot be read: model.tiny /
-    model.path problems are reported on their own)."""
-    try:
-        return "minimax_m3_sparse" in m.m3_config().layer_types
-    except Exception:  # noqa: BLE001  (a bad model.tiny or an unreadable model.path has its own error)
-        return True
-
-
 def _cross_checks(cfg: RunConfig) -> list[_Problem]:
     """Rules that tie fields together (run only when every field is valid on its own)."""
     out: list[_Problem] = []
@@ -233,10 +224,6 @@ def _cross_checks(cfg: RunConfig) -> list[_Problem]:
             "does not return the indexer's block selection (vLLM has an open RFC for it; the Generator / "
             "Rollout interface carries block_ids for a backend that does); allowed: \"none\", or "
             "generation.backend = \"jax\""), ("generation.backend",)))
-    if m.indexer_loss_coef > 0 and (m.path is None) != (m.tiny is None) and not _has_sparse_layers(m):
-        out.append(_Problem("model.indexer_loss_coef", (
-            f"model.indexer_loss_coef = {_show(m.indexer_loss_coef)}: the model has no sparse (indexer) layers to "
-            "align; allowed: 0, or a model whose layer_types include \"minimax_m3_sparse\"")))
     if g.overlong_buffer >= gen.max_new_tokens:  # the ramp must start after at least one unpunished token
         out.append(_Problem("grpo.overlong_buffer", (
             f"grpo.overlong_buffer = {g.overlong_buffer}: not below generation.max_new_tokens = "
