@@ -22,6 +22,7 @@ def _gpu_check(name: str = "gpu_check"):
     return module
 
 
+@pytest.mark.slow  # ~11 s: seven attention kernels compiled forward and backward
 def test_attention_check_runs_every_kernel_but_cudnn_on_cpu(capsys):
     _gpu_check().attention_kernels(True, 64)
     (line,) = capsys.readouterr().out.strip().splitlines()
@@ -38,6 +39,7 @@ def test_attention_check_runs_every_kernel_but_cudnn_on_cpu(capsys):
             assert r["rel_err_vs_dense"] < 1e-2, (name, r)  # bf16 against the dense path
 
 
+@pytest.mark.slow  # ~30 s: three whole models compiled, one of them twice
 def test_model_attention_check_runs_and_proves_the_fused_branch(capsys, monkeypatch):
     """The cudnn model check, on CPU through jax's XLA implementation of the same call (and the paged kernel
     interpreted): it runs, the cudnn model equals dense, the paged forward gather's, and a fallback that ran
@@ -130,6 +132,7 @@ def test_moe_kernel_timing_check_times_what_the_device_runs(capsys):
     assert res["choice"] == min(res["fwd_bwd_ms"], key=res["fwd_bwd_ms"].get) and res["work"]["rows"] == 256
 
 
+@pytest.mark.slow  # ~12 s: every layer variant compiled forward and backward
 def test_layer_costs_check_runs_every_variant_on_cpu(capsys):
     """Check 3b at a small shape: each layer kind builds, runs forward and backward, and gives finite states."""
     gc = _gpu_check()

@@ -198,6 +198,7 @@ def test_bad_config_fails_before_any_work(tmp_path):
     assert not os.path.exists(tmp_path / "x")
 
 
+@pytest.mark.slow  # ~15 s: trainer processes started to be refused
 def test_bad_model_or_mesh_is_one_error_line(tmp_path):
     """A checkpoint that does not match its config (eval --hf), a mesh larger than the machine and a kernel this
     platform cannot run (train) are printed as one `error:` line naming what was wrong, with no traceback."""
@@ -234,6 +235,7 @@ def test_bad_model_or_mesh_is_one_error_line(tmp_path):
            "cannot run on 'cpu'" in r.stderr
 
 
+@pytest.mark.slow  # ~34 s: a trainer run, then its refused resumes
 def test_resuming_under_another_model_config_is_refused(tmp_path):
     """A run directory's checkpoint saved under one model and resumed under another: one error line naming the
     tensor; the run does not start over beside the old checkpoints (it used to: the checkpoint counted as
