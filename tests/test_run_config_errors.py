@@ -100,6 +100,15 @@ BAD_FILES = {
                                ['data.path = null: data.kind = "file" needs a prompt file; allowed: a path']),
     "path_with_synthetic_data": ("data: {path: x.jsonl}\n",
                                  ['data.path = "x.jsonl": data.kind = "synthetic" reads no file; allowed: null']),
+    # a helper's audit: these passed and were ignored (a prompt_key meant for a file the config forgot to name)
+    "file_settings_with_synthetic_data": ("data: {prompt_key: question, layout: gsm8k, chat_template: true}\n",
+                                          ['data.prompt_key = "question": data.kind = "synthetic" reads no file; '
+                                           'allowed: null, or set data.kind = "file"',
+                                           'data.layout = "gsm8k": data.kind = "synthetic" reads no file; allowed: '
+                                           '"auto"', "data.chat_template = true: data.kind"]),
+    "file_settings_with_synthetic_eval": ("eval: {answer_key: a, format: jsonl}\n",
+                                          ['eval.answer_key = "a": eval.kind = "synthetic" reads no file; allowed: '
+                                           'null, or set eval.kind = "file"', 'eval.format = "jsonl": eval.kind']),
     "answer_longer_than_generation": ("data: {num_digits: 8}\n",
                                       ["generation.max_new_tokens = 5", "answers need 9 tokens",
                                        "allowed: an integer >= 9", "generation.max_prompt_tokens = 8"]),

@@ -18,7 +18,7 @@ from rl.config.schema import DIGIT_VOCAB, MISSING
 from rl.config.model_checks import model_checks
 from rl.config.reward_checks import reward_problems
 from rl.generation.pool_config import VLLM_MIN_TEMPERATURE
-from rl.config.validate_eval import eval_problems
+from rl.config.validate_eval import eval_problems, file_only_problems
 
 # Checks take the whole `rl.config.run.RunConfig` (named in annotations only: that module imports this one).
 
@@ -239,6 +239,7 @@ def _cross_checks(cfg: RunConfig) -> list[_Problem]:
         out.append(_Problem("data.path", f"data.path = {_show(d.path)}: data.kind = \"synthetic\" reads no file; "
                                          "allowed: null, or set data.kind = \"file\"", ("data.kind",)))
     if d.kind == "synthetic":
+        out += file_only_problems(d, "data")
         digits = 2 if d.task == "addmod" else d.num_digits
         prompt_len = digits + 2 + (1 if d.task == "addmod" else 0)  # <bos> digits [+] <sep>
         answer_len = (1 if d.task == "addmod" else d.num_digits) + 1  # answer + <eos>

@@ -7,6 +7,8 @@ with `enabled=True`.
 
 from __future__ import annotations
 
+import dataclasses
+
 from rl.config.errors import _Problem
 from rl.config.reward_checks import reward_problems, threshold_problems
 from rl.config.fields import _show
@@ -38,6 +40,7 @@ def eval_problems(cfg, enabled: bool | None = None) -> list[_Problem]:
         out.append(_Problem("eval.path", "eval.path = null: eval.kind = \"file\" needs a prompt file; allowed: a "
                                          "path to a .jsonl, .json or .parquet file", ("eval.kind",)))
     if e.kind == "synthetic":
+        out += file_only_problems(e, "eval")
         if e.path is not None:
             out.append(_Problem("eval.path", f"eval.path = {_show(e.path)}: eval.kind = \"synthetic\" reads no file; "
                                              "allowed: null, or set eval.kind = \"file\"", ("eval.kind",)))
@@ -96,4 +99,21 @@ def eval_problems(cfg, enabled: bool | None = None) -> list[_Problem]:
                 "allowed: at most that in total"), ("eval.max_prompt_tokens", "generation.max_new_tokens")))
     out += reward_problems(e.reward, "eval.reward")
     out += threshold_problems(e.reward or cfg.reward, e.correct_threshold, "eval.reward" if e.reward else "reward")
+    return out
+
+
+# how a prompt file is read: a synthetic task reads none, so a value other than the default is set for nothing
+_FILE_ONLY = ("format", "layout", "prompt_key", "answer_key", "chat_template", "overlong_prompts")
+
+
+def file_only_problems(section, where: str) -> list[_Problem]:
+    """The file-reading settings of a synthetic `section` (data or eval) given values other than their defaults:
+    each would be ignored (a `data.prompt_key` meant for a file the config forgot to name, say)."""
+    out = []
+    for f in dataclasses.fields(section):
+        if f.name in _FILE_ONLY and getattr(section, f.name) != f.default:
+            key = f"{where}.{f.name}"
+            out.append(_Problem(key, f"{key} = {_show(getattr(section, f.name))}: {where}.kind = \"synthetic\" reads "
+                                     f"no file; allowed: {_show(f.default)}, or set {where}.kind = \"file\"",
+                                (f"{where}.kind",)))
     return out
