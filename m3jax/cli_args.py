@@ -14,3 +14,10 @@ def path_argument(text: str) -> str:
     if "\0" in text:
         raise argparse.ArgumentTypeError(f"{text!r}: a path with a NUL byte; expected a file or directory")
     return text
+
+
+def description(doc: str) -> str:
+    """What a command does, for its --help: the first paragraph of its module docstring after the usage lines
+    (argparse prints the usage itself; repeated as the description, it said nothing of what the command does)."""
+    paragraphs = [" ".join(p.split()) for p in doc.split("\n\n")]
+    return paragraphs[1] if len(paragraphs) > 1 else paragraphs[0]

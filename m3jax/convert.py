@@ -15,7 +15,7 @@ import time
 
 import jax.numpy as jnp
 
-from m3jax.cli_args import path_argument
+from m3jax.cli_args import description, path_argument
 from m3jax.config import ConfigError
 from m3jax.hf.convert import convert_checkpoint
 from m3jax.hf.read_blocks import READ_THREADS
@@ -25,7 +25,7 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m m3jax.convert", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m m3jax.convert", description=description(__doc__))
     ap.add_argument("src", type=path_argument, help="HF checkpoint directory to read")
     ap.add_argument("dst", type=path_argument, help="directory to write (replaced atomically if it exists)")
     ap.add_argument("--layout", choices=("native", "released"), default="native")

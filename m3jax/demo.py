@@ -3,7 +3,7 @@
 Builds a tiny random MiniMax-M3 (dense + MoE layers, full + lightning-indexer sparse attention),
 exports it in the released layout, converts that to the native layout, reloads it, checks the
 logits survived bit for bit (and match transformers' reference model when it is installed), and
-prints greedy continuations. Replaced as the main job by GRPO training once that lands.
+prints greedy continuations.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 import m3jax
-from m3jax.cli_args import path_argument
+from m3jax.cli_args import description, path_argument
 
 TINY = m3jax.M3Config(
     vocab_size=512, hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -60,9 +60,9 @@ def _parents(path: str):
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m m3jax.demo", description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=path_argument, default="runs/demo")
-    ap.add_argument("--seed", type=int, default=0)
+    ap = argparse.ArgumentParser(prog="python -m m3jax.demo", description=description(__doc__))
+    ap.add_argument("--out", type=path_argument, default="runs/demo", help="directory the exported checkpoints go to")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random model")
     args = ap.parse_args(argv)
     if not 0 <= args.seed < 2 ** 32:  # numpy refuses a negative seed, once two checkpoints are written
         ap.error(f"--seed {args.seed}: expected an integer from 0 to 2**32 - 1")

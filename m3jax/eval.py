@@ -14,14 +14,14 @@ import argparse
 import os
 import sys
 
-from m3jax.cli_args import path_argument
+from m3jax.cli_args import description, path_argument
 from rl.checkpoint_keep import step_argument
 from rl.config import ConfigError, add_arguments, from_args, to_yaml
 from sharding.cpu_threads import reserve_collective_threads
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m m3jax.eval", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m m3jax.eval", description=description(__doc__))
     add_arguments(parser)
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--step", type=step_argument, metavar="N", help="checkpoint step to score (default: the "

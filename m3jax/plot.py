@@ -39,7 +39,8 @@ def logged_metrics(run_dirs: list[str]) -> set[str]:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m m3jax.plot", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("run_dirs", type=path_argument, nargs="+", metavar="RUN_DIR")
+    ap.add_argument("run_dirs", type=path_argument, nargs="+", metavar="RUN_DIR",
+                    help="run directories (run.out_dir) whose metrics to plot")
     ap.add_argument("--out", type=path_argument, default=None, help="default: RUN_DIR/curves.png (one run)")
     ap.add_argument("--metrics", nargs="+", default=None, help="compare these metrics across the runs")
     ap.add_argument("--labels", nargs="+", default=None, help="one legend label per run (default: directory names)")

@@ -17,14 +17,14 @@ import logging
 import os
 import sys
 
-from m3jax.cli_args import path_argument
+from m3jax.cli_args import description, path_argument
 from rl.checkpoint_keep import step_argument
 from rl.config import ConfigError, add_arguments, checkpoint_dir, from_args, to_yaml
 from sharding.cpu_threads import reserve_collective_threads
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m m3jax.train", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m m3jax.train", description=description(__doc__))
     add_arguments(parser)
     parser.add_argument("--export", type=path_argument, metavar="DIR", help="export the latest checkpoint's policy "
                         "to a HF directory and exit (on-demand export)")

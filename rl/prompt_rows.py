@@ -101,10 +101,16 @@ def _read_json(path: Path) -> list[tuple[int, Any]]:
         raise DatasetError(path, f"not UTF-8 text ({e.reason} at byte {e.start})") from None
     except (ValueError, RecursionError) as e:
         raise DatasetError(path, f"JSON that cannot be read ({_json_limit(e)})") from None
-    if isinstance(data, dict):  # {"data": [...]} / {"rows": [...]} wrappers, if there is exactly one list
-        lists = [v for v in data.values() if isinstance(v, list)]
-        if len(lists) == 1:
-            data = lists[0]
+    if isinstance(data, dict):  # {"data": [...]} / {"rows": [...]} wrappers: exactly one list, of objects
+        # (a lone record's {"tags": ["x"]} was unwrapped into a row "x")
+        lists = [v for v in data.values() if isinstance(v, list) and v and all(isinstance(r, dict) for r in v)]
+        if len(lists) != 1:
+            keys = ", ".join(list(data)[:8]) + (", ..." if len(data) > 8 else "")
+            held = f"{len(lists)} lists" if lists else "no list"
+            raise DatasetError(path, f"a JSON object (keys {keys}) that holds {held} of objects; expected a JSON "
+                                     "array of objects, or an object with exactly one such array (a {\"data\": "
+                                     "[...]} wrapper)")
+        data = lists[0]
     if not isinstance(data, list):
         raise DatasetError(path, f"expected a JSON array of objects, got a JSON {type(data).__name__}")
     return list(enumerate(data, start=1))

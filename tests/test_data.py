@@ -83,6 +83,18 @@ def test_json_array_and_case_insensitive_columns(tmp_path):
     assert rec.prompt == "Find x." and rec.answer == "204" and rec.meta["ID"] == "2024-I-1"
 
 
+def test_a_json_wrapper_is_one_list_of_objects(tmp_path):
+    """{"data": [...]} is unwrapped; a lone record whose one list holds strings was unwrapped into rows of those
+    strings ("row 1: expected a JSON object ..., got str 'x'": a helper's audit)."""
+    p = tmp_path / "wrapped.json"
+    p.write_text(json.dumps({"version": 2, "data": [{"prompt": "a", "answer": "1"}], "tags": ["x"]}))
+    assert [r.prompt for r in load_prompts(p)] == ["a"]
+    p.write_text(json.dumps({"prompt": "a", "answer": "1", "tags": ["x"]}))
+    with pytest.raises(DatasetError, match=r"a JSON object \(keys prompt, answer, tags\) that holds no list of "
+                                           r"objects; expected a JSON array of objects, or an object with exactly one"):
+        load_prompts(p)
+
+
 def test_explicit_dotted_keys_override_detection(tmp_path):
     rows = [{"prompt": "ignored", "text": "Real prompt", "labels": {"final": "9"}, "answer": "wrong"}]
     (rec,) = load_prompts(write_jsonl(tmp_path / "x.jsonl", rows), prompt_key="text", answer_key="labels.final")

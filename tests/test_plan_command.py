@@ -138,7 +138,23 @@ def test_a_bad_config_or_flag_is_one_error_line(capsys):
     assert err.startswith("config error:\n") and "optim.lrr: unknown key (did you mean 'lr'?)" in err
     assert main(["--config", "configs/tiny.yaml", "model.tiny=null", "model.path=/nonexistent"]) == 2
     assert "no config.json at /nonexistent" in capsys.readouterr().err
-    for flags in (["--device-memory-gb", "0"], ["--mfu", "nan"], ["--top", "0"]):
+    for flags in (["--device-memory-gb", "0"], ["--mfu", "nan"], ["--mfu", "5"], ["--top", "0"]):
         with pytest.raises(SystemExit):
             main(["--config", "configs/tiny.yaml", *flags])
         assert f"{flags[0]} " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["train", "eval", "convert", "plan", "demo", "plot"])
+def test_each_command_says_what_it_does_in_its_help(command, capsys):
+    """A helper's audit: train's, eval's, convert's and plan's --help repeated their usage line as the description."""
+    import importlib
+    module = importlib.import_module("m3jax.plan.__main__" if command == "plan" else f"m3jax.{command}")
+    with pytest.raises(SystemExit) as stop:
+        module.main(["--help"])
+    assert stop.value.code == 0
+    text = capsys.readouterr().out
+    usage, described = text.split("\n\n", 2)[:2]
+    assert usage.startswith("usage: python -m m3jax.")
+    if command != "plot":  # plot's description is its two forms, each with what it draws
+        assert not described.lstrip().startswith("python -m"), described
+    assert len(described.split()) >= 8, described  # a sentence, not a name

@@ -22,6 +22,7 @@ import math
 import os
 import sys
 
+from m3jax.cli_args import description
 from m3jax.config import ConfigError as M3ConfigError
 from m3jax.plan.check import print_check
 from m3jax.plan.compile import compile_reduced, has_cuda_plugin, print_compile
@@ -172,20 +173,24 @@ def _expert_matmuls(batch) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m m3jax.plan", description=__doc__.splitlines()[0])
-    ap.add_argument("--config", required=True)
-    ap.add_argument("overrides", nargs="*")
-    ap.add_argument("--model", choices=("config", "release"), default=None)
+    ap = argparse.ArgumentParser(prog="python -m m3jax.plan", description=description(__doc__))
+    ap.add_argument("--config", required=True, help="the run config to plan (as m3jax.train takes it)")
+    ap.add_argument("overrides", nargs="*", help="dotted overrides of the config (mesh.data=4 ...)")
+    ap.add_argument("--model", choices=("config", "release"), default=None,
+                    help="release: the released MiniMax-M3 shapes; config: the config's model (default: config, "
+                         "or release where model.path is unset)")
     ap.add_argument("--device-memory-gb", type=float, default=None,
                     help=f"each GPU's memory (GB); default: the config's mesh.device_memory_gb, else {DEFAULT_DEVICE_GB:g}")
-    ap.add_argument("--peak-tflops", type=float, default=989.0)
-    ap.add_argument("--mfu", type=float, default=0.4)
-    ap.add_argument("--nvlink-gbps", type=float, default=450.0)
-    ap.add_argument("--ib-gbps", type=float, default=50.0)
+    ap.add_argument("--peak-tflops", type=float, default=989.0, help="each device's dense bf16 peak (TFLOP/s)")
+    ap.add_argument("--mfu", type=float, default=0.4, help="the share of that peak the step's matmuls reach, in "
+                                                            "(0, 1]: the step-time estimate's compute")
+    ap.add_argument("--nvlink-gbps", type=float, default=450.0, help="each device's link inside a node (GB/s)")
+    ap.add_argument("--ib-gbps", type=float, default=50.0, help="each device's link between nodes (GB/s)")
     ap.add_argument("--pcie-gbps", type=float, default=50.0, help="each GPU's link to pinned host memory (GB/s)")
     ap.add_argument("--sweep", type=int, default=None, metavar="N_DEVICES")
-    ap.add_argument("--png", default="mesh_sweep.png")
-    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--png", default="mesh_sweep.png", help="with --sweep: where its chart is written")
+    ap.add_argument("--compile", action="store_true", help="compile the real train step at reduced depth on "
+                                                            "simulated devices and compare with the plan")
     ap.add_argument("--target-config", help="with --compile: compile for compile-only GPUs of this target spec "
                     "(e.g. scripts/gpu_specs/h200.txtpb), no GPU needed; needs a jax with the CUDA plugin")
     ap.add_argument("--compile-layers", default="2:2,3:2,2:4",
@@ -218,6 +223,8 @@ def main(argv=None) -> int:
             ap.error(f"{flag} {value:g}: expected a number > 0")
     if a.compile_micro_batches is not None and (a.compile_micro_batches < 1 or not a.compile):
         ap.error(f"--compile-micro-batches {a.compile_micro_batches}: expected a count >= 1, with --compile")
+    if not a.mfu <= 1:  # a share of the peak: 5 made the step-time estimate 12.5x too short
+        ap.error(f"--mfu {a.mfu:g}: expected a share of the peak in (0, 1]")
     if a.top < 1:
         ap.error(f"--top {a.top}: expected a row count >= 1")
     # every argument is checked before the plan prints anything (the sweep printed its table, then failed)
