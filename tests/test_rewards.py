@@ -205,6 +205,14 @@ def test_format_is_linear_on_hostile_input():
     ("First \\boxed{4}, no wait: \\boxed{3}", "4", 0.0),
     ("Reasoning...\nAnswer: 17", "17", 1.0),                # DAPO's requested format
     ("Answer: 3\nNo wait.\nAnswer: 4", "4", 1.0),            # the last Answer: line counts, as the last box
+    # a sentence's full stop in the box or the reference, and thousands spaced in LaTeX (a helper's audit: all 0)
+    ("\\boxed{5.}", "5", 1.0),
+    ("\\boxed{-12.}", "-12", 1.0),
+    ("\\boxed{5}", "5.", 1.0),
+    ("\\boxed{5.}", "6", 0.0),
+    ("\\boxed{1\\,000}", "1000", 1.0),
+    ("\\boxed{1~000~000}", "1000000", 1.0),
+    ("\\boxed{1\\,5}", "15", 0.0),   # not a group of three: left as written
     ("\\boxed{0.49}", "0.5", 0.0),
     ("\\boxed{2}", "3", 0.0),
     ("I have no idea", "3", 0.0),

@@ -8,6 +8,7 @@ Uses Hugging Face's ``math-verify`` (``parse`` + ``verify``):
 - prediction: the content of the completion's last ``\\boxed{...}``; failing that, the last
   ``Answer: ...`` line (DAPO-Math's requested format); failing both, math-verify's own extraction over
   the whole completion (its last LaTeX or plain expression).
+- both: a closing full stop and LaTeX spaces between thousands (``1\\,000``) are dropped (`tidy_answer`).
 - comparison: ``verify(gold, pred)`` over every parsed form pair; 1.0 if any matches.
 
 Time limits. math-verify bounds each ``parse`` and comparison with ``signal.alarm`` (whole seconds;
@@ -41,17 +42,28 @@ __all__ = ["math_verify_reward", "extract_final_answer"]
 # at every character, quadratic on a long line of spaces (a 16k-character one took 3.8 s, unbounded in the trainer's
 # eval.majority_answer: boxed). [^\S\n]* also ends a CRLF line.
 _ANSWER_LINE = re.compile(r"^[ \t*#_]*answer[ \t*_]*:[ \t*]*(\S(?:.*\S)?)[^\S\n]*$", re.IGNORECASE | re.MULTILINE)
+# A sentence's full stop after the answer (\boxed{5.}, a reference "12."): math-verify read "5." as no number. Only
+# one stop after a digit, letter or closing bracket: "1, 2, \ldots" and "..." keep theirs.
+_FULL_STOP = re.compile(r"(?<=[0-9A-Za-z})\]])\.\s*$")
+# Thousands separated by a LaTeX space (1\,000, 1\ 000, 1~000); 1{,}000 is left alone: a decimal comma too.
+_DIGIT_GROUP_SPACE = re.compile(r"(?<=\d)(?:\\[,;:! ]|~)(?=\d{3}(?!\d))")
 _GOLD_CACHE: OrderedDict[str, list] = OrderedDict()
 _GOLD_CACHE_SIZE = 4096
 
 
+def tidy_answer(latex: str) -> str:
+    """An answer's text as math-verify reads it: a closing full stop and spaces between thousands dropped."""
+    return _DIGIT_GROUP_SPACE.sub("", _FULL_STOP.sub("", latex.strip()))
+
+
 def extract_final_answer(text: str) -> str | None:
-    """Content of the last ``\\boxed{}``, else of the last ``Answer:`` line (``$`` stripped), else None."""
+    """Content of the last ``\\boxed{}`` (`tidy_answer`), else of the last ``Answer:`` line (``$`` and a final
+    ``.`` stripped), else None."""
     starts = box_starts(text)
     for s in reversed(starts):
         content = box_content(text, s)
         if content is not None and content.strip():
-            return content.strip()
+            return tidy_answer(content)
     line = None
     for line in _ANSWER_LINE.finditer(text):
         pass
@@ -103,7 +115,7 @@ def _gold(answer: str, budget: _Budget) -> list:
         _GOLD_CACHE.move_to_end(answer)
         return hit
     mv = _mv()
-    text = answer if "\\boxed" in answer else "\\boxed{" + answer + "}"
+    text = answer if "\\boxed" in answer else "\\boxed{" + tidy_answer(answer) + "}"
     gold = mv.parse(text, extraction_config=[mv.LatexExtractionConfig()], parsing_timeout=budget.next(),
                     raise_on_error=True)
     if not gold:
