@@ -10,10 +10,12 @@ public code-RL sets use:
 - call-based: ``{"fn_name": "f", "inputs": [[args...], ...], "outputs": [...]}``: ``f(*args)`` after the program,
   or ``Solution().f(*args)`` where the program defines no ``f`` but a LeetCode-style ``class Solution`` (as APPS'
   checker calls it), compared with ``==`` after a JSON round trip (an expected ``[value]`` also matches ``value``, as
-  APPS wraps them);
+  APPS wraps them; ``true`` equals only ``true``, not ``1``);
 - assertions: ``{"asserts": ["assert f(1) == 2", ...]}``, a list of such strings (MBPP's test_list), or one
   string (HumanEval-style test code): each runs after the program and passes when the process exits with 0; the
-  ``test*`` functions it defines that take no argument (pytest style, KodCode's) are then called. Test code that
+  ``test*`` functions it defines that take no argument (pytest style, KodCode's) are then called. The assertions
+  compare plain copies of the program's values (rl.rewards.code_asserts): an object of the program's that equals
+  everything passes none of them. Test code that
   holds no assert, raise or ``assert*`` call is refused, as is a spec with no test: every program would pass.
 
 ``code_tests`` is 1 when every test passes (DeepCoder's sparse reward), ``code_tests_frac`` the share passed.
@@ -50,6 +52,7 @@ import sys
 import tempfile
 import time
 
+from rl.rewards.code_asserts import guard_comparisons
 from rl.rewards.registry import register_reward
 
 __all__ = ["extract_program", "parse_tests", "run_tests"]
@@ -212,7 +215,7 @@ def _one(program: str, kind: str, given, expected, limit_s: float) -> bool:
         code, stdin = program + "\n" + _CALL.format(fn=fn), json.dumps(args)
     else:  # the run must reach the end of the tests: a program that exits early (sys.exit(0)) passed them all
         finished = secrets.token_hex(8)
-        code, stdin, check = program, "", f"{finished}\n{given}"
+        code, stdin, check = program, "", f"{finished}\n{guard_comparisons(given)}"
     # a directory per test: what one test's run left there (files, a symlink in place of main.py) cannot reach the
     # next; what cannot be removed (written by an escaped process) is left rather than failing the sample
     with tempfile.TemporaryDirectory(prefix="m3jax-code-", ignore_cleanup_errors=True) as work, \
@@ -246,8 +249,20 @@ def _one(program: str, kind: str, given, expected, limit_s: float) -> bool:
         except (json.JSONDecodeError, IndexError):
             return False
         want = json.loads(json.dumps(expected))
-        return got == want or [got] == want
+        return _same_json(got, want) or _same_json([got], want)
     return _lines(stdout)[-1:] == [finished]
+
+
+def _same_json(got, want) -> bool:
+    """JSON values equal as JSON has them: Python's ==, except that true and false equal only booleans (Python's
+    True == 1 gave a function returning 1 the marks of one returning true, and the reverse)."""
+    if isinstance(got, bool) or isinstance(want, bool):
+        return type(got) is type(want) and got == want
+    if isinstance(got, list) and isinstance(want, list):
+        return len(got) == len(want) and all(_same_json(g, w) for g, w in zip(got, want))
+    if isinstance(got, dict) and isinstance(want, dict):
+        return got.keys() == want.keys() and all(_same_json(got[k], want[k]) for k in got)
+    return got == want
 
 
 def _write(work: str, name: str, text: str) -> str:
