@@ -98,6 +98,10 @@ def test_top_k_top_p_masks():
     np.testing.assert_array_equal(kept, [True, True, False, False])  # 0.5 + 0.3 reaches 0.8
     kept = np.isfinite(np.asarray(sampling_logits(z, 1.0, top_p=0.81)))[0]
     np.testing.assert_array_equal(kept, [True, True, True, False])
+    # ties at the cut are kept whole (sampling_logits: another sampler's order among equal logits is its own)
+    tied = jnp.log(jnp.asarray([[0.4, 0.2, 0.2, 0.2]]))
+    assert np.isfinite(np.asarray(sampling_logits(tied, 1.0, top_p=0.5))).all()
+    assert np.isfinite(np.asarray(sampling_logits(tied, 1.0, top_k=2))).all()
     for k in (4, 5):  # the vocabulary's size or more: every token, as HF's and vLLM's samplers keep
         np.testing.assert_array_equal(np.asarray(sampling_logits(z, 1.0, top_k=k)), np.asarray(z))
 
