@@ -106,6 +106,10 @@ BAD_FILES = {
                                            'allowed: null, or set data.kind = "file"',
                                            'data.layout = "gsm8k": data.kind = "synthetic" reads no file; allowed: '
                                            '"auto"', "data.chat_template = true: data.kind"]),
+    # a helper's audit: NaN log-probs on the JAX engine, from the first step
+    "temperature_that_overflows": ("generation: {temperature: 1.0e-38}\n",
+                                   ["generation.temperature = 1e-38: logits / temperature overflow float32 (every "
+                                    "log-prob NaN); allowed: 0 (greedy, eval only) or >= 1e-30"]),
     "file_settings_with_synthetic_eval": ("eval: {answer_key: a, format: jsonl}\n",
                                           ['eval.answer_key = "a": eval.kind = "synthetic" reads no file; allowed: '
                                            'null, or set eval.kind = "file"', 'eval.format = "jsonl": eval.kind']),

@@ -14,7 +14,7 @@ from rl.config.errors import _bad, _Problem, _unknown
 from rl.config.fields import _allowed, _hints, _is, _is_section, _item_type, _kind, _plain, _scalar_allowed, \
     _show, _union
 from rl.config.model_section import ModelSection
-from rl.config.schema import DIGIT_VOCAB, MISSING
+from rl.config.schema import DIGIT_VOCAB, MIN_TEMPERATURE, MISSING
 from rl.config.model_checks import model_checks
 from rl.config.reward_checks import reward_problems
 from rl.generation.pool_config import VLLM_MIN_TEMPERATURE
@@ -258,7 +258,11 @@ def _cross_checks(cfg: RunConfig) -> list[_Problem]:
 
     for key, temperature in (("generation.temperature", gen.temperature),
                              *((("eval.temperature", cfg.eval.temperature),) if cfg.eval.enabled else ())):
-        if gen.backend == "vllm" and 0 < temperature < VLLM_MIN_TEMPERATURE:
+        if 0 < temperature < MIN_TEMPERATURE:
+            out.append(_Problem(key, (
+                f"{key} = {temperature:g}: logits / temperature overflow float32 (every log-prob NaN); allowed: 0 "
+                f"(greedy, eval only) or >= {MIN_TEMPERATURE:g}")))
+        elif gen.backend == "vllm" and 0 < temperature < VLLM_MIN_TEMPERATURE:
             out.append(_Problem(key, (
                 f"{key} = {temperature:g} with generation.backend = \"vllm\": vLLM raises a temperature below "
                 f"{VLLM_MIN_TEMPERATURE:g} to {VLLM_MIN_TEMPERATURE:g}, so it would sample at another temperature "
