@@ -119,3 +119,13 @@ def test_reinforce_pp_divides_the_group_centred_rewards_by_the_batchs_std():
     assert np.max(np.abs(a[4:])) < 0.05 * np.max(np.abs(a[:4]))
     # no signal anywhere: zeros, not 0 / eps
     close(get_advantage_estimator("reinforce_pp")(np.full(8, 0.3, np.float32), 4), np.zeros(8))
+
+
+@pytest.mark.parametrize("name", sorted(ADVANTAGE_ESTIMATORS))
+def test_large_rewards_keep_their_advantages(name):
+    """Every estimator is invariant to a shift of a group's rewards, and now computes as if the least were 0: at
+    1e8 the fp32 group mean rounded by half a reward step, and GRPO's advantages of [1e8, 1e8 + 8] were [0, 1.41]
+    (a helper's audit)."""
+    small = np.array([0.0, 8.0, 8.0, 16.0, 24.0, 40.0, 32.0, 32.0], np.float32)  # fp32 holds each + 1e8 exactly
+    estimator = get_advantage_estimator(name)
+    np.testing.assert_allclose(np.asarray(estimator(small + 1e8, 4)), np.asarray(estimator(small, 4)), atol=1e-5)
