@@ -35,6 +35,7 @@ def from_checkpoint(cfg: RunConfig, step: int | str | None = None) -> LoadedPoli
     from rl import checkpoint as ckpt_lib
     from rl.checkpoint_keep import chosen_step
     from rl.policy import build_policy
+    from rl.resume_checks import check_model
 
     directory = checkpoint_dir(cfg)
     if not os.path.isdir(directory):
@@ -55,6 +56,7 @@ def from_checkpoint(cfg: RunConfig, step: int | str | None = None) -> LoadedPoli
     finally:
         reader.close()
     state, meta = got  # placed by the restore (the target's shardings); the optimizer state by shape only
+    check_model(meta, cfg, f"checkpoint step {meta['step']} in {reader.directory}", "evaluate")
     return LoadedPolicy(policy.graphdef, state.params, state.rest,
                         model_end_tokens(cfg.model, policy.model_cfg.eos_token_id), int(meta["step"]), meta)
 

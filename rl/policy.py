@@ -29,6 +29,7 @@ from rl.generation.base import SamplingParams
 from rl.grpo.loss import LossConfig, aggregate, grpo_loss, normalizer
 from rl.grpo.mismatch import ID_MISMATCH_METRICS, MISMATCH_SUMS, generation_mismatch_metrics, id_mismatch_sums
 from rl.logprobs import make_logprob_pass, policy_logprobs
+from rl.resume_checks import check_model
 from sharding import optim_step
 from sharding.layout import Layout
 from sharding.mesh import build_mesh, row_positions, sequence_multiple
@@ -326,6 +327,7 @@ def export_latest(cfg: RunConfig, path: str | None = None, step: int | str | Non
     if got is None:
         raise FileNotFoundError(f"no checkpoint to export in {checkpointer.directory}")
     policy.state, meta = got  # placed by the restore (the target's shardings); the optimizer state by shape only
+    check_model(meta, cfg, f"checkpoint step {meta['step']} in {checkpointer.directory}", "export")
     return int(meta["step"]), policy.export(path)
 
 

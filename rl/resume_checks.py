@@ -62,13 +62,7 @@ def check(meta: dict, now: dict, where: str) -> list[tuple[str, object, object]]
     then = meta.get("config")
     if not isinstance(then, dict):
         return None
-    fixed = []
-    saved_model = meta.get("model")
-    if isinstance(saved_model, dict):
-        for field in [*saved_model, *(f for f in now["model"] if f not in saved_model)]:
-            a, b = saved_model.get(field), now["model"].get(field)
-            if a != b:
-                fixed.append((_model_key(now["config"], field), a, b))
+    fixed = _model_changes(meta, now)
     fixed += [(key, _get(then, key), _get(now["config"], key)) for key in FIXED
               if _get(then, key) != _get(now["config"], key)]
     if _schedule_counts(now["config"]) and _get(then, UPDATES) != _get(now["config"], UPDATES):
@@ -81,6 +75,28 @@ def check(meta: dict, now: dict, where: str) -> list[tuple[str, object, object]]
             + ": resume with the checkpoint's values, or start this run in another run.out_dir (or run.name)")
     # the model's identity is its fields above: model.tiny's own keys leave its defaults out
     return [c for c in differences(then, now["config"]) if not c[0].startswith("model.tiny")]
+
+
+def _model_changes(meta: dict, now: dict) -> list[tuple[str, object, object]]:
+    """The model fields of `now` (`trained_under`) that differ from checkpoint `meta`'s, as (key, then, now)."""
+    saved_model = meta.get("model")
+    if not isinstance(saved_model, dict):
+        return []
+    return [(_model_key(now["config"], field), saved_model.get(field), now["model"].get(field))
+            for field in [*saved_model, *(f for f in now["model"] if f not in saved_model)]
+            if saved_model.get(field) != now["model"].get(field)]
+
+
+def check_model(meta: dict, cfg, where: str, doing: str) -> None:
+    """Raise CheckpointMismatch when checkpoint `meta` was trained as another model than `cfg` builds: read with
+    a setting that keeps every shape (the experts per token), an export wrote a config.json its weights were not
+    trained under, and an evaluation scored another model than the run's. `doing`: "export", "evaluate"."""
+    fixed = _model_changes(meta, trained_under(cfg))
+    if fixed:
+        raise CheckpointMismatch(
+            f"{where} was trained as another model than this config builds: "
+            + "; ".join(f"{k} {a!r} there, {b!r} here" for k, a, b in fixed)
+            + f": {doing} it with the checkpoint's values (the run's config.yaml)")
 
 
 def changes_warning(step: int, since_checkpoint, since_config_yaml) -> str | None:

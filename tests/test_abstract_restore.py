@@ -143,3 +143,25 @@ def test_a_resumed_run_restores_into_shapes_alone(tmp_path, restored_likes):
     assert all(x is y for x, y in zip(jax.tree.leaves(second.engine.params), jax.tree.leaves(second.state.params)))
     second.checkpointer.close()
     second.engine.shutdown()
+
+
+def test_an_export_or_evaluation_under_another_model_config_is_refused(tmp_path):
+    """A setting that keeps every shape (the experts per token) passed the restore's shape check: an export wrote a
+    config.json its weights were not trained under, and an evaluation scored another model (a helper's audit). The
+    checkpoint's recorded model is compared, as a resume compares it."""
+    from rl.checkpoint import CheckpointMismatch
+    from rl.resume_checks import trained_under
+    cfg = tiny_cfg(tmp_path)
+    saver = ckpt_lib.Checkpointer(checkpoint_dir(cfg), async_save=False)
+    saver.save(3, build_policy(cfg, kernel_timing="off").state,
+               {"step": 3, "data": {}, "weight_version": 3, **trained_under(cfg)})
+    saver.close()
+    other = tiny_cfg(tmp_path, "model.tiny.num_experts_per_tok=1")
+    want = (r"checkpoint step 3 in .* was trained as another model than this config builds: "
+            r"model.tiny.num_experts_per_tok 2 there, 1 here: {} it with the checkpoint's values")
+    with pytest.raises(CheckpointMismatch, match=want.format("export")):
+        export_latest(other, str(tmp_path / "export"))
+    assert not os.path.exists(tmp_path / "export")
+    with pytest.raises(CheckpointMismatch, match=want.format("evaluate")):
+        from_checkpoint(other)
+    assert export_latest(cfg, str(tmp_path / "export"))[0] == 3  # the run's own config exports
