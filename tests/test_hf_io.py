@@ -339,13 +339,15 @@ def test_a_swap_cut_between_its_renames_gets_its_previous_checkpoint_back(tmp_pa
     """Killed between the swap's renames: DST absent, the previous checkpoint in DST.old-*, the new one in DST.tmp-*.
     The next write used to remove both before its own space check; a write failing then left no checkpoint."""
     dst = tmp_path / "export"
-    previous, unfinished = f"{dst}.old-5e6f7a8b", f"{dst}.tmp-1a2b3c4d"
-    for d in (previous, unfinished):
+    previous, unfinished, users = f"{dst}.old-5e6f7a8b", f"{dst}.tmp-1a2b3c4d", f"{dst}.old-mybackup"
+    for d in (users, previous, unfinished):  # the user's backup, newest, is no swap's: neither restored nor removed
         os.makedirs(d)
         open(os.path.join(d, "config.json"), "w").write(d)
+    os.utime(users, (2e9, 2e9))
     with caplog.at_level(logging.WARNING, logger=save.__name__):
         save.clear_leftovers(str(dst))
     assert open(dst / "config.json").read() == previous and not os.path.exists(unfinished)
+    assert open(os.path.join(users, "config.json")).read() == users
     assert f"restored {dst} from {previous}" in caplog.text
 
 
@@ -358,7 +360,8 @@ def test_a_write_clears_what_an_interrupted_one_left(src, tmp_path, caplog):
     for dst, write in ((tmp_path / "export", lambda d: m3jax.save_pretrained(model, d)),
                        (tmp_path / "converted", lambda d: convert_checkpoint(dirs["native"], d))):
         left = [f"{dst}.tmp-1a2b3c4d", f"{dst}.old-5e6f7a8b"]
-        kept = [f"{dst}.tmpfiles", f"{dst}2.tmp-1a2b3c4d"]  # not this destination's
+        # not this destination's, or not a name a write gives (a user's backup was restored over DST, or removed)
+        kept = [f"{dst}.tmpfiles", f"{dst}2.tmp-1a2b3c4d", f"{dst}.old-mybackup", f"{dst}.tmp-keepme"]
         for d in left + kept:
             os.makedirs(d)
             open(os.path.join(d, "model.safetensors"), "wb").write(b"x" * 1000)

@@ -13,6 +13,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import shutil
 import uuid
 
@@ -175,14 +176,18 @@ def _within(path: str, directory: str) -> bool:
 
 def clear_leftovers(path: str) -> list[str]:
     """Remove what an interrupted write of a checkpoint to `path` left beside it, and return those paths: its
-    unfinished directory (`path.tmp-*`, up to the whole checkpoint) and the replaced one of a swap (`path.old-*`).
+    unfinished directory (`path.tmp-XXXXXXXX`, up to the whole checkpoint) and the replaced one of a swap
+    (`path.old-XXXXXXXX`; X a hex digit: another name is a user's, left alone).
     Nothing reads them, and a rerun's space check counted them as used: after a killed conversion of the release, a
     rerun was refused for want of space. A swap cut between its two renames left `path` absent: its `.old-*` is
     renamed back to `path` first."""
     parent, base = os.path.split(os.path.abspath(path))
     if not os.path.isdir(parent):
         return []
-    olds = [os.path.join(parent, n) for n in os.listdir(parent) if n.startswith(f"{base}.old-")]
+    # exactly the names the writes give (an 8-hex-digit token): a user's own `export.old-backup` beside the
+    # destination was restored over it, or removed (a helper's audit)
+    ours = re.compile(rf"{re.escape(base)}\.(tmp|old)-[0-9a-f]{{8}}")
+    olds = [os.path.join(parent, n) for n in os.listdir(parent) if (m := ours.fullmatch(n)) and m[1] == "old"]
     olds = [d for d in olds if os.path.isdir(d) and not os.path.islink(d)]
     if olds and not os.path.exists(path):
         # the swap was cut after its first rename: `.old-*` is the checkpoint `path` held. Put it back, so that this
@@ -196,7 +201,7 @@ def clear_leftovers(path: str) -> list[str]:
     gone = []
     for name in sorted(os.listdir(parent)):
         left = os.path.join(parent, name)
-        if name.startswith((f"{base}.tmp-", f"{base}.old-")) and os.path.isdir(left) and not os.path.islink(left):
+        if ours.fullmatch(name) and os.path.isdir(left) and not os.path.islink(left):
             size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(left) for f in files)
             shutil.rmtree(left, ignore_errors=True)  # every process of a job may clear the same ones
             log.warning("removed %s (%.2f GB), left by an interrupted write of %s", left, size / 1e9, path)
