@@ -33,7 +33,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from rl import checkpoint_job, checkpoint_sums
-from rl.checkpoint_logs import _cause, _Demote, _orbax_errors_to_run_log, _quiet_abandoned_reads
+from rl.checkpoint_logs import _cause, _Demote, _orbax_errors_to_run_log, _quiet_abandoned_reads, read_failure
 from rl.checkpoint_job import job_max as _job_max, job_steps as _job_steps
 from rl.checkpoint_keep import KeepSteps, preservation
 from rl.checkpoint_state import (abstract_tree, portable_state, rebuild_state, restore_target, state_mismatch,
@@ -145,7 +145,7 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001 - orbax / TensorStore raise many kinds for damaged files
             _quiet_abandoned_reads()
             raise CheckpointsUnreadable(f"checkpoint step {step} in {self.directory} is unreadable "
-                                        f"({type(e).__name__}: {str(e)[:200]})") from None
+                                        f"({read_failure(e)})") from None
         why = _meta_problem(step, got["meta"]) or self._sums_problem(step, got)
         if why:
             raise CheckpointsUnreadable(f"checkpoint step {step} in {self.directory} is unreadable ({why})")
@@ -156,7 +156,7 @@ class Checkpointer:
         try:
             meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         except Exception as e:  # noqa: BLE001 - orbax raises many kinds for damaged files
-            meta, why = None, f"{type(e).__name__}: {str(e)[:200]}"
+            meta, why = None, read_failure(e)
         else:
             why = _meta_problem(step, meta)
         if why:
@@ -278,7 +278,7 @@ class Checkpointer:
                 why = _meta_problem(step, got["meta"])
             except Exception as e:  # noqa: BLE001 - any unreadable checkpoint: fall back to the previous one
                 _quiet_abandoned_reads()
-                got, why = None, f"{type(e).__name__}: {str(e)[:200]}"
+                got, why = None, read_failure(e)
                 if jax.process_count() > 1:  # orbax's restore ends in a barrier the others wait in: take it too
                     ocp.multihost.sync_global_processes("Checkpointer:restore")
             if not _job_max(why is not None):  # read on every process: their checksums next, a collective whose

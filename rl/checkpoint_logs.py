@@ -24,6 +24,17 @@ def _cause(e: Exception) -> str:
     return f"{type(e).__name__}: {str(e)[:300]}"
 
 
+def read_failure(e: Exception) -> str:
+    """Why a checkpoint could not be read, in a line: the innermost exception's message, where TensorStore names
+    the array and file ('OUT_OF_RANGE: Error reading "master.embed/0.0" ...'); the outer one only repeats the
+    index read and a pybind repr, which cut at 200 characters said neither."""
+    inner, seen = e, {id(e)}
+    while (nxt := inner.__cause__ or inner.__context__) is not None and id(nxt) not in seen:
+        inner, seen = nxt, seen | {id(nxt)}
+    text = " ".join((str(inner) or str(e)).split("See full TensorStore details")[0].split())
+    return f"{type(inner).__name__}: {text[:300]}"
+
+
 def _orbax_errors_to_run_log(record: logging.LogRecord) -> bool:
     """orbax's ERROR records (its save threads' failures, each with a traceback): INFO, so they stay in run.log and
     off the terminal, where `CheckpointSaveFailed` says it in a line. One with an exception is a save failing in

@@ -334,6 +334,8 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous(runs, batches, two
     assert_bitwise(got, run.s2)
     warned = warnings_of(caplog)
     assert any("step 4" in w and "unreadable" in w for w in warned), warned
+    # the reason names what could not be read (TensorStore's innermost error), not a pybind repr cut short
+    assert any("Error reading" in w and "See full TensorStore" not in w for w in warned), warned
     assert not any("step 2" in w for w in warned), warned
     # set aside (kept for inspection, no longer a step); a read-only reader (eval, export) moves nothing
     assert sorted(os.listdir(d)) == ["2", "4.unreadable"]
