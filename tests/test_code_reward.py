@@ -97,6 +97,11 @@ def test_pytest_style_test_functions_are_called():
                         "def test_zero(n=0):\n    assert add(n, n) == 0\n")
     assert run_tests("def add(a, b):\n    return a + b\n", tests, 10) == (1, 1)
     assert run_tests("def add(a, b):\n    return a - b\n", tests, 10) == (0, 1)
+    # KodCode's tests import the program as `solution` (every program failed them on a ModuleNotFoundError)
+    kodcode = parse_tests("from solution import add\nimport solution\n\ndef test_sum():\n"
+                          "    assert add(1, 2) == 3 and solution.add(2, 2) == 4\n")
+    assert run_tests("def add(a, b):\n    return a + b\n", kodcode, 10) == (1, 1)
+    assert run_tests("def add(a, b):\n    return a - b\n", kodcode, 10) == (0, 1)
 
 
 def test_test_code_that_can_fail_is_taken():

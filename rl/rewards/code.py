@@ -13,7 +13,8 @@ public code-RL sets use:
   APPS wraps them; ``true`` equals only ``true``, not ``1``);
 - assertions: ``{"asserts": ["assert f(1) == 2", ...]}``, a list of such strings (MBPP's test_list), or one
   string (HumanEval-style test code): each runs after the program and passes when the process exits with 0; the
-  ``test*`` functions it defines that take no argument (pytest style, KodCode's) are then called. The assertions
+  ``test*`` functions it defines that take no argument (pytest style, KodCode's, whose ``from solution import f``
+  imports the program) are then called. The assertions
   compare plain copies of the program's values (rl.rewards.code_asserts): an object of the program's that equals
   everything passes none of them. Test code that
   holds no assert, raise or ``assert*`` call is refused, as is a spec with no test: every program would pass.
@@ -101,6 +102,7 @@ def main():
     module = types.ModuleType("__main__")  # as runpy runs a script: pickling its classes works
     module.__file__ = path
     sys.modules["__main__"] = module
+    sys.modules["solution"] = module  # KodCode's tests import the program as `solution`: `from solution import f`
     with open(path) as f:
         code = compile(f.read(), path, "exec")
     if check is None:
