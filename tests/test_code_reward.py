@@ -104,6 +104,41 @@ def test_pytest_style_test_functions_are_called():
     assert run_tests("def add(a, b):\n    return a - b\n", kodcode, 10) == (0, 1)
 
 
+def test_humaneval_check_is_called_with_the_rows_entry_point():
+    """HumanEval's test code defines check(candidate) and leaves the call to the harness: nothing called it, and a
+    wrong program scored 1.0. It is called with the row's entry_point, given as the reward's meta; without one the
+    spec is a data error."""
+    from rl.data import PromptRecord
+    from rl.rewards.registry import score_specs
+    from rl.rewards.code import code_tests_reward
+    test = "METADATA = {}\n\ndef check(candidate):\n    assert candidate(1, 2) == 3\n"
+    right, wrong = ("```python\ndef add(a, b):\n    return a {} b\n```".format(op) for op in "+-")
+    with pytest.raises(ValueError, match="defines check\\(candidate\\) and never calls it, and the row names no "
+                                         "entry_point \\(got None\\)"):
+        parse_tests(test)
+    with pytest.raises(ValueError, match="got 'add\\(\\)'"):  # a name, not code
+        parse_tests(test, "add()")
+    assert code_tests_reward(right, test, meta={"entry_point": "add"}) == 1.0
+    assert code_tests_reward(wrong, test, meta={"entry_point": "add"}) == 0.0
+    with pytest.raises(ValueError):  # the data error: score_batch scores it 0 and counts it
+        code_tests_reward(wrong, test)
+    assert code_tests_reward(wrong, test + "\ncheck(add)\n") == 0.0  # test code that calls it itself
+
+    class Spec:
+        name, weight, timeout_s = "code_tests", 1.0, 20.0
+    rows = [PromptRecord("p", test, {"entry_point": "add", "canonical_solution": "x" * 10_000})] * 2
+    total, failures, _ = score_specs([Spec()], [right, wrong], [test, test], [False, False], rows)
+    assert list(total) == [1.0, 0.0] and failures == 0
+
+
+def test_a_reward_with_meta_keys_gets_only_those_fields():
+    from rl.rewards.calls import context_value
+    from rl.rewards.code import code_tests_reward
+    meta = {"entry_point": "add", "solutions": ["x" * 100_000]}
+    assert context_value(code_tests_reward, "meta", meta) == {"entry_point": "add"}
+    assert context_value(lambda c, a, meta=None: 0.0, "meta", meta) is meta
+
+
 def test_test_code_that_can_fail_is_taken():
     for code in ("assert add(1, 2) == 3", "if add(1, 2) != 3:\n    raise SystemExit(1)",
                  "import unittest\nunittest.TestCase().assertEqual(add(1, 2), 3)",

@@ -27,9 +27,10 @@ from typing import Any
 
 import numpy as np
 
+from rl.rewards.calls import context_value
 from rl.rewards.outcome import Outcome, check_value
 
-def batch_kwargs(named: frozenset, n: int, sample_kwargs: Sequence[Mapping[str, Any]] | None,
+def batch_kwargs(fn, named: frozenset, n: int, sample_kwargs: Sequence[Mapping[str, Any]] | None,
                  sample_context: Sequence[Mapping[str, Any]] | None, call_kwargs: Mapping[str, Any] | None,
                  timeout_s: float | None) -> tuple[dict[str, list], dict[str, Any]]:
     """(per-sample keywords as lists over the n samples, keywords given once) of a batch call. Per sample: each key
@@ -44,7 +45,8 @@ def batch_kwargs(named: frozenset, n: int, sample_kwargs: Sequence[Mapping[str, 
                              f"{sorted(sample_kwargs[odd])}, sample_kwargs[0] {sorted(keys)}; expected the same keys")
         per_sample.update((k, [s[k] for s in sample_kwargs]) for k in sorted(keys))
     if sample_context is not None:
-        per_sample.update((k, [c.get(k) for c in sample_context]) for k in ("prompt", "meta") if k in named)
+        per_sample.update((k, [context_value(fn, k, c.get(k)) for c in sample_context]) for k in ("prompt", "meta")
+                          if k in named)
     once = dict(call_kwargs or {})
     clash = sorted(set(once) & set(per_sample))
     if clash:

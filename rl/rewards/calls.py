@@ -18,6 +18,16 @@ def named_keywords(fn) -> frozenset:
     return frozenset(k for k in BY_NAME_KEYWORDS if k in params)
 
 
+def context_value(fn, key: str, value):
+    """What `fn` gets for by-name keyword `key`: `value`, except that a function with a `meta_keys` attribute gets
+    only those fields of `meta` (a process-mode reward's keywords are pickled per sample, and a code dataset's row
+    may carry megabytes of reference solutions the reward never reads)."""
+    keys = getattr(fn, "meta_keys", None)
+    if key == "meta" and keys is not None and isinstance(value, dict):
+        return {k: value[k] for k in keys if k in value}
+    return value
+
+
 def check_call(name: str, fn, mode: str) -> None:
     """Refuse, at registration, a reward that cannot take the call every run makes: fn(completion, answer,
     truncated=...) (in batch mode the same with lists), plus the by-name keywords it names. `def r(completion,

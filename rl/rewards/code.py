@@ -12,12 +12,12 @@ public code-RL sets use:
   checker calls it), compared with ``==`` after a JSON round trip (an expected ``[value]`` also matches ``value``, as
   APPS wraps them; ``true`` equals only ``true``, not ``1``);
 - assertions: ``{"asserts": ["assert f(1) == 2", ...]}``, a list of such strings (MBPP's test_list), or one
-  string (HumanEval-style test code): each runs after the program and passes when the process exits with 0; the
-  ``test*`` functions it defines that take no argument (pytest style, KodCode's, whose ``from solution import f``
-  imports the program) are then called. The assertions
-  compare plain copies of the program's values (rl.rewards.code_asserts): an object of the program's that equals
-  everything passes none of them. Test code that
-  holds no assert, raise or ``assert*`` call is refused, as is a spec with no test: every program would pass.
+  string (HumanEval-style test code: its ``check(candidate)`` is called with the row's ``entry_point``): each runs
+  after the program and passes when the process exits with 0; the ``test*`` functions it defines that take no
+  argument (pytest style, KodCode's, whose ``from solution import f`` imports the program) are then called. The
+  assertions compare plain copies of the program's values (rl.rewards.code_asserts): an object of the program's
+  that equals everything passes none of them. Test code that holds no assert, raise or ``assert*`` call is
+  refused, as is a spec with no test, and HumanEval's ``check`` without an entry point: every program would pass.
 
 ``code_tests`` is 1 when every test passes (DeepCoder's sparse reward), ``code_tests_frac`` the share passed.
 
@@ -133,18 +133,37 @@ def extract_program(completion: str) -> str | None:
     return blocks[-1] if blocks else None
 
 
-def parse_tests(answer) -> list[tuple[str, object, object]]:
+def parse_tests(answer, entry_point: str | None = None) -> list[tuple[str, object, object]]:
     """The tests of an answer as (kind, input, expected): kind "io" (stdin text, stdout text), "call" (argument
     list, expected value; the function name rides in `input` as (name, args)) or "assert" (code, None).
     Raises ValueError naming what was wrong with a spec it cannot read, one that holds no test, and test code that
-    checks nothing (every program that runs would pass it: a reference solution taken for the tests, say)."""
+    checks nothing (every program that runs would pass it: a reference solution taken for the tests, say).
+    HumanEval's test code defines `check(candidate)` and leaves the call to the harness: it is called with the
+    program's `entry_point` (the row's field of that name); without one such code is refused (every program
+    passed it: nothing called it)."""
     tests = _parse_tests(answer)
     if not tests:
         raise ValueError(f"code tests: the spec holds no test ({str(answer)[:80]!r}); expected at least one")
-    for kind, code, _ in tests:
+    for i, (kind, code, _) in enumerate(tests):
         if kind == "assert":
             _check_test_code(code)
+            if _uncalled_check(code):
+                if not (isinstance(entry_point, str) and entry_point.isidentifier()):
+                    raise ValueError(
+                        f"code tests: the test code defines check(candidate) and never calls it, and the row names no "
+                        f"entry_point (got {entry_point!r}): HumanEval's harness calls check(<entry_point>); "
+                        "expected the row's entry_point field, the name of the function the program defines")
+                tests[i] = (kind, f"{code}\n\ncheck({entry_point})\n", None)
     return tests
+
+
+def _uncalled_check(code: str) -> bool:
+    """Whether test code defines a top-level `check` that takes an argument and nothing calls it by name."""
+    tree = ast.parse(code)
+    defines = any(isinstance(n, ast.FunctionDef) and n.name == "check" and n.args.args for n in tree.body)
+    called = any(isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "check"
+                 for n in ast.walk(tree))
+    return defines and not called
 
 
 def _check_test_code(code: str) -> None:
@@ -294,8 +313,9 @@ def _lines(text: str) -> list[str]:
     return lines
 
 
-def _score(completion: str, answer, timeout_s: float | None) -> tuple[int, int]:
-    tests = parse_tests(answer)  # a bad spec raises: a data problem, counted as a failure, not a wrong answer
+def _score(completion: str, answer, timeout_s: float | None, meta) -> tuple[int, int]:
+    # a bad spec raises: a data problem, counted as a failure, not a wrong answer
+    tests = parse_tests(answer, (meta or {}).get("entry_point"))
     program = extract_program(completion)
     if program is None or not tests:
         return 0, len(tests)
@@ -305,14 +325,18 @@ def _score(completion: str, answer, timeout_s: float | None) -> tuple[int, int]:
 
 
 @register_reward("code_tests", mode="process", scores=(0, 1))
-def code_tests_reward(completion: str, answer, *, timeout_s: float | None = 20.0, truncated: bool = False
-                      ) -> float:
-    passed, total = _score(completion, answer, timeout_s)
+def code_tests_reward(completion: str, answer, *, timeout_s: float | None = 20.0, truncated: bool = False,
+                      meta: dict | None = None) -> float:
+    passed, total = _score(completion, answer, timeout_s, meta)
     return 1.0 if total and passed == total else 0.0
 
 
 @register_reward("code_tests_frac", mode="process", scores=(0, 1))
-def code_tests_frac_reward(completion: str, answer, *, timeout_s: float | None = 20.0, truncated: bool = False
-                           ) -> float:
-    passed, total = _score(completion, answer, timeout_s)
+def code_tests_frac_reward(completion: str, answer, *, timeout_s: float | None = 20.0, truncated: bool = False,
+                           meta: dict | None = None) -> float:
+    passed, total = _score(completion, answer, timeout_s, meta)
     return passed / total if total else 0.0
+
+
+# the only row field they read: HumanEval's entry_point (a row's reference solutions stay out of the pickles)
+code_tests_reward.meta_keys = code_tests_frac_reward.meta_keys = ("entry_point",)

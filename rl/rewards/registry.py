@@ -50,7 +50,8 @@ never relied on alone.
 A reward function with a parameter named ``timeout_s`` receives the per-sample limit, so it can
 bound its own work (``math_verify`` passes it on to math-verify). Likewise, one that names ``prompt`` receives the
 sample's prompt as the dataset gave it (a string, or chat messages ``[{role, content}, ...]``) and one that names
-``meta`` the prompt row's other fields (``PromptRecord.meta``: with ``source`` and ``row`` for a file's rows), where
+``meta`` the prompt row's other fields (``PromptRecord.meta``: with ``source`` and ``row`` for a file's rows; only
+the fields a ``meta_keys`` attribute of the function lists, where it has one), where
 the caller has them (``score_specs``' ``records``): what a judge or a per-row rubric needs. They are passed by name
 only, so a reward taking ``**kw`` is not sent a row it does not read (in process mode every keyword is pickled).
 
@@ -72,7 +73,7 @@ from typing import Any, Union
 import numpy as np
 
 from rl.rewards.batch import batch_kwargs, run_batch
-from rl.rewards.calls import BY_NAME_KEYWORDS, check_call, named_keywords
+from rl.rewards.calls import BY_NAME_KEYWORDS, check_call, context_value, named_keywords
 from rl.rewards.outcome import Outcome
 from rl.rewards.pool import LOAD_TIMEOUT_S, shutdown_process_pool  # noqa: F401  (re-exported)
 from rl.rewards.runners import run_reward
@@ -292,7 +293,7 @@ def _sample_kwargs(fn, n: int, sample_kwargs, sample_context, call_kwargs, timeo
         if "timeout_s" in named and timeout_s is not None:
             kw.setdefault("timeout_s", timeout_s)
         if sample_context is not None:
-            kw.update((k, v) for k, v in sample_context[i].items() if k in named)
+            kw.update((k, context_value(fn, k, v)) for k, v in sample_context[i].items() if k in named)
     return kws
 
 
@@ -325,7 +326,7 @@ def score_components(
         if n and how != "process" and callable(warmup):
             warmup()  # one-time imports, so that they do not count against the first sample's limit
         if how == "batch":
-            per_sample, once = batch_kwargs(named_keywords(fn), n, sample_kwargs, sample_context, call_kwargs,
+            per_sample, once = batch_kwargs(fn, named_keywords(fn), n, sample_kwargs, sample_context, call_kwargs,
                                             timeout_s)
             if n:
                 run_batch(fn, items, per_sample, once, timeout_s, deadline, num_workers or 1, out)
