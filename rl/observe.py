@@ -89,16 +89,14 @@ class RunLogger:
             logging.getLogger(__name__).info("%s: removed %d row(s) past step %d, which this run logs again", path,
                                              dropped, first_step)
         self._jsonl = open(path, "a")
-        if resumed_row is not None and first_step > 0 and not has_first:
-            self._jsonl.write(json.dumps({"step": first_step, **resumed_row}) + "\n")
-            self._val = resumed_row.get("val/pass@1", self._val)
-            self._jsonl.flush()
         if tensorboard:
             tb_dir = os.path.join(run_dir, "tensorboard")  # purge_step: events from it on are hidden (logged again)
             self._tb = _summary_writer()(tb_dir, purge_step=first_step + 1 if first_step > 0
                                          else 0 if os.path.isdir(tb_dir) else None)
         if open_wandb is not None:
             self._wandb = open_wandb()
+        if resumed_row is not None and first_step > 0 and not has_first:  # TensorBoard and W&B lost it too
+            self.log(first_step, resumed_row, advance=False)
         if progress_bar:
             from rl.progress import open_progress
             self._bar = open_progress(total_steps, first_step)

@@ -7,7 +7,9 @@ never be meant is refused at load (rl.config).
 
 from __future__ import annotations
 
+from rl.ahead import draws_ahead
 from rl.config import RunConfig
+from rl.evaluate import due as evaluates_after
 from rl.policy import learning_rate
 
 
@@ -30,4 +32,16 @@ def start_warnings(cfg: RunConfig, model_cfg) -> list[str]:
                    "(indexer) layer, so no indexer/recall is logged")
     if m.moe_capacity_factor is not None and not model_cfg.has_moe:
         out.append(f"model.moe_capacity_factor = {m.moe_capacity_factor:g} has no effect: the model has no MoE layer")
+    g = cfg.grpo
+    if g.max_trajectory_age_steps:
+        age = f"grpo.max_trajectory_age_steps = {g.max_trajectory_age_steps}"
+        if total > 1 and not any(draws_ahead(d, total, cfg.checkpoint.every_steps,
+                                             evaluates_after(d, total, cfg.eval.every_steps))
+                                 for d in range(1, min(total, 10_000))):
+            out.append(f"{age} has no effect: a checkpoint (checkpoint.every_steps = {cfg.checkpoint.every_steps}) or "
+                       f"an evaluation (eval.every_steps = {cfg.eval.every_steps}) follows every step, and the "
+                       "pipeline drains before each, so no step is drawn ahead (the run is on-policy)")
+        if g.is_correction == "none":
+            out.append(f"{age} with grpo.is_correction = none: the steps drawn ahead, by the weights before the last "
+                       "update, are trained on as if the policy being trained had drawn them")
     return out

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 
 def test_tensorboard_scalars_are_written_without_loading_torch(tmp_path):
     """tensorboardX imports torch when it is installed (1.6 s of a trainer's start); the run logger keeps it
@@ -161,6 +163,17 @@ def test_a_resumed_run_keeps_one_row_per_step(tmp_path, caplog):
     assert steps_after(4, rows(range(4)), {"reward/mean": 0.4}) == [(s, s / 10) for s in range(5)] + [(5, 0.0)]
     assert steps_after(4, rows(range(5)), {"reward/mean": 9.0}) == [(s, s / 10) for s in range(5)] + [(5, 0.0)]
     assert steps_after(0, rows(range(3))) == [(1, 0.0)]
+
+
+def test_a_row_restored_from_the_checkpoint_reaches_tensorboard_too(tmp_path):
+    """The checkpoint's copy of a lost row went to metrics.jsonl alone: TensorBoard, whose purge from the next step
+    on is set at the resume, never got that step (a helper's audit)."""
+    from rl.observe import RunLogger
+    (tmp_path / "metrics.jsonl").write_text("".join(f'{{"step": {s}, "reward/mean": {s / 10}}}\n' for s in range(4)))
+    log = RunLogger(str(tmp_path), progress_bar=False, first_step=4, resumed_row={"reward/mean": 0.4})
+    log.log(5, {"reward/mean": 0.5})
+    log.close()
+    assert _event_scalars(tmp_path)["reward/mean"] == {4: pytest.approx(0.4), 5: pytest.approx(0.5)}
 
 
 def _event_scalars(run_dir) -> dict:

@@ -51,3 +51,18 @@ def test_the_shipped_configs_warn_of_nothing_but_the_short_trials_warm_up():
         got = start_warnings(cfg, cfg.model.m3_config())
         want = 1 if path.endswith(("m3-32node-random.yaml", "m3-32node-miniature.yaml")) else 0
         assert len(got) == want and all(w.startswith("optim.warmup_steps = 10") for w in got), (path, got)
+
+
+def test_trajectories_drawn_ahead_that_cannot_be_or_go_uncorrected():
+    """A helper's audit: age 1 with a checkpoint after every step drew nothing ahead (the pipeline drains before
+    each save), silently; and stale samples without an importance correction trained as on-policy ones."""
+    assert _warnings("grpo.max_trajectory_age_steps=1", "checkpoint.every_steps=2") == []
+    assert _warnings("grpo.max_trajectory_age_steps=1", "checkpoint.every_steps=1") == [
+        "grpo.max_trajectory_age_steps = 1 has no effect: a checkpoint (checkpoint.every_steps = 1) or an evaluation "
+        "(eval.every_steps = 20) follows every step, and the pipeline drains before each, so no step is drawn ahead "
+        "(the run is on-policy)"]
+    assert len(_warnings("grpo.max_trajectory_age_steps=1", "checkpoint.every_steps=2", "eval.every_steps=3")) == 0
+    assert len(_warnings("grpo.max_trajectory_age_steps=1", "checkpoint.every_steps=2", "eval.every_steps=1")) == 1
+    assert _warnings("grpo.max_trajectory_age_steps=1", "grpo.is_correction=none") == [
+        "grpo.max_trajectory_age_steps = 1 with grpo.is_correction = none: the steps drawn ahead, by the weights "
+        "before the last update, are trained on as if the policy being trained had drawn them"]
