@@ -53,9 +53,17 @@ def _m3jax_helpers():
             return getattr(sys.modules.get(module), getattr(t, "__name__", ""), None) is t
         return False
 
+    primitive = {int, float, complex, str, bytes, bool, type(None)}
+
     def plain(x, depth=0):
         t = type(x)
         if x is None or t is bool or t is Foreign:
+            return x
+        # an exact list / tuple / set / dict of exact primitives is already plain: checked at C speed (element by
+        # element below, a list of a million ints took 2.6 s of a test's 4)
+        if t in (list, tuple, set, frozenset) and set(map(type, x)) <= primitive:
+            return x
+        if t is dict and set(map(type, x.keys())) | set(map(type, x.values())) <= primitive:
             return x
         if depth > 200:
             raise RecursionError("a value nested too deeply to compare")
