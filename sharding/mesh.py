@@ -123,7 +123,7 @@ def validate(mesh: MeshConfig, model=None, *, num_devices: int | None = None, se
             else ""
         raise MeshError(f"mesh data x context x expert x tensor = {' x '.join(map(str, mesh.shape))} = "
                         f"{mesh.num_devices} devices, but {num_devices} {'is' if num_devices == 1 else 'are'} "
-                        f"available{simulate}")
+                        f"available{simulate or f'; expected a product of {num_devices}'}")
     if model is not None:
         problem = undivided_field(mesh, model) or undivided_parameter(mesh, model)
         if problem:

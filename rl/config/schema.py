@@ -151,7 +151,8 @@ class MeshSection(_Section):
     context: int = _f(1, "sequence (context-parallel) axis", min=1)
     expert: int = _f(1, "extra batch axis (expert parallelism; it shards weights only if in fsdp_axes)", min=1)
     tensor: int = _f(1, "attention heads / MLP width axis", min=1)
-    expert_axes: tuple[str, ...] = _f(list(TOKEN_AXES), "mesh axes the experts are spread over",
+    expert_axes: tuple[str, ...] = _f(list(TOKEN_AXES), "mesh axes the experts are spread over ([] = every "
+                                                         "device holds every expert: no expert parallelism)",
                                       items={"choices": TOKEN_AXES}, distinct=True)
     fsdp_axes: tuple[str, ...] = _f(["data"], "mesh axes that shard the non-expert weights (FSDP: gathered per "
                                               "layer, gradients reduce-scattered); [] = replicated",
