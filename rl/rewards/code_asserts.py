@@ -54,6 +54,7 @@ def _m3jax_helpers():
         return False
 
     primitive = {int, float, complex, str, bytes, bool, type(None)}
+    views = (type({}.keys()), type({}.items()))  # set-like, and compared as sets (`d.keys() == {1, 2}`)
 
     def plain(x, depth=0):
         t = type(x)
@@ -82,6 +83,8 @@ def _m3jax_helpers():
         if issubclass(t, (set, frozenset)):
             base = set if issubclass(t, set) else frozenset
             return base(plain(v, depth + 1) for v in base.__iter__(x))
+        if t in views:
+            return {plain(v, depth + 1) for v in x}
         return x if trusted(t) else Foreign(x)
 
     def truth(x):
