@@ -27,15 +27,15 @@ from typing import Any
 
 import numpy as np
 
-from rl.rewards.calls import context_value
+from rl.rewards.calls import context_value, named_keywords
 from rl.rewards.outcome import Outcome, check_value
 
-def batch_kwargs(fn, named: frozenset, n: int, sample_kwargs: Sequence[Mapping[str, Any]] | None,
+def batch_kwargs(fn, n: int, sample_kwargs: Sequence[Mapping[str, Any]] | None,
                  sample_context: Sequence[Mapping[str, Any]] | None, call_kwargs: Mapping[str, Any] | None,
                  timeout_s: float | None) -> tuple[dict[str, list], dict[str, Any]]:
     """(per-sample keywords as lists over the n samples, keywords given once) of a batch call. Per sample: each key
-    of ``sample_kwargs`` (every sample must give the same keys) and the keys of ``sample_context`` that the function
-    names (``named``). Once: ``call_kwargs`` (a config entry's args), and ``timeout_s`` where it is named."""
+    of ``sample_kwargs`` (every sample must give the same keys) and the keys of ``sample_context`` that ``fn``
+    names. Once: ``call_kwargs`` (a config entry's args), and ``timeout_s`` where it is named."""
     per_sample: dict[str, list] = {}
     if sample_kwargs is not None and n:
         keys = set(sample_kwargs[0])
@@ -44,6 +44,7 @@ def batch_kwargs(fn, named: frozenset, n: int, sample_kwargs: Sequence[Mapping[s
             raise ValueError(f"a batch reward takes each sample keyword as one list: sample_kwargs[{odd}] has keys "
                              f"{sorted(sample_kwargs[odd])}, sample_kwargs[0] {sorted(keys)}; expected the same keys")
         per_sample.update((k, [s[k] for s in sample_kwargs]) for k in sorted(keys))
+    named = named_keywords(fn)
     if sample_context is not None:
         per_sample.update((k, [context_value(fn, k, c.get(k)) for c in sample_context]) for k in ("prompt", "meta")
                           if k in named)

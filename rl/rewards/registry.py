@@ -326,8 +326,7 @@ def score_components(
         if n and how != "process" and callable(warmup):
             warmup()  # one-time imports, so that they do not count against the first sample's limit
         if how == "batch":
-            per_sample, once = batch_kwargs(fn, named_keywords(fn), n, sample_kwargs, sample_context, call_kwargs,
-                                            timeout_s)
+            per_sample, once = batch_kwargs(fn, n, sample_kwargs, sample_context, call_kwargs, timeout_s)
             if n:
                 run_batch(fn, items, per_sample, once, timeout_s, deadline, num_workers or 1, out)
         else:
