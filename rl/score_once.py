@@ -39,4 +39,6 @@ def score_once(specs, completions, answers, truncated, records=None, *, process_
         total, failures, parts = np.zeros(n, np.float32), 0, {s.name: np.zeros(n, np.float32) for s in specs}
     total, failures, parts = broadcast((np.asarray(total, np.float32), np.asarray(failures, np.int32),
                                         {k: np.asarray(v, np.float32) for k, v in parts.items()}))
-    return np.asarray(total), int(failures), {k: np.asarray(v) for k, v in parts.items()}
+    # Copies: what jax's broadcast returns across hosts is read-only (jax.device_get), and callers add to the total in
+    # place (DAPO's overlong punishment in rl.phases.rewards).
+    return np.array(total), int(failures), {k: np.array(v) for k, v in parts.items()}
