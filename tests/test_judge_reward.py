@@ -260,6 +260,16 @@ def test_content_as_a_list_of_parts_is_read_and_no_text_is_a_named_failure(serve
         reply_text({"choices": [{"message": {"content": None, "tool_calls": []}}]})
 
 
+def test_a_reply_cut_at_max_tokens_is_a_failure_not_its_provisional_score():
+    """A thinking judge out of tokens mid-reasoning ("a first guess would be Score: 9, but") was graded 0.9."""
+    from rl.rewards.judge import reply_text
+    cut = {"choices": [{"finish_reason": "length", "message": {"content": "<think>A first guess: Score: 9, but"}}]}
+    with pytest.raises(ValueError, match="cut at max_tokens"):
+        reply_text(cut)
+    cut["choices"][0]["finish_reason"] = "stop"
+    assert reply_score(reply_text(cut), 10) == pytest.approx(0.9)
+
+
 def test_a_subscore_is_not_the_score():
     assert reply_score("Subscore: 2. Final_score: 8", 10) == pytest.approx(0.8)
     with pytest.raises(ValueError, match="no 'Score: N'"):

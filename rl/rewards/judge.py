@@ -3,7 +3,7 @@
 The endpoint is any server of ``POST {url}/chat/completions`` (vLLM's ``vllm serve``, SGLang, TGI, OpenAI). Each
 sample is one request: the template, filled with the sample's prompt, completion and reference answer, is the
 user message; the judge's reply must end with a line ``Score: N``, 0 <= N <= ``max_score``, and the reward is
-``N / max_score``. A reply without a score, a score out of range, an HTTP error (a 429 or 5xx after ``retries``
+``N / max_score``. A reply without a score, a score out of range, a reply cut at ``max_tokens``, an HTTP error (a 429 or 5xx after ``retries``
 more tries) or no reply within the reward's ``timeout_s`` is a failed evaluation (scored 0, counted in
 ``reward/failures``), never a silent 0.
 
@@ -147,13 +147,16 @@ def _post_json(url: str, body: dict, headers: dict, timeout_s: float | None, ret
 
 def reply_text(reply: Any) -> str:
     """The text of a chat completion's first choice; its content may be a string or a list of parts (the text of
-    each ``{"type": "text", "text": ...}`` part, joined)."""
+    each ``{"type": "text", "text": ...}`` part, joined). A reply the server cut at max_tokens is refused."""
     try:
         content = reply["choices"][0]["message"]["content"]
     except (KeyError, IndexError, TypeError):
         raise ValueError(f"not a chat completion: {json.dumps(reply)[:300]}") from None
     if isinstance(content, list):
         content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    if reply["choices"][0].get("finish_reason") == "length":  # a thinking judge's provisional "Score: 9" is no grade
+        raise ValueError("the judge's reply was cut at max_tokens (finish_reason 'length') before its final score: "
+                         f"raise the judge reward's max_tokens: {json.dumps(reply)[-300:]}")
     if not isinstance(content, str) or not content:
         raise ValueError(f"the judge's reply holds no text (a refusal or a tool call?): {json.dumps(reply)[:300]}")
     return content
