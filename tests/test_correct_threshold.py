@@ -69,3 +69,14 @@ def test_a_bad_range_is_refused_at_registration(scores):
     with pytest.raises(ValueError, match=r"expected \(least, most\), two finite numbers with least <= most"):
         registry.register_reward("_test_bad_range", scores=scores)(lambda completion, answer: 0.0)
     assert "_test_bad_range" not in registry.list_rewards()
+
+
+def test_weights_that_sum_to_one_in_float32_allow_the_threshold_one():
+    """0.7 + 0.2 + 0.1 is 0.9999999999999999 in float64, and the threshold 1.0 was refused; the run sums a perfect
+    sample's rewards in float32 to exactly 1.0 and counts it correct."""
+    specs = "[{name: copy_digits, weight: 0.7}, {name: reverse_digits, weight: 0.2}, {name: sort_digits, weight: 0.1}]"
+    assert _load(f"eval.reward={specs}").eval.correct_threshold == 1.0
+    reward, _, _ = registry.score_specs(_load(f"eval.reward={specs}").eval.reward, ["123"], ["123"], [False])
+    assert reward.tolist() == [1.0] and reward[0] >= 1.0
+    with pytest.raises(ConfigError, match="no sample can be correct"):
+        _load(f"eval.reward={specs}", "eval.correct_threshold=1.001")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import difflib
 
+import numpy as np
+
 from rl.config.errors import _Problem
 from rl.config.fields import _show
 
@@ -64,7 +66,7 @@ def threshold_problems(specs, threshold: float, where: str) -> list[_Problem]:
     score, when every one of them registered its range (`register_reward(..., scores=)`): a threshold above the most
     they can sum to makes pass@k and maj@k 0 whatever the model does, one at or below the least makes them 1. A
     sample's score is sum_i w_i r_i with r_i in [lo_i, hi_i], so it lies in
-    [sum_i min(w_i lo_i, w_i hi_i), sum_i max(w_i lo_i, w_i hi_i)]."""
+    [sum_i min(w_i lo_i, w_i hi_i), sum_i max(w_i lo_i, w_i hi_i)], summed and compared in float32 as the run does."""
     try:
         from rl.rewards.registry import UnknownRewardError, reward_scores
     except ImportError:
@@ -78,17 +80,19 @@ def threshold_problems(specs, threshold: float, where: str) -> list[_Problem]:
             return []
         if scores is None:  # a reward of the user's that declared no range: nothing to judge by
             return []
-        ends = (spec.weight * scores[0], spec.weight * scores[1])
-        least, most = least + min(ends), most + max(ends)
+        # float32 as the run sums (rl.rewards.registry.score_specs) and compares (a float32 reward >= the threshold):
+        # in float64 weights 0.7 + 0.2 + 0.1 sum to 0.9999999999999999 and refused the threshold 1.0 a run reaches.
+        ends = (np.float32(spec.weight * scores[0]), np.float32(spec.weight * scores[1]))
+        least, most = np.float32(least + min(ends)), np.float32(most + max(ends))
         parts.append(f"{spec.name} {spec.weight:g} x [{scores[0]:g}, {scores[1]:g}]")
     if not parts:
         return []
     sums = f"the rewards of {where} ({', '.join(parts)}) score from {least:g} to {most:g}"
-    if threshold > most:
+    if np.float32(threshold) > most:
         return [_Problem("eval.correct_threshold", (
             f"eval.correct_threshold = {_show(threshold)}: no sample can be correct, since {sums}; allowed: a "
             f"threshold in ({least:g}, {most:g}]"), (where,))]
-    if threshold <= least:
+    if np.float32(threshold) <= least:
         return [_Problem("eval.correct_threshold", (
             f"eval.correct_threshold = {_show(threshold)}: every sample would be correct, since {sums}; allowed: a "
             f"threshold in ({least:g}, {most:g}]"), (where,))]
