@@ -74,6 +74,25 @@ def test_register_and_duplicate():
         registry._REGISTRY.pop("_test_len", None)
 
 
+def test_a_factorys_function_of_other_values_is_not_taken_for_the_same_one():
+    """Closures of one factory share module and qualname; make(100.0) silently replaced make(1.0)'s reward."""
+    def make(scale):
+        def scaled(completion, answer, truncated=False):
+            return scale * float(completion == answer)
+        return scaled
+
+    try:
+        register_reward("_test_scaled")(make(1.0))
+        register_reward("_test_scaled")(make(1.0))  # the same definition and values again (a module reloaded): fine
+        with pytest.raises(ValueError, match="already registered"):
+            register_reward("_test_scaled")(make(100.0))
+        with pytest.raises(ValueError, match="already registered"):
+            register_reward("_test_scaled")(lambda completion, answer, truncated=False: 5.0)
+        assert score_batch({"_test_scaled": 1.0}, ["x"], ["x"])[0].tolist() == [1.0]
+    finally:
+        registry._REGISTRY.pop("_test_scaled", None)
+
+
 def test_a_reward_that_cannot_take_a_runs_call_is_refused_at_registration():
     """A run calls every reward as fn(completion, answer, truncated=...): `def r(completion, answer)` failed on
     every sample of every step (scored 0, the run went on); it is refused when registered, naming the call."""

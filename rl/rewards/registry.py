@@ -122,6 +122,25 @@ def _ident(fn) -> tuple:
     return (getattr(fn, "__module__", None), getattr(fn, "__qualname__", None))
 
 
+def _same_function(old, new) -> bool:
+    """Whether `new` is `old` again: the same object, or the same top-level definition (a module reloaded). A
+    lambda or a function made by a factory shares its module and qualname with its siblings (`make(1.0)` and
+    `make(100.0)`), so it is the same only with equal code and equal captured values."""
+    if old is new:
+        return True
+    if _ident(old) != _ident(new):
+        return False
+    if "<" not in (getattr(new, "__qualname__", None) or "<"):  # not <lambda> nor <locals>: a module-level name
+        return True
+    if getattr(old, "__code__", None) != getattr(new, "__code__", None):
+        return False
+    cells = [tuple(c.cell_contents for c in getattr(f, "__closure__", None) or ()) for f in (old, new)]
+    try:
+        return bool(cells[0] == cells[1])
+    except Exception:  # captured values that cannot be compared (arrays): not known to be the same
+        return False
+
+
 def register_reward(name: str, *, mode: str = "thread", replace: bool = False,
                     scores: tuple[float, float] | None = None) -> Callable[[RewardFn], RewardFn]:
     """Decorator: file ``fn`` under ``name`` and return it unchanged (stack it to give several names).
@@ -131,7 +150,7 @@ def register_reward(name: str, *, mode: str = "thread", replace: bool = False,
     most) a sample can score, when the function knows (the built-ins: (0, 1)); a config's
     ``eval.correct_threshold`` that its weighted rewards can never reach, or never miss, is then refused at load.
     Registering a different function under a taken name raises unless ``replace=True`` (re-registering the same
-    function, e.g. on module reload, is allowed).
+    function, e.g. on module reload, is allowed; a factory's functions of other captured values are different).
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"reward name must be a non-empty string, got {name!r}")
@@ -150,7 +169,7 @@ def register_reward(name: str, *, mode: str = "thread", replace: bool = False,
             raise TypeError(f"register_reward({name!r}) expects a function, got {type(fn).__name__}")
         check_call(name, fn, mode)
         old = _REGISTRY.get(name)
-        if old is not None and not replace and old.fn is not fn and _ident(old.fn) != _ident(fn):
+        if old is not None and not replace and not _same_function(old.fn, fn):
             raise ValueError(
                 f"reward {name!r} is already registered to {old.fn.__module__}.{old.fn.__qualname__}; "
                 "pass replace=True to override it")
