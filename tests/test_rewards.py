@@ -200,6 +200,10 @@ def test_tiny_task_scoring_is_fast():
     ("\\boxed{}", {}, 0.0),
     ("\\boxed{\\frac{1}{2}", {}, 0.0),   # never closed
     ("\\boxed{42}", {"truncated": True}, 0.0),
+    ("\\boxed{a\\}", {}, 0.0),  # an escaped brace does not close the box (it scored 1)
+    ("\\boxed{\\left\\{ 1 \\right.}", {}, 1.0),  # nor open a group (it scored 0)
+    ("\\boxed{\\{1, 2\\}}", {}, 1.0),
+    ("\\boxed{a \\\\ b}", {}, 1.0),  # \\ is a line break, then a plain b
 ])
 def test_format_reward(completion, kw, expected):
     assert get_reward("format")(completion, "", **kw) == expected

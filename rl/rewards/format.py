@@ -32,12 +32,18 @@ def box_starts(text: str) -> list[int]:
 
 
 def box_content(text: str, start: int) -> str | None:
-    """The content of the box starting at ``start`` (balanced braces), or None if it never closes."""
+    """The content of the box starting at ``start`` (balanced braces), or None if it never closes. LaTeX's escaped
+    braces ``\\{`` ``\\}`` (a set, ``\\left\\{``) are characters, not groups."""
     open_at = text.index("{", start)
     depth = 0
+    escaped = False
     for j in range(open_at, len(text)):
         c = text[j]
-        if c == "{":
+        if escaped:  # the character after a backslash: \{, \}, or the second backslash of \\
+            escaped = False
+        elif c == "\\":
+            escaped = True
+        elif c == "{":
             depth += 1
         elif c == "}":
             depth -= 1
