@@ -103,6 +103,13 @@ def test_a_reward_that_cannot_take_a_runs_call_is_refused_at_registration():
                                         r"fn\(completion, answer, truncated=...\)"):
         register_reward("_test_two")(two_args)
     assert "_test_two" not in registry._REGISTRY
+
+    def positional_scale(completion, answer, scale, truncated=False):
+        return scale
+
+    with pytest.raises(TypeError, match=r"missing a required argument: 'scale'.*config's args give must be keyword-"
+                                        r"only: def positional_scale\(completion, answer, \*, scale, ...\)"):
+        register_reward("_test_two")(positional_scale)
     try:  # what is accepted: **kw, or a truncated parameter (and timeout_s)
         register_reward("_test_two")(lambda completion, answer, truncated=False, timeout_s=None: 1.0)
         register_reward("_test_two", replace=True)(lambda c, a, **kw: 1.0)
