@@ -47,6 +47,22 @@ def test_probe_batch_and_diff_line_up_with_per_sequence_logprobs():
     assert backends.probe_max_abs_diff([shifted], batch_lp, prompts) > 1e-2
 
 
+def test_probe_diff_under_top_k_fails_on_stale_or_nan_weights():
+    """|-inf - -inf| is NaN and max(worst, NaN) kept worst: under top-k every probe with a token outside the kept set
+    was passed over, and an engine serving stale or NaN weights read a difference of 0."""
+    inf = -np.inf
+    prompts = [[1, 2], [3, 4]]
+    trainer = np.array([[0.0, -0.5, inf, -1.0], [0.0, -0.7, -0.2, inf]])
+    same = [[np.array([-0.5, inf, -1.0]), np.array([-0.7, -0.2, inf])]]
+    assert backends.probe_max_abs_diff(same, trainer, prompts) == 0.0  # -inf on both sides agrees
+    stale = [[np.array([-0.5, -2.0, inf]), np.array([-0.7, -0.2, inf])]]  # another kept set
+    assert backends.probe_max_abs_diff(stale, trainer, prompts) == np.inf
+    nan = [[np.array([-0.5, inf, -1.0]), np.array([np.nan, np.nan, np.nan])]]
+    assert backends.probe_max_abs_diff(nan, trainer, prompts) == np.inf
+    off = [[np.array([-0.5, inf, -1.25]), np.array([-0.7, -0.2, inf])]]
+    assert backends.probe_max_abs_diff(off, trainer, prompts) == 0.25
+
+
 def test_weight_transport_is_read_where_the_pool_is_built(monkeypatch, tmp_path):
     """generation.weight_transport (and the two host-memory switches, and where the collective path's buckets
     live) reach the pool's config, and a transport that is not built, or a CUDA group without CUDA, stops the

@@ -122,14 +122,19 @@ def probe_max_abs_diff(engine_logprobs: list[list[np.ndarray]], trainer_logprobs
     """max over engines, probes and response tokens of |logp_engine - logp_trainer|.
 
     trainer_logprobs[i, t] is log p(seq[t + 1] | seq[:t + 1]), so response token j of probe i sits at
-    t = len(prompt_i) - 1 + j.
+    t = len(prompt_i) - 1 + j. A token both sides score -inf (outside the run's top-k / top-p) agrees; one -inf
+    on one side only, or a NaN on either, is an infinite difference: |-inf - -inf| is NaN, and max(worst, NaN)
+    kept `worst`, so under top-k every probe was passed over and an engine with stale or NaN weights read 0.
     """
     worst = 0.0
     for per_engine in engine_logprobs:
         for i, lp in enumerate(per_engine):
             start = len(prompts[i]) - 1
-            ref = trainer_logprobs[i, start:start + len(lp)]
-            worst = max(worst, float(np.max(np.abs(np.asarray(lp, np.float64) - ref))))
+            got = np.asarray(lp, np.float64)
+            ref = np.asarray(trainer_logprobs[i, start:start + len(lp)], np.float64)
+            with np.errstate(invalid="ignore"):
+                diff = np.where(got == ref, 0.0, np.abs(got - ref))
+            worst = max(worst, float(np.max(np.where(np.isnan(diff), np.inf, diff), initial=0.0)))
     return worst
 
 
