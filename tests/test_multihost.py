@@ -277,3 +277,51 @@ def test_a_collective_push_that_fails_before_the_transport_releases_the_other_pr
     with pytest.raises(TransferError, match="weight version 5 was refused"):
         other.set_weights(params, 5, rest)
     assert not bc.sent and not sent  # the same steps on both sides; nobody iterated a tensor
+
+
+def test_a_pool_failure_on_process_zero_is_raised_on_every_process(monkeypatch):
+    """On the `ray` transport a push refused after one tensor stopped process 0 before the broadcast the others
+    waited in (and before it iterated the rest of the tensors, a gather on a multi-host mesh): they hung until jax's
+    distributed timeout, the cause lost. So for a failed rollout or probe scoring. Now both take the same steps."""
+    from rl.generation import multihost
+    from rl.generation.multihost import ProcessZeroPool
+    from rl.generation.transfer import TransferError
+    from rl.generation.vllm_pool import PoolError
+
+    class Failing(FakePool):
+        def push(self, tensors, version):
+            next(iter(tensors))  # the transport read one tensor, then an engine refused its bucket
+            raise TransferError("tensor 'x' (bucket 0, version 5): rejected by the engine")
+
+        def generate(self, prompts, params, key, prompt_width=None):
+            raise PoolError("every vLLM engine died")
+
+        def score(self, prompts, responses, params):
+            raise PoolError("no live vLLM engine to score on")
+
+    graphdef, params, rest = _zero_model()
+    read = {0: 0, 1: 0}
+    real = multihost.model_tensors
+
+    def counted(*args, **kw):  # how many tensors each process iterates
+        for item in real(*args, **kw):
+            read[rank] += 1
+            yield item
+
+    monkeypatch.setattr(multihost, "model_tensors", counted)
+    bc = Broadcast()
+    pools = {0: ProcessZeroPool(Failing(), graphdef, is_zero=True), 1: ProcessZeroPool(None, graphdef, is_zero=False)}
+    prompts, sp = [[1, 2], [3]], SamplingParams(max_new_tokens=4)
+    calls = {"set_weights": (params, 5, rest), "generate": (prompts, sp, jax.random.key(0)),
+             "score": (prompts, [[1], [2]], sp)}
+    errors = {"set_weights": (TransferError, "rejected by the engine", "weight version 5 was refused"),
+              "generate": (PoolError, "every vLLM engine died", "failed generating the rollout"),
+              "score": (PoolError, "no live vLLM engine", "failed scoring the probe sequences")}
+    for method, args in calls.items():
+        kind, on_zero, on_other = errors[method]
+        for rank in (0, 1):
+            monkeypatch.setattr(multihost, "_from_zero", bc.zero if rank == 0 else bc.other)
+            with pytest.raises(kind, match=on_zero if rank == 0 else on_other):
+                getattr(pools[rank], method)(*args)
+        assert not bc.sent, method  # process 1 took every broadcast process 0 took
+    assert read[0] == read[1] > 1  # both iterated every tensor

@@ -19,6 +19,7 @@ from jax.experimental import multihost_utils
 from rl.generation.base import Rollout
 from rl.generation.bucket_sender import RoutedSender
 from rl.generation.collective import agree_routes, decode_address, encode_address, setup_message
+from rl.generation.pool_config import PoolError
 from m3jax.hf.tensors import host_views
 from rl.generation.transfer import TransferError, TransferStats, model_tensors
 
@@ -107,8 +108,24 @@ class ProcessZeroPool:
         self.resent_rows = self.restarts = 0
 
     def generate(self, prompts, params, key, prompt_width=None) -> Rollout:
-        r = self.pool.generate(prompts, params, key, prompt_width) if self.is_zero else None
+        r, error = None, None
+        if self.is_zero:
+            try:
+                r = self.pool.generate(prompts, params, key, prompt_width)
+            except Exception as e:  # noqa: BLE001 - raised on every process by _agree_outcome
+                error = e
+        self._agree_outcome(error, "generating the rollout")
         return self.share(r, prompts, params.max_new_tokens)
+
+    def _agree_outcome(self, error: BaseException | None, what: str) -> None:
+        """Process 0's success or failure at `what`, on every process (a collective): a pool error on process 0
+        used to skip the broadcast the others waited in, so they hung until jax's distributed timeout and failed
+        with an unrelated message. Every process raises; process 0 its own error."""
+        failed = int(np.asarray(_from_zero(np.int32(error is not None if self.is_zero else 0))))
+        if failed:
+            if error is not None:
+                raise error
+            raise PoolError(f"process 0's vLLM pool failed {what}; process 0's log names the cause")
 
     def share(self, r: Rollout | None, prompts, max_new_tokens: int) -> Rollout:
         """Process 0's rollout `r` of `prompts` on every process (a collective: every process calls it, the others
@@ -140,16 +157,23 @@ class ProcessZeroPool:
         if self.peers is not None:
             return self._push_owned(params, version, rest)
         tensors = model_tensors(self.graphdef, params, rest, self.layout)  # a collective: everyone iterates
+        figures, error = np.zeros(8, np.float64), None
         if self.is_zero:
-            s = self.pool.push(tensors, version)
-            figures = np.array([s.bytes, s.buckets, s.tensors, s.convert_s, s.send_s, s.apply_s, s.total_s], np.float64)
-        else:
-            for _ in tensors:
-                pass
-            figures = np.zeros(7, np.float64)
+            try:
+                s = self.pool.push(tensors, version)
+                figures[:7] = [s.bytes, s.buckets, s.tensors, s.convert_s, s.send_s, s.apply_s, s.total_s]
+            except Exception as e:  # noqa: BLE001 - re-raised below, once the others know
+                error, figures[7] = e, 1
+        # Every process iterates every tensor, process 0 what a failed push left unread (the transport's converter
+        # has stopped by then): a process that stopped early would leave the others in a gather.
+        for _ in tensors:
+            pass
         f = np.asarray(_from_zero(figures))
         self._counters()
-        return TransferStats(version, int(f[0]), int(f[1]), int(f[2]), *map(float, f[3:]))
+        if f[7]:
+            raise error if error is not None else TransferError(f"weight version {version} was refused; process 0 "
+                                                                "names the cause")
+        return TransferStats(version, int(f[0]), int(f[1]), int(f[2]), *map(float, f[3:7]))
 
     def _push_owned(self, params, version: int, rest) -> TransferStats:
         """Every process sends its own tensors; process 0 then broadcasts the figures, or the failure that
@@ -177,11 +201,14 @@ class ProcessZeroPool:
     def score(self, prompts, responses, params) -> list[list[np.ndarray]]:
         lengths = [len(r) for r in responses]
         width = max(lengths)
+        per_engine, count, error = [], np.int32(0), None
         if self.is_zero:
-            per_engine = self.pool.score(prompts, responses, params)
-            count = np.int32(len(per_engine))
-        else:
-            per_engine, count = [], np.int32(0)
+            try:
+                per_engine = self.pool.score(prompts, responses, params)
+                count = np.int32(len(per_engine))
+            except Exception as e:  # noqa: BLE001 - raised on every process by _agree_outcome
+                error = e
+        self._agree_outcome(error, "scoring the probe sequences")
         count = int(_from_zero(count))
         table = np.zeros((count, len(responses), width), np.float32)
         for e, lps in enumerate(per_engine):

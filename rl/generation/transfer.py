@@ -175,7 +175,8 @@ class RayObjectStoreTransport:
                 convert["error"] = e
                 hand_over(None)
 
-        threading.Thread(target=produce, daemon=True, name="weight-convert").start()
+        converter = threading.Thread(target=produce, daemon=True, name="weight-convert")
+        converter.start()
         live = dict(enumerate(self.engines))  # an engine that dies mid-update is dropped, not fatal
         inflight: list[dict] = []
         n_buckets = n_bytes = n_tensors = 0
@@ -199,6 +200,9 @@ class RayObjectStoreTransport:
                 raise TransferError(f"every engine died during the update to version {version}")
         except Exception as e:
             stop.set()  # the converter must not keep producing buckets nobody will take
+            # and must be out of named_arrays before the caller reads on: a multi-host trainer's process 0 drains it
+            # (a collective) after a failed push (rl.generation.multihost)
+            converter.join()
             self.abort(version)
             raise as_transfer_error(e) from None
         s = time.perf_counter()
