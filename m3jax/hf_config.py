@@ -237,14 +237,16 @@ def _check_hardcoded(d: dict, prefix: str, used: set | None = None) -> None:
 
 
 def _read_rope(text: dict, take, head_dim: int) -> dict[str, Any]:
-    """RoPE fields. HF reads the width only from partial_rotary_factor, never from rotary_dim."""
-    rp = take("rope_parameters", None) or take("rope_scaling", None) or {}
+    """RoPE fields. HF reads the width only from partial_rotary_factor, never from rotary_dim. Where both
+    rope_scaling and rope_parameters are set, rope_scaling is what transformers (and vLLM) apply: a yarn
+    rope_scaling added beside a saved rope_parameters was read as the default RoPE here, while they served YaRN."""
+    scaling, parameters = take("rope_scaling", None), take("rope_parameters", None)
+    rp, key = (scaling, "rope_scaling") if scaling else (parameters or {}, "rope_parameters")
     if not isinstance(rp, dict):
-        key = "rope_parameters" if "rope_parameters" in text else "rope_scaling"
         raise field_error(key, rp, "an object (rope_type, rope_theta, partial_rotary_factor)")
     rope_type = rp.get("rope_type", rp.get("type", "default"))
     if rope_type != "default":
-        raise field_error("rope_parameters.rope_type", rope_type, "'default' (M3 uses no RoPE scaling)")
+        raise field_error(f"{key}.rope_type", rope_type, "'default' (M3 uses no RoPE scaling)")
     theta = rp.get("rope_theta", take("rope_theta", 5_000_000.0))
     prf = rp.get("partial_rotary_factor", take("partial_rotary_factor", None))
     rotary_dim = take("rotary_dim", None)

@@ -316,8 +316,19 @@ def test_yarn_rope(key):
     d = tiny_native()
     d.pop("rope_parameters")
     d[key] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 5e6, "partial_rotary_factor": 0.5}
-    with pytest.raises(ConfigError, match=field_value("rope_parameters.rope_type", "yarn")):
+    with pytest.raises(ConfigError, match=field_value(f"{key}.rope_type", "yarn")):
         M3Config.from_hf_dict(d)
+
+
+def test_rope_scaling_beside_rope_parameters_is_read_as_transformers_reads_it():
+    """transformers applies rope_scaling over rope_parameters; a yarn rope_scaling added to a saved config (which has a
+    default rope_parameters) loaded here as the default RoPE, HF and vLLM serving YaRN (logits 15 apart)."""
+    d = tiny_native()
+    d["rope_scaling"] = {"rope_type": "yarn", "factor": 8.0, "rope_theta": 5e6, "partial_rotary_factor": 0.5}
+    with pytest.raises(ConfigError, match=field_value("rope_scaling.rope_type", "yarn")):
+        M3Config.from_hf_dict(d)
+    d["rope_scaling"] = {"rope_type": "default", "rope_theta": 1234.0, "partial_rotary_factor": 0.5}
+    assert M3Config.from_hf_dict(d).rope_theta == 1234.0  # transformers' rope_theta too
 
 
 @pytest.mark.parametrize("where", ["native", "released_text", "released_top"])
