@@ -291,6 +291,16 @@ def test_index_names_missing_file(ckpts, tmp_path):
         m3jax.from_pretrained(d)
 
 
+def test_a_single_file_beside_an_index_of_other_shards_is_refused(ckpts, tmp_path):
+    """A sharded export copied over a single-file one: transformers loads model.safetensors, vLLM (and m3jax) the
+    index, so the tools trained and served two different models without a word."""
+    d = copy(ckpts, "native_sharded", tmp_path)
+    shutil.copy(os.path.join(ckpts["native"], SINGLE), os.path.join(d, SINGLE))
+    with pytest.raises(CheckpointError, match=f"{esc(d)} holds two checkpoints, model.safetensors and the shards of "
+                                              f"{esc(INDEX)}"):
+        m3jax.from_pretrained(d)
+
+
 def test_index_shard_deleted(ckpts, tmp_path):
     d = copy(ckpts, "released", tmp_path)
     victim = shard_files(d)[-1]

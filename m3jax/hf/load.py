@@ -38,7 +38,8 @@ PROGRESS_BYTES = 8 << 30  # a load of at least this many parameter bytes logs it
 
 
 def checkpoint_files(path: str) -> dict[str, TensorInfo]:
-    """name -> TensorInfo over `model.safetensors` or the files of `model.safetensors.index.json`."""
+    """name -> TensorInfo over `model.safetensors` or the files of `model.safetensors.index.json` (a directory with
+    both, the index naming other files, is refused)."""
     index = os.path.join(path, "model.safetensors.index.json")
     single = os.path.join(path, "model.safetensors")
     if os.path.exists(index):
@@ -49,6 +50,12 @@ def checkpoint_files(path: str) -> dict[str, TensorInfo]:
                 raise TypeError(f"weight_map is not a {{tensor name: file name}} dict: {str(weight_map)[:200]}")
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index}: not a valid safetensors index ({e!r}); expected a 'weight_map'") from None
+        if os.path.exists(single) and "model.safetensors" not in set(weight_map.values()):
+            # transformers loads model.safetensors, vLLM the index: two tools, two models (a sharded export copied
+            # over a single-file one leaves both)
+            raise CheckpointError(f"{path} holds two checkpoints, model.safetensors and the shards of "
+                                  "model.safetensors.index.json, which name different files; transformers would load "
+                                  "the first, vLLM the second: remove the stale one")
         tensors: dict[str, TensorInfo] = {}
         for fname in sorted(set(weight_map.values())):
             fpath = os.path.join(path, fname)
