@@ -245,9 +245,11 @@ def make_update(policy: Policy, loss_cfg: LossConfig) -> Callable:
         normalizer=lambda b: normalizer(b["loss_mask"].reshape(-1, b["loss_mask"].shape[-1]), loss_cfg))
 
 
-def make_logprobs(policy: Policy) -> Callable:
-    """logprobs(params, rest, micro_batches) -> logp: the same forward and sampling transform as the loss."""
-    return make_logprob_pass(policy.graphdef, policy.sampling, policy.layout, policy.cfg.model.logprob_chunk_tokens,
+def make_logprobs(policy: Policy, sampling=None) -> Callable:
+    """logprobs(params, rest, micro_batches) -> logp: the same forward and sampling transform as the loss (`sampling`:
+    another transform instead of the run's)."""
+    sampling = policy.sampling if sampling is None else sampling
+    return make_logprob_pass(policy.graphdef, sampling, policy.layout, policy.cfg.model.logprob_chunk_tokens,
                              replay=policy.cfg.grpo.routing_replay == "rollout",
                              indexer_replay=policy.cfg.grpo.indexer_replay == "rollout",
                              widths=policy.cfg.grpo.micro_batch_widths)

@@ -32,11 +32,6 @@ def start_warnings(cfg: RunConfig, model_cfg) -> list[str]:
                    "(indexer) layer, so no indexer/recall is logged")
     if m.moe_capacity_factor is not None and not model_cfg.has_moe:
         out.append(f"model.moe_capacity_factor = {m.moe_capacity_factor:g} has no effect: the model has no MoE layer")
-    gen = cfg.generation
-    if gen.backend != "jax" and gen.verify_probes and (0 < gen.top_k < model_cfg.vocab_size or gen.top_p < 1):
-        out.append(f"generation.verify_probes = {gen.verify_probes} under generation.top_k = {gen.top_k} / top_p = "
-                   f"{gen.top_p:g}: the probes' random tokens mostly fall outside the kept tokens, where trainer and "
-                   "engine both score -inf, so the check after each transfer compares few tokens")
     g = cfg.grpo
     if g.max_trajectory_age_steps:
         age = f"grpo.max_trajectory_age_steps = {g.max_trajectory_age_steps}"

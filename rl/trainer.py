@@ -37,7 +37,7 @@ from rl.skipped_updates import SkippedUpdates
 from rl.start_warnings import start_warnings
 from rl.startup import PhaseClock, first_push_line, generation_line, policy_line, prompts_line
 from rl.watchdog import HangWatchdog
-from rl.weight_sync import probe_check, sync_weights
+from rl.weight_sync import probe_check, probe_sampling, sync_weights
 from rl.wandb_run import open_run as open_wandb_run
 from sharding.precision import restart_adam
 
@@ -113,6 +113,7 @@ class GRPOTrainer:
         p = self.policy
         self.engine = backends.make_generator(cfg, p.graphdef, p.state, pad_id=self.pad_id, run_dir=self.run_dir)
         self.phases.done("%s", generation_line(cfg))
+        self.probe_pass = None  # _probe_logprobs's
         self.probe = probe_check(self.cfg.generation, self.policy.model_cfg.vocab_size, self.policy.sampling,
                                  self._probe_logprobs)
         self.eval_set = self._eval_set() if cfg.eval.enabled else None
@@ -160,8 +161,13 @@ class GRPOTrainer:
         return metrics
 
     def _probe_logprobs(self, prompts, responses) -> np.ndarray:
+        """The trainer's logprobs of the weight probes, under `rl.weight_sync.probe_sampling` (a pass of its own,
+        compiled at the first probe, where the run samples with top-k or top-p)."""
+        if self.probe_pass is None:
+            plain = probe_sampling(self.policy.sampling)
+            self.probe_pass = self.logprobs if plain == self.policy.sampling else make_logprobs(self.policy, plain)
         batch = backends.probe_batch(prompts, responses, self.width, self.pad_id)
-        return np.asarray(self.logprobs(self.state.params, self.state.rest, batch))[0]
+        return np.asarray(self.probe_pass(self.state.params, self.state.rest, batch))[0]
 
     def step(self, step: int) -> dict:
         """One GRPO step, phase by phase (each timed under time/<phase>)."""

@@ -25,13 +25,20 @@ def probe_check(generation, vocab_size: int, sampling: SamplingParams, trainer_l
                 ) -> ProbeCheck | None:
     """The probe of every transfer (`generation`: the run's generation section): generation.verify_probes sequences,
     each half prompt and half response of generation.max_seq_len tokens; None for the JAX engine, which shares the
-    trainer's parameters, or with verify_probes 0."""
+    trainer's parameters, or with verify_probes 0. Scored at the run's temperature without its top-k / top-p
+    (`probe_sampling`; `trainer_logprobs` must score the same): under them most random probe tokens are -inf on both
+    sides, and the check compared almost nothing."""
     if generation.backend == "jax" or not generation.verify_probes:
         return None
     half = max(generation.max_seq_len // 2, 1)
     prompts, responses = backends.probe_sequences(generation.verify_probes, vocab_size, half,
                                                   generation.max_seq_len - half)
-    return ProbeCheck(prompts, responses, sampling, trainer_logprobs, generation.verify_max_abs_diff)
+    return ProbeCheck(prompts, responses, probe_sampling(sampling), trainer_logprobs, generation.verify_max_abs_diff)
+
+
+def probe_sampling(sampling: SamplingParams) -> SamplingParams:
+    """The transform the probes are scored under: the run's temperature, every token kept."""
+    return dataclasses.replace(sampling, top_k=0, top_p=1.0)
 
 
 def sync_weights(engine: Generator, state, version: int, probe: ProbeCheck | None = None) -> dict:

@@ -67,13 +67,3 @@ def test_trajectories_drawn_ahead_that_cannot_be_or_go_uncorrected():
         "grpo.max_trajectory_age_steps = 1 with grpo.is_correction = none: the steps drawn ahead, by the weights "
         "before the last update, are trained on as if the policy being trained had drawn them"]
 
-
-def test_weight_probes_under_top_k_or_top_p():
-    """Random probe tokens outside the kept set score -inf on both sides: the check compares few tokens."""
-    vllm = ("generation.backend=vllm", "generation.verify_probes=4")
-    assert _warnings(*vllm) == [] and _warnings("generation.top_k=4", "generation.verify_probes=4") == []
-    assert _warnings(*vllm, "generation.top_k=4") == [
-        "generation.verify_probes = 4 under generation.top_k = 4 / top_p = 1: the probes' random tokens mostly fall "
-        "outside the kept tokens, where trainer and engine both score -inf, so the check after each transfer "
-        "compares few tokens"]
-    assert len(_warnings(*vllm, "generation.top_p=0.9")) == 1
