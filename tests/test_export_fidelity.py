@@ -171,15 +171,18 @@ def test_a_load_that_rounds_wider_tensors_says_so(tmp_path, caplog):
         save_file({k: v if k.endswith(wide) else v.to(torch.bfloat16) for k, v in tensors.items()},
                   str(path / "model.safetensors"), metadata={"format": "pt"})
         shutil.copy(tmp_path / "fp32" / "config.json", path)
-        caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="m3jax.hf.load"):
-            model = m3jax.from_pretrained(path)
-        warned = [r.getMessage() for r in caplog.records if "rounded" in r.getMessage()]
-        assert model.dtype == jnp.bfloat16
-        if name == "release_mix":
-            assert warned == []
-        else:
-            assert len(warned) == 1 and "dtype=float32" in warned[0]
-            assert "model.layers.0.input_layernorm.weight" in warned[0]
-            n = sum(k.endswith("norm.weight") for k in tensors)
-            assert f"{n} tensor(s)" in warned[0]
+        # a conversion without a dtype rounds them too, and said nothing
+        for what, run in (("load", lambda: m3jax.from_pretrained(path)),
+                          ("the conversion", lambda: convert_checkpoint(path, tmp_path / f"{name}-converted"))):
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="m3jax.hf.load"):
+                run()
+            warned = [r.getMessage() for r in caplog.records if "rounded" in r.getMessage()]
+            if name == "release_mix":
+                assert warned == [], what
+            else:
+                assert len(warned) == 1 and "dtype=float32" in warned[0] and f"{what} rounded" in warned[0]
+                assert "model.layers.0.input_layernorm.weight" in warned[0]
+                n = sum(k.endswith("norm.weight") for k in tensors)
+                assert f"{n} tensor(s)" in warned[0]
+        assert m3jax.from_pretrained(path).dtype == jnp.bfloat16

@@ -29,7 +29,7 @@ from flax import nnx
 
 from m3jax.config import M3Config
 from m3jax.hf import carry, layouts
-from m3jax.hf.load import check_param_dtype, checkpoint_files, default_param_dtype, plan_load
+from m3jax.hf.load import check_param_dtype, checkpoint_files, default_param_dtype, plan_load, warn_narrowed
 from m3jax.hf.progress import Tenths, redraws_in_place
 from m3jax.hf.read_blocks import READ_AHEAD_BYTES, READ_CHUNK_BYTES, READ_THREADS, TensorReader, read_ahead
 from m3jax.hf.safetensors_io import CheckpointError, count_nonfinite, header_bytes
@@ -92,9 +92,12 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, layout: s
                               "hold as a subdirectory: choose a directory outside it")
     cfg = M3Config.from_pretrained(src)
     _, slots, tensors = plan_load(cfg, checkpoint_files(src))
-    dtype = default_param_dtype(tensors[slots[0].name]) if dtype is None else np.dtype(dtype)
+    chosen = dtype is not None
+    dtype = np.dtype(dtype) if chosen else default_param_dtype(tensors[slots[0].name])
     abstract = nnx.eval_shape(lambda: M3ForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
     params = {p: v.get_value() for p, v in nnx.to_flat_state(nnx.state(abstract))}
+    if not chosen:
+        warn_narrowed(src, slots, tensors, lambda param: params[param].dtype, "the conversion")
     targets = list(layouts.slots(cfg, layout))
     kept = carry.carried(carry_from or src, layout)  # the vision tower and its kin, byte for byte
     cfg = carry.with_source_config(cfg, carry_from or src, kept)

@@ -144,7 +144,7 @@ def from_pretrained(path: str | os.PathLike, dtype=None, *, mesh=None, check_fin
     graphdef, state = nnx.split(abstract)
     flat = dict(nnx.to_flat_state(state))
     if not chosen:
-        _warn_narrowed(path, slots, tensors, flat)
+        warn_narrowed(path, slots, tensors, lambda param: flat[param].get_value().dtype)
     slots_of: dict[tuple, list] = {}
     for slot in slots:
         slots_of.setdefault(slot.param, []).append(slot)
@@ -176,16 +176,16 @@ def from_pretrained(path: str | os.PathLike, dtype=None, *, mesh=None, check_fin
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
-def _warn_narrowed(path: str, slots, tensors: dict[str, TensorInfo], flat) -> None:
-    """Warn where the default parameter dtype (the embedding's) is narrower than what a tensor is stored in: a bf16
-    checkpoint with fp32 norms loads them rounded to bf16, and its export then holds them so, silently. (A
-    float64 tensor has no parameter dtype to keep it in: not warned of.)"""
+def warn_narrowed(path: str, slots, tensors: dict[str, TensorInfo], dtype_of, what: str = "load") -> None:
+    """Warn where the default parameter dtype (the embedding's; `dtype_of(param)`) is narrower than what a tensor is
+    stored in: a bf16 checkpoint with fp32 norms loads (or converts) them rounded to bf16, and its export then holds
+    them so, silently. (A float64 tensor has no parameter dtype to keep it in: not warned of.)"""
     narrowed = [s.name for s in slots if tensors[s.name].np_dtype in PARAM_DTYPES
-                and tensors[s.name].np_dtype.itemsize > np.dtype(flat[s.param].get_value().dtype).itemsize]
+                and tensors[s.name].np_dtype.itemsize > np.dtype(dtype_of(s.param)).itemsize]
     if narrowed:
-        log.warning("%s: %d tensor(s) stored wider than the parameter dtype %s, the embedding's, load rounded to it "
+        log.warning("%s: %d tensor(s) stored wider than the parameter dtype %s, the embedding's, %s rounded to it "
                     "(%s): pass dtype=float32 to keep them", path, len(narrowed),
-                    np.dtype(flat[slots[0].param].get_value().dtype).name, _listing(narrowed, 5))
+                    np.dtype(dtype_of(slots[0].param)).name, what, _listing(narrowed, 5))
 
 
 def _agree_finite(problems: list[str]) -> None:
