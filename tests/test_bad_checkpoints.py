@@ -295,7 +295,7 @@ def test_a_single_file_beside_an_index_of_other_shards_is_refused(ckpts, tmp_pat
     """A sharded export copied over a single-file one: transformers loads model.safetensors, vLLM (and m3jax) the
     index, so the tools trained and served two different models without a word."""
     d = copy(ckpts, "native_sharded", tmp_path)
-    shutil.copy(os.path.join(ckpts["native"], SINGLE), os.path.join(d, SINGLE))
+    shutil.copy(os.path.join(ckpts["dirs"]["native"], SINGLE), os.path.join(d, SINGLE))
     with pytest.raises(CheckpointError, match=f"{esc(d)} holds two checkpoints, model.safetensors and the shards of "
                                               f"{esc(INDEX)}"):
         m3jax.from_pretrained(d)
