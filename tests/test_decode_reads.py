@@ -81,6 +81,28 @@ def test_a_decode_step_runs_the_slots_where_a_sequence_runs_grouped_and_matches_
     np.testing.assert_allclose(step[:, 0], full, rtol=2e-5, atol=2e-5)
 
 
+def test_a_decode_position_past_the_cache_is_refused_or_nan():
+    """jax drops a scatter past the array: the token's key was never stored and its logits (0.33 from the full
+    forward's) came back without a word. Known positions are refused; traced ones give NaN."""
+    cfg = tiny.m3_config(index_block_size=4, index_topk_blocks=2, max_position_embeddings=64)
+    model = M3ForCausalLM(cfg, rngs=nnx.Rngs(0))
+    ids = jax.random.randint(jax.random.key(0), (1, 9), 3, cfg.vocab_size)
+    _, cache = model(ids[:, :8], positions=jnp.arange(8)[None], cache=model.init_cache(1, 8))
+    with pytest.raises(ValueError, match=r"decode positions up to 8 with a cache of 8 slots .*expected positions "
+                                         r"below 8"):
+        model(ids[:, 8:], positions=jnp.asarray([[8]]), cache=cache)
+    with pytest.raises(ValueError, match="decode positions up to 8 with a cache of 8 slots"):
+        model(ids, cache=model.init_cache(1, 8))
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def step(state, ids, positions, cache):
+        return nnx.merge(graphdef, state)(ids, positions=positions, cache=cache)[0]
+
+    assert np.isnan(np.asarray(step(state, ids[:, 8:], jnp.asarray([[8]]), cache))).all()
+    assert np.isfinite(np.asarray(step(state, ids[:, 7:8], jnp.asarray([[7]]), cache))).all()
+
+
 def test_indexer_scores_in_key_chunks_equal_the_scores_formed_at_once(monkeypatch):
     """Small score blocks skip the loop over key chunks (`indexer.scores_fit_whole`); forced through it, in
     chunks of 2 blocks that stop after the last one any query sees, the scores and the top-k are the same."""

@@ -15,6 +15,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding
 from flax import nnx
@@ -260,7 +261,8 @@ class M3ForCausalLM(nnx.Module):
 
         positions [B, S] default to 0..S-1; attention_mask [B, S_keys] (1 = real token) for right padding.
         cache (from `init_cache`): decode mode; the tokens' keys are written at slots = positions and
-        (logits, updated cache) is returned. attention_mask then covers the cache's S_max slots.
+        (logits, updated cache) is returned. attention_mask then covers the cache's S_max slots. Positions must be
+        below S_max (init_cache's max_len): refused where they are known, NaN logits where traced.
         hidden: return the final hidden states [B, S, d] (after the final norm) in place of the logits;
         `lm_head_logits(h, self.lm_head[...], self.layout)` turns them into the logits (the chunked
         logprob pass does so a block of positions at a time, never holding [B, S, vocab]).
@@ -285,6 +287,11 @@ class M3ForCausalLM(nnx.Module):
         b, s = input_ids.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        if cache is not None:  # a write past the cache is dropped (jax's scatter): the token could not see itself
+            slots = cache[0]["k"].shape[2]
+            if s > slots or (not isinstance(positions, jax.core.Tracer) and int(np.max(positions)) >= slots):
+                raise ValueError(f"decode positions up to {s - 1 if s > slots else int(np.max(positions))} with a "
+                                 f"cache of {slots} slots (init_cache's max_len): expected positions below {slots}")
         key_valid = None if attention_mask is None else attention_mask.astype(bool)
         x = layout.constrain(jnp.take(self.embed[...], input_ids, axis=0), ACT)
         cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta, x.dtype)
@@ -337,6 +344,8 @@ class M3ForCausalLM(nnx.Module):
             raise ValueError(f"routes {routes.shape}: expected [B, S, {first} MoE layers, k]")
         x = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
         out = x if hidden else lm_head_logits(x, self.lm_head[...], layout)
+        if cache is not None:  # traced positions past the cache: NaN, not logits computed without their own key
+            out = jnp.where((positions < cache[0]["k"].shape[2])[..., None], out, jnp.nan)
         result = (out,) if cache is None else (out, new_cache)
         if return_routes:
             k = cfg.num_experts_per_tok
