@@ -200,3 +200,32 @@ def test_prompt_width_past_the_positions_is_refused(model):
     p = model.cfg.max_position_embeddings
     with pytest.raises(ValueError, match=f"prompt_width {p - 3} \\+ max_new_tokens 4: expected at most"):
         engine_for(model).generate([[3, 4]], SamplingParams(max_new_tokens=4), jax.random.key(0), prompt_width=p - 3)
+
+
+def test_a_stop_token_outside_the_vocabulary_is_refused(model):
+    """It is never sampled: every row ran to max_new_tokens without a word."""
+    v = model.cfg.vocab_size
+    with pytest.raises(ValueError, match=rf"stop token id\(s\) \[{v}\]: expected ids in \[0, {v}\)"):
+        engine_for(model).generate([[3, 4]], SamplingParams(4, stop_token_ids=(v,)), jax.random.key(0))
+
+
+@pytest.mark.parametrize("kw,says", [
+    ({"temperature": float("nan")}, "temperature=nan: expected 0 (greedy) or a finite number >= 1e-30"),
+    ({"temperature": 1e-39}, "temperature=1e-39"), ({"temperature": float("inf")}, "temperature=inf"),
+    ({"top_k": 2.5}, "top_k=2.5: expected an integer >= 0"), ({"top_k": True}, "top_k=True"),
+    ({"top_p": float("nan")}, "top_p=nan"), ({"max_new_tokens": 2.0}, "max_new_tokens=2.0"),
+    ({"stop_token_ids": (1, -2)}, "stop_token_ids=(1, -2): expected a sequence of token ids"),
+    ({"stop_token_ids": 5}, "stop_token_ids=5")])
+def test_sampling_params_refuse_what_a_config_refuses(kw, says):
+    """NaN sampled at temperature 1, 1e-39 returned the pad id with NaN logprobs, a float top_k or a list of stop
+    ids failed deep inside jit."""
+    with pytest.raises(ValueError) as e:
+        SamplingParams(**{"max_new_tokens": 4, **kw})
+    assert says in str(e.value), str(e.value)
+    assert SamplingParams(4, stop_token_ids=[2, np.int64(3)]).stop_token_ids == (2, 3)  # a list works, as a tuple
+
+
+def test_scoring_no_response_token_gives_empty_logprobs(model):
+    """One-token prompts with empty responses ran a forward over no position: numpy's zero-size max error."""
+    assert [[lp.shape for lp in e] for e in engine_for(model).score([[3], [4]], [[], []], SamplingParams(4))] == \
+        [[(0,), (0,)]]

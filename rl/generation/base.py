@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rl.config.schema import MIN_TEMPERATURE
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -20,27 +22,43 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={self.max_new_tokens}: expected >= 1")
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature}: expected >= 0")
+        """Refuse what a run's config refuses (rl.config), for callers that build one themselves: a NaN temperature
+        sampled at 1, one below MIN_TEMPERATURE returned NaN logprobs, a float top_k or a list of stop ids failed
+        deep inside jit."""
+        def whole(value) -> bool:
+            return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+        if not whole(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens!r}: expected an integer >= 1")
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float, np.floating)) or not np.isfinite(t) or t < 0 \
+                or 0 < t < MIN_TEMPERATURE:
+            raise ValueError(f"temperature={t!r}: expected 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p}: expected a value in (0, 1]")
-        if self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k}: expected >= 0 (0 = off)")
+            raise ValueError(f"top_p={self.top_p!r}: expected a value in (0, 1]")
+        if not whole(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k!r}: expected an integer >= 0 (0 = off)")
+        stops = self.stop_token_ids
+        if not isinstance(stops, (tuple, list)) or not all(whole(x) and x >= 0 for x in stops):
+            raise ValueError(f"stop_token_ids={stops!r}: expected a sequence of token ids (integers >= 0)")
+        object.__setattr__(self, "stop_token_ids", tuple(int(x) for x in stops))  # hashable: a jit static argument
 
 
 def check_request(prompts: list[list[int]], vocab_size: int | None, max_positions: int, new_tokens: int = 0,
                   responses: list[list[int]] | None = None,
-                  limit_name: str = "the model's max_position_embeddings") -> None:
+                  limit_name: str = "the model's max_position_embeddings", stop_token_ids=()) -> None:
     """Raise one ValueError naming the first bad row of a generate (`new_tokens` per row) or score (`responses`)
     request, and what was expected, before any work: the JAX model's gather would clamp an id outside
     [0, vocab_size) to a real token, and RoPE would run past the positions the model was trained on, both
     silently; a vLLM engine would raise, and the pool would take that for a dead engine and replace it. Also
     refused: no prompts, and an empty prompt (generation starts from its last token). vocab_size None: ids
-    not checked. max_positions / limit_name: the most positions a row may take, and what sets them."""
+    not checked. max_positions / limit_name: the most positions a row may take, and what sets them. A stop token id
+    outside the vocabulary (never sampled: the rows would run to max_new_tokens) is refused too."""
     if not prompts:
         raise ValueError("no prompts: expected a non-empty list of token-id lists")
+    outside = [int(t) for t in stop_token_ids if vocab_size is not None and not 0 <= int(t) < vocab_size]
+    if outside:
+        raise ValueError(f"stop token id(s) {outside}: expected ids in [0, {vocab_size}) (the model's vocab_size)")
     if responses is not None and len(responses) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses: expected one response per prompt")
     rows = [("prompt", prompts)] + ([("response", responses)] if responses is not None else [])

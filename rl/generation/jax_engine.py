@@ -68,7 +68,8 @@ class JaxEngine:
                  prompt_width: int | None = None) -> Rollout:
         """prompt_width: pad prompts to this many slots (a fixed width compiles once for every batch).
         A bad request (`check_request`) raises ValueError before anything runs."""
-        check_request(prompts, self.cfg.vocab_size, self.cfg.max_position_embeddings, params.max_new_tokens)
+        check_request(prompts, self.cfg.vocab_size, self.cfg.max_position_embeddings, params.max_new_tokens,
+                      stop_token_ids=params.stop_token_ids)
         width = max(max(map(len, prompts)), prompt_width or 0)
         if width + params.max_new_tokens > self.cfg.max_position_embeddings:
             raise ValueError(f"prompt_width {width} + max_new_tokens {params.max_new_tokens}: expected at most the "
@@ -96,6 +97,8 @@ class JaxEngine:
         """One engine's logprobs of each response token (the `Generator.score` contract); a bad request
         (`check_request`) raises ValueError before anything runs."""
         check_request(prompts, self.cfg.vocab_size, self.cfg.max_position_embeddings, responses=responses)
+        if not any(responses):  # nothing to score (a forward over no position would fail)
+            return [[np.zeros(0, np.float32) for _ in prompts]]
         lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
         width = max(lengths)
         rows = len(prompts) + (-len(prompts) % self.layout.size("act_batch"))

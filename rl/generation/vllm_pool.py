@@ -220,7 +220,7 @@ class VLLMPool:
         # vLLM refuses a prompt + max_tokens over max_model_len (and any id past the vocabulary): here, before
         # any engine is asked, rather than as an engine failure that would replace it
         check_request(prompts, self.cfg.vocab_size, self.cfg.max_model_len, params.max_new_tokens,
-                      limit_name="the engines' max_model_len")
+                      limit_name="the engines' max_model_len", stop_token_ids=params.stop_token_ids)
         check_temperature(params.temperature)
         self._check_weights("a rollout")
         n = len(prompts)
