@@ -354,8 +354,10 @@ def step_metrics(samples: Samples, reward: np.ndarray, failures: int, adv: Advan
         "is/truncated_frac": sums.get("is_truncated_tokens", 0.0) / tokens,  # w > is_cap, lowered to it
         "is/floored_frac": sums.get("is_floored_tokens", 0.0) / tokens,  # w < is_floor, raised to it
         "is/inf_frac": sums.get("is_inf_tokens", 0.0) / tokens,  # non-finite logp_gen: weight 0 (rl.grpo.importance)
-        # outside the trainer's own top-k / top-p (logp or logp_old -inf): no loss (rl.grpo.loss), per loss token
-        "is/trainer_inf_frac": sums.get("trainer_inf_tokens", 0.0) / tokens,
+        # outside the trainer's own top-k / top-p (logp or logp_old -inf): no loss (rl.grpo.loss); a share of the loss
+        # tokens they were before being left out (`tokens` counts those that kept theirs)
+        "is/trainer_inf_frac": sums.get("trainer_inf_tokens", 0.0) / max(
+            sums.get("tokens", 0.0) + sums.get("trainer_inf_tokens", 0.0), 1.0),
         "kl": sums.get("kl_sum", 0.0) / tokens, "entropy_approx": sums.get("neg_logp_sum", 0.0) / tokens,
         **({"entropy": sums["entropy_sum"] / tokens} if "entropy_sum" in sums else {}),  # exact (logging.entropy)
         **({"low_entropy_frac": sums["low_entropy_tokens"] / tokens} if "low_entropy_tokens" in sums else {}),

@@ -109,7 +109,8 @@ def test_train_batch_logprobs_update_and_metrics(samples):
     def train_step(state, part):
         return state + 1, {"loss": 0.5, "grad_norm": 2.0, "skipped": False,
                            "sums": {"tokens": float(part["loss_mask"].sum()), "clipped_tokens": 1.0,
-                                    "is_inf_tokens": 1.0, "is_truncated_tokens": 1.5, "is_floored_tokens": 0.5}}
+                                    "is_inf_tokens": 1.0, "is_truncated_tokens": 1.5, "is_floored_tokens": 0.5,
+                                    "trainer_inf_tokens": 1.0}}
 
     new, stats = phases.update(train_step, 0, micro, updates=2)  # one micro-batch per update
     assert new == 2 and stats.sums["tokens"] == micro["loss_mask"].sum() and stats.sums["clipped_tokens"] == 2.0
@@ -119,6 +120,17 @@ def test_train_batch_logprobs_update_and_metrics(samples):
     # the shares is_correction=truncate changed (w above is_cap, below is_floor), not only the mask band's
     assert m["is/truncated_frac"] == 3.0 / stats.sums["tokens"] and m["is/floored_frac"] == 1.0 / stats.sums["tokens"]
     assert m["time/generate"] == 1.0 and m["throughput/tokens_per_s"] == samples.rollout.lengths.sum() / 2.0
+    # the loss's `tokens` leave out the trainer's -inf tokens (below): their share is of the tokens before that
+    assert m["is/trainer_inf_frac"] == 2.0 / (stats.sums["tokens"] + 2.0)
+
+
+def test_the_trainers_inf_tokens_are_a_share_of_the_loss_tokens_they_were():
+    """One of 4 loss tokens at -inf read 1/3 (the count it was divided by had left it out); all of them read n/1."""
+    import jax.numpy as jnp
+    from rl.grpo.loss import LossConfig, grpo_loss
+    lp = jnp.array([[-1.0, -1.0, -jnp.inf, -1.0]])
+    _, sums = grpo_loss(lp, lp, lp, jnp.array([1.0]), jnp.ones((1, 4)), LossConfig())
+    assert float(sums["tokens"]) == 3.0 and float(sums["trainer_inf_tokens"]) == 1.0
 
 
 def test_sync_weights_reports_the_transfer_and_checks_the_probes(samples):
