@@ -255,6 +255,21 @@ def _panel(ax, title: str, curves: list, empty: str) -> None:
         ax.text(0.5, 0.5, empty, ha="center", va="center", transform=ax.transAxes)
 
 
+def _save(fig, out: str) -> None:
+    """fig written to `out` whole or not at all: a drawing that failed part-way (a full disk) left a cut image over
+    the last good one. The format is the name's extension (the temporary name has none to infer it from)."""
+    import matplotlib
+    fmt = os.path.splitext(out)[1][1:].lower() or matplotlib.rcParams["savefig.format"]
+    tmp = f"{out}.tmp-{os.getpid()}"
+    try:
+        fig.savefig(tmp, dpi=100, format=fmt)
+        os.replace(tmp, out)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
 def plot_run(run_dir: str, out: str | None = None) -> str:
     """One PNG with reward, held-out evaluation, lengths, mismatch/clipping diagnostics and phase times against step,
     and the indexer recall when the run logged it (written by process 0 only in a multi-host job, like the
@@ -278,7 +293,7 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
         _panel(ax, title, [(rows, key, key, None) for key in keys], "not logged in this run")
     fig.suptitle(os.path.basename(os.path.abspath(run_dir)))
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
+    _save(fig, out)
     plt.close(fig)
     return out
 
@@ -314,6 +329,6 @@ def plot_compare(run_dirs: list[str], keys: list[str], out: str, labels: list[st
         _panel(ax, key, [(rows, key, label, f"C{i}") for i, (rows, label) in enumerate(zip(runs, labels))],
                "not logged in these runs")
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
+    _save(fig, out)
     plt.close(fig)
     return out

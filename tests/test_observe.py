@@ -99,6 +99,26 @@ def test_curves_that_cannot_be_drawn_at_a_runs_end_are_a_warning_naming_the_redr
     assert draw_curves(str(tmp_path)) == str(tmp_path / "curves.png") and (tmp_path / "curves.png").is_file()
 
 
+def test_a_drawing_that_fails_part_way_keeps_the_last_good_curves(tmp_path, monkeypatch):
+    """savefig wrote straight over curves.png: a full disk mid-write left a cut image in place of the last good one."""
+    import matplotlib.figure
+
+    from rl.observe import draw_curves
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.5, "loss": 1.0}\n')
+    assert draw_curves(str(tmp_path))
+    good = (tmp_path / "curves.png").read_bytes()
+
+    def disk_full(self, fname, **kw):
+        with open(fname, "wb") as f:
+            f.write(good[:100])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", disk_full)
+    assert draw_curves(str(tmp_path)) is None  # a warning, as any failed drawing
+    assert (tmp_path / "curves.png").read_bytes() == good
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["curves.png", "metrics.jsonl"]
+
+
 def test_the_plan_and_demo_commands_check_their_arguments_before_any_output(tmp_path, capsys):
     import pytest
 
