@@ -339,70 +339,86 @@ class GRPOTrainer:
             total_steps=cfg.run.total_steps, first_step=first, resumed_row=self.resumed_row,
             open_wandb=functools.partial(open_wandb_run, self.run_dir, cfg) if cfg.logging.wandb_project else None,
         ) or NO_OUTPUTS  # process 0 could not open them: the first step's agreement stops every process
-        last = {}
-        saved_for_deadline = False
         watchdog = HangWatchdog(cfg.run.hang_timeout_minutes, resume_hint=self._resume_hint())
+        # The signals stay caught until the run has ended: a SIGTERM (or SLURM's SIGUSR1) during the last save's wait
+        # ended the process with the save in flight, its step lost. One received after the last step stops the run
+        # once the save is done; the export is then left to the rerun, which resumes at the last step and exports.
         signals = StopSignals().__enter__()
         try:
-            if self.eval_set is not None and cfg.eval.at_start and first == 0:
-                watchdog.arm("the held-out evaluation of the initial policy")
-                self.phases.restart()
-                row = self._evaluate(0)
-                self.outputs.run(logger.log, 0, row, advance=False)  # the initial policy: a row of its own
-                self.phases.done("held-out evaluation of the initial policy: pass@1 %.3f over %d prompts x %d samples",
-                                 row["val/pass@1"], len(self.eval_set.records), cfg.eval.samples_per_prompt)
-            for step in range(first, cfg.run.total_steps):
-                watchdog.arm(f"step {step + 1}")
-                self.checkpointer.check_saves()  # a background save that failed stops the run at the next step
-                t0 = time.perf_counter()
-                last = self.step(step)
-                done = step + 1
-                if self._evaluates_after(done):
-                    last.update(self._evaluate(done))  # before the save: the checkpoint knows the best value
-                t1 = time.perf_counter()
-                every = cfg.checkpoint.every_steps  # 0: only at the end (and at must_save_by)
-                kept = any(e["step"] == done for e in self.kept)  # entered checkpoint.keep_best's k best
-                due = bool((every and done % every == 0) or done == cfg.run.total_steps or kept)
-                at_deadline = deadline is not None and not saved_for_deadline and time.time() - start_wall >= deadline
-                wall = cfg.run.max_wall_minutes
-                out_of_time = bool(wall) and time.time() - start_wall > 60 * wall
-                # a signal or the wall limit stops the run after this step, saved once (a second save of the step
-                # raised, and the run ended as if its save had failed)
-                stop, save, failed = signals.agree(out_of_time, due or at_deadline, jax.process_count(),
-                                                   self.outputs.failed)
-                self.outputs.stop_if(failed, done)  # a write of process 0's outputs failed: all stop here
-                saved_for_deadline |= at_deadline or (save and not due)  # another process's deadline counts
-                if save:
-                    self.save(done, row=last)
-                if stop:
-                    self.stopped_by = signals.name or ("run.max_wall_minutes" if out_of_time else
-                                                       "a stop on another process")
-                last["time/checkpoint"] = time.perf_counter() - t1
-                last["time/other"] = (time.perf_counter() - t0) - sum(
-                    last.get(f"time/{p}", 0.0)
-                    for p in ("generate", "reward", "logprobs", "train", "weight_transfer", "eval"))
-                self.outputs.run(logger.log, done, last)
-                self.last_step = done
-                if self.stopped_by:
-                    break
-            self.outputs.settle(self.last_step)  # the last row's write
+            try:
+                last = self._train(first, logger, watchdog, signals, start_wall, deadline)
+            finally:
+                # the last save's wait (a stuck filesystem, a host that never joins orbax's barrier) and the engines'
+                # shutdown can hang too
+                watchdog.arm("the end of the run (its last save, the generator's shutdown)")
+                try:
+                    if self.ahead is not None:
+                        self.ahead.close()  # before the generator shuts down: a draw in flight uses it
+                    self.checkpointer.wait(quiet=True)  # a failed save is raised below, or the error raised stands
+                    logger.close()
+                    self.engine.shutdown()
+                finally:
+                    watchdog.close()
+            self.checkpointer.check_saves()
+            if not self.stopped_by and signals.agree(False, False, jax.process_count()).stop:  # every process alike
+                self.stopped_by = signals.name or "a stop on another process"
+            elif cfg.checkpoint.export_hf_at_end and self.last_step == cfg.run.total_steps:
+                self.export()
+            if cfg.logging.plot:
+                draw_curves(self.run_dir)
+            self.checkpointer.close()
         finally:
             signals.__exit__()
-            # the last save's wait (a stuck filesystem, a host that never joins orbax's barrier) and the engines'
-            # shutdown can hang too
-            watchdog.arm("the end of the run (its last save, the generator's shutdown)")
-            try:
-                if self.ahead is not None:
-                    self.ahead.close()  # before the generator shuts down: a draw in flight uses it
-                self.checkpointer.wait(quiet=True)  # a failed save is raised below, or the error already raised stands
-                logger.close()
-                self.engine.shutdown()
-            finally:
-                watchdog.close()
-        self.checkpointer.check_saves()
-        if cfg.checkpoint.export_hf_at_end and self.last_step == cfg.run.total_steps:
-            self.export()
-        if cfg.logging.plot:
-            draw_curves(self.run_dir)
-        self.checkpointer.close()
+        return last
+
+    def _train(self, first: int, logger, watchdog: HangWatchdog, signals: StopSignals, start_wall: float,
+               deadline: float | None) -> dict:
+        """The steps from `first` on (and the initial evaluation), each saved and logged; the last step's metrics.
+        Stops early, saved, on a signal or the wall limit (`stopped_by`); `deadline`: checkpoint.must_save_by's
+        seconds from `start_wall`."""
+        cfg = self.cfg
+        last = {}
+        saved_for_deadline = False
+        if self.eval_set is not None and cfg.eval.at_start and first == 0:
+            watchdog.arm("the held-out evaluation of the initial policy")
+            self.phases.restart()
+            row = self._evaluate(0)
+            self.outputs.run(logger.log, 0, row, advance=False)  # the initial policy: a row of its own
+            self.phases.done("held-out evaluation of the initial policy: pass@1 %.3f over %d prompts x %d samples",
+                             row["val/pass@1"], len(self.eval_set.records), cfg.eval.samples_per_prompt)
+        for step in range(first, cfg.run.total_steps):
+            watchdog.arm(f"step {step + 1}")
+            self.checkpointer.check_saves()  # a background save that failed stops the run at the next step
+            t0 = time.perf_counter()
+            last = self.step(step)
+            done = step + 1
+            if self._evaluates_after(done):
+                last.update(self._evaluate(done))  # before the save: the checkpoint knows the best value
+            t1 = time.perf_counter()
+            every = cfg.checkpoint.every_steps  # 0: only at the end (and at must_save_by)
+            kept = any(e["step"] == done for e in self.kept)  # entered checkpoint.keep_best's k best
+            due = bool((every and done % every == 0) or done == cfg.run.total_steps or kept)
+            at_deadline = deadline is not None and not saved_for_deadline and time.time() - start_wall >= deadline
+            wall = cfg.run.max_wall_minutes
+            out_of_time = bool(wall) and time.time() - start_wall > 60 * wall
+            # a signal or the wall limit stops the run after this step, saved once (a second save of the step
+            # raised, and the run ended as if its save had failed)
+            stop, save, failed = signals.agree(out_of_time, due or at_deadline, jax.process_count(),
+                                               self.outputs.failed)
+            self.outputs.stop_if(failed, done)  # a write of process 0's outputs failed: all stop here
+            saved_for_deadline |= at_deadline or (save and not due)  # another process's deadline counts
+            if save:
+                self.save(done, row=last)
+            if stop:
+                self.stopped_by = signals.name or ("run.max_wall_minutes" if out_of_time else
+                                                   "a stop on another process")
+            last["time/checkpoint"] = time.perf_counter() - t1
+            last["time/other"] = (time.perf_counter() - t0) - sum(
+                last.get(f"time/{p}", 0.0)
+                for p in ("generate", "reward", "logprobs", "train", "weight_transfer", "eval"))
+            self.outputs.run(logger.log, done, last)
+            self.last_step = done
+            if self.stopped_by:
+                break
+        self.outputs.settle(self.last_step)  # the last row's write
         return last

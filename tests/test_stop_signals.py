@@ -80,3 +80,37 @@ def test_the_wall_limit_on_a_saved_step_stops_once_saved(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "stopped by run.max_wall_minutes after step 1 of 8, saved" in r.stdout, r.stdout
     assert checkpoints(out) == [1] and "error" not in r.stderr
+
+
+@pytest.mark.slow  # two tiny runs (~25 s); the fast loop's signal checks are the two above
+def test_a_signal_during_the_last_saves_wait_stops_once_it_is_saved(tmp_path, monkeypatch):
+    """The handlers were put back before the run's end waited for its last (async) save: a SIGTERM there ended the
+    process with the save in flight, the step lost. Now the save completes, the run stops as by that signal, and the
+    export is left to the rerun (which resumes at the last step and exports)."""
+    from rl import checkpoint
+    from tests.tiny_runs import tiny_trainer
+    wait = checkpoint.Checkpointer.wait
+
+    def preempted_in_the_wait(self, quiet=False):
+        if quiet:  # the run's end
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.01)
+        return wait(self, quiet)
+
+    monkeypatch.setattr(checkpoint.Checkpointer, "wait", preempted_in_the_wait)
+    before = signal.getsignal(signal.SIGTERM)
+    trainer = tiny_trainer(tmp_path, "run", "run.total_steps=2", "checkpoint.async_save=true",
+                           "checkpoint.every_steps=1", "checkpoint.export_hf_at_end=true", "eval.at_start=false",
+                           "eval.every_steps=0", "logging.progress_bar=false", "logging.plot=false")
+    trainer.run()
+    out = str(tmp_path / "run")
+    assert trainer.stopped_by == "SIGTERM" and trainer.last_step == 2
+    assert checkpoints(out) == [1, 2] and sorted(os.listdir(os.path.join(out, "checkpoints", "2")))
+    assert not [n for n in os.listdir(os.path.join(out, "checkpoints")) if "tmp" in n]
+    assert not os.path.exists(os.path.join(out, "export")) and signal.getsignal(signal.SIGTERM) is before
+    monkeypatch.undo()
+    rerun = tiny_trainer(tmp_path, "run", "run.total_steps=2", "checkpoint.async_save=true",
+                         "checkpoint.every_steps=1", "checkpoint.export_hf_at_end=true", "eval.at_start=false",
+                         "eval.every_steps=0", "logging.progress_bar=false", "logging.plot=false")
+    rerun.run()
+    assert rerun.resumed_from == 2 and rerun.stopped_by is None and os.path.exists(os.path.join(out, "export"))
