@@ -35,6 +35,7 @@ class Agreement(NamedTuple):
     stop: bool  # after this step
     save: bool  # this step
     failed: bool  # a write of process 0's outputs (rl.process_zero_writes)
+    signalled: bool = False  # a process received a signal (else a stop is another wish's: the wall limit)
 
 
 class StopSignals:
@@ -71,14 +72,17 @@ class StopSignals:
         e.g. a wall limit; `save` besides a stop, e.g. a deadline) and whether its outputs failed to write
         (`rl.process_zero_writes`), or'ed over the job's processes. Clocks and signals differ between processes, and
         one that saved or stopped alone would leave the others waiting in a collective: every process calls this at
-        the same point of every step (one all-gather of three flags)."""
-        stop = stop or self.received is not None
+        the same point of every step (one all-gather of four flags). `signalled`: whether the stop is a signal's on
+        some process, so that every process names the same cause (a wall limit crossed on one clock only made the
+        others report "a stop on another process", exit status 143 beside process 0's 0)."""
+        signalled = self.received is not None
+        stop = stop or signalled
         if process_count == 1:
-            return Agreement(stop, save or stop, failed)
+            return Agreement(stop, save or stop, failed, signalled)
         from jax.experimental import multihost_utils
-        flags = np.asarray(multihost_utils.process_allgather(np.asarray([stop, save, failed], np.int32)))
-        stop, save, failed = (bool(f) for f in flags.reshape(-1, 3).any(0))
-        return Agreement(stop, save or stop, failed)
+        flags = np.asarray(multihost_utils.process_allgather(np.asarray([stop, save, failed, signalled], np.int32)))
+        stop, save, failed, signalled = (bool(f) for f in flags.reshape(-1, 4).any(0))
+        return Agreement(stop, save or stop, failed, signalled)
 
     @property
     def name(self) -> str | None:

@@ -403,15 +403,15 @@ class GRPOTrainer:
             out_of_time = bool(wall) and time.time() - start_wall > 60 * wall
             # a signal or the wall limit stops the run after this step, saved once (a second save of the step
             # raised, and the run ended as if its save had failed)
-            stop, save, failed = signals.agree(out_of_time, due or at_deadline, jax.process_count(),
-                                               self.outputs.failed)
+            stop, save, failed, signalled = signals.agree(out_of_time, due or at_deadline, jax.process_count(),
+                                                          self.outputs.failed)
             self.outputs.stop_if(failed, done)  # a write of process 0's outputs failed: all stop here
             saved_for_deadline |= at_deadline or (save and not due)  # another process's deadline counts
             if save:
                 self.save(done, row=last)
             if stop:
-                self.stopped_by = signals.name or ("run.max_wall_minutes" if out_of_time else
-                                                   "a stop on another process")
+                self.stopped_by = signals.name or ("a stop on another process" if signalled else
+                                                   "run.max_wall_minutes")  # on this process's clock or another's
             last["time/checkpoint"] = time.perf_counter() - t1
             last["time/other"] = (time.perf_counter() - t0) - sum(
                 last.get(f"time/{p}", 0.0)

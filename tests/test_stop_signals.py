@@ -7,6 +7,7 @@ import signal
 import subprocess
 import time
 
+import numpy as np
 import pytest
 
 from rl.stop_signals import StopSignals
@@ -16,10 +17,10 @@ from tests.test_resume import ROOT, command, env, logged_steps
 def test_a_signal_is_recorded_and_the_handlers_come_back():
     before = signal.getsignal(signal.SIGTERM)
     with StopSignals() as s:
-        assert s.agree(False, False) == (False, False, False)
+        assert s.agree(False, False) == (False, False, False, False)
         os.kill(os.getpid(), signal.SIGTERM)  # handled between bytecodes: the process lives on
         time.sleep(0.01)
-        assert s.name == "SIGTERM" and s.agree(False, False) == (True, True, False)  # a stop saves its step
+        assert s.name == "SIGTERM" and s.agree(False, False) == (True, True, False, True)  # a stop saves its step
         os.kill(os.getpid(), signal.SIGTERM)  # a second SIGTERM changes nothing
         time.sleep(0.01)
         with pytest.raises(KeyboardInterrupt):  # a Ctrl-C after a signal: stop at once
@@ -27,7 +28,7 @@ def test_a_signal_is_recorded_and_the_handlers_come_back():
             time.sleep(0.01)
     assert signal.getsignal(signal.SIGTERM) is before
     with StopSignals() as s:
-        assert s.agree(True, False) == (True, True, False) and s.agree(False, True) == (False, True, False)
+        assert s.agree(True, False) == (True, True, False, False) and s.agree(False, True) == (False, True, False, False)
         assert s.name is None
 
 
@@ -39,9 +40,21 @@ def test_slurms_warning_before_the_time_limit_stops_the_run_as_sigterm_does():
     with StopSignals() as s:
         os.kill(os.getpid(), signal.SIGUSR1)
         time.sleep(0.01)
-        assert s.name == "SIGUSR1" and s.agree(False, False) == (True, True, False)
+        assert s.name == "SIGUSR1" and s.agree(False, False) == (True, True, False, True)
     assert signal.getsignal(signal.SIGUSR1) is before
     assert 128 + _signal_number("SIGUSR1") == 138  # the run's exit status
+
+
+def test_every_process_names_the_same_cause_of_a_stop(monkeypatch):
+    """The wall limit crossed on process 0's clock only: process 1 reported "a stop on another process" and exited
+    143 beside process 0's 0; the agreement now says whether any process was signalled."""
+    from jax.experimental import multihost_utils
+    others = {"wall": [1, 0, 0, 0], "signal": [1, 1, 0, 1]}
+    for what, theirs in others.items():
+        monkeypatch.setattr(multihost_utils, "process_allgather", lambda mine: np.stack([np.asarray(theirs), mine]))
+        with StopSignals() as s:
+            got = s.agree(False, False, process_count=2)
+        assert got == (True, True, False, what == "signal"), what
 
 
 def checkpoints(out_dir):
