@@ -45,12 +45,16 @@ class RunLockHeld(RuntimeError):
 
 def process_index(config_process_id: int | None = None, environ=None) -> int:
     """This process's index in a multi-host job, without importing jax: the config's `mesh.process_id`,
-    else JAX_PROCESS_ID (what `sharding.launch.distributed_args` passes to jax), else the launcher's rank
-    (SLURM_PROCID for srun, OMPI_COMM_WORLD_RANK for mpirun, from which jax detects it), else 0."""
+    else JAX_PROCESS_ID (what `sharding.launch.distributed_args` passes to jax), else the launcher's rank in the
+    order jax detects it: OMPI_COMM_WORLD_RANK under mpirun (OMPI_MCA_orte_hnp_uri set), then SLURM_PROCID. An
+    mpirun inside an sbatch script leaves every rank SLURM_PROCID=0: read first, it made each rank process 0 here,
+    all taking the lock and logging into run.log, while jax numbered them 0..n-1. Else 0."""
     if config_process_id is not None:
         return int(config_process_id)
     env = os.environ if environ is None else environ
-    for name in ("JAX_PROCESS_ID", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
+    names = ("JAX_PROCESS_ID", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID") if env.get("OMPI_MCA_orte_hnp_uri") else \
+        ("JAX_PROCESS_ID", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK")
+    for name in names:
         value = env.get(name)
         if value not in (None, ""):
             return int(value)

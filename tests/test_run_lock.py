@@ -120,6 +120,9 @@ def test_creates_the_run_directory(tmp_path):
     (None, {"JAX_PROCESS_ID": "2", "SLURM_PROCID": "5"}, 2),
     (None, {"SLURM_PROCID": "5", "OMPI_COMM_WORLD_RANK": "6"}, 5),
     (None, {"OMPI_COMM_WORLD_RANK": "6"}, 6),
+    # mpirun inside sbatch: every rank inherits SLURM_PROCID=0; jax reads the Open MPI rank first
+    (None, {"SLURM_PROCID": "0", "OMPI_COMM_WORLD_RANK": "3", "OMPI_MCA_orte_hnp_uri": "1234.0;tcp://10.0.0.1:5"}, 3),
+    (None, {"JAX_PROCESS_ID": "2", "OMPI_COMM_WORLD_RANK": "3", "OMPI_MCA_orte_hnp_uri": "1234.0;tcp://h:5"}, 2),
     (None, {"JAX_PROCESS_ID": ""}, 0),
 ])
 def test_process_index_from_config_then_environment(config, env, want):
