@@ -39,6 +39,17 @@ log = logging.getLogger(__name__)
 LOCK_NAME = ".lock"
 
 
+# The locks this process holds, for `release_held`: a hard exit (rl.watchdog's os._exit) runs no atexit handler.
+_HELD: list = []
+
+
+def release_held() -> None:
+    """Release every run lock this process holds, before a hard exit: the watchdog's os._exit skipped the atexit
+    release and left `.lock` behind, naming this host, so a rerun of the job on another node was refused."""
+    for lock in list(_HELD):
+        lock.release()
+
+
 class RunLockHeld(RuntimeError):
     """Another run holds (or may hold) the directory; str() is one line naming the holder."""
 
@@ -133,6 +144,7 @@ class RunLock:
             raise
         self._fd = fd
         atexit.register(self.release)
+        _HELD.append(self)
         return self
 
     def _take_over(self, fd: int) -> None:
@@ -162,6 +174,8 @@ class RunLock:
         if fd is None:
             return
         atexit.unregister(self.release)
+        if self in _HELD:
+            _HELD.remove(self)
         try:
             os.unlink(self.path)
         except FileNotFoundError:

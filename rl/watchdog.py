@@ -98,4 +98,9 @@ def exit_hung(what: str, seconds: float, resume_hint: str = "", setting: str = "
     print(f"error: {what} has not finished after {seconds / 60:g} min ({setting}): taken as hung, "
           f"the process exits (status {HUNG_STATUS}); the threads' stacks are in its run log{resume_hint}",
           file=sys.stderr, flush=True)
+    try:  # the rerun the line promises must find the run directory unlocked, on whatever node it lands
+        from rl.run_lock import release_held
+        release_held()
+    except Exception:  # noqa: BLE001 - nothing may keep a hung process alive
+        pass
     os._exit(HUNG_STATUS)

@@ -79,6 +79,23 @@ stuck_here()
     assert "thread MainThread:" in text and "in stuck_here" in text
 
 
+def test_the_exit_releases_the_run_lock(tmp_path):
+    """os._exit runs no atexit handler: `.lock` was left naming this host, and the rerun the error line promises was
+    refused on any other node ("cannot be checked from host ...")."""
+    script = f"""
+import threading
+from rl.run_lock import RunLock
+from rl.watchdog import HangWatchdog
+RunLock({str(tmp_path)!r}).acquire()
+HangWatchdog(0.2 / 60).arm("step 7")
+threading.Event().wait()
+"""
+    r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == HUNG_STATUS, r.stderr
+    assert not (tmp_path / ".lock").exists()
+
+
 @pytest.mark.slow  # ~12 s: the tiny trainer built, then held for the limit
 def test_a_run_whose_evaluation_hangs_exits_with_one_error_line(tmp_path):
     """The trainer arms the watchdog: here on the initial evaluation, whose reward never returns."""
