@@ -325,3 +325,50 @@ def test_a_pool_failure_on_process_zero_is_raised_on_every_process(monkeypatch):
                 getattr(pools[rank], method)(*args)
         assert not bc.sent, method  # process 1 took every broadcast process 0 took
     assert read[0] == read[1] > 1  # both iterated every tensor
+
+
+def test_a_pool_that_fails_to_start_on_process_zero_is_raised_on_every_process(monkeypatch):
+    """Ray unreachable on process 0: the others went on to their next collective, and both aborted at jax's shutdown
+    barrier minutes later, the cause in process 0's log alone."""
+    from rl.generation import multihost
+    from rl.generation.multihost import started_on_zero
+    from rl.generation.vllm_pool import PoolError
+
+    def unreachable():
+        raise ConnectionError("could not connect to the Ray cluster at auto")
+
+    bc = Broadcast()
+    monkeypatch.setattr(multihost, "_from_zero", bc.zero)
+    with pytest.raises(ConnectionError, match="could not connect"):
+        started_on_zero(unreachable, True)
+    monkeypatch.setattr(multihost, "_from_zero", bc.other)
+    with pytest.raises(PoolError, match="process 0 could not start the vLLM pool"):
+        started_on_zero(lambda: pytest.fail("only process 0 starts the pool"), False)
+    monkeypatch.setattr(multihost, "_from_zero", bc.zero)
+    assert started_on_zero(lambda: "pool", True) == "pool"
+    monkeypatch.setattr(multihost, "_from_zero", bc.other)
+    assert started_on_zero(lambda: "pool", False) is None and not bc.sent
+
+
+def test_make_generator_starts_the_pool_through_the_agreement(monkeypatch, tmp_path):
+    from types import SimpleNamespace
+
+    from m3jax.tiny import m3_model
+    from rl.config import load_config
+    from rl.generation import backends, multihost, vllm_pool
+
+    class Unreachable:
+        def __init__(self, *a, **k):
+            raise ConnectionError("could not connect to the Ray cluster at auto")
+
+    cfg = load_config("configs/tiny.yaml", ["generation.backend=vllm"], check_paths=False)
+    graphdef, params, rest = nnx.split(m3_model(cfg.model.m3_config()), nnx.Param, ...)
+    bc = Broadcast()
+    monkeypatch.setattr(vllm_pool, "VLLMPool", Unreachable)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "process_index", lambda: 0)
+    monkeypatch.setattr(multihost, "_from_zero", bc.zero)
+    with pytest.raises(ConnectionError, match="could not connect"):
+        backends.make_generator(cfg, graphdef, SimpleNamespace(params=params, rest=rest), pad_id=0,
+                                run_dir=str(tmp_path))
+    assert [int(v) for v in bc.sent] == [1]  # process 0 told the others before raising

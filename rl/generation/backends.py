@@ -44,8 +44,6 @@ def make_generator(cfg, graphdef, state, *, pad_id: int, run_dir: str):
         # A freshly initialised model: the engines start from its shapes (vLLM's dummy weights) and take its values
         # from the trainer's first push (`engines_start_empty`), so the model never goes through disk
         model_dir = os.path.join(run_dir, "vllm-initial")
-        if jax.process_index() == 0:  # the pool's engines start from process 0
-            save_shapes(model, model_dir, layout="released")
     dtype = g.vllm_dtype if g.vllm_dtype != "auto" else cfg.precision.param_dtype  # "float32" | "bfloat16"
     pool_cfg = PoolConfig(model_dir=model_dir, servers=g.vllm_servers, tensor_parallel=g.vllm_tensor_parallel,
                           expert_parallel=g.vllm_expert_parallel,
@@ -59,17 +57,22 @@ def make_generator(cfg, graphdef, state, *, pad_id: int, run_dir: str):
                           group_device=resolve_group_device(g.weight_group_device),
                           # routes cost the engines a capture buffer: asked for only when replayed (GPU only)
                           return_routes=cfg.grpo.routing_replay == "rollout")
+    def start(peers=None):
+        if not cfg.model.path:  # the engines start from the random model's shapes, written by process 0
+            save_shapes(model, model_dir, layout="released")
+        return VLLMPool(pool_cfg, graphdef, pad_id=pad_id, **({"peers": peers} if peers is not None else {}))
+
     if jax.process_count() == 1:
-        return VLLMPool(pool_cfg, graphdef, pad_id=pad_id)
+        return start()
     from rl.generation.bucket_sender import RoutedSender
-    from rl.generation.multihost import JaxPeers, ProcessZeroPool
+    from rl.generation.multihost import JaxPeers, ProcessZeroPool, started_on_zero
 
     zero = jax.process_index() == 0
     # On the collective transport every process sends the tensors it holds; on `ray` and `shm`, process 0 sends all.
     peers = JaxPeers() if g.weight_transport == "collective" else None
     sender = (RoutedSender(pool_cfg.bucket_bytes, timeout_s=pool_cfg.request_timeout_s, device=pool_cfg.group_device)
               if peers is not None and not zero else None)
-    return ProcessZeroPool(VLLMPool(pool_cfg, graphdef, pad_id=pad_id, peers=peers) if zero else None, graphdef,
+    return ProcessZeroPool(started_on_zero(lambda: start(peers), zero), graphdef,
                            is_zero=zero, peers=peers, sender=sender, group_device=pool_cfg.group_device)
 
 

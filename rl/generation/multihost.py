@@ -28,6 +28,24 @@ def _from_zero(value):
     return multihost_utils.broadcast_one_to_all(value)
 
 
+def started_on_zero(start, is_zero: bool):
+    """`start()` (the pool) on process 0, None on the others; its failure raised on every process (a collective:
+    every process calls it). A pool that failed to start on process 0 (Ray unreachable, a bad model directory) left
+    the others in their next collective until jax's shutdown barrier aborted both minutes later, the cause named
+    nowhere but in process 0's log."""
+    pool, error = None, None
+    if is_zero:
+        try:
+            pool = start()
+        except Exception as e:  # noqa: BLE001 - raised below, once the others know
+            error = e
+    if int(np.asarray(_from_zero(np.int32(error is not None)))):
+        if error is not None:
+            raise error
+        raise PoolError("process 0 could not start the vLLM pool; process 0's log names the cause")
+    return pool
+
+
 class JaxPeers:
     """The trainer processes as seen by the collective weight path: `agree` = process 0's value everywhere,
     `gather` = every process's value stacked [processes, ...]. `engaged` records whether this update has
