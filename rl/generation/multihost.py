@@ -37,13 +37,20 @@ def started_on_zero(start, is_zero: bool):
     if is_zero:
         try:
             pool = start()
-        except Exception as e:  # noqa: BLE001 - raised below, once the others know
+        except Exception as e:  # noqa: BLE001 - raised on every process by agree_outcome
             error = e
-    if int(np.asarray(_from_zero(np.int32(error is not None)))):
+    agree_outcome(error, is_zero, "process 0 could not start the vLLM pool")
+    return pool
+
+
+def agree_outcome(error: BaseException | None, is_zero: bool, failed: str) -> None:
+    """Process 0's success, or its `error`, on every process (a collective: every process calls it). A failure on
+    process 0 alone used to skip the collective the others waited in: they hung until jax's distributed timeout and
+    failed with an unrelated message. Every process raises, process 0 its own error, the others PoolError(`failed`)."""
+    if int(np.asarray(_from_zero(np.int32(error is not None if is_zero else 0)))):
         if error is not None:
             raise error
-        raise PoolError("process 0 could not start the vLLM pool; process 0's log names the cause")
-    return pool
+        raise PoolError(f"{failed}; process 0's log names the cause")
 
 
 class JaxPeers:
@@ -130,20 +137,10 @@ class ProcessZeroPool:
         if self.is_zero:
             try:
                 r = self.pool.generate(prompts, params, key, prompt_width)
-            except Exception as e:  # noqa: BLE001 - raised on every process by _agree_outcome
+            except Exception as e:  # noqa: BLE001 - raised on every process by agree_outcome
                 error = e
-        self._agree_outcome(error, "generating the rollout")
+        agree_outcome(error, self.is_zero, "process 0's vLLM pool failed generating the rollout")
         return self.share(r, prompts, params.max_new_tokens)
-
-    def _agree_outcome(self, error: BaseException | None, what: str) -> None:
-        """Process 0's success or failure at `what`, on every process (a collective): a pool error on process 0
-        used to skip the broadcast the others waited in, so they hung until jax's distributed timeout and failed
-        with an unrelated message. Every process raises; process 0 its own error."""
-        failed = int(np.asarray(_from_zero(np.int32(error is not None if self.is_zero else 0))))
-        if failed:
-            if error is not None:
-                raise error
-            raise PoolError(f"process 0's vLLM pool failed {what}; process 0's log names the cause")
 
     def share(self, r: Rollout | None, prompts, max_new_tokens: int) -> Rollout:
         """Process 0's rollout `r` of `prompts` on every process (a collective: every process calls it, the others
@@ -224,9 +221,9 @@ class ProcessZeroPool:
             try:
                 per_engine = self.pool.score(prompts, responses, params)
                 count = np.int32(len(per_engine))
-            except Exception as e:  # noqa: BLE001 - raised on every process by _agree_outcome
+            except Exception as e:  # noqa: BLE001 - raised on every process by agree_outcome
                 error = e
-        self._agree_outcome(error, "scoring the probe sequences")
+        agree_outcome(error, self.is_zero, "process 0's vLLM pool failed scoring the probe sequences")
         count = int(_from_zero(count))
         table = np.zeros((count, len(responses), width), np.float32)
         for e, lps in enumerate(per_engine):
