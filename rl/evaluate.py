@@ -213,7 +213,8 @@ def _as_number(text: str) -> str | None:
 def majority_accuracy(keys: list, correct: np.ndarray, n: int) -> float:
     """maj@n: mean over prompts (rows grouped n per prompt) of whether the answer most of the prompt's samples give
     is correct. Samples without an answer (None) do not vote; a tie goes to the answer given first; a prompt with no
-    vote counts as wrong. The answer's correctness is that of its first sample."""
+    vote counts as wrong. The answer is correct when any of its samples scored correct: judged by its first sample
+    alone, one failed or timed-out scoring (a 0) turned a right majority wrong."""
     correct = np.asarray(correct, bool).reshape(-1, n)
     hits = []
     for p in range(correct.shape[0]):
@@ -221,13 +222,13 @@ def majority_accuracy(keys: list, correct: np.ndarray, n: int) -> float:
         for j in range(n):
             k = keys[p * n + j]
             if k is not None:
-                count, first = votes.get(k, (0, j))
-                votes[k] = (count + 1, first)
+                count, first, right = votes.get(k, (0, j, False))
+                votes[k] = (count + 1, first, right or bool(correct[p, j]))
         if not votes:
             hits.append(False)
             continue
-        _, first = max(votes.values(), key=lambda v: (v[0], -v[1]))
-        hits.append(bool(correct[p, first]))
+        _, _, right = max(votes.values(), key=lambda v: (v[0], -v[1]))
+        hits.append(right)
     return float(np.mean(hits)) if hits else 0.0
 
 

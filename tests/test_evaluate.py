@@ -362,6 +362,8 @@ def test_majority_voting():
     correct = np.array([1, 1, 0, 0, 0, 1, 1, 0], bool)
     assert ev.majority_accuracy(keys, correct, 4) == 0.5
     assert ev.majority_accuracy([None] * 4, np.ones(4, bool), 4) == 0.0  # no vote: wrong
+    # the majority's first sample scored 0 (a failed or timed-out scoring), two of its others correct: it was wrong
+    assert ev.majority_accuracy(["5", "5", "5", "7"], np.array([0, 1, 1, 0], bool), 4) == 1.0
     assert ev.majority_key("so \\boxed{42}. Answer: 41", "boxed") == "42"
     assert ev.majority_key("no final answer", "boxed") is None and ev.majority_key(" 12 \n", "response") == "12"
     # '$' and a final '.' in either order: 'Answer: $5$.' voted for '5$', apart from 'Answer: 5'
