@@ -376,6 +376,16 @@ def test_majority_voting():
     assert ev.majority_key("\\boxed{x+1}", "boxed") == "x+1" and ev.majority_key("\\boxed{1/0}", "boxed") == "1/0"
 
 
+def test_another_eval_task_needs_its_own_reward():
+    """eval.task = addmod scored by the run's copy_digits: an answer followed by any digits counted as right."""
+    from rl.config import ConfigError, load_config
+    with pytest.raises(ConfigError, match=r"eval.reward = \[\] with eval.task = \"addmod\": the evaluation would score "
+                                          r"it with the run's reward \(copy_digits\), not the task's own exact_digits"):
+        load_config("configs/tiny.yaml", ["eval.task=addmod"], check_paths=False)
+    assert load_config("configs/tiny.yaml", ["eval.task=addmod", "eval.reward=[{name: exact_digits}]"],
+                       check_paths=False).eval.task == "addmod"
+
+
 def test_majority_config_rules():
     cfg = load_config(TINY, ["eval.majority_answer=response", "eval.best_metric=maj@k"])
     assert cfg.eval.majority_answer == "response"

@@ -403,6 +403,7 @@ def test_names_mirrored_from_jax_modules_stay_equal():
     assert set(rc.ADVANTAGES) == set(adv.ADVANTAGE_ESTIMATORS)
     tasks = pytest.importorskip("rl.tasks")
     assert set(rc.DATA_TASKS) == set(tasks.TASKS) and rc.DIGIT_VOCAB == tasks.DigitTokenizer.vocab_size
+    assert rc.TASK_REWARDS == {name: task.reward for name, task in tasks.TASKS.items()}
     data = pytest.importorskip("rl.data")
     assert rc.DATA_FORMATS == data.FileFormat.__args__ and rc.DATA_LAYOUTS == data.Layout.__args__
     transfer = pytest.importorskip("rl.generation.transfer")

@@ -79,8 +79,8 @@ from rl.config.build import defaults_dict, from_dict
 from rl.config.errors import ConfigError
 from rl.config.fields import _hints, _is_section, _item_type, _non_none, _show  # noqa: F401  (tests walk types)
 from rl.config.schema import (  # noqa: F401  (tests check the mirrored choices against their originals)
-    DATA_FORMATS, DATA_LAYOUTS, DATA_TASKS, DIGIT_VOCAB, MISSING, PRECISION_MODES, TOKEN_AXES, WEIGHT_TRANSPORTS,
-    CheckpointSection, DataSection, GenerationSection, LoggingSection, MeshSection, OptimSection,
+    DATA_FORMATS, DATA_LAYOUTS, DATA_TASKS, DIGIT_VOCAB, MISSING, PRECISION_MODES, TASK_REWARDS, TOKEN_AXES,
+    WEIGHT_TRANSPORTS, CheckpointSection, DataSection, GenerationSection, LoggingSection, MeshSection, OptimSection,
     PrecisionSection, RewardSpec, RunSection)
 from rl.config.grpo_section import (  # noqa: F401  (mirrored choices, as above)
     ADVANTAGES, AGGREGATIONS, IS_CORRECTIONS, IS_LEVELS, KL_TYPES, LOSSES, GrpoSection)

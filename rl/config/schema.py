@@ -25,6 +25,8 @@ MISSING = "???"  # a value the user must supply (e.g. the recipe's model.path); 
 TOKEN_AXES = ("data", "context", "expert")                     # sharding.rules.TOKEN_AXES
 PRECISION_MODES = ("none", "fp32", "compact")                  # sharding.precision.MODES
 DATA_TASKS = ("reverse", "copy", "sort", "addmod")             # rl.tasks.TASKS
+TASK_REWARDS = {"reverse": "reverse_digits", "copy": "copy_digits",  # each task's own reward (rl.tasks: .reward)
+                "sort": "sort_digits", "addmod": "exact_digits"}
 DATA_FORMATS = ("auto", "jsonl", "json", "parquet")            # rl.data.FileFormat
 DATA_LAYOUTS = ("auto", "dapo", "gsm8k", "plain")              # rl.data.Layout
 OVERLONG_PROMPTS = ("error", "drop")                           # rl.prompt_lengths.OVERLONG_PROMPTS

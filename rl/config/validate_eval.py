@@ -12,6 +12,7 @@ import dataclasses
 from rl.config.errors import _Problem
 from rl.config.reward_checks import reward_problems, threshold_problems
 from rl.config.fields import _show
+from rl.config.schema import TASK_REWARDS
 
 # Checks take the whole `rl.config.run.RunConfig` (named in annotations only: that module imports this one).
 
@@ -54,7 +55,16 @@ def eval_problems(cfg, enabled: bool | None = None) -> list[_Problem]:
                 "16-token vocabulary, not the model's tokenizer; allowed: eval.kind = \"file\" with eval.path "
                 "(a held-out prompt file), or eval.every_steps = 0 and eval.at_start = false"), ("data.kind",)))
         else:
-            prompt_len, answer_len = synthetic_lengths(e.task or d.task, e.num_digits or d.num_digits)
+            task = e.task or d.task
+            own = TASK_REWARDS[task]
+            if not e.reward and e.task not in (None, d.task) and own not in {r.name for r in cfg.reward}:
+                # the run's reward is another task's: copy_digits scored an addmod answer followed by any digits
+                # as right, and pass@k counted it
+                out.append(_Problem("eval.reward", (
+                    f"eval.reward = [] with eval.task = {_show(task)}: the evaluation would score it with the run's "
+                    f"reward ({', '.join(r.name for r in cfg.reward)}), not the task's own {own}; allowed: "
+                    f"eval.reward = [{{name: {own}}}]"), ("eval.task", "reward")))
+            prompt_len, answer_len = synthetic_lengths(task, e.num_digits or d.num_digits)
             width, new = eval_lengths(cfg)
             if width < prompt_len:
                 out.append(_Problem("eval.max_prompt_tokens", (
