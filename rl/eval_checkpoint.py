@@ -96,9 +96,10 @@ def from_hf(cfg: RunConfig, path: str) -> LoadedPolicy:
 
 
 def tokenizer_for(cfg: RunConfig, hf_dir: str | None = None):
-    """The run's tokenizer: the digit tasks' own for a synthetic evaluation, else the HF directory's
+    """The run's tokenizer, as training chose it (rl.prompt_loader.build_data): the digit tasks' own for synthetic
+    training data (whatever eval.kind: a file of digit prompts evaluates a digit run too), else the HF directory's
     (falling back to model.path's, where training read it)."""
-    if cfg.eval.kind == "synthetic":
+    if cfg.data.kind == "synthetic":
         from rl.tasks import DigitTokenizer
         return DigitTokenizer()
     from transformers import AutoTokenizer
@@ -109,7 +110,9 @@ def tokenizer_for(cfg: RunConfig, hf_dir: str | None = None):
             return AutoTokenizer.from_pretrained(source)
         except (OSError, ValueError):  # an export without tokenizer files: try model.path
             continue
-    raise FileNotFoundError(f"no tokenizer in {hf_dir or ''} {cfg.model.path or ''}".strip())
+    tried = [f"{hf_dir} (--hf)"] * (hf_dir is not None) + [f"{cfg.model.path} (model.path)"] * bool(cfg.model.path)
+    raise FileNotFoundError(f"no tokenizer in {' or '.join(tried) or 'any directory: model.path is null'}; expected "
+                            "the tokenizer files Hugging Face saves beside a model's config.json")
 
 
 def score(cfg: RunConfig, policy: LoadedPolicy, tokenizer) -> dict:

@@ -408,3 +408,18 @@ def test_a_synthetic_evaluation_smaller_than_asked_is_warned_of(caplog):
         "evaluation uses those"]
     caplog.clear()
     assert len(ev.eval_records(cfg, train[:900])) == 64 and not caplog.records
+
+
+def test_the_eval_command_reads_prompts_with_the_tokenizer_training_used(tmp_path):
+    """A digit run evaluated on a file of digit prompts: the command chose the tokenizer by eval.kind, found no HF
+    directory and said "error: no tokenizer in", naming nothing."""
+    from rl.config import load_config
+    from rl.eval_checkpoint import tokenizer_for
+    from rl.tasks import DigitTokenizer
+    rows = tmp_path / "digits.jsonl"
+    rows.write_text('{"prompt": "1234", "answer": "1234"}\n')
+    cfg = load_config("configs/tiny.yaml", ["eval.kind=file", f"eval.path={rows}", "eval.max_prompts=null"])
+    assert isinstance(tokenizer_for(cfg), DigitTokenizer)
+    text = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, kind="file", path=str(rows)))
+    with pytest.raises(FileNotFoundError, match=f"no tokenizer in {tmp_path} \\(--hf\\); expected the tokenizer"):
+        tokenizer_for(text, str(tmp_path))
