@@ -11,6 +11,7 @@ project's INFO lines and warnings).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -31,11 +32,10 @@ def main(argv=None) -> int:
     args = parser.parse_intermixed_args(argv)
     reserve_collective_threads(os.environ)  # simulated CPU devices: before jax starts its CPU backend
     try:
-        cfg = from_args(args)
-        from rl.config.validate_eval import eval_problems
-        problems = eval_problems(cfg, enabled=True)  # checked even when training does not evaluate
-        if problems:
-            raise ConfigError([p.text for p in problems])
+        cfg = from_args(args, training=False)
+        # checked as a run that evaluates, even where training does not (eval.every_steps 0, no at_start): the
+        # eval section's own rules and those across sections (positions, temperature), before any checkpoint loads
+        dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, at_start=True))
     except ConfigError as e:
         print(f"config error:\n{e}", file=sys.stderr)
         return 2

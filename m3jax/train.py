@@ -36,7 +36,7 @@ def main(argv=None) -> int:
         parser.error("--step goes with --export DIR (the step to export)")
     reserve_collective_threads(os.environ)  # simulated CPU devices: before jax starts its CPU backend
     try:
-        cfg = from_args(args)
+        cfg = from_args(args, training=args.export is None)  # --export reads the run's checkpoints
     except ConfigError as e:
         print(f"config error:\n{e}", file=sys.stderr)
         return 2

@@ -100,3 +100,30 @@ def test_an_export_into_the_runs_checkpoints_is_refused(tmp_path):
     with pytest.raises(FileExistsError, match="is inside the run's checkpoints directory"):
         export_latest(cfg, str(tmp_path / "checkpoints" / "5"))
     assert os.listdir(tmp_path) == []
+
+
+def test_a_run_trained_without_resume_can_be_scored_and_exported_with_its_own_config(tmp_path, capsys):
+    """checkpoint.resume = false refused m3jax.eval and train --export on the run's own checkpoints ("a fresh run
+    there would mix with them"): the check is a training run's."""
+    from m3jax import train
+    from rl.config import ConfigError, load_config
+    (tmp_path / "checkpoints" / "20").mkdir(parents=True)
+    overrides = ["checkpoint.resume=false", f"run.out_dir={tmp_path}"]
+    with pytest.raises(ConfigError, match="checkpoint.resume = false: .* already holds checkpoints"):
+        load_config(TINY, overrides)
+    assert load_config(TINY, overrides, training=False).checkpoint.resume is False
+    # train --export goes past the config (here to the checkpoint, which is an empty directory)
+    assert train.main(["--config", TINY, *overrides, "--export", str(tmp_path / "export")]) != 2
+    assert "checkpoint.resume" not in capsys.readouterr().err
+
+
+def test_the_eval_command_checks_the_evaluation_as_a_run_that_evaluates(capsys):
+    """With eval.every_steps 0 the run never evaluates, and the command loaded the checkpoint before failing on
+    eval.max_new_tokens past the positions (a traceback) or a temperature below 1e-30."""
+    from m3jax import eval as eval_command
+    argv = ["--config", TINY, "eval.every_steps=0", "eval.at_start=false", "eval.max_new_tokens=100",
+            "eval.temperature=1e-35"]
+    assert eval_command.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "eval.max_prompt_tokens + eval.max_new_tokens = 8 + 100 = 108: more positions" in err
+    assert "eval.temperature = 1e-35" in err

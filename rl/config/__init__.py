@@ -97,7 +97,9 @@ __all__ = [
 ]
 
 
-def _check_paths(cfg: RunConfig) -> None:
+def _check_paths(cfg: RunConfig, training: bool = True) -> None:
+    """The paths `load_config(check_paths=True)` checks; `training` false for a command that reads a run's outputs
+    (its evaluation, its export), which its checkpoints must not refuse and whose eval.path it reads."""
     problems = []
     p = cfg.model.path
     if p is not None and not os.path.isfile(os.path.join(p, "config.json")):
@@ -111,14 +113,15 @@ def _check_paths(cfg: RunConfig) -> None:
     if cfg.data.kind == "file" and not os.path.isfile(cfg.data.path):
         problems.append(f"data.path = {_show(cfg.data.path)}: no such file; allowed: an existing .jsonl, .json or "
                         ".parquet file")
-    if cfg.eval.enabled and cfg.eval.kind == "file" and cfg.eval.path and not os.path.isfile(cfg.eval.path):
+    evaluates = cfg.eval.enabled or not training
+    if evaluates and cfg.eval.kind == "file" and cfg.eval.path and not os.path.isfile(cfg.eval.path):
         problems.append(f"eval.path = {_show(cfg.eval.path)}: no such file; allowed: an existing .jsonl, .json or "
                         ".parquet file of held-out prompts")
     held = _nearest_existing(checkpoint_dir(cfg))  # the run directory, or a file named like its checkpoints
     if held is not None and not os.path.isdir(held):
         problems.append(f"run.out_dir = {_show(cfg.run.out_dir)}: {held} is a file; allowed: a directory path (whose "
                         "checkpoints/ is a directory or absent)")
-    if not cfg.checkpoint.resume:
+    if training and not cfg.checkpoint.resume:  # m3jax.eval / train --export read those checkpoints
         ckpt_dir = checkpoint_dir(cfg)
         found = sorted(os.listdir(ckpt_dir)) if os.path.isdir(ckpt_dir) else []
         if found:
@@ -172,19 +175,21 @@ def checkpoint_dir(cfg: RunConfig) -> str:
 
 
 def load_config(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = (), *,
-                check_paths: bool = True) -> RunConfig:
+                check_paths: bool = True, training: bool = True) -> RunConfig:
     """Read `path` (with its base chain), apply `overrides`, validate; raises ConfigError listing every problem.
 
     check_paths: also require model.path to hold a config.json, data.path (kind=file) to exist, run.out_dir not to
-    be (or lie under) a file, and, with checkpoint.resume false, run.out_dir/checkpoints to hold no checkpoint
-    (nothing is read or written there).
+    be (or lie under) a file, and, with checkpoint.resume false and `training`, run.out_dir/checkpoints to hold no
+    checkpoint (nothing is read or written there). training false: the config of a command that reads the run
+    (m3jax.eval, train --export): its checkpoints are what it reads, and its eval.path is checked as if the run
+    evaluated.
     """
     sources: dict[str, str] = {}
     tree = load_tree(os.fspath(path), [], sources)
     apply_overrides(tree, list(overrides), sources)
     cfg = from_dict(tree, sources=sources)
     if check_paths:
-        _check_paths(cfg)
+        _check_paths(cfg, training)
     return cfg
 
 
@@ -198,8 +203,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="override a config value; the value is YAML (true, 3, 1e-6, [a, b], null)")
 
 
-def from_args(args: argparse.Namespace) -> RunConfig:
-    return load_config(args.config, args.overrides, check_paths=not args.print_config)
+def from_args(args: argparse.Namespace, training: bool = True) -> RunConfig:
+    """The config of a command's --config and overrides (`training`: as load_config's)."""
+    return load_config(args.config, args.overrides, check_paths=not args.print_config, training=training)
 
 
 def main(argv: list[str] | None = None) -> int:
