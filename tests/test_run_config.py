@@ -453,6 +453,17 @@ def test_vllm_executor_is_checked():
         load_config(TINY, ["generation.vllm_executor=ray", "generation.vllm_tensor_parallel=2"])
 
 
+def test_vllm_expert_parallel_is_one_or_the_tensor_parallel():
+    """ep 8 beside tp 16 loaded, and the pool refused it once the model was built."""
+    for tp, ep in ((16, 8), (1, 2)):
+        with pytest.raises(ConfigError, match=rf"generation.vllm_expert_parallel = {ep} with vllm_tensor_parallel = "
+                                              rf"{tp}: .*allowed: 1 or {tp}"):
+            load_config(CONFIGS / "tiny-vllm.yaml", [f"generation.vllm_tensor_parallel={tp}",
+                                                     f"generation.vllm_expert_parallel={ep}"])
+    assert load_config(CONFIGS / "tiny-vllm.yaml", ["generation.vllm_tensor_parallel=2",
+                                                    "generation.vllm_expert_parallel=2"])
+
+
 def test_probe_bound_without_probes_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"generation.verify_max_abs_diff = 0.0001: there is nothing to compare"):
         load_config(CONFIGS / "tiny-vllm.yaml", ["generation.verify_probes=0"])

@@ -275,6 +275,13 @@ def _cross_checks(cfg: RunConfig) -> list[_Problem]:
             "(a one-rank server runs in its own actor); allowed: auto or mp, or ray with generation.backend = vllm "
             "and generation.vllm_tensor_parallel >= 2"), ("generation.backend", "generation.vllm_tensor_parallel")))
 
+    if gen.backend == "vllm" and gen.vllm_expert_parallel not in (1, gen.vllm_tensor_parallel):
+        # vLLM's expert parallelism spans an engine's tensor-parallel ranks (rl.generation.vllm_ray.engine_ranks):
+        # found when the pool started, after the model was built
+        out.append(_Problem("generation.vllm_expert_parallel", (
+            f"generation.vllm_expert_parallel = {gen.vllm_expert_parallel} with vllm_tensor_parallel = "
+            f"{gen.vllm_tensor_parallel}: vLLM's expert parallelism spans an engine's tensor-parallel ranks; "
+            f"allowed: 1 or {gen.vllm_tensor_parallel}"), ("generation.vllm_tensor_parallel",)))
     if gen.verify_max_abs_diff is not None and (gen.backend == "jax" or not gen.verify_probes):
         out.append(_Problem("generation.verify_max_abs_diff", (
             f"generation.verify_max_abs_diff = {gen.verify_max_abs_diff}: there is nothing to compare "
