@@ -29,7 +29,7 @@ from rl.generation.base import SamplingParams
 from rl.grpo.loss import LossConfig, aggregate, grpo_loss, normalizer
 from rl.grpo.mismatch import ID_MISMATCH_METRICS, MISMATCH_SUMS, generation_mismatch_metrics, id_mismatch_sums
 from rl.logprobs import make_logprob_pass, policy_logprobs
-from rl.resume_checks import check_model
+from rl.resume_checks import check_model, restore_naming_changes, trained_under
 from sharding import optim_step
 from sharding.layout import Layout
 from sharding.mesh import build_mesh, row_positions, sequence_multiple
@@ -293,7 +293,7 @@ def build_or_restore_policy(cfg: RunConfig, checkpointer: ckpt_lib.Checkpointer,
     policy = build_policy(cfg, kernel_headroom=kernel_headroom, abstract=abstract)
     if not abstract:
         return policy, None
-    got = checkpointer.restore_latest(policy.state)
+    got = restore_naming_changes(lambda: checkpointer.restore_latest(policy.state), checkpointer, trained_under(cfg))
     if got is None:
         raise checkpointer.none_reads()
     policy.state = policy.place(got[0])

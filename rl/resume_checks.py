@@ -27,6 +27,9 @@ NOT_THE_MODEL = frozenset({"bos_token_id", "eos_token_id", "pad_token_id", "max_
                            *PASSTHROUGH_FIELDS})
 # run settings that give the checkpoint's state its meaning; the moments are cast to the run's dtype on restore
 FIXED = ("precision.moment_dtype",)
+# optimizer stages built only when set (sharding.optim_step.adamw): switching one on or off changes the optimizer
+# state's layout, and the restore refused it as "another state" without naming the setting
+STAGES = ("optim.weight_decay", "optim.clip_norm")
 # The optimizer's schedule counts updates and reads step count // grpo.updates_per_step (rl.policy): with another
 # updates_per_step the restored count maps to another step, so warm-up or decay would jump back (or ahead) and stay
 # off by that factor. A flat schedule (constant, no warm-up) reads no count, so there the change only warns.
@@ -65,6 +68,9 @@ def check(meta: dict, now: dict, where: str) -> list[tuple[str, object, object]]
     fixed = _model_changes(meta, now)
     fixed += [(key, _get(then, key), _get(now["config"], key)) for key in FIXED
               if _get(then, key) != _get(now["config"], key)]
+    fixed += [(f"{key} (on or off: the optimizer state holds its stage or not)", _get(then, key),
+               _get(now["config"], key)) for key in STAGES
+              if key.split(".")[0] in then and bool(_get(then, key)) != bool(_get(now["config"], key))]
     if _schedule_counts(now["config"]) and _get(then, UPDATES) != _get(now["config"], UPDATES):
         fixed.append((f"{UPDATES} (the learning-rate schedule counts its updates)", _get(then, UPDATES),
                       _get(now["config"], UPDATES)))
@@ -97,6 +103,25 @@ def check_model(meta: dict, cfg, where: str, doing: str) -> None:
             f"{where} was trained as another model than this config builds: "
             + "; ".join(f"{k} {a!r} there, {b!r} here" for k, a, b in fixed)
             + f": {doing} it with the checkpoint's values (the run's config.yaml)")
+
+
+def restore_naming_changes(restore, checkpointer, now: dict):
+    """`restore()` (a checkpointer's restore into this run's state); where it raises CheckpointMismatch (the newest
+    checkpoint holds another state), the setting that changed it is named (`check` of that checkpoint's meta against
+    `now`, this run's `trained_under`) where its meta shows one."""
+    try:
+        return restore()
+    except CheckpointMismatch:
+        steps = checkpointer.steps()
+        meta = None
+        if steps:
+            try:
+                meta = checkpointer.read_meta(max(steps))
+            except Exception:  # noqa: BLE001 - the state's own mismatch is the error then
+                meta = None
+        if meta:
+            check(meta, now, f"checkpoint step {max(steps)} in {checkpointer.directory}")
+        raise
 
 
 def changes_warning(step: int, since_checkpoint, since_config_yaml) -> str | None:

@@ -32,7 +32,7 @@ from rl.policy import (Policy, applied_learning_rate, build_or_restore_policy, c
 from rl.process_zero_writes import NO_OUTPUTS, ProcessZeroWrites
 from rl.prompt_loader import build_data
 from rl.reference import ReferenceWeights
-from rl.resume_checks import changes_warning, check as check_config, trained_under
+from rl.resume_checks import changes_warning, check as check_config, restore_naming_changes, trained_under
 from rl.skipped_updates import SkippedUpdates
 from rl.start_warnings import start_warnings
 from rl.startup import PhaseClock, first_push_line, generation_line, policy_line, prompts_line
@@ -267,7 +267,8 @@ class GRPOTrainer:
                 "kept_best": self.kept, "reference_step": self.reference_step, **self.trained_under}
 
     def resume(self) -> int:
-        got, self._restored = self._restored or self.checkpointer.restore_latest(self.state), None
+        got, self._restored = self._restored or restore_naming_changes(
+            lambda: self.checkpointer.restore_latest(self.state), self.checkpointer, self.trained_under), None
         if got is None:
             if self.checkpointer.steps():  # each was named unreadable in a warning
                 raise self.checkpointer.none_reads()

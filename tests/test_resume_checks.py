@@ -68,16 +68,19 @@ def test_each_resume_names_every_change_since_its_checkpoint(tmp_path, caplog):
     config_yaml = (tmp_path / "run" / "config.yaml").read_text()
 
     def refused(match, *overrides):
-        run = trainer("run.total_steps=2", *overrides)
-        try:
-            with pytest.raises(CheckpointMismatch, match=match):
+        with pytest.raises(CheckpointMismatch, match=match):
+            run = trainer("run.total_steps=2", *overrides)  # a state of other stages is refused as it is restored
+            try:
                 run.run()
-        finally:
-            run.engine.shutdown()
+            finally:
+                run.engine.shutdown()
         assert (tmp_path / "run" / "config.yaml").read_text() == config_yaml
 
     refused(r"model.tiny.num_experts_per_tok 2 there, 1 here; precision.moment_dtype 'float32' there, 'bfloat16' here",
             "model.tiny.num_experts_per_tok=1", "precision.moment_dtype=bfloat16")
+    # an optimizer stage switched on: the restore's "holds another state" now names the setting (an audit)
+    refused(r"optim.weight_decay \(on or off: the optimizer state holds its stage or not\) 0.0 there, 0.01 here",
+            "optim.weight_decay=0.01")
     # the checkpoint's loader order stands: another shuffle seed would be recorded in config.yaml, not used
     refused(r"cannot continue this run's prompts \(loader state was saved with shuffle seed 0 \(data.shuffle_seed\) "
             r"but this run's is 3", "data.shuffle_seed=3")
@@ -105,3 +108,14 @@ def test_updates_per_step_changed_under_a_counting_schedule_is_refused():
     # a flat schedule reads no count: the change applies from the next step, with the warning
     assert sorted(check(under(), under("grpo.updates_per_step=2", "grpo.micro_batch_size=128"), "c")) == [
         ("grpo.micro_batch_size", 256, 128), ("grpo.updates_per_step", 1, 2)]
+
+
+def test_an_optimizer_stage_switched_on_or_off_is_refused_by_name():
+    """optim.weight_decay 0 -> 0.01 or clip_norm on -> off adds or removes a stage of the optimizer state, and the
+    restore refused it as "another state" naming no setting; a value changed within a stage only warns."""
+    with pytest.raises(CheckpointMismatch, match=r"optim.weight_decay \(on or off: the optimizer state holds its "
+                                                 r"stage or not\) 0.0 there, 0.01 here; optim.clip_norm \(on or off"
+                                                 r": the optimizer state holds its stage or not\) 1.0 there, None here"):
+        check(under(), under("optim.weight_decay=0.01", "optim.clip_norm=null"), "c")
+    assert check(under("optim.weight_decay=0.01"), under("optim.weight_decay=0.02", "optim.clip_norm=2.0"), "c") == [
+        ("optim.weight_decay", 0.01, 0.02), ("optim.clip_norm", 1.0, 2.0)]
