@@ -21,6 +21,12 @@ def start_warnings(cfg: RunConfig, model_cfg) -> list[str]:
         out.append(f"optim.warmup_steps = {o.warmup_steps} is not below run.total_steps = {total}: the learning rate "
                    f"never reaches optim.lr = {o.lr:g} (its last step trains at {last:.3g})")
     every = cfg.grpo.reference_reset_every_steps
+    reset_options = [f"grpo.reference_reset_mix = {cfg.grpo.reference_reset_mix:g}"] * (
+        cfg.grpo.reference_reset_mix != 1.0) + ["grpo.reference_reset_optimizer = false"] * (
+        not cfg.grpo.reference_reset_optimizer)
+    if not every and reset_options:  # TRL's sync_ref_model row sets them together with the period
+        out.append(f"{' and '.join(reset_options)} {'has' if len(reset_options) == 1 else 'have'} no effect: "
+                   "grpo.reference_reset_every_steps = 0 never resets the KL reference")
     if every and cfg.grpo.kl != "none" and every >= total:
         out.append(f"grpo.reference_reset_every_steps = {every} is not below run.total_steps = {total}: the KL "
                    "reference is not reset while the run trains")

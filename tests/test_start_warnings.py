@@ -67,3 +67,13 @@ def test_trajectories_drawn_ahead_that_cannot_be_or_go_uncorrected():
         "grpo.max_trajectory_age_steps = 1 with grpo.is_correction = none: the steps drawn ahead, by the weights "
         "before the last update, are trained on as if the policy being trained had drawn them"]
 
+
+
+def test_reference_reset_options_without_resets():
+    """A helper's audit: TRL's sync_ref_model row without its period mixed nothing, silently."""
+    assert _warnings("grpo.kl=k3", "grpo.kl_coef=0.04", "grpo.reference_reset_mix=0.6",
+                     "grpo.reference_reset_optimizer=false") == [
+        "grpo.reference_reset_mix = 0.6 and grpo.reference_reset_optimizer = false have no effect: "
+        "grpo.reference_reset_every_steps = 0 never resets the KL reference"]
+    assert _warnings("grpo.kl=k3", "grpo.kl_coef=0.04", "grpo.reference_reset_mix=0.6",
+                     "grpo.reference_reset_every_steps=50") == []
