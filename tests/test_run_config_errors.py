@@ -6,6 +6,7 @@ bad value and what is allowed. (Shipped configs, merging and overrides that load
 
 import pytest
 
+from rl.config import ConfigError, load_config
 from tests.test_run_config import TINY, delta, load_error, write
 
 
@@ -208,6 +209,27 @@ def test_error_names_the_file_or_override_that_set_the_value(tmp_path):
 def test_duplicate_key_in_a_file(tmp_path):
     msg = load_error(delta(tmp_path, "optim:\n  lr: 1.0e-3\n  lr: 1.0e-4\n"))
     assert "run.yaml:4:" in msg and "'lr' appears twice" in msg  # line 1 is the base
+
+
+def test_keys_merged_from_an_anchor_are_overridden_not_repeats(tmp_path):
+    """`{<<: *r, timeout_s: 2.0}` was refused as 'timeout_s' appearing twice (checked after the merge)."""
+    cfg = load_config(delta(tmp_path, """
+        reward:
+          - &r {name: copy_digits, weight: 1.0, timeout_s: 5.0}
+        eval:
+          reward:
+            - {<<: *r, timeout_s: 2.0}
+        """))
+    assert cfg.eval.reward[0].timeout_s == 2.0 and cfg.eval.reward[0].name == "copy_digits"
+    msg = load_error(delta(tmp_path, "optim:\n  <<: {lr: 1.0e-3}\n  clip_norm: 1.0\n  clip_norm: 2.0\n"))
+    assert "'clip_norm' appears twice" in msg  # the mapping's own keys still count
+
+
+@pytest.mark.parametrize("text", ["0x_", "0o_"])
+def test_a_base_prefix_without_digits_is_text_not_a_traceback(text):
+    """int('0x', 0) raised ValueError out of the loader (a traceback); now it is a string, refused by name."""
+    with pytest.raises(ConfigError, match=f"optim.lr = \"{text}\""):
+        load_config(TINY, [f"optim.lr={text}"])
 
 
 # ============================================================================== bad configs: files and chains

@@ -18,7 +18,7 @@ from rl.config.validate import _m3_field_names
 
 
 # ============================================================================== YAML dialect
-_INT_RE = re.compile(r"^(?:[-+]?(?:0|[1-9][0-9_]*)|0x[0-9a-fA-F_]+|0o[0-7_]+)$")
+_INT_RE = re.compile(r"^(?:[-+]?(?:0|[1-9][0-9_]*)|0x_*[0-9a-fA-F][0-9a-fA-F_]*|0o_*[0-7][0-7_]*)$")  # a digit
 _FLOAT_RE = re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
                           |[-+]?(?:[0-9][0-9_]*)[eE][-+]?[0-9]+
                           |[-+]?\.[0-9_]+(?:[eE][-+]?[0-9]+)?
@@ -46,9 +46,11 @@ def _construct_int(loader, node):
 
 
 def _construct_map(loader, node):
-    loader.flatten_mapping(node)
+    """A mapping whose own keys are each given once; keys merged in from anchors (`<<: *base`) are overridden by the
+    mapping's own, as YAML's merge means (checked after the merge, they were refused as repeats)."""
+    own = [key_node for key_node, _ in node.value if key_node.tag != "tag:yaml.org,2002:merge"]
     seen = set()
-    for key_node, _ in node.value:
+    for key_node in own:
         key = loader.construct_object(key_node, deep=True)
         try:
             dup = key in seen
@@ -59,6 +61,7 @@ def _construct_map(loader, node):
         if dup:
             raise yaml.constructor.ConstructorError(None, None, f"key {key!r} appears twice in one mapping",
                                                     key_node.start_mark)
+    loader.flatten_mapping(node)
     return loader.construct_mapping(node, deep=True)
 
 
