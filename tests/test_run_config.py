@@ -467,3 +467,9 @@ def test_vllm_expert_parallel_is_one_or_the_tensor_parallel():
 def test_probe_bound_without_probes_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"generation.verify_max_abs_diff = 0.0001: there is nothing to compare"):
         load_config(CONFIGS / "tiny-vllm.yaml", ["generation.verify_probes=0"])
+
+
+def test_the_compilation_cache_path_takes_the_run_name_as_out_dir_does():
+    """`run.compilation_cache=/scratch/${name}/xla` made a directory literally named ${name}."""
+    cfg = load_config(TINY, ["run.compilation_cache=/scratch/${name}/xla", "run.name=trial"])
+    assert cfg.run.compilation_cache == "/scratch/trial/xla" and cfg.run.out_dir == "runs/trial"

@@ -31,8 +31,11 @@ BAD_FILES = {
                          ['optim.lr = "fast": wrong type (a string); allowed: a number > 0']),
     "int_for_bool": ("logging: {plot: 1}\n",
                      ["logging.plot = 1: wrong type (an integer); allowed: true or false"]),
-    "int_for_string": ("run: {name: 7}\n", ['run.name = 7: wrong type (an integer: quote it ("7") for the text); '
-                                            "allowed: letters, digits"]),
+    "int_for_string": ("run: {name: 7}\n", ['run.name = 7: wrong type (an integer: quote it, as you wrote it, for '
+                                            'the text); allowed: letters, digits']),
+    # 1e3 was told to quote "1000.0"; a date also gave a second error, out_dir's unknown ${name}
+    "float_for_string": ("run: {name: 1e3}\n", ["run.name = 1000.0: wrong type (a number: quote it, as you wrote it"]),
+    "date_for_string": ("run: {name: 2024-01-01}\n", ["invalid run config: run.name = "]),  # one problem, not 2
     # YAML's boolean words: the run.out_dir with ${name} was a second error beside it
     "bool_word_for_string": ("run: {name: on}\n", ["invalid run config: run.name = true: wrong type (a boolean: YAML "
                                                    "reads on / off / yes / no as one; quote the word for the text)"]),

@@ -131,7 +131,7 @@ class RunSection(_Section):
                                                    "step; apart from it since a large model's start can take longer "
                                                    "than its steps; null = never", gt=0, max=MAX_WATCH_MINUTES)
     compilation_cache: str | None = _f(None, "directory of JAX's persistent compilation cache (a relative path is "
-                                             "under out_dir): a restart or resume loads each compiled program "
+                                             "under out_dir; ${name} is run.name): a restart or resume loads each compiled program "
                                              "instead of compiling it again; null = JAX's default (the "
                                              "JAX_COMPILATION_CACHE_DIR environment variable, else none)",
                                        check=lambda v: None if v.strip() else "must not be empty",
@@ -139,12 +139,14 @@ class RunSection(_Section):
 
     def __post_init__(self):
         super().__post_init__()
-        if isinstance(self.out_dir, str) and isinstance(self.name, (str, int, float)):
-            # no shell expands a ~ inside key=value (or in YAML): it made a directory named ~ in the working one.
-            # A name YAML read as a number is refused on its own (quote it): out_dir is not a second error for it.
+        # no shell expands a ~ inside key=value (or in YAML): it made a directory named ~ in the working one. A name
+        # YAML read as a number or a date is refused on its own (quote it): the paths are not a second error for it.
+        named = self.name is not None and not isinstance(self.name, (dict, list, tuple))
+        if isinstance(self.out_dir, str) and named:
             object.__setattr__(self, "out_dir", os.path.expanduser(self.out_dir.replace("${name}", str(self.name))))
-        if isinstance(self.compilation_cache, str):
-            object.__setattr__(self, "compilation_cache", os.path.expanduser(self.compilation_cache))
+        if isinstance(self.compilation_cache, str):  # ${name} as in out_dir (it made a directory named ${name})
+            cache = self.compilation_cache.replace("${name}", str(self.name)) if named else self.compilation_cache
+            object.__setattr__(self, "compilation_cache", os.path.expanduser(cache))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,7 +28,7 @@ def _check_scalar(key: str, value: Any, tp: Any, rules: dict, allowed: str, out:
         # YAML reads 2024, 1.5, on / yes as numbers and booleans: a text field needs them quoted
         quote = "" if tp is not str or not isinstance(value, (bool, int, float)) else \
             ": YAML reads on / off / yes / no as one; quote the word for the text" if isinstance(value, bool) else \
-            f": quote it (\"{value}\") for the text"
+            ": quote it, as you wrote it, for the text"  # str(1e3) is 1000.0, not what was typed
         out.append(_bad(key, value, f"wrong type ({_kind(value)}{quote})", allowed))
         return
     if tp is float and not math.isfinite(value):
