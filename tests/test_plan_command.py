@@ -144,6 +144,23 @@ def test_a_bad_config_or_flag_is_one_error_line(capsys):
         assert f"{flags[0]} " in capsys.readouterr().err
 
 
+def test_actions_that_cannot_run_together_are_refused_and_the_check_lowers_the_runs_layout(capsys):
+    """--sweep returned before --compile / --check-shardings ran, and --check-shardings before --compile, each with
+    status 0 (an audit); the check's layout dropped the step copy (fsdp_step_axes) and the context balance."""
+    from m3jax.plan.__main__ import main
+    from m3jax.plan.check import abstract_layout
+    from rl.config import load_config
+    for flags in (["--sweep", "8", "--compile"], ["--sweep", "8", "--check-shardings"]):
+        with pytest.raises(SystemExit):
+            main(["--config", "configs/tiny.yaml", *flags])
+        assert "--sweep plans every mesh of N devices" in capsys.readouterr().err
+    mesh = load_config("configs/recipes/m3-32node-miniature.yaml", ["mesh.context_balance=false"],
+                       check_paths=False).mesh.to_mesh_config()
+    layout = abstract_layout(mesh)
+    assert (layout.fsdp_step_axes, layout.context_balance) == (tuple(mesh.fsdp_step_axes), False)
+    assert layout.fsdp_step_axes  # the miniature recipe copies its weights once a step
+
+
 @pytest.mark.parametrize("command", ["train", "eval", "convert", "plan", "demo", "plot"])
 def test_each_command_says_what_it_does_in_its_help(command, capsys):
     """A helper's audit: train's, eval's, convert's and plan's --help repeated their usage line as the description."""

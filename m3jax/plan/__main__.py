@@ -228,6 +228,9 @@ def main(argv=None) -> int:
     if a.top < 1:
         ap.error(f"--top {a.top}: expected a row count >= 1")
     # every argument is checked before the plan prints anything (the sweep printed its table, then failed)
+    if a.sweep is not None and (a.compile or a.check_shardings):  # the sweep returned before either ran
+        ap.error("--sweep plans every mesh of N devices; --compile and --check-shardings check the config's own mesh: "
+                 "run them separately")
     if a.sweep is not None and a.sweep < 1:
         ap.error(f"--sweep {a.sweep}: expected a positive device count")
     if a.sweep is not None and a.png and (problem := png_path_problem(a.png)):
@@ -262,8 +265,7 @@ def main(argv=None) -> int:
     hint = one_block_hint(job, planned, hw)
     if hint:
         print(hint)
-    if a.check_shardings:
-        return print_check(job)
+    status = print_check(job) if a.check_shardings else 0  # then --compile too, where asked (it was skipped)
     if a.compile:
         if a.target_config:
             print(f"compiling for {job.mesh.num_devices} compile-only GPUs of {a.target_config}, real widths, reduced "
@@ -276,8 +278,8 @@ def main(argv=None) -> int:
               f"sequence{'s' if job.micro_batch > 1 else ''} per data-parallel rank")
         print_compile(job, compile_reduced(job, sets, target_config=a.target_config, num_micro=num_micro),
                       memory_plan(job.model, job.mesh, job.batch, job.master, job.moment_dtype)["total"],
-                      compiler="XLA:GPU" if a.target_config else "XLA:CPU")
-    return 0
+                      compiler="XLA:GPU" if a.target_config else "XLA:CPU", planned_total=planned["memory"]["total"])
+    return status
 
 
 if __name__ == "__main__":

@@ -54,14 +54,16 @@ def abstract_batch(layout, mesh_cfg: MeshConfig, batch: Batch) -> dict:
 
 
 def abstract_layout(mesh_cfg: MeshConfig):
-    """The run's layout on an AbstractMesh of `mesh_cfg`'s shape: traces and lowers, never compiles."""
+    """The run's layout on an AbstractMesh of `mesh_cfg`'s shape: traces and lowers, never compiles. The layout
+    `sharding.mesh.build_mesh` gives the run, step copy (fsdp_step_axes) and context balance included: without
+    them the check lowered another step than the one the run executes."""
     import jax
     from jax.sharding import AxisType
 
     from sharding.layout import Layout
-    from sharding.rules import MESH_AXES, rules_for
+    from sharding.rules import MESH_AXES
     mesh = jax.sharding.AbstractMesh(mesh_cfg.shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
-    return Layout(mesh, rules_for(mesh_cfg.expert_axes, mesh_cfg.fsdp_axes))
+    return Layout(mesh, mesh_cfg.rules, tuple(mesh_cfg.fsdp_step_axes), context_balance=mesh_cfg.context_balance)
 
 
 def indivisible(state, shardings) -> list[str]:

@@ -202,10 +202,13 @@ def binding_phase(result: dict) -> str:
     return max(phases, key=phases.get)
 
 
-def print_compile(job, results: list, gpu_plan_full: float, compiler: str = "XLA:CPU") -> None:
+def print_compile(job, results: list, gpu_plan_full: float, compiler: str = "XLA:CPU",
+                  planned_total: float | None = None) -> None:
     """XLA's per-device figures next to the analytic plan of the same model as `compiler` runs it, at each
     reduced depth, then both scaled per layer to the full depth; `gpu_plan_full` is the plan of the full
-    model on the GPU (ragged exchange, bf16 activations), for reference."""
+    model's step on the GPU (ragged exchange, bf16 activations), for reference, and `planned_total` the run's
+    whole plan (the verdict's), where it holds more (a KL reference on the device, which the compiled step
+    does not)."""
     print(f"  {'dense+moe':>9s} {'XLA peak':>9s} {'args':>7s} {'temp':>7s} {'analytic':>9s} {'binds':>8s} "
           f"{'state':>7s} {'an/XLA':>6s} {'lower':>6s} {'compile':>7s}   (GB; XLA args = state + batch; s)")
     for r in results:
@@ -234,5 +237,7 @@ def print_compile(job, results: list, gpu_plan_full: float, compiler: str = "XLA
     if sum(1 for r in results if r["dense"] >= 2 and r["moe"] >= 2) > 3:
         print(f"  (the compiled depths lie up to {xla['off_trend'] / GB:.3g} GB off XLA's fit)")
     sizes = "bf16 activations" if compiler != "XLA:CPU" else "fp32-sized activations"
+    more = (f"; the run's, with what the step does not hold (a KL reference on the device): {planned_total / GB:.4g} "
+            "GB" if planned_total is not None and planned_total > gpu_plan_full * (1 + 1e-9) else "")
     print(f"  (analytic as {compiler} runs it: {results[0]['exchange']} expert exchange, {sizes}; "
-          f"the GPU plan of the full model: {gpu_plan_full / GB:.4g} GB)")
+          f"the GPU plan of the full model's step: {gpu_plan_full / GB:.4g} GB{more})")
