@@ -382,3 +382,16 @@ def test_the_losss_entropy_adds_one_fp32_logits_block_to_the_heads_phase():
     positions = 8192 // job.mesh.context  # one block per row, cut over context
     assert with_h["head_logits"] - without["head_logits"] == positions * job.model.vocab_size * 4
     assert plan(job, Hardware())["memory"]["total"] / GB == pytest.approx(67.43, abs=0.01)  # an MoE layer still binds
+
+
+def test_a_draw_ahead_on_the_jax_engine_plans_its_copy_of_the_params():
+    """The JAX engine copies the params for a draw that decodes beside the train step (max_trajectory_age_steps 1):
+    the plan left it out (6.68 GB a GPU on the one-node H200 recipe)."""
+    hw = Hardware(1e15, 0.4, 4.5e11, 5e10)
+    base = plan(load_job("configs/recipes/m3-1node-h200.yaml", [], None), hw)
+    ahead = plan(load_job("configs/recipes/m3-1node-h200.yaml", ["grpo.max_trajectory_age_steps=1"], None), hw)
+    for name, phase in ahead["phases"].items():
+        assert phase["generator_params"] == phase["params"] > 0
+        assert phase["total"] == pytest.approx(base["phases"][name]["total"] + phase["params"])
+    vllm = load_job("configs/tiny-vllm.yaml", ["grpo.max_trajectory_age_steps=1"], None)
+    assert not vllm.generator_copy  # vLLM engines hold their weights elsewhere

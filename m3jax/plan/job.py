@@ -44,6 +44,8 @@ class Job:
     logprob_passes: int = 1
     # where the KL's reference policy lives between its passes (grpo.reference_memory); None: no KL term
     reference: str | None = None
+    # the JAX engine's own copy of the params, which a draw ahead decodes with beside the train step
+    generator_copy: bool = False
 
     def on_mesh(self, mesh: MeshConfig, micro_batch: int) -> "Job":
         """This job on another mesh and micro-batch, with the positions the trainer would run there."""
@@ -81,7 +83,8 @@ def job_of(cfg, m3) -> Job:
                memory_fraction=cfg.mesh.device_memory_fraction or JAX_DEFAULT_MEMORY_FRACTION, slots=slots,
                device_memory_gb=cfg.mesh.device_memory_gb or DEFAULT_DEVICE_GB,
                logprob_passes=(g.old_logprobs == "pass") + (g.kl != "none"),
-               reference=None if g.kl == "none" else g.reference_memory)
+               reference=None if g.kl == "none" else g.reference_memory,
+               generator_copy=cfg.generation.backend == "jax" and g.max_trajectory_age_steps > 0)
 
 
 def load_run_config(path: str, overrides: list[str], model: str | None):
@@ -117,7 +120,8 @@ def invalid_reason(job: Job) -> str | None:
 
 def plan(job: Job, hw: Hardware) -> dict:
     b = job.batch
-    phases = memory_phases(job.model, job.mesh, b, job.master, job.moment_dtype, reference=job.reference)
+    phases = memory_phases(job.model, job.mesh, b, job.master, job.moment_dtype, reference=job.reference,
+                           generator_copy=job.generator_copy)
     s_l = job.seq_len // job.mesh.context
     fl = step_flops(job.model, job.seqs_per_update * job.updates, job.seq_len, job.remat,
                     query_chunked=0 < b.attention_query_chunk < s_l,

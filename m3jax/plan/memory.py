@@ -289,7 +289,7 @@ def activation_bytes(cfg: M3Config, mesh: MeshConfig, batch: Batch, act_bytes: i
 
 def memory_phases(cfg: M3Config, mesh: MeshConfig, batch: Batch, master: str = "fp32",
                   moment_dtype: str = "float32", rules=None, act_bytes: int | None = None,
-                  reference: str | None = None) -> dict[str, dict[str, float]]:
+                  reference: str | None = None, generator_copy: bool = False) -> dict[str, dict[str, float]]:
     """Per-device terms (bytes) of the peaks of a step, each with its 'total':
 
         backward  the train state with one micro-batch's gradient + `activation_bytes`
@@ -300,7 +300,10 @@ def memory_phases(cfg: M3Config, mesh: MeshConfig, batch: Batch, master: str = "
     between its passes (`grpo.reference_memory`): "device" puts the copy in both peaks; "host" (pinned host
     memory, `rl.reference`) in neither, but adds the reference pass's peak:
         reference_pass  the train state without gradients + the copy on the devices + its step copy
-                        + `activation_bytes` (an upper bound: a forward keeps no checkpoints or residuals)"""
+                        + `activation_bytes` (an upper bound: a forward keeps no checkpoints or residuals)
+    `generator_copy`: the JAX engine keeps its own copy of the params while a draw ahead decodes beside the train
+    step (`grpo.max_trajectory_age_steps` with `generation.backend: jax`): one more params term in every peak (the
+    draw's KV cache is not counted)."""
     a = act_bytes or (4 if master == "none" else 2)
     state = state_bytes(cfg, mesh, master, moment_dtype, rules)
     acts = {f"act:{k}": v for k, v in activation_bytes(cfg, mesh, batch, a, rules).items()}
@@ -316,6 +319,9 @@ def memory_phases(cfg: M3Config, mesh: MeshConfig, batch: Batch, master: str = "
                                     "reference_params": state["params"], **acts}
     elif reference is not None:
         raise ValueError(f"reference = {reference!r}: expected None, 'device' or 'host'")
+    if generator_copy:
+        for terms in phases.values():
+            terms["generator_params"] = state["params"]
     for terms in phases.values():
         terms["total"] = sum(terms.values())
     return phases
