@@ -175,3 +175,13 @@ def test_each_command_says_what_it_does_in_its_help(command, capsys):
     if command != "plot":  # plot's description is its two forms, each with what it draws
         assert not described.lstrip().startswith("python -m"), described
     assert len(described.split()) >= 8, described  # a sentence, not a name
+
+
+def test_the_indexer_alignment_the_plan_leaves_out_is_said(capsys):
+    """model.indexer_loss_coef > 0 adds a full-attention pass per sparse layer; the plan printed the same as without."""
+    from m3jax.plan.__main__ import main
+    main(["--config", "configs/recipes/m3-32node.yaml", "--model", "release", "model.indexer_loss_coef=0.1"])
+    out = capsys.readouterr().out
+    assert "not planned: model.indexer_loss_coef's alignment pass, 7.019e+16 fp32 FLOPs per step (9% of" in out
+    main(["--config", "configs/recipes/m3-32node.yaml", "--model", "release"])
+    assert "indexer_loss_coef" not in capsys.readouterr().out

@@ -28,7 +28,7 @@ from m3jax.plan.check import print_check
 from m3jax.plan.compile import compile_reduced, has_cuda_plugin, print_compile
 from m3jax.plot import png_path_problem
 from m3jax.plan.flops import Hardware, context_imbalance
-from m3jax.plan.job import DEFAULT_DEVICE_GB, Job, invalid_reason, load_job, plan
+from m3jax.plan.job import DEFAULT_DEVICE_GB, Job, indexer_alignment_flops, invalid_reason, load_job, plan
 from m3jax.plan.memory import GB, memory_plan
 from rl.config import ConfigError
 from sharding.mesh import JAX_DEFAULT_MEMORY_FRACTION
@@ -91,6 +91,12 @@ def print_plan(job: Job, p: dict, device_gb: float, hw: Hardware = Hardware()) -
               f"forward over the step's sequences): {lp['total_s']:.1f} s (compute {lp['compute_s']:.1f} s, "
               f"communication {lp['comm_s']:.1f} s, of it FSDP gathers {gathers:.1f} s{h2d}) -> "
               f"{t['total_s'] + lp['total_s']:.1f} s per step")
+    if job.indexer_alignment:
+        extra = indexer_alignment_flops(job)
+        seconds = extra / m.num_devices / (hw.peak_flops * hw.mfu)
+        print(f"  not planned: model.indexer_loss_coef's alignment pass, {extra:.3e} fp32 FLOPs per step "
+              f"({extra / f['executed_total']:.0%} of the executed; ~{seconds:.1f} s at the bf16 rate, several times "
+              "that in fp32), and a query tile's fp32 scores over every key per sparse layer")
     print(verdict(p["memory"], device_gb))
 
 

@@ -9,6 +9,7 @@ from m3jax.plan.activations import logprob_blocks
 from m3jax.plan.flops import Hardware, comm_bytes, context_imbalance, expert_recompute, expert_rows_factor, \
     step_flops, step_time
 from m3jax.plan.memory import GB, Batch, memory_phases
+from m3jax.model.specs import SPARSE_ATTENTION
 from m3jax.plan.models import m3_release
 from sharding.expert import receive_rows
 from sharding.mesh import JAX_DEFAULT_MEMORY_FRACTION, MeshConfig, MeshError, row_positions, validate
@@ -46,6 +47,8 @@ class Job:
     reference: str | None = None
     # the JAX engine's own copy of the params, which a draw ahead decodes with beside the train step
     generator_copy: bool = False
+    # model.indexer_loss_coef > 0: the loss runs the indexer alignment's full-attention pass (not planned: a note)
+    indexer_alignment: bool = False
 
     def on_mesh(self, mesh: MeshConfig, micro_batch: int) -> "Job":
         """This job on another mesh and micro-batch, with the positions the trainer would run there."""
@@ -84,7 +87,8 @@ def job_of(cfg, m3) -> Job:
                device_memory_gb=cfg.mesh.device_memory_gb or DEFAULT_DEVICE_GB,
                logprob_passes=(g.old_logprobs == "pass") + (g.kl != "none"),
                reference=None if g.kl == "none" else g.reference_memory,
-               generator_copy=cfg.generation.backend == "jax" and g.max_trajectory_age_steps > 0)
+               generator_copy=cfg.generation.backend == "jax" and g.max_trajectory_age_steps > 0,
+               indexer_alignment=cfg.model.indexer_loss_coef > 0)
 
 
 def load_run_config(path: str, overrides: list[str], model: str | None):
@@ -103,6 +107,17 @@ def load_run_config(path: str, overrides: list[str], model: str | None):
     cfg = from_dict(tree, sources=sources)
     m3 = m3_release() if model == "release" or cfg.model.path == "unused-by-the-planner" else cfg.model.m3_config()
     return cfg, m3
+
+
+def indexer_alignment_flops(job: Job) -> float:
+    """FLOPs a step spends on the indexer alignment (`m3jax.model.indexer_align`, model.indexer_loss_coef > 0), all
+    fp32 at HIGHEST precision: per sequence and sparse layer its full attention's scores over every key (not only
+    the causal ones; 2 H D S S_k) run forward and again in the checkpointed backward, and the indexer's scores
+    (2 Hi Di S S_k) forward, recomputed and differentiated: 4 H D S^2 + 6 Hi Di S^2 with S_k = S."""
+    m, s = job.model, job.seq_len
+    sparse = sum(t == SPARSE_ATTENTION for t in m.layer_types)
+    per = 4 * m.num_attention_heads * m.head_dim * s * s + 6 * m.index_n_heads * m.index_head_dim * s * s
+    return float(per * sparse * job.seqs_per_update * job.updates)
 
 
 def invalid_reason(job: Job) -> str | None:
