@@ -92,6 +92,10 @@ def eval_records(cfg, train: list[PromptRecord] = ()) -> list[PromptRecord]:
     if e.kind == "synthetic":
         task = make_task(e.task or d.task, num_digits=e.num_digits or d.num_digits, seed=e.seed)
         records = task.held_out(e.max_prompts, [r.prompt for r in train])
+        if not records and task.name == "addmod":  # two digits always: eval.num_digits changes nothing
+            raise ConfigError(f"eval.task = {task.name!r}: the training prompts cover all 100 addmod prompts, so none "
+                              "is left to evaluate on; expected another eval.task (with its eval.reward), an eval "
+                              "file (eval.kind=file) or no evaluation (eval.every_steps=0, eval.at_start=false)")
         if not records:  # a config problem (train and eval print ConfigError as one line), found only here
             key = f"eval.num_digits = {e.num_digits}" if e.num_digits else f"data.num_digits = {d.num_digits}"
             raise ConfigError(f"{key}: the training prompts cover every {task.name} prompt of {task.num_digits} "

@@ -423,3 +423,17 @@ def test_the_eval_command_reads_prompts_with_the_tokenizer_training_used(tmp_pat
     text = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, kind="file", path=str(rows)))
     with pytest.raises(FileNotFoundError, match=f"no tokenizer in {tmp_path} \\(--hf\\); expected the tokenizer"):
         tokenizer_for(text, str(tmp_path))
+
+
+def test_addmod_says_what_can_give_it_held_out_prompts():
+    """Its 100 prompts are two digits whatever eval.num_digits says: the error told the user to raise eval.num_digits,
+    which the load also took without a word."""
+    from rl.config import ConfigError, load_config
+    from rl.prompt_loader import build_data
+    addmod = ["data.task=addmod", "reward=[{name: exact_digits, weight: 1.0}]", "generation.max_new_tokens=2"]
+    with pytest.raises(ConfigError, match=r"eval.num_digits = 6 with the addmod task, whose prompts are always two"):
+        load_config("configs/tiny.yaml", [*addmod, "eval.num_digits=6"])
+    cfg = load_config("configs/tiny.yaml", addmod)
+    with pytest.raises(ConfigError, match=r"eval.task = 'addmod': the training prompts cover all 100 addmod prompts"
+                                          r".*expected another eval.task"):
+        ev.eval_records(cfg, build_data(cfg)[1].records)

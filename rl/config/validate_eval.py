@@ -64,6 +64,10 @@ def eval_problems(cfg, enabled: bool | None = None) -> list[_Problem]:
                     f"eval.reward = [] with eval.task = {_show(task)}: the evaluation would score it with the run's "
                     f"reward ({', '.join(r.name for r in cfg.reward)}), not the task's own {own}; allowed: "
                     f"eval.reward = [{{name: {own}}}]"), ("eval.task", "reward")))
+            if task == "addmod" and e.num_digits is not None:  # its prompts are two digits whatever the setting
+                out.append(_Problem("eval.num_digits", (
+                    f"eval.num_digits = {_show(e.num_digits)} with the addmod task, whose prompts are always two "
+                    "digits (100 of them); allowed: null"), ("eval.task", "data.task")))
             prompt_len, answer_len = synthetic_lengths(task, e.num_digits or d.num_digits)
             width, new = eval_lengths(cfg)
             if width < prompt_len:
