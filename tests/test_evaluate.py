@@ -89,6 +89,12 @@ def test_held_out_runs_out_with_short_strings():
     add = make_task("addmod", seed=0)
     assert add.held_out(8, ["1+2"])[0].prompt != "1+2"
     assert add.held_out(8, [r.prompt for r in add.dataset(4096)]) == []  # 4,096 draws cover the 100 pairs
+    # an audit: 4096 three-digit draws leave 13 strings; the random rounds stopped at 12
+    three = make_task("copy", num_digits=3, seed=0)
+    train = {r.prompt for r in three.dataset(4096)}
+    left = {f"{i:03d}" for i in range(1000)} - train
+    assert sorted(r.prompt for r in three.held_out(64, train)) == sorted(left)
+    assert three.held_out(64, train) == three.held_out(64, train)  # the same stream: the same prompts
     with pytest.raises(ConfigError, match="data.num_digits = 1: the training prompts cover every"):
         ev.eval_records(load_config(TINY, ["data.num_digits=1", "generation.max_new_tokens=2"]),
                         make_task("copy", num_digits=1).dataset(4096))
