@@ -129,3 +129,15 @@ def test_the_bf16_model_on_a_mesh_makes_the_single_devices_logits_and_loss(ckpt,
         logits, loss, _ = logits_loss_and_grads(model, ids)
     np.testing.assert_array_equal(logits, alone[0])
     assert float(loss) == float(alone[1])
+
+
+def test_a_length_or_batch_the_mesh_does_not_divide_is_one_error_naming_the_axis(ckpt):
+    """21 positions on 2 context shards raised jax's IndivisibleError (or, under value_and_grad, shard_map's) from the
+    first constraint (an audit)."""
+    layout = build_mesh(MeshConfig(1, 2, 2, 1), devices=jax.devices()[:4])
+    model = m3jax.from_pretrained(ckpt, mesh=layout)
+    with jax.set_mesh(layout.mesh):
+        with pytest.raises(ValueError, match=r"21 positions on mesh axes context of 2 shards: expected a multiple of 2"):
+            model(jnp.zeros((4, 21), jnp.int32))
+        with pytest.raises(ValueError, match=r"3 rows on mesh axes expert of 2 shards"):
+            model(jnp.zeros((3, 16), jnp.int32))
