@@ -259,3 +259,22 @@ def test_replay_under_context_parallelism_equals_one_device(impl):
     np.testing.assert_array_equal(still_own_s[:, :, 0], own[:, :, 0])
     assert np.max(np.abs(logits_s - logits)) <= 1e-5 * np.max(np.abs(logits))
     assert np.max(np.abs(replayed_s - replayed)) <= 1e-5 * np.max(np.abs(replayed))
+
+
+def test_a_replay_with_a_repeated_or_out_of_range_block_reads_as_the_set_it_names(model_ids):
+    """The gather paths gathered a repeated id twice (its keys weighted double) and clipped an id past the keys to
+    the last block, where the masked path reads a set: one replay, two results (an audit's fuzz, errors of 0.2)."""
+    _, ids = model_ids
+    blocks = -(-SEQ // CFG.index_block_size)
+    clean = np.zeros((BATCH, SEQ, N_SPARSE, HI, K), np.int32)
+    clean[..., 1] = -1
+    messy = clean.copy()
+    messy[..., 1] = 0  # block 0 again
+    far = clean.copy()
+    far[..., 1] = blocks + 3  # past the keys
+    outs = {}
+    for impl in ("gather", "masked"):
+        model = m3_model(CFG, seed=3, **IMPLS[impl])
+        outs[impl] = [run(model, ids, block_ids=jnp.asarray(b)) for b in (clean, messy, far)]
+    for got in (*outs["gather"], *outs["masked"]):
+        np.testing.assert_allclose(got, outs["masked"][0], rtol=1e-5, atol=1e-5)

@@ -98,6 +98,18 @@ def gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, keep: jax.Array, sca
     return out.reshape(b, kv, s, g, d).transpose(0, 2, 1, 3, 4).reshape(b, s, h, d)
 
 
+def valid_replay(ids: jax.Array, n_blocks: int) -> jax.Array:
+    """Replayed block ids [..., K] as the set of blocks they name: an id outside [0, n_blocks) or equal to an earlier
+    one of its row becomes -1 (none). The masked path reads a selection as a set; the gather paths gathered a
+    repeated block twice (its keys weighted double in the softmax) and clipped an id past the keys to the last
+    block, so one replay gave two results. Ids an indexer chose (`topk_key_blocks`) pass unchanged."""
+    ids = jnp.where((ids < 0) | (ids >= n_blocks), -1, ids)
+    for j in range(1, ids.shape[-1]):  # K is small (the release: 32); no [.., K, K] array is formed
+        again = (ids[..., :j] == ids[..., j:j + 1]).any(-1) & (ids[..., j] >= 0)
+        ids = ids.at[..., j].set(jnp.where(again, -1, ids[..., j]))
+    return ids
+
+
 def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, positions: jax.Array,
                     key_valid: jax.Array | None, cfg, sparse: bool, cache: LayerCache | None = None,
                     query_chunk: int = 0, layout: Layout = Layout(), impl: str = "auto",
@@ -161,7 +173,7 @@ def attention_block(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
         want = (b, s, cfg.index_n_heads)
         if replay.ndim != 4 or replay.shape[:3] != want:
             raise ValueError(f"block_ids {replay.shape}: expected [B, S, Hi, K] = [{b}, {s}, {cfg.index_n_heads}, K]")
-        replay = replay.astype(jnp.int32)
+        replay = valid_replay(replay.astype(jnp.int32), -(-k.shape[1] // cfg.index_block_size))
     if selects and sparse_impl in ("gather", "paged") and context_shards.applies(q, k, cfg.index_n_heads, layout):
         attend = functools.partial(one_device_sparse_attention, cfg, own, backend)
         o = context_shards.per_context_shard(attend, layout, q, k, v, positions, key_valid, iq, ik, replay,
