@@ -55,9 +55,20 @@ class TerminalFilter(logging.Filter):
         self.debug, self.infos = level == "debug", infos
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if self.debug or record.levelno >= logging.WARNING:
+        if self.debug:
             return True
+        if record.levelno >= logging.WARNING:
+            return not _reported_by_the_run(record)
         return self.infos and record.levelno >= logging.INFO and is_project(record.name)
+
+
+# Library warnings about what the run reports itself, kept for run.log: orbax's wait for the previous async save
+# (a loaded machine's slow save, which the next step's `time/checkpoint` holds) broke the quiet terminal.
+REPORTED_BY_THE_RUN = (("absl", "Waiting for previous save to complete took"),)
+
+
+def _reported_by_the_run(record: logging.LogRecord) -> bool:
+    return any(record.name == name and str(record.msg).startswith(prefix) for name, prefix in REPORTED_BY_THE_RUN)
 
 
 def terminal_format(process_index: int = 0) -> str:

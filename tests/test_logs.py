@@ -54,6 +54,18 @@ def test_info_level_routes_third_party_info_to_the_file_only(routed, capsys):
     assert "jax debug" not in text  # third-party DEBUG only at level debug
 
 
+def test_orbaxs_wait_for_the_previous_save_stays_in_the_run_log(routed, capsys):
+    """A loaded machine's slow async save made orbax warn on the terminal, which the run's time/checkpoint holds."""
+    from absl import logging as absl_logging
+    path = routed("info")
+    absl_logging.warning("Waiting for previous save to complete took %f seconds. If this number is high, consider "
+                         "checkpointing less frequently.", 1.04)
+    absl_logging.warning("another absl warning")
+    err = capsys.readouterr().err
+    assert "Waiting for previous save" not in err and "another absl warning" in err
+    assert "Waiting for previous save to complete took 1.04" in open(path).read()
+
+
 def test_the_other_processes_of_a_job_show_their_warnings_only_named(tmp_path, capsys):
     """A job's processes share one log (the scheduler's): the others' INFO lines stay in their run.<i>.log."""
     try:
