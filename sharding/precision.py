@@ -170,8 +170,9 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
     """Adam's direction with both moments stored in `moment_dtype`, computed in fp32 (optax keeps nu in fp32).
 
     mu = b1 mu + (1-b1) g;  nu = b2 nu + (1-b2) g^2;  u = mu_hat / (sqrt(nu_hat) + eps).
-    bf16 moments are stored rounded stochastically (`round_stochastically`): unbiased, where round to nearest froze
-    nu. Each stored value is then within one bf16 ulp of the exact one, and its mean over steps is the fp32 moment's.
+    bf16 moments are stored rounded stochastically (`round_stochastically`), where round to nearest froze nu: each
+    step's rounding is within one bf16 ulp and unbiased, so a stored moment follows the fp32 one in expectation,
+    with a spread (docs/limitations.md; scripts/bench_bf16_moments.py).
     """
     def init(params):
         # Two separate trees: a buffer appearing twice in a donated state is donated twice.
