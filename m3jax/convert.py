@@ -30,7 +30,8 @@ def main(argv=None) -> int:
     ap.add_argument("dst", type=path_argument, help="directory to write (replaced atomically if it exists)")
     ap.add_argument("--layout", choices=("native", "released"), default="native")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                    help="default: the checkpoint's embedding dtype (a tensor stored wider is rounded to it, warned of)")
+                    help="default: the checkpoint's embedding dtype (a tensor stored wider is rounded to it, "
+                         "warned of)")
     ap.add_argument("--max-shard-size", default="5GB")
     ap.add_argument("--carry-from", type=path_argument, default=None, metavar="DIR",
                     help="the checkpoint whose vision tower a released result carries (default: SRC's own)")

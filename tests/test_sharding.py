@@ -137,7 +137,8 @@ def test_a_length_or_batch_the_mesh_does_not_divide_is_one_error_naming_the_axis
     layout = build_mesh(MeshConfig(1, 2, 2, 1), devices=jax.devices()[:4])
     model = m3jax.from_pretrained(ckpt, mesh=layout)
     with jax.set_mesh(layout.mesh):
-        with pytest.raises(ValueError, match=r"21 positions on mesh axes context of 2 shards: expected a multiple of 2"):
+        with pytest.raises(ValueError, match=r"21 positions on mesh axes context of 2 shards: expected a multiple "
+                                             r"of 2"):
             model(jnp.zeros((4, 21), jnp.int32))
         with pytest.raises(ValueError, match=r"3 rows on mesh axes expert of 2 shards"):
             model(jnp.zeros((3, 16), jnp.int32))

@@ -28,7 +28,8 @@ def test_a_signal_is_recorded_and_the_handlers_come_back():
             time.sleep(0.01)
     assert signal.getsignal(signal.SIGTERM) is before
     with StopSignals() as s:
-        assert s.agree(True, False) == (True, True, False, False) and s.agree(False, True) == (False, True, False, False)
+        assert s.agree(True, False) == (True, True, False, False)
+        assert s.agree(False, True) == (False, True, False, False)
         assert s.name is None
 
 

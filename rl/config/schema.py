@@ -131,8 +131,9 @@ class RunSection(_Section):
                                                    "step; apart from it since a large model's start can take longer "
                                                    "than its steps; null = never", gt=0, max=MAX_WATCH_MINUTES)
     compilation_cache: str | None = _f(None, "directory of JAX's persistent compilation cache (a relative path is "
-                                             "under out_dir; ${name} is run.name): a restart or resume loads each compiled program "
-                                             "instead of compiling it again; null = JAX's default (the "
+                                             "under out_dir; ${name} is run.name): a restart or resume loads "
+                                             "each compiled program instead of compiling it again; null = JAX's "
+                                             "default (the "
                                              "JAX_COMPILATION_CACHE_DIR environment variable, else none)",
                                        check=lambda v: None if v.strip() else "must not be empty",
                                        allowed="a directory path, or null")

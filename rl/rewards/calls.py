@@ -47,7 +47,8 @@ def check_call(name: str, fn, mode: str) -> None:
                            "answers: list[str], **kw) -> list[float] (kw: truncated as a list") if mode == "batch" else
                           ("fn(completion, answer, truncated=...)", "fn(completion: str, answer: str, **kw) -> float "
                            "(kw: truncated"))
-        positional = [k for k, p in sig.parameters.items() if p.kind is p.POSITIONAL_OR_KEYWORD and p.default is p.empty]
+        positional = [k for k, p in sig.parameters.items()
+                      if p.kind is p.POSITIONAL_OR_KEYWORD and p.default is p.empty]
         for_args = [k for k in positional[2:] if k not in ("truncated", *BY_NAME_KEYWORDS)]
         hint = (f"; a parameter the config's args give must be keyword-only: def {getattr(fn, '__name__', 'fn')}"
                 f"(completion, answer, *, {', '.join(for_args)}, ...)" if for_args else "")

@@ -3,9 +3,9 @@
 The endpoint is any server of ``POST {url}/chat/completions`` (vLLM's ``vllm serve``, SGLang, TGI, OpenAI). Each
 sample is one request: the template, filled with the sample's prompt, completion and reference answer, is the
 user message; the judge's reply must end with a line ``Score: N``, 0 <= N <= ``max_score``, and the reward is
-``N / max_score``. A reply without a score, a score out of range, a reply cut at ``max_tokens``, an HTTP error (a 429 or 5xx after ``retries``
-more tries) or no reply within the reward's ``timeout_s`` is a failed evaluation (scored 0, counted in
-``reward/failures``), never a silent 0.
+``N / max_score``. A reply without a score, a score out of range, a reply cut at ``max_tokens``, an HTTP
+error (a 429 or 5xx after ``retries`` more tries) or no reply within the reward's ``timeout_s`` is a failed
+evaluation (scored 0, counted in ``reward/failures``), never a silent 0.
 
 Configured like every reward, its keywords under ``args``::
 
