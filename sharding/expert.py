@@ -39,7 +39,8 @@ MOE_ROUTING = "moe_routing"
 
 
 def sort_by_expert(idx: jax.Array, num_experts: int):
-    """Assignments [T, k] -> (order, token_of_row, expert_of_row, rows per expert [E])."""
+    """Assignments [T, k] -> (order, token_of_row, expert_of_row, rows per expert [E]). An id of num_experts
+    (`unrouted`) sorts last and is not counted: the exchange neither sends it nor lets it take a slot."""
     flat = idx.reshape(-1)
     order = checkpoint_name(jnp.argsort(flat, stable=True), MOE_ROUTING)
     return order, order // idx.shape[1], flat[order], jnp.bincount(flat, length=num_experts).astype(jnp.int32)
@@ -51,6 +52,13 @@ def combine(x: jax.Array, rows_out: jax.Array, weights: jax.Array, order: jax.Ar
     rows_out = checkpoint_name(rows_out, MOE_EXPERT_OUT)
     out = (rows_out.astype(jnp.float32) * weights.reshape(-1)[order][:, None]).astype(x.dtype)
     return jnp.zeros_like(x).at[token_of_row].add(out)
+
+
+def unrouted(idx: jax.Array, token_valid: jax.Array | None, num_experts: int) -> jax.Array:
+    """idx [T, k] with the assignments of padding tokens (token_valid [T] False) set to num_experts: with a
+    capacity factor, padding would otherwise take receive slots ahead of real tokens and drop theirs (a row's
+    right padding sorts before the next row's tokens). Their routed output is zero."""
+    return idx if token_valid is None else jnp.where(token_valid[:, None], idx, num_experts)
 
 
 def local_experts(x, weights, idx, expert_fn: Callable, num_experts: int) -> jax.Array:
@@ -130,9 +138,10 @@ def _padded_exchange(rows, expert_of_row, per_expert, expert_fn, ep_axes, n_ep, 
     dest = expert_of_row // e_loc
     dest_rows = send_counts.sum(1)
     dest_start = jnp.cumsum(dest_rows) - dest_rows
-    slot = jnp.arange(t * k) - dest_start[dest]  # position inside the destination's block
     cap = receive_rows(t, k, n_ep, e_loc, capacity_factor, "padded") // n_ep
-    kept = slot < cap
+    routed = dest < n_ep  # `unrouted` rows (padding) sort last with dest = n_ep: neither sent nor counted
+    slot = jnp.where(routed, jnp.arange(t * k) - dest_start[jnp.minimum(dest, n_ep - 1)], cap)
+    kept = slot < cap  # position inside the destination's block
     cum = jnp.cumsum(send_counts, axis=1)
     send_counts = jnp.minimum(cum, cap) - jnp.minimum(cum - send_counts, cap)
     recv_counts = jax.lax.all_to_all(send_counts, ep_axes, 0, 0, tiled=True) if n_ep > 1 else send_counts
@@ -144,7 +153,7 @@ def _padded_exchange(rows, expert_of_row, per_expert, expert_fn, ep_axes, n_ep, 
     local_expert = jax.vmap(lambda b: jnp.searchsorted(b, r, side="right"))(bounds).reshape(-1)
     back = _grouped(recv.reshape(n_ep * cap, d), local_expert, recv_counts.sum(0), expert_fn).reshape(n_ep, cap, d)
     back = jax.lax.all_to_all(back, ep_axes, 0, 0, tiled=True) if n_ep > 1 else back
-    return jnp.where(kept[:, None], back[dest, jnp.minimum(slot, cap - 1)], 0)
+    return jnp.where(kept[:, None], back[jnp.minimum(dest, n_ep - 1), jnp.minimum(slot, cap - 1)], 0)
 
 
 def _grouped(recv, local_expert, group_sizes, expert_fn, packed: bool = False):
@@ -198,7 +207,8 @@ def default_exchange(backend: str | None = None) -> str:
 
 def routed_experts(x: jax.Array, route_fn: Callable, router: tuple, expert_fn: Callable, gate_up: jax.Array,
                    down: jax.Array, *, layout: Layout = Layout(), capacity_factor: float | None = None,
-                   exchange: str | None = None, ids: jax.Array | None = None, return_ids: bool = False):
+                   exchange: str | None = None, ids: jax.Array | None = None, return_ids: bool = False,
+                   token_valid: jax.Array | None = None):
     """Routed output for hidden x [B, S, d].
 
     route_fn(tokens [T, d], *router) -> (weights [T, k], expert ids [T, k]); router arrays are replicated;
@@ -211,35 +221,51 @@ def routed_experts(x: jax.Array, route_fn: Callable, router: tuple, expert_fn: C
     ids [B, S, k] (routing replay): given expert ids, sharded like x's tokens, passed on as
     route_fn(tokens, *router, ids [T, k]); the ids route_fn returns drive the exchange.
     return_ids: return (output, the ids used [B, S, k] int32).
+    capacity_factor bounds each device's receive buffer (`receive_rows`) on every layout, one device included
+    (n_ep = 1: its own tokens' T * k assignments), so a setting means the same model on one device and on a
+    mesh that does not split the experts. token_valid [B, S] (False = padding): with a capacity factor, padding
+    tokens are not routed (`unrouted`); dropless, every token is, as in HF.
     """
     num_experts = gate_up.shape[0]
     mesh = layout.mesh
     ep_axes, width_axes = layout.axes("experts"), layout.axes("expert_mlp")
 
-    def body(x, router, gate_up, down, ids=None):
+    def body(x, router, gate_up, down, ids=None, valid=None):
         b, s, d = x.shape
         t = x.reshape(b * s, d)
         w, idx = route_fn(t, *router) if ids is None else route_fn(t, *router, ids.reshape(b * s, -1))
         n_ep = 1 if mesh is None else layout.size("experts")
         balanced = n_ep * t.shape[0] * idx.shape[1] / num_experts
         fn = lambda rows, sizes: expert_fn(rows, sizes, gate_up, down, expected_rows=balanced)  # noqa: E731
-        if mesh is None:
-            out = local_experts(t, w, idx, fn, num_experts).reshape(b, s, d)
+        if capacity_factor is None:
+            sent = idx
         else:
-            out = exchanged_experts(t, w, idx, fn, num_experts, ep_axes, n_ep, capacity_factor,
+            sent = unrouted(idx, None if valid is None else valid.reshape(-1), num_experts)
+        if mesh is None and capacity_factor is None:
+            out = local_experts(t, w, idx, fn, num_experts).reshape(b, s, d)
+        elif mesh is None:  # the n_ep = 1 bound of a mesh without expert parallelism
+            out = exchanged_experts(t, w, sent, fn, num_experts, (), 1, capacity_factor, "padded").reshape(b, s, d)
+        else:
+            out = exchanged_experts(t, w, sent, fn, num_experts, ep_axes, n_ep, capacity_factor,
                                     exchange or default_exchange(layout.backend))
             if width_axes:
                 out = jax.lax.psum(out, width_axes)  # partial sums over the sharded width
             out = out.reshape(b, s, d)
         return (out, idx.astype(jnp.int32).reshape(b, s, -1)) if return_ids else out
 
+    valid = None if capacity_factor is None or token_valid is None else token_valid.astype(bool)
     args = (x, router, gate_up, down) + (() if ids is None else (ids,))
     if mesh is None:
-        return body(*args)
+        return body(*args, valid=valid)
     x_spec = layout.spec(("act_batch", "act_seq", None), drop_trivial=True)
     gu_spec = layout.spec(("experts", None, "expert_mlp", None), drop_trivial=True)
     down_spec = layout.spec(("experts", None, "expert_mlp"), drop_trivial=True)
     router_spec = jax.tree.map(lambda _: P(), router)
     in_specs = (x_spec, router_spec, gu_spec, down_spec) + (() if ids is None else (x_spec,))
     out_specs = (x_spec, x_spec) if return_ids else x_spec
+    if valid is not None:
+        in_specs += (layout.spec(("act_batch", "act_seq"), drop_trivial=True),)
+        args += (valid,)
+        return jax.shard_map(lambda *a: body(*a[:-1], valid=a[-1]), mesh=mesh, in_specs=in_specs,
+                             out_specs=out_specs)(*args)
     return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(*args)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -146,8 +147,12 @@ class LayerStack(nnx.Module):
             h = rms_norm(x, p["post_norm"], cfg.rms_norm_eps)
             ids = None
             if moe:
-                y = moe_block(p, h, cfg, layout, self.moe_capacity_factor, self.moe_exchange, self.moe_kernel,
-                              routes=layer_routes, return_routes=return_routes)
+                # Decoding drops nothing: a step's few tokens per device would be capped by another bound
+                # than the training forward's (and vLLM/HF, where rollouts also come from, are dropless).
+                capacity = None if layer_cache is not None else self.moe_capacity_factor
+                y = moe_block(p, h, cfg, layout, capacity, self.moe_exchange, self.moe_kernel,
+                              routes=layer_routes, return_routes=return_routes,
+                              token_valid=None if layer_cache is not None else key_valid)
                 if return_routes:
                     y, ids = y
                 x = x + y
@@ -196,8 +201,10 @@ class M3ForCausalLM(nnx.Module):
         """remat: rematerialise each layer in the backward pass. remat_policy: what a rematerialised layer
         keeps for its backward, "full" (its input and the integer decisions) | "save_dots" (also the token-sized
         projection outputs) | "save_dots_experts" (and the routed experts' output rows; `REMAT_POLICIES`).
-        moe_capacity_factor: cap on the rows an
-        expert-parallel device sends to one peer, x (tokens*top_k / n_ep); None = dropless.
+        moe_capacity_factor: bound on each device's expert receive buffer, x the balanced load
+        (`sharding.expert.receive_rows`; one device included); overflowing (token, expert) pairs are dropped
+        (contribute zero), padding (attention_mask 0) takes no capacity, and a decode step (cache) drops nothing;
+        None = dropless.
         moe_exchange: "padded" | "ragged" | "ragged_emulated"; None = ragged on GPU/TPU, padded on CPU.
         moe_kernel: the experts' grouped matmul, "auto" | "ragged_dot" | "tiled" | "bucketed" | "pallas" |
         "mosaic" (`sharding.grouped_matmul`; auto = bucketed on CPU, ragged_dot elsewhere; mosaic: Hopper GPUs,
@@ -222,6 +229,11 @@ class M3ForCausalLM(nnx.Module):
         if isinstance(attention_query_chunk, bool) or not isinstance(attention_query_chunk, int) \
                 or attention_query_chunk < 0:
             raise ValueError(f"attention_query_chunk={attention_query_chunk!r}: expected an integer >= 0")
+        cf = moe_capacity_factor
+        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float, np.floating))
+                               or not math.isfinite(cf) or cf <= 0):
+            raise ValueError(f"moe_capacity_factor={moe_capacity_factor!r}: expected None (dropless) or a finite "
+                             "number > 0")
         if not isinstance(scan_layers, bool):
             raise ValueError(f"scan_layers={scan_layers!r}: expected true or false")
         try:  # a ConfigError: the commands print it as one line naming the option

@@ -78,7 +78,7 @@ def grouped_experts(rows: jax.Array, group_sizes: jax.Array, gate_up: jax.Array,
 
 def moe_block(p: dict, x: jax.Array, cfg, layout: Layout = Layout(), capacity_factor: float | None = None,
               exchange: str | None = None, kernel: str | None = None, routes: jax.Array | None = None,
-              return_routes: bool = False):
+              return_routes: bool = False, token_valid: jax.Array | None = None):
     """y = routed_scaling_factor * sum_k w_k Expert_k(x) + SharedExpert(x), x [B, S, d].
 
     Where the experts run (locally, or expert-parallel over the layout's mesh) is `sharding.expert`'s business;
@@ -87,6 +87,7 @@ def moe_block(p: dict, x: jax.Array, cfg, layout: Layout = Layout(), capacity_fa
     choosing them; they drive the expert-parallel exchange. return_routes: return (y, ids [B, S, k] int32),
     the router's own top-k choice: the ids used without replay; with replay, the ids it would have chosen
     (one more router matmul), so a replayed step still sees how far trainer and generator disagree.
+    token_valid [B, S] (False = padding): with a capacity factor, padding takes no expert's capacity.
     """
     alpha, limit = cfg.swiglu_alpha, cfg.swiglu_limit
     routed = routed_experts(
@@ -94,7 +95,7 @@ def moe_block(p: dict, x: jax.Array, cfg, layout: Layout = Layout(), capacity_fa
         functools.partial(grouped_experts, alpha=alpha, limit=limit, kernel=kernel or "auto", backend=layout.backend),
         p["experts_gate_up"], p["experts_down"],
         layout=layout, capacity_factor=capacity_factor, exchange=exchange, ids=routes,
-        return_ids=return_routes and routes is None)
+        return_ids=return_routes and routes is None, token_valid=token_valid)
     if return_routes and routes is None:
         routed, ids = routed
     elif return_routes:

@@ -71,9 +71,12 @@ class ModelSection(_Section):
                                        "-> the indexer's softmax over blocks, m3jax.model.indexer_align) added to "
                                        "the loss per response token; trains only the indexer; 0 = off (the "
                                        "indexer stays frozen)", min=0)
-    moe_capacity_factor: float | None = _f(None, "bound on an expert-parallel device's receive buffer, x the "
-                                                 "balanced load (tokens x top_k); overflow is dropped; null = "
-                                                 "dropless (worst-case buffers)", gt=0)
+    moe_capacity_factor: float | None = _f(None, "bound on each device's expert receive buffer, x the balanced "
+                                                 "load (tokens x top_k), one device included; overflowing (token, "
+                                                 "expert) pairs are dropped, padding takes no capacity; generation "
+                                                 "(a decode step, vLLM) stays dropless, so a drop is also a "
+                                                 "train/inference mismatch; null = dropless (worst-case buffers)",
+                                           gt=0)
     # sharding.grouped_matmul.KERNELS and "tune" (m3jax.model.expert_tuning), listed here so that the schema
     # needs no jax
     moe_kernel: str = _f("auto", "grouped matmul of the routed experts: tiled (walks only the filled rows of the "
