@@ -274,8 +274,8 @@ def test_rejects_checkpoints_it_cannot_serve(tmp_path, models):
 class FakeLLM:
     """Records what VLLMEngine hands vLLM's LLM (collective_rpc) instead of running it."""
 
-    def __init__(self, fail=False):
-        self.calls, self.resets, self.fail = [], 0, fail
+    def __init__(self, fail=False, resets_answer=True):
+        self.calls, self.resets, self.fail, self.resets_answer = [], 0, fail, resets_answer
 
     def collective_rpc(self, method, kwargs):
         if self.fail:
@@ -284,6 +284,7 @@ class FakeLLM:
 
     def reset_prefix_cache(self):
         self.resets += 1
+        return self.resets_answer
 
 
 def unstarted_engine(path, llm):
@@ -322,6 +323,11 @@ def test_weight_updates_are_validated_before_anything_is_applied(models):
     assert not broken.health()["ok"] and "part-way" in broken.health()["error"]
     with pytest.raises(RuntimeError, match="unusable"):
         broken.generate(prompts([6]), SamplingParams(max_new_tokens=4, temperature=0.0), [0])
+    # vLLM could not drop the prefix blocks the old weights computed (it answers False): unusable, not stale
+    stale = unstarted_engine(path, FakeLLM(resets_answer=False))
+    with pytest.raises(WeightUpdateError, match="prefix cache"):
+        stale.load_weights(good)
+    assert not stale.health()["ok"] and "prefix cache" in stale.health()["error"]
     with pytest.raises(ValueError, match="2 seeds for 1 prompts"):
         eng.generate(prompts([6]), SamplingParams(max_new_tokens=4), [0, 1])
     with pytest.raises(ValueError, match="vLLM samples at 0.01 or more"):  # it would raise 0.005 to 0.01 unsaid

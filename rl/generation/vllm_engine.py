@@ -223,7 +223,7 @@ class VLLMEngine:
         """Phase 2 of a collective update the Ray executor's workers staged: each writes its tensors."""
         self._check_alive()
         self._apply("m3jax_commit_weights", {"version": version, "num_buckets": num_buckets})
-        self.llm.reset_prefix_cache()
+        self._forget_old_prefixes()
 
     # ------------------------------------------------------------------------------------ sampling
     def _params(self, **kw):
@@ -334,7 +334,15 @@ class VLLMEngine:
             # Written before anything is applied: a full /dev/shm fails here and the engine stays healthy.
             with staged_checkpoint(items) as path:
                 self._apply("m3jax_reload_weights", {"weights_path": path})
-        self.llm.reset_prefix_cache()
+        self._forget_old_prefixes()
+
+    def _forget_old_prefixes(self) -> None:
+        """Drop the prefix cache's blocks, computed with the old weights. vLLM answers False where it could not (it
+        does so while requests run): a later prompt sharing a prefix would then read keys of the old weights
+        under the new ones, so the engine is unusable (the pool replaces it), not quietly wrong."""
+        if self.llm.reset_prefix_cache() is False:
+            self._broken = "vLLM could not reset its prefix cache after a weight update (requests still running?)"
+            raise WeightUpdateError(self._broken)
 
     def _apply(self, method: str, kwargs: dict) -> None:
         try:
