@@ -7,6 +7,8 @@ never be meant is refused at load (rl.config).
 
 from __future__ import annotations
 
+import dataclasses
+
 from rl.ahead import draws_ahead
 from rl.config import RunConfig
 from rl.evaluate import due as evaluates_after
@@ -38,6 +40,10 @@ def start_warnings(cfg: RunConfig, model_cfg) -> list[str]:
                    "(indexer) layer, so no indexer/recall is logged")
     if m.moe_capacity_factor is not None and not model_cfg.has_moe:
         out.append(f"model.moe_capacity_factor = {m.moe_capacity_factor:g} has no effect: the model has no MoE layer")
+    moot = vllm_settings_on_the_jax_engine(cfg.generation)
+    if moot:
+        out.append(f"{', '.join(moot)} {'has' if len(moot) == 1 else 'have'} no effect: generation.backend = jax "
+                   "generates in this process with the trainer's parameters (no vLLM engine, no weight transfer)")
     g = cfg.grpo
     if g.max_trajectory_age_steps:
         age = f"grpo.max_trajectory_age_steps = {g.max_trajectory_age_steps}"
@@ -51,3 +57,17 @@ def start_warnings(cfg: RunConfig, model_cfg) -> list[str]:
             out.append(f"{age} with grpo.is_correction = none: the steps drawn ahead, by the weights before the last "
                        "update, are trained on as if the policy being trained had drawn them")
     return out
+
+
+# The generation settings only a vLLM pool reads (rl.generation.backends.make_generator, rl.weight_sync.probe_check).
+VLLM_ONLY = ("weight_transport", "weight_group_device", "weight_bucket_mb", "verify_probes")
+
+
+def vllm_settings_on_the_jax_engine(generation) -> list[str]:
+    """'generation.<name> = <value>' for each vLLM-only setting changed from its default while the backend is jax."""
+    if generation.backend != "jax":
+        return []
+    default = type(generation)()
+    return [f"generation.{f.name} = {getattr(generation, f.name)}" for f in dataclasses.fields(generation)
+            if (f.name.startswith("vllm_") or f.name in VLLM_ONLY)
+            and getattr(generation, f.name) != getattr(default, f.name)]

@@ -42,15 +42,19 @@ def test_options_for_what_is_switched_off_or_absent():
 def test_the_shipped_configs_warn_of_nothing_but_the_short_trials_warm_up():
     """A config of ours that warns as it starts teaches users to skip warnings. The random recipe's 10 steps and the
     miniature's 4 end inside their recipe's 10-step warm-up, which both keep as the recipe's (tests/test_run_config
-    holds the miniature's optim to the recipe's): said, as it is true."""
+    holds the miniature's optim to the recipe's): said, as it is true; so are the recipe's vLLM settings that the
+    miniature, on the JAX engine, does not use."""
     import glob
     for path in sorted(glob.glob("configs/*.yaml") + glob.glob("configs/recipes/*.yaml")):
         if path.endswith(("base.yaml", "m3-32node.yaml")):  # no model to read without their paths
             continue
         cfg = load_config(path, [], check_paths=False)
         got = start_warnings(cfg, cfg.model.m3_config())
-        want = 1 if path.endswith(("m3-32node-random.yaml", "m3-32node-miniature.yaml")) else 0
-        assert len(got) == want and all(w.startswith("optim.warmup_steps = 10") for w in got), (path, got)
+        want = ["optim.warmup_steps = 10"] if path.endswith(("m3-32node-random.yaml", "m3-32node-miniature.yaml")) \
+            else []
+        if path.endswith("m3-32node-miniature.yaml"):  # the recipe's vLLM pool settings, on the JAX engine
+            want.append("generation.vllm_tensor_parallel = 16")
+        assert len(got) == len(want) and all(w.startswith(start) for w, start in zip(got, want)), (path, got)
 
 
 def test_trajectories_drawn_ahead_that_cannot_be_or_go_uncorrected():
@@ -77,3 +81,13 @@ def test_reference_reset_options_without_resets():
         "grpo.reference_reset_every_steps = 0 never resets the KL reference"]
     assert _warnings("grpo.kl=k3", "grpo.kl_coef=0.04", "grpo.reference_reset_mix=0.6",
                      "grpo.reference_reset_every_steps=50") == []
+
+
+def test_vllm_settings_on_the_jax_engine():
+    """A user who set the vLLM pool's size or transport and left generation.backend at jax got the in-process engine
+    without a word (the settings were read by nothing)."""
+    assert _warnings("generation.vllm_servers=4", "generation.weight_transport=shm") == [
+        "generation.vllm_servers = 4, generation.weight_transport = shm have no effect: generation.backend = jax "
+        "generates in this process with the trainer's parameters (no vLLM engine, no weight transfer)"]
+    assert _warnings("generation.vllm_gpu_memory_utilization=0.8", "generation.verify_probes=0") == []  # defaults
+    assert _warnings("generation.backend=vllm", "generation.vllm_servers=4", "generation.verify_probes=2") == []
