@@ -4,7 +4,8 @@ makes it, with the tokenizer, from a run config.
 ``PromptLoader`` shuffles with a fresh ``numpy.random.Generator`` seeded by ``(seed, epoch)`` each epoch
 and keeps its position as ``{seed, epoch, index}`` (with the records' count and fingerprint, which a resume
 must match). A batch that runs past the end of an epoch is
-completed from the start of the next epoch's order, so nothing is skipped; restoring ``state_dict()``
+completed from the start of the next epoch's order, so nothing is skipped, and that order starts with prompts the
+batch does not hold yet (`next_epoch_order`); restoring ``state_dict()``
 continues with exactly the batches an uninterrupted run would have produced. A state saved with another seed is
 refused: taking the saved seed instead would leave a config that names a seed the order does not follow.
 """
@@ -25,10 +26,11 @@ from rl.data import PromptRecord
 class PromptLoader:
     """Endless batches of prompts in a reshuffled order each epoch, with a checkpointable position.
 
-    Epoch ``e``'s order is ``np.random.default_rng([seed, e]).permutation(len(records))``; ``index`` is
-    the next position in that order. ``next_batch()`` returns ``batch_size`` records, continuing into
-    the next epoch's order when the current one runs out (nothing is dropped or repeated, but a batch larger than
-    the records holds some of them more than once: `build_data` warns of it).
+    Epoch ``e``'s order is ``np.random.default_rng([seed, e]).permutation(len(records))``, its first slots
+    rearranged where a batch spans the epochs (`next_epoch_order`); ``index`` is the next position in that order.
+    ``next_batch()`` returns ``batch_size`` records, continuing into the next epoch's order when the current one
+    runs out: each epoch draws every record once, and a batch holds distinct records unless it is larger than the
+    records (`build_data` warns of that).
     """
 
     def __init__(self, records: Sequence[PromptRecord], batch_size: int, seed: int = 0):
@@ -54,10 +56,19 @@ class PromptLoader:
 
     def _epoch_order(self) -> np.ndarray:
         if self._order_epoch != self.epoch:
-            rng = np.random.default_rng([self.seed, self.epoch])
-            self._order = rng.permutation(len(self.records))
-            self._order_epoch = self.epoch
+            # Each order depends on the one before (its tail shares a batch with this one's head): continue from
+            # the order in hand, or from epoch 0 after a restore (a pass over the records per epoch).
+            ahead = self._order is not None and 0 <= self._order_epoch < self.epoch
+            e, order = (self._order_epoch, self._order) if ahead else (0, self._shuffled(0))
+            while e < self.epoch:
+                e += 1
+                order = next_epoch_order(order, self._shuffled(e), e * len(self.records) % self.batch_size,
+                                         self.batch_size)
+            self._order, self._order_epoch = order, self.epoch
         return self._order
+
+    def _shuffled(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.records))
 
     def next_indices(self) -> list[int]:
         """Dataset indices of the next batch (advances the position)."""
@@ -110,6 +121,20 @@ class PromptLoader:
             raise ValueError(f"loader state out of range: epoch={epoch}, index={index} for {len(self.records)} records")
         self.epoch, self.index = epoch, index
         self._order_epoch = -1
+
+
+def next_epoch_order(previous: np.ndarray, shuffled: np.ndarray, spanned: int, batch_size: int) -> np.ndarray:
+    """The order of an epoch whose first batch also holds the last `spanned` records of the previous epoch's order:
+    `shuffled` with the first batch_size - spanned records that batch does not hold yet moved to the front (each
+    keeps its place among the rest). Without it, a prompt drawn at the end of one epoch and the start of the next
+    was in one step twice (its groups weighed double): 82 of 200 steps with 30 prompts, 16 a step. Unchanged
+    where no batch spans the epochs, or where the batch is larger than the records (repeats are then unavoidable).
+    """
+    n = len(shuffled)
+    if spanned == 0 or batch_size > n:
+        return shuffled
+    first = shuffled[~np.isin(shuffled, previous[n - spanned:])][:batch_size - spanned]
+    return np.concatenate([first, shuffled[~np.isin(shuffled, first)]])
 
 
 def records_fingerprint(records: Sequence[PromptRecord]) -> str:

@@ -91,8 +91,19 @@ def test_a_json_wrapper_is_one_list_of_objects(tmp_path):
     assert [r.prompt for r in load_prompts(p)] == ["a"]
     p.write_text(json.dumps({"prompt": "a", "answer": "1", "tags": ["x"]}))
     with pytest.raises(DatasetError, match=r"a JSON object \(keys prompt, answer, tags\) that holds no list of "
-                                           r"objects; expected a JSON array of objects, or an object with exactly one"):
+                                           r"objects; expected a JSON array of objects, or an object with exactly one"
+                                           r".* \(one record of JSON Lines\? then set data.format / eval.format"):
         load_prompts(p)
+
+
+def test_json_lines_in_a_json_file_says_to_set_the_format(tmp_path):
+    """datasets' Dataset.to_json("x.json") writes JSON Lines: an audit found the error naming only "Extra data"."""
+    p = tmp_path / "train.json"
+    p.write_text('{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": "2"}\n')
+    with pytest.raises(DatasetError, match=r"Extra data at line 2, column 1\) \(one JSON object a line, .*set "
+                                           r"data.format / eval.format: jsonl\)"):
+        load_prompts(p)
+    assert [r.prompt for r in load_prompts(p, format="jsonl")] == ["a", "b"]
 
 
 def test_explicit_dotted_keys_override_detection(tmp_path):
@@ -223,6 +234,13 @@ def test_bad_message_and_wrong_types(tmp_path):
         load_prompts(path)
     assert "'content'" in check_error(e, path, 2)
 
+    # chat messages with nothing in them (a chat template would render its roles around nothing), as "" is refused
+    path = write_jsonl(tmp_path / "blank.jsonl", [DAPO_ROWS[0], {**DAPO_ROWS[0], "prompt": [
+        {"role": "system", "content": " "}, {"role": "user", "content": ""}]}])
+    with pytest.raises(DatasetError) as e:
+        load_prompts(path)
+    assert "every message's content is empty" in check_error(e, path, 2)
+
     path = write_jsonl(tmp_path / "types.jsonl", [{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": True}])
     with pytest.raises(DatasetError) as e:
         load_prompts(path)
@@ -344,6 +362,28 @@ def test_loader_resume_matches_uninterrupted_run(stop_after):
     resumed.load_state_dict(state)
     got += [answers(resumed.next_batch()) for _ in range(8 - stop_after)]
     assert got == expected
+
+
+@pytest.mark.parametrize("n, batch", [(10, 4), (30, 16), (7, 3), (100, 32), (9, 9)])
+def test_a_batch_across_an_epoch_boundary_holds_distinct_prompts(n, batch):
+    """An audit found the end of one epoch's order and the start of the next's in one batch holding a prompt twice
+    (82 of 200 steps with 30 prompts, 16 a step; its groups weighed double in the step's loss). Every batch is now
+    distinct, every epoch still draws each prompt once, and a resume at any step continues the same batches."""
+    loader = PromptLoader(make_records(n), batch_size=batch, seed=3)
+    batches = [answers(loader.next_batch()) for _ in range(60)]
+    assert all(len(set(b)) == len(b) for b in batches)
+    flat = [i for b in batches for i in b]
+    for e in range(len(flat) // n):
+        assert sorted(flat[e * n:(e + 1) * n]) == list(range(n)), e
+    states = []
+    replay = PromptLoader(make_records(n), batch_size=batch, seed=3)
+    for _ in range(60):
+        states.append(json.loads(json.dumps(replay.state_dict())))
+        replay.next_batch()
+    for step in (1, 7, 23, 59):
+        resumed = PromptLoader(make_records(n), batch_size=batch, seed=3)
+        resumed.load_state_dict(states[step])
+        assert [answers(resumed.next_batch()) for _ in range(60 - step)] == batches[step:], step
 
 
 def test_a_prompt_file_edited_in_place_is_not_continued(tmp_path):
