@@ -166,6 +166,9 @@ def _check_prompt(path: Path, row: int, key: str, value: Any) -> Prompt:
                     path, f"field {key!r} message {i}: expected an object with string 'role' and 'content', "
                     f"got {_short(m)}", row=row)
             messages.append({"role": m["role"], "content": m["content"]})
+        if not any(m["content"].strip() for m in messages):  # a chat template would render roles around nothing
+            raise DatasetError(path, f"field {key!r}: every message's content is empty; expected the prompt text",
+                               row=row)
         return messages
     if isinstance(value, np.ndarray):
         return _check_prompt(path, row, key, value.tolist())

@@ -84,10 +84,11 @@ class EvalSet:
     majority_answer: str = "none"  # how val/maj@k reads a sample's answer (`majority_key`)
 
 
-def eval_records(cfg, train: list[PromptRecord] = ()) -> list[PromptRecord]:
+def eval_records(cfg, train: list[PromptRecord] = (), subset: bool = True) -> list[PromptRecord]:
     """The held-out prompts: eval.max_prompts distinct prompts of the synthetic task that are not among
     the `train` records (drawn with eval.seed), or of eval.path (a subset drawn with eval.seed, kept in
-    file order, when the file has more)."""
+    file order, when the file has more; subset=False: all of the file's, for `build_eval_set` to draw from those
+    that fit the prompt width)."""
     e, d = cfg.eval, cfg.data
     if e.kind == "synthetic":
         task = make_task(e.task or d.task, num_digits=e.num_digits or d.num_digits, seed=e.seed)
@@ -108,10 +109,15 @@ def eval_records(cfg, train: list[PromptRecord] = ()) -> list[PromptRecord]:
         return records
     records = load_prompts(e.path, format=e.format, prompt_key=e.prompt_key, answer_key=e.answer_key,
                            layout=e.layout)
-    if e.max_prompts is not None and len(records) > e.max_prompts:
-        keep = np.sort(np.random.default_rng(e.seed).choice(len(records), e.max_prompts, replace=False))
-        records = [records[i] for i in keep]
-    return records
+    return [records[i] for i in _file_subset(len(records), e)] if subset else records
+
+
+def _file_subset(n: int, e) -> list[int]:
+    """Which of an eval file's n records it evaluates: eval.max_prompts of them drawn with eval.seed, in file
+    order (all of them when the file holds no more)."""
+    if e.max_prompts is None or n <= e.max_prompts:
+        return list(range(n))
+    return np.sort(np.random.default_rng(e.seed).choice(n, e.max_prompts, replace=False)).tolist()
 
 
 def build_eval_set(cfg, tokenizer, stop_token_ids, train: list[PromptRecord] = ()) -> EvalSet:
@@ -119,13 +125,16 @@ def build_eval_set(cfg, tokenizer, stop_token_ids, train: list[PromptRecord] = (
     training renders them, its sampling (eval.temperature, eval.top_p, its own length limits, the run's stop
     tokens) and its rewards (eval.reward, else the run's)."""
     e = cfg.eval
-    records = eval_records(cfg, train)
+    records = eval_records(cfg, train, subset=False)  # a file's subset is drawn from the prompts that fit
     width, new_tokens = eval_lengths(cfg)
     sampling = SamplingParams(max_new_tokens=new_tokens, temperature=e.temperature, top_p=e.top_p,
                               stop_token_ids=tuple(stop_token_ids))
     limit_key = "eval.max_prompt_tokens" if e.max_prompt_tokens else "generation.max_prompt_tokens"
     records, prompt_ids = fit_prompt_lengths(records, tokenizer, width, chat_template=cfg.data.chat_template,
                                              overlong=cfg.data.overlong_prompts, limit_key=limit_key)
+    if e.kind != "synthetic":  # 64 asked of a file half of whose prompts were too long: 64, not 31
+        keep = _file_subset(len(records), e)
+        records, prompt_ids = [records[i] for i in keep], [prompt_ids[i] for i in keep]
     return EvalSet(records, prompt_ids, sampling, e.samples_per_prompt, width, e.prompts_per_batch or len(records),
                    tuple(e.reward or cfg.reward), e.correct_threshold, e.seed, tuple(e.pass_k), e.majority_answer)
 

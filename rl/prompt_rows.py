@@ -96,7 +96,10 @@ def _read_json(path: Path) -> list[tuple[int, Any]]:
     except _RepeatedKey as e:
         raise DatasetError(path, str(e)) from None
     except json.JSONDecodeError as e:
-        raise DatasetError(path, f"invalid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+        # datasets' Dataset.to_json("x.json") writes JSON Lines: one object, then "Extra data" on line 2
+        lines = (" (one JSON object a line, as datasets' to_json writes a .json: set data.format / eval.format: "
+                 "jsonl)") if e.msg == "Extra data" and e.colno == 1 else ""
+        raise DatasetError(path, f"invalid JSON ({e.msg} at line {e.lineno}, column {e.colno}){lines}") from None
     except UnicodeDecodeError as e:
         raise DatasetError(path, f"not UTF-8 text ({e.reason} at byte {e.start})") from None
     except (ValueError, RecursionError) as e:
@@ -107,9 +110,10 @@ def _read_json(path: Path) -> list[tuple[int, Any]]:
         if len(lists) != 1:
             keys = ", ".join(list(data)[:8]) + (", ..." if len(data) > 8 else "")
             held = f"{len(lists)} lists" if lists else "no list"
+            lines = "" if lists else " (one record of JSON Lines? then set data.format / eval.format: jsonl)"
             raise DatasetError(path, f"a JSON object (keys {keys}) that holds {held} of objects; expected a JSON "
                                      "array of objects, or an object with exactly one such array (a {\"data\": "
-                                     "[...]} wrapper)")
+                                     "[...]} wrapper)" + lines)
         data = lists[0]
     if not isinstance(data, list):
         raise DatasetError(path, f"expected a JSON array of objects, got a JSON {type(data).__name__}")

@@ -285,10 +285,16 @@ class GRPOTrainer:
         try:
             self.loader.load_state_dict(meta["data"])
         except ValueError as e:
+            # which prompts a file keeps also follows the prompt width and the rendering (data.overlong_prompts
+            # drop): name what changed since the checkpoint, where it records that
+            decide = ("data.", "generation.max_prompt_tokens", "model.path", "grpo.prompts_per_step")
+            changed = [k for k, _, _ in self.changed_since_checkpoint or () if k.startswith(decide)]
             raise CheckpointMismatch(
                 f"checkpoint step {meta['step']} in {self.checkpointer.directory} cannot continue this run's prompts "
-                f"({e}): resume with the data it was saved with (data.*, and grpo.prompts_per_step for a synthetic "
-                "task, which sizes its prompt set), or start over in a new run.out_dir") from None
+                f"({e}): resume with the data it was saved with (data.*, generation.max_prompt_tokens and the "
+                "tokenizer where data.overlong_prompts drops prompts, and grpo.prompts_per_step for a synthetic "
+                "task, which sizes its prompt set), or start over in a new run.out_dir"
+                + (f"; changed since the checkpoint: {', '.join(changed)}" if changed else "")) from None
         self.policy.state = self.policy.place(state)
         self.best = meta.get("best")
         self.kept = held_out.ranked(meta.get("kept_best") or [], self.cfg.eval.best_metric,  # as this run ranks them

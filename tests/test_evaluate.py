@@ -111,6 +111,21 @@ def test_eval_file_subset_is_seeded(tmp_path):
     assert len(ev.eval_records(whole)) == 100
 
 
+def test_an_eval_files_subset_is_drawn_from_the_prompts_that_fit(tmp_path):
+    """An audit: 64 asked of a file whose odd rows are too long evaluated 31 prompts (the subset was drawn first,
+    then its overlong half dropped), although 100 fit."""
+    path = tmp_path / "held.jsonl"  # odd rows: 12 digits, past the 8-token prompt width
+    path.write_text("".join(f'{{"prompt": "{i:04d}{"12345678" * (i % 2)}", "answer": "0"}}\n' for i in range(200)))
+    train = tmp_path / "train.jsonl"
+    train.write_text('{"prompt": "1234", "answer": "1234"}\n')
+    cfg = load_config(TINY, ["eval.kind=file", f"eval.path={path}", "eval.max_prompts=64", "data.kind=file",
+                             f"data.path={train}", "data.overlong_prompts=drop"], check_paths=False)
+    es = ev.build_eval_set(cfg, make_task("copy", num_digits=4).tokenizer, (12,))
+    assert len(es.records) == len(es.prompt_ids) == 64 and all(len(r.prompt) == 4 for r in es.records)
+    assert [r.prompt for r in es.records] == sorted(r.prompt for r in es.records)  # file order
+    assert all(len(ids) <= es.prompt_width for ids in es.prompt_ids)
+
+
 # ------------------------------------------------------------------------------------ the config
 def test_eval_section_defaults_off_and_tiny_on():
     tiny = load_config(TINY)

@@ -109,9 +109,14 @@ def test_the_trainer_checks_every_file_prompt_at_load(tmp_path, monkeypatch, cap
 def test_a_prompt_that_renders_to_nothing_is_refused_at_load(tmp_path, chat_tokenizer):
     """A chat row whose message content is "" loaded and then stopped the run at the step that drew it ("prompt 4
     is empty", naming neither file nor row): refused at load, by row."""
+    import dataclasses
     rows = [{"prompt": [{"role": "user", "content": "what is 1 + 2 ?"}], "answer": "3"},
             {"prompt": [{"role": "user", "content": ""}], "answer": "3"}]
-    recs = load_prompts(write_jsonl(tmp_path / "chat.jsonl", rows))
+    with pytest.raises(DatasetError, match=r"chat.jsonl, row 2: field 'prompt': every message's content is empty"):
+        load_prompts(write_jsonl(tmp_path / "chat.jsonl", rows))  # the reader refuses it now (session 51)
+    # the check at load stays for records made otherwise (a task's, a reader's own)
+    first = load_prompts(write_jsonl(tmp_path / "chat.jsonl", rows[:1]))[0]
+    recs = [first, dataclasses.replace(first, prompt=rows[1]["prompt"], meta={**first.meta, "row": 2})]
     assert render_prompt(recs[1], chat_tokenizer, chat_template=False) == []
     with pytest.raises(DatasetError, match=r"chat.jsonl, row 2: the prompt renders to no tokens"):
         fit_prompt_lengths(recs, chat_tokenizer, 64, chat_template=False)

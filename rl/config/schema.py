@@ -312,7 +312,8 @@ class DataSection(_Section):
                                       "null = from the layout")
     answer_key: str | None = _f(None, "record field holding the reference answer; null = from the layout")
     chat_template: bool = _f(False, "render prompts with the tokenizer's chat template")
-    shuffle_seed: int = _f(0, "seed of the per-epoch shuffle of the prompts", min=0, max=MAX_SEED)
+    shuffle_seed: int = _f(0, "seed of the per-epoch shuffle of the prompts; for a synthetic task also of which "
+                              "prompts it makes", min=0, max=MAX_SEED)
     overlong_prompts: str = _f("error", "a file prompt that renders to more than generation.max_prompt_tokens "
                                         "tokens (checked at load, every prompt): error = refuse the file, naming "
                                         "the row; drop = leave such prompts out (logged)", choices=OVERLONG_PROMPTS)
