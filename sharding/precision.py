@@ -38,9 +38,11 @@ def param_dtype(master: str):
 
 
 def to_bf16(master: jax.Array) -> jax.Array:
-    """fp32 -> bf16, nearest with ties away from zero: top 16 bits of (bits + 0x8000)."""
+    """fp32 -> bf16, nearest with ties away from zero: top 16 bits of (bits + 0x8000). A NaN stays NaN (the carry
+    turned NaNs with low mantissa bits, e.g. 0x7FFFFFFF, which NVIDIA GPUs produce, into -0.0: an audit)."""
     bits = jax.lax.bitcast_convert_type(master, jnp.uint32)
-    return jax.lax.bitcast_convert_type(((bits + 0x8000) >> 16).astype(jnp.uint16), jnp.bfloat16)
+    rounded = jax.lax.bitcast_convert_type(((bits + 0x8000) >> 16).astype(jnp.uint16), jnp.bfloat16)
+    return jnp.where(jnp.isnan(master), master.astype(jnp.bfloat16), rounded)
 
 
 def remainder(master: jax.Array, param: jax.Array) -> jax.Array:
@@ -151,9 +153,11 @@ def round_stochastically(x: jax.Array, seed: jax.Array) -> jax.Array:
     drops any change below half a bf16 ulp (0.2 %): Adam's nu, whose decay moves it by 1 - b2 = 0.1 % a step,
     froze (a constant gradient of 1 left nu at 0.25 instead of 0.95 after 3000 steps, so updates grew up to 2x;
     gradients of random size: nu 1.7x fp32's after 6000). Inf and NaN stay what they are."""
-    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    x = x.astype(jnp.float32)
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
     up = (bits + (seed & jnp.uint32(0xFFFF))) & jnp.uint32(0xFFFF0000)
-    return jax.lax.bitcast_convert_type(up, jnp.float32).astype(jnp.bfloat16)
+    rounded = jax.lax.bitcast_convert_type(up, jnp.float32).astype(jnp.bfloat16)
+    return jnp.where(jnp.isnan(x), x.astype(jnp.bfloat16), rounded)  # the dither's carry made some NaNs +-0
 
 
 def dither(g: jax.Array, count: jax.Array, stream: int) -> jax.Array:

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sharding.precision import round_stochastically, scale_by_adam
+from sharding.precision import round_stochastically, scale_by_adam, to_bf16
 
 
 def test_stochastic_rounding_is_unbiased_and_keeps_what_bf16_holds():
@@ -22,6 +22,12 @@ def test_stochastic_rounding_is_unbiased_and_keeps_what_bf16_holds():
         np.testing.assert_array_equal(out[:4], np.asarray(held[:4]))
     assert np.isnan(np.asarray(round_stochastically(jnp.asarray([jnp.nan]), jnp.full(1, 0xFFFF, jnp.uint32)),
                                np.float32)).all()
+    # NaNs with low mantissa bits (0x7FFFFFFF: NVIDIA's fp32 NaN) came out +-0 (an audit): NaN on both roundings
+    nans = jax.lax.bitcast_convert_type(jnp.asarray([0x7FFFFFFF, 0xFFFF8000, 0x7FC00000, 0x7F800001], jnp.uint32),
+                                        jnp.float32)
+    for d in (0, 0xFFFF):
+        assert np.isnan(np.asarray(round_stochastically(nans, jnp.full(4, d, jnp.uint32)), np.float32)).all(), d
+    assert np.isnan(np.asarray(to_bf16(nans), np.float32)).all()
 
 
 def _nu_after(moment_dtype, grads):
