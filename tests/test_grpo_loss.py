@@ -392,6 +392,17 @@ def test_a_token_outside_the_trainers_top_k_gets_no_loss_and_is_counted():
     assert np.isnan(float(nan))
 
 
+def test_under_sequence_mean_a_token_outside_the_trainers_top_k_stays_in_its_rows_count():
+    """"No loss, counted" under sequence_mean too: the row's mean stays over its 4 tokens, as a token the generator
+    gave -inf is (an audit: the rest of the row weighed 1/3 each, not 1/4)."""
+    lp = jnp.zeros((1, 4))
+    cfg = LossConfig(aggregation="sequence_mean")
+    for lo, lg in ((jnp.array([[0.0, 0, 0, -jnp.inf]]), jnp.zeros((1, 4))),  # the trainer's edge
+                   (jnp.zeros((1, 4)), jnp.array([[0.0, 0, 0, -jnp.inf]]))):  # the generator's
+        g = jax.grad(lambda x: grpo_loss(x, lo, lg, jnp.ones(1), jnp.ones((1, 4)), cfg)[0])(lp)
+        np.testing.assert_allclose(np.asarray(g), [[-0.25, -0.25, -0.25, 0.0]], rtol=1e-6)
+
+
 def test_a_token_outside_the_old_policys_top_k_alone_gets_no_loss():
     """logp_old alone -inf (the weights that sampled the batch left the token out, the current ones keep it: the
     update moved it into the nucleus) is a trainer edge too: r = exp(logp - logp_old) would be inf and make the

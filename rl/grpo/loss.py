@@ -115,12 +115,13 @@ def normalizer(mask, cfg: LossConfig):
     return jnp.where(d > 0, d, 1.0)
 
 
-def aggregate(per_token, m, aggregation: str):
+def aggregate(per_token, m, aggregation: str, counted=None):
     """The summed loss of per-token terms [B, T] under mask m [B, T] (fp32 weights), as `normalizer` expects:
-    sum_{i,t} m*x ("token", "sequence_sum") or sum_i (sum_t m*x / sum_t m) ("sequence_mean"; rows without a
-    masked token add 0)."""
+    sum_{i,t} m*x ("token", "sequence_sum") or sum_i (sum_t m*x / sum_t c) ("sequence_mean"; rows without a
+    masked token add 0), c = `counted` (default m): the tokens a row's mean is over, those m leaves without loss
+    included."""
     if aggregation == "sequence_mean":
-        n = jnp.sum(m, axis=-1)
+        n = jnp.sum(m if counted is None else counted, axis=-1)
         seq = jnp.sum(m * per_token, axis=-1)
         return jnp.sum(jnp.where(n > 0, seq / jnp.where(n > 0, n, 1.0), 0.0))
     return jnp.sum(m * per_token)
@@ -174,6 +175,7 @@ def grpo_loss(logp, logp_old, logp_gen, advantages, mask, cfg: LossConfig, logp_
     # token the generator could not have sampled gets weight 0, and is counted. Before, one made the step's loss
     # and gradient NaN and the step was skipped. NaN stays NaN: that is a broken model, not a sampler's edge.
     outside = valid & ((lp == -jnp.inf) | (lo == -jnp.inf))
+    counted = m  # a row's sequence_mean stays over all its tokens (else the rest of the row weighed 1/3, not 1/4)
     m = jnp.where(outside, 0.0, m)
     valid = valid & ~outside
     lp, lo = jnp.where(valid, lp, 0.0), jnp.where(valid, lo, 0.0)
@@ -217,7 +219,7 @@ def grpo_loss(logp, logp_old, logp_gen, advantages, mask, cfg: LossConfig, logp_
     if cfg.entropy_coef > 0:
         per_token = per_token - cfg.entropy_coef * ent
 
-    loss_sum = aggregate(per_token, m, cfg.aggregation)
+    loss_sum = aggregate(per_token, m, cfg.aggregation, counted)
 
     count = lambda b: jnp.sum(m * b.astype(jnp.float32))  # noqa: E731
     stats = {
