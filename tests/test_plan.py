@@ -249,7 +249,8 @@ def test_the_embedding_lookup_moves_the_table_or_the_tokens_whichever_is_smaller
     step = make_train_step(graphdef, opt, mesh=layout, shardings=state_shardings(layout, state))
     with jax.set_mesh(layout.mesh):
         text = step.jitted.lower(state, abstract_batch(layout, mesh_cfg, Batch(1, t_l, micro, True))).compile().as_text()
-    lookup = {(c.op, c.axes, c.bytes) for c in collectives(text, layout.mesh) if "_take" in c.source}
+    lookup = {(c.op, c.axes, c.bytes) for c in collectives(text, layout.mesh)
+              if "_take" in c.source or "embed_tokens_grad" in c.source}  # the lookup and its bf16 table's backward
     table, rows = vocab * cfg.hidden_size * 4, 8 * t_l * cfg.hidden_size * 4  # fp32 on XLA:CPU
     planned = comm_bytes(cfg, mesh_cfg, 1, t_l, micro, master="none")  # master none: fp32 activations, as here
     if vocab == 256:

@@ -24,6 +24,7 @@ from flax import nnx
 from m3jax.config import ConfigError, M3Config
 from m3jax.model.attention import IMPLS as ATTENTION_IMPLS, SPARSE_IMPLS
 from m3jax.model.attention import attention_block
+from m3jax.model.embedding import embed_tokens
 from m3jax.model.kv_cache import LayerCache
 from m3jax.model.mlp import dense_mlp
 from m3jax.model.moe import moe_block
@@ -312,7 +313,7 @@ class M3ForCausalLM(nnx.Module):
                 raise ValueError(f"decode positions up to {s - 1 if s > slots else int(np.max(positions))} with a "
                                  f"cache of {slots} slots (init_cache's max_len): expected positions below {slots}")
         key_valid = None if attention_mask is None else attention_mask.astype(bool)
-        x = layout.constrain(jnp.take(self.embed[...], input_ids, axis=0), ACT)
+        x = layout.constrain(embed_tokens(self.embed[...], input_ids), ACT)
         cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta, x.dtype)
         n_sparse = self.num_sparse_layers
         if return_indexer_recall and cache is not None:
