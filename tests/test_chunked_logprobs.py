@@ -99,6 +99,26 @@ def test_a_bf16_head_gives_the_same_logits_and_its_gradient_within_one_rounding(
     np.testing.assert_allclose(got[1][1], want[1][1], rtol=0, atol=2.0 ** -8 * np.max(np.abs(want[1][1])))
 
 
+@pytest.mark.xla_defaults  # XLA's default excess precision is what elided the rounding
+def test_a_bf16_models_logprobs_read_its_bf16_logits_on_every_path():
+    """The jitted full-logits pass, the chunked one and eager code (as vLLM and HF compute: bf16 logits, then fp32)
+    give the same logprobs of a bf16 model. XLA fused the bf16 round trip away, each program differently: up to
+    1.6e-3 apart on this model (an audit); `sampling_logits` now reads them at bf16 precision explicitly."""
+    from rl.logprobs import policy_logprobs
+    cfg = tiny.m3_config()
+    model = tiny.m3_model(cfg, seed=0, dtype=jnp.bfloat16)
+    ids = tiny.random_ids(cfg, 2, 65, seed=1)
+    mb = {"input_ids": jnp.asarray(ids[:, :-1]), "attention_mask": jnp.ones((2, 64), bool),
+          "targets": jnp.asarray(ids[:, 1:])}
+    for sp in (SamplingParams(temperature=1.0, max_new_tokens=1), SamplingParams(1, 0.7, 0.9, 20)):
+        logits = model(mb["input_ids"], attention_mask=mb["attention_mask"])
+        assert logits.dtype == jnp.bfloat16
+        want = np.asarray(token_logprobs(logits, mb["targets"], sp.temperature, sp.top_p, sp.top_k))  # eager
+        full, chunked = (np.asarray(jax.jit(lambda m, b: policy_logprobs(m, b, sp, c))(model, mb)) for c in (0, 16))
+        np.testing.assert_array_equal(chunked, full, err_msg=str(sp))  # were 9.4e-4 apart
+        np.testing.assert_allclose(full, want, rtol=0, atol=1e-4, err_msg=str(sp))  # fp32 sums' order only
+
+
 def test_bad_chunk_and_shapes_are_errors():
     h, w, y, _ = _inputs()
     for bad in (0, -1, True, 2.0):
