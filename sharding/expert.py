@@ -140,8 +140,9 @@ def _padded_exchange(rows, expert_of_row, per_expert, expert_fn, ep_axes, n_ep, 
     dest_start = jnp.cumsum(dest_rows) - dest_rows
     cap = receive_rows(t, k, n_ep, e_loc, capacity_factor, "padded") // n_ep
     routed = dest < n_ep  # `unrouted` rows (padding) sort last with dest = n_ep: neither sent nor counted
+    # position inside the destination's block (cap, never kept, for an unrouted row)
     slot = jnp.where(routed, jnp.arange(t * k) - dest_start[jnp.minimum(dest, n_ep - 1)], cap)
-    kept = slot < cap  # position inside the destination's block
+    kept = slot < cap
     cum = jnp.cumsum(send_counts, axis=1)
     send_counts = jnp.minimum(cum, cap) - jnp.minimum(cum - send_counts, cap)
     recv_counts = jax.lax.all_to_all(send_counts, ep_axes, 0, 0, tiled=True) if n_ep > 1 else send_counts

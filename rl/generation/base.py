@@ -154,7 +154,7 @@ def sampling_logits(logits: jax.Array, temperature: float, top_p: float = 1.0, t
     bf16) scored the same bf16 model up to 1.6e-3 apart (an audit).
     """
     z = logits.astype(jnp.float32)
-    if logits.dtype != jnp.float32 and jnp.issubdtype(logits.dtype, jnp.floating):
+    if jnp.issubdtype(logits.dtype, jnp.floating) and jnp.dtype(logits.dtype).itemsize < 4:
         info = jnp.finfo(logits.dtype)
         z = jax.lax.reduce_precision(z, exponent_bits=info.nexp, mantissa_bits=info.nmant)
     z = z / (temperature if temperature > 0 else 1.0)
