@@ -57,7 +57,7 @@ def test_one_device_bounds_its_buffer_as_a_mesh_without_expert_parallelism():
     assert not np.allclose(rows, moe(Layout(), x, None, None, everywhere), atol=1e-3)
 
 
-# Two MoE layers, the hot expert of params() replaced by a random router; 8 tokens a row decode.
+# A tiny model of two full-attention MoE layers (a random router, no hot expert).
 MODEL_CFG = tiny.m3_config(layers=2, full_attention_layers=2, dense_layers=0, vocab_size=64, hidden_size=32,
                            num_attention_heads=2, num_key_value_heads=2, head_dim=16, intermediate_size=16)
 
