@@ -238,10 +238,7 @@ def routed_experts(x: jax.Array, route_fn: Callable, router: tuple, expert_fn: C
         n_ep = 1 if mesh is None else layout.size("experts")
         balanced = n_ep * t.shape[0] * idx.shape[1] / num_experts
         fn = lambda rows, sizes: expert_fn(rows, sizes, gate_up, down, expected_rows=balanced)  # noqa: E731
-        if capacity_factor is None:
-            sent = idx
-        else:
-            sent = unrouted(idx, None if valid is None else valid.reshape(-1), num_experts)
+        sent = unrouted(idx, None if valid is None else valid.reshape(-1), num_experts)  # valid: with a cap only
         if mesh is None and capacity_factor is None:
             out = local_experts(t, w, idx, fn, num_experts).reshape(b, s, d)
         elif mesh is None:  # the n_ep = 1 bound of a mesh without expert parallelism
@@ -263,10 +260,9 @@ def routed_experts(x: jax.Array, route_fn: Callable, router: tuple, expert_fn: C
     down_spec = layout.spec(("experts", None, "expert_mlp"), drop_trivial=True)
     router_spec = jax.tree.map(lambda _: P(), router)
     in_specs = (x_spec, router_spec, gu_spec, down_spec) + (() if ids is None else (x_spec,))
-    out_specs = (x_spec, x_spec) if return_ids else x_spec
-    if valid is not None:
+    if valid is not None:  # the last argument, by keyword to body
         in_specs += (layout.spec(("act_batch", "act_seq"), drop_trivial=True),)
         args += (valid,)
-        return jax.shard_map(lambda *a: body(*a[:-1], valid=a[-1]), mesh=mesh, in_specs=in_specs,
-                             out_specs=out_specs)(*args)
-    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(*args)
+    sharded = (lambda *a: body(*a[:-1], valid=a[-1])) if valid is not None else body
+    out_specs = (x_spec, x_spec) if return_ids else x_spec
+    return jax.shard_map(sharded, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(*args)
