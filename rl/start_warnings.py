@@ -12,6 +12,7 @@ import dataclasses
 from rl.ahead import draws_ahead
 from rl.config import RunConfig
 from rl.evaluate import due as evaluates_after
+from rl.inert_settings import inert_settings
 from rl.policy import learning_rate
 
 
@@ -40,6 +41,7 @@ def start_warnings(cfg: RunConfig, model_cfg) -> list[str]:
                    "(indexer) layer, so no indexer/recall is logged")
     if m.moe_capacity_factor is not None and not model_cfg.has_moe:
         out.append(f"model.moe_capacity_factor = {m.moe_capacity_factor:g} has no effect: the model has no MoE layer")
+    out += inert_settings(cfg)
     moot = vllm_settings_on_the_jax_engine(cfg.generation)
     if moot:
         out.append(f"{', '.join(moot)} {'has' if len(moot) == 1 else 'have'} no effect: generation.backend = jax "

@@ -24,6 +24,7 @@ from rl.checkpoint import CheckpointMismatch
 from rl.config import RunConfig, checkpoint_dir
 from rl.config_record import record_config
 from rl.grpo.dapo import ShortSteps
+from rl.job_agreement import agree_in_job, eval_facts, start_facts
 from rl.stop_signals import StopSignals
 from rl.generation import backends
 from rl.observe import RunLogger, draw_curves
@@ -79,6 +80,9 @@ class GRPOTrainer:
         self.phases = PhaseClock()  # a line as each phase of the start ends (rl.startup)
         self.tokenizer, self.loader, self.pad_id = build_data(cfg)
         self.phases.done("%s", prompts_line(cfg, len(self.loader.records)))
+        # a multi-host job's processes compare what each read from its own host, before any collective
+        agree_in_job("its config, code, tokenizer and prompts",
+                     lambda: start_facts(cfg, self.tokenizer, self.loader.records))
         self.checkpointer = checkpointer_for(cfg)
         try:
             self._build(policy, kernel_headroom)
@@ -138,6 +142,7 @@ class GRPOTrainer:
     def _eval_set(self) -> held_out.EvalSet:
         es = held_out.build_eval_set(self.cfg, self.tokenizer, self.policy.sampling.stop_token_ids,
                                      self.loader.records)
+        agree_in_job("its held-out prompts", lambda: {"eval_prompts": eval_facts(es)})
         shared = held_out.overlap(self.loader.records, es.records)
         if shared:  # a prompt file that is not held out (synthetic prompts exclude the training records)
             log.warning("%d of the %d evaluation prompts are also training prompts", shared, len(es.records))

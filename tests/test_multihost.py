@@ -85,9 +85,9 @@ TWO_HOSTS = ["mesh.data=2", "mesh.expert=2", "mesh.tensor=2", "grpo.prompts_per_
              "grpo.micro_batch_size=2", "logging.progress_bar=false"]
 
 
-def two_hosts(out: str, overrides: list[str]) -> list[subprocess.Popen]:
-    """Two processes of one job, each running `python -m m3jax.train` on configs/tiny.yaml with `overrides`
-    (tests/workers/multihost_train.py writes `out`.<process>.json as it ends)."""
+def two_hosts(out: str, overrides: list[str], own: tuple[list[str], list[str]] = ([], [])) -> list[subprocess.Popen]:
+    """Two processes of one job, each running `python -m m3jax.train` on configs/tiny.yaml with `overrides`, then
+    process i's `own[i]` (tests/workers/multihost_train.py writes `out`.<process>.json as it ends)."""
     port = free_port()
     procs = []
     for i in range(2):
@@ -95,8 +95,8 @@ def two_hosts(out: str, overrides: list[str]) -> list[subprocess.Popen]:
                "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i)}
         env.pop("XLA_FLAGS", None)
         procs.append(subprocess.Popen([sys.executable, os.path.join(ROOT, "tests/workers/multihost_train.py"), out,
-                                       "--config", os.path.join(ROOT, "configs/tiny.yaml"), *overrides], env=env,
-                                      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+                                       "--config", os.path.join(ROOT, "configs/tiny.yaml"), *overrides, *own[i]],
+                                      env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     return procs
 
 
