@@ -419,6 +419,31 @@ def test_a_token_outside_the_old_policys_top_k_alone_gets_no_loss():
     np.testing.assert_allclose(np.asarray(g), np.asarray(g_want), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("kind", ["k1", "k2", "k3"])
+@pytest.mark.parametrize("clamps", [(None, None), (20.0, 10.0)])
+def test_a_token_outside_the_references_top_k_has_no_kl_and_keeps_its_policy_term(kind, clamps):
+    """The reference pass scores under the run's top-k / top-p, so a sampled token can be -inf under the reference.
+    Without the KL's clamps (the on-policy distillation recipe turns both off) its KL was inf: every step's loss inf,
+    skipped, the run stalled (an audit: 3 steps in a row with top_k 2). Its KL term is now 0 in value and gradient,
+    with or without clamps, its policy term stays, and it is counted (`ref_inf_tokens`)."""
+    log_ratio_clamp, clamp = clamps
+    lp, lo = jnp.array([[-1.0, -2.0, -0.5]]), jnp.array([[-1.1, -1.9, -0.4]])
+    ref = jnp.array([[-1.2, -jnp.inf, -0.4]])
+    cfg = LossConfig(kl=kind, kl_coef=0.1, kl_clamp=clamp, kl_log_ratio_clamp=log_ratio_clamp)
+    fn = lambda x, r: grpo_loss(x, lo, lo, jnp.array([0.7]), jnp.ones((1, 3)), cfg, logp_ref=r)  # noqa: E731
+    (got, st), g = jax.value_and_grad(fn, has_aux=True)(lp, ref)
+    # the want: token 1's reference equal to its own logp (log-ratio 0: every kind's KL value 0 there); the other
+    # tokens' values and gradients as they were, token 1's gradient its policy term's alone
+    (want, want_st), g_want = jax.value_and_grad(fn, has_aux=True)(lp, ref.at[0, 1].set(-2.0))
+    no_kl = jax.grad(lambda x: grpo_loss(x, lo, lo, jnp.array([0.7]), jnp.ones((1, 3)), LossConfig())[0])(lp)
+    assert np.isfinite(float(got)) and np.all(np.isfinite(np.asarray(g)))
+    assert float(st["ref_inf_tokens"]) == 1 and float(want_st["ref_inf_tokens"]) == 0
+    close(got, want)
+    close(st["kl_sum"], want_st["kl_sum"])
+    np.testing.assert_allclose(np.asarray(g)[0, [0, 2]], np.asarray(g_want)[0, [0, 2]], rtol=1e-6, atol=1e-7)
+    close(g[0, 1], no_kl[0, 1])
+
+
 def test_on_policy_kl_of_a_token_the_generator_could_not_sample_is_zero():
     """With kl_on_policy the KL term's weight is pi/pi_gen; where logp_gen is -inf that weight does not exist, so
     the token's KL is 0 in value and gradient (its logp_gen, zeroed for the arithmetic, would otherwise weigh it

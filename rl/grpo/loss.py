@@ -140,6 +140,7 @@ def grpo_loss(logp, logp_old, logp_gen, advantages, mask, cfg: LossConfig, logp_
       logp, logp_old, logp_gen: [B, T] log-probs of the sampled tokens (logp carries the gradient).
         logp_gen may be -inf (or NaN) on a valid token: that token gets importance weight 0 and is counted.
         logp or logp_old -inf on a valid token (outside the trainer's own top-k / top-p): no loss, counted.
+        logp_ref -inf on a valid token (outside the reference's top-k / top-p): no KL term, counted.
       advantages: [B] (one per sequence) or [B, T].
       mask: [B, T], 1 (or a weight) for response tokens that get loss, 0 for prompt and padding.
       cfg: LossConfig (static).
@@ -157,7 +158,9 @@ def grpo_loss(logp, logp_old, logp_gen, advantages, mask, cfg: LossConfig, logp_
       -inf: not counted in `tokens`), kl_sum (the penalty's value, unscaled), neg_logp_sum
       (-logp: approximate entropy), ratio_sum (the objective's ratio), is_weight_sum (w_eff),
       pg_loss_sum (the policy term alone, token-summed), entropy_sum (the exact entropy, when given);
-      low_entropy_tokens (valid tokens whose policy term high_entropy_fraction dropped, when it is < 1).
+      low_entropy_tokens (valid tokens whose policy term high_entropy_fraction dropped, when it is < 1);
+      ref_inf_tokens (valid tokens whose logp_ref is -inf, outside the reference's top-k / top-p: no KL term;
+      when cfg.kl is set).
     """
     if not isinstance(cfg, LossConfig):
         raise TypeError(f"cfg must be a LossConfig, got {type(cfg).__name__}")
@@ -208,7 +211,15 @@ def grpo_loss(logp, logp_old, logp_gen, advantages, mask, cfg: LossConfig, logp_
         if logp_ref is None:
             raise ValueError(f"LossConfig.kl={cfg.kl!r} needs logp_ref")
         lr = sg(_clean(logp_ref, valid, "logp_ref", shape))
+        # A valid token outside the reference's own top-k / top-p (the reference pass scores under the run's
+        # sampling transform) has an infinite KL: without the clamps it made the loss inf and every such step was
+        # skipped, so a KL run with top_k / top_p stopped training. It gets no KL term (its policy term stays) and
+        # is counted, as a token outside the trainer's own is. Its log-ratio is set to 0 first: a where() after an
+        # inf would still send 0 * inf = NaN into the gradient.
+        ref_outside = valid & (lr == -jnp.inf)
+        lr = jnp.where(ref_outside, sg(lp), lr)
         kl = kl_penalty(lp, lr, cfg.kl, cfg.kl_log_ratio_clamp, cfg.kl_clamp, lg if cfg.kl_on_policy else None)
+        kl = jnp.where(ref_outside, 0.0, kl)
         if cfg.kl_on_policy:  # a token the generator could not have sampled has no importance weight
             kl = jnp.where(bad_gen, 0.0, kl)
         per_token = pg + cfg.kl_coef * kl
@@ -239,6 +250,8 @@ def grpo_loss(logp, logp_old, logp_gen, advantages, mask, cfg: LossConfig, logp_
         "is_weight_sum": jnp.sum(m * iw.w_eff),
         "pg_loss_sum": jnp.sum(m * sg(pg)),
     }
+    if cfg.kl != "none":
+        stats["ref_inf_tokens"] = count(ref_outside)
     if cfg.high_entropy_fraction < 1.0:
         stats["low_entropy_tokens"] = count(~forking)
     if ent is not None:
