@@ -129,3 +129,18 @@ def test_large_rewards_keep_their_advantages(name):
     small = np.array([0.0, 8.0, 8.0, 16.0, 24.0, 40.0, 32.0, 32.0], np.float32)  # fp32 holds each + 1e8 exactly
     estimator = get_advantage_estimator(name)
     np.testing.assert_allclose(np.asarray(estimator(small + 1e8, 4)), np.asarray(estimator(small, 4)), atol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(ADVANTAGE_ESTIMATORS))
+def test_rewards_up_to_the_largest_taken_keep_their_scaled_advantages(name):
+    """The estimators that divide by a std are invariant to a scale of the rewards, up to rl.rewards' largest taken
+    value (1e30): the squares of deviations past ~1.8e19 overflowed float32, the std became inf and a group of
+    [0, s, 0, s] got advantages 0 for s = 1e20 (an audit), a signal trained as none."""
+    from rl.rewards.outcome import MAX_ABS_REWARD
+    small = np.array([0.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.5], np.float32)
+    estimator = get_advantage_estimator(name)
+    unit = np.asarray(estimator(small, 4))
+    for s in (1e20, 1e25, MAX_ABS_REWARD):
+        got = np.asarray(estimator(small * np.float32(s), 4))
+        want = unit * (s if name in ("dr_grpo", "rloo") else 1.0)  # the unscaled estimators scale with the rewards
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * (s if name in ("dr_grpo", "rloo") else 1.0))

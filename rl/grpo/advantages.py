@@ -51,6 +51,17 @@ def _grouped(rewards, group_size: int):
     return r - jnp.min(r, axis=1, keepdims=True)
 
 
+def _root_sum_squares(c, denom: int, axis, where=None):
+    """sqrt(sum(c^2) / denom) along `axis` (kept), computed as m * sqrt(sum((c/m)^2) / denom) with m = max |c|: the
+    squares of deviations past ~1.8e19 overflowed float32 to inf (rewards up to rl.rewards' 1e30 are taken), the
+    std became inf and every advantage of the group 0, with no warning (an audit). `where`: the entries summed."""
+    a = jnp.abs(c) if where is None else jnp.where(where, jnp.abs(c), 0.0)
+    m = jnp.max(a, axis=axis, keepdims=True)
+    m = jnp.where(m > 0, m, 1.0)
+    q = (c / m) ** 2 if where is None else jnp.where(where, (c / m) ** 2, 0.0)
+    return m * jnp.sqrt(jnp.sum(q, axis=axis, keepdims=True) / denom)
+
+
 def _centred(r, baseline):
     """r - baseline, [P, G], exactly 0 in a group whose rewards are all equal (where it is 0 in exact arithmetic
     and fp32 leaves a rounding residue)."""
@@ -83,8 +94,7 @@ def group_advantages(rewards, group_size: int, *, scale: str = "std", leave_one_
         centred = _centred(r, jnp.mean(r, axis=1, keepdims=True))
         if scale == "none":
             return centred.reshape(-1)
-        var = jnp.sum(centred * centred, axis=1, keepdims=True) / max(g - 1, 1)
-        std = jnp.sqrt(var)
+        std = _root_sum_squares(centred, max(g - 1, 1), axis=1)
         constant = jnp.max(r, axis=1, keepdims=True) == jnp.min(r, axis=1, keepdims=True)
         adv = jnp.where(constant, centred, centred / (std + eps))
         return adv.reshape(-1)
@@ -97,8 +107,7 @@ def group_advantages(rewards, group_size: int, *, scale: str = "std", leave_one_
     if scale == "none":
         return centred.reshape(-1)
     dev = r[:, None, :] - baseline[:, :, None]                          # [P, i, j] = r_j - b_i
-    ss = jnp.sum(jnp.where(others[None], dev * dev, 0.0), axis=2)      # [P, G]
-    std = jnp.sqrt(ss / max(g - 2, 1))
+    std = _root_sum_squares(dev, max(g - 2, 1), axis=2, where=others[None])[..., 0]   # [P, G]
     big = jnp.finfo(jnp.float32).max
     rr = jnp.broadcast_to(r[:, None, :], (r.shape[0], g, g))
     o_max = jnp.max(jnp.where(others[None], rr, -big), axis=2)
@@ -125,7 +134,7 @@ def batch_normalized_advantages(rewards, group_size: int, *, eps: float = 1e-6):
     r = _grouped(rewards, group_size)
     c = _centred(r, jnp.mean(r, axis=1, keepdims=True)).reshape(-1)
     n = c.shape[0]
-    std = jnp.sqrt(jnp.sum(c * c) / max(n - 1, 1))
+    std = _root_sum_squares(c, max(n - 1, 1), axis=0)
     return jnp.where(jnp.max(c) == jnp.min(c), c, c / (std + eps))
 
 
