@@ -341,7 +341,9 @@ def step_metrics(samples: Samples, reward: np.ndarray, failures: int, adv: Advan
                                            micro["loss_mask"].reshape(n, -1) > 0)
     else:  # the update was its own logp_old (grpo.old_logprobs: update) and summed the mismatch itself
         mism, ids = mismatch_from_sums(sums), id_mismatch_from_sums(sums)
-    tokens = max(sums.get("tokens", 0.0), 1.0)
+    # the per-loss-token figures of a step with no loss token (every row at weight 0) are NaN, as the mismatch
+    # diagnostics are: a 0 read as an entropy collapse or a policy that stopped clipping
+    tokens = sums.get("tokens", 0.0) or float("nan")
     return {
         "reward/mean": float(reward.mean()), "reward/std": float(reward.std()), "reward/failures": failures,
         "groups/zero_variance_frac": float(adv.zero_variance.mean()),
@@ -356,11 +358,13 @@ def step_metrics(samples: Samples, reward: np.ndarray, failures: int, adv: Advan
         "is/inf_frac": sums.get("is_inf_tokens", 0.0) / tokens,  # non-finite logp_gen: weight 0 (rl.grpo.importance)
         # outside the trainer's own top-k / top-p (logp or logp_old -inf): no loss (rl.grpo.loss); a share of the loss
         # tokens they were before being left out (`tokens` counts those that kept theirs)
-        "is/trainer_inf_frac": sums.get("trainer_inf_tokens", 0.0) / max(
-            sums.get("tokens", 0.0) + sums.get("trainer_inf_tokens", 0.0), 1.0),
+        "is/trainer_inf_frac": sums.get("trainer_inf_tokens", 0.0) / (
+            sums.get("tokens", 0.0) + sums.get("trainer_inf_tokens", 0.0) or float("nan")),
         "kl": sums.get("kl_sum", 0.0) / tokens, "entropy_approx": sums.get("neg_logp_sum", 0.0) / tokens,
         **({"entropy": sums["entropy_sum"] / tokens} if "entropy_sum" in sums else {}),  # exact (logging.entropy)
         **({"low_entropy_frac": sums["low_entropy_tokens"] / tokens} if "low_entropy_tokens" in sums else {}),
+        # outside the reference's own top-k / top-p (logp_ref -inf): no KL term (rl.grpo.loss)
+        **({"kl/ref_inf_frac": sums["ref_inf_tokens"] / tokens} if "ref_inf_tokens" in sums else {}),
         **({"indexer/align_kl": sums["indexer_kl_sum"] / tokens} if "indexer_kl_sum" in sums else {}),
         # the indexer's gradient (alignment loss only), clipped by its own norm (sharding.optim_step.clip_by_group_norms)
         **({"indexer/grad_norm": stats.grad_norm_apart} if stats.grad_norm_apart is not None else {}),

@@ -124,6 +124,25 @@ def test_train_batch_logprobs_update_and_metrics(samples):
     assert m["is/trainer_inf_frac"] == 2.0 / (stats.sums["tokens"] + 2.0)
 
 
+def test_a_step_without_loss_tokens_logs_its_per_token_figures_as_nan(samples):
+    """Every row at loss weight 0 (overlong_filter with every response cut, dynamic sampling's fill of equal-reward
+    groups): `entropy_approx`, `kl` and `clip_frac` read 0.0 (an entropy collapse on the curves) beside the NaN of
+    the mismatch diagnostics (an audit). Each per-token figure is NaN there; the step's own figures stay."""
+    reward, failures, _ = phases.rewards(CFG.reward, samples)
+    adv = phases.advantages(reward, samples.rollout.truncated, CFG.grpo)
+    micro = phases.train_batch(samples, adv, width=16, pad_id=13, num_micro=2)
+    micro["loss_mask"] = np.zeros_like(micro["loss_mask"])  # every row at loss weight 0
+    micro["logp_old"] = micro["logp_gen"]
+    zero = {"tokens": 0.0, "clipped_tokens": 0.0, "kl_sum": 0.0, "neg_logp_sum": 0.0, "trainer_inf_tokens": 0.0,
+            "ref_inf_tokens": 0.0, "entropy_sum": 0.0}
+    stats = phases.UpdateStats(0.0, 0.0, 0, zero)
+    m = phases.step_metrics(samples, reward, failures, adv, micro, stats, 1e-3, {"generate": 1.0}, 2.0)
+    for key in ("clip_frac", "kl", "entropy_approx", "entropy", "is/inf_frac", "is/trainer_inf_frac",
+                "kl/ref_inf_frac", "gen_kl_error"):
+        assert np.isnan(m[key]), (key, m[key])
+    assert m["loss"] == 0.0 and m["reward/mean"] == float(reward.mean())
+
+
 def test_the_trainers_inf_tokens_are_a_share_of_the_loss_tokens_they_were():
     """One of 4 loss tokens at -inf read 1/3 (the count it was divided by had left it out); all of them read n/1."""
     import jax.numpy as jnp
