@@ -232,9 +232,10 @@ def sorted_by_length(batch: dict, updates: int) -> dict:
 REPLAYED = ("routes", "block_ids")  # the generator's choices a pass may replay (grpo.routing / indexer_replay)
 
 
-def logprobs(logprob_pass: Callable, state, micro: dict, ref_params=None, old: bool = True) -> dict:
+def logprobs(logprob_pass: Callable, state, micro: dict, ref_params=None, old: bool = True,
+             ref_pass: Callable | None = None) -> dict:
     """`micro` with logp_old under the current weights (and logp_ref under the reference, for a KL, with the
-    reference's own expert routes and key blocks).
+    reference's own expert routes and key blocks, through `ref_pass`: by default `logprob_pass`).
     When `micro` has the generator's "routes" / "block_ids", the pass also gives the trainer's own top-k
     expert ids / key blocks, kept under "trainer_routes" / "trainer_block_ids" for `route_metrics`.
     old=False (grpo.old_logprobs: update): no logp_old pass; the update is its own logp_old."""
@@ -248,7 +249,7 @@ def logprobs(logprob_pass: Callable, state, micro: dict, ref_params=None, old: b
     if ref_params is not None:
         # the reference scores with its own router and indexer: replaying the generator's choices would score a
         # teacher (grpo.reference_path) on the student's experts and key blocks, not as itself
-        ref = logprob_pass(ref_params, state.rest, {k: v for k, v in micro.items() if k not in REPLAYED})
+        ref = (ref_pass or logprob_pass)(ref_params, state.rest, {k: v for k, v in micro.items() if k not in REPLAYED})
         micro["logp_ref"] = ref[0] if isinstance(ref, tuple) else ref
     jax.block_until_ready([micro[k] for k in ("logp_old", "logp_ref") if k in micro])
     return micro

@@ -111,6 +111,12 @@ class GRPOTrainer:
         self.reference_step = 0  # the step whose policy the reference is (grpo.reference_reset_every_steps)
         self.train_step = make_update(self.policy, self.loss_cfg)
         self.logprobs = make_logprobs(self.policy)
+        # the KL's reference scores under the run's temperature with every token kept, as verl and TRL's do: under
+        # its own top-k / top-p a token the moved policy sampled outside the reference's nucleus had an infinite KL
+        # (clamped to a constant without gradient, or, clamps off, a skipped step)
+        untruncated = self.policy.sampling.untruncated()
+        self.reference_pass = (make_logprobs(self.policy, untruncated) if self.reference is not None
+                               and untruncated != self.policy.sampling else self.logprobs)
         # logging.indexer_recall_every: a forward of its own on a sample every N steps (models with sparse layers)
         self.recall = (make_indexer_recall(self.policy) if cfg.logging.indexer_recall_every
                        and self.policy.model().num_sparse_layers else None)
@@ -212,7 +218,7 @@ class GRPOTrainer:
 
         micro = phases.logprobs(self.logprobs, policy.state, micro,
                                 self.reference.for_pass() if self.reference is not None else None,
-                                old=gcfg.old_logprobs == "pass")
+                                old=gcfg.old_logprobs == "pass", ref_pass=self.reference_pass)
         micro, route_metrics = phases.route_metrics(micro, replay=gcfg.routing_replay == "rollout",
                                                     indexer_replay=gcfg.indexer_replay == "rollout",
                                                     in_update=gcfg.old_logprobs == "update")

@@ -38,7 +38,7 @@ def probe_check(generation, vocab_size: int, sampling: SamplingParams, trainer_l
 
 def probe_sampling(sampling: SamplingParams) -> SamplingParams:
     """The transform the probes are scored under: the run's temperature, every token kept."""
-    return dataclasses.replace(sampling, top_k=0, top_p=1.0)
+    return sampling.untruncated()
 
 
 def sync_weights(engine: Generator, state, version: int, probe: ProbeCheck | None = None) -> dict:

@@ -21,6 +21,11 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     stop_token_ids: tuple[int, ...] = ()
 
+    def untruncated(self) -> "SamplingParams":
+        """This transform's temperature with every token kept (no top-k / top-p): what the weight probes and the
+        KL's reference are scored under."""
+        return dataclasses.replace(self, top_k=0, top_p=1.0)
+
     def __post_init__(self):
         """Refuse what a run's config refuses (rl.config), for callers that build one themselves: a NaN temperature
         sampled at 1, one below MIN_TEMPERATURE returned NaN logprobs, a float top_k or a list of stop ids failed
