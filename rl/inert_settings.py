@@ -54,6 +54,13 @@ RULES: tuple[Rule, ...] = (
          "logging.rollouts_every = 0 writes no rollouts"),
     Rule("logging", ("wandb_entity", "wandb_mode"), lambda cfg: None if cfg.logging.wandb_project else
          "logging.wandb_project = null opens no W&B run"),
+    # under generation.backend: jax every vLLM setting is named by rl.start_warnings.vllm_settings_on_the_jax_engine
+    Rule("generation", ("weight_group_device",), lambda cfg: None if cfg.generation.backend != "vllm"
+         or cfg.generation.weight_transport == "collective" else
+         f"generation.weight_transport = {cfg.generation.weight_transport} opens no collective group"),
+    Rule("generation", ("vllm_object_store_warmup",), lambda cfg: None if cfg.generation.backend != "vllm"
+         or not cfg.generation.vllm_ray_address or cfg.generation.weight_transport == "shm" else
+         "the pool joins the Ray cluster at generation.vllm_ray_address, whose object store it did not size"),
     Rule("mesh", ("context_balance",), lambda cfg: None if cfg.mesh.context > 1 else
          "mesh.context = 1 has no context shards to balance"),
 )

@@ -39,6 +39,10 @@ def warned(*overrides) -> list[str]:
                                                 "have two digits"),
     (["logging.rollouts_groups=8"], "logging.rollouts_groups = 8 has no effect: logging.rollouts_every = 0"),
     (["logging.wandb_mode=offline"], "logging.wandb_mode = offline has no effect: logging.wandb_project = null"),
+    (["generation.backend=vllm", "generation.weight_group_device=cpu"],
+     "generation.weight_group_device = cpu has no effect: generation.weight_transport = ray opens no collective"),
+    (["generation.backend=vllm", "generation.vllm_ray_address=auto", "generation.vllm_object_store_warmup=false"],
+     "generation.vllm_object_store_warmup = False has no effect: the pool joins the Ray cluster"),
     (["mesh.context_balance=false"], "mesh.context_balance = False has no effect: mesh.context = 1 has no context"),
 ])
 def test_an_inert_setting_is_named_with_why(overrides, line):
@@ -54,6 +58,10 @@ def test_an_inert_setting_is_named_with_why(overrides, line):
     (["grpo.kl=k3", "grpo.kl_coef=0.01", "grpo.kl_clamp=0.5"], "kl_clamp"),
     (["grpo.dynamic_sampling=true", "grpo.dynamic_sampling_max_rounds=50"], "max_rounds"),
     (["logging.rollouts_every=5", "logging.rollouts_groups=8"], "rollouts_groups"),
+    (["generation.backend=vllm", "generation.weight_transport=collective", "generation.weight_group_device=cpu"],
+     "weight_group_device"),
+    (["generation.backend=vllm", "generation.weight_transport=shm", "generation.vllm_ray_address=auto",
+      "generation.vllm_object_store_warmup=false"], "object_store"),
 ])
 def test_a_setting_its_config_reads_is_not_named(overrides, named):
     lines = warned(*overrides)
