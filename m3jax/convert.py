@@ -34,7 +34,8 @@ def main(argv=None) -> int:
                          "warned of)")
     ap.add_argument("--max-shard-size", default="5GB")
     ap.add_argument("--carry-from", type=path_argument, default=None, metavar="DIR",
-                    help="the checkpoint whose vision tower a released result carries (default: SRC's own)")
+                    help="the checkpoint whose vision tower (a released result), config fields and tokenizer the "
+                         "result carries (default: SRC's own); its text model must be SRC's")
     ap.add_argument("--threads", type=int, default=READ_THREADS,
                     help="parts read and written at once (more for a network filesystem)")
     args = ap.parse_args(argv)

@@ -140,3 +140,14 @@ def test_another_models_vision_tower_is_refused(ckpts, tmp_path):  # noqa: F811
     with pytest.raises(CheckpointError, match="its text model differs from the one written"):
         convert_checkpoint(ckpts["dirs"]["native"], tmp_path / "out", "released", carry_from=other)
     assert not [p for p in os.listdir(tmp_path) if p.startswith("out")]
+
+
+def test_another_models_tokenizer_and_fields_are_refused_in_the_native_layout_too(ckpts, tmp_path):  # noqa: F811
+    """The text models were compared only where a vision tower was carried: a native conversion with another
+    model's --carry-from wrote that model's tokenizer and config fields beside these weights, exit 0 (an audit)."""
+    from tests import reference as ref
+    other = ref.save(ref.build_model(ref.tiny_config("mixed_kinds")), str(tmp_path / "other"), "native")
+    (tmp_path / "other" / "tokenizer_config.json").write_text('{"who": "the other model"}')
+    with pytest.raises(CheckpointError, match="its config fields, tokenizer and vision tower are not carried"):
+        convert_checkpoint(ckpts["dirs"]["native"], tmp_path / "out", "native", carry_from=other)
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("out")]

@@ -43,9 +43,11 @@ def carried(src: str | os.PathLike | None, layout: str) -> dict[str, TensorInfo]
 def with_source_config(cfg, src: str | os.PathLike | None, infos: dict[str, TensorInfo]):
     """`cfg` (an M3Config) carrying what the config of `src`, the checkpoint the model came from, holds beyond the
     model: its text config's other fields (`M3Config.text_passthrough`), and its vision config where its tensors
-    are carried (`infos`), so the config describes the vision tower the checkpoint holds; a `src` whose text model
-    differs from `cfg`'s is refused there (its vision tower was trained beside another model). Without `src`,
-    `cfg` as it is: a model loaded from a checkpoint holds that one's fields already."""
+    are carried (`infos`), so the config describes the vision tower the checkpoint holds. A `src` whose text model
+    differs from `cfg`'s is refused, in either layout: its fields, tokenizer and chat template (the files carried
+    beside the weights, `m3jax.hf.side_files`) and vision tower belong to another model (a conversion with another
+    model's `--carry-from` shipped its tokenizer, an audit). Without `src`, `cfg` as it is: a model loaded from a
+    checkpoint holds that one's fields already."""
     if src is None:
         return cfg
     import dataclasses
@@ -53,15 +55,16 @@ def with_source_config(cfg, src: str | os.PathLike | None, infos: dict[str, Tens
     from m3jax.config import PASSTHROUGH_FIELDS, M3Config
     from m3jax.hf.safetensors_io import CheckpointError
     theirs = M3Config.from_pretrained(os.fspath(src))
-    cfg = dataclasses.replace(cfg, text_passthrough=theirs.text_passthrough)
-    if not infos:
-        return cfg
     bare = dict.fromkeys(PASSTHROUGH_FIELDS, "")
     if dataclasses.replace(theirs, **bare) != dataclasses.replace(cfg, **bare):
         differ = [f.name for f in dataclasses.fields(cfg) if f.name not in PASSTHROUGH_FIELDS
                   and getattr(cfg, f.name) != getattr(theirs, f.name)]
         raise CheckpointError(f"{src}: its text model differs from the one written ({', '.join(differ[:5])}): its "
-                              "vision tower is not carried into another model's checkpoint")
+                              "config fields, tokenizer and vision tower are not carried into another model's "
+                              "checkpoint")
+    cfg = dataclasses.replace(cfg, text_passthrough=theirs.text_passthrough)
+    if not infos:
+        return cfg
     return dataclasses.replace(cfg, vl_passthrough=theirs.vl_passthrough)
 
 
