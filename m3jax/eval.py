@@ -30,6 +30,9 @@ def main(argv=None) -> int:
     source.add_argument("--hf", type=path_argument, metavar="DIR",
                         help="score this Hugging Face directory instead of a checkpoint")
     args = parser.parse_intermixed_args(argv)
+    if args.print_config and (args.step is not None or args.hf is not None):  # it printed and scored nothing
+        parser.error("--print-config prints the config and exits: it scores nothing, so --step / --hf do not go "
+                     "with it")
     reserve_collective_threads(os.environ)  # simulated CPU devices: before jax starts its CPU backend
     try:
         cfg = from_args(args, training=False)

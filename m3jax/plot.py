@@ -6,6 +6,7 @@ those metrics of several runs side by side, one curve per run."""
 
 import argparse
 import difflib
+import functools
 import os
 
 from m3jax.cli_args import path_argument
@@ -68,11 +69,16 @@ def main(argv=None) -> None:
     if args.metrics is None:
         if len(args.run_dirs) != 1:
             ap.error("several runs need --metrics (the metrics to compare) and --out")
-        print(plot_run(args.run_dirs[0], args.out))
-        return
-    if args.out is None:
+        draw = functools.partial(plot_run, args.run_dirs[0], args.out)
+    elif args.out is None:
         ap.error("--metrics needs --out (the PNG to write)")
-    print(plot_compare(args.run_dirs, args.metrics, args.out, args.labels))
+    else:
+        draw = functools.partial(plot_compare, args.run_dirs, args.metrics, args.out, args.labels)
+    try:
+        print(draw())
+    except OSError as e:  # a directory it may not write into, a full disk: the write is atomic, nothing is left
+        where = args.out or os.path.join(args.run_dirs[0], "curves.png")
+        ap.exit(1, f"error: {where} cannot be written ({e.strerror or e})\n")
 
 
 if __name__ == "__main__":

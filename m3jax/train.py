@@ -32,6 +32,8 @@ def main(argv=None) -> int:
                         "export (default: the newest; best: the best held-out evaluation's, which "
                         "checkpoint.keep_best kept)")
     args = parser.parse_intermixed_args(argv)
+    if args.print_config and args.export is not None:  # it printed the config and exported nothing, status 0
+        parser.error("--print-config and --export are alternatives: --print-config prints the config and exits")
     if args.step is not None and args.export is None:
         parser.error("--step goes with --export DIR (the step to export)")
     reserve_collective_threads(os.environ)  # simulated CPU devices: before jax starts its CPU backend

@@ -127,3 +127,41 @@ def test_the_eval_command_checks_the_evaluation_as_a_run_that_evaluates(capsys):
     err = capsys.readouterr().err
     assert "eval.max_prompt_tokens + eval.max_new_tokens = 8 + 100 = 108: more positions" in err
     assert "eval.temperature = 1e-35" in err
+
+
+def test_audit_s52_the_planner_takes_a_config_without_a_model_section_and_overrides_after_a_flag(tmp_path, capsys):
+    """A config with no `model:` mapping was a KeyError / AttributeError traceback; an override after a flag was
+    'unrecognized arguments' (train and eval take it)."""
+    from m3jax.plan.__main__ import main
+    (tmp_path / "none.yaml").write_text("run:\n  name: x\n")
+    (tmp_path / "list.yaml").write_text("model: [1]\n")
+    assert main(["--config", str(tmp_path / "none.yaml"), "--model", "release"]) == 2
+    assert capsys.readouterr().err.startswith("config error:\n")
+    assert main(["--config", str(tmp_path / "list.yaml")]) == 2
+    assert "model = [1]: wrong type (a list)" in capsys.readouterr().err
+    assert main(["--config", TINY, "grpo.group_size=8", "--top", "3", "optim.lr=3e-4"]) == 0
+
+
+def test_audit_s52_a_plot_it_cannot_write_is_one_error_line(tmp_path, capsys):
+    from m3jax.plot import main
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.5}\n{"step": 2, "reward/mean": 0.6}\n')
+    with pytest.raises(SystemExit) as e:  # a PermissionError traceback
+        main([str(run), "--out", "/proc/curves.png"])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and err.startswith("error: /proc/curves.png cannot be written ("), err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("command, argv", [
+    ("m3jax.train", ["--export", "out", "--print-config"]),  # printed the config, exported nothing, status 0
+    ("m3jax.eval", ["--print-config", "--step", "3"]),  # printed the config, scored nothing
+])
+def test_audit_s52_print_config_beside_an_action_is_refused(command, argv, tmp_path, capsys, monkeypatch):
+    import importlib
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        importlib.import_module(command).main(["--config", TINY, *argv])
+    assert e.value.code == 2 and "--print-config" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []

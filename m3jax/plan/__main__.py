@@ -212,7 +212,7 @@ def main(argv=None) -> int:
                     help="how XLA lowers the grouped expert matmuls on the GPU: dense = zero-padded batched matmul "
                          "over the whole receive buffer (XLA's default), grouped = a grouped-GEMM kernel; "
                          "model.moe_kernel=tiled plans the tiled kernel instead")
-    a = ap.parse_args(argv)
+    a = ap.parse_intermixed_args(argv)  # overrides may follow a flag, as with python -m m3jax.train
     if a.target_config and not a.compile:
         ap.error("--target-config names the GPU to compile for: it needs --compile")
     if a.target_config and not os.path.isfile(a.target_config):

@@ -99,11 +99,16 @@ def load_run_config(path: str, overrides: list[str], model: str | None):
     sources: dict = {}
     tree = load_tree(path, [], sources)
     apply_overrides(tree, list(overrides), sources)
-    if model == "release" or tree.get("model", {}).get("path") == "???":
-        tree["model"]["path"], tree["model"]["tiny"] = "unused-by-the-planner", None
+    # a section that is missing or not a mapping is left as it is, for from_dict's error naming it (a KeyError
+    # or AttributeError traceback before)
+    sections = {name: tree[name] if isinstance(tree.get(name), dict) else None for name in ("model", "data", "eval")}
+    if sections["model"] is None and model == "release" and "model" not in tree:
+        sections["model"] = tree["model"] = {}
+    if sections["model"] is not None and (model == "release" or sections["model"].get("path") == "???"):
+        sections["model"]["path"], sections["model"]["tiny"] = "unused-by-the-planner", None
     for section in ("data", "eval"):  # the planner reads neither file
-        if tree.get(section, {}).get("path") == "???":
-            tree[section]["path"] = "unused-by-the-planner"
+        if sections[section] is not None and sections[section].get("path") == "???":
+            sections[section]["path"] = "unused-by-the-planner"
     cfg = from_dict(tree, sources=sources)
     m3 = m3_release() if model == "release" or cfg.model.path == "unused-by-the-planner" else cfg.model.m3_config()
     return cfg, m3
