@@ -387,6 +387,28 @@ def test_a_checkpoints_end_tokens_are_its_generation_configs(tmp_path):
     assert sampling_of(cfg, model_end_tokens(path_model, 2)).stop_token_ids == (2, 7)
 
 
+def test_the_tokenizers_eos_ends_a_response_too_as_vllm_stops(tmp_path):
+    """vLLM stops at the tokenizer's eos token (its "primary" EOS) beside generation_config.json's: a chat model
+    whose template ends each turn with a token its configs do not name (config and generation config eos 1, the
+    tokenizer's eos <|eot_id|> 4) sampled on past the turn's end to max_new_tokens here (an audit)."""
+    from types import SimpleNamespace
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from rl.generation.backends import model_end_tokens
+    vocab = {"<pad>": 0, "<|end_of_text|>": 1, "<unk>": 2, "hi": 3, "<|eot_id|>": 4}
+    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", unk_token="<unk>",
+                            eos_token="<|eot_id|>").save_pretrained(tmp_path)
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": 1}')
+    model = SimpleNamespace(path=str(tmp_path), tiny=None)
+    assert model_end_tokens(model, 1) == (1, 4)
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [1, 4]}')
+    assert model_end_tokens(model, 1) == (1, 4)  # named once
+
+
 @pytest.mark.parametrize("overrides", [["grpo=3", "grpo.group_size=4"], ["grpo=", "grpo.group_size=4"],
                                        ["grpo=[1]"]])
 def test_a_value_for_a_section_is_refused_not_a_reset(overrides):

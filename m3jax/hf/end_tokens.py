@@ -1,4 +1,5 @@
-"""The tokens a checkpoint's responses end at, decided as transformers' `generate` and vLLM decide them."""
+"""The tokens a checkpoint's configs say its responses end at, decided as transformers' `generate` decides them
+(vLLM adds the tokenizer's eos token: `rl.generation.backends.model_end_tokens`)."""
 
 from __future__ import annotations
 

@@ -244,7 +244,8 @@ class GenerationSection(_Section):
     top_p: float = _f(1.0, "nucleus sampling mass (1 = off)", gt=0, max=1)
     top_k: int = _f(0, "keep the k most likely tokens (0 = off)", min=0)
     stop_token_ids: tuple[int, ...] = _f([], "token ids that end a response; empty = the model's end tokens "
-                                             "(model.path's generation_config.json eos_token_id, else config.json's)",
+                                             "(model.path's generation_config.json eos_token_id, else config.json's, "
+                                             "and its tokenizer's eos token, as vLLM stops)",
                                          items={"min": 0})
     vllm_tensor_parallel: int = _f(1, "GPUs per vLLM server (tensor parallel)", min=1)
     vllm_expert_parallel: int = _f(1, "expert-parallel size inside one vLLM server", min=1)

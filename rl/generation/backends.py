@@ -142,11 +142,29 @@ def probe_max_abs_diff(engine_logprobs: list[list[np.ndarray]], trainer_logprobs
 
 
 def model_end_tokens(model_section, eos_token_id) -> tuple[int, ...]:
-    """The ids a response of the run's model ends at when `generation.stop_token_ids` is empty: for model.path, its
-    generation_config.json's eos_token_id where it sets one, else config.json's (`m3jax.hf.end_tokens`, as
-    transformers and vLLM decide); for model.tiny, its eos_token_id (`eos_token_id`: the model's M3Config's)."""
+    """The ids a response of the run's model ends at when `generation.stop_token_ids` is empty, as vLLM decides
+    them: for model.path, its generation_config.json's eos_token_id where it sets one, else config.json's
+    (`m3jax.hf.end_tokens`), and its tokenizer's eos token (vLLM's "primary" EOS: a chat model whose template ends
+    each turn with a token its configs do not name ran every response to max_new_tokens, an audit); for
+    model.tiny, its eos_token_id (`eos_token_id`: the model's M3Config's)."""
     from m3jax.hf.end_tokens import as_token_ids, end_token_ids
-    return end_token_ids(model_section.path, eos_token_id) if model_section.path else as_token_ids(eos_token_id)
+    if not model_section.path:
+        return as_token_ids(eos_token_id)
+    ids = end_token_ids(model_section.path, eos_token_id)
+    primary = tokenizer_eos_id(model_section.path)
+    return ids if primary is None or primary in ids else (*ids, primary)
+
+
+def tokenizer_eos_id(path: str) -> int | None:
+    """The eos token id of model directory `path`'s tokenizer, or None where it has no tokenizer (a run on a
+    synthetic task's own vocabulary needs none) or no eos token."""
+    from m3jax.hf.safetensors_io import CheckpointError
+    from rl.model_tokenizer import load_tokenizer
+    try:
+        eos = load_tokenizer(path).eos_token_id
+    except CheckpointError:
+        return None
+    return None if eos is None else int(eos)
 
 
 def sampling_of(cfg, eos_token_id) -> SamplingParams:
