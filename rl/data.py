@@ -275,7 +275,8 @@ def render_prompt(record: PromptRecord | Prompt, tokenizer, *, chat_template: bo
     With ``chat_template=True`` and a tokenizer that has one, messages (a string prompt becomes one user
     message) go through ``tokenizer.apply_chat_template(..., add_generation_prompt=True, tokenize=True)``.
     Otherwise the text (messages' contents joined by blank lines) is ``tokenizer.encode``d with the
-    tokenizer's own special tokens (BOS etc.).
+    tokenizer's own special tokens (BOS etc.), but for a text that already starts with the BOS token (a prompt a
+    chat template rendered: a second BOS before it was a sequence the model was never tuned on).
     """
     prompt = record.prompt if isinstance(record, PromptRecord) else record
     if chat_template and has_chat_template(tokenizer):
@@ -283,5 +284,8 @@ def render_prompt(record: PromptRecord | Prompt, tokenizer, *, chat_template: bo
         out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return _as_id_list(out)
     text = prompt if isinstance(prompt, str) else "\n\n".join(m["content"] for m in prompt)
+    bos = getattr(tokenizer, "bos_token", None)
+    if isinstance(bos, str) and bos and text.startswith(bos):
+        return _as_id_list(tokenizer.encode(text, add_special_tokens=False))
     return _as_id_list(tokenizer.encode(text))
 

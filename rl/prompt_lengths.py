@@ -38,6 +38,7 @@ def fit_prompt_lengths(records: Sequence[PromptRecord], tokenizer, limit: int, *
     if records and chat_template and not has_chat_template(tokenizer):
         log.warning("data.chat_template is true but the tokenizer has no chat template: the %d prompts are rendered "
                     "as plain text (a chat's contents joined by blank lines, its roles dropped)", len(records))
+    _warn_if_rendered_already(records, tokenizer, chat_template and has_chat_template(tokenizer))
     ids = [_rendered(r, tokenizer, chat_template) for r in records]
     for r, x in zip(records, ids):  # the engine refuses an empty request: at the step that drew it, hours in
         if not x:
@@ -70,6 +71,28 @@ def fit_prompt_lengths(records: Sequence[PromptRecord], tokenizer, limit: int, *
     log.warning("%s: dropped %d of %d prompts longer than %s = %d tokens (data.overlong_prompts: drop; the "
                 "longest %d)", source, len(over), len(records), limit_key, limit, longest)
     return [records[i] for i in keep], [ids[i] for i in keep]
+
+
+def _warn_if_rendered_already(records: Sequence[PromptRecord], tokenizer, templated: bool) -> None:
+    """A warning where string prompts already hold the tokenizer's special tokens (its BOS, a chat template's turn
+    markers): exported datasets often store prompts a chat template rendered. Through the template again the whole
+    rendering became one user message inside another; encoded plainly it gained a second BOS (now dropped,
+    `rl.data.render_prompt`). Said, not refused: a prompt may quote such tokens."""
+    specials = [t for t in getattr(tokenizer, "all_special_tokens", []) if isinstance(t, str) and len(t) > 1
+                and t != getattr(tokenizer, "pad_token", None) and t != getattr(tokenizer, "unk_token", None)]
+    if not specials:
+        return
+    held = [r for r in records if isinstance(r.prompt, str) and any(t in r.prompt for t in specials)]
+    if not held:
+        return
+    first = held[0]
+    found = sorted({t for t in specials if t in first.prompt})
+    what = ("data.chat_template: true renders each inside the chat template again (a rendered conversation "
+            "inside a user message); set data.chat_template=false to read them as they are" if templated else
+            "they are encoded as they are (a BOS they start with is not doubled)")
+    log.warning("%d of %d string prompts already hold the tokenizer's special tokens (%s in %s row %s): they look "
+                "rendered by a chat template; %s", len(held), len(records), ", ".join(found),
+                first.meta.get("source", "<records>"), first.meta.get("row"), what)
 
 
 def _rendered(record: PromptRecord, tokenizer, chat_template: bool) -> list[int]:

@@ -134,3 +134,46 @@ def test_chat_prompts_rendered_without_the_template_are_warned_of(tmp_path, chat
         assert not caplog.records
         fit_prompt_lengths(recs, chat_tokenizer, 64, chat_template=False)
     assert "1 of 2 prompts are chat messages and are rendered without the tokenizer's chat template" in caplog.text
+
+
+@pytest.fixture
+def llama_like():
+    """A tokenizer whose encode adds its BOS and whose chat template writes it, as Llama-3's."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+    vocab = {"<pad>": 0, "<unk>": 1, "<|begin_of_text|>": 2, "<|start_header_id|>": 3, "<|end_header_id|>": 4,
+             "<|eot_id|>": 5, "user": 6, "assistant": 7, "what": 8, "is": 9, "1": 10}
+    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tk.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A",
+                                                      special_tokens=[("<|begin_of_text|>", 2)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", unk_token="<unk>",
+                                  bos_token="<|begin_of_text|>", eos_token="<|eot_id|>",
+                                  additional_special_tokens=["<|start_header_id|>", "<|end_header_id|>"])
+    tok.chat_template = ("{{ bos_token }}{% for m in messages %}<|start_header_id|> {{ m['role'] }} "
+                         "<|end_header_id|> {{ m['content'] }} <|eot_id|> {% endfor %}"
+                         "{% if add_generation_prompt %}<|start_header_id|> assistant <|end_header_id|>{% endif %}")
+    return tok
+
+
+def test_a_prompt_rendered_already_gets_one_bos_and_a_warning(llama_like, caplog):
+    """Exported datasets often store prompts a chat template rendered: encoded plainly each gained a second BOS,
+    through the template again the whole conversation became one user message; nothing was said (an audit)."""
+    rendered = llama_like.apply_chat_template([{"role": "user", "content": "what is 1"}], add_generation_prompt=True,
+                                              tokenize=False)
+    plain = [PromptRecord("what is 1", "1", meta={"source": "p.jsonl", "row": 1})]
+    done = [PromptRecord(rendered, "1", meta={"source": "p.jsonl", "row": 2})]
+    assert render_prompt(plain[0], llama_like, chat_template=False)[:2] == [2, 8]  # its BOS, added once
+    with caplog.at_level("WARNING", logger="rl.prompt_lengths"):
+        _, ids = fit_prompt_lengths(plain, llama_like, 64, chat_template=False)
+    assert caplog.text == "" and ids[0][:2] == [2, 8]
+    with caplog.at_level("WARNING", logger="rl.prompt_lengths"):
+        _, ids = fit_prompt_lengths(done, llama_like, 64, chat_template=False)
+    chat = PromptRecord([{"role": "user", "content": "what is 1"}], "1")
+    assert ids[0] == render_prompt(chat, llama_like, chat_template=True) and ids[0].count(2) == 1  # one BOS
+    assert "1 of 1 string prompts already hold the tokenizer's special tokens" in caplog.text
+    assert "p.jsonl row 2" in caplog.text and "not doubled" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="rl.prompt_lengths"):
+        fit_prompt_lengths(done, llama_like, 64, chat_template=True)
+    assert "set data.chat_template=false to read them as they are" in caplog.text
