@@ -57,6 +57,7 @@ __all__ = [
     "PromptRecord",
     "load_prompts",
     "records_from_rows",
+    "prompt_ids",
     "render_prompt",
 ]
 
@@ -70,11 +71,16 @@ class PromptRecord:
 
     ``meta`` holds the row's other fields plus ``source`` (the file) and ``row`` (1-based) when loaded
     from a file; synthetic tasks put their ``task`` name, ``reward`` name and ``prompt_ids`` there.
+    ``ids``: the prompt's token ids as rendered once at load (`rl.prompt_loader.build_data`), which every draw
+    reuses (`prompt_ids`): a chat template that writes today's date (Llama 3.2's) rendered other ids each day, so a
+    run's prompts drifted from those checked at load, and hosts rendering either side of midnight differed. Not
+    part of the record's identity (equality, fingerprints): they follow from the prompt and the tokenizer.
     """
 
     prompt: Prompt
     answer: str
     meta: dict = dataclasses.field(default_factory=dict)
+    ids: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -267,6 +273,13 @@ def _as_id_list(out) -> list[int]:
             raise ValueError(f"expected one token sequence, got {len(out)}")
         out = out[0]
     return [int(t) for t in out]
+
+
+def prompt_ids(record: PromptRecord, tokenizer, *, chat_template: bool) -> list[int]:
+    """The record's ids rendered at load where it has them, else `render_prompt`'s."""
+    if record.ids is not None:
+        return [int(t) for t in record.ids]
+    return render_prompt(record, tokenizer, chat_template=chat_template)
 
 
 def render_prompt(record: PromptRecord | Prompt, tokenizer, *, chat_template: bool = True) -> list[int]:

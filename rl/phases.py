@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rl.config import RunConfig
-from rl.data import render_prompt
+from rl.data import prompt_ids
 from rl.generation.base import Generator, Rollout, SamplingParams
 from rl.grpo import advantages as adv_lib
 from rl.grpo import dapo
@@ -44,7 +44,7 @@ def rollout(engine: Generator, records, tokenizer, cfg: RunConfig, sampling: Sam
     """Sample `group_size` responses for every prompt of the batch; the key derives from (run.seed, step)
     and, for dynamic sampling's refills, the round (`rl.grpo.dapo.round_key`)."""
     group = cfg.grpo.group_size
-    prompts = [render_prompt(r, tokenizer, chat_template=cfg.data.chat_template) for r in records]
+    prompts = [prompt_ids(r, tokenizer, chat_template=cfg.data.chat_template) for r in records]
     rows = [p for p in prompts for _ in range(group)]
     key = dapo.round_key(cfg.run.seed, step, round)
     out = engine.generate(rows, sampling, key, prompt_width=cfg.generation.max_prompt_tokens)

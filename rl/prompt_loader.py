@@ -12,6 +12,7 @@ refused: taking the saved seed instead would leave a config that names a seed th
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -165,9 +166,11 @@ def build_data(cfg):
         tokenizer = load_tokenizer(cfg.model.path)
         records = load_prompts(d.path, format=d.format, prompt_key=d.prompt_key, answer_key=d.answer_key,
                                layout=d.layout)
-        records, _ = fit_prompt_lengths(records, tokenizer, cfg.generation.max_prompt_tokens,
-                                        chat_template=d.chat_template, overlong=d.overlong_prompts,
-                                        vocab_size=cfg.model.m3_config().vocab_size)
+        records, ids = fit_prompt_lengths(records, tokenizer, cfg.generation.max_prompt_tokens,
+                                          chat_template=d.chat_template, overlong=d.overlong_prompts,
+                                          vocab_size=cfg.model.m3_config().vocab_size)
+        # the ids checked here are the ones every draw generates from (PromptRecord.ids)
+        records = [dataclasses.replace(r, ids=np.asarray(x, np.int32)) for r, x in zip(records, ids)]
     if len(records) < cfg.grpo.prompts_per_step:  # a batch then spans epochs: some prompts twice in one step
         logging.getLogger(__name__).warning(
             "%s holds %d prompt(s), fewer than grpo.prompts_per_step = %d: every step draws some of them more than "

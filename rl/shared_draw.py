@@ -20,7 +20,7 @@ from typing import Callable
 
 import numpy as np
 
-from rl.data import render_prompt
+from rl.data import prompt_ids
 from rl.generation import multihost
 from rl.phases import Drawn, draw, samples_of
 from rl.rewards.registry import score_specs
@@ -76,7 +76,7 @@ def share(drawn: Drawn | None, engine, loader, tokenizer, cfg, sampling, *, erro
         batches = [loader.next_batch() for _ in range(header["rounds"])]
         picked = header["picked"] if header["picked"] is not None else [(0, i) for i in range(len(batches[0]))]
         records = [batches[r][i] for r, i in picked for _ in range(group)]
-        prompts = [render_prompt(rec, tokenizer, chat_template=cfg.data.chat_template) for rec in records]
+        prompts = [prompt_ids(rec, tokenizer, chat_template=cfg.data.chat_template) for rec in records]
     rollout = engine.share(drawn.samples.rollout if is_zero else None, prompts, header["width"])
     n = len(prompts)
     values = ((drawn.reward.astype(np.float32), {k: np.asarray(v, np.float32) for k, v in drawn.parts.items()})

@@ -177,3 +177,41 @@ def test_a_prompt_rendered_already_gets_one_bos_and_a_warning(llama_like, caplog
     with caplog.at_level("WARNING", logger="rl.prompt_lengths"):
         fit_prompt_lengths(done, llama_like, 64, chat_template=True)
     assert "set data.chat_template=false to read them as they are" in caplog.text
+
+
+def test_every_draw_generates_from_the_ids_rendered_at_load(tmp_path, monkeypatch, chat_tokenizer):
+    """A chat template that writes today's date (Llama 3.2's strftime_now) rendered other ids at each step than the
+    ones checked at load, and hosts drawing either side of midnight generated from different prompts (an audit).
+    The ids rendered at load are the records' own (`PromptRecord.ids`), and every draw reuses them."""
+    import copy
+
+    import transformers
+
+    from rl import phases
+    from rl.config import load_config
+    from rl.prompt_loader import build_data
+    from tests.test_run_config import TINY
+    tok = copy.copy(chat_tokenizer)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda path: tok)
+    (tmp_path / "config.json").write_text(json.dumps(load_config(TINY).model.m3_config().to_hf_dict()))
+    path = write_jsonl(tmp_path / "train.jsonl", [{"prompt": "what is 1 + 2 ?", "answer": "3"}] * 2)
+    cfg = load_config(TINY, ["data.kind=file", f"data.path={path}", "model.tiny=null", f"model.path={tmp_path}",
+                             "eval.every_steps=0", "eval.at_start=false", "grpo.prompts_per_step=2",
+                             "grpo.micro_batch_size=16", "data.chat_template=true",
+                             "generation.max_prompt_tokens=16"], check_paths=False)
+    tokenizer, loader, _ = build_data(cfg)
+    at_load = render_prompt(loader.records[0], tokenizer, chat_template=True)
+    assert [list(r.ids) for r in loader.records] == [at_load] * 2
+    tokenizer.chat_template = "{{ 'half of ' }}" + tokenizer.chat_template  # the next day's rendering
+
+    class Drawn(Exception):
+        pass
+
+    class Engine:
+        def generate(self, rows, sampling, key, prompt_width=None):
+            raise Drawn(rows)
+
+    with pytest.raises(Drawn) as drawn:
+        phases.rollout(Engine(), loader.next_batch(), tokenizer, cfg, None, step=0)
+    assert drawn.value.args[0] == [at_load] * (2 * cfg.grpo.group_size)
+    assert render_prompt(loader.records[0], tokenizer, chat_template=True) != at_load
