@@ -97,12 +97,15 @@ def exchanged_experts(x, weights, idx, expert_fn: Callable, num_experts: int, ep
     """
     t, k = idx.shape
     order, token_of_row, expert_of_row, per_expert = sort_by_expert(idx, num_experts)
+    # the assignments of this device's real tokens (`unrouted` padding excluded): a capacity follows them, not the
+    # buffer's T (`capped_rows`)
+    real = jnp.sum(idx < num_experts).astype(jnp.int32)
     if exchange == "padded" or n_ep == 1:
         rows_out = _padded_exchange(x[token_of_row], expert_of_row, per_expert, expert_fn, ep_axes, n_ep, t, k,
-                                    capacity_factor)
+                                    capacity_factor, real)
     else:
         rows_out = _ragged_exchange(x[token_of_row], per_expert, expert_fn, ep_axes, n_ep, t, k, capacity_factor,
-                                    _ragged_collective(exchange))
+                                    _ragged_collective(exchange), real)
     return combine(x, rows_out, weights, order, token_of_row)
 
 
@@ -129,22 +132,36 @@ def _cap(capacity_factor: float, balanced: float) -> int:
     return max(1, math.ceil(capacity_factor * balanced))
 
 
-def _padded_exchange(rows, expert_of_row, per_expert, expert_fn, ep_axes, n_ep, t, k, capacity_factor):
-    """A [n_ep, cap, d] block per source: source s's rows sorted by local expert, cap rows at most
-    (overflowing assignments are neither sent nor counted: they contribute zero)."""
+def capped_rows(buffer_rows: int, capacity_factor: float | None, real: jax.Array, full: int, share: int = 1):
+    """The rows a capacity keeps, of a buffer of `buffer_rows` (`receive_rows`, sized by the T tokens a device
+    holds, padding included): min(buffer_rows, ceil(cf * real / share)), `real` the assignments of real tokens
+    (padding is `unrouted`). Padding took no slot but enlarged the cap: the same rows cut to a narrower width
+    (`grpo.micro_batch_widths`, whose cut changes no value) dropped other pairs (log-probs 0.18 apart, an audit),
+    and how much a micro-batch dropped followed its padding. With no padding (`real` = `full`, T * k) it is the
+    static bound itself, computed in Python; dropless (cf None): `buffer_rows`."""
+    if capacity_factor is None:
+        return buffer_rows
+    dynamic = jnp.maximum(1, jnp.ceil(capacity_factor * real.astype(jnp.float32) / share)).astype(jnp.int32)
+    return jnp.where(real == full, buffer_rows, jnp.minimum(buffer_rows, dynamic))
+
+
+def _padded_exchange(rows, expert_of_row, per_expert, expert_fn, ep_axes, n_ep, t, k, capacity_factor, real):
+    """A [n_ep, cap, d] block per source: source s's rows sorted by local expert, at most `capped_rows` of its
+    real assignments / n_ep (overflowing assignments are neither sent nor counted: they contribute zero)."""
     d = rows.shape[-1]
     e_loc = per_expert.shape[0] // n_ep
     send_counts = per_expert.reshape(n_ep, e_loc)  # rows for each destination, by its local expert
     dest = expert_of_row // e_loc
     dest_rows = send_counts.sum(1)
     dest_start = jnp.cumsum(dest_rows) - dest_rows
-    cap = receive_rows(t, k, n_ep, e_loc, capacity_factor, "padded") // n_ep
+    cap = receive_rows(t, k, n_ep, e_loc, capacity_factor, "padded") // n_ep  # the block's rows (static)
+    keep = capped_rows(cap, capacity_factor, real, t * k, n_ep)  # the rows kept of it
     routed = dest < n_ep  # `unrouted` rows (padding) sort last with dest = n_ep: neither sent nor counted
     # position inside the destination's block (cap, never kept, for an unrouted row)
     slot = jnp.where(routed, jnp.arange(t * k) - dest_start[jnp.minimum(dest, n_ep - 1)], cap)
-    kept = slot < cap
+    kept = slot < keep
     cum = jnp.cumsum(send_counts, axis=1)
-    send_counts = jnp.minimum(cum, cap) - jnp.minimum(cum - send_counts, cap)
+    send_counts = jnp.minimum(cum, keep) - jnp.minimum(cum - send_counts, keep)
     recv_counts = jax.lax.all_to_all(send_counts, ep_axes, 0, 0, tiled=True) if n_ep > 1 else send_counts
     send = jnp.zeros((n_ep, cap, d), rows.dtype).at[dest, slot].set(rows, mode="drop")
     recv = jax.lax.all_to_all(send, ep_axes, 0, 0, tiled=True) if n_ep > 1 else send
@@ -167,7 +184,7 @@ def _grouped(recv, local_expert, group_sizes, expert_fn, packed: bool = False):
     return jnp.zeros_like(out).at[regroup].set(out)
 
 
-def _ragged_exchange(rows, per_expert, expert_fn, ep_axes, n_ep, t, k, capacity_factor, collective):
+def _ragged_exchange(rows, per_expert, expert_fn, ep_axes, n_ep, t, k, capacity_factor, collective, real):
     """Rows travel packed: receiver r lays the rows of source s at offset sum_{s' < s} of what it accepts
     from s', in one pool of W rows (`receive_rows`). With a capacity below the dropless W, a receiver
     accepts sources in rank order until the pool is full; the rest of a source's block (its last local
@@ -178,9 +195,11 @@ def _ragged_exchange(rows, per_expert, expert_fn, ep_axes, n_ep, t, k, capacity_
     pool = receive_rows(t, k, n_ep, e_loc, capacity_factor, "ragged")
     send_counts = per_expert.reshape(n_ep, e_loc)
     sent = jax.lax.all_gather(send_counts.sum(1), ep_axes)  # [source, destination] rows before the cap
+    # the pool a capacity fills: cf x the balanced load of the real assignments, sum(sent) / n_ep (`capped_rows`)
+    fill = capped_rows(pool, capacity_factor, jnp.sum(sent).astype(jnp.int32), n_ep * t * k, n_ep)
     before = jnp.cumsum(sent, axis=0) - sent
-    accepted = jnp.clip(pool - before, 0, sent)  # [source, destination]
-    offset = jnp.minimum(before, pool)  # where source s's rows start in destination d's pool
+    accepted = jnp.clip(fill - before, 0, sent)  # [source, destination]
+    offset = jnp.minimum(before, fill)  # where source s's rows start in destination d's pool
     start = jnp.cumsum(sent, axis=1) - sent  # where source s keeps its rows for destination d
     recv = collective(rows, jnp.zeros((pool, d), rows.dtype), start[me], accepted[me], offset[me],
                       accepted[:, me], axis_name=ep_axes)

@@ -45,6 +45,24 @@ def test_padding_takes_no_capacity(shape, exchange, cf):
     assert not np.allclose(before, moved_before, atol=1e-3)
 
 
+@pytest.mark.parametrize("shape, exchange", [(None, None), ((1, 1, 8, 1), "padded"), ((1, 1, 8, 1), "ragged_emulated"),
+                                            ((2, 1, 4, 1), "padded")],
+                         ids=["one-device", "ep8-padded", "ep8-ragged", "dp2-ep4-padded"])
+def test_padding_does_not_enlarge_the_capacity(shape, exchange):
+    """The same rows at width 16 (half padding) and cut to width 8 (what grpo.micro_batch_widths does, whose cut
+    changes no value): their real tokens' outputs agree. The capacity followed the T tokens of the buffer, padding
+    included, so the padded batch was nearly dropless where the cut one dropped (log-probs 0.18 apart, an audit)."""
+    layout = Layout() if shape is None else build_mesh(MeshConfig(*shape), CFG)
+    valid = np.zeros((16, 16), bool)
+    valid[:, :8] = np.arange(8)[None, :] < (4 + np.arange(16) % 5)[:, None]  # 4 to 8 real tokens a row
+    x = jax.random.normal(jax.random.key(4), (16, 16, D))
+    wide, cut = moe(layout, x, 0.5, exchange, valid), moe(layout, x[:, :8], 0.5, exchange, valid[:, :8])
+    np.testing.assert_allclose(wide[:, :8][valid[:, :8]], cut[valid[:, :8]], rtol=0,
+                               atol=1e-6 * np.abs(cut).max())
+    assert not np.allclose(cut[valid[:, :8]], moe(layout, x[:, :8], None, exchange, valid[:, :8])[valid[:, :8]],
+                           atol=1e-3)  # the factor drops pairs here
+
+
 def test_one_device_bounds_its_buffer_as_a_mesh_without_expert_parallelism():
     """One device used to ignore the setting (dropless) where 8 data-parallel devices applied it: the same run
     config trained another model on one device. Each device of (8, 1, 1, 1) without expert axes routes one row;
