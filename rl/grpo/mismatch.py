@@ -156,7 +156,8 @@ def route_mismatch_frac(trainer_ids, generator_ids, mask):
     mask [B, S] (1 = a valid token). With N = sum(mask) valid tokens and L layers,
         route_mismatch_frac = (1 / (N L)) sum_{b,s,l} mask[b,s] * [set(trainer[b,s,l]) != set(gen[b,s,l])]
     Order-insensitive: each k-tuple is sorted before the comparison. NaN when no token is valid (or L = 0).
-    0 under routing replay of the generator's routes; any numeric difference that flips a near-tie
+    Under routing replay it still compares the trainer router's own top-k (what it would have chosen) with the
+    generator's: the disagreement that replay hides from the loss. Any numeric difference that flips a near-tie
     of the router shows here (a flipped choice moves the token's logprob by far more than rounding).
     """
     return _set_mismatch(trainer_ids, generator_ids, mask, 4, "[B, S, L, k]")
