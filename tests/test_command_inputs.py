@@ -140,6 +140,10 @@ def test_audit_s52_the_planner_takes_a_config_without_a_model_section_and_overri
     assert main(["--config", str(tmp_path / "list.yaml")]) == 2
     assert "model = [1]: wrong type (a list)" in capsys.readouterr().err
     assert main(["--config", TINY, "grpo.group_size=8", "--top", "3", "optim.lr=3e-4"]) == 0
+    capsys.readouterr()
+    # --model config on a recipe whose model.path is left required planned the released model without a word
+    assert main(["--config", "configs/recipes/m3-32node.yaml", "--model", "config"]) == 2
+    assert "model.path is left required (???)" in capsys.readouterr().err
 
 
 def test_audit_s52_a_plot_it_cannot_write_is_one_error_line(tmp_path, capsys):

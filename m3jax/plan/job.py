@@ -95,6 +95,7 @@ def load_run_config(path: str, overrides: list[str], model: str | None):
     """(the run config, the M3Config to plan): files the planner never reads may be left required (???), and
     model "release" (or a recipe whose model.path is left required) plans the released model."""
     from rl.config.build import from_dict
+    from rl.config.errors import ConfigError
     from rl.config.yaml_io import apply_overrides, load_tree
     sources: dict = {}
     tree = load_tree(path, [], sources)
@@ -104,6 +105,10 @@ def load_run_config(path: str, overrides: list[str], model: str | None):
     sections = {name: tree[name] if isinstance(tree.get(name), dict) else None for name in ("model", "data", "eval")}
     if sections["model"] is None and model == "release" and "model" not in tree:
         sections["model"] = tree["model"] = {}
+    if model == "config" and sections["model"] is not None and sections["model"].get("path") == "???":
+        # it planned the released model, saying nothing of it
+        raise ConfigError("--model config: this config's model.path is left required (???), so its model is not "
+                          "known; give model.path=DIR (an HF model directory), or --model release")
     if sections["model"] is not None and (model == "release" or sections["model"].get("path") == "???"):
         sections["model"]["path"], sections["model"]["tiny"] = "unused-by-the-planner", None
     for section in ("data", "eval"):  # the planner reads neither file
