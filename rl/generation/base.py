@@ -144,12 +144,18 @@ def sampling_logits(logits: jax.Array, temperature: float, top_p: float = 1.0, t
     outside the smallest top-p nucleus set to -inf. Greedy (T = 0) scores with T = 1. A top_k of the
     vocabulary's size or more keeps every token (as transformers' and vLLM's samplers do).
 
-    Ties at a cut are kept whole: every token whose logit equals the k-th (as vLLM's top-k keeps them too) or
-    the nucleus's last. vLLM and transformers cut the nucleus at a position of their sort, so which of the tied
-    tokens they keep is their sort's order among equal values, which no other program reproduces; keeping them
-    all, no token they sample is scored -inf here. The price, where a tie sits at the cut (common in bf16
-    logits), is a nucleus a few tokens larger than theirs: log p slightly lower than the engine's (by up to
-    ~2e-3 on a 32k vocabulary at top_p 0.9-0.99, a helper's measurement), counted in the logged mismatch.
+    Ties at a cut are kept whole: every token whose logit equals the k-th or the nucleus's last (the JAX engine
+    samples from this same set). vLLM's CPU top-k keeps the tied tokens too; its GPU Triton kernel (vLLM 0.32,
+    `topk_topp_triton.py`) keeps exactly k, dropping the extra tied ones in vocabulary order, and vLLM and
+    transformers cut the nucleus at a position of their sort, so which tied tokens they keep is their sort's
+    order among equal values, which no other program reproduces. Keeping them all, no token they sample is scored
+    -inf here. The price, where a tie sits at a cut (common in bf16 logits), is a kept set larger than the
+    engine's: log p lower than the engine's by log(the mass kept here / the mass it kept), 2e-3 on a 32k
+    vocabulary at top_p 0.9-0.99 (a helper's measurement), up to 0.69 nats with two tokens tied at the top and a
+    tiny top_p, and for vLLM's GPU top-k with ties at the k-th logit a mean of 1e-2 to 4e-2 nats per row at
+    top_k 20-50 on synthetic bf16 logits of the release's vocabulary (an audit's emulation of the kernel's rule:
+    importance weights below 1 on those rows; unmeasured on a GPU, docs/limitations.md). Counted in the logged
+    mismatch (`gen_kl_error`, `token_mult_prob_error`).
 
     The trainer computes logp_old / logp with this same function, so on-policy ratios are exactly 1.
 
