@@ -36,7 +36,8 @@ RULES: tuple[Rule, ...] = (
     Rule("grpo", ("cispo_eps_high",), _loss_reads("cispo", "cispo")),
     Rule("grpo", ("kl_cov_ratio", "kl_cov_coef"), _loss_reads("kl_cov", "kl_cov")),
     Rule("grpo", ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"), _loss_reads("clip_cov", "clip_cov")),
-    Rule("grpo", ("is_cap", "is_level"), lambda cfg: None if cfg.grpo.is_correction != "none" else
+    # (is_level still shapes the logged is_out_of_band_frac under none: not named)
+    Rule("grpo", ("is_cap",), lambda cfg: None if cfg.grpo.is_correction != "none" else
          "grpo.is_correction = none weighs every token 1"),
     Rule("grpo", ("is_cap",), lambda cfg: None if cfg.grpo.is_correction != "mask" else
          "grpo.is_correction = mask keeps the weights inside [is_mask_low, is_mask_high] and caps none"),
@@ -46,8 +47,10 @@ RULES: tuple[Rule, ...] = (
          "grpo.dynamic_sampling = false draws one batch a step"),
     Rule("data", ("task", "num_digits"), lambda cfg: None if cfg.data.kind == "synthetic" else
          "data.kind = file reads its prompts from data.path"),
-    Rule("data", ("num_digits",), lambda cfg: None if cfg.data.kind != "synthetic" or cfg.data.task != "addmod" else
-         "the addmod task's prompts always have two digits"),
+    # data.num_digits also sizes a held-out task of its own (eval.task) where eval.num_digits is null
+    Rule("data", ("num_digits",), lambda cfg: None if cfg.data.kind != "synthetic" or cfg.data.task != "addmod" or (
+        cfg.eval.enabled and cfg.eval.num_digits is None and (cfg.eval.task or "addmod") != "addmod") else
+        "the addmod task's prompts always have two digits"),
     Rule("model", ("init_seed",), lambda cfg: None if not cfg.model.path else
          "model.path's weights are loaded, not drawn"),
     Rule("logging", ("rollouts_groups",), lambda cfg: None if cfg.logging.rollouts_every else
@@ -59,7 +62,10 @@ RULES: tuple[Rule, ...] = (
          or cfg.generation.weight_transport == "collective" else
          f"generation.weight_transport = {cfg.generation.weight_transport} opens no collective group"),
     Rule("generation", ("vllm_object_store_warmup",), lambda cfg: None if cfg.generation.backend != "vllm"
-         or not cfg.generation.vllm_ray_address or cfg.generation.weight_transport == "shm" else
+         or cfg.generation.weight_transport == "shm" or (cfg.generation.weight_transport == "ray"
+                                                         and not cfg.generation.vllm_ray_address) else
+         "generation.weight_transport = collective puts no weights through Ray's object store"
+         if cfg.generation.weight_transport == "collective" else
          "the pool joins the Ray cluster at generation.vllm_ray_address, whose object store it did not size"),
     Rule("mesh", ("context_balance",), lambda cfg: None if cfg.mesh.context > 1 else
          "mesh.context = 1 has no context shards to balance"),

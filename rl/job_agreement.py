@@ -85,9 +85,11 @@ def tokenizer_digest(tokenizer) -> str:
 
 
 def records_digest(records) -> str:
-    """The prompts, answers and metadata of `records` (rl.data.PromptRecord) in order; a record's `source` (the file's
-    path on this host) left out, as the config compares the path."""
-    return digest([[r.prompt, r.answer, {k: v for k, v in r.meta.items() if k != "source"}] for r in records])
+    """The prompts, answers, metadata and ids rendered at load (`PromptRecord.ids`: a chat template that writes the
+    date renders other ids on a host that loaded on another day) of `records` (rl.data.PromptRecord) in order; a
+    record's `source` (the file's path on this host) left out, as the config compares the path."""
+    return digest([[r.prompt, r.answer, {k: v for k, v in r.meta.items() if k != "source"},
+                    None if r.ids is None else [int(t) for t in r.ids]] for r in records])
 
 
 def start_facts(cfg, tokenizer, records) -> dict[str, object]:

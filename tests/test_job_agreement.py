@@ -78,6 +78,21 @@ def test_prompt_files_at_one_path_compared_by_their_content(tmp_path):
     assert "the training prompts (data.*): process 0 holds 1, process 1 2" in said[0], said[0]
 
 
+def test_prompts_rendered_otherwise_at_load_are_named():
+    """The same prompt file, rendered to other ids (a chat template that writes the date, loaded on another day):
+    each host's draws generate from its own load's ids (PromptRecord.ids), so they must agree too (a review)."""
+    import dataclasses
+
+    import numpy as np
+
+    from rl.data import PromptRecord
+    one = [PromptRecord("Solve 2+2", "4", {"row": 1}, ids=np.array([1, 5, 9, 2024], np.int32))]
+    other = [dataclasses.replace(one[0], ids=np.array([1, 5, 9, 2025], np.int32))]
+    assert records_digest(one) != records_digest(other)
+    said = both_agree([facts_of(records=one), facts_of(records=other)])
+    assert "the training prompts (data.*): process 1 differ from process 0's" in said[0], said
+
+
 def test_a_tokenizer_that_differs_is_named(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
