@@ -146,6 +146,21 @@ DESCRIBED = {"code": "m3jax's source or its jax / flax / optax / orbax versions"
              "prompts": "the training prompts (data.*)", "eval_prompts": "the held-out prompts (eval.*)"}
 
 
+FAILED = "failed at its start"  # the one fact a process that could not gather its own publishes
+
+
+def report_failure(stage: str, error: BaseException, *, process_index: int, process_count: int, client=None) -> None:
+    """Publish, in place of this process's facts, that gathering them failed (its prompt file missing, say), so that
+    the others stop at once naming it instead of waiting out `agree`'s timeout (5 minutes)."""
+    if process_count == 1:
+        return
+    if client is None:
+        from sharding.mesh import key_value_client
+        client = key_value_client()
+    said = f"{type(error).__name__}: {error}".splitlines()[0][:300]
+    client.key_value_set(f"m3jax:agree:{stage}:{process_index}", json.dumps({FAILED: said}))
+
+
 def agree(stage: str, facts: dict[str, object], *, process_index: int, process_count: int, client=None,
           timeout_s: float = 300.0) -> None:
     """Publish this process's `facts` under `stage`, read every other process's, and raise `JobDisagrees` (on every
@@ -175,6 +190,10 @@ def agree(stage: str, facts: dict[str, object], *, process_index: int, process_c
             f"process{'es' if len(silent) > 1 else ''} {_listed(silent)} of this job did not report {stage} within "
             f"{timeout_s:.0f} s (each process compares its config, code, tokenizer and prompts with the others' "
             "before the first step): it failed or hangs at its start; its own log says why")
+    failed = [(i, f[FAILED]) for i, f in enumerate(everyone) if FAILED in f]
+    if failed:
+        raise JobDisagrees("; ".join(f"process {i} of this job {FAILED} ({why}); its own log says more"
+                                     for i, why in failed))
     said = disagreements(everyone, DESCRIBED)
     if said:
         raise JobDisagrees("the processes of this job differ, where every process must hold the same (the same "
@@ -186,3 +205,10 @@ def agree_in_job(stage: str, facts: Callable[[], dict[str, object]]) -> None:
     import jax
     if jax.process_count() > 1:
         agree(stage, facts(), process_index=jax.process_index(), process_count=jax.process_count())
+
+
+def failed_in_job(stage: str, error: BaseException) -> None:
+    """`report_failure` for this process of a joined job (nothing alone)."""
+    import jax
+    if jax.process_count() > 1:
+        report_failure(stage, error, process_index=jax.process_index(), process_count=jax.process_count())

@@ -120,6 +120,17 @@ def test_code_that_differs_changes_the_digest(tmp_path, monkeypatch):
     assert code_digest(("agreement_probe_pkg",)) != before
 
 
+def test_a_process_that_failed_to_read_its_prompts_is_named_at_once():
+    """Its prompt file missing on one host: the others waited out the 5-minute timeout before naming it."""
+    from rl.job_agreement import report_failure
+    store = Store()
+    report_failure("start", FileNotFoundError(2, "No such file or directory", "/data/p.jsonl"), process_index=1,
+                   process_count=2, client=store)
+    with pytest.raises(JobDisagrees, match=r"process 1 of this job failed at its start \(FileNotFoundError: "
+                                           r"\[Errno 2\] No such file or directory: '/data/p.jsonl'\)"):
+        agree("start", facts_of(), process_index=0, process_count=2, client=store, timeout_s=30)
+
+
 def test_a_process_that_never_reports_is_named():
     with pytest.raises(JobDisagrees, match="process 1 of this job did not report start within 0 s"):
         agree("start", facts_of(), process_index=0, process_count=2, client=Store(), timeout_s=0.01)
