@@ -94,4 +94,3 @@ def _show(value) -> str:
 def fields_named(rules: tuple[Rule, ...] = RULES) -> set[str]:
     """Every 'section.field' a rule names (tests check each is a real setting)."""
     return {f"{r.section}.{f}" for r in rules for f in r.fields}
-
