@@ -32,18 +32,15 @@ def test_untruncated_keeps_the_temperature_and_drops_top_k_and_top_p():
 
 
 @pytest.mark.slow  # ~30 s: four steps of a tiny trainer
-def test_a_kl_run_with_top_k_and_no_clamps_keeps_training():
-    import tempfile
-    from pathlib import Path
-    with tempfile.TemporaryDirectory() as d:
-        trainer = tiny_trainer(Path(d), "topk", "generation.top_k=2", "grpo.kl=k3", "grpo.kl_coef=0.1",
-                               "grpo.kl_clamp=null", "grpo.kl_log_ratio_clamp=null", "optim.lr=3e-2",
-                               "eval.every_steps=0", "eval.at_start=false", "logging.indexer_recall_every=0")
-        try:
-            assert trainer.reference_pass is not trainer.logprobs
-            rows = [trainer.step(s) for s in range(4)]
-        finally:
-            trainer.engine.shutdown()
+def test_a_kl_run_with_top_k_and_no_clamps_keeps_training(tmp_path):
+    trainer = tiny_trainer(tmp_path, "topk", "generation.top_k=2", "grpo.kl=k3", "grpo.kl_coef=0.1",
+                           "grpo.kl_clamp=null", "grpo.kl_log_ratio_clamp=null", "optim.lr=3e-2",
+                           "eval.every_steps=0", "eval.at_start=false", "logging.indexer_recall_every=0")
+    try:
+        assert trainer.reference_pass is not trainer.logprobs
+        rows = [trainer.step(s) for s in range(4)]
+    finally:
+        trainer.engine.shutdown()
     assert [r["skipped_updates"] for r in rows] == [0, 0, 0, 0], rows
     assert all(np.isfinite(r["loss"]) and np.isfinite(r["kl"]) for r in rows), rows
     assert [r["kl/ref_inf_frac"] for r in rows] == [0.0] * 4
