@@ -85,11 +85,17 @@ def tokenizer_digest(tokenizer) -> str:
 
 
 def records_digest(records) -> str:
-    """The prompts, answers, metadata and ids rendered at load (`PromptRecord.ids`: a chat template that writes the
-    date renders other ids on a host that loaded on another day) of `records` (rl.data.PromptRecord) in order; a
-    record's `source` (the file's path on this host) left out, as the config compares the path."""
-    return digest([[r.prompt, r.answer, {k: v for k, v in r.meta.items() if k != "source"},
-                    None if r.ids is None else [int(t) for t in r.ids]] for r in records])
+    """`records` (rl.data.PromptRecord) in order: the loader's fingerprint of their prompts, answers and metadata
+    (`rl.prompt_loader.records_fingerprint`, a file's path and row left out), and the ids rendered at load
+    (`PromptRecord.ids`: a chat template that writes the date renders other ids on a host that loaded on another
+    day)."""
+    import numpy as np
+
+    from rl.prompt_loader import records_fingerprint
+    h = hashlib.sha256(records_fingerprint(records).encode())
+    for r in records:
+        h.update(b"-" if r.ids is None else np.asarray(r.ids, np.int32).tobytes() + b"\0")
+    return h.hexdigest()[:16]
 
 
 def start_facts(cfg, tokenizer, records) -> dict[str, object]:
@@ -149,16 +155,25 @@ DESCRIBED = {"code": "m3jax's source or its jax / flax / optax / orbax versions"
 FAILED = "failed at its start"  # the one fact a process that could not gather its own publishes
 
 
+def _key(stage: str, process_index: int) -> str:
+    return f"m3jax:agree:{stage}:{process_index}"
+
+
+def _store(client):
+    """`client`, or jax's key-value store of the joined job (`sharding.mesh.key_value_client`)."""
+    if client is not None:
+        return client
+    from sharding.mesh import key_value_client
+    return key_value_client()
+
+
 def report_failure(stage: str, error: BaseException, *, process_index: int, process_count: int, client=None) -> None:
     """Publish, in place of this process's facts, that gathering them failed (its prompt file missing, say), so that
     the others stop at once naming it instead of waiting out `agree`'s timeout (5 minutes)."""
     if process_count == 1:
         return
-    if client is None:
-        from sharding.mesh import key_value_client
-        client = key_value_client()
     said = f"{type(error).__name__}: {error}".splitlines()[0][:300]
-    client.key_value_set(f"m3jax:agree:{stage}:{process_index}", json.dumps({FAILED: said}))
+    _store(client).key_value_set(_key(stage, process_index), json.dumps({FAILED: said}))
 
 
 def agree(stage: str, facts: dict[str, object], *, process_index: int, process_count: int, client=None,
@@ -168,18 +183,15 @@ def agree(stage: str, facts: dict[str, object], *, process_index: int, process_c
     log says why) is named in the error. `client`: jax's key-value store (`sharding.mesh.key_value_client`)."""
     if process_count == 1:
         return
-    if client is None:
-        from sharding.mesh import key_value_client
-        client = key_value_client()
-    key = f"m3jax:agree:{stage}:"
-    client.key_value_set(key + str(process_index), json.dumps(facts, default=str))
+    client = _store(client)
+    client.key_value_set(_key(stage, process_index), json.dumps(facts, default=str))
     everyone, silent = [], []
     for i in range(process_count):
         if i == process_index:
             everyone.append(json.loads(json.dumps(facts, default=str)))
             continue
         try:
-            everyone.append(json.loads(client.blocking_key_value_get(key + str(i), int(timeout_s * 1000))))
+            everyone.append(json.loads(client.blocking_key_value_get(_key(stage, i), int(timeout_s * 1000))))
         except RuntimeError as e:  # jax's JaxRuntimeError: "DEADLINE_EXCEEDED: GetKeyValue() timed out ..."
             if "DEADLINE_EXCEEDED" not in str(e):
                 raise

@@ -115,19 +115,19 @@ class GRPOTrainer:
         self.reference_step = 0  # the step whose policy the reference is (grpo.reference_reset_every_steps)
         self.train_step = make_update(self.policy, self.loss_cfg)
         self.logprobs = make_logprobs(self.policy)
-        # the KL's reference scores under the run's temperature with every token kept, as verl and TRL's do: under
-        # its own top-k / top-p a token the moved policy sampled outside the reference's nucleus had an infinite KL
-        # (clamped to a constant without gradient, or, clamps off, a skipped step)
-        untruncated = self.policy.sampling.untruncated()
-        self.reference_pass = (make_logprobs(self.policy, untruncated) if self.reference is not None
-                               and untruncated != self.policy.sampling else self.logprobs)
+        # The run's temperature with every token kept: what the KL's reference scores under, as verl's and TRL's do
+        # (under its own top-k / top-p a token the moved policy sampled outside the reference's nucleus had an
+        # infinite KL: clamped to a constant without gradient, or, clamps off, a skipped step), and the weight
+        # probes (`rl.weight_sync.probe_sampling`): one pass for both, compiled at its first use.
+        untruncated = probe_sampling(self.policy.sampling)
+        self.untruncated_pass = (self.logprobs if untruncated == self.policy.sampling
+                               else make_logprobs(self.policy, untruncated))
         # logging.indexer_recall_every: a forward of its own on a sample every N steps (models with sparse layers)
         self.recall = (make_indexer_recall(self.policy) if cfg.logging.indexer_recall_every
                        and self.policy.model().num_sparse_layers else None)
         p = self.policy
         self.engine = backends.make_generator(cfg, p.graphdef, p.state, pad_id=self.pad_id, run_dir=self.run_dir)
         self.phases.done("%s", generation_line(cfg))
-        self.probe_pass = None  # _probe_logprobs's
         self.probe = probe_check(self.cfg.generation, self.policy.model_cfg.vocab_size, self.policy.sampling,
                                  self._probe_logprobs)
         self.eval_set = self._eval_set() if cfg.eval.enabled else None
@@ -176,13 +176,9 @@ class GRPOTrainer:
         return metrics
 
     def _probe_logprobs(self, prompts, responses) -> np.ndarray:
-        """The trainer's logprobs of the weight probes, under `rl.weight_sync.probe_sampling` (a pass of its own,
-        compiled at the first probe, where the run samples with top-k or top-p)."""
-        if self.probe_pass is None:
-            plain = probe_sampling(self.policy.sampling)
-            self.probe_pass = self.logprobs if plain == self.policy.sampling else make_logprobs(self.policy, plain)
+        """The trainer's logprobs of the weight probes, under `rl.weight_sync.probe_sampling` (`untruncated_pass`)."""
         batch = backends.probe_batch(prompts, responses, self.width, self.pad_id)
-        return np.asarray(self.probe_pass(self.state.params, self.state.rest, batch))[0]
+        return np.asarray(self.untruncated_pass(self.state.params, self.state.rest, batch))[0]
 
     def step(self, step: int) -> dict:
         """One GRPO step, phase by phase (each timed under time/<phase>)."""
@@ -222,7 +218,7 @@ class GRPOTrainer:
 
         micro = phases.logprobs(self.logprobs, policy.state, micro,
                                 self.reference.for_pass() if self.reference is not None else None,
-                                old=gcfg.old_logprobs == "pass", ref_pass=self.reference_pass)
+                                old=gcfg.old_logprobs == "pass", ref_pass=self.untruncated_pass)
         micro, route_metrics = phases.route_metrics(micro, replay=gcfg.routing_replay == "rollout",
                                                     indexer_replay=gcfg.indexer_replay == "rollout",
                                                     in_update=gcfg.old_logprobs == "update")

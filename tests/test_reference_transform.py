@@ -1,4 +1,4 @@
-"""The KL's reference scores under the run's temperature with every token kept (rl.trainer's `reference_pass`):
+"""The KL's reference scores under the run's temperature with every token kept (rl.trainer's `untruncated_pass`):
 under the run's own top-k / top-p a token the moved policy sampled outside the reference's nucleus had logp_ref
 -inf (an audit: 7 of 72 tokens at step 1 of a top_p 0.8 run, clamped to a constant that was nearly all of the
 logged kl; with the clamps off every step after the first was skipped)."""
@@ -37,7 +37,7 @@ def test_a_kl_run_with_top_k_and_no_clamps_keeps_training(tmp_path):
                            "grpo.kl_clamp=null", "grpo.kl_log_ratio_clamp=null", "optim.lr=3e-2",
                            "eval.every_steps=0", "eval.at_start=false", "logging.indexer_recall_every=0")
     try:
-        assert trainer.reference_pass is not trainer.logprobs
+        assert trainer.untruncated_pass is not trainer.logprobs
         rows = [trainer.step(s) for s in range(4)]
     finally:
         trainer.engine.shutdown()

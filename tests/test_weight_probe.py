@@ -63,6 +63,6 @@ def test_the_trainer_scores_the_probes_without_top_k_or_top_p(tmp_path):
         prompts, responses = backends.probe_sequences(2, trainer.policy.model_cfg.vocab_size, 4, 4)
         got = trainer._probe_logprobs(prompts, responses)
         assert np.isfinite(got[:, 3:7]).all()  # every probe token scored (under top-k 3 most were -inf)
-        assert trainer.probe_pass is not trainer.logprobs
+        assert trainer.untruncated_pass is not trainer.logprobs
     finally:
         trainer.engine.shutdown()
