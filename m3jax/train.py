@@ -41,6 +41,8 @@ def main(argv=None) -> int:
         cfg = from_args(args, training=args.export is None)  # --export reads the run's checkpoints
     except ConfigError as e:
         print(f"config error:\n{e}", file=sys.stderr)
+        if args.export is None and not args.print_config:
+            _tell_the_job(args, e)
         return 2
     if args.print_config:
         sys.stdout.write(to_yaml(cfg))
@@ -113,8 +115,47 @@ def _job_refusal(cfg, index: int, refusal: tuple[str, int] | None) -> tuple[str,
 
     from sharding.mesh import from_process_zero, init_distributed
     init_distributed(cfg.mesh.to_mesh_config())
-    said = json.loads(from_process_zero("m3jax.train:run_lock", json.dumps(refusal) if index == 0 else None))
+    said = json.loads(from_process_zero(RUN_LOCK_KEY, json.dumps(refusal) if index == 0 else None))
     return None if said is None else (said[0], said[1])
+
+
+RUN_LOCK_KEY = "m3jax.train:run_lock"  # process 0's answer at the run's lock, in jax's key-value store
+
+
+def _tell_the_job(args, error: ConfigError) -> None:
+    """A process of a multi-host job whose config is refused (its host's stale copy, a typo in its launch line) used
+    to exit alone, leaving the others waiting 5 minutes in jax.distributed.initialize, then ended by jax ("another
+    task died"). It joins the job its files and environment still name and says why it stops where the others read
+    next: process 0 as its answer at the run's lock (`_job_refusal`), another in place of its start facts
+    (rl.job_agreement), so every process stops at once naming it. Not where the job's own settings (`JOB_KEYS`) are
+    what was refused or the launch is incomplete: joining would fail. It waits 60 s for the others to join (they
+    start with it), not jax's 5 minutes: its own error is printed already."""
+    from rl.config import JOB_KEYS, job_settings
+    from sharding.launch import distributed_args, launch_problem
+    if any(problem.startswith(JOB_KEYS) for problem in error.problems):
+        return
+    mesh = job_settings(args.config, args.overrides)
+    launch = distributed_args(mesh)
+    if launch is None or launch.get("num_processes") == 1 or launch_problem(mesh):
+        return
+    import json
+
+    from rl.job_agreement import START, report_failure
+    from sharding.mesh import from_process_zero, init_distributed, joined_process
+    where = f" at {launch['coordinator_address']}" if launch.get("coordinator_address") else ""
+    print(f"telling the job's other processes{where} why this one stops (waiting up to 60 s for them to join)",
+          file=sys.stderr)
+    init_distributed(mesh, timeout_s=60)
+    said = "; ".join(error.problems)
+    index, count = joined_process()
+    if index == 0:
+        from_process_zero(RUN_LOCK_KEY, json.dumps([f"config error: process 0's config was refused: {said}", 2]))
+    else:
+        report_failure(START, ConfigError(said), process_index=index, process_count=count)
+        # The others start their backends before they compare start facts, and a CPU or GPU backend's start waits
+        # for every process's local topology (2 minutes, then "Unable to initialize backend"): take part in it.
+        import jax
+        jax.devices()
 
 
 def _process_problem(mesh, environ=None) -> str | None:

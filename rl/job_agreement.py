@@ -152,6 +152,7 @@ DESCRIBED = {"code": "m3jax's source or its jax / flax / optax / orbax versions"
              "prompts": "the training prompts (data.*)", "eval_prompts": "the held-out prompts (eval.*)"}
 
 
+START = "its config, code, tokenizer and prompts"  # the stage every process reports before the policy is built
 FAILED = "failed at its start"  # the one fact a process that could not gather its own publishes
 
 

@@ -24,7 +24,7 @@ from rl.checkpoint import CheckpointMismatch
 from rl.config import RunConfig, checkpoint_dir
 from rl.config_record import record_config
 from rl.grpo.dapo import ShortSteps
-from rl.job_agreement import agree_in_job, eval_facts, failed_in_job, start_facts
+from rl.job_agreement import START, agree_in_job, eval_facts, failed_in_job, start_facts
 from rl.stop_signals import StopSignals
 from rl.generation import backends
 from rl.observe import RunLogger, draw_curves
@@ -78,15 +78,14 @@ class GRPOTrainer:
         for line in start_warnings(cfg, cfg.model.m3_config()):
             log.warning("%s", line)
         self.phases = PhaseClock()  # a line as each phase of the start ends (rl.startup)
-        stage = "its config, code, tokenizer and prompts"
         try:
             self.tokenizer, self.loader, self.pad_id = build_data(cfg)
         except Exception as e:
-            failed_in_job(stage, e)  # the other processes stop at once, naming this one
+            failed_in_job(START, e)  # the other processes stop at once, naming this one
             raise
         self.phases.done("%s", prompts_line(cfg, len(self.loader.records)))
         # a multi-host job's processes compare what each read from its own host, before any collective
-        agree_in_job(stage, lambda: start_facts(cfg, self.tokenizer, self.loader.records))
+        agree_in_job(START, lambda: start_facts(cfg, self.tokenizer, self.loader.records))
         self.checkpointer = checkpointer_for(cfg)
         try:
             self._build(policy, kernel_headroom)

@@ -210,9 +210,10 @@ def set_memory_fraction(fraction: float | None, environ=None) -> str | None:
     return None
 
 
-def init_distributed(mesh: MeshConfig) -> None:
+def init_distributed(mesh: MeshConfig, timeout_s: int = 300) -> None:
     """Join a multi-host job (`distributed_args`); a no-op for one process or when already joined.
-    Must run before anything asks jax for its devices."""
+    Must run before anything asks jax for its devices. `timeout_s`: how long to wait for every process to join
+    (jax's default), after which jax ends this process."""
     if jax.distributed.is_initialized():
         return
     args = distributed_args(mesh)
@@ -220,7 +221,7 @@ def init_distributed(mesh: MeshConfig) -> None:
         return
     # Cross-process collectives on CPU hosts (tests, CPU clusters) need gloo; GPUs ignore this.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(**args)
+    jax.distributed.initialize(**args, initialization_timeout=timeout_s)
 
 
 def key_value_client():
@@ -228,6 +229,14 @@ def key_value_client():
     multihost_utils reach it the same way)."""
     from jax._src import distributed
     return distributed.global_state.client
+
+
+def joined_process() -> tuple[int, int]:
+    """(this process's index, the job's process count) of a joined job, read without starting the backend
+    (jax.process_index() starts it, which on a CPU job waits for every process's backend: a process that only
+    joined to say why it stops would wait for the others forever)."""
+    from jax._src import distributed
+    return distributed.global_state.process_id, distributed.global_state.num_processes
 
 
 def from_process_zero(key: str, text: str | None, timeout_s: float = 300.0) -> str:

@@ -155,3 +155,29 @@ def test_two_hosts_with_different_configs_both_stop_before_the_policy(tmp_path):
     assert "optim.lr: process 0 0.001, process 1 0.0003" in errors[0][0], errors
     assert not any("policy:" in log for log in logs)  # refused before the policy was built
     assert not (run / "checkpoints").exists() or not os.listdir(run / "checkpoints")
+
+
+@pytest.mark.slow  # ~15 s each: two processes, one of which is refused its config
+@pytest.mark.parametrize("refused", [0, 1])
+def test_a_process_whose_config_is_refused_stops_the_job_at_once_naming_why(tmp_path, refused):
+    """One host's copy of the config refused: that process exited alone (status 2), and the other waited 5 minutes
+    in jax.distributed.initialize before jax ended it ("another task died"). It now joins to say why it stops."""
+    from tests.test_multihost import TWO_HOSTS, two_hosts
+    from tests.test_multihost_failures import outputs_within
+    run, out = tmp_path / "run", str(tmp_path / "out")
+    own = ([], [])
+    own[refused].append("optim.lr=-1")
+    procs = two_hosts(out, [*TWO_HOSTS, "run.total_steps=1", f"run.out_dir={run}"], own)
+    logs = outputs_within(procs, 120)
+    said = "optim.lr = -1.0: out of range"
+    assert procs[refused].returncode == 2 and said in logs[refused], logs[refused][-3000:]
+    other = logs[1 - refused]
+    if refused == 0:  # process 1 reads it as process 0's answer at the run's lock: nothing of the run was written
+        assert procs[1].returncode == 2, other[-3000:]
+        assert f"config error: process 0's config was refused: {said}" in other, other[-3000:]
+        assert not run.exists()
+    else:  # process 0 reads it where it compares the processes' start facts, before the policy
+        assert procs[0].returncode == 1, other[-3000:]
+        errors = [line for line in other.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and f"process 1 of this job failed at its start (ConfigError: " in errors[0], other
+        assert said in errors[0] and "policy:" not in other

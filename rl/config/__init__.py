@@ -193,6 +193,28 @@ def load_config(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] 
     return cfg
 
 
+JOB_KEYS = ("mesh.coordinator_address", "mesh.num_processes", "mesh.process_id")
+
+
+def job_settings(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> argparse.Namespace:
+    """The multi-host job's settings (`JOB_KEYS`) as the files and `overrides` give them, unvalidated, each None where
+    it is unset, unreadable or of the wrong type: what a process whose config was refused still knows of the job it
+    was launched into (`sharding.launch.distributed_args` reads them beside the JAX_* environment)."""
+    tree: dict = {}
+    try:
+        tree = load_tree(os.fspath(path), [], {})
+        apply_overrides(tree, list(overrides), {})
+    except ConfigError:  # the files are unreadable, or an override is: what was read stands
+        pass
+    mesh = tree.get("mesh") if isinstance(tree.get("mesh"), dict) else {}
+
+    def whole(value):
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+    address = mesh.get("coordinator_address")
+    return argparse.Namespace(coordinator_address=address if isinstance(address, str) else None,
+                              num_processes=whole(mesh.get("num_processes")), process_id=whole(mesh.get("process_id")))
+
+
 # ============================================================================== command line
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """--config FILE, --print-config and the positional key.sub=value overrides."""

@@ -117,7 +117,8 @@ def main(out, flag, config, *overrides):
     if os.environ.get("M3JAX_TEST_SAVE_FAILS"):
         fail_saves(*map(int, os.environ["M3JAX_TEST_SAVE_FAILS"].split(":")))
     rc = train.main([flag, config, *overrides])
-    if jax.distributed.is_initialized():  # not when refused before it joined the job
+    # not when refused before it joined the job, nor when its config was refused (it joined to say so)
+    if jax.distributed.is_initialized() and rc != 2:
         mesh = build_mesh(load_config(config, list(overrides)).mesh.to_mesh_config())
         owners = [sorted({d.process_index for d in row.flat}) for row in mesh.mesh.devices]
         with open(f"{out}.{jax.process_index()}.json", "w") as f:
