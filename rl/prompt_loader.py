@@ -5,8 +5,9 @@ makes it, with the tokenizer, from a run config.
 and keeps its position as ``{seed, epoch, index}`` (with the records' count and fingerprint, which a resume
 must match). A batch that runs past the end of an epoch is
 completed from the start of the next epoch's order, so nothing is skipped, and that order starts with prompts the
-batch does not hold yet (`next_epoch_order`); restoring ``state_dict()``
-continues with exactly the batches an uninterrupted run would have produced. A state saved with another seed is
+batch does not hold yet (`next_epoch_order`); the position also keeps what that batch held of the previous epoch
+(``head``), so restoring ``state_dict()`` continues with exactly the batches an uninterrupted run would have produced,
+also where the resumed run draws another ``grpo.prompts_per_step``. A state saved with another seed is
 refused: taking the saved seed instead would leave a config that names a seed the order does not follow.
 """
 
@@ -45,6 +46,12 @@ class PromptLoader:
         self.seed = int(seed)
         self.epoch = 0
         self.index = 0
+        # The current epoch's `next_epoch_order` arguments: what the batch that spanned into it held of the previous
+        # epoch, and that batch's size. They follow the batch size the run drew with then, which a resume may change
+        # (rebuilt from epoch 0 with the new size, the order of the epoch under way was another one: a prompt drawn
+        # twice in it and another never).
+        self.head: list[int] = []
+        self.head_batch = self.batch_size
         self._order: np.ndarray | None = None
         self._order_epoch = -1
 
@@ -57,15 +64,9 @@ class PromptLoader:
 
     def _epoch_order(self) -> np.ndarray:
         if self._order_epoch != self.epoch:
-            # Each order depends on the one before (its tail shares a batch with this one's head): continue from
-            # the order in hand, or from epoch 0 after a restore (a pass over the records per epoch).
-            ahead = self._order is not None and 0 <= self._order_epoch < self.epoch
-            e, order = (self._order_epoch, self._order) if ahead else (0, self._shuffled(0))
-            while e < self.epoch:
-                e += 1
-                order = next_epoch_order(order, self._shuffled(e), e * len(self.records) % self.batch_size,
-                                         self.batch_size)
-            self._order, self._order_epoch = order, self.epoch
+            self._order = next_epoch_order(np.asarray(self.head, np.int64), self._shuffled(self.epoch),
+                                           len(self.head), self.head_batch)
+            self._order_epoch = self.epoch
         return self._order
 
     def _shuffled(self, epoch: int) -> np.ndarray:
@@ -83,6 +84,8 @@ class PromptLoader:
             if self.index == n:
                 self.epoch += 1
                 self.index = 0
+                # a batch left unfinished spans into the next epoch, whose order starts with records it lacks
+                self.head, self.head_batch = (list(out) if len(out) < self.batch_size else []), self.batch_size
         return out
 
     def next_batch(self) -> list[PromptRecord]:
@@ -92,11 +95,12 @@ class PromptLoader:
         while True:
             yield self.next_batch()
 
-    def state_dict(self) -> dict[str, int | str]:
-        """``{seed, epoch, index, num_records}`` (plain ints): the position after the last batch taken; and
-        ``records``, the records' fingerprint (``records_fingerprint``)."""
+    def state_dict(self) -> dict[str, Any]:
+        """``{seed, epoch, index, num_records}`` (plain ints): the position after the last batch taken; ``head`` and
+        ``head_batch``, what the batch that spanned into this epoch held of the one before and its size (the epoch's
+        order follows them); and ``records``, the records' fingerprint (``records_fingerprint``)."""
         return {"seed": self.seed, "epoch": self.epoch, "index": self.index, "num_records": len(self.records),
-                "records": self.fingerprint}
+                "head": list(self.head), "head_batch": self.head_batch, "records": self.fingerprint}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         missing = [k for k in ("seed", "epoch", "index") if k not in state]
@@ -120,8 +124,29 @@ class PromptLoader:
         epoch, index = int(state["epoch"]), int(state["index"])
         if epoch < 0 or not 0 <= index < len(self.records):
             raise ValueError(f"loader state out of range: epoch={epoch}, index={index} for {len(self.records)} records")
+        head, head_batch = state.get("head"), state.get("head_batch")
+        if head is None:  # saved before the head was recorded: every batch had this run's size, or the order differs
+            head, head_batch = _head_of_constant_batches(self, epoch), self.batch_size
+        n = len(self.records)
+        if (not isinstance(head_batch, int) or head_batch < 1 or not isinstance(head, list)
+                or not all(isinstance(i, int) and 0 <= i < n for i in head)):
+            raise ValueError(f"loader state's head {head!r} / head_batch {head_batch!r} is not a list of record "
+                             f"indices below {n} and a batch size >= 1")
         self.epoch, self.index = epoch, index
+        self.head, self.head_batch = [int(i) for i in head], int(head_batch)
         self._order_epoch = -1
+
+
+def _head_of_constant_batches(loader: PromptLoader, epoch: int) -> list[int]:
+    """The head of `epoch` for a state saved before heads were (`PromptLoader.head`): the records of epoch - 1's order
+    that the batch spanning into it held, every batch of `loader.batch_size` (a pass over the orders so far)."""
+    n, size = len(loader.records), loader.batch_size
+    order, head = loader._shuffled(0), []
+    for e in range(1, epoch + 1):
+        spanned = e * n % size
+        previous, head = order, ([int(i) for i in order[n - spanned:]] if spanned and size <= n else [])
+        order = next_epoch_order(previous, loader._shuffled(e), spanned, size)
+    return head
 
 
 def next_epoch_order(previous: np.ndarray, shuffled: np.ndarray, spanned: int, batch_size: int) -> np.ndarray:
@@ -134,7 +159,7 @@ def next_epoch_order(previous: np.ndarray, shuffled: np.ndarray, spanned: int, b
     n = len(shuffled)
     if spanned == 0 or batch_size > n:
         return shuffled
-    first = shuffled[~np.isin(shuffled, previous[n - spanned:])][:batch_size - spanned]
+    first = shuffled[~np.isin(shuffled, previous[len(previous) - spanned:])][:batch_size - spanned]
     return np.concatenate([first, shuffled[~np.isin(shuffled, first)]])
 
 

@@ -342,7 +342,8 @@ def test_loader_epochs_are_permutations_and_deterministic():
     assert [i for _ in range(5) for i in answers(b.next_batch())] == seq
     c = PromptLoader(recs, batch_size=4, seed=8)
     assert [i for _ in range(5) for i in answers(c.next_batch())] != seq
-    assert a.state_dict() == {"seed": 7, "epoch": 2, "index": 0, "num_records": 10, "records": a.fingerprint}
+    assert a.state_dict() == {"seed": 7, "epoch": 2, "index": 0, "num_records": 10, "head": [], "head_batch": 4,
+                              "records": a.fingerprint}  # epoch 2 began with a batch: no head
     # epoch e's order is the documented one
     assert seq[:10] == np.random.default_rng([7, 0]).permutation(10).tolist()
 
@@ -381,9 +382,25 @@ def test_a_batch_across_an_epoch_boundary_holds_distinct_prompts(n, batch):
         states.append(json.loads(json.dumps(replay.state_dict())))
         replay.next_batch()
     for step in (1, 7, 23, 59):
-        resumed = PromptLoader(make_records(n), batch_size=batch, seed=3)
-        resumed.load_state_dict(states[step])
-        assert [answers(resumed.next_batch()) for _ in range(60 - step)] == batches[step:], step
+        for state in (states[step], {k: v for k, v in states[step].items() if not k.startswith("head")}):
+            resumed = PromptLoader(make_records(n), batch_size=batch, seed=3)
+            resumed.load_state_dict(state)  # also a state saved before the head was recorded
+            assert [answers(resumed.next_batch()) for _ in range(60 - step)] == batches[step:], step
+
+
+@pytest.mark.parametrize("n, before, after", [(10, 2, 3), (13, 4, 3), (30, 7, 16), (7, 3, 9)])
+def test_a_resume_with_another_prompts_per_step_draws_each_prompt_once_an_epoch(n, before, after):
+    """An audit: a resume with another grpo.prompts_per_step (a setting that may change on a resume) rebuilt the
+    epoch under way with the new batch size, another order than the one it was partway through: prompts 10, batches
+    2 then 3, epoch 1 drew prompt 1 twice and prompt 3 never."""
+    for stop in range(1, 3 * n // before):
+        first = PromptLoader(make_records(n), batch_size=before, seed=0)
+        drawn = [i for _ in range(stop) for i in answers(first.next_batch())]
+        resumed = PromptLoader(make_records(n), batch_size=after, seed=0)
+        resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+        drawn += [i for _ in range(3 * n // after + 1) for i in answers(resumed.next_batch())]
+        for e in range(3):
+            assert sorted(drawn[e * n:(e + 1) * n]) == list(range(n)), (stop, e, drawn)
 
 
 def test_a_prompt_file_edited_in_place_is_not_continued(tmp_path):
@@ -414,5 +431,7 @@ def test_loader_state_validation():
         loader.load_state_dict({"seed": 0, "epoch": 0, "index": 0, "num_records": 6})
     with pytest.raises(ValueError, match="missing"):
         loader.load_state_dict({"seed": 0})
+    with pytest.raises(ValueError, match=r"head \[7\] / head_batch 2 is not a list of record indices below 5"):
+        loader.load_state_dict({"seed": 0, "epoch": 1, "index": 0, "head": [7], "head_batch": 2})
     with pytest.raises(ValueError):
         PromptLoader([], batch_size=2, seed=0)
