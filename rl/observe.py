@@ -111,10 +111,11 @@ class RunLogger:
         self._jsonl.flush()
         if self._tb is not None:
             # one Summary of the row's scalars, tagged with their metrics.jsonl keys: add_scalar would rename
-            # val/pass@1 to val/pass_1 (tensorboardX keeps TF node-name characters only; a tag may hold any)
+            # val/pass@1 to val/pass_1 (tensorboardX keeps TF node-name characters only; a tag may hold any).
+            # NaN and inf too, as metrics.jsonl and W&B keep them (TensorBoard marks them on the curve): left out, a
+            # skipped update's loss or a step's NaN per-token figures were a gap the line drew across.
             from tensorboardX.proto.summary_pb2 import Summary
-            values = [Summary.Value(tag=k, simple_value=v) for k, v in clean.items()
-                      if isinstance(v, float) and math.isfinite(v)]
+            values = [Summary.Value(tag=k, simple_value=v) for k, v in clean.items() if isinstance(v, float)]
             if values:
                 self._tb._get_file_writer().add_summary(Summary(value=values), step)  # what add_scalar calls
         if self._wandb is not None:

@@ -215,13 +215,18 @@ def _event_scalars(run_dir) -> dict:
 
 
 def test_tensorboard_tags_are_the_metrics_jsonl_keys(tmp_path):
-    """Every finite number of a row is a TensorBoard scalar under its metrics.jsonl key: tensorboardX's add_scalar
+    """Every number of a row is a TensorBoard scalar under its metrics.jsonl key: tensorboardX's add_scalar
     renamed the held-out metrics (val/pass@1 -> val/pass_1, val/maj@k -> val/maj_k), so the keys the docs, the
-    config (eval.best_metric) and metrics.jsonl name were not found in TensorBoard."""
+    config (eval.best_metric) and metrics.jsonl name were not found in TensorBoard. NaN and inf too (an audit: they
+    were left out, where metrics.jsonl and W&B keep them)."""
+    import math
+
     from rl.observe import RunLogger
     row = {"reward/mean": 0.25, "val/pass@1": 0.5, "val/pass@k": 0.75, "val/pass@8": 1.0, "val/maj@k": 0.125,
-           "loss": float("nan"), "note": "text"}
+           "loss": float("nan"), "grad_norm": float("inf"), "note": "text"}
     log = RunLogger(str(tmp_path), progress_bar=False)
     log.log(3, row)
     log.close()
-    assert _event_scalars(tmp_path) == {k: {3: v} for k, v in row.items() if k not in ("loss", "note")}
+    scalars = _event_scalars(tmp_path)
+    assert math.isnan(scalars.pop("loss")[3])
+    assert scalars == {k: {3: v} for k, v in row.items() if k not in ("loss", "note")}
