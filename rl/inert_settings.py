@@ -21,21 +21,29 @@ class Rule(NamedTuple):
     inert_because: Callable[[object], str | None]
 
 
-def _loss_reads(loss: str, who: str) -> Callable[[object], str | None]:
-    return lambda cfg: None if cfg.grpo.loss == loss else f"grpo.loss = {cfg.grpo.loss} (only {who} reads them)"
+def _shipped(loss: str) -> bool:
+    """Whether `loss` is one of m3jax's objectives: a registered one (rl.grpo.registry) receives every grpo key and
+    reads what it will (docs/extending.md), so none of them is inert under it."""
+    from rl.grpo.objectives import POLICY_LOSSES, SHIPPED_POLICY_LOSSES
+    return SHIPPED_POLICY_LOSSES.get(loss, False) is POLICY_LOSSES.get(loss)
+
+
+def _loss_reads(losses: tuple[str, ...], who: str) -> Callable[[object], str | None]:
+    return lambda cfg: None if cfg.grpo.loss in losses or not _shipped(cfg.grpo.loss) else (
+        f"grpo.loss = {cfg.grpo.loss} (only {who})")
 
 
 RULES: tuple[Rule, ...] = (
     Rule("grpo", ("overlong_penalty",), lambda cfg: None if cfg.grpo.overlong_buffer else
          "grpo.overlong_buffer = 0 turns the soft overlong punishment off"),
-    Rule("grpo", ("eps_low", "eps_high"), lambda cfg: None if cfg.grpo.loss in ("ppo_clip", "clip_cov") else
-         f"grpo.loss = {cfg.grpo.loss} (only ppo_clip and clip_cov clip the ratio by eps_low / eps_high)"),
-    Rule("grpo", ("gspo_eps_low", "gspo_eps_high"), _loss_reads("gspo", "gspo")),
-    Rule("grpo", ("gmpo_eps_low", "gmpo_eps_high"), _loss_reads("gmpo", "gmpo")),
-    Rule("grpo", ("sapo_tau_pos", "sapo_tau_neg"), _loss_reads("sapo", "sapo")),
-    Rule("grpo", ("cispo_eps_high",), _loss_reads("cispo", "cispo")),
-    Rule("grpo", ("kl_cov_ratio", "kl_cov_coef"), _loss_reads("kl_cov", "kl_cov")),
-    Rule("grpo", ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"), _loss_reads("clip_cov", "clip_cov")),
+    Rule("grpo", ("eps_low", "eps_high"), _loss_reads(("ppo_clip", "clip_cov"),
+                                                     "ppo_clip and clip_cov clip the ratio by eps_low / eps_high")),
+    Rule("grpo", ("gspo_eps_low", "gspo_eps_high"), _loss_reads(("gspo",), "gspo reads them")),
+    Rule("grpo", ("gmpo_eps_low", "gmpo_eps_high"), _loss_reads(("gmpo",), "gmpo reads them")),
+    Rule("grpo", ("sapo_tau_pos", "sapo_tau_neg"), _loss_reads(("sapo",), "sapo reads them")),
+    Rule("grpo", ("cispo_eps_high",), _loss_reads(("cispo",), "cispo reads them")),
+    Rule("grpo", ("kl_cov_ratio", "kl_cov_coef"), _loss_reads(("kl_cov",), "kl_cov reads them")),
+    Rule("grpo", ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"), _loss_reads(("clip_cov",), "clip_cov reads them")),
     # (is_level still shapes the logged is_out_of_band_frac under none: not named)
     Rule("grpo", ("is_cap",), lambda cfg: None if cfg.grpo.is_correction != "none" else
          "grpo.is_correction = none weighs every token 1"),

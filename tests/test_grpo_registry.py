@@ -2,6 +2,7 @@
 accepts their names, LossConfig and the step's advantages use them; names stay unique."""
 
 import dataclasses
+import os
 
 import jax.numpy as jnp
 import numpy as np
@@ -58,3 +59,33 @@ def test_names_stay_unique_and_unregistered_ones_are_refused(registered):
     with pytest.raises(ConfigError, match=r'grpo.advantage = "_test_rnak": not an allowed value \(did you mean '
                                           r'"_test_rank"\?\)'):
         load_config(TINY, ["grpo.advantage=_test_rnak"])
+
+
+def test_the_objectives_keys_are_not_named_inert_under_a_registered_objective(registered):
+    """docs/extending.md: a registered objective receives every grpo key (eps_high, gspo_*, ...) and uses them or not;
+    the start warned that grpo.eps_high "has no effect" under it (an audit). Under a shipped objective it still is."""
+    from rl.start_warnings import start_warnings
+    for loss, named in (("_test_plain_pg", False), ("reinforce", True)):
+        cfg = load_config(TINY, [f"grpo.loss={loss}", "grpo.dual_clip=null", "grpo.eps_high=0.3",
+                                 "grpo.gspo_eps_high=0.01"])
+        lines = [w for w in start_warnings(cfg, cfg.model.m3_config()) if "eps_high" in w]
+        assert bool(lines) == named, (loss, lines)
+
+
+def test_the_rank_estimator_of_docs_extending_gives_ties_one_rank():
+    """The estimator docs/extending.md shows, run as written: it ranked tied rewards by their place in the group, so
+    a group of equal rewards got advantages -3.5 .. 3.5 instead of 0 (an audit)."""
+    import re
+    text = open(os.path.join(os.path.dirname(__file__), "..", "docs", "extending.md")).read()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if 'estimator("rank")' in b)
+    names = {}
+    try:
+        exec(block, names)
+        rank = names["rank"]
+        np.testing.assert_array_equal(rank(jnp.zeros(8), 8), np.zeros(8))
+        np.testing.assert_array_equal(rank(jnp.asarray([1.0, 0, 0, 0, 2, 5, 2, 1]), 4),
+                                      [1.5, -0.5, -0.5, -0.5, 0, 1.5, 0, -1.5])
+    finally:
+        for registry, choices, name in ((POLICY_LOSSES, LOSSES, "plain_pg"), (ADVANTAGE_ESTIMATORS, ADVANTAGES, "rank")):
+            if registry.pop(name, None) is not None:
+                choices.registered.remove(name)

@@ -242,6 +242,8 @@ POLICY_LOSSES: dict[str, Callable[..., PolicyTerm]] = {
                                                    ratio=cfg.clip_cov_ratio, cov_low=cfg.clip_cov_lb,
                                                    cov_high=cfg.clip_cov_ub),
 }
+# the objectives m3jax ships, as shipped (rl.grpo.registry may add to POLICY_LOSSES or replace one of them)
+SHIPPED_POLICY_LOSSES = dict(POLICY_LOSSES)
 
 
 def get_policy_loss(name: str) -> Callable[..., PolicyTerm]:
