@@ -79,8 +79,23 @@ def _read_jsonl(path: Path) -> list[tuple[int, Any]]:
                     raise DatasetError(path, f"JSON that cannot be read ({_json_limit(e)}); expected one JSON "
                                              "object per line", row=lineno) from None
     except UnicodeDecodeError as e:
-        raise DatasetError(path, f"not UTF-8 text ({e.reason} at byte {e.start}); expected JSON lines") from None
+        raise _not_utf8(path, e, "JSON lines", lines_are_rows=True) from None
     return rows
+
+
+def _not_utf8(path: Path, error: UnicodeDecodeError, expected: str, *, lines_are_rows: bool) -> DatasetError:
+    """The error naming the line of a JSON / JSONL file that is not UTF-8, and the byte in it (the row, for JSONL):
+    the text reader's own offset counts from the chunk it was decoding (~8 KiB), not from the file, and names no
+    line."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                where = "" if lines_are_rows else f" of line {lineno}"
+                return DatasetError(path, f"not UTF-8 text ({e.reason} at byte {e.start + 1}{where or ' of the line'})"
+                                          f"; expected {expected} in UTF-8", row=lineno if lines_are_rows else None)
+    return DatasetError(path, f"not UTF-8 text ({error.reason}); expected {expected} in UTF-8")
 
 
 def _json_limit(e: Exception) -> str:
@@ -101,7 +116,7 @@ def _read_json(path: Path) -> list[tuple[int, Any]]:
                  "jsonl)") if e.msg == "Extra data" and e.colno == 1 else ""
         raise DatasetError(path, f"invalid JSON ({e.msg} at line {e.lineno}, column {e.colno}){lines}") from None
     except UnicodeDecodeError as e:
-        raise DatasetError(path, f"not UTF-8 text ({e.reason} at byte {e.start})") from None
+        raise _not_utf8(path, e, "JSON", lines_are_rows=False) from None
     except (ValueError, RecursionError) as e:
         raise DatasetError(path, f"JSON that cannot be read ({_json_limit(e)})") from None
     if isinstance(data, dict):  # {"data": [...]} / {"rows": [...]} wrappers: exactly one list, of objects
