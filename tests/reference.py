@@ -22,9 +22,12 @@ released_model = tiny.released_hf_model
 random_ids = tiny.random_ids        # (cfg, batch, seq, seed=0) -> int32 [batch, seq] in [3, vocab)
 
 
-def hf_logits(model, ids: np.ndarray, attention_mask: np.ndarray | None = None) -> np.ndarray:
+def hf_logits(model, ids: np.ndarray, attention_mask: np.ndarray | None = None,
+              position_ids: np.ndarray | None = None) -> np.ndarray:
     with torch.no_grad():
         kw = {} if attention_mask is None else {"attention_mask": torch.tensor(attention_mask)}
+        if position_ids is not None:
+            kw["position_ids"] = torch.tensor(position_ids, dtype=torch.long)
         return model(torch.tensor(ids, dtype=torch.long), **kw).logits.float().numpy()
 
 

@@ -210,6 +210,51 @@ def test_explicit_positions_equal_default(case):
     np.testing.assert_array_equal(np.asarray(forward(model, ids)), np.asarray(forward(model, ids, positions=pos)))
 
 
+def left_padded(ids, pads):
+    """HF's convention for left padding (generate's): each row's first pads[row] slots masked, its position_ids
+    counted from its first real token (0 on the pads)."""
+    mask, pos = np.ones_like(ids), np.zeros_like(ids)
+    for row, p in enumerate(pads):
+        mask[row, :p] = 0
+        pos[row] = np.maximum(np.arange(ids.shape[1]) - p, 0)
+    return mask, pos
+
+
+def test_left_padding_with_positions_from_the_first_real_token_matches_hf(tmp_path):
+    """The positions also set the causal mask here: a left-padded row whose positions count from its first real
+    token (HF's convention) had each token see the pad slots before it and not its own, logits 26 off HF's, silently
+    (an audit). The positions are RoPE's only now, and the slots set causality, as in HF. Full attention only: HF's
+    own indexer takes its causality from the positions (its TODO on left padding), which m3jax does not copy."""
+    cfg = ref.tiny_config(sparse_attention_config=dict(sparse_num_index_heads=2, sparse_index_dim=16,
+                                                       sparse_block_size=8, sparse_topk_blocks=2,
+                                                       sparse_local_block=1, sparse_attention_freq=[0, 0, 0, 0]))
+    hf = ref.build_model(cfg, seed=3)
+    model = m3jax.from_pretrained(ref.save(hf, str(tmp_path / "native"), "native"))
+    ids, pads = ref.random_ids(cfg, 2, SEQ, seed=6), [5, 21]
+    mask, pos = left_padded(ids, pads)
+    got = np.asarray(forward(model, jnp.asarray(ids), attention_mask=jnp.asarray(mask), positions=jnp.asarray(pos)))
+    want = ref.hf_logits(hf, ids, mask, pos)
+    for row, p in enumerate(pads):
+        assert rel_err(got[row, p:], want[row, p:]) < 1e-5, row
+
+
+@variants(suite=("release_like",))  # the other variants: -m extended
+def test_positions_shifted_by_a_row_constant_change_no_real_token(case):
+    """RoPE sees only distances, and the slots set causality and the indexer's blocks: a left-padded row's real
+    tokens are the same with positions counted from its first real token as with the default 0..S-1. (The pads'
+    positions are shifted too, below 0: the indexer pools pad keys' scores with the rest, as HF's does, so pads at
+    HF's position 0 would change which blocks win.)"""
+    model = case.model()
+    ids, pads = ref.random_ids(case.cfg, 2, SEQ, seed=6), [5, 21]
+    mask, _ = left_padded(ids, pads)
+    pos = np.arange(SEQ)[None, :] - np.asarray(pads)[:, None]
+    shifted = np.asarray(forward(model, jnp.asarray(ids), attention_mask=jnp.asarray(mask),
+                                 positions=jnp.asarray(pos)))
+    default = np.asarray(forward(model, jnp.asarray(ids), attention_mask=jnp.asarray(mask)))
+    for row, p in enumerate(pads):
+        assert rel_err(shifted[row, p:], default[row, p:]) < 1e-5, row
+
+
 @variants(suite=("release_like",))  # the other variants: -m extended
 def test_short_sequences_attend_as_full_layers_and_match_hf(case):
     """Over no more key blocks than index_topk_blocks, the indexer keeps every block a query can see (HF: the top

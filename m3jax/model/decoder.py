@@ -272,7 +272,9 @@ class M3ForCausalLM(nnx.Module):
                  return_indexer_recall: bool = False, return_indexer_kl: bool = False):
         """Logits [B, S, vocab] for input_ids [B, S].
 
-        positions [B, S] default to 0..S-1; attention_mask [B, S_keys] (1 = real token) for right padding.
+        positions [B, S] default to 0..S-1: the tokens' RoPE positions (HF's position_ids). Without a cache the
+        causal mask and the indexer's blocks follow the tokens' slots 0..S-1, as in HF, so a left-padded row may
+        count its positions from its first real token. attention_mask [B, S_keys] (1 = real token).
         cache (from `init_cache`): decode mode; the tokens' keys are written at slots = positions and
         (logits, updated cache) is returned. attention_mask then covers the cache's S_max slots. Positions must be
         below S_max (init_cache's max_len): refused where they are known, NaN logits where traced.
@@ -315,6 +317,10 @@ class M3ForCausalLM(nnx.Module):
         key_valid = None if attention_mask is None else attention_mask.astype(bool)
         x = layout.constrain(embed_tokens(self.embed[...], input_ids), ACT)
         cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta, x.dtype)
+        # what the attention masks and the indexer's blocks follow: a token's slot (its cache slot in decode mode).
+        # Taking the positions for the slots, a left-padded row with positions from its first real token (HF's
+        # convention) had each token see the pad slots before it and not its own (logits 26 off, an audit).
+        slots = positions if cache is not None else jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
         n_sparse = self.num_sparse_layers
         if return_indexer_recall and cache is not None:
             raise ValueError("return_indexer_recall needs the whole sequence (no decode cache)")
@@ -344,7 +350,7 @@ class M3ForCausalLM(nnx.Module):
                 extra["return_recall"] = True
             if return_indexer_kl and n_sp:
                 extra["return_indexer_kl"] = True
-            out = stack(x, cos, sin, positions, key_valid, None if cache is None else cache[i], layout=layout, **extra)
+            out = stack(x, cos, sin, slots, key_valid, None if cache is None else cache[i], layout=layout, **extra)
             out = out if isinstance(out, tuple) else (out,)
             x = out[0]
             if cache is not None:
