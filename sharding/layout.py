@@ -15,7 +15,7 @@ import math
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from sharding.rules import RULES, logical_to_spec, mesh_axes_of, step_copy_rules
+from sharding.rules import RULES, logical_to_spec, mesh_axes_of, rules_problem, step_copy_rules
 
 GPU_PLATFORMS = ("gpu", "cuda")  # jax names a CUDA device's platform "gpu"; a caller may name it "cuda"
 
@@ -45,6 +45,12 @@ class Layout:
     # every shard does the same causal work (`sharding.context.mirror_second_halves`); False = contiguous
     # shards, the last doing 2n - 1 times the first's work (`MeshConfig.context_balance`)
     context_balance: bool = True
+
+    def __post_init__(self):
+        if isinstance(self.mesh, Mesh):  # a row naming no axis of the mesh failed in jax, at the first sharding
+            problem = rules_problem(self.rules, mesh_axes=tuple(self.mesh.axis_names))
+            if problem:
+                raise ValueError(f"Layout: {problem}")
 
     @property
     def backend(self) -> str:

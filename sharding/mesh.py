@@ -18,11 +18,12 @@ import os
 from typing import Protocol
 
 import jax
-from jax.sharding import AxisType
+from jax.sharding import AxisType, Mesh
 
 from sharding.launch import distributed_args  # noqa: F401  (its home before; jax-free there)
 from sharding.layout import Layout
-from sharding.rules import MESH_AXES, TOKEN_AXES, expert_axes_of, fsdp_axes_of, logical_to_spec, mesh_axes_of, rules_for
+from sharding.rules import (MESH_AXES, TOKEN_AXES, expert_axes_of, fsdp_axes_of, logical_to_spec, mesh_axes_of,
+                            rules_for, rules_problem)
 
 
 class MeshError(ValueError):
@@ -54,6 +55,14 @@ class MeshConfig:
     # Causal load balance of context-parallel attention: mirror shards swap their queries' second halves
     # (`sharding.context.mirror_second_halves`); False = contiguous shards, the last doing the most work
     context_balance: bool = True
+    # Rows a model of your own adds to the rules table for its own logical axis names: ((name, mesh axes), ...),
+    # mesh axes a name of MESH_AXES, a tuple of them, or None (replicated). m3jax's names are the table's already.
+    extra_rules: tuple = ()
+
+    def __post_init__(self):
+        rows = tuple((row[0], tuple(row[1]) if isinstance(row[1], list) else row[1])
+                     if isinstance(row, (tuple, list)) and len(row) == 2 else row for row in self.extra_rules)
+        object.__setattr__(self, "extra_rules", rows)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -72,8 +81,8 @@ class MeshConfig:
 
     @property
     def rules(self) -> tuple:
-        """The rules table of this mesh: experts on `expert_axes`, FSDP over `fsdp_axes`."""
-        return rules_for(self.expert_axes, self.fsdp_axes)
+        """The rules table of this mesh: experts on `expert_axes`, FSDP over `fsdp_axes`, and `extra_rules`."""
+        return rules_for(self.expert_axes, self.fsdp_axes) + self.extra_rules
 
 
 def sequence_multiple(mesh, model=None) -> int:
@@ -116,6 +125,9 @@ def validate(mesh: MeshConfig, model=None, *, num_devices: int | None = None, se
         raise MeshError(f"mesh.fsdp_step_axes = {step}: expected a proper tail of mesh.fsdp_axes = "
                         f"{tuple(mesh.fsdp_axes)} (the copy a step gathers over them stays cut over the fsdp axes "
                         "before them; list the axes gathered once per step last)")
+    problem = rules_problem(rules_for(mesh.expert_axes, mesh.fsdp_axes), mesh.extra_rules)
+    if problem:
+        raise MeshError(f"mesh extra_rules: {problem}")
     if num_devices is not None and mesh.num_devices != num_devices:
         # too few of the devices that `platform` (that of the devices counted) can simulate: say how
         simulate = (f"; on CPU, simulate them: XLA_FLAGS=--xla_force_host_platform_device_count={mesh.num_devices} "
@@ -180,6 +192,9 @@ def undivided_parameter(mesh: MeshConfig, model: ShardedModel) -> str | None:
     sizes = dict(zip(MESH_AXES, mesh.shape))
     rules = mesh.rules
     for name, spec in model.param_specs().items():
+        if len(spec.axes) != len(spec.shape):  # jax takes a short spec as replicated trailing dimensions
+            return (f"parameter {name} of shape {tuple(spec.shape)} names {len(spec.axes)} logical axes "
+                    f"{tuple(spec.axes)}: expected one per dimension (None = replicated)")
         for dim, logical, axes in zip(spec.shape, spec.axes, logical_to_spec(spec.axes, rules, sizes)):
             axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
             n = math.prod(sizes[a] for a in axes)
@@ -267,6 +282,8 @@ def build_mesh(mesh: MeshConfig, model: ShardedModel | None = None, *, seq_len: 
 
 def mesh_config_of(mesh) -> MeshConfig:
     """The MeshConfig describing a Layout (or a Mesh with m3jax's axis names and the default rules)."""
+    if isinstance(mesh, Mesh) and (missing := [a for a in MESH_AXES if a not in mesh.shape]):
+        raise MeshError(f"mesh axes {tuple(mesh.axis_names)} lack {missing}: expected {MESH_AXES}")
     layout = mesh if isinstance(mesh, Layout) else Layout(mesh)
     if layout.mesh is None:
         return MeshConfig(expert_axes=expert_axes_of(layout.rules), fsdp_axes=fsdp_axes_of(layout.rules),

@@ -109,15 +109,16 @@ def with_master_weights(inner: optax.GradientTransformation, mode: str = "fp32")
 
 
 def apply(params, updates, opt_state: MasterState):
-    """New params after `update`: the returned trees themselves in master modes, else p + u."""
-    if opt_state.master != ():
+    """New params after `update`: the returned trees themselves in master modes, else p + u (also for a plain optax
+    optimizer's state, which `sharding.train_step` takes as mode "none")."""
+    if isinstance(opt_state, MasterState) and opt_state.master != ():
         return updates
     return optax.apply_updates(params, updates)
 
 
 def master_of(params, opt_state: MasterState):
     """The fp32 master the state holds (for tests and checkpoint conversion)."""
-    if opt_state.master == ():
+    if not isinstance(opt_state, MasterState) or opt_state.master == ():
         return jax.tree.map(lambda p: p.astype(jnp.float32), params)
     return jax.tree.map(lambda p, r: join(p, r) if r.dtype == jnp.int16 else r, params, opt_state.master)
 

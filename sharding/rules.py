@@ -82,12 +82,31 @@ def fsdp_axes_of(rules) -> tuple[str, ...]:
     return mesh_axes_of("embed", rules)
 
 
+def rules_problem(rules, extra=(), mesh_axes=MESH_AXES) -> str | None:
+    """Why `rules` + `extra` rows cannot place logical axes on a mesh with `mesh_axes`, or None: a row that is not
+    (name, target), a name given twice, or a target other than a mesh axis, a tuple of them, or None."""
+    names = {row[0] for row in rules if isinstance(row, tuple) and len(row) == 2}
+    for row in (*rules, *extra):
+        if not (isinstance(row, tuple) and len(row) == 2 and isinstance(row[0], str)):
+            return f"rules row {row!r}: expected (logical axis name, mesh axes)"
+        target = (row[1],) if isinstance(row[1], str) else row[1]
+        if target is not None and not (isinstance(target, tuple) and all(a in mesh_axes for a in target)):
+            return (f"rules row {row!r}: its target {row[1]!r} is not a mesh axis; allowed: one of {mesh_axes}, a "
+                    "tuple of them, or None (replicated)")
+    for name, _ in extra:
+        if name in names:
+            return f"logical axis {name!r} has a row in the rules table already (sharding/rules.py)"
+        names.add(name)
+    return None
+
+
 def mesh_axes_of(name: str, rules=RULES) -> tuple[str, ...]:
     table = dict(rules)
     if name not in table:
         # A misspelt or new logical name would otherwise be replicated silently, on every mesh.
         raise KeyError(f"logical axis {name!r} has no row in the sharding rules table (sharding/rules.py); "
-                       "add one (None = replicated)")
+                       "a model of your own adds rows for its names: MeshConfig(extra_rules=((name, mesh axes), "
+                       "...)), mesh axes None = replicated")
     target = table[name]
     return (target,) if isinstance(target, str) else tuple(target or ())
 

@@ -62,9 +62,24 @@ def abstract_state(model, optimizer: optax.GradientTransformation, layout: Layou
 
 
 def _logical_shardings(layout: Layout, state_tree):
-    """NamedShardings for an nnx.State from each Variable's `logical_axes` metadata."""
-    return jax.tree.map(lambda v: v.replace(layout.sharding(v.get_metadata()["logical_axes"])),
-                        state_tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    """NamedShardings for an nnx.State from each Variable's `logical_axes` metadata, one name per dimension
+    (`nnx.Param(value, logical_axes=("embed", "mlp"))`); a variable without it that is not a parameter (an RNG
+    state, a batch statistic) is replicated."""
+    def placed(path, v):
+        axes = v.get_metadata().get("logical_axes")
+        where = "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+        shape = getattr(v.get_value(), "shape", None)  # None: a tree of shardings already (step_copy_shardings)
+        if axes is None:
+            if isinstance(v, nnx.Param):  # a bare KeyError('logical_axes') named no variable
+                raise ValueError(f"parameter {where} {type(v).__name__}{tuple(shape or ())} has no logical_axes: "
+                                 "declare it nnx.Param(value, logical_axes=(name per dimension, ...)) with names of "
+                                 "the rules table (sharding/rules.py, MeshConfig.extra_rules)")
+            return v.replace(layout.replicated())
+        if shape is not None and len(axes) != len(shape):  # jax took a short spec as replicated trailing dimensions
+            raise ValueError(f"{where} of shape {tuple(shape)} names {len(axes)} logical axes {tuple(axes)}: "
+                             "expected one per dimension (None = replicated)")
+        return v.replace(layout.sharding(axes))
+    return jax.tree_util.tree_map_with_path(placed, state_tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def state_shardings(layout, state: TrainState) -> TrainState:
