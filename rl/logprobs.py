@@ -255,6 +255,8 @@ def make_logprob_pass(graphdef, sampling: SamplingParams, layout: Layout = Layou
         if layout.mesh is None:
             return run(params, rest, batch, **flags)
         rows = np.shape(batch["input_ids"])[1]
+        if problem := layout.batch_problem(rows + -rows % layout.size("act_batch"), np.shape(batch["input_ids"])[2]):
+            raise ValueError(f"logprob pass batch: {problem}")  # jax's IndivisibleError named no setting
         extra = -rows % layout.size("act_batch")  # e.g. a handful of probe rows: pad, then drop
         if extra:
             batch = {k: np.pad(np.asarray(v), [(0, 0), (0, extra)] + [(0, 0)] * (np.ndim(v) - 2))

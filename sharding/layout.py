@@ -83,6 +83,16 @@ class Layout:
         """How many shards the logical axis `logical` is cut into (1 without a mesh)."""
         return math.prod(self.mesh.shape[a] for a in self.axes(logical))
 
+    def batch_problem(self, rows: int, positions: int | None = None) -> str | None:
+        """Why a batch of `rows` x `positions` cannot be placed on this layout's token axes, or None: jax's
+        IndivisibleError named no setting."""
+        for what, size, axis in (("rows", rows, "act_batch"), ("positions", positions, "act_seq")):
+            if size is not None and size % self.size(axis):
+                return (f"{size} {what} on mesh axes {'x'.join(self.axes(axis)) or '()'} of {self.size(axis)} "
+                        f"shards: expected a multiple of {self.size(axis)} (pad the batch; "
+                        "sharding.mesh.row_positions gives a row's positions on a mesh)")
+        return None
+
     def spec(self, logical_axes: tuple[str | None, ...], drop_trivial: bool = False) -> PartitionSpec:
         """PartitionSpec for logical axes; with `drop_trivial`, mesh axes of size 1 are left out."""
         return logical_to_spec(logical_axes, self.rules, self.shape if drop_trivial and self.mesh else None)

@@ -205,6 +205,7 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation,
     per_rank = batch_sharding(layout).spec
 
     def run(state, batch):
+        _check_batch(layout, batch)
         # Leaves of rank 2 ([micro, batch], e.g. advantages) take the batch part of the layout only.
         batch = {k: jax.device_put(v, NamedSharding(mesh, P(*per_rank[:np.ndim(v)]))) for k, v in batch.items()}
         with jax.set_mesh(mesh):
@@ -212,6 +213,15 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation,
 
     run.jitted = jitted
     return run
+
+
+def _check_batch(layout: Layout, batch: dict) -> None:
+    """One error naming the mesh axes a [micro-batches, rows, positions] batch does not divide (`batch_problem`)."""
+    if "input_ids" not in batch:
+        return
+    shape = np.shape(batch["input_ids"])
+    if problem := layout.batch_problem(shape[1], shape[2] if len(shape) > 2 else None):
+        raise ValueError(f"train step batch: {problem}")
 
 
 def _cut_step(grads_of, add, finish, normalizer, layout: Layout, shardings, widths, donated,
@@ -238,6 +248,8 @@ def _cut_step(grads_of, add, finish, normalizer, layout: Layout, shardings, widt
         return {k: jax.device_put(v, NamedSharding(mesh, P(*per_rank[:np.ndim(v)]))) for k, v in mb.items()}
 
     def run(state, batch):
+        if mesh is not None:
+            _check_batch(layout, batch)
         total = jnp.maximum(normalizer(batch), 1.0)
         tokens = valid_tokens(batch)
         batch = {k: on_host(v) for k, v in batch.items()}

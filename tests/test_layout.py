@@ -144,3 +144,16 @@ def test_the_layout_not_the_process_decides_the_platform_choices(monkeypatch):
     model = m3jax.M3ForCausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), layout=Layout(platform="gpu"))
     jax.make_jaxpr(lambda m, i: m(i))(model, ids)
     assert asked == ["gpu"] * cfg.layer_types.count("full_attention")
+
+
+def test_a_logprob_pass_batch_the_mesh_does_not_divide_is_named():
+    """jax's IndivisibleError from the batch's device_put named no setting (an audit); raised before any trace."""
+    cfg = load_config("configs/tiny.yaml", ["mesh.data=2", "mesh.context=2", "mesh.expert=2", "grpo.micro_batch_size=4",
+                                            "mesh.expert_axes=[data, expert]"])
+    m3 = cfg.model.m3_config()
+    layout = build_mesh(cfg.mesh.to_mesh_config(), m3, seq_len=SEQ)
+    graphdef, state = init_state(m3jax.M3ForCausalLM(m3, rngs=nnx.Rngs(0), layout=layout), optim_step.adamw(1e-3))
+    batch = {k: np.zeros((1, 4, SEQ - 1), np.int32) for k in ("input_ids", "targets", "attention_mask")}
+    logprobs = make_logprob_pass(graphdef, sampling_of(cfg, m3.eos_token_id), layout)
+    with pytest.raises(ValueError, match=f"logprob pass batch: {SEQ - 1} positions on mesh axes context of 2 shards"):
+        logprobs(state.params, state.rest, batch)

@@ -130,3 +130,22 @@ def test_an_unknown_axis_name_says_how_to_add_it():
     layout = build_mesh(MeshConfig(data=8))
     with pytest.raises(KeyError, match=r"logical axis 'hidden' has no row .*MeshConfig\(extra_rules="):
         layout.spec(("embed", "hidden"))
+
+
+@pytest.mark.parametrize("mesh, rows, positions, said", [
+    (MeshConfig(data=2, tensor=4, extra_rules=HIDDEN), 3, 8, "3 rows on mesh axes data of 2 shards"),
+    (MeshConfig(data=2, context=2, tensor=2, extra_rules=HIDDEN), 4, 7, "7 positions on mesh axes context of 2"),
+])
+@pytest.mark.parametrize("widths", [(), (8,)])
+def test_a_batch_the_mesh_does_not_divide_is_named(mesh, rows, positions, said, widths):
+    """jax's IndivisibleError ("array axis 1 is partitioned 4 times, but the dimension size is 6") named no setting
+    (an audit); the model itself already said which axis."""
+    layout = build_mesh(mesh, Described())
+    opt = optax.sgd(0.1)
+    graphdef, state = init_state(MLP(), opt)
+    shardings = state_shardings(layout, state)
+    step = make_train_step(graphdef, opt, mesh=layout, shardings=shardings, donate=False, widths=widths)
+    ids = jnp.zeros((1, rows, positions), jnp.int32)
+    bad = {"input_ids": ids, "targets": ids, "loss_mask": jnp.ones(ids.shape), "attention_mask": jnp.ones(ids.shape)}
+    with pytest.raises(ValueError, match=f"train step batch: {said}"):
+        step(jax.device_put(state, shardings), bad)

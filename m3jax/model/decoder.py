@@ -303,12 +303,8 @@ class M3ForCausalLM(nnx.Module):
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
         if cache is None and layout.mesh is not None:  # the first constraint below raised jax's IndivisibleError
-            for what, size, axis in (("rows", b, "act_batch"), ("positions", s, "act_seq")):
-                if size % layout.size(axis):
-                    raise ValueError(
-                        f"{size} {what} on mesh axes {'x'.join(layout.axes(axis)) or '()'} of "
-                        f"{layout.size(axis)} shards: expected a multiple of {layout.size(axis)} (pad the batch; "
-                        "sharding.mesh.row_positions gives a row's positions on a mesh)")
+            if problem := layout.batch_problem(b, s):
+                raise ValueError(problem)
         if cache is not None:  # a write past the cache is dropped (jax's scatter): the token could not see itself
             slots = cache[0]["k"].shape[2]
             if s > slots or (not isinstance(positions, jax.core.Tracer) and int(np.max(positions)) >= slots):
