@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 
 import yaml
 
@@ -103,6 +104,17 @@ def check_model(meta: dict, cfg, where: str, doing: str) -> None:
             f"{where} was trained as another model than this config builds: "
             + "; ".join(f"{k} {a!r} there, {b!r} here" for k, a, b in fixed)
             + f": {doing} it with the checkpoint's values (the run's config.yaml)")
+    # Another precision.master reads other weights from the same checkpoint (its exact fp32 master rounded to bf16, or
+    # not): allowed (an fp32 export of a bf16 run's master is useful), but said, since it is not the policy the run
+    # trained and evaluated (an audit: an fp32 export of a bf16 run, logits 3e-3 apart, silently)
+    then = _get(meta.get("config") or {}, "precision.master")
+    if then is not None and (then == "none") != (cfg.precision.master == "none"):  # fp32 and compact: the same
+        dtypes = {"none": "fp32 params"}
+        logging.getLogger(__name__).warning(
+            "%s was trained with precision.master %r (%s); this %s reads it with %r (%s): not the weights the run "
+            "trained and evaluated; precision.master=%s reads those", where, then, dtypes.get(then, "bf16 params"),
+            "export" if doing == "export" else "evaluation", cfg.precision.master,
+            dtypes.get(cfg.precision.master, "bf16 params"), then)
 
 
 def restore_naming_changes(restore, checkpointer, now: dict):

@@ -120,3 +120,19 @@ def test_an_optimizer_stage_switched_on_or_off_is_refused_by_name():
         check(under(), under("optim.weight_decay=0.01", "optim.clip_norm=null"), "c")
     assert check(under("optim.weight_decay=0.01"), under("optim.weight_decay=0.02", "optim.clip_norm=2.0"), "c") == [
         ("optim.weight_decay", 0.01, 0.02), ("optim.clip_norm", 1.0, 2.0)]
+
+
+@pytest.mark.parametrize("trained, read, warned", [("fp32", "none", True), ("none", "compact", True),
+                                                   ("fp32", "compact", False), ("fp32", "fp32", False)])
+def test_an_export_or_evaluation_in_another_precision_says_it_reads_other_weights(caplog, trained, read, warned):
+    """A bf16 run exported with precision.master=none wrote its fp32 master, not the bf16 policy it trained and
+    evaluated (logits 3e-3 apart), silently (an audit). fp32 and compact hold the same weights: nothing said."""
+    from rl.resume_checks import check_model
+    meta = {"step": 4, "config": under(f"precision.master={trained}")["config"]}
+    with caplog.at_level(logging.WARNING):
+        check_model(meta, load_config(str(TINY), [f"precision.master={read}"]), "checkpoint step 4 in d", "export")
+    said = [r.getMessage() for r in caplog.records if "precision.master" in r.getMessage()]
+    assert bool(said) == warned, said
+    if warned:
+        assert said[0].startswith(f"checkpoint step 4 in d was trained with precision.master {trained!r}")
+        assert f"precision.master={trained} reads those" in said[0]
