@@ -53,9 +53,11 @@ def main(argv=None) -> int:
         return 1
     # One run per directory: lock it before anything in it changes (and before the heavy imports, so
     # that a second run is turned away at once). Process 0 holds it for the whole job.
-    problem = _process_problem(cfg.mesh) or _ahead_problem(cfg)
-    if problem:
-        print(f"config error:\n{problem}", file=sys.stderr)
+    launch, ahead = _process_problem(cfg.mesh), None
+    if launch or (ahead := _ahead_problem(cfg)):
+        print(f"config error:\n{launch or ahead}", file=sys.stderr)
+        if ahead:  # this host's copy refused: the others hear why (a launch problem cannot join the job)
+            _tell_the_job(args, ConfigError(ahead))
         return 2
     from rl import logs, run_lock
     from rl.refused_start import RunDirBefore
@@ -152,10 +154,13 @@ def _tell_the_job(args, error: ConfigError) -> None:
         from_process_zero(RUN_LOCK_KEY, json.dumps([f"config error: process 0's config was refused: {said}", 2]))
     else:
         report_failure(START, ConfigError(said), process_index=index, process_count=count)
-        # The others start their backends before they compare start facts, and a CPU or GPU backend's start waits
-        # for every process's local topology (2 minutes, then "Unable to initialize backend"): take part in it.
-        import jax
-        jax.devices()
+        # Process 0 answers at the run's lock whether it goes on (a config every host shares refused everywhere: it
+        # stops too). Going on, the others start their backends before they compare start facts, and a CPU or GPU
+        # backend's start waits for every process's local topology (2 minutes, then "Unable to initialize
+        # backend"): take part in it.
+        if json.loads(from_process_zero(RUN_LOCK_KEY, None, timeout_s=60)) is None:
+            import jax
+            jax.devices()
 
 
 def _process_problem(mesh, environ=None) -> str | None:

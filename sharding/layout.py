@@ -15,7 +15,7 @@ import math
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from sharding.rules import RULES, logical_to_spec, mesh_axes_of, rules_problem, step_copy_rules
+from sharding.rules import MESH_AXES, RULES, logical_to_spec, mesh_axes_of, rules_problem, step_copy_rules
 
 GPU_PLATFORMS = ("gpu", "cuda")  # jax names a CUDA device's platform "gpu"; a caller may name it "cuda"
 
@@ -28,6 +28,10 @@ def platform(backend: str | None = None) -> str:
 def on_gpu(backend: str | None = None) -> bool:
     """Whether `platform(backend)` is a GPU."""
     return platform(backend) in GPU_PLATFORMS
+
+
+class MeshError(ValueError):
+    """A mesh that cannot run this model: names the axis, its size and the rule it breaks."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,8 +53,11 @@ class Layout:
     def __post_init__(self):
         if isinstance(self.mesh, Mesh):  # a row naming no axis of the mesh failed in jax, at the first sharding
             problem = rules_problem(self.rules, mesh_axes=tuple(self.mesh.axis_names))
+            missing = [a for a in MESH_AXES if a not in self.mesh.shape]
+            if problem and missing and self.rules == RULES:  # another program's mesh, given where m3jax's is expected
+                raise MeshError(f"mesh axes {tuple(self.mesh.axis_names)} lack {missing}: expected {MESH_AXES}")
             if problem:
-                raise ValueError(f"Layout: {problem}")
+                raise MeshError(f"Layout: {problem}")
 
     @property
     def backend(self) -> str:

@@ -21,13 +21,9 @@ import jax
 from jax.sharding import AxisType, Mesh
 
 from sharding.launch import distributed_args  # noqa: F401  (its home before; jax-free there)
-from sharding.layout import Layout
+from sharding.layout import Layout, MeshError
 from sharding.rules import (MESH_AXES, TOKEN_AXES, expert_axes_of, fsdp_axes_of, logical_to_spec, mesh_axes_of,
                             rules_for, rules_problem)
-
-
-class MeshError(ValueError):
-    """A mesh that cannot run this model: names the axis, its size and the rule it breaks."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,8 +56,10 @@ class MeshConfig:
     extra_rules: tuple = ()
 
     def __post_init__(self):
+        rows = self.extra_rules if isinstance(self.extra_rules, (tuple, list)) else (
+            () if self.extra_rules is None else (self.extra_rules,))  # validate names what is not a row
         rows = tuple((row[0], tuple(row[1]) if isinstance(row[1], list) else row[1])
-                     if isinstance(row, (tuple, list)) and len(row) == 2 else row for row in self.extra_rules)
+                     if isinstance(row, (tuple, list)) and len(row) == 2 else row for row in rows)
         object.__setattr__(self, "extra_rules", rows)
 
     @property

@@ -157,19 +157,25 @@ def test_two_hosts_with_different_configs_both_stop_before_the_policy(tmp_path):
     assert not (run / "checkpoints").exists() or not os.listdir(run / "checkpoints")
 
 
-@pytest.mark.slow  # ~15 s each: two processes, one of which is refused its config
-@pytest.mark.parametrize("refused", [0, 1])
-def test_a_process_whose_config_is_refused_stops_the_job_at_once_naming_why(tmp_path, refused):
+@pytest.mark.slow  # ~15 s each: two processes, one or both of which are refused their config
+@pytest.mark.parametrize("refused, setting, said", [
+    (0, "optim.lr=-1", "optim.lr = -1.0: out of range"),
+    (1, "optim.lr=-1", "optim.lr = -1.0: out of range"),
+    (1, "grpo.max_trajectory_age_steps=1", "grpo.max_trajectory_age_steps = 1 with generation.backend"),  # a review
+    ("both", "optim.lr=-1", "optim.lr = -1.0: out of range"),  # the shared config's typo: both stop at once
+])
+def test_a_process_whose_config_is_refused_stops_the_job_at_once_naming_why(tmp_path, refused, setting, said):
     """One host's copy of the config refused: that process exited alone (status 2), and the other waited 5 minutes
     in jax.distributed.initialize before jax ended it ("another task died"). It now joins to say why it stops."""
     from tests.test_multihost import TWO_HOSTS, two_hosts
     from tests.test_multihost_failures import outputs_within
     run, out = tmp_path / "run", str(tmp_path / "out")
-    own = ([], [])
-    own[refused].append("optim.lr=-1")
+    own = ([setting] if refused in (0, "both") else [], [setting] if refused in (1, "both") else [])
     procs = two_hosts(out, [*TWO_HOSTS, "run.total_steps=1", f"run.out_dir={run}"], own)
     logs = outputs_within(procs, 120)
-    said = "optim.lr = -1.0: out of range"
+    if refused == "both":
+        assert [p.returncode for p in procs] == [2, 2] and all(said in log for log in logs), logs
+        return
     assert procs[refused].returncode == 2 and said in logs[refused], logs[refused][-3000:]
     other = logs[1 - refused]
     if refused == 0:  # process 1 reads it as process 0's answer at the run's lock: nothing of the run was written

@@ -149,3 +149,14 @@ def test_a_batch_the_mesh_does_not_divide_is_named(mesh, rows, positions, said, 
     bad = {"input_ids": ids, "targets": ids, "loss_mask": jnp.ones(ids.shape), "attention_mask": jnp.ones(ids.shape)}
     with pytest.raises(ValueError, match=f"train step batch: {said}"):
         step(jax.device_put(state, shardings), bad)
+
+
+def test_a_mesh_without_m3jaxs_axes_and_a_null_extra_rules():
+    """A jax Mesh of another program's axes given where a layout is built: MeshError naming what it lacks (the rules
+    check first said "rules row ... not a mesh axis", a ValueError, a review); extra_rules None is no rows."""
+    from sharding.layout import as_layout
+    with pytest.raises(MeshError, match=r"mesh axes \('x',\) lack \['data', 'context', 'expert', 'tensor'\]"):
+        as_layout(jax.make_mesh((2,), ("x",), devices=jax.devices()[:2]))
+    assert MeshConfig(data=8, extra_rules=None).extra_rules == ()
+    with pytest.raises(MeshError, match="rules row 'hidden': expected"):
+        build_mesh(MeshConfig(data=8, extra_rules="hidden"))

@@ -39,6 +39,12 @@ class FakeEngine:
     file `<model_dir>/die` exists (and removes it, so its replacement lives)."""
 
     def __init__(self, model_dir):
+        try:  # test_a_replacement_still_starting_is_reported_as_starting: this engine takes long to build
+            os.remove(os.path.join(model_dir, "slow-start"))
+        except FileNotFoundError:
+            pass
+        else:
+            time.sleep(30)
         # a directory of shapes alone (m3jax.hf.shapes): dummy weights, as a VLLMEngine starts from it
         self.model_dir, self.version, self.calls = model_dir, NO_WEIGHTS if shapes_only(model_dir) else 0, 0
         self.weights = {n: np.zeros(s, d) for n, (s, d) in MANIFEST.items()}
@@ -219,6 +225,25 @@ def test_a_pool_started_from_shapes_serves_only_once_weights_arrive(tmp_path, ra
         assert len(p.serving()) == 1
         p.push(iter(weights(3)), version=1)
         assert len(p.serving()) == 2
+    finally:
+        p.shutdown()
+
+
+def test_a_replacement_still_starting_is_reported_as_starting(tmp_path, ray_local, monkeypatch):
+    """The pool's health, which its "no healthy vLLM engine left" error lists, asked a replacement that was still
+    building its engine and reported it "unreachable: GetTimeoutError", 5 s late (an audit)."""
+    monkeypatch.setattr(vllm_pool, "_ACTOR", actor_class(FakeActor, "FakeEngineActor"))
+    p = VLLMPool(PoolConfig(model_dir=str(tmp_path), servers=2, bucket_bytes=32, request_timeout_s=60, max_restarts=1),
+                 pad_id=99)
+    try:
+        ps, sp = prompts(6), SamplingParams(max_new_tokens=4)
+        for name in ("die", "slow-start"):  # an engine dies; its replacement takes 30 s to build
+            open(tmp_path / name, "w").close()
+        p.generate(ps, sp, jax.random.key(0))
+        started = time.time()
+        states = p.health()
+        assert time.time() - started < 2, "health waited on the starting engine"
+        assert sorted(h["state"] for h in states) == ["starting (replacement 1 of the pool's 1)", "up"], states
     finally:
         p.shutdown()
 

@@ -183,9 +183,14 @@ class VLLMPool:
         import ray
 
         out = []
+        self._refresh()
         for s in self.slots:
             if s.actor is None:
                 out.append({"rank": s.rank, "state": "dropped"})
+                continue
+            if not s.ready:  # a replacement still building its engine: asked, it timed out ("unreachable"), 5 s late
+                out.append({"rank": s.rank, "state": f"starting (replacement {s.restarts} of the pool's "
+                                                     f"{self.cfg.max_restarts})"})
                 continue
             try:
                 out.append({**ray.get(s.actor.health.remote(), timeout=5), "state": "up"})
