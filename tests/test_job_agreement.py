@@ -185,5 +185,5 @@ def test_a_process_whose_config_is_refused_stops_the_job_at_once_naming_why(tmp_
     else:  # process 0 reads it where it compares the processes' start facts, before the policy
         assert procs[0].returncode == 1, other[-3000:]
         errors = [line for line in other.splitlines() if line.startswith("error:")]
-        assert len(errors) == 1 and f"process 1 of this job failed at its start (ConfigError: " in errors[0], other
+        assert len(errors) == 1 and "process 1 of this job failed at its start (ConfigError: " in errors[0], other
         assert said in errors[0] and "policy:" not in other
