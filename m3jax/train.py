@@ -156,7 +156,7 @@ def _tell_the_job(args, error: ConfigError) -> None:
         report_failure(START, ConfigError(said), process_index=index, process_count=count)
         # Process 0 answers at the run's lock whether it goes on (a config every host shares refused everywhere: it
         # stops too). Going on, the others start their backends before they compare start facts, and a CPU or GPU
-        # backend's start waits for every process's local topology (2 minutes, then "Unable to initialize
+        # backend's start waits for every process's topology (2 to 5 minutes, then "Unable to initialize
         # backend"): take part in it.
         if json.loads(from_process_zero(RUN_LOCK_KEY, None, timeout_s=60)) is None:
             import jax
