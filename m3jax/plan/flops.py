@@ -159,8 +159,8 @@ def step_flops(cfg: M3Config, seqs: int, seq_len: int, remat: bool = True, *, qu
                 5 matmuls instead of 4), + 4 * H*D per pair with remat; the query chunking no longer
                 recomputes the attention (the masked sparse layers' indexer as under dense)
       sparse layers with sparse_attention "gather" (the default; whatever `attention` is): the local queries
-        in tiles of 64, a rematerialised scan; per tile the indexer scores every key and the top-K blocks of
-        keys and values are gathered: `gather_pairs` = S * min(S, K * bs) pairs per layer at 4 * H*D (forward)
+        in tiles of 64, a rematerialised scan, each gathering the top-K blocks of keys and values the indexer
+        chose before the scan: `gather_pairs` = S * min(S, K * bs) pairs per layer at 4 * H*D (forward)
         + 8 * H*D (backward) + 4 * H*D (the backward's tile recompute) [+ 4 * H*D with remat] = 16 (20) * H*D
         per pair; the indexer 2 * Hi*Di * S^2, once: it runs before the attention's scan, and every remat policy
         keeps its block ids (`m3jax.model.sparse.INDEX_BLOCK_IDS`), so neither the backward nor the remat
