@@ -25,6 +25,7 @@ from m3jax.config import ConfigError, M3Config
 from m3jax.model.attention import IMPLS as ATTENTION_IMPLS, SPARSE_IMPLS
 from m3jax.model.attention import attention_block
 from m3jax.model.embedding import embed_tokens
+from m3jax.model.inputs import check_inputs
 from m3jax.model.kv_cache import LayerCache
 from m3jax.model.mlp import dense_mlp
 from m3jax.model.moe import moe_block
@@ -299,17 +300,15 @@ class M3ForCausalLM(nnx.Module):
         """
         cfg = self.cfg
         layout = self.layout if cache is None else decoding_layout(self.layout)
-        b, s = input_ids.shape
+        n_sparse = self.num_sparse_layers
+        b, s = check_inputs(cfg, input_ids, positions, attention_mask, cache, routes, block_ids,
+                            num_moe_layers=sum(len(st.layer_ids) for st in self.stacks if st.mlp_kind == MOE_MLP),
+                            num_sparse_layers=n_sparse)
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
         if cache is None and layout.mesh is not None:  # the first constraint below raised jax's IndivisibleError
             if problem := layout.batch_problem(b, s):
                 raise ValueError(problem)
-        if cache is not None:  # a write past the cache is dropped (jax's scatter): the token could not see itself
-            slots = cache[0]["k"].shape[2]
-            if s > slots or (not isinstance(positions, jax.core.Tracer) and int(np.max(positions)) >= slots):
-                raise ValueError(f"decode positions up to {s - 1 if s > slots else int(np.max(positions))} with a "
-                                 f"cache of {slots} slots (init_cache's max_len): expected positions below {slots}")
         key_valid = None if attention_mask is None else attention_mask.astype(bool)
         x = layout.constrain(embed_tokens(self.embed[...], input_ids), ACT)
         cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta, x.dtype)
@@ -317,17 +316,11 @@ class M3ForCausalLM(nnx.Module):
         # Taking the positions for the slots, a left-padded row with positions from its first real token (HF's
         # convention) had each token see the pad slots before it and not its own (logits 26 off, an audit).
         slots = positions if cache is not None else jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-        n_sparse = self.num_sparse_layers
         if return_indexer_recall and cache is not None:
             raise ValueError("return_indexer_recall needs the whole sequence (no decode cache)")
         if return_indexer_kl and (cache is not None or not n_sparse):
             raise ValueError("return_indexer_kl needs the whole sequence (no decode cache) and sparse layers; "
                              f"this call has cache={cache is not None}, {n_sparse} sparse layers")
-        if block_ids is not None:
-            want = (b, s, n_sparse, cfg.index_n_heads)
-            if block_ids.ndim != 5 or block_ids.shape[:4] != want or not block_ids.shape[4]:
-                raise ValueError(f"block_ids {block_ids.shape}: expected [B, S, n_sparse_layers, Hi, K] = "
-                                 f"[{b}, {s}, {n_sparse}, {cfg.index_n_heads}, K >= 1]")
         new_cache, used, blocks_used, recalls, aligns, first, first_sparse = [], [], [], [], [], 0, 0
         for i, stack in enumerate(self.stacks):
             n_moe = len(stack.layer_ids) if stack.mlp_kind == MOE_MLP else 0
@@ -362,12 +355,10 @@ class M3ForCausalLM(nnx.Module):
                 out = out[:-1]
             if return_routes and n_moe:
                 used.append(jnp.moveaxis(out[-1], 0, 2))
-        if routes is not None and routes.shape[2] != first:
-            raise ValueError(f"routes {routes.shape}: expected [B, S, {first} MoE layers, k]")
         x = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
         out = x if hidden else lm_head_logits(x, self.lm_head[...], layout)
-        if cache is not None:  # traced positions past the cache: NaN, not logits computed without their own key
-            out = jnp.where((positions < cache[0]["k"].shape[2])[..., None], out, jnp.nan)
+        if cache is not None:  # traced positions outside the cache: NaN, not logits computed without their own key
+            out = jnp.where(((positions >= 0) & (positions < cache[0]["k"].shape[2]))[..., None], out, jnp.nan)
         result = (out,) if cache is None else (out, new_cache)
         if return_routes:
             k = cfg.num_experts_per_tok
