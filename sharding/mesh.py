@@ -18,7 +18,7 @@ import os
 from typing import Protocol
 
 import jax
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AxisType
 
 from sharding.launch import distributed_args  # noqa: F401  (its home before; jax-free there)
 from sharding.layout import Layout, MeshError
@@ -280,9 +280,7 @@ def build_mesh(mesh: MeshConfig, model: ShardedModel | None = None, *, seq_len: 
 
 def mesh_config_of(mesh) -> MeshConfig:
     """The MeshConfig describing a Layout (or a Mesh with m3jax's axis names and the default rules)."""
-    if isinstance(mesh, Mesh) and (missing := [a for a in MESH_AXES if a not in mesh.shape]):
-        raise MeshError(f"mesh axes {tuple(mesh.axis_names)} lack {missing}: expected {MESH_AXES}")
-    layout = mesh if isinstance(mesh, Layout) else Layout(mesh)
+    layout = mesh if isinstance(mesh, Layout) else Layout(mesh)  # a bare Mesh lacking m3jax's axes: MeshError
     if layout.mesh is None:
         return MeshConfig(expert_axes=expert_axes_of(layout.rules), fsdp_axes=fsdp_axes_of(layout.rules),
                           fsdp_step_axes=layout.fsdp_step_axes, context_balance=layout.context_balance)
