@@ -311,12 +311,13 @@ class UpdateStats:
     skipped: int  # updates skipped for a non-finite gradient
     sums: dict  # the loss's metric sums (tokens, clipped tokens, ...) over the step
     grad_norm_apart: float | None = None  # the parameters clipped on their own (the indexer), when there are any
+    empty: int = 0  # updates held because no token of theirs carried loss (every row at loss weight 0)
 
 
 def update(train_step: Callable, state, micro: dict, updates: int):
     """`updates` optimizer steps over consecutive slices of the micro-batches -> (state, UpdateStats)."""
     num_micro = next(iter(micro.values())).shape[0]
-    sums, losses, norms, apart, skipped = {}, [], [], [], 0
+    sums, losses, norms, apart, skipped, empty = {}, [], [], [], 0, 0
     for u in range(updates):
         part = jax.tree.map(lambda x: x[u * num_micro // updates:(u + 1) * num_micro // updates], micro)
         state, m = train_step(state, part)
@@ -325,9 +326,10 @@ def update(train_step: Callable, state, micro: dict, updates: int):
         if "grad_norm_apart" in m:
             apart.append(float(m["grad_norm_apart"]))
         skipped += int(m["skipped"])
+        empty += int(m["empty"])
         sums = {k: sums.get(k, 0.0) + float(v) for k, v in m["sums"].items()}
     return state, UpdateStats(float(np.mean(losses)), float(np.mean(norms)), skipped, sums,
-                              float(np.mean(apart)) if apart else None)
+                              float(np.mean(apart)) if apart else None, empty)
 
 
 def step_metrics(samples: Samples, reward: np.ndarray, failures: int, adv: Advantages, micro: dict,
@@ -350,6 +352,7 @@ def step_metrics(samples: Samples, reward: np.ndarray, failures: int, adv: Advan
         "groups/zero_variance_frac": float(adv.zero_variance.mean()),
         "response/length_mean": float(out.lengths.mean()), "response/truncated_frac": float(out.truncated.mean()),
         "loss": stats.loss, "grad_norm": stats.grad_norm, "skipped_updates": stats.skipped,
+        "empty_updates": stats.empty,  # held: no token carried loss (sharding.train_step)
         "clip_frac": sums.get("clipped_tokens", 0.0) / tokens,
         "dual_clip_frac": sums.get("dual_clipped_tokens", 0.0) / tokens,
         # w outside [is_mask_low, is_mask_high], in every mode: what "mask" zeroes ("truncate" acts at is_cap / floor)

@@ -229,7 +229,7 @@ class GRPOTrainer:
 
         lr = applied_learning_rate(cfg, policy.state)  # the schedule's, which waits out skipped updates
         policy.state, stats = phases.update(self.train_step, policy.state, micro, gcfg.updates_per_step)
-        self.skipped_updates.after(done, stats.skipped, stats.loss, stats.grad_norm)
+        self.skipped_updates.after(done, stats.skipped, stats.loss, stats.grad_norm, stats.empty)
         reset = self._reset_reference(done)
         t["train"] = time.perf_counter()
 

@@ -31,7 +31,7 @@ class TrainState(NamedTuple):
     rest: Any  # non-trainable state (router correction bias)
     opt_state: Any
     step: jax.Array
-    skipped: jax.Array  # steps skipped for non-finite gradients
+    skipped: jax.Array  # updates not applied: a non-finite gradient, or no token with loss (`finish`)
 
 
 def token_cross_entropy(model, batch) -> tuple[jax.Array, dict]:
@@ -129,6 +129,8 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation,
 
     normalizer(batch) is the whole step's denominator (default: its valid-token count). The loss's
     metrics must be sums; they are summed over micro-batches and returned under metrics["sums"].
+    An update is held (weights and optimizer state kept) when its gradient is not finite (metrics["skipped"])
+    or its batch's loss_mask sums to 0 (metrics["empty"]: no token carries loss).
     mesh: the run's layout (`sharding.mesh.build_mesh`; a bare Mesh takes the default rules) or None for
     one device; the step is traced and run under its mesh.
     widths: token positions a micro-batch may be cut to (`sharding.widths`); each micro-batch then runs at the
@@ -162,17 +164,24 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation,
         finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
         if apart is not None:
             finite &= jnp.isfinite(apart)
+        # No token carries loss (every row at loss weight 0: groups dynamic sampling filled in, overlong rows
+        # filtered): the gradient is 0, yet Adam's momentum and the weight decay would still move the weights (77 %
+        # of the step before's change, an audit's run). Held like a non-finite update: weights and optimizer state
+        # kept, counted in `skipped` so the schedule waits for it too.
+        empty = finite & (tokens == 0)
+        apply = finite & ~empty
         if hasattr(optimizer, "step"):  # in place, layer slice by layer slice (sharding.optim_step)
-            params, opt_state = optimizer.step(grads, total, state.opt_state, state.params, finite)
-            out = TrainState(params, state.rest, opt_state, state.step + 1, state.skipped + (~finite).astype(jnp.int32))
+            params, opt_state = optimizer.step(grads, total, state.opt_state, state.params, apply)
+            held = (~apply).astype(jnp.int32)
+            out = TrainState(params, state.rest, opt_state, state.step + 1, state.skipped + held)
         else:
             grads = jax.tree.map(lambda g: g / total, grads)
             updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
             params = precision.apply(state.params, updates, opt_state)
             new = TrainState(params, state.rest, opt_state, state.step + 1, state.skipped)
             skipped = TrainState(state.params, state.rest, state.opt_state, state.step + 1, state.skipped + 1)
-            out = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, skipped)
-        return out, {"loss": loss, "grad_norm": grad_norm, "skipped": ~finite, "tokens": tokens,
+            out = jax.tree.map(lambda a, b: jnp.where(apply, a, b), new, skipped)
+        return out, {"loss": loss, "grad_norm": grad_norm, "skipped": ~finite, "empty": empty, "tokens": tokens,
                      "sums": sums, **({} if apart is None else {"grad_norm_apart": apart})}
 
     def step(state: TrainState, batch: dict):

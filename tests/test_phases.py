@@ -107,7 +107,7 @@ def test_train_batch_logprobs_update_and_metrics(samples):
     assert seen == ["P", "REF"] and "logp_old" in micro and "logp_ref" in micro
 
     def train_step(state, part):
-        return state + 1, {"loss": 0.5, "grad_norm": 2.0, "skipped": False,
+        return state + 1, {"loss": 0.5, "grad_norm": 2.0, "skipped": False, "empty": part["loss_mask"].sum() == 0,
                            "sums": {"tokens": float(part["loss_mask"].sum()), "clipped_tokens": 1.0,
                                     "is_inf_tokens": 1.0, "is_truncated_tokens": 1.5, "is_floored_tokens": 0.5,
                                     "trainer_inf_tokens": 1.0}}
@@ -116,6 +116,7 @@ def test_train_batch_logprobs_update_and_metrics(samples):
     assert new == 2 and stats.sums["tokens"] == micro["loss_mask"].sum() and stats.sums["clipped_tokens"] == 2.0
     m = phases.step_metrics(samples, reward, failures, adv, micro, stats, 1e-3, {"generate": 1.0}, 2.0)
     assert m["clip_frac"] == 2.0 / stats.sums["tokens"] and m["gen_kl_error"] == pytest.approx(0.0, abs=1e-7)
+    assert stats.empty == 0 and m["empty_updates"] == 0
     assert m["is/inf_frac"] == 2.0 / stats.sums["tokens"]
     # the shares is_correction=truncate changed (w above is_cap, below is_floor), not only the mask band's
     assert m["is/truncated_frac"] == 3.0 / stats.sums["tokens"] and m["is/floored_frac"] == 1.0 / stats.sums["tokens"]

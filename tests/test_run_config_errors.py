@@ -111,6 +111,10 @@ BAD_FILES = {
                                            'data.layout = "gsm8k": data.kind = "synthetic" reads no file; allowed: '
                                            '"auto"', "data.chat_template = true: data.kind"]),
     # a helper's audit: NaN log-probs on the JAX engine, from the first step
+    # an audit: greedy sampling by top_k trained nothing for a whole run (every log-prob 0), without a word
+    "top_k_of_one": ("generation: {top_k: 1}\n",
+                     ["generation.top_k = 1: sampling keeps the one most likely token", "allowed: 0 (off) or an "
+                      "integer >= 2"]),
     "temperature_that_overflows": ("generation: {temperature: 1.0e-38}\n",
                                    ["generation.temperature = 1e-38: logits / temperature overflow float32 (every "
                                     "log-prob NaN); allowed: 0 (greedy, eval only) or >= 1e-30"]),

@@ -268,6 +268,11 @@ def _cross_checks(cfg: RunConfig) -> list[_Problem]:
                 f"{VLLM_MIN_TEMPERATURE:g} to {VLLM_MIN_TEMPERATURE:g}, so it would sample at another temperature "
                 f"than the trainer scores; allowed: 0 (greedy, eval only) or >= {VLLM_MIN_TEMPERATURE:g}"),
                 ("generation.backend",)))
+    if gen.top_k == 1:  # greedy in all but name, which temperature 0 is refused for
+        out.append(_Problem("generation.top_k", (
+            "generation.top_k = 1: sampling keeps the one most likely token, so a group's samples are all the same "
+            "and every log-prob under the sampling transform is 0 (no gradient, whatever the advantages): GRPO needs "
+            "distinct samples per group; allowed: 0 (off) or an integer >= 2")))
     if gen.vllm_executor == "ray" and (gen.backend != "vllm" or gen.vllm_tensor_parallel < 2):
         out.append(_Problem("generation.vllm_executor", (
             f"generation.vllm_executor = \"ray\" with backend {_show(gen.backend)} and vllm_tensor_parallel = "
