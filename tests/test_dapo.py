@@ -200,3 +200,30 @@ def test_a_short_step_is_a_warning_once_then_debug(caplog):
         ("DEBUG", "step 4: dynamic sampling found 5 of 8 informative groups in 4 round(s) "
                   "(grpo.dynamic_sampling_max_rounds); 3 zero-variance groups fill the step at loss weight 0")]
     assert notes.count == 2
+
+
+# ------------------------------------------------------------- pinned by a mutation audit (session 54)
+def test_a_fully_informative_first_round_ends_the_draw(monkeypatch):
+    """`>=`, not `>`: a second round drew (and consumed, never training on) another P prompts, doubling generation."""
+    monkeypatch.setitem(globals(), "hard", lambda prompt: False)  # every group's rewards differ
+    engine, data = FakeEngine(), loader()
+    got = phases.draw(engine, data, TASK.tokenizer, CFG, SAMPLING, 0)
+    assert len(engine.calls) == 1 == got.metrics["dapo/rounds"] and data.index == P
+    assert got.metrics["dapo/kept_groups"] == P and got.metrics["dapo/prompts_drawn"] == P
+
+
+def test_the_weights_zero_exactly_the_rows_of_the_zero_variance_groups():
+    """Each group's G rows in a row (np.repeat); np.tile laid them out across groups and zeroed other rows."""
+    reward = np.array([1.0] * G + [0.0, 1.0] * (G // 2) + [0.5] * G + [1.0, 0.0] * (G // 2), np.float32)
+    adv = phases.advantages(reward, np.zeros(len(reward), bool), CFG.grpo)
+    assert list(adv.zero_variance) == [True, False, True, False]
+    assert adv.weight.tolist() == [0.0] * G + [1.0] * G + [0.0] * G + [1.0] * G
+
+
+def test_a_row_at_loss_weight_zero_gets_no_loss_token_and_the_others_their_weight():
+    """build_train_batch's loss_mask carries the row's weight (overlong filtering and dynamic sampling rest on it)."""
+    from rl.grpo.batch import build_train_batch
+    rollout = Rollout([[5, 6], [5, 6], [7]], np.array([[1, 2, 3], [1, 2, 0], [4, 0, 0]]), np.full((3, 3), -0.5),
+                      np.array([3, 2, 1]), np.zeros(3, bool))
+    batch = build_train_batch(rollout, np.ones(3), np.array([1.0, 0.0, 0.5], np.float32), width=6, pad_id=0)
+    assert batch["loss_mask"].tolist() == [[0, 1, 1, 1, 0], [0, 0, 0, 0, 0], [0.5, 0, 0, 0, 0]]

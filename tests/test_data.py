@@ -322,6 +322,18 @@ def test_render_without_template_and_digit_tokenizer(chat_tokenizer):
     assert tok.decode(ids[1:-1]) == rec.prompt
 
 
+def test_messages_without_a_template_are_joined_by_blank_lines():
+    """As render_prompt's docstring says (a mutation audit: a single newline passed every test)."""
+    class Chars:
+        bos_token = chat_template = None
+
+        def encode(self, text, add_special_tokens=True):
+            return [ord(c) for c in text]
+
+    rec = PromptRecord(prompt=[{"role": "system", "content": "A"}, {"role": "user", "content": "B"}], answer="")
+    assert render_prompt(rec, Chars()) == [ord(c) for c in "A\n\nB"]
+
+
 # ------------------------------------------------------------------------------------------ loader
 
 def make_records(n):
@@ -365,7 +377,7 @@ def test_loader_resume_matches_uninterrupted_run(stop_after):
     assert got == expected
 
 
-@pytest.mark.parametrize("n, batch", [(10, 4), (30, 16), (7, 3), (100, 32), (9, 9)])
+@pytest.mark.parametrize("n, batch", [(10, 4), (30, 16), (7, 3), (100, 32), (9, 9), (4, 3)])  # (4, 3): a mutation audit
 def test_a_batch_across_an_epoch_boundary_holds_distinct_prompts(n, batch):
     """An audit found the end of one epoch's order and the start of the next's in one batch holding a prompt twice
     (82 of 200 steps with 30 prompts, 16 a step; its groups weighed double in the step's loss). Every batch is now
@@ -423,6 +435,16 @@ def test_a_prompt_file_edited_in_place_is_not_continued(tmp_path):
         edited.load_state_dict(state)
     edited.load_state_dict({k: v for k, v in state.items() if k != "records"})
     assert edited.index == 4
+
+
+def test_the_same_prompts_with_other_answers_are_not_continued():
+    """The rewards score against the answers: records whose answers changed are other records (a mutation audit: the
+    fingerprint without the answer passed every test, a JSONL row's meta holding its answer again)."""
+    saved = PromptLoader(make_records(6), batch_size=4, seed=0)
+    saved.next_batch()
+    other = [PromptRecord(prompt=r.prompt, answer=r.answer + "0") for r in make_records(6)]
+    with pytest.raises(ValueError, match="saved over other prompt records"):
+        PromptLoader(other, batch_size=4, seed=0).load_state_dict(saved.state_dict())
 
 
 def test_loader_state_validation():

@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from rl.skipped_updates import SkippedUpdates
-from sharding import optim_step, precision
+from sharding import optim_step
 from sharding.train_step import init_state, make_train_step
 
 V, D = 16, 8

@@ -229,3 +229,11 @@ def test_scoring_no_response_token_gives_empty_logprobs(model):
     """One-token prompts with empty responses ran a forward over no position: numpy's zero-size max error."""
     assert [[lp.shape for lp in e] for e in engine_for(model).score([[3], [4]], [[], []], SamplingParams(4))] == \
         [[(0,), (0,)]]
+
+
+def test_a_low_temperature_still_samples(model):
+    """Only temperature 0 is greedy (a mutation audit: greedy up to 0.5 passed every test, every group then a copy of
+    one response and its advantages 0)."""
+    ps = prompts(model.cfg, [6] * 8, seed=9)[:1] * 8
+    out = engine_for(model).generate(ps, SamplingParams(max_new_tokens=4, temperature=0.3), jax.random.key(3))
+    assert len({tuple(row) for row in np.asarray(out.tokens).tolist()}) > 1
