@@ -84,6 +84,7 @@ class Drawn:
     parts: dict = dataclasses.field(default_factory=dict)  # each reward's own values per row [N], by name
     rounds: int = 1  # batches drawn from the loader
     picked: np.ndarray | None = None  # [groups, 2] the (round, group) pairs kept, when rounds > 1
+    draw_s: float = 0.0  # the whole call: generation and scoring of every round
 
 
 def _take(samples: list[Samples], picked: np.ndarray, group: int) -> Samples:
@@ -124,6 +125,7 @@ def draw(engine: Generator, loader, tokenizer, cfg: RunConfig, sampling: Samplin
     shaping = dict(max_new_tokens=cfg.generation.max_new_tokens, overlong_buffer=g.overlong_buffer,
                    overlong_penalty=g.overlong_penalty, scorer=scorer)
     drawn, rewards_, parts, zero, failures, informative, generate_s = [], [], [], [], 0, 0, 0.0
+    t_call = time.perf_counter()
     for r in range(g.dynamic_sampling_max_rounds if g.dynamic_sampling else 1):
         t0 = time.perf_counter()
         drawn.append(rollout(engine, loader.next_batch(), tokenizer, cfg, sampling, step, round=r))
@@ -159,7 +161,7 @@ def draw(engine: Generator, loader, tokenizer, cfg: RunConfig, sampling: Samplin
         metrics["reward/overlong_penalty_mean"] = float(dapo.overlong_penalty(
             samples.rollout.lengths, cfg.generation.max_new_tokens, g.overlong_buffer, g.overlong_penalty).mean())
     return Drawn(samples, reward, failures, metrics, generate_s, part, len(drawn),
-                 None if picked is None else np.asarray(picked, np.int64).reshape(-1, 2))
+                 None if picked is None else np.asarray(picked, np.int64).reshape(-1, 2), time.perf_counter() - t_call)
 
 
 @dataclasses.dataclass

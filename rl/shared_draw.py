@@ -63,7 +63,7 @@ def share(drawn: Drawn | None, engine, loader, tokenizer, cfg, sampling, *, erro
         header = {"error": None if error is None else f"{type(error).__name__}: {error}"[:2000]}
         if error is None:
             header.update(rounds=drawn.rounds, picked=drawn.picked, failures=drawn.failures, metrics=drawn.metrics,
-                          generate_s=drawn.generate_s, parts=sorted(drawn.parts),
+                          generate_s=drawn.generate_s, draw_s=drawn.draw_s, parts=sorted(drawn.parts),
                           width=int(drawn.samples.rollout.tokens.shape[1]))
     header = _share_object(header, is_zero)
     if header["error"] is not None:
@@ -87,4 +87,4 @@ def share(drawn: Drawn | None, engine, loader, tokenizer, cfg, sampling, *, erro
     return Drawn(samples_of(rollout, records, tokenizer, sampling), np.asarray(reward),
                  header["failures"], header["metrics"], header["generate_s"],
                  {k: np.asarray(v) for k, v in parts.items()}, header["rounds"],
-                 None if header["picked"] is None else np.asarray(header["picked"], np.int64))
+                 None if header["picked"] is None else np.asarray(header["picked"], np.int64), header["draw_s"])

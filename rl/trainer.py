@@ -190,10 +190,15 @@ class GRPOTrainer:
             drawn, version, waited = (shared_draw.take_shared(ahead, self.engine, self.loader, self.tokenizer, cfg,
                                                               policy.sampling)
                                       if self.shared_ahead else ahead.take())
-            t["generate"] = t["start"] + waited  # what the trainer waited for; the draw took drawn.generate_s
-            ahead_metrics = {"rollout/age_steps": step - version, "time/generate_ahead": drawn.generate_s}
+            t["generate"] = t["start"] + waited  # what the trainer waited for (of the draw's generation and scoring)
+            blocked = waited
+            # the draw made ahead: its generation and its scoring, off the trainer's path (an audit: its scoring
+            # showed nowhere, time/reward then holding only the advantages and the batch)
+            ahead_metrics = {"rollout/age_steps": step - version, "time/generate_ahead": drawn.generate_s,
+                             "time/reward_ahead": drawn.draw_s - drawn.generate_s}
         else:
             drawn = draw(step)
+            blocked = time.perf_counter() - t["start"]  # the whole draw, its scoring included
             t["generate"] = t["start"] + drawn.generate_s  # the scoring of every round counts as time/reward
             ahead_metrics = {"rollout/age_steps": 0} if ahead is not None else {}
         done = step + 1
@@ -234,7 +239,8 @@ class GRPOTrainer:
         t["train"] = time.perf_counter()
 
         if ahead is not None:  # the engine keeps the old weights until the draw in flight is done
-            ahead_metrics["time/wait_rollout"] = t["generate"] - t["start"] + ahead.settle()
+            # the trainer blocked on drawing: this step's draw (taken, or its own), then the next one's settle
+            ahead_metrics["time/wait_rollout"] = blocked + ahead.settle()
         transfer = sync_weights(self.engine, policy.state, step + 1, self.probe)
         elapsed = time.perf_counter() - t["start"]
         timing = {p: t[p] - t[q] for p, q in (("generate", "start"), ("reward", "generate"),

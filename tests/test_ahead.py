@@ -78,12 +78,24 @@ def _exported(out):
 
 
 @pytest.mark.slow  # three tiny training runs of 3-6 steps (~1 min on the 2-core CPU)
-def test_age_one_overlaps_drains_at_checkpoints_and_resumes_bitwise(tmp_path):
+def test_age_one_overlaps_drains_at_checkpoints_and_resumes_bitwise(tmp_path, monkeypatch):
     on_policy, _ = _run(tmp_path, "age0")
+    from rl import score_once
+    scoring = 0.15
+    slow = score_once.score_specs
+
+    def slow_scoring(*args, **kwargs):  # scoring with a length of its own, to find it in the timings
+        time.sleep(scoring)
+        return slow(*args, **kwargs)
+    monkeypatch.setattr(score_once, "score_specs", slow_scoring)
     rows, straight = _run(tmp_path, "age1", "grpo.max_trajectory_age_steps=1")
+    monkeypatch.undo()
     # step 1 and the step after the checkpoint at 3 are drawn on their own weights; the others one step old
     assert [r["rollout/age_steps"] for r in rows] == [0, 1, 1, 0, 1, 1]
     assert all("time/wait_rollout" in r for r in rows) and "rollout/age_steps" not in on_policy[0]
+    # a draw made ahead reports its scoring (it showed nowhere: an audit); a step's own draw is waited on whole
+    assert all(r["time/reward_ahead"] >= scoring for r in rows if r["rollout/age_steps"])
+    assert all(r["time/wait_rollout"] >= r["time/generate"] + scoring for r in rows if not r["rollout/age_steps"])
     # the same prompts and the same first step; later steps sample with older weights
     assert rows[0]["reward/mean"] == on_policy[0]["reward/mean"]
     assert [r["reward/mean"] for r in rows[1:]] != [r["reward/mean"] for r in on_policy[1:]]

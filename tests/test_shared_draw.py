@@ -77,8 +77,8 @@ def test_every_process_gets_process_zeros_draw(monkeypatch, parity_reward, dynam
     assert np.array_equal(got.reward, drawn.reward) and got.reward.std() > 0
     assert got.parts.keys() == drawn.parts.keys() and all(np.array_equal(got.parts[k], drawn.parts[k])
                                                           for k in got.parts)
-    assert (got.failures, got.metrics, got.generate_s, got.rounds) == (drawn.failures, drawn.metrics,
-                                                                       drawn.generate_s, drawn.rounds)
+    assert (got.failures, got.metrics, got.generate_s, got.draw_s, got.rounds) == (
+        drawn.failures, drawn.metrics, drawn.generate_s, drawn.draw_s, drawn.rounds)
     # the same draw the synchronous path (every process in it, broadcasts inside) would make
     (_, loader2, _) = build_data(cfg)
     monkeypatch.setattr(multihost, "_from_zero", lambda v: v)

@@ -9,7 +9,8 @@ optional KL penalty, and the step's aggregation. Each piece is its own module:
 
 Three log-probabilities of each sampled token (all [B, T], gathered at the sampled token):
   logp      the trainer's current forward pass (the only one that carries gradient);
-  logp_old  recomputed by the trainer with the weights that generated the batch, before any update;
+  logp_old  recomputed by the trainer with the weights the step starts from, before any update (those that
+            generated the batch; one update newer with grpo.max_trajectory_age_steps: 1, the lag then in w);
   logp_gen  reported by the generation engine while sampling.
 
 Per valid token t of sequence i (mask[i, t] > 0), with advantage A_i:

@@ -25,7 +25,10 @@ def generation_mismatch_metrics(logp_gen, logp_old, mask, kl_type: str = "k3"):
       seq_mult_prob_error [B] = sum_t m exp(|d| m) / sum_t m per sequence (NaN for a sequence with no
           valid token), and its median over sequences, seq_mult_prob_error_median (NaN-ignoring).
     NeMo-RL's CI gate "median token_mult_prob_error < 1.1" is a median over training steps of the
-    per-step token mean; the per-sequence median is an extra view that one bad sequence cannot move.
+    per-step token mean; the per-sequence median is an extra view that one bad sequence cannot move. With
+    grpo.max_trajectory_age_steps: 1 logp_old is one update newer than the generator's weights, so these measure
+    that lag plus the numerics (an audit's tiny run: 1.05-1.21 where age 0 read 1.0): a numerics gate holds at
+    age 0 only.
 
     A valid token whose generator log-prob is not finite (-inf, NaN), or whose trainer log-prob is -inf (outside
     the trainer's own top-k / top-p), is left out of every value here (one such token would make each mean
