@@ -124,3 +124,46 @@ def test_group_advantages_divide_by_std_plus_eps():
 def test_io_tests_compare_lines_without_trailing_spaces():
     from rl.rewards import code
     assert code._lines("a   \nb\t\n") == code._lines("a\nb\n")
+
+
+# ------------------------------------------------------------------ the planner (a fourth mutation audit)
+def _recipe_job():
+    from m3jax.plan.job import load_job
+    return load_job("configs/recipes/m3-32node.yaml", [], "release")
+
+
+def test_a_sweep_plans_only_meshes_of_its_device_count(tmp_path, capsys):
+    """n % (data * context * expert) let 16-device meshes into a sweep of 24."""
+    from m3jax.plan.__main__ import sweep
+    from m3jax.plan.flops import Hardware
+    for n in (16, 24):  # the recipe fits no 24-device mesh (its 128 experts): the mutant listed 36
+        rows, _ = sweep(_recipe_job(), n, Hardware(), 80.0, str(tmp_path / f"{n}.png"))
+        assert all(math.prod(r[0]) == n for r in rows) and (rows or n == 24), n
+
+
+def test_a_mesh_whose_data_and_expert_shards_do_not_divide_an_update_is_invalid():
+    import dataclasses
+    from m3jax.plan.job import invalid_reason
+    job = _recipe_job()
+    job = dataclasses.replace(job, mesh=dataclasses.replace(job.mesh, data=2, context=1, expert=4, tensor=1),
+                              micro_batch=1, seqs_per_update=6)
+    assert invalid_reason(job) is not None
+
+
+def test_the_bucketed_kernel_plans_its_fp32_accumulators_and_its_dropped_rows():
+    from m3jax.config import M3Config
+    from m3jax.plan.activations import moe_terms
+    from m3jax.plan.flops import expert_rows_factor
+    from m3jax.plan.memory import Batch
+    from sharding.mesh import MeshConfig
+    cfg = M3Config(vocab_size=4096, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=16, intermediate_size=32, dense_intermediate_size=128, shared_intermediate_size=32,
+                   num_local_experts=8, num_experts_per_tok=2, layer_types=["full_attention", "minimax_m3_sparse"],
+                   mlp_layer_types=["dense", "sparse"], partial_rotary_factor=0.5, index_n_heads=2,
+                   index_head_dim=16, index_block_size=8, index_topk_blocks=2)
+    mesh = MeshConfig(1, 1, 4, 1)
+    tiled = moe_terms(cfg, mesh, 64, 2, None, "ragged", "tiled")["expert_grad_fp32"]
+    assert tiled > 0 and moe_terms(cfg, mesh, 64, 2, None, "ragged", "bucketed")["expert_grad_fp32"] == tiled
+    b = Batch(1, 256, 1, moe_capacity_factor=0.5, moe_exchange="ragged", ragged_dot="dense", moe_kernel="bucketed",
+              platform="gpu")
+    assert expert_rows_factor(cfg, MeshConfig(1, 1, 2, 1), b) == 0.5

@@ -136,9 +136,10 @@ def test_sampled_and_scored_logprobs_equal_trainer(engine, models, temperature, 
 
 
 @pytest.mark.slow
-def test_greedy_logprobs_keep_top_k(engine, models):
+@pytest.mark.parametrize("top_k, top_p", [(5, 0.8), (0, 0.5)])  # (0, 0.5): vLLM's greedy path drops top-p alone
+def test_greedy_logprobs_keep_top_k(engine, models, top_k, top_p):
     ps = prompts([7, 5], seed=2)
-    sp = SamplingParams(max_new_tokens=8, temperature=0.0, top_k=5, top_p=0.8)
+    sp = SamplingParams(max_new_tokens=8, temperature=0.0, top_k=top_k, top_p=top_p)
     assert max_diff(models[0], ps, engine.generate(ps, sp, seeds=[0, 0]), sp) < ATOL
 
 
