@@ -330,3 +330,18 @@ def test_a_dead_or_hung_engine_while_scoring_is_replaced(pool, monkeypatch, what
     open(os.path.join(pool.cfg.model_dir, "die-scoring"), "w").close()
     with pytest.raises(PoolError, match=r"no vLLM engine answered the scoring request \(engine \d: ActorDiedError\)"):
         pool.score(prompts(2), [[3, 4]] * 2, SamplingParams(max_new_tokens=1))
+
+
+def test_a_spent_restart_budget_replaces_no_engine(tmp_path, ray_local, monkeypatch):
+    """max_restarts = 0: a dying engine's rows go to the other and nothing is started in its place (a mutation audit:
+    `>` for `>=` restarted once past the budget, and no test saw it)."""
+    monkeypatch.setattr(vllm_pool, "_ACTOR", actor_class(FakeActor, "FakeEngineActor"))
+    p = VLLMPool(PoolConfig(model_dir=str(tmp_path), servers=2, bucket_bytes=32, request_timeout_s=60, max_restarts=0),
+                 pad_id=99)
+    try:
+        ps, sp = prompts(8), SamplingParams(max_new_tokens=4)
+        open(tmp_path / "die", "w").close()
+        check_rollout(p.generate(ps, sp, jax.random.key(1)), ps, sp, offset=0)
+        assert p.restarts == 0 and sum(slot.actor is not None for slot in p.slots) == 1
+    finally:
+        p.shutdown()
