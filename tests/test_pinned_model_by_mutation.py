@@ -30,7 +30,7 @@ def test_swiglu_clamps_the_gate_above_and_up_on_both_sides():
     np.testing.assert_allclose(np.asarray(swiglu_oai(jnp.asarray(g), jnp.asarray(u), 1.702, 7.0)), want, rtol=1e-5)
 
 
-def test_the_routed_experts_use_the_configured_swiglu_limit():
+def test_the_routed_experts_use_the_configured_swiglu_limit(monkeypatch):
     from m3jax.model import moe
     cfg = tiny.m3_config(layers=2, full_attention_layers=2, dense_layers=1)
     seen = []
@@ -38,13 +38,8 @@ def test_the_routed_experts_use_the_configured_swiglu_limit():
     def spy(gate, up, alpha, limit):
         seen.append(limit)
         return gate * up
-    real = moe.swiglu_oai
-    moe.swiglu_oai = spy
-    try:
-        model = tiny.m3_model(cfg, remat=False)
-        model(jnp.asarray(tiny.random_ids(cfg, 1, 8)))
-    finally:
-        moe.swiglu_oai = real
+    monkeypatch.setattr(moe, "swiglu_oai", spy)
+    tiny.m3_model(cfg, remat=False)(jnp.asarray(tiny.random_ids(cfg, 1, 8)))
     assert seen and all(float(limit) == cfg.swiglu_limit for limit in seen), (seen, cfg.swiglu_limit)
 
 
