@@ -115,3 +115,17 @@ def test_orbax_error_records_are_told_apart_by_their_caller():
     exec(compile("logger.error('from elsewhere')", os.path.join(os.sep, "site-packages", "other", "x.py"), "exec"),
          here)
     assert records == [True, False]
+
+
+def test_the_failure_names_the_newest_step_written_before_it(checkpointer):
+    """The step a rerun resumes from is the newest finished checkpoint, not the oldest kept, and never the failed
+    save's own step, which orbax can list on a process whose write succeeded while another's failed (a mutation
+    audit: either slip passed every test, the fake holding one finished step)."""
+    c = checkpointer
+    c.manager.finished = [10, 20]
+    c.save(40, None, {})
+    c.manager.finished = [10, 20, 40]  # listed here, failed elsewhere
+    c.manager.running = False
+    with pytest.raises(CheckpointSaveFailed, match="rerunning the command resumes from step 20 once") as e:
+        c.check_saves()
+    assert str(e.value).startswith("saving checkpoint step 40 ")

@@ -230,3 +230,47 @@ def test_tensorboard_tags_are_the_metrics_jsonl_keys(tmp_path):
     scalars = _event_scalars(tmp_path)
     assert math.isnan(scalars.pop("loss")[3])
     assert scalars == {k: {3: v} for k, v in row.items() if k not in ("loss", "note")}
+
+
+def _tensorboard_view(run_dir) -> dict:
+    """{tag: [(step, value), ...]} as TensorBoard shows the run: its event files in order, each SessionLog START at
+    step P (what tensorboardX writes for `purge_step=P`) hiding every earlier value at a step >= P
+    (tensorboard's event_accumulator, `_Purge`)."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+    shown = {}
+    for path in sorted(glob.glob(os.path.join(str(run_dir), "tensorboard", "events.out.tfevents.*"))):
+        data, pos = open(path, "rb").read(), 0
+        while pos < len(data):
+            (n,) = struct.unpack("<Q", data[pos:pos + 8])
+            event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + n])
+            pos += 12 + n + 4
+            if event.HasField("session_log") and event.session_log.status == event.session_log.START:
+                shown = {tag: [(s, v) for s, v in points if s < event.step] for tag, points in shown.items()}
+            for v in event.summary.value:
+                shown.setdefault(v.tag, []).append((event.step, pytest.approx(v.simple_value)))
+    return shown
+
+
+def test_a_resume_shows_each_step_once_in_tensorboard(tmp_path):
+    """A run killed after step 5 with its last checkpoint at step 3 logs steps 4 and 5 again: TensorBoard hides the
+    first run's 4 and 5 (its purge from step 4 on) and keeps 1 to 3; a run started afresh in the directory hides
+    everything before it. (A mutation audit: a purge from the resumed step itself, 3, passed every test and lost
+    step 3's point from the curves.)"""
+    import time
+
+    from rl.observe import RunLogger
+
+    def run(first_step, steps, scale):
+        log = RunLogger(str(tmp_path), progress_bar=False, first_step=first_step)
+        for s in steps:
+            log.log(s, {"reward/mean": s * scale})
+        log.close()
+        time.sleep(1.1)  # tensorboardX names its event files by the second: the next run's sorts after
+
+    run(0, range(1, 6), 0.1)
+    run(3, (4, 5), 1.0)
+    assert _tensorboard_view(tmp_path) == {"reward/mean": [(1, 0.1), (2, 0.2), (3, 0.3), (4, 4.0), (5, 5.0)]}
+    run(0, (1,), 10.0)
+    assert _tensorboard_view(tmp_path) == {"reward/mean": [(1, 10.0)]}
