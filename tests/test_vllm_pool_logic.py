@@ -1,6 +1,7 @@
 """VLLMPool's own logic with fake engines (no vLLM, so it is in the fast loop): chunked rollouts put every
 row back in its place, a re-sent row samples the same tokens, an engine that dies mid-rollout is replaced
-and loses or duplicates nothing, the replacement serves only once a weight update reaches it, a rejected
+and loses or duplicates nothing, as is one lost during an update, the replacement serves only once a weight update
+reaches it, a rejected
 update leaves every engine on its old version. The real engines: tests/test_vllm_pool.py (slow)."""
 
 import dataclasses
@@ -50,6 +51,12 @@ class FakeEngine:
         self.weights = {n: np.zeros(s, d) for n, (s, d) in MANIFEST.items()}
 
     def check(self, name, shape, dtype):
+        try:  # test_an_engine_dying_during_an_update_is_replaced_and_the_rest_commit: dies while staging
+            os.remove(os.path.join(self.model_dir, "die-staging"))
+        except FileNotFoundError:
+            pass
+        else:
+            os._exit(1)
         if name not in MANIFEST:
             raise KeyError(f"{name!r} is not a tensor of this checkpoint")
         if (tuple(shape), np.dtype(dtype)) != MANIFEST[name]:
@@ -178,6 +185,32 @@ def test_engine_dying_mid_rollout_is_replaced_and_rows_resent(pool):
     pool.push(iter(weights(2)), version=pool.version + 1)
     assert len(pool.serving()) == 2
     check_rollout(pool.generate(ps, sp, jax.random.key(3)), ps, sp, offset=2)
+
+
+def test_an_engine_dying_during_an_update_is_replaced_and_the_rest_commit(tmp_path, ray_local, monkeypatch):
+    """The engine that dies while staging a bucket is named lost and replaced; the other commits the version, and the
+    pool serves it. (A mutation audit: the pool taking the lost engine for updated, or replacing the live one, passed
+    every test.)"""
+    monkeypatch.setattr(vllm_pool, "_ACTOR", actor_class(FakeActor, "FakeEngineActor"))
+    p = VLLMPool(PoolConfig(model_dir=str(tmp_path), servers=2, bucket_bytes=32, request_timeout_s=60, max_restarts=1),
+                 pad_id=99)
+    try:
+        open(tmp_path / "die-staging", "w").close()
+        stats = p.push(iter(weights(5)), version=1)
+        assert len(stats.lost) == 1 and p.restarts == 1 and p.version == 1
+        serving = p.serving()
+        assert len(serving) == 1 and serving[0].version == 1 and serving[0].rank != stats.lost[0]
+        ps, sp = prompts(8, seed=4), SamplingParams(max_new_tokens=4)
+        check_rollout(p.generate(ps, sp, jax.random.key(5)), ps, sp, offset=5)  # the new weights, on the survivor
+        deadline = time.time() + 60  # the replacement: up from the checkpoint, serving after the next update
+        while len([h for h in p.health() if h["state"] == "up"]) < 2 and time.time() < deadline:
+            time.sleep(0.2)
+        assert sorted(h["version"] for h in p.health()) == [0, 1]
+        p.push(iter(weights(6)), version=2)
+        assert len(p.serving()) == 2
+        check_rollout(p.generate(ps, sp, jax.random.key(5)), ps, sp, offset=6)
+    finally:
+        p.shutdown()
 
 
 def test_no_engine_left_is_a_clear_error(pool):
