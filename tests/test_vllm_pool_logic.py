@@ -1,8 +1,8 @@
 """VLLMPool's own logic with fake engines (no vLLM, so it is in the fast loop): chunked rollouts put every
 row back in its place, a re-sent row samples the same tokens, an engine that dies mid-rollout is replaced
-and loses or duplicates nothing, as is one lost during an update, the replacement serves only once a weight update
-reaches it, a rejected
-update leaves every engine on its old version. The real engines: tests/test_vllm_pool.py (slow)."""
+and loses or duplicates nothing, as is one lost during an update, the replacement serves only once a weight
+update reaches it, a rejected update leaves every engine on its old version. The real engines:
+tests/test_vllm_pool.py (slow)."""
 
 import dataclasses
 import os
