@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 
@@ -116,3 +117,30 @@ def test_the_program_dies_with_the_rewards_process(tmp_path):
         _assert_gone(pid, 0.3)
     finally:
         shutil.rmtree(open(str(pid_file) + ".dir").read(), ignore_errors=True)  # a killed reward leaves it
+
+
+def test_each_test_gets_its_own_limit_and_the_tests_a_share_of_the_samples(monkeypatch):
+    """Each test runs under min(PER_TEST_S, the time left) and none starts with 0.05 s or less left; a sample's tests
+    take TESTS_SHARE of its timeout_s in all (the pool kills the worker at the whole of it, losing the passed tests'
+    credit). A clock advanced by the tests' own durations stands in for slow programs. (A mutation audit: either
+    limit changed, no test failed; the real ones take seconds each.)"""
+    now, limits = [100.0], []
+
+    def one(program, kind, given, expected, limit_s):
+        limits.append(round(limit_s, 6))
+        now[0] += min(limit_s, given)  # `given` here: how long this test's program would run
+        return given < limit_s  # a program killed at its limit fails
+
+    monkeypatch.setattr(code, "time", types.SimpleNamespace(monotonic=lambda: now[0]))  # this module's clock only
+    monkeypatch.setattr(code, "_one", one)
+    assert run_tests("p", [("io", 9.0, ""), ("io", 1.0, ""), ("io", 1.0, "")], timeout_s=6.0) == (1, 3)
+    assert limits == [code.PER_TEST_S, 2.0, 1.0]  # the first cut at PER_TEST_S, the rest at what is left
+    limits.clear()
+    assert run_tests("p", [("io", 3.99, ""), ("io", 1.97, ""), ("io", 0.01, "")], timeout_s=6.0) == (2, 3)
+    assert limits == [code.PER_TEST_S, 2.01]  # 0.04 s left after the second: no third run
+    limits.clear()
+    assert run_tests("p", [("io", 0.5, "")] * 3) == (3, 3) and limits == [code.PER_TEST_S] * 3  # no timeout_s
+    seen = []
+    monkeypatch.setattr(code, "run_tests", lambda program, tests, timeout_s=None: seen.append(timeout_s) or (1, 1))
+    get_reward("code_tests")("```python\nprint(1)\n```", [{"input": "", "output": "1"}], timeout_s=20.0)
+    assert seen == [pytest.approx(code.TESTS_SHARE * 20.0)]
