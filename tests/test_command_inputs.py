@@ -161,6 +161,7 @@ def test_audit_s52_a_plot_it_cannot_write_is_one_error_line(tmp_path, capsys):
 @pytest.mark.parametrize("command, argv", [
     ("m3jax.train", ["--export", "out", "--print-config"]),  # printed the config, exported nothing, status 0
     ("m3jax.eval", ["--print-config", "--step", "3"]),  # printed the config, scored nothing
+    ("m3jax.eval", ["--print-config", "--hf", "x"]),  # the same (a mutation audit, session 55: untested)
 ])
 def test_audit_s52_print_config_beside_an_action_is_refused(command, argv, tmp_path, capsys, monkeypatch):
     import importlib
