@@ -164,3 +164,15 @@ def test_a_refused_start_removes_a_link_it_made_and_leaves_its_target(tmp_path):
     os.symlink(target, run / "cache")
     before.undo(owner=True)
     assert os.listdir(run) == [] and os.listdir(target) == ["keep.txt"]
+
+
+def test_an_export_of_a_mistyped_run_directory_says_which_and_creates_nothing(tmp_path, capsys):
+    """Refused before the lock and the heavy imports, with the run.out_dir read (without the check: 2.1 s later,
+    the directory named without the setting)."""
+    from m3jax import train
+    from rl.config import checkpoint_dir, load_config
+    typo = tmp_path / "typo"
+    assert train.main(["--config", str(TINY), f"run.out_dir={typo}", "--export", str(tmp_path / "x")]) == 1
+    where = checkpoint_dir(load_config(TINY, [f"run.out_dir={typo}"], check_paths=False))
+    assert capsys.readouterr().err.strip() == f"error: no checkpoint to export in {where} (run.out_dir = {typo})"
+    assert os.listdir(tmp_path) == []
