@@ -14,6 +14,7 @@ from rl.generation.base import Rollout
 from rl.tasks import make_task
 
 TINY = "configs/tiny.yaml"
+A_MODEL_PATH = ("model.tiny=null", "model.path=m3")  # a prompt file is read with a model directory's tokenizer
 
 
 # ------------------------------------------------------------------------------------------- pass@k
@@ -119,7 +120,7 @@ def test_an_eval_files_subset_is_drawn_from_the_prompts_that_fit(tmp_path):
     train = tmp_path / "train.jsonl"
     train.write_text('{"prompt": "1234", "answer": "1234"}\n')
     cfg = load_config(TINY, ["eval.kind=file", f"eval.path={path}", "eval.max_prompts=64", "data.kind=file",
-                             f"data.path={train}", "data.overlong_prompts=drop"], check_paths=False)
+                             f"data.path={train}", "data.overlong_prompts=drop", *A_MODEL_PATH], check_paths=False)
     es = ev.build_eval_set(cfg, make_task("copy", num_digits=4).tokenizer, (12,))
     assert len(es.records) == len(es.prompt_ids) == 64 and all(len(r.prompt) == 4 for r in es.records)
     assert [r.prompt for r in es.records] == sorted(r.prompt for r in es.records)  # file order
@@ -146,7 +147,7 @@ def test_eval_section_defaults_off_and_tiny_on():
     (["eval.num_digits=9"], "eval.max_prompt_tokens"),
     (["eval.reward=[{name: copy_digitz}]"], "eval.reward[0].name"),
     (["eval.kind=file", "eval.path=x.jsonl", "eval.task=copy"], "eval.task"),
-    (["data.kind=file", "data.path=train.jsonl"], "eval.kind"),
+    (["data.kind=file", "data.path=train.jsonl", "model.tiny=null", "model.path=m3"], "eval.kind"),
     (["eval.samples_per_prompt=0"], "eval.samples_per_prompt"),
     (["eval.max_prompts=null"], "eval.max_prompts"),
     (["eval.best_metric=pass@2"], "eval.best_metric"),
@@ -160,8 +161,8 @@ def test_eval_section_problems_are_named(overrides, key):
 
 def test_eval_checks_apply_only_when_training_evaluates():
     # a run on a prompt file with the default (synthetic, off) eval section is valid
-    cfg = load_config(TINY, ["data.kind=file", "data.path=train.jsonl", "eval.every_steps=0", "eval.at_start=false"],
-                      check_paths=False)
+    cfg = load_config(TINY, ["data.kind=file", "data.path=train.jsonl", "eval.every_steps=0", "eval.at_start=false",
+                             *A_MODEL_PATH], check_paths=False)
     from rl.config.validate_eval import eval_problems
     assert eval_problems(cfg) == [] and [p.key for p in eval_problems(cfg, enabled=True)] == ["eval.kind"]
     vllm = ["generation.backend=vllm", "eval.max_new_tokens=9"]  # the engines hold 8 + 5 positions
@@ -441,8 +442,11 @@ def test_the_eval_command_reads_prompts_with_the_tokenizer_training_used(tmp_pat
     rows.write_text('{"prompt": "1234", "answer": "1234"}\n')
     cfg = load_config("configs/tiny.yaml", ["eval.kind=file", f"eval.path={rows}", "eval.max_prompts=null"])
     assert isinstance(tokenizer_for(cfg), DigitTokenizer)
-    text = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, kind="file", path=str(rows)))
-    with pytest.raises(FileNotFoundError, match=f"no tokenizer in {tmp_path} \\(--hf\\); expected the tokenizer"):
+    text = load_config("configs/tiny.yaml", ["eval.kind=file", f"eval.path={rows}", "eval.max_prompts=null",
+                                             "data.kind=file", f"data.path={rows}", "model.tiny=null",
+                                             f"model.path={tmp_path / 'm3'}"], check_paths=False)
+    with pytest.raises(FileNotFoundError, match=f"no tokenizer in {tmp_path} \\(--hf\\) or {tmp_path / 'm3'} "
+                                                "\\(model.path\\); expected the tokenizer"):
         tokenizer_for(text, str(tmp_path))
 
 

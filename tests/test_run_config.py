@@ -301,6 +301,10 @@ def test_a_prompt_file_needs_the_tokenizer_of_a_model_path(tmp_path):
     msg = load_error(TINY, ["data.kind=file", f"data.path={tmp_path / 'p.jsonl'}", "eval.every_steps=0",
                             "eval.at_start=false"])
     assert 'data.kind = "file" with model.tiny: a prompt file is read with the model\'s tokenizer' in msg
+    # not a path's check: `--print-config`, which skips those (load_config(check_paths=False)), refuses it too
+    with pytest.raises(ConfigError, match='data.kind = "file" with model.tiny: a prompt file is read'):
+        load_config(TINY, ["data.kind=file", "data.path=p.jsonl", "eval.every_steps=0", "eval.at_start=false"],
+                    check_paths=False)
 
 
 def test_resume_false_refuses_a_directory_that_holds_checkpoints(tmp_path):

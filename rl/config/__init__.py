@@ -106,10 +106,6 @@ def _check_paths(cfg: RunConfig, training: bool = True) -> None:
         problems.append(f"model.path = {_show(p)}: no config.json there; allowed: a local Hugging Face model "
                         "directory")
     problems += _reference_path_problems(cfg)
-    if cfg.data.kind == "file" and cfg.model.path is None:
-        problems.append("data.kind = \"file\" with model.tiny: a prompt file is read with the model's tokenizer, and "
-                        "a tiny model has none; allowed: model.path (a HF directory with its tokenizer), or "
-                        "data.kind = \"synthetic\"")
     if cfg.data.kind == "file" and not os.path.isfile(cfg.data.path):
         problems.append(f"data.path = {_show(cfg.data.path)}: no such file; allowed: an existing .jsonl, .json or "
                         ".parquet file")

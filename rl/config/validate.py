@@ -235,6 +235,10 @@ def _cross_checks(cfg: RunConfig) -> list[_Problem]:
     if d.kind == "file" and d.path is None:
         out.append(_Problem("data.path", "data.path = null: data.kind = \"file\" needs a prompt file; allowed: "
                                          "a path to a .jsonl, .json or .parquet file", ("data.kind",)))
+    if d.kind == "file" and cfg.model.path is None:  # not a path's check: --print-config, which skips those, says it
+        out.append(_Problem("data.kind", "data.kind = \"file\" with model.tiny: a prompt file is read with the model's "
+                                         "tokenizer, and a tiny model has none; allowed: model.path (a HF directory "
+                                         "with its tokenizer), or data.kind = \"synthetic\"", ("model.tiny",)))
     if d.kind == "synthetic" and d.path is not None:
         out.append(_Problem("data.path", f"data.path = {_show(d.path)}: data.kind = \"synthetic\" reads no file; "
                                          "allowed: null, or set data.kind = \"file\"", ("data.kind",)))
