@@ -1,6 +1,8 @@
 """The planner as a command: the mesh sweep's exclusions, the verdict against the device's share, the hints, and the
 warning `python -m m3jax.train` gives before it compiles a run its plan says will not fit."""
 
+import os
+
 import jax
 import pytest
 
@@ -10,6 +12,8 @@ from m3jax.plan.job import Job, invalid_reason, load_job, plan
 from m3jax.plan.memory import GB
 from sharding.mesh import MeshConfig
 from tests.test_plan import TINY
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_sweep_excludes_every_invalid_mesh_with_a_reason(tmp_path, capsys):
@@ -185,3 +189,14 @@ def test_the_indexer_alignment_the_plan_leaves_out_is_said(capsys):
     assert "not planned: model.indexer_loss_coef's alignment pass, 7.019e+16 fp32 FLOPs per step (9% of" in out
     main(["--config", "configs/recipes/m3-32node.yaml", "--model", "release"])
     assert "indexer_loss_coef" not in capsys.readouterr().out
+
+
+def test_a_sweep_writes_its_chart_only_where_asked(tmp_path, monkeypatch, capsys):
+    """The documented `--sweep 128 --top 5` wrote mesh_sweep.png into the working directory, over a file of that name
+    (the repository's own, run from its root: a docs audit)."""
+    from m3jax.plan.__main__ import main
+    monkeypatch.chdir(tmp_path)
+    main(["--config", os.path.join(ROOT, "configs/tiny.yaml"), "--sweep", "4", "--top", "2"])
+    assert os.listdir(tmp_path) == [] and "plot:" not in capsys.readouterr().out
+    main(["--config", os.path.join(ROOT, "configs/tiny.yaml"), "--sweep", "4", "--top", "2", "--png", "s.png"])
+    assert os.listdir(tmp_path) == ["s.png"] and "plot: s.png" in capsys.readouterr().out
