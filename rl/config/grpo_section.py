@@ -67,8 +67,9 @@ class GrpoSection(_Section):
                                                  "sequences are sorted by length and a micro-batch runs at the "
                                                  "smallest of these that holds its longest sequence (else the full "
                                                  "width), in the logprob passes and the train step, one compiled "
-                                                 "program per width; multiples of mesh.context x the model's "
-                                                 "index_block_size; [] = every micro-batch at the full width",
+                                                 "program per width; with mesh.context > 1, multiples of "
+                                                 "mesh.context x the model's index_block_size; [] = every "
+                                                 "micro-batch at the full width",
                                              items={"min": 1}, distinct=True)
     advantage: str = _f("grpo", "grpo: (r - group mean) / group std; dr_grpo: no std; rloo: leave-one-out "
                                 "baseline; grpo_loo: leave-one-out baseline and std (NeMo-RL's default); reinforce_pp: group "
