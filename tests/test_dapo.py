@@ -227,3 +227,6 @@ def test_a_row_at_loss_weight_zero_gets_no_loss_token_and_the_others_their_weigh
                       np.array([3, 2, 1]), np.zeros(3, bool))
     batch = build_train_batch(rollout, np.ones(3), np.array([1.0, 0.0, 0.5], np.float32), width=6, pad_id=0)
     assert batch["loss_mask"].tolist() == [[0, 1, 1, 1, 0], [0, 0, 0, 0, 0], [0.5, 0, 0, 0, 0]]
+    # the inputs up to the last one whose prediction is trained: the last response token predicts nothing and is
+    # padding, which takes no expert capacity (a mutation audit: marking it real passed every test)
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 0], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0]]

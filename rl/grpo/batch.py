@@ -22,7 +22,8 @@ def build_train_batch(rollout: RolloutArrays, advantages: np.ndarray, loss_weigh
 
     input_ids[t] predicts targets[t] = seq[t + 1]; loss_mask is 1 where the target is a response token
     (times loss_weight, which zeroes dropped groups / overlong samples); logp_gen sits at the same
-    positions; attention_mask marks real input tokens.
+    positions; attention_mask marks the input tokens up to the last one whose prediction is trained (the last
+    response token predicts nothing: left as padding, it takes no expert capacity).
     """
     n = len(rollout.prompt_ids)
     seq = np.full((n, width), pad_id, np.int32)
