@@ -194,8 +194,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ib-gbps", type=float, default=50.0, help="each device's link between nodes (GB/s)")
     ap.add_argument("--pcie-gbps", type=float, default=50.0, help="each GPU's link to pinned host memory (GB/s)")
     ap.add_argument("--sweep", type=int, default=None, metavar="N_DEVICES")
-    ap.add_argument("--png", default=None, help="with --sweep: write its chart there (default: the table alone; a "
-                                                "chart in the working directory overwrote what lay there)")
+    ap.add_argument("--png", default=None, help="with --sweep: write its chart there (default: the table alone)")
     ap.add_argument("--compile", action="store_true", help="compile the real train step at reduced depth on "
                                                             "simulated devices and compare with the plan")
     ap.add_argument("--target-config", help="with --compile: compile for compile-only GPUs of this target spec "
