@@ -196,21 +196,26 @@ def test_a_row_restored_from_the_checkpoint_reaches_tensorboard_too(tmp_path):
     assert _event_scalars(tmp_path)["reward/mean"] == {4: pytest.approx(0.4), 5: pytest.approx(0.5)}
 
 
-def _event_scalars(run_dir) -> dict:
-    """{tag: {step: value}} of the run's TensorBoard event files, read with the record format's own framing
-    (tensorboard's reader is not installed): 8-byte length, 4-byte CRC, the Event, 4-byte CRC."""
+def _events(run_dir):
+    """The Events of the run's TensorBoard files in order, read with the record format's own framing (tensorboard's
+    reader is not installed): 8-byte length, 4-byte CRC, the Event, 4-byte CRC."""
     import struct
 
     from tensorboardX.proto import event_pb2
-    out = {}
     for path in sorted(glob.glob(os.path.join(str(run_dir), "tensorboard", "events.out.tfevents.*"))):
         data, pos = open(path, "rb").read(), 0
         while pos < len(data):
             (n,) = struct.unpack("<Q", data[pos:pos + 8])
-            event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + n])
+            yield event_pb2.Event.FromString(data[pos + 12:pos + 12 + n])
             pos += 12 + n + 4
-            for v in event.summary.value:
-                out.setdefault(v.tag, {})[event.step] = v.simple_value
+
+
+def _event_scalars(run_dir) -> dict:
+    """{tag: {step: value}} of the run's TensorBoard event files."""
+    out = {}
+    for event in _events(run_dir):
+        for v in event.summary.value:
+            out.setdefault(v.tag, {})[event.step] = v.simple_value
     return out
 
 
@@ -236,20 +241,12 @@ def _tensorboard_view(run_dir) -> dict:
     """{tag: [(step, value), ...]} as TensorBoard shows the run: its event files in order, each SessionLog START at
     step P (what tensorboardX writes for `purge_step=P`) hiding every earlier value at a step >= P
     (tensorboard's event_accumulator, `_Purge`)."""
-    import struct
-
-    from tensorboardX.proto import event_pb2
     shown = {}
-    for path in sorted(glob.glob(os.path.join(str(run_dir), "tensorboard", "events.out.tfevents.*"))):
-        data, pos = open(path, "rb").read(), 0
-        while pos < len(data):
-            (n,) = struct.unpack("<Q", data[pos:pos + 8])
-            event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + n])
-            pos += 12 + n + 4
-            if event.HasField("session_log") and event.session_log.status == event.session_log.START:
-                shown = {tag: [(s, v) for s, v in points if s < event.step] for tag, points in shown.items()}
-            for v in event.summary.value:
-                shown.setdefault(v.tag, []).append((event.step, pytest.approx(v.simple_value)))
+    for event in _events(run_dir):
+        if event.HasField("session_log") and event.session_log.status == event.session_log.START:
+            shown = {tag: [(s, v) for s, v in points if s < event.step] for tag, points in shown.items()}
+        for v in event.summary.value:
+            shown.setdefault(v.tag, []).append((event.step, pytest.approx(v.simple_value)))
     return shown
 
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from rl.tasks import make_task
+from tests.test_job_agreement import Store
 
 
 def test_rollout_files_gather_every_write_in_order(tmp_path):
@@ -93,24 +94,11 @@ def test_process_zero_holds_its_first_failed_write_and_skips_the_rest(tmp_path, 
         ProcessZeroWrites(1, str(tmp_path)).run(fail, full)
 
 
-class _Store:
-    """The key-value store of a joined job, in a dict."""
-
-    def __init__(self):
-        self.kv = {}
-
-    def key_value_set(self, key, value, **_):
-        self.kv[key] = value
-
-    def blocking_key_value_get(self, key, timeout_ms):
-        return self.kv[key]
-
-
 def test_the_job_agreement_names_process_zeros_failure_a_lone_setting_and_a_store_error():
     """Process 1 names the cause of process 0's failed start; a setting process 0 lacks is named; a store that is
     down is its own error, not a hang of process 0."""
     from rl import job_agreement as ja
-    store = _Store()
+    store = Store()
     ja.report_failure("start", FileNotFoundError("/data/train.jsonl: file not found"), process_index=0,
                       process_count=2, client=store)
     with pytest.raises(ja.JobDisagrees, match=r"process 0 of this job failed at its start \(FileNotFoundError: "):
@@ -118,7 +106,7 @@ def test_the_job_agreement_names_process_zeros_failure_a_lone_setting_and_a_stor
     assert ja.disagreements([{"config": {"a": 1}}, {"config": {"a": 1, "grpo.new": 2}}]) == [
         "grpo.new: process 0 '(absent)', process 1 2"]
 
-    class Down(_Store):
+    class Down(Store):
         def blocking_key_value_get(self, key, timeout_ms):
             raise RuntimeError("UNAVAILABLE: failed to connect to the coordinator")
 
