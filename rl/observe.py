@@ -20,13 +20,15 @@ PLOTS = {  # panel title -> metrics drawn in it
 }
 RECALL_PANEL = "indexer recall: full-attention mass in the kept blocks"  # only in runs that log indexer/recall
 ALIGN_PANEL = "indexer alignment KL (model.indexer_loss_coef)"  # only in runs that train the indexer
+DROPS_PANEL = "MoE assignments dropped (model.moe_capacity_factor)"  # only in runs that log moe/dropped_frac
 
 
 def panels(rows: list[dict]) -> dict:
     """PLOTS, plus each reward's own mean in the reward panel when the run has several rewards (and the drawn
     reward, dapo/reward_mean_drawn, under dynamic sampling), the indexer-recall
     panel (indexer/recall and its indexer/recall/layer_j curves) when the run logged it
-    (logging.indexer_recall_every), and the alignment KL's when the run trained the indexer."""
+    (logging.indexer_recall_every), the alignment KL's when the run trained the indexer, and a panel of the MoE drops
+    (moe/dropped_frac and its moe/dropped_frac/layer_j curves) when the run logged them (logging.moe_drops_every)."""
     out = dict(PLOTS)
     parts = sorted({k for r in rows for k in r
                     if k.startswith("reward/") and k.endswith("/mean") and k.count("/") == 2})
@@ -34,10 +36,11 @@ def panels(rows: list[dict]) -> dict:
         out["reward"] = (*PLOTS["reward"], *parts)
     if any("dapo/reward_mean_drawn" in r for r in rows):  # dynamic sampling: reward/mean is over the kept groups,
         out["reward"] = (*out["reward"], "dapo/reward_mean_drawn")  # this is the policy's (every drawn sample)
-    if any("indexer/recall" in r for r in rows):
-        layers = sorted({k for r in rows for k in r if k.startswith("indexer/recall/layer_")},
-                        key=lambda k: int(k.rsplit("_", 1)[1]))
-        out[RECALL_PANEL] = ("indexer/recall", *layers)
+    for panel, metric in ((RECALL_PANEL, "indexer/recall"), (DROPS_PANEL, "moe/dropped_frac")):
+        if any(metric in r for r in rows):
+            layers = sorted({k for r in rows for k in r if k.startswith(f"{metric}/layer_")},
+                            key=lambda k: int(k.rsplit("_", 1)[1]))
+            out[panel] = (metric, *layers)
     if any("indexer/align_kl" in r for r in rows):
         out[ALIGN_PANEL] = ("indexer/align_kl",)
     return out

@@ -306,6 +306,22 @@ def indexer_recall(recall_pass: Callable, state, micro: dict) -> dict:
     return {"indexer/recall": float(recall.mean()), **per_layer}
 
 
+def moe_drops(counts_pass: Callable, state, micro: dict, replay: bool) -> dict:
+    """moe/dropped_frac (over every MoE layer) and moe/dropped_frac/layer_{j} (MoE layer j) on the step's first
+    micro-batch, under the weights the step starts from: the share of its real tokens' (token, expert)
+    assignments that model.moe_capacity_factor dropped, 1 - kept / real (`M3ForCausalLM.moe_assignment_counts`),
+    as that micro-batch's logprob pass and update drop them (the same buffers and padding; replay: of the
+    generator's routes, which the update replays). Empty without MoE layers."""
+    keys = ("input_ids", "attention_mask") + (("routes",) if replay and "routes" in micro else ())
+    sample = {k: np.asarray(micro[k][0]) for k in keys}
+    counts = np.asarray(_on_host(counts_pass(state.params, state.rest, sample)), np.int64).reshape(-1, 2)
+    if not counts.size:
+        return {}
+    share = lambda kept, real: float(1.0 - kept / real) if real else 0.0  # noqa: E731
+    per_layer = {f"moe/dropped_frac/layer_{j}": share(*c) for j, c in enumerate(counts)}
+    return {"moe/dropped_frac": share(*counts.sum(0)), **per_layer}
+
+
 @dataclasses.dataclass
 class UpdateStats:
     loss: float

@@ -262,25 +262,40 @@ def make_indexer_recall(policy: Policy) -> Callable:
     A jitted program of its own, run outside the train step and the logprob pass (whose programs it leaves
     as they are). On a mesh the sample is placed as the logprob pass places a micro-batch (rows padded to
     the batch axes with attention_mask 0, which the recall does not count); the result is replicated."""
+    return _sample_pass(policy, "indexer_recall")
+
+
+def make_moe_counts(policy: Policy) -> Callable:
+    """counts(params, rest, sample) -> [n_moe_layers, 2] int32 (a jax array): per MoE layer, (kept, real) of
+    the (token, expert) assignments of sample {"input_ids", "attention_mask"} [rows, seq]'s real tokens
+    (`M3ForCausalLM.moe_assignment_counts`): real - kept are those model.moe_capacity_factor dropped; with
+    sample["routes"] [rows, seq, n_moe_layers, k] (routing replay) of those expert ids. Placed and run as
+    `make_indexer_recall`'s pass (the padding rows it adds on a mesh are not real tokens)."""
+    return _sample_pass(policy, "moe_assignment_counts")
+
+
+def _sample_pass(policy: Policy, method: str) -> Callable:
+    """fn(params, rest, sample) -> the model's `method`(input_ids, attention_mask=...) of the sample, jitted."""
     graphdef, layout = policy.graphdef, policy.layout
 
     @jax.jit
-    def run(params, rest, input_ids, attention_mask):
-        return nnx.merge(graphdef, params, rest).indexer_recall(input_ids, attention_mask=attention_mask)
+    def run(params, rest, input_ids, attention_mask, *routes):
+        model = nnx.merge(graphdef, params, rest)
+        return getattr(model, method)(input_ids, attention_mask=attention_mask, **dict(zip(("routes",), routes)))
 
-    def recall(params, rest, sample: dict):
-        ids, mask = np.asarray(sample["input_ids"]), np.asarray(sample["attention_mask"])
+    def sample_pass(params, rest, sample: dict):
+        arrays = [np.asarray(sample[k]) for k in ("input_ids", "attention_mask", "routes") if k in sample]
         if layout.mesh is None:
-            return run(params, rest, ids, mask)
-        extra = -ids.shape[0] % layout.size("act_batch")
+            return run(params, rest, *arrays)
+        extra = -arrays[0].shape[0] % layout.size("act_batch")
         if extra:
-            ids, mask = (np.pad(a, ((0, extra), (0, 0))) for a in (ids, mask))
+            arrays = [np.pad(a, ((0, extra),) + ((0, 0),) * (a.ndim - 1)) for a in arrays]
         where = NamedSharding(layout.mesh, P(*batch_sharding(layout).spec[1:3]))
         with jax.set_mesh(layout.mesh):
-            return run(params, rest, jax.device_put(ids, where), jax.device_put(mask, where))
+            return run(params, rest, *(jax.device_put(a, where) for a in arrays))
 
-    recall.jitted = run
-    return recall
+    sample_pass.jitted = run
+    return sample_pass
 
 
 def build_or_restore_policy(cfg: RunConfig, checkpointer: ckpt_lib.Checkpointer, kl: str,

@@ -39,6 +39,10 @@ def start_warnings(cfg: RunConfig, model_cfg) -> list[str]:
     if cfg.logging.indexer_recall_every and not model_cfg.has_sparse_attention:
         out.append(f"logging.indexer_recall_every = {cfg.logging.indexer_recall_every}: the model has no sparse "
                    "(indexer) layer, so no indexer/recall is logged")
+    if cfg.logging.moe_drops_every and (m.moe_capacity_factor is None or not model_cfg.has_moe):
+        out.append(f"logging.moe_drops_every = {cfg.logging.moe_drops_every}: "
+                   + ("the model has no MoE layer, so no moe/dropped_frac is logged" if not model_cfg.has_moe else
+                      "model.moe_capacity_factor is null (dropless), so moe/dropped_frac is always 0"))
     if m.moe_capacity_factor is not None and not model_cfg.has_moe:
         out.append(f"model.moe_capacity_factor = {m.moe_capacity_factor:g} has no effect: the model has no MoE layer")
     out += inert_settings(cfg)

@@ -29,7 +29,8 @@ from rl.stop_signals import StopSignals
 from rl.generation import backends
 from rl.observe import RunLogger, draw_curves
 from rl.policy import (Policy, applied_learning_rate, build_or_restore_policy, checkpointer_for,
-                       make_indexer_recall, make_logprobs, make_update, reference_params, sequence_width)
+                       make_indexer_recall, make_logprobs, make_moe_counts, make_update, reference_params,
+                       sequence_width)
 from rl.process_zero_writes import NO_OUTPUTS, ProcessZeroWrites
 from rl.prompt_loader import build_data
 from rl.reference import ReferenceWeights
@@ -121,9 +122,12 @@ class GRPOTrainer:
         untruncated = probe_sampling(self.policy.sampling)
         self.untruncated_pass = (self.logprobs if untruncated == self.policy.sampling
                                else make_logprobs(self.policy, untruncated))
-        # logging.indexer_recall_every: a forward of its own on a sample every N steps (models with sparse layers)
+        # logging.indexer_recall_every / moe_drops_every: a forward of its own on a sample every N steps (models with
+        # sparse / MoE layers)
+        model = self.policy.model()
         self.recall = (make_indexer_recall(self.policy) if cfg.logging.indexer_recall_every
-                       and self.policy.model().num_sparse_layers else None)
+                       and model.num_sparse_layers else None)
+        self.moe_counts = make_moe_counts(self.policy) if cfg.logging.moe_drops_every and model.num_moe_layers else None
         p = self.policy
         self.engine = backends.make_generator(cfg, p.graphdef, p.state, pad_id=self.pad_id, run_dir=self.run_dir)
         self.phases.done("%s", generation_line(cfg))
@@ -230,6 +234,11 @@ class GRPOTrainer:
             t0 = time.perf_counter()
             route_metrics.update(phases.indexer_recall(self.recall, policy.state, micro))
             route_metrics["time/indexer_recall"] = time.perf_counter() - t0  # inside time/logprobs
+        if self.moe_counts is not None and step % cfg.logging.moe_drops_every == 0:
+            t0 = time.perf_counter()
+            replay = gcfg.routing_replay == "rollout"
+            route_metrics.update(phases.moe_drops(self.moe_counts, policy.state, micro, replay))
+            route_metrics["time/moe_drops"] = time.perf_counter() - t0  # inside time/logprobs
         t["logprobs"] = time.perf_counter()
 
         lr = applied_learning_rate(cfg, policy.state)  # the schedule's, which waits out skipped updates

@@ -88,12 +88,15 @@ def _ragged_collective(exchange: str):
 
 
 def exchanged_experts(x, weights, idx, expert_fn: Callable, num_experts: int, ep_axes: tuple[str, ...],
-                      n_ep: int, capacity_factor: float | None = None, exchange: str = "padded") -> jax.Array:
+                      n_ep: int, capacity_factor: float | None = None, exchange: str = "padded",
+                      return_counts: bool = False):
     """Expert-parallel body (inside shard_map): this device owns experts [r*E_loc, (r+1)*E_loc).
 
     exchange = "padded" (all_to_all of worst-case-sized blocks; XLA:CPU), "ragged"
     (`jax.lax.ragged_all_to_all`, only the real rows; GPU/TPU) or "ragged_emulated" (the ragged
     bookkeeping over an all_gather, for CPU tests). Buffer sizes: `receive_rows`.
+    return_counts: return (output, [kept, real] int32): of this device's assignments of real tokens (`real`),
+    those an expert ran (`kept`; the rest the capacity dropped).
     """
     t, k = idx.shape
     order, token_of_row, expert_of_row, per_expert = sort_by_expert(idx, num_experts)
@@ -101,12 +104,13 @@ def exchanged_experts(x, weights, idx, expert_fn: Callable, num_experts: int, ep
     # buffer's T (`capped_rows`)
     real = jnp.sum(idx < num_experts).astype(jnp.int32)
     if exchange == "padded" or n_ep == 1:
-        rows_out = _padded_exchange(x[token_of_row], expert_of_row, per_expert, expert_fn, ep_axes, n_ep, t, k,
-                                    capacity_factor, real)
+        rows_out, kept = _padded_exchange(x[token_of_row], expert_of_row, per_expert, expert_fn, ep_axes, n_ep, t, k,
+                                          capacity_factor, real)
     else:
-        rows_out = _ragged_exchange(x[token_of_row], per_expert, expert_fn, ep_axes, n_ep, t, k, capacity_factor,
-                                    _ragged_collective(exchange), real)
-    return combine(x, rows_out, weights, order, token_of_row)
+        rows_out, kept = _ragged_exchange(x[token_of_row], per_expert, expert_fn, ep_axes, n_ep, t, k,
+                                          capacity_factor, _ragged_collective(exchange), real)
+    out = combine(x, rows_out, weights, order, token_of_row)
+    return (out, jnp.stack([kept, real]).astype(jnp.int32)) if return_counts else out
 
 
 def receive_rows(tokens: int, top_k: int, n_ep: int, experts_here: int, capacity_factor: float | None,
@@ -147,7 +151,8 @@ def capped_rows(buffer_rows: int, capacity_factor: float | None, real: jax.Array
 
 def _padded_exchange(rows, expert_of_row, per_expert, expert_fn, ep_axes, n_ep, t, k, capacity_factor, real):
     """A [n_ep, cap, d] block per source: source s's rows sorted by local expert, at most `capped_rows` of its
-    real assignments / n_ep (overflowing assignments are neither sent nor counted: they contribute zero)."""
+    real assignments / n_ep (overflowing assignments are neither sent nor counted: they contribute zero).
+    Returns (rows out, how many of this source's rows an expert ran)."""
     d = rows.shape[-1]
     e_loc = per_expert.shape[0] // n_ep
     send_counts = per_expert.reshape(n_ep, e_loc)  # rows for each destination, by its local expert
@@ -171,7 +176,7 @@ def _padded_exchange(rows, expert_of_row, per_expert, expert_fn, ep_axes, n_ep, 
     local_expert = jax.vmap(lambda b: jnp.searchsorted(b, r, side="right"))(bounds).reshape(-1)
     back = _grouped(recv.reshape(n_ep * cap, d), local_expert, recv_counts.sum(0), expert_fn).reshape(n_ep, cap, d)
     back = jax.lax.all_to_all(back, ep_axes, 0, 0, tiled=True) if n_ep > 1 else back
-    return jnp.where(kept[:, None], back[jnp.minimum(dest, n_ep - 1), jnp.minimum(slot, cap - 1)], 0)
+    return jnp.where(kept[:, None], back[jnp.minimum(dest, n_ep - 1), jnp.minimum(slot, cap - 1)], 0), jnp.sum(kept)
 
 
 def _grouped(recv, local_expert, group_sizes, expert_fn, packed: bool = False):
@@ -188,7 +193,8 @@ def _ragged_exchange(rows, per_expert, expert_fn, ep_axes, n_ep, t, k, capacity_
     """Rows travel packed: receiver r lays the rows of source s at offset sum_{s' < s} of what it accepts
     from s', in one pool of W rows (`receive_rows`). With a capacity below the dropless W, a receiver
     accepts sources in rank order until the pool is full; the rest of a source's block (its last local
-    experts' rows) is dropped. Everyone derives the acceptance from the all-gathered [n_ep, n_ep] row counts."""
+    experts' rows) is dropped. Everyone derives the acceptance from the all-gathered [n_ep, n_ep] row counts.
+    Returns (rows out, how many of this source's rows an expert ran: what its destinations accepted)."""
     d = rows.shape[-1]
     e_loc = per_expert.shape[0] // n_ep
     me = jax.lax.axis_index(ep_axes)
@@ -216,7 +222,7 @@ def _ragged_exchange(rows, per_expert, expert_fn, ep_axes, n_ep, t, k, capacity_
     local_expert = jnp.where(r < ends[-1], jax.vmap(right)(jnp.cumsum(recv_counts, 1)[src], within), e_loc)
     back = _grouped(recv, local_expert, recv_counts.sum(0), expert_fn, packed=True)
     return collective(back, jnp.zeros((t * k, d), rows.dtype), offset[:, me], accepted[:, me], start[:, me],
-                      accepted[me], axis_name=ep_axes)
+                      accepted[me], axis_name=ep_axes), jnp.sum(accepted[me])
 
 
 def default_exchange(backend: str | None = None) -> str:
@@ -228,7 +234,7 @@ def default_exchange(backend: str | None = None) -> str:
 def routed_experts(x: jax.Array, route_fn: Callable, router: tuple, expert_fn: Callable, gate_up: jax.Array,
                    down: jax.Array, *, layout: Layout = Layout(), capacity_factor: float | None = None,
                    exchange: str | None = None, ids: jax.Array | None = None, return_ids: bool = False,
-                   token_valid: jax.Array | None = None):
+                   token_valid: jax.Array | None = None, return_counts: bool = False):
     """Routed output for hidden x [B, S, d].
 
     route_fn(tokens [T, d], *router) -> (weights [T, k], expert ids [T, k]); router arrays are replicated;
@@ -241,6 +247,8 @@ def routed_experts(x: jax.Array, route_fn: Callable, router: tuple, expert_fn: C
     ids [B, S, k] (routing replay): given expert ids, sharded like x's tokens, passed on as
     route_fn(tokens, *router, ids [T, k]); the ids route_fn returns drive the exchange.
     return_ids: return (output, the ids used [B, S, k] int32).
+    return_counts: also return, last, [kept, real] int32 over the whole batch: its (token, expert) assignments of
+    real tokens (every token where dropless), and those an expert ran; real - kept is what the capacity dropped.
     capacity_factor bounds each device's receive buffer (`receive_rows`) on every layout, one device included
     (n_ep = 1: its own tokens' T * k assignments), so a setting means the same model on one device and on a
     mesh that does not split the experts. token_valid [B, S] (False = padding): with a capacity factor, padding
@@ -260,20 +268,27 @@ def routed_experts(x: jax.Array, route_fn: Callable, router: tuple, expert_fn: C
         sent = unrouted(idx, None if valid is None else valid.reshape(-1), num_experts)  # valid: with a cap only
         if mesh is None and capacity_factor is None:
             out = local_experts(t, w, idx, fn, num_experts).reshape(b, s, d)
+            counts = jnp.full((2,), idx.size, jnp.int32)
         elif mesh is None:  # the n_ep = 1 bound of a mesh without expert parallelism
-            out = exchanged_experts(t, w, sent, fn, num_experts, (), 1, capacity_factor, "padded").reshape(b, s, d)
+            out, counts = exchanged_experts(t, w, sent, fn, num_experts, (), 1, capacity_factor, "padded",
+                                            return_counts=True)
+            out = out.reshape(b, s, d)
         else:
-            out = exchanged_experts(t, w, sent, fn, num_experts, ep_axes, n_ep, capacity_factor,
-                                    exchange or default_exchange(layout.backend))
+            out, counts = exchanged_experts(t, w, sent, fn, num_experts, ep_axes, n_ep, capacity_factor,
+                                            exchange or default_exchange(layout.backend), return_counts=True)
             if width_axes:
                 out = jax.lax.psum(out, width_axes)  # partial sums over the sharded width
             out = out.reshape(b, s, d)
-        return (out, idx.astype(jnp.int32).reshape(b, s, -1)) if return_ids else out
+            token_axes = layout.axes("act_batch") + layout.axes("act_seq")
+            if return_counts and token_axes:  # each token once: the other axes hold copies of the same tokens
+                counts = jax.lax.psum(counts, token_axes)
+        return ((out,) + ((idx.astype(jnp.int32).reshape(b, s, -1),) if return_ids else ())
+                + ((counts,) if return_counts else ()))
 
     valid = None if capacity_factor is None or token_valid is None else token_valid.astype(bool)
     args = (x, router, gate_up, down) + (() if ids is None else (ids,))
     if mesh is None:
-        return body(*args, valid=valid)
+        return _single(body(*args, valid=valid))
     x_spec = layout.spec(("act_batch", "act_seq", None), drop_trivial=True)
     gu_spec = layout.spec(("experts", None, "expert_mlp", None), drop_trivial=True)
     down_spec = layout.spec(("experts", None, "expert_mlp"), drop_trivial=True)
@@ -283,5 +298,9 @@ def routed_experts(x: jax.Array, route_fn: Callable, router: tuple, expert_fn: C
         in_specs += (layout.spec(("act_batch", "act_seq"), drop_trivial=True),)
         args += (valid,)
     sharded = (lambda *a: body(*a[:-1], valid=a[-1])) if valid is not None else body
-    out_specs = (x_spec, x_spec) if return_ids else x_spec
-    return jax.shard_map(sharded, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(*args)
+    out_specs = (x_spec,) + ((x_spec,) if return_ids else ()) + ((P(),) if return_counts else ())
+    return _single(jax.shard_map(sharded, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(*args))
+
+
+def _single(out: tuple):
+    return out if len(out) > 1 else out[0]

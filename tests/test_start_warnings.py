@@ -37,6 +37,11 @@ def test_options_for_what_is_switched_off_or_absent():
         "logging.indexer_recall_every = 5: the model has no sparse (indexer) layer, so no indexer/recall is logged",
         "model.moe_capacity_factor = 1.5 has no effect: the model has no MoE layer"]
     assert _warnings("logging.indexer_recall_every=5", "model.moe_capacity_factor=1.5") == []
+    assert _warnings("logging.moe_drops_every=5") == [
+        "logging.moe_drops_every = 5: model.moe_capacity_factor is null (dropless), so moe/dropped_frac is always 0"]
+    assert _warnings("logging.moe_drops_every=5", "model.tiny.mlp_layer_types=[dense, dense]") == [
+        "logging.moe_drops_every = 5: the model has no MoE layer, so no moe/dropped_frac is logged"]
+    assert _warnings("logging.moe_drops_every=5", "model.moe_capacity_factor=1.5") == []
 
 
 def test_the_shipped_configs_warn_of_nothing_but_the_short_trials_warm_up():

@@ -105,7 +105,7 @@ class LayerStack(nnx.Module):
 
     def __call__(self, x, cos, sin, positions, key_valid, cache=None, layout: Layout | None = None,
                  routes=None, return_routes: bool = False, block_ids=None, return_block_ids: bool = False,
-                 return_recall: bool = False, return_indexer_kl: bool = False):
+                 return_recall: bool = False, return_indexer_kl: bool = False, return_moe_counts: bool = False):
         """Run the stack; with `cache` (this stack's stacked KV / index-key cache) also return it updated.
         layout: overrides the stack's own (decoding keeps whole sequences on each device).
         routes [n_layers, B, S, k] (MoE stacks): replay these expert ids, layer by layer. return_routes:
@@ -115,13 +115,16 @@ class LayerStack(nnx.Module):
         index_topk_blocks] int32 (after the routes; `attention_block`).
         return_recall (sparse stacks, no cache): also return each layer's indexer recall, [n_layers] fp32
         (`m3jax.model.recall.indexer_recall`). return_indexer_kl (sparse stacks, no cache): also return each
-        layer's per-query indexer alignment KL, [n_layers, B, S] fp32 (last; `m3jax.model.indexer_align`)."""
+        layer's per-query indexer alignment KL, [n_layers, B, S] fp32 (`m3jax.model.indexer_align`).
+        return_moe_counts (MoE stacks, no cache): also return, last, each layer's [kept, real] (token, expert)
+        assignments of real tokens, [n_layers, 2] int32 (`sharding.expert.routed_experts`)."""
         cfg, layout = self.cfg, layout or self.layout
         sparse, moe = self.attn_kind == SPARSE_ATTENTION, self.mlp_kind == MOE_MLP
         return_routes = return_routes and moe
         return_block_ids = return_block_ids and sparse
         return_recall = return_recall and sparse
         return_indexer_kl = return_indexer_kl and sparse
+        return_moe_counts = return_moe_counts and moe and cache is None
         params = {name: getattr(self, name)[...] for name in self.param_names}
 
         def layer(x_cache, p_index_routes):
@@ -154,7 +157,11 @@ class LayerStack(nnx.Module):
                 capacity = None if layer_cache is not None else self.moe_capacity_factor
                 y = moe_block(p, h, cfg, layout, capacity, self.moe_exchange, self.moe_kernel,
                               routes=layer_routes, return_routes=return_routes,
-                              token_valid=None if layer_cache is not None else key_valid)
+                              token_valid=None if layer_cache is not None else key_valid,
+                              return_counts=return_moe_counts)
+                if return_moe_counts:
+                    *y, counts = y
+                    y = tuple(y) if len(y) > 1 else y[0]
                 if return_routes:
                     y, ids = y
                 x = x + y
@@ -163,7 +170,8 @@ class LayerStack(nnx.Module):
                                   layout.num_devices == 1)
             return (layout.constrain(x, ACT), stacked), ((ids,) + ((block_used,) if layer_blocks else ())
                                                          + ((recall,) if return_recall else ())
-                                                         + ((align,) if return_indexer_kl else ()))
+                                                         + ((align,) if return_indexer_kl else ())
+                                                         + ((counts,) if return_moe_counts else ()))
 
         if self.remat and cache is None:
             # Inside a loop XLA cannot merge the recomputation with the forward; unrolled, it could (jax's
@@ -176,11 +184,12 @@ class LayerStack(nnx.Module):
         if sparse and (block_ids is not None or return_block_ids):  # else today's program
             xs += (block_ids,)
         (x, cache), (used, *blocks_used) = jax.lax.scan(layer, (x, cache), xs, unroll=not self.scan_layers)
+        moe_counts = (blocks_used.pop(),) if return_moe_counts else ()
         aligns = (blocks_used.pop(),) if return_indexer_kl else ()
         recalls = (blocks_used.pop(),) if return_recall else ()
         out = (x,) if cache is None else (x, cache)
         out = out + ((used,) if return_routes else ()) + ((blocks_used[0],) if return_block_ids else ()) + recalls
-        out += aligns
+        out += aligns + moe_counts
         return out if len(out) > 1 else out[0]
 
     def init_cache(self, batch: int, max_len: int, dtype) -> dict:
@@ -270,7 +279,8 @@ class M3ForCausalLM(nnx.Module):
                  attention_mask: jax.Array | None = None, cache: list | None = None, hidden: bool = False,
                  routes: jax.Array | None = None, return_routes: bool = False,
                  block_ids: jax.Array | None = None, return_block_ids: bool = False,
-                 return_indexer_recall: bool = False, return_indexer_kl: bool = False):
+                 return_indexer_recall: bool = False, return_indexer_kl: bool = False,
+                 return_moe_counts: bool = False):
         """Logits [B, S, vocab] for input_ids [B, S].
 
         positions [B, S] default to 0..S-1: the tokens' RoPE positions (HF's position_ids). Without a cache the
@@ -297,6 +307,9 @@ class M3ForCausalLM(nnx.Module):
         [n_sparse_layers] fp32 (`indexer_recall`).
         return_indexer_kl (no cache): also return, last, the indexer alignment KL of every query averaged over
         the sparse layers, [B, S] fp32 (`m3jax.model.indexer_align`; model.indexer_loss_coef trains on it).
+        return_moe_counts (no cache): also return, last, per MoE layer (in MoE-layer order) the batch's (token,
+        expert) assignments of real tokens and those an expert ran, [n_moe_layers, 2] int32 (kept, real); real -
+        kept were dropped by model.moe_capacity_factor (`moe_assignment_counts`).
         """
         cfg = self.cfg
         layout = self.layout if cache is None else decoding_layout(self.layout)
@@ -318,10 +331,12 @@ class M3ForCausalLM(nnx.Module):
         slots = positions if cache is not None else jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
         if return_indexer_recall and cache is not None:
             raise ValueError("return_indexer_recall needs the whole sequence (no decode cache)")
+        if return_moe_counts and cache is not None:  # a decode step drops nothing
+            raise ValueError("return_moe_counts needs the whole sequence (no decode cache)")
         if return_indexer_kl and (cache is not None or not n_sparse):
             raise ValueError("return_indexer_kl needs the whole sequence (no decode cache) and sparse layers; "
                              f"this call has cache={cache is not None}, {n_sparse} sparse layers")
-        new_cache, used, blocks_used, recalls, aligns, first, first_sparse = [], [], [], [], [], 0, 0
+        new_cache, used, blocks_used, recalls, aligns, moe_counts, first, first_sparse = [], [], [], [], [], [], 0, 0
         for i, stack in enumerate(self.stacks):
             n_moe = len(stack.layer_ids) if stack.mlp_kind == MOE_MLP else 0
             n_sp = len(stack.layer_ids) if stack.attn_kind == SPARSE_ATTENTION else 0
@@ -339,11 +354,16 @@ class M3ForCausalLM(nnx.Module):
                 extra["return_recall"] = True
             if return_indexer_kl and n_sp:
                 extra["return_indexer_kl"] = True
+            if return_moe_counts and n_moe:
+                extra["return_moe_counts"] = True
             out = stack(x, cos, sin, slots, key_valid, None if cache is None else cache[i], layout=layout, **extra)
             out = out if isinstance(out, tuple) else (out,)
             x = out[0]
             if cache is not None:
                 new_cache.append(out[1])
+            if return_moe_counts and n_moe:
+                moe_counts.append(out[-1])
+                out = out[:-1]
             if return_indexer_kl and n_sp:
                 aligns.append(out[-1].sum(0))
                 out = out[:-1]
@@ -370,6 +390,8 @@ class M3ForCausalLM(nnx.Module):
             result += (jnp.concatenate(recalls) if recalls else jnp.zeros((0,), jnp.float32),)
         if return_indexer_kl:
             result += (sum(aligns) / n_sparse,)
+        if return_moe_counts:
+            result += (jnp.concatenate(moe_counts) if moe_counts else jnp.zeros((0, 2), jnp.int32),)
         return result if len(result) > 1 else result[0]
 
     def indexer_recall(self, input_ids: jax.Array, attention_mask: jax.Array | None = None,
@@ -380,6 +402,15 @@ class M3ForCausalLM(nnx.Module):
         (`m3jax.model.recall.indexer_recall`). One forward of the model as it runs, plus per sparse layer
         one full-attention pass a tile of queries at a time; no logits."""
         return self(input_ids, positions, attention_mask, hidden=True, return_indexer_recall=True)[-1]
+
+    def moe_assignment_counts(self, input_ids: jax.Array, attention_mask: jax.Array | None = None,
+                              positions: jax.Array | None = None, routes: jax.Array | None = None) -> jax.Array:
+        """[n_moe_layers, 2] int32: per MoE layer (in MoE-layer order), the batch's (token, expert) assignments
+        of real tokens (attention_mask; every token where dropless) and, first, how many of them an expert ran:
+        (kept, real). Under model.moe_capacity_factor, real - kept are the assignments the receive buffers
+        dropped (they add nothing to their token's output), as the training forward on this batch drops them.
+        routes [B, S, n_moe_layers, k]: of these expert ids (routing replay). One forward; no logits."""
+        return self(input_ids, positions, attention_mask, hidden=True, routes=routes, return_moe_counts=True)[-1]
 
     @property
     def num_moe_layers(self) -> int:

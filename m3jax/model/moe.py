@@ -78,7 +78,7 @@ def grouped_experts(rows: jax.Array, group_sizes: jax.Array, gate_up: jax.Array,
 
 def moe_block(p: dict, x: jax.Array, cfg, layout: Layout = Layout(), capacity_factor: float | None = None,
               exchange: str | None = None, kernel: str | None = None, routes: jax.Array | None = None,
-              return_routes: bool = False, token_valid: jax.Array | None = None):
+              return_routes: bool = False, token_valid: jax.Array | None = None, return_counts: bool = False):
     """y = routed_scaling_factor * sum_k w_k Expert_k(x) + SharedExpert(x), x [B, S, d].
 
     Where the experts run (locally, or expert-parallel over the layout's mesh) is `sharding.expert`'s business;
@@ -88,6 +88,8 @@ def moe_block(p: dict, x: jax.Array, cfg, layout: Layout = Layout(), capacity_fa
     the router's own top-k choice: the ids used without replay; with replay, the ids it would have chosen
     (one more router matmul), so a replayed step still sees how far trainer and generator disagree.
     token_valid [B, S] (False = padding): with a capacity factor, padding takes no expert's capacity.
+    return_counts: also return, last, [kept, real] int32: the batch's (token, expert) assignments of real tokens
+    and those an expert ran (`routed_experts`); real - kept were dropped by the capacity factor.
     """
     alpha, limit = cfg.swiglu_alpha, cfg.swiglu_limit
     routed = routed_experts(
@@ -95,7 +97,10 @@ def moe_block(p: dict, x: jax.Array, cfg, layout: Layout = Layout(), capacity_fa
         functools.partial(grouped_experts, alpha=alpha, limit=limit, kernel=kernel or "auto", backend=layout.backend),
         p["experts_gate_up"], p["experts_down"],
         layout=layout, capacity_factor=capacity_factor, exchange=exchange, ids=routes,
-        return_ids=return_routes and routes is None, token_valid=token_valid)
+        return_ids=return_routes and routes is None, token_valid=token_valid, return_counts=return_counts)
+    if return_counts:
+        *routed, counts = routed
+        routed = tuple(routed) if len(routed) > 1 else routed[0]
     if return_routes and routes is None:
         routed, ids = routed
     elif return_routes:
@@ -104,4 +109,5 @@ def moe_block(p: dict, x: jax.Array, cfg, layout: Layout = Layout(), capacity_fa
         ids = route(h, p["router"], p["router_bias"], top_k=cfg.num_experts_per_tok)[1].reshape(b, s, -1)
     shared = dense_mlp(x, p["shared_gate_up"], p["shared_down"], alpha, limit, layout.num_devices == 1)
     y = routed * cfg.routed_scaling_factor + shared
-    return (y, ids) if return_routes else y
+    out = (y,) + ((ids,) if return_routes else ()) + ((counts,) if return_counts else ())
+    return out if len(out) > 1 else y

@@ -382,6 +382,10 @@ class LoggingSection(_Section):
                                       "probability mass (no indexer mask) in the key blocks its indexer selects, on "
                                       "the step's first micro-batch (real tokens), by a forward of its own outside "
                                       "the train step; 0 = off", min=0)
+    moe_drops_every: int = _f(0, "log moe/dropped_frac (and moe/dropped_frac/layer_j per MoE layer) at steps 1, 1 + N, "
+                                 "1 + 2N, ...: the share of the real tokens' (token, expert) assignments that "
+                                 "model.moe_capacity_factor drops, on the step's first micro-batch, by a forward of "
+                                 "its own outside the train step; 0 = off", min=0)
     rollouts_every: int = _f(0, "write the rollouts of steps 1, 1 + N, 1 + 2N, ... to run.out_dir/rollouts.jsonl: "
                                 "prompt and response text, answer, reward (and each reward's own), advantage, "
                                 "length, truncation, mean generator log-prob, weight version (rl.rollout_log); "
