@@ -10,7 +10,7 @@ from sharding.expert import routed_experts
 from sharding.layout import Layout
 from sharding.mesh import MeshConfig, build_mesh
 from tests.test_expert_parallel import CFG, E, K
-from tests.tiny_runs import first_step
+from tests.tiny_runs import first_step, tiny_trainer, two_steps
 
 
 def _counted(layout, exchange, capacity_factor, ids, valid):
@@ -83,9 +83,11 @@ def test_the_model_counts_each_moe_layer_and_a_decode_step_is_refused():
 
 @pytest.mark.slow  # ~10 s: a tiny trainer's first step
 def test_the_trainer_logs_the_share_dropped_every_n_steps(tmp_path):
-    """logging.moe_drops_every: moe/dropped_frac and one curve per MoE layer at step 1; a capacity of 0.25 drops
-    most assignments, none dropless."""
-    tight = first_step(tmp_path, "tight", "model.moe_capacity_factor=0.25", "logging.moe_drops_every=1")
+    """logging.moe_drops_every: moe/dropped_frac and one curve per MoE layer at steps 1, 1 + N, ... (not step 2
+    with N = 2); a capacity of 0.25 drops most assignments, none dropless."""
+    tight, second = two_steps(tiny_trainer(tmp_path, "tight", "model.moe_capacity_factor=0.25",
+                                           "logging.moe_drops_every=2"))
+    assert not any(k.startswith("moe/") and "route" not in k for k in second) and "time/moe_drops" not in second
     layers = sorted(k for k in tight if k.startswith("moe/dropped_frac/layer_"))
     assert layers and 0.5 < tight["moe/dropped_frac"] < 1
     assert all(0 < tight[k] < 1 for k in layers)
