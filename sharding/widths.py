@@ -4,7 +4,9 @@ A step's batch is [micro-batches, rows, S] with every row padded to S positions;
 the rest to padding, which the forward and backward still compute. Given a set of widths, micro-batch m runs
 at w_m = min{w in widths : w >= n_m} (S when no width is that large), where n_m is the longest row's number of
 real positions (its `attention_mask` sum; right padding, so they are positions 0 .. n_m - 1). Causal attention
-means no real position reads past n_m, so the cut changes no value beyond the sums' order.
+means no real position reads past n_m, so the cut changes no value beyond the sums' order. (Under context
+parallelism a cut also moves positions between context shards, which changes what a MoE capacity factor drops,
+each device bounding its own assignments: the run's config refuses widths with both.)
 
 Which fields are cut: arrays of rank >= 3 ([micro, rows, S, ...]: tokens, masks, logprobs, routes) along axis 2;
 rank-2 ones ([micro, rows]: advantages) are per row and only indexed.

@@ -428,3 +428,16 @@ def test_an_empty_section_inherits(tmp_path):
     got = load_config(delta(tmp_path, "grpo:\nrun:\n  name: emptysec\n"))
     assert got.grpo == tiny.grpo and got.run.name == "emptysec"
     assert load_config(TINY, ["grpo={}"]).grpo == tiny.grpo
+
+
+def test_cut_micro_batches_under_context_parallelism_with_a_capacity_are_refused():
+    """A cut moves positions between context shards, and the capacity bounds each device's own assignments: the cut
+    micro-batch dropped other (token, expert) pairs than the full width (real tokens' logits 0.38 apart, an audit's
+    run), where grpo.micro_batch_widths promises the same values. Each of the three settings alone is fine."""
+    bad = ["mesh.context=2", "grpo.micro_batch_widths=[64]", "model.moe_capacity_factor=1.0"]
+    msg = load_error(TINY, bad)
+    assert ("grpo.micro_batch_widths = [64] with mesh.context = 2 and model.moe_capacity_factor = 1: a micro-batch cut "
+            "to a width puts other positions on each context shard") in msg, msg
+    assert "allowed: [] (no cut), mesh.context = 1, or model.moe_capacity_factor = null (dropless)" in msg, msg
+    for fine in ("mesh.context=1", "grpo.micro_batch_widths=[]", "model.moe_capacity_factor=null"):
+        load_config(str(TINY), [*bad, fine], check_paths=False)

@@ -193,6 +193,15 @@ def _cross_checks(cfg: RunConfig) -> list[_Problem]:
     if widths != sorted(set(widths)) or any(w < 1 for w in widths):
         out.append(_Problem("grpo.micro_batch_widths", f"grpo.micro_batch_widths = {widths}: allowed: positive "
                                                        "widths in strictly increasing order (or [] for none)"))
+    elif widths and cfg.mesh.context > 1 and cfg.model.moe_capacity_factor is not None:
+        # A cut moves positions between context shards, and the capacity bounds each device's own assignments:
+        # the cut micro-batch dropped other (token, expert) pairs (real tokens' logits 0.38 apart, an audit).
+        out.append(_Problem("grpo.micro_batch_widths", (
+            f"grpo.micro_batch_widths = {widths} with mesh.context = {cfg.mesh.context} and model.moe_capacity_factor "
+            f"= {cfg.model.moe_capacity_factor:g}: a micro-batch cut to a width puts other positions on each context "
+            "shard, so the capacity would drop other expert assignments than at the full width (the cut is no longer "
+            "exact); allowed: [] (no cut), mesh.context = 1, or model.moe_capacity_factor = null (dropless)"),
+            ("mesh.context", "model.moe_capacity_factor")))
 
     dp = cfg.mesh.data * cfg.mesh.expert
     unit = g.updates_per_step * g.micro_batch_size * dp
