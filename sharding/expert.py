@@ -140,8 +140,8 @@ def capped_rows(buffer_rows: int, capacity_factor: float | None, real: jax.Array
     """The rows a capacity keeps, of a buffer of `buffer_rows` (`receive_rows`, sized by the T tokens a device
     holds, padding included): min(buffer_rows, ceil(cf * real / share)), `real` the assignments of real tokens
     (padding is `unrouted`). Padding took no slot but enlarged the cap: the same rows cut to a narrower width
-    (`grpo.micro_batch_widths`, whose cut changes no value on one context shard) dropped other pairs (log-probs 0.18 apart, an audit),
-    and how much a micro-batch dropped followed its padding. With no padding (`real` = `full`, T * k) it is the
+    (`grpo.micro_batch_widths`, whose cut changes no value on one context shard; several are refused with a cap)
+    dropped other pairs (log-probs 0.18 apart, an audit), and how much a micro-batch dropped followed its padding. With no padding (`real` = `full`, T * k) it is the
     static bound itself, computed in Python; dropless (cf None): `buffer_rows`."""
     if capacity_factor is None:
         return buffer_rows
