@@ -81,7 +81,7 @@ def test_the_model_counts_each_moe_layer_and_a_decode_step_is_refused():
         model(ids[:, :1], cache=model.init_cache(2, 8), return_moe_counts=True)
 
 
-@pytest.mark.slow  # ~10 s: a tiny trainer's first step
+@pytest.mark.slow  # ~15 s: three tiny trainers, four steps in all
 def test_the_trainer_logs_the_share_dropped_every_n_steps(tmp_path):
     """logging.moe_drops_every: moe/dropped_frac and one curve per MoE layer at steps 1, 1 + N, ... (not step 2
     with N = 2); a capacity of 0.25 drops most assignments, none dropless."""
