@@ -84,14 +84,27 @@ def check(meta: dict, now: dict, where: str) -> list[tuple[str, object, object]]
     return [c for c in differences(then, now["config"]) if not c[0].startswith("model.tiny")]
 
 
+def _field_defaults() -> dict:
+    """M3Config's defaults, as a checkpoint's JSON meta would hold them."""
+    from m3jax.config import M3Config
+    return json.loads(json.dumps({f.name: f.default for f in dataclasses.fields(M3Config)
+                                  if f.default is not dataclasses.MISSING}))
+
+
 def _model_changes(meta: dict, now: dict) -> list[tuple[str, object, object]]:
-    """The model fields of `now` (`trained_under`) that differ from checkpoint `meta`'s, as (key, then, now)."""
+    """The model fields of `now` (`trained_under`) that differ from checkpoint `meta`'s, as (key, then, now).
+
+    A field the meta lacks was added to M3Config after the checkpoint was saved: that version built the model the
+    field's default describes (a new field's default keeps what the model computed before it), so the default is
+    what the checkpoint was trained as, not None (which refused every resume across the upgrade)."""
     saved_model = meta.get("model")
     if not isinstance(saved_model, dict):
         return []
-    return [(_model_key(now["config"], field), saved_model.get(field), now["model"].get(field))
-            for field in [*saved_model, *(f for f in now["model"] if f not in saved_model)]
-            if saved_model.get(field) != now["model"].get(field)]
+    defaults = _field_defaults()
+    then = {**{f: defaults[f] for f in now["model"] if f not in saved_model and f in defaults}, **saved_model}
+    return [(_model_key(now["config"], field), then.get(field), now["model"].get(field))
+            for field in [*then, *(f for f in now["model"] if f not in then)]
+            if then.get(field) != now["model"].get(field)]
 
 
 def check_model(meta: dict, cfg, where: str, doing: str) -> None:

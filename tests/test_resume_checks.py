@@ -136,3 +136,18 @@ def test_an_export_or_evaluation_in_another_precision_says_it_reads_other_weight
     if warned:
         assert said[0].startswith(f"checkpoint step 4 in d was trained with precision.master {trained!r}")
         assert f"precision.master={trained} reads those" in said[0]
+
+
+def test_a_model_field_added_after_the_checkpoint_compares_as_its_default():
+    """A checkpoint saved by a version whose M3Config lacked a field was compared as None there: every resume across
+    the upgrade was refused ("index_local_blocks None there, 1 here"). The version before the field built the model
+    the field's default describes; a value other than it is still refused, naming the default."""
+    meta = {"step": 3, **under()}
+    del meta["model"]["index_local_blocks"], meta["model"]["swiglu_limit"]
+    assert check(meta, under(), "c") == []
+    with pytest.raises(CheckpointMismatch) as e:
+        check(meta, under("model.tiny.index_local_blocks=2"), "checkpoint step 3 in d")
+    assert "model.tiny.index_local_blocks 1 there, 2 here" in str(e.value), str(e.value)
+    assert "swiglu_limit" not in str(e.value)
+    from rl.resume_checks import check_model
+    check_model(meta, load_config(str(TINY)), "checkpoint step 3 in d", "export")  # the same rule for an export
