@@ -9,8 +9,8 @@ files (needs ``pyarrow``) and returns ``PromptRecord``s. Three record layouts ar
 layout       prompt                                                   answer
 ===========  =======================================================  ===============================
 ``dapo``     ``prompt``: list of chat messages ``{role, content}``    ``reward_model.ground_truth``
-``gsm8k``    ``question``: string                                     ``answer``; the text after the
-                                                                      last ``####`` (commas removed;
+``gsm8k``    ``question``: string (or chat messages under ``prompt``  ``answer``; the text after the
+             whose first ``answer`` ends on a ``\\n####`` line)        last ``####`` (commas removed;
                                                                       kept whole if it has none)
 ``plain``    ``prompt`` (or ``question`` / ``problem``): string or    ``answer`` (or ``ground_truth``,
              chat messages                                            ``solution``)
@@ -144,11 +144,17 @@ def _detect(path: Path, first: Mapping, first_row: int, layout: str, prompt_key:
     if layout == "auto":
         if answer_key.lower() == "reward_model.ground_truth":
             layout = "dapo"
-        elif prompt_key.lower() == "question" and answer_key.lower() == "answer":
-            layout = "gsm8k"
+        elif answer_key.lower() == "answer" and (prompt_key.lower() == "question" or _is_gsm8k_solution(
+                _lookup(first, answer_key))):  # GSM8K's answers under chat-message prompts (an audit: plain
+            layout = "gsm8k"                  # layout took the whole solution for the reference, scored 0)
         else:
             layout = "plain"
     return layout, prompt_key, answer_key
+
+
+def _is_gsm8k_solution(answer: Any) -> bool:
+    """A worked solution that ends on GSM8K's ``#### <answer>`` line."""
+    return isinstance(answer, str) and "\n####" in answer
 
 
 def _gsm8k_final(text: str) -> str | None:

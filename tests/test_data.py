@@ -58,6 +58,18 @@ def test_gsm8k_jsonl(tmp_path):
     assert "#### 7" in recs[0].meta["answer"]  # the worked solution stays available
 
 
+def test_gsm8k_solutions_under_chat_prompts_are_read_as_gsm8k(tmp_path):
+    """GSM8K's answer column under chat-message prompts (a helper audit): detected as plain, the whole worked solution
+    was the reference, which no boxed answer equals (every sample 0, no failure counted). Its `####` line says it."""
+    rows = [{"prompt": [{"role": "user", "content": "Tom has 3 apples and buys 4. How many?"}],
+             "answer": "3 + 4 = <<3+4=7>>7\n#### 7"},
+            {"prompt": [{"role": "user", "content": "How many?"}], "answer": "Work...\n#### 1,234"}]
+    recs = load_prompts(write_jsonl(tmp_path / "chat_gsm8k.jsonl", rows))
+    assert [r.answer for r in recs] == ["7", "1234"] and recs[0].meta["layout"] == "gsm8k"
+    plain = [{"prompt": "p", "answer": "a #### sign"}, {"prompt": "q", "answer": "12"}]  # no #### line: plain
+    assert [r.answer for r in load_prompts(write_jsonl(tmp_path / "plain.jsonl", plain))] == ["a #### sign", "12"]
+
+
 def test_plain_jsonl_and_numeric_answer(tmp_path):
     p = tmp_path / "plain.jsonl"
     p.write_text('{"prompt": "What is 6*7?", "answer": "42"}\n\n{"prompt": "2+2?", "answer": 4}\n')

@@ -252,6 +252,46 @@ def test_math_verify_reward(completion, answer, expected):
     assert get_reward("math_verify")(completion, answer, timeout_s=5) == expected
 
 
+# An audit of the grader against the conventions of the datasets the recipes train on: the last box anywhere in a
+# completion beat a later final line (DAPO-Math-17K asks for "Answer: $Answer" as the last line; a thinking model
+# boxes trial values while it thinks), `####` (GSM8K) was never read, a completion cut off mid-thought was graded
+# on the last number it held, and a reference with unit words parsed to symbols no prediction equals.
+@pytest.mark.parametrize("completion,answer,expected,kw", [
+    ("<think>\\boxed{12}? No, it is 13.</think>\nThe sum is 13.\n\nAnswer: 13", "13", 1.0, {}),
+    ("<think>The sum is \\boxed{13}. Or 14.</think>\nSo it is 14.\n\nAnswer: 14", "13", 0.0, {}),
+    ("The small triangle's area is $\\boxed{6}$, the whole one four times that.\n\nAnswer: 24", "24", 1.0, {}),
+    ("First, $a = \\boxed{4}$; then b = 9.\n#### 9", "9", 1.0, {}),
+    ("Natalia sold 48 + 24 = 72 clips.\n#### 72", "72", 1.0, {}),
+    ("#### 9\nOn reflection the box is right: \\boxed{8}", "8", 1.0, {}),  # the box comes last
+    ("<think>I think it is \\boxed{5}</think>The answer is $\\boxed{6}$.", "6", 1.0, {}),
+    ("<think>I think it is \\boxed{5}</think>", "5", 0.0, {}),  # what it tried while thinking is not its answer
+    ("<think>\nMaybe the count is \\boxed{12}? Let me verify case 1", "12", 0.0, {"truncated": True}),
+    ("<think>\nMaybe the count is \\boxed{12}? Let me verify case 1", "12", 0.0, {}),  # never closed its thinking
+    ("Let x = 2. Then 3x + 4 = 10, and substituting into y, y equals", "10", 0.0, {"truncated": True}),
+    ("Let x = 2. Then 3x + 4 = 10", "10", 1.0, {}),  # not cut off: math-verify's own extraction, as documented
+    ("so the total is \\boxed{6", "6", 0.0, {"truncated": True}),
+    ("It works out to \\boxed{20}. Answer: 20", "20", 1.0, {"truncated": True}),  # an answer it did state
+    ("\\boxed{2}", "2 eggs", 1.0, {}),
+    ("\\boxed{18}", "18 dollars", 1.0, {}),
+    ("\\boxed{3}", "2 eggs", 0.0, {}),
+    ("\\boxed{2}", "2 pi", 0.0, {}),  # a function, not a unit: the text as written
+    ("\\boxed{2}", "2 and 3", 0.0, {}),
+])
+def test_math_verify_grades_the_answer_a_completion_ends_on(completion, answer, expected, kw):
+    assert get_reward("math_verify")(completion, answer, timeout_s=5, **kw) == expected
+
+
+def test_many_unclosed_boxes_are_read_in_linear_time():
+    """extract_final_answer rescanned to the end from each unclosed box: 56 KB of them took 24 s (an audit's), in the
+    trainer's eval.majority_answer: boxed with no time limit."""
+    from rl.rewards.math import extract_final_answer
+    t0 = time.perf_counter()
+    assert extract_final_answer("\\boxed{" * 8000) is None
+    assert extract_final_answer("\\boxed{" * 8000 + "\\boxed{7}") == "7"
+    assert extract_final_answer("\\boxed{1} " + "\\boxed{" * 8000) == "1"
+    assert time.perf_counter() - t0 < 0.5
+
+
 def test_the_answer_line_is_read_in_linear_time():
     """A long run of spaces on an Answer: line took 3.8 s at 16k characters (the line's lazy pattern and the
     end-anchored strip, each quadratic): eval.majority_answer: boxed reads it in the trainer, with no time limit."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from rl.rewards.registry import register_reward
 
-__all__ = ["boxed_format", "box_starts", "box_content"]
+__all__ = ["boxed_format", "box_starts", "box_content", "closed_boxes"]
 
 _MARKERS = ("\\boxed{", "\\fbox{")
 
@@ -50,6 +50,26 @@ def box_content(text: str, start: int) -> str | None:
             if depth == 0:
                 return text[open_at + 1:j]
     return None
+
+
+def closed_boxes(text: str) -> list[tuple[int, str]]:
+    """(start, content) of every box of ``text`` that closes, in order, by one pass over the text: `box_content` of
+    each start rescans to the end of an unclosed box, quadratic on a completion of many (56 KB of ``\\boxed{`` took
+    24 s, an audit's). Braces pair as in `box_content` (escaped ones are characters)."""
+    opens = {text.index("{", s): s for s in box_starts(text)}  # a box's opening brace -> the box's start
+    stack, out, escaped = [], [], False
+    for j, c in enumerate(text):
+        if escaped:
+            escaped = False
+        elif c == "\\":
+            escaped = True
+        elif c == "{":
+            stack.append(j)
+        elif c == "}" and stack:
+            i = stack.pop()
+            if i in opens:
+                out.append((opens[i], text[i + 1:j]))
+    return sorted(out)
 
 
 @register_reward("format", mode="inline", scores=(0, 1))

@@ -3,11 +3,16 @@
 Uses Hugging Face's ``math-verify`` (``parse`` + ``verify``):
 
 - gold: the reference answer wrapped as ``\\boxed{answer}`` (unless it already holds a box) and
-  parsed as LaTeX, so ``0.5``, ``1/2`` and ``\\frac{1}{2}`` all work; parsed golds are cached. A gold
+  parsed as LaTeX, so ``0.5``, ``1/2`` and ``\\frac{1}{2}`` all work, a number with unit words (``2 eggs``) as
+  the number (`gold_text`); parsed golds are cached. A gold
   that does not parse raises (the sample is counted as a failure: a data problem, not a wrong answer).
-- prediction: the content of the completion's last ``\\boxed{...}``; failing that, the last
-  ``Answer: ...`` line (DAPO-Math's requested format); failing both, math-verify's own extraction over
-  the whole completion (its last LaTeX or plain expression).
+- prediction: the answer the completion ends on (`extract_final_answer`): after its ``</think>`` where it
+  thought first, whichever of its last ``\\boxed{...}``, its last ``Answer: ...`` line (DAPO-Math's requested
+  format) and its last ``#### ...`` line (GSM8K's) comes last; a box tried while thinking, or before a final
+  ``Answer:`` line, is not the answer (an audit: DAPO-style completions scored by an earlier box). Stating none,
+  math-verify's own extraction over that part (its last LaTeX or plain expression), but not for a completion cut
+  off by the length limit (``truncated``) or one that never closed its ``<think>``: those score 0, since the last
+  number such a text happens to hold is no answer.
 - both: a closing full stop and LaTeX spaces between thousands (``1\\,000``) are dropped (`tidy_answer`).
 - comparison: ``verify(gold, pred)`` over every parsed form pair; 1.0 if any matches.
 
@@ -33,10 +38,10 @@ import threading
 import time
 from collections import OrderedDict
 
-from rl.rewards.format import box_content, box_starts
+from rl.rewards.format import closed_boxes
 from rl.rewards.registry import register_reward
 
-__all__ = ["math_verify_reward", "extract_final_answer"]
+__all__ = ["math_verify_reward", "extract_final_answer", "answer_scope"]
 
 # The answer runs from the line's first non-space to its last: a lazy (.+?) before [ \t]*$ retried the trailing run
 # at every character, quadratic on a long line of spaces (a 16k-character one took 3.8 s, unbounded in the trainer's
@@ -47,6 +52,14 @@ _ANSWER_LINE = re.compile(r"^[ \t*#_]*answer[ \t*_]*:[ \t*]*(\S(?:.*\S)?)[^\S\n]
 _FULL_STOP = re.compile(r"(?<=[0-9A-Za-z})\]])\.\s*$")
 # Thousands separated by a LaTeX space (1\,000, 1\ 000, 1~000); 1{,}000 is left alone: a decimal comma too.
 _DIGIT_GROUP_SPACE = re.compile(r"(?<=\d)(?:\\[,;:! ]|~)(?=\d{3}(?!\d))")
+_GSM8K_LINE = re.compile(r"^[ \t]*####[ \t]*(\S(?:.*\S)?)[^\S\n]*$", re.MULTILINE)
+_THINK_START, _THINK_END = "<think>", "</think>"
+# A reference of a number and plain words after it ("2 eggs", "18 dollars"): math-verify read the words as symbols
+# (2*E*g*g*s) that no prediction equals, so every sample scored 0 and no failure was counted (an audit). Words are
+# units there and the number is the answer, unless one of them is a connective or a function ("2 and 3", "2 pi").
+_NUMBER_AND_WORDS = re.compile(r"^\s*([-+]?\d[\d,]*(?:\.\d+)?)((?:\s+[A-Za-z]{2,})+)\.?\s*$")
+_NOT_UNITS = frozenset({"and", "or", "to", "of", "times", "plus", "minus", "over", "pi", "inf", "infinity", "sqrt",
+                        "ln", "log", "exp", "sin", "cos", "tan", "mod"})
 _GOLD_CACHE: OrderedDict[str, list] = OrderedDict()
 _GOLD_CACHE_SIZE = 4096
 
@@ -56,26 +69,41 @@ def tidy_answer(latex: str) -> str:
     return _DIGIT_GROUP_SPACE.sub("", _FULL_STOP.sub("", latex.strip()))
 
 
+def answer_scope(text: str) -> str | None:
+    """The part of a completion that states its answer: after its last ``</think>`` where the model closed its
+    thinking (a box it tried while thinking is not its answer); None where it opened ``<think>`` and never closed it
+    (cut off while thinking: it has stated no answer); else the whole text."""
+    end = text.rfind(_THINK_END)
+    if end >= 0:
+        return text[end + len(_THINK_END):]
+    return None if _THINK_START in text else text
+
+
+def _line_answer(match: re.Match) -> str | None:
+    # '$5$.' is 5 (stripping $ then '.' left '5$'); the end is trimmed by hand, since an end-anchored
+    # [\s$.]+$ is retried at every character of a long run of spaces (quadratic, as the line's pattern was)
+    ans = re.sub(r"^[\s$]+", "", match.group(1))
+    end = len(ans)
+    while end and (ans[end - 1].isspace() or ans[end - 1] in "$."):
+        end -= 1
+    return ans[:end] or None
+
+
 def extract_final_answer(text: str) -> str | None:
-    """Content of the last ``\\boxed{}`` (`tidy_answer`), else of the last ``Answer:`` line (``$`` and a final
-    ``.`` stripped), else None."""
-    starts = box_starts(text)
-    for s in reversed(starts):
-        content = box_content(text, s)
-        if content is not None and content.strip():
-            return tidy_answer(content)
-    line = None
-    for line in _ANSWER_LINE.finditer(text):
-        pass
-    if line is not None:
-        # '$5$.' is 5 (stripping $ then '.' left '5$'); the end is trimmed by hand, since an end-anchored
-        # [\s$.]+$ is retried at every character of a long run of spaces (quadratic, as the line's pattern was)
-        ans = re.sub(r"^[\s$]+", "", line.group(1))
-        end = len(ans)
-        while end and (ans[end - 1].isspace() or ans[end - 1] in "$."):
-            end -= 1
-        return ans[:end] or None
-    return None
+    """The answer a completion ends on, in its `answer_scope`: whichever of its last non-empty ``\\boxed{}``
+    (`tidy_answer`), its last ``Answer:`` line (DAPO-Math's requested format) and its last ``#### x`` line (GSM8K's)
+    comes last (``$`` and a final ``.`` stripped from a line's); None where it states none. Linear in the text."""
+    scope = answer_scope(text)
+    if scope is None:
+        return None
+    stated = [(start, tidy_answer(content)) for start, content in closed_boxes(scope) if content.strip()][-1:]
+    for pattern in (_ANSWER_LINE, _GSM8K_LINE):
+        line = None
+        for line in pattern.finditer(scope):
+            pass
+        if line is not None and (ans := _line_answer(line)) is not None:
+            stated.append((line.start(), ans))
+    return max(stated)[1] if stated else None
 
 
 class _Budget:
@@ -109,13 +137,21 @@ def _mv():
     return math_verify
 
 
+def gold_text(answer: str) -> str:
+    """The reference as math-verify reads it: `tidy_answer`'s, and a number followed by unit words the number."""
+    units = _NUMBER_AND_WORDS.match(answer)
+    if units and not {w.lower() for w in units.group(2).split()} & _NOT_UNITS:
+        return units.group(1)
+    return tidy_answer(answer)
+
+
 def _gold(answer: str, budget: _Budget) -> list:
     hit = _GOLD_CACHE.get(answer)
     if hit is not None:
         _GOLD_CACHE.move_to_end(answer)
         return hit
     mv = _mv()
-    text = answer if "\\boxed" in answer else "\\boxed{" + tidy_answer(answer) + "}"
+    text = answer if "\\boxed" in answer else "\\boxed{" + gold_text(answer) + "}"
     gold = mv.parse(text, extraction_config=[mv.LatexExtractionConfig()], parsing_timeout=budget.next(),
                     raise_on_error=True)
     if not gold:
@@ -137,10 +173,13 @@ def math_verify_reward(completion: str, answer: str, *, timeout_s: float | None 
     budget = _Budget(timeout_s)
     gold = _gold(answer, budget)
     final = extract_final_answer(completion)
+    scope = answer_scope(completion)
     if final is not None:
         pred = mv.parse("\\boxed{" + final + "}", parsing_timeout=budget.next(), raise_on_error=True)
+    elif scope is None or truncated:  # cut off while thinking, or before it stated an answer: the last number it
+        return 0.0                     # happened to write is not one (DeepScaleR's and verl's graders give 0)
     else:
-        pred = mv.parse(completion, parsing_timeout=budget.next(), raise_on_error=True)
+        pred = mv.parse(scope, parsing_timeout=budget.next(), raise_on_error=True)
     if not pred:
         return 0.0
     timed_out = False
