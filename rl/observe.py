@@ -21,6 +21,7 @@ PLOTS = {  # panel title -> metrics drawn in it
 RECALL_PANEL = "indexer recall: full-attention mass in the kept blocks"  # only in runs that log indexer/recall
 ALIGN_PANEL = "indexer alignment KL (model.indexer_loss_coef)"  # only in runs that train the indexer
 DROPS_PANEL = "MoE assignments dropped (model.moe_capacity_factor)"  # only in runs that log moe/dropped_frac
+MFU_PANEL = "model FLOP utilisation (perf/mfu)"  # only where the devices' peak is known (rl.perf)
 
 
 def panels(rows: list[dict]) -> dict:
@@ -28,7 +29,8 @@ def panels(rows: list[dict]) -> dict:
     reward, dapo/reward_mean_drawn, under dynamic sampling), the indexer-recall
     panel (indexer/recall and its indexer/recall/layer_j curves) when the run logged it
     (logging.indexer_recall_every), the alignment KL's when the run trained the indexer, and a panel of the MoE drops
-    (moe/dropped_frac and its moe/dropped_frac/layer_j curves) when the run logged them (logging.moe_drops_every)."""
+    (moe/dropped_frac and its moe/dropped_frac/layer_j curves) when the run logged them (logging.moe_drops_every),
+    and one of the model FLOP utilisation when the run knew its devices' peak (`rl.perf`)."""
     out = dict(PLOTS)
     parts = sorted({k for r in rows for k in r
                     if k.startswith("reward/") and k.endswith("/mean") and k.count("/") == 2})
@@ -43,6 +45,8 @@ def panels(rows: list[dict]) -> dict:
             out[panel] = (metric, *layers)
     if any("indexer/align_kl" in r for r in rows):
         out[ALIGN_PANEL] = ("indexer/align_kl",)
+    if any("perf/mfu/train" in r for r in rows):
+        out[MFU_PANEL] = ("perf/mfu/train", "perf/mfu/logprobs")
     return out
 
 

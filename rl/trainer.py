@@ -28,6 +28,7 @@ from rl.job_agreement import START, agree_in_job, eval_facts, failed_in_job, sta
 from rl.stop_signals import StopSignals
 from rl.generation import backends
 from rl.observe import RunLogger, draw_curves
+from rl.perf import StepFlops, device_peak_flops
 from rl.policy import (Policy, applied_learning_rate, build_or_restore_policy, checkpointer_for,
                        make_indexer_recall, make_logprobs, make_moe_counts, make_update, reference_params,
                        sequence_width)
@@ -128,6 +129,10 @@ class GRPOTrainer:
         self.recall = (make_indexer_recall(self.policy) if cfg.logging.indexer_recall_every
                        and model.num_sparse_layers else None)
         self.moe_counts = make_moe_counts(self.policy) if cfg.logging.moe_drops_every and model.num_moe_layers else None
+        mesh = self.policy.layout.mesh  # the devices that share a step's work (not the host's idle others)
+        devices = jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
+        self.flops = StepFlops(self.policy.model_cfg, len(devices), device_peak_flops(
+            devices[0].device_kind, cfg.precision.param_dtype, cfg.logging.peak_tflops))
         p = self.policy
         self.engine = backends.make_generator(cfg, p.graphdef, p.state, pad_id=self.pad_id, run_dir=self.run_dir)
         self.phases.done("%s", generation_line(cfg))
@@ -258,6 +263,8 @@ class GRPOTrainer:
                                       lr, timing, elapsed)
         metrics.update(transfer)
         metrics.update(phases.width_metrics(micro, gcfg.micro_batch_widths))
+        metrics.update(self.flops.metrics(micro["attention_mask"], timing, route_metrics,
+                                          passes=int("logp_old" in micro) + int("logp_ref" in micro)))
         metrics.update(drawn.metrics)
         metrics.update(route_metrics)
         metrics.update(ahead_metrics)

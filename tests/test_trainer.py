@@ -82,7 +82,7 @@ def test_on_policy_diagnostics_and_logged_metrics(tiny_run):
     assert len(flipped) <= 5, [r["step"] for r in flipped]
     for key in ("reward/std", "response/length_mean", "response/truncated_frac", "clip_frac", "kl", "grad_norm",
                 "entropy_approx", "is_out_of_band_frac", "time/generate", "time/logprobs", "time/train",
-                "time/other", "throughput/tokens_per_s", "lr"):
+                "time/other", "throughput/tokens_per_s", "perf/tflops_per_device/train", "lr"):
         assert all(key in r for r in rows), key
     # logging.indexer_recall_every: 10 in tiny.yaml: steps 1, 11, ..., 191 log the sparse layer's recall
     recall = {r["step"]: r["indexer/recall"] for r in rows if "indexer/recall" in r}

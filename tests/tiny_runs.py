@@ -33,4 +33,4 @@ def first_step(tmp_path, name, *overrides):
 
 def numbers(metrics):
     """The metrics that do not depend on timing."""
-    return {k: v for k, v in metrics.items() if not k.startswith(("time/", "throughput/"))}
+    return {k: v for k, v in metrics.items() if not k.startswith(("time/", "throughput/", "perf/"))}

@@ -11,6 +11,8 @@ import dataclasses
 import math
 
 from m3jax.config import FULL_ATTENTION, MOE_MLP, SPARSE_ATTENTION, M3Config
+# the model's own FLOPs (what the maths needs) live with the model, which the trainer's perf metrics read too
+from m3jax.flops import active_matmul_params, causal_pairs, model_flops  # noqa: F401  (re-exported)
 from sharding.mesh import MeshConfig
 from m3jax.plan.activations import sparse_keys  # noqa: F401  (re-exported: the FLOPs model's name for it)
 from m3jax.plan.memory import local_elems, mesh_sizes, param_table, shard_axes, step_copy_rules
@@ -31,37 +33,6 @@ class Hardware:
     ib_bw: float = 50e9
     pcie_bw: float = 50e9
     gpus_per_node: int = 8
-
-
-def active_matmul_params(cfg: M3Config) -> dict[str, int]:
-    """Weights one token multiplies through (2 FLOPs each per forward):
-
-        attention  L * (H*D*d [q] + 2*KV*D*d [k, v] + d*H*D [o])
-        indexer    L_sparse * (Hi*Di*d + Di*d)            (forward only: it gets no gradient)
-        dense MLP  L_dense * 3*Id*d
-        MoE        L_moe * (k * 3*I*d [routed] + 3*Is*d [shared] + E*d [router])
-        head       V*d                                     (the embedding is a lookup, not a matmul)
-    """
-    d, h, kv, dd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    out = dict.fromkeys(("attention", "indexer", "dense_mlp", "moe", "head"), 0)
-    for attn, mlp in zip(cfg.layer_types, cfg.mlp_layer_types):
-        out["attention"] += 2 * h * dd * d + 2 * kv * dd * d
-        if attn == SPARSE_ATTENTION:
-            out["indexer"] += (cfg.index_n_heads + 1) * cfg.index_head_dim * d
-        if mlp == MOE_MLP:
-            out["moe"] += (cfg.num_experts_per_tok * 3 * cfg.intermediate_size * d
-                           + 3 * cfg.shared_intermediate_size * d + cfg.num_local_experts * d)
-        else:
-            out["dense_mlp"] += 3 * cfg.dense_intermediate_size * d
-    out["head"] = cfg.vocab_size * d
-    return out
-
-
-def causal_pairs(s: int, window: int | None = None) -> int:
-    """(query, key) pairs with key <= query, each query seeing at most `window` keys:
-    sum_{i=0}^{S-1} min(i + 1, W) = S(S+1)/2 if S <= W else W(W+1)/2 + (S - W) * W."""
-    w = s if window is None else min(window, s)
-    return w * (w + 1) // 2 + (s - w) * w
 
 
 def expert_rows_factor(cfg: M3Config, mesh: MeshConfig, batch, ragged_dot: str | None = None) -> float:
@@ -130,13 +101,8 @@ def step_flops(cfg: M3Config, seqs: int, seq_len: int, remat: bool = True, *, qu
                expert_matmul: str = "ragged_dot") -> dict[str, float]:
     """FLOPs of one step over `seqs` sequences of `seq_len` tokens (N = seqs * seq_len tokens).
 
-    model FLOPs (what the maths needs):
-        matmul     = 6 * (attention + dense_mlp + moe + head active params) * N     (fwd 2 + bwd 4)
-        indexer_proj = 2 * indexer params * N                                      (forward only)
-        attention  = 12 * H*D * pairs per layer * seqs   (fwd QK^T and PV: 2 * 2*H*D per pair; bwd 2x that);
-                     pairs = causal_pairs(S) on full layers,
-                     causal_pairs(S, index_topk_blocks * index_block_size) on sparse layers
-        indexer_scores = 2 * Hi*Di * causal_pairs(S) * seqs per sparse layer     (forward only, every causal key)
+    model FLOPs (what the maths needs): `model_flops`' matmul, indexer_proj, attention, indexer_scores,
+        model_total (and forward_total, a forward pass's).
     forward_executed: the executed FLOPs of a forward pass alone over the same tokens (the logprob pass):
         2 * (layer + head params, the routed experts x expert_rows) * N + indexer projections + the attention's and
         indexer's forward.
@@ -179,17 +145,9 @@ def step_flops(cfg: M3Config, seqs: int, seq_len: int, remat: bool = True, *, qu
     act = active_matmul_params(cfg)
     n = seqs * seq_len
     h, dd = cfg.num_attention_heads, cfg.head_dim
-    window = cfg.index_topk_blocks * cfg.index_block_size
-    pairs_model = sum(causal_pairs(seq_len, window if t == SPARSE_ATTENTION else None) for t in cfg.layer_types)
     n_sparse = sum(t == SPARSE_ATTENTION for t in cfg.layer_types)
     layer_params = act["attention"] + act["dense_mlp"] + act["moe"]
-    out = {
-        "matmul": 6 * (layer_params + act["head"]) * n,
-        "indexer_proj": 2 * act["indexer"] * n,
-        "attention": 12 * h * dd * pairs_model * seqs,
-        "indexer_scores": 2 * cfg.index_n_heads * cfg.index_head_dim * causal_pairs(seq_len) * n_sparse * seqs,
-    }
-    out["model_total"] = sum(out.values())
+    out = model_flops(cfg, seqs, seq_len)
     routed = sum(m == MOE_MLP for m in cfg.mlp_layer_types) * cfg.num_experts_per_tok * 3 * cfg.intermediate_size \
         * cfg.hidden_size
     layer_exec = layer_params + routed * (expert_rows - 1)

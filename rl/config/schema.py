@@ -386,6 +386,11 @@ class LoggingSection(_Section):
                                  "1 + 2N, ...: the share of the real tokens' (token, expert) assignments that "
                                  "model.moe_capacity_factor drops, on the step's first micro-batch, by a forward of "
                                  "its own outside the train step; 0 = off", min=0)
+    peak_tflops: float | None = _f(None, "each device's dense peak in TFLOP/s at the model's dtype, what "
+                                         "perf/mfu/train and perf/mfu/logprobs divide the model FLOP rate by; null = "
+                                         "the vendor's bf16 figure for the GPUs and TPUs rl.perf names (H100/H200 "
+                                         "989), none on a CPU or for an fp32 model (perf/tflops_per_device/* is "
+                                         "logged always)", gt=0)
     rollouts_every: int = _f(0, "write the rollouts of steps 1, 1 + N, 1 + 2N, ... to run.out_dir/rollouts.jsonl: "
                                 "prompt and response text, answer, reward (and each reward's own), advantage, "
                                 "length, truncation, mean generator log-prob, weight version (rl.rollout_log); "
