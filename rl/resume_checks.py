@@ -59,6 +59,29 @@ def _model_key(config: dict, field: str) -> str:
     return f"model.tiny.{field}" if model.get("tiny") is not None else f"{field} of {model.get('path')}/config.json"
 
 
+def _section_defaults() -> dict:
+    """The run config's schema defaults by section, as a checkpoint's meta holds a config (the reward list and
+    model.tiny's keys have none)."""
+    from rl.config.run import RunConfig
+    from rl.config.yaml_io import as_dict
+    return json.loads(json.dumps({f.name: as_dict(f.default_factory()) for f in dataclasses.fields(RunConfig)
+                                  if dataclasses.is_dataclass(f.default_factory)}))
+
+
+def _as_saved_by_then(then: dict) -> dict:
+    """`then` (a checkpoint's config) with each setting added to the schema since it was saved at its default: the
+    version that saved it ran as the default describes (a new setting's default keeps what ran before it), so a
+    resume that leaves it alone changed nothing (the warning named them, 'logging.moe_drops_every None -> 0')."""
+    out = dict(then)
+    for section, defaults in _section_defaults().items():
+        saved = out.get(section)
+        if isinstance(saved, dict):
+            out[section] = {**{k: v for k, v in defaults.items() if k not in saved}, **saved}
+        elif section not in out:
+            out[section] = defaults
+    return out
+
+
 def check(meta: dict, now: dict, where: str) -> list[tuple[str, object, object]] | None:
     """The settings of `now` (`trained_under` of this run) changed since checkpoint `meta` was saved, as (dotted key,
     then, now); None where the checkpoint records no config. Raises CheckpointMismatch (one line, from `where`: the
@@ -66,6 +89,7 @@ def check(meta: dict, now: dict, where: str) -> list[tuple[str, object, object]]
     then = meta.get("config")
     if not isinstance(then, dict):
         return None
+    then = _as_saved_by_then(then)
     fixed = _model_changes(meta, now)
     fixed += [(key, _get(then, key), _get(now["config"], key)) for key in FIXED
               if _get(then, key) != _get(now["config"], key)]

@@ -151,3 +151,16 @@ def test_a_model_field_added_after_the_checkpoint_compares_as_its_default():
     assert "swiglu_limit" not in str(e.value)
     from rl.resume_checks import check_model
     check_model(meta, load_config(str(TINY)), "checkpoint step 3 in d", "export")  # the same rule for an export
+
+
+def test_a_setting_added_after_the_checkpoint_is_not_a_change_at_its_default():
+    """A helper's upgrade audit: a checkpoint of an older version resumed with nothing changed warned of
+    'logging.moe_drops_every None -> 0; checkpoint.keep_best None -> 0': settings that did not exist then, which
+    that version ran as their defaults describe. Set otherwise, they are changes from the default."""
+    meta = {"step": 3, **under()}
+    del meta["config"]["logging"]["moe_drops_every"], meta["config"]["checkpoint"]["keep_best"]
+    del meta["config"]["precision"]["moment_dtype"]  # compared as its default, not refused as None
+    assert check(meta, under(), "c") == []
+    assert check(meta, under("logging.moe_drops_every=5"), "c") == [("logging.moe_drops_every", 0, 5)]
+    with pytest.raises(CheckpointMismatch, match="precision.moment_dtype 'float32' there, 'bfloat16' here"):
+        check(meta, under("precision.moment_dtype=bfloat16"), "c")
