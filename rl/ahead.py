@@ -12,7 +12,7 @@ in the middle of a draw.
 The pipeline drains before every checkpoint and evaluation (those steps draw nothing ahead): a checkpoint
 then holds exactly what an uninterrupted run would resume from, so a resumed run repeats the run bitwise,
 and an evaluation never shares the generator with a draw. A save the checkpoint schedule did not foresee
-(the `must_save_by` deadline, `max_wall_minutes`) saves the data position from before the draw in flight,
+(the `must_save_by` deadline, `max_wall_minutes`, a SIGTERM or SIGINT stop) saves the data position from before the draw in flight,
 which is then dropped: the resumed run draws those prompts again, with newer weights.
 """
 

@@ -8,6 +8,8 @@ import logging
 import math
 import os
 
+from rl.tensorboard_events import EventFile
+
 PLOTS = {  # panel title -> metrics drawn in it
     "reward": ("reward/mean", "reward/std"),
     "held-out evaluation": ("val/pass@1", "val/pass@k", "val/reward_mean"),
@@ -50,23 +52,6 @@ def panels(rows: list[dict]) -> dict:
     return out
 
 
-def _summary_writer():
-    """tensorboardX's SummaryWriter without torch: tensorboardX imports torch at load when it is installed
-    (the cpu extras install it for the HF reference), only so that it can log torch tensors, which a run never
-    does; that import was 1.6 s of every trainer process's start (-X importtime, 2026-12-01). Unless torch is
-    loaded already, the import of tensorboardX sees it as absent."""
-    import sys
-    if "torch" in sys.modules or "tensorboardX" in sys.modules:
-        from tensorboardX import SummaryWriter
-        return SummaryWriter
-    sys.modules["torch"] = None  # `import torch` raises ImportError, which tensorboardX handles
-    try:
-        from tensorboardX import SummaryWriter
-    finally:
-        del sys.modules["torch"]
-    return SummaryWriter
-
-
 class RunLogger:
     def __init__(self, run_dir: str, *, tensorboard: bool = True, progress_bar: bool = True, total_steps: int = 0,
                  first_step: int = 0, open_wandb=None, resumed_row: dict | None = None):
@@ -98,8 +83,8 @@ class RunLogger:
         self._jsonl = open(path, "a")
         if tensorboard:
             tb_dir = os.path.join(run_dir, "tensorboard")  # purge_step: events from it on are hidden (logged again)
-            self._tb = _summary_writer()(tb_dir, purge_step=first_step + 1 if first_step > 0
-                                         else 0 if os.path.isdir(tb_dir) else None)
+            self._tb = EventFile(tb_dir, purge_step=first_step + 1 if first_step > 0
+                                 else 0 if os.path.isdir(tb_dir) else None)
         if open_wandb is not None:
             self._wandb = open_wandb()
         if resumed_row is not None and first_step > 0 and not has_first:  # TensorBoard and W&B lost it too
@@ -117,14 +102,11 @@ class RunLogger:
         self._jsonl.write(json.dumps({"step": step, **clean}) + "\n")
         self._jsonl.flush()
         if self._tb is not None:
-            # one Summary of the row's scalars, tagged with their metrics.jsonl keys: add_scalar would rename
-            # val/pass@1 to val/pass_1 (tensorboardX keeps TF node-name characters only; a tag may hold any).
             # NaN and inf too, as metrics.jsonl and W&B keep them (TensorBoard marks them on the curve): left out, a
             # skipped update's loss or a step's NaN per-token figures were a gap the line drew across.
-            from tensorboardX.proto.summary_pb2 import Summary
-            values = [Summary.Value(tag=k, simple_value=v) for k, v in clean.items() if isinstance(v, float)]
+            values = {k: v for k, v in clean.items() if isinstance(v, float)}
             if values:
-                self._tb._get_file_writer().add_summary(Summary(value=values), step)  # what add_scalar calls
+                self._tb.scalars(step, values)
         if self._wandb is not None:
             from rl.wandb_run import scalars
             self._wandb.log(scalars(clean), step=step)
@@ -144,30 +126,12 @@ class RunLogger:
         if self._tb is not None:
             try:
                 self._tb.close()
-            except OSError as e:
-                _abandon_tensorboard(self._tb)
-                logging.getLogger(__name__).warning("TensorBoard's last events were not written (%s)",
-                                                    e.strerror or e)
+            except OSError:  # each event is flushed as it is logged: the one whose flush failed has raised there
+                pass
         if self._bar is not None:
             self._bar.close()
         if self._wandb is not None:
             self._wandb.finish()
-
-
-def _abandon_tensorboard(summary_writer) -> None:
-    """Stop a tensorboardX writer whose close failed (its events cannot be written), as its close would have without
-    the flush: left as it is, its exit handler retried the flush and its thread died on a queue closed at exit, each
-    printing a traceback after the run's error line."""
-    for writer in (getattr(summary_writer, "all_writers", None) or {}).values():
-        events = getattr(writer, "event_writer", None)
-        if getattr(events, "_closed", True):
-            continue
-        events._closed = True  # what its exit handler checks
-        try:
-            events._worker.stop()  # the thread ends at the stop it is sent
-            events._ev_writer.close()
-        except OSError:
-            pass
 
 
 def cut_partial_row(path: str) -> int:

@@ -254,9 +254,8 @@ def test_a_resume_shows_each_step_once_in_tensorboard(tmp_path):
     """A run killed after step 5 with its last checkpoint at step 3 logs steps 4 and 5 again: TensorBoard hides the
     first run's 4 and 5 (its purge from step 4 on) and keeps 1 to 3; a run started afresh in the directory hides
     everything before it. (A mutation audit: a purge from the resumed step itself, 3, passed every test and lost
-    step 3's point from the curves.)"""
-    import time
-
+    step 3's point from the curves.) Each run's file sorts after the last's (named by the nanosecond; tensorboardX's
+    were by the second)."""
     from rl.observe import RunLogger
 
     def run(first_step, steps, scale):
@@ -264,10 +263,30 @@ def test_a_resume_shows_each_step_once_in_tensorboard(tmp_path):
         for s in steps:
             log.log(s, {"reward/mean": s * scale})
         log.close()
-        time.sleep(1.1)  # tensorboardX names its event files by the second: the next run's sorts after
 
     run(0, range(1, 6), 0.1)
     run(3, (4, 5), 1.0)
     assert _tensorboard_view(tmp_path) == {"reward/mean": [(1, 0.1), (2, 0.2), (3, 0.3), (4, 4.0), (5, 5.0)]}
     run(0, (1,), 10.0)
     assert _tensorboard_view(tmp_path) == {"reward/mean": [(1, 10.0)]}
+
+
+def test_a_run_killed_hard_keeps_every_logged_step_in_tensorboard(tmp_path):
+    """A run SIGKILLed after step 5 (the OOM killer, a lost node) and resumed from its checkpoint at step 3:
+    tensorboardX's writer held the rows in memory for up to 120 s, so TensorBoard lost steps 1-3 for good (the
+    resumed run logs only 4 and 5 again) while metrics.jsonl kept them (a helper's audit, steps 1-4 of a 6-step run).
+    Each row is on disk once logged, as metrics.jsonl's."""
+    import signal
+    killed = ("import os, signal\nfrom rl.observe import RunLogger\n"
+              f"log = RunLogger({str(tmp_path)!r}, progress_bar=False)\n"
+              "for s in range(1, 6):\n    log.log(s, {'reward/mean': s * 0.1})\n"
+              "os.kill(os.getpid(), signal.SIGKILL)\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", killed], env={**os.environ, "PYTHONPATH": root}, timeout=300)
+    assert done.returncode == -signal.SIGKILL
+    from rl.observe import RunLogger
+    log = RunLogger(str(tmp_path), progress_bar=False, first_step=3)
+    for s in (4, 5):
+        log.log(s, {"reward/mean": s * 1.0})
+    log.close()
+    assert _tensorboard_view(tmp_path) == {"reward/mean": [(1, 0.1), (2, 0.2), (3, 0.3), (4, 4.0), (5, 5.0)]}
