@@ -296,7 +296,8 @@ class GRPOTrainer:
         # prompts are drawn again after a resume (rl.ahead)
         data = self.ahead.loader_state if self.ahead is not None and self.ahead.pending else self.loader.state_dict()
         return {"step": step, "data": data, "seed": self.cfg.run.seed, "weight_version": step, "best": self.best,
-                "kept_best": self.kept, "reference_step": self.reference_step, **self.trained_under}
+                "kept_best": self.kept, "reference_step": self.reference_step,
+                "skipped_in_a_row": self.skipped_updates.in_a_row, **self.trained_under}
 
     def resume(self) -> int:
         got, self._restored = self._restored or restore_naming_changes(
@@ -336,6 +337,8 @@ class GRPOTrainer:
         self.reference_step = int(meta.get("reference_step", 0)) if self.reference is not None else 0
         if self.reference_step:
             self.reference.reset(self.checkpointer.restore_reference(int(meta["step"]), self.state.params))
+        # a run diverging when it stopped goes on counting its skipped steps toward optim.stop_after_skipped_steps
+        self.skipped_updates.in_a_row = int(meta.get("skipped_in_a_row", 0))
         self.engine.set_weights(self.state.params, meta["weight_version"], self.state.rest)
         log.info("resumed from step %d in %s", meta["step"], self.checkpointer.directory)
         return int(meta["step"])
