@@ -211,6 +211,10 @@ def test_tiny_task_scoring_is_fast():
     ("\\boxed{\\left\\{ 1 \\right.}", {}, 1.0),  # nor open a group (it scored 0)
     ("\\boxed{\\{1, 2\\}}", {}, 1.0),
     ("\\boxed{a \\\\ b}", {}, 1.0),  # \\ is a line break, then a plain b
+    # a thinking model's drafts are not a second answer; a thought never closed states none
+    ("<think>maybe \\boxed{3}? no.</think>So the answer is \\boxed{4}.", {}, 1.0),
+    ("<think>maybe \\boxed{3}? no.</think>So the answer is 4.", {}, 0.0),
+    ("<think>it is \\boxed{4}", {}, 0.0),
 ])
 def test_format_reward(completion, kw, expected):
     assert get_reward("format")(completion, "", **kw) == expected

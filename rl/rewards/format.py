@@ -4,8 +4,9 @@
 
 - the completion was not cut off by the length limit (``truncated=True`` in the sample's kwargs, which
   the trainer passes when no EOS was sampled, gives 0);
-- it contains exactly one ``\\boxed{...}`` (``\\fbox{`` counts as well), with balanced braces and
-  non-empty content.
+- its answer part (`answer_scope`: after ``</think>`` where it thought first; a ``<think>`` never closed is no
+  answer) contains exactly one ``\\boxed{...}`` (``\\fbox{`` counts as well), with balanced braces and
+  non-empty content: the boxes a thinking model tries while it thinks are drafts, not a second answer.
 
 Text after the box (a closing ``$`` or a sentence) is allowed. The scan is linear in the length of the
 completion whatever it contains, so the reward runs inline.
@@ -15,9 +16,20 @@ from __future__ import annotations
 
 from rl.rewards.registry import register_reward
 
-__all__ = ["boxed_format", "box_starts", "box_content", "closed_boxes"]
+__all__ = ["boxed_format", "box_starts", "box_content", "closed_boxes", "answer_scope"]
 
 _MARKERS = ("\\boxed{", "\\fbox{")
+_THINK_START, _THINK_END = "<think>", "</think>"
+
+
+def answer_scope(text: str) -> str | None:
+    """The part of a completion that states its answer: after its last ``</think>`` where the model closed its
+    thinking (a box it tried while thinking is not its answer); None where it opened ``<think>`` and never closed it
+    (cut off while thinking: it has stated no answer); else the whole text."""
+    end = text.rfind(_THINK_END)
+    if end >= 0:
+        return text[end + len(_THINK_END):]
+    return None if _THINK_START in text else text
 
 
 def box_starts(text: str) -> list[int]:
@@ -74,10 +86,11 @@ def closed_boxes(text: str) -> list[tuple[int, str]]:
 
 @register_reward("format", mode="inline", scores=(0, 1))
 def boxed_format(completion: str, answer: str = "", *, truncated: bool = False) -> float:
-    if truncated:
+    scope = answer_scope(completion)
+    if truncated or scope is None:
         return 0.0
-    starts = box_starts(completion)
+    starts = box_starts(scope)
     if len(starts) != 1:
         return 0.0
-    content = box_content(completion, starts[0])
+    content = box_content(scope, starts[0])
     return float(content is not None and bool(content.strip()))

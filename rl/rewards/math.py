@@ -38,7 +38,7 @@ import threading
 import time
 from collections import OrderedDict
 
-from rl.rewards.format import closed_boxes
+from rl.rewards.format import answer_scope, closed_boxes
 from rl.rewards.registry import register_reward
 
 __all__ = ["math_verify_reward", "extract_final_answer", "answer_scope"]
@@ -53,7 +53,6 @@ _FULL_STOP = re.compile(r"(?<=[0-9A-Za-z})\]])\.\s*$")
 # Thousands separated by a LaTeX space (1\,000, 1\ 000, 1~000); 1{,}000 is left alone: a decimal comma too.
 _DIGIT_GROUP_SPACE = re.compile(r"(?<=\d)(?:\\[,;:! ]|~)(?=\d{3}(?!\d))")
 _GSM8K_LINE = re.compile(r"^[ \t]*####[ \t]*(\S(?:.*\S)?)[^\S\n]*$", re.MULTILINE)
-_THINK_START, _THINK_END = "<think>", "</think>"
 # A reference of a number and plain words after it ("2 eggs", "18 dollars"): math-verify read the words as symbols
 # (2*E*g*g*s) that no prediction equals, so every sample scored 0 and no failure was counted (an audit). Words are
 # units there and the number is the answer, unless one of them is a connective or a function ("2 and 3", "2 pi").
@@ -67,16 +66,6 @@ _GOLD_CACHE_SIZE = 4096
 def tidy_answer(latex: str) -> str:
     """An answer's text as math-verify reads it: a closing full stop and spaces between thousands dropped."""
     return _DIGIT_GROUP_SPACE.sub("", _FULL_STOP.sub("", latex.strip()))
-
-
-def answer_scope(text: str) -> str | None:
-    """The part of a completion that states its answer: after its last ``</think>`` where the model closed its
-    thinking (a box it tried while thinking is not its answer); None where it opened ``<think>`` and never closed it
-    (cut off while thinking: it has stated no answer); else the whole text."""
-    end = text.rfind(_THINK_END)
-    if end >= 0:
-        return text[end + len(_THINK_END):]
-    return None if _THINK_START in text else text
 
 
 def _line_answer(match: re.Match) -> str | None:
