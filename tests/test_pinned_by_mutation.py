@@ -72,7 +72,8 @@ def test_a_checkpoint_taken_with_a_draw_in_flight_keeps_the_loader_position_befo
     ahead.launch(lambda: "step 4's draw", {"position": 3}, 3)
     me = types.SimpleNamespace(ahead=ahead, loader=types.SimpleNamespace(state_dict=lambda: {"position": 4}),
                                cfg=types.SimpleNamespace(run=types.SimpleNamespace(seed=0)), best=None, kept=[],
-                               reference_step=0, trained_under={})
+                               reference_step=0, trained_under={},
+                               skipped_updates=types.SimpleNamespace(in_a_row=0))
     try:
         assert GRPOTrainer._meta(me, 3)["data"] == {"position": 3}
     finally:
