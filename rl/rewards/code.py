@@ -1,23 +1,32 @@
 """``code_tests`` / ``code_tests_frac``: does the completion's program pass the record's test cases?
 
-The program is the last fenced code block of the completion (```python ... ```, or a bare ``` ... ```); no block
-scores 0. The tests are the record's answer (`data.answer_key`), as JSON text or already parsed, in the forms the
-public code-RL sets use:
+The program is the last fenced code block (```python ... ```, or a bare ``` ... ```) of the completion's answer
+part (after ``</think>`` where it thought first; none while a ``<think>`` is open, `rl.rewards.format.answer_scope`);
+no block scores 0. The tests are the record's answer (`data.answer_key`), as JSON text or already parsed, in the
+forms the public code-RL sets use:
 
 - standard input / output: ``{"inputs": [...], "outputs": [...]}`` (APPS, TACO, DeepCoder; a list of lines is
-  joined with newlines) or a list of ``{"input": ..., "output": ...}``; stdout passes when it equals the expected
-  output line by line after trailing whitespace is dropped (and trailing empty lines);
-- call-based: ``{"fn_name": "f", "inputs": [[args...], ...], "outputs": [...]}``: ``f(*args)`` after the program,
-  or ``Solution().f(*args)`` where the program defines no ``f`` but a LeetCode-style ``class Solution`` (as APPS'
-  checker calls it), compared with ``==`` after a JSON round trip (an expected ``[value]`` also matches ``value``, as
-  APPS wraps them; ``true`` equals only ``true``, not ``1``);
+  joined with newlines) or a list of ``{"input": ..., "output": ...}``; stdout passes as LiveCodeBench's and APPS'
+  graders compare (`same_output`): line by line with surrounding whitespace dropped, then token by token, a number
+  equal to the expected one or within 1e-6 (absolute or relative) of an expected fraction;
+- call-based: ``{"fn_name": "f", "inputs": [[args...], ...], "outputs": [...]}``, a listed test that names its
+  ``fn_name`` (PrimeIntellect's), or LiveCodeBench's ``"testtype": "functional"`` (the function in
+  ``metadata.func_name``, one JSON argument a line): ``f(*args)``, or ``Solution().f(*args)`` where the program
+  defines no ``f`` but a LeetCode-style ``class Solution`` (as APPS' checker calls it), compared with ``==`` after a
+  JSON round trip (an expected ``[value]`` also matches ``value``, as APPS wraps them; ``true`` equals only
+  ``true``, not ``1``);
 - assertions: ``{"asserts": ["assert f(1) == 2", ...]}``, a list of such strings (MBPP's test_list), or one
   string (HumanEval-style test code: its ``check(candidate)`` is called with the row's ``entry_point``): each runs
-  after the program and passes when the process exits with 0; the ``test*`` functions it defines that take no
-  argument (pytest style, KodCode's, whose ``from solution import f`` imports the program) are then called. The
-  assertions compare plain copies of the program's values (rl.rewards.code_asserts): an object of the program's
-  that equals everything passes none of them. Test code that holds no assert, raise or ``assert*`` call is
-  refused, as is a spec with no test, and HumanEval's ``check`` without an entry point: every program would pass.
+  after the program and passes when the process exits with 0; the tests it defines are then run: ``test*``
+  functions (pytest style, KodCode's, whose ``from solution import f`` imports the program) with their
+  ``pytest.mark.parametrize`` cases, the ``test*`` methods of ``Test*`` classes, and ``unittest.TestCase`` classes
+  (BigCodeBench's); a test that takes a pytest fixture is refused by name. The assertions compare plain copies of
+  the program's values (rl.rewards.code_asserts): an object of the program's that equals everything passes none of
+  them. Test code that holds no assert, raise or ``assert*`` call is refused, as is a spec with no test, and
+  HumanEval's ``check`` without an entry point: every program would pass.
+
+Under call-based and assert tests the program runs as a module (``solution``), not as the script: its
+``if __name__ == "__main__":`` block stays out of them, as the graders import it.
 
 ``code_tests`` is 1 when every test passes (DeepCoder's sparse reward), ``code_tests_frac`` the share passed.
 
@@ -43,6 +52,7 @@ Registered with mode ``"process"``: the pool's kill is the backstop of everythin
 from __future__ import annotations
 
 import ast
+import decimal
 import json
 import os
 import re
@@ -54,6 +64,7 @@ import tempfile
 import time
 
 from rl.rewards.code_asserts import guard_comparisons
+from rl.rewards.format import answer_scope
 from rl.rewards.registry import register_reward
 
 __all__ = ["extract_program", "parse_tests", "run_tests"]
@@ -99,37 +110,89 @@ def main():
             check = f.read()
         os.unlink(sys.argv[8])
     sys.argv = [path]
-    module = types.ModuleType("__main__")  # as runpy runs a script: pickling its classes works
+    # a program read from stdin runs as the script (__main__); one the tests import or call runs as a module, so its
+    # `if __name__ == "__main__":` demo (unittest.main(), an input() loop) stays out of the tests, as APPS's and
+    # LiveCodeBench's graders import it and HumanEval's exec leaves it out
+    module = types.ModuleType("__main__" if check is None else "solution")
     module.__file__ = path
-    sys.modules["__main__"] = module
+    sys.modules["__main__"] = module  # pickling its classes works, as under runpy
     sys.modules["solution"] = module  # KodCode's tests import the program as `solution`: `from solution import f`
     with open(path) as f:
         code = compile(f.read(), path, "exec")
     if check is None:
         exec(code, module.__dict__)
         return
-    finished, _, check = check.partition("\n")
+    mode, _, check = check.partition("\n")
     exec(code, module.__dict__)
+    if mode == "call":  # the call of a call-based test, which prints its value
+        exec(compile(check, "<call>", "exec"), module.__dict__)
+        return
+    finished, _, check = check.partition("\n")
     exec(compile(check, "<tests>", "exec"), module.__dict__)
-    for name, value in list(module.__dict__.items()):  # pytest-style tests (KodCode's): defined, never called,
-        c = getattr(value, "__code__", None)              # so every program passed them
-        if name.startswith("test") and c is not None and c.co_filename == "<tests>" \
-                and c.co_argcount == len(getattr(value, "__defaults__", None) or ()):
-            value()
+    run_defined_tests(module.__dict__)
     print(finished)
+def mine(value):  # defined by the tests (not imported by the program)
+    c = getattr(value, "__code__", None)
+    return c is not None and c.co_filename == "<tests>"
+def cases(fn):  # the keyword arguments of each call: pytest's parametrize marks, stacked as a product
+    calls = [{}]
+    for mark in reversed(getattr(fn, "pytestmark", [])):
+        if getattr(mark, "name", "") != "parametrize":
+            continue
+        names, values = mark.args[0], mark.args[1]
+        names = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
+        rows = []
+        for v in values:
+            given = getattr(v, "values", None)  # pytest.param(...): its values, always a tuple
+            if given is None:
+                given = tuple(v) if len(names) > 1 else (v,)
+            rows.append(dict(zip(names, given)))
+        calls = [{**c, **r} for c in calls for r in rows]
+    return calls
+def run_defined_tests(ns):
+    # pytest-style tests (KodCode's) and unittest cases (BigCodeBench's) are defined, never called: every program
+    # passed them until they ran here
+    import unittest
+    for name, value in list(ns.items()):
+        if isinstance(value, type) and issubclass(value, unittest.TestCase):
+            if any(mine(v) for v in vars(value).values()):
+                result = unittest.TestResult()
+                unittest.defaultTestLoader.loadTestsFromTestCase(value).run(result)
+                if not result.wasSuccessful():
+                    raise AssertionError(name + " failed")
+        elif isinstance(value, type) and name.startswith("Test"):
+            for attr, method in list(vars(value).items()):
+                if attr.startswith("test") and mine(method):
+                    for kw in cases(method):
+                        case = value()
+                        if hasattr(case, "setup_method"):
+                            case.setup_method(getattr(case, attr))
+                        getattr(case, attr)(**kw)
+                        if hasattr(case, "teardown_method"):
+                            case.teardown_method(getattr(case, attr))
+        elif name.startswith("test") and mine(value):
+            for kw in cases(value):
+                value(**kw)
 main()
 """
 _CALL = """
 import json, sys
 _args = json.loads(sys.stdin.read())
 _fn = globals()[{fn!r}] if {fn!r} in globals() else getattr(globals()["Solution"](), {fn!r})
-print(json.dumps(_fn(*_args)))
+_value = _fn(*_args)
+print()  # a line of its own, after whatever the function printed without a newline
+print(json.dumps(_value))
 """
 
 
 def extract_program(completion: str) -> str | None:
-    """The last fenced code block's text (a python-tagged or untagged one), or None."""
-    blocks = [body for lang, body in _FENCE.findall(completion) if lang.lower() in ("", "python", "py", "python3")]
+    """The last fenced code block's text (a python-tagged or untagged one) in the completion's answer part
+    (`answer_scope`: after ``</think>`` where it thought first, so a draft inside the thinking is not the program;
+    none while a ``<think>`` is open), or None."""
+    scope = answer_scope(completion)
+    if scope is None:
+        return None
+    blocks = [body for lang, body in _FENCE.findall(scope) if lang.lower() in ("", "python", "py", "python3")]
     return blocks[-1] if blocks else None
 
 
@@ -186,6 +249,46 @@ def _check_test_code(code: str) -> None:
         raise ValueError(f"code tests: the test code checks nothing (no assert, raise or assert* call), so every "
                          f"program that runs would pass: {code[:80]!r}; expected tests (is it a reference solution? "
                          "data.answer_key names the tests' field)")
+    for test, names in _fixtures(tree):
+        raise ValueError(f"code tests: {test} takes {', '.join(names)}, pytest fixtures this harness does not provide "
+                         "(it calls test functions with no argument or with pytest.mark.parametrize's); expected "
+                         f"tests of those forms: {code[:80]!r}")
+
+
+def _parametrized(fn: ast.FunctionDef) -> set[str] | None:
+    """The argument names `fn`'s pytest.mark.parametrize decorators give, None where one names them other than
+    by a literal (unknown here)."""
+    names: set[str] = set()
+    for d in fn.decorator_list:
+        if isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute) and d.func.attr == "parametrize" and d.args:
+            given = d.args[0]
+            if isinstance(given, ast.Constant) and isinstance(given.value, str):
+                names |= {n.strip() for n in given.value.split(",")}
+            elif isinstance(given, (ast.List, ast.Tuple)) and all(
+                    isinstance(e, ast.Constant) and isinstance(e.value, str) for e in given.elts):
+                names |= {e.value for e in given.elts}
+            else:
+                return None
+    return names
+
+
+def _fixtures(tree: ast.Module) -> list[tuple[str, list[str]]]:
+    """(test, the arguments it takes that nothing gives) for the test functions the harness calls: top-level
+    `test*` functions and `test*` methods of `Test*` classes (not unittest's, which take none)."""
+    tests = [(n.name, n, 0) for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test")]
+    tests += [(f"{c.name}.{m.name}", m, 1) for c in tree.body
+              if isinstance(c, ast.ClassDef) and c.name.startswith("Test")
+              for m in c.body if isinstance(m, ast.FunctionDef) and m.name.startswith("test")]
+    out = []
+    for name, fn, skip in tests:
+        given = _parametrized(fn)
+        args = fn.args.posonlyargs + fn.args.args
+        required = [a.arg for a in args[skip:len(args) - len(fn.args.defaults)]]
+        required += [a.arg for a, d in zip(fn.args.kwonlyargs, fn.args.kw_defaults) if d is None]
+        missing = [a for a in required if given is not None and a not in given]
+        if missing:
+            out.append((name, missing))
+    return out
 
 
 def _parse_tests(answer) -> list[tuple[str, object, object]]:
@@ -202,7 +305,7 @@ def _parse_tests(answer) -> list[tuple[str, object, object]]:
     if isinstance(spec, list) and all(isinstance(t, str) for t in spec):
         return [("assert", t, None) for t in spec]
     if isinstance(spec, list) and all(isinstance(t, dict) and {"input", "output"} <= set(t) for t in spec):
-        return [("io", _text(t["input"]), _text(t["output"])) for t in spec]
+        return [_listed_test(t) for t in spec]
     if isinstance(spec, dict) and isinstance(spec.get("inputs"), list) and isinstance(spec.get("outputs"), list):
         if len(spec["inputs"]) != len(spec["outputs"]):
             raise ValueError(f"code tests: {len(spec['inputs'])} inputs for {len(spec['outputs'])} outputs")
@@ -213,6 +316,30 @@ def _parse_tests(answer) -> list[tuple[str, object, object]]:
     raise ValueError("code tests: expected {'inputs': [...], 'outputs': [...]} (with 'fn_name' for call-based "
                      "tests), a list of {'input', 'output'}, {'asserts': [...]}, a list of assert strings or test "
                      f"code; got {type(spec).__name__} {str(spec)[:80]!r}")
+
+
+def _listed_test(t: dict) -> tuple[str, object, object]:
+    """One test of a list of {"input", "output"}: standard input / output, or a call where the test says so:
+    LiveCodeBench's `"testtype": "functional"` (its function in `metadata.func_name`; the arguments one JSON value a
+    line of the input, the output one JSON value), or a test naming its `fn_name` (PrimeIntellect's
+    `"type": "function_call"`, the arguments a list). Graded as standard input / output, a correct function scored
+    0 and a program printing the expected text 1 (an audit)."""
+    meta = t.get("metadata") if isinstance(t.get("metadata"), dict) else {}
+    fn = t.get("fn_name") or meta.get("func_name")
+    if t.get("testtype") != "functional" and not t.get("fn_name"):
+        return "io", _text(t["input"]), _text(t["output"])
+    if not (isinstance(fn, str) and fn.isidentifier()):
+        raise ValueError(f"code tests: a functional test names no function to call (metadata.func_name or fn_name; "
+                         f"got {fn!r}): {str(t)[:80]!r}")
+    given, expected = t["input"], t["output"]
+    if t.get("testtype") != "functional":  # the arguments as a list, the value as it is (APPS's call-based form)
+        return "call", (fn, list(given) if isinstance(given, (list, tuple)) else [given]), expected
+    try:  # LiveCodeBench's texts: one JSON value a line of the input, one the output
+        args = [json.loads(line) for line in str(given).split("\n") if line.strip()]
+        return "call", (fn, args), json.loads(expected) if isinstance(expected, str) else expected
+    except json.JSONDecodeError as e:
+        raise ValueError(f"code tests: a functional test's input or output is not JSON ({e.msg}): "
+                         f"{str(t)[:80]!r}") from None
 
 
 def run_tests(program: str, tests, timeout_s: float | None = None) -> tuple[int, int]:
@@ -233,10 +360,10 @@ def _one(program: str, kind: str, given, expected, limit_s: float) -> bool:
         code, stdin = program, given
     elif kind == "call":
         fn, args = given
-        code, stdin = program + "\n" + _CALL.format(fn=fn), json.dumps(args)
+        code, stdin, check = program, json.dumps(args), "call\n" + _CALL.format(fn=fn)
     else:  # the run must reach the end of the tests: a program that exits early (sys.exit(0)) passed them all
         finished = secrets.token_hex(8)
-        code, stdin, check = program, "", f"{finished}\n{guard_comparisons(given)}"
+        code, stdin, check = program, "", f"tests\n{finished}\n{guard_comparisons(given)}"
     # a directory per test: what one test's run left there (files, a symlink in place of main.py) cannot reach the
     # next; what cannot be removed (written by an escaped process) is left rather than failing the sample
     with tempfile.TemporaryDirectory(prefix="m3jax-code-", ignore_cleanup_errors=True) as work, \
@@ -263,7 +390,7 @@ def _one(program: str, kind: str, given, expected, limit_s: float) -> bool:
         out.seek(0)
         stdout = out.read(FILE_BYTES).decode("utf-8", errors="replace")
     if kind == "io":
-        return _lines(stdout) == _lines(expected)
+        return same_output(stdout, expected)
     if kind == "call":
         try:
             got = json.loads(stdout.strip().splitlines()[-1])
@@ -307,10 +434,39 @@ def _text(x) -> str:
 
 
 def _lines(text: str) -> list[str]:
-    lines = [line.rstrip() for line in text.splitlines()]
-    while lines and not lines[-1]:
-        lines.pop()
-    return lines
+    return [line.strip() for line in text.strip().splitlines()]
+
+
+def same_output(got: str, want: str) -> bool:
+    """Standard output against the expected, as the code-RL graders compare it (LiveCodeBench's grade_stdio, APPS'
+    testing_util): line by line, each line's surrounding whitespace and the text's leading and trailing empty lines
+    dropped; where a line differs, token by token (any run of spaces between), a number equal to the expected one
+    exactly (2.0 for 2) or, where the expected one has a fraction, within an absolute or relative error of 1e-6 (the
+    competitive-programming tolerance). Compared exactly, 0.3333333333333333 for 0.333333333 scored 0 (an audit)."""
+    got_lines, want_lines = _lines(got), _lines(want)
+    return len(got_lines) == len(want_lines) and all(
+        g == w or _same_tokens(g.split(), w.split()) for g, w in zip(got_lines, want_lines))
+
+
+def _same_tokens(got: list[str], want: list[str]) -> bool:
+    return len(got) == len(want) and all(g == w or _same_number(g, w) for g, w in zip(got, want))
+
+
+def _same_number(got: str, want: str) -> bool:
+    try:
+        g, w = decimal.Decimal(got), decimal.Decimal(want)
+    except decimal.InvalidOperation:
+        return False
+    if not (g.is_finite() and w.is_finite()):
+        return False
+    if g == w:
+        return True
+    if not any(c in want for c in ".eE"):  # an integer is expected: only itself
+        return False
+    try:
+        return abs(g - w) <= decimal.Decimal("1e-6") * max(decimal.Decimal(1), abs(w))
+    except decimal.DecimalException:  # beyond the context's exponents (1e999999999)
+        return False
 
 
 def _score(completion: str, answer, timeout_s: float | None, meta) -> tuple[int, int]:

@@ -1,0 +1,103 @@
+"""The code rewards grade as the datasets' own graders do (rl/rewards/code.py; a helper's audit against KodCode,
+BigCodeBench, LiveCodeBench, PrimeIntellect, APPS / TACO / CodeContests): every test form runs, a call-based test
+calls the function, a program's demo block stays out of imported tests, and standard output compares by tokens
+and numbers."""
+
+import json
+
+import pytest
+
+from rl.rewards import get_reward
+from rl.rewards.code import parse_tests, run_tests, same_output
+
+ADD = "def add(a, b):\n    return a + b\n"
+WRONG = "def add(a, b):\n    return 0\n"
+
+
+@pytest.mark.parametrize("tests", [
+    # pytest.mark.parametrize, stacked, with pytest.param (KodCode)
+    "import pytest\nfrom solution import add\n\n@pytest.mark.parametrize('a, b, s', [(1, 2, 3), (2, 2, 4)])\n"
+    "def test_add(a, b, s):\n    assert add(a, b) == s\n\n"
+    "@pytest.mark.parametrize('a', [1, pytest.param(5)])\n@pytest.mark.parametrize('b', [0, 2])\n"
+    "def test_grid(a, b):\n    assert add(a, b) == a + b\n",
+    # a pytest-style class
+    "class TestAdd:\n    def setup_method(self, method):\n        self.x = 2\n\n"
+    "    def test_add(self):\n        assert add(self.x, 1) == 3\n",
+    # unittest cases without unittest.main() (BigCodeBench)
+    "import unittest\n\nclass TestCases(unittest.TestCase):\n    def test_add(self):\n"
+    "        self.assertEqual(add(1, 2), 3)\n",
+])
+def test_every_form_of_test_code_runs(tests):
+    """Defined and never called, these passed every program that defined the names (a wrong add scored 1.0)."""
+    spec = parse_tests(tests)
+    assert run_tests(ADD, spec, 10) == (1, 1)
+    assert run_tests(WRONG, spec, 10) == (0, 1)
+
+
+def test_tests_that_need_a_fixture_are_refused_by_name():
+    with pytest.raises(ValueError, match=r"test_out takes capsys, pytest fixtures this harness does not provide"):
+        parse_tests("def test_out(capsys):\n    print(1)\n    assert capsys.readouterr().out == '1\\n'\n")
+    with pytest.raises(ValueError, match=r"TestX.test_y takes data"):
+        parse_tests("class TestX:\n    def test_y(self, data):\n        assert data\n")
+    parse_tests("import pytest\n@pytest.mark.parametrize(['a'], [[1]])\ndef test_a(a, b=2):\n    assert a\n")
+
+
+def test_a_demo_block_stays_out_of_imported_tests():
+    """APPS', LiveCodeBench's and HumanEval's graders import or exec the program without running its
+    `if __name__ == "__main__":` block: unittest.main() there exited before the tests' end, input() hit EOF."""
+    with_main = ADD + "\nif __name__ == '__main__':\n    import unittest\n    print(add(int(input()), 1))\n"
+    assert get_reward("code_tests")(f"```python\n{with_main}```", ["assert add(1, 2) == 3"]) == 1.0
+    assert get_reward("code_tests")(f"```python\n{with_main}```",
+                                    {"fn_name": "add", "inputs": [[1, 2]], "outputs": [3]}) == 1.0
+    # a program read from standard input still runs as the script
+    script = "```python\nif __name__ == '__main__':\n    print(int(input()) + 1)\n```"
+    assert get_reward("code_tests")(script, [{"input": "1", "output": "2"}]) == 1.0
+
+
+def test_livecodebench_and_primeintellect_function_tests_call_the_function():
+    """Graded as standard input / output, a correct `class Solution` scored 0 and a program printing the expected
+    text 1."""
+    lcb = [{"input": "[2, 7, 11, 15]\n9", "output": "[0, 1]", "testtype": "functional",
+            "metadata": {"func_name": "twoSum"}},
+           {"input": "[3, 2, 4]\n6", "output": "[1, 2]", "testtype": "functional", "metadata": {"func_name": "twoSum"}},
+           {"input": "1 2", "output": "3", "testtype": "stdin"}]
+    solution = ("```python\nclass Solution:\n    def twoSum(self, nums, target):\n"
+                "        seen = {}\n        for i, x in enumerate(nums):\n"
+                "            if target - x in seen:\n                return [seen[target - x], i]\n"
+                "            seen[x] = i\n\nif __name__ == '__main__':\n"
+                "    a, b = map(int, input().split())\n    print(a + b)\n```")
+    assert get_reward("code_tests")(solution, json.dumps(lcb)) == 1.0
+    assert get_reward("code_tests_frac")("```python\nprint('[0, 1]')\n```", json.dumps(lcb)) == 0.0
+    prime = [{"type": "function_call", "fn_name": "add", "input": [1, 2], "output": [3]}]
+    assert get_reward("code_tests")(f"```python\n{ADD}```", prime) == 1.0
+    assert get_reward("code_tests")("```python\nprint(int(input()) + 2)\n```", prime) == 0.0
+    with pytest.raises(ValueError, match="names no function"):
+        parse_tests([{"input": "1", "output": "1", "testtype": "functional"}])
+
+
+def test_a_function_that_prints_without_a_newline_still_returns_its_value():
+    prog = "```python\ndef add(a, b):\n    print('adding', end='')\n    return a + b\n```"
+    assert get_reward("code_tests")(prog, {"fn_name": "add", "inputs": [[1, 2]], "outputs": [3]}) == 1.0
+
+
+@pytest.mark.parametrize("got, want, same", [
+    ("0.3333333333333333\n", "0.333333333\n", True),  # within 1e-6 of an expected fraction
+    ("0.5\n", "0.500000", True),
+    ("2.0", "2", True),  # equal numbers
+    (" 3", "3", True), ("1  2\n\n", "1 2", True), ("\n1 2", "1 2\n", True),  # whitespace around and between
+    ("3\r\n4", "3\n4", True),
+    ("0.334", "0.333333333", False),  # past the tolerance
+    ("3.0000001", "3", False),  # an integer expected: only itself
+    ("1 2", "12", False), ("1\n2", "1 2", False), ("12", "1 2", False),  # tokens and lines still count
+    ("abc", "ABC", False), ("nan", "0.5", False), ("1e999999999", "1.5", False), ("", "0", False),
+])
+def test_standard_output_compares_by_tokens_and_numbers(got, want, same):
+    assert same_output(got, want) is same
+
+
+def test_a_draft_inside_the_thinking_is_not_the_program():
+    draft = "<think>\n```python\nprint(int(input()) + 2)\n```\nno, one more</think>\n"
+    tests = [{"input": "1", "output": "3"}]
+    assert get_reward("code_tests")(draft + "```python\nprint(int(input()) + 2)\n```", tests) == 1.0
+    assert get_reward("code_tests")(draft + "So that is it.", tests) == 0.0
+    assert get_reward("code_tests")("<think>\n```python\nprint(int(input()) + 2)\n```\nlet me check", tests) == 0.0
