@@ -19,7 +19,9 @@ WRONG = "def add(a, b):\n    return 0\n"
     "import pytest\nfrom solution import add\n\n@pytest.mark.parametrize('a, b, s', [(1, 2, 3), (2, 2, 4)])\n"
     "def test_add(a, b, s):\n    assert add(a, b) == s\n\n"
     "@pytest.mark.parametrize('a', [1, pytest.param(5)])\n@pytest.mark.parametrize('b', [0, 2])\n"
-    "def test_grid(a, b):\n    assert add(a, b) == a + b\n",
+    "def test_grid(a, b):\n    assert add(a, b) == a + b\n\n"
+    "@pytest.mark.parametrize(argnames='a', argvalues=[1, 2], ids=['one', 'two'])\n"
+    "def test_named(a):\n    assert add(a, 0) == a\n",
     # a pytest-style class
     "class TestAdd:\n    def setup_method(self, method):\n        self.x = 2\n\n"
     "    def test_add(self):\n        assert add(self.x, 1) == 3\n",

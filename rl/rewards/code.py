@@ -139,7 +139,8 @@ def cases(fn):  # the keyword arguments of each call: pytest's parametrize marks
     for mark in reversed(getattr(fn, "pytestmark", [])):
         if getattr(mark, "name", "") != "parametrize":
             continue
-        names, values = mark.args[0], mark.args[1]
+        given = {**dict(zip(("argnames", "argvalues"), mark.args)), **getattr(mark, "kwargs", {})}
+        names, values = given["argnames"], given["argvalues"]
         names = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
         rows = []
         for v in values:
@@ -260,8 +261,8 @@ def _parametrized(fn: ast.FunctionDef) -> set[str] | None:
     by a literal (unknown here)."""
     names: set[str] = set()
     for d in fn.decorator_list:
-        if isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute) and d.func.attr == "parametrize" and d.args:
-            given = d.args[0]
+        if isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute) and d.func.attr == "parametrize":
+            given = d.args[0] if d.args else next((k.value for k in d.keywords if k.arg == "argnames"), None)
             if isinstance(given, ast.Constant) and isinstance(given.value, str):
                 names |= {n.strip() for n in given.value.split(",")}
             elif isinstance(given, (ast.List, ast.Tuple)) and all(
