@@ -44,6 +44,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, Union
@@ -152,9 +153,12 @@ def _detect(path: Path, first: Mapping, first_row: int, layout: str, prompt_key:
     return layout, prompt_key, answer_key
 
 
+_GSM8K_END = re.compile(r"\n####[ \t]*\$?-?\d[\d,]*(?:\.\d+)?\s*$")
+
+
 def _is_gsm8k_solution(answer: Any) -> bool:
-    """A worked solution that ends on GSM8K's ``#### <answer>`` line."""
-    return isinstance(answer, str) and "\n####" in answer
+    """A worked solution that ends on GSM8K's ``#### <number>`` line (not a Markdown heading or a comment banner)."""
+    return isinstance(answer, str) and _GSM8K_END.search(answer) is not None
 
 
 def _gsm8k_final(text: str) -> str | None:

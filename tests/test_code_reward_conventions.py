@@ -28,6 +28,29 @@ WRONG = "def add(a, b):\n    return 0\n"
     # unittest cases without unittest.main() (BigCodeBench)
     "import unittest\n\nclass TestCases(unittest.TestCase):\n    def test_add(self):\n"
     "        self.assertEqual(add(1, 2), 3)\n",
+    # found by a review of the change that ran the forms above
+    # checks run under the test script's own main guard (it ran as module `solution`: every program passed)
+    "def check_add():\n    assert add(1, 2) == 3\n\nif __name__ == '__main__':\n    check_add()\n",
+    # a test_* helper with arguments that the tests call themselves (refused as taking fixtures)
+    "def test_case(a, b, expected):\n    assert add(a, b) == expected\n\ntest_case(1, 2, 3)\ntest_case(0, 0, 0)\n",
+    # BigCodeBench: unittest cases whose methods mock.patch decorates (refused, or with every method decorated,
+    # never run)
+    "import unittest\nfrom unittest.mock import patch\n\nclass TestCases(unittest.TestCase):\n"
+    "    @patch('os.listdir')\n    def test_add(self, listdir):\n        self.assertEqual(add(1, 2), 3)\n",
+    "import unittest\nfrom unittest.mock import patch\n\nclass TestCases(unittest.TestCase):\n"
+    "    @patch('os.sep', new='/')\n    def test_add(self):\n        self.assertEqual(add(1, 2), 3)\n",
+    # pytest's skip / xfail, one name listed (values unpacked), a trailing comma, class and function set-ups,
+    # tests inherited from a base class
+    "import pytest\n\n@pytest.mark.skip(reason='later')\ndef test_skipped():\n    assert False\n\n"
+    "@pytest.mark.parametrize('a', [1, pytest.param(9, marks=pytest.mark.xfail)])\ndef test_x(a):\n"
+    "    assert add(a, 0) == a and a != 9\n\n"
+    "@pytest.mark.parametrize(['a'], [(1,), (2,)])\ndef test_listed(a):\n    assert add(a, a) == 2 * a\n\n"
+    "@pytest.mark.parametrize('a,', [3])\ndef test_comma(a):\n    assert add(a, 1) == 4\n\n"
+    "ready = []\ndef setup_function(fn):\n    ready.append(fn.__name__)\n\ndef test_setup():\n"
+    "    assert ready and add(2, 2) == 4\n\n"
+    "class Base:\n    def test_inherited(self):\n        assert add(2, 3) == 5\n\n"
+    "class TestAll(Base):\n    @classmethod\n    def setup_class(cls):\n        cls.k = 7\n\n"
+    "    def test_k(self):\n        assert add(self.k, 0) == 7\n",
 ])
 def test_every_form_of_test_code_runs(tests):
     """Defined and never called, these passed every program that defined the names (a wrong add scored 1.0)."""
@@ -103,3 +126,17 @@ def test_a_draft_inside_the_thinking_is_not_the_program():
     assert get_reward("code_tests")(draft + "```python\nprint(int(input()) + 2)\n```", tests) == 1.0
     assert get_reward("code_tests")(draft + "So that is it.", tests) == 0.0
     assert get_reward("code_tests")("<think>\n```python\nprint(int(input()) + 2)\n```\nlet me check", tests) == 0.0
+
+
+def test_a_leetcode_signature_needs_no_import_of_its_types():
+    """LiveCodeBench's and APPS' graders run the program after `from typing import *` and the like: a starter
+    signature `prices: List[int]` without its import scored 0 (a NameError)."""
+    prog = ("```python\nclass Solution:\n    def maxProfit(self, prices: List[int]) -> int:\n"
+            "        return max(b - a for a, b in combinations(prices, 2))\n```")
+    lcb = [{"input": "[7, 1, 5]", "output": "4", "testtype": "functional", "metadata": {"func_name": "maxProfit"}}]
+    assert get_reward("code_tests")(prog, lcb) == 1.0
+
+
+def test_a_program_that_prints_the_tag_is_still_graded():
+    """Only a completion that begins with <think> and never closes it has no answer part."""
+    assert get_reward("code_tests")("```python\nprint('<think>')\n```", [{"input": "", "output": "<think>"}]) == 1.0

@@ -68,6 +68,11 @@ def test_gsm8k_solutions_under_chat_prompts_are_read_as_gsm8k(tmp_path):
     assert [r.answer for r in recs] == ["7", "1234"] and recs[0].meta["layout"] == "gsm8k"
     plain = [{"prompt": "p", "answer": "a #### sign"}, {"prompt": "q", "answer": "12"}]  # no #### line: plain
     assert [r.answer for r in load_prompts(write_jsonl(tmp_path / "plain.jsonl", plain))] == ["a #### sign", "12"]
+    # a review: a comment banner or a Markdown heading is not GSM8K's final line (the plain layout as before)
+    for text in ("def f(a, b):\n    return a, b\n########## tests ##########\nassert f(1, 2) == (1, 2)",
+                 "Solve.\n#### Step 1\nSo $\\boxed{(1, 2)}$"):
+        rows = [{"prompt": [{"role": "user", "content": "p"}], "answer": text}]
+        assert load_prompts(write_jsonl(tmp_path / "banner.jsonl", rows))[0].answer == text
 
 
 def test_plain_jsonl_and_numeric_answer(tmp_path):

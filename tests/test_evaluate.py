@@ -309,6 +309,7 @@ def test_update_kept_keeps_the_k_highest_earliest_first_on_ties():
 
 def test_checkpoints_remember_the_best_and_resume_keeps_it():
     from rl.resume_checks import trained_under
+    from rl.skipped_updates import SkippedUpdates
     from rl.trainer import GRPOTrainer
 
     saved = {}
@@ -355,6 +356,7 @@ def test_checkpoints_remember_the_best_and_resume_keeps_it():
         t.kept = []
         t.ahead = None  # on-policy: no draw in flight (rl.ahead)
         t.reference, t.reference_step = None, 0  # no KL reference
+        t.skipped_updates = SkippedUpdates(0, 1)  # its count of skipped steps goes with the checkpoint
         t.trained_under = trained_under(t.cfg)  # what each checkpoint records of the config (rl.resume_checks)
         return t
 

@@ -280,6 +280,9 @@ def test_math_verify_reward(completion, answer, expected):
     ("\\boxed{3}", "2 eggs", 0.0, {}),
     ("\\boxed{2}", "2 pi", 0.0, {}),  # a function, not a unit: the text as written
     ("\\boxed{2}", "2 and 3", 0.0, {}),
+    # a Markdown heading is no GSM8K answer line (a review: "#### Verification" after the box replaced it)
+    ("\\boxed{42}\n\n#### Verification\nChecking: 40 + 2 = 42.", "42", 1.0, {}),
+    ("So it is 1,234.\n#### $1,234.", "1234", 1.0, {}),
 ])
 def test_math_verify_grades_the_answer_a_completion_ends_on(completion, answer, expected, kw):
     assert get_reward("math_verify")(completion, answer, timeout_s=5, **kw) == expected

@@ -11,7 +11,8 @@ forms the public code-RL sets use:
   equal to the expected one or within 1e-6 (absolute or relative) of an expected fraction;
 - call-based: ``{"fn_name": "f", "inputs": [[args...], ...], "outputs": [...]}``, a listed test that names its
   ``fn_name`` (PrimeIntellect's), or LiveCodeBench's ``"testtype": "functional"`` (the function in
-  ``metadata.func_name``, one JSON argument a line): ``f(*args)``, or ``Solution().f(*args)`` where the program
+  ``metadata.func_name``, one JSON argument a line): ``f(*args)`` after the stdlib names LiveCodeBench's grader
+  gives a program (``from typing import *`` and the like), or ``Solution().f(*args)`` where the program
   defines no ``f`` but a LeetCode-style ``class Solution`` (as APPS' checker calls it), compared with ``==`` after a
   JSON round trip (an expected ``[value]`` also matches ``value``, as APPS wraps them; ``true`` equals only
   ``true``, not ``1``);
@@ -19,14 +20,17 @@ forms the public code-RL sets use:
   string (HumanEval-style test code: its ``check(candidate)`` is called with the row's ``entry_point``): each runs
   after the program and passes when the process exits with 0; the tests it defines are then run: ``test*``
   functions (pytest style, KodCode's, whose ``from solution import f`` imports the program) with their
-  ``pytest.mark.parametrize`` cases, the ``test*`` methods of ``Test*`` classes, and ``unittest.TestCase`` classes
-  (BigCodeBench's); a test that takes a pytest fixture is refused by name. The assertions compare plain copies of
+  ``pytest.mark.parametrize`` cases (less those marked skip / xfail), the ``test*`` methods of ``Test*`` classes
+  (inherited ones too; ``setup_class`` / ``setup_method``, and ``setup_function``), and ``unittest.TestCase``
+  classes (BigCodeBench's); a test that takes a pytest fixture is refused by name, a ``test*`` function the test
+  code calls itself is its helper. The assertions compare plain copies of
   the program's values (rl.rewards.code_asserts): an object of the program's that equals everything passes none of
   them. Test code that holds no assert, raise or ``assert*`` call is refused, as is a spec with no test, and
   HumanEval's ``check`` without an entry point: every program would pass.
 
 Under call-based and assert tests the program runs as a module (``solution``), not as the script: its
-``if __name__ == "__main__":`` block stays out of them, as the graders import it.
+``if __name__ == "__main__":`` block stays out of them, as the graders import it (the test code itself runs as
+the script).
 
 ``code_tests`` is 1 when every test passes (DeepCoder's sparse reward), ``code_tests_frac`` the share passed.
 
@@ -123,57 +127,84 @@ def main():
         exec(code, module.__dict__)
         return
     mode, _, check = check.partition("\n")
+    if mode == "call":  # the names LiveCodeBench's and APPS' graders give a program (List of a LeetCode signature)
+        exec(IMPORTS, module.__dict__)
     exec(code, module.__dict__)
     if mode == "call":  # the call of a call-based test, which prints its value
         exec(compile(check, "<call>", "exec"), module.__dict__)
         return
     finished, _, check = check.partition("\n")
+    module.__dict__["__name__"] = "__main__"  # the tests run as the script: their own `if __name__ == ...` checks run
     exec(compile(check, "<tests>", "exec"), module.__dict__)
-    run_defined_tests(module.__dict__)
+    run_defined_tests(module.__dict__, check)
     print(finished)
-def mine(value):  # defined by the tests (not imported by the program)
-    c = getattr(value, "__code__", None)
-    return c is not None and c.co_filename == "<tests>"
+IMPORTS = ("from string import *\nfrom re import *\nfrom datetime import *\nfrom collections import *\n"
+           "from heapq import *\nfrom bisect import *\nfrom copy import *\nfrom math import *\nfrom random import *\n"
+           "from statistics import *\nfrom itertools import *\nfrom functools import *\nfrom operator import *\n"
+           "from io import *\nfrom sys import *\nfrom json import *\nfrom builtins import *\nfrom typing import *\n"
+           "import string, re, datetime, collections, heapq, bisect, copy, math, random, statistics, itertools\n"
+           "import functools, operator, io, sys, json\nsys.setrecursionlimit(50000)\n")
+def skipped(marks):  # pytest's skip, xfail, skipif (a condition given as text taken as true)
+    return any(getattr(m, "name", "") in ("skip", "xfail") or getattr(m, "name", "") == "skipif"
+               and (not m.args or bool(m.args[0])) for m in marks or ())
 def cases(fn):  # the keyword arguments of each call: pytest's parametrize marks, stacked as a product
+    marks = getattr(fn, "pytestmark", [])
+    if skipped(marks):
+        return []
     calls = [{}]
-    for mark in reversed(getattr(fn, "pytestmark", [])):
+    for mark in reversed(marks):
         if getattr(mark, "name", "") != "parametrize":
             continue
         given = {**dict(zip(("argnames", "argvalues"), mark.args)), **getattr(mark, "kwargs", {})}
-        names, values = given["argnames"], given["argvalues"]
-        names = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
+        names, text = given["argnames"], isinstance(given["argnames"], str)
+        names = [n.strip() for n in names.split(",") if n.strip()] if text else list(names)
         rows = []
-        for v in values:
-            given = getattr(v, "values", None)  # pytest.param(...): its values, always a tuple
-            if given is None:
-                given = tuple(v) if len(names) > 1 else (v,)
-            rows.append(dict(zip(names, given)))
+        for v in given["argvalues"]:
+            values = getattr(v, "values", None)  # pytest.param(...): its values, always a tuple
+            if values is None:  # one name given as text takes each value whole (pytest's rule), else a tuple of them
+                values = (v,) if text and len(names) == 1 else tuple(v)
+            elif skipped(getattr(v, "marks", ())):
+                continue
+            rows.append(dict(zip(names, values)))
         calls = [{**c, **r} for c in calls for r in rows]
     return calls
-def run_defined_tests(ns):
+def takes(fn, kw):  # fn can be called with kw alone (a helper the tests call themselves cannot)
+    import inspect
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return all(p.name in kw or p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params)
+def run_defined_tests(ns, check):
     # pytest-style tests (KodCode's) and unittest cases (BigCodeBench's) are defined, never called: every program
-    # passed them until they ran here
-    import unittest
-    for name, value in list(ns.items()):
+    # passed them until they ran here. The tests' own are the names their code defines (the program's are not run).
+    import ast, unittest
+    own = [n.name for n in ast.parse(check).body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+    hook = lambda name, *a: ns[name](*a) if name in own and callable(ns.get(name)) else None
+    for name in dict.fromkeys(own):
+        value = ns.get(name)
         if isinstance(value, type) and issubclass(value, unittest.TestCase):
-            if any(mine(v) for v in vars(value).values()):
-                result = unittest.TestResult()
-                unittest.defaultTestLoader.loadTestsFromTestCase(value).run(result)
-                if not result.wasSuccessful():
-                    raise AssertionError(name + " failed")
+            result = unittest.TestResult()
+            unittest.defaultTestLoader.loadTestsFromTestCase(value).run(result)
+            if not result.wasSuccessful():
+                raise AssertionError(name + " failed")
         elif isinstance(value, type) and name.startswith("Test"):
-            for attr, method in list(vars(value).items()):
-                if attr.startswith("test") and mine(method):
-                    for kw in cases(method):
-                        case = value()
-                        if hasattr(case, "setup_method"):
-                            case.setup_method(getattr(case, attr))
-                        getattr(case, attr)(**kw)
-                        if hasattr(case, "teardown_method"):
-                            case.teardown_method(getattr(case, attr))
-        elif name.startswith("test") and mine(value):
+            getattr(value, "setup_class", lambda: None)()
+            for attr in [a for a in dir(value) if a.startswith("test") and callable(getattr(value, a))]:
+                for kw in cases(getattr(value, attr)):
+                    case = value()
+                    method = getattr(case, attr)
+                    if takes(method, kw):
+                        getattr(case, "setup_method", lambda m: None)(method)
+                        method(**kw)
+                        getattr(case, "teardown_method", lambda m: None)(method)
+            getattr(value, "teardown_class", lambda: None)()
+        elif name.startswith("test") and callable(value):
             for kw in cases(value):
-                value(**kw)
+                if takes(value, kw):
+                    hook("setup_function", value)
+                    value(**kw)
+                    hook("teardown_function", value)
 main()
 """
 _CALL = """
@@ -275,10 +306,15 @@ def _parametrized(fn: ast.FunctionDef) -> set[str] | None:
 
 def _fixtures(tree: ast.Module) -> list[tuple[str, list[str]]]:
     """(test, the arguments it takes that nothing gives) for the test functions the harness calls: top-level
-    `test*` functions and `test*` methods of `Test*` classes (not unittest's, which take none)."""
-    tests = [(n.name, n, 0) for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test")]
+    `test*` functions the test code does not call itself, and `test*` methods of `Test*` classes that are not
+    unittest's."""
+    called = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    tests = [(n.name, n, 0) for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test")
+             and n.name not in called]  # one the tests call themselves is a helper (test_case(a, b, expected))
     tests += [(f"{c.name}.{m.name}", m, 1) for c in tree.body
-              if isinstance(c, ast.ClassDef) and c.name.startswith("Test")
+              if isinstance(c, ast.ClassDef) and c.name.startswith("Test") and not any(
+                  (b.attr if isinstance(b, ast.Attribute) else getattr(b, "id", "")).endswith("TestCase")
+                  for b in c.bases)  # unittest gives its methods' arguments (mock.patch) itself
               for m in c.body if isinstance(m, ast.FunctionDef) and m.name.startswith("test")]
     out = []
     for name, fn, skip in tests:

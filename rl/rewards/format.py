@@ -24,12 +24,13 @@ _THINK_START, _THINK_END = "<think>", "</think>"
 
 def answer_scope(text: str) -> str | None:
     """The part of a completion that states its answer: after its last ``</think>`` where the model closed its
-    thinking (a box it tried while thinking is not its answer); None where it opened ``<think>`` and never closed it
-    (cut off while thinking: it has stated no answer); else the whole text."""
+    thinking (a box it tried while thinking is not its answer); None where it began with ``<think>`` and never
+    closed it (cut off while thinking: it has stated no answer); else the whole text (one that merely mentions the
+    tag, a program printing it say, included)."""
     end = text.rfind(_THINK_END)
     if end >= 0:
         return text[end + len(_THINK_END):]
-    return None if _THINK_START in text else text
+    return None if text.lstrip().startswith(_THINK_START) else text
 
 
 def box_starts(text: str) -> list[int]:

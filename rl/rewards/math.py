@@ -52,7 +52,8 @@ _ANSWER_LINE = re.compile(r"^[ \t*#_]*answer[ \t*_]*:[ \t*]*(\S(?:.*\S)?)[^\S\n]
 _FULL_STOP = re.compile(r"(?<=[0-9A-Za-z})\]])\.\s*$")
 # Thousands separated by a LaTeX space (1\,000, 1\ 000, 1~000); 1{,}000 is left alone: a decimal comma too.
 _DIGIT_GROUP_SPACE = re.compile(r"(?<=\d)(?:\\[,;:! ]|~)(?=\d{3}(?!\d))")
-_GSM8K_LINE = re.compile(r"^[ \t]*####[ \t]*(\S(?:.*\S)?)[^\S\n]*$", re.MULTILINE)
+# GSM8K's final line, "#### 72": a number, so a Markdown heading ("#### Verification") is not one (a review)
+_GSM8K_LINE = re.compile(r"^[ \t]*####[ \t]*(\$?-?\d[\d,]*(?:\.\d+)?)\.?[^\S\n]*$", re.MULTILINE)
 # A reference of a number and plain words after it ("2 eggs", "18 dollars"): math-verify read the words as symbols
 # (2*E*g*g*s) that no prediction equals, so every sample scored 0 and no failure was counted (an audit). Words are
 # units there and the number is the answer, unless one of them is a connective or a function ("2 and 3", "2 pi").
