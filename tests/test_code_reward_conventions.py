@@ -51,6 +51,19 @@ WRONG = "def add(a, b):\n    return 0\n"
     "class Base:\n    def test_inherited(self):\n        assert add(2, 3) == 5\n\n"
     "class TestAll(Base):\n    @classmethod\n    def setup_class(cls):\n        cls.k = 7\n\n"
     "    def test_k(self):\n        assert add(self.k, 0) == 7\n",
+    # and by a second review
+    "import unittest\n\nclass TestCases(unittest.TestCase):\n    def test_add(self):\n"
+    "        self.assertEqual(add(1, 2), 3)\n\nif __name__ == '__main__':\n    unittest.main()\n",
+    "class TestA:\n    def setup_class(cls):\n        cls.k = 1\n\n    def setup_method(self):\n        self.j = 2\n\n"
+    "    def test_a(self):\n        assert add(self.k, self.j) == 3\n\n"
+    "def setup_function():\n    pass\n\ndef test_b():\n    assert add(1, 1) == 2\n",
+    "import pytest, sys\n\n@pytest.mark.skipif(condition=False, reason='runs')\ndef test_a():\n"
+    "    assert add(1, 2) == 3\n\n"
+    "@pytest.mark.skipif('sys.version_info < (3, 0)')\ndef test_b():\n    assert add(2, 2) == 4\n",
+    "from unittest.mock import patch\n\n@patch('os.getcwd')\ndef test_a(getcwd):\n    assert add(1, 2) == 3\n",
+    "import unittest\nfrom unittest.mock import patch\n\nclass Base(unittest.TestCase):\n    pass\n\n"
+    "class TestCases(Base):\n    @patch('os.getcwd')\n    def test_a(self, getcwd):\n"
+    "        self.assertEqual(add(1, 2), 3)\n",
 ])
 def test_every_form_of_test_code_runs(tests):
     """Defined and never called, these passed every program that defined the names (a wrong add scored 1.0)."""
@@ -140,3 +153,30 @@ def test_a_leetcode_signature_needs_no_import_of_its_types():
 def test_a_program_that_prints_the_tag_is_still_graded():
     """Only a completion that begins with <think> and never closes it has no answer part."""
     assert get_reward("code_tests")("```python\nprint('<think>')\n```", [{"input": "", "output": "<think>"}]) == 1.0
+
+
+# A second review of the harness: programs that passed it with a wrong answer.
+UNITTEST = ("import unittest\n\nclass TestCases(unittest.TestCase):\n    def test_add(self):\n"
+            "        self.assertEqual(add(1, 2), 3)\n")
+PYTEST = "import pytest\n\n@pytest.mark.parametrize('a', [1, 2])\ndef test_add(a):\n    assert add(a, 0) == a + 0\n"
+
+
+@pytest.mark.parametrize("cheat, tests", [
+    ("import unittest\ndef add(a, b):\n    raise unittest.SkipTest('later')\n", UNITTEST),
+    ("import unittest\nunittest.TestResult.wasSuccessful = lambda self: True\n" + WRONG, UNITTEST),
+    ("import inspect\n_s = inspect.signature\n"
+     "inspect.signature = lambda f, *a, **k: _s(lambda x, y, z: 0)\n" + WRONG, PYTEST),
+    ("import pytest\n_skip = pytest.mark.skip\nclass M:\n    def __getattr__(self, name):\n"
+     "        return _skip\npytest.mark = M()\n" + WRONG, PYTEST),  # every test marked skip: "no test ran"
+])
+def test_a_program_cannot_skip_or_pass_the_tests_by_rewriting_the_runner(cheat, tests):
+    assert run_tests(cheat, parse_tests(tests), 10) == (0, 1)
+
+
+def test_call_based_tests_prefer_the_solution_class_and_ignore_a_rebound_print():
+    search = ("```python\nclass Solution:\n    def search(self, nums, target):\n"
+              "        return nums.index(target) if target in nums else -1\n```")
+    spec = {"fn_name": "search", "inputs": [[[4, 5, 6, 7, 0, 1, 2], 0]], "outputs": [4]}
+    assert get_reward("code_tests")(search, spec) == 1.0  # not re.search of the graders' imports
+    rebound = "```python\nimport sys\nprint = lambda x: sys.stdout.write(str(x) + '\\n')\n" + ADD + "```"
+    assert get_reward("code_tests")(rebound, {"fn_name": "add", "inputs": [[1, 2]], "outputs": [3]}) == 1.0

@@ -280,6 +280,7 @@ def test_math_verify_reward(completion, answer, expected):
     ("\\boxed{3}", "2 eggs", 0.0, {}),
     ("\\boxed{2}", "2 pi", 0.0, {}),  # a function, not a unit: the text as written
     ("\\boxed{2}", "2 and 3", 0.0, {}),
+    ("\\boxed{5}", "5 million", 0.0, {}),  # a multiplier, not a unit
     # a Markdown heading is no GSM8K answer line (a review: "#### Verification" after the box replaced it)
     ("\\boxed{42}\n\n#### Verification\nChecking: 40 + 2 = 42.", "42", 1.0, {}),
     ("So it is 1,234.\n#### $1,234.", "1234", 1.0, {}),
@@ -296,6 +297,7 @@ def test_many_unclosed_boxes_are_read_in_linear_time():
     assert extract_final_answer("\\boxed{" * 8000) is None
     assert extract_final_answer("\\boxed{" * 8000 + "\\boxed{7}") == "7"
     assert extract_final_answer("\\boxed{1} " + "\\boxed{" * 8000) == "1"
+    assert extract_final_answer("\\boxed{" * 8000 + "5" + "}" * 8000) == "5"  # nested: 21 s and 710 MB (a review)
     assert time.perf_counter() - t0 < 0.5
 
 

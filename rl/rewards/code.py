@@ -12,8 +12,8 @@ forms the public code-RL sets use:
 - call-based: ``{"fn_name": "f", "inputs": [[args...], ...], "outputs": [...]}``, a listed test that names its
   ``fn_name`` (PrimeIntellect's), or LiveCodeBench's ``"testtype": "functional"`` (the function in
   ``metadata.func_name``, one JSON argument a line): ``f(*args)`` after the stdlib names LiveCodeBench's grader
-  gives a program (``from typing import *`` and the like), or ``Solution().f(*args)`` where the program
-  defines no ``f`` but a LeetCode-style ``class Solution`` (as APPS' checker calls it), compared with ``==`` after a
+  gives a program (``from typing import *`` and the like), or first ``Solution().f(*args)`` where the program
+  defines a LeetCode-style ``class Solution`` with that method (as APPS' checker calls it), compared with ``==`` after a
   JSON round trip (an expected ``[value]`` also matches ``value``, as APPS wraps them; ``true`` equals only
   ``true``, not ``1``);
 - assertions: ``{"asserts": ["assert f(1) == 2", ...]}``, a list of such strings (MBPP's test_list), or one
@@ -22,8 +22,11 @@ forms the public code-RL sets use:
   functions (pytest style, KodCode's, whose ``from solution import f`` imports the program) with their
   ``pytest.mark.parametrize`` cases (less those marked skip / xfail), the ``test*`` methods of ``Test*`` classes
   (inherited ones too; ``setup_class`` / ``setup_method``, and ``setup_function``), and ``unittest.TestCase``
-  classes (BigCodeBench's); a test that takes a pytest fixture is refused by name, a ``test*`` function the test
-  code calls itself is its helper. The assertions compare plain copies of
+  classes (BigCodeBench's; ``unittest.main()`` at their end runs them without exiting); a test that takes a pytest
+  fixture is refused by name, a ``test*`` function the test code calls itself is its helper. A test skipped by a
+  ``SkipTest`` raised while it runs fails, as does test code none of whose tests ran. What the runner uses is bound
+  before the program runs (a program rebinding ``inspect.signature`` or ``TestResult.wasSuccessful`` passed them);
+  one rewriting their internals still can: this is not a sandbox. The assertions compare plain copies of
   the program's values (rl.rewards.code_asserts): an object of the program's that equals everything passes none of
   them. Test code that holds no assert, raise or ``assert*`` call is refused, as is a spec with no test, and
   HumanEval's ``check`` without an entry point: every program would pass.
@@ -129,14 +132,16 @@ def main():
     mode, _, check = check.partition("\n")
     if mode == "call":  # the names LiveCodeBench's and APPS' graders give a program (List of a LeetCode signature)
         exec(IMPORTS, module.__dict__)
+    runner = Runner()  # before the program runs, which could rebind what it uses
     exec(code, module.__dict__)
     if mode == "call":  # the call of a call-based test, which prints its value
         exec(compile(check, "<call>", "exec"), module.__dict__)
         return
     finished, _, check = check.partition("\n")
     module.__dict__["__name__"] = "__main__"  # the tests run as the script: their own `if __name__ == ...` checks run
+    runner.guard_main()
     exec(compile(check, "<tests>", "exec"), module.__dict__)
-    run_defined_tests(module.__dict__, check)
+    runner.run(module.__dict__, check)
     print(finished)
 IMPORTS = ("from string import *\nfrom re import *\nfrom datetime import *\nfrom collections import *\n"
            "from heapq import *\nfrom bisect import *\nfrom copy import *\nfrom math import *\nfrom random import *\n"
@@ -144,76 +149,131 @@ IMPORTS = ("from string import *\nfrom re import *\nfrom datetime import *\nfrom
            "from io import *\nfrom sys import *\nfrom json import *\nfrom builtins import *\nfrom typing import *\n"
            "import string, re, datetime, collections, heapq, bisect, copy, math, random, statistics, itertools\n"
            "import functools, operator, io, sys, json\nsys.setrecursionlimit(50000)\n")
-def skipped(marks):  # pytest's skip, xfail, skipif (a condition given as text taken as true)
-    return any(getattr(m, "name", "") in ("skip", "xfail") or getattr(m, "name", "") == "skipif"
-               and (not m.args or bool(m.args[0])) for m in marks or ())
-def cases(fn):  # the keyword arguments of each call: pytest's parametrize marks, stacked as a product
-    marks = getattr(fn, "pytestmark", [])
-    if skipped(marks):
-        return []
-    calls = [{}]
-    for mark in reversed(marks):
-        if getattr(mark, "name", "") != "parametrize":
-            continue
-        given = {**dict(zip(("argnames", "argvalues"), mark.args)), **getattr(mark, "kwargs", {})}
-        names, text = given["argnames"], isinstance(given["argnames"], str)
-        names = [n.strip() for n in names.split(",") if n.strip()] if text else list(names)
-        rows = []
-        for v in given["argvalues"]:
-            values = getattr(v, "values", None)  # pytest.param(...): its values, always a tuple
-            if values is None:  # one name given as text takes each value whole (pytest's rule), else a tuple of them
-                values = (v,) if text and len(names) == 1 else tuple(v)
-            elif skipped(getattr(v, "marks", ())):
+class Runner:
+    # Runs the tests the test code defines and never calls: pytest-style tests (KodCode's) and unittest cases
+    # (BigCodeBench's) passed every program until they ran here. What it uses is bound before the program runs (a
+    # program rebinding inspect.signature or TestResult.wasSuccessful skipped or passed them; one rewriting their
+    # internals still can: not a sandbox).
+    def __init__(self):
+        import ast, inspect, unittest
+        self.ast, self.signature, self.unittest = ast, inspect.signature, unittest
+        self.TestCase, self.TestResult, self.TestProgram = unittest.TestCase, unittest.TestResult, unittest.TestProgram
+        self.loader = unittest.TestLoader()
+    def successful(self, result):
+        # a skip the test's own decorator asks for is one; a SkipTest raised while it runs (by the program) fails
+        raised = [t for t, _ in result.skipped if not (getattr(type(t), "__unittest_skip__", False) or getattr(
+            getattr(type(t), getattr(t, "_testMethodName", ""), None), "__unittest_skip__", False))]
+        return not (result.failures or result.errors or result.unexpectedSuccesses or raised)
+    def guard_main(self):  # unittest.main() closing the test code: its cases run, and it does not exit
+        program, successful = self.TestProgram, self.successful
+        def main(*args, **kwargs):
+            kwargs["exit"] = False
+            if not successful(program(*args, **kwargs).result):
+                raise AssertionError("unittest.main: a test failed")
+        self.unittest.main = main
+    def params(self, fn):
+        try:
+            return list(self.signature(fn, follow_wrapped=False).parameters.values())
+        except (TypeError, ValueError):
+            return None
+    def optional(self, hook, arg):  # pytest's set-up hooks take their argument or none
+        if hook is not None:
+            hook(arg) if self.params(hook) else hook()
+    def takes(self, fn, kw):  # fn can be called with kw alone (mock.patch's wrapper gives its own arguments)
+        params = self.params(fn)
+        return params is None or all(p.name in kw or p.default is not p.empty
+                                     or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params)
+    def skipped(self, marks):  # pytest's skip, xfail and skipif (its condition, a text one evaluated as pytest does)
+        for m in marks or ():
+            name = getattr(m, "name", "")
+            if name in ("skip", "xfail"):
+                return True
+            if name == "skipif":
+                cond = m.args[0] if m.args else m.kwargs.get("condition", True)
+                if isinstance(cond, str):
+                    try:
+                        cond = eval(cond, {"os": os, "sys": sys, "platform": __import__("platform")})
+                    except Exception:
+                        cond = False
+                if cond:
+                    return True
+        return False
+    def cases(self, fn):  # the keyword arguments of each call: pytest's parametrize marks, stacked as a product
+        marks = getattr(fn, "pytestmark", [])
+        if self.skipped(marks):
+            return []
+        calls = [{}]
+        for mark in reversed(marks):
+            if getattr(mark, "name", "") != "parametrize":
                 continue
-            rows.append(dict(zip(names, values)))
-        calls = [{**c, **r} for c in calls for r in rows]
-    return calls
-def takes(fn, kw):  # fn can be called with kw alone (a helper the tests call themselves cannot)
-    import inspect
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return True
-    return all(p.name in kw or p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params)
-def run_defined_tests(ns, check):
-    # pytest-style tests (KodCode's) and unittest cases (BigCodeBench's) are defined, never called: every program
-    # passed them until they ran here. The tests' own are the names their code defines (the program's are not run).
-    import ast, unittest
-    own = [n.name for n in ast.parse(check).body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
-    hook = lambda name, *a: ns[name](*a) if name in own and callable(ns.get(name)) else None
-    for name in dict.fromkeys(own):
-        value = ns.get(name)
-        if isinstance(value, type) and issubclass(value, unittest.TestCase):
-            result = unittest.TestResult()
-            unittest.defaultTestLoader.loadTestsFromTestCase(value).run(result)
-            if not result.wasSuccessful():
-                raise AssertionError(name + " failed")
-        elif isinstance(value, type) and name.startswith("Test"):
-            getattr(value, "setup_class", lambda: None)()
-            for attr in [a for a in dir(value) if a.startswith("test") and callable(getattr(value, a))]:
-                for kw in cases(getattr(value, attr)):
-                    case = value()
-                    method = getattr(case, attr)
-                    if takes(method, kw):
-                        getattr(case, "setup_method", lambda m: None)(method)
+            given = {**dict(zip(("argnames", "argvalues"), mark.args)), **getattr(mark, "kwargs", {})}
+            names, text = given["argnames"], isinstance(given["argnames"], str)
+            names = [n.strip() for n in names.split(",") if n.strip()] if text else list(names)
+            rows = []
+            for v in given["argvalues"]:
+                values = getattr(v, "values", None)  # pytest.param(...): its values, always a tuple
+                if values is None:  # one name given as text takes each value whole (pytest's rule), else a tuple
+                    values = (v,) if text and len(names) == 1 else tuple(v)
+                elif self.skipped(getattr(v, "marks", ())):
+                    continue
+                rows.append(dict(zip(names, values)))
+            calls = [{**c, **r} for c in calls for r in rows]
+        return calls
+    def run(self, ns, check):
+        ast = self.ast
+        tree = ast.parse(check)
+        own = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]  # not the program's
+        called = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+        hook = lambda name: ns.get(name) if name in own else None
+        found = ran = 0
+        for name in dict.fromkeys(own):
+            value = ns.get(name)
+            if isinstance(value, type) and issubclass(value, self.TestCase):
+                result, suite = self.TestResult(), self.loader.loadTestsFromTestCase(value)
+                found += suite.countTestCases()
+                suite.run(result)
+                if not self.successful(result):
+                    raise AssertionError(name + " failed")
+                ran += result.testsRun
+            elif isinstance(value, type) and name.startswith("Test"):
+                self.optional(getattr(value, "setup_class", None), value)
+                for attr in [a for a in dir(value) if a.startswith("test") and callable(getattr(value, a))]:
+                    found += 1
+                    for kw in self.cases(getattr(value, attr)):
+                        case = value()
+                        method = getattr(case, attr)
+                        if not self.takes(method, kw):
+                            raise AssertionError(f"{name}.{attr} cannot be called")
+                        self.optional(getattr(case, "setup_method", None), method)
                         method(**kw)
-                        getattr(case, "teardown_method", lambda m: None)(method)
-            getattr(value, "teardown_class", lambda: None)()
-        elif name.startswith("test") and callable(value):
-            for kw in cases(value):
-                if takes(value, kw):
-                    hook("setup_function", value)
+                        self.optional(getattr(case, "teardown_method", None), method)
+                        ran += 1
+                self.optional(getattr(value, "teardown_class", None), value)
+            elif name.startswith("test") and callable(value):
+                found += name not in called
+                for kw in self.cases(value):
+                    if not self.takes(value, kw):
+                        if name in called:  # a helper the test code calls itself (test_case(a, b, expected))
+                            break
+                        raise AssertionError(name + " cannot be called")
+                    self.optional(hook("setup_function"), value)
                     value(**kw)
-                    hook("teardown_function", value)
+                    self.optional(hook("teardown_function"), value)
+                    ran += 1
+        if found and not ran:  # every test skipped: nothing checked the program (pytest.mark rewritten, say)
+            raise AssertionError("no test ran")
 main()
 """
 _CALL = """
 import json, sys
 _args = json.loads(sys.stdin.read())
-_fn = globals()[{fn!r}] if {fn!r} in globals() else getattr(globals()["Solution"](), {fn!r})
+# a LeetCode-style class Solution first, as APPS' and LiveCodeBench's graders call it (a method named search or merge
+# is not the stdlib's of the graders' imports)
+_cls = globals().get("Solution")
+_fn = getattr(_cls(), {fn!r}) if isinstance(_cls, type) and hasattr(_cls, {fn!r}) else globals()[{fn!r}]
 _value = _fn(*_args)
-print()  # a line of its own, after whatever the function printed without a newline
-print(json.dumps(_value))
+# a line of its own, after whatever the function printed without a newline; not through a print the program rebound
+sys.__stdout__.write("\\n" + json.dumps(_value) + "\\n")
 """
 
 
@@ -309,15 +369,25 @@ def _fixtures(tree: ast.Module) -> list[tuple[str, list[str]]]:
     `test*` functions the test code does not call itself, and `test*` methods of `Test*` classes that are not
     unittest's."""
     called = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    classes = {c.name: c for c in tree.body if isinstance(c, ast.ClassDef)}
+    unittest_cases: set[str] = set()  # unittest gives its methods' arguments (mock.patch's) itself
+    while True:  # through bases of the test code's own too
+        more = {n for n, c in classes.items() if any(
+            (b.attr if isinstance(b, ast.Attribute) else getattr(b, "id", "")) in unittest_cases
+            or (b.attr if isinstance(b, ast.Attribute) else getattr(b, "id", "")).endswith("TestCase")
+            for b in c.bases)} - unittest_cases
+        if not more:
+            break
+        unittest_cases |= more
     tests = [(n.name, n, 0) for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test")
              and n.name not in called]  # one the tests call themselves is a helper (test_case(a, b, expected))
-    tests += [(f"{c.name}.{m.name}", m, 1) for c in tree.body
-              if isinstance(c, ast.ClassDef) and c.name.startswith("Test") and not any(
-                  (b.attr if isinstance(b, ast.Attribute) else getattr(b, "id", "")).endswith("TestCase")
-                  for b in c.bases)  # unittest gives its methods' arguments (mock.patch) itself
+    tests += [(f"{c.name}.{m.name}", m, 1) for c in classes.values()
+              if c.name.startswith("Test") and c.name not in unittest_cases
               for m in c.body if isinstance(m, ast.FunctionDef) and m.name.startswith("test")]
     out = []
     for name, fn, skip in tests:
+        if any("patch" in ast.unparse(d) for d in fn.decorator_list):  # mock.patch passes its mocks itself
+            continue
         given = _parametrized(fn)
         args = fn.args.posonlyargs + fn.args.args
         required = [a.arg for a in args[skip:len(args) - len(fn.args.defaults)]]

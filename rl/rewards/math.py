@@ -56,10 +56,12 @@ _DIGIT_GROUP_SPACE = re.compile(r"(?<=\d)(?:\\[,;:! ]|~)(?=\d{3}(?!\d))")
 _GSM8K_LINE = re.compile(r"^[ \t]*####[ \t]*(\$?-?\d[\d,]*(?:\.\d+)?)\.?[^\S\n]*$", re.MULTILINE)
 # A reference of a number and plain words after it ("2 eggs", "18 dollars"): math-verify read the words as symbols
 # (2*E*g*g*s) that no prediction equals, so every sample scored 0 and no failure was counted (an audit). Words are
-# units there and the number is the answer, unless one of them is a connective or a function ("2 and 3", "2 pi").
+# units there and the number is the answer, unless one of them is a connective, a function or a multiplier ("2 and 3",
+# "2 pi", "5 million").
 _NUMBER_AND_WORDS = re.compile(r"^\s*([-+]?\d[\d,]*(?:\.\d+)?)((?:\s+[A-Za-z]{2,})+)\.?\s*$")
 _NOT_UNITS = frozenset({"and", "or", "to", "of", "times", "plus", "minus", "over", "pi", "inf", "infinity", "sqrt",
-                        "ln", "log", "exp", "sin", "cos", "tan", "mod"})
+                        "ln", "log", "exp", "sin", "cos", "tan", "mod", "dozen", "hundred", "thousand", "million",
+                        "billion", "trillion"})
 _GOLD_CACHE: OrderedDict[str, list] = OrderedDict()
 _GOLD_CACHE_SIZE = 4096
 
@@ -86,7 +88,11 @@ def extract_final_answer(text: str) -> str | None:
     scope = answer_scope(text)
     if scope is None:
         return None
-    stated = [(start, tidy_answer(content)) for start, content in closed_boxes(scope) if content.strip()][-1:]
+    stated = []
+    for start, begin, end in reversed(closed_boxes(scope)):  # the last non-empty one, sliced alone
+        if scope[begin:end].strip():
+            stated.append((start, tidy_answer(scope[begin:end])))
+            break
     for pattern in (_ANSWER_LINE, _GSM8K_LINE):
         line = None
         for line in pattern.finditer(scope):
