@@ -180,3 +180,12 @@ def test_call_based_tests_prefer_the_solution_class_and_ignore_a_rebound_print()
     assert get_reward("code_tests")(search, spec) == 1.0  # not re.search of the graders' imports
     rebound = "```python\nimport sys\nprint = lambda x: sys.stdout.write(str(x) + '\\n')\n" + ADD + "```"
     assert get_reward("code_tests")(rebound, {"fn_name": "add", "inputs": [[1, 2]], "outputs": [3]}) == 1.0
+
+
+def test_unittest_main_runs_each_case_once():
+    """The cases unittest.main() ran are not run again (a case whose set-up cannot repeat failed every program)."""
+    tests = ("import os, unittest\n\nclass TestCases(unittest.TestCase):\n    def test_add(self):\n"
+             "        os.mkdir('once')\n        self.assertEqual(add(1, 2), 3)\n\nif __name__ == '__main__':\n"
+             "    unittest.main()\n")
+    assert run_tests(ADD, parse_tests(tests), 10) == (1, 1)
+    assert run_tests(WRONG, parse_tests(tests), 10) == (0, 1)
