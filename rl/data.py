@@ -10,7 +10,7 @@ layout       prompt                                                   answer
 ===========  =======================================================  ===============================
 ``dapo``     ``prompt``: list of chat messages ``{role, content}``    ``reward_model.ground_truth``
 ``gsm8k``    ``question``: string (or chat messages under ``prompt``  ``answer``; the text after the
-             whose first ``answer`` ends on a ``\\n####`` line)        last ``####`` (commas removed;
+             whose first ``answer`` ends on ``#### <number>``)         last ``####`` (commas removed;
                                                                       kept whole if it has none)
 ``plain``    ``prompt`` (or ``question`` / ``problem``): string or    ``answer`` (or ``ground_truth``,
              chat messages                                            ``solution``)
