@@ -56,8 +56,8 @@ class EventFile:
 
     def _write(self, event) -> None:
         data = event.SerializeToString()
-        header = struct.pack("Q", len(data))
-        self._file.write(header + struct.pack("I", self._crc(header)) + data + struct.pack("I", self._crc(data)))
+        header = struct.pack("<Q", len(data))  # TFRecord framing: little-endian
+        self._file.write(header + struct.pack("<I", self._crc(header)) + data + struct.pack("<I", self._crc(data)))
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         """One event of `values` at `step`, each tagged with its own key: tensorboardX's add_scalar would rename
