@@ -51,6 +51,21 @@ WRONG = "def add(a, b):\n    return 0\n"
     "class Base:\n    def test_inherited(self):\n        assert add(2, 3) == 5\n\n"
     "class TestAll(Base):\n    @classmethod\n    def setup_class(cls):\n        cls.k = 7\n\n"
     "    def test_k(self):\n        assert add(self.k, 0) == 7\n",
+    # and by a third: async tests (never awaited: every program passed), a helper class named Test* (pytest does
+    # not collect it), a class-level skip mark, a test the test code runs itself (run twice: a set-up that cannot
+    # repeat failed every program), setup_module, a truth test of a stdlib object, a file of pytest.raises tests
+    "import asyncio\n\nasync def test_add():\n    await asyncio.sleep(0)\n    assert add(1, 2) == 3\n\n"
+    "class TestAsync:\n    async def test_add(self):\n        assert add(2, 2) == 4\n",
+    "class TestHelper:\n    def __init__(self, x):\n        self.x = x\n\n    def test_never(self):\n"
+    "        assert False\n\nimport pytest\n\n@pytest.mark.skip(reason='todo')\nclass TestLater:\n"
+    "    def test_x(self):\n        assert add(1, 2) == 4\n\ndef test_add():\n    assert add(1, 2) == 3\n",
+    "import os\n\ndef test_once():\n    os.mkdir('once')\n    assert add(1, 2) == 3\n\n"
+    "if __name__ == '__main__':\n    test_once()\n",
+    "state = {}\n\ndef setup_module(module):\n    state['k'] = 3\n\n"
+    "def test_add():\n    assert add(1, 2) == state['k']\n",
+    "import re\n\ndef test_digits():\n    assert re.fullmatch(r'\\d+', str(add(1, 2)))\n    assert add(1, 2) == 3\n",
+    "import pytest\n\ndef test_raises():\n    with pytest.raises(TypeError):\n        add(1)\n"
+    "    assert add(1, 2) == 3\n",
     # and by a second review
     "import unittest\n\nclass TestCases(unittest.TestCase):\n    def test_add(self):\n"
     "        self.assertEqual(add(1, 2), 3)\n\nif __name__ == '__main__':\n    unittest.main()\n",
@@ -78,6 +93,8 @@ def test_tests_that_need_a_fixture_are_refused_by_name():
     with pytest.raises(ValueError, match=r"TestX.test_y takes data"):
         parse_tests("class TestX:\n    def test_y(self, data):\n        assert data\n")
     parse_tests("import pytest\n@pytest.mark.parametrize(['a'], [[1]])\ndef test_a(a, b=2):\n    assert a\n")
+    # a file of pytest.raises tests checks something (it was refused as checking nothing: a third review)
+    parse_tests("import pytest\ndef test_r():\n    with pytest.raises(ZeroDivisionError):\n        add(1, 0) / 0\n")
 
 
 def test_a_demo_block_stays_out_of_imported_tests():
@@ -189,3 +206,11 @@ def test_unittest_main_runs_each_case_once():
              "    unittest.main()\n")
     assert run_tests(ADD, parse_tests(tests), 10) == (1, 1)
     assert run_tests(WRONG, parse_tests(tests), 10) == (0, 1)
+
+
+def test_a_file_whose_unittest_cases_are_all_skipped_checks_nothing():
+    """unittest counts a skipped case as run: every program passed such a file, where the pytest side fails it."""
+    tests = ("import unittest\n\nclass TestCases(unittest.TestCase):\n    @unittest.skip('later')\n"
+             "    def test_add(self):\n        self.assertEqual(add(1, 2), 3)\n")
+    assert run_tests(ADD, parse_tests(tests), 10) == (0, 1)
+    assert run_tests("x = 1\n", parse_tests(tests), 10) == (0, 1)

@@ -281,6 +281,8 @@ def test_math_verify_reward(completion, answer, expected):
     ("\\boxed{2}", "2 pi", 0.0, {}),  # a function, not a unit: the text as written
     ("\\boxed{2}", "2 and 3", 0.0, {}),
     ("\\boxed{5}", "5 million", 0.0, {}),  # a multiplier, not a unit
+    ("So she has 18 left.\nAnswer: 18 dollars", "18", 1.0, {}),  # the prediction's unit words too (a review)
+    ("\\boxed{2 eggs}", "2 eggs", 1.0, {}),
     # a Markdown heading is no GSM8K answer line (a review: "#### Verification" after the box replaced it)
     ("\\boxed{42}\n\n#### Verification\nChecking: 40 + 2 = 42.", "42", 1.0, {}),
     ("So it is 1,234.\n#### $1,234.", "1234", 1.0, {}),

@@ -20,13 +20,15 @@ forms the public code-RL sets use:
   string (HumanEval-style test code: its ``check(candidate)`` is called with the row's ``entry_point``): each runs
   after the program and passes when the process exits with 0; the tests it defines are then run: ``test*``
   functions (pytest style, KodCode's, whose ``from solution import f`` imports the program) with their
-  ``pytest.mark.parametrize`` cases (less those marked skip / xfail), the ``test*`` methods of ``Test*`` classes
-  (inherited ones too; ``setup_class`` / ``setup_method``, and ``setup_function``), and ``unittest.TestCase``
-  classes (BigCodeBench's; ``unittest.main()`` at their end runs them without exiting); a test that takes a pytest
-  fixture is refused by name, a ``test*`` function the test code calls itself is its helper. A test skipped by a
-  ``SkipTest`` raised while it runs fails, as does test code none of whose tests ran. What the runner uses is bound
-  before the program runs (a program rebinding ``inspect.signature`` or ``TestResult.wasSuccessful`` passed them);
-  one rewriting their internals still can: this is not a sandbox. The assertions compare plain copies of
+  ``pytest.mark.parametrize`` cases (less those a skip / xfail mark of theirs, their class's or the module's
+  drops; async ones awaited), the ``test*`` methods of ``Test*`` classes that pytest collects (inherited ones too;
+  ``setup_module``, ``setup_class`` / ``setup_method``, ``setup_function``; not autouse fixtures, nor
+  ``indirect`` parametrization), and ``unittest.TestCase`` classes (BigCodeBench's; ``unittest.main()`` at their
+  end runs them without exiting); a test that takes a pytest fixture is refused by name, a ``test*`` function the
+  test code calls itself is its helper (run there, not again). A test skipped by a ``SkipTest`` raised while it
+  runs fails, as does test code none of whose tests ran (unittest's skipped cases do not count). What the runner
+  uses is bound before the program runs (a program rebinding ``inspect.signature`` or ``TestResult.wasSuccessful``
+  passed them); one rewriting their internals still can: this is not a sandbox. The assertions compare plain copies of
   the program's values (rl.rewards.code_asserts): an object of the program's that equals everything passes none of
   them. Test code that holds no assert, raise or ``assert*`` call is refused, as is a spec with no test, and
   HumanEval's ``check`` without an entry point: every program would pass.
@@ -200,8 +202,8 @@ class Runner:
                 if cond:
                     return True
         return False
-    def cases(self, fn):  # the keyword arguments of each call: pytest's parametrize marks, stacked as a product
-        marks = getattr(fn, "pytestmark", [])
+    def cases(self, fn, inherited=()):  # each call's keyword arguments: pytest's parametrize marks, as a product
+        marks = [*getattr(fn, "pytestmark", []), *inherited]  # the function's, its class's and the module's
         if self.skipped(marks):
             return []
         calls = [{}]
@@ -221,13 +223,27 @@ class Runner:
                 rows.append(dict(zip(names, values)))
             calls = [{**c, **r} for c in calls for r in rows]
         return calls
+    def call(self, fn, kw):  # an async test awaited, a generator test run through (their bodies passed every program)
+        import asyncio, inspect
+        result = fn(**kw)
+        if inspect.iscoroutine(result):
+            asyncio.run(result)
+        elif inspect.isgenerator(result):
+            for _ in result:
+                pass
     def run(self, ns, check):
         ast = self.ast
         tree = ast.parse(check)
-        own = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]  # not the program's
+        defs = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+        own = [n.name for n in tree.body if isinstance(n, defs)]  # the tests' own names, not the program's
         called = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
         hook = lambda name: ns.get(name) if name in own else None
+        module_marks = ns.get("pytestmark", []) if any(  # the test code's own module-level marks
+            isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "pytestmark" for t in n.targets)
+            for n in tree.body) else []
+        module_marks = module_marks if isinstance(module_marks, list) else [module_marks]
         found = ran = 0
+        self.optional(hook("setup_module"), sys.modules["__main__"])
         for name in dict.fromkeys(own):
             value = ns.get(name)
             if isinstance(value, type) and issubclass(value, self.TestCase):
@@ -239,34 +255,37 @@ class Runner:
                 suite.run(result)
                 if not self.successful(result):
                     raise AssertionError(name + " failed")
-                ran += result.testsRun
+                ran += result.testsRun - len(result.skipped)
             elif isinstance(value, type) and name.startswith("Test"):
+                if not getattr(value, "__test__", True) or value.__init__ is not object.__init__:
+                    continue  # pytest collects neither (a helper class named Test*)
+                class_marks = [*getattr(value, "pytestmark", []), *module_marks]
                 self.optional(getattr(value, "setup_class", None), value)
                 for attr in [a for a in dir(value) if a.startswith("test") and callable(getattr(value, a))]:
                     found += 1
-                    for kw in self.cases(getattr(value, attr)):
+                    for kw in self.cases(getattr(value, attr), class_marks):
                         case = value()
                         method = getattr(case, attr)
                         if not self.takes(method, kw):
                             raise AssertionError(f"{name}.{attr} cannot be called")
                         self.optional(getattr(case, "setup_method", None), method)
-                        method(**kw)
+                        self.call(method, kw)
                         self.optional(getattr(case, "teardown_method", None), method)
                         ran += 1
                 self.optional(getattr(value, "teardown_class", None), value)
-            elif name.startswith("test") and callable(value):
-                found += name not in called
-                for kw in self.cases(value):
+            elif name.startswith("test") and callable(value) and name not in called:
+                # one the test code calls itself ran there (or is its helper: test_case(a, b, expected)), not again
+                found += 1
+                for kw in self.cases(value, module_marks):
                     if not self.takes(value, kw):
-                        if name in called:  # a helper the test code calls itself (test_case(a, b, expected))
-                            break
                         raise AssertionError(name + " cannot be called")
                     self.optional(hook("setup_function"), value)
-                    value(**kw)
+                    self.call(value, kw)
                     self.optional(hook("teardown_function"), value)
                     ran += 1
         if found and not ran:  # every test skipped: nothing checked the program (pytest.mark rewritten, say)
             raise AssertionError("no test ran")
+        self.optional(hook("teardown_module"), sys.modules["__main__"])
 main()
 """
 _CALL = """
@@ -340,7 +359,7 @@ def _check_test_code(code: str) -> None:
         if isinstance(node, ast.Call):
             f = node.func
             name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
-            return name.startswith("assert")
+            return name.startswith("assert") or name == "raises"  # pytest.raises fails a test that does not raise
         return False
     if not any(asserts(n) for n in ast.walk(tree)):
         raise ValueError(f"code tests: the test code checks nothing (no assert, raise or assert* call), so every "
@@ -384,11 +403,13 @@ def _fixtures(tree: ast.Module) -> list[tuple[str, list[str]]]:
         if not more:
             break
         unittest_cases |= more
-    tests = [(n.name, n, 0) for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test")
-             and n.name not in called]  # one the tests call themselves is a helper (test_case(a, b, expected))
+    # a test function the test code calls itself is its helper (test_case(a, b, expected))
+    tests = [(n.name, n, 0) for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+             and n.name.startswith("test") and n.name not in called]
     tests += [(f"{c.name}.{m.name}", m, 1) for c in classes.values()
               if c.name.startswith("Test") and c.name not in unittest_cases
-              for m in c.body if isinstance(m, ast.FunctionDef) and m.name.startswith("test")]
+              for m in c.body
+              if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef)) and m.name.startswith("test")]
     out = []
     for name, fn, skip in tests:
         if any("patch" in ast.unparse(d) for d in fn.decorator_list):  # mock.patch passes its mocks itself

@@ -10,8 +10,9 @@ rewrites the test code so that in every `assert` statement (and unittest's `asse
   `__iter__` are never called), and numpy arrays and scalars, `Fraction`, `Decimal`, `range` and pytest's `approx`
   stay as they are (their comparisons are their library's). Any other object (the program's classes, `mock.ANY`)
   equals only another such object, by Python's own `==`: never a builtin value.
-- the condition of an `assert` (and the operand of its `not`) must be a plain value: an object of the program's
-  class is not taken as true or false on its own word (`__bool__`).
+- the condition of an `assert` (and the operand of its `not`) must be a plain value or an object of a type some other
+  module defines as that name (`re.Match`): an object of the program's class is not taken as true or false on its
+  own word (`__bool__`).
 
 Python's semantics are otherwise kept (`1 == 1.0 == True`, `[1] != (1,)`, a numpy comparison's array). A comparison
 whose operands are both the program's objects still runs their `__eq__` (`assert f() == Point(1, 2)` trusts the
@@ -87,10 +88,17 @@ def _m3jax_helpers():
             return {plain(v, depth + 1) for v in x}
         return x if trusted(t) else Foreign(x)
 
+    def elsewhere(t):  # a type a module other than the program's defines (re.Match): its truth is not the program's
+        module = getattr(t, "__module__", None)
+        return module not in (None, "__main__", "solution", "builtins") and getattr(
+            sys.modules.get(module), getattr(t, "__qualname__", ""), None) is t
+
     def truth(x):
         p = plain(x)
         if type(p) is Foreign:
-            raise AssertionError(f"an object of {type(x).__name__!r} is no test's verdict")
+            if not elsewhere(type(x)):
+                raise AssertionError(f"an object of {type(x).__name__!r} is no test's verdict")
+            return bool(x)
         return bool(p)
 
     def compare(left, op, right):

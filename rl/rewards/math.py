@@ -134,7 +134,8 @@ def _mv():
 
 
 def gold_text(answer: str) -> str:
-    """The reference as math-verify reads it: `tidy_answer`'s, and a number followed by unit words the number."""
+    """An answer as math-verify reads it (the reference's, and a prediction's): `tidy_answer`'s, and a number
+    followed by unit words the number ("Answer: 18 dollars" against 18 read 18*d*o*l*l*a*r*s: a review)."""
     units = _NUMBER_AND_WORDS.match(answer)
     if units and not {w.lower() for w in units.group(2).split()} & _NOT_UNITS:
         return units.group(1)
@@ -171,7 +172,7 @@ def math_verify_reward(completion: str, answer: str, *, timeout_s: float | None 
     final = extract_final_answer(completion)
     scope = answer_scope(completion)
     if final is not None:
-        pred = mv.parse("\\boxed{" + final + "}", parsing_timeout=budget.next(), raise_on_error=True)
+        pred = mv.parse("\\boxed{" + gold_text(final) + "}", parsing_timeout=budget.next(), raise_on_error=True)
     elif scope is None or truncated:  # cut off while thinking, or before it stated an answer: the last number it
         return 0.0                     # happened to write is not one (DeepScaleR's and verl's graders give 0)
     else:
