@@ -130,6 +130,19 @@ def test_livecodebench_and_primeintellect_function_tests_call_the_function():
         parse_tests([{"input": "1", "output": "1", "testtype": "functional"}])
 
 
+def test_livecodebench_rows_name_the_function_in_their_metadata():
+    """LiveCodeBench's own rows keep `func_name` in a row-level `metadata` JSON text, not in each test (a review):
+    its functional tests were refused as naming no function."""
+    tests = [{"input": "[2, 7]\n9", "output": "[0, 1]", "testtype": "functional"}]
+    solution = ("```python\nclass Solution:\n    def twoSum(self, nums, target):\n"
+                "        return [0, 1] if nums[0] + nums[1] == target else []\n```")
+    meta = {"metadata": json.dumps({"func_name": "twoSum"}), "question_content": "x" * 1000}
+    assert get_reward("code_tests")(solution, tests, meta=meta) == 1.0
+    from rl.rewards.calls import context_value
+    from rl.rewards.code import code_tests_reward
+    assert context_value(code_tests_reward, "meta", meta) == {"metadata": meta["metadata"]}
+
+
 def test_a_function_that_prints_without_a_newline_still_returns_its_value():
     prog = "```python\ndef add(a, b):\n    print('adding', end='')\n    return a + b\n```"
     assert get_reward("code_tests")(prog, {"fn_name": "add", "inputs": [[1, 2]], "outputs": [3]}) == 1.0

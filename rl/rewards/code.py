@@ -10,8 +10,8 @@ forms the public code-RL sets use:
   graders compare (`same_output`): line by line with surrounding whitespace dropped, then token by token, a number
   equal to the expected one or within 1e-6 (absolute or relative) of an expected fraction;
 - call-based: ``{"fn_name": "f", "inputs": [[args...], ...], "outputs": [...]}``, a listed test that names its
-  ``fn_name`` (PrimeIntellect's), or LiveCodeBench's ``"testtype": "functional"`` (the function in
-  ``metadata.func_name``, one JSON argument a line): ``f(*args)`` after the stdlib names LiveCodeBench's grader
+  ``fn_name`` (PrimeIntellect's), or LiveCodeBench's ``"testtype": "functional"`` (the function in the test's
+  or the row's ``metadata.func_name``, one JSON argument a line): ``f(*args)`` after the stdlib names LiveCodeBench's grader
   gives a program (``from typing import *`` and the like), or first ``Solution().f(*args)`` where the program
   defines a LeetCode-style ``class Solution`` with that method (as APPS' checker calls it), compared with ``==`` after a
   JSON round trip (an expected ``[value]`` also matches ``value``, as APPS wraps them; ``true`` equals only
@@ -312,15 +312,17 @@ def extract_program(completion: str) -> str | None:
     return blocks[-1] if blocks else None
 
 
-def parse_tests(answer, entry_point: str | None = None) -> list[tuple[str, object, object]]:
+def parse_tests(answer, entry_point: str | None = None,
+                func_name: str | None = None) -> list[tuple[str, object, object]]:
     """The tests of an answer as (kind, input, expected): kind "io" (stdin text, stdout text), "call" (argument
     list, expected value; the function name rides in `input` as (name, args)) or "assert" (code, None).
     Raises ValueError naming what was wrong with a spec it cannot read, one that holds no test, and test code that
     checks nothing (every program that runs would pass it: a reference solution taken for the tests, say).
     HumanEval's test code defines `check(candidate)` and leaves the call to the harness: it is called with the
     program's `entry_point` (the row's field of that name); without one such code is refused (every program
-    passed it: nothing called it)."""
-    tests = _parse_tests(answer)
+    passed it: nothing called it). `func_name`: the row's function for LiveCodeBench's functional tests that name
+    none themselves (its rows keep it in a row-level `metadata`)."""
+    tests = _parse_tests(answer, func_name)
     if not tests:
         raise ValueError(f"code tests: the spec holds no test ({str(answer)[:80]!r}); expected at least one")
     for i, (kind, code, _) in enumerate(tests):
@@ -424,7 +426,7 @@ def _fixtures(tree: ast.Module) -> list[tuple[str, list[str]]]:
     return out
 
 
-def _parse_tests(answer) -> list[tuple[str, object, object]]:
+def _parse_tests(answer, func_name: str | None = None) -> list[tuple[str, object, object]]:
     spec = answer
     if isinstance(answer, str):
         try:
@@ -438,7 +440,7 @@ def _parse_tests(answer) -> list[tuple[str, object, object]]:
     if isinstance(spec, list) and all(isinstance(t, str) for t in spec):
         return [("assert", t, None) for t in spec]
     if isinstance(spec, list) and all(isinstance(t, dict) and {"input", "output"} <= set(t) for t in spec):
-        return [_listed_test(t) for t in spec]
+        return [_listed_test(t, func_name) for t in spec]
     if isinstance(spec, dict) and isinstance(spec.get("inputs"), list) and isinstance(spec.get("outputs"), list):
         if len(spec["inputs"]) != len(spec["outputs"]):
             raise ValueError(f"code tests: {len(spec['inputs'])} inputs for {len(spec['outputs'])} outputs")
@@ -451,14 +453,14 @@ def _parse_tests(answer) -> list[tuple[str, object, object]]:
                      f"code; got {type(spec).__name__} {str(spec)[:80]!r}")
 
 
-def _listed_test(t: dict) -> tuple[str, object, object]:
+def _listed_test(t: dict, func_name: str | None = None) -> tuple[str, object, object]:
     """One test of a list of {"input", "output"}: standard input / output, or a call where the test says so:
     LiveCodeBench's `"testtype": "functional"` (its function in `metadata.func_name`; the arguments one JSON value a
     line of the input, the output one JSON value), or a test naming its `fn_name` (PrimeIntellect's
     `"type": "function_call"`, the arguments a list). Graded as standard input / output, a correct function scored
     0 and a program printing the expected text 1 (an audit)."""
     meta = t.get("metadata") if isinstance(t.get("metadata"), dict) else {}
-    fn = t.get("fn_name") or meta.get("func_name")
+    fn = t.get("fn_name") or meta.get("func_name") or func_name
     if t.get("testtype") != "functional" and not t.get("fn_name"):
         return "io", _text(t["input"]), _text(t["output"])
     if not (isinstance(fn, str) and fn.isidentifier()):
@@ -602,9 +604,22 @@ def _same_number(got: str, want: str) -> bool:
         return False
 
 
+def _row_func_name(meta: dict) -> str | None:
+    """The function a row's functional tests call where they name none: its `func_name`, or LiveCodeBench's
+    row-level `metadata` (a JSON text or a mapping) holding one."""
+    given = meta.get("metadata")
+    if isinstance(given, str):
+        try:
+            given = json.loads(given)
+        except json.JSONDecodeError:
+            given = None
+    name = meta.get("func_name") or (given.get("func_name") if isinstance(given, dict) else None)
+    return name if isinstance(name, str) else None
+
+
 def _score(completion: str, answer, timeout_s: float | None, meta) -> tuple[int, int]:
     # a bad spec raises: a data problem, counted as a failure, not a wrong answer
-    tests = parse_tests(answer, (meta or {}).get("entry_point"))
+    tests = parse_tests(answer, (meta or {}).get("entry_point"), _row_func_name(meta or {}))
     program = extract_program(completion)
     if program is None or not tests:
         return 0, len(tests)
@@ -627,5 +642,6 @@ def code_tests_frac_reward(completion: str, answer, *, timeout_s: float | None =
     return passed / total if total else 0.0
 
 
-# the only row field they read: HumanEval's entry_point (a row's reference solutions stay out of the pickles)
-code_tests_reward.meta_keys = code_tests_frac_reward.meta_keys = ("entry_point",)
+# the row fields they read: HumanEval's entry_point, LiveCodeBench's metadata (func_name) (a row's reference
+# solutions stay out of the pickles)
+code_tests_reward.meta_keys = code_tests_frac_reward.meta_keys = ("entry_point", "metadata", "func_name")
