@@ -11,9 +11,10 @@ forms the public code-RL sets use:
   equal to the expected one or within 1e-6 (absolute or relative) of an expected fraction;
 - call-based: ``{"fn_name": "f", "inputs": [[args...], ...], "outputs": [...]}``, a listed test that names its
   ``fn_name`` (PrimeIntellect's), or LiveCodeBench's ``"testtype": "functional"`` (the function in the test's
-  or the row's ``metadata.func_name``, one JSON argument a line): ``f(*args)`` after the stdlib names LiveCodeBench's grader
-  gives a program (``from typing import *`` and the like), or first ``Solution().f(*args)`` where the program
-  defines a LeetCode-style ``class Solution`` with that method (as APPS' checker calls it), compared with ``==`` after a
+  or the row's ``metadata.func_name``, one JSON argument a line): ``f(*args)`` after the stdlib names
+  LiveCodeBench's grader gives a program (``from typing import *`` and the like), or first ``Solution().f(*args)``
+  where the program defines a LeetCode-style ``class Solution`` with that method (as APPS' checker calls it),
+  compared with ``==`` after a
   JSON round trip (an expected ``[value]`` also matches ``value``, as APPS wraps them; ``true`` equals only
   ``true``, not ``1``);
 - assertions: ``{"asserts": ["assert f(1) == 2", ...]}``, a list of such strings (MBPP's test_list), or one
