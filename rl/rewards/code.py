@@ -14,9 +14,8 @@ forms the public code-RL sets use:
   or the row's ``metadata.func_name``, one JSON argument a line): ``f(*args)`` after the stdlib names
   LiveCodeBench's grader gives a program (``from typing import *`` and the like), or first ``Solution().f(*args)``
   where the program defines a LeetCode-style ``class Solution`` with that method (as APPS' checker calls it),
-  compared with ``==`` after a
-  JSON round trip (an expected ``[value]`` also matches ``value``, as APPS wraps them; ``true`` equals only
-  ``true``, not ``1``);
+  compared with ``==`` after a JSON round trip (an expected ``[value]`` also matches ``value``, as APPS wraps
+  them; ``true`` equals only ``true``, not ``1``);
 - assertions: ``{"asserts": ["assert f(1) == 2", ...]}``, a list of such strings (MBPP's test_list), or one
   string (HumanEval-style test code: its ``check(candidate)`` is called with the row's ``entry_point``): each runs
   after the program and passes when the process exits with 0; the tests it defines are then run: ``test*``
