@@ -40,6 +40,11 @@ def prompts_line(cfg, num_records: int) -> str:
     return f"prompts: {num_records} from {source}, {cfg.grpo.prompts_per_step} x {cfg.grpo.group_size} samples a step"
 
 
+def mesh_devices(mesh) -> list:
+    """The devices a policy's step runs on: its mesh's, or jax's first without one (not the host's idle others)."""
+    return jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
+
+
 def policy_line(cfg, params, layout, restored_step: int | None) -> str:
     """The parameters' count and dtype, where they came from, and the mesh they are on."""
     leaves = jax.tree_util.tree_leaves(params)
@@ -52,7 +57,7 @@ def policy_line(cfg, params, layout, restored_step: int | None) -> str:
     else:
         source = f"initialised at random (model.init_seed {cfg.model.init_seed})"
     mesh = layout.mesh
-    devices = jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
+    devices = mesh_devices(mesh)
     hosts = len({d.process_index for d in devices})
     on = (f"{len(devices)} {devices[0].platform} device{'s' if len(devices) != 1 else ''}"
           + (f" of {hosts} hosts" if hosts > 1 else ""))

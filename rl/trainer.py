@@ -38,7 +38,7 @@ from rl.reference import ReferenceWeights
 from rl.resume_checks import changes_warning, check as check_config, restore_naming_changes, trained_under
 from rl.skipped_updates import SkippedUpdates
 from rl.start_warnings import start_warnings
-from rl.startup import PhaseClock, first_push_line, generation_line, policy_line, prompts_line
+from rl.startup import PhaseClock, first_push_line, generation_line, mesh_devices, policy_line, prompts_line
 from rl.watchdog import HangWatchdog
 from rl.weight_sync import probe_check, probe_sampling, sync_weights
 from rl.wandb_run import open_run as open_wandb_run
@@ -129,8 +129,7 @@ class GRPOTrainer:
         self.recall = (make_indexer_recall(self.policy) if cfg.logging.indexer_recall_every
                        and model.num_sparse_layers else None)
         self.moe_counts = make_moe_counts(self.policy) if cfg.logging.moe_drops_every and model.num_moe_layers else None
-        mesh = self.policy.layout.mesh  # the devices that share a step's work (not the host's idle others)
-        devices = jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
+        devices = mesh_devices(self.policy.layout.mesh)  # the devices that share a step's work
         self.flops = StepFlops(self.policy.model_cfg, len(devices), device_peak_flops(
             devices[0].device_kind, cfg.precision.param_dtype, cfg.logging.peak_tflops))
         p = self.policy

@@ -86,8 +86,11 @@ def extract_final_answer(text: str) -> str | None:
     (`tidy_answer`), its last ``Answer:`` line (DAPO-Math's requested format) and its last ``#### x`` line (GSM8K's)
     comes last (``$`` and a final ``.`` stripped from a line's); None where it states none. Linear in the text."""
     scope = answer_scope(text)
-    if scope is None:
-        return None
+    return None if scope is None else _stated_answer(scope)
+
+
+def _stated_answer(scope: str) -> str | None:
+    """`extract_final_answer` of an answer part already cut out (`answer_scope`)."""
     stated = []
     for start, begin, end in reversed(closed_boxes(scope)):  # the last non-empty one, sliced alone
         if scope[begin:end].strip():
@@ -169,8 +172,8 @@ def math_verify_reward(completion: str, answer: str, *, timeout_s: float | None 
     mv = _mv()
     budget = _Budget(timeout_s)
     gold = _gold(answer, budget)
-    final = extract_final_answer(completion)
     scope = answer_scope(completion)
+    final = None if scope is None else _stated_answer(scope)
     if final is not None:
         pred = mv.parse("\\boxed{" + gold_text(final) + "}", parsing_timeout=budget.next(), raise_on_error=True)
     elif scope is None or truncated:  # cut off while thinking, or before it stated an answer: the last number it
