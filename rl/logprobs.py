@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from m3jax.model.decoder import ACT, lm_head_logits
 from rl.generation.base import SamplingParams, token_logprobs, token_logprobs_and_entropy
+from sharding.host_values import place_host_value
 from sharding.layout import Layout
 from sharding.train_step import batch_sharding, step_copier, step_copy_shardings
 from sharding.widths import cut_micro_batch, micro_widths, on_host, padded_to
@@ -262,7 +263,7 @@ def make_logprob_pass(graphdef, sampling: SamplingParams, layout: Layout = Layou
             batch = {k: np.pad(np.asarray(v), [(0, 0), (0, extra)] + [(0, 0)] * (np.ndim(v) - 2))
                      for k, v in batch.items()}
         spec = batch_sharding(layout).spec
-        batch = {k: jax.device_put(v, NamedSharding(layout.mesh, P(*spec[:np.ndim(v)]))) for k, v in batch.items()}
+        batch = {k: place_host_value(v, NamedSharding(layout.mesh, P(*spec[:np.ndim(v)]))) for k, v in batch.items()}
         with jax.set_mesh(layout.mesh):
             out = run(params, rest, batch, **flags)
         return jax.tree.map(lambda a: a[:, :rows], out) if extra else out

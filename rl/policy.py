@@ -31,6 +31,7 @@ from rl.grpo.mismatch import ID_MISMATCH_METRICS, MISMATCH_SUMS, generation_mism
 from rl.logprobs import make_logprob_pass, policy_logprobs
 from rl.resume_checks import check_model, restore_naming_changes, trained_under
 from sharding import optim_step
+from sharding.host_values import place_host_value
 from sharding.layout import Layout
 from sharding.mesh import build_mesh, row_positions, sequence_multiple
 from sharding.train_step import (TrainState, abstract_state, batch_sharding, init_state, make_train_step,
@@ -292,7 +293,7 @@ def _sample_pass(policy: Policy, method: str) -> Callable:
             arrays = [np.pad(a, ((0, extra),) + ((0, 0),) * (a.ndim - 1)) for a in arrays]
         where = NamedSharding(layout.mesh, P(*batch_sharding(layout).spec[1:3]))
         with jax.set_mesh(layout.mesh):
-            return run(params, rest, *(jax.device_put(a, where) for a in arrays))
+            return run(params, rest, *(place_host_value(a, where) for a in arrays))
 
     sample_pass.jitted = run
     return sample_pass

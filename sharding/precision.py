@@ -84,7 +84,7 @@ def with_master_weights(inner: optax.GradientTransformation, mode: str = "fp32")
         # Copies, never aliases of the params: the state is donated together with them.
         master = jax.tree.map(lambda p: jnp.array(p, jnp.float32, copy=True), params)
         store = master if mode == "fp32" else jax.tree.map(
-            lambda p: jnp.zeros(p.shape, jnp.int16) if _is_low(p) else jnp.array(p, jnp.float32, copy=True), params)
+            lambda p: jnp.zeros_like(p, jnp.int16) if _is_low(p) else jnp.array(p, jnp.float32, copy=True), params)
         return MasterState(store, inner.init(master))
 
     def update(grads, state, params):
@@ -180,8 +180,10 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
     with a spread (docs/limitations.md; scripts/bench_bf16_moments.py).
     """
     def init(params):
-        # Two separate trees: a buffer appearing twice in a donated state is donated twice.
-        zeros = lambda: jax.tree.map(lambda p: jnp.zeros(p.shape, moment_dtype), params)  # noqa: E731
+        # Two separate trees: a buffer appearing twice in a donated state is donated twice. zeros_like, on each
+        # parameter's shards: jnp.zeros(shape) made every moment whole on one device (a release-sized model's fp32
+        # moments are 3.4 TB), and on several hosts placing them then gathered each one from every host.
+        zeros = lambda: jax.tree.map(lambda p: jnp.zeros_like(p, moment_dtype), params)  # noqa: E731
         return ScaleByAdamState(jnp.zeros([], jnp.int32), zeros(), zeros())
 
     def update(grads, state, params=None):

@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sharding import precision
+from sharding.host_values import place_host_value
 from sharding.optim_step import group_norms
 from sharding.layout import Layout, as_layout
 from sharding.widths import cut_micro_batch, micro_widths, on_host
@@ -216,7 +217,7 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation,
     def run(state, batch):
         _check_batch(layout, batch)
         # Leaves of rank 2 ([micro, batch], e.g. advantages) take the batch part of the layout only.
-        batch = {k: jax.device_put(v, NamedSharding(mesh, P(*per_rank[:np.ndim(v)]))) for k, v in batch.items()}
+        batch = {k: place_host_value(v, NamedSharding(mesh, P(*per_rank[:np.ndim(v)]))) for k, v in batch.items()}
         with jax.set_mesh(mesh):
             return jitted(state, batch)
 
@@ -254,7 +255,7 @@ def _cut_step(grads_of, add, finish, normalizer, layout: Layout, shardings, widt
     def place(mb):
         if mesh is None:
             return mb
-        return {k: jax.device_put(v, NamedSharding(mesh, P(*per_rank[:np.ndim(v)]))) for k, v in mb.items()}
+        return {k: place_host_value(v, NamedSharding(mesh, P(*per_rank[:np.ndim(v)]))) for k, v in mb.items()}
 
     def run(state, batch):
         if mesh is not None:

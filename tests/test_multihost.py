@@ -137,7 +137,10 @@ def test_two_hosts_train_from_the_yaml_config(tmp_path):
     assert done[0] and done[0] == done[1]  # one global step: the same last reward on both hosts
     for i in range(2):
         host = json.load(open(f"{out}.{i}.json"))
-        assert host == {"rc": 0, "processes": 2, "devices": 8, "data_row_owners": [[0], [1]]}  # a data row per host
+        # a data row per host; no array gathered from every host to check that the hosts agree on it (the Adam
+        # moments made whole, each batch placed with jax.device_put: ~70 arrays a step)
+        assert host == {"rc": 0, "processes": 2, "devices": 8, "data_row_owners": [[0], [1]],
+                        "compared_across_hosts": []}
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0, 1]  # written by process 0 only (step 0: the evaluation of the initial policy)
     assert (run / "checkpoints" / "1").is_dir() and (run / "curves.png").exists()

@@ -5,7 +5,8 @@
 
 runs `python -m m3jax.train --config CONFIG [k=v ...]` in this process (the trainer joins the job from
 the launcher's environment when it builds its mesh), then writes OUT.<process index>.json with the
-job's size and which process owns each data row of the mesh, and exits with the command's status.
+job's size, which process owns each data row of the mesh and the shapes of the arrays jax compared across
+the processes (`record_compared_values`), and exits with the command's status.
 
 With M3JAX_TEST_POOL=fake (and generation.backend=vllm) process 0's vLLM pool is `FakeEnginePool`: no vLLM, the
 multi-host wrapper and everything around it as in a real job.
@@ -107,8 +108,24 @@ def fail_metrics(step: int) -> None:
     RunLogger.log = log
 
 
+def record_compared_values() -> list:
+    """The shapes of the values jax compares across the processes (`multihost_utils.assert_equal`, which
+    jax.device_put runs on a host value placed over several processes: every process gathers the whole value from
+    every other), scalars left out (the few agreements and step counts)."""
+    from jax.experimental import multihost_utils
+    compared, check = [], multihost_utils.assert_equal
+
+    def assert_equal(value, *args, **kwargs):
+        if int(getattr(value, "size", 1)) > 1:
+            compared.append(list(value.shape))
+        return check(value, *args, **kwargs)
+    multihost_utils.assert_equal = assert_equal
+    return compared
+
+
 def main(out, flag, config, *overrides):
     assert flag == "--config"
+    compared = record_compared_values()
     if os.environ.get("M3JAX_TEST_POOL") == "fake":
         from rl.generation import backends
         backends.make_generator = fake_generator
@@ -123,7 +140,7 @@ def main(out, flag, config, *overrides):
         owners = [sorted({d.process_index for d in row.flat}) for row in mesh.mesh.devices]
         with open(f"{out}.{jax.process_index()}.json", "w") as f:
             json.dump({"rc": rc, "processes": jax.process_count(), "devices": len(jax.devices()),
-                       "data_row_owners": owners}, f)
+                       "data_row_owners": owners, "compared_across_hosts": compared}, f)
     sys.exit(rc)  # the command's exit status
 
 
