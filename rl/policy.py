@@ -181,7 +181,7 @@ def build_policy(cfg: RunConfig, kernel_timing: str = "record", kernel_headroom:
     shardings = None
     if layout.mesh is not None:
         shardings = state_shardings(layout, state)
-        state = state if abstract else jax.device_put(state, shardings)
+        state = state if abstract else jax.tree.map(place_host_value, state, shardings)
     return Policy(cfg, layout, graphdef, state, optimizer, shardings,
                   sampling_of(cfg, model_end_tokens(cfg.model, model.cfg.eos_token_id)),
                   model.cfg, options)

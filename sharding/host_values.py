@@ -13,8 +13,9 @@ def place_host_value(value, sharding: jax.sharding.Sharding) -> jax.Array:
     jax.device_put of a host value onto a sharding over several processes first gathers the whole value from every
     process onto every process to check that (`multihost_utils.assert_equal`): a collective and a compiled program
     per array, and process-count copies of it on each host (the routes of a routing-replay batch are gigabytes).
-    A jax array, or a sharding within this process, goes through jax.device_put as before."""
-    if isinstance(value, jax.Array) or sharding.is_fully_addressable:
+    A jax array not yet placed (uncommitted: an eager op's result, e.g. a step count) is a host value here too; one
+    placed, or a sharding within this process, goes through jax.device_put."""
+    if (isinstance(value, jax.Array) and value.committed) or sharding.is_fully_addressable:
         return jax.device_put(value, sharding)
     host = np.asarray(value)
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
