@@ -1,0 +1,100 @@
+"""Placing host values on a mesh that spans processes: jax.device_put against `sharding.host_values.place_host_value`,
+side by side in one two-process CPU job (jax.distributed on this machine, 4 simulated devices per process).
+
+A batch leaf (int32 [rows, positions], cut over the rows by the 8 devices) is placed --iters times each way, after one
+untimed call each (jax.device_put compiles its cross-host check there); reported: median ms per placement on process
+0 and device_put / place_host_value. jax.device_put of a host value over several processes first gathers the whole value
+from every process onto every process (`multihost_utils.assert_equal`), so its cost grows with the process count; the
+other copies only this process's slices. Also printed: what an Adam moment of a cut [n, n] fp32 weight holds on device
+0 when made with jnp.zeros(shape) (the code before cf247e0: whole, on jax's default device) and with jnp.zeros_like
+(the parameter's shards).
+
+    .venv/bin/python scripts/bench_host_placement.py                       # [512, 8192] int32, 20 iterations
+    .venv/bin/python scripts/bench_host_placement.py --rows 64 --positions 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def worker(port: int, process: int, rows: int, positions: int, iters: int, n: int) -> None:
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    sys.path.insert(0, ROOT)
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from sharding.cpu_threads import reserve_collective_threads
+    reserve_collective_threads(os.environ)
+    jax.distributed.initialize(f"127.0.0.1:{port}", 2, process)
+    from sharding.host_values import place_host_value
+
+    mesh = jax.make_mesh((8,), ("data",))
+    rows_cut = NamedSharding(mesh, P("data"))
+    batch = np.random.default_rng(0).integers(0, 200_000, (rows, positions), dtype=np.int32)  # the same on each host
+    times = {"device_put": [], "place_host_value": []}
+    ways = {"device_put": jax.device_put, "place_host_value": place_host_value}
+    for name, put in ways.items():  # untimed first call: device_put compiles its check
+        put(batch, rows_cut).block_until_ready()
+    for _ in range(iters):
+        for name, put in ways.items():
+            t = time.perf_counter()
+            placed = put(batch, rows_cut)
+            placed.block_until_ready()
+            times[name].append(time.perf_counter() - t)
+            del placed
+    weight = jax.device_put(np.ones((n, n), np.float32), NamedSharding(mesh, P("data")))
+    device0 = jax.local_devices()[0]
+
+    def on_device0(x):
+        return sum(s.data.nbytes for s in x.addressable_shards if s.device == device0)
+    whole, cut = jnp.zeros(weight.shape, jnp.float32), jnp.zeros_like(weight, jnp.float32)
+    if process == 0:
+        mb = rows * positions * 4 / 2**20
+        put_ms, own_ms = (statistics.median(times[k]) * 1e3 for k in ("device_put", "place_host_value"))
+        print(f"batch leaf int32 [{rows}, {positions}] ({mb:.1f} MiB), 2 processes x 4 devices, {iters} iterations")
+        print(f"  jax.device_put       {put_ms:9.1f} ms (min {min(times['device_put']) * 1e3:.1f})")
+        print(f"  place_host_value     {own_ms:9.1f} ms (min {min(times['place_host_value']) * 1e3:.1f})")
+        print(f"  device_put / place_host_value: {put_ms / own_ms:.1f}x")
+        print(f"Adam moment of a cut fp32 [{n}, {n}] weight, bytes on device 0: jnp.zeros(shape) {on_device0(whole):,} "
+              f"(committed {whole.committed}), jnp.zeros_like {on_device0(cut):,} (committed {cut.committed})")
+    jax.distributed.shutdown()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, default=512)
+    ap.add_argument("--positions", type=int, default=8192)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--n", type=int, default=4096, help="the cut weight's side, for the moments line")
+    ap.add_argument("--worker", nargs=2, type=int, help=argparse.SUPPRESS)  # port, process
+    a = ap.parse_args()
+    if a.worker:
+        return worker(*a.worker, a.rows, a.positions, a.iters, a.n)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--rows", str(a.rows), "--positions",
+                               str(a.positions), "--iters", str(a.iters), "--n", str(a.n), "--worker", str(port),
+                               str(i)], env=env, stdout=None if i == 0 else subprocess.DEVNULL) for i in range(2)]
+    load = os.getloadavg()[0]
+    rc = [p.wait() for p in procs]
+    print(f"load average (1 min) at the start: {load:.2f}; exit statuses {rc}")
+    sys.exit(max(rc))
+
+
+if __name__ == "__main__":
+    main()
