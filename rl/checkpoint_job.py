@@ -103,10 +103,10 @@ def job_steps(steps: list[int]) -> list[int]:
     before another; the job tries the same steps in the same order)."""
     if jax.process_count() == 1:
         return steps
-    from jax.experimental import multihost_utils
-    n = int(multihost_utils.broadcast_one_to_all(np.int32(len(steps))))
+    from sharding.host_values import broadcast_from_first_process
+    n = int(broadcast_from_first_process(np.int32(len(steps))))
     if not n:
         return []
     mine = np.zeros(n, np.int32)  # the shape process 0 sends: a collective needs it on every process
     mine[:min(n, len(steps))] = steps[:n]
-    return [int(s) for s in np.asarray(multihost_utils.broadcast_one_to_all(mine))]
+    return [int(s) for s in np.asarray(broadcast_from_first_process(mine))]

@@ -19,8 +19,8 @@ from rl.rewards.registry import score_specs
 
 
 def _from_zero(value):
-    from jax.experimental import multihost_utils
-    return multihost_utils.broadcast_one_to_all(value)
+    from sharding.host_values import broadcast_from_first_process
+    return broadcast_from_first_process(value)
 
 
 def score_once(specs, completions, answers, truncated, records=None, *, process_index: int | None = None,

@@ -1,5 +1,6 @@
-"""Placing host values on a mesh that spans processes: jax.device_put against `sharding.host_values.place_host_value`,
-side by side in one two-process CPU job (jax.distributed on this machine, 4 simulated devices per process).
+"""Host values on a mesh that spans processes, side by side in one two-process CPU job (jax.distributed on this
+machine, 4 simulated devices per process): jax.device_put against `sharding.host_values.place_host_value`, and jax's
+broadcast_one_to_all against `sharding.host_values.broadcast_from_first_process`.
 
 A batch leaf (int32 [rows, positions], cut over the rows by the 8 devices) is placed --iters times each way, after one
 untimed call each (jax.device_put compiles its cross-host check there); reported: median ms per placement on process
@@ -8,6 +9,9 @@ from every process onto every process (`multihost_utils.assert_equal`), so its c
 other copies only this process's slices. Also printed: what an Adam moment of a cut [n, n] fp32 weight holds on device
 0 when made with jnp.zeros(shape) (the code before cf247e0: whole, on jax's default device) and with jnp.zeros_like
 (the parameter's shards).
+Process 0's int16 [rows, positions, 8] (a rollout's routes) is shared with the other process --iters times each way,
+after one untimed call each; reported: median ms on process 0 and the ratio. jax's sums a copy on each of a process's
+devices; the other, on one device per process.
 
     .venv/bin/python scripts/bench_host_placement.py                       # [512, 8192] int32, 20 iterations
     .venv/bin/python scripts/bench_host_placement.py --rows 64 --positions 1024
@@ -55,6 +59,20 @@ def worker(port: int, process: int, rows: int, positions: int, iters: int, n: in
             placed.block_until_ready()
             times[name].append(time.perf_counter() - t)
             del placed
+    from jax.experimental import multihost_utils
+
+    from sharding.host_values import broadcast_from_first_process
+    routes = np.random.default_rng(process).integers(0, 256, (rows, positions, 8), dtype=np.int16)  # 8 layers x k 1
+    shares = {"broadcast_one_to_all": multihost_utils.broadcast_one_to_all,
+              "broadcast_from_first_process": broadcast_from_first_process}
+    for share in shares.values():  # untimed first call: each compiles its sum
+        share(routes)
+    shared = {name: [] for name in shares}
+    for _ in range(iters):
+        for name, share in shares.items():
+            t = time.perf_counter()
+            share(routes)
+            shared[name].append(time.perf_counter() - t)
     weight = jax.device_put(np.ones((n, n), np.float32), NamedSharding(mesh, P("data")))
     device0 = jax.local_devices()[0]
 
@@ -68,6 +86,13 @@ def worker(port: int, process: int, rows: int, positions: int, iters: int, n: in
         print(f"  jax.device_put       {put_ms:9.1f} ms (min {min(times['device_put']) * 1e3:.1f})")
         print(f"  place_host_value     {own_ms:9.1f} ms (min {min(times['place_host_value']) * 1e3:.1f})")
         print(f"  device_put / place_host_value: {put_ms / own_ms:.1f}x")
+        jax_ms, own_ms = (statistics.median(shared[k]) * 1e3 for k in shares)
+        print(f"process 0's int16 [{rows}, {positions}, 8] ({routes.nbytes / 2**20:.1f} MiB) to both processes, "
+              f"{iters} iterations")
+        print(f"  broadcast_one_to_all          {jax_ms:9.1f} ms (min {min(shared['broadcast_one_to_all']) * 1e3:.1f})")
+        print(f"  broadcast_from_first_process  {own_ms:9.1f} ms (min "
+              f"{min(shared['broadcast_from_first_process']) * 1e3:.1f})")
+        print(f"  broadcast_one_to_all / broadcast_from_first_process: {jax_ms / own_ms:.1f}x")
         print(f"Adam moment of a cut fp32 [{n}, {n}] weight, bytes on device 0: jnp.zeros(shape) {on_device0(whole):,} "
               f"(committed {whole.committed}), jnp.zeros_like {on_device0(cut):,} (committed {cut.committed})")
     jax.distributed.shutdown()

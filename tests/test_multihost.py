@@ -375,3 +375,25 @@ def test_make_generator_starts_the_pool_through_the_agreement(monkeypatch, tmp_p
         backends.make_generator(cfg, graphdef, SimpleNamespace(params=params, rest=rest), pad_id=0,
                                 run_dir=str(tmp_path))
     assert [int(v) for v in bc.sent] == [1]  # process 0 told the others before raising
+
+
+@pytest.mark.slow  # ~10 s: two jax processes
+def test_the_broadcast_from_process_zero_is_jaxs_bit_for_bit(tmp_path):
+    """`broadcast_from_first_process` (the rollouts, rewards and figures process 0 shares) sums over one device per
+    process, where jax's broadcast_one_to_all sums a copy on every device: the same bits on every process, NaN, -0.0
+    (summed with zeros: +0.0, as jax's), booleans, int16 routes, scalars and empty arrays included."""
+    port, out = free_port(), str(tmp_path / "out")
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    env.pop("XLA_FLAGS", None)
+    procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "tests/workers/broadcast_check.py"), str(port), str(i),
+                               out], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)[-4000:]
+    for i in range(2):
+        got = np.load(f"{out}.{i}.npz")
+        for key in ("floats", "routes", "done", "count", "empty"):
+            ours, theirs, sent = got[f"ours_{key}"], got[f"jax_{key}"], got[f"sent_{key}"]
+            assert ours.dtype == theirs.dtype == sent.dtype and ours.shape == sent.shape, (i, key)
+            assert ours.tobytes() == theirs.tobytes(), (i, key)
+            np.testing.assert_array_equal(ours, sent, err_msg=f"process {i} {key}")  # NaN == NaN; -0.0 == 0.0

@@ -22,10 +22,11 @@ from rl.generation.collective import agree_routes, decode_address, encode_addres
 from rl.generation.pool_config import PoolError
 from m3jax.hf.tensors import host_views
 from rl.generation.transfer import TransferError, TransferStats, model_tensors
+from sharding.host_values import broadcast_from_first_process
 
 
 def _from_zero(value):
-    return multihost_utils.broadcast_one_to_all(value)
+    return broadcast_from_first_process(value)
 
 
 def started_on_zero(start, is_zero: bool):
