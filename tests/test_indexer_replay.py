@@ -201,11 +201,18 @@ def test_the_mismatch_is_summed_where_the_trainers_ids_are(monkeypatch):
     mask = (rng.random((2, 8, 6)) < 0.8).astype(np.int32)
     rows_cut = NamedSharding(jax.make_mesh((8,), ("data",)), P(None, "data"))
 
-    def gathered(x):
-        raise AssertionError(f"the trainer's ids {np.shape(x)} were brought to the host")
-    monkeypatch.setattr(phases, "_on_host", gathered)
-    micro = {"routes": gen, "trainer_routes": jax.device_put(own, rows_cut), "attention_mask": mask}
+    trainer = jax.device_put(own, rows_cut)
+    to_numpy = type(trainer).__array__
+
+    def on_host(x, *args, **kwargs):
+        if x.shape == own.shape:
+            raise AssertionError(f"the trainer's ids {x.shape} were brought to the host")
+        return to_numpy(x, *args, **kwargs)
+    monkeypatch.setattr(type(trainer), "__array__", on_host)
+    micro = {"routes": gen, "trainer_routes": trainer, "attention_mask": mask}
     _, metrics = phases.route_metrics(micro, replay=False)
+    assert phases._beside(trainer, gen).sharding.is_equivalent_to(trainer.sharding, gen.ndim)  # on the ids' shards
+    assert phases._beside(trainer, mask).sharding.spec == P(None, "data")
     want = route_mismatch_frac(own.reshape(16, 6, 3, 2), gen.reshape(16, 6, 3, 2), mask.reshape(16, 6))
     assert 0 < metrics["moe/route_mismatch_frac"] == pytest.approx(float(want), rel=1e-6)
 
