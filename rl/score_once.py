@@ -16,15 +16,11 @@ import jax
 import numpy as np
 
 from rl.rewards.registry import score_specs
-
-
-def _from_zero(value):
-    from sharding.host_values import broadcast_from_first_process
-    return broadcast_from_first_process(value)
+from sharding.host_values import broadcast_from_first_process
 
 
 def score_once(specs, completions, answers, truncated, records=None, *, process_index: int | None = None,
-               process_count: int | None = None, broadcast: Callable = _from_zero
+               process_count: int | None = None, broadcast: Callable = broadcast_from_first_process
                ) -> tuple[np.ndarray, int, dict[str, np.ndarray]]:
     """`rl.rewards.registry.score_specs` of the batch, computed on process 0 and broadcast: (weighted total per
     sample float32, failed evaluations, each reward's own values by name), the same on every process. One process:

@@ -30,6 +30,19 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def timed_side_by_side(ways: dict, run, iters: int) -> dict:
+    """Seconds of `run(way)` for each way, --iters rounds interleaved, after one untimed call of each (its compile)."""
+    for way in ways.values():
+        run(way)
+    times = {name: [] for name in ways}
+    for _ in range(iters):
+        for name, way in ways.items():
+            t = time.perf_counter()
+            run(way)
+            times[name].append(time.perf_counter() - t)
+    return times
+
+
 def worker(port: int, process: int, rows: int, positions: int, iters: int, n: int) -> None:
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
     os.environ["JAX_PLATFORMS"] = "cpu"
@@ -48,31 +61,15 @@ def worker(port: int, process: int, rows: int, positions: int, iters: int, n: in
     mesh = jax.make_mesh((8,), ("data",))
     rows_cut = NamedSharding(mesh, P("data"))
     batch = np.random.default_rng(0).integers(0, 200_000, (rows, positions), dtype=np.int32)  # the same on each host
-    times = {"device_put": [], "place_host_value": []}
-    ways = {"device_put": jax.device_put, "place_host_value": place_host_value}
-    for name, put in ways.items():  # untimed first call: device_put compiles its check
-        put(batch, rows_cut).block_until_ready()
-    for _ in range(iters):
-        for name, put in ways.items():
-            t = time.perf_counter()
-            placed = put(batch, rows_cut)
-            placed.block_until_ready()
-            times[name].append(time.perf_counter() - t)
-            del placed
+    times = timed_side_by_side({"device_put": jax.device_put, "place_host_value": place_host_value},
+                               lambda put: put(batch, rows_cut).block_until_ready(), iters)
     from jax.experimental import multihost_utils
 
     from sharding.host_values import broadcast_from_first_process
     routes = np.random.default_rng(process).integers(0, 256, (rows, positions, 8), dtype=np.int16)  # 8 layers x k 1
     shares = {"broadcast_one_to_all": multihost_utils.broadcast_one_to_all,
               "broadcast_from_first_process": broadcast_from_first_process}
-    for share in shares.values():  # untimed first call: each compiles its sum
-        share(routes)
-    shared = {name: [] for name in shares}
-    for _ in range(iters):
-        for name, share in shares.items():
-            t = time.perf_counter()
-            share(routes)
-            shared[name].append(time.perf_counter() - t)
+    shared = timed_side_by_side(shares, lambda share: share(routes), iters)
     weight = jax.device_put(np.ones((n, n), np.float32), NamedSharding(mesh, P("data")))
     device0 = jax.local_devices()[0]
 
