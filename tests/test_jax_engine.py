@@ -140,9 +140,11 @@ def test_score_equals_full_forward_and_the_protocol_is_complete(model):
 
 
 @pytest.mark.slow  # compiles generation on a mesh
-def test_sharded_generation_pads_rows_to_the_batch_shards(model, tmp_path):
+def test_sharded_generation_pads_rows_to_the_batch_shards(model, tmp_path, monkeypatch):
     """On a layout whose batch axes hold 4 shards, 3 prompts are padded to 4 rows and the real rows
-    decode exactly as on one device (greedy)."""
+    decode exactly as on one device (greedy). The rollout leaves the program on the batch's shards, routes and key
+    blocks included: replicated, every device held all of them (the key blocks of a 32-node batch are 30 GB)."""
+    import rl.generation.jax_engine as je
     from sharding.mesh import MeshConfig, build_mesh
 
     ps = prompts(model.cfg, [5, 11, 8], seed=6)
@@ -151,9 +153,15 @@ def test_sharded_generation_pads_rows_to_the_batch_shards(model, tmp_path):
     layout = build_mesh(MeshConfig(2, 1, 2, 2, expert_axes=("expert",)), model.cfg)
     path = m3jax.save_pretrained(model, str(tmp_path / "m"))
     sharded = m3jax.from_pretrained(path, mesh=layout)
-    got = engine_for(sharded).generate(ps, sp, jax.random.key(0))
+    gathered, gather = [], je.gather_to_every_process
+    monkeypatch.setattr(je, "gather_to_every_process", lambda a: gathered.append(a.sharding) or gather(a))
+    graphdef, params, rest = nnx.split(sharded, nnx.Param, ...)
+    got = JaxEngine(graphdef, params, rest, pad_id=0, return_routes=True, return_block_ids=True).generate(
+        ps, sp, jax.random.key(0))
     np.testing.assert_array_equal(got.tokens, want.tokens)
     np.testing.assert_allclose(got.logprobs, want.logprobs, atol=2e-5)
+    assert len(gathered) == 6  # tokens, logprobs, lengths, truncated, routes, key blocks
+    assert [s.is_fully_replicated or s.spec[0] is None for s in gathered] == [False] * 6
 
 
 

@@ -377,23 +377,41 @@ def test_make_generator_starts_the_pool_through_the_agreement(monkeypatch, tmp_p
     assert [int(v) for v in bc.sent] == [1]  # process 0 told the others before raising
 
 
-@pytest.mark.slow  # ~10 s: two jax processes
-def test_the_broadcast_from_process_zero_is_jaxs_bit_for_bit(tmp_path):
-    """`broadcast_from_first_process` (the rollouts, rewards and figures process 0 shares) sums over one device per
-    process, where jax's broadcast_one_to_all sums a copy on every device: the same bits on every process, NaN, -0.0
-    (summed with zeros: +0.0, as jax's), booleans, int16 routes, scalars and empty arrays included."""
-    port, out = free_port(), str(tmp_path / "out")
+@pytest.fixture(scope="module")
+def host_values_outputs(tmp_path_factory) -> list:
+    """What each of two jax processes got from tests/workers/host_values_check.py (~10 s)."""
+    port, out = free_port(), str(tmp_path_factory.mktemp("host_values") / "out")
     env = {**os.environ, "PYTHONPATH": ROOT}
     env.pop("XLA_FLAGS", None)
-    procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "tests/workers/broadcast_check.py"), str(port), str(i),
-                               out], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "tests/workers/host_values_check.py"), str(port),
+                               str(i), out], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True)
              for i in range(2)]
     logs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)[-4000:]
-    for i in range(2):
-        got = np.load(f"{out}.{i}.npz")
+    return [np.load(f"{out}.{i}.npz") for i in range(2)]
+
+
+@pytest.mark.slow  # two jax processes
+def test_the_broadcast_from_process_zero_is_jaxs_bit_for_bit(host_values_outputs):
+    """`broadcast_from_first_process` (the rollouts, rewards and figures process 0 shares) sums over one device per
+    process, where jax's broadcast_one_to_all sums a copy on every device: the same bits on every process, NaN, -0.0
+    (summed with zeros: +0.0, as jax's), booleans, int16 routes, scalars and empty arrays included."""
+    for i, got in enumerate(host_values_outputs):
         for key in ("floats", "routes", "done", "count", "empty"):
             ours, theirs, sent = got[f"ours_{key}"], got[f"jax_{key}"], got[f"sent_{key}"]
             assert ours.dtype == theirs.dtype == sent.dtype and ours.shape == sent.shape, (i, key)
             assert ours.tobytes() == theirs.tobytes(), (i, key)
             np.testing.assert_array_equal(ours, sent, err_msg=f"process {i} {key}")  # NaN == NaN; -0.0 == 0.0
+
+
+@pytest.mark.slow  # two jax processes
+def test_an_array_held_across_processes_is_gathered_whole_on_each(host_values_outputs):
+    """`gather_to_every_process` (the JAX engine's rollouts, routes and key-block ids on a mesh over several hosts)
+    gives each process the whole value, bit for bit, in chunks of rows smaller than the array: rows split over the
+    processes, over processes and local devices, and rows every process holds (each entry counted once)."""
+    for i, got in enumerate(host_values_outputs):
+        for key in ("rows", "rows_and_cols", "cols_only", "logps", "done"):
+            gathered, value = got[f"gathered_{key}"], got[f"value_{key}"]
+            assert gathered.dtype == value.dtype and gathered.shape == value.shape, (i, key)
+            assert gathered.tobytes() == value.tobytes(), (i, key)

@@ -32,6 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from sharding.host_values import gather_to_every_process
+
 from rl.generation.base import Rollout, SamplingParams, check_request, sampling_logits, token_logprobs
 
 
@@ -86,7 +88,7 @@ class JaxEngine:
             out = _generate(self.graphdef, self.params, self.rest, jnp.asarray(ids), jnp.asarray(lengths), key,
                             params, self.pad_id, self.return_routes, self.return_block_ids,
                             jnp.asarray(np.arange(rows) < n))
-        tokens, logprobs, n_new, truncated, *extra = (np.asarray(a)[:n] for a in out)
+        tokens, logprobs, n_new, truncated, *extra = (gather_to_every_process(a)[:n] for a in out)
         routes = extra.pop(0) if self.return_routes else None
         block_ids = extra.pop(0) if self.return_block_ids else None
         return Rollout([list(p) for p in prompts], tokens, logprobs, n_new, truncated, self.version, routes,
@@ -109,7 +111,8 @@ class JaxEngine:
         with contextlib.ExitStack() as stack:
             if self.layout.mesh is not None:
                 stack.enter_context(jax.set_mesh(self.layout.mesh))
-            lp = np.asarray(_score(self.graphdef, self.params, self.rest, jnp.asarray(ids), jnp.asarray(mask), params))
+            lp = _score(self.graphdef, self.params, self.rest, jnp.asarray(ids), jnp.asarray(mask), params)
+        lp = gather_to_every_process(lp)
         return [[lp[i, len(p) - 1:lengths[i] - 1] for i, p in enumerate(prompts)]]
 
     def shutdown(self) -> None:
@@ -120,16 +123,7 @@ class JaxEngine:
 def _score(graphdef, params, rest, ids, mask, sp: SamplingParams):
     model = nnx.merge(graphdef, params, rest)
     logits = model(ids[:, :-1], attention_mask=mask)
-    return _on_every_process(model.layout, token_logprobs(logits, ids[:, 1:], sp.temperature, sp.top_p, sp.top_k))
-
-
-def _on_every_process(layout, *arrays):
-    """Replicate results over the layout's devices: rows live on the batch shards, and on a multi-host
-    mesh the caller (every process) reads all of them back to the host."""
-    if layout.mesh is None:
-        return arrays if len(arrays) > 1 else arrays[0]
-    out = tuple(jax.lax.with_sharding_constraint(a, layout.replicated()) for a in arrays)
-    return out if len(out) > 1 else out[0]
+    return token_logprobs(logits, ids[:, 1:], sp.temperature, sp.top_p, sp.top_k)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 6, 7, 8, 9))
@@ -191,8 +185,10 @@ def _generate(graphdef, params, rest, ids, prompt_lengths, key, sp: SamplingPara
     t, _, _, _, tokens, logps, done, routes, blocks = jax.lax.while_loop(cond, body, init)
     is_stop = jnp.isin(tokens, stops)
     first_stop = jnp.where(is_stop.any(-1), jnp.argmax(is_stop, -1) + 1, sp.max_new_tokens)
-    return _on_every_process(model.layout, tokens, logps, first_stop, ~is_stop.any(-1),
-                             *(() if routes is None else (routes,)), *(() if blocks is None else (blocks,)))
+    # left where the batch's shards are: every process reads them whole (`gather_to_every_process`), which on a
+    # mesh over several hosts moves a chunk at a time, where a replicated output held all of it on every device
+    return (tokens, logps, first_stop, ~is_stop.any(-1), *(() if routes is None else (routes,)),
+            *(() if blocks is None else (blocks,)))
 
 
 # The jitted program `JaxEngine.generate` runs: (graphdef, params, rest, ids [B, W], prompt_lengths [B], key,
