@@ -24,6 +24,10 @@ from m3jax.hf_config import PASSTHROUGH_FIELDS, fields_from_hf, hf_dict, text_di
 from m3jax.model.specs import (DENSE_MLP, FULL_ATTENTION, MOE_MLP, SPARSE_ATTENTION,  # noqa: F401 (public here too)
                                layer_param_specs, top_param_specs)
 
+INT32_MAX = 2 ** 31 - 1
+FLOAT32_MAX, FLOAT32_SMALLEST = 3.4028234663852886e38, 1.401298464324817e-45  # float32's largest; 2^-149
+
+
 @dataclasses.dataclass(frozen=True)
 class M3Config:
     vocab_size: int
@@ -137,6 +141,12 @@ class M3Config:
             raise field_error("max_position_embeddings", self.max_position_embeddings, "a positive integer")
         if not is_int(self.index_local_blocks) or self.index_local_blocks < 0:
             raise field_error("index_local_blocks", self.index_local_blocks, "an integer >= 0")
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                     "head_dim", "intermediate_size", "dense_intermediate_size", "shared_intermediate_size",
+                     "num_local_experts", "num_experts_per_tok", "index_n_heads", "index_head_dim",
+                     "index_block_size", "index_topk_blocks", "max_position_embeddings", "index_local_blocks"):
+            if getattr(self, name) > INT32_MAX:  # past it, MLIR refused a shape with a traceback naming nothing
+                raise field_error(name, getattr(self, name), f"at most {INT32_MAX} (shapes and ids are int32)")
         n = self.num_hidden_layers
         if len(self.layer_types) != n:
             raise field_error("layer_types", list(self.layer_types),
@@ -172,6 +182,9 @@ class M3Config:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < as_float(v) < math.inf:  # NaN too
                 raise field_error(name, v, "a positive finite number")
+            if not FLOAT32_SMALLEST <= v <= FLOAT32_MAX:  # rope_theta = 1e300 was inf in the float32 model
+                raise field_error(name, v, f"a number from {FLOAT32_SMALLEST:.4g} to {FLOAT32_MAX:.4g} "
+                                           "(float32's range)")
         # transformers' config takes these as ints only, so a wrong one failed later inside it, not here
         eos = self.eos_token_id if isinstance(self.eos_token_id, tuple) else (self.eos_token_id,)
         for name, v in (("bos_token_id", self.bos_token_id), ("pad_token_id", self.pad_token_id),

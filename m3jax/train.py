@@ -137,8 +137,10 @@ def _tell_the_job(args, error: ConfigError) -> None:
     if any(problem.startswith(JOB_KEYS) for problem in error.problems):
         return
     mesh = job_settings(args.config, args.overrides)
+    if launch_problem(mesh):  # first: it names a launch variable that is not a number, where reading it raised
+        return
     launch = distributed_args(mesh)
-    if launch is None or launch.get("num_processes") == 1 or launch_problem(mesh):
+    if launch is None or launch.get("num_processes") == 1:
         return
     import json
 

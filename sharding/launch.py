@@ -39,8 +39,11 @@ def launch_problem(mesh, environ=None) -> str | None:
     coordinator address / process count / process index but not all three, where no multi-task launcher gives jax
     the rest (jax then stopped the process with a ValueError traceback naming one of them)."""
     env = os.environ if environ is None else environ
-    args = distributed_args(mesh, env)
-    if not args or _launcher_detected(env):
+    try:
+        args, launched = distributed_args(mesh, env), _launcher_detected(env)
+    except EnvIntError as e:
+        return str(e)
+    if not args or launched:
         return None
     missing = [f"{name} ({key} or ${var})" for name, key, var in _JOB_SETTINGS if args[name] is None]
     if not missing:
@@ -59,6 +62,16 @@ def _launcher_detected(env) -> bool:
     return _env_int(env, "SLURM_STEP_NUM_TASKS", 1) > 1 or _env_int(env, "OMPI_COMM_WORLD_SIZE", 1) > 1
 
 
+class EnvIntError(ValueError):
+    """A launch variable that is not an integer (int() raised a traceback naming no variable)."""
+
+
 def _env_int(env, name: str, default: int | None = None) -> int | None:
     value = env.get(name)
-    return default if value in (None, "") else int(value)
+    if value in (None, ""):
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise EnvIntError(f"${name} = {value!r} in the environment is not an integer; allowed: a whole number (a "
+                          "process count or index), or unset") from None

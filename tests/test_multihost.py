@@ -81,6 +81,18 @@ def test_distributed_args_from_config_then_environment(mesh, env, want):
     assert distributed_args(mesh, env) == want
 
 
+@pytest.mark.parametrize("name", ["JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_STEP_NUM_TASKS",
+                                  "OMPI_COMM_WORLD_SIZE"])
+def test_a_launch_variable_that_is_not_a_number_is_named(name):
+    """int() of it raised a ValueError traceback naming no variable (a helper's fuzz). A launcher's count is read
+    also where the config names the job; the JAX_* ones only where it does not."""
+    from sharding.launch import launch_problem
+    job = MeshConfig(coordinator_address="h0:1234", num_processes=2, process_id=0)
+    for m in (MeshConfig(),) + (() if name.startswith("JAX_") else (job,)):
+        assert launch_problem(m, {name: "abc"}) == (f"${name} = 'abc' in the environment is not an integer; allowed: "
+                                                    "a whole number (a process count or index), or unset")
+
+
 TWO_HOSTS = ["mesh.data=2", "mesh.expert=2", "mesh.tensor=2", "grpo.prompts_per_step=4", "grpo.group_size=2",
              "grpo.micro_batch_size=2", "logging.progress_bar=false"]
 

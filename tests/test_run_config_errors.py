@@ -65,6 +65,28 @@ BAD_FILES = {
     "hang_timeout_past_the_timer": ("run: {hang_timeout_minutes: 2.0e8}\n",
                                     ["run.hang_timeout_minutes = 200000000.0: out of range; allowed: null or a "
                                      "number in (0, 1000000]"]),
+    # a helper's fuzz: a step count of 2^31 overflowed in the lr schedule after the run had started, lr = 1e300
+    # trained NaN weights, 1e-300 was 0 in float32, a tiny model's vocab past int64 failed in MLIR, and an empty text
+    # was taken as unset
+    "int_past_int32": ("optim: {warmup_steps: 2147483648}\n",
+                       ["optim.warmup_steps = 2147483648: past 2147483647 (2^31 - 1): counts, sizes and steps are "
+                        "int32 in the compiled programs; allowed: an integer >= 0"]),
+    "list_item_past_int32": ("grpo: {micro_batch_widths: [4294967296]}\n",
+                             ["grpo.micro_batch_widths[0] = 4294967296: past 2147483647"]),
+    "float_past_float32": ("optim: {lr: 1.0e+300}\n",
+                           ["optim.lr = 1e+300: outside float32's range (1.401e-45 to 3.403e+38 in magnitude, or 0)"]),
+    "float_below_float32": ("grpo: {entropy_coef: 1.0e-300}\n",
+                            ["grpo.entropy_coef = 1e-300: outside float32's range"]),
+    "tiny_size_past_int32": ("model: {tiny: {vocab_size: 99999999999999999999}}\n",
+                             ["model.tiny.vocab_size = 99999999999999999999 is not supported: expected at most "
+                              "2147483647"]),
+    "tiny_float_past_float32": ("model: {tiny: {rope_theta: 1.0e+300}}\n",
+                                ["model.tiny.rope_theta = 1e+300 is not supported: expected a number from 1.401e-45 "
+                                 "to 3.403e+38"]),
+    "empty_text_for_optional": ("logging: {wandb_project: ''}\n",
+                                ['logging.wandb_project = "": must not be empty (null leaves it unset); allowed: a W&B '
+                                 'project name, or null']),
+    "blank_coordinator": ("mesh: {coordinator_address: ' '}\n", ['mesh.coordinator_address = " ": must not be empty']),
     "bad_choice": ("grpo: {advantage: ppo}\n",
                    ['grpo.advantage = "ppo": not an allowed value; allowed: one of "grpo", "dr_grpo", "rloo"']),
     "bad_choice_close_match": ("precision: {master: fp23}\n",

@@ -64,6 +64,12 @@ MAX_SEED = 2 ** 63 - 1  # jax's keys and numpy's generators take a signed 64-bit
 MAX_WATCH_MINUTES = 1e6
 
 
+def _not_empty(v: str) -> str | None:
+    """An empty text was taken as unset (`if value:`) where null is the way to say it, so a W&B project "" opened no
+    run and the warnings named null."""
+    return None if v.strip() else "must not be empty (null leaves it unset)"
+
+
 def _out_dir_ok(v: Any) -> str | None:
     if "${" in v:
         return "has an unknown substitution (only ${name} is replaced)"
@@ -172,7 +178,8 @@ class MeshSection(_Section):
                                      "contiguous shards, the last doing 2 x context - 1 times the first's); sparse "
                                      "layers stay contiguous either way")
     coordinator_address: str | None = _f(None, "host:port of process 0 for jax.distributed; null = single "
-                                               "process or from the environment (JAX_*, SLURM)")
+                                               "process or from the environment (JAX_*, SLURM)",
+                                         check=_not_empty, allowed="host:port, or null")
     num_processes: int | None = _f(None, "processes in a multi-host job; null = from the environment", min=1)
     process_id: int | None = _f(None, "this process's index; null = from the environment", min=0)
     device_memory_fraction: float | None = _f(None, "share of each GPU's memory JAX takes for the trainer "
@@ -254,7 +261,8 @@ class GenerationSection(_Section):
     vllm_dtype: str = _f("auto", "dtype the vLLM engines compute in; auto = the trainer's parameter dtype",
                          choices=("auto", "float32", "bfloat16"))
     vllm_ray_address: str | None = _f(None, "Ray cluster to place the vLLM engines on (e.g. ray://head:10001); "
-                                            "null = start a local Ray")
+                                            "null = start a local Ray",
+                                      check=_not_empty, allowed="a Ray address, or null")
     vllm_executor: str = _f("auto", "how one vLLM server runs its ranks: mp = worker processes on one host "
                                     "(in-process for one rank); ray = vLLM's Ray executor, ranks placed by a "
                                     "placement group of the server's own, across hosts if needed; auto = ray only "
@@ -402,8 +410,10 @@ class LoggingSection(_Section):
                             min=0)
     wandb_project: str | None = _f(None, "mirror every metrics row to Weights & Biases under this project (null = "
                                          "off; needs the wandb package): one W&B run named run.name, configured with "
-                                         "the resolved config; a resumed run (same run.out_dir) continues it")
-    wandb_entity: str | None = _f(None, "the W&B entity (user or team); null = the account's default")
+                                         "the resolved config; a resumed run (same run.out_dir) continues it",
+                                   check=_not_empty, allowed="a W&B project name, or null")
+    wandb_entity: str | None = _f(None, "the W&B entity (user or team); null = the account's default",
+                                  check=_not_empty, allowed="a W&B entity, or null")
     wandb_mode: str = _f("online", "online, or offline: the W&B run is written under run.out_dir/wandb without a "
                                    "network, for `wandb sync` later (compute nodes without internet)",
                          choices=("online", "offline"))

@@ -20,6 +20,9 @@ from rl.config.reward_checks import reward_problems
 from rl.generation.pool_config import VLLM_MIN_TEMPERATURE
 from rl.config.validate_eval import eval_problems, file_only_problems
 
+INT32_MAX = 2 ** 31 - 1
+FLOAT32_MAX, FLOAT32_SMALLEST = 3.4028234663852886e38, 1.401298464324817e-45  # float32's largest; 2^-149
+
 # Checks take the whole `rl.config.run.RunConfig` (named in annotations only: that module imports this one).
 
 
@@ -47,6 +50,14 @@ def _check_scalar(key: str, value: Any, tp: Any, rules: dict, allowed: str, out:
         if ("min" in rules and value < rules["min"]) or ("gt" in rules and value <= rules["gt"]) or \
                 ("max" in rules and value > rules["max"]) or ("lt" in rules and value >= rules["lt"]):
             out.append(_bad(key, value, "out of range", allowed))
+        elif tp is int and "max" not in rules and abs(value) > INT32_MAX:
+            # a step count of 2^31 passed and overflowed in the learning-rate schedule after the run had started
+            out.append(_bad(key, value, f"past {INT32_MAX} (2^31 - 1): counts, sizes and steps are int32 in the "
+                                        "compiled programs", allowed))
+        elif tp is float and (abs(value) > FLOAT32_MAX or 0 < abs(value) < FLOAT32_SMALLEST):
+            # lr = 1e300 trained NaN weights from step 1 (reported as a non-finite gradient); lr = 1e-300 was 0
+            out.append(_bad(key, value, f"outside float32's range ({FLOAT32_SMALLEST:.4g} to {FLOAT32_MAX:.4g} in "
+                                        "magnitude, or 0): the programs compute in float32", allowed))
 
 
 def _check_field(key: str, value: Any, tp: Any, meta: dict, out: list[_Problem]) -> None:
