@@ -78,6 +78,7 @@ def main(argv=None) -> int:
     refusal = _job_refusal(cfg, index, refusal)
     if refusal:
         print(refusal[0], file=sys.stderr)
+        before.remove_created()  # the parents os.makedirs made before it failed (a name too long) are not left
         return refusal[1]
     refused = None
     try:

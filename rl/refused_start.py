@@ -7,6 +7,7 @@ Pure Python, like rl.run_lock: it is set up before the heavy imports."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 
@@ -55,8 +56,9 @@ class RunDirBefore:
         while True:
             try:
                 os.rmdir(path)
-            except OSError:
-                return
+            except OSError as e:
+                if e.errno not in (errno.ENOENT, errno.ENAMETOOLONG):  # those were never made: os.makedirs stopped
+                    return                                             # above them (a name too long for the disk)
             if path == self.created:
                 return
             path = os.path.dirname(path)

@@ -22,6 +22,15 @@ def test_a_run_directory_that_cannot_be_written(tmp_path, monkeypatch, capsys):
                    f"system: '{tmp_path / 'run' / '.lock'}')\n")
 
 
+def test_a_run_directory_whose_name_is_too_long_leaves_no_directory(tmp_path, capsys):
+    """os.makedirs made a/b/c before failing on the last name; the refusal left them (a helper's fuzz)."""
+    out = tmp_path / "a" / "b" / "c" / ("x" * 300)
+    assert train.main(["--config", CONFIG, f"run.out_dir={out}"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: the run directory {out} cannot be written ([Errno 36] File name too long"), err
+    assert os.listdir(tmp_path) == []
+
+
 def test_an_export_to_a_full_disk(tmp_path, monkeypatch, capsys):
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
 
