@@ -349,7 +349,7 @@ class UpdateStats:
     skipped: int  # updates skipped for a non-finite gradient
     sums: dict  # the loss's metric sums (tokens, clipped tokens, ...) over the step
     grad_norm_apart: float | None = None  # the parameters clipped on their own (the indexer), when there are any
-    empty: int = 0  # updates held because no token of theirs carried loss (every row at loss weight 0)
+    empty: int = 0  # updates held for want of a learning signal (no loss token, or a gradient of exactly 0)
 
 
 def update(train_step: Callable, state, micro: dict, updates: int):
@@ -390,7 +390,7 @@ def step_metrics(samples: Samples, reward: np.ndarray, failures: int, adv: Advan
         "groups/zero_variance_frac": float(adv.zero_variance.mean()),
         "response/length_mean": float(out.lengths.mean()), "response/truncated_frac": float(out.truncated.mean()),
         "loss": stats.loss, "grad_norm": stats.grad_norm, "skipped_updates": stats.skipped,
-        "empty_updates": stats.empty,  # held: no token carried loss (sharding.train_step)
+        "empty_updates": stats.empty,  # held: no learning signal (no loss token, or a gradient of 0: train_step)
         "clip_frac": sums.get("clipped_tokens", 0.0) / tokens,
         "dual_clip_frac": sums.get("dual_clipped_tokens", 0.0) / tokens,
         # w outside [is_mask_low, is_mask_high], in every mode: what "mask" zeroes ("truncate" acts at is_cap / floor)

@@ -6,10 +6,11 @@ its loss reads nan, and it used to train on to its last step and print "done". N
 is a warning, and `optim.stop_after_skipped_steps` steps in a row whose updates were all skipped stop the run with
 an error (Megatron-LM stops at a non-finite loss by default).
 
-An update none of whose tokens carries loss (every row at loss weight 0: the groups dynamic sampling filled in
-after its last round, every response cut under `grpo.overlong_filter`) is held the same way (its gradient is 0,
-yet Adam's momentum and the weight decay would move the weights): a warning of its own each step, `empty_updates`
-in metrics.jsonl, and no count toward the stop, as nothing diverged.
+An update with no learning signal is held the same way: none of its tokens carries loss (every row at loss weight 0:
+the groups dynamic sampling filled in after its last round, every response cut under `grpo.overlong_filter`), or its
+gradient is exactly 0 (every group's rewards equal, with no KL or entropy term). Its gradient is 0, yet Adam's
+momentum and the weight decay would move the weights: a warning of its own each step, `empty_updates` in
+metrics.jsonl, and no count toward the stop, as nothing diverged.
 """
 
 from __future__ import annotations
@@ -30,11 +31,13 @@ class SkippedUpdates:
 
     def after(self, step: int, skipped: int, loss: float, grad_norm: float, empty: int = 0) -> None:
         """Step `step` (as metrics.jsonl numbers it) skipped `skipped` of its updates for a non-finite gradient and
-        held `empty` for want of a loss token; raises UpdatesSkipped at the limit."""
+        held `empty` for want of a learning signal; raises UpdatesSkipped at the limit."""
         if empty:
-            log.warning("step %d: %d of %d update(s) held, no token of theirs carrying loss (every row at loss "
-                        "weight 0: groups of equal rewards that dynamic sampling filled in, or responses "
-                        "grpo.overlong_filter dropped): the weights did not change", step, empty, self.updates_per_step)
+            log.warning("step %d: %d of %d update(s) held, with no learning signal (no token of theirs carrying loss: "
+                        "every row at loss weight 0, groups of equal rewards that dynamic sampling filled in or "
+                        "responses grpo.overlong_filter dropped; or a gradient of exactly 0: every group's rewards "
+                        "equal, with no KL or entropy term): the weights did not change", step, empty,
+                        self.updates_per_step)
         if not skipped:
             self.in_a_row = 0
             return

@@ -165,11 +165,16 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation,
         finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
         if apart is not None:
             finite &= jnp.isfinite(apart)
-        # No token carries loss (every row at loss weight 0: groups dynamic sampling filled in, overlong rows
-        # filtered): the gradient is 0, yet Adam's momentum and the weight decay would still move the weights (77 %
-        # of the step before's change, an audit's run). Held like a non-finite update: weights and optimizer state
-        # kept, counted in `skipped` so the schedule waits for it too.
-        empty = finite & (tokens == 0)
+        # No learning signal: no token carries loss (every row at loss weight 0: groups dynamic sampling filled in,
+        # overlong rows filtered), or the gradient is exactly 0 though some do (every group's rewards equal, so every
+        # advantage 0, with no KL or entropy term). Adam's momentum and the weight decay would still move the weights
+        # (77 % of the step before's change, an audit's run; m / sqrt(v) after a zero gradient is 0.9 / sqrt(0.999)
+        # of the step before's: the demo, saturated, lost half its reward over such steps in a soak run). Held like a
+        # non-finite update: weights and optimizer state kept, counted in `skipped` so the schedule waits for it too.
+        still = grad_norm == 0
+        if apart is not None:  # the indexer's own loss still has a gradient to apply
+            still &= apart == 0
+        empty = finite & ((tokens == 0) | still)
         apply = finite & ~empty
         if hasattr(optimizer, "step"):  # in place, layer slice by layer slice (sharding.optim_step)
             params, opt_state = optimizer.step(grads, total, state.opt_state, state.params, apply)

@@ -1,7 +1,7 @@
 """An update none of whose tokens carries loss (every row at loss weight 0: the groups dynamic sampling filled in,
-every response cut under grpo.overlong_filter) is held: its gradient is 0, yet Adam's momentum and the weight decay
-moved the weights (an audit: 77 % of the step before's change), while metrics.jsonl read loss 0, grad_norm 0 and
-skipped_updates 0."""
+every response cut under grpo.overlong_filter), or whose gradient is exactly 0 (every advantage 0, no KL or entropy
+term), is held: its gradient is 0, yet Adam's momentum and the weight decay moved the weights (an audit: 77 % of the
+step before's change), while metrics.jsonl read loss 0, grad_norm 0 and skipped_updates 0."""
 
 import logging
 
@@ -14,7 +14,7 @@ from flax import nnx
 
 from rl.skipped_updates import SkippedUpdates
 from sharding import optim_step
-from sharding.train_step import init_state, make_train_step
+from sharding.train_step import init_state, make_train_step, token_cross_entropy
 
 V, D = 16, 8
 
@@ -59,10 +59,35 @@ def test_an_update_without_loss_tokens_keeps_the_weights_and_the_optimizer_state
     assert any(np.any(np.asarray(a) != b) for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(before[0])))
 
 
+def zero_advantage_loss(model, mb):
+    """Every advantage 0 (a step whose groups all had equal rewards, no KL or entropy term): tokens carry loss, and
+    its gradient is exactly 0."""
+    loss, sums = token_cross_entropy(model, mb)
+    return 0.0 * loss, sums
+
+
+@pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
+def test_an_update_whose_gradient_is_zero_keeps_the_weights_and_the_optimizer_state(kind):
+    """A soak run of the demo: once its groups all had equal rewards, the updates with a zero gradient went on moving
+    the weights by Adam's momentum, and its reward fell from 1.0 to 0.5."""
+    opt = OPTIMIZERS[kind]()
+    graphdef, state = init_state(Tiny(), opt)
+    learn, no_signal = (make_train_step(graphdef, opt, loss, donate=False)
+                        for loss in (token_cross_entropy, zero_advantage_loss))
+    state, _ = learn(state, batch(1.0))
+    before = jax.tree.map(np.asarray, (state.params, state.opt_state))
+    state, m = no_signal(state, batch(1.0))
+    for a, b in zip(jax.tree.leaves((state.params, state.opt_state)), jax.tree.leaves(before), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    assert bool(m["empty"]) and float(m["tokens"]) == 36.0 and float(m["grad_norm"]) == 0.0
+    assert int(state.step) == 2 and int(state.skipped) == 1
+
+
 def test_a_held_update_is_warned_of_and_does_not_count_toward_the_divergence_stop(caplog):
     watch = SkippedUpdates(limit=2, updates_per_step=1)
     with caplog.at_level(logging.WARNING, logger="rl.trainer"):
         for step in (1, 2, 3):
             watch.after(step, 0, 0.0, 0.0, empty=1)
     assert watch.in_a_row == 0 and len(caplog.records) == 3
-    assert caplog.records[0].getMessage().startswith("step 1: 1 of 1 update(s) held, no token of theirs carrying loss")
+    assert caplog.records[0].getMessage().startswith("step 1: 1 of 1 update(s) held, with no learning signal (no token "
+                                                     "of theirs carrying loss")
