@@ -9,8 +9,8 @@ an error (Megatron-LM stops at a non-finite loss by default).
 An update with no learning signal is held the same way: none of its tokens carries loss (every row at loss weight 0:
 the groups dynamic sampling filled in after its last round, every response cut under `grpo.overlong_filter`), or its
 gradient is exactly 0 (every group's rewards equal, with no KL or entropy term). Its gradient is 0, yet Adam's
-momentum and the weight decay would move the weights: a warning of its own each step, `empty_updates` in
-metrics.jsonl, and no count toward the stop, as nothing diverged.
+momentum and the weight decay would move the weights: a warning of its own (at the first step of a run of such
+steps, then every 100th), `empty_updates` in metrics.jsonl, and no count toward the stop, as nothing diverged.
 """
 
 from __future__ import annotations
@@ -18,6 +18,9 @@ from __future__ import annotations
 import logging
 
 log = logging.getLogger("rl.trainer")
+
+
+HELD_EVERY = 100  # steps in a row with a held update between two warnings of them
 
 
 class UpdatesSkipped(Exception):
@@ -28,16 +31,22 @@ class SkippedUpdates:
     def __init__(self, limit: int, updates_per_step: int):
         self.limit, self.updates_per_step = limit, updates_per_step
         self.in_a_row = 0  # steps whose updates were all skipped, up to the last one seen
+        self.held_in_a_row = 0  # steps with an update held for want of a learning signal, up to the last one seen
 
     def after(self, step: int, skipped: int, loss: float, grad_norm: float, empty: int = 0) -> None:
         """Step `step` (as metrics.jsonl numbers it) skipped `skipped` of its updates for a non-finite gradient and
         held `empty` for want of a learning signal; raises UpdatesSkipped at the limit."""
-        if empty:
+        self.held_in_a_row = self.held_in_a_row + 1 if empty else 0
+        # the first of a run of them, then every HELD_EVERY-th: a saturated run (every group's rewards equal) holds
+        # most of its updates, and a line each step buried the others (a soak run: 9 in 10 steps)
+        if empty and (self.held_in_a_row == 1 or self.held_in_a_row % HELD_EVERY == 0):
+            row = f" ({self.held_in_a_row} steps in a row; `empty_updates` counts each)" if self.held_in_a_row > 1 \
+                else ""
             log.warning("step %d: %d of %d update(s) held, with no learning signal (no token of theirs carrying loss: "
                         "every row at loss weight 0, groups of equal rewards that dynamic sampling filled in or "
                         "responses grpo.overlong_filter dropped; or a gradient of exactly 0: every group's rewards "
-                        "equal, with no KL or entropy term): the weights did not change", step, empty,
-                        self.updates_per_step)
+                        "equal, with no KL or entropy term): the weights did not change%s", step, empty,
+                        self.updates_per_step, row)
         if not skipped:
             self.in_a_row = 0
             return

@@ -84,10 +84,17 @@ def test_an_update_whose_gradient_is_zero_keeps_the_weights_and_the_optimizer_st
 
 
 def test_a_held_update_is_warned_of_and_does_not_count_toward_the_divergence_stop(caplog):
+    """Warned at the first step of a run of them, then every 100th (a saturated run holds most of its updates: a
+    line each step buried the others), again at the first after a step that trained."""
     watch = SkippedUpdates(limit=2, updates_per_step=1)
     with caplog.at_level(logging.WARNING, logger="rl.trainer"):
-        for step in (1, 2, 3):
+        for step in range(1, 202):
             watch.after(step, 0, 0.0, 0.0, empty=1)
-    assert watch.in_a_row == 0 and len(caplog.records) == 3
-    assert caplog.records[0].getMessage().startswith("step 1: 1 of 1 update(s) held, with no learning signal (no token "
-                                                     "of theirs carrying loss")
+        watch.after(202, 0, 0.1, 0.5)
+        watch.after(203, 0, 0.0, 0.0, empty=1)
+    assert watch.in_a_row == 0
+    said = [r.getMessage() for r in caplog.records]
+    assert [m.split(":")[0] for m in said] == ["step 1", "step 100", "step 200", "step 203"]
+    assert said[0].startswith("step 1: 1 of 1 update(s) held, with no learning signal (no token of theirs carrying "
+                              "loss") and said[0].endswith("the weights did not change")
+    assert said[1].endswith("the weights did not change (100 steps in a row; `empty_updates` counts each)")
