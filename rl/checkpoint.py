@@ -12,7 +12,9 @@ onto the current run's shardings (orbax restores against an abstract target; `rl
 A crash or a failed write during a save leaves `<step>.orbax-checkpoint-tmp*`, which a restore ignores and the next
 run on the directory deletes (in the background, before its first save). orbax itself removes one only when the same
 step is saved again, which a step saved for a signal or a deadline, or under another `checkpoint.every_steps`, never
-is: a save that failed on a full disk kept its partial bytes there, and its rerun could fail for want of them. A
+is: a save that failed on a full disk kept its partial bytes there, and its rerun could fail for want of them. An old
+step that keep-N removes is first moved whole into `deleted/` and removed from there (by the next save, the run's end,
+or the next start after a crash), so a crash mid-removal leaves no half-deleted step listed as a checkpoint. A
 damaged finished checkpoint is skipped with a warning and the previous one used, also where only its bytes changed
 (bit rot, a bad copy: each array's checksum is kept in the meta and checked at the restore, `rl.checkpoint_sums`).
 A save that fails (a full disk, a lost mount) raises `CheckpointSaveFailed` at the next step or save (a synchronous
@@ -26,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import threading
 import time
 
 import jax
@@ -41,6 +44,10 @@ from rl.checkpoint_state import (abstract_tree, portable_state, rebuild_state, r
 from sharding.train_step import TrainState
 
 log = logging.getLogger(__name__)
+
+# orbax moves a step it removes (keep-N) into this subdirectory first, in one rename (`todelete_subdir`), and the
+# checkpointer removes it from there; not a step name, so orbax never lists it
+DELETED = "deleted"
 
 
 class CheckpointMismatch(ValueError):
@@ -98,9 +105,35 @@ class Checkpointer:
                                                      enable_async_checkpointing=not read_only,
                                                      create=not read_only, read_only=read_only,
                                                      cleanup_tmp_directories=not read_only,
+                                                     todelete_subdir=None if read_only else DELETED,
                                                      async_options=ocp.AsyncOptions(barrier_sync_fn=barrier)))
         finally:
             logging.getLogger("absl").removeFilter(notice)
+        self._remover = None  # the thread removing what orbax moved to DELETED
+        self._remove_deleted()  # a run killed while it removed them
+
+    def _remove_deleted(self, wait: bool = False) -> None:
+        """Remove the steps orbax has moved to DELETED, on a thread of its own (wait: here, after the one running).
+        orbax deleted an old step in place, file by file: a run killed meanwhile left a step without its metadata that
+        was still listed as a checkpoint, and for good after the run's last save (a helper's kill fuzz). A step moves
+        there whole, in one rename, on the primary host (process 0), which alone removes them."""
+        if self.read_only or jax.process_index() != 0:
+            return
+        if self._remover is not None:
+            self._remover.join()
+        where = os.path.join(self.directory, DELETED)
+        doomed = [os.path.join(where, name) for name in (os.listdir(where) if os.path.isdir(where) else ())]
+
+        def remove():
+            for path in doomed:
+                shutil.rmtree(path, ignore_errors=True)
+
+        if wait:
+            self._remover = None
+            remove()
+        elif doomed:
+            self._remover = threading.Thread(target=remove, name="rl.checkpoint:remove-deleted", daemon=True)
+            self._remover.start()
 
     def keep_best_steps(self, steps) -> None:
         """With keep_best: the steps whose checkpoints stay beside the newest (the best evaluations')."""
@@ -175,6 +208,7 @@ class Checkpointer:
             items["reference"] = nnx.to_pure_dict(reference)
         meta = {**meta, checkpoint_sums.KEY: checkpoint_sums.checksums(items)}  # checked at every restore
         extra = {} if reference is None else {"reference": ocp.args.StandardSave(items["reference"])}
+        self._remove_deleted()  # the steps the save before removed (in its finalize): none is renamed onto one left
         if self._saving is None:  # orbax's own reports of a failed save, and its writes that end after it (into a
             # closed event loop): run.log, where the error this raises says it in a line
             logging.getLogger("absl").addFilter(_orbax_errors_to_run_log)
@@ -331,6 +365,7 @@ class Checkpointer:
             getattr(self.manager, "_maybe_await_cleanup_tmp_directory", lambda: None)()
             self.manager.wait_until_finished()
             self.manager.close()
+            self._remove_deleted(wait=True)  # the last save's: a finished run holds `keep` checkpoints, no more
         finally:
             logging.getLogger("absl").removeFilter(_orbax_errors_to_run_log)
 
