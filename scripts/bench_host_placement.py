@@ -12,6 +12,9 @@ other copies only this process's slices. Also printed: what an Adam moment of a 
 Process 0's int16 [rows, positions, 8] (a rollout's routes) is shared with the other process --iters times each way,
 after one untimed call each; reported: median ms on process 0 and the ratio. jax's sums a copy on each of a process's
 devices; the other, on one device per process.
+An int16 [rows, positions, 8] cut over both processes' rows (the JAX engine's routes) is read whole on each process
+--iters times each way: replicated by a jitted identity and read from one device (the engine before 32f6174), and by
+`gather_to_every_process` in --chunk-mb chunks; reported: median ms and what a device holds meanwhile.
 
     .venv/bin/python scripts/bench_host_placement.py                       # [512, 8192] int32, 20 iterations
     .venv/bin/python scripts/bench_host_placement.py --rows 64 --positions 1024
@@ -43,7 +46,7 @@ def timed_side_by_side(ways: dict, run, iters: int) -> dict:
     return times
 
 
-def worker(port: int, process: int, rows: int, positions: int, iters: int, n: int) -> None:
+def worker(port: int, process: int, rows: int, positions: int, iters: int, n: int, chunk_mb: int) -> None:
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
     os.environ["JAX_PLATFORMS"] = "cpu"
     sys.path.insert(0, ROOT)
@@ -70,6 +73,14 @@ def worker(port: int, process: int, rows: int, positions: int, iters: int, n: in
     shares = {"broadcast_one_to_all": multihost_utils.broadcast_one_to_all,
               "broadcast_from_first_process": broadcast_from_first_process}
     shared = timed_side_by_side(shares, lambda share: share(routes), iters)
+    from sharding.host_values import gather_to_every_process
+    everyones = np.random.default_rng(0).integers(0, 256, (rows, positions, 8), dtype=np.int16)  # the same on each
+    held = jax.make_array_from_callback(everyones.shape, rows_cut, lambda index: everyones[index])
+    replicate = jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, P()))
+    reads = {"replicated": lambda: np.asarray(replicate(held).addressable_data(0)),  # the JAX engine before 32f6174
+             "gather_to_every_process": lambda: gather_to_every_process(held, chunk_bytes=chunk_mb << 20)}
+    assert all(np.array_equal(read(), everyones) for read in reads.values())
+    read = timed_side_by_side(reads, lambda way: way(), iters)
     weight = jax.device_put(np.ones((n, n), np.float32), NamedSharding(mesh, P("data")))
     device0 = jax.local_devices()[0]
 
@@ -90,6 +101,16 @@ def worker(port: int, process: int, rows: int, positions: int, iters: int, n: in
         print(f"  broadcast_from_first_process  {own_ms:9.1f} ms (min "
               f"{min(shared['broadcast_from_first_process']) * 1e3:.1f})")
         print(f"  broadcast_one_to_all / broadcast_from_first_process: {jax_ms / own_ms:.1f}x")
+        rep_ms, own_ms = (statistics.median(read[k]) * 1e3 for k in reads)
+        mib = everyones.nbytes / 2**20
+        print(f"an int16 [{rows}, {positions}, 8] ({mib:.1f} MiB) cut over both processes' rows, read whole on "
+              f"each (the JAX engine's routes), {iters} iterations")
+        print(f"  replicated, then read        {rep_ms:9.1f} ms (min {min(read['replicated']) * 1e3:.1f}); "
+              f"held on every device: {mib:.1f} MiB")
+        fastest = min(read["gather_to_every_process"]) * 1e3
+        print(f"  gather_to_every_process      {own_ms:9.1f} ms (min {fastest:.1f}); held on one device per process: "
+              f"2 chunks of at most {min(chunk_mb, mib):.1f} MiB")
+        print(f"  replicated / gather_to_every_process: {rep_ms / own_ms:.2f}x")
         print(f"Adam moment of a cut fp32 [{n}, {n}] weight, bytes on device 0: jnp.zeros(shape) {on_device0(whole):,} "
               f"(committed {whole.committed}), jnp.zeros_like {on_device0(cut):,} (committed {cut.committed})")
     jax.distributed.shutdown()
@@ -101,16 +122,18 @@ def main() -> None:
     ap.add_argument("--positions", type=int, default=8192)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--n", type=int, default=4096, help="the cut weight's side, for the moments line")
+    ap.add_argument("--chunk-mb", type=int, default=16, help="gather_to_every_process's chunk, for the gather line")
     ap.add_argument("--worker", nargs=2, type=int, help=argparse.SUPPRESS)  # port, process
     a = ap.parse_args()
     if a.worker:
-        return worker(*a.worker, a.rows, a.positions, a.iters, a.n)
+        return worker(*a.worker, a.rows, a.positions, a.iters, a.n, a.chunk_mb)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--rows", str(a.rows), "--positions",
-                               str(a.positions), "--iters", str(a.iters), "--n", str(a.n), "--worker", str(port),
+                               str(a.positions), "--iters", str(a.iters), "--n", str(a.n), "--chunk-mb", str(a.chunk_mb),
+                               "--worker", str(port),
                                str(i)], env=env, stdout=None if i == 0 else subprocess.DEVNULL) for i in range(2)]
     load = os.getloadavg()[0]
     rc = [p.wait() for p in procs]
