@@ -131,10 +131,10 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--rows", str(a.rows), "--positions",
-                               str(a.positions), "--iters", str(a.iters), "--n", str(a.n), "--chunk-mb", str(a.chunk_mb),
-                               "--worker", str(port),
-                               str(i)], env=env, stdout=None if i == 0 else subprocess.DEVNULL) for i in range(2)]
+    args = ["--rows", str(a.rows), "--positions", str(a.positions), "--iters", str(a.iters), "--n", str(a.n),
+            "--chunk-mb", str(a.chunk_mb)]
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), *args, "--worker", str(port), str(i)],
+                              env=env, stdout=None if i == 0 else subprocess.DEVNULL) for i in range(2)]
     load = os.getloadavg()[0]
     rc = [p.wait() for p in procs]
     print(f"load average (1 min) at the start: {load:.2f}; exit statuses {rc}")
