@@ -13,8 +13,9 @@ A crash or a failed write during a save leaves `<step>.orbax-checkpoint-tmp*`, w
 run on the directory deletes (in the background, before its first save). orbax itself removes one only when the same
 step is saved again, which a step saved for a signal or a deadline, or under another `checkpoint.every_steps`, never
 is: a save that failed on a full disk kept its partial bytes there, and its rerun could fail for want of them. An old
-step that keep-N removes is first moved whole into `deleted/` and removed from there (by the next save, the run's end,
-or the next start after a crash), so a crash mid-removal leaves no half-deleted step listed as a checkpoint. A
+step that keep-N removes is first moved whole into `deleted/` and removed from there (once the save that moved it has
+ended, at the run's end, or at the next start after a crash), so a crash mid-removal leaves no half-deleted step
+listed as a checkpoint. A
 damaged finished checkpoint is skipped with a warning and the previous one used, also where only its bytes changed
 (bit rot, a bad copy: each array's checksum is kept in the meta and checked at the restore, `rl.checkpoint_sums`).
 A save that fails (a full disk, a lost mount) raises `CheckpointSaveFailed` at the next step or save (a synchronous
@@ -113,27 +114,34 @@ class Checkpointer:
         self._remove_deleted()  # a run killed while it removed them
 
     def _remove_deleted(self, wait: bool = False) -> None:
-        """Remove the steps orbax has moved to DELETED, on a thread of its own (wait: here, after the one running).
-        orbax deleted an old step in place, file by file: a run killed meanwhile left a step without its metadata that
-        was still listed as a checkpoint, and for good after the run's last save (a helper's kill fuzz). A step moves
-        there whole, in one rename, on the primary host (process 0), which alone removes them."""
+        """Remove the steps orbax has moved to DELETED, on a thread of its own (wait: here, after the one running, and
+        DELETED itself, which a save may be renaming into: only at the close). orbax deleted an old step in place,
+        file by file: a run killed meanwhile left a step without its metadata that was still listed as a checkpoint,
+        and for good after the run's last save (a helper's kill fuzz). A step moves there whole, in one rename, on the
+        primary host (process 0), which alone removes them."""
         if self.read_only or jax.process_index() != 0:
             return
-        if self._remover is not None:
-            self._remover.join()
         where = os.path.join(self.directory, DELETED)
         doomed = [os.path.join(where, name) for name in (os.listdir(where) if os.path.isdir(where) else ())]
+        before, self._remover = self._remover, None
 
         def remove():
+            if before is not None:  # one thread at a time (a name both list is removed once, the other finds none)
+                before.join()
             for path in doomed:
                 shutil.rmtree(path, ignore_errors=True)
 
         if wait:
-            self._remover = None
             remove()
+            try:
+                os.rmdir(where)
+            except OSError:  # never made, or written into since
+                pass
         elif doomed:
             self._remover = threading.Thread(target=remove, name="rl.checkpoint:remove-deleted", daemon=True)
             self._remover.start()
+        else:
+            self._remover = before
 
     def keep_best_steps(self, steps) -> None:
         """With keep_best: the steps whose checkpoints stay beside the newest (the best evaluations')."""
@@ -208,7 +216,6 @@ class Checkpointer:
             items["reference"] = nnx.to_pure_dict(reference)
         meta = {**meta, checkpoint_sums.KEY: checkpoint_sums.checksums(items)}  # checked at every restore
         extra = {} if reference is None else {"reference": ocp.args.StandardSave(items["reference"])}
-        self._remove_deleted()  # the steps the save before removed (in its finalize): none is renamed onto one left
         if self._saving is None:  # orbax's own reports of a failed save, and its writes that end after it (into a
             # closed event loop): run.log, where the error this raises says it in a line
             logging.getLogger("absl").addFilter(_orbax_errors_to_run_log)
@@ -253,6 +260,7 @@ class Checkpointer:
             raise self._failed(error) from None
         if min(states) == checkpoint_job.ENDED:
             self._unchecked = False  # once per save: the wait logs a line to run.log each time
+            self._remove_deleted()  # the steps its finalize moved out: `keep` checkpoints on disk, not keep + 1
 
     def _sums_problem(self, step: int, got) -> str | None:
         """What the checksums kept in checkpoint `step`'s meta say of its restored state (rl.checkpoint_sums); they

@@ -61,7 +61,7 @@ def update_learning_rate(cfg: RunConfig):
     `grpo.updates_per_step` of them per step, so update c runs at learning_rate(c // updates_per_step). (Counting
     updates as steps ran warm-up and decay updates_per_step times too fast: at 2, the run's second half at lr 0.)
     A skipped update (non-finite gradient) does not count, as in Megatron: the schedule waits for it; nor does one
-    held for want of a loss token (`sharding.train_step`)."""
+    held for want of a learning signal (no loss token, or a gradient of exactly 0: `sharding.train_step`)."""
     per_step = cfg.grpo.updates_per_step
     steps = learning_rate(cfg)
     return steps if per_step == 1 else (lambda count: steps(count // per_step))

@@ -32,7 +32,7 @@ class TrainState(NamedTuple):
     rest: Any  # non-trainable state (router correction bias)
     opt_state: Any
     step: jax.Array
-    skipped: jax.Array  # updates not applied: a non-finite gradient, or no token with loss (`finish`)
+    skipped: jax.Array  # updates not applied: a non-finite gradient, or no learning signal (`finish`)
 
 
 def token_cross_entropy(model, batch) -> tuple[jax.Array, dict]:
@@ -131,7 +131,8 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation,
     normalizer(batch) is the whole step's denominator (default: its valid-token count). The loss's
     metrics must be sums; they are summed over micro-batches and returned under metrics["sums"].
     An update is held (weights and optimizer state kept) when its gradient is not finite (metrics["skipped"])
-    or its batch's loss_mask sums to 0 (metrics["empty"]: no token carries loss).
+    or it has no learning signal (metrics["empty"]: its batch's loss_mask sums to 0, or its gradient is exactly 0
+    though tokens carry loss, and so is the indexer's own when it has one).
     mesh: the run's layout (`sharding.mesh.build_mesh`; a bare Mesh takes the default rules) or None for
     one device; the step is traced and run under its mesh.
     widths: token positions a micro-batch may be cut to (`sharding.widths`); each micro-batch then runs at the

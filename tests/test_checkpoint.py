@@ -492,7 +492,8 @@ def test_keep_best_keeps_the_best_steps_beside_the_newest_across_a_restart(runs,
 def test_a_step_keep_n_removes_is_moved_whole_before_it_is_deleted(runs, tmp_path, monkeypatch):
     """orbax deleted an old step in place, file by file: a run killed meanwhile left it without its metadata, still
     listed as a checkpoint (and for good after the run's last save; a helper's kill fuzz). It is now moved whole into
-    `deleted/` (one rename) and removed from there: by the next save, the run's end, or the next start."""
+    `deleted/` (one rename) and removed from there: once the save that moved it has ended (so `keep` checkpoints are
+    on disk between saves, not keep + 1), at the run's end, or at the next start."""
     import rl.checkpoint as rc
     d = str(tmp_path / "ckpt")
     removed = []
@@ -504,8 +505,12 @@ def test_a_step_keep_n_removes_is_moved_whole_before_it_is_deleted(runs, tmp_pat
     assert sorted(os.listdir(os.path.join(d, rc.DELETED, "1"))) == sorted(os.listdir(os.path.join(d, "3")))
     ck.manager.close()  # the run dies here, its removal undone
     monkeypatch.undo()
-    ck = Checkpointer(d, keep=2, async_save=False)  # the next start removes it
-    ck.save(4, runs["fp32"].s2, meta_of(4))
-    assert ck.steps() == [3, 4] and os.listdir(os.path.join(d, rc.DELETED)) in (["2"], [])
-    ck.close()  # the run's end: the last save's too
-    assert os.listdir(os.path.join(d, rc.DELETED)) == [] and sorted(os.listdir(d)) == ["3", "4", rc.DELETED]
+    ck = Checkpointer(d, keep=2, async_save=True)  # the next start removes it
+    for step in (4, 5):
+        ck.save(step, runs["fp32"].s2, meta_of(step))
+        ck.check_saves(wait=True)  # as the trainer's next step does: the save has ended, its old step goes
+        while ck._remover is not None and ck._remover.is_alive():
+            ck._remover.join()
+        assert ck.steps() == [step - 1, step] and os.listdir(os.path.join(d, rc.DELETED)) == []
+    ck.close()  # the run's end: nothing but the kept checkpoints
+    assert sorted(os.listdir(d)) == ["4", "5"]

@@ -315,6 +315,9 @@ def test_resume_false_refuses_a_directory_that_holds_checkpoints(tmp_path):
     assert load_config(TINY, fresh).checkpoint.resume is False  # no directory yet
     (out / "checkpoints").mkdir(parents=True)
     load_config(TINY, fresh)  # an empty checkpoint directory (a run that died before its first save)
+    (out / "checkpoints" / rc.DELETED_CHECKPOINTS).mkdir()  # where old steps are removed: no checkpoint
+    load_config(TINY, fresh)
+    (out / "checkpoints" / rc.DELETED_CHECKPOINTS).rmdir()
     (out / "checkpoints" / "50").mkdir()
     (out / "checkpoints" / "100").mkdir()
     msg = load_error(TINY, fresh)
@@ -417,6 +420,8 @@ def test_names_mirrored_from_jax_modules_stay_equal():
     assert schema.VLLM_EXECUTORS == vllm_ray.EXECUTORS
     from rl import prompt_lengths
     assert schema.OVERLONG_PROMPTS == prompt_lengths.OVERLONG_PROMPTS
+    checkpoint = pytest.importorskip("rl.checkpoint")
+    assert schema.DELETED_CHECKPOINTS == checkpoint.DELETED
 
 
 def test_sections_map_onto_their_consumers(recipe_paths):

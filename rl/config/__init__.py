@@ -79,9 +79,9 @@ from rl.config.build import defaults_dict, from_dict
 from rl.config.errors import ConfigError
 from rl.config.fields import _hints, _is_section, _item_type, _non_none, _show  # noqa: F401  (tests walk types)
 from rl.config.schema import (  # noqa: F401  (tests check the mirrored choices against their originals)
-    DATA_FORMATS, DATA_LAYOUTS, DATA_TASKS, DIGIT_VOCAB, MISSING, PRECISION_MODES, TASK_REWARDS, TOKEN_AXES,
-    WEIGHT_TRANSPORTS, CheckpointSection, DataSection, GenerationSection, LoggingSection, MeshSection, OptimSection,
-    PrecisionSection, RewardSpec, RunSection)
+    DATA_FORMATS, DATA_LAYOUTS, DATA_TASKS, DELETED_CHECKPOINTS, DIGIT_VOCAB, MISSING, PRECISION_MODES, TASK_REWARDS,
+    TOKEN_AXES, WEIGHT_TRANSPORTS, CheckpointSection, DataSection, GenerationSection, LoggingSection, MeshSection,
+    OptimSection, PrecisionSection, RewardSpec, RunSection)
 from rl.config.grpo_section import (  # noqa: F401  (mirrored choices, as above)
     ADVANTAGES, AGGREGATIONS, IS_CORRECTIONS, IS_LEVELS, KL_TYPES, LOSSES, GrpoSection)
 from rl.config.model_section import ModelSection
@@ -119,7 +119,7 @@ def _check_paths(cfg: RunConfig, training: bool = True) -> None:
                         "checkpoints/ is a directory or absent)")
     if training and not cfg.checkpoint.resume:  # m3jax.eval / train --export read those checkpoints
         ckpt_dir = checkpoint_dir(cfg)
-        found = sorted(os.listdir(ckpt_dir)) if os.path.isdir(ckpt_dir) else []
+        found = sorted(set(os.listdir(ckpt_dir)) - {DELETED_CHECKPOINTS}) if os.path.isdir(ckpt_dir) else []
         if found:
             shown = ", ".join(found[:5]) + (", ..." if len(found) > 5 else "")
             problems.append(f"checkpoint.resume = false: {os.path.abspath(ckpt_dir)} already holds checkpoints "

@@ -35,6 +35,7 @@ LOG_LEVELS = ("info", "debug")                                 # rl.logs.LEVELS
 WEIGHT_TRANSPORTS = ("ray", "shm", "collective")                 # rl.generation.transfer.TRANSPORTS
 WEIGHT_GROUP_DEVICES = ("auto", "cpu", "cuda")                # rl.generation.bucket_sender.GROUP_DEVICES
 VLLM_EXECUTORS = ("auto", "mp", "ray")                         # rl.generation.vllm_ray.EXECUTORS
+DELETED_CHECKPOINTS = "deleted"                                # rl.checkpoint.DELETED (old steps being removed)
 # rl.generation.base.sampling_logits divides fp32 logits by the temperature: below ~1e-37 even a logit of 10
 # overflows and every log-prob is NaN; 1e-30 leaves logits up to 3e8 finite
 MIN_TEMPERATURE = 1e-30
