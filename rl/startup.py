@@ -76,12 +76,12 @@ def generation_line(cfg) -> str:
     return f"generation: {g.vllm_servers} vLLM server{'s' if g.vllm_servers != 1 else ''}{gpus}, started"
 
 
-def first_push_line(transfer: dict) -> str:
-    """The start's push of a random model's weights to engines that began with vLLM's dummy ones, from
-    `rl.weight_sync.sync_weights`' metrics."""
+def first_push_line(transfer: dict, what: str = "the initial weights", version: int = 0) -> str:
+    """The start's push of a random model's weights to engines that began with vLLM's dummy ones (or a resume's of
+    the restored weights), from `rl.weight_sync.sync_weights`' metrics."""
     probe = transfer.get("transfer/probe_max_abs_logprob_diff")
     checked = "" if probe is None else f"; their logprobs on the probe sequences within {probe:.2g} of the trainer's"
-    return (f"the initial weights pushed to the engines as version 0, {transfer['transfer/gb_per_s']:.3g} GB/s"
+    return (f"{what} pushed to the engines as version {version}, {transfer['transfer/gb_per_s']:.3g} GB/s"
             f"{checked}")
 
 

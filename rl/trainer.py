@@ -338,7 +338,11 @@ class GRPOTrainer:
             self.reference.reset(self.checkpointer.restore_reference(int(meta["step"]), self.state.params))
         # a run diverging when it stopped goes on counting its skipped steps toward optim.stop_after_skipped_steps
         self.skipped_updates.in_a_row = int(meta.get("skipped_in_a_row", 0))
-        self.engine.set_weights(self.state.params, meta["weight_version"], self.state.rest)
+        # checked on the probe sequences as every other push is: a resume's went unchecked, and a bad one trained a
+        # step on its rollouts before the next push's check stopped the run (a helper's soak of the vLLM pool)
+        pushed = sync_weights(self.engine, self.state, meta["weight_version"], self.probe)
+        if pushed:  # {} where the engine shares the trainer's arrays (the JAX engine)
+            log.info("%s", first_push_line(pushed, "the restored weights", meta["weight_version"]))
         log.info("resumed from step %d in %s", meta["step"], self.checkpointer.directory)
         return int(meta["step"])
 

@@ -123,8 +123,16 @@ def test_an_export_reads_nothing_of_the_model_path(tmp_path, monkeypatch):
     assert export_latest(cfg, str(tmp_path / "export"))[0] == 3
 
 
-def test_a_resumed_run_restores_into_shapes_alone(tmp_path, restored_likes):
+def test_a_resumed_run_restores_into_shapes_alone(tmp_path, restored_likes, monkeypatch):
+    """A resume restores into the state built by shape, and hands the restored weights to the engines through
+    `sync_weights` with the run's probe check, as every other push (a resume's went unchecked: a helper's soak of the
+    vLLM pool)."""
+    import rl.trainer
     from rl.trainer import GRPOTrainer
+    pushes, sync = [], rl.trainer.sync_weights
+    monkeypatch.setattr(rl.trainer, "sync_weights",
+                        lambda engine, state, version, probe=None: pushes.append((version, probe)) or sync(
+                            engine, state, version, probe))
     cfg = tiny_cfg(tmp_path, "run.total_steps=4")
     first = GRPOTrainer(cfg)
     saved = jax.tree.map(np.asarray, first.state)
@@ -136,6 +144,7 @@ def test_a_resumed_run_restores_into_shapes_alone(tmp_path, restored_likes):
     second = GRPOTrainer(cfg)
     assert_shapes_only(restored_likes)
     assert second.resume() == 2
+    assert pushes == [(2, second.probe)]
     assert len(restored_likes) == 1  # restored once, when the trainer was built
     for (path, want), (_, got) in zip(jax.tree.leaves_with_path(saved), jax.tree.leaves_with_path(second.state),
                                       strict=True):
