@@ -357,6 +357,7 @@ def test_checkpoints_remember_the_best_and_resume_keeps_it():
         t.ahead = None  # on-policy: no draw in flight (rl.ahead)
         t.reference, t.reference_step = None, 0  # no KL reference
         t.skipped_updates = SkippedUpdates(0, 1)  # its count of skipped steps goes with the checkpoint
+        t.probe = None  # the JAX engine's: no probe check of the restored weights' push
         t.trained_under = trained_under(t.cfg)  # what each checkpoint records of the config (rl.resume_checks)
         return t
 
