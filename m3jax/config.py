@@ -20,12 +20,10 @@ import os
 from typing import Any
 
 from m3jax.config_errors import ConfigError, as_float, field_error, is_int  # noqa: F401 (ConfigError: public here)
+from m3jax.config_errors import FLOAT32_MAX, FLOAT32_SMALLEST, INT32_MAX
 from m3jax.hf_config import PASSTHROUGH_FIELDS, fields_from_hf, hf_dict, text_dict  # noqa: F401 (public here too)
 from m3jax.model.specs import (DENSE_MLP, FULL_ATTENTION, MOE_MLP, SPARSE_ATTENTION,  # noqa: F401 (public here too)
                                layer_param_specs, top_param_specs)
-
-INT32_MAX = 2 ** 31 - 1
-FLOAT32_MAX, FLOAT32_SMALLEST = 3.4028234663852886e38, 1.401298464324817e-45  # float32's largest; 2^-149
 
 
 @dataclasses.dataclass(frozen=True)

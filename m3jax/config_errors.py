@@ -6,6 +6,12 @@ import math
 from typing import Any
 
 
+# What the compiled programs can hold: counts, sizes and ids are int32, values float32 (a config value past these
+# failed inside jax or MLIR, or became inf or 0; `rl.config` checks its own fields against them too)
+INT32_MAX = 2 ** 31 - 1
+FLOAT32_MAX, FLOAT32_SMALLEST = 3.4028234663852886e38, 1.401298464324817e-45  # float32's largest; 2^-149
+
+
 class ConfigError(ValueError):
     """An invalid or unsupported config value: names the field, the value and what is allowed."""
 

@@ -10,6 +10,7 @@ import math
 import re
 from typing import Any, Callable
 
+from m3jax.config_errors import FLOAT32_MAX, FLOAT32_SMALLEST, INT32_MAX
 from rl.config.errors import _bad, _Problem, _unknown
 from rl.config.fields import _allowed, _hints, _is, _is_section, _item_type, _kind, _plain, _scalar_allowed, \
     _show, _union
@@ -19,9 +20,6 @@ from rl.config.model_checks import model_checks
 from rl.config.reward_checks import reward_problems
 from rl.generation.pool_config import VLLM_MIN_TEMPERATURE
 from rl.config.validate_eval import eval_problems, file_only_problems
-
-INT32_MAX = 2 ** 31 - 1
-FLOAT32_MAX, FLOAT32_SMALLEST = 3.4028234663852886e38, 1.401298464324817e-45  # float32's largest; 2^-149
 
 # Checks take the whole `rl.config.run.RunConfig` (named in annotations only: that module imports this one).
 
