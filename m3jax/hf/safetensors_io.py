@@ -70,6 +70,11 @@ def read_header(path: str) -> dict[str, TensorInfo]:
             dtype, shape, (a, b) = meta["dtype"], tuple(meta["shape"]), meta["data_offsets"]
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{path}: corrupt header entry for tensor {name!r}: {meta!r}") from None
+        # JSON's numbers may be floats, strings or negative: arithmetic on them raised a TypeError (a traceback),
+        # and a negative start read the header's own bytes as weights without a word
+        if not all(_is_count(v) for v in (*shape, a, b)) or a > b:
+            raise CheckpointError(f"{path}: corrupt header entry for tensor {name!r}: {meta!r}; expected a shape "
+                                  "and data_offsets [start, end] of integers, 0 <= start <= end")
         if dtype not in DTYPES:
             raise CheckpointError(f"{path}: tensor {name!r} has dtype {dtype}, expected one of {sorted(DTYPES)}")
         nbytes = int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype].itemsize
@@ -78,7 +83,30 @@ def read_header(path: str) -> dict[str, TensorInfo]:
         if base + b > size:
             raise CheckpointError(f"{path}: truncated: tensor {name!r} ends at byte {base + b}, file has {size}")
         out[name] = TensorInfo(path, dtype, shape, base + a, base + b)
+    _check_tiling(path, out, base, size)
     return out
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_tiling(path: str, tensors: dict[str, TensorInfo], base: int, size: int) -> None:
+    """The format's rule, which the `safetensors` library enforces: the tensors' spans, in order of their starts,
+    tile the data buffer [base, size) with neither gap nor overlap. Two tensors sharing bytes loaded one's values
+    as the other's, silently."""
+    at, before = base, None
+    for name, info in sorted(tensors.items(), key=lambda item: (item[1].start, item[1].end)):
+        if info.start != at:
+            where = f"after tensor {before!r}, which ends at" if before else "at the data's start,"
+            raise CheckpointError(f"{path}: tensor {name!r} starts at byte {info.start - base} of the data, "
+                                  f"{where} byte {at - base}: the tensors' bytes "
+                                  f"{'overlap' if info.start < at else 'leave a gap'}; expected each to start where "
+                                  "the one before ends")
+        at, before = info.end, name
+    if at != size:
+        raise CheckpointError(f"{path}: {size - at} bytes after the last tensor's data; expected the file to end "
+                              "where its last tensor does")
 
 
 def read_into(info: TensorInfo, out: np.ndarray | None = None) -> np.ndarray:
