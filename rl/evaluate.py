@@ -34,6 +34,7 @@ import numpy as np
 
 from rl.config import ConfigError
 from rl.config.validate_eval import eval_lengths
+from rl.answer_checks import check_answers
 from rl.data import PromptRecord, load_prompts
 from rl.prompt_lengths import fit_prompt_lengths
 from rl.generation.base import Generator, SamplingParams
@@ -109,6 +110,7 @@ def eval_records(cfg, train: list[PromptRecord] = (), subset: bool = True) -> li
         return records
     records = load_prompts(e.path, format=e.format, prompt_key=e.prompt_key, answer_key=e.answer_key,
                            layout=e.layout)
+    check_answers(records, [spec.name for spec in e.reward or cfg.reward], e.path, "eval.answer_key")
     return [records[i] for i in _file_subset(len(records), e)] if subset else records
 
 

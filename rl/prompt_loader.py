@@ -178,6 +178,7 @@ def records_fingerprint(records: Sequence[PromptRecord]) -> str:
 def build_data(cfg):
     """(tokenizer, prompt loader, pad id) of a run config: the synthetic task's, or the model's tokenizer over a
     dataset, its prompts rendered and fitted to generation.max_prompt_tokens."""
+    from rl.answer_checks import check_answers
     from rl.data import load_prompts
     from rl.model_tokenizer import load_tokenizer
     from rl.prompt_lengths import fit_prompt_lengths
@@ -191,6 +192,7 @@ def build_data(cfg):
         tokenizer = load_tokenizer(cfg.model.path)
         records = load_prompts(d.path, format=d.format, prompt_key=d.prompt_key, answer_key=d.answer_key,
                                layout=d.layout)
+        check_answers(records, [spec.name for spec in cfg.reward], d.path, "data.answer_key")
         records, ids = fit_prompt_lengths(records, tokenizer, cfg.generation.max_prompt_tokens,
                                           chat_template=d.chat_template, overlong=d.overlong_prompts,
                                           vocab_size=cfg.model.m3_config().vocab_size)

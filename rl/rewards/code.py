@@ -248,3 +248,16 @@ def code_tests_frac_reward(completion: str, answer, *, timeout_s: float | None =
 # the row fields they read: HumanEval's entry_point, LiveCodeBench's metadata (func_name) (a row's reference
 # solutions stay out of the pickles)
 code_tests_reward.meta_keys = code_tests_frac_reward.meta_keys = ("entry_point", "metadata", "func_name")
+
+
+def check_tests_answer(answer, meta: dict | None = None) -> str | None:
+    """None where `answer` reads as tests (rl.rewards.code_specs.parse_tests), else why not: checked for every
+    record as its file loads (rl.answer_checks), where a spec that is not tests used to fail only when scored."""
+    try:
+        parse_tests(answer, (meta or {}).get("entry_point"), row_func_name(meta or {}))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+code_tests_reward.check_answer = code_tests_frac_reward.check_answer = check_tests_answer

@@ -23,8 +23,7 @@ def parse_tests(answer, entry_point: str | None = None,
         raise ValueError(f"code tests: the spec holds no test ({str(answer)[:80]!r}); expected at least one")
     for i, (kind, code, _) in enumerate(tests):
         if kind == "assert":
-            _check_test_code(code)
-            if _uncalled_check(code):
+            if _uncalled_check(*_check_test_code(code)):  # one parse and walk: every record is checked at load
                 if not (isinstance(entry_point, str) and entry_point.isidentifier()):
                     raise ValueError(
                         f"code tests: the test code defines check(candidate) and never calls it, and the row names no "
@@ -34,18 +33,16 @@ def parse_tests(answer, entry_point: str | None = None,
     return tests
 
 
-def _uncalled_check(code: str) -> bool:
+def _uncalled_check(tree: ast.Module, called: set[str]) -> bool:
     """Whether test code defines a top-level `check` that takes an argument and nothing calls it by name."""
-    tree = ast.parse(code)
     defines = any(isinstance(n, ast.FunctionDef) and n.name == "check" and n.args.args for n in tree.body)
-    called = any(isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "check"
-                 for n in ast.walk(tree))
-    return defines and not called
+    return defines and "check" not in called
 
 
-def _check_test_code(code: str) -> None:
+def _check_test_code(code: str) -> tuple[ast.Module, set[str]]:
     """Test code must be Python that can fail: an assert statement, a raise, or a call of an assert* function
-    (unittest's, numpy.testing's)."""
+    (unittest's, numpy.testing's). -> (its syntax tree, the names it calls), from one walk of the tree (a
+    walk was most of the time each record's check takes as its file loads)."""
     try:
         tree = ast.parse(code)
     except SyntaxError as e:
@@ -59,14 +56,20 @@ def _check_test_code(code: str) -> None:
             name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
             return name.startswith("assert") or name == "raises"  # pytest.raises fails a test that does not raise
         return False
-    if not any(asserts(n) for n in ast.walk(tree)):
+    checks, called = False, set()
+    for n in ast.walk(tree):
+        checks = checks or asserts(n)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name):
+            called.add(n.func.id)
+    if not checks:
         raise ValueError(f"code tests: the test code checks nothing (no assert, raise or assert* call), so every "
                          f"program that runs would pass: {code[:80]!r}; expected tests (is it a reference solution? "
                          "data.answer_key names the tests' field)")
-    for test, names in _fixtures(tree):
+    for test, names in _fixtures(tree, called):
         raise ValueError(f"code tests: {test} takes {', '.join(names)}, pytest fixtures this harness does not provide "
                          "(it calls test functions with no argument or with pytest.mark.parametrize's); expected "
                          f"tests of those forms: {code[:80]!r}")
+    return tree, called
 
 
 def _parametrized(fn: ast.FunctionDef) -> set[str] | None:
@@ -86,11 +89,10 @@ def _parametrized(fn: ast.FunctionDef) -> set[str] | None:
     return names
 
 
-def _fixtures(tree: ast.Module) -> list[tuple[str, list[str]]]:
+def _fixtures(tree: ast.Module, called: set[str]) -> list[tuple[str, list[str]]]:
     """(test, the arguments it takes that nothing gives) for the test functions the harness calls: top-level
-    `test*` functions the test code does not call itself, and `test*` methods of `Test*` classes that are not
-    unittest's."""
-    called = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    `test*` functions the test code does not call itself (`called`: the names it calls), and `test*` methods of
+    `Test*` classes that are not unittest's."""
     classes = {c.name: c for c in tree.body if isinstance(c, ast.ClassDef)}
     unittest_cases: set[str] = set()  # unittest gives its methods' arguments (mock.patch's) itself
     while True:  # through bases of the test code's own too
