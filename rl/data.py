@@ -51,7 +51,7 @@ from typing import Any, Literal, Union
 
 import numpy as np
 
-from rl.prompt_rows import DatasetError, FileFormat, read_rows
+from rl.prompt_rows import PROMPT_KEYS as _PROMPT_KEYS, DatasetError, FileFormat, read_rows
 
 __all__ = [
     "DatasetError",
@@ -117,7 +117,6 @@ def _find_key(row: Mapping, candidates: Sequence[str]) -> str | None:
     return None
 
 
-_PROMPT_KEYS = ("prompt", "question", "problem")
 _ANSWER_KEYS = ("reward_model.ground_truth", "answer", "ground_truth", "solution")
 
 
@@ -135,13 +134,13 @@ def _detect(path: Path, first: Mapping, first_row: int, layout: str, prompt_key:
         if prompt_key is None:
             raise DatasetError(
                 path, f"no prompt field; expected one of {list(_PROMPT_KEYS)} (found keys {sorted(map(str, first))}); "
-                "pass prompt_key=... to choose one", row=first_row)
+                "set data.prompt_key / eval.prompt_key (prompt_key= in Python) to choose one", row=first_row)
     if answer_key is None:
         answer_key = _find_key(first, _ANSWER_KEYS)
         if answer_key is None:
             raise DatasetError(
                 path, f"no answer field; expected one of {list(_ANSWER_KEYS)} (found keys {sorted(map(str, first))}); "
-                "pass answer_key=... to choose one", row=first_row)
+                "set data.answer_key / eval.answer_key (answer_key= in Python) to choose one", row=first_row)
     if layout == "auto":
         if answer_key.lower() == "reward_model.ground_truth":
             layout = "dapo"

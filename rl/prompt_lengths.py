@@ -101,9 +101,23 @@ def _rendered(record: PromptRecord, tokenizer, chat_template: bool) -> list[int]
     try:
         return render_prompt(record, tokenizer, chat_template=chat_template)
     except Exception as e:  # noqa: BLE001 - jinja2's, the tokenizer's: the row is what the user needs
+        _raise_if_the_template_is_broken(e, tokenizer)
         how = "with the tokenizer's chat template" if chat_template and has_chat_template(tokenizer) else "as text"
         raise DatasetError(record.meta.get("source", "<records>"), (
             f"the prompt does not render {how} ({type(e).__name__}: {str(e)[:200]}); expected messages the "
             "template takes (its roles, in its order) and text that encodes as UTF-8"),
             row=record.meta.get("row")) from None
 
+
+def _raise_if_the_template_is_broken(error: Exception, tokenizer) -> None:
+    """A chat template that is not Jinja at all fails on every row alike: it was reported as a fault of the prompt
+    file's first row. It is the model directory's tokenizer that needs the fix."""
+    import jinja2
+
+    if isinstance(error, jinja2.TemplateSyntaxError):
+        from m3jax.hf.safetensors_io import CheckpointError
+        raise CheckpointError(
+            f"{getattr(tokenizer, 'name_or_path', '') or 'the tokenizer'}: its chat template is not valid Jinja "
+            f"({error.message}, line {error.lineno} of the template); expected a template transformers' "
+            "apply_chat_template compiles (chat_template.jinja or tokenizer_config.json's chat_template), or "
+            "data.chat_template=false to encode the prompts as text") from None

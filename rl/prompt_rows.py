@@ -24,6 +24,7 @@ class DatasetError(ValueError):
 
 
 FileFormat = Literal["auto", "jsonl", "json", "parquet"]
+PROMPT_KEYS = ("prompt", "question", "problem")  # the prompt fields rl.data detects, in its order
 
 _EXT_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet", ".pq": "parquet"}
 
@@ -119,6 +120,11 @@ def _read_json(path: Path) -> list[tuple[int, Any]]:
         raise _not_utf8(path, e, "JSON", lines_are_rows=False) from None
     except (ValueError, RecursionError) as e:
         raise DatasetError(path, f"JSON that cannot be read ({_json_limit(e)})") from None
+    if isinstance(data, dict) and (held := [k for k in data if str(k).lower() in PROMPT_KEYS]):
+        # a lone record, not a wrapper: its chat messages, or a list of examples it held, were read as the rows
+        raise DatasetError(path, f"one JSON object with a prompt field ({held[0]!r}): a single record; expected a "
+                                 "JSON array of records ([{...}, ...]) or JSON Lines (one record a line, "
+                                 "data.format / eval.format: jsonl)")
     if isinstance(data, dict):  # {"data": [...]} / {"rows": [...]} wrappers: exactly one list, of objects
         # (a lone record's {"tags": ["x"]} was unwrapped into a row "x")
         lists = [v for v in data.values() if isinstance(v, list) and v and all(isinstance(r, dict) for r in v)]

@@ -106,11 +106,20 @@ def test_a_json_wrapper_is_one_list_of_objects(tmp_path):
     p = tmp_path / "wrapped.json"
     p.write_text(json.dumps({"version": 2, "data": [{"prompt": "a", "answer": "1"}], "tags": ["x"]}))
     assert [r.prompt for r in load_prompts(p)] == ["a"]
-    p.write_text(json.dumps({"prompt": "a", "answer": "1", "tags": ["x"]}))
-    with pytest.raises(DatasetError, match=r"a JSON object \(keys prompt, answer, tags\) that holds no list of "
+    p.write_text(json.dumps({"id": 3, "answer": "1", "tags": ["x"]}))
+    with pytest.raises(DatasetError, match=r"a JSON object \(keys id, answer, tags\) that holds no list of "
                                            r"objects; expected a JSON array of objects, or an object with exactly one"
                                            r".* \(one record of JSON Lines\? then set data.format / eval.format"):
         load_prompts(p)
+    # a lone record with a prompt field is no wrapper: its chat messages were read as the rows, or the examples it
+    # held loaded as the dataset without a word (an audit, 2026-12-08)
+    for record in ({"prompt": "a", "answer": "1", "tags": ["x"]},
+                   {"prompt": [{"role": "user", "content": "copy 1"}], "answer": "1"},
+                   {"Question": "copy 9", "answer": "9", "examples": [{"question": "copy 1", "answer": "1"}]}):
+        p.write_text(json.dumps(record))
+        with pytest.raises(DatasetError, match=r"one JSON object with a prompt field \('(prompt|Question)'\): a single "
+                                               r"record; expected a JSON array of records"):
+            load_prompts(p)
 
 
 def test_json_lines_in_a_json_file_says_to_set_the_format(tmp_path):
@@ -280,6 +289,10 @@ def test_undetectable_and_explicit_missing_key(tmp_path):
     with pytest.raises(DatasetError) as e:
         load_prompts(path)
     assert "no prompt field" in check_error(e, path, 1)
+    # the config's keys, which a command-line user sets (it named the Python keyword alone)
+    assert "set data.prompt_key / eval.prompt_key (prompt_key= in Python)" in str(e.value)
+    with pytest.raises(DatasetError, match=r"no answer field.*set data.answer_key / eval.answer_key"):
+        load_prompts(path, prompt_key="text")
     with pytest.raises(DatasetError) as e:
         load_prompts(path, prompt_key="text", answer_key="gold")
     assert "missing field 'gold'" in check_error(e, path, 1)

@@ -83,6 +83,20 @@ def test_a_prompt_the_template_or_tokenizer_refuses_names_its_row(tmp_path, chat
     assert "data.chat_template is true but the tokenizer has no chat template" in caplog.text
 
 
+def test_a_chat_template_that_is_not_jinja_is_the_tokenizers_error_not_the_rows(tmp_path, chat_tokenizer):
+    """A syntax error in the template fails every row alike: it named the prompt file's first row as the fault."""
+    import copy
+
+    from m3jax import CheckpointError
+    tok = copy.copy(chat_tokenizer)
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }"
+    recs = load_prompts(write_jsonl(tmp_path / "chat.jsonl", [
+        {"prompt": [{"role": "user", "content": "what is 1 + 2 ?"}], "answer": "3"}]))
+    with pytest.raises(CheckpointError, match=r"its chat template is not valid Jinja \(unexpected '}', line 1 of the "
+                                              r"template\).*or data.chat_template=false"):
+        fit_prompt_lengths(recs, tok, 64, chat_template=True)
+
+
 def test_the_trainer_checks_every_file_prompt_at_load(tmp_path, monkeypatch, caplog):
     """`rl.prompt_loader.build_data` refuses a prompt file with an overlong prompt before the run builds anything
     else, and with data.overlong_prompts: drop trains on the rest. Fewer prompts than a step takes: a warning (each

@@ -169,6 +169,10 @@ def test_recipe_refuses_to_load_without_its_paths():
     msg = load_error(RECIPE, ["model.path=/no/such/dir", "data.path=/no/such.parquet", "eval.path=/no/aime.jsonl"])
     assert "model.path" in msg and "no config.json" in msg and "data.path" in msg and "no such file" in msg
     assert "eval.path = \"/no/aime.jsonl\": no such file" in msg
+    msg = load_error(RECIPE, [f"model.path={ROOT}", f"data.path={ROOT}", f"eval.path={ROOT}"])
+    # a dataset's folder is no file: "no such file" sent the user looking for a typo
+    assert f'data.path = "{ROOT}": a directory, not a file (a dataset folder: name one of its' in msg
+    assert f'eval.path = "{ROOT}": a directory, not a file' in msg
 
 
 def test_recipe_validates_on_a_user_given_aime_style_file(recipe_paths):

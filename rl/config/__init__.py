@@ -97,6 +97,12 @@ __all__ = [
 ]
 
 
+def _not_a_file(path: str) -> str:
+    if os.path.isdir(path):  # a Hugging Face dataset's folder, say: "no such file" sent the user looking for a typo
+        return "a directory, not a file (a dataset folder: name one of its .jsonl / .json / .parquet files)"
+    return "no such file"
+
+
 def _check_paths(cfg: RunConfig, training: bool = True) -> None:
     """The paths `load_config(check_paths=True)` checks; `training` false for a command that reads a run's outputs
     (its evaluation, its export), which its checkpoints must not refuse and whose eval.path it reads."""
@@ -107,12 +113,12 @@ def _check_paths(cfg: RunConfig, training: bool = True) -> None:
                         "directory")
     problems += _reference_path_problems(cfg)
     if cfg.data.kind == "file" and not os.path.isfile(cfg.data.path):
-        problems.append(f"data.path = {_show(cfg.data.path)}: no such file; allowed: an existing .jsonl, .json or "
-                        ".parquet file")
+        problems.append(f"data.path = {_show(cfg.data.path)}: {_not_a_file(cfg.data.path)}; allowed: an existing "
+                        ".jsonl, .json or .parquet file")
     evaluates = cfg.eval.enabled or not training
     if evaluates and cfg.eval.kind == "file" and cfg.eval.path and not os.path.isfile(cfg.eval.path):
-        problems.append(f"eval.path = {_show(cfg.eval.path)}: no such file; allowed: an existing .jsonl, .json or "
-                        ".parquet file of held-out prompts")
+        problems.append(f"eval.path = {_show(cfg.eval.path)}: {_not_a_file(cfg.eval.path)}; allowed: an existing "
+                        ".jsonl, .json or .parquet file of held-out prompts")
     held = _nearest_existing(checkpoint_dir(cfg))  # the run directory, or a file named like its checkpoints
     if held is not None and not os.path.isdir(held):
         problems.append(f"run.out_dir = {_show(cfg.run.out_dir)}: {held} is a file; allowed: a directory path (whose "
