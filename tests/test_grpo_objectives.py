@@ -353,3 +353,17 @@ def test_clip_cov_and_the_entropy_selection_draw_the_same_tokens_on_a_mesh():
     assert 0 < int(np.sum((want == 0) & (mask > 0))) < int(np.sum(mask)) // 2 + 4  # something was dropped, not all
     np.testing.assert_array_equal(got == 0, want == 0)
     close(got, want)
+
+
+@pytest.mark.parametrize("loss", ["kl_cov", "clip_cov"])
+def test_the_covariance_losses_are_refused_on_one_sequence_micro_batches(loss):
+    """Along one response the advantage is constant: every token's covariance is 0 up to rounding, so kl_cov
+    penalised the tokens the rounding ranked first and clip_cov trained as ppo_clip (an audit, 2026-12-08)."""
+    from rl.config import ConfigError, load_config
+    from tests.test_run_config import TINY
+    one_row = [f"grpo.loss={loss}", "grpo.dual_clip=null", "grpo.micro_batch_size=1"]
+    with pytest.raises(ConfigError, match=rf"grpo.loss = \"{loss}\" with one sequence in each loss micro-batch "
+                                          r"\(grpo.micro_batch_size x mesh.data x mesh.expert = 1\)"):
+        load_config(TINY, one_row)
+    load_config(TINY, [*one_row[:-1], "grpo.micro_batch_size=2"])
+    load_config(TINY, [*one_row, "mesh.data=2"])  # two ranks' rows share the loss micro-batch

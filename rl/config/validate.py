@@ -222,6 +222,15 @@ def _cross_checks(cfg: RunConfig) -> list[_Problem]:
             f"allowed: values with prompts_per_step x group_size divisible by updates_per_step x mesh.data x "
             f"mesh.expert x micro_batch_size (here {unit})"),
             ("grpo.prompts_per_step", "grpo.group_size", "grpo.updates_per_step", "mesh.data", "mesh.expert")))
+    if g.loss in ("kl_cov", "clip_cov") and g.micro_batch_size * dp == 1:
+        # the advantage is constant along one response, so every token's covariance is 0 up to rounding: kl_cov
+        # penalised the tokens the rounding ranked first, clip_cov drew none and trained as ppo_clip (an audit)
+        out.append(_Problem("grpo.micro_batch_size", (
+            f"grpo.loss = {_show(g.loss)} with one sequence in each loss micro-batch (grpo.micro_batch_size x "
+            f"mesh.data x mesh.expert = 1): its covariance of logp and advantage is taken over a micro-batch's tokens, "
+            "and along one response the advantage is constant, so it is 0 at every token; allowed: "
+            "grpo.micro_batch_size >= 2 (rows of several groups in a micro-batch), or another grpo.loss"),
+            ("grpo.loss", "mesh.data", "mesh.expert")))
 
     if g.kl == "none" and g.kl_coef != 0:
         out.append(_Problem("grpo.kl_coef", f"grpo.kl_coef = {_show(g.kl_coef)}: has no effect with grpo.kl = "

@@ -5,7 +5,7 @@ Each is a pure function of [B, T] arrays (float32, already zero at padding) that
 `PolicyTerm`: the per-token loss (to be minimised) before the train/inference importance weight and the
 aggregation that `rl.grpo.loss.grpo_loss` applies to every objective alike, plus what the diagnostics
 count. Notation: lp = logp (carries the gradient), lo = logp_old, A = the advantage (no gradient),
-m = the mask (a weight), r = exp(lp - lo) the token ratio, sg = stop-gradient.
+m = the mask (a weight), r = exp(lp - lo) the token ratio (its log capped at LOG_RATIO_CAP), sg = stop-gradient.
 
 On-policy with one update per batch (lp == lo, r = 1) all but clip_cov have the same gradient, -A grad lp per
 token; they differ once the policy has moved from the one that sampled the batch
@@ -34,6 +34,24 @@ def _sg(x):
     return jax.lax.stop_gradient(x)
 
 
+# exp overflows float32 past a log-ratio of 88.7: r = inf, and the branch a clip (or jnp.minimum) does not select
+# passed 0 * inf = NaN back, a NaN gradient for the whole step from one token the clip covers (an audit, 2026-12-08).
+# Capped here, r <= e^60 ~ 1.1e26 stays finite times any advantage; below the cap every value and gradient is as
+# before, above it the value is the cap's and the gradient through the ratio 0 (where a clip already stops it
+# exactly). verl clamps the log-ratio at 20, which also changes finite values.
+LOG_RATIO_CAP = 60.0
+
+
+def _capped(log_ratio):
+    """min(log_ratio, LOG_RATIO_CAP), gradient 1 up to the cap and 0 above it."""
+    return jnp.where(log_ratio > LOG_RATIO_CAP, LOG_RATIO_CAP, log_ratio)
+
+
+def _ratio(lp, lo):
+    """r = exp(min(lp - lo, LOG_RATIO_CAP))."""
+    return jnp.exp(_capped(lp - lo))
+
+
 def _clip(x, low: float, high: float):
     """clip(x, low, high) with gradient 1 on [low, high], bounds included, as torch.clamp's. jnp.clip's is 1/2 at a
     bound, so with eps_low = 0 (or eps_high = 0) every on-policy token (r = 1, on the bound) lost a quarter of its
@@ -50,7 +68,7 @@ def ppo_clip(lp, lo, a, *, eps_low: float, eps_high: float, dual_clip: Optional[
       loss = -obj
     `clipped` marks tokens where the clipped branch is the smaller one (the gradient is zero there).
     """
-    r = jnp.exp(lp - lo)
+    r = _ratio(lp, lo)
     unclipped = r * a
     clipped = _clip(r, 1.0 - eps_low, 1.0 + eps_high) * a
     obj = jnp.minimum(unclipped, clipped)
@@ -79,7 +97,7 @@ def gspo(lp, lo, a, m, *, eps_low: float, eps_high: float) -> PolicyTerm:
     """
     n = jnp.sum(m, axis=-1, keepdims=True)
     mean_log = jnp.sum(m * (lp - lo), axis=-1, keepdims=True) / jnp.where(n > 0, n, 1.0)
-    s = jnp.broadcast_to(jnp.exp(_sg(mean_log)), lp.shape)
+    s = jnp.broadcast_to(jnp.exp(_sg(_capped(mean_log))), lp.shape)
     s_tok = s * jnp.exp(lp - _sg(lp))
     unclipped = s_tok * a
     clipped = _clip(s_tok, 1.0 - eps_low, 1.0 + eps_high) * a
@@ -121,7 +139,7 @@ def sapo(lp, lo, a, *, tau_pos: float, tau_neg: float) -> PolicyTerm:
     clipped (`clipped` is empty). The paper's temperatures are 1.0 / 1.05; the paper, TRL and verl average each
     sequence's tokens first, which is aggregation "sequence_mean" (not the default "token").
     """
-    r = jnp.exp(lp - lo)
+    r = _ratio(lp, lo)
     tau = jnp.where(a >= 0, tau_pos, tau_neg)
     loss = -jax.nn.sigmoid(tau * (r - 1.0)) * (4.0 / tau) * a
     none = jnp.zeros(lp.shape, bool)
@@ -140,7 +158,7 @@ def cispo(lp, lo, a, *, eps_low: Optional[float], eps_high: float) -> PolicyTerm
     TRL's epsilon_high e is eps_high = e - 1 here (5.0 -> 4.0). verl and NeMo-RL always apply a lower bound
     (1 - clip_ratio_low, 1 - ratio_clip_min); eps_low None (M1's setting) has none.
     """
-    r = jnp.exp(lp - lo)
+    r = _ratio(lp, lo)
     low = 0.0 if eps_low is None else 1.0 - eps_low
     r_hat = _sg(jnp.clip(r, low, 1.0 + eps_high))
     clip_active = (r > 1.0 + eps_high) | (r < low)
@@ -152,7 +170,7 @@ def reinforce(lp, lo, a) -> PolicyTerm:
 
     `lo` is unused by the loss (kept for the common signature); the ratio is still reported.
     """
-    return PolicyTerm(-a * lp, _sg(jnp.exp(lp - lo)), jnp.zeros(lp.shape, bool), jnp.zeros(lp.shape, bool))
+    return PolicyTerm(-a * lp, _sg(_ratio(lp, lo)), jnp.zeros(lp.shape, bool), jnp.zeros(lp.shape, bool))
 
 
 def _covariance(lp, a, valid):
@@ -201,7 +219,7 @@ def kl_cov(lp, lo, a, m, *, ratio: float, coef: float) -> PolicyTerm:
     valid = m > 0
     selected = _first_k(-_covariance(lp, a, valid), valid, _share(ratio, valid))  # largest first
     d = lp - lo
-    r = jnp.exp(d)
+    r = jnp.exp(_capped(d))
     # |d| written as sg(sign(d)) d: the gradient is coef sign(d), 0 on policy (jnp.abs's is 1 at d = 0)
     loss = -r * a + jnp.where(selected, coef * _sg(jnp.sign(d)) * d, 0.0)
     return PolicyTerm(loss, _sg(r), selected, jnp.zeros(lp.shape, bool))
