@@ -199,6 +199,8 @@ class M3Config:
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> "M3Config":
         f = os.path.join(path, "config.json") if os.path.isdir(path) else str(path)
+        if not os.path.exists(path):  # "no config.json at /typo" sent the user looking inside a directory
+            raise ConfigError(f"{path}: no such file or directory; expected a Hugging Face model directory")
         if not os.path.exists(f):
             raise ConfigError(f"no config.json at {f}: expected a Hugging Face model directory")
         if os.path.isdir(f):  # open() raised IsADirectoryError, a traceback

@@ -1,4 +1,4 @@
-"""python -m m3jax.convert SRC DST --layout native|released [--dtype ...] [--max-shard-size 5GB] [--threads 4]
+"""python -m m3jax.convert SRC DST [--layout native|released] [--dtype ...] [--max-shard-size 5GB] [--threads 4]
                          [--carry-from RELEASE]
 
 Reads a local HF MiniMax-M3 checkpoint in either layout and writes it in the chosen one, in parts of about 64 MB
@@ -28,11 +28,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m m3jax.convert", description=description(__doc__))
     ap.add_argument("src", type=path_argument, help="HF checkpoint directory to read")
     ap.add_argument("dst", type=path_argument, help="directory to write (replaced atomically if it exists)")
-    ap.add_argument("--layout", choices=("native", "released"), default="native")
+    ap.add_argument("--layout", choices=("native", "released"), default="native",
+                    help="the tensor names and shapes written: native (this library's, default) or released (the "
+                         "published checkpoint's, vision tower carried)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                     help="default: the checkpoint's embedding dtype (a tensor stored wider is rounded to it, "
                          "warned of)")
-    ap.add_argument("--max-shard-size", default="5GB")
+    ap.add_argument("--max-shard-size", default="5GB", help="the largest shard file written (default: 5GB)")
     ap.add_argument("--carry-from", type=path_argument, default=None, metavar="DIR",
                     help="the checkpoint whose vision tower (a released result), config fields and tokenizer the "
                          "result carries (default: SRC's own); its text model must be SRC's")

@@ -435,6 +435,9 @@ def test_a_weights_file_or_a_json_list_is_not_a_config(tmp_path):
 def test_missing_config_json(tmp_path):
     with pytest.raises(ConfigError, match="no config.json at " + re.escape(str(tmp_path / "config.json"))):
         M3Config.from_pretrained(tmp_path)
+    # a path that does not exist is named as such ("no config.json at /typo/config.json" read as a directory's)
+    with pytest.raises(ConfigError, match=re.escape(str(tmp_path / "typo")) + ": no such file or directory"):
+        M3Config.from_pretrained(tmp_path / "typo")
 
 
 # --------------------------------------------------------------------------------------- unknown keys

@@ -59,6 +59,11 @@ def test_names_stay_unique_and_unregistered_ones_are_refused(registered):
     with pytest.raises(ConfigError, match=r'grpo.advantage = "_test_rnak": not an allowed value \(did you mean '
                                           r'"_test_rank"\?\)'):
         load_config(TINY, ["grpo.advantage=_test_rnak"])
+    # a custom objective's name without the launcher that registers it: the error says how names are added
+    with pytest.raises(ConfigError, match=r'grpo.loss = "my_pg": not an allowed value; allowed: one of "ppo_clip", '
+                                          r'.*, or a name registered with rl.grpo.register_policy_loss before the '
+                                          r'config loads'):
+        load_config(TINY, ["grpo.loss=my_pg", "grpo.dual_clip=null"])
 
 
 def test_the_objectives_keys_are_not_named_inert_under_a_registered_objective(registered):

@@ -162,6 +162,10 @@ def test_bad_judge_args_are_refused_at_load_naming_the_problem(args, says):
     with pytest.raises(ConfigError) as e:
         load_config("configs/tiny.yaml", [f"reward={reward}"])
     assert "reward[0].args" in str(e.value) and says in str(e.value)
+    # the keywords' own values refused: no "allowed: its keyword parameters", which sent the user to the wrong fix
+    signature = any(s in says for s in ("missing a required", "unexpected keyword", "passed by the run itself"))
+    assert ("cannot be called with them" in str(e.value)) == signature, str(e.value)
+    assert ("allowed: its keyword parameters" in str(e.value)) == signature, str(e.value)
 
 
 def test_an_infinite_max_score_is_refused_at_load():

@@ -141,7 +141,7 @@ def test_a_bad_config_or_flag_is_one_error_line(capsys):
     err = capsys.readouterr().err
     assert err.startswith("config error:\n") and "optim.lrr: unknown key (did you mean 'lr'?)" in err
     assert main(["--config", "configs/tiny.yaml", "model.tiny=null", "model.path=/nonexistent"]) == 2
-    assert "no config.json at /nonexistent" in capsys.readouterr().err
+    assert "/nonexistent: no such file or directory; expected a Hugging Face model directory" in capsys.readouterr().err
     for flags in (["--device-memory-gb", "0"], ["--mfu", "nan"], ["--mfu", "5"], ["--top", "0"]):
         with pytest.raises(SystemExit):
             main(["--config", "configs/tiny.yaml", *flags])

@@ -187,13 +187,18 @@ def main(argv=None) -> int:
                          "or release where model.path is unset)")
     ap.add_argument("--device-memory-gb", type=float, default=None,
                     help=f"each GPU's memory (GB); default: the config's mesh.device_memory_gb, else {DEFAULT_DEVICE_GB:g}")
-    ap.add_argument("--peak-tflops", type=float, default=989.0, help="each device's dense bf16 peak (TFLOP/s)")
+    ap.add_argument("--peak-tflops", type=float, default=989.0,
+                    help="each device's dense bf16 peak (TFLOP/s; default: 989, an H100 / H200)")
     ap.add_argument("--mfu", type=float, default=0.4, help="the share of that peak the step's matmuls reach, in "
-                                                            "(0, 1]: the step-time estimate's compute")
-    ap.add_argument("--nvlink-gbps", type=float, default=450.0, help="each device's link inside a node (GB/s)")
-    ap.add_argument("--ib-gbps", type=float, default=50.0, help="each device's link between nodes (GB/s)")
-    ap.add_argument("--pcie-gbps", type=float, default=50.0, help="each GPU's link to pinned host memory (GB/s)")
-    ap.add_argument("--sweep", type=int, default=None, metavar="N_DEVICES")
+                                                            "(0, 1]: the step-time estimate's compute (default: 0.4)")
+    ap.add_argument("--nvlink-gbps", type=float, default=450.0,
+                    help="each device's link inside a node (GB/s; default: 450)")
+    ap.add_argument("--ib-gbps", type=float, default=50.0, help="each device's link between nodes (GB/s; default: 50)")
+    ap.add_argument("--pcie-gbps", type=float, default=50.0,
+                    help="each GPU's link to pinned host memory (GB/s; default: 50)")
+    ap.add_argument("--sweep", type=int, default=None, metavar="N_DEVICES",
+                    help="plan every (data, context, expert, tensor) mesh of N_DEVICES devices with micro-batch 1, "
+                         "2, 4 and 8: those that fit by estimated step time, then the rest by memory")
     ap.add_argument("--png", default=None, help="with --sweep: write its chart there (default: the table alone)")
     ap.add_argument("--compile", action="store_true", help="compile the real train step at reduced depth on "
                                                             "simulated devices and compare with the plan")

@@ -118,7 +118,9 @@ def _range_text(rules: dict) -> str:
 
 def _scalar_allowed(tp: Any, rules: dict) -> str:
     if rules.get("choices"):
-        return "one of " + ", ".join(_show(c) for c in rules["choices"])
+        how = getattr(rules["choices"], "register_with", None)  # an OpenChoices: users add names of their own
+        more = f", or a name registered with {how} before the config loads (your launcher's)" if how else ""
+        return "one of " + ", ".join(_show(c) for c in rules["choices"]) + more
     if "pattern" in rules:
         return rules["pattern"][1]
     if tp is bool:

@@ -16,8 +16,9 @@ class OpenChoices:
     """The allowed values of a field whose registry users extend: the built-in names, then those registered
     (`rl.grpo.register_advantage_estimator`, `register_policy_loss`) before the config is checked."""
 
-    def __init__(self, builtin: tuple[str, ...]):
+    def __init__(self, builtin: tuple[str, ...], register_with: str):
         self.builtin, self.registered = tuple(builtin), []
+        self.register_with = register_with  # named in the error: a launcher left out made it read as a typo
 
     def add(self, name: str) -> None:
         if name not in self:
@@ -40,9 +41,11 @@ class OpenChoices:
 
 # The choices below mirror their originals (named beside each; tests/test_run_config.py checks them), so that
 # loading a config imports no jax.
-ADVANTAGES = OpenChoices(("grpo", "dr_grpo", "rloo", "grpo_loo", "reinforce_pp"))  # rl.grpo.advantages
+ADVANTAGES = OpenChoices(("grpo", "dr_grpo", "rloo", "grpo_loo", "reinforce_pp"),  # rl.grpo.advantages
+                         "rl.grpo.register_advantage_estimator")
 # rl.grpo.loss.LOSSES (rl.grpo.objectives)
-LOSSES = OpenChoices(("ppo_clip", "gspo", "gmpo", "sapo", "cispo", "reinforce", "kl_cov", "clip_cov"))
+LOSSES = OpenChoices(("ppo_clip", "gspo", "gmpo", "sapo", "cispo", "reinforce", "kl_cov", "clip_cov"),
+                     "rl.grpo.register_policy_loss")
 IS_CORRECTIONS = ("truncate", "mask", "none")                  # rl.grpo.loss.IS_CORRECTIONS
 IS_LEVELS = ("token", "sequence", "geometric")                 # rl.grpo.loss.IS_LEVELS
 KL_TYPES = ("none", "k1", "k2", "k3")                          # rl.grpo.loss.KL_TYPES

@@ -33,7 +33,7 @@ def reward_problems(specs, where: str) -> list[_Problem]:
     and its `args` must fit that function's parameters. Skipped when rl.rewards cannot be imported."""
     try:
         from rl.rewards import list_rewards
-        from rl.rewards.registry import args_problem
+        from rl.rewards.registry import args_problem, own_args_problem
     except ImportError:
         return []
     registered = sorted(list_rewards())
@@ -52,9 +52,12 @@ def reward_problems(specs, where: str) -> list[_Problem]:
             out.append(_Problem(f"{key}.args", f"{bad}, which the checkpoints' JSON record of the config cannot hold; "
                                                "allowed: strings, numbers, booleans, null, lists and mappings with "
                                                "string keys (quote a date: \"2024-01-01\")"))
-        elif (why := args_problem(n, spec.args)) is not None:
+        elif (why := args_problem(n, spec.args, own=False)) is not None:
             out.append(_Problem(f"{key}.args", f"{key}.args = {_show(spec.args)}: reward {_show(n)} cannot be "
                                                f"called with them ({why}); allowed: its keyword parameters"))
+        elif (why := own_args_problem(n, spec.args)) is not None:  # its own rules: the keywords are right
+            out.append(_Problem(f"{key}.args", f"{key}.args = {_show(spec.args)}: reward {_show(n)} refuses them: "
+                                               f"{why}"))
         if n in names[:i]:
             out.append(_Problem(f"{key}.name", f"{key}.name = {_show(n)}: listed twice; allowed: each reward once "
                                                "(combine weights)"))

@@ -104,7 +104,8 @@ def _check_args(args: dict) -> str | None:
         return f"retries {retries!r} is not an integer >= 0"
     env = args.get("api_key_env")
     if env is not None and not (isinstance(env, str) and env in os.environ):
-        return f"api_key_env {env!r} names no variable of this environment"
+        return (f"api_key_env {env!r} names no variable of this environment; export {env} (the endpoint's key) "
+                "in the shell that starts the run")
     return None
 
 

@@ -86,6 +86,7 @@ __all__ = [
     "score_specs",
     "get_reward",
     "args_problem",
+    "own_args_problem",
     "list_rewards",
     "reward_mode",
     "reward_scores",
@@ -179,11 +180,11 @@ def register_reward(name: str, *, mode: str = "thread", replace: bool = False,
     return decorator
 
 
-def args_problem(name: str, args: Mapping[str, Any]) -> str | None:
+def args_problem(name: str, args: Mapping[str, Any], own: bool = True) -> str | None:
     """Why a run's call of reward `name` with config `args` (keywords added to every call) would fail, or None: a
-    keyword the run passes itself, one the function does not take, a required one missing, or what the function's
-    own `check_args(args) -> str | None` attribute says. Checked at config load, so that a typo fails there and not
-    as a 0 on every sample."""
+    keyword the run passes itself, one the function does not take, a required one missing, or (own: also) what the
+    function's own `check_args(args) -> str | None` attribute says (`own_args_problem`). Checked at config load, so
+    that a typo fails there and not as a 0 on every sample."""
     fn = get_reward(name)
     taken = sorted(set(args) & {"truncated", *BY_NAME_KEYWORDS})
     if taken:
@@ -199,7 +200,13 @@ def args_problem(name: str, args: Mapping[str, Any]) -> str | None:
                     if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
                     and k not in ("truncated", *BY_NAME_KEYWORDS)]
         return f"{e}; its parameters for args: {', '.join(keywords) or '(none)'}"
-    check = getattr(fn, "check_args", None)  # a reward's own rules for its args (rl.rewards.judge's url, template)
+    return own_args_problem(name, args) if own else None
+
+
+def own_args_problem(name: str, args: Mapping[str, Any]) -> str | None:
+    """What reward `name`'s own `check_args(args)` attribute says of `args` (rl.rewards.judge's url, template, API
+    key variable), or None."""
+    check = getattr(get_reward(name), "check_args", None)
     return check(dict(args)) if callable(check) else None
 
 
