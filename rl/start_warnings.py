@@ -51,6 +51,11 @@ def start_warnings(cfg: RunConfig, model_cfg) -> list[str]:
         out.append(f"{', '.join(moot)} {'has' if len(moot) == 1 else 'have'} no effect: generation.backend = jax "
                    "generates in this process with the trainer's parameters (no vLLM engine, no weight transfer)")
     g = cfg.grpo
+    if g.loss == "kl_cov" and g.old_logprobs == "pass" and g.updates_per_step == 1:
+        out.append("grpo.loss = kl_cov with grpo.old_logprobs = pass: logp_old comes from a forward of its own, so on "
+                   "policy logp - logp_old is round-off (~1e-7), and the penalty's gradient kl_cov_coef * sign(logp - "
+                   "logp_old) is +-kl_cov_coef on the penalised tokens by chance, where the method means 0 (the tiny "
+                   "demo ended at reward 0.89, against 0.994 with update); grpo.old_logprobs = update makes it 0")
     if g.max_trajectory_age_steps:
         age = f"grpo.max_trajectory_age_steps = {g.max_trajectory_age_steps}"
         if total > 1 and not any(draws_ahead(d, total, cfg.checkpoint.every_steps,
