@@ -206,14 +206,21 @@ def majority_key(completion: str, how: str) -> str | None:
     return completion.strip()
 
 
-_NUMBER = re.compile(r"^([+-]?)(?:(\d+(?:\.\d*)?|\.\d+)|(\d+)\s*/\s*(\d+)|\\[dt]?frac\{(\d+)\}\{(\d+)\})$")
+_NUMBER = re.compile(r"^([+-]?)\s*(?:(\d+(?:\.\d*)?|\.\d+)|(\d+)\s*/\s*(\d+)|\\[dt]?frac\{(\d+)\}\{(\d+)\})$")
+# Thousands groups as math_verify reads them (1,000 and 1{,}000 are 1000): a first group of 1-3 digits not led by 0,
+# then groups of exactly three. '0,500' (0.5 to it, a decimal comma) and '1,5' are no thousands.
+_THOUSANDS = re.compile(r"^[1-9]\d{0,2}(?:,\d{3})+$")
 
 
 def _as_number(text: str) -> str | None:
     """A plain rational answer in one form ('42', '-1/2': reduced), else None. Thousands separators (1,000 or 1{,}000),
-    a leading '-' in unicode and surrounding spaces are read too; a zero denominator is not a number."""
-    t = text.replace("{,}", "").replace("\u2212", "-").replace(" ", "")
-    t = re.sub(r"(?<=\d),(?=\d{3}(?:\D|$))", "", t)
+    a leading '-' in unicode and spaces around the text, after its sign and around a '/' are read too; a zero
+    denominator is not a number. Only what math_verify also takes as equal is merged: '1 5' (spaces inside a number)
+    and '0,500' vote as their text, where they voted as 15 and 500 (an audit: a wrong group's majority won)."""
+    t = text.replace("\u2212", "-").strip()
+    sign, digits = ("-", t[1:].lstrip()) if t.startswith(("-", "+")) else ("", t)
+    if _THOUSANDS.match(grouped := digits.replace("{,}", ",")):
+        t = sign + grouped.replace(",", "")
     m = _NUMBER.match(t)
     if not m:
         return None

@@ -399,6 +399,11 @@ def test_majority_voting():
     assert len(set(keys[:3])) == 1 and ev.majority_accuracy(keys, np.array([1, 1, 1, 0, 0], bool), 5) == 1.0
     assert len({ev.majority_key(f"\\boxed{{{t}}}", "boxed") for t in ("1,000", "1{,}000", "1000", "01000")}) == 1
     assert ev.majority_key("\\boxed{x+1}", "boxed") == "x+1" and ev.majority_key("\\boxed{1/0}", "boxed") == "1/0"
+    # only what math_verify also takes as equal is one vote: '1 5' and '0,500' (0.5 to it) voted as 15 and 500, and
+    # a group that math_verify scored wrong took its majority from them (an audit, 2026-12-08)
+    keys = [ev.majority_key(f"\\boxed{{{t}}}", "boxed") for t in ("7", "1 5", "7", "1 5", "15")]
+    assert keys == ["7", "1 5", "7", "1 5", "15"] and ev.majority_accuracy(keys, np.array([0, 0, 0, 0, 1], bool), 5) == 0
+    assert ev.majority_key("\\boxed{0,500}", "boxed") == "0,500" and ev.majority_key("\\boxed{- 5}", "boxed") == "-5"
 
 
 def test_another_eval_task_needs_its_own_reward():

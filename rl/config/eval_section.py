@@ -45,8 +45,12 @@ class EvalSection(_Section):
                                       "frequent answer is correct; the answer is the last \\boxed{} or 'Answer:' "
                                       "line (boxed: math), or the whole response stripped (response); none = off",
                               choices=("none", "boxed", "response"))
+    # the engines draw a batch's samples from one key, so a row's draw depends on the batch it shares (an audit):
+    # said here, where a user lowers it to fit `python -m m3jax.eval` on fewer devices
     prompts_per_batch: int | None = _f(None, "prompts per generate call (bounds the JAX engine's batch); "
-                                             "null = all at once", min=1)
+                                             "null = all at once. Part of the sampled draw: another value samples "
+                                             "other responses (at temperature > 0), so evaluate a run's checkpoint "
+                                             "with the run's value to get what it logged", min=1)
     temperature: float = _f(0.0, "sampling temperature; 0 = greedy (with samples_per_prompt 1)", min=0)
     top_p: float = _f(1.0, "nucleus sampling mass (1 = off)", gt=0, max=1)
     max_new_tokens: int | None = _f(None, "response length limit; null = generation.max_new_tokens", min=1)
