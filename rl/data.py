@@ -51,7 +51,7 @@ from typing import Any, Literal, Union
 
 import numpy as np
 
-from rl.prompt_rows import PROMPT_KEYS as _PROMPT_KEYS, DatasetError, FileFormat, read_rows
+from rl.prompt_rows import ANSWER_KEYS as _ANSWER_KEYS, PROMPT_KEYS as _PROMPT_KEYS, DatasetError, FileFormat, read_rows
 
 __all__ = [
     "DatasetError",
@@ -117,7 +117,6 @@ def _find_key(row: Mapping, candidates: Sequence[str]) -> str | None:
     return None
 
 
-_ANSWER_KEYS = ("reward_model.ground_truth", "answer", "ground_truth", "solution")
 
 
 def _detect(path: Path, first: Mapping, first_row: int, layout: str, prompt_key: str | None,

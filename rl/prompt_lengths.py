@@ -4,6 +4,7 @@ longer than `generation.max_prompt_tokens` refused by row or dropped (`data.over
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Sequence
 
 from rl.data import DatasetError, PromptRecord, has_chat_template, render_prompt
@@ -112,9 +113,8 @@ def _rendered(record: PromptRecord, tokenizer, chat_template: bool) -> list[int]
 def _raise_if_the_template_is_broken(error: Exception, tokenizer) -> None:
     """A chat template that is not Jinja at all fails on every row alike: it was reported as a fault of the prompt
     file's first row. It is the model directory's tokenizer that needs the fix."""
-    import jinja2
-
-    if isinstance(error, jinja2.TemplateSyntaxError):
+    jinja2 = sys.modules.get("jinja2")  # not imported: no template was compiled (and jinja2 may not be installed)
+    if jinja2 is not None and isinstance(error, jinja2.TemplateSyntaxError):
         from m3jax.hf.safetensors_io import CheckpointError
         raise CheckpointError(
             f"{getattr(tokenizer, 'name_or_path', '') or 'the tokenizer'}: its chat template is not valid Jinja "

@@ -24,7 +24,8 @@ class DatasetError(ValueError):
 
 
 FileFormat = Literal["auto", "jsonl", "json", "parquet"]
-PROMPT_KEYS = ("prompt", "question", "problem")  # the prompt fields rl.data detects, in its order
+PROMPT_KEYS = ("prompt", "question", "problem")  # the prompt and answer fields rl.data detects, in its order
+ANSWER_KEYS = ("reward_model.ground_truth", "answer", "ground_truth", "solution")
 
 _EXT_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet", ".pq": "parquet"}
 
@@ -120,9 +121,9 @@ def _read_json(path: Path) -> list[tuple[int, Any]]:
         raise _not_utf8(path, e, "JSON", lines_are_rows=False) from None
     except (ValueError, RecursionError) as e:
         raise DatasetError(path, f"JSON that cannot be read ({_json_limit(e)})") from None
-    if isinstance(data, dict) and (held := [k for k in data if str(k).lower() in PROMPT_KEYS]):
+    if isinstance(data, dict) and (held := _lone_record(data)):
         # a lone record, not a wrapper: its chat messages, or a list of examples it held, were read as the rows
-        raise DatasetError(path, f"one JSON object with a prompt field ({held[0]!r}): a single record; expected a "
+        raise DatasetError(path, f"one JSON object with a prompt field ({held!r}): a single record; expected a "
                                  "JSON array of records ([{...}, ...]) or JSON Lines (one record a line, "
                                  "data.format / eval.format: jsonl)")
     if isinstance(data, dict):  # {"data": [...]} / {"rows": [...]} wrappers: exactly one list, of objects
@@ -139,6 +140,19 @@ def _read_json(path: Path) -> list[tuple[int, Any]]:
     if not isinstance(data, list):
         raise DatasetError(path, f"expected a JSON array of objects, got a JSON {type(data).__name__}")
     return list(enumerate(data, start=1))
+
+
+def _lone_record(data: dict) -> str | None:
+    """The prompt field of an object that is one record rather than a {"data": [...]} wrapper: it has a prompt field
+    that is its only list of objects (chat messages), or a prompt field and an answer field. A wrapper may carry a
+    dataset-level prompt (a system prompt) beside its records."""
+    lower = {str(k).lower(): k for k in data}
+    prompt = next((lower[k] for k in PROMPT_KEYS if k in lower), None)
+    if prompt is None:
+        return None
+    messages = isinstance(data[prompt], list) and data[prompt] and all(isinstance(m, dict) for m in data[prompt])
+    answered = any(k.split(".")[0] in lower for k in ANSWER_KEYS)
+    return prompt if messages or answered else None
 
 
 def _read_parquet(path: Path) -> list[tuple[int, Any]]:

@@ -120,6 +120,9 @@ def test_a_json_wrapper_is_one_list_of_objects(tmp_path):
         with pytest.raises(DatasetError, match=r"one JSON object with a prompt field \('(prompt|Question)'\): a single "
                                                r"record; expected a JSON array of records"):
             load_prompts(p)
+    # a wrapper may carry a dataset-level prompt (a system prompt) beside its records, and no answer
+    p.write_text(json.dumps({"prompt": "You are a careful solver.", "data": [{"question": "1+1?", "answer": "2"}]}))
+    assert [r.prompt for r in load_prompts(p)] == ["1+1?"]
 
 
 def test_json_lines_in_a_json_file_says_to_set_the_format(tmp_path):

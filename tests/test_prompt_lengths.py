@@ -97,6 +97,22 @@ def test_a_chat_template_that_is_not_jinja_is_the_tokenizers_error_not_the_rows(
         fit_prompt_lengths(recs, tok, 64, chat_template=True)
 
 
+def test_a_row_that_does_not_render_is_named_without_jinja2(monkeypatch):
+    """The template check looks at jinja2 only where it was imported: a render failure where it is not installed
+    raised ModuleNotFoundError instead of the row's DatasetError (a review)."""
+    import sys
+
+    class Unencodable:
+        chat_template = None
+
+        def encode(self, text, add_special_tokens=True):
+            raise ValueError("cannot encode")
+    monkeypatch.setitem(sys.modules, "jinja2", None)
+    with pytest.raises(DatasetError, match=r"x.jsonl, row 1: the prompt does not render as text"):
+        fit_prompt_lengths([PromptRecord("hello", "1", meta={"row": 1, "source": "x.jsonl"})], Unencodable(), 64,
+                           chat_template=False)
+
+
 def test_the_trainer_checks_every_file_prompt_at_load(tmp_path, monkeypatch, caplog):
     """`rl.prompt_loader.build_data` refuses a prompt file with an overlong prompt before the run builds anything
     else, and with data.overlong_prompts: drop trains on the rest. Fewer prompts than a step takes: a warning (each
