@@ -23,6 +23,22 @@ def test_rows_whose_answers_are_tests_pass_and_a_reference_program_is_refused_at
                       "data.answer_key")
 
 
+def test_math_verify_refuses_a_list_of_accepted_answers_and_takes_intervals_and_one_item_lists():
+    """A dataset's list of several answers became JSON text, which math_verify scored 0 for every response (an audit:
+    '["3", "three"]' against \\boxed{3}); an interval [0, 1] and a one-item list score as they should."""
+    from rl.rewards.math import math_verify_reward
+    rows = [{"problem": "p", "answer": a} for a in ([0, 1], ["2"], "[0, 1)", "{1, 2}", "3")]
+    check_answers(records_from_rows(rows, source="m.jsonl"), ["math_verify"], "m.jsonl", "data.answer_key")
+    assert math_verify_reward("\\boxed{[0,1]}", "[0, 1]") == 1.0 and math_verify_reward("\\boxed{2}", '["2"]') == 1.0
+    assert math_verify_reward("\\boxed{3}", '["3", "three"]') == 0.0  # what the check spares a run from
+    for bad, what in ((["3", "three"], "list of 2 items"), ({"value": 3}, "JSON object")):
+        records = records_from_rows([{"problem": "p", "answer": "3"}, {"problem": "p", "answer": bad}],
+                                    source="m.jsonl")
+        with pytest.raises(DatasetError, match=rf"m.jsonl, row 2: reward 'math_verify' cannot score against this "
+                                               rf"row's answer: math_verify: the answer is a {what}"):
+            check_answers(records, ["math_verify"], "m.jsonl", "data.answer_key")
+
+
 def test_a_reward_without_rules_for_answers_takes_any():
     records = records_from_rows([{"problem": "f", "solution": SOLUTION}], source="code.jsonl")
     check_answers(records, ["math_verify"], "code.jsonl", "data.answer_key")

@@ -31,6 +31,7 @@ worker.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import signal
@@ -198,3 +199,25 @@ def math_verify_reward(completion: str, answer: str, *, timeout_s: float | None 
 
 
 math_verify_reward.warmup = _mv  # score_batch / pool workers import math-verify before timing samples
+
+
+def check_reference_answer(answer: str, meta: dict | None = None) -> str | None:
+    """Why math_verify cannot take `answer` as one reference, or None: a JSON object, or a JSON list of more than one
+    item holding texts (several accepted answers, as a dataset's list became JSON text at load: '["3", "three"]'
+    scored 0 for \\boxed{3}, every sample, no failure counted). A list of numbers ([0, 1], an interval) and a
+    one-item list compare as usual. Checked for every row as its file loads (rl.answer_checks)."""
+    if not answer.startswith(("[", "{")):
+        return None
+    try:
+        value = json.loads(answer)
+    except ValueError:  # LaTeX, not JSON: [0, 1), {1, 2}
+        return None
+    if isinstance(value, dict):
+        return f"math_verify: the answer is a JSON object ({answer[:80]!r}); expected one reference answer"
+    if isinstance(value, list) and len(value) > 1 and any(isinstance(v, str) for v in value):
+        return (f"math_verify: the answer is a list of {len(value)} items ({answer[:80]!r}), several accepted "
+                "answers?; expected one reference answer, the form math_verify compares a response with")
+    return None
+
+
+math_verify_reward.check_answer = check_reference_answer
