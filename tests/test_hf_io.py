@@ -210,7 +210,7 @@ def test_convert_cli(src, tmp_path):
     assert_bitwise_equal(read_all(dst), read_all(dirs["released"]))  # the release's vision tower carried
     bad = subprocess.run([sys.executable, "-m", "m3jax.convert", str(tmp_path / "nowhere"), str(dst)],
                          capture_output=True, text=True, cwd=ROOT)
-    assert bad.returncode == 2 and "no config.json" in bad.stderr
+    assert bad.returncode == 2 and f"{tmp_path / 'nowhere'}: no such file or directory" in bad.stderr
     from m3jax.convert import main
     for size in ("5XB", "0"):  # one error line, before anything is read
         assert main([dirs["native"], str(tmp_path / "x"), "--max-shard-size", size]) == 2
