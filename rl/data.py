@@ -117,8 +117,6 @@ def _find_key(row: Mapping, candidates: Sequence[str]) -> str | None:
     return None
 
 
-
-
 def _detect(path: Path, first: Mapping, first_row: int, layout: str, prompt_key: str | None,
             answer_key: str | None) -> tuple[str, str, str]:
     """Choose (layout, prompt_key, answer_key) from the first row and the caller's overrides."""

@@ -218,7 +218,7 @@ def _as_number(text: str) -> str | None:
     denominator is not a number. Only what math_verify also takes as equal is merged: '1 5' (spaces inside a number)
     and '0,500' vote as their text, where they voted as 15 and 500 (an audit: a wrong group's majority won)."""
     t = text.replace("\u2212", "-").strip()
-    sign, digits = ("-", t[1:].lstrip()) if t.startswith(("-", "+")) else ("", t)
+    sign, digits = (t[0], t[1:].lstrip()) if t.startswith(("-", "+")) else ("", t)
     if _THOUSANDS.match(grouped := digits.replace("{,}", ",")):
         t = sign + grouped.replace(",", "")
     m = _NUMBER.match(t)

@@ -404,6 +404,8 @@ def test_majority_voting():
     keys = [ev.majority_key(f"\\boxed{{{t}}}", "boxed") for t in ("7", "1 5", "7", "1 5", "15")]
     assert keys == ["7", "1 5", "7", "1 5", "15"] and ev.majority_accuracy(keys, np.array([0, 0, 0, 0, 1], bool), 5) == 0
     assert ev.majority_key("\\boxed{0,500}", "boxed") == "0,500" and ev.majority_key("\\boxed{- 5}", "boxed") == "-5"
+    assert [ev.majority_key(f"\\boxed{{{t}}}", "boxed") for t in ("+1,000", "-1,000", "- 1{,}000")] == ["1000", "-1000",
+                                                                                                   "-1000"]
 
 
 def test_another_eval_task_needs_its_own_reward():
