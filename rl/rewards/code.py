@@ -220,9 +220,14 @@ def _same_number(got: str, want: str) -> bool:
         return False
 
 
+def _tests_of(answer, meta) -> list:
+    """The row's tests (`parse_tests` with its entry_point and function name); ValueError for a spec that is not."""
+    return parse_tests(answer, (meta or {}).get("entry_point"), row_func_name(meta or {}))
+
+
 def _score(completion: str, answer, timeout_s: float | None, meta) -> tuple[int, int]:
     # a bad spec raises: a data problem, counted as a failure, not a wrong answer
-    tests = parse_tests(answer, (meta or {}).get("entry_point"), row_func_name(meta or {}))
+    tests = _tests_of(answer, meta)
     program = extract_program(completion)
     if program is None or not tests:
         return 0, len(tests)
@@ -254,7 +259,7 @@ def check_tests_answer(answer, meta: dict | None = None) -> str | None:
     """None where `answer` reads as tests (rl.rewards.code_specs.parse_tests), else why not: checked for every
     record as its file loads (rl.answer_checks), where a spec that is not tests used to fail only when scored."""
     try:
-        parse_tests(answer, (meta or {}).get("entry_point"), row_func_name(meta or {}))
+        _tests_of(answer, meta)
     except ValueError as e:
         return str(e)
     return None
